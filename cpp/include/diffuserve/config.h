@@ -1,0 +1,59 @@
+// The model's shape and defaults, read from a checkpoint's config.json and
+// generation_config.json (model_type "diffusion_gemma").
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace diffuserve {
+
+// What differs between layers: attention type, head geometry and rotary embedding.
+struct LayerConfig {
+  bool sliding = false;      // sliding_attention (window) or full_attention
+  int head_dim = 0;
+  int num_kv_heads = 0;
+  bool has_v_proj = true;    // full-attention layers reuse k_proj's output as V
+  // RoPE: head_dim/2 inverse frequencies (proportional RoPE leaves the tail at 0, which
+  // rotates nothing) applied as rotate_half over the whole head.
+  std::vector<float> rope_inv_freq;
+};
+
+// Sampler defaults (generation_config.json); fields the file leaves null keep these.
+struct GenerationDefaults {
+  int max_new_tokens = 256;
+  int max_denoising_steps = 48;
+  float t_min = 0.4f;
+  float t_max = 0.8f;
+  float entropy_bound = 0.1f;
+  int stability_threshold = 1;
+  float confidence_threshold = 0.005f;
+  std::vector<int32_t> eos_token_ids;
+};
+
+struct ModelConfig {
+  int vocab_size = 0;
+  int hidden_size = 0;
+  int intermediate_size = 0;     // dense MLP and self-conditioning MLP
+  int num_layers = 0;
+  int num_heads = 0;
+  int num_experts = 0;
+  int top_k_experts = 0;
+  int moe_intermediate_size = 0;
+  int sliding_window = 0;
+  int canvas_length = 0;
+  int64_t max_position_embeddings = 0;
+  float rms_norm_eps = 1e-6f;
+  float final_logit_softcapping = 0.0f;  // 0: no softcap
+  bool tie_word_embeddings = true;
+  int pad_token_id = -1;
+  int bos_token_id = -1;
+  std::vector<LayerConfig> layers;
+  GenerationDefaults generation;
+};
+
+// Reads `dir`/config.json and, when present, `dir`/generation_config.json. Throws
+// FormatError naming the file and the field for anything missing, mistyped or unsupported.
+ModelConfig load_config(const std::string& dir);
+
+}  // namespace diffuserve

@@ -1,0 +1,88 @@
+// diffuserve's C++ API: load a DiffusionGemma checkpoint, then run the three passes of
+// block diffusion on a sequence.
+//
+//   auto model = diffuserve::Model::load("/path/to/checkpoint");
+//   auto seq = model->new_sequence();
+//   seq->prefill(prompt_ids);                          // causal encoder pass, appends KV
+//   std::vector<float> logits = seq->denoise(canvas);  // [canvas, vocab], softcapped
+//   seq->commit(canvas);                               // causal pass over a finished block
+//
+// Errors: InvalidArgument for bad arguments, FormatError for bad files (errors.h).
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "diffuserve/config.h"
+#include "diffuserve/dtype.h"
+#include "diffuserve/errors.h"
+
+namespace diffuserve {
+
+struct LoadOptions {
+  std::string device = "cpu";  // "cpu" (the CUDA backend is not built yet)
+  // Weight storage dtype: "" keeps the checkpoint's; "float32", "bfloat16" or "float16" casts.
+  std::string dtype;
+  int num_threads = 0;         // 0: DIFFUSERVE_NUM_THREADS, else every hardware thread
+};
+
+class Sequence;
+struct ModelState;
+
+class Model : public std::enable_shared_from_this<Model> {
+ public:
+  // `path` is a checkpoint directory (config.json + safetensors).
+  static std::shared_ptr<Model> load(const std::string& path, const LoadOptions& options = {});
+  ~Model();
+
+  const ModelConfig& config() const;
+  DType weight_dtype() const;
+  const std::string& device() const;
+  std::unique_ptr<Sequence> new_sequence();
+
+  // For the runtime; not part of the stable surface.
+  ModelState& state() { return *state_; }
+
+ private:
+  explicit Model(std::unique_ptr<ModelState> state);
+  std::unique_ptr<ModelState> state_;
+};
+
+// The keys and values one layer holds for a sequence, laid out [kv_heads, rows, head_dim]
+// like the reference cache. Sliding-window layers hold only the last window - 1 rows.
+struct LayerKV {
+  std::vector<float> keys, values;
+  int64_t kv_heads = 0, rows = 0, head_dim = 0;
+  int64_t first_position = 0;
+};
+
+class Sequence {
+ public:
+  ~Sequence();
+
+  // Causal encoder pass over `ids` at the next positions; appends their KV.
+  void prefill(std::span<const int32_t> ids);
+  // Bidirectional decoder pass over a canvas of exactly config().canvas_length tokens,
+  // reading the KV cache without changing it. `self_conditioning_logits` is null (first
+  // step of a block) or [canvas, vocab] fp32. Returns softcapped fp32 logits [canvas, vocab].
+  std::vector<float> denoise(std::span<const int32_t> canvas, const float* self_conditioning_logits = nullptr);
+  // Causal encoder pass over a finished block (1 to canvas_length tokens); appends KV.
+  void commit(std::span<const int32_t> block);
+
+  int64_t length() const;  // tokens encoded so far (prompt + committed blocks)
+  const ModelConfig& config() const;
+  LayerKV kv(int layer) const;
+
+ private:
+  friend class Model;
+  struct State;
+  explicit Sequence(std::shared_ptr<Model> model);
+  void encode(std::span<const int32_t> ids, const char* what);
+  std::shared_ptr<Model> model_;
+  std::unique_ptr<State> state_;
+};
+
+}  // namespace diffuserve

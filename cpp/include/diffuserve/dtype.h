@@ -1,0 +1,41 @@
+// Element types of stored tensors, and conversion of the float ones to fp32.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <string>
+
+namespace diffuserve {
+
+enum class DType { F32, F16, BF16, F64, I64, I32, I16, I8, U8, U16, U32, U64, BOOL, F8_E4M3, F8_E5M2 };
+
+size_t dtype_size(DType t);
+const char* dtype_name(DType t);  // the safetensors spelling: "F32", "BF16", ...
+// Parses a safetensors dtype string; returns false when it is not one we know.
+bool dtype_from_name(const std::string& name, DType* out);
+
+inline float bf16_to_f32(uint16_t h) {
+  uint32_t bits = uint32_t(h) << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+// Round to nearest even, as torch does when casting fp32 to bf16.
+inline uint16_t f32_to_bf16(float f) {
+  uint32_t bits;
+  std::memcpy(&bits, &f, 4);
+  if ((bits & 0x7fffffffu) > 0x7f800000u) return uint16_t((bits >> 16) | 0x40);  // NaN stays NaN
+  bits += 0x7fffu + ((bits >> 16) & 1u);
+  return uint16_t(bits >> 16);
+}
+
+float f16_to_f32(uint16_t h);
+uint16_t f32_to_f16(float f);
+
+// Rounds an fp32 value through `t` and back (identity for F32): what a cast to the weight
+// dtype does to a value in the reference implementation.
+float round_to_dtype(float x, DType t);
+
+}  // namespace diffuserve

@@ -1,0 +1,23 @@
+// Errors that diffuserve reports to its callers. Every failure caused by input (a
+// checkpoint, a token id, a parameter) is one of these, never a crash.
+#pragma once
+
+#include <stdexcept>
+#include <string>
+
+namespace diffuserve {
+
+// A caller passed a value that is out of range or inconsistent (Python: ValueError).
+class InvalidArgument : public std::invalid_argument {
+ public:
+  using std::invalid_argument::invalid_argument;
+};
+
+// A file on disk is malformed or does not match what the model needs; the message names
+// the file and, where there is one, the tensor (Python: diffuserve.CheckpointError).
+class FormatError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+}  // namespace diffuserve

@@ -1,0 +1,109 @@
+// The op interface between the model graph (model.cpp) and the hardware. The graph is
+// written once against these few ops; the CPU backend (cpu_backend.cpp) is the readable
+// reference, a CUDA backend implements the same calls on the device.
+//
+// Activations are fp32 row-major matrices in the backend's memory. Weights keep the
+// dtype they were loaded in (F32, BF16 or F16) and are widened inside each op.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <vector>
+
+#include "diffuserve/dtype.h"
+
+namespace diffuserve {
+
+// A matrix of fp32 activations owned by a backend: rows x cols, row-major.
+struct Activation {
+  float* data = nullptr;
+  int64_t rows = 0;
+  int64_t cols = 0;
+  std::shared_ptr<void> storage;
+
+  int64_t size() const { return rows * cols; }
+  float* row(int64_t r) const { return data + r * cols; }
+};
+
+// A weight in backend memory, in its storage dtype. Shape as stored ([out, in] for a
+// linear layer, [experts, out, in] for expert stacks).
+struct Weight {
+  DType dtype = DType::F32;
+  std::vector<int64_t> shape;
+  const void* data = nullptr;
+  std::shared_ptr<const void> storage;
+
+  int64_t numel() const;
+  bool empty() const { return data == nullptr; }
+};
+
+// Where a block of keys sits in the sequence, for the attention mask.
+struct KeySpan {
+  const float* keys = nullptr;    // [count, kv_heads * head_dim]
+  const float* values = nullptr;  // [count, kv_heads * head_dim]
+  int64_t count = 0;
+  int64_t first_position = 0;     // absolute position of row 0
+};
+
+// Routing of one token batch through the experts: top-k expert ids and their weights.
+struct Routing {
+  std::vector<int32_t> experts;  // [tokens, top_k]
+  std::vector<float> weights;    // [tokens, top_k]
+  int top_k = 0;
+};
+
+class Backend {
+ public:
+  virtual ~Backend() = default;
+
+  virtual Activation alloc(int64_t rows, int64_t cols) = 0;
+  // Weight from host bytes in `dtype`, stored as `as` (a widening/narrowing cast when they
+  // differ). The backend may keep pointing at `host`; `keep_alive` owns those bytes.
+  virtual Weight upload(const void* host, DType dtype, const std::vector<int64_t>& shape, DType as,
+                        std::shared_ptr<const void> keep_alive) = 0;
+  virtual void to_host(const Activation& a, float* out) = 0;
+  virtual void from_host(const float* in, Activation& a) = 0;
+  // dst rows [dst_row, dst_row + n) = src rows [src_row, src_row + n); the ranges may
+  // overlap (memmove). Same column count.
+  virtual void copy_rows(const Activation& src, int64_t src_row, Activation& dst, int64_t dst_row, int64_t n) = 0;
+
+  // out[i] = table[ids[i]] * scale
+  virtual void embed(const Weight& table, const std::vector<int32_t>& ids, float scale, Activation& out) = 0;
+  // y = x @ w^T; w is [N, K] (or expert `expert` of an [E, N, K] stack).
+  virtual void linear(const Activation& x, const Weight& w, Activation& y, int expert = -1) = 0;
+  // y = x @ w; w is [K, N]. Rows of x are first rounded to w's dtype, as the reference
+  // casts probabilities to the weight dtype before this product.
+  virtual void linear_nt(const Activation& x, const Weight& w, Activation& y) = 0;
+  // Per row of `cols`-wide groups: y = x * (mean(x^2) + eps)^-0.5 [* weight].
+  // `weight` may be empty (an unscaled norm). x and y may alias.
+  virtual void rms_norm(const Activation& x, const std::vector<float>& weight, int64_t group, float eps,
+                        Activation& y) = 0;
+  // In place on x viewed as [rows, heads, head_dim]: rotate_half RoPE at `positions`.
+  virtual void rope(Activation& x, int64_t head_dim, const std::vector<float>& inv_freq,
+                    const std::vector<int64_t>& positions) = 0;
+  // out = softmax(q k^T) v per head (scale 1), GQA, over the key spans. A query at
+  // position p sees a key at j when !causal, or when j <= p and (window == 0 or j > p - window).
+  virtual void attention(const Activation& q, const std::vector<int64_t>& q_positions,
+                         const std::vector<KeySpan>& spans, int64_t num_heads, int64_t num_kv_heads,
+                         int64_t head_dim, bool causal, int64_t window, Activation& out) = 0;
+  // out = gelu_tanh(x[:, :I]) * x[:, I:], x is [rows, 2I].
+  virtual void gelu_glu(const Activation& x, Activation& out) = 0;
+  // Router: softmax(proj(rms(x) * scale * hidden^-0.5)), top-k, renormalise, * per_expert_scale.
+  virtual Routing route(const Activation& x, const Weight& proj, const std::vector<float>& scale,
+                        const std::vector<float>& per_expert_scale, int top_k, float eps) = 0;
+  // out = sum_k weight_k * down_e(gelu_glu(gate_up_e(x))) over each token's experts.
+  virtual void experts(const Activation& x, const Routing& routing, const Weight& gate_up, const Weight& down,
+                       Activation& out) = 0;
+  // y = a + b (elementwise; y may alias a or b).
+  virtual void add(const Activation& a, const Activation& b, Activation& y) = 0;
+  virtual void scale(Activation& x, float s) = 0;
+  // x = cap * tanh(x / cap) (cap > 0).
+  virtual void softcap(Activation& x, float cap) = 0;
+  // Row-wise softmax in fp32.
+  virtual void softmax(Activation& x) = 0;
+};
+
+std::unique_ptr<Backend> make_cpu_backend(int num_threads);
+
+}  // namespace diffuserve

@@ -1,0 +1,235 @@
+// config.json / generation_config.json -> ModelConfig. Anything we would otherwise have
+// to guess at (an unknown rope type, an activation we do not implement, an override we do
+// not understand) is refused with the file and field named, so a checkpoint never loads
+// into a model that silently computes something else.
+#include "diffuserve/config.h"
+
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+
+#include "diffuserve/errors.h"
+#include "json.h"
+
+namespace diffuserve {
+namespace {
+
+std::string read_file(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw FormatError(path + ": cannot open");
+  std::ostringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+// Typed field access with errors that name the file and the dotted field path.
+struct Fields {
+  const json::Value& obj;
+  std::string file;
+  std::string prefix;  // "text_config." etc.
+
+  [[noreturn]] void fail(const std::string& key, const std::string& why) const {
+    throw FormatError(file + ": " + prefix + key + " " + why);
+  }
+  const json::Value* get(const std::string& key) const {
+    const json::Value* v = obj.find(key);
+    return (v && !v->is_null()) ? v : nullptr;
+  }
+  int64_t integer(const std::string& key, int64_t lo, int64_t hi) const {
+    const json::Value* v = get(key);
+    if (!v) fail(key, "is missing");
+    return checked_integer(key, *v, lo, hi);
+  }
+  int64_t integer_or(const std::string& key, int64_t fallback, int64_t lo, int64_t hi) const {
+    const json::Value* v = get(key);
+    return v ? checked_integer(key, *v, lo, hi) : fallback;
+  }
+  int64_t checked_integer(const std::string& key, const json::Value& v, int64_t lo, int64_t hi) const {
+    if (!v.is_number() || !v.is_integer) fail(key, "must be an integer");
+    if (v.integer < lo || v.integer > hi)
+      fail(key, "= " + std::to_string(v.integer) + " is out of range [" + std::to_string(lo) + ", " +
+                    std::to_string(hi) + "]");
+    return v.integer;
+  }
+  double number_or(const std::string& key, double fallback) const {
+    const json::Value* v = get(key);
+    if (!v) return fallback;
+    if (!v->is_number() || !std::isfinite(v->number)) fail(key, "must be a finite number");
+    return v->number;
+  }
+  std::string string_or(const std::string& key, const std::string& fallback) const {
+    const json::Value* v = get(key);
+    if (!v) return fallback;
+    if (!v->is_string()) fail(key, "must be a string");
+    return v->string;
+  }
+  bool bool_or(const std::string& key, bool fallback) const {
+    const json::Value* v = get(key);
+    if (!v) return fallback;
+    if (!v->is_bool()) fail(key, "must be true or false");
+    return v->boolean;
+  }
+  // An int or a list of ints (eos_token_id is either).
+  std::vector<int32_t> int_list_or_empty(const std::string& key) const {
+    const json::Value* v = get(key);
+    std::vector<int32_t> out;
+    if (!v) return out;
+    if (v->is_array()) {
+      for (const auto& e : v->array) out.push_back(int32_t(checked_integer(key, e, 0, INT32_MAX)));
+    } else {
+      out.push_back(int32_t(checked_integer(key, *v, 0, INT32_MAX)));
+    }
+    return out;
+  }
+};
+
+constexpr int64_t kMaxDim = 1 << 24;
+
+// 1 / theta^(k/dim), rounded at each step as HF's fp32 tensor arithmetic rounds it, so
+// positions in the thousands still give the reference's angles to the last bit or two.
+float inv_freq_fp32(double theta, int k, int dim) {
+  const float exponent = float(k) / float(dim);
+  const float power = float(std::pow(double(float(theta)), double(exponent)));
+  return 1.0f / power;
+}
+
+// Inverse frequencies as HF's rope init functions compute them, always head_dim/2 long.
+std::vector<float> rope_inv_freq(const Fields& rope, int head_dim) {
+  const std::string type = rope.string_or("rope_type", "default");
+  const double theta = rope.number_or("rope_theta", 10000.0);
+  const double partial = rope.number_or("partial_rotary_factor", 1.0);
+  const double factor = rope.number_or("factor", 1.0);
+  if (theta <= 0) rope.fail("rope_theta", "must be > 0");
+  if (partial <= 0 || partial > 1) rope.fail("partial_rotary_factor", "must be in (0, 1]");
+  std::vector<float> inv(head_dim / 2, 0.0f);
+  if (type == "default") {
+    // HF rotates only int(head_dim * partial) dims here but still applies the embedding to
+    // the whole head, which only works for partial == 1.
+    if (partial != 1.0) rope.fail("partial_rotary_factor", "must be 1.0 for rope_type 'default'");
+    for (int i = 0; i < head_dim / 2; ++i) inv[i] = inv_freq_fp32(theta, 2 * i, head_dim);
+  } else if (type == "proportional") {
+    // The first `angles` frequencies rotate with exponents over the whole head_dim; the
+    // rest are 0 (no rotation), so the encoding still spans head_dim.
+    const int angles = int(std::floor(partial * head_dim / 2));
+    if (factor <= 0) rope.fail("factor", "must be > 0");
+    for (int i = 0; i < angles && i < head_dim / 2; ++i) inv[i] = inv_freq_fp32(theta, 2 * i, head_dim) / float(factor);
+  } else {
+    rope.fail("rope_type", "'" + type + "' is not supported (supported: default, proportional)");
+  }
+  return inv;
+}
+
+GenerationDefaults load_generation(const std::string& path, const std::vector<int32_t>& model_eos) {
+  GenerationDefaults g;
+  g.eos_token_ids = model_eos;
+  if (!std::filesystem::exists(path)) return g;
+  const json::Value doc = json::parse(read_file(path), path);
+  if (!doc.is_object()) throw FormatError(path + ": top level must be a JSON object");
+  Fields f{doc, path, ""};
+  g.max_new_tokens = int(f.integer_or("max_new_tokens", g.max_new_tokens, 1, INT32_MAX));
+  g.max_denoising_steps = int(f.integer_or("max_denoising_steps", g.max_denoising_steps, 1, INT32_MAX));
+  g.t_min = float(f.number_or("t_min", g.t_min));
+  g.t_max = float(f.number_or("t_max", g.t_max));
+  g.stability_threshold = int(f.integer_or("stability_threshold", g.stability_threshold, 0, INT32_MAX));
+  g.confidence_threshold = float(f.number_or("confidence_threshold", g.confidence_threshold));
+  if (const json::Value* s = f.get("sampler_config")) {
+    if (!s->is_object()) f.fail("sampler_config", "must be an object");
+    g.entropy_bound = float(Fields{*s, path, "sampler_config."}.number_or("entropy_bound", g.entropy_bound));
+  }
+  std::vector<int32_t> eos = f.int_list_or_empty("eos_token_id");
+  if (!eos.empty()) g.eos_token_ids = eos;
+  if (g.t_min < 0) f.fail("t_min", "must be >= 0");
+  if (g.t_max <= g.t_min) f.fail("t_max", "must be > t_min");
+  if (g.entropy_bound <= 0) f.fail("sampler_config.entropy_bound", "must be > 0");
+  if (g.confidence_threshold <= 0) f.fail("confidence_threshold", "must be > 0");
+  return g;
+}
+
+}  // namespace
+
+ModelConfig load_config(const std::string& dir) {
+  const std::string path = (std::filesystem::path(dir) / "config.json").string();
+  const json::Value doc = json::parse(read_file(path), path);
+  if (!doc.is_object()) throw FormatError(path + ": top level must be a JSON object");
+  Fields top{doc, path, ""};
+  const std::string model_type = top.string_or("model_type", "");
+  if (model_type != "diffusion_gemma")
+    throw FormatError(path + ": model_type '" + model_type + "' is not supported (expected 'diffusion_gemma')");
+  const json::Value* text = top.get("text_config");
+  if (!text || !text->is_object()) top.fail("text_config", "is missing or not an object");
+  Fields t{*text, path, "text_config."};
+
+  ModelConfig c;
+  c.vocab_size = int(t.integer("vocab_size", 1, INT32_MAX));
+  c.hidden_size = int(t.integer("hidden_size", 1, kMaxDim));
+  c.intermediate_size = int(t.integer("intermediate_size", 1, kMaxDim));
+  c.num_layers = int(t.integer("num_hidden_layers", 1, 4096));
+  c.num_heads = int(t.integer("num_attention_heads", 1, 4096));
+  c.num_experts = int(t.integer("num_experts", 1, 65536));
+  c.top_k_experts = int(t.integer("top_k_experts", 1, c.num_experts));
+  c.moe_intermediate_size = int(t.integer("moe_intermediate_size", 1, kMaxDim));
+  c.sliding_window = int(t.integer("sliding_window", 2, INT32_MAX));
+  c.max_position_embeddings = t.integer_or("max_position_embeddings", 131072, 1, INT64_C(1) << 40);
+  c.rms_norm_eps = float(t.number_or("rms_norm_eps", 1e-6));
+  c.final_logit_softcapping = float(t.number_or("final_logit_softcapping", 30.0));
+  c.pad_token_id = int(t.integer_or("pad_token_id", -1, -1, INT32_MAX));
+  c.bos_token_id = int(t.integer_or("bos_token_id", -1, -1, INT32_MAX));
+  c.canvas_length = int(top.integer_or("canvas_length", 256, 1, 1 << 20));
+  c.tie_word_embeddings = top.bool_or("tie_word_embeddings", t.bool_or("tie_word_embeddings", true));
+  if (c.final_logit_softcapping < 0) t.fail("final_logit_softcapping", "must be >= 0");
+  if (c.rms_norm_eps <= 0) t.fail("rms_norm_eps", "must be > 0");
+
+  if (t.string_or("hidden_activation", "gelu_pytorch_tanh") != "gelu_pytorch_tanh")
+    t.fail("hidden_activation", "'" + t.string_or("hidden_activation", "") + "' is not supported");
+  if (t.bool_or("attention_bias", false)) t.fail("attention_bias", "= true is not supported");
+  // "all" makes the encoder bidirectional and halves the window; no DiffusionGemma uses it.
+  if (t.string_or("use_bidirectional_attention", "") == "all")
+    t.fail("use_bidirectional_attention", "= 'all' is not supported");
+
+  const int head_dim = int(t.integer("head_dim", 1, kMaxDim));
+  const int kv_heads = int(t.integer("num_key_value_heads", 1, c.num_heads));
+
+  const json::Value* types = t.get("layer_types");
+  if (!types || !types->is_array() || int(types->array.size()) != c.num_layers)
+    t.fail("layer_types", "must list one type per layer (" + std::to_string(c.num_layers) + ")");
+  const json::Value* rope = t.get("rope_parameters");
+  if (!rope || !rope->is_object()) t.fail("rope_parameters", "is missing or not an object");
+  const json::Value* per_layer = t.get("per_layer_config");
+  if (per_layer && !per_layer->is_object()) t.fail("per_layer_config", "must be an object");
+
+  for (int i = 0; i < c.num_layers; ++i) {
+    const json::Value& type = types->array[i];
+    LayerConfig L;
+    if (!type.is_string() || (type.string != "sliding_attention" && type.string != "full_attention"))
+      t.fail("layer_types[" + std::to_string(i) + "]", "must be 'sliding_attention' or 'full_attention'");
+    L.sliding = type.string == "sliding_attention";
+    L.has_v_proj = L.sliding;
+    L.head_dim = head_dim;
+    L.num_kv_heads = kv_heads;
+    if (const json::Value* o = per_layer ? per_layer->find(std::to_string(i)) : nullptr) {
+      const std::string where = "per_layer_config." + std::to_string(i) + ".";
+      if (!o->is_object()) t.fail(where, "must be an object");
+      Fields f{*o, path, "text_config." + where};
+      for (const auto& [key, value] : o->object)
+        if (key != "head_dim" && key != "num_key_value_heads") f.fail(key, "is not a supported per-layer override");
+      L.head_dim = int(f.integer_or("head_dim", L.head_dim, 1, kMaxDim));
+      L.num_kv_heads = int(f.integer_or("num_key_value_heads", L.num_kv_heads, 1, c.num_heads));
+    }
+    if (L.head_dim % 2) t.fail("head_dim", "must be even for RoPE (layer " + std::to_string(i) + ")");
+    if (c.num_heads % L.num_kv_heads)
+      t.fail("num_key_value_heads", "must divide num_attention_heads (layer " + std::to_string(i) + ")");
+    const json::Value* rp = rope->find(type.string);
+    if (!rp || !rp->is_object()) t.fail("rope_parameters." + type.string, "is missing or not an object");
+    L.rope_inv_freq = rope_inv_freq(Fields{*rp, path, "text_config.rope_parameters." + type.string + "."}, L.head_dim);
+    c.layers.push_back(std::move(L));
+  }
+
+  std::vector<int32_t> eos = t.int_list_or_empty("eos_token_id");
+  for (int32_t id : eos)
+    if (id >= c.vocab_size) t.fail("eos_token_id", "= " + std::to_string(id) + " is not below vocab_size");
+  c.generation = load_generation((std::filesystem::path(dir) / "generation_config.json").string(), eos);
+  return c;
+}
+
+}  // namespace diffuserve

@@ -1,0 +1,334 @@
+// The CPU backend: the readable reference for every op in backend.h. fp32 arithmetic
+// throughout, weights widened from their storage dtype as they are read, loops split
+// over a thread pool.
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <numeric>
+
+#include "backend.h"
+#include "diffuserve/errors.h"
+#include "thread_pool.h"
+
+namespace diffuserve {
+
+int64_t Weight::numel() const {
+  int64_t n = 1;
+  for (int64_t d : shape) n *= d;
+  return n;
+}
+
+namespace {
+
+// Widens n elements of a weight row to fp32.
+void widen(const void* src, DType dtype, int64_t n, float* dst) {
+  switch (dtype) {
+    case DType::F32:
+      std::memcpy(dst, src, n * sizeof(float));
+      return;
+    case DType::BF16: {
+      const uint16_t* s = static_cast<const uint16_t*>(src);
+      for (int64_t i = 0; i < n; ++i) dst[i] = bf16_to_f32(s[i]);
+      return;
+    }
+    case DType::F16: {
+      const uint16_t* s = static_cast<const uint16_t*>(src);
+      for (int64_t i = 0; i < n; ++i) dst[i] = f16_to_f32(s[i]);
+      return;
+    }
+    default:
+      throw InvalidArgument(std::string("weights of dtype ") + dtype_name(dtype) + " are not supported");
+  }
+}
+
+// Eight independent partial sums let the compiler vectorise without reassociating.
+inline float dot(const float* a, const float* b, int64_t n) {
+  float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    for (int j = 0; j < 8; ++j) acc[j] += a[i + j] * b[i + j];
+  float s = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+  for (; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
+inline float gelu_tanh(float x) {
+  const float k = 0.7978845608028654f;  // sqrt(2 / pi)
+  return 0.5f * x * (1.0f + std::tanh(k * (x + 0.044715f * x * x * x)));
+}
+
+class CpuBackend final : public Backend {
+ public:
+  explicit CpuBackend(int num_threads) : pool_(num_threads) {}
+
+  Activation alloc(int64_t rows, int64_t cols) override {
+    Activation a;
+    a.rows = rows;
+    a.cols = cols;
+    auto buf = std::shared_ptr<float[]>(new float[std::max<int64_t>(rows * cols, 1)]());
+    a.data = buf.get();
+    a.storage = buf;
+    return a;
+  }
+
+  Weight upload(const void* host, DType dtype, const std::vector<int64_t>& shape, DType as,
+                std::shared_ptr<const void> keep_alive) override {
+    Weight w;
+    w.dtype = as;
+    w.shape = shape;
+    if (dtype == as) {  // zero copy: point into the mapped checkpoint
+      w.data = host;
+      w.storage = std::move(keep_alive);
+      return w;
+    }
+    const int64_t n = w.numel();
+    std::vector<float> wide(n);
+    widen(host, dtype, n, wide.data());
+    auto buf = std::shared_ptr<uint8_t[]>(new uint8_t[std::max<size_t>(n * dtype_size(as), 1)]);
+    for (int64_t i = 0; i < n; ++i) {
+      if (as == DType::F32) reinterpret_cast<float*>(buf.get())[i] = wide[i];
+      else if (as == DType::BF16) reinterpret_cast<uint16_t*>(buf.get())[i] = f32_to_bf16(wide[i]);
+      else if (as == DType::F16) reinterpret_cast<uint16_t*>(buf.get())[i] = f32_to_f16(wide[i]);
+      else throw InvalidArgument(std::string("cannot store weights as ") + dtype_name(as));
+    }
+    w.data = buf.get();
+    w.storage = buf;
+    return w;
+  }
+
+  void to_host(const Activation& a, float* out) override { std::memcpy(out, a.data, a.size() * sizeof(float)); }
+  void from_host(const float* in, Activation& a) override { std::memcpy(a.data, in, a.size() * sizeof(float)); }
+  void copy_rows(const Activation& src, int64_t src_row, Activation& dst, int64_t dst_row, int64_t n) override {
+    std::memmove(dst.row(dst_row), src.row(src_row), n * src.cols * sizeof(float));
+  }
+
+  void embed(const Weight& table, const std::vector<int32_t>& ids, float scale, Activation& out) override {
+    const int64_t h = table.shape[1];
+    const size_t esz = dtype_size(table.dtype);
+    pool_.parallel_for(int64_t(ids.size()), 4, [&](int64_t b, int64_t e) {
+      for (int64_t i = b; i < e; ++i) {
+        float* dst = out.row(i);
+        widen(static_cast<const uint8_t*>(table.data) + int64_t(ids[i]) * h * esz, table.dtype, h, dst);
+        for (int64_t j = 0; j < h; ++j) dst[j] *= scale;
+      }
+    });
+  }
+
+  void linear(const Activation& x, const Weight& w, Activation& y, int expert) override {
+    const int64_t n = w.shape[w.shape.size() - 2], k = w.shape.back();
+    const size_t esz = dtype_size(w.dtype);
+    const uint8_t* base = static_cast<const uint8_t*>(w.data) + (expert >= 0 ? int64_t(expert) * n * k * esz : 0);
+    const int64_t m = x.rows;
+    // Each task widens a tile of weight rows once and reuses it for every input row.
+    constexpr int64_t kTile = 16;
+    pool_.parallel_for((n + kTile - 1) / kTile, 1, [&](int64_t tb, int64_t te) {
+      std::vector<float> tile(kTile * k);
+      for (int64_t t = tb; t < te; ++t) {
+        const int64_t n0 = t * kTile, rows = std::min(kTile, n - n0);
+        const float* wrows;
+        if (w.dtype == DType::F32) {
+          wrows = reinterpret_cast<const float*>(base) + n0 * k;
+        } else {
+          widen(base + n0 * k * esz, w.dtype, rows * k, tile.data());
+          wrows = tile.data();
+        }
+        for (int64_t i = 0; i < m; ++i) {
+          const float* xi = x.row(i);
+          float* yi = y.row(i) + n0;
+          for (int64_t r = 0; r < rows; ++r) yi[r] = dot(xi, wrows + r * k, k);
+        }
+      }
+    });
+  }
+
+  void linear_nt(const Activation& x, const Weight& w, Activation& y) override {
+    const int64_t k = w.shape[0], n = w.shape[1];
+    const size_t esz = dtype_size(w.dtype);
+    pool_.parallel_for(x.rows, 1, [&](int64_t b, int64_t e) {
+      std::vector<float> wrow(n);
+      for (int64_t i = b; i < e; ++i) {
+        float* yi = y.row(i);
+        std::fill(yi, yi + n, 0.0f);
+        const float* xi = x.row(i);
+        for (int64_t j = 0; j < k; ++j) {
+          const float a = round_to_dtype(xi[j], w.dtype);
+          if (a == 0.0f) continue;
+          widen(static_cast<const uint8_t*>(w.data) + j * n * esz, w.dtype, n, wrow.data());
+          for (int64_t c = 0; c < n; ++c) yi[c] += a * wrow[c];
+        }
+      }
+    });
+  }
+
+  void rms_norm(const Activation& x, const std::vector<float>& weight, int64_t group, float eps,
+                Activation& y) override {
+    const int64_t groups = x.size() / group;
+    pool_.parallel_for(groups, 64, [&](int64_t b, int64_t e) {
+      for (int64_t g = b; g < e; ++g) {
+        const float* xi = x.data + g * group;
+        float* yi = y.data + g * group;
+        double ss = 0;
+        for (int64_t j = 0; j < group; ++j) ss += double(xi[j]) * xi[j];
+        const float inv = std::pow(float(ss / group) + eps, -0.5f);
+        for (int64_t j = 0; j < group; ++j) yi[j] = xi[j] * inv * (weight.empty() ? 1.0f : weight[j]);
+      }
+    });
+  }
+
+  void rope(Activation& x, int64_t head_dim, const std::vector<float>& inv_freq,
+            const std::vector<int64_t>& positions) override {
+    const int64_t heads = x.cols / head_dim, half = head_dim / 2;
+    pool_.parallel_for(x.rows, 4, [&](int64_t b, int64_t e) {
+      std::vector<float> c(half), s(half);
+      for (int64_t i = b; i < e; ++i) {
+        for (int64_t f = 0; f < half; ++f) {
+          const float angle = float(positions[i]) * inv_freq[f];
+          c[f] = std::cos(angle);
+          s[f] = std::sin(angle);
+        }
+        for (int64_t h = 0; h < heads; ++h) {
+          float* v = x.row(i) + h * head_dim;
+          for (int64_t f = 0; f < half; ++f) {
+            const float x1 = v[f], x2 = v[f + half];
+            v[f] = x1 * c[f] - x2 * s[f];
+            v[f + half] = x2 * c[f] + x1 * s[f];
+          }
+        }
+      }
+    });
+  }
+
+  void attention(const Activation& q, const std::vector<int64_t>& q_positions, const std::vector<KeySpan>& spans,
+                 int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, bool causal, int64_t window,
+                 Activation& out) override {
+    const int64_t group = num_heads / num_kv_heads, kv_stride = num_kv_heads * head_dim;
+    int64_t total = 0;
+    for (const auto& s : spans) total += s.count;
+    pool_.parallel_for(q.rows * num_heads, 1, [&](int64_t b, int64_t e) {
+      std::vector<float> scores(total);
+      for (int64_t task = b; task < e; ++task) {
+        const int64_t i = task / num_heads, h = task % num_heads, kvh = h / group;
+        const float* qi = q.row(i) + h * head_dim;
+        const int64_t p = q_positions[i];
+        auto visible = [&](int64_t j) { return !causal || (j <= p && (window == 0 || j > p - window)); };
+        float best = -INFINITY;
+        int64_t idx = 0;
+        for (const auto& s : spans)
+          for (int64_t r = 0; r < s.count; ++r, ++idx) {
+            scores[idx] = visible(s.first_position + r) ? dot(qi, s.keys + r * kv_stride + kvh * head_dim, head_dim)
+                                                        : -INFINITY;
+            best = std::max(best, scores[idx]);
+          }
+        float* o = out.row(i) + h * head_dim;
+        std::fill(o, o + head_dim, 0.0f);
+        if (best == -INFINITY) continue;  // no visible key (cannot happen for a well-formed batch)
+        float sum = 0;
+        for (int64_t j = 0; j < total; ++j) sum += (scores[j] = std::exp(scores[j] - best));
+        idx = 0;
+        for (const auto& s : spans)
+          for (int64_t r = 0; r < s.count; ++r, ++idx) {
+            const float pj = scores[idx] / sum;
+            if (pj == 0.0f) continue;
+            const float* v = s.values + r * kv_stride + kvh * head_dim;
+            for (int64_t d = 0; d < head_dim; ++d) o[d] += pj * v[d];
+          }
+      }
+    });
+  }
+
+  void gelu_glu(const Activation& x, Activation& out) override {
+    const int64_t inter = x.cols / 2;
+    pool_.parallel_for(x.rows, 16, [&](int64_t b, int64_t e) {
+      for (int64_t i = b; i < e; ++i)
+        for (int64_t j = 0; j < inter; ++j) out.row(i)[j] = gelu_tanh(x.row(i)[j]) * x.row(i)[inter + j];
+    });
+  }
+
+  Routing route(const Activation& x, const Weight& proj, const std::vector<float>& scale,
+                const std::vector<float>& per_expert_scale, int top_k, float eps) override {
+    const int64_t tokens = x.rows, hidden = x.cols, experts = proj.shape[0];
+    Activation normed = alloc(tokens, hidden);
+    rms_norm(x, {}, hidden, eps, normed);
+    const float root = std::pow(float(hidden), -0.5f);
+    for (int64_t i = 0; i < tokens; ++i)
+      for (int64_t j = 0; j < hidden; ++j) normed.row(i)[j] = normed.row(i)[j] * scale[j] * root;
+    Activation scores = alloc(tokens, experts);
+    linear(normed, proj, scores, -1);
+    softmax(scores);
+    Routing r;
+    r.top_k = top_k;
+    r.experts.resize(tokens * top_k);
+    r.weights.resize(tokens * top_k);
+    std::vector<int32_t> order(experts);
+    for (int64_t i = 0; i < tokens; ++i) {
+      const float* p = scores.row(i);
+      std::iota(order.begin(), order.end(), 0);
+      // Highest probability first; the lower expert id wins a tie.
+      std::partial_sort(order.begin(), order.begin() + top_k, order.end(),
+                        [&](int32_t a, int32_t b) { return p[a] > p[b] || (p[a] == p[b] && a < b); });
+      float sum = 0;
+      for (int k = 0; k < top_k; ++k) sum += p[order[k]];
+      for (int k = 0; k < top_k; ++k) {
+        r.experts[i * top_k + k] = order[k];
+        r.weights[i * top_k + k] = p[order[k]] / sum * per_expert_scale[order[k]];
+      }
+    }
+    return r;
+  }
+
+  void experts(const Activation& x, const Routing& routing, const Weight& gate_up, const Weight& down,
+               Activation& out) override {
+    const int64_t num_experts = gate_up.shape[0], inter2 = gate_up.shape[1], hidden = x.cols;
+    std::fill(out.data, out.data + out.size(), 0.0f);
+    // Group (token, slot) pairs by expert, then run each expert once over its rows.
+    std::vector<std::vector<int64_t>> assigned(num_experts);
+    for (int64_t a = 0; a < int64_t(routing.experts.size()); ++a) assigned[routing.experts[a]].push_back(a);
+    for (int64_t e = 0; e < num_experts; ++e) {
+      const auto& rows = assigned[e];
+      if (rows.empty()) continue;
+      const int64_t r = int64_t(rows.size());
+      Activation xin = alloc(r, hidden), gu = alloc(r, inter2), act = alloc(r, inter2 / 2), y = alloc(r, hidden);
+      for (int64_t i = 0; i < r; ++i) std::memcpy(xin.row(i), x.row(rows[i] / routing.top_k), hidden * sizeof(float));
+      linear(xin, gate_up, gu, int(e));
+      gelu_glu(gu, act);
+      linear(act, down, y, int(e));
+      for (int64_t i = 0; i < r; ++i) {
+        const float wgt = routing.weights[rows[i]];
+        float* o = out.row(rows[i] / routing.top_k);
+        for (int64_t j = 0; j < hidden; ++j) o[j] += wgt * y.row(i)[j];
+      }
+    }
+  }
+
+  void add(const Activation& a, const Activation& b, Activation& y) override {
+    for (int64_t i = 0; i < a.size(); ++i) y.data[i] = a.data[i] + b.data[i];
+  }
+  void scale(Activation& x, float s) override {
+    for (int64_t i = 0; i < x.size(); ++i) x.data[i] *= s;
+  }
+  void softcap(Activation& x, float cap) override {
+    pool_.parallel_for(x.size(), 4096, [&](int64_t b, int64_t e) {
+      for (int64_t i = b; i < e; ++i) x.data[i] = cap * std::tanh(x.data[i] / cap);
+    });
+  }
+  void softmax(Activation& x) override {
+    pool_.parallel_for(x.rows, 1, [&](int64_t b, int64_t e) {
+      for (int64_t i = b; i < e; ++i) {
+        float* r = x.row(i);
+        const float m = *std::max_element(r, r + x.cols);
+        float sum = 0;
+        for (int64_t j = 0; j < x.cols; ++j) sum += (r[j] = std::exp(r[j] - m));
+        for (int64_t j = 0; j < x.cols; ++j) r[j] /= sum;
+      }
+    });
+  }
+
+ private:
+  ThreadPool pool_;
+};
+
+}  // namespace
+
+std::unique_ptr<Backend> make_cpu_backend(int num_threads) { return std::make_unique<CpuBackend>(num_threads); }
+
+}  // namespace diffuserve

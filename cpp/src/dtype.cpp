@@ -1,0 +1,120 @@
+#include "diffuserve/dtype.h"
+
+#include <cmath>
+#include <iterator>
+
+#include "diffuserve/errors.h"
+
+namespace diffuserve {
+
+namespace {
+
+struct DTypeInfo {
+  DType dtype;
+  const char* name;
+  size_t size;
+};
+
+// In enum order, so a DType indexes its own entry.
+constexpr DTypeInfo kDTypes[] = {
+    {DType::F32, "F32", 4},         {DType::F16, "F16", 2},         {DType::BF16, "BF16", 2},
+    {DType::F64, "F64", 8},         {DType::I64, "I64", 8},         {DType::I32, "I32", 4},
+    {DType::I16, "I16", 2},         {DType::I8, "I8", 1},           {DType::U8, "U8", 1},
+    {DType::U16, "U16", 2},         {DType::U32, "U32", 4},         {DType::U64, "U64", 8},
+    {DType::BOOL, "BOOL", 1},       {DType::F8_E4M3, "F8_E4M3", 1}, {DType::F8_E5M2, "F8_E5M2", 1},
+};
+
+constexpr bool table_matches_enum() {
+  for (size_t i = 0; i < std::size(kDTypes); ++i) {
+    if (size_t(kDTypes[i].dtype) != i) return false;
+  }
+  return true;
+}
+static_assert(table_matches_enum(), "kDTypes must list every DType in enum order");
+
+const DTypeInfo& info(DType t) {
+  auto i = size_t(t);
+  // Only reachable through a cast of an out-of-range integer to DType.
+  if (i >= std::size(kDTypes)) throw InvalidArgument("invalid DType value " + std::to_string(i));
+  return kDTypes[i];
+}
+
+}  // namespace
+
+size_t dtype_size(DType t) { return info(t).size; }
+
+const char* dtype_name(DType t) { return info(t).name; }
+
+bool dtype_from_name(const std::string& name, DType* out) {
+  for (const DTypeInfo& d : kDTypes) {
+    if (name == d.name) {
+      *out = d.dtype;
+      return true;
+    }
+  }
+  return false;
+}
+
+float f16_to_f32(uint16_t h) {
+  uint32_t sign = uint32_t(h & 0x8000u) << 16;
+  uint32_t exponent = (h >> 10) & 0x1fu;
+  uint32_t mantissa = h & 0x3ffu;
+  uint32_t bits;
+  if (exponent == 0x1f) {
+    bits = sign | 0x7f800000u | (mantissa << 13);  // inf, or NaN keeping its payload
+  } else if (exponent == 0) {
+    // Zero or subnormal: mantissa * 2^-24, exact in fp32.
+    float magnitude = std::ldexp(float(mantissa), -24);
+    return sign ? -magnitude : magnitude;
+  } else {
+    bits = sign | ((exponent + 112) << 23) | (mantissa << 13);  // rebias 15 -> 127
+  }
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+// Round to nearest even, like a CUDA or torch cast.
+uint16_t f32_to_f16(float f) {
+  uint32_t bits;
+  std::memcpy(&bits, &f, 4);
+  auto sign = uint16_t((bits >> 16) & 0x8000u);
+  uint32_t abs = bits & 0x7fffffffu;
+
+  if (abs > 0x7f800000u) return uint16_t(sign | 0x7e00u | ((abs >> 13) & 0x3ffu));  // NaN stays NaN
+  if (abs >= 0x477ff000u) return uint16_t(sign | 0x7c00u);  // >= 65520 rounds to inf
+  if (abs >= 0x38800000u) {
+    // Normal half (>= 2^-14): rebias the exponent, then round away the low 13 mantissa bits.
+    // A carry out of the mantissa correctly bumps the exponent.
+    uint32_t r = abs - (112u << 23);
+    r += 0xfffu + ((r >> 13) & 1u);
+    return uint16_t(sign | (r >> 13));
+  }
+  uint32_t exponent = abs >> 23;
+  if (exponent < 102) return sign;  // below 2^-25: rounds to zero
+  // Subnormal half: the value in units of 2^-24 is mantissa >> shift, rounded to even.
+  // Rounding up to 0x400 gives the smallest normal, which is the right encoding.
+  uint32_t mantissa = (abs & 0x7fffffu) | 0x800000u;
+  uint32_t shift = 126 - exponent;  // 14..24
+  uint32_t q = mantissa >> shift;
+  uint32_t rem = mantissa & ((1u << shift) - 1);
+  uint32_t half = 1u << (shift - 1);
+  if (rem > half || (rem == half && (q & 1u))) ++q;
+  return uint16_t(sign | q);
+}
+
+float round_to_dtype(float x, DType t) {
+  switch (t) {
+    case DType::F32:
+      return x;
+    case DType::BF16:
+      return bf16_to_f32(f32_to_bf16(x));
+    case DType::F16:
+      return f16_to_f32(f32_to_f16(x));
+    default:
+      throw InvalidArgument(std::string("round_to_dtype: ") + dtype_name(t) +
+                            " is not a floating-point weight dtype");
+  }
+}
+
+}  // namespace diffuserve

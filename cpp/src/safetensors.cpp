@@ -1,0 +1,290 @@
+#include "safetensors.h"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <filesystem>
+#include <set>
+#include <string_view>
+
+#include "diffuserve/errors.h"
+#include "json.h"
+
+namespace diffuserve {
+
+namespace {
+
+// Real headers are a few MB at most; a larger length means a corrupt or hostile file.
+constexpr uint64_t kMaxHeaderBytes = 100ull * 1000 * 1000;
+
+std::string shape_string(const std::vector<int64_t>& shape) {
+  std::string s = "[";
+  for (size_t i = 0; i < shape.size(); ++i) {
+    if (i) s += ", ";
+    s += std::to_string(shape[i]);
+  }
+  return s + "]";
+}
+
+bool is_non_negative_integer(const json::Value& v) {
+  return v.is_number() && v.is_integer && v.integer >= 0;
+}
+
+// Builds the TensorView for one header entry, checking it against a data section of
+// `data_size` bytes at `data`.
+TensorView parse_entry(const std::string& path, const std::string& name, const json::Value& entry,
+                       const uint8_t* data, uint64_t data_size) {
+  const std::string where = path + ": tensor '" + name + "': ";
+  if (!entry.is_object()) throw FormatError(where + "header entry is not a JSON object");
+
+  TensorView t;
+  t.name = name;
+  t.file = path;
+
+  const json::Value* dtype = entry.find("dtype");
+  if (!dtype || !dtype->is_string()) throw FormatError(where + "missing or non-string \"dtype\"");
+  if (!dtype_from_name(dtype->string, &t.dtype)) {
+    throw FormatError(path + ": unknown dtype '" + dtype->string + "' for tensor '" + name + "'");
+  }
+
+  const json::Value* shape = entry.find("shape");
+  if (!shape || !shape->is_array()) throw FormatError(where + "missing or non-array \"shape\"");
+  for (const json::Value& dim : shape->array) {
+    if (!is_non_negative_integer(dim)) {
+      throw FormatError(where + "\"shape\" entries must be non-negative integers");
+    }
+    t.shape.push_back(dim.integer);
+  }
+
+  const json::Value* offsets = entry.find("data_offsets");
+  if (!offsets || !offsets->is_array() || offsets->array.size() != 2 ||
+      !is_non_negative_integer(offsets->array[0]) || !is_non_negative_integer(offsets->array[1])) {
+    throw FormatError(where + "\"data_offsets\" must be two non-negative integers [begin, end]");
+  }
+  auto begin = uint64_t(offsets->array[0].integer);
+  auto end = uint64_t(offsets->array[1].integer);
+  const std::string range = "[" + std::to_string(begin) + ", " + std::to_string(end) + ")";
+  if (begin > end) throw FormatError(where + "data_offsets " + range + " end before they begin");
+  if (end > data_size) {
+    throw FormatError(where + "data_offsets " + range + " run past the end of the data section (" +
+                      std::to_string(data_size) +
+                      " bytes): the file is truncated or the offsets are out of range");
+  }
+
+  // Every dimension is non-negative, so only overflow can make the byte count wrong.
+  const std::string what = "shape " + shape_string(t.shape) + " of dtype " + dtype_name(t.dtype);
+  uint64_t needed = dtype_size(t.dtype);
+  for (int64_t dim : t.shape) {
+    if (__builtin_mul_overflow(needed, uint64_t(dim), &needed)) {
+      throw FormatError(where + what + " needs more than 2^64 bytes");
+    }
+  }
+  if (needed != end - begin) {
+    throw FormatError(where + what + " needs " + std::to_string(needed) +
+                      " bytes but data_offsets give " + std::to_string(end - begin));
+  }
+
+  t.data = data + begin;
+  t.nbytes = size_t(end - begin);
+  return t;
+}
+
+// Rejects two tensors sharing bytes: a writer bug that would silently alias weights.
+void check_no_overlap(const std::string& path, const std::map<std::string, TensorView>& tensors,
+                      const uint8_t* data) {
+  std::vector<const TensorView*> spans;
+  for (const auto& [name, t] : tensors) {
+    if (t.nbytes > 0) spans.push_back(&t);  // an empty range overlaps nothing
+  }
+  std::sort(spans.begin(), spans.end(),
+            [](const TensorView* a, const TensorView* b) { return a->data < b->data; });
+  // Sorted by start, any overlap shows up between neighbours.
+  for (size_t i = 1; i < spans.size(); ++i) {
+    const TensorView& a = *spans[i - 1];
+    const TensorView& b = *spans[i];
+    if (b.data < a.data + a.nbytes) {
+      auto range = [data](const TensorView& t) {
+        return "[" + std::to_string(t.data - data) + ", " + std::to_string(t.data - data + t.nbytes) + ")";
+      };
+      throw FormatError(path + ": tensors '" + a.name + "' " + range(a) + " and '" + b.name + "' " +
+                        range(b) + " have overlapping data_offsets");
+    }
+  }
+}
+
+std::string read_text_file(const std::string& path) {
+  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) throw FormatError(path + ": cannot open: " + std::strerror(errno));
+  std::string text;
+  char buf[65536];
+  while (true) {
+    ssize_t n = ::read(fd, buf, sizeof buf);
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) {
+      int err = errno;
+      ::close(fd);
+      throw FormatError(path + ": cannot read: " + std::strerror(err));
+    }
+    if (n == 0) break;
+    text.append(buf, size_t(n));
+  }
+  ::close(fd);
+  return text;
+}
+
+bool ends_with(const std::string& s, std::string_view suffix) {
+  return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
+}
+
+// weight_map values name files next to the index; anything else could escape the directory.
+bool is_plain_filename(const std::string& name) {
+  return !name.empty() && name != "." && name != ".." && name.find('/') == std::string::npos &&
+         name.find('\0') == std::string::npos;
+}
+
+}  // namespace
+
+int64_t TensorView::numel() const {
+  int64_t n = 1;
+  for (int64_t d : shape) n *= d;
+  return n;
+}
+
+SafetensorsFile::SafetensorsFile(const std::string& path) : path_(path) {
+  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) throw FormatError(path + ": cannot open: " + std::strerror(errno));
+  struct stat st;
+  if (::fstat(fd, &st) != 0) {
+    int err = errno;
+    ::close(fd);
+    throw FormatError(path + ": cannot stat: " + std::strerror(err));
+  }
+  if (!S_ISREG(st.st_mode)) {
+    ::close(fd);
+    throw FormatError(path + ": not a regular file");
+  }
+  auto size = uint64_t(st.st_size);
+  // Also keeps an empty file away from mmap, which rejects a length of 0.
+  if (size < 8) {
+    ::close(fd);
+    throw FormatError(path + ": file is " + std::to_string(size) +
+                      " bytes, too short for a safetensors header");
+  }
+  void* map = ::mmap(nullptr, size, PROT_READ, MAP_PRIVATE, fd, 0);
+  int map_errno = errno;
+  ::close(fd);  // the mapping keeps the file alive
+  if (map == MAP_FAILED) throw FormatError(path + ": cannot mmap: " + std::strerror(map_errno));
+  map_ = map;
+  map_size_ = size;
+
+  // The destructor does not run when a constructor throws, so unmap here on failure.
+  try {
+    const auto* bytes = static_cast<const uint8_t*>(map_);
+    uint64_t header_len = 0;
+    for (int i = 7; i >= 0; --i) header_len = (header_len << 8) | bytes[i];  // little-endian
+    if (header_len > size - 8) {
+      throw FormatError(path + ": bad header length " + std::to_string(header_len) + ": only " +
+                        std::to_string(size - 8) + " bytes follow it (truncated or not a safetensors file)");
+    }
+    if (header_len > kMaxHeaderBytes) {
+      throw FormatError(path + ": bad header length " + std::to_string(header_len) +
+                        ": over the limit of " + std::to_string(kMaxHeaderBytes) + " bytes");
+    }
+    json::Value header = json::parse(
+        std::string_view(reinterpret_cast<const char*>(bytes + 8), size_t(header_len)),
+        path + ": header");
+    if (!header.is_object()) throw FormatError(path + ": header is not a JSON object");
+
+    const uint8_t* data = bytes + 8 + header_len;
+    const uint64_t data_size = size - 8 - header_len;
+    for (const auto& [name, entry] : header.object) {
+      if (name == "__metadata__") {
+        // Free-form string metadata; nothing here reads it, but a bad one means a bad file.
+        if (!entry.is_object()) throw FormatError(path + ": __metadata__ is not a JSON object");
+        for (const auto& [key, value] : entry.object) {
+          if (!value.is_string()) {
+            throw FormatError(path + ": __metadata__ value for '" + key + "' is not a string");
+          }
+        }
+        continue;
+      }
+      tensors_.emplace(name, parse_entry(path, name, entry, data, data_size));
+    }
+    check_no_overlap(path, tensors_, data);
+  } catch (...) {
+    ::munmap(map_, map_size_);
+    throw;
+  }
+}
+
+SafetensorsFile::~SafetensorsFile() { ::munmap(map_, map_size_); }
+
+Checkpoint::Checkpoint(const std::string& dir) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  if (ends_with(dir, ".safetensors") && !fs::is_directory(dir, ec)) {
+    files_.push_back(std::make_unique<SafetensorsFile>(dir));
+    tensors_ = files_.back()->tensors();
+    return;
+  }
+
+  const std::string index_path = (fs::path(dir) / "model.safetensors.index.json").string();
+  const std::string single_path = (fs::path(dir) / "model.safetensors").string();
+  if (!fs::exists(index_path, ec)) {
+    if (!fs::exists(single_path, ec)) {
+      throw FormatError(dir + ": no model.safetensors or model.safetensors.index.json");
+    }
+    files_.push_back(std::make_unique<SafetensorsFile>(single_path));
+    tensors_ = files_.back()->tensors();
+    return;
+  }
+
+  json::Value index = json::parse(read_text_file(index_path), index_path);
+  const json::Value* weight_map = index.find("weight_map");
+  if (!weight_map) throw FormatError(index_path + ": missing \"weight_map\"");
+  if (!weight_map->is_object()) throw FormatError(index_path + ": \"weight_map\" is not a JSON object");
+  std::set<std::string> shards;
+  for (const auto& [name, shard] : weight_map->object) {
+    if (!shard.is_string()) {
+      throw FormatError(index_path + ": weight_map entry for tensor '" + name + "' is not a string");
+    }
+    if (!is_plain_filename(shard.string)) {
+      throw FormatError(index_path + ": weight_map entry for tensor '" + name + "' names '" +
+                        shard.string + "', which is not a file name inside " + dir);
+    }
+    shards.insert(shard.string);
+  }
+
+  // Each shard is opened once; a tensor in a shard but not in weight_map is still loaded,
+  // but one stored in two shards is ambiguous.
+  std::map<std::string, const SafetensorsFile*> opened;
+  for (const std::string& shard : shards) {
+    files_.push_back(std::make_unique<SafetensorsFile>((fs::path(dir) / shard).string()));
+    opened[shard] = files_.back().get();
+    for (const auto& [name, t] : files_.back()->tensors()) {
+      auto [it, inserted] = tensors_.emplace(name, t);
+      if (!inserted) {
+        throw FormatError(index_path + ": tensor '" + name + "' is stored in both " + it->second.file +
+                          " and " + t.file);
+      }
+    }
+  }
+  for (const auto& [name, shard] : weight_map->object) {
+    if (!opened.at(shard.string)->tensors().count(name)) {
+      throw FormatError(index_path + ": tensor '" + name + "' is listed in weight_map under " +
+                        shard.string + " but that shard does not contain it");
+    }
+  }
+}
+
+const TensorView* Checkpoint::find(const std::string& name) const {
+  auto it = tensors_.find(name);
+  return it == tensors_.end() ? nullptr : &it->second;
+}
+
+}  // namespace diffuserve

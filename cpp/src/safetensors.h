@@ -1,0 +1,63 @@
+// Reads safetensors checkpoints by memory-mapping them: a single `model.safetensors`, or
+// shards listed by `model.safetensors.index.json`. Every header is checked in full when
+// the file is opened (header length, JSON, dtypes, shapes against byte counts, offsets
+// inside the data section and not overlapping), so later reads cannot go out of bounds.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "diffuserve/dtype.h"
+
+namespace diffuserve {
+
+// A tensor inside a mapped file: no copy, valid while its SafetensorsFile lives.
+struct TensorView {
+  std::string name;
+  std::string file;  // the path it came from, for error messages
+  DType dtype = DType::F32;
+  std::vector<int64_t> shape;
+  const uint8_t* data = nullptr;
+  size_t nbytes = 0;
+
+  int64_t numel() const;
+};
+
+// One mapped .safetensors file.
+class SafetensorsFile {
+ public:
+  // Throws FormatError naming `path` (and the tensor, where one is at fault).
+  explicit SafetensorsFile(const std::string& path);
+  ~SafetensorsFile();
+  SafetensorsFile(const SafetensorsFile&) = delete;
+  SafetensorsFile& operator=(const SafetensorsFile&) = delete;
+
+  const std::string& path() const { return path_; }
+  const std::map<std::string, TensorView>& tensors() const { return tensors_; }
+
+ private:
+  std::string path_;
+  void* map_ = nullptr;
+  size_t map_size_ = 0;
+  std::map<std::string, TensorView> tensors_;
+};
+
+// All tensors of a checkpoint directory, across shards.
+class Checkpoint {
+ public:
+  // `dir` holds model.safetensors or model.safetensors.index.json (the index wins).
+  explicit Checkpoint(const std::string& dir);
+
+  const std::map<std::string, TensorView>& tensors() const { return tensors_; }
+  // nullptr when absent.
+  const TensorView* find(const std::string& name) const;
+
+ private:
+  std::vector<std::unique_ptr<SafetensorsFile>> files_;
+  std::map<std::string, TensorView> tensors_;
+};
+
+}  // namespace diffuserve

@@ -1,0 +1,154 @@
+// Model loading and the Sequence API: argument checks, then the graph in model.cpp.
+#include <algorithm>
+#include <cmath>
+#include <filesystem>
+
+#include "diffuserve/diffuserve.h"
+#include "model.h"
+
+namespace diffuserve {
+
+struct Sequence::State {
+  std::vector<LayerCache> cache;  // one per layer
+  int64_t length = 0;
+};
+
+namespace {
+
+DType parse_dtype(const std::string& name, DType stored) {
+  if (name.empty()) return stored;
+  if (name == "float32" || name == "fp32") return DType::F32;
+  if (name == "bfloat16" || name == "bf16") return DType::BF16;
+  if (name == "float16" || name == "fp16") return DType::F16;
+  throw InvalidArgument("dtype '" + name + "' is not supported (use float32, bfloat16 or float16)");
+}
+
+}  // namespace
+
+Model::Model(std::unique_ptr<ModelState> state) : state_(std::move(state)) {}
+Model::~Model() = default;
+
+std::shared_ptr<Model> Model::load(const std::string& path, const LoadOptions& options) {
+  if (options.device != "cpu") {
+    throw InvalidArgument("device '" + options.device + "' is not available: this build has the CPU backend only");
+  }
+  if (!std::filesystem::is_directory(path)) throw FormatError(path + ": not a checkpoint directory");
+  auto state = std::make_unique<ModelState>();
+  state->path = path;
+  state->device = options.device;
+  state->config = load_config(path);
+  state->checkpoint = std::make_shared<Checkpoint>(path);
+  const TensorView* embed = state->checkpoint->find("model.decoder.embed_tokens.weight");
+  if (!embed) throw FormatError(path + ": missing tensor 'model.decoder.embed_tokens.weight'");
+  const DType as = parse_dtype(options.dtype, embed->dtype);
+  state->backend = make_cpu_backend(options.num_threads);
+  load_weights(*state, as);
+  return std::shared_ptr<Model>(new Model(std::move(state)));
+}
+
+const ModelConfig& Model::config() const { return state_->config; }
+DType Model::weight_dtype() const { return state_->weight_dtype; }
+const std::string& Model::device() const { return state_->device; }
+
+std::unique_ptr<Sequence> Model::new_sequence() {
+  return std::unique_ptr<Sequence>(new Sequence(shared_from_this()));
+}
+
+Sequence::Sequence(std::shared_ptr<Model> model) : model_(std::move(model)), state_(std::make_unique<State>()) {
+  state_->cache.resize(model_->config().num_layers);
+}
+Sequence::~Sequence() = default;
+
+int64_t Sequence::length() const { return state_->length; }
+const ModelConfig& Sequence::config() const { return model_->config(); }
+
+namespace {
+
+void check_ids(std::span<const int32_t> ids, const ModelConfig& c, const char* what) {
+  for (size_t i = 0; i < ids.size(); ++i)
+    if (ids[i] < 0 || ids[i] >= c.vocab_size)
+      throw InvalidArgument(std::string(what) + ": token id " + std::to_string(ids[i]) + " at index " +
+                            std::to_string(i) + " is out of range [0, " + std::to_string(c.vocab_size) + ")");
+}
+
+void check_positions(int64_t length, size_t n, const ModelConfig& c, const char* what) {
+  if (length + int64_t(n) > c.max_position_embeddings)
+    throw InvalidArgument(std::string(what) + ": " + std::to_string(length) + " + " + std::to_string(n) +
+                          " tokens exceed max_position_embeddings (" + std::to_string(c.max_position_embeddings) +
+                          ")");
+}
+
+}  // namespace
+
+void Sequence::encode(std::span<const int32_t> ids, const char* what) {
+  const ModelConfig& c = model_->config();
+  if (ids.empty()) throw InvalidArgument(std::string(what) + ": no tokens given");
+  check_ids(ids, c, what);
+  check_positions(state_->length, ids.size(), c, what);
+  encoder_forward(model_->state(), state_->cache, state_->length, ids);
+  state_->length += int64_t(ids.size());
+}
+
+void Sequence::prefill(std::span<const int32_t> ids) { encode(ids, "prefill"); }
+
+void Sequence::commit(std::span<const int32_t> block) {
+  const int canvas = model_->config().canvas_length;
+  if (block.size() > size_t(canvas))
+    throw InvalidArgument("commit: block of " + std::to_string(block.size()) + " tokens is longer than canvas_length " +
+                          std::to_string(canvas));
+  if (state_->length == 0) throw InvalidArgument("commit: call prefill before committing a block");
+  encode(block, "commit");
+}
+
+std::vector<float> Sequence::denoise(std::span<const int32_t> canvas, const float* self_conditioning_logits) {
+  const ModelConfig& c = model_->config();
+  if (state_->length == 0) throw InvalidArgument("denoise: call prefill before denoising (the cache is empty)");
+  if (canvas.size() != size_t(c.canvas_length))
+    throw InvalidArgument("denoise: canvas has " + std::to_string(canvas.size()) + " tokens, expected canvas_length " +
+                          std::to_string(c.canvas_length));
+  check_ids(canvas, c, "denoise");
+  check_positions(state_->length, canvas.size(), c, "denoise");
+  if (self_conditioning_logits) {
+    const size_t n = canvas.size() * size_t(c.vocab_size);
+    for (size_t i = 0; i < n; ++i)
+      if (std::isnan(self_conditioning_logits[i]) || self_conditioning_logits[i] == INFINITY)
+        throw InvalidArgument("denoise: self_conditioning_logits holds NaN or +inf at row " +
+                              std::to_string(i / c.vocab_size) + ", column " + std::to_string(i % c.vocab_size));
+  }
+  std::vector<float> logits(canvas.size() * size_t(c.vocab_size));
+  decoder_forward(model_->state(), state_->cache, state_->length, canvas, self_conditioning_logits, logits.data());
+  return logits;
+}
+
+LayerKV Sequence::kv(int layer) const {
+  const ModelConfig& c = model_->config();
+  if (layer < 0 || layer >= c.num_layers)
+    throw InvalidArgument("kv: layer " + std::to_string(layer) + " is out of range [0, " +
+                          std::to_string(c.num_layers) + ")");
+  const LayerConfig& L = c.layers[layer];
+  const LayerCache& lc = state_->cache[layer];
+  Backend& be = *model_->state().backend;
+  LayerKV out;
+  out.kv_heads = L.num_kv_heads;
+  out.head_dim = L.head_dim;
+  out.rows = lc.rows;
+  out.first_position = lc.first_position;
+  const int64_t cols = out.kv_heads * out.head_dim;
+  std::vector<float> k(lc.keys.size()), v(lc.values.size());
+  if (lc.rows) {
+    be.to_host(lc.keys, k.data());
+    be.to_host(lc.values, v.data());
+  }
+  // Token-major [rows, heads, dim] -> head-major [heads, rows, dim].
+  out.keys.resize(lc.rows * cols);
+  out.values.resize(lc.rows * cols);
+  for (int64_t r = 0; r < lc.rows; ++r)
+    for (int64_t h = 0; h < out.kv_heads; ++h)
+      for (int64_t d = 0; d < out.head_dim; ++d) {
+        out.keys[(h * lc.rows + r) * out.head_dim + d] = k[r * cols + h * out.head_dim + d];
+        out.values[(h * lc.rows + r) * out.head_dim + d] = v[r * cols + h * out.head_dim + d];
+      }
+  return out;
+}
+
+}  // namespace diffuserve

@@ -1,0 +1,89 @@
+#include "thread_pool.h"
+
+#include <algorithm>
+#include <cstdlib>
+#include <string>
+
+namespace diffuserve {
+
+ThreadPool::ThreadPool(int num_threads) {
+  if (num_threads <= 0) {
+    const char* env = std::getenv("DIFFUSERVE_NUM_THREADS");
+    num_threads = env ? std::atoi(env) : 0;
+  }
+  if (num_threads <= 0) num_threads = int(std::max(1u, std::thread::hardware_concurrency()));
+  for (int i = 1; i < num_threads; ++i) workers_.emplace_back([this] { worker_loop(); });
+}
+
+ThreadPool::~ThreadPool() {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    stop_ = true;
+  }
+  wake_.notify_all();
+  for (auto& t : workers_) t.join();
+}
+
+void ThreadPool::parallel_for(int64_t n, int64_t grain, const std::function<void(int64_t, int64_t)>& fn) {
+  if (n <= 0) return;
+  const int64_t chunk = std::max<int64_t>(std::max<int64_t>(grain, 1), (n + size() * 4 - 1) / (size() * 4));
+  if (workers_.empty() || chunk >= n) {
+    fn(0, n);
+    return;
+  }
+  std::lock_guard<std::mutex> call(call_mutex_);
+  std::unique_lock<std::mutex> lock(mutex_);
+  job_ = &fn;
+  job_n_ = n;
+  job_chunk_ = chunk;
+  next_ = 0;
+  pending_ = (n + chunk - 1) / chunk;
+  error_ = nullptr;
+  ++generation_;
+  wake_.notify_all();
+  // The caller takes chunks too, then waits for the stragglers.
+  while (next_ < job_n_) {
+    const int64_t begin = next_;
+    next_ = std::min(job_n_, begin + job_chunk_);
+    const int64_t end = next_;
+    lock.unlock();
+    try {
+      fn(begin, end);
+    } catch (...) {
+      std::lock_guard<std::mutex> g(mutex_);
+      if (!error_) error_ = std::current_exception();
+    }
+    lock.lock();
+    --pending_;
+  }
+  done_.wait(lock, [&] { return pending_ == 0; });
+  job_ = nullptr;
+  if (error_) std::rethrow_exception(error_);
+}
+
+void ThreadPool::worker_loop() {
+  uint64_t seen = 0;
+  std::unique_lock<std::mutex> lock(mutex_);
+  for (;;) {
+    wake_.wait(lock, [&] { return stop_ || (generation_ != seen && job_ && next_ < job_n_); });
+    if (stop_) return;
+    seen = generation_;
+    while (job_ && next_ < job_n_) {
+      const int64_t begin = next_;
+      next_ = std::min(job_n_, begin + job_chunk_);
+      const int64_t end = next_;
+      const auto* fn = job_;
+      lock.unlock();
+      try {
+        (*fn)(begin, end);
+      } catch (...) {
+        std::lock_guard<std::mutex> g(mutex_);
+        if (!error_) error_ = std::current_exception();
+      }
+      lock.lock();
+      if (--pending_ == 0) done_.notify_all();
+    }
+  }
+}
+
+}  // namespace diffuserve

@@ -1,0 +1,40 @@
+// A fixed pool of worker threads for the CPU backend's data-parallel loops.
+#pragma once
+
+#include <condition_variable>
+#include <cstdint>
+#include <functional>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+namespace diffuserve {
+
+class ThreadPool {
+ public:
+  // num_threads <= 0: DIFFUSERVE_NUM_THREADS, else the hardware's thread count.
+  explicit ThreadPool(int num_threads);
+  ~ThreadPool();
+
+  int size() const { return int(workers_.size()) + 1; }
+
+  // Runs fn(begin, end) over [0, n) split into about size() * 4 chunks of at least
+  // `grain` items; the calling thread works too. Returns when every chunk is done; the
+  // first exception thrown by a chunk is rethrown here.
+  void parallel_for(int64_t n, int64_t grain, const std::function<void(int64_t, int64_t)>& fn);
+
+ private:
+  void worker_loop();
+
+  std::vector<std::thread> workers_;
+  std::mutex mutex_;
+  std::condition_variable wake_, done_;
+  const std::function<void(int64_t, int64_t)>* job_ = nullptr;
+  int64_t job_n_ = 0, job_chunk_ = 0, next_ = 0, pending_ = 0;
+  uint64_t generation_ = 0;
+  bool stop_ = false;
+  std::exception_ptr error_;
+  std::mutex call_mutex_;  // one parallel_for at a time
+};
+
+}  // namespace diffuserve

@@ -1,0 +1,31 @@
+"""diffuserve: an inference engine for block-diffusion language models (DiffusionGemma).
+
+    import diffuserve as ds
+    m = ds.Model.load(path)                 # a DiffusionGemma checkpoint directory
+    seq = m.sequence()
+    seq.prefill(prompt_ids)                 # causal encoder pass, appends KV
+    logits = seq.denoise(canvas_ids)        # np.float32 [canvas, vocab], softcapped
+    seq.commit(canvas_ids)                  # causal pass over a finished block
+"""
+from pathlib import Path
+
+from ._core import CheckpointError
+from .model import Model, Sequence
+
+__version__ = "0.1.0"
+__all__ = ["Model", "Sequence", "CheckpointError", "cmake_dir", "include_dir"]
+
+_HERE = Path(__file__).resolve().parent
+
+
+def cmake_dir() -> str:
+    """Directory holding diffuserveConfig.cmake, for `-Ddiffuserve_DIR=...`."""
+    found = sorted(_HERE.glob("lib*/cmake/diffuserve"))
+    if not found:
+        raise FileNotFoundError(f"no CMake package under {_HERE}: is diffuserve installed from a wheel?")
+    return str(found[0])
+
+
+def include_dir() -> str:
+    """Directory holding the C++ headers (diffuserve/diffuserve.h)."""
+    return str(_HERE / "include")

@@ -1,0 +1,120 @@
+"""Model and Sequence: the stable Python surface over the native runtime.
+
+Arguments are checked and converted here (token ids to int32, logits to float32), so a
+mistake is a ValueError naming the argument; the work itself runs in C++ without the GIL.
+"""
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import numpy as np
+
+from . import _core
+
+_DTYPES = {None: "", "auto": "", "float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
+
+
+def _token_ids(ids, what: str, vocab_size: int) -> np.ndarray:
+    """1-D integer token ids as a contiguous int32 array, each in [0, vocab_size)."""
+    arr = np.asarray(ids)
+    if arr.dtype == np.bool_ or not (np.issubdtype(arr.dtype, np.integer) or arr.size == 0):
+        raise ValueError(f"{what}: token ids must be integers, got dtype {arr.dtype}")
+    if arr.ndim != 1:
+        raise ValueError(f"{what}: token ids must be a 1-D sequence, got shape {tuple(arr.shape)}")
+    if arr.size:
+        bad = np.flatnonzero((arr < 0) | (arr >= vocab_size))
+        if bad.size:
+            i = int(bad[0])
+            raise ValueError(f"{what}: token id {int(arr[i])} at index {i} is out of range [0, {vocab_size})")
+    return np.ascontiguousarray(arr, dtype=np.int32)
+
+
+class Model:
+    """A loaded DiffusionGemma checkpoint."""
+
+    def __init__(self, native: _core.Model, path: str):
+        self._native = native
+        self.path = path
+        self.config = native.config
+
+    @classmethod
+    def load(cls, path, device: str = "cpu", dtype: Optional[str] = None, num_threads: int = 0) -> "Model":
+        """Loads a checkpoint directory (config.json + safetensors, single or sharded).
+
+        dtype: None keeps the stored weight dtype; "float32", "bfloat16" or "float16" casts.
+        The CPU backend computes in fp32 whatever the weight dtype.
+        """
+        path = os.fspath(path)
+        if dtype is not None and not isinstance(dtype, str):
+            dtype = str(dtype).replace("torch.", "")
+        if dtype not in _DTYPES:
+            raise ValueError(f"dtype {dtype!r} is not supported (use None, 'float32', 'bfloat16' or 'float16')")
+        if not isinstance(num_threads, int) or num_threads < 0:
+            raise ValueError(f"num_threads must be an integer >= 0, got {num_threads!r}")
+        return cls(_core.Model.load(path, device, _DTYPES[dtype], num_threads), path)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.config["vocab_size"]
+
+    @property
+    def canvas_length(self) -> int:
+        return self.config["canvas_length"]
+
+    @property
+    def dtype(self) -> str:
+        return {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}[self._native.dtype]
+
+    @property
+    def device(self) -> str:
+        return self._native.device
+
+    def sequence(self) -> "Sequence":
+        """A new, empty sequence with its own KV cache."""
+        return Sequence(self)
+
+    def __repr__(self) -> str:
+        return f"Model({self.path!r}, device={self.device!r}, dtype={self.dtype!r})"
+
+
+class Sequence:
+    """One sequence's KV cache and the three passes over it."""
+
+    def __init__(self, model: Model):
+        self.model = model
+        self._native = model._native.sequence()
+
+    def prefill(self, prompt_ids) -> None:
+        """Causal encoder pass over the prompt (or a further chunk of it); appends KV."""
+        self._native.prefill(_token_ids(prompt_ids, "prefill", self.model.vocab_size))
+
+    def denoise(self, canvas_ids, self_conditioning_logits=None) -> np.ndarray:
+        """Bidirectional decoder pass over a canvas; returns softcapped fp32 logits [canvas, vocab].
+
+        self_conditioning_logits: None on a block's first step, else the previous step's
+        (temperature-processed) logits, [canvas, vocab].
+        """
+        canvas = _token_ids(canvas_ids, "denoise", self.model.vocab_size)
+        sc = None
+        if self_conditioning_logits is not None:
+            sc = np.ascontiguousarray(np.asarray(self_conditioning_logits, dtype=np.float32))
+            if sc.ndim == 3 and sc.shape[0] == 1:
+                sc = sc[0]
+            expected = (len(canvas), self.model.vocab_size)
+            if sc.shape != expected:
+                raise ValueError(f"denoise: self_conditioning_logits must have shape {expected}, got {sc.shape}")
+        return self._native.denoise(canvas, sc)
+
+    def commit(self, canvas_ids) -> None:
+        """Causal encoder pass over a finished block; appends its KV."""
+        self._native.commit(_token_ids(canvas_ids, "commit", self.model.vocab_size))
+
+    def kv(self, layer: int):
+        """(keys, values, first_position) of one layer: [kv_heads, rows, head_dim] fp32.
+
+        Sliding-window layers hold only the last sliding_window - 1 rows."""
+        return self._native.kv(layer)
+
+    def __len__(self) -> int:
+        return len(self._native)

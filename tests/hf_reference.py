@@ -1,0 +1,64 @@
+"""Tiny random DiffusionGemma checkpoints built with transformers, and the reference passes.
+
+Every parameter and buffer is randomised (norm weights, layer scalars, router scales
+included), so a mistake in any of them shows in the logits.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+from transformers import DynamicCache
+from transformers import DiffusionGemmaConfig, DiffusionGemmaForBlockDiffusion
+
+TINY_VISION = dict(model_type="gemma4_vision", hidden_size=16, intermediate_size=16, num_hidden_layers=1,
+                   num_attention_heads=2, num_key_value_heads=2, head_dim=8)
+
+
+def build_model(text: dict, canvas_length: int, seed: int = 0, dtype=torch.float32):
+    """A randomly initialised HF model; `text` holds text_config fields (plus global_head_dim etc.)."""
+    cfg = DiffusionGemmaConfig(text_config=dict(text), vision_config=dict(TINY_VISION), canvas_length=canvas_length)
+    torch.manual_seed(seed)
+    model = DiffusionGemmaForBlockDiffusion(cfg).eval()
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in list(model.named_parameters()) + list(model.named_buffers()):
+            if "vision" in name or not p.is_floating_point() or "inv_freq" in name or "embed_scale" in name:
+                continue
+            if name.endswith("layer_scalar"):
+                p.copy_(0.5 + torch.rand(p.shape, generator=gen))
+            elif "norm" in name or name.endswith(("router.scale", "per_expert_scale")):
+                p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=gen))
+            else:
+                p.copy_(0.08 * torch.randn(p.shape, generator=gen))
+    return model.to(dtype)
+
+
+def save(model, path, max_shard_size=None):
+    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(path, **kwargs)
+    return path
+
+
+class ReferenceSequence:
+    """prefill / denoise / commit through the HF modules, mirroring diffuserve.Sequence."""
+
+    def __init__(self, model):
+        self.model = model
+        self.cache = DynamicCache(config=model.config.text_config)
+
+    @torch.no_grad()
+    def prefill(self, ids):
+        self.model.model.encoder(input_ids=torch.tensor([list(ids)]), past_key_values=self.cache)
+
+    commit = prefill
+
+    @torch.no_grad()
+    def denoise(self, canvas, self_conditioning_logits=None):
+        sc = None if self_conditioning_logits is None else torch.as_tensor(self_conditioning_logits)[None]
+        out = self.model(decoder_input_ids=torch.tensor([list(canvas)]), past_key_values=self.cache,
+                         self_conditioning_logits=sc)
+        return out.logits[0].float().numpy()
+
+    def kv(self, layer):
+        lay = self.cache.layers[layer]
+        return lay.keys[0].float().numpy(), lay.values[0].float().numpy()
