@@ -7,15 +7,23 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+import transformers
 from transformers import DynamicCache
 from transformers import DiffusionGemmaConfig, DiffusionGemmaForBlockDiffusion
+
+transformers.logging.set_verbosity_error()  # no load reports or progress bars in test output
 
 TINY_VISION = dict(model_type="gemma4_vision", hidden_size=16, intermediate_size=16, num_hidden_layers=1,
                    num_attention_heads=2, num_key_value_heads=2, head_dim=8)
 
 
-def build_model(text: dict, canvas_length: int, seed: int = 0, dtype=torch.float32):
-    """A randomly initialised HF model; `text` holds text_config fields (plus global_head_dim etc.)."""
+def build_model(text: dict, canvas_length: int, seed: int = 0, dtype=torch.float32, router_std: float = 0.08):
+    """A randomly initialised HF model; `text` holds text_config fields (plus global_head_dim etc.).
+
+    router_std: spread of the router weights. A larger one makes routing decisive, so that
+    low-precision rounding noise does not flip a token's top-k experts (a discontinuity
+    that would swamp the rounding error a bf16 comparison means to bound).
+    """
     cfg = DiffusionGemmaConfig(text_config=dict(text), vision_config=dict(TINY_VISION), canvas_length=canvas_length)
     torch.manual_seed(seed)
     model = DiffusionGemmaForBlockDiffusion(cfg).eval()
@@ -28,15 +36,25 @@ def build_model(text: dict, canvas_length: int, seed: int = 0, dtype=torch.float
                 p.copy_(0.5 + torch.rand(p.shape, generator=gen))
             elif "norm" in name or name.endswith(("router.scale", "per_expert_scale")):
                 p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=gen))
+            elif name.endswith("router.proj.weight"):
+                p.copy_(router_std * torch.randn(p.shape, generator=gen))
             else:
                 p.copy_(0.08 * torch.randn(p.shape, generator=gen))
-    return model.to(dtype)
+    return model
 
 
-def save(model, path, max_shard_size=None):
+def save(model, path, dtype=torch.float32, max_shard_size=None):
+    """save_pretrained with the weights in `dtype`; returns the path."""
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
-    model.save_pretrained(path, **kwargs)
+    model.to(dtype).save_pretrained(path, **kwargs)
+    model.to(torch.float32)
     return path
+
+
+def load(path, dtype=torch.float32):
+    """The reference as a user gets it: from_pretrained in `dtype`. (Casting a live model
+    with .to(bf16) would also round its RoPE inv_freq buffers, which loading does not.)"""
+    return DiffusionGemmaForBlockDiffusion.from_pretrained(path, dtype=dtype).eval()
 
 
 class ReferenceSequence:

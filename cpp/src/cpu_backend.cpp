@@ -76,14 +76,17 @@ class CpuBackend final : public Backend {
     Weight w;
     w.dtype = as;
     w.shape = shape;
-    if (dtype == as) {  // zero copy: point into the mapped checkpoint
+    // Zero copy (point into the mapped checkpoint) when the bytes are aligned for their
+    // type: a safetensors header need not be padded to a multiple of 8.
+    if (dtype == as && reinterpret_cast<uintptr_t>(host) % dtype_size(as) == 0) {
       w.data = host;
       w.storage = std::move(keep_alive);
       return w;
     }
     const int64_t n = w.numel();
     std::vector<float> wide(n);
-    widen(host, dtype, n, wide.data());
+    std::vector<uint8_t> aligned(static_cast<const uint8_t*>(host), static_cast<const uint8_t*>(host) + n * dtype_size(dtype));
+    widen(aligned.data(), dtype, n, wide.data());
     auto buf = std::shared_ptr<uint8_t[]>(new uint8_t[std::max<size_t>(n * dtype_size(as), 1)]);
     for (int64_t i = 0; i < n; ++i) {
       if (as == DType::F32) reinterpret_cast<float*>(buf.get())[i] = wide[i];

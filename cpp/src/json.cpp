@@ -3,7 +3,6 @@
 #include "json.h"
 
 #include <charconv>
-#include <cmath>
 #include <limits>
 #include <system_error>
 
@@ -192,11 +191,23 @@ class Parser {
   void utf8_sequence(std::string& out) {
     auto lead = uint8_t(text_[pos_]);
     size_t len;
-    uint32_t cp, min;
-    if (lead >= 0xc2 && lead <= 0xdf) len = 2, cp = lead & 0x1f, min = 0x80;
-    else if (lead >= 0xe0 && lead <= 0xef) len = 3, cp = lead & 0x0f, min = 0x800;
-    else if (lead >= 0xf0 && lead <= 0xf4) len = 4, cp = lead & 0x07, min = 0x10000;
-    else fail("invalid UTF-8");
+    uint32_t cp;
+    uint32_t min;  // smallest code point this length may encode
+    if (lead >= 0xc2 && lead <= 0xdf) {
+      len = 2;
+      cp = lead & 0x1fu;
+      min = 0x80;
+    } else if (lead >= 0xe0 && lead <= 0xef) {
+      len = 3;
+      cp = lead & 0x0fu;
+      min = 0x800;
+    } else if (lead >= 0xf0 && lead <= 0xf4) {
+      len = 4;
+      cp = lead & 0x07u;
+      min = 0x10000;
+    } else {
+      fail("invalid UTF-8");
+    }
     if (text_.size() - pos_ < len) fail("truncated UTF-8 sequence");
     for (size_t i = 1; i < len; ++i) {
       auto b = uint8_t(text_[pos_ + i]);
@@ -266,7 +277,9 @@ class Parser {
       return;
     }
     // -?(0|[1-9][0-9]*)(\.[0-9]+)?([eE][+-]?[0-9]+)?
-    if (!consume('0') && digits() == 0) fail(negative ? "expected a digit after '-'" : "expected a value");
+    if (!consume('0') && digits() == 0) {
+      fail(negative ? "expected a digit after '-'" : "expected a value");
+    }
     bool integral = true;
     if (consume('.')) {
       integral = false;
@@ -330,6 +343,8 @@ class Parser {
 
 }  // namespace
 
-Value parse(std::string_view text, const std::string& what) { return Parser(text, what).document(); }
+Value parse(std::string_view text, const std::string& what) {
+  return Parser(text, what).document();
+}
 
 }  // namespace diffuserve::json

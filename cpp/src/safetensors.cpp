@@ -9,8 +9,6 @@
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
-#include <set>
-#include <string_view>
 
 #include "diffuserve/errors.h"
 #include "json.h"
@@ -29,6 +27,10 @@ std::string shape_string(const std::vector<int64_t>& shape) {
     s += std::to_string(shape[i]);
   }
   return s + "]";
+}
+
+std::string range_string(uint64_t begin, uint64_t end) {
+  return "[" + std::to_string(begin) + ", " + std::to_string(end) + ")";
 }
 
 bool is_non_negative_integer(const json::Value& v) {
@@ -68,7 +70,7 @@ TensorView parse_entry(const std::string& path, const std::string& name, const j
   }
   auto begin = uint64_t(offsets->array[0].integer);
   auto end = uint64_t(offsets->array[1].integer);
-  const std::string range = "[" + std::to_string(begin) + ", " + std::to_string(end) + ")";
+  const std::string range = range_string(begin, end);
   if (begin > end) throw FormatError(where + "data_offsets " + range + " end before they begin");
   if (end > data_size) {
     throw FormatError(where + "data_offsets " + range + " run past the end of the data section (" +
@@ -109,7 +111,8 @@ void check_no_overlap(const std::string& path, const std::map<std::string, Tenso
     const TensorView& b = *spans[i];
     if (b.data < a.data + a.nbytes) {
       auto range = [data](const TensorView& t) {
-        return "[" + std::to_string(t.data - data) + ", " + std::to_string(t.data - data + t.nbytes) + ")";
+        auto begin = uint64_t(t.data - data);
+        return range_string(begin, begin + t.nbytes);
       };
       throw FormatError(path + ": tensors '" + a.name + "' " + range(a) + " and '" + b.name + "' " +
                         range(b) + " have overlapping data_offsets");
@@ -135,10 +138,6 @@ std::string read_text_file(const std::string& path) {
   }
   ::close(fd);
   return text;
-}
-
-bool ends_with(const std::string& s, std::string_view suffix) {
-  return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
 }
 
 // weight_map values name files next to the index; anything else could escape the directory.
@@ -189,7 +188,8 @@ SafetensorsFile::SafetensorsFile(const std::string& path) : path_(path) {
     for (int i = 7; i >= 0; --i) header_len = (header_len << 8) | bytes[i];  // little-endian
     if (header_len > size - 8) {
       throw FormatError(path + ": bad header length " + std::to_string(header_len) + ": only " +
-                        std::to_string(size - 8) + " bytes follow it (truncated or not a safetensors file)");
+                        std::to_string(size - 8) +
+                        " bytes follow it (truncated, or not a safetensors file)");
     }
     if (header_len > kMaxHeaderBytes) {
       throw FormatError(path + ": bad header length " + std::to_string(header_len) +
@@ -227,7 +227,7 @@ SafetensorsFile::~SafetensorsFile() { ::munmap(map_, map_size_); }
 Checkpoint::Checkpoint(const std::string& dir) {
   namespace fs = std::filesystem;
   std::error_code ec;
-  if (ends_with(dir, ".safetensors") && !fs::is_directory(dir, ec)) {
+  if (dir.ends_with(".safetensors") && !fs::is_directory(dir, ec)) {
     files_.push_back(std::make_unique<SafetensorsFile>(dir));
     tensors_ = files_.back()->tensors();
     return;
@@ -247,35 +247,38 @@ Checkpoint::Checkpoint(const std::string& dir) {
   json::Value index = json::parse(read_text_file(index_path), index_path);
   const json::Value* weight_map = index.find("weight_map");
   if (!weight_map) throw FormatError(index_path + ": missing \"weight_map\"");
-  if (!weight_map->is_object()) throw FormatError(index_path + ": \"weight_map\" is not a JSON object");
-  std::set<std::string> shards;
+  if (!weight_map->is_object()) {
+    throw FormatError(index_path + ": \"weight_map\" is not a JSON object");
+  }
+  // Shard file name -> its opened file, filled in below.
+  std::map<std::string, const SafetensorsFile*> shards;
   for (const auto& [name, shard] : weight_map->object) {
     if (!shard.is_string()) {
-      throw FormatError(index_path + ": weight_map entry for tensor '" + name + "' is not a string");
+      throw FormatError(index_path + ": weight_map entry for tensor '" + name +
+                        "' is not a string");
     }
     if (!is_plain_filename(shard.string)) {
       throw FormatError(index_path + ": weight_map entry for tensor '" + name + "' names '" +
                         shard.string + "', which is not a file name inside " + dir);
     }
-    shards.insert(shard.string);
+    shards.emplace(shard.string, nullptr);
   }
 
   // Each shard is opened once; a tensor in a shard but not in weight_map is still loaded,
   // but one stored in two shards is ambiguous.
-  std::map<std::string, const SafetensorsFile*> opened;
-  for (const std::string& shard : shards) {
+  for (auto& [shard, file] : shards) {
     files_.push_back(std::make_unique<SafetensorsFile>((fs::path(dir) / shard).string()));
-    opened[shard] = files_.back().get();
-    for (const auto& [name, t] : files_.back()->tensors()) {
+    file = files_.back().get();
+    for (const auto& [name, t] : file->tensors()) {
       auto [it, inserted] = tensors_.emplace(name, t);
       if (!inserted) {
-        throw FormatError(index_path + ": tensor '" + name + "' is stored in both " + it->second.file +
-                          " and " + t.file);
+        throw FormatError(index_path + ": tensor '" + name + "' is stored in both " +
+                          it->second.file + " and " + t.file);
       }
     }
   }
   for (const auto& [name, shard] : weight_map->object) {
-    if (!opened.at(shard.string)->tensors().count(name)) {
+    if (!shards.at(shard.string)->tensors().contains(name)) {
       throw FormatError(index_path + ": tensor '" + name + "' is listed in weight_map under " +
                         shard.string + " but that shard does not contain it");
     }

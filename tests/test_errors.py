@@ -1,0 +1,407 @@
+"""Error handling: malformed checkpoints raise CheckpointError naming the file (and tensor),
+bad arguments raise ValueError naming what is wrong, and a failed call leaves the model and
+its sequences untouched and usable.
+"""
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import struct
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file
+
+import diffuserve as ds
+from diffuserve.random_checkpoint import write_random_checkpoint, write_safetensors
+
+TINY = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=2,
+            num_key_value_heads=1, head_dim=16, global_head_dim=32, num_global_key_value_heads=1, sliding_window=8,
+            num_experts=4, top_k_experts=2, moe_intermediate_size=16)
+CANVAS, VOCAB = 8, 64
+PROMPT = [2, 5, 7, 11, 13]
+NORM = "model.decoder.norm.weight"  # shape [32], F32: 128 bytes
+SC_NORM = "model.decoder.self_conditioning.pre_norm.weight"  # same shape as NORM
+ROUTER = "model.decoder.layers.1.router.proj.weight"  # shape [4, 32]
+
+
+@pytest.fixture(scope="session")
+def valid_dir(tmp_path_factory):
+    """A valid tiny checkpoint; tests that corrupt one work on a copy (see `ckpt`)."""
+    return write_random_checkpoint(tmp_path_factory.mktemp("valid") / "m", canvas_length=CANVAS, **TINY)
+
+
+@pytest.fixture
+def ckpt(valid_dir, tmp_path):
+    """A private copy of the valid checkpoint, free to corrupt."""
+    return shutil.copytree(valid_dir, tmp_path / "m")
+
+
+@pytest.fixture(scope="session")
+def model(valid_dir):
+    return ds.Model.load(valid_dir)
+
+
+@pytest.fixture
+def seq(model):
+    """A sequence with PROMPT prefilled."""
+    s = model.sequence()
+    s.prefill(PROMPT)
+    return s
+
+
+def load_fails(path, *fragments):
+    """Model.load(path) raises CheckpointError whose message holds every fragment."""
+    with pytest.raises(ds.CheckpointError, match=re.escape(fragments[0])) as info:
+        ds.Model.load(path)
+    for fragment in fragments[1:]:
+        assert fragment in str(info.value)
+
+
+def read_safetensors(path):
+    """(header dict, data section bytes) of a .safetensors file."""
+    raw = path.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    return json.loads(raw[8:8 + n]), raw[8 + n:]
+
+
+def pack(header, data=b""):
+    """Safetensors bytes from a header (dict, or raw bytes used verbatim) and a data section."""
+    head = header if isinstance(header, bytes) else json.dumps(header).encode()
+    head += b" " * (-len(head) % 8)
+    return struct.pack("<Q", len(head)) + head + data
+
+
+def logits_of(m):
+    s = m.sequence()
+    s.prefill(PROMPT)
+    return s.denoise(np.arange(CANVAS))
+
+
+def state_of(s):
+    """len(s) and a copy of every layer's KV cache."""
+    return len(s), [s.kv(i) for i in range(TINY["num_hidden_layers"])]
+
+
+def assert_intact(s, before):
+    """A failed call left `s` as it was, and it still prefills and denoises."""
+    length, kv = state_of(s)
+    assert length == before[0]
+    for (k0, v0, p0), (k1, v1, p1) in zip(before[1], kv):
+        np.testing.assert_array_equal(k0, k1)
+        np.testing.assert_array_equal(v0, v1)
+        assert p0 == p1
+    if length == 0:
+        s.prefill(PROMPT)
+    logits = s.denoise(np.arange(CANVAS))
+    assert logits.shape == (CANVAS, VOCAB) and np.isfinite(logits).all()
+    s.prefill([3, 4])
+    assert len(s) == max(length, len(PROMPT)) + 2
+
+
+# --- the safetensors file itself -------------------------------------------------------------
+
+BAD_FILES = {
+    "header length past end of file": (lambda h, d: struct.pack("<Q", len(pack(h, d))) + pack(h, d)[8:],
+                                       ["bad header length"]),
+    "header length 2**62": (lambda h, d: struct.pack("<Q", 2**62) + pack(h, d)[8:], ["bad header length"]),
+    "shorter than 8 bytes": (lambda h, d: b"\x10\x00\x00", ["too short"]),
+    "empty file": (lambda h, d: b"", ["0 bytes", "too short"]),
+    "header not JSON": (lambda h, d: pack(b'{"a": [1, 2', d), ["header", "invalid JSON"]),
+    "header not an object": (lambda h, d: pack(b"[1, 2, 3]", d), ["header is not a JSON object"]),
+    "unknown dtype": (lambda h, d: pack({**h, NORM: {**h[NORM], "dtype": "F99"}}, d),
+                      ["unknown dtype 'F99'", NORM]),
+    "data_offsets out of range": (lambda h, d: pack({**h, NORM: {**h[NORM], "data_offsets": [len(d), len(d) + 128]}}, d),
+                                  ["out of range", NORM]),
+    "overlapping data_offsets": (lambda h, d: pack({**h, SC_NORM: {**h[SC_NORM], "data_offsets": h[NORM]["data_offsets"]}}, d),
+                                 ["overlap", NORM, SC_NORM]),
+    "shape vs byte count": (lambda h, d: pack({**h, NORM: {**h[NORM], "shape": [33]}}, d),
+                            ["needs 132 bytes but data_offsets give 128", NORM]),
+    "negative shape": (lambda h, d: pack({**h, NORM: {**h[NORM], "shape": [-32]}}, d), ["non-negative integers", NORM]),
+    "fractional shape": (lambda h, d: pack({**h, NORM: {**h[NORM], "shape": [32.5]}}, d), ["non-negative integers", NORM]),
+    "string shape": (lambda h, d: pack({**h, NORM: {**h[NORM], "shape": ["32"]}}, d), ["non-negative integers", NORM]),
+    "data_offsets begin > end": (lambda h, d: pack({**h, NORM: {**h[NORM], "data_offsets": h[NORM]["data_offsets"][::-1]}}, d),
+                                 ["end before they begin", NORM]),
+    **{f"missing {key}": (lambda h, d, key=key: pack({**h, NORM: {k: v for k, v in h[NORM].items() if k != key}}, d),
+                          [f'"{key}"', NORM])
+       for key in ["dtype", "shape", "data_offsets"]},
+}
+
+
+@pytest.mark.parametrize("case", BAD_FILES)
+def test_corrupt_safetensors(ckpt, case):
+    """Each kind of malformed model.safetensors is refused, naming the file and the problem."""
+    corrupt, fragments = BAD_FILES[case]
+    path = ckpt / "model.safetensors"
+    path.write_bytes(corrupt(*read_safetensors(path)))
+    load_fails(ckpt, str(path), *fragments)
+
+
+def test_truncated_data_section(ckpt):
+    """Bytes cut off the end: the last tensor no longer fits, and the message says truncated."""
+    path = ckpt / "model.safetensors"
+    header, data = read_safetensors(path)
+    last = max(header, key=lambda name: header[name]["data_offsets"][1])
+    path.write_bytes(pack(header, data[:-4]))
+    load_fails(ckpt, "truncated", str(path), last)
+
+
+# --- sharded checkpoints ----------------------------------------------------------------------
+
+SHARDS = ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
+
+
+def shard(ckpt):
+    """Splits model.safetensors into SHARDS plus an index; returns the index's weight_map."""
+    tensors = load_file(ckpt / "model.safetensors")
+    names = sorted(tensors)
+    weight_map = {name: SHARDS[i * 2 // len(names)] for i, name in enumerate(names)}
+    for file in SHARDS:
+        write_safetensors(ckpt / file, {n: tensors[n] for n in names if weight_map[n] == file})
+    (ckpt / "model.safetensors").unlink()
+    (ckpt / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return weight_map
+
+
+def test_sharded_checkpoint_matches_single_file(ckpt, model):
+    """A valid two-shard checkpoint loads and gives the single file's logits exactly."""
+    shard(ckpt)
+    np.testing.assert_array_equal(logits_of(ds.Model.load(ckpt)), logits_of(model))
+
+
+def test_index_invalid_json(ckpt):
+    shard(ckpt)
+    index = ckpt / "model.safetensors.index.json"
+    index.write_text('{"weight_map": {')
+    load_fails(ckpt, "invalid JSON", str(index))
+
+
+def test_index_without_weight_map(ckpt):
+    shard(ckpt)
+    index = ckpt / "model.safetensors.index.json"
+    index.write_text('{"metadata": {}}')
+    load_fails(ckpt, "weight_map", str(index))
+
+
+def test_index_names_missing_shard(ckpt):
+    weight_map = shard(ckpt)
+    weight_map[ROUTER] = "model-00003-of-00002.safetensors"
+    (ckpt / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    load_fails(ckpt, "model-00003-of-00002.safetensors", "cannot open")
+
+
+def test_index_lists_tensor_not_in_its_shard(ckpt):
+    weight_map = shard(ckpt)
+    weight_map[ROUTER] = next(f for f in SHARDS if f != weight_map[ROUTER])
+    (ckpt / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    load_fails(ckpt, ROUTER, "does not contain", "model.safetensors.index.json")
+
+
+def test_index_shard_path_escaping_directory(ckpt):
+    """'../x.safetensors' is refused even though that file exists and is valid."""
+    weight_map = shard(ckpt)
+    shutil.copy(ckpt / weight_map[ROUTER], ckpt.parent / "x.safetensors")
+    weight_map = {name: "../x.safetensors" if file == weight_map[ROUTER] else file for name, file in weight_map.items()}
+    (ckpt / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    load_fails(ckpt, "'../x.safetensors'", "not a file name inside")
+
+
+# --- config.json ------------------------------------------------------------------------------
+
+def _set(cfg, dotted, value):
+    *parents, key = dotted.split(".")
+    for p in parents:
+        cfg = cfg[p]
+    if value is _DELETE:
+        del cfg[key]
+    else:
+        cfg[key] = value
+
+
+_DELETE = object()
+BAD_CONFIGS = {
+    "model_type": ("model_type", "gemma3", ["model_type 'gemma3' is not supported"]),
+    "no text_config": ("text_config", _DELETE, ["text_config is missing"]),
+    "no hidden_size": ("text_config.hidden_size", _DELETE, ["text_config.hidden_size is missing"]),
+    "string hidden_size": ("text_config.hidden_size", "32", ["text_config.hidden_size must be an integer"]),
+    "layer_types length": ("text_config.layer_types", ["sliding_attention"] * 3, ["text_config.layer_types", "(2)"]),
+    "rope_type": ("text_config.rope_parameters.full_attention.rope_type", "yarn", ["rope_type", "'yarn' is not supported"]),
+    "hidden_activation": ("text_config.hidden_activation", "relu", ["hidden_activation", "'relu' is not supported"]),
+    "per-layer override": ("text_config.per_layer_config.1.sliding_window", 4,
+                           ["per_layer_config.1.sliding_window", "not a supported per-layer override"]),
+}
+
+
+@pytest.mark.parametrize("case", BAD_CONFIGS)
+def test_bad_config(ckpt, case):
+    """Each config.json problem is refused, naming config.json and the field."""
+    field, value, fragments = BAD_CONFIGS[case]
+    path = ckpt / "config.json"
+    cfg = json.loads(path.read_text())
+    _set(cfg, field, value)
+    path.write_text(json.dumps(cfg))
+    load_fails(ckpt, str(path), *fragments)
+
+
+def test_config_invalid_json(ckpt):
+    path = ckpt / "config.json"
+    path.write_text(path.read_text()[:-10])
+    load_fails(ckpt, str(path), "invalid JSON")
+
+
+def test_config_missing(ckpt):
+    (ckpt / "config.json").unlink()
+    load_fails(ckpt, str(ckpt / "config.json"), "cannot open")
+
+
+# --- tensors against the config ---------------------------------------------------------------
+
+def rewrite(ckpt, edit):
+    """Reloads model.safetensors's tensors, applies edit(dict) and writes them back."""
+    tensors = load_file(ckpt / "model.safetensors")
+    edit(tensors)
+    write_safetensors(ckpt / "model.safetensors", tensors)
+
+
+def test_missing_tensor(ckpt):
+    rewrite(ckpt, lambda t: t.pop(ROUTER))
+    load_fails(ckpt, f"missing tensor '{ROUTER}'", "expected shape [4, 32]", str(ckpt))
+
+
+def test_unexpected_tensor(ckpt):
+    name = "model.decoder.layers.0.mystery.weight"
+    rewrite(ckpt, lambda t: t.update({name: np.zeros(4, np.float32)}))
+    load_fails(ckpt, f"unexpected tensor '{name}'", str(ckpt / "model.safetensors"))
+
+
+def test_misshaped_tensor(ckpt):
+    rewrite(ckpt, lambda t: t.update({ROUTER: np.zeros((5, 32), np.float32)}))
+    load_fails(ckpt, f"tensor '{ROUTER}' has shape [5, 32], expected [4, 32]", str(ckpt / "model.safetensors"))
+
+
+@pytest.mark.parametrize("name", ["model.decoder.embed_tokens.weight", ROUTER, NORM])
+def test_integer_dtype_tensor(ckpt, name):
+    """An I32 tensor where a float weight belongs (the same bytes, reinterpreted) is refused."""
+    rewrite(ckpt, lambda t: t.update({name: ("I32", t[name].view(np.int32))}))
+    load_fails(ckpt, f"tensor '{name}' has dtype I32", "expected F32, BF16 or F16", str(ckpt / "model.safetensors"))
+
+
+def test_vision_tower_tensors_ignored(ckpt, model):
+    """Vision-tower tensors are accepted and change nothing."""
+    rewrite(ckpt, lambda t: t.update({
+        "model.encoder.vision_tower.encoder.layers.0.mlp.fc1.weight": np.ones((16, 16), np.float32),
+        "model.encoder.vision_tower.patch_embedder.weight": ("I32", np.arange(6, dtype=np.int32)),
+        "model.encoder.embed_vision.embedding_projection.weight": np.ones((32, 16), np.float32),
+    }))
+    np.testing.assert_array_equal(logits_of(ds.Model.load(ckpt)), logits_of(model))
+
+
+# --- Model.load arguments ---------------------------------------------------------------------
+
+def test_load_nonexistent_path(tmp_path):
+    missing = tmp_path / "nowhere"
+    with pytest.raises(ds.CheckpointError, match=re.escape(str(missing))):
+        ds.Model.load(missing)
+
+
+def test_load_bad_dtype(valid_dir):
+    with pytest.raises(ValueError, match="dtype 'int8' is not supported"):
+        ds.Model.load(valid_dir, dtype="int8")
+
+
+@pytest.mark.parametrize("device", ["tpu", "cuda"])
+def test_load_unavailable_device(valid_dir, device):
+    if device == "cuda":
+        try:
+            ds.Model.load(valid_dir, device="cuda")
+            pytest.skip("this build has a CUDA backend")
+        except ValueError:
+            pass
+    with pytest.raises(ValueError, match=f"device '{device}' is not available"):
+        ds.Model.load(valid_dir, device=device)
+
+
+# --- Sequence arguments -----------------------------------------------------------------------
+
+def call(s, op, ids):
+    """prefill, denoise or commit `ids` on s."""
+    return getattr(s, op)(ids)
+
+
+@pytest.mark.parametrize("op", ["prefill", "denoise", "commit"])
+@pytest.mark.parametrize("bad", [VOCAB, -1])
+def test_token_id_out_of_range(seq, op, bad):
+    """The message names the offending id and its index; nothing changes."""
+    before = state_of(seq)
+    ids = np.arange(CANVAS)
+    ids[2] = bad
+    with pytest.raises(ValueError, match=rf"{op}: token id {bad} at index 2 is out of range \[0, {VOCAB}\)"):
+        call(seq, op, ids)
+    assert_intact(seq, before)
+
+
+@pytest.mark.parametrize("op", ["prefill", "denoise", "commit"])
+@pytest.mark.parametrize("ids, message", [
+    (np.arange(CANVAS, dtype=np.float64), "token ids must be integers"),
+    ([1.0] * CANVAS, "token ids must be integers"),
+    ([True] * CANVAS, "token ids must be integers"),
+    (np.arange(CANVAS).reshape(2, 4), r"token ids must be a 1-D sequence, got shape \(2, 4\)"),
+], ids=["float array", "float list", "bool", "2-D"])
+def test_token_ids_wrong_type_or_rank(seq, op, ids, message):
+    before = state_of(seq)
+    with pytest.raises(ValueError, match=f"{op}: {message}"):
+        call(seq, op, ids)
+    assert_intact(seq, before)
+
+
+@pytest.mark.parametrize("op", ["prefill", "commit"])
+def test_empty_ids(seq, op):
+    before = state_of(seq)
+    with pytest.raises(ValueError, match=f"{op}: no tokens given"):
+        call(seq, op, [])
+    assert_intact(seq, before)
+
+
+@pytest.mark.parametrize("op", ["denoise", "commit"])
+def test_before_prefill(model, op):
+    """denoise and commit need a prefilled cache."""
+    s = model.sequence()
+    before = state_of(s)
+    with pytest.raises(ValueError, match=f"{op}: call prefill"):
+        call(s, op, np.arange(CANVAS))
+    assert_intact(s, before)
+
+
+@pytest.mark.parametrize("n", [CANVAS - 1, CANVAS + 1])
+def test_denoise_wrong_canvas_length(seq, n):
+    before = state_of(seq)
+    with pytest.raises(ValueError, match=f"denoise: canvas has {n} tokens, expected canvas_length {CANVAS}"):
+        seq.denoise(np.arange(n))
+    assert_intact(seq, before)
+
+
+def test_commit_longer_than_canvas(seq):
+    before = state_of(seq)
+    with pytest.raises(ValueError, match=f"commit: block of {CANVAS + 1} tokens is longer than canvas_length {CANVAS}"):
+        seq.commit(np.arange(CANVAS + 1))
+    assert_intact(seq, before)
+
+
+@pytest.mark.parametrize("shape", [(CANVAS, VOCAB - 1), (CANVAS - 1, VOCAB), (CANVAS * VOCAB,), (2, CANVAS, VOCAB)])
+def test_self_conditioning_wrong_shape(seq, shape):
+    before = state_of(seq)
+    with pytest.raises(ValueError, match="self_conditioning_logits must have shape"):
+        seq.denoise(np.arange(CANVAS), np.zeros(shape, np.float32))
+    assert_intact(seq, before)
+
+
+@pytest.mark.parametrize("value", [np.nan, np.inf])
+def test_self_conditioning_non_finite(seq, value):
+    """NaN or +inf is refused, naming the row and column."""
+    before = state_of(seq)
+    sc = np.zeros((CANVAS, VOCAB), np.float32)
+    sc[3, 5] = value
+    with pytest.raises(ValueError, match=r"self_conditioning_logits holds NaN or \+inf at row 3, column 5"):
+        seq.denoise(np.arange(CANVAS), sc)
+    assert_intact(seq, before)
