@@ -1,0 +1,45 @@
+// Loads a DiffusionGemma checkpoint, prefills a prompt and runs one denoise step: the
+// smallest native service built on diffuserve.
+//
+//   embed CHECKPOINT_DIR [TOKEN_ID ...]
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <vector>
+
+#include "diffuserve/diffuserve.h"
+
+int main(int argc, char** argv) {
+  if (argc < 2) {
+    std::fprintf(stderr, "usage: %s CHECKPOINT_DIR [PROMPT_TOKEN_ID ...]\n", argv[0]);
+    return 2;
+  }
+  try {
+    auto model = diffuserve::Model::load(argv[1]);
+    const diffuserve::ModelConfig& config = model->config();
+
+    std::vector<int32_t> prompt;
+    for (int i = 2; i < argc; ++i) prompt.push_back(std::atoi(argv[i]));
+    if (prompt.empty()) prompt = {2, 10, 11, 12};  // a few ids that exist in any vocabulary
+
+    auto seq = model->new_sequence();
+    seq->prefill(prompt);
+
+    // The first step of a block: a canvas of pad tokens, no self-conditioning.
+    std::vector<int32_t> canvas(config.canvas_length, std::max(config.pad_token_id, 0));
+    std::vector<float> logits = seq->denoise(canvas);
+
+    std::printf("loaded %s: %d layers, vocab %d, canvas %d\n", argv[1], config.num_layers, config.vocab_size,
+                config.canvas_length);
+    std::printf("prefilled %lld tokens; denoised canvas argmax:", static_cast<long long>(seq->length()));
+    for (int p = 0; p < std::min(config.canvas_length, 8); ++p) {
+      const float* row = logits.data() + static_cast<size_t>(p) * config.vocab_size;
+      std::printf(" %ld", static_cast<long>(std::max_element(row, row + config.vocab_size) - row));
+    }
+    std::printf("%s\n", config.canvas_length > 8 ? " ..." : "");
+    return 0;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "error: %s\n", e.what());
+    return 1;
+  }
+}
