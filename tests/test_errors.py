@@ -8,6 +8,8 @@ import json
 import re
 import shutil
 import struct
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -102,6 +104,11 @@ def assert_intact(s, before):
 
 # --- the safetensors file itself -------------------------------------------------------------
 
+def entry(header, name, **fields):
+    """The header with fields of tensor `name`'s entry replaced."""
+    return {**header, name: {**header[name], **fields}}
+
+
 BAD_FILES = {
     "header length past end of file": (lambda h, d: struct.pack("<Q", len(pack(h, d))) + pack(h, d)[8:],
                                        ["bad header length"]),
@@ -110,18 +117,17 @@ BAD_FILES = {
     "empty file": (lambda h, d: b"", ["0 bytes", "too short"]),
     "header not JSON": (lambda h, d: pack(b'{"a": [1, 2', d), ["header", "invalid JSON"]),
     "header not an object": (lambda h, d: pack(b"[1, 2, 3]", d), ["header is not a JSON object"]),
-    "unknown dtype": (lambda h, d: pack({**h, NORM: {**h[NORM], "dtype": "F99"}}, d),
-                      ["unknown dtype 'F99'", NORM]),
-    "data_offsets out of range": (lambda h, d: pack({**h, NORM: {**h[NORM], "data_offsets": [len(d), len(d) + 128]}}, d),
+    "unknown dtype": (lambda h, d: pack(entry(h, NORM, dtype="F99"), d), ["unknown dtype 'F99'", NORM]),
+    "data_offsets out of range": (lambda h, d: pack(entry(h, NORM, data_offsets=[len(d), len(d) + 128]), d),
                                   ["out of range", NORM]),
-    "overlapping data_offsets": (lambda h, d: pack({**h, SC_NORM: {**h[SC_NORM], "data_offsets": h[NORM]["data_offsets"]}}, d),
+    "overlapping data_offsets": (lambda h, d: pack(entry(h, SC_NORM, data_offsets=h[NORM]["data_offsets"]), d),
                                  ["overlap", NORM, SC_NORM]),
-    "shape vs byte count": (lambda h, d: pack({**h, NORM: {**h[NORM], "shape": [33]}}, d),
+    "shape vs byte count": (lambda h, d: pack(entry(h, NORM, shape=[33]), d),
                             ["needs 132 bytes but data_offsets give 128", NORM]),
-    "negative shape": (lambda h, d: pack({**h, NORM: {**h[NORM], "shape": [-32]}}, d), ["non-negative integers", NORM]),
-    "fractional shape": (lambda h, d: pack({**h, NORM: {**h[NORM], "shape": [32.5]}}, d), ["non-negative integers", NORM]),
-    "string shape": (lambda h, d: pack({**h, NORM: {**h[NORM], "shape": ["32"]}}, d), ["non-negative integers", NORM]),
-    "data_offsets begin > end": (lambda h, d: pack({**h, NORM: {**h[NORM], "data_offsets": h[NORM]["data_offsets"][::-1]}}, d),
+    "negative shape": (lambda h, d: pack(entry(h, NORM, shape=[-32]), d), ["non-negative integers", NORM]),
+    "fractional shape": (lambda h, d: pack(entry(h, NORM, shape=[32.5]), d), ["non-negative integers", NORM]),
+    "string shape": (lambda h, d: pack(entry(h, NORM, shape=["32"]), d), ["non-negative integers", NORM]),
+    "data_offsets begin > end": (lambda h, d: pack(entry(h, NORM, data_offsets=h[NORM]["data_offsets"][::-1]), d),
                                  ["end before they begin", NORM]),
     **{f"missing {key}": (lambda h, d, key=key: pack({**h, NORM: {k: v for k, v in h[NORM].items() if k != key}}, d),
                           [f'"{key}"', NORM])
@@ -201,15 +207,20 @@ def test_index_lists_tensor_not_in_its_shard(ckpt):
 def test_index_shard_path_escaping_directory(ckpt):
     """'../x.safetensors' is refused even though that file exists and is valid."""
     weight_map = shard(ckpt)
-    shutil.copy(ckpt / weight_map[ROUTER], ckpt.parent / "x.safetensors")
-    weight_map = {name: "../x.safetensors" if file == weight_map[ROUTER] else file for name, file in weight_map.items()}
+    escaped = weight_map[ROUTER]
+    shutil.copy(ckpt / escaped, ckpt.parent / "x.safetensors")
+    weight_map = {name: "../x.safetensors" if file == escaped else file for name, file in weight_map.items()}
     (ckpt / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
     load_fails(ckpt, "'../x.safetensors'", "not a file name inside")
 
 
 # --- config.json ------------------------------------------------------------------------------
 
+_DELETE = object()
+
+
 def _set(cfg, dotted, value):
+    """Sets (or, for _DELETE, removes) the dotted field of a config dict."""
     *parents, key = dotted.split(".")
     for p in parents:
         cfg = cfg[p]
@@ -219,14 +230,14 @@ def _set(cfg, dotted, value):
         cfg[key] = value
 
 
-_DELETE = object()
 BAD_CONFIGS = {
     "model_type": ("model_type", "gemma3", ["model_type 'gemma3' is not supported"]),
     "no text_config": ("text_config", _DELETE, ["text_config is missing"]),
     "no hidden_size": ("text_config.hidden_size", _DELETE, ["text_config.hidden_size is missing"]),
     "string hidden_size": ("text_config.hidden_size", "32", ["text_config.hidden_size must be an integer"]),
     "layer_types length": ("text_config.layer_types", ["sliding_attention"] * 3, ["text_config.layer_types", "(2)"]),
-    "rope_type": ("text_config.rope_parameters.full_attention.rope_type", "yarn", ["rope_type", "'yarn' is not supported"]),
+    "rope_type": ("text_config.rope_parameters.full_attention.rope_type", "yarn",
+                  ["rope_parameters.full_attention.rope_type", "'yarn' is not supported"]),
     "hidden_activation": ("text_config.hidden_activation", "relu", ["hidden_activation", "'relu' is not supported"]),
     "per-layer override": ("text_config.per_layer_config.1.sliding_window", 4,
                            ["per_layer_config.1.sliding_window", "not a supported per-layer override"]),
@@ -322,12 +333,27 @@ def test_load_unavailable_device(valid_dir, device):
         ds.Model.load(valid_dir, device=device)
 
 
+@pytest.mark.parametrize("threads", [1000, 100_000], ids=["more than the OS starts", "over the cap"])
+def test_load_more_threads_than_the_system_allows(valid_dir, tmp_path, threads):
+    """num_threads beyond what the process can start must raise ValueError (or load), never hang or abort."""
+    script = (
+        "import resource, diffuserve as ds\n"
+        "resource.setrlimit(resource.RLIMIT_AS, (1 << 30, 1 << 30))  # ~100 thread stacks, then EAGAIN\n"
+        "try:\n"
+        f"    ds.Model.load({str(valid_dir)!r}, num_threads={threads})\n"
+        "except ValueError as e:\n"
+        "    print('ValueError:', e)\n"
+        "else:\n"
+        "    print('loaded')\n")
+    try:
+        proc = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=3)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"Model.load(num_threads={threads}) hung")
+    assert proc.returncode == 0, proc.stderr
+    assert re.fullmatch(r"loaded\n|ValueError: .*num_threads.*\n", proc.stdout), proc.stdout
+
+
 # --- Sequence arguments -----------------------------------------------------------------------
-
-def call(s, op, ids):
-    """prefill, denoise or commit `ids` on s."""
-    return getattr(s, op)(ids)
-
 
 @pytest.mark.parametrize("op", ["prefill", "denoise", "commit"])
 @pytest.mark.parametrize("bad", [VOCAB, -1])
@@ -337,7 +363,7 @@ def test_token_id_out_of_range(seq, op, bad):
     ids = np.arange(CANVAS)
     ids[2] = bad
     with pytest.raises(ValueError, match=rf"{op}: token id {bad} at index 2 is out of range \[0, {VOCAB}\)"):
-        call(seq, op, ids)
+        getattr(seq, op)(ids)
     assert_intact(seq, before)
 
 
@@ -351,7 +377,7 @@ def test_token_id_out_of_range(seq, op, bad):
 def test_token_ids_wrong_type_or_rank(seq, op, ids, message):
     before = state_of(seq)
     with pytest.raises(ValueError, match=f"{op}: {message}"):
-        call(seq, op, ids)
+        getattr(seq, op)(ids)
     assert_intact(seq, before)
 
 
@@ -359,7 +385,7 @@ def test_token_ids_wrong_type_or_rank(seq, op, ids, message):
 def test_empty_ids(seq, op):
     before = state_of(seq)
     with pytest.raises(ValueError, match=f"{op}: no tokens given"):
-        call(seq, op, [])
+        getattr(seq, op)([])
     assert_intact(seq, before)
 
 
@@ -369,7 +395,7 @@ def test_before_prefill(model, op):
     s = model.sequence()
     before = state_of(s)
     with pytest.raises(ValueError, match=f"{op}: call prefill"):
-        call(s, op, np.arange(CANVAS))
+        getattr(s, op)(np.arange(CANVAS))
     assert_intact(s, before)
 
 
@@ -403,5 +429,22 @@ def test_self_conditioning_non_finite(seq, value):
     sc = np.zeros((CANVAS, VOCAB), np.float32)
     sc[3, 5] = value
     with pytest.raises(ValueError, match=r"self_conditioning_logits holds NaN or \+inf at row 3, column 5"):
+        seq.denoise(np.arange(CANVAS), sc)
+    assert_intact(seq, before)
+
+
+def test_self_conditioning_neg_inf_entries_accepted(seq):
+    """-inf marks a token the sampler ruled out: it is valid input and the logits stay finite."""
+    sc = np.zeros((CANVAS, VOCAB), np.float32)
+    sc[:, ::2] = -np.inf
+    assert np.isfinite(seq.denoise(np.arange(CANVAS), sc)).all()
+
+
+def test_self_conditioning_row_all_neg_inf(seq):
+    """A row with no finite logit (its softmax is 0/0) is refused, naming the row."""
+    before = state_of(seq)
+    sc = np.zeros((CANVAS, VOCAB), np.float32)
+    sc[3] = -np.inf
+    with pytest.raises(ValueError, match="self_conditioning_logits row 3 is all -inf"):
         seq.denoise(np.arange(CANVAS), sc)
     assert_intact(seq, before)

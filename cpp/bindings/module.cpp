@@ -11,7 +11,10 @@
 
 #include <cstring>
 
+#include "backend.h"
 #include "diffuserve/diffuserve.h"
+#include "diffuserve/generate.h"
+#include "sampler.h"
 
 namespace nb = nanobind;
 using namespace diffuserve;
@@ -60,6 +63,74 @@ nb::dict config_dict(const ModelConfig& c) {
   return d;
 }
 
+// The sampler's pieces, exposed for testing against transformers' own classes.
+void bind_sampler(nb::module_& m) {
+  nb::module_ s = m.def_submodule("sampler", "DiffusionGemma's sampler pieces (for tests)");
+  s.def("schedule_temperature", &schedule_temperature, nb::arg("t_min"), nb::arg("t_max"),
+        nb::arg("steps_remaining"), nb::arg("max_steps"));
+  s.def("accept_by_entropy", [](const std::vector<float>& entropy, float bound) {
+    return accept_by_entropy(entropy, bound, {});
+  });
+  // One `sample` op on the CPU backend: returns (processed logits, argmax, candidate, entropy).
+  s.def("sample_rows", [](LogitsIn logits, float temperature, const std::vector<int32_t>& allowed_ids, uint64_t seed,
+                          uint32_t block, uint32_t step) {
+    const int64_t rows = logits.shape(0), vocab = logits.shape(1);
+    std::vector<uint8_t> allowed;
+    if (!allowed_ids.empty()) {
+      allowed.assign(vocab, 0);
+      for (int32_t t : allowed_ids) allowed.at(t) = 1;
+    }
+    auto be = make_cpu_backend(1);
+    Activation a = be->alloc(rows, vocab);
+    be->from_host(logits.data(), a);
+    const std::vector<RowSample> out = be->sample(a, temperature, allowed, RandomKey{seed, block, step}, DType::F32);
+    std::vector<float> processed(a.size());
+    be->to_host(a, processed.data());
+    std::vector<int32_t> argmax, candidate;
+    std::vector<float> entropy;
+    for (const auto& r : out) {
+      argmax.push_back(r.argmax);
+      candidate.push_back(r.candidate);
+      entropy.push_back(r.entropy);
+    }
+    const size_t n = size_t(rows);
+    return nb::make_tuple(to_numpy(std::move(processed), {n, size_t(vocab)}), to_numpy(std::move(argmax), {n}),
+                          to_numpy(std::move(candidate), {n}), to_numpy(std::move(entropy), {n}));
+  });
+  nb::class_<StableAndConfident>(s, "StableAndConfident")
+      .def(nb::init<int, float>(), nb::arg("stability_threshold"), nb::arg("confidence_threshold"))
+      .def("__call__", &StableAndConfident::operator(), nb::arg("argmax_canvas"), nb::arg("mean_entropy"));
+}
+
+void bind_generate(nb::module_& m) {
+  nb::class_<SamplingParams>(m, "SamplingParams")
+      .def(nb::init<>())
+      .def_rw("max_new_tokens", &SamplingParams::max_new_tokens)
+      .def_rw("max_denoising_steps", &SamplingParams::max_denoising_steps)
+      .def_rw("t_min", &SamplingParams::t_min)
+      .def_rw("t_max", &SamplingParams::t_max)
+      .def_rw("entropy_bound", &SamplingParams::entropy_bound)
+      .def_rw("stability_threshold", &SamplingParams::stability_threshold)
+      .def_rw("confidence_threshold", &SamplingParams::confidence_threshold)
+      .def_rw("eos_token_ids", &SamplingParams::eos_token_ids)
+      .def_rw("seed", &SamplingParams::seed, nb::arg().none())
+      .def_rw("canvas_length", &SamplingParams::canvas_length)
+      .def_rw("seed_canvas", &SamplingParams::seed_canvas)
+      .def_rw("pinned_positions", &SamplingParams::pinned_positions)
+      .def_rw("allowed_token_ids", &SamplingParams::allowed_token_ids);
+  nb::class_<GenerationOutput>(m, "GenerationOutput")
+      .def_ro("token_ids", &GenerationOutput::token_ids)
+      .def_ro("finish_reason", &GenerationOutput::finish_reason)
+      .def_ro("denoise_steps", &GenerationOutput::denoise_steps)
+      .def_ro("tokens_per_forward", &GenerationOutput::tokens_per_forward)
+      .def_ro("seed", &GenerationOutput::seed);
+  m.def("generate", [](Model& model, const std::vector<std::vector<int32_t>>& prompts,
+                       const std::vector<SamplingParams>& params) {
+    nb::gil_scoped_release release;
+    return generate(model, prompts, params);
+  });
+}
+
 }  // namespace
 
 NB_MODULE(_core, m) {
@@ -77,7 +148,8 @@ NB_MODULE(_core, m) {
       .def_prop_ro("config", [](const Model& self) { return config_dict(self.config()); })
       .def_prop_ro("dtype", [](const Model& self) { return std::string(dtype_name(self.weight_dtype())); })
       .def_prop_ro("device", &Model::device)
-      .def("sequence", &Model::new_sequence);
+      .def("sequence", &Model::new_sequence, nb::arg("canvas_length") = 0)
+      .def("sampling_defaults", [](const Model& self) { return sampling_defaults(self.config()); });
 
   nb::class_<Sequence>(m, "Sequence")
       .def("prefill",
@@ -107,10 +179,14 @@ NB_MODULE(_core, m) {
           },
           nb::arg("canvas"), nb::arg("self_conditioning_logits").none())
       .def("__len__", &Sequence::length)
+      .def_prop_ro("canvas_length", &Sequence::canvas_length)
       .def("kv", [](const Sequence& self, int layer) {
         LayerKV kv = self.kv(layer);
         const size_t h = kv.kv_heads, r = kv.rows, d = kv.head_dim;
         return nb::make_tuple(to_numpy(std::move(kv.keys), {h, r, d}), to_numpy(std::move(kv.values), {h, r, d}),
                               kv.first_position);
       });
+
+  bind_generate(m);
+  bind_sampler(m);
 }

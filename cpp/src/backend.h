@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "diffuserve/dtype.h"
+#include "philox.h"
 
 namespace diffuserve {
 
@@ -51,6 +52,13 @@ struct Routing {
   std::vector<int32_t> experts;  // [tokens, top_k]
   std::vector<float> weights;    // [tokens, top_k]
   int top_k = 0;
+};
+
+// What the sampler needs of one canvas row of processed logits.
+struct RowSample {
+  int32_t argmax = 0;
+  int32_t candidate = 0;  // a draw from softmax(processed logits), by Gumbel-max
+  float entropy = 0;      // of softmax(processed logits), in nats
 };
 
 class Backend {
@@ -102,6 +110,14 @@ class Backend {
   virtual void softcap(Activation& x, float cap) = 0;
   // Row-wise softmax in fp32.
   virtual void softmax(Activation& x) = 0;
+  // The sampler's pass over canvas logits, in place, one row per canvas position:
+  // processed = logits / temperature, with ids outside `allowed` (when not empty: one
+  // flag per vocab id) set to -inf; then per row the argmax, a Gumbel-max candidate drawn
+  // with `key` at (row, vocab id), and the entropy. Finally the processed logits are
+  // rounded to `feedback_dtype`: they are the next step's self-conditioning input, which
+  // the reference casts to the weight dtype.
+  virtual std::vector<RowSample> sample(Activation& logits, float temperature, const std::vector<uint8_t>& allowed,
+                                        const RandomKey& key, DType feedback_dtype) = 0;
 };
 
 std::unique_ptr<Backend> make_cpu_backend(int num_threads);

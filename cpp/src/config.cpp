@@ -4,6 +4,8 @@
 // into a model that silently computes something else.
 #include "diffuserve/config.h"
 
+#include <algorithm>
+#include <cctype>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
@@ -197,6 +199,12 @@ ModelConfig load_config(const std::string& dir) {
   if (!rope || !rope->is_object()) t.fail("rope_parameters", "is missing or not an object");
   const json::Value* per_layer = t.get("per_layer_config");
   if (per_layer && !per_layer->is_object()) t.fail("per_layer_config", "must be an object");
+  if (per_layer)
+    for (const auto& [key, value] : per_layer->object) {
+      const bool is_layer = !key.empty() && key.size() < 6 && std::all_of(key.begin(), key.end(), ::isdigit) &&
+                            std::stoi(key) < c.num_layers;
+      if (!is_layer) t.fail("per_layer_config." + key, "does not name a layer index below num_hidden_layers");
+    }
 
   for (int i = 0; i < c.num_layers; ++i) {
     const json::Value& type = types->array[i];

@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <numeric>
 
 #include "backend.h"
@@ -324,6 +325,42 @@ class CpuBackend final : public Backend {
         for (int64_t j = 0; j < x.cols; ++j) r[j] /= sum;
       }
     });
+  }
+
+  std::vector<RowSample> sample(Activation& logits, float temperature, const std::vector<uint8_t>& allowed,
+                                const RandomKey& key, DType feedback_dtype) override {
+    const int64_t vocab = logits.cols;
+    std::vector<RowSample> out(logits.rows);
+    pool_.parallel_for(logits.rows, 1, [&](int64_t b, int64_t e) {
+      for (int64_t row = b; row < e; ++row) {
+        float* l = logits.row(row);
+        float best = -INFINITY, best_noisy = -INFINITY;
+        RowSample& r = out[row];
+        for (int64_t v = 0; v < vocab; v += 4) {
+          const std::array<uint32_t, 4> bits = key.draw(uint32_t(row), uint32_t(v));
+          for (int64_t j = v; j < std::min(v + 4, vocab); ++j) {
+            l[j] = (allowed.empty() || allowed[j]) ? l[j] / temperature : -INFINITY;
+            if (l[j] > best) best = l[j], r.argmax = int32_t(j);
+            const float noisy = l[j] + gumbel(bits[j - v]);
+            if (noisy > best_noisy) best_noisy = noisy, r.candidate = int32_t(j);
+          }
+        }
+        // Entropy as torch.distributions.Categorical computes it: -sum(p * log p) with
+        // log p = l - logsumexp(l), clamped so that p = 0 contributes 0 rather than NaN.
+        float sum = 0;
+        for (int64_t j = 0; j < vocab; ++j) sum += std::exp(l[j] - best);
+        const float log_z = best + std::log(sum);
+        float entropy = 0;
+        for (int64_t j = 0; j < vocab; ++j) {
+          const float log_p = std::max(l[j] - log_z, -std::numeric_limits<float>::max());
+          entropy -= log_p * std::exp(l[j] - log_z);
+        }
+        r.entropy = entropy;
+        if (feedback_dtype != DType::F32)
+          for (int64_t j = 0; j < vocab; ++j) l[j] = round_to_dtype(l[j], feedback_dtype);
+      }
+    });
+    return out;
   }
 
  private:

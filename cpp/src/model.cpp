@@ -285,8 +285,8 @@ void encoder_forward(ModelState& m, std::vector<LayerCache>& cache, int64_t firs
   for (int li = 0; li < m.config.num_layers; ++li) layer_forward(m, li, h, positions, &cache[li], cache[li]);
 }
 
-void decoder_forward(ModelState& m, const std::vector<LayerCache>& cache, int64_t first_position,
-                     std::span<const int32_t> canvas, const float* self_conditioning_logits, float* logits) {
+Activation decoder_forward(ModelState& m, const std::vector<LayerCache>& cache, int64_t first_position,
+                           std::span<const int32_t> canvas, const Activation* self_conditioning_logits) {
   Backend& be = *m.backend;
   const ModelConfig& c = m.config;
   const ModelWeights& W = m.weights;
@@ -303,7 +303,7 @@ void decoder_forward(ModelState& m, const std::vector<LayerCache>& cache, int64_
   Activation soft = be.alloc(n, H), signal = be.alloc(n, H);
   if (self_conditioning_logits) {
     Activation probs = be.alloc(n, c.vocab_size);
-    be.from_host(self_conditioning_logits, probs);
+    be.copy_rows(*self_conditioning_logits, 0, probs, 0, n);
     be.softmax(probs);
     be.linear_nt(probs, W.embed_tokens, soft);
     be.scale(soft, m.embed_scale);
@@ -319,7 +319,7 @@ void decoder_forward(ModelState& m, const std::vector<LayerCache>& cache, int64_
   Activation out = be.alloc(n, c.vocab_size);
   be.linear(h, W.lm_head.empty() ? W.embed_tokens : W.lm_head, out);
   if (c.final_logit_softcapping > 0) be.softcap(out, c.final_logit_softcapping);
-  be.to_host(out, logits);
+  return out;
 }
 
 }  // namespace diffuserve

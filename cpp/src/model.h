@@ -63,8 +63,9 @@ void encoder_forward(ModelState& m, std::vector<LayerCache>& cache, int64_t firs
                      std::span<const int32_t> ids);
 
 // Bidirectional pass over a canvas at positions first_position.., reading the cache.
-// Writes softcapped logits [canvas, vocab] into `logits`.
-void decoder_forward(ModelState& m, const std::vector<LayerCache>& cache, int64_t first_position,
-                     std::span<const int32_t> canvas, const float* self_conditioning_logits, float* logits);
+// `self_conditioning_logits` ([canvas, vocab], backend memory) is null on a block's first
+// step. Returns softcapped fp32 logits [canvas, vocab] in backend memory.
+Activation decoder_forward(ModelState& m, const std::vector<LayerCache>& cache, int64_t first_position,
+                           std::span<const int32_t> canvas, const Activation* self_conditioning_logits);
 
 }  // namespace diffuserve

@@ -11,6 +11,7 @@ namespace diffuserve {
 struct Sequence::State {
   std::vector<LayerCache> cache;  // one per layer
   int64_t length = 0;
+  int canvas_length = 0;
 };
 
 namespace {
@@ -50,17 +51,24 @@ const ModelConfig& Model::config() const { return state_->config; }
 DType Model::weight_dtype() const { return state_->weight_dtype; }
 const std::string& Model::device() const { return state_->device; }
 
-std::unique_ptr<Sequence> Model::new_sequence() {
-  return std::unique_ptr<Sequence>(new Sequence(shared_from_this()));
+std::unique_ptr<Sequence> Model::new_sequence(int canvas_length) {
+  const int model_canvas = config().canvas_length;
+  if (canvas_length < 0 || canvas_length > model_canvas)
+    throw InvalidArgument("canvas_length " + std::to_string(canvas_length) + " is out of range [1, " +
+                          std::to_string(model_canvas) + "] (0 for the model's)");
+  return std::unique_ptr<Sequence>(new Sequence(shared_from_this(), canvas_length ? canvas_length : model_canvas));
 }
 
-Sequence::Sequence(std::shared_ptr<Model> model) : model_(std::move(model)), state_(std::make_unique<State>()) {
+Sequence::Sequence(std::shared_ptr<Model> model, int canvas_length)
+    : model_(std::move(model)), state_(std::make_unique<State>()) {
   state_->cache.resize(model_->config().num_layers);
+  state_->canvas_length = canvas_length;
 }
 Sequence::~Sequence() = default;
 
 int64_t Sequence::length() const { return state_->length; }
 const ModelConfig& Sequence::config() const { return model_->config(); }
+int Sequence::canvas_length() const { return state_->canvas_length; }
 
 namespace {
 
@@ -92,7 +100,7 @@ void Sequence::encode(std::span<const int32_t> ids, const char* what) {
 void Sequence::prefill(std::span<const int32_t> ids) { encode(ids, "prefill"); }
 
 void Sequence::commit(std::span<const int32_t> block) {
-  const int canvas = model_->config().canvas_length;
+  const int canvas = state_->canvas_length;
   if (block.size() > size_t(canvas))
     throw InvalidArgument("commit: block of " + std::to_string(block.size()) + " tokens is longer than canvas_length " +
                           std::to_string(canvas));
@@ -100,24 +108,47 @@ void Sequence::commit(std::span<const int32_t> block) {
   encode(block, "commit");
 }
 
-std::vector<float> Sequence::denoise(std::span<const int32_t> canvas, const float* self_conditioning_logits) {
+void Sequence::check_canvas(std::span<const int32_t> canvas) const {
   const ModelConfig& c = model_->config();
   if (state_->length == 0) throw InvalidArgument("denoise: call prefill before denoising (the cache is empty)");
-  if (canvas.size() != size_t(c.canvas_length))
+  if (canvas.size() != size_t(state_->canvas_length))
     throw InvalidArgument("denoise: canvas has " + std::to_string(canvas.size()) + " tokens, expected canvas_length " +
-                          std::to_string(c.canvas_length));
+                          std::to_string(state_->canvas_length));
   check_ids(canvas, c, "denoise");
   check_positions(state_->length, canvas.size(), c, "denoise");
+}
+
+std::vector<float> Sequence::denoise(std::span<const int32_t> canvas, const float* self_conditioning_logits) {
+  check_canvas(canvas);
+  const int64_t vocab = config().vocab_size, n = int64_t(canvas.size());
+  Backend& be = *model_->state().backend;
+  Activation sc;
   if (self_conditioning_logits) {
-    const size_t n = canvas.size() * size_t(c.vocab_size);
-    for (size_t i = 0; i < n; ++i)
-      if (std::isnan(self_conditioning_logits[i]) || self_conditioning_logits[i] == INFINITY)
-        throw InvalidArgument("denoise: self_conditioning_logits holds NaN or +inf at row " +
-                              std::to_string(i / c.vocab_size) + ", column " + std::to_string(i % c.vocab_size));
+    for (int64_t r = 0; r < n; ++r) {
+      const float* row = self_conditioning_logits + r * vocab;
+      bool any_finite = false;
+      for (int64_t j = 0; j < vocab; ++j) {
+        if (std::isnan(row[j]) || row[j] == INFINITY)
+          throw InvalidArgument("denoise: self_conditioning_logits holds NaN or +inf at row " + std::to_string(r) +
+                                ", column " + std::to_string(j));
+        any_finite |= std::isfinite(row[j]);
+      }
+      if (!any_finite)
+        throw InvalidArgument("denoise: self_conditioning_logits row " + std::to_string(r) + " is all -inf");
+    }
+    sc = be.alloc(n, vocab);
+    be.from_host(self_conditioning_logits, sc);
   }
-  std::vector<float> logits(canvas.size() * size_t(c.vocab_size));
-  decoder_forward(model_->state(), state_->cache, state_->length, canvas, self_conditioning_logits, logits.data());
-  return logits;
+  Activation logits = decoder_forward(model_->state(), state_->cache, state_->length, canvas,
+                                      self_conditioning_logits ? &sc : nullptr);
+  std::vector<float> out(logits.size());
+  be.to_host(logits, out.data());
+  return out;
+}
+
+Activation Sequence::denoise_logits(std::span<const int32_t> canvas, const Activation* self_conditioning_logits) {
+  check_canvas(canvas);
+  return decoder_forward(model_->state(), state_->cache, state_->length, canvas, self_conditioning_logits);
 }
 
 LayerKV Sequence::kv(int layer) const {

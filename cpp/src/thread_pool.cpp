@@ -3,6 +3,9 @@
 #include <algorithm>
 #include <cstdlib>
 #include <string>
+#include <system_error>
+
+#include "diffuserve/errors.h"
 
 namespace diffuserve {
 
@@ -12,16 +15,27 @@ ThreadPool::ThreadPool(int num_threads) {
     num_threads = env ? std::atoi(env) : 0;
   }
   if (num_threads <= 0) num_threads = int(std::max(1u, std::thread::hardware_concurrency()));
-  for (int i = 1; i < num_threads; ++i) workers_.emplace_back([this] { worker_loop(); });
+  if (num_threads > kMaxThreads)
+    throw InvalidArgument("num_threads " + std::to_string(num_threads) + " is more than " +
+                          std::to_string(kMaxThreads));
+  try {
+    for (int i = 1; i < num_threads; ++i) workers_.emplace_back([this] { worker_loop(); });
+  } catch (const std::system_error& e) {  // the OS refused a thread: stop the ones started
+    stop_workers();
+    throw InvalidArgument("cannot start " + std::to_string(num_threads) + " threads (num_threads): " + e.what());
+  }
 }
 
-ThreadPool::~ThreadPool() {
+ThreadPool::~ThreadPool() { stop_workers(); }
+
+void ThreadPool::stop_workers() {
   {
     std::lock_guard<std::mutex> lock(mutex_);
     stop_ = true;
   }
   wake_.notify_all();
   for (auto& t : workers_) t.join();
+  workers_.clear();
 }
 
 void ThreadPool::parallel_for(int64_t n, int64_t grain, const std::function<void(int64_t, int64_t)>& fn) {

@@ -12,7 +12,10 @@ namespace diffuserve {
 
 class ThreadPool {
  public:
-  // num_threads <= 0: DIFFUSERVE_NUM_THREADS, else the hardware's thread count.
+  static constexpr int kMaxThreads = 1024;
+
+  // num_threads <= 0: DIFFUSERVE_NUM_THREADS, else the hardware's thread count. More than
+  // kMaxThreads, or more than the OS will start, is an InvalidArgument.
   explicit ThreadPool(int num_threads);
   ~ThreadPool();
 
@@ -25,6 +28,7 @@ class ThreadPool {
 
  private:
   void worker_loop();
+  void stop_workers();
 
   std::vector<std::thread> workers_;
   std::mutex mutex_;

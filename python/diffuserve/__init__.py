@@ -10,10 +10,13 @@
 from pathlib import Path
 
 from ._core import CheckpointError
+from .llm import LLM, RequestOutput
 from .model import Model, Sequence
+from .sampling import SamplingParams
 
 __version__ = "0.1.0"
-__all__ = ["Model", "Sequence", "CheckpointError", "cmake_dir", "include_dir"]
+__all__ = ["Model", "Sequence", "LLM", "SamplingParams", "RequestOutput", "CheckpointError", "cmake_dir",
+           "include_dir"]
 
 _HERE = Path(__file__).resolve().parent
 

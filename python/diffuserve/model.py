@@ -50,8 +50,10 @@ class Model:
             dtype = str(dtype).replace("torch.", "")
         if dtype not in _DTYPES:
             raise ValueError(f"dtype {dtype!r} is not supported (use None, 'float32', 'bfloat16' or 'float16')")
-        if not isinstance(num_threads, int) or num_threads < 0:
-            raise ValueError(f"num_threads must be an integer >= 0, got {num_threads!r}")
+        if not isinstance(device, str):
+            raise ValueError(f"device must be a string such as 'cpu', got {device!r}")
+        if not isinstance(num_threads, int) or not 0 <= num_threads <= 1024:
+            raise ValueError(f"num_threads must be an integer in [0, 1024], got {num_threads!r}")
         return cls(_core.Model.load(path, device, _DTYPES[dtype], num_threads), path)
 
     @property
@@ -70,9 +72,9 @@ class Model:
     def device(self) -> str:
         return self._native.device
 
-    def sequence(self) -> "Sequence":
-        """A new, empty sequence with its own KV cache."""
-        return Sequence(self)
+    def sequence(self, canvas_length: Optional[int] = None) -> "Sequence":
+        """A new, empty sequence with its own KV cache; canvas_length narrows its canvas."""
+        return Sequence(self, canvas_length)
 
     def __repr__(self) -> str:
         return f"Model({self.path!r}, device={self.device!r}, dtype={self.dtype!r})"
@@ -81,9 +83,15 @@ class Model:
 class Sequence:
     """One sequence's KV cache and the three passes over it."""
 
-    def __init__(self, model: Model):
+    def __init__(self, model: Model, canvas_length: Optional[int] = None):
+        if canvas_length is not None and (not isinstance(canvas_length, int) or canvas_length < 1):
+            raise ValueError(f"canvas_length must be an integer >= 1, got {canvas_length!r}")
         self.model = model
-        self._native = model._native.sequence()
+        self._native = model._native.sequence(canvas_length or 0)
+
+    @property
+    def canvas_length(self) -> int:
+        return self._native.canvas_length
 
     def prefill(self, prompt_ids) -> None:
         """Causal encoder pass over the prompt (or a further chunk of it); appends KV."""
@@ -101,7 +109,7 @@ class Sequence:
             sc = np.ascontiguousarray(np.asarray(self_conditioning_logits, dtype=np.float32))
             if sc.ndim == 3 and sc.shape[0] == 1:
                 sc = sc[0]
-            expected = (len(canvas), self.model.vocab_size)
+            expected = (self.canvas_length, self.model.vocab_size)
             if sc.shape != expected:
                 raise ValueError(f"denoise: self_conditioning_logits must have shape {expected}, got {sc.shape}")
         return self._native.denoise(canvas, sc)

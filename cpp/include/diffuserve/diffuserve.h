@@ -31,6 +31,7 @@ struct LoadOptions {
 
 class Sequence;
 struct ModelState;
+struct Activation;
 
 class Model : public std::enable_shared_from_this<Model> {
  public:
@@ -41,7 +42,8 @@ class Model : public std::enable_shared_from_this<Model> {
   const ModelConfig& config() const;
   DType weight_dtype() const;
   const std::string& device() const;
-  std::unique_ptr<Sequence> new_sequence();
+  // A new, empty sequence. canvas_length: 0 for the model's, or a narrower canvas.
+  std::unique_ptr<Sequence> new_sequence(int canvas_length = 0);
 
   // For the runtime; not part of the stable surface.
   ModelState& state() { return *state_; }
@@ -65,21 +67,26 @@ class Sequence {
 
   // Causal encoder pass over `ids` at the next positions; appends their KV.
   void prefill(std::span<const int32_t> ids);
-  // Bidirectional decoder pass over a canvas of exactly config().canvas_length tokens,
-  // reading the KV cache without changing it. `self_conditioning_logits` is null (first
-  // step of a block) or [canvas, vocab] fp32. Returns softcapped fp32 logits [canvas, vocab].
+  // Bidirectional decoder pass over a canvas of exactly canvas_length() tokens, reading
+  // the KV cache without changing it. `self_conditioning_logits` is null (first step of a
+  // block) or [canvas, vocab] fp32. Returns softcapped fp32 logits [canvas, vocab].
   std::vector<float> denoise(std::span<const int32_t> canvas, const float* self_conditioning_logits = nullptr);
-  // Causal encoder pass over a finished block (1 to canvas_length tokens); appends KV.
+  // Causal encoder pass over a finished block (1 to canvas_length() tokens); appends KV.
   void commit(std::span<const int32_t> block);
 
   int64_t length() const;  // tokens encoded so far (prompt + committed blocks)
+  int canvas_length() const;
   const ModelConfig& config() const;
+
+  // For the runtime's denoise loop: denoise with the logits left in backend memory.
+  Activation denoise_logits(std::span<const int32_t> canvas, const Activation* self_conditioning_logits);
   LayerKV kv(int layer) const;
 
  private:
   friend class Model;
   struct State;
-  explicit Sequence(std::shared_ptr<Model> model);
+  Sequence(std::shared_ptr<Model> model, int canvas_length);
+  void check_canvas(std::span<const int32_t> canvas) const;
   void encode(std::span<const int32_t> ids, const char* what);
   std::shared_ptr<Model> model_;
   std::unique_ptr<State> state_;

@@ -1,0 +1,53 @@
+// Block-diffusion generation from token ids: the sampler of DiffusionGemma (entropy-bound
+// acceptance, renoising, stable-and-confident stopping, a linear temperature schedule)
+// with the whole denoise loop of each block run inside the runtime.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "diffuserve/diffuserve.h"
+
+namespace diffuserve {
+
+// Per-request parameters, named as in transformers' DiffusionGemmaGenerationConfig.
+// Model::sampling_defaults() fills them from the checkpoint's generation_config.json.
+struct SamplingParams {
+  int max_new_tokens = 256;
+  int max_denoising_steps = 48;
+  float t_min = 0.4f;  // temperature at the last step
+  float t_max = 0.8f;  // temperature at the first step
+  float entropy_bound = 0.1f;
+  int stability_threshold = 1;
+  float confidence_threshold = 0.005f;
+  std::vector<int32_t> eos_token_ids;
+  std::optional<uint64_t> seed;  // unset: a fresh random seed (reported in the output)
+
+  // Diffusion options (as vLLM offers them):
+  int canvas_length = 0;                   // 0: the model's; else a narrower canvas
+  std::vector<int32_t> seed_canvas;        // initial tokens of the first block's canvas
+  std::vector<int32_t> pinned_positions;   // first-block positions held at their seed_canvas token
+  std::vector<int32_t> allowed_token_ids;  // only these may be drawn, accepted or output
+};
+
+struct GenerationOutput {
+  std::vector<int32_t> token_ids;  // generated tokens, up to and including an EOS
+  std::string finish_reason;       // "stop" (EOS) or "length" (max_new_tokens)
+  std::vector<int> denoise_steps;  // decoder passes of each block
+  double tokens_per_forward = 0;   // generated tokens (pad ids excluded) / decoder passes
+  uint64_t seed = 0;               // the seed used
+};
+
+SamplingParams sampling_defaults(const ModelConfig& config);
+
+// Throws InvalidArgument naming the first bad parameter.
+void validate(const SamplingParams& params, const ModelConfig& config);
+
+// Generates for each prompt with its parameters (one set for all, or one per prompt).
+// A seeded request's output depends only on its prompt, parameters and seed.
+std::vector<GenerationOutput> generate(Model& model, const std::vector<std::vector<int32_t>>& prompts,
+                                       const std::vector<SamplingParams>& params);
+
+}  // namespace diffuserve
