@@ -1,0 +1,208 @@
+"""Generation end to end: against transformers' generate, and the sampler's behaviour."""
+import numpy as np
+import pytest
+import torch
+from transformers.models.diffusion_gemma.generation_diffusion_gemma import EntropyBoundSamplerConfig
+
+import diffuserve as ds
+from hf_reference import build_model, load, save
+
+S, F = "sliding_attention", "full_attention"
+
+
+def text(layer_types, **kw):
+    base = dict(vocab_size=96, hidden_size=32, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2,
+                head_dim=8, global_head_dim=16, num_global_key_value_heads=1, sliding_window=8, num_experts=4,
+                top_k_experts=2, moe_intermediate_size=16)
+    return {**base, **kw, "layer_types": layer_types, "num_hidden_layers": len(layer_types)}
+
+
+MODELS = {
+    "small": (text([S, F, F]), 8),
+    "wide_canvas": (text([S, S, F], num_experts=6, top_k_experts=3, sliding_window=12), 24),
+    "gqa4": (text([F, S, F], num_attention_heads=8, num_key_value_heads=2, sliding_window=16), 16),
+}
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("generate")
+    return {name: save(build_model(cfg, canvas, seed=i), root / name) for i, (name, (cfg, canvas)) in
+            enumerate(MODELS.items())}
+
+
+# Near-zero temperature makes every step's distribution one-hot and a huge entropy bound
+# accepts every position: what remains is deterministic, so both engines must agree token
+# for token (and in the number of steps each block took, through tokens_per_forward).
+GREEDY = dict(t_min=1e-6, t_max=2e-6)
+HUGE_BOUND = 1e9
+
+
+def hf_generate(model, prompt, seed_canvas, eos):
+    out = model.generate(input_ids=torch.tensor([prompt]), decoder_input_ids=torch.tensor([seed_canvas]),
+                         max_new_tokens=len(seed_canvas), sampler_config=EntropyBoundSamplerConfig(entropy_bound=HUGE_BOUND),
+                         eos_token_id=eos, pad_token_id=0, **GREEDY)
+    return out.sequences[0, len(prompt):].tolist(), float(out.tokens_per_forward[0])
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+@pytest.mark.parametrize("prompt_len", [3, 11, 30])
+def test_matches_hf_generate(checkpoints, name, prompt_len):
+    path = checkpoints[name]
+    canvas = MODELS[name][1]
+    hf, llm = load(path), ds.LLM(path)
+    rng = np.random.default_rng(prompt_len)
+    prompt = rng.integers(3, 96, prompt_len).tolist()
+    seed_canvas = rng.integers(3, 96, canvas).tolist()
+    expected, expected_tpf = hf_generate(hf, prompt, seed_canvas, eos=[1])
+    params = ds.SamplingParams(max_new_tokens=canvas, seed_canvas=seed_canvas, entropy_bound=HUGE_BOUND,
+                               eos_token_id=[1], seed=0, **GREEDY)
+    out = llm.generate([prompt], params)[0]
+    eos_at = expected.index(1) + 1 if 1 in expected else len(expected)
+    assert out.token_ids == expected[:eos_at]
+    assert out.tokens_per_forward == pytest.approx(expected_tpf)
+
+
+@pytest.mark.parametrize("name", ["small", "wide_canvas"])
+def test_eos_mid_canvas_matches_hf(checkpoints, name):
+    """Pick as EOS a token that first appears mid-canvas: both stop there, HF pads the rest."""
+    path = checkpoints[name]
+    canvas = MODELS[name][1]
+    hf, llm = load(path), ds.LLM(path)
+    rng = np.random.default_rng(7)
+    prompt, seed_canvas = rng.integers(3, 96, 9).tolist(), rng.integers(3, 96, canvas).tolist()
+    free_run, _ = hf_generate(hf, prompt, seed_canvas, eos=[95])
+    mid = next(i for i in range(canvas // 3, canvas) if free_run[i] not in free_run[:i])
+    eos = [free_run[mid], 2]  # several EOS ids: any of them ends the sequence
+    expected, expected_tpf = hf_generate(hf, prompt, seed_canvas, eos=eos)
+    assert expected[mid] == eos[0] and set(expected[mid + 1:]) == {0}  # HF's pad after EOS
+    out = llm.generate([prompt], ds.SamplingParams(max_new_tokens=canvas, seed_canvas=seed_canvas, eos_token_id=eos,
+                                                   entropy_bound=HUGE_BOUND, seed=0, **GREEDY))[0]
+    assert out.token_ids == expected[:mid + 1]
+    assert out.finish_reason == "stop"
+    assert out.tokens_per_forward == pytest.approx(expected_tpf)
+
+
+def test_seeded_request_is_the_same_alone_and_in_a_batch(checkpoints):
+    llm = ds.LLM(checkpoints["small"])
+    params = ds.SamplingParams(max_new_tokens=20, seed=1234, eos_token_id=[], max_denoising_steps=6)
+    prompt = [5, 6, 7, 8]
+    alone = llm.generate([prompt], params)[0]
+    batch = llm.generate([[9, 9, 9], prompt, list(range(3, 40))],
+                         [ds.SamplingParams(max_new_tokens=9, seed=1), params,
+                          ds.SamplingParams(max_new_tokens=30, canvas_length=5, t_min=0.1, t_max=2.0)])
+    assert batch[1].token_ids == alone.token_ids
+    assert batch[1].denoise_steps == alone.denoise_steps
+    assert llm.generate([prompt], params)[0].token_ids == alone.token_ids  # and again
+
+
+def test_unseeded_requests_draw_fresh_seeds_that_replay(checkpoints):
+    llm = ds.LLM(checkpoints["small"])
+    params = ds.SamplingParams(max_new_tokens=16, eos_token_id=[], max_denoising_steps=4)
+    a, b = llm.generate([[4, 5], [4, 5]], params)
+    assert a.seed != b.seed
+    replay = llm.generate([[4, 5]], ds.SamplingParams(max_new_tokens=16, eos_token_id=[], max_denoising_steps=4,
+                                                      seed=a.seed))[0]
+    assert replay.token_ids == a.token_ids
+
+
+def test_steps_run_to_the_limit_when_never_confident(checkpoints):
+    """A random model at temperature ~1 is far from the 1e-9 confidence bar: every block
+    takes max_denoising_steps."""
+    llm = ds.LLM(checkpoints["small"])
+    out = llm.generate([[3, 4, 5]], ds.SamplingParams(max_new_tokens=24, max_denoising_steps=9, t_min=0.9, t_max=1.0,
+                                                      confidence_threshold=1e-9, eos_token_id=[], seed=3))[0]
+    assert out.denoise_steps == [9, 9, 9]
+    # As transformers counts it: generated tokens other than the pad id, per decoder pass.
+    assert out.tokens_per_forward == pytest.approx(sum(t != 0 for t in out.token_ids) / 27)
+
+
+def test_stops_at_once_when_confident(checkpoints):
+    """Near-zero temperature makes every position certain: with stability_threshold 0 each
+    block stops after one step; with 1 it needs at least a second step to see the same
+    argmax (a random model's argmax keeps moving, so it may need many more)."""
+    llm = ds.LLM(checkpoints["small"])
+    common = dict(max_new_tokens=24, max_denoising_steps=20, eos_token_id=[], seed=3, **GREEDY)
+    out = llm.generate([[3, 4, 5]], ds.SamplingParams(stability_threshold=0, **common))[0]
+    assert out.denoise_steps == [1, 1, 1]
+    assert out.tokens_per_forward == pytest.approx(sum(t != 0 for t in out.token_ids) / 3)
+    out = llm.generate([[3, 4, 5]], ds.SamplingParams(stability_threshold=1, **common))[0]
+    assert all(s >= 2 for s in out.denoise_steps)
+
+
+def test_max_new_tokens_cuts_the_last_block(checkpoints):
+    llm = ds.LLM(checkpoints["small"])
+    out = llm.generate([[3, 4]], ds.SamplingParams(max_new_tokens=11, eos_token_id=[], max_denoising_steps=3, seed=0))[0]
+    assert len(out.token_ids) == 11 and out.finish_reason == "length" and len(out.denoise_steps) == 2
+
+
+def test_narrow_canvas_seed_canvas_and_pinned_positions(checkpoints):
+    llm = ds.LLM(checkpoints["wide_canvas"])
+    seed_canvas = list(range(10, 20))
+    out = llm.generate([[3, 4, 5]], ds.SamplingParams(canvas_length=10, max_new_tokens=25, seed_canvas=seed_canvas,
+                                                      pinned_positions=[0, 4, 9], eos_token_id=[],
+                                                      max_denoising_steps=5, seed=2))[0]
+    assert len(out.denoise_steps) == 3  # blocks of 10
+    assert [out.token_ids[i] for i in (0, 4, 9)] == [10, 14, 19]  # infilling keeps the pinned tokens
+
+
+def test_allowed_token_ids_constrain_every_output(checkpoints):
+    llm = ds.LLM(checkpoints["gqa4"])
+    allowed = [7, 8, 30, 61]
+    out = llm.generate([[3, 4, 5]], ds.SamplingParams(max_new_tokens=32, allowed_token_ids=allowed, eos_token_id=[],
+                                                      max_denoising_steps=4, seed=5))[0]
+    assert set(out.token_ids) <= set(allowed)
+
+
+def test_defaults_come_from_generation_config(checkpoints, tmp_path):
+    import json
+    import shutil
+    path = tmp_path / "m"
+    shutil.copytree(checkpoints["small"], path)
+    (path / "generation_config.json").write_text(json.dumps(
+        {"max_new_tokens": 12, "max_denoising_steps": 3, "eos_token_id": [], "t_min": 0.5, "t_max": 0.6,
+         "confidence_threshold": 1e-9, "sampler_config": {"entropy_bound": 0.2}}))
+    out = ds.LLM(path).generate([[3, 4]], ds.SamplingParams(seed=0))[0]
+    assert len(out.token_ids) == 12 and out.denoise_steps == [3, 3]
+
+
+@pytest.mark.parametrize("kwargs, name", [
+    (dict(max_new_tokens=0), "max_new_tokens"), (dict(max_new_tokens=2.5), "max_new_tokens"),
+    (dict(max_new_tokens=True), "max_new_tokens"), (dict(max_denoising_steps=0), "max_denoising_steps"),
+    (dict(t_min=-0.1), "t_min"), (dict(t_max=float("nan")), "t_max"), (dict(t_min=0.5, t_max=0.5), "t_max"),
+    (dict(entropy_bound=0), "entropy_bound"), (dict(entropy_bound=float("inf")), "entropy_bound"),
+    (dict(stability_threshold=-1), "stability_threshold"), (dict(confidence_threshold=0.0), "confidence_threshold"),
+    (dict(seed=-1), "seed"), (dict(seed=2**64), "seed"), (dict(eos_token_id=[-1]), "eos_token_id"),
+    (dict(eos_token_id="x"), "eos_token_id"), (dict(canvas_length=0), "canvas_length"),
+    (dict(seed_canvas=[]), "seed_canvas"), (dict(pinned_positions=[1]), "pinned_positions"),
+    (dict(seed_canvas=[1] * 8, pinned_positions=[2, 2]), "pinned_positions"),
+    (dict(allowed_token_ids=[]), "allowed_token_ids"), (dict(allowed_token_ids=[1.5]), "allowed_token_ids"),
+])
+def test_invalid_params_name_the_parameter(kwargs, name):
+    with pytest.raises(ValueError, match=name):
+        ds.SamplingParams(**kwargs)
+
+
+@pytest.mark.parametrize("kwargs, name", [
+    (dict(t_max=0.3), "t_max"),  # below the checkpoint's t_min default (0.4)
+    (dict(eos_token_id=[96]), "eos_token_ids"), (dict(canvas_length=9), "canvas_length"),
+    (dict(seed_canvas=[1] * 7), "seed_canvas"), (dict(seed_canvas=[1] * 7 + [96]), "seed_canvas"),
+    (dict(seed_canvas=[1] * 8, pinned_positions=[8]), "pinned_positions"),
+    (dict(allowed_token_ids=[3, 200]), "allowed_token_ids"),
+])
+def test_params_checked_against_the_model(checkpoints, kwargs, name):
+    llm = ds.LLM(checkpoints["small"])
+    with pytest.raises(ValueError, match=name):
+        llm.generate([[3, 4]], ds.SamplingParams(**kwargs))
+    assert llm.generate([[3, 4]], ds.SamplingParams(max_new_tokens=8, max_denoising_steps=2, seed=0))[0].token_ids
+
+
+@pytest.mark.parametrize("prompts, params, match", [
+    ([[3, 96]], None, "out of range"), ([[]], None, "empty"), ("hello", None, "tokenizer"),
+    ([[3], [4]], [ds.SamplingParams()] * 3, "3 SamplingParams for 2 prompts"),
+    ([[3]], [{"seed": 1}], "SamplingParams"),
+    ([[3]], ds.SamplingParams(max_new_tokens=10**9), "max_position_embeddings"),
+])
+def test_bad_generate_calls(checkpoints, prompts, params, match):
+    with pytest.raises(ValueError, match=match):
+        ds.LLM(checkpoints["small"]).generate(prompts, params)

@@ -1,0 +1,125 @@
+"""The sampler's pieces against transformers' own classes, on identical inputs."""
+import numpy as np
+import pytest
+import torch
+from transformers.models.diffusion_gemma.generation_diffusion_gemma import (
+    EntropyBoundSampler, EntropyBoundSamplerConfig, LinearTemperatureScheduleLogitsProcessor,
+    StableAndConfidentStoppingCriteria)
+
+from diffuserve import _core
+
+sampler = _core.sampler
+
+
+def sample_rows(logits, temperature=1.0, allowed=(), seed=0, block=0, step=0):
+    return sampler.sample_rows(np.ascontiguousarray(logits, dtype=np.float32), temperature, list(allowed), seed, block,
+                               step)
+
+
+@pytest.mark.parametrize("t_min, t_max, steps", [(0.4, 0.8, 48), (1e-6, 2e-6, 7), (0.0, 1.0, 3), (0.25, 2.5, 100)])
+def test_temperature_schedule(t_min, t_max, steps):
+    logits = np.random.default_rng(0).standard_normal((4, 50)).astype(np.float32) * 5
+    hf = LinearTemperatureScheduleLogitsProcessor(t_min=t_min, t_max=t_max, max_denoising_steps=steps)
+    for remaining in range(steps, 0, -1):
+        expected = hf(None, torch.from_numpy(logits), cur_step=torch.tensor(remaining, dtype=torch.int32)).numpy()
+        temperature = sampler.schedule_temperature(t_min, t_max, remaining, steps)
+        processed = sample_rows(logits, temperature)[0]
+        np.testing.assert_array_equal(processed, expected)
+
+
+def hf_accept(logits, bound):
+    s = EntropyBoundSampler(EntropyBoundSamplerConfig(entropy_bound=float(bound)), logits.shape[0], logits.shape[1], 48)
+    current = torch.zeros(1, logits.shape[0], dtype=torch.long)
+    candidate = torch.arange(1, logits.shape[0] + 1)[None]
+    accepted = s.accept_canvas(current, candidate, torch.from_numpy(logits)[None], cur_step=1)
+    return (accepted[0] != 0).numpy(), s.accepted_token_mask[0].numpy()
+
+
+def our_accept(logits, bound):
+    entropy = sample_rows(logits)[3]
+    return np.array(sampler.accept_by_entropy(entropy.tolist(), float(bound)), dtype=bool)
+
+
+def spread_logits(n, vocab, seed):
+    """Rows from near-one-hot to near-uniform, so entropies span the whole range."""
+    rng = np.random.default_rng(seed)
+    return (rng.standard_normal((n, vocab)) * rng.uniform(0.05, 12, (n, 1))).astype(np.float32)
+
+
+@pytest.mark.parametrize("bound", [1e-4, 0.1, 0.5, 2.0, 10.0, 1e9])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_entropy_bound_acceptance(bound, seed):
+    logits = spread_logits(32, 64, seed)
+    hf_mask, mask = hf_accept(logits, bound)
+    assert hf_mask.tolist() == mask.tolist()
+    np.testing.assert_array_equal(our_accept(logits, bound), mask)
+
+
+def test_entropy_of_sample_op_matches_categorical():
+    logits = spread_logits(16, 300, 3)
+    logits[0, :200] = -np.inf  # masked ids contribute nothing, as in torch
+    expected = torch.distributions.Categorical(logits=torch.from_numpy(logits)).entropy().numpy()
+    np.testing.assert_allclose(sample_rows(logits)[3], expected, rtol=1e-5, atol=1e-6)
+
+
+def test_acceptance_edges_all_and_one_and_ties():
+    logits = spread_logits(12, 40, 4)
+    assert our_accept(logits, 1e9).all()  # everything accepted
+    only_one = our_accept(logits, 1e-9)  # the bound admits only the lowest-entropy position
+    entropy = sample_rows(logits)[3]
+    assert only_one.sum() == 1 and only_one[np.argmin(entropy)]
+    # Ties: identical rows have identical entropies; the earlier position comes first,
+    # as in torch's sort on CPU.
+    tied = np.tile(spread_logits(1, 40, 5), (8, 1))
+    for bound in [1e-9, entropy.mean(), 3 * entropy.mean()]:
+        np.testing.assert_array_equal(our_accept(tied, bound), hf_accept(tied, bound)[1])
+
+
+@pytest.mark.parametrize("stability", [0, 1, 2, 3])
+def test_stable_and_confident_stopping(stability):
+    rng = np.random.default_rng(stability)
+    confidence = 0.5
+    hf = StableAndConfidentStoppingCriteria(stability_threshold=stability, confidence_threshold=confidence)
+    ours = sampler.StableAndConfident(stability, confidence)
+    canvas = rng.integers(0, 5, 6)
+    decisions = []
+    for step in range(12):
+        if step % 4 == 3:  # now and then the argmax changes
+            canvas = canvas.copy()
+            canvas[rng.integers(0, 6)] += 1
+        sharp = step % 3 != 0  # confident on most steps, not all
+        logits = (rng.standard_normal((6, 20)) * (40 if sharp else 0.5)).astype(np.float32)
+        expected = bool(hf(torch.from_numpy(canvas)[None], torch.from_numpy(logits)[None])[0])
+        mean_entropy = float(np.mean(sample_rows(logits)[3]))
+        got = ours(canvas.astype(np.int32).tolist(), mean_entropy)
+        assert got == expected, f"step {step}"
+        decisions.append(got)
+    assert any(decisions) and not all(decisions)
+
+
+def test_gumbel_candidates_follow_the_distribution():
+    """Candidate draws over many seeds match softmax(logits) (chi-square, df = 4)."""
+    logits = np.log(np.array([[0.1, 0.2, 0.3, 0.15, 0.25]], dtype=np.float32))
+    counts = np.zeros(5)
+    for seed in range(4000):
+        counts[sample_rows(logits, seed=seed)[2][0]] += 1
+    expected = 4000 * np.array([0.1, 0.2, 0.3, 0.15, 0.25])
+    assert ((counts - expected) ** 2 / expected).sum() < 18.5  # p = 0.001
+
+
+def test_allowed_ids_restrict_argmax_candidate_and_entropy():
+    logits = spread_logits(6, 30, 6)
+    allowed = [3, 7, 11]
+    processed, argmax, candidate, entropy = sample_rows(logits, allowed=allowed, seed=9)
+    assert set(argmax) <= set(allowed) and set(candidate) <= set(allowed)
+    assert np.isneginf(np.delete(processed, allowed, axis=1)).all()
+    sub = torch.distributions.Categorical(logits=torch.from_numpy(logits[:, allowed])).entropy().numpy()
+    np.testing.assert_allclose(entropy, sub, rtol=1e-5, atol=1e-6)
+
+
+def test_draws_are_addressed_by_seed_block_step():
+    logits = np.zeros((8, 1000), dtype=np.float32)
+    base = sample_rows(logits, seed=5, block=1, step=2)[2]
+    np.testing.assert_array_equal(base, sample_rows(logits, seed=5, block=1, step=2)[2])
+    for other in [dict(seed=6, block=1, step=2), dict(seed=5, block=2, step=2), dict(seed=5, block=1, step=3)]:
+        assert (sample_rows(logits, **other)[2] != base).any()
