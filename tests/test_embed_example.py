@@ -1,5 +1,5 @@
 """examples/embed: a C++ program that finds the installed package with find_package(diffuserve),
-builds against it, loads a checkpoint and runs prefill + one denoise step."""
+builds against it, loads a checkpoint, runs prefill + one denoise step, and generates."""
 import os
 import shutil
 import subprocess
@@ -25,6 +25,10 @@ def test_cpp_program_builds_and_runs(tmp_path):
     assert run.returncode == 0, run.stderr
     assert "prefilled 3 tokens" in run.stdout
     assert "canvas 16" in run.stdout
+    # The C++ generate entry point gives what the Python API gives for the same request.
+    expected = ds.LLM(ckpt).generate([[2, 5, 7]], ds.SamplingParams(max_new_tokens=32, seed=42))[0]
+    tokens = run.stdout.split("tokens:")[1].split()
+    assert [int(t) for t in tokens] == expected.token_ids
 
     # A bad checkpoint is a clean error from the C++ API, not a crash.
     bad = subprocess.run([str(build / "embed"), str(tmp_path / "missing")], capture_output=True, text=True)

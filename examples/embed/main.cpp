@@ -1,5 +1,5 @@
-// Loads a DiffusionGemma checkpoint, prefills a prompt and runs one denoise step: the
-// smallest native service built on diffuserve.
+// Loads a DiffusionGemma checkpoint, prefills a prompt and runs one denoise step, then
+// generates from the same prompt: the smallest native service built on diffuserve.
 //
 //   embed CHECKPOINT_DIR [TOKEN_ID ...]
 #include <algorithm>
@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "diffuserve/diffuserve.h"
+#include "diffuserve/generate.h"
 
 int main(int argc, char** argv) {
   if (argc < 2) {
@@ -37,6 +38,17 @@ int main(int argc, char** argv) {
       std::printf(" %ld", static_cast<long>(std::max_element(row, row + config.vocab_size) - row));
     }
     std::printf("%s\n", config.canvas_length > 8 ? " ..." : "");
+
+    // Whole-request generation: the sampler and every block's denoise loop run in the runtime.
+    diffuserve::SamplingParams params = diffuserve::sampling_defaults(config);
+    params.max_new_tokens = 2 * config.canvas_length;
+    params.seed = 42;
+    const diffuserve::GenerationOutput out = diffuserve::generate(*model, {prompt}, {params})[0];
+    std::printf("generated %zu tokens (%s), steps per block:", out.token_ids.size(), out.finish_reason.c_str());
+    for (int steps : out.denoise_steps) std::printf(" %d", steps);
+    std::printf("\ntokens:");
+    for (int32_t t : out.token_ids) std::printf(" %d", t);
+    std::printf("\n");
     return 0;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "error: %s\n", e.what());
