@@ -15,12 +15,6 @@
 namespace diffuserve {
 namespace {
 
-std::string shape_str(const std::vector<int64_t>& s) {
-  std::string out = "[";
-  for (size_t i = 0; i < s.size(); ++i) out += (i ? ", " : "") + std::to_string(s[i]);
-  return out + "]";
-}
-
 // Hands out checkpoint tensors by name, checking shape and dtype, and remembers which
 // were taken so that leftovers can be reported.
 class TensorSource {
@@ -29,10 +23,10 @@ class TensorSource {
 
   const TensorView& take(const std::string& name, const std::vector<int64_t>& shape) {
     const TensorView* t = m_.checkpoint->find(name);
-    if (!t) throw FormatError(m_.path + ": missing tensor '" + name + "' (expected shape " + shape_str(shape) + ")");
+    if (!t) throw FormatError(m_.path + ": missing tensor '" + name + "' (expected shape " + shape_string(shape) + ")");
     if (t->shape != shape)
-      throw FormatError(t->file + ": tensor '" + name + "' has shape " + shape_str(t->shape) + ", expected " +
-                        shape_str(shape));
+      throw FormatError(t->file + ": tensor '" + name + "' has shape " + shape_string(t->shape) + ", expected " +
+                        shape_string(shape));
     if (t->dtype != DType::F32 && t->dtype != DType::BF16 && t->dtype != DType::F16)
       throw FormatError(t->file + ": tensor '" + name + "' has dtype " + dtype_name(t->dtype) +
                         "; expected F32, BF16 or F16");

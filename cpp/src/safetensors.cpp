@@ -15,11 +15,6 @@
 
 namespace diffuserve {
 
-namespace {
-
-// Real headers are a few MB at most; a larger length means a corrupt or hostile file.
-constexpr uint64_t kMaxHeaderBytes = 100ull * 1000 * 1000;
-
 std::string shape_string(const std::vector<int64_t>& shape) {
   std::string s = "[";
   for (size_t i = 0; i < shape.size(); ++i) {
@@ -28,6 +23,11 @@ std::string shape_string(const std::vector<int64_t>& shape) {
   }
   return s + "]";
 }
+
+namespace {
+
+// Real headers are a few MB at most; a larger length means a corrupt or hostile file.
+constexpr uint64_t kMaxHeaderBytes = 100ull * 1000 * 1000;
 
 std::string range_string(uint64_t begin, uint64_t end) {
   return "[" + std::to_string(begin) + ", " + std::to_string(end) + ")";

@@ -14,6 +14,9 @@
 
 namespace diffuserve {
 
+// "[2, 3]": how error messages spell a shape.
+std::string shape_string(const std::vector<int64_t>& shape);
+
 // A tensor inside a mapped file: no copy, valid while its SafetensorsFile lives.
 struct TensorView {
   std::string name;
