@@ -4,6 +4,7 @@
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/optional.h>
+#include <nanobind/stl/pair.h>
 #include <nanobind/stl/shared_ptr.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/unique_ptr.h>
@@ -13,6 +14,7 @@
 
 #include "backend.h"
 #include "diffuserve/diffuserve.h"
+#include "diffuserve/engine.h"
 #include "diffuserve/generate.h"
 #include "sampler.h"
 
@@ -124,11 +126,26 @@ void bind_generate(nb::module_& m) {
       .def_ro("denoise_steps", &GenerationOutput::denoise_steps)
       .def_ro("tokens_per_forward", &GenerationOutput::tokens_per_forward)
       .def_ro("seed", &GenerationOutput::seed);
-  m.def("generate", [](Model& model, const std::vector<std::vector<int32_t>>& prompts,
-                       const std::vector<SamplingParams>& params) {
-    nb::gil_scoped_release release;
-    return generate(model, prompts, params);
-  });
+  nb::class_<StepPlan>(m, "StepPlan")
+      .def(nb::init<uint64_t, int64_t>(), nb::arg("id"), nb::arg("max_encode_tokens"));
+  nb::class_<Engine>(m, "Engine")
+      .def(nb::init<std::shared_ptr<Model>>(), nb::arg("model"))
+      .def("add", &Engine::add, nb::arg("id"), nb::arg("prompt"), nb::arg("params"))
+      .def("admit", &Engine::admit, nb::arg("id"), nb::arg("encode_tokens"))
+      .def("reserve", &Engine::reserve, nb::arg("id"), nb::arg("encode_tokens"))
+      .def("preempt", &Engine::preempt, nb::arg("id"))
+      .def("abort", &Engine::abort, nb::arg("id"))
+      .def("pending_tokens", &Engine::pending_tokens, nb::arg("id"))
+      .def("canvas_length", &Engine::canvas_length, nb::arg("id"))
+      .def("is_waiting", &Engine::is_waiting, nb::arg("id"))
+      .def("generated", &Engine::generated, nb::arg("id"))
+      .def("step",
+           [](Engine& self, const std::vector<StepPlan>& plan, int max_steps, int64_t max_batched_tokens) {
+             nb::gil_scoped_release release;
+             return self.step(plan, max_steps, max_batched_tokens);
+           },
+           nb::arg("plan"), nb::arg("max_steps"), nb::arg("max_batched_tokens"))
+      .def("__len__", &Engine::size);
 }
 
 }  // namespace
@@ -140,16 +157,28 @@ NB_MODULE(_core, m) {
   nb::class_<Model>(m, "Model")
       .def_static(
           "load",
-          [](const std::string& path, const std::string& device, const std::string& dtype, int num_threads) {
+          [](const std::string& path, const std::string& device, const std::string& dtype, int num_threads,
+             int64_t kv_cache_memory_bytes, int kv_block_size, int max_num_seqs) {
             nb::gil_scoped_release release;
-            return Model::load(path, LoadOptions{device, dtype, num_threads});
+            return Model::load(path, LoadOptions{device, dtype, num_threads, kv_cache_memory_bytes, kv_block_size,
+                                                 max_num_seqs});
           },
-          nb::arg("path"), nb::arg("device") = "cpu", nb::arg("dtype") = "", nb::arg("num_threads") = 0)
+          nb::arg("path"), nb::arg("device") = "cpu", nb::arg("dtype") = "", nb::arg("num_threads") = 0,
+          nb::arg("kv_cache_memory_bytes") = 0, nb::arg("kv_block_size") = 16, nb::arg("max_num_seqs") = 64)
       .def_prop_ro("config", [](const Model& self) { return config_dict(self.config()); })
       .def_prop_ro("dtype", [](const Model& self) { return std::string(dtype_name(self.weight_dtype())); })
       .def_prop_ro("device", &Model::device)
       .def("sequence", &Model::new_sequence, nb::arg("canvas_length") = 0)
-      .def("sampling_defaults", [](const Model& self) { return sampling_defaults(self.config()); });
+      .def("sampling_defaults", [](const Model& self) { return sampling_defaults(self.config()); })
+      .def("cache_stats", [](const Model& self) {
+        const CacheStats s = self.cache_stats();
+        nb::dict d;
+        d["kv_blocks_total"] = s.blocks_total;
+        d["kv_blocks_free"] = s.blocks_free;
+        d["prefix_cache_queries"] = s.prefix_cache_queries;
+        d["prefix_cache_hits"] = s.prefix_cache_hits;
+        return d;
+      });
 
   nb::class_<Sequence>(m, "Sequence")
       .def("prefill",

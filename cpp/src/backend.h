@@ -25,6 +25,8 @@ struct Activation {
 
   int64_t size() const { return rows * cols; }
   float* row(int64_t r) const { return data + r * cols; }
+  // Rows [first, first + count) of this matrix, sharing its storage.
+  Activation view(int64_t first, int64_t count) const { return {row(first), count, cols, storage}; }
 };
 
 // A weight in backend memory, in its storage dtype. Shape as stored ([out, in] for a
@@ -47,6 +49,18 @@ struct KeySpan {
   int64_t first_position = 0;     // absolute position of row 0
 };
 
+// One sequence's rows of a batched attention call: query rows [first_row, first_row +
+// rows) at positions first_position.., attending to `spans`. A query at position p sees
+// a key at j when !causal, or when j <= p and (window == 0 or j > p - window).
+struct AttentionSegment {
+  int64_t first_row = 0;
+  int64_t rows = 0;
+  int64_t first_position = 0;
+  bool causal = false;
+  int64_t window = 0;
+  std::vector<KeySpan> spans;
+};
+
 // Routing of one token batch through the experts: top-k expert ids and their weights.
 struct Routing {
   std::vector<int32_t> experts;  // [tokens, top_k]
@@ -65,6 +79,7 @@ class Backend {
  public:
   virtual ~Backend() = default;
 
+  // A zero-filled matrix (large ones are committed lazily by the OS as they are touched).
   virtual Activation alloc(int64_t rows, int64_t cols) = 0;
   // Weight from host bytes in `dtype`, stored as `as` (a widening/narrowing cast when they
   // differ). The backend may keep pointing at `host`; `keep_alive` owns those bytes.
@@ -90,11 +105,10 @@ class Backend {
   // In place on x viewed as [rows, heads, head_dim]: rotate_half RoPE at `positions`.
   virtual void rope(Activation& x, int64_t head_dim, const std::vector<float>& inv_freq,
                     const std::vector<int64_t>& positions) = 0;
-  // out = softmax(q k^T) v per head (scale 1), GQA, over the key spans. A query at
-  // position p sees a key at j when !causal, or when j <= p and (window == 0 or j > p - window).
-  virtual void attention(const Activation& q, const std::vector<int64_t>& q_positions,
-                         const std::vector<KeySpan>& spans, int64_t num_heads, int64_t num_kv_heads,
-                         int64_t head_dim, bool causal, int64_t window, Activation& out) = 0;
+  // out = softmax(q k^T) v per head (scale 1), GQA, for every segment of the batch (each
+  // with its own keys, positions, causal flag and window) in one call.
+  virtual void attention(const Activation& q, const std::vector<AttentionSegment>& segments, int64_t num_heads,
+                         int64_t num_kv_heads, int64_t head_dim, Activation& out) = 0;
   // out = gelu_tanh(x[:, :I]) * x[:, I:], x is [rows, 2I].
   virtual void gelu_glu(const Activation& x, Activation& out) = 0;
   // Router: softmax(proj(rms(x) * scale * hidden^-0.5)), top-k, renormalise, * per_expert_scale.

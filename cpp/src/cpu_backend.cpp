@@ -3,8 +3,10 @@
 // over a thread pool.
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
+#include <string>
 #include <numeric>
 
 #include "backend.h"
@@ -66,9 +68,12 @@ class CpuBackend final : public Backend {
     Activation a;
     a.rows = rows;
     a.cols = cols;
-    auto buf = std::shared_ptr<float[]>(new float[std::max<int64_t>(rows * cols, 1)]());
-    a.data = buf.get();
-    a.storage = buf;
+    // calloc: zeroed pages that the OS maps only when first touched (the KV pool is large).
+    float* buf = static_cast<float*>(std::calloc(size_t(std::max<int64_t>(rows * cols, 1)), sizeof(float)));
+    if (!buf) throw InvalidArgument("out of memory allocating " + std::to_string(rows) + " x " + std::to_string(cols) +
+                                    " floats");
+    a.data = buf;
+    a.storage = std::shared_ptr<float>(buf, std::free);
     return a;
   }
 
@@ -202,38 +207,43 @@ class CpuBackend final : public Backend {
     });
   }
 
-  void attention(const Activation& q, const std::vector<int64_t>& q_positions, const std::vector<KeySpan>& spans,
-                 int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, bool causal, int64_t window,
-                 Activation& out) override {
+  void attention(const Activation& q, const std::vector<AttentionSegment>& segments, int64_t num_heads,
+                 int64_t num_kv_heads, int64_t head_dim, Activation& out) override {
     const int64_t group = num_heads / num_kv_heads, kv_stride = num_kv_heads * head_dim;
-    int64_t total = 0;
-    for (const auto& s : spans) total += s.count;
-    pool_.parallel_for(q.rows * num_heads, 1, [&](int64_t b, int64_t e) {
-      std::vector<float> scores(total);
+    // One task per (query row, head) across every segment.
+    std::vector<std::pair<const AttentionSegment*, int64_t>> rows;  // segment, row within it
+    for (const auto& seg : segments)
+      for (int64_t r = 0; r < seg.rows; ++r) rows.push_back({&seg, r});
+    pool_.parallel_for(int64_t(rows.size()) * num_heads, 1, [&](int64_t b, int64_t e) {
+      std::vector<float> scores;
       for (int64_t task = b; task < e; ++task) {
-        const int64_t i = task / num_heads, h = task % num_heads, kvh = h / group;
+        const auto [seg, r] = rows[task / num_heads];
+        const int64_t h = task % num_heads, kvh = h / group, i = seg->first_row + r;
         const float* qi = q.row(i) + h * head_dim;
-        const int64_t p = q_positions[i];
-        auto visible = [&](int64_t j) { return !causal || (j <= p && (window == 0 || j > p - window)); };
+        const int64_t p = seg->first_position + r;
+        auto visible = [&](int64_t j) {
+          return !seg->causal || (j <= p && (seg->window == 0 || j > p - seg->window));
+        };
+        scores.clear();
         float best = -INFINITY;
-        int64_t idx = 0;
-        for (const auto& s : spans)
-          for (int64_t r = 0; r < s.count; ++r, ++idx) {
-            scores[idx] = visible(s.first_position + r) ? dot(qi, s.keys + r * kv_stride + kvh * head_dim, head_dim)
-                                                        : -INFINITY;
-            best = std::max(best, scores[idx]);
+        for (const auto& s : seg->spans)
+          for (int64_t k = 0; k < s.count; ++k) {
+            scores.push_back(visible(s.first_position + k)
+                                 ? dot(qi, s.keys + k * kv_stride + kvh * head_dim, head_dim)
+                                 : -INFINITY);
+            best = std::max(best, scores.back());
           }
         float* o = out.row(i) + h * head_dim;
         std::fill(o, o + head_dim, 0.0f);
         if (best == -INFINITY) continue;  // no visible key (cannot happen for a well-formed batch)
         float sum = 0;
-        for (int64_t j = 0; j < total; ++j) sum += (scores[j] = std::exp(scores[j] - best));
-        idx = 0;
-        for (const auto& s : spans)
-          for (int64_t r = 0; r < s.count; ++r, ++idx) {
+        for (float& sc : scores) sum += (sc = std::exp(sc - best));
+        size_t idx = 0;
+        for (const auto& s : seg->spans)
+          for (int64_t k = 0; k < s.count; ++k, ++idx) {
             const float pj = scores[idx] / sum;
             if (pj == 0.0f) continue;
-            const float* v = s.values + r * kv_stride + kvh * head_dim;
+            const float* v = s.values + k * kv_stride + kvh * head_dim;
             for (int64_t d = 0; d < head_dim; ++d) o[d] += pj * v[d];
           }
       }

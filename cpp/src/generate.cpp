@@ -1,13 +1,11 @@
-// The generation loop: per request, prefill; then block by block, denoise until the
-// sampler stops, commit the argmax canvas, and stop at EOS or max_new_tokens.
+// Sampling parameters (defaults, validation) and generate(): whole requests through the Engine.
 #include "diffuserve/generate.h"
 
 #include <algorithm>
+#include <climits>
 #include <cmath>
-#include <random>
 
-#include "model.h"
-#include "sampler.h"
+#include "diffuserve/engine.h"
 
 namespace diffuserve {
 namespace {
@@ -21,103 +19,6 @@ void check_token_list(const std::vector<int32_t>& ids, const std::string& param,
     if (ids[i] < 0 || ids[i] >= vocab)
       bad(param, "[" + std::to_string(i) + "] = " + std::to_string(ids[i]) + " is out of range [0, " +
                      std::to_string(vocab) + ")");
-}
-
-// One request's state across its blocks.
-struct Request {
-  const SamplingParams& params;
-  uint64_t seed;
-  int canvas;                     // this request's canvas length
-  std::vector<uint8_t> allowed;   // per vocab id; empty: every id
-  std::vector<int32_t> allowed_ids;
-  GenerationOutput out;
-  int forwards = 0;
-
-  // A uniformly random token from the allowed set.
-  int32_t random_token(const RandomKey& key, uint32_t position, int vocab) const {
-    const uint32_t bits = key.draw(position, 0)[0];
-    return allowed_ids.empty() ? int32_t(uniform_below(bits, uint32_t(vocab)))
-                               : allowed_ids[uniform_below(bits, uint32_t(allowed_ids.size()))];
-  }
-};
-
-// Denoises one block until the sampler stops; returns its argmax canvas.
-std::vector<int32_t> denoise_block(Sequence& seq, Backend& be, Request& r, uint32_t block, DType weight_dtype) {
-  const SamplingParams& p = r.params;
-  const int vocab = seq.config().vocab_size, n = r.canvas;
-  // Pinned positions hold their seed token in the first block; the rest start as noise.
-  std::vector<uint8_t> free_position(n, 1);
-  std::vector<int32_t> canvas(n);
-  const RandomKey init{r.seed, block, 0, RandomStream::InitialCanvas};
-  for (int i = 0; i < n; ++i) canvas[i] = r.random_token(init, uint32_t(i), vocab);
-  if (block == 0 && !p.seed_canvas.empty()) {
-    canvas = p.seed_canvas;
-    for (int32_t pos : p.pinned_positions) free_position[pos] = 0;
-  }
-  const std::vector<int32_t> pinned_tokens = canvas;
-
-  StableAndConfident stop(p.stability_threshold, p.confidence_threshold);
-  std::vector<int32_t> argmax = canvas;
-  Activation feedback;  // the previous step's processed logits, for self-conditioning
-  int steps = 0;
-  for (int remaining = p.max_denoising_steps; remaining >= 1; --remaining) {
-    Activation logits = seq.denoise_logits(canvas, steps ? &feedback : nullptr);
-    ++steps;
-    const uint32_t step = uint32_t(p.max_denoising_steps - remaining);
-    const float temperature = schedule_temperature(p.t_min, p.t_max, remaining, p.max_denoising_steps);
-    const std::vector<RowSample> rows =
-        be.sample(logits, temperature, r.allowed, RandomKey{r.seed, block, step, RandomStream::Candidate}, weight_dtype);
-
-    std::vector<float> entropy(n);
-    double entropy_sum = 0;
-    int counted = 0;
-    for (int i = 0; i < n; ++i) {
-      entropy[i] = rows[i].entropy;
-      if (free_position[i]) entropy_sum += entropy[i], ++counted;
-    }
-    const std::vector<uint8_t> accepted = accept_by_entropy(entropy, p.entropy_bound, free_position);
-    const RandomKey renoise{r.seed, block, step, RandomStream::Renoise};
-    for (int i = 0; i < n; ++i) {
-      if (!free_position[i]) continue;
-      argmax[i] = rows[i].argmax;
-      canvas[i] = accepted[i] ? rows[i].candidate : r.random_token(renoise, uint32_t(i), vocab);
-    }
-    feedback = logits;
-    const float mean_entropy = counted ? float(entropy_sum / counted) : 0.0f;
-    if (stop(argmax, mean_entropy)) break;
-  }
-  r.out.denoise_steps.push_back(steps);
-  r.forwards += steps;
-  return argmax;
-}
-
-GenerationOutput generate_one(Model& model, const std::vector<int32_t>& prompt, Request r) {
-  const SamplingParams& p = r.params;
-  auto seq = model.new_sequence(r.canvas);
-  seq->prefill(prompt);
-  Backend& be = *model.state().backend;
-  std::vector<int32_t>& tokens = r.out.token_ids;
-  for (uint32_t block = 0;; ++block) {
-    const std::vector<int32_t> argmax = denoise_block(*seq, be, r, block, model.weight_dtype());
-    auto eos = std::find_first_of(argmax.begin(), argmax.end(), p.eos_token_ids.begin(), p.eos_token_ids.end());
-    tokens.insert(tokens.end(), argmax.begin(), eos == argmax.end() ? eos : eos + 1);
-    if (int(tokens.size()) >= p.max_new_tokens) {  // max_new_tokens cuts the last block
-      const bool eos_kept = eos != argmax.end() && int(tokens.size()) <= p.max_new_tokens;
-      tokens.resize(std::min<size_t>(tokens.size(), size_t(p.max_new_tokens)));
-      r.out.finish_reason = eos_kept ? "stop" : "length";
-      break;
-    }
-    if (eos != argmax.end()) {
-      r.out.finish_reason = "stop";
-      break;
-    }
-    seq->commit(argmax);
-  }
-  const int pad = model.config().pad_token_id;
-  const auto valid = std::count_if(tokens.begin(), tokens.end(), [&](int32_t t) { return t != pad; });
-  r.out.tokens_per_forward = double(valid) / r.forwards;
-  r.out.seed = r.seed;
-  return r.out;
 }
 
 }  // namespace
@@ -168,45 +69,31 @@ void validate(const SamplingParams& p, const ModelConfig& c) {
 
 std::vector<GenerationOutput> generate(Model& model, const std::vector<std::vector<int32_t>>& prompts,
                                        const std::vector<SamplingParams>& params) {
-  const ModelConfig& c = model.config();
   if (params.size() != 1 && params.size() != prompts.size())
     throw InvalidArgument("generate: " + std::to_string(params.size()) + " SamplingParams for " +
                           std::to_string(prompts.size()) + " prompts (give one, or one per prompt)");
-  // Check everything before any work, so a bad request fails the call up front.
+  // Register everything first, so that a bad request fails the call before any work.
+  Engine engine(model.shared_from_this());
   for (size_t i = 0; i < prompts.size(); ++i) {
-    if (prompts[i].empty()) throw InvalidArgument("generate: prompt " + std::to_string(i) + " is empty");
-    for (size_t j = 0; j < prompts[i].size(); ++j)
-      if (prompts[i][j] < 0 || prompts[i][j] >= c.vocab_size)
-        throw InvalidArgument("generate: prompt " + std::to_string(i) + ": token id " + std::to_string(prompts[i][j]) +
-                              " at index " + std::to_string(j) + " is out of range [0, " +
-                              std::to_string(c.vocab_size) + ")");
-  }
-  for (size_t i = 0; i < prompts.size(); ++i) {
-    const SamplingParams& p = params.size() == 1 ? params[0] : params[i];
-    validate(p, c);
-    // Every block is denoised at full canvas width, so the last one may reach past max_new_tokens.
-    const int canvas = p.canvas_length ? p.canvas_length : c.canvas_length;
-    const int64_t blocks = (int64_t(p.max_new_tokens) + canvas - 1) / canvas;
-    if (int64_t(prompts[i].size()) + blocks * canvas > c.max_position_embeddings)
-      throw InvalidArgument("generate: prompt " + std::to_string(i) + " (" + std::to_string(prompts[i].size()) +
-                            " tokens) plus max_new_tokens " + std::to_string(p.max_new_tokens) +
-                            " in blocks of " + std::to_string(canvas) + " exceeds max_position_embeddings (" +
-                            std::to_string(c.max_position_embeddings) + ")");
-  }
-
-  std::random_device entropy_source;
-  std::vector<GenerationOutput> outputs;
-  for (size_t i = 0; i < prompts.size(); ++i) {
-    const SamplingParams& p = params.size() == 1 ? params[0] : params[i];
-    Request r{p, p.seed ? *p.seed : (uint64_t(entropy_source()) << 32 | entropy_source()),
-              p.canvas_length ? p.canvas_length : c.canvas_length, {}, p.allowed_token_ids, {}, 0};
-    if (!p.allowed_token_ids.empty()) {
-      r.allowed.assign(c.vocab_size, 0);
-      for (int32_t t : p.allowed_token_ids) r.allowed[t] = 1;
-      std::sort(r.allowed_ids.begin(), r.allowed_ids.end());
-      r.allowed_ids.erase(std::unique(r.allowed_ids.begin(), r.allowed_ids.end()), r.allowed_ids.end());
+    try {
+      engine.add(i, prompts[i], params.size() == 1 ? params[0] : params[i]);
+    } catch (const InvalidArgument& e) {
+      throw InvalidArgument("generate: prompt " + std::to_string(i) + ": " + e.what());
     }
-    outputs.push_back(generate_one(model, prompts[i], std::move(r)));
+  }
+  // One request at a time, start to finish: the simplest policy that always fits in the
+  // cache. Continuous batching is the Python scheduler's (python/diffuserve/scheduler.py).
+  std::vector<GenerationOutput> outputs(prompts.size());
+  const int64_t unlimited = INT64_MAX;
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    if (!engine.admit(i, unlimited))
+      throw InvalidArgument("generate: prompt " + std::to_string(i) + " does not fit in the KV cache");
+    for (bool done = false; !done;) {
+      for (auto& [id, out] : engine.step({StepPlan{i, unlimited}}, INT32_MAX, unlimited)) {
+        outputs[id] = std::move(out);
+        done = true;
+      }
+    }
   }
   return outputs;
 }

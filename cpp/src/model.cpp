@@ -154,37 +154,6 @@ void project_kv(ModelState& m, int li, const Activation& x, const std::vector<in
   be.rms_norm(v, {}, L.head_dim, m.config.rms_norm_eps, v);
 }
 
-void append_kv(Backend& be, LayerCache& c, const Activation& k, const Activation& v) {
-  const int64_t need = c.rows + k.rows;
-  if (c.keys.rows < need) {
-    const int64_t capacity = std::max(need, 2 * c.keys.rows);
-    Activation nk = be.alloc(capacity, k.cols), nv = be.alloc(capacity, k.cols);
-    if (c.rows) {
-      be.copy_rows(c.keys, 0, nk, 0, c.rows);
-      be.copy_rows(c.values, 0, nv, 0, c.rows);
-    }
-    c.keys = nk;
-    c.values = nv;
-  }
-  be.copy_rows(k, 0, c.keys, c.rows, k.rows);
-  be.copy_rows(v, 0, c.values, c.rows, v.rows);
-  c.rows = need;
-}
-
-// Sliding layers keep the last window - 1 rows: all that a later query (which sees keys
-// j > p - window) or the decoder (which sees the cache whole) can still read.
-void trim_to_window(Backend& be, LayerCache& c, int64_t window) {
-  const int64_t keep = window - 1;
-  if (c.rows <= keep) return;
-  const int64_t drop = c.rows - keep;
-  be.copy_rows(c.keys, drop, c.keys, 0, keep);
-  be.copy_rows(c.values, drop, c.values, 0, keep);
-  c.rows = keep;
-  c.first_position += drop;
-}
-
-KeySpan span_of(const LayerCache& c) { return {c.keys.data, c.values.data, c.rows, c.first_position}; }
-
 // out = gated GELU MLP of x with stacked [gate; up] weights.
 void gated_mlp(Backend& be, const Activation& x, const Weight& gate_up, const Weight& down, Activation& out) {
   Activation gu = be.alloc(x.rows, gate_up.shape[0]), act = be.alloc(x.rows, gate_up.shape[0] / 2);
@@ -193,9 +162,9 @@ void gated_mlp(Backend& be, const Activation& x, const Weight& gate_up, const We
   be.linear(act, down, out);
 }
 
-// The feed-forward half of a layer, in place on h:
-//   h = (h + post_ff(post_ff_1(mlp(pre_ff(h))) + post_ff_2(experts(pre_ff_2(h), route(h))))) * scalar
-void feed_forward(ModelState& m, int li, Activation& h, float layer_scalar) {
+// The feed-forward half of a layer, in place on h (the per-segment layer scalar follows):
+//   h = h + post_ff(post_ff_1(mlp(pre_ff(h))) + post_ff_2(experts(pre_ff_2(h), route(h))))
+void feed_forward(ModelState& m, int li, Activation& h) {
   Backend& be = *m.backend;
   const LayerWeights& W = m.weights.layers[li];
   const float eps = m.config.rms_norm_eps;
@@ -214,106 +183,143 @@ void feed_forward(ModelState& m, int li, Activation& h, float layer_scalar) {
   be.add(dense, moe, x);
   be.rms_norm(x, W.post_feedforward_layernorm, H, eps, x);
   be.add(h, x, h);
-  be.scale(h, layer_scalar);
 }
 
-// One layer. `cache` is the layer's KV; the encoder appends to it (mutable_cache), the
-// decoder attends to it plus its own canvas keys.
-void layer_forward(ModelState& m, int li, Activation& h, const std::vector<int64_t>& positions,
-                   LayerCache* mutable_cache, const LayerCache& cache) {
+// A segment's place in the batch's rows and in its sequence.
+struct Placed {
+  Segment* segment;
+  int64_t first_row;
+  int64_t rows;
+  int64_t first_position;  // of its first row
+  int64_t cache_length;    // cached tokens it reads (decoder: including this batch's encoder rows)
+};
+
+// One layer over every row of the batch. Encoder rows write their KV into the cache
+// before any row attends, so a decoder segment reads the encoder rows of the same
+// sequence from this very layer (the commit-fused denoise).
+void layer_forward(ModelState& m, KvCache& kv, int li, Activation& h, const std::vector<int64_t>& positions,
+                   const std::vector<Placed>& placed, int64_t encoder_rows) {
   Backend& be = *m.backend;
   const ModelConfig& c = m.config;
   const LayerConfig& L = c.layers[li];
   const LayerWeights& W = m.weights.layers[li];
-  const bool encoder = mutable_cache != nullptr;
   const int64_t n = h.rows, H = h.cols, kv_cols = int64_t(L.num_kv_heads) * L.head_dim;
   const int64_t q_cols = int64_t(c.num_heads) * L.head_dim;
+  const int64_t window = L.sliding ? c.sliding_window : 0;
 
   Activation x = be.alloc(n, H);
   be.rms_norm(h, W.input_layernorm, H, c.rms_norm_eps, x);
   Activation k = be.alloc(n, kv_cols), v = be.alloc(n, kv_cols);
   project_kv(m, li, x, positions, k, v);
-
-  std::vector<KeySpan> spans;
-  if (encoder) {
-    append_kv(be, *mutable_cache, k, v);
-    spans = {span_of(*mutable_cache)};
-    // The encoder's last layer feeds nothing but its KV: the rest of it is dead work.
-    if (li == c.num_layers - 1) {
-      if (L.sliding) trim_to_window(be, *mutable_cache, c.sliding_window);
-      return;
+  for (const Placed& p : placed) {
+    if (!p.segment->encoder) continue;
+    for (int64_t r = 0; r < p.rows; ++r) {
+      const int64_t slot = kv.slot(*p.segment->table, li, p.first_position + r);
+      be.copy_rows(k, p.first_row + r, kv.keys(li), slot, 1);
+      be.copy_rows(v, p.first_row + r, kv.values(li), slot, 1);
     }
-  } else {
-    spans = {span_of(cache), KeySpan{k.data, v.data, n, positions[0]}};
   }
 
-  Activation q = be.alloc(n, q_cols), attn = be.alloc(n, q_cols);
-  be.linear(x, W.q_proj, q);
+  // Past its KV, the encoder's last layer feeds nothing: only decoder rows go on.
+  const int64_t first = li == c.num_layers - 1 ? encoder_rows : 0;
+  if (first == n) return;
+  Activation rows_h = h.view(first, n - first), rows_x = x.view(first, n - first);
+
+  std::vector<AttentionSegment> segments;
+  for (const Placed& p : placed) {
+    if (p.first_row < first) continue;
+    AttentionSegment a{p.first_row - first, p.rows, p.first_position, p.segment->encoder, window, {}};
+    // Sliding layers read only the last window - 1 cached tokens: what the encoder's
+    // mask admits, and exactly what the reference's decoder sees.
+    const int64_t cache_end = p.segment->encoder ? p.first_position + p.rows : p.cache_length;
+    const int64_t cache_begin = window ? std::max<int64_t>(0, (p.segment->encoder ? p.first_position : cache_end) -
+                                                                  (window - 1))
+                                       : 0;
+    a.spans = kv.spans(*p.segment->table, li, cache_begin, cache_end);
+    if (!p.segment->encoder) a.spans.push_back(KeySpan{k.row(p.first_row), v.row(p.first_row), p.rows, p.first_position});
+    segments.push_back(std::move(a));
+  }
+  const std::vector<int64_t> q_positions(positions.begin() + first, positions.end());
+  Activation q = be.alloc(n - first, q_cols), attn = be.alloc(n - first, q_cols);
+  be.linear(rows_x, W.q_proj, q);
   be.rms_norm(q, W.q_norm, L.head_dim, c.rms_norm_eps, q);
-  be.rope(q, L.head_dim, L.rope_inv_freq, positions);
-  be.attention(q, positions, spans, c.num_heads, L.num_kv_heads, L.head_dim, /*causal=*/encoder,
-               L.sliding ? c.sliding_window : 0, attn);
-  if (encoder && L.sliding) trim_to_window(be, *mutable_cache, c.sliding_window);
+  be.rope(q, L.head_dim, L.rope_inv_freq, q_positions);
+  be.attention(q, segments, c.num_heads, L.num_kv_heads, L.head_dim, attn);
 
-  be.linear(attn, W.o_proj, x);
-  be.rms_norm(x, W.post_attention_layernorm, H, c.rms_norm_eps, x);
-  be.add(h, x, h);
-  feed_forward(m, li, h, encoder ? W.encoder_layer_scalar : W.decoder_layer_scalar);
-}
-
-std::vector<int64_t> positions_from(int64_t first, int64_t n) {
-  std::vector<int64_t> p(n);
-  for (int64_t i = 0; i < n; ++i) p[i] = first + i;
-  return p;
+  be.linear(attn, W.o_proj, rows_x);
+  be.rms_norm(rows_x, W.post_attention_layernorm, H, c.rms_norm_eps, rows_x);
+  be.add(rows_h, rows_x, rows_h);
+  feed_forward(m, li, rows_h);
+  for (const Placed& p : placed) {
+    if (p.first_row < first) continue;
+    Activation seg = h.view(p.first_row, p.rows);
+    be.scale(seg, p.segment->encoder ? W.encoder_layer_scalar : W.decoder_layer_scalar);
+  }
 }
 
 }  // namespace
 
-void encoder_forward(ModelState& m, std::vector<LayerCache>& cache, int64_t first_position,
-                     std::span<const int32_t> ids) {
-  Backend& be = *m.backend;
-  const std::vector<int32_t> tokens(ids.begin(), ids.end());
-  const std::vector<int64_t> positions = positions_from(first_position, int64_t(tokens.size()));
-  Activation h = be.alloc(int64_t(tokens.size()), m.config.hidden_size);
-  be.embed(m.weights.embed_tokens, tokens, m.embed_scale, h);
-  for (int li = 0; li < m.config.num_layers; ++li) layer_forward(m, li, h, positions, &cache[li], cache[li]);
-}
-
-Activation decoder_forward(ModelState& m, const std::vector<LayerCache>& cache, int64_t first_position,
-                           std::span<const int32_t> canvas, const Activation* self_conditioning_logits) {
+Activation forward(ModelState& m, KvCache& kv, std::vector<Segment>& segments) {
   Backend& be = *m.backend;
   const ModelConfig& c = m.config;
   const ModelWeights& W = m.weights;
-  const int64_t n = int64_t(canvas.size()), H = c.hidden_size;
-  const std::vector<int32_t> tokens(canvas.begin(), canvas.end());
-  const std::vector<int64_t> positions = positions_from(first_position, n);
+  const int64_t H = c.hidden_size;
+
+  // Lay the rows out: encoder segments first, then decoder segments.
+  std::vector<Placed> placed;
+  std::vector<int32_t> tokens;
+  std::vector<int64_t> positions;
+  int64_t encoder_rows = 0;
+  for (int pass = 0; pass < 2; ++pass) {
+    for (Segment& s : segments) {
+      if (s.encoder != (pass == 0)) continue;
+      int64_t first_position = s.table->length();
+      if (!s.encoder)  // after this batch's encoder rows of the same sequence
+        for (const Placed& e : placed)
+          if (e.segment->encoder && e.segment->table == s.table) first_position += e.rows;
+      placed.push_back({&s, int64_t(tokens.size()), int64_t(s.tokens.size()), first_position, first_position});
+      tokens.insert(tokens.end(), s.tokens.begin(), s.tokens.end());
+      for (int64_t i = 0; i < int64_t(s.tokens.size()); ++i) positions.push_back(first_position + i);
+    }
+    if (pass == 0) encoder_rows = int64_t(tokens.size());
+  }
+  const int64_t n = int64_t(tokens.size()), decoder_rows = n - encoder_rows;
 
   Activation h = be.alloc(n, H);
   be.embed(W.embed_tokens, tokens, m.embed_scale, h);
 
-  // Self-conditioning: the previous step's distribution as a soft embedding (zero on a
-  // block's first step; the MLP still runs), through a gated MLP, added to the canvas
-  // embedding, then an unscaled norm.
-  Activation soft = be.alloc(n, H), signal = be.alloc(n, H);
-  if (self_conditioning_logits) {
-    Activation probs = be.alloc(n, c.vocab_size);
-    be.copy_rows(*self_conditioning_logits, 0, probs, 0, n);
-    be.softmax(probs);
-    be.linear_nt(probs, W.embed_tokens, soft);
-    be.scale(soft, m.embed_scale);
+  // Decoder rows: self-conditioning. The previous step's distribution as a soft embedding
+  // (zero on a block's first step; the MLP still runs), through a gated MLP, added to the
+  // canvas embedding, then an unscaled norm.
+  if (decoder_rows) {
+    Activation soft = be.alloc(decoder_rows, H), signal = be.alloc(decoder_rows, H);
+    for (const Placed& p : placed) {
+      if (p.segment->encoder || !p.segment->self_conditioning) continue;
+      Activation probs = be.alloc(p.rows, c.vocab_size), rows = soft.view(p.first_row - encoder_rows, p.rows);
+      be.copy_rows(*p.segment->self_conditioning, 0, probs, 0, p.rows);
+      be.softmax(probs);
+      be.linear_nt(probs, W.embed_tokens, rows);
+      be.scale(rows, m.embed_scale);
+    }
+    Activation dec = h.view(encoder_rows, decoder_rows);
+    be.rms_norm(soft, W.sc_pre_norm, H, c.rms_norm_eps, soft);
+    gated_mlp(be, soft, W.sc_gate_up, W.sc_down, signal);
+    be.add(dec, signal, dec);
+    be.rms_norm(dec, {}, H, c.rms_norm_eps, dec);
   }
-  be.rms_norm(soft, W.sc_pre_norm, H, c.rms_norm_eps, soft);
-  gated_mlp(be, soft, W.sc_gate_up, W.sc_down, signal);
-  be.add(h, signal, h);
-  be.rms_norm(h, {}, H, c.rms_norm_eps, h);
 
-  for (int li = 0; li < c.num_layers; ++li) layer_forward(m, li, h, positions, nullptr, cache[li]);
+  for (int li = 0; li < c.num_layers; ++li) layer_forward(m, kv, li, h, positions, placed, encoder_rows);
+  for (Placed& p : placed)
+    if (p.segment->encoder) kv.append(*p.segment->table, p.segment->tokens);
 
-  be.rms_norm(h, W.norm, H, c.rms_norm_eps, h);
-  Activation out = be.alloc(n, c.vocab_size);
-  be.linear(h, W.lm_head.empty() ? W.embed_tokens : W.lm_head, out);
-  if (c.final_logit_softcapping > 0) be.softcap(out, c.final_logit_softcapping);
-  return out;
+  Activation logits = be.alloc(decoder_rows, c.vocab_size);
+  if (decoder_rows) {
+    Activation dec = h.view(encoder_rows, decoder_rows);
+    be.rms_norm(dec, W.norm, H, c.rms_norm_eps, dec);
+    be.linear(dec, W.lm_head.empty() ? W.embed_tokens : W.lm_head, logits);
+    if (c.final_logit_softcapping > 0) be.softcap(logits, c.final_logit_softcapping);
+  }
+  return logits;
 }
 
 }  // namespace diffuserve

@@ -9,6 +9,7 @@
 
 #include "backend.h"
 #include "diffuserve/config.h"
+#include "kv_cache.h"
 #include "safetensors.h"
 
 namespace diffuserve {
@@ -36,11 +37,12 @@ struct ModelWeights {
   std::vector<LayerWeights> layers;
 };
 
-// One layer's KV rows for one sequence, token-major [rows, kv_heads * head_dim].
-struct LayerCache {
-  Activation keys, values;  // capacity = keys.rows
-  int64_t rows = 0;
-  int64_t first_position = 0;
+// One sequence's part of a batched forward pass.
+struct Segment {
+  KvTable* table = nullptr;  // the sequence's KV
+  bool encoder = false;      // causal pass that appends KV (prefill chunk, commit); else a denoise step
+  std::vector<int32_t> tokens;
+  const Activation* self_conditioning = nullptr;  // denoise: previous step's processed logits, or null
 };
 
 struct ModelState {
@@ -52,20 +54,19 @@ struct ModelState {
   ModelWeights weights;
   DType weight_dtype = DType::F32;
   float embed_scale = 1.0f;  // sqrt(hidden) rounded to the weight dtype, as the reference does
+  std::unique_ptr<KvCache> kv;
 };
 
 // Loads weights from `checkpoint` into `state` (config and backend already set),
 // checking that exactly the expected tensors are present with the expected shapes.
 void load_weights(ModelState& state, DType as);
 
-// Causal pass over `ids` at positions cache_length.., appending each layer's KV.
-void encoder_forward(ModelState& m, std::vector<LayerCache>& cache, int64_t first_position,
-                     std::span<const int32_t> ids);
-
-// Bidirectional pass over a canvas at positions first_position.., reading the cache.
-// `self_conditioning_logits` ([canvas, vocab], backend memory) is null on a block's first
-// step. Returns softcapped fp32 logits [canvas, vocab] in backend memory.
-Activation decoder_forward(ModelState& m, const std::vector<LayerCache>& cache, int64_t first_position,
-                           std::span<const int32_t> canvas, const Activation* self_conditioning_logits);
+// One forward pass over a batch in which each segment is in its own phase. Encoder
+// segments need their KV blocks reserved (KvCache::reserve); their KV is written and
+// recorded (KvCache::append). A denoise segment sees its sequence's cache including this
+// batch's encoder rows of the same sequence, so commit + next block's first step can run
+// as one pass. At most one encoder segment per sequence. Returns the softcapped fp32
+// logits of the denoise segments' rows, in segment order.
+Activation forward(ModelState& m, KvCache& kv, std::vector<Segment>& segments);
 
 }  // namespace diffuserve

@@ -1,7 +1,9 @@
-// Model loading and the Sequence API: argument checks, then the graph in model.cpp.
+// Model loading and the Sequence API: argument checks, then one-segment batches through
+// the graph in model.cpp.
 #include <algorithm>
 #include <cmath>
 #include <filesystem>
+#include <unistd.h>
 
 #include "diffuserve/diffuserve.h"
 #include "model.h"
@@ -9,8 +11,7 @@
 namespace diffuserve {
 
 struct Sequence::State {
-  std::vector<LayerCache> cache;  // one per layer
-  int64_t length = 0;
+  KvTable table;
   int canvas_length = 0;
 };
 
@@ -24,53 +25,10 @@ DType parse_dtype(const std::string& name, DType stored) {
   throw InvalidArgument("dtype '" + name + "' is not supported (use float32, bfloat16 or float16)");
 }
 
-}  // namespace
-
-Model::Model(std::unique_ptr<ModelState> state) : state_(std::move(state)) {}
-Model::~Model() = default;
-
-std::shared_ptr<Model> Model::load(const std::string& path, const LoadOptions& options) {
-  if (options.device != "cpu") {
-    throw InvalidArgument("device '" + options.device + "' is not available: this build has the CPU backend only");
-  }
-  if (!std::filesystem::is_directory(path)) throw FormatError(path + ": not a checkpoint directory");
-  auto state = std::make_unique<ModelState>();
-  state->path = path;
-  state->device = options.device;
-  state->config = load_config(path);
-  state->checkpoint = std::make_shared<Checkpoint>(path);
-  const TensorView* embed = state->checkpoint->find("model.decoder.embed_tokens.weight");
-  if (!embed) throw FormatError(path + ": missing tensor 'model.decoder.embed_tokens.weight'");
-  const DType as = parse_dtype(options.dtype, embed->dtype);
-  state->backend = make_cpu_backend(options.num_threads);
-  load_weights(*state, as);
-  return std::shared_ptr<Model>(new Model(std::move(state)));
+int64_t default_kv_bytes() {
+  const int64_t physical = int64_t(sysconf(_SC_PHYS_PAGES)) * sysconf(_SC_PAGE_SIZE);
+  return std::min<int64_t>(physical / 4, int64_t(4) << 30);
 }
-
-const ModelConfig& Model::config() const { return state_->config; }
-DType Model::weight_dtype() const { return state_->weight_dtype; }
-const std::string& Model::device() const { return state_->device; }
-
-std::unique_ptr<Sequence> Model::new_sequence(int canvas_length) {
-  const int model_canvas = config().canvas_length;
-  if (canvas_length < 0 || canvas_length > model_canvas)
-    throw InvalidArgument("canvas_length " + std::to_string(canvas_length) + " is out of range [1, " +
-                          std::to_string(model_canvas) + "] (0 for the model's)");
-  return std::unique_ptr<Sequence>(new Sequence(shared_from_this(), canvas_length ? canvas_length : model_canvas));
-}
-
-Sequence::Sequence(std::shared_ptr<Model> model, int canvas_length)
-    : model_(std::move(model)), state_(std::make_unique<State>()) {
-  state_->cache.resize(model_->config().num_layers);
-  state_->canvas_length = canvas_length;
-}
-Sequence::~Sequence() = default;
-
-int64_t Sequence::length() const { return state_->length; }
-const ModelConfig& Sequence::config() const { return model_->config(); }
-int Sequence::canvas_length() const { return state_->canvas_length; }
-
-namespace {
 
 void check_ids(std::span<const int32_t> ids, const ModelConfig& c, const char* what) {
   for (size_t i = 0; i < ids.size(); ++i)
@@ -88,13 +46,71 @@ void check_positions(int64_t length, size_t n, const ModelConfig& c, const char*
 
 }  // namespace
 
+Model::Model(std::unique_ptr<ModelState> state) : state_(std::move(state)) {}
+Model::~Model() = default;
+
+std::shared_ptr<Model> Model::load(const std::string& path, const LoadOptions& options) {
+  if (options.device != "cpu") {
+    throw InvalidArgument("device '" + options.device + "' is not available: this build has the CPU backend only");
+  }
+  if (options.kv_cache_memory_bytes < 0) throw InvalidArgument("kv_cache_memory_bytes must be >= 0");
+  if (!std::filesystem::is_directory(path)) throw FormatError(path + ": not a checkpoint directory");
+  auto state = std::make_unique<ModelState>();
+  state->path = path;
+  state->device = options.device;
+  state->config = load_config(path);
+  state->checkpoint = std::make_shared<Checkpoint>(path);
+  const TensorView* embed = state->checkpoint->find("model.decoder.embed_tokens.weight");
+  if (!embed) throw FormatError(path + ": missing tensor 'model.decoder.embed_tokens.weight'");
+  const DType as = parse_dtype(options.dtype, embed->dtype);
+  state->backend = make_cpu_backend(options.num_threads);
+  load_weights(*state, as);
+  state->kv = std::make_unique<KvCache>(*state->backend, state->config,
+                                        options.kv_cache_memory_bytes ? options.kv_cache_memory_bytes
+                                                                      : default_kv_bytes(),
+                                        options.kv_block_size, options.max_num_seqs);
+  return std::shared_ptr<Model>(new Model(std::move(state)));
+}
+
+const ModelConfig& Model::config() const { return state_->config; }
+DType Model::weight_dtype() const { return state_->weight_dtype; }
+const std::string& Model::device() const { return state_->device; }
+
+CacheStats Model::cache_stats() const {
+  const KvStats s = state_->kv->stats();
+  return {s.blocks_total, s.blocks_free, s.prefix_cache_queries, s.prefix_cache_hits};
+}
+
+std::unique_ptr<Sequence> Model::new_sequence(int canvas_length) {
+  const int model_canvas = config().canvas_length;
+  if (canvas_length < 0 || canvas_length > model_canvas)
+    throw InvalidArgument("canvas_length " + std::to_string(canvas_length) + " is out of range [1, " +
+                          std::to_string(model_canvas) + "] (0 for the model's)");
+  return std::unique_ptr<Sequence>(new Sequence(shared_from_this(), canvas_length ? canvas_length : model_canvas));
+}
+
+Sequence::Sequence(std::shared_ptr<Model> model, int canvas_length)
+    : model_(std::move(model)), state_(std::make_unique<State>()) {
+  state_->canvas_length = canvas_length;
+}
+
+Sequence::~Sequence() { model_->state().kv->release(state_->table); }
+
+int64_t Sequence::length() const { return state_->table.length(); }
+const ModelConfig& Sequence::config() const { return model_->config(); }
+int Sequence::canvas_length() const { return state_->canvas_length; }
+
 void Sequence::encode(std::span<const int32_t> ids, const char* what) {
   const ModelConfig& c = model_->config();
   if (ids.empty()) throw InvalidArgument(std::string(what) + ": no tokens given");
   check_ids(ids, c, what);
-  check_positions(state_->length, ids.size(), c, what);
-  encoder_forward(model_->state(), state_->cache, state_->length, ids);
-  state_->length += int64_t(ids.size());
+  check_positions(length(), ids.size(), c, what);
+  ModelState& m = model_->state();
+  if (!m.kv->reserve(state_->table, int64_t(ids.size())))
+    throw InvalidArgument(std::string(what) + ": the KV cache has no room for " + std::to_string(ids.size()) +
+                          " more tokens (raise kv_cache_memory_bytes)");
+  std::vector<Segment> batch{Segment{&state_->table, true, {ids.begin(), ids.end()}, nullptr}};
+  forward(m, *m.kv, batch);
 }
 
 void Sequence::prefill(std::span<const int32_t> ids) { encode(ids, "prefill"); }
@@ -104,24 +120,24 @@ void Sequence::commit(std::span<const int32_t> block) {
   if (block.size() > size_t(canvas))
     throw InvalidArgument("commit: block of " + std::to_string(block.size()) + " tokens is longer than canvas_length " +
                           std::to_string(canvas));
-  if (state_->length == 0) throw InvalidArgument("commit: call prefill before committing a block");
+  if (length() == 0) throw InvalidArgument("commit: call prefill before committing a block");
   encode(block, "commit");
 }
 
 void Sequence::check_canvas(std::span<const int32_t> canvas) const {
   const ModelConfig& c = model_->config();
-  if (state_->length == 0) throw InvalidArgument("denoise: call prefill before denoising (the cache is empty)");
+  if (length() == 0) throw InvalidArgument("denoise: call prefill before denoising (the cache is empty)");
   if (canvas.size() != size_t(state_->canvas_length))
     throw InvalidArgument("denoise: canvas has " + std::to_string(canvas.size()) + " tokens, expected canvas_length " +
                           std::to_string(state_->canvas_length));
   check_ids(canvas, c, "denoise");
-  check_positions(state_->length, canvas.size(), c, "denoise");
+  check_positions(length(), canvas.size(), c, "denoise");
 }
 
 std::vector<float> Sequence::denoise(std::span<const int32_t> canvas, const float* self_conditioning_logits) {
   check_canvas(canvas);
   const int64_t vocab = config().vocab_size, n = int64_t(canvas.size());
-  Backend& be = *model_->state().backend;
+  ModelState& m = model_->state();
   Activation sc;
   if (self_conditioning_logits) {
     for (int64_t r = 0; r < n; ++r) {
@@ -136,19 +152,15 @@ std::vector<float> Sequence::denoise(std::span<const int32_t> canvas, const floa
       if (!any_finite)
         throw InvalidArgument("denoise: self_conditioning_logits row " + std::to_string(r) + " is all -inf");
     }
-    sc = be.alloc(n, vocab);
-    be.from_host(self_conditioning_logits, sc);
+    sc = m.backend->alloc(n, vocab);
+    m.backend->from_host(self_conditioning_logits, sc);
   }
-  Activation logits = decoder_forward(model_->state(), state_->cache, state_->length, canvas,
-                                      self_conditioning_logits ? &sc : nullptr);
+  std::vector<Segment> batch{
+      Segment{&state_->table, false, {canvas.begin(), canvas.end()}, self_conditioning_logits ? &sc : nullptr}};
+  Activation logits = forward(m, *m.kv, batch);
   std::vector<float> out(logits.size());
-  be.to_host(logits, out.data());
+  m.backend->to_host(logits, out.data());
   return out;
-}
-
-Activation Sequence::denoise_logits(std::span<const int32_t> canvas, const Activation* self_conditioning_logits) {
-  check_canvas(canvas);
-  return decoder_forward(model_->state(), state_->cache, state_->length, canvas, self_conditioning_logits);
 }
 
 LayerKV Sequence::kv(int layer) const {
@@ -157,28 +169,29 @@ LayerKV Sequence::kv(int layer) const {
     throw InvalidArgument("kv: layer " + std::to_string(layer) + " is out of range [0, " +
                           std::to_string(c.num_layers) + ")");
   const LayerConfig& L = c.layers[layer];
-  const LayerCache& lc = state_->cache[layer];
+  KvCache& kv = *model_->state().kv;
   Backend& be = *model_->state().backend;
   LayerKV out;
   out.kv_heads = L.num_kv_heads;
   out.head_dim = L.head_dim;
-  out.rows = lc.rows;
-  out.first_position = lc.first_position;
+  // What the reference's cache holds: every row, or the last window - 1 on sliding layers.
+  out.first_position = L.sliding ? std::max<int64_t>(0, length() - (c.sliding_window - 1)) : 0;
+  out.rows = length() - out.first_position;
   const int64_t cols = out.kv_heads * out.head_dim;
-  std::vector<float> k(lc.keys.size()), v(lc.values.size());
-  if (lc.rows) {
-    be.to_host(lc.keys, k.data());
-    be.to_host(lc.values, v.data());
-  }
-  // Token-major [rows, heads, dim] -> head-major [heads, rows, dim].
-  out.keys.resize(lc.rows * cols);
-  out.values.resize(lc.rows * cols);
-  for (int64_t r = 0; r < lc.rows; ++r)
+  out.keys.resize(out.rows * cols);
+  out.values.resize(out.rows * cols);
+  std::vector<float> k(cols), v(cols);
+  for (int64_t r = 0; r < out.rows; ++r) {
+    const int64_t slot = kv.slot(state_->table, layer, out.first_position + r);
+    be.to_host(kv.keys(layer).view(slot, 1), k.data());
+    be.to_host(kv.values(layer).view(slot, 1), v.data());
+    // Token-major [rows, heads, dim] -> head-major [heads, rows, dim].
     for (int64_t h = 0; h < out.kv_heads; ++h)
       for (int64_t d = 0; d < out.head_dim; ++d) {
-        out.keys[(h * lc.rows + r) * out.head_dim + d] = k[r * cols + h * out.head_dim + d];
-        out.values[(h * lc.rows + r) * out.head_dim + d] = v[r * cols + h * out.head_dim + d];
+        out.keys[(h * out.rows + r) * out.head_dim + d] = k[h * out.head_dim + d];
+        out.values[(h * out.rows + r) * out.head_dim + d] = v[h * out.head_dim + d];
       }
+  }
   return out;
 }
 

@@ -1,21 +1,26 @@
-"""LLM: offline generation over a loaded model.
+"""LLM: generation over a loaded model with continuous batching.
 
     llm = ds.LLM(path)
     outs = llm.generate([[2, 17, 5], [2, 9]], ds.SamplingParams(max_new_tokens=64, seed=0))
     outs[0].token_ids, outs[0].finish_reason, outs[0].denoise_steps, outs[0].tokens_per_forward
+
+For serving, add_request / step / abort drive the same machinery one step at a time.
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 from typing import List, Optional, Sequence, Union
 
 from . import _core
 from .model import Model, _token_ids
 from .sampling import SamplingParams
+from .scheduler import Scheduler
 
 
 @dataclass
 class RequestOutput:
+    request_id: int
     prompt_token_ids: List[int]
     token_ids: List[int]             # generated tokens, up to and including an EOS
     finish_reason: str               # "stop" (EOS) or "length" (max_new_tokens)
@@ -26,35 +31,99 @@ class RequestOutput:
 
 
 class LLM:
-    """A model ready to generate. The whole denoise loop of a block runs in the runtime."""
+    """A model with a KV cache and a scheduler. Limits are constructor arguments:
 
-    def __init__(self, path=None, device: str = "cpu", dtype: Optional[str] = None, num_threads: int = 0):
+    kv_cache_memory_bytes: the paged KV cache (default: a quarter of RAM, at most 4 GiB);
+    max_num_seqs: requests running at once; max_num_batched_tokens: rows per forward pass
+    (default max(4096, 4 canvases)); slice_steps: forward passes per engine step.
+    """
+
+    def __init__(self, path=None, device: str = "cpu", dtype: Optional[str] = None, num_threads: int = 0,
+                 kv_cache_memory_bytes: Optional[int] = None, max_num_seqs: int = 64,
+                 max_num_batched_tokens: Optional[int] = None, kv_block_size: int = 16, slice_steps: int = 8):
         if path is None:
             raise ValueError("no model path given, and the bundled default model is not part of this build yet")
-        self.model = Model.load(path, device=device, dtype=dtype, num_threads=num_threads)
+        for name, value, lo in [("max_num_seqs", max_num_seqs, 1), ("kv_block_size", kv_block_size, 1),
+                                ("slice_steps", slice_steps, 1)]:
+            if not isinstance(value, int) or isinstance(value, bool) or value < lo:
+                raise ValueError(f"{name} must be an integer >= {lo}, got {value!r}")
+        self.model = Model.load(path, device=device, dtype=dtype, num_threads=num_threads,
+                                kv_cache_memory_bytes=kv_cache_memory_bytes, kv_block_size=kv_block_size,
+                                max_num_seqs=max_num_seqs)
+        canvas = self.model.canvas_length
+        if max_num_batched_tokens is None:
+            max_num_batched_tokens = max(4096, 4 * canvas)
+        if not isinstance(max_num_batched_tokens, int) or max_num_batched_tokens < canvas:
+            raise ValueError(f"max_num_batched_tokens must be an integer >= canvas_length ({canvas}), "
+                             f"got {max_num_batched_tokens!r}")
+        self._engine = _core.Engine(self.model._native)
+        self.scheduler = Scheduler(self._engine, max_num_seqs, max_num_batched_tokens, slice_steps)
+        self._ids = itertools.count()
+        self._prompts = {}
 
-    def generate(self, prompts, params: Union[SamplingParams, Sequence[SamplingParams], None] = None) -> List[RequestOutput]:
+    def add_request(self, prompt, params: Optional[SamplingParams] = None) -> int:
+        """Queues one request (token ids); returns its id."""
+        if isinstance(prompt, str):
+            raise ValueError("text prompts need a tokenizer, which this build does not have yet: pass token ids")
+        ids = _token_ids(prompt, "prompt", self.model.vocab_size).tolist()
+        if not ids:
+            raise ValueError("prompt is empty")
+        params = SamplingParams() if params is None else params
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
+        request_id = next(self._ids)
+        self.scheduler.add(request_id, ids, params._native(self.model._native.sampling_defaults()))
+        self._prompts[request_id] = ids
+        return request_id
+
+    def abort(self, request_id: int) -> None:
+        """Cancels a request; its KV is freed at once."""
+        self.scheduler.abort(request_id)
+        self._prompts.pop(request_id, None)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def step(self) -> List[RequestOutput]:
+        """Runs one scheduler step; returns the requests that finished in it."""
+        return [self._output(request_id, out) for request_id, out in self.scheduler.step()]
+
+    def generate(self, prompts, params: Union[SamplingParams, Sequence[SamplingParams], None] = None
+                 ) -> List[RequestOutput]:
         """prompts: a list of token-id lists (or one token-id list); params: one SamplingParams
-        for all, or one per prompt."""
+        for all, or one per prompt. Returns the outputs in prompt order."""
         if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts and isinstance(prompts[0], str)):
             raise ValueError("text prompts need a tokenizer, which this build does not have yet: pass token ids")
         if len(prompts) and not hasattr(prompts[0], "__len__"):
             prompts = [prompts]  # a single prompt given as one list of ids
-        vocab = self.model.vocab_size
-        ids = [_token_ids(p, f"prompt {i}", vocab).tolist() for i, p in enumerate(prompts)]
-        for i, p in enumerate(ids):
-            if not p:
-                raise ValueError(f"prompt {i} is empty")
-        if params is None:
-            params = SamplingParams()
-        plist = [params] if isinstance(params, SamplingParams) else list(params)
-        if len(plist) not in (1, len(ids)):
-            raise ValueError(f"{len(plist)} SamplingParams for {len(ids)} prompts (give one, or one per prompt)")
-        for i, p in enumerate(plist):
-            if not isinstance(p, SamplingParams):
-                raise ValueError(f"params[{i}] must be a SamplingParams, got {type(p).__name__}")
-        native = [p._native(self.model._native.sampling_defaults()) for p in plist]
-        outs = _core.generate(self.model._native, ids, native)
-        return [RequestOutput(prompt_token_ids=prompt, token_ids=list(o.token_ids), finish_reason=o.finish_reason,
-                              denoise_steps=list(o.denoise_steps), tokens_per_forward=o.tokens_per_forward, seed=o.seed)
-                for prompt, o in zip(ids, outs)]
+        plist = [params if params is not None else SamplingParams()] if not isinstance(params, (list, tuple)) \
+            else list(params)
+        if len(plist) not in (1, len(prompts)):
+            raise ValueError(f"{len(plist)} SamplingParams for {len(prompts)} prompts (give one, or one per prompt)")
+        ids = []
+        try:
+            for i, prompt in enumerate(prompts):
+                try:
+                    ids.append(self.add_request(prompt, plist[0] if len(plist) == 1 else plist[i]))
+                except ValueError as e:
+                    raise ValueError(f"prompt {i}: {e}") from None
+        except ValueError:
+            for request_id in ids:  # nothing of a rejected call stays queued
+                self.abort(request_id)
+            raise
+        done = {}
+        while len(done) < len(ids):
+            for out in self.step():
+                done[out.request_id] = out
+        return [done[request_id] for request_id in ids]
+
+    def stats(self) -> dict:
+        """Scheduler and KV-cache occupancy."""
+        return {"running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
+                "preemptions": self.scheduler.preemptions, **self.model._native.cache_stats()}
+
+    def _output(self, request_id: int, out) -> RequestOutput:
+        return RequestOutput(request_id=request_id, prompt_token_ids=self._prompts.pop(request_id),
+                             token_ids=list(out.token_ids), finish_reason=out.finish_reason,
+                             denoise_steps=list(out.denoise_steps), tokens_per_forward=out.tokens_per_forward,
+                             seed=out.seed)

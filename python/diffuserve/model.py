@@ -39,11 +39,14 @@ class Model:
         self.config = native.config
 
     @classmethod
-    def load(cls, path, device: str = "cpu", dtype: Optional[str] = None, num_threads: int = 0) -> "Model":
+    def load(cls, path, device: str = "cpu", dtype: Optional[str] = None, num_threads: int = 0,
+             kv_cache_memory_bytes: Optional[int] = None, kv_block_size: int = 16, max_num_seqs: int = 64
+             ) -> "Model":
         """Loads a checkpoint directory (config.json + safetensors, single or sharded).
 
         dtype: None keeps the stored weight dtype; "float32", "bfloat16" or "float16" casts.
         The CPU backend computes in fp32 whatever the weight dtype.
+        kv_cache_memory_bytes: size of the paged KV cache (None: a quarter of RAM, at most 4 GiB).
         """
         path = os.fspath(path)
         if dtype is not None and not isinstance(dtype, str):
@@ -54,7 +57,11 @@ class Model:
             raise ValueError(f"device must be a string such as 'cpu', got {device!r}")
         if not isinstance(num_threads, int) or not 0 <= num_threads <= 1024:
             raise ValueError(f"num_threads must be an integer in [0, 1024], got {num_threads!r}")
-        return cls(_core.Model.load(path, device, _DTYPES[dtype], num_threads), path)
+        if kv_cache_memory_bytes is not None and (not isinstance(kv_cache_memory_bytes, int)
+                                                  or kv_cache_memory_bytes < 1):
+            raise ValueError(f"kv_cache_memory_bytes must be a positive integer, got {kv_cache_memory_bytes!r}")
+        return cls(_core.Model.load(path, device, _DTYPES[dtype], num_threads, kv_cache_memory_bytes or 0,
+                                    kv_block_size, max_num_seqs), path)
 
     @property
     def vocab_size(self) -> int:

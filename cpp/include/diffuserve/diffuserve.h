@@ -27,11 +27,20 @@ struct LoadOptions {
   // Weight storage dtype: "" keeps the checkpoint's; "float32", "bfloat16" or "float16" casts.
   std::string dtype;
   int num_threads = 0;         // 0: DIFFUSERVE_NUM_THREADS, else every hardware thread
+  // The paged KV cache: 0 = a quarter of physical memory, at most 4 GiB (CPU).
+  int64_t kv_cache_memory_bytes = 0;
+  int kv_block_size = 16;      // tokens per KV block
+  int max_num_seqs = 64;       // sequences expected at once (sizes the sliding-window pool)
+};
+
+// Occupancy of the KV cache (see kv_cache.h).
+struct CacheStats {
+  int64_t blocks_total = 0, blocks_free = 0;
+  int64_t prefix_cache_queries = 0, prefix_cache_hits = 0;  // in prompt tokens
 };
 
 class Sequence;
 struct ModelState;
-struct Activation;
 
 class Model : public std::enable_shared_from_this<Model> {
  public:
@@ -42,6 +51,7 @@ class Model : public std::enable_shared_from_this<Model> {
   const ModelConfig& config() const;
   DType weight_dtype() const;
   const std::string& device() const;
+  CacheStats cache_stats() const;
   // A new, empty sequence. canvas_length: 0 for the model's, or a narrower canvas.
   std::unique_ptr<Sequence> new_sequence(int canvas_length = 0);
 
@@ -78,8 +88,6 @@ class Sequence {
   int canvas_length() const;
   const ModelConfig& config() const;
 
-  // For the runtime's denoise loop: denoise with the logits left in backend memory.
-  Activation denoise_logits(std::span<const int32_t> canvas, const Activation* self_conditioning_logits);
   LayerKV kv(int layer) const;
 
  private:

@@ -1,0 +1,73 @@
+// The runtime's mechanism for serving many requests at once: it holds each request's
+// state (KV table, sampler state of the block in progress) and executes the batches a
+// scheduler asks for. Which requests run, when they are admitted and whom to preempt is
+// the scheduler's business (python/diffuserve/scheduler.py); this class only carries out.
+//
+// A step runs up to `max_steps` forward passes. Each pass is one mixed-phase batch: the
+// encoder rows (prompt chunks, committed blocks) of some requests and the canvases of
+// the requests that are denoising. A request whose pending tokens are all encoded in a
+// pass denoises in that same pass (its canvas reads the fresh KV in each layer), so a
+// commit and the next block's first step, or a prompt's last chunk and its first step,
+// cost one forward instead of two.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <vector>
+
+#include "diffuserve/diffuserve.h"
+#include "diffuserve/generate.h"
+
+namespace diffuserve {
+
+struct RequestState;
+
+// What the scheduler asks one request to do in a step.
+struct StepPlan {
+  uint64_t id = 0;
+  int64_t max_encode_tokens = 0;  // pending prompt/commit tokens it may encode in the first pass
+};
+
+class Engine {
+ public:
+  explicit Engine(std::shared_ptr<Model> model);
+  ~Engine();
+  Engine(const Engine&) = delete;
+  Engine& operator=(const Engine&) = delete;
+
+  // Validates and registers a request; it waits (holding no KV) until admitted. Throws
+  // InvalidArgument for bad parameters, or a request the KV cache could never hold.
+  void add(uint64_t id, std::vector<int32_t> prompt, const SamplingParams& params);
+  // Takes a waiting request in: adopts its cached prefix and reserves KV for its first
+  // `encode_tokens`. False (and it stays waiting, holding nothing) if the KV is short.
+  bool admit(uint64_t id, int64_t encode_tokens);
+  // Reserves KV for a running request's next `encode_tokens`; false if the KV is short.
+  bool reserve(uint64_t id, int64_t encode_tokens);
+  // Frees a running request's KV; it waits again and will recompute (the block in
+  // progress restarts; its random draws are keyed by step, so the output is unchanged).
+  void preempt(uint64_t id);
+  // Drops a request wherever it is; its KV is freed at once.
+  void abort(uint64_t id);
+
+  // Runs up to `max_steps` passes over the planned requests, each pass at most
+  // `max_batched_tokens` rows. Returns the requests that finished.
+  std::vector<std::pair<uint64_t, GenerationOutput>> step(const std::vector<StepPlan>& plan, int max_steps,
+                                                          int64_t max_batched_tokens);
+
+  // Tokens a request must encode before its next denoise step (prompt or committed blocks).
+  int64_t pending_tokens(uint64_t id) const;
+  // The request's canvas length (rows of one denoise step).
+  int canvas_length(uint64_t id) const;
+  bool is_waiting(uint64_t id) const;
+  // Tokens generated so far (whole finished blocks).
+  std::vector<int32_t> generated(uint64_t id) const;
+  size_t size() const { return requests_.size(); }
+
+ private:
+  RequestState& get(uint64_t id) const;
+  std::shared_ptr<Model> model_;
+  std::map<uint64_t, std::unique_ptr<RequestState>> requests_;
+};
+
+}  // namespace diffuserve

@@ -1,0 +1,229 @@
+#include "kv_cache.h"
+
+#include <algorithm>
+#include <utility>
+
+#include "diffuserve/errors.h"
+
+namespace diffuserve {
+namespace {
+
+// Chained block hash (FNV-1a over the parent hash and the tokens), never 0.
+uint64_t block_hash(uint64_t parent, std::span<const int32_t> tokens) {
+  uint64_t h = 1469598103934665603ull ^ parent;
+  for (int32_t t : tokens) {
+    for (int i = 0; i < 4; ++i) {
+      h ^= (uint32_t(t) >> (8 * i)) & 0xffu;
+      h *= 1099511628211ull;
+    }
+  }
+  return h ? h : 1;
+}
+
+int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+}  // namespace
+
+KvCache::KvCache(Backend& backend, const ModelConfig& config, int64_t memory_bytes, int block_size, int max_seqs)
+    : config_(config), block_size_(block_size), window_(config.sliding_window) {
+  if (block_size < 1) throw InvalidArgument("kv block_size must be >= 1");
+  if (max_seqs < 1) throw InvalidArgument("max_num_seqs must be >= 1");
+  for (const LayerConfig& L : config.layers) group_of_.push_back(L.sliding ? kSlidingGroup : kFullGroup);
+
+  int64_t per_block[kNumGroups] = {0, 0};
+  for (const LayerConfig& L : config.layers)
+    per_block[L.sliding ? kSlidingGroup : kFullGroup] += 2 * int64_t(L.num_kv_heads) * L.head_dim * block_size * 4;
+  // A sequence's sliding layers hold its window plus a commit and a canvas in flight.
+  const int64_t sliding_per_seq = ceil_div(window_ - 1 + 2 * int64_t(config.canvas_length), block_size) + 1;
+  int64_t sliding_bytes = 0;
+  if (per_block[kSlidingGroup]) {
+    sliding_bytes = per_block[kFullGroup] ? std::min(max_seqs * sliding_per_seq * per_block[kSlidingGroup], memory_bytes / 2)
+                                          : memory_bytes;
+  }
+  const int64_t blocks[kNumGroups] = {
+      per_block[kFullGroup] ? (memory_bytes - sliding_bytes) / per_block[kFullGroup] : 0,
+      per_block[kSlidingGroup] ? sliding_bytes / per_block[kSlidingGroup] : 0};
+  for (int g = 0; g < kNumGroups; ++g) {
+    if (per_block[g] && blocks[g] < 1)
+      throw InvalidArgument("kv_cache_memory_bytes " + std::to_string(memory_bytes) +
+                            " is too small for one KV block (" + std::to_string(per_block[g]) + " bytes)");
+    Pool& p = pools_[g];
+    p.num_blocks = blocks[g];
+    p.refcount.assign(blocks[g], 0);
+    p.hash_of.assign(blocks[g], 0);
+    p.idle_pos.resize(blocks[g]);
+    for (int64_t b = blocks[g] - 1; b >= 0; --b) p.free.push_back(int32_t(b));
+  }
+  for (size_t i = 0; i < config.layers.size(); ++i) {
+    const LayerConfig& L = config.layers[i];
+    const int64_t rows = pools_[group_of_[i]].num_blocks * block_size;
+    keys_.push_back(backend.alloc(rows, int64_t(L.num_kv_heads) * L.head_dim));
+    values_.push_back(backend.alloc(rows, int64_t(L.num_kv_heads) * L.head_dim));
+  }
+}
+
+int64_t KvCache::bytes_per_block(KvGroup g) const {
+  int64_t bytes = 0;
+  for (size_t i = 0; i < config_.layers.size(); ++i)
+    if (group_of_[i] == g) bytes += 2 * keys_[i].cols * block_size_ * 4;
+  return bytes;
+}
+
+KvStats KvCache::stats() const {
+  KvStats s;
+  for (const Pool& p : pools_) {
+    s.blocks_total += p.num_blocks;
+    s.blocks_free += int64_t(p.free.size() + p.idle.size());
+  }
+  s.prefix_cache_queries = prefix_queries_;
+  s.prefix_cache_hits = prefix_hits_;
+  return s;
+}
+
+int64_t KvCache::first_needed(KvGroup g, int64_t length) const {
+  if (g == kFullGroup) return 0;
+  return std::max<int64_t>(0, length - (window_ - 1)) / block_size_;
+}
+
+int32_t KvCache::allocate(KvGroup g) {
+  Pool& p = pools_[g];
+  int32_t b;
+  if (!p.free.empty()) {
+    b = p.free.back();
+    p.free.pop_back();
+  } else {  // evict the least recently used cached block
+    b = p.idle.front();
+    p.idle.pop_front();
+    p.cached.erase(p.hash_of[b]);
+    p.hash_of[b] = 0;
+  }
+  p.refcount[b] = 1;
+  return b;
+}
+
+void KvCache::take(KvGroup g, int32_t b) {
+  Pool& p = pools_[g];
+  if (p.refcount[b]++ == 0) p.idle.erase(p.idle_pos[b]);
+}
+
+void KvCache::drop(KvGroup g, int32_t b) {
+  Pool& p = pools_[g];
+  if (--p.refcount[b] > 0) return;
+  if (p.hash_of[b]) {
+    p.idle_pos[b] = p.idle.insert(p.idle.end(), b);  // stays cached, most recently used
+  } else {
+    p.free.push_back(b);
+  }
+}
+
+bool KvCache::reserve(KvTable& table, int64_t new_tokens) {
+  const int64_t end_block = ceil_div(table.length() + new_tokens, block_size_);
+  int64_t need[kNumGroups];
+  for (int g = 0; g < kNumGroups; ++g) {
+    need[g] = pools_[g].num_blocks ? std::max<int64_t>(0, end_block - int64_t(table.blocks[g].size())) : 0;
+    if (need[g] > available(KvGroup(g))) return false;
+  }
+  for (int g = 0; g < kNumGroups; ++g)
+    for (int64_t i = 0; i < need[g]; ++i) table.blocks[g].push_back(allocate(KvGroup(g)));
+  return true;
+}
+
+void KvCache::append(KvTable& table, std::span<const int32_t> tokens) {
+  const int64_t before = table.length();
+  table.tokens.insert(table.tokens.end(), tokens.begin(), tokens.end());
+  // Hash each block that just became full, in both groups: its KV is now final.
+  for (int64_t b = before / block_size_; (b + 1) * block_size_ <= table.length(); ++b) {
+    if (int64_t(table.hashes.size()) > b) continue;
+    const uint64_t parent = b ? table.hashes[b - 1] : 0;
+    const uint64_t h = block_hash(parent, std::span(table.tokens).subspan(b * block_size_, block_size_));
+    table.hashes.push_back(h);
+    for (int g = 0; g < kNumGroups; ++g) {
+      if (!pools_[g].num_blocks || table.blocks[g][b] < 0) continue;
+      Pool& p = pools_[g];
+      const int32_t block = table.blocks[g][b];
+      if (p.hash_of[block] || p.cached.count(h)) continue;  // a twin is cached already
+      p.hash_of[block] = h;
+      p.cached[h] = block;
+    }
+  }
+  // Sliding blocks wholly before the window are never read again.
+  if (pools_[kSlidingGroup].num_blocks) {
+    const int64_t keep_from = first_needed(kSlidingGroup, table.length());
+    auto& blocks = table.blocks[kSlidingGroup];
+    for (int64_t b = 0; b < keep_from && b < int64_t(blocks.size()); ++b)
+      if (blocks[b] >= 0) drop(kSlidingGroup, std::exchange(blocks[b], -1));
+  }
+}
+
+bool KvCache::could_hold(int64_t total_tokens, int64_t chunk) const {
+  const Pool &full = pools_[kFullGroup], &sliding = pools_[kSlidingGroup];
+  return (!full.num_blocks || ceil_div(total_tokens, block_size_) <= full.num_blocks) &&
+         (!sliding.num_blocks || ceil_div(window_ - 1 + chunk, block_size_) + 1 <= sliding.num_blocks);
+}
+
+int64_t KvCache::match_prefix(KvTable& table, std::span<const int32_t> prompt) {
+  if (table.length() != 0) throw InvalidArgument("match_prefix: the sequence is not empty");
+  // Hashes of the prompt's whole blocks, and how many lead the full pool's cache.
+  std::vector<uint64_t> hashes;
+  const int64_t max_blocks = int64_t(prompt.size()) / block_size_;
+  for (int64_t b = 0; b < max_blocks; ++b) {
+    const uint64_t h = block_hash(b ? hashes.back() : 0, prompt.subspan(b * block_size_, block_size_));
+    if (pools_[kFullGroup].num_blocks && !pools_[kFullGroup].cached.count(h)) break;
+    hashes.push_back(h);
+  }
+  // The sliding pool must still hold the window before the cut; shorten until it does.
+  int64_t k = int64_t(hashes.size());
+  auto sliding_ok = [&](int64_t blocks) {
+    if (!pools_[kSlidingGroup].num_blocks) return true;
+    for (int64_t b = first_needed(kSlidingGroup, blocks * block_size_); b < blocks; ++b)
+      if (!pools_[kSlidingGroup].cached.count(hashes[b])) return false;
+    return true;
+  };
+  while (k > 0 && !sliding_ok(k)) --k;
+  if (k == 0) return 0;
+
+  for (int g = 0; g < kNumGroups; ++g) {
+    if (!pools_[g].num_blocks) continue;
+    const int64_t from = first_needed(KvGroup(g), k * block_size_);
+    for (int64_t b = 0; b < k; ++b) {
+      int32_t block = -1;
+      if (b >= from) {
+        block = pools_[g].cached.at(hashes[b]);
+        take(KvGroup(g), block);
+      }
+      table.blocks[g].push_back(block);
+    }
+  }
+  table.hashes.assign(hashes.begin(), hashes.begin() + k);
+  table.tokens.assign(prompt.begin(), prompt.begin() + k * block_size_);
+  return k * block_size_;
+}
+
+void KvCache::release(KvTable& table) {
+  for (int g = 0; g < kNumGroups; ++g) {
+    for (int32_t b : table.blocks[g])
+      if (b >= 0) drop(KvGroup(g), b);
+    table.blocks[g].clear();
+  }
+  table.hashes.clear();
+  table.tokens.clear();
+}
+
+int64_t KvCache::slot(const KvTable& table, int layer, int64_t pos) const {
+  const int32_t block = table.blocks[group_of_[layer]][pos / block_size_];
+  return int64_t(block) * block_size_ + pos % block_size_;
+}
+
+std::vector<KeySpan> KvCache::spans(const KvTable& table, int layer, int64_t begin, int64_t end) const {
+  std::vector<KeySpan> out;
+  const Activation &k = keys_[layer], &v = values_[layer];
+  for (int64_t pos = begin; pos < end;) {
+    const int64_t block_end = std::min(end, (pos / block_size_ + 1) * block_size_);
+    const int64_t row = slot(table, layer, pos);
+    out.push_back(KeySpan{k.row(row), v.row(row), block_end - pos, pos});
+    pos = block_end;
+  }
+  return out;
+}
+
+}  // namespace diffuserve

@@ -1,0 +1,107 @@
+"""Continuous batching: which requests run in each engine step (the policy; the runtime's
+Engine carries it out).
+
+Each step:
+1. Running requests, oldest first, each get their pending tokens (prompt chunks, or the
+   block to commit) and their canvas, within max_num_batched_tokens. When the KV cache
+   cannot take a request's tokens, the newest running request is preempted (its KV freed,
+   recomputed later; its output does not change) until it can.
+2. Waiting requests are admitted first come, first served while a sequence slot, the
+   token budget and the KV cache allow; a request that does not fit blocks those behind it.
+3. The engine runs up to `slice_steps` passes. New requests join only between steps, so
+   one arriving now waits at most one slice.
+"""
+from __future__ import annotations
+
+from collections import deque
+
+from . import _core
+
+
+class Scheduler:
+    def __init__(self, engine: "_core.Engine", max_num_seqs: int, max_num_batched_tokens: int, slice_steps: int):
+        self.engine = engine
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.slice_steps = slice_steps
+        self.waiting: deque[int] = deque()
+        self.running: list[int] = []  # in admission order
+        self.preemptions = 0
+
+    def add(self, request_id: int, prompt: list, params: "_core.SamplingParams") -> None:
+        self.engine.add(request_id, prompt, params)
+        self.waiting.append(request_id)
+
+    def abort(self, request_id: int) -> None:
+        """Drops a request wherever it is; its KV is freed at once."""
+        if request_id in self.running:
+            self.running.remove(request_id)
+        elif request_id in self.waiting:
+            self.waiting.remove(request_id)
+        else:
+            return
+        self.engine.abort(request_id)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _fit(self, take, request_id: int, encode: int) -> int:
+        """Tries `take(request_id, n)` for n = encode, then halves (a smaller prompt chunk
+        needs fewer blocks at once) down to one canvas; returns the n that fitted, or -1."""
+        floor = min(encode, self.engine.canvas_length(request_id))
+        n = encode
+        while True:
+            if take(request_id, n):
+                return n
+            if n <= floor:
+                return -1
+            n = max(floor, n // 2)
+
+    def _preempt(self, request_id: int) -> None:
+        self.engine.preempt(request_id)
+        self.running.remove(request_id)
+        self.waiting.appendleft(request_id)
+        self.preemptions += 1
+
+    def step(self) -> list:
+        """Plans and runs one engine step; returns [(request_id, GenerationOutput)] of the
+        requests that finished."""
+        budget = self.max_num_batched_tokens
+        plan = []
+        for request_id in list(self.running):
+            if request_id not in self.running or budget <= 0:
+                continue  # preempted below to make room, or no rows left this step
+            pending = self.engine.pending_tokens(request_id)
+            encode = min(pending, budget)
+            if encode:
+                while (fitted := self._fit(self.engine.reserve, request_id, encode)) < 0:
+                    victim = self.running[-1]
+                    self._preempt(victim)
+                    if victim == request_id:
+                        break
+                if request_id not in self.running:
+                    continue
+                encode = fitted
+            rows = encode + (self.engine.canvas_length(request_id) if encode == pending else 0)
+            if rows > budget:
+                continue
+            plan.append(_core.StepPlan(request_id, encode))
+            budget -= rows
+
+        while self.waiting and len(self.running) < self.max_num_seqs and budget > 0:
+            request_id = self.waiting[0]
+            encode = min(self.engine.pending_tokens(request_id), budget)
+            fitted = self._fit(self.engine.admit, request_id, encode)
+            if fitted < 0:
+                break  # first come, first served: nobody overtakes the head of the queue
+            self.waiting.popleft()
+            self.running.append(request_id)
+            pending = self.engine.pending_tokens(request_id)  # less after a prefix-cache hit
+            encode = min(pending, fitted)
+            plan.append(_core.StepPlan(request_id, encode))
+            budget -= encode + (self.engine.canvas_length(request_id) if encode == pending else 0)
+
+        finished = self.engine.step(plan, self.slice_steps, self.max_num_batched_tokens) if plan else []
+        for request_id, _ in finished:
+            self.running.remove(request_id)
+        return finished
