@@ -129,7 +129,8 @@ void bind_generate(nb::module_& m) {
   nb::class_<StepPlan>(m, "StepPlan")
       .def(nb::init<uint64_t, int64_t>(), nb::arg("id"), nb::arg("max_encode_tokens"));
   nb::class_<Engine>(m, "Engine")
-      .def(nb::init<std::shared_ptr<Model>>(), nb::arg("model"))
+      .def(nb::init<std::shared_ptr<Model>, bool>(), nb::arg("model"), nb::arg("fuse_commit") = true)
+      .def_prop_ro("passes", &Engine::passes)
       .def("add", &Engine::add, nb::arg("id"), nb::arg("prompt"), nb::arg("params"))
       .def("admit", &Engine::admit, nb::arg("id"), nb::arg("encode_tokens"))
       .def("reserve", &Engine::reserve, nb::arg("id"), nb::arg("encode_tokens"))
@@ -209,6 +210,13 @@ NB_MODULE(_core, m) {
           nb::arg("canvas"), nb::arg("self_conditioning_logits").none())
       .def("__len__", &Sequence::length)
       .def_prop_ro("canvas_length", &Sequence::canvas_length)
+      .def("kv_blocks", [](const Sequence& self) {
+        const auto [full, sliding] = self.kv_blocks();
+        nb::dict d;
+        d["full"] = full;
+        d["sliding"] = sliding;
+        return d;
+      })
       .def("kv", [](const Sequence& self, int layer) {
         LayerKV kv = self.kv(layer);
         const size_t h = kv.kv_heads, r = kv.rows, d = kv.head_dim;

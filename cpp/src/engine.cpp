@@ -130,7 +130,7 @@ bool finish_block(RequestState& r, int pad_token_id) {
 
 }  // namespace
 
-Engine::Engine(std::shared_ptr<Model> model) : model_(std::move(model)) {}
+Engine::Engine(std::shared_ptr<Model> model, bool fuse_commit) : model_(std::move(model)), fuse_commit_(fuse_commit) {}
 
 Engine::~Engine() {
   for (auto& [id, r] : requests_) model_->state().kv->release(r->table);
@@ -251,7 +251,7 @@ std::vector<std::pair<uint64_t, GenerationOutput>> Engine::step(const std::vecto
         segments.push_back(Segment{&r->table, true, r->target_tokens(from, encode), nullptr});
         rows += encode;
       }
-      if (encode < pending || rows + r->canvas > max_batched_tokens) continue;
+      if (encode < pending || (encode > 0 && !fuse_commit_) || rows + r->canvas > max_batched_tokens) continue;
       if (!r->in_block) start_block(*r, c.vocab_size);
       segments.push_back(Segment{&r->table, false, r->canvas_ids, r->steps ? &r->feedback : nullptr});
       denoisers.push_back(r);
@@ -259,6 +259,7 @@ std::vector<std::pair<uint64_t, GenerationOutput>> Engine::step(const std::vecto
     }
     if (segments.empty()) break;
     Activation logits = forward(m, *m.kv, segments);
+    ++passes_;
 
     int64_t row = 0;
     for (RequestState* r : denoisers) {

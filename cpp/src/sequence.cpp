@@ -113,7 +113,27 @@ void Sequence::encode(std::span<const int32_t> ids, const char* what) {
   forward(m, *m.kv, batch);
 }
 
-void Sequence::prefill(std::span<const int32_t> ids) { encode(ids, "prefill"); }
+void Sequence::prefill(std::span<const int32_t> ids) {
+  if (length() > 0 || ids.empty()) return encode(ids, "prefill");
+  check_ids(ids, config(), "prefill");
+  KvCache& kv = *model_->state().kv;
+  const int64_t hit = kv.match_prefix(state_->table, ids);
+  if (hit == int64_t(ids.size())) return kv.record_prefix_query(hit, hit);  // every token's KV was cached
+  try {
+    encode(ids.subspan(hit), "prefill");
+  } catch (...) {
+    kv.release(state_->table);  // a failed prefill leaves the sequence empty
+    throw;
+  }
+  kv.record_prefix_query(int64_t(ids.size()), hit);
+}
+
+std::pair<int64_t, int64_t> Sequence::kv_blocks() const {
+  auto held = [](const std::vector<int32_t>& blocks) {
+    return int64_t(std::count_if(blocks.begin(), blocks.end(), [](int32_t b) { return b >= 0; }));
+  };
+  return {held(state_->table.blocks[kFullGroup]), held(state_->table.blocks[kSlidingGroup])};
+}
 
 void Sequence::commit(std::span<const int32_t> block) {
   const int canvas = state_->canvas_length;

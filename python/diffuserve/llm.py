@@ -35,12 +35,14 @@ class LLM:
 
     kv_cache_memory_bytes: the paged KV cache (default: a quarter of RAM, at most 4 GiB);
     max_num_seqs: requests running at once; max_num_batched_tokens: rows per forward pass
-    (default max(4096, 4 canvases)); slice_steps: forward passes per engine step.
+    (default max(4096, 4 canvases)); slice_steps: forward passes per engine step;
+    fuse_commit: commit a block in the same forward as the next block's first step.
     """
 
     def __init__(self, path=None, device: str = "cpu", dtype: Optional[str] = None, num_threads: int = 0,
                  kv_cache_memory_bytes: Optional[int] = None, max_num_seqs: int = 64,
-                 max_num_batched_tokens: Optional[int] = None, kv_block_size: int = 16, slice_steps: int = 8):
+                 max_num_batched_tokens: Optional[int] = None, kv_block_size: int = 16, slice_steps: int = 8,
+                 fuse_commit: bool = True):
         if path is None:
             raise ValueError("no model path given, and the bundled default model is not part of this build yet")
         for name, value, lo in [("max_num_seqs", max_num_seqs, 1), ("kv_block_size", kv_block_size, 1),
@@ -56,7 +58,7 @@ class LLM:
         if not isinstance(max_num_batched_tokens, int) or max_num_batched_tokens < canvas:
             raise ValueError(f"max_num_batched_tokens must be an integer >= canvas_length ({canvas}), "
                              f"got {max_num_batched_tokens!r}")
-        self._engine = _core.Engine(self.model._native)
+        self._engine = _core.Engine(self.model._native, bool(fuse_commit))
         self.scheduler = Scheduler(self._engine, max_num_seqs, max_num_batched_tokens, slice_steps)
         self._ids = itertools.count()
         self._prompts = {}
@@ -120,7 +122,8 @@ class LLM:
     def stats(self) -> dict:
         """Scheduler and KV-cache occupancy."""
         return {"running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
-                "preemptions": self.scheduler.preemptions, **self.model._native.cache_stats()}
+                "preemptions": self.scheduler.preemptions, "forward_passes": self._engine.passes,
+                **self.model.cache_stats()}
 
     def _output(self, request_id: int, out) -> RequestOutput:
         return RequestOutput(request_id=request_id, prompt_token_ids=self._prompts.pop(request_id),

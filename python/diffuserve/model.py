@@ -79,6 +79,10 @@ class Model:
     def device(self) -> str:
         return self._native.device
 
+    def cache_stats(self) -> dict:
+        """KV cache occupancy: kv_blocks_total, kv_blocks_free, prefix_cache_queries/hits (tokens)."""
+        return self._native.cache_stats()
+
     def sequence(self, canvas_length: Optional[int] = None) -> "Sequence":
         """A new, empty sequence with its own KV cache; canvas_length narrows its canvas."""
         return Sequence(self, canvas_length)
@@ -130,6 +134,10 @@ class Sequence:
 
         Sliding-window layers hold only the last sliding_window - 1 rows."""
         return self._native.kv(layer)
+
+    def kv_blocks(self) -> dict:
+        """KV blocks this sequence holds: {"full": ..., "sliding": ...}."""
+        return self._native.kv_blocks()
 
     def __len__(self) -> int:
         return len(self._native)

@@ -14,6 +14,7 @@
 #include <memory>
 #include <span>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "diffuserve/config.h"
@@ -75,7 +76,8 @@ class Sequence {
  public:
   ~Sequence();
 
-  // Causal encoder pass over `ids` at the next positions; appends their KV.
+  // Causal encoder pass over `ids` at the next positions; appends their KV. On an empty
+  // sequence, whole blocks of `ids` already in the prefix cache are adopted, not recomputed.
   void prefill(std::span<const int32_t> ids);
   // Bidirectional decoder pass over a canvas of exactly canvas_length() tokens, reading
   // the KV cache without changing it. `self_conditioning_logits` is null (first step of a
@@ -89,6 +91,8 @@ class Sequence {
   const ModelConfig& config() const;
 
   LayerKV kv(int layer) const;
+  // KV blocks the sequence holds in the full-attention and sliding-window pools.
+  std::pair<int64_t, int64_t> kv_blocks() const;
 
  private:
   friend class Model;

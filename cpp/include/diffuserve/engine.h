@@ -31,7 +31,9 @@ struct StepPlan {
 
 class Engine {
  public:
-  explicit Engine(std::shared_ptr<Model> model);
+  // fuse_commit: a request denoises in the same pass that encodes its last pending
+  // tokens (false: that encoding gets a pass of its own, as in the reference).
+  explicit Engine(std::shared_ptr<Model> model, bool fuse_commit = true);
   ~Engine();
   Engine(const Engine&) = delete;
   Engine& operator=(const Engine&) = delete;
@@ -63,10 +65,14 @@ class Engine {
   // Tokens generated so far (whole finished blocks).
   std::vector<int32_t> generated(uint64_t id) const;
   size_t size() const { return requests_.size(); }
+  // Forward passes run so far.
+  int64_t passes() const { return passes_; }
 
  private:
   RequestState& get(uint64_t id) const;
   std::shared_ptr<Model> model_;
+  bool fuse_commit_;
+  int64_t passes_ = 0;
   std::map<uint64_t, std::unique_ptr<RequestState>> requests_;
 };
 

@@ -1,0 +1,201 @@
+"""Paged KV cache, prefix caching, mixed-phase batches and continuous batching (CPU)."""
+import numpy as np
+import pytest
+
+import diffuserve as ds
+from diffuserve.random_checkpoint import write_random_checkpoint
+
+CANVAS, WINDOW, BLOCK = 8, 12, 4
+SMALL = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=8, global_head_dim=16, num_global_key_value_heads=1,
+             sliding_window=WINDOW, num_experts=4, top_k_experts=2, moe_intermediate_size=16,
+             layer_types=["sliding_attention", "sliding_attention", "full_attention"])
+
+
+@pytest.fixture(scope="module")
+def path(tmp_path_factory):
+    return write_random_checkpoint(tmp_path_factory.mktemp("batching") / "m", canvas_length=CANVAS, seed=3, **SMALL)
+
+
+def all_free(stats):
+    return stats["kv_blocks_free"] == stats["kv_blocks_total"]
+
+
+@pytest.fixture
+def make_llm(path):
+    """LLMs built by a test; afterwards every KV block must be free again, in each."""
+    made = []
+
+    def make(**kw):
+        llm = ds.LLM(path, kv_block_size=BLOCK, **kw)
+        made.append(llm)
+        return llm
+    yield make
+    for llm in made:
+        stats = llm.stats()
+        assert all_free(stats), f"leaked KV blocks: {stats}"
+        assert stats["running"] == stats["waiting"] == 0
+
+
+def params(seed, n=24, **kw):
+    return ds.SamplingParams(max_new_tokens=n, seed=seed, eos_token_id=[], max_denoising_steps=5, **kw)
+
+
+def alone(llm, prompt, p):
+    return llm.generate([prompt], p)[0]
+
+
+def test_batch_equals_each_alone(make_llm):
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, 64, n).tolist() for n in (3, 17, 40, 9, 25)]
+    ps = [params(i, n=8 * (i + 1)) for i in range(5)]
+    # A small token budget forces chunked prefill and mixes prefill chunks with denoising.
+    batched = make_llm(max_num_batched_tokens=24).generate(prompts, ps)
+    ref = make_llm()
+    for prompt, p, out in zip(prompts, ps, batched):
+        expected = alone(ref, prompt, p)
+        assert out.token_ids == expected.token_ids
+        assert out.denoise_steps == expected.denoise_steps
+
+
+def test_commit_fusion_saves_a_forward_per_block(make_llm):
+    """Fused, a request's forwards are exactly its denoise steps: the prompt's last chunk and
+    every commit ride along with a denoise step. Unfused, each costs a pass of its own."""
+    prompt, p = list(range(1, 20)), params(5, n=32)
+    fused, unfused = make_llm(), make_llm(fuse_commit=False)
+    a, b = alone(fused, prompt, p), alone(unfused, prompt, p)
+    assert a.token_ids == b.token_ids
+    blocks = len(a.denoise_steps)
+    assert fused.stats()["forward_passes"] == sum(a.denoise_steps)
+    assert unfused.stats()["forward_passes"] == sum(a.denoise_steps) + 1 + (blocks - 1)  # + prefill + commits
+
+
+def test_prefix_cache_shares_blocks_and_gives_identical_logits(path):
+    model = ds.Model.load(path, kv_block_size=BLOCK)
+    prefix = list(range(5, 5 + 6 * BLOCK))  # six whole blocks
+    first = model.sequence()
+    first.prefill(prefix + [1, 2])
+    free_before = model.cache_stats()["kv_blocks_free"]
+
+    second = model.sequence()
+    second.prefill(prefix + [3])
+    stats = model.cache_stats()
+    assert stats["prefix_cache_hits"] == len(prefix)
+    held = second.kv_blocks()
+    # Shared: of its 7 full-attention blocks only the last is new; of the sliding blocks
+    # only the one past the prefix. The rest are the first sequence's, by reference.
+    assert held["full"] == 7
+    assert free_before - stats["kv_blocks_free"] == 2
+
+    cold = ds.Model.load(path, kv_block_size=BLOCK).sequence()
+    cold.prefill(prefix + [3])
+    canvas = np.arange(CANVAS)
+    np.testing.assert_array_equal(second.denoise(canvas), cold.denoise(canvas))
+    for layer in range(3):
+        np.testing.assert_array_equal(second.kv(layer)[0], cold.kv(layer)[0])
+
+    # Released blocks stay cached until needed: a third sequence still hits after both are gone.
+    del first, second
+    assert all_free(model.cache_stats())
+    third = model.sequence()
+    third.prefill(prefix)
+    assert model.cache_stats()["prefix_cache_hits"] == 2 * len(prefix)
+    del third
+    assert all_free(model.cache_stats())
+
+
+def test_prefix_cache_hits_across_requests(make_llm):
+    llm = make_llm()
+    system = list(range(10, 10 + 5 * BLOCK))
+    first = llm.generate([system + [1, 2, 3]], params(1))[0]
+    second = llm.generate([system + [4, 5]], params(2))[0]
+    stats = llm.stats()
+    assert stats["prefix_cache_hits"] == len(system)
+    assert stats["prefix_cache_queries"] == len(system) * 2 + 5
+    cold = make_llm()
+    assert second.token_ids == alone(cold, system + [4, 5], params(2)).token_ids
+    assert first.token_ids == alone(cold, system + [1, 2, 3], params(1)).token_ids
+
+
+def test_sliding_layers_stay_within_the_window(path):
+    model = ds.Model.load(path, kv_block_size=BLOCK)
+    seq = model.sequence()
+    seq.prefill(list(range(50)))
+    bound = -(-(WINDOW - 1) // BLOCK) + 1  # the window's blocks, one more when it straddles
+    for block in range(20):
+        seq.commit(list(range(CANVAS)))
+        held = seq.kv_blocks()
+        assert held["sliding"] <= bound
+        assert held["full"] == -(-len(seq) // BLOCK)
+    del seq
+    assert all_free(model.cache_stats())
+
+
+def test_preempted_requests_give_the_same_output(make_llm):
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(0, 64, int(n)).tolist() for n in rng.integers(4, 30, 8)]
+    ps = [params(100 + i, n=32) for i in range(8)]
+    # Room for about two long sequences at once: running ones must be preempted to commit.
+    tight = make_llm(kv_cache_memory_bytes=60_000, max_num_seqs=8)
+    outs = tight.generate(prompts, ps)
+    assert tight.stats()["preemptions"] > 0
+    ref = make_llm()
+    for prompt, p, out in zip(prompts, ps, outs):
+        assert out.token_ids == alone(ref, prompt, p).token_ids
+
+
+def test_many_requests_through_a_small_cache(make_llm):
+    rng = np.random.default_rng(2)
+    n = 120
+    prompts = [rng.integers(0, 64, int(k)).tolist() for k in rng.integers(1, 40, n)]
+    ps = [params(i, n=int(rng.integers(1, 25)), canvas_length=int(rng.choice([4, 8]))) for i in range(n)]
+    llm = make_llm(kv_cache_memory_bytes=80_000, max_num_seqs=16, max_num_batched_tokens=48, slice_steps=3)
+    outs = llm.generate(prompts, ps)
+    ref = make_llm()
+    for i in rng.choice(n, 30, replace=False):  # spot-check against each request alone
+        assert outs[i].token_ids == alone(ref, prompts[i], ps[i]).token_ids
+    assert all(len(o.token_ids) == p.max_new_tokens for o, p in zip(outs, ps))
+
+
+def test_abort_frees_everything_at_once(make_llm):
+    llm = make_llm(slice_steps=1)
+    ids = [llm.add_request(list(range(3, 3 + 20 * k)), params(k, n=64)) for k in (1, 2, 3)]
+    llm.step()
+    assert llm.stats()["running"] == 3 and not all_free(llm.stats())
+    for request_id in ids:
+        llm.abort(request_id)
+    assert all_free(llm.stats()) and not llm.has_unfinished()
+
+
+def test_requests_join_between_steps_and_wait_at_most_one_slice(make_llm):
+    llm = make_llm(slice_steps=2)
+    first = llm.add_request([1, 2, 3], params(1, n=40))
+    llm.step()
+    late = llm.add_request([4, 5, 6], params(2, n=8))
+    llm.step()  # the next step admits it
+    assert llm.stats()["running"] == 2
+    done = {}
+    while llm.has_unfinished():
+        for out in llm.step():
+            done[out.request_id] = out
+    assert set(done) == {first, late}
+
+
+def test_stats_and_limits(make_llm, path):
+    llm = make_llm(max_num_seqs=2)
+    for k in range(5):
+        llm.add_request([1, 2, 3 + k], params(k, n=16))
+    llm.step()
+    stats = llm.stats()
+    assert stats["running"] == 2 and stats["waiting"] == 3
+    assert {"kv_blocks_total", "kv_blocks_free", "prefix_cache_hits", "prefix_cache_queries"} <= set(stats)
+    while llm.has_unfinished():
+        llm.step()
+    with pytest.raises(ValueError, match="max_num_batched_tokens"):
+        ds.LLM(path, max_num_batched_tokens=CANVAS - 1)
+    with pytest.raises(ValueError, match="max_num_seqs"):
+        ds.LLM(path, max_num_seqs=0)
+    with pytest.raises(ValueError, match="kv_cache_memory_bytes"):
+        ds.LLM(path, kv_cache_memory_bytes=100)
+    with pytest.raises(ValueError, match="KV"):  # a request bigger than the whole cache
+        make_llm(kv_cache_memory_bytes=20_000).generate([[1] * 400], params(0, n=8))
