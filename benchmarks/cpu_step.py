@@ -1,10 +1,12 @@
-"""CPU step latency: ms per prefill, denoise and commit on a small random DiffusionGemma.
+"""CPU benchmark on a small random DiffusionGemma: ms per prefill, denoise and commit, then
+generation throughput with 1, 4 and 16 concurrent requests, with and without the commit
+fusion.
 
     python benchmarks/cpu_step.py [--threads N] [--dtype float32|bfloat16] [--repeats R]
 
 Shape: hidden 256, 4 layers (3 sliding + 1 full), 8 experts top-2, canvas 64, 128-token
-prompt. Prints a table of the median and best of R runs. Not a test: numbers depend on
-the machine.
+prompt; generation at a fixed 16 denoise steps per block. Prints tables of the median and
+best of R runs. Not a test: numbers depend on the machine.
 """
 import argparse
 import os
@@ -48,11 +50,12 @@ def main():
         seq = model.sequence()
         seq.prefill(prompt)
         logits = seq.denoise(canvas)
-        rows = [("prefill", PROMPT, timed(lambda: model.sequence().prefill(prompt), args.repeats)),
+        fresh_prompts = iter(rng.integers(0, CONFIG["vocab_size"], (args.repeats, PROMPT)))  # no prefix-cache hits
+        rows = [("prefill", PROMPT, timed(lambda: model.sequence().prefill(next(fresh_prompts)), args.repeats)),
                 ("denoise (first step)", CANVAS, timed(lambda: seq.denoise(canvas), args.repeats)),
                 ("denoise (self-cond.)", CANVAS, timed(lambda: seq.denoise(canvas, logits), args.repeats))]
 
-        def commit():  # each commit on a fresh copy of the same prefilled state
+        def commit():  # each commit on a fresh copy of the same prefilled state (its prefill a cache hit)
             s = model.sequence()
             s.prefill(prompt)
             t = time.perf_counter()
@@ -60,6 +63,8 @@ def main():
             return 1e3 * (time.perf_counter() - t)
         commits = [commit() for _ in range(args.repeats)]
         rows.append(("commit", CANVAS, (statistics.median(commits), min(commits))))
+
+        generation = [generation_row(path, args.threads, n, fuse) for n in (1, 4, 16) for fuse in (True, False)]
 
     threads = args.threads or os.environ.get("DIFFUSERVE_NUM_THREADS") or os.cpu_count()
     print(f"diffuserve CPU step latency: hidden {CONFIG['hidden_size']}, {CONFIG['num_hidden_layers']} layers, "
@@ -69,6 +74,34 @@ def main():
     print(f"|{'-' * 24}|{'-' * 8}|{'-' * 11}|{'-' * 10}|{'-' * 11}|")
     for name, tokens, (median, best) in rows:
         print(f"| {name:<22} | {tokens:>6} | {median:>9.2f} | {best:>8.2f} | {tokens / median * 1e3:>9.0f} |")
+
+    print(f"\ngeneration: {GEN_TOKENS} new tokens per request ({GEN_TOKENS // CANVAS} blocks of {CANVAS}), "
+          f"{STEPS} denoise steps per block")
+    print(f"| {'requests':>8} | {'commit fusion':<13} | {'seconds':>7} | {'output tok/s':>12} | "
+          f"{'forwards/block':>14} |")  # forward passes / blocks of one request
+    print(f"|{'-' * 10}|{'-' * 15}|{'-' * 9}|{'-' * 14}|{'-' * 16}|")
+    for n, fuse, seconds, forwards in generation:
+        blocks = GEN_TOKENS // CANVAS  # per request; the requests run side by side in each forward
+        print(f"| {n:>8} | {'on' if fuse else 'off':<13} | {seconds:>7.2f} | {n * GEN_TOKENS / seconds:>12.0f} | "
+              f"{forwards / blocks:>14.2f} |")
+
+
+GEN_TOKENS, STEPS = 4 * CANVAS, 16
+
+
+def generation_row(path, threads, requests, fuse):
+    """Seconds and forward passes for `requests` concurrent requests, each generating
+    GEN_TOKENS at exactly STEPS denoise steps per block (confidence made unreachable)."""
+    llm = ds.LLM(path, num_threads=threads, fuse_commit=fuse)
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(0, CONFIG["vocab_size"], PROMPT).tolist() for _ in range(requests)]
+    params = ds.SamplingParams(max_new_tokens=GEN_TOKENS, max_denoising_steps=STEPS, confidence_threshold=1e-30,
+                               eos_token_id=[], seed=0)
+    t = time.perf_counter()
+    outs = llm.generate(prompts, params)
+    seconds = time.perf_counter() - t
+    assert all(o.denoise_steps == [STEPS] * (GEN_TOKENS // CANVAS) for o in outs)
+    return requests, fuse, seconds, llm.stats()["forward_passes"]
 
 
 if __name__ == "__main__":
