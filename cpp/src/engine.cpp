@@ -220,6 +220,10 @@ int64_t Engine::pending_tokens(uint64_t id) const { return get(id).pending(); }
 int Engine::canvas_length(uint64_t id) const { return get(id).canvas; }
 bool Engine::is_waiting(uint64_t id) const { return get(id).waiting; }
 std::vector<int32_t> Engine::generated(uint64_t id) const { return get(id).out.token_ids; }
+std::vector<int32_t> Engine::draft(uint64_t id) const {
+  const RequestState& r = get(id);
+  return r.in_block && r.steps ? r.argmax : std::vector<int32_t>{};
+}
 
 std::vector<std::pair<uint64_t, GenerationOutput>> Engine::step(const std::vector<StepPlan>& plan, int max_steps,
                                                                 int64_t max_batched_tokens) {

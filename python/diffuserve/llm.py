@@ -86,6 +86,14 @@ class LLM:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def generated(self, request_id: int) -> List[int]:
+        """Tokens of the blocks a running request has finished so far (for streaming)."""
+        return list(self._engine.generated(request_id))
+
+    def draft(self, request_id: int) -> List[int]:
+        """The argmax canvas of the block a request is refining ([] between blocks)."""
+        return list(self._engine.draft(request_id))
+
     def step(self) -> List[RequestOutput]:
         """Runs one scheduler step; returns the requests that finished in it."""
         return [self._output(request_id, out) for request_id, out in self.scheduler.step()]

@@ -64,6 +64,8 @@ class Engine {
   bool is_waiting(uint64_t id) const;
   // Tokens generated so far (whole finished blocks).
   std::vector<int32_t> generated(uint64_t id) const;
+  // The argmax canvas of the block in progress (empty between blocks): a draft to stream.
+  std::vector<int32_t> draft(uint64_t id) const;
   size_t size() const { return requests_.size(); }
   // Forward passes run so far.
   int64_t passes() const { return passes_; }
