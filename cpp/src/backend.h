@@ -90,6 +90,8 @@ class Backend {
   // dst rows [dst_row, dst_row + n) = src rows [src_row, src_row + n); the ranges may
   // overlap (memmove). Same column count.
   virtual void copy_rows(const Activation& src, int64_t src_row, Activation& dst, int64_t dst_row, int64_t n) = 0;
+  // dst row dst_rows[i] = src row i, for every row of src (writing KV into cache slots).
+  virtual void scatter_rows(const Activation& src, const std::vector<int64_t>& dst_rows, Activation& dst) = 0;
 
   // out[i] = table[ids[i]] * scale
   virtual void embed(const Weight& table, const std::vector<int32_t>& ids, float scale, Activation& out) = 0;
@@ -135,5 +137,8 @@ class Backend {
 };
 
 std::unique_ptr<Backend> make_cpu_backend(int num_threads);
+#ifdef DIFFUSERVE_WITH_CUDA
+std::unique_ptr<Backend> make_cuda_backend(int device);
+#endif
 
 }  // namespace diffuserve

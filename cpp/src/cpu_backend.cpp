@@ -111,6 +111,10 @@ class CpuBackend final : public Backend {
     std::memmove(dst.row(dst_row), src.row(src_row), n * src.cols * sizeof(float));
   }
 
+  void scatter_rows(const Activation& src, const std::vector<int64_t>& dst_rows, Activation& dst) override {
+    for (size_t i = 0; i < dst_rows.size(); ++i) std::memcpy(dst.row(dst_rows[i]), src.row(int64_t(i)), src.cols * sizeof(float));
+  }
+
   void embed(const Weight& table, const std::vector<int32_t>& ids, float scale, Activation& out) override {
     const int64_t h = table.shape[1];
     const size_t esz = dtype_size(table.dtype);
@@ -347,7 +351,7 @@ class CpuBackend final : public Backend {
         float best = -INFINITY, best_noisy = -INFINITY;
         RowSample& r = out[row];
         for (int64_t v = 0; v < vocab; v += 4) {
-          const std::array<uint32_t, 4> bits = key.draw(uint32_t(row), uint32_t(v));
+          const Philox4 bits = key.draw(uint32_t(row), uint32_t(v));
           for (int64_t j = v; j < std::min(v + 4, vocab); ++j) {
             l[j] = (allowed.empty() || allowed[j]) ? l[j] / temperature : -INFINITY;
             if (l[j] > best) best = l[j], r.argmax = int32_t(j);

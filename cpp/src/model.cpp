@@ -211,13 +211,14 @@ void layer_forward(ModelState& m, KvCache& kv, int li, Activation& h, const std:
   be.rms_norm(h, W.input_layernorm, H, c.rms_norm_eps, x);
   Activation k = be.alloc(n, kv_cols), v = be.alloc(n, kv_cols);
   project_kv(m, li, x, positions, k, v);
-  for (const Placed& p : placed) {
-    if (!p.segment->encoder) continue;
-    for (int64_t r = 0; r < p.rows; ++r) {
-      const int64_t slot = kv.slot(*p.segment->table, li, p.first_position + r);
-      be.copy_rows(k, p.first_row + r, kv.keys(li), slot, 1);
-      be.copy_rows(v, p.first_row + r, kv.values(li), slot, 1);
-    }
+  // Encoder rows come first in the batch: rows [0, encoder_rows) go to their cache slots.
+  if (encoder_rows) {
+    std::vector<int64_t> slots;
+    for (const Placed& p : placed)
+      if (p.segment->encoder)
+        for (int64_t r = 0; r < p.rows; ++r) slots.push_back(kv.slot(*p.segment->table, li, p.first_position + r));
+    be.scatter_rows(k.view(0, encoder_rows), slots, kv.keys(li));
+    be.scatter_rows(v.view(0, encoder_rows), slots, kv.values(li));
   }
 
   // Past its KV, the encoder's last layer feeds nothing: only decoder rows go on.
