@@ -100,13 +100,12 @@ class Backend {
   // y = x @ w; w is [K, N]. Rows of x are first rounded to w's dtype, as the reference
   // casts probabilities to the weight dtype before this product.
   virtual void linear_nt(const Activation& x, const Weight& w, Activation& y) = 0;
-  // Per row of `cols`-wide groups: y = x * (mean(x^2) + eps)^-0.5 [* weight].
-  // `weight` may be empty (an unscaled norm). x and y may alias.
-  virtual void rms_norm(const Activation& x, const std::vector<float>& weight, int64_t group, float eps,
-                        Activation& y) = 0;
-  // In place on x viewed as [rows, heads, head_dim]: rotate_half RoPE at `positions`.
-  virtual void rope(Activation& x, int64_t head_dim, const std::vector<float>& inv_freq,
-                    const std::vector<int64_t>& positions) = 0;
+  // Per `group`-wide slice of each row: y = x * (mean(x^2) + eps)^-0.5 [* weight]
+  // (weight: fp32 [group], or null for an unscaled norm). x and y may alias.
+  virtual void rms_norm(const Activation& x, const Weight* weight, int64_t group, float eps, Activation& y) = 0;
+  // In place on x viewed as [rows, heads, head_dim]: rotate_half RoPE at `positions`
+  // (inv_freq: fp32 [head_dim / 2]).
+  virtual void rope(Activation& x, int64_t head_dim, const Weight& inv_freq, const std::vector<int64_t>& positions) = 0;
   // out = softmax(q k^T) v per head (scale 1), GQA, for every segment of the batch (each
   // with its own keys, positions, causal flag and window) in one call.
   virtual void attention(const Activation& q, const std::vector<AttentionSegment>& segments, int64_t num_heads,
@@ -114,8 +113,8 @@ class Backend {
   // out = gelu_tanh(x[:, :I]) * x[:, I:], x is [rows, 2I].
   virtual void gelu_glu(const Activation& x, Activation& out) = 0;
   // Router: softmax(proj(rms(x) * scale * hidden^-0.5)), top-k, renormalise, * per_expert_scale.
-  virtual Routing route(const Activation& x, const Weight& proj, const std::vector<float>& scale,
-                        const std::vector<float>& per_expert_scale, int top_k, float eps) = 0;
+  virtual Routing route(const Activation& x, const Weight& proj, const Weight& scale, const Weight& per_expert_scale,
+                        int top_k, float eps) = 0;
   // out = sum_k weight_k * down_e(gelu_glu(gate_up_e(x))) over each token's experts.
   virtual void experts(const Activation& x, const Routing& routing, const Weight& gate_up, const Weight& down,
                        Activation& out) = 0;

@@ -173,8 +173,8 @@ class CpuBackend final : public Backend {
     });
   }
 
-  void rms_norm(const Activation& x, const std::vector<float>& weight, int64_t group, float eps,
-                Activation& y) override {
+  void rms_norm(const Activation& x, const Weight* weight, int64_t group, float eps, Activation& y) override {
+    const float* w = weight ? static_cast<const float*>(weight->data) : nullptr;
     const int64_t groups = x.size() / group;
     pool_.parallel_for(groups, 64, [&](int64_t b, int64_t e) {
       for (int64_t g = b; g < e; ++g) {
@@ -183,13 +183,13 @@ class CpuBackend final : public Backend {
         double ss = 0;
         for (int64_t j = 0; j < group; ++j) ss += double(xi[j]) * xi[j];
         const float inv = std::pow(float(ss / group) + eps, -0.5f);
-        for (int64_t j = 0; j < group; ++j) yi[j] = xi[j] * inv * (weight.empty() ? 1.0f : weight[j]);
+        for (int64_t j = 0; j < group; ++j) yi[j] = xi[j] * inv * (w ? w[j] : 1.0f);
       }
     });
   }
 
-  void rope(Activation& x, int64_t head_dim, const std::vector<float>& inv_freq,
-            const std::vector<int64_t>& positions) override {
+  void rope(Activation& x, int64_t head_dim, const Weight& inv_freq_weight, const std::vector<int64_t>& positions) override {
+    const float* inv_freq = static_cast<const float*>(inv_freq_weight.data);
     const int64_t heads = x.cols / head_dim, half = head_dim / 2;
     pool_.parallel_for(x.rows, 4, [&](int64_t b, int64_t e) {
       std::vector<float> c(half), s(half);
@@ -262,11 +262,13 @@ class CpuBackend final : public Backend {
     });
   }
 
-  Routing route(const Activation& x, const Weight& proj, const std::vector<float>& scale,
-                const std::vector<float>& per_expert_scale, int top_k, float eps) override {
+  Routing route(const Activation& x, const Weight& proj, const Weight& scale_weight,
+                const Weight& per_expert_scale_weight, int top_k, float eps) override {
     const int64_t tokens = x.rows, hidden = x.cols, experts = proj.shape[0];
+    const float* scale = static_cast<const float*>(scale_weight.data);
+    const float* per_expert_scale = static_cast<const float*>(per_expert_scale_weight.data);
     Activation normed = alloc(tokens, hidden);
-    rms_norm(x, {}, hidden, eps, normed);
+    rms_norm(x, nullptr, hidden, eps, normed);
     const float root = std::pow(float(hidden), -0.5f);
     for (int64_t i = 0; i < tokens; ++i)
       for (int64_t j = 0; j < hidden; ++j) normed.row(i)[j] = normed.row(i)[j] * scale[j] * root;

@@ -51,7 +51,18 @@ class TensorSource {
     return m_.backend->upload(host->data(), DType::F32, shape, as_, host);
   }
 
-  // A small tensor (norm weights, scales) read into fp32.
+  // A small tensor (norm weights, scales) as an fp32 weight.
+  Weight small(const std::string& name, const std::vector<int64_t>& shape) {
+    return fp32_weight(floats(name, shape), shape);
+  }
+
+  // Host values as an fp32 weight in backend memory.
+  Weight fp32_weight(std::vector<float> values, const std::vector<int64_t>& shape) {
+    auto host = std::make_shared<std::vector<float>>(std::move(values));
+    return m_.backend->upload(host->data(), DType::F32, shape, DType::F32, host);
+  }
+
+  // A small tensor read into fp32.
   std::vector<float> floats(const std::string& name, const std::vector<int64_t>& shape) {
     const TensorView& t = take(name, shape);
     std::vector<float> out(t.numel());
@@ -96,9 +107,9 @@ void load_weights(ModelState& m, DType as) {
 
   w.embed_tokens = src.weight(d + "embed_tokens.weight", {c.vocab_size, H});
   if (!c.tie_word_embeddings) w.lm_head = src.weight("lm_head.weight", {c.vocab_size, H});
-  w.norm = src.floats(d + "norm.weight", {H});
+  w.norm = src.small(d + "norm.weight", {H});
   const std::string sc = d + "self_conditioning.";
-  w.sc_pre_norm = src.floats(sc + "pre_norm.weight", {H});
+  w.sc_pre_norm = src.small(sc + "pre_norm.weight", {H});
   w.sc_gate_up = src.stacked({sc + "gate_proj.weight", sc + "up_proj.weight"}, {I, H});
   w.sc_down = src.weight(sc + "down_proj.weight", {H, I});
 
@@ -111,20 +122,21 @@ void load_weights(ModelState& m, DType as) {
     lw.k_proj = src.weight(p + "self_attn.k_proj.weight", {kv_out, H});
     if (L.has_v_proj) lw.v_proj = src.weight(p + "self_attn.v_proj.weight", {kv_out, H});
     lw.o_proj = src.weight(p + "self_attn.o_proj.weight", {H, q_out});
-    lw.q_norm = src.floats(p + "self_attn.q_norm.weight", {L.head_dim});
-    lw.k_norm = src.floats(p + "self_attn.k_norm.weight", {L.head_dim});
-    lw.input_layernorm = src.floats(p + "input_layernorm.weight", {H});
-    lw.post_attention_layernorm = src.floats(p + "post_attention_layernorm.weight", {H});
-    lw.pre_feedforward_layernorm = src.floats(p + "pre_feedforward_layernorm.weight", {H});
-    lw.post_feedforward_layernorm = src.floats(p + "post_feedforward_layernorm.weight", {H});
-    lw.post_feedforward_layernorm_1 = src.floats(p + "post_feedforward_layernorm_1.weight", {H});
-    lw.post_feedforward_layernorm_2 = src.floats(p + "post_feedforward_layernorm_2.weight", {H});
-    lw.pre_feedforward_layernorm_2 = src.floats(p + "pre_feedforward_layernorm_2.weight", {H});
+    lw.q_norm = src.small(p + "self_attn.q_norm.weight", {L.head_dim});
+    lw.k_norm = src.small(p + "self_attn.k_norm.weight", {L.head_dim});
+    lw.input_layernorm = src.small(p + "input_layernorm.weight", {H});
+    lw.post_attention_layernorm = src.small(p + "post_attention_layernorm.weight", {H});
+    lw.pre_feedforward_layernorm = src.small(p + "pre_feedforward_layernorm.weight", {H});
+    lw.post_feedforward_layernorm = src.small(p + "post_feedforward_layernorm.weight", {H});
+    lw.post_feedforward_layernorm_1 = src.small(p + "post_feedforward_layernorm_1.weight", {H});
+    lw.post_feedforward_layernorm_2 = src.small(p + "post_feedforward_layernorm_2.weight", {H});
+    lw.pre_feedforward_layernorm_2 = src.small(p + "pre_feedforward_layernorm_2.weight", {H});
     lw.mlp_gate_up = src.stacked({p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"}, {I, H});
     lw.mlp_down = src.weight(p + "mlp.down_proj.weight", {H, I});
     lw.router_proj = src.weight(p + "router.proj.weight", {E, H});
-    lw.router_scale = src.floats(p + "router.scale", {H});
-    lw.router_per_expert_scale = src.floats(p + "router.per_expert_scale", {E});
+    lw.router_scale = src.small(p + "router.scale", {H});
+    lw.router_per_expert_scale = src.small(p + "router.per_expert_scale", {E});
+    lw.rope_inv_freq = src.fp32_weight(L.rope_inv_freq, {int64_t(L.rope_inv_freq.size())});
     lw.experts_gate_up = src.weight(p + "experts.gate_up_proj", {E, 2 * MI, H});
     lw.experts_down = src.weight(p + "experts.down_proj", {E, H, MI});
     lw.decoder_layer_scalar = src.floats(p + "layer_scalar", {1})[0];
@@ -149,9 +161,9 @@ void project_kv(ModelState& m, int li, const Activation& x, const std::vector<in
   be.linear(x, W.k_proj, k);
   if (L.has_v_proj) be.linear(x, W.v_proj, v);
   else be.copy_rows(k, 0, v, 0, k.rows);
-  be.rms_norm(k, W.k_norm, L.head_dim, m.config.rms_norm_eps, k);
-  be.rope(k, L.head_dim, L.rope_inv_freq, positions);
-  be.rms_norm(v, {}, L.head_dim, m.config.rms_norm_eps, v);
+  be.rms_norm(k, &W.k_norm, L.head_dim, m.config.rms_norm_eps, k);
+  be.rope(k, L.head_dim, W.rope_inv_freq, positions);
+  be.rms_norm(v, nullptr, L.head_dim, m.config.rms_norm_eps, v);
 }
 
 // out = gated GELU MLP of x with stacked [gate; up] weights.
@@ -170,18 +182,18 @@ void feed_forward(ModelState& m, int li, Activation& h) {
   const float eps = m.config.rms_norm_eps;
   const int64_t n = h.rows, H = h.cols;
   Activation x = be.alloc(n, H), dense = be.alloc(n, H), moe = be.alloc(n, H);
-  be.rms_norm(h, W.pre_feedforward_layernorm, H, eps, x);
+  be.rms_norm(h, &W.pre_feedforward_layernorm, H, eps, x);
   gated_mlp(be, x, W.mlp_gate_up, W.mlp_down, dense);
-  be.rms_norm(dense, W.post_feedforward_layernorm_1, H, eps, dense);
+  be.rms_norm(dense, &W.post_feedforward_layernorm_1, H, eps, dense);
 
   const Routing routing = be.route(h, W.router_proj, W.router_scale, W.router_per_expert_scale,
                                    m.config.top_k_experts, eps);
-  be.rms_norm(h, W.pre_feedforward_layernorm_2, H, eps, x);
+  be.rms_norm(h, &W.pre_feedforward_layernorm_2, H, eps, x);
   be.experts(x, routing, W.experts_gate_up, W.experts_down, moe);
-  be.rms_norm(moe, W.post_feedforward_layernorm_2, H, eps, moe);
+  be.rms_norm(moe, &W.post_feedforward_layernorm_2, H, eps, moe);
 
   be.add(dense, moe, x);
-  be.rms_norm(x, W.post_feedforward_layernorm, H, eps, x);
+  be.rms_norm(x, &W.post_feedforward_layernorm, H, eps, x);
   be.add(h, x, h);
 }
 
@@ -208,7 +220,7 @@ void layer_forward(ModelState& m, KvCache& kv, int li, Activation& h, const std:
   const int64_t window = L.sliding ? c.sliding_window : 0;
 
   Activation x = be.alloc(n, H);
-  be.rms_norm(h, W.input_layernorm, H, c.rms_norm_eps, x);
+  be.rms_norm(h, &W.input_layernorm, H, c.rms_norm_eps, x);
   Activation k = be.alloc(n, kv_cols), v = be.alloc(n, kv_cols);
   project_kv(m, li, x, positions, k, v);
   // Encoder rows come first in the batch: rows [0, encoder_rows) go to their cache slots.
@@ -243,12 +255,12 @@ void layer_forward(ModelState& m, KvCache& kv, int li, Activation& h, const std:
   const std::vector<int64_t> q_positions(positions.begin() + first, positions.end());
   Activation q = be.alloc(n - first, q_cols), attn = be.alloc(n - first, q_cols);
   be.linear(rows_x, W.q_proj, q);
-  be.rms_norm(q, W.q_norm, L.head_dim, c.rms_norm_eps, q);
-  be.rope(q, L.head_dim, L.rope_inv_freq, q_positions);
+  be.rms_norm(q, &W.q_norm, L.head_dim, c.rms_norm_eps, q);
+  be.rope(q, L.head_dim, W.rope_inv_freq, q_positions);
   be.attention(q, segments, c.num_heads, L.num_kv_heads, L.head_dim, attn);
 
   be.linear(attn, W.o_proj, rows_x);
-  be.rms_norm(rows_x, W.post_attention_layernorm, H, c.rms_norm_eps, rows_x);
+  be.rms_norm(rows_x, &W.post_attention_layernorm, H, c.rms_norm_eps, rows_x);
   be.add(rows_h, rows_x, rows_h);
   feed_forward(m, li, rows_h);
   for (const Placed& p : placed) {
@@ -303,10 +315,10 @@ Activation forward(ModelState& m, KvCache& kv, std::vector<Segment>& segments) {
       be.scale(rows, m.embed_scale);
     }
     Activation dec = h.view(encoder_rows, decoder_rows);
-    be.rms_norm(soft, W.sc_pre_norm, H, c.rms_norm_eps, soft);
+    be.rms_norm(soft, &W.sc_pre_norm, H, c.rms_norm_eps, soft);
     gated_mlp(be, soft, W.sc_gate_up, W.sc_down, signal);
     be.add(dec, signal, dec);
-    be.rms_norm(dec, {}, H, c.rms_norm_eps, dec);
+    be.rms_norm(dec, nullptr, H, c.rms_norm_eps, dec);
   }
 
   for (int li = 0; li < c.num_layers; ++li) layer_forward(m, kv, li, h, positions, placed, encoder_rows);
@@ -316,7 +328,7 @@ Activation forward(ModelState& m, KvCache& kv, std::vector<Segment>& segments) {
   Activation logits = be.alloc(decoder_rows, c.vocab_size);
   if (decoder_rows) {
     Activation dec = h.view(encoder_rows, decoder_rows);
-    be.rms_norm(dec, W.norm, H, c.rms_norm_eps, dec);
+    be.rms_norm(dec, &W.norm, H, c.rms_norm_eps, dec);
     be.linear(dec, W.lm_head.empty() ? W.embed_tokens : W.lm_head, logits);
     if (c.final_logit_softcapping > 0) be.softcap(logits, c.final_logit_softcapping);
   }

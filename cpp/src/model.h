@@ -16,13 +16,15 @@ namespace diffuserve {
 
 struct LayerWeights {
   Weight q_proj, k_proj, v_proj, o_proj;  // v_proj is empty on full-attention layers
-  std::vector<float> q_norm, k_norm;
-  std::vector<float> input_layernorm, post_attention_layernorm;
-  std::vector<float> pre_feedforward_layernorm, post_feedforward_layernorm;
-  std::vector<float> post_feedforward_layernorm_1, post_feedforward_layernorm_2, pre_feedforward_layernorm_2;
+  // Norm weights, scales and the RoPE frequencies are small fp32 weights.
+  Weight q_norm, k_norm;
+  Weight input_layernorm, post_attention_layernorm;
+  Weight pre_feedforward_layernorm, post_feedforward_layernorm;
+  Weight post_feedforward_layernorm_1, post_feedforward_layernorm_2, pre_feedforward_layernorm_2;
+  Weight rope_inv_freq;
   Weight mlp_gate_up, mlp_down;  // gate_proj and up_proj stacked: one GEMM
   Weight router_proj;
-  std::vector<float> router_scale, router_per_expert_scale;
+  Weight router_scale, router_per_expert_scale;
   Weight experts_gate_up, experts_down;  // [E, 2I, H], [E, H, I]
   float decoder_layer_scalar = 1.0f;
   float encoder_layer_scalar = 1.0f;
@@ -31,8 +33,8 @@ struct LayerWeights {
 struct ModelWeights {
   Weight embed_tokens;  // [vocab, hidden]; also the lm_head when tied
   Weight lm_head;       // empty when tied
-  std::vector<float> norm;
-  std::vector<float> sc_pre_norm;
+  Weight norm;
+  Weight sc_pre_norm;
   Weight sc_gate_up, sc_down;  // self-conditioning MLP, gate and up stacked
   std::vector<LayerWeights> layers;
 };
