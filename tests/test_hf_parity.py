@@ -5,6 +5,8 @@ runs prefill, then several blocks of (denoise without self-conditioning, denoise
 commit) through both, comparing the logits of every denoise and every layer's KV cache
 after every encoder pass.
 """
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -62,6 +64,13 @@ BF16_EXACT_ATOL = 1e-2
 #    closer to exact than HF-bf16 is, and that the argmax agrees at most positions
 #    (observed >= 0.84).
 BF16_MIN_ARGMAX_AGREEMENT = 0.75
+# On a GPU (DIFFUSERVE_TEST_DEVICE=cuda, run by benchmarks/run_on_gpu.sh) every case is a
+# bf16 checkpoint and the GEMM inputs are rounded to bf16 as in HF-bf16, activations
+# elsewhere staying fp32: the same criteria as for bf16 above, with the max-abs bound
+# against exact arithmetic loosened to what that rounding gives (see the closing note of
+# the CUDA issue for the measured figures).
+DEVICE = os.environ.get("DIFFUSERVE_TEST_DEVICE", "cpu")
+GPU_ATOL = 0.5
 
 
 def check_logits(ours, exact, native=None, *, where, atol):
@@ -92,13 +101,15 @@ def check_kv(seq, ref, n_layers, atol, where):
 @pytest.mark.parametrize("case", list(CASES))
 def test_matches_reference(case, tmp_path):
     text_cfg, canvas, prompt_len, blocks, dtype, shard = CASES[case]
+    if DEVICE != "cpu":
+        dtype = torch.bfloat16
     path = save(build_model(text_cfg, canvas, seed=len(case)), tmp_path / case, dtype, max_shard_size=shard)
     if shard:
         assert (path / "model.safetensors.index.json").exists()
-    model = ds.Model.load(path)
+    model = ds.Model.load(path, device=DEVICE)
     assert model.dtype == {torch.float32: "float32", torch.bfloat16: "bfloat16"}[dtype]
     bf16 = dtype == torch.bfloat16
-    atol = BF16_EXACT_ATOL if bf16 else FP32_ATOL
+    atol = GPU_ATOL if DEVICE != "cpu" else BF16_EXACT_ATOL if bf16 else FP32_ATOL
     seq, exact = model.sequence(), ReferenceSequence(load(path, torch.float32))
     native = ReferenceSequence(load(path, dtype)) if bf16 else None
     refs = [r for r in (exact, native) if r is not None]
@@ -122,6 +133,8 @@ def test_matches_reference(case, tmp_path):
         for s in [seq, *refs]:
             s.commit(canvas_ids)
         check_kv(seq, exact, n_layers, atol, f"after commit {block}")
+        if DEVICE != "cpu":
+            print(f"{case} block {block}: max |logit diff| vs exact {np.abs(ours - expected[0]).max():.3e}")
     assert len(seq) == prompt_len + blocks * canvas
 
 

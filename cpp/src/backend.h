@@ -15,6 +15,14 @@
 #include "philox.h"
 
 namespace diffuserve {
+// The value random_weight draws for element i (the same on every backend).
+DS_HOST_DEVICE inline float random_weight_value(uint64_t seed, uint64_t i, float scale) {
+  const Philox4 bits = RandomKey{seed, uint32_t(i >> 32), 0, RandomStream::Candidate}.draw(0, uint32_t(i) & ~3u);
+  return scale * 1.7320508f * (2.0f * uniform_open(bits[int(i & 3)]) - 1.0f);
+}
+}  // namespace diffuserve
+
+namespace diffuserve {
 
 // A matrix of fp32 activations owned by a backend: rows x cols, row-major.
 struct Activation {
@@ -81,10 +89,15 @@ class Backend {
 
   // A zero-filled matrix (large ones are committed lazily by the OS as they are touched).
   virtual Activation alloc(int64_t rows, int64_t cols) = 0;
+  // Bytes the KV cache may take by default, asked once the weights are loaded.
+  virtual int64_t default_kv_cache_bytes() = 0;
   // Weight from host bytes in `dtype`, stored as `as` (a widening/narrowing cast when they
   // differ). The backend may keep pointing at `host`; `keep_alive` owns those bytes.
   virtual Weight upload(const void* host, DType dtype, const std::vector<int64_t>& shape, DType as,
                         std::shared_ptr<const void> keep_alive) = 0;
+  // A weight of random values, scale * U(-sqrt(3), sqrt(3)) (unit variance), drawn with
+  // Philox from `seed`: load_format="dummy" builds a model at any size without a file.
+  virtual Weight random_weight(const std::vector<int64_t>& shape, DType as, uint64_t seed, float scale) = 0;
   virtual void to_host(const Activation& a, float* out) = 0;
   virtual void from_host(const float* in, Activation& a) = 0;
   // dst rows [dst_row, dst_row + n) = src rows [src_row, src_row + n); the ranges may

@@ -7,6 +7,7 @@
 #include <cstring>
 #include <limits>
 #include <string>
+#include <unistd.h>
 #include <numeric>
 
 #include "backend.h"
@@ -77,6 +78,11 @@ class CpuBackend final : public Backend {
     return a;
   }
 
+  int64_t default_kv_cache_bytes() override {  // a quarter of physical memory, at most 4 GiB
+    const int64_t physical = int64_t(sysconf(_SC_PHYS_PAGES)) * sysconf(_SC_PAGE_SIZE);
+    return std::min<int64_t>(physical / 4, int64_t(4) << 30);
+  }
+
   Weight upload(const void* host, DType dtype, const std::vector<int64_t>& shape, DType as,
                 std::shared_ptr<const void> keep_alive) override {
     Weight w;
@@ -103,6 +109,16 @@ class CpuBackend final : public Backend {
     w.data = buf.get();
     w.storage = buf;
     return w;
+  }
+
+  Weight random_weight(const std::vector<int64_t>& shape, DType as, uint64_t seed, float scale) override {
+    int64_t n = 1;
+    for (int64_t d : shape) n *= d;
+    auto host = std::make_shared<std::vector<float>>(n);
+    pool_.parallel_for(n, 1 << 16, [&](int64_t b, int64_t e) {
+      for (int64_t i = b; i < e; ++i) (*host)[i] = random_weight_value(seed, uint64_t(i), scale);
+    });
+    return upload(host->data(), DType::F32, shape, as, host);
   }
 
   void to_host(const Activation& a, float* out) override { std::memcpy(out, a.data, a.size() * sizeof(float)); }

@@ -17,9 +17,11 @@ namespace {
 
 // Hands out checkpoint tensors by name, checking shape and dtype, and remembers which
 // were taken so that leftovers can be reported.
+// With no checkpoint (load_format "dummy") it makes random weights of the same shapes.
 class TensorSource {
  public:
   TensorSource(ModelState& m, DType as) : m_(m), as_(as) {}
+  bool dummy() const { return !m_.checkpoint; }
 
   const TensorView& take(const std::string& name, const std::vector<int64_t>& shape) {
     const TensorView* t = m_.checkpoint->find(name);
@@ -35,20 +37,22 @@ class TensorSource {
   }
 
   Weight weight(const std::string& name, const std::vector<int64_t>& shape) {
+    if (dummy()) return m_.backend->random_weight(shape, as_, ++seed_, 1.0f / std::sqrt(float(shape.back())));
     const TensorView& t = take(name, shape);
     return m_.backend->upload(t.data, t.dtype, t.shape, as_, m_.checkpoint);
   }
 
   // Several [n_i, K] tensors stacked along rows into one weight (gate and up in one GEMM).
   Weight stacked(const std::vector<std::string>& names, const std::vector<int64_t>& part_shape) {
+    std::vector<int64_t> stacked_shape = part_shape;
+    stacked_shape[0] *= int64_t(names.size());
+    if (dummy()) return weight(names[0], stacked_shape);
     auto host = std::make_shared<std::vector<float>>();
     for (const auto& name : names) {
       const std::vector<float> part = floats(name, part_shape);
       host->insert(host->end(), part.begin(), part.end());
     }
-    std::vector<int64_t> shape = part_shape;
-    shape[0] *= int64_t(names.size());
-    return m_.backend->upload(host->data(), DType::F32, shape, as_, host);
+    return m_.backend->upload(host->data(), DType::F32, stacked_shape, as_, host);
   }
 
   // A small tensor (norm weights, scales) as an fp32 weight.
@@ -64,6 +68,11 @@ class TensorSource {
 
   // A small tensor read into fp32.
   std::vector<float> floats(const std::string& name, const std::vector<int64_t>& shape) {
+    if (dummy()) {  // norm weights, scales and scalars of one
+      int64_t n = 1;
+      for (int64_t d : shape) n *= d;
+      return std::vector<float>(n, 1.0f);
+    }
     const TensorView& t = take(name, shape);
     std::vector<float> out(t.numel());
     for (int64_t i = 0; i < t.numel(); ++i) {
@@ -81,6 +90,7 @@ class TensorSource {
 
   // Every tensor that was not taken must be one we deliberately skip.
   void check_all_taken(bool tied) const {
+    if (dummy()) return;
     for (const auto& [name, view] : m_.checkpoint->tensors()) {
       if (taken_.count(name)) continue;
       if (name.rfind("model.encoder.vision_tower.", 0) == 0 || name.rfind("model.encoder.embed_vision.", 0) == 0)
@@ -94,6 +104,7 @@ class TensorSource {
   ModelState& m_;
   DType as_;
   std::set<std::string> taken_;
+  uint64_t seed_ = 0;  // dummy weights: one stream per tensor
 };
 
 }  // namespace

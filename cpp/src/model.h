@@ -52,7 +52,7 @@ struct ModelState {
   std::string device;
   ModelConfig config;
   std::unique_ptr<Backend> backend;
-  std::shared_ptr<Checkpoint> checkpoint;  // weights may point into its mappings
+  std::shared_ptr<Checkpoint> checkpoint;  // weights may point into its mappings; null for dummy weights
   ModelWeights weights;
   DType weight_dtype = DType::F32;
   float embed_scale = 1.0f;  // sqrt(hidden) rounded to the weight dtype, as the reference does
@@ -60,7 +60,8 @@ struct ModelState {
 };
 
 // Loads weights from `checkpoint` into `state` (config and backend already set),
-// checking that exactly the expected tensors are present with the expected shapes.
+// checking that exactly the expected tensors are present with the expected shapes; with
+// no checkpoint, random weights of those shapes.
 void load_weights(ModelState& state, DType as);
 
 // One forward pass over a batch in which each segment is in its own phase. Encoder

@@ -3,7 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <filesystem>
-#include <unistd.h>
+#include <cctype>
 
 #include "diffuserve/diffuserve.h"
 #include "model.h"
@@ -25,9 +25,20 @@ DType parse_dtype(const std::string& name, DType stored) {
   throw InvalidArgument("dtype '" + name + "' is not supported (use float32, bfloat16 or float16)");
 }
 
-int64_t default_kv_bytes() {
-  const int64_t physical = int64_t(sysconf(_SC_PHYS_PAGES)) * sysconf(_SC_PAGE_SIZE);
-  return std::min<int64_t>(physical / 4, int64_t(4) << 30);
+// "cpu", "cuda" or "cuda:N" -> the backend.
+std::unique_ptr<Backend> make_backend(const std::string& device, int num_threads) {
+  if (device == "cpu") return make_cpu_backend(num_threads);
+  if (device == "cuda" || device.rfind("cuda:", 0) == 0) {
+#ifdef DIFFUSERVE_WITH_CUDA
+    const std::string index = device.size() > 5 ? device.substr(5) : "0";
+    if (index.empty() || index.size() > 3 || !std::all_of(index.begin(), index.end(), ::isdigit))
+      throw InvalidArgument("device '" + device + "': expected cuda or cuda:N");
+    return make_cuda_backend(std::stoi(index));
+#else
+    throw InvalidArgument("device '" + device + "' is not available: this build has no CUDA backend");
+#endif
+  }
+  throw InvalidArgument("device '" + device + "' is not available: use cpu, cuda or cuda:N");
 }
 
 void check_ids(std::span<const int32_t> ids, const ModelConfig& c, const char* what) {
@@ -46,29 +57,51 @@ void check_positions(int64_t length, size_t n, const ModelConfig& c, const char*
 
 }  // namespace
 
+bool cuda_available() {
+#ifdef DIFFUSERVE_WITH_CUDA
+  try {
+    make_cuda_backend(0);
+    return true;
+  } catch (const InvalidArgument&) {
+    return false;
+  }
+#else
+  return false;
+#endif
+}
+
 Model::Model(std::unique_ptr<ModelState> state) : state_(std::move(state)) {}
 Model::~Model() = default;
 
 std::shared_ptr<Model> Model::load(const std::string& path, const LoadOptions& options) {
-  if (options.device != "cpu") {
-    throw InvalidArgument("device '" + options.device + "' is not available: this build has the CPU backend only");
-  }
   if (options.kv_cache_memory_bytes < 0) throw InvalidArgument("kv_cache_memory_bytes must be >= 0");
   if (!std::filesystem::is_directory(path)) throw FormatError(path + ": not a checkpoint directory");
   auto state = std::make_unique<ModelState>();
   state->path = path;
   state->device = options.device;
   state->config = load_config(path);
-  state->checkpoint = std::make_shared<Checkpoint>(path);
-  const TensorView* embed = state->checkpoint->find("model.decoder.embed_tokens.weight");
-  if (!embed) throw FormatError(path + ": missing tensor 'model.decoder.embed_tokens.weight'");
-  const DType as = parse_dtype(options.dtype, embed->dtype);
-  state->backend = make_cpu_backend(options.num_threads);
+  DType stored = DType::BF16;  // dummy weights default to bf16
+  if (options.load_format == "auto") {
+    state->checkpoint = std::make_shared<Checkpoint>(path);
+    const TensorView* embed = state->checkpoint->find("model.decoder.embed_tokens.weight");
+    if (!embed) throw FormatError(path + ": missing tensor 'model.decoder.embed_tokens.weight'");
+    stored = embed->dtype;
+  } else if (options.load_format != "dummy") {
+    throw InvalidArgument("load_format '" + options.load_format + "' is not supported (use auto or dummy)");
+  }
+  state->backend = make_backend(options.device, options.num_threads);
+  DType as = parse_dtype(options.dtype, stored);
+  if (options.device != "cpu") {  // the GPU's GEMMs run on bf16 weights
+    if (!options.dtype.empty() && as != DType::BF16)
+      throw InvalidArgument("dtype '" + options.dtype + "' is not supported on " + options.device +
+                            ": its GEMMs take bfloat16 weights");
+    as = DType::BF16;
+  }
   load_weights(*state, as);
-  state->kv = std::make_unique<KvCache>(*state->backend, state->config,
-                                        options.kv_cache_memory_bytes ? options.kv_cache_memory_bytes
-                                                                      : default_kv_bytes(),
-                                        options.kv_block_size, options.max_num_seqs);
+  const int64_t kv_bytes =
+      options.kv_cache_memory_bytes ? options.kv_cache_memory_bytes : state->backend->default_kv_cache_bytes();
+  state->kv = std::make_unique<KvCache>(*state->backend, state->config, kv_bytes, options.kv_block_size,
+                                        options.max_num_seqs);
   return std::shared_ptr<Model>(new Model(std::move(state)));
 }
 

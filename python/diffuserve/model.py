@@ -40,13 +40,17 @@ class Model:
 
     @classmethod
     def load(cls, path, device: str = "cpu", dtype: Optional[str] = None, num_threads: int = 0,
-             kv_cache_memory_bytes: Optional[int] = None, kv_block_size: int = 16, max_num_seqs: int = 64
-             ) -> "Model":
+             kv_cache_memory_bytes: Optional[int] = None, kv_block_size: int = 16, max_num_seqs: int = 64,
+             load_format: str = "auto") -> "Model":
         """Loads a checkpoint directory (config.json + safetensors, single or sharded).
 
         dtype: None keeps the stored weight dtype; "float32", "bfloat16" or "float16" casts.
         The CPU backend computes in fp32 whatever the weight dtype.
-        kv_cache_memory_bytes: size of the paged KV cache (None: a quarter of RAM, at most 4 GiB).
+        device: "cpu", "cuda" or "cuda:N" (CUDA builds; bf16 weights on the GPU).
+        kv_cache_memory_bytes: size of the paged KV cache (None: on the CPU a quarter of RAM, at
+        most 4 GiB; on a GPU 80% of the memory the weights left free).
+        load_format: "auto" reads the safetensors; "dummy" makes random weights at the config's
+        shapes (only config.json is read), for benchmarks.
         """
         path = os.fspath(path)
         if dtype is not None and not isinstance(dtype, str):
@@ -61,7 +65,7 @@ class Model:
                                                   or kv_cache_memory_bytes < 1):
             raise ValueError(f"kv_cache_memory_bytes must be a positive integer, got {kv_cache_memory_bytes!r}")
         return cls(_core.Model.load(path, device, _DTYPES[dtype], num_threads, kv_cache_memory_bytes or 0,
-                                    kv_block_size, max_num_seqs), path)
+                                    kv_block_size, max_num_seqs, load_format), path)
 
     @property
     def vocab_size(self) -> int:

@@ -32,6 +32,9 @@ struct LoadOptions {
   int64_t kv_cache_memory_bytes = 0;
   int kv_block_size = 16;      // tokens per KV block
   int max_num_seqs = 64;       // sequences expected at once (sizes the sliding-window pool)
+  // "auto": weights from the checkpoint's safetensors; "dummy": random weights of the
+  // config's shapes (config.json alone is needed), for benchmarks at any size.
+  std::string load_format = "auto";
 };
 
 // Occupancy of the KV cache (see kv_cache.h).
@@ -42,6 +45,9 @@ struct CacheStats {
 
 class Sequence;
 struct ModelState;
+
+// Whether this build has the CUDA backend and the machine a GPU for it.
+bool cuda_available();
 
 class Model : public std::enable_shared_from_this<Model> {
  public:

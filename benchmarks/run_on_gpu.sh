@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# One call on the GPU machine: build with the CUDA backend, run the CUDA tests (the CPU
+# oracle tests on CUDA, and CUDA against the CPU backend), then the step benchmark.
+# Logs go to $OUT (or ./gpu-logs). Usage: bash benchmarks/run_on_gpu.sh [--quick] [--hf]
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out="${OUT:-gpu-logs}"
+mkdir -p "$out"
+# transformers >= 5.23 (the oracle), carried as a wheel when the machine's is older.
+if ls .device/transformers-*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-deps --target /tmp/newer-transformers .device/transformers-*.whl
+  export PYTHONPATH="/tmp/newer-transformers${PYTHONPATH:+:$PYTHONPATH}"
+fi
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/gpu.txt"
+start=$(date +%s)
+CMAKE_BUILD_PARALLEL_LEVEL=16 python3 -m pip install -q --no-build-isolation . > "$out/build.log" 2>&1 \
+  || { tail -30 "$out/build.log"; exit 1; }
+echo "build: $(( $(date +%s) - start )) s"
+cd /tmp
+DIFFUSERVE_TEST_DEVICE=cuda python3 -m pytest -q -s -p no:cacheprovider "$OLDPWD/tests/test_cuda.py" \
+  "$OLDPWD/tests/test_hf_parity.py" -k "test_passes or test_generate or test_matches_reference" \
+  > "$out/tests.log" 2>&1
+echo "tests: exit $? ($(tail -1 "$out/tests.log"))"
+grep -E "argmax agreement|tokens equal|max \|logit diff\|" "$out/tests.log" | sort | uniq | head -40
+cd "$OLDPWD"
+python3 benchmarks/step_latency.py "$@" 2>&1 | tee "$out/step_latency.txt"

@@ -1,0 +1,178 @@
+"""Denoise-step latency on a GPU at DiffusionGemma-26B-A4B's real text shapes (random weights).
+
+    python benchmarks/step_latency.py [--quick] [--hf]
+
+Rows: ms per denoise step (one batched forward pass plus the sampler, through the
+engine) and per commit, at batch 1/4/16 and context 1K/8K/32K; output tokens/s at 16
+denoise steps per block; % of the weight-bandwidth roofline (bf16 weight bytes read per
+step over the measured device copy bandwidth). With --hf, transformers' forward at the
+same shapes for the side-by-side ratio (run in a separate process: both models do not fit
+at once). Prints one table.
+"""
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+import diffuserve as ds
+
+TEXT_CONFIG = dict(
+    vocab_size=262144, hidden_size=2816, intermediate_size=2112, num_hidden_layers=30, num_attention_heads=16,
+    num_key_value_heads=8, head_dim=256, num_experts=128, top_k_experts=8, moe_intermediate_size=704,
+    sliding_window=1024, rms_norm_eps=1e-6, final_logit_softcapping=30.0, max_position_embeddings=262144,
+    eos_token_id=1, bos_token_id=2, pad_token_id=0, hidden_activation="gelu_pytorch_tanh",
+    layer_types=["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(30)],
+    rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                     "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
+                                        "rope_theta": 1000000.0}},
+    model_type="diffusion_gemma_text", tie_word_embeddings=True)
+CANVAS, STEPS = 256, 16
+
+
+def write_config(path):
+    text = dict(TEXT_CONFIG)
+    text["per_layer_config"] = {str(i): {"head_dim": 512, "num_key_value_heads": 2}
+                                for i, t in enumerate(text["layer_types"]) if t == "full_attention"}
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump({"model_type": "diffusion_gemma", "canvas_length": CANVAS, "tie_word_embeddings": True,
+                   "text_config": text,
+                   "vision_config": {"model_type": "gemma4_vision", "hidden_size": 16, "intermediate_size": 16,
+                                     "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 2,
+                                     "head_dim": 8}}, f)
+    return path
+
+
+def weight_bytes():
+    """bf16 bytes of the text weights a denoise step reads (every expert: 2048 pairs over 128)."""
+    c, layers = TEXT_CONFIG, TEXT_CONFIG["layer_types"]
+    h, total = c["hidden_size"], c["vocab_size"] * c["hidden_size"] + 3 * h * c["intermediate_size"]
+    for t in layers:
+        d, kv = (512, 2) if t == "full_attention" else (256, 8)
+        attn = h * 16 * d * 2 + h * kv * d * (1 if t == "full_attention" else 2)
+        total += attn + 3 * h * c["intermediate_size"] + 3 * c["num_experts"] * h * c["moe_intermediate_size"]
+        total += c["num_experts"] * h
+    return 2 * total
+
+
+def copy_bandwidth():
+    import torch
+    x = torch.empty(4 << 30, dtype=torch.uint8, device="cuda")
+    y = torch.empty_like(x)
+    for _ in range(3):
+        y.copy_(x)
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(10):
+        y.copy_(x)
+    torch.cuda.synchronize()
+    bandwidth = 2 * x.numel() * 10 / (time.perf_counter() - t)  # read + write
+    del x, y
+    torch.cuda.empty_cache()
+    return bandwidth
+
+
+def measure(llm, batch, context):
+    """(ms per denoise pass, output tok/s) for `batch` requests over a `context`-token prompt."""
+    prompt = (np.arange(context) % 1000 + 3).tolist()  # shared: the prefix cache fills it once
+    warm = ds.SamplingParams(max_new_tokens=CANVAS, max_denoising_steps=2, confidence_threshold=1e-30,
+                             eos_token_id=[], seed=0)
+    llm.generate([prompt], warm)  # prefill once: the prompt's blocks stay in the prefix cache
+    llm.generate([prompt] * batch, warm)  # warm-up at this batch size
+    params = ds.SamplingParams(max_new_tokens=2 * CANVAS, max_denoising_steps=STEPS, confidence_threshold=1e-30,
+                               eos_token_id=[], seed=1)
+    passes = llm.stats()["forward_passes"]
+    t = time.perf_counter()
+    outs = llm.generate([prompt] * batch, params)
+    seconds = time.perf_counter() - t
+    passes = llm.stats()["forward_passes"] - passes
+    assert all(o.denoise_steps == [STEPS, STEPS] for o in outs)
+    return 1e3 * seconds / passes, batch * 2 * CANVAS / seconds
+
+
+def commit_ms(model, context):
+    seq = model.sequence()
+    seq.prefill((np.arange(context) % 1000 + 3).tolist())
+    canvas = np.arange(CANVAS) + 5
+    seq.commit(canvas)  # warm-up
+    times = []
+    for _ in range(3):
+        t = time.perf_counter()
+        seq.commit(canvas)
+        times.append(1e3 * (time.perf_counter() - t))
+    return float(np.median(times))
+
+
+def hf_forward_ms(path, context):
+    """transformers' decoder forward (sdpa, bf16) over one canvas at `context`, in a child process."""
+    code = f"""
+import time, torch, json
+from transformers import DiffusionGemmaConfig, DiffusionGemmaForBlockDiffusion, DynamicCache
+cfg = DiffusionGemmaConfig.from_pretrained({path!r})
+torch.set_default_dtype(torch.bfloat16)
+with torch.device("cuda"):
+    m = DiffusionGemmaForBlockDiffusion(cfg).eval()
+cache = DynamicCache(config=cfg.text_config)
+with torch.no_grad():
+    for chunk in torch.arange({context}, device="cuda").remainder(1000).add(3).split(4096):
+        m.model.encoder(input_ids=chunk[None], past_key_values=cache)
+    canvas = torch.arange({CANVAS}, device="cuda")[None] + 5
+    for _ in range(2): m(decoder_input_ids=canvas, past_key_values=cache)
+    torch.cuda.synchronize(); t = time.perf_counter()
+    for _ in range(5): m(decoder_input_ids=canvas, past_key_values=cache)
+    torch.cuda.synchronize()
+print(json.dumps({{"ms": 1e3 * (time.perf_counter() - t) / 5}}))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    if out.returncode != 0:
+        return f"failed: {out.stderr.strip().splitlines()[-1] if out.stderr.strip() else out.returncode}"
+    return json.loads(out.stdout.strip().splitlines()[-1])["ms"]
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="batch 1, context 1K only")
+    ap.add_argument("--hf", action="store_true", help="also time transformers at context 1K")
+    ap.add_argument("--kv-gb", type=float, default=40.0, help="KV cache size (GiB)")
+    args = ap.parse_args()
+
+    bandwidth = copy_bandwidth()
+    roofline_ms = 1e3 * weight_bytes() / bandwidth
+    grid = [(1, 1024)] if args.quick else [(b, c) for b in (1, 4, 16) for c in (1024, 8192, 32768)]
+    with tempfile.TemporaryDirectory() as tmp:
+        path = write_config(os.path.join(tmp, "dg26b"))
+        t = time.perf_counter()
+        llm = ds.LLM(path, device="cuda", load_format="dummy", kv_cache_memory_bytes=int(args.kv_gb * 2**30),
+                     max_num_batched_tokens=8192, slice_steps=64)
+        load_s = time.perf_counter() - t
+        rows = []
+        for batch, context in grid:
+            step, tps = measure(llm, batch, context)
+            rows.append((batch, context, step, commit_ms(llm.model, context) if batch == 1 else None, tps))
+        del llm
+        hf = hf_forward_ms(path, 1024) if args.hf else None
+
+    print(f"diffuserve denoise step, DiffusionGemma-26B-A4B text shapes (random bf16 weights), canvas {CANVAS}, "
+          f"{STEPS} steps/block")
+    print(f"weights read per step {weight_bytes() / 1e9:.1f} GB; copy bandwidth {bandwidth / 1e12:.2f} TB/s; "
+          f"roofline {roofline_ms:.1f} ms/step; load {load_s:.0f} s")
+    print("| batch | context | ms/step | % roofline | ms/commit | output tok/s |")
+    print("|------:|--------:|--------:|-----------:|----------:|-------------:|")
+    for batch, context, step, commit, tps in rows:
+        commit_s = f"{commit:.1f}" if commit is not None else "-"
+        print(f"| {batch:>5} | {context:>7} | {step:>7.1f} | {100 * roofline_ms / step:>9.0f}% | {commit_s:>9} | "
+              f"{tps:>12.0f} |")
+    if hf is not None:
+        ours = rows[0][2]
+        ratio = f"{hf / ours:.1f}x" if isinstance(hf, float) else "-"
+        hf_s = f"{hf:.1f} ms" if isinstance(hf, float) else hf
+        print(f"transformers decoder forward, batch 1, context 1K: {hf_s} (diffuserve {ours:.1f} ms/step: {ratio})")
+
+
+if __name__ == "__main__":
+    main()

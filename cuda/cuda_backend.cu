@@ -1,0 +1,312 @@
+// The CUDA backend: the Backend interface (cpp/src/backend.h) on one GPU. Activations are
+// fp32 and weights bf16 in device memory; the kernels are in gemm.cu, attention.cu and
+// kernels.cu. Small per-call tables (token ids, positions, KV slots, GEMM tiles) are
+// copied up with each call; the routing of each MoE layer comes back to the host, which
+// lays out the expert segments.
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <map>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "backend.h"
+#include "diffuserve/errors.h"
+#include "kernels.h"
+
+namespace diffuserve {
+namespace {
+
+void check(cudaError_t status, const char* what) {
+  if (status != cudaSuccess)
+    throw std::runtime_error(std::string("CUDA error in ") + what + ": " + cudaGetErrorString(status));
+}
+
+// Device allocations are recycled by size: a forward pass allocates the same shapes over
+// and over, and cudaMalloc/cudaFree would synchronise the device each time.
+class DevicePool : public std::enable_shared_from_this<DevicePool> {
+ public:
+  ~DevicePool() {
+    for (auto& [bytes, ptrs] : free_)
+      for (void* p : ptrs) cudaFree(p);
+  }
+  std::shared_ptr<void> get(size_t bytes) {
+    bytes = std::max<size_t>(256, (bytes + 255) / 256 * 256);
+    void* p = nullptr;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      auto& ptrs = free_[bytes];
+      if (!ptrs.empty()) p = ptrs.back(), ptrs.pop_back();
+    }
+    if (!p && cudaMalloc(&p, bytes) != cudaSuccess) {
+      cudaGetLastError();
+      throw InvalidArgument("out of GPU memory allocating " + std::to_string(bytes) + " bytes");
+    }
+    std::weak_ptr<DevicePool> pool = weak_from_this();
+    return std::shared_ptr<void>(p, [pool, bytes](void* q) {
+      if (auto alive = pool.lock()) {
+        std::lock_guard<std::mutex> lock(alive->mutex_);
+        alive->free_[bytes].push_back(q);
+      } else {
+        cudaFree(q);
+      }
+    });
+  }
+
+ private:
+  std::mutex mutex_;
+  std::map<size_t, std::vector<void*>> free_;
+};
+
+class CudaBackend final : public Backend {
+ public:
+  explicit CudaBackend(int device) : pool_(std::make_shared<DevicePool>()) {
+    int count = 0;
+    if (cudaGetDeviceCount(&count) != cudaSuccess || count == 0) {
+      cudaGetLastError();
+      throw InvalidArgument("device 'cuda' is not available: no CUDA GPU was found");
+    }
+    if (device < 0 || device >= count)
+      throw InvalidArgument("device 'cuda:" + std::to_string(device) + "': only " + std::to_string(count) + " GPU(s)");
+    check(cudaSetDevice(device), "cudaSetDevice");
+  }
+
+  Activation alloc(int64_t rows, int64_t cols) override {
+    const size_t bytes = size_t(std::max<int64_t>(rows * cols, 1)) * sizeof(float);
+    Activation a;
+    a.rows = rows;
+    a.cols = cols;
+    a.storage = pool_->get(bytes);
+    a.data = static_cast<float*>(a.storage.get());
+    check(cudaMemsetAsync(a.data, 0, bytes, stream_), "cudaMemsetAsync");
+    return a;
+  }
+
+  int64_t default_kv_cache_bytes() override {  // most of what the weights left free
+    size_t free = 0, total = 0;
+    check(cudaMemGetInfo(&free, &total), "cudaMemGetInfo");
+    return int64_t(double(free) * 0.8);
+  }
+
+  Weight upload(const void* host, DType dtype, const std::vector<int64_t>& shape, DType as,
+                std::shared_ptr<const void>) override {
+    if (as != DType::F32 && as != DType::BF16)
+      throw InvalidArgument(std::string("the CUDA backend keeps weights in bf16 (or fp32 for norms), not ") +
+                            dtype_name(as));
+    Weight w;
+    w.dtype = as;
+    w.shape = shape;
+    const int64_t n = w.numel();
+    std::vector<uint8_t> converted(size_t(n) * dtype_size(as));
+    for (int64_t i = 0; i < n; ++i) {
+      float v;
+      uint16_t h;
+      switch (dtype) {
+        case DType::F32: std::memcpy(&v, static_cast<const uint8_t*>(host) + 4 * i, 4); break;
+        case DType::BF16: std::memcpy(&h, static_cast<const uint8_t*>(host) + 2 * i, 2); v = bf16_to_f32(h); break;
+        case DType::F16: std::memcpy(&h, static_cast<const uint8_t*>(host) + 2 * i, 2); v = f16_to_f32(h); break;
+        default: throw InvalidArgument(std::string("weights of dtype ") + dtype_name(dtype) + " are not supported");
+      }
+      if (as == DType::F32) std::memcpy(&converted[4 * i], &v, 4);
+      else h = f32_to_bf16(v), std::memcpy(&converted[2 * i], &h, 2);
+    }
+    auto storage = pool_->get(converted.size());
+    check(cudaMemcpy(storage.get(), converted.data(), converted.size(), cudaMemcpyHostToDevice), "upload");
+    w.data = storage.get();
+    w.storage = storage;
+    return w;
+  }
+
+  Weight random_weight(const std::vector<int64_t>& shape, DType as, uint64_t seed, float scale) override {
+    Weight w;
+    w.dtype = DType::BF16;
+    w.shape = shape;
+    if (as == DType::F32) {  // small weights: drawn on the host
+      std::vector<float> host(w.numel());
+      for (size_t i = 0; i < host.size(); ++i) host[i] = random_weight_value(seed, i, scale);
+      return upload(host.data(), DType::F32, shape, DType::F32, nullptr);
+    }
+    auto storage = pool_->get(size_t(w.numel()) * 2);
+    cuda::random_bf16(static_cast<__nv_bfloat16*>(storage.get()), w.numel(), seed, scale, stream_);
+    w.data = storage.get();
+    w.storage = storage;
+    return w;
+  }
+
+  void to_host(const Activation& a, float* out) override {
+    check(cudaMemcpy(out, a.data, a.size() * sizeof(float), cudaMemcpyDeviceToHost), "to_host");
+  }
+  void from_host(const float* in, Activation& a) override {
+    check(cudaMemcpy(a.data, in, a.size() * sizeof(float), cudaMemcpyHostToDevice), "from_host");
+  }
+  void copy_rows(const Activation& src, int64_t src_row, Activation& dst, int64_t dst_row, int64_t n) override {
+    check(cudaMemcpyAsync(dst.row(dst_row), src.row(src_row), n * src.cols * sizeof(float), cudaMemcpyDeviceToDevice,
+                          stream_),
+          "copy_rows");
+  }
+  void scatter_rows(const Activation& src, const std::vector<int64_t>& dst_rows, Activation& dst) override {
+    cuda::scatter_rows(src.data, src.cols, upload_table(dst_rows), int64_t(dst_rows.size()), dst.data, stream_);
+  }
+
+  void embed(const Weight& table, const std::vector<int32_t>& ids, float scale, Activation& out) override {
+    cuda::embed(bf16(table), table.shape[1], upload_table(ids), int64_t(ids.size()), scale, out.data, stream_);
+  }
+
+  void linear(const Activation& x, const Weight& w, Activation& y, int expert) override {
+    const int64_t n = w.shape[w.shape.size() - 2], k = w.shape.back();
+    const cuda::GemmSegment seg{0, 0, int(x.rows), bf16(w) + (expert >= 0 ? int64_t(expert) * n * k : 0)};
+    cuda::gemm(x.data, x.cols, nullptr, &seg, nullptr, int((x.rows + cuda::kGemmTileM - 1) / cuda::kGemmTileM), n, k,
+               false, y.data, y.cols, stream_);
+  }
+
+  void linear_nt(const Activation& x, const Weight& w, Activation& y) override {
+    const int64_t k = w.shape[0], n = w.shape[1];
+    const cuda::GemmSegment seg{0, 0, int(x.rows), bf16(w)};
+    cuda::gemm(x.data, x.cols, nullptr, &seg, nullptr, int((x.rows + cuda::kGemmTileM - 1) / cuda::kGemmTileM), n, k,
+               true, y.data, y.cols, stream_);
+  }
+
+  void rms_norm(const Activation& x, const Weight* weight, int64_t group, float eps, Activation& y) override {
+    cuda::rms_norm(x.data, weight ? static_cast<const float*>(weight->data) : nullptr, x.size() / group, group, eps,
+                   y.data, stream_);
+  }
+
+  void rope(Activation& x, int64_t head_dim, const Weight& inv_freq, const std::vector<int64_t>& positions) override {
+    cuda::rope(x.data, x.rows, x.cols / head_dim, head_dim, static_cast<const float*>(inv_freq.data),
+               upload_table(positions), stream_);
+  }
+
+  void attention(const Activation& q, const std::vector<AttentionSegment>& segments, int64_t num_heads,
+                 int64_t num_kv_heads, int64_t head_dim, Activation& out) override {
+    const int group = int(num_heads / num_kv_heads);
+    if (group > 16) throw InvalidArgument("the CUDA attention supports up to 16 query heads per KV head");
+    std::vector<cuda::DeviceAttentionSegment> segs;
+    std::vector<cuda::DeviceKeySpan> spans;
+    std::vector<cuda::AttentionItem> items;
+    const int rows_per_item = cuda::attention_rows_per_item(group);
+    for (const AttentionSegment& s : segments) {
+      const int index = int(segs.size());
+      segs.push_back({s.first_row, s.first_position, s.window, s.causal ? 1 : 0, int(spans.size()), int(s.spans.size())});
+      for (const KeySpan& k : s.spans) spans.push_back({k.keys, k.values, k.count, k.first_position});
+      for (int64_t r = 0; r < s.rows; r += rows_per_item)
+        for (int h = 0; h < num_kv_heads; ++h)
+          items.push_back({index, int(r), int(std::min<int64_t>(rows_per_item, s.rows - r)), h});
+    }
+    if (items.empty()) return;
+    cuda::attention(q.data, out.data, upload_table(segs), upload_table(spans), upload_table(items), int(items.size()),
+                    int(num_heads), int(num_kv_heads), int(head_dim), stream_);
+  }
+
+  void gelu_glu(const Activation& x, Activation& out) override {
+    cuda::gelu_glu(x.data, x.rows, x.cols / 2, out.data, stream_);
+  }
+
+  Routing route(const Activation& x, const Weight& proj, const Weight& scale, const Weight& per_expert_scale,
+                int top_k, float eps) override {
+    const int64_t tokens = x.rows, hidden = x.cols, experts = proj.shape[0];
+    Activation normed = alloc(tokens, hidden), scores = alloc(tokens, experts);
+    rms_norm(x, nullptr, hidden, eps, normed);
+    cuda::scale_columns(normed.data, static_cast<const float*>(scale.data), std::pow(float(hidden), -0.5f), tokens,
+                        hidden, normed.data, stream_);
+    linear(normed, proj, scores, -1);
+    auto ids = pool_->get(size_t(tokens) * top_k * sizeof(int32_t));
+    auto weights = pool_->get(size_t(tokens) * top_k * sizeof(float));
+    cuda::route_topk(scores.data, tokens, int(experts), top_k, static_cast<const float*>(per_expert_scale.data),
+                     static_cast<int32_t*>(ids.get()), static_cast<float*>(weights.get()), stream_);
+    Routing r;
+    r.top_k = top_k;
+    r.experts.resize(tokens * top_k);
+    r.weights.resize(tokens * top_k);
+    check(cudaMemcpy(r.experts.data(), ids.get(), r.experts.size() * sizeof(int32_t), cudaMemcpyDeviceToHost), "route");
+    check(cudaMemcpy(r.weights.data(), weights.get(), r.weights.size() * sizeof(float), cudaMemcpyDeviceToHost),
+          "route");
+    return r;
+  }
+
+  void experts(const Activation& x, const Routing& routing, const Weight& gate_up, const Weight& down,
+               Activation& out) override {
+    const int64_t num_experts = gate_up.shape[0], inter2 = gate_up.shape[1], hidden = x.cols;
+    const int64_t pairs = int64_t(routing.experts.size()), tokens = pairs / routing.top_k;
+    // Permute the (token, slot) pairs by expert: one segment per expert, one launch per GEMM.
+    std::vector<std::vector<int64_t>> assigned(num_experts);
+    for (int64_t a = 0; a < pairs; ++a) assigned[routing.experts[a]].push_back(a);
+    std::vector<int64_t> row_map(pairs), inverse(pairs);
+    std::vector<cuda::GemmSegment> up_segments, down_segments;
+    std::vector<cuda::GemmTile> tiles;
+    int64_t row = 0;
+    for (int64_t e = 0; e < num_experts; ++e) {
+      const auto& pairs_of_e = assigned[e];
+      if (pairs_of_e.empty()) continue;
+      for (size_t i = 0; i < pairs_of_e.size(); ++i) {
+        row_map[row + i] = pairs_of_e[i] / routing.top_k;
+        inverse[pairs_of_e[i]] = row + int64_t(i);
+      }
+      const int segment = int(up_segments.size());
+      up_segments.push_back({row, row, int(pairs_of_e.size()), bf16(gate_up) + e * inter2 * hidden});
+      down_segments.push_back({row, row, int(pairs_of_e.size()), bf16(down) + e * hidden * (inter2 / 2)});
+      for (int m0 = 0; m0 < int(pairs_of_e.size()); m0 += cuda::kGemmTileM) tiles.push_back({segment, m0});
+      row += int64_t(pairs_of_e.size());
+    }
+    Activation gu = alloc(pairs, inter2), act = alloc(pairs, inter2 / 2), y = alloc(pairs, hidden);
+    const cuda::GemmTile* device_tiles = upload_table(tiles);
+    cuda::gemm(x.data, x.cols, upload_table(row_map), upload_table(up_segments), device_tiles, int(tiles.size()),
+               inter2, hidden, false, gu.data, gu.cols, stream_);
+    cuda::gelu_glu(gu.data, pairs, inter2 / 2, act.data, stream_);
+    cuda::gemm(act.data, act.cols, nullptr, upload_table(down_segments), device_tiles, int(tiles.size()), hidden,
+               inter2 / 2, false, y.data, y.cols, stream_);
+    cuda::combine_experts(y.data, upload_table(inverse), upload_table(routing.weights), tokens, routing.top_k, hidden,
+                          out.data, stream_);
+  }
+
+  void add(const Activation& a, const Activation& b, Activation& y) override {
+    cuda::add(a.data, b.data, y.data, a.size(), stream_);
+  }
+  void scale(Activation& x, float s) override { cuda::scale(x.data, s, x.size(), stream_); }
+  void softcap(Activation& x, float cap) override { cuda::softcap(x.data, cap, x.size(), stream_); }
+  void softmax(Activation& x) override { cuda::softmax_rows(x.data, x.rows, x.cols, stream_); }
+
+  std::vector<RowSample> sample(Activation& logits, float temperature, const std::vector<uint8_t>& allowed,
+                                const RandomKey& key, DType feedback_dtype) override {
+    auto out = pool_->get(size_t(logits.rows) * sizeof(cuda::DeviceRowSample));
+    auto* device_out = static_cast<cuda::DeviceRowSample*>(out.get());
+    cuda::sample_rows(logits.data, logits.rows, logits.cols, temperature,
+                      allowed.empty() ? nullptr : upload_table(allowed), key, feedback_dtype == DType::BF16, device_out,
+                      stream_);
+    std::vector<cuda::DeviceRowSample> host(logits.rows);
+    check(cudaMemcpy(host.data(), device_out, host.size() * sizeof(host[0]), cudaMemcpyDeviceToHost), "sample");
+    std::vector<RowSample> rows(logits.rows);
+    for (size_t i = 0; i < host.size(); ++i) rows[i] = {host[i].argmax, host[i].candidate, host[i].entropy};
+    return rows;
+  }
+
+ private:
+  static const __nv_bfloat16* bf16(const Weight& w) {
+    if (w.dtype != DType::BF16) throw InvalidArgument("the CUDA GEMMs need bf16 weights");
+    return static_cast<const __nv_bfloat16*>(w.data);
+  }
+
+  // Copies a small host table to the device for the next kernel; the memory is recycled
+  // once the kernels queued before the next upload of the same size have run.
+  template <typename T>
+  const T* upload_table(const std::vector<T>& table) {
+    if (table.empty()) return nullptr;
+    auto storage = pool_->get(table.size() * sizeof(T));
+    check(cudaMemcpyAsync(storage.get(), table.data(), table.size() * sizeof(T), cudaMemcpyHostToDevice, stream_),
+          "upload_table");
+    check(cudaStreamSynchronize(stream_), "upload_table");  // the host table may go away after return
+    keep_.push_back(storage);
+    if (keep_.size() > 64) keep_.erase(keep_.begin(), keep_.begin() + 32);
+    return static_cast<const T*>(storage.get());
+  }
+
+  std::shared_ptr<DevicePool> pool_;
+  cudaStream_t stream_ = nullptr;  // the legacy default stream: every call is ordered
+  std::vector<std::shared_ptr<void>> keep_;
+};
+
+}  // namespace
+
+std::unique_ptr<Backend> make_cuda_backend(int device) { return std::make_unique<CudaBackend>(device); }
+
+}  // namespace diffuserve

@@ -1,0 +1,268 @@
+// The CUDA backend's row and elementwise kernels: embedding, norms, RoPE, activations,
+// routing, the MoE combine, and the sampler's fused row pass.
+#include <algorithm>
+#include <cfloat>
+
+#include "kernels.h"
+
+namespace diffuserve::cuda {
+namespace {
+
+constexpr int kThreads = 256;
+
+unsigned blocks_for(int64_t n) { return unsigned((n + kThreads - 1) / kThreads); }
+
+// Sum over the block (all threads get the result).
+__device__ float block_sum(float v) {
+  __shared__ float partial[32];
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = (blockDim.x + 31) >> 5;
+  __syncthreads();
+  if (lane == 0) partial[warp] = v;
+  __syncthreads();
+  float total = 0.0f;
+  for (int w = 0; w < warps; ++w) total += partial[w];
+  return total;
+}
+
+// The larger value, the lower index on ties, over the block (all threads get the result).
+__device__ void block_argmax(float& value, int& index) {
+  __shared__ float values[32];
+  __shared__ int indices[32];
+  for (int o = 16; o > 0; o >>= 1) {
+    const float v = __shfl_xor_sync(0xffffffffu, value, o);
+    const int i = __shfl_xor_sync(0xffffffffu, index, o);
+    if (v > value || (v == value && i < index)) value = v, index = i;
+  }
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = (blockDim.x + 31) >> 5;
+  __syncthreads();
+  if (lane == 0) values[warp] = value, indices[warp] = index;
+  __syncthreads();
+  value = values[0], index = indices[0];
+  for (int w = 1; w < warps; ++w)
+    if (values[w] > value || (values[w] == value && indices[w] < index)) value = values[w], index = indices[w];
+}
+
+__global__ void embed_kernel(const __nv_bfloat16* table, int64_t hidden, const int32_t* ids, int64_t n, float scale,
+                             float* out) {
+  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= n * hidden) return;
+  out[i] = __bfloat162float(table[int64_t(ids[i / hidden]) * hidden + i % hidden]) * scale;
+}
+
+__global__ void rms_norm_kernel(const float* x, const float* weight, int64_t group, float eps, float* y) {
+  const float* xi = x + int64_t(blockIdx.x) * group;
+  float* yi = y + int64_t(blockIdx.x) * group;
+  float ss = 0.0f;
+  for (int64_t j = threadIdx.x; j < group; j += blockDim.x) ss += xi[j] * xi[j];
+  const float inv = powf(block_sum(ss) / float(group) + eps, -0.5f);
+  for (int64_t j = threadIdx.x; j < group; j += blockDim.x) yi[j] = xi[j] * inv * (weight ? weight[j] : 1.0f);
+}
+
+__global__ void rope_kernel(float* x, int64_t rows, int64_t heads, int64_t head_dim, const float* inv_freq,
+                            const int64_t* positions) {
+  const int64_t half = head_dim / 2, i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= rows * heads * half) return;
+  const int64_t f = i % half, h = (i / half) % heads, r = i / (half * heads);
+  float s, c;
+  sincosf(float(positions[r]) * inv_freq[f], &s, &c);
+  float* v = x + (r * heads + h) * head_dim;
+  const float x1 = v[f], x2 = v[f + half];
+  v[f] = x1 * c - x2 * s;
+  v[f + half] = x2 * c + x1 * s;
+}
+
+__global__ void gelu_glu_kernel(const float* x, int64_t rows, int64_t inter, float* out) {
+  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= rows * inter) return;
+  const int64_t r = i / inter, j = i % inter;
+  const float g = x[r * 2 * inter + j], u = x[r * 2 * inter + inter + j];
+  out[i] = 0.5f * g * (1.0f + tanhf(0.7978845608028654f * (g + 0.044715f * g * g * g))) * u;
+}
+
+__global__ void add_kernel(const float* a, const float* b, float* y, int64_t n) {
+  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i < n) y[i] = a[i] + b[i];
+}
+
+__global__ void scale_kernel(float* x, float s, int64_t n) {
+  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i < n) x[i] *= s;
+}
+
+__global__ void softcap_kernel(float* x, float cap, int64_t n) {
+  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i < n) x[i] = cap * tanhf(x[i] / cap);
+}
+
+__global__ void softmax_kernel(float* x, int64_t cols) {
+  float* r = x + int64_t(blockIdx.x) * cols;
+  float m = -INFINITY;
+  int unused = 0;
+  for (int64_t j = threadIdx.x; j < cols; j += blockDim.x) m = fmaxf(m, r[j]);
+  block_argmax(m, unused);
+  float sum = 0.0f;
+  for (int64_t j = threadIdx.x; j < cols; j += blockDim.x) sum += __expf(r[j] - m);
+  const float inv = 1.0f / block_sum(sum);
+  for (int64_t j = threadIdx.x; j < cols; j += blockDim.x) r[j] = __expf(r[j] - m) * inv;
+}
+
+__global__ void scatter_rows_kernel(const float* src, int64_t cols, const int64_t* dst_rows, int64_t n, float* dst) {
+  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= n * cols) return;
+  dst[dst_rows[i / cols] * cols + i % cols] = src[i];
+}
+
+__global__ void scale_columns_kernel(const float* x, const float* scale, float factor, int64_t rows, int64_t cols,
+                                     float* y) {
+  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i < rows * cols) y[i] = x[i] * scale[i % cols] * factor;
+}
+
+// One thread per token: softmax over the experts, then top-k by repeated selection.
+__global__ void route_topk_kernel(const float* scores, int64_t tokens, int experts, int top_k,
+                                  const float* per_expert_scale, int32_t* expert_ids, float* weights) {
+  const int64_t t = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (t >= tokens) return;
+  const float* s = scores + t * experts;
+  float m = -INFINITY;
+  for (int e = 0; e < experts; ++e) m = fmaxf(m, s[e]);
+  float z = 0.0f;
+  for (int e = 0; e < experts; ++e) z += expf(s[e] - m);
+  float picked_sum = 0.0f;
+  for (int k = 0; k < top_k; ++k) {
+    int best = -1;
+    for (int e = 0; e < experts; ++e) {
+      bool taken = false;
+      for (int j = 0; j < k; ++j) taken |= expert_ids[t * top_k + j] == e;
+      if (!taken && (best < 0 || s[e] > s[best])) best = e;
+    }
+    expert_ids[t * top_k + k] = best;
+    weights[t * top_k + k] = expf(s[best] - m) / z;
+    picked_sum += weights[t * top_k + k];
+  }
+  for (int k = 0; k < top_k; ++k)
+    weights[t * top_k + k] = weights[t * top_k + k] / picked_sum * per_expert_scale[expert_ids[t * top_k + k]];
+}
+
+__global__ void combine_experts_kernel(const float* y, const int64_t* inverse, const float* weights, int64_t tokens,
+                                       int top_k, int64_t hidden, float* out) {
+  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= tokens * hidden) return;
+  const int64_t t = i / hidden, h = i % hidden;
+  float acc = 0.0f;
+  for (int k = 0; k < top_k; ++k) acc += weights[t * top_k + k] * y[inverse[t * top_k + k] * hidden + h];
+  out[i] = acc;
+}
+
+__global__ void random_bf16_kernel(__nv_bfloat16* out, int64_t n, uint64_t seed, float scale) {
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
+    out[i] = __float2bfloat16(random_weight_value(seed, uint64_t(i), scale));
+}
+
+// One block per canvas row: processed logits, argmax, Gumbel-max candidate, entropy
+// (as torch's Categorical computes it), then the feedback rounding.
+__global__ void sample_kernel(float* logits, int64_t vocab, float temperature, const uint8_t* allowed, RandomKey key,
+                              bool round_bf16, DeviceRowSample* out) {
+  const int64_t row = blockIdx.x;
+  float* l = logits + row * vocab;
+  float best = -INFINITY, best_noisy = -INFINITY;
+  int best_i = INT_MAX, noisy_i = INT_MAX;
+  for (int64_t v4 = int64_t(threadIdx.x) * 4; v4 < vocab; v4 += int64_t(blockDim.x) * 4) {
+    const Philox4 bits = key.draw(uint32_t(row), uint32_t(v4));
+    for (int j = 0; j < 4 && v4 + j < vocab; ++j) {
+      const int64_t v = v4 + j;
+      const float p = (!allowed || allowed[v]) ? l[v] / temperature : -INFINITY;
+      l[v] = p;
+      if (p > best || (p == best && v < best_i)) best = p, best_i = int(v);
+      const float noisy = p + gumbel(bits[j]);
+      if (noisy > best_noisy || (noisy == best_noisy && v < noisy_i)) best_noisy = noisy, noisy_i = int(v);
+    }
+  }
+  block_argmax(best, best_i);
+  block_argmax(best_noisy, noisy_i);
+  float sum = 0.0f;
+  for (int64_t v = threadIdx.x; v < vocab; v += blockDim.x) sum += expf(l[v] - best);
+  const float log_z = best + logf(block_sum(sum));
+  float entropy = 0.0f;
+  for (int64_t v = threadIdx.x; v < vocab; v += blockDim.x) {
+    const float log_p = fmaxf(l[v] - log_z, -FLT_MAX);
+    entropy -= log_p * expf(l[v] - log_z);
+    if (round_bf16) l[v] = __bfloat162float(__float2bfloat16(l[v]));
+  }
+  entropy = block_sum(entropy);
+  if (threadIdx.x == 0) out[row] = {best_i, noisy_i, entropy};
+}
+
+}  // namespace
+
+void embed(const __nv_bfloat16* table, int64_t hidden, const int32_t* ids, int64_t n, float scale, float* out,
+           cudaStream_t stream) {
+  if (n) embed_kernel<<<blocks_for(n * hidden), kThreads, 0, stream>>>(table, hidden, ids, n, scale, out);
+}
+
+void rms_norm(const float* x, const float* weight, int64_t groups, int64_t group, float eps, float* y,
+              cudaStream_t stream) {
+  if (groups) rms_norm_kernel<<<unsigned(groups), group >= 1024 ? 256 : 64, 0, stream>>>(x, weight, group, eps, y);
+}
+
+void rope(float* x, int64_t rows, int64_t heads, int64_t head_dim, const float* inv_freq, const int64_t* positions,
+          cudaStream_t stream) {
+  const int64_t n = rows * heads * (head_dim / 2);
+  if (n) rope_kernel<<<blocks_for(n), kThreads, 0, stream>>>(x, rows, heads, head_dim, inv_freq, positions);
+}
+
+void gelu_glu(const float* x, int64_t rows, int64_t inter, float* out, cudaStream_t stream) {
+  if (rows * inter) gelu_glu_kernel<<<blocks_for(rows * inter), kThreads, 0, stream>>>(x, rows, inter, out);
+}
+
+void add(const float* a, const float* b, float* y, int64_t n, cudaStream_t stream) {
+  if (n) add_kernel<<<blocks_for(n), kThreads, 0, stream>>>(a, b, y, n);
+}
+
+void scale(float* x, float s, int64_t n, cudaStream_t stream) {
+  if (n) scale_kernel<<<blocks_for(n), kThreads, 0, stream>>>(x, s, n);
+}
+
+void softcap(float* x, float cap, int64_t n, cudaStream_t stream) {
+  if (n) softcap_kernel<<<blocks_for(n), kThreads, 0, stream>>>(x, cap, n);
+}
+
+void softmax_rows(float* x, int64_t rows, int64_t cols, cudaStream_t stream) {
+  if (rows) softmax_kernel<<<unsigned(rows), kThreads, 0, stream>>>(x, cols);
+}
+
+void scatter_rows(const float* src, int64_t cols, const int64_t* dst_rows, int64_t n, float* dst, cudaStream_t stream) {
+  if (n) scatter_rows_kernel<<<blocks_for(n * cols), kThreads, 0, stream>>>(src, cols, dst_rows, n, dst);
+}
+
+void scale_columns(const float* x, const float* scale, float factor, int64_t rows, int64_t cols, float* y,
+                   cudaStream_t stream) {
+  if (rows * cols)
+    scale_columns_kernel<<<blocks_for(rows * cols), kThreads, 0, stream>>>(x, scale, factor, rows, cols, y);
+}
+
+void route_topk(const float* scores, int64_t tokens, int experts, int top_k, const float* per_expert_scale,
+                int32_t* expert_ids, float* weights, cudaStream_t stream) {
+  if (tokens)
+    route_topk_kernel<<<blocks_for(tokens), kThreads, 0, stream>>>(scores, tokens, experts, top_k, per_expert_scale,
+                                                                   expert_ids, weights);
+}
+
+void combine_experts(const float* y, const int64_t* inverse, const float* weights, int64_t tokens, int top_k,
+                     int64_t hidden, float* out, cudaStream_t stream) {
+  if (tokens)
+    combine_experts_kernel<<<blocks_for(tokens * hidden), kThreads, 0, stream>>>(y, inverse, weights, tokens, top_k,
+                                                                                 hidden, out);
+}
+
+void random_bf16(__nv_bfloat16* out, int64_t n, uint64_t seed, float scale, cudaStream_t stream) {
+  if (n) random_bf16_kernel<<<unsigned(std::min<int64_t>(blocks_for(n), 65536)), kThreads, 0, stream>>>(out, n, seed, scale);
+}
+
+void sample_rows(float* logits, int64_t rows, int64_t vocab, float temperature, const uint8_t* allowed,
+                 RandomKey key, bool round_bf16, DeviceRowSample* out, cudaStream_t stream) {
+  if (rows) sample_kernel<<<unsigned(rows), 1024, 0, stream>>>(logits, vocab, temperature, allowed, key, round_bf16, out);
+}
+
+}  // namespace diffuserve::cuda

@@ -1,0 +1,99 @@
+// Launchers of the CUDA backend's kernels (cuda_backend.cu wires them to the Backend
+// interface). Activations are fp32, weights bf16 (norm weights and scales fp32), all in
+// device memory; every launcher runs on the given stream.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "backend.h"
+#include "philox.h"
+
+namespace diffuserve::cuda {
+
+// ---- GEMM (gemm.cu) -------------------------------------------------------------
+// One matrix product per segment, all in one launch:
+//   Y[y_row + i] = X[x(i)] @ W_seg^T   (W_seg: [N, K], K contiguous), or
+//   Y[y_row + i] = X[x(i)] @ W         (w_kn: W: [K, N], N contiguous; one segment)
+// with x(i) = row_map ? row_map[x_row + i] : x_row + i. X rows are rounded to bf16 on
+// the way into the tensor cores; accumulation is fp32.
+struct GemmSegment {
+  int64_t x_row;
+  int64_t y_row;
+  int rows;
+  const __nv_bfloat16* w;
+};
+struct GemmTile {
+  int segment;
+  int m0;  // first row within the segment
+};
+constexpr int kGemmTileM = 64;
+void gemm(const float* x, int64_t ldx, const int64_t* row_map, const GemmSegment* segments, const GemmTile* tiles,
+          int num_tiles, int64_t n, int64_t k, bool w_kn, float* y, int64_t ldy, cudaStream_t stream);
+
+// ---- attention (attention.cu) ---------------------------------------------------
+struct DeviceKeySpan {
+  const float* keys;
+  const float* values;
+  int64_t count;
+  int64_t first_position;
+};
+struct DeviceAttentionSegment {
+  int64_t first_row;
+  int64_t first_position;
+  int64_t window;
+  int causal;
+  int span_begin;  // into the span array
+  int span_count;
+};
+// A block's work: `rows` query rows starting at row `row0` of segment `segment`, all
+// query heads of kv head `kv_head`.
+struct AttentionItem {
+  int segment;
+  int row0;
+  int rows;
+  int kv_head;
+};
+int attention_rows_per_item(int group);  // query rows one block handles for a GQA group size
+void attention(const float* q, float* out, const DeviceAttentionSegment* segments, const DeviceKeySpan* spans,
+               const AttentionItem* items, int num_items, int num_heads, int num_kv_heads, int head_dim,
+               cudaStream_t stream);
+
+// ---- elementwise, rows, sampling (kernels.cu) -------------------------------------
+void embed(const __nv_bfloat16* table, int64_t hidden, const int32_t* ids, int64_t n, float scale, float* out,
+           cudaStream_t stream);
+void rms_norm(const float* x, const float* weight, int64_t groups, int64_t group, float eps, float* y,
+              cudaStream_t stream);
+void rope(float* x, int64_t rows, int64_t heads, int64_t head_dim, const float* inv_freq, const int64_t* positions,
+          cudaStream_t stream);
+void gelu_glu(const float* x, int64_t rows, int64_t inter, float* out, cudaStream_t stream);
+void add(const float* a, const float* b, float* y, int64_t n, cudaStream_t stream);
+void scale(float* x, float s, int64_t n, cudaStream_t stream);
+void softcap(float* x, float cap, int64_t n, cudaStream_t stream);
+void softmax_rows(float* x, int64_t rows, int64_t cols, cudaStream_t stream);
+void scatter_rows(const float* src, int64_t cols, const int64_t* dst_rows, int64_t n, float* dst, cudaStream_t stream);
+// Router: per token, x * scale (already normed) -> scores were computed by a GEMM; this
+// does softmax, top-k (ties to the lower id), renormalisation and the per-expert scale.
+void scale_columns(const float* x, const float* scale, float factor, int64_t rows, int64_t cols, float* y,
+                   cudaStream_t stream);
+void route_topk(const float* scores, int64_t tokens, int experts, int top_k, const float* per_expert_scale,
+                int32_t* expert_ids, float* weights, cudaStream_t stream);
+// out[t] = sum_k weights[t, k] * y[inverse[t, k]] in k order (deterministic).
+void combine_experts(const float* y, const int64_t* inverse, const float* weights, int64_t tokens, int top_k,
+                     int64_t hidden, float* out, cudaStream_t stream);
+
+// Fills n bf16 values with random_weight_value (backend.h's dummy weights).
+void random_bf16(__nv_bfloat16* out, int64_t n, uint64_t seed, float scale, cudaStream_t stream);
+
+struct DeviceRowSample {
+  int32_t argmax;
+  int32_t candidate;
+  float entropy;
+};
+// The sampler's row pass (Backend::sample), one block per row.
+void sample_rows(float* logits, int64_t rows, int64_t vocab, float temperature, const uint8_t* allowed,
+                 RandomKey key, bool round_bf16, DeviceRowSample* out, cudaStream_t stream);
+
+}  // namespace diffuserve::cuda
