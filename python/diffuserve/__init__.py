@@ -13,10 +13,11 @@ from ._core import CheckpointError
 from .llm import LLM, RequestOutput
 from .model import Model, Sequence
 from .sampling import SamplingParams
+from .tokenizer import Tokenizer
 
 __version__ = "0.1.0"
-__all__ = ["Model", "Sequence", "LLM", "SamplingParams", "RequestOutput", "CheckpointError", "cmake_dir",
-           "include_dir"]
+__all__ = ["Model", "Sequence", "LLM", "SamplingParams", "RequestOutput", "Tokenizer", "CheckpointError",
+           "cmake_dir", "include_dir"]
 
 _HERE = Path(__file__).resolve().parent
 

@@ -3,6 +3,8 @@
     llm = ds.LLM(path)
     outs = llm.generate([[2, 17, 5], [2, 9]], ds.SamplingParams(max_new_tokens=64, seed=0))
     outs[0].token_ids, outs[0].finish_reason, outs[0].denoise_steps, outs[0].tokens_per_forward
+    outs = llm.generate(["Once upon a time"])   # text prompts when the checkpoint has a tokenizer
+    outs[0].text
 
 For serving, add_request / step / abort drive the same machinery one step at a time.
 """
@@ -16,6 +18,7 @@ from . import _core
 from .model import Model, _token_ids
 from .sampling import SamplingParams
 from .scheduler import Scheduler
+from .tokenizer import Tokenizer
 
 
 @dataclass
@@ -27,7 +30,7 @@ class RequestOutput:
     denoise_steps: List[int]         # decoder passes of each block
     tokens_per_forward: float        # generated tokens (pad ids excluded) per decoder pass
     seed: int                        # the seed used (drawn fresh when none was given)
-    text: Optional[str] = field(default=None)  # None: no tokenizer in this build yet
+    text: Optional[str] = field(default=None)  # the tokens decoded, EOS excluded; None without a tokenizer
 
 
 class LLM:
@@ -42,16 +45,17 @@ class LLM:
     def __init__(self, path=None, device: str = "cpu", dtype: Optional[str] = None, num_threads: int = 0,
                  kv_cache_memory_bytes: Optional[int] = None, max_num_seqs: int = 64,
                  max_num_batched_tokens: Optional[int] = None, kv_block_size: int = 16, slice_steps: int = 8,
-                 fuse_commit: bool = True):
+                 fuse_commit: bool = True, load_format: str = "auto"):
         if path is None:
-            raise ValueError("no model path given, and the bundled default model is not part of this build yet")
+            raise ValueError("no model path given: diffuserve has no bundled default model yet (it is planned, "
+                             "issue 7); pass a checkpoint directory")
         for name, value, lo in [("max_num_seqs", max_num_seqs, 1), ("kv_block_size", kv_block_size, 1),
                                 ("slice_steps", slice_steps, 1)]:
             if not isinstance(value, int) or isinstance(value, bool) or value < lo:
                 raise ValueError(f"{name} must be an integer >= {lo}, got {value!r}")
         self.model = Model.load(path, device=device, dtype=dtype, num_threads=num_threads,
                                 kv_cache_memory_bytes=kv_cache_memory_bytes, kv_block_size=kv_block_size,
-                                max_num_seqs=max_num_seqs)
+                                max_num_seqs=max_num_seqs, load_format=load_format)
         canvas = self.model.canvas_length
         if max_num_batched_tokens is None:
             max_num_batched_tokens = max(4096, 4 * canvas)
@@ -60,13 +64,17 @@ class LLM:
                              f"got {max_num_batched_tokens!r}")
         self._engine = _core.Engine(self.model._native, bool(fuse_commit))
         self.scheduler = Scheduler(self._engine, max_num_seqs, max_num_batched_tokens, slice_steps)
+        self.tokenizer = Tokenizer.from_checkpoint(path)  # None when the checkpoint has no tokenizer.json
         self._ids = itertools.count()
         self._prompts = {}
 
     def add_request(self, prompt, params: Optional[SamplingParams] = None) -> int:
-        """Queues one request (token ids); returns its id."""
+        """Queues one request (token ids, or text when the checkpoint has a tokenizer); returns its id."""
         if isinstance(prompt, str):
-            raise ValueError("text prompts need a tokenizer, which this build does not have yet: pass token ids")
+            if self.tokenizer is None:
+                raise ValueError("text prompts need a tokenizer, and this checkpoint has no tokenizer.json: "
+                                 "pass token ids")
+            prompt = self.tokenizer.encode(prompt)
         ids = _token_ids(prompt, "prompt", self.model.vocab_size).tolist()
         if not ids:
             raise ValueError("prompt is empty")
@@ -100,12 +108,10 @@ class LLM:
 
     def generate(self, prompts, params: Union[SamplingParams, Sequence[SamplingParams], None] = None
                  ) -> List[RequestOutput]:
-        """prompts: a list of token-id lists (or one token-id list); params: one SamplingParams
-        for all, or one per prompt. Returns the outputs in prompt order."""
-        if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts and isinstance(prompts[0], str)):
-            raise ValueError("text prompts need a tokenizer, which this build does not have yet: pass token ids")
-        if len(prompts) and not hasattr(prompts[0], "__len__"):
-            prompts = [prompts]  # a single prompt given as one list of ids
+        """prompts: a list of prompts, each token ids or text (or one such prompt); params: one
+        SamplingParams for all, or one per prompt. Returns the outputs in prompt order."""
+        if isinstance(prompts, str) or (len(prompts) and not hasattr(prompts[0], "__len__")):
+            prompts = [prompts]  # a single prompt: one text, or one list of ids
         plist = [params if params is not None else SamplingParams()] if not isinstance(params, (list, tuple)) \
             else list(params)
         if len(plist) not in (1, len(prompts)):
@@ -137,4 +143,11 @@ class LLM:
         return RequestOutput(request_id=request_id, prompt_token_ids=self._prompts.pop(request_id),
                              token_ids=list(out.token_ids), finish_reason=out.finish_reason,
                              denoise_steps=list(out.denoise_steps), tokens_per_forward=out.tokens_per_forward,
-                             seed=out.seed)
+                             seed=out.seed, text=self._text(list(out.token_ids), out.finish_reason))
+
+    def _text(self, token_ids: List[int], finish_reason: str) -> Optional[str]:
+        if self.tokenizer is None:
+            return None
+        if finish_reason == "stop":
+            token_ids = token_ids[:-1]  # the EOS that ended the output
+        return self.tokenizer.decode(token_ids)

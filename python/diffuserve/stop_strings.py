@@ -1,0 +1,35 @@
+"""Stop strings: cut streamed text at the first occurrence of any of them.
+
+Text arrives in pieces, and a stop string may straddle two pieces, so the last
+len(longest stop) - 1 characters are held back until the next piece shows whether they
+begin a stop string. A stop string never starts inside text already released, so the
+search starts where the released text ends.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+
+class StopStringFilter:
+    def __init__(self, stop: Sequence[str] = ()):
+        self._stop = [s for s in stop if s]
+        self._hold = max((len(s) for s in self._stop), default=1) - 1
+        self._text = ""       # everything received, up to a stop string
+        self._released = 0    # characters of it handed out
+        self.stopped = False  # a stop string was found; the rest of the output is dropped
+
+    def push(self, piece: str, final: bool = False) -> str:
+        """Adds text; returns what is now safe to release. final: no more text follows."""
+        if self.stopped:
+            return ""
+        self._text += piece
+        cut = min((i for s in self._stop if (i := self._text.find(s, self._released)) >= 0), default=-1)
+        if cut >= 0:
+            self._text = self._text[:cut]
+            self.stopped = True
+            end = cut
+        else:
+            end = len(self._text) if final else max(self._released, len(self._text) - self._hold)
+        out = self._text[self._released:end]
+        self._released = end
+        return out

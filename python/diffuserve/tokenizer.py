@@ -1,0 +1,84 @@
+"""Tokenizer: a checkpoint's tokenizer.json (through the `tokenizers` library), its special
+tokens and its chat template, read from the files transformers writes:
+
+    tokenizer.json           the tokenizer itself (required)
+    tokenizer_config.json    special tokens (bos_token, eos_token, ...) and, in older
+                             checkpoints, "chat_template" (a string or a list of named ones)
+    chat_template.jinja      the chat template, in newer checkpoints (wins over the above)
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import List, Optional
+
+from tokenizers import Tokenizer as _HFTokenizer
+
+from .chat_template import ChatTemplate
+
+_SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
+
+
+def _token_text(value) -> Optional[str]:
+    """A special token as tokenizer_config.json stores it: a string, or an AddedToken dict."""
+    if isinstance(value, dict):
+        return value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def _read_chat_template(path: str, config: dict) -> Optional[str]:
+    jinja_file = os.path.join(path, "chat_template.jinja")
+    if os.path.exists(jinja_file):
+        with open(jinja_file, encoding="utf-8") as f:
+            return f.read()
+    template = config.get("chat_template")
+    if isinstance(template, list):  # named templates: transformers uses "default"
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default")
+    return template if isinstance(template, str) else None
+
+
+class Tokenizer:
+    def __init__(self, path: str):
+        """Reads the tokenizer files of checkpoint directory `path` (tokenizer.json must exist)."""
+        self._tokenizer = _HFTokenizer.from_file(os.path.join(path, "tokenizer.json"))
+        config = {}
+        config_file = os.path.join(path, "tokenizer_config.json")
+        if os.path.exists(config_file):
+            with open(config_file, encoding="utf-8") as f:
+                config = json.load(f)
+        self.special_tokens = {key: text for key in _SPECIAL_TOKEN_KEYS
+                               if (text := _token_text(config.get(key))) is not None}
+        template = _read_chat_template(path, config)
+        self.chat_template = ChatTemplate(template, self.special_tokens) if template else None
+
+    @classmethod
+    def from_checkpoint(cls, path) -> Optional["Tokenizer"]:
+        """The tokenizer of a checkpoint directory, or None when it has no tokenizer.json."""
+        path = os.fspath(path)
+        return cls(path) if os.path.exists(os.path.join(path, "tokenizer.json")) else None
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tokenizer.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def eos_token_id(self) -> Optional[int]:
+        eos = self.special_tokens.get("eos_token")
+        return None if eos is None else self._tokenizer.token_to_id(eos)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> List[int]:
+        """Token ids of `text`; add_special_tokens applies the tokenizer's post-processor
+        (e.g. a leading <bos>), as transformers' encode does."""
+        return self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        return self._tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: List[dict], add_generation_prompt: bool = True, **variables) -> str:
+        """The prompt text of a conversation. Encode it with add_special_tokens=False: the
+        template writes the special tokens itself."""
+        if self.chat_template is None:
+            raise ValueError("this checkpoint has no chat template (tokenizer_config.json 'chat_template' "
+                             "or chat_template.jinja)")
+        return self.chat_template.render(messages, add_generation_prompt=add_generation_prompt, **variables)

@@ -1,0 +1,58 @@
+"""A tiny random-weight checkpoint with a real tokenizer: a byte-level BPE trained here (no
+download), Gemma-style special tokens and chat template, in the files transformers writes."""
+import json
+import os
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+from diffuserve.random_checkpoint import write_random_checkpoint
+
+SPECIAL_TOKENS = ["<pad>", "<eos>", "<bos>", "<start_of_turn>", "<end_of_turn>"]  # ids 0..4: pad, eos, bos as in
+                                                                                  # the model config
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{% if message['role'] == 'assistant' %}{% set role = 'model' %}{% else %}{% set role = message['role'] %}{% endif %}"
+    "{% if role not in ['system', 'user', 'model'] %}{{ raise_exception('unknown role: ' + message['role']) }}{% endif %}"
+    "<start_of_turn>{{ role }}\n{{ message['content'] | trim }}<end_of_turn>\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
+)
+CORPUS = [
+    "The quick brown fox jumps over the lazy dog. Block diffusion refines a whole canvas at once.",
+    "Hello world! How are you today? I am a tiny language model with random weights.",
+    "日本語のテキストも少し入れます。東京は大きな都市です。中文也可以。你好世界。",
+    "Emoji: 😀 🎉 🚀 👍🏽 ❤️ and accents: café, naïve, Zürich, São Paulo.",
+] * 20
+MODEL_CONFIG = dict(vocab_size=512, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                    num_key_value_heads=1, head_dim=32, global_head_dim=32, num_experts=4, top_k_experts=2,
+                    moe_intermediate_size=32, sliding_window=32)
+
+
+def train_tokenizer(vocab_size: int = 400) -> Tokenizer:
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tokenizer.train_from_iterator(CORPUS, trainer)
+    tokenizer.post_processor = processors.TemplateProcessing(single="<bos> $A", pair="<bos> $A $B",
+                                                             special_tokens=[("<bos>", 2)])
+    return tokenizer
+
+
+def write_chat_checkpoint(path, canvas_length: int = 16, template_file: bool = False) -> str:
+    """The checkpoint directory; the chat template goes in tokenizer_config.json, or in
+    chat_template.jinja when template_file is set."""
+    write_random_checkpoint(path, canvas_length=canvas_length, **MODEL_CONFIG)
+    train_tokenizer().save(os.path.join(path, "tokenizer.json"))
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<bos>", "eos_token": "<eos>",
+              "pad_token": "<pad>", "model_max_length": 4096}
+    if template_file:
+        with open(os.path.join(path, "chat_template.jinja"), "w") as f:
+            f.write(CHAT_TEMPLATE)
+    else:
+        config["chat_template"] = CHAT_TEMPLATE
+    with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
+        json.dump(config, f, indent=2)
+    return str(path)

@@ -1,0 +1,93 @@
+"""Tokenizer, chat template and incremental detokenization against transformers, on a BPE
+trained in the fixture; text prompts through LLM."""
+import pytest
+from transformers import AutoTokenizer
+
+import diffuserve as ds
+from diffuserve.chat_template import ChatTemplateError
+from diffuserve.detokenizer import IncrementalDetokenizer, until_eos
+from diffuserve.stop_strings import StopStringFilter
+from diffuserve.tokenizer import Tokenizer
+
+from chat_checkpoint import write_chat_checkpoint
+
+CONVERSATIONS = [
+    [{"role": "user", "content": "Hello!"}],
+    [{"role": "system", "content": "  Be brief.  "}, {"role": "user", "content": "東京は？ 😀"},
+     {"role": "assistant", "content": "Big city."}, {"role": "user", "content": "And more?"}],
+]
+TEXTS = ["Hello world", "café naïve Zürich", "東京は大きな都市です。你好世界", "😀🎉🚀👍🏽❤️ ok", "mixed 日本 and 😀 emoji",
+         "unseen, so byte by byte: 🦄鯨∑"]
+
+
+@pytest.fixture(scope="module", params=["tokenizer_config", "jinja_file"])
+def checkpoint(request, tmp_path_factory):
+    return write_chat_checkpoint(tmp_path_factory.mktemp("chat"), template_file=request.param == "jinja_file")
+
+
+@pytest.mark.parametrize("conversation", CONVERSATIONS)
+@pytest.mark.parametrize("add_generation_prompt", [True, False])
+def test_chat_template_matches_transformers(checkpoint, conversation, add_generation_prompt):
+    ours = Tokenizer(checkpoint)
+    theirs = AutoTokenizer.from_pretrained(checkpoint)
+    text = ours.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt)
+    assert text == theirs.apply_chat_template(conversation, tokenize=False, add_generation_prompt=add_generation_prompt)
+    ids = theirs.apply_chat_template(conversation, tokenize=True, add_generation_prompt=add_generation_prompt,
+                                     return_dict=False)
+    assert ours.encode(text, add_special_tokens=False) == list(ids)
+
+
+def test_encode_decode_match_transformers(checkpoint):
+    ours, theirs = Tokenizer(checkpoint), AutoTokenizer.from_pretrained(checkpoint)
+    assert ours.eos_token_id == theirs.eos_token_id == 1
+    for text in TEXTS:
+        assert ours.encode(text) == theirs.encode(text)
+        assert ours.encode(text)[0] == 2  # the post-processor's <bos>
+        assert ours.decode(ours.encode(text)) == theirs.decode(theirs.encode(text), skip_special_tokens=True) == text
+
+
+def test_template_raise_exception(checkpoint):
+    with pytest.raises(ChatTemplateError, match="unknown role: tool"):
+        Tokenizer(checkpoint).apply_chat_template([{"role": "tool", "content": "x"}])
+
+
+@pytest.mark.parametrize("chunk", [1, 2, 3, 5])
+def test_incremental_detokenization_never_splits_a_character(checkpoint, chunk):
+    tokenizer = Tokenizer(checkpoint)
+    partial = [i for i in tokenizer.encode(TEXTS[-1]) if "\ufffd" in tokenizer.decode([i])]
+    assert len(partial) >= 6  # characters outside the training corpus really are split into byte tokens
+    for text in TEXTS:
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        detokenizer = IncrementalDetokenizer(tokenizer)
+        pieces = [detokenizer.push(ids[i:i + chunk]) for i in range(0, len(ids), chunk)] + [detokenizer.finish()]
+        assert all("\ufffd" not in p for p in pieces)
+        assert "".join(pieces) == tokenizer.decode(ids) == text
+
+
+def test_until_eos():
+    assert until_eos([5, 6, 1, 7], [1]) == [5, 6]
+    assert until_eos([5, 6], [1]) == [5, 6]
+
+
+def test_stop_strings_across_pieces():
+    stops = StopStringFilter(["END", "xy"])
+    out = [stops.push(p) for p in ["abc E", "N", "D tail"]]
+    assert "".join(out) == "abc " and stops.stopped
+    stops = StopStringFilter(["END"])
+    assert "".join([stops.push("abE"), stops.push("N"), stops.push("", final=True)]) == "abEN"
+    assert not stops.stopped
+
+
+def test_llm_text_prompts_and_output_text(checkpoint):
+    llm = ds.LLM(checkpoint)
+    params = ds.SamplingParams(max_new_tokens=24, seed=5)
+    by_text = llm.generate(["Hello world", "東京"], params)
+    by_ids = llm.generate([llm.tokenizer.encode("Hello world"), llm.tokenizer.encode("東京")], params)
+    for a, b in zip(by_text, by_ids):
+        assert a.token_ids == b.token_ids and a.prompt_token_ids == b.prompt_token_ids
+        assert a.text == llm.tokenizer.decode(until_eos(a.token_ids, [1]))
+    # An EOS ending the output is not part of its text.
+    out = llm.generate("Hi", ds.SamplingParams(max_new_tokens=16, seed=0, seed_canvas=[7] * 4 + [1] + [7] * 11,
+                                               pinned_positions=[4]))[0]
+    assert out.finish_reason == "stop" and out.token_ids[-1] == 1
+    assert out.text == llm.tokenizer.decode(out.token_ids[:-1])
