@@ -1,0 +1,4 @@
+"""python -m diffuserve: the diffuserve command."""
+from .cli import main
+
+main()

@@ -1,0 +1,161 @@
+"""AsyncLLM: an LLM driven by one thread, for asyncio callers (the server).
+
+The LLM is not thread-safe, so a single engine thread owns it: it takes commands (add,
+abort) from a queue, runs scheduler steps while there is work, and after each step
+posts every request's progress to that request's asyncio queue. Callers only ever touch
+the queues. Each step's heavy work runs in C++ without the GIL, so the event loop stays
+responsive while the model computes.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import queue
+import threading
+from dataclasses import dataclass, field
+from typing import AsyncIterator, List, Optional
+
+from .llm import LLM, RequestOutput
+from .sampling import SamplingParams
+
+
+@dataclass
+class Progress:
+    """One update of a request: the tokens of all its finished blocks so far, the argmax
+    canvas of the block in progress (when drafts were asked for), and its RequestOutput
+    once it has finished."""
+    token_ids: List[int]
+    draft: List[int] = field(default_factory=list)
+    output: Optional[RequestOutput] = None
+
+
+class EngineDead(RuntimeError):
+    """The engine thread stopped (shutdown, or an internal error) before the request finished."""
+
+
+class _Request:
+    def __init__(self, loop: asyncio.AbstractEventLoop, prompt: List[int], params: SamplingParams, drafts: bool):
+        self.loop, self.prompt, self.params, self.drafts = loop, prompt, params, drafts
+        self.updates: asyncio.Queue = asyncio.Queue()
+        self.engine_id: Optional[int] = None
+        self.sent = (0, ())  # (finished tokens, draft) last posted, to post only changes
+
+    def post(self, item) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.updates.put_nowait, item)
+        except RuntimeError:
+            pass  # the caller's event loop has closed: nobody is waiting
+
+
+class AsyncLLM:
+    def __init__(self, llm: LLM):
+        self.llm = llm
+        self.tokenizer = llm.tokenizer
+        self.stats = llm.stats()  # refreshed by the engine thread after every command and step
+        self._commands: queue.Queue = queue.Queue()
+        self._keys = itertools.count()
+        self._thread = threading.Thread(target=self._run, name="diffuserve-engine", daemon=True)
+        self._error: Optional[BaseException] = None
+        self._stopping = False
+        self._lock = threading.Lock()  # orders every "add" before the "stop" command
+        self._thread.start()
+
+    async def generate(self, prompt: List[int], params: SamplingParams, drafts: bool = False
+                       ) -> AsyncIterator[Progress]:
+        """Runs one request, yielding its progress: first an empty Progress once the engine
+        has accepted the request (an invalid one raises ValueError instead), then one per
+        change; the last carries the output. Closing the iterator early (the client went
+        away) aborts the request, freeing its KV at once."""
+        request = _Request(asyncio.get_running_loop(), prompt, params, drafts)
+        key = next(self._keys)
+        with self._lock:
+            if self._stopping or self._error is not None:
+                raise EngineDead("the engine has stopped" + (f": {self._error!r}" if self._error else ""))
+            self._commands.put(("add", key, request))
+        finished = False
+        try:
+            while True:
+                item = await request.updates.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.output is not None
+                yield item
+                if finished:
+                    return
+        finally:
+            if not finished:
+                self._commands.put(("abort", key, None))
+
+    def shutdown(self) -> None:
+        """Aborts what is still running and stops the engine thread."""
+        with self._lock:
+            self._stopping = True
+            self._commands.put(("stop", None, None))
+        self._thread.join()
+
+    # The engine thread.
+
+    def _run(self) -> None:
+        requests = {}  # key -> _Request
+        try:
+            while True:
+                # Block for a command only when there is nothing to compute.
+                wait = not self.llm.has_unfinished()
+                while True:
+                    try:
+                        command, key, request = self._commands.get(block=wait)
+                    except queue.Empty:
+                        break
+                    wait = False
+                    if command == "stop":
+                        self._abort_all(requests, EngineDead("the server is shutting down"))
+                        return
+                    if command == "add":
+                        self._add(requests, key, request)
+                    elif key in requests:
+                        self.llm.abort(requests.pop(key).engine_id)
+                    self.stats = self.llm.stats()
+                if self.llm.has_unfinished():
+                    self._step(requests)
+                    self.stats = self.llm.stats()
+        except BaseException as e:  # a bug in the engine: fail every request instead of hanging them
+            with self._lock:
+                self._error = e
+            self._abort_all(requests, EngineDead(f"the engine failed: {e!r}"))
+            while not self._commands.empty():  # requests queued before the error was seen
+                command, _, request = self._commands.get()
+                if command == "add":
+                    request.post(EngineDead(f"the engine failed: {e!r}"))
+            raise
+
+    def _add(self, requests: dict, key: int, request: _Request) -> None:
+        try:
+            request.engine_id = self.llm.add_request(request.prompt, request.params)
+        except ValueError as e:
+            request.post(e)
+            return
+        requests[key] = request
+        request.post(Progress([]))
+
+    def _step(self, requests: dict) -> None:
+        finished = {out.request_id: out for out in self.llm.step()}
+        for key, request in list(requests.items()):
+            output = finished.get(request.engine_id)
+            if output is not None:
+                del requests[key]
+                request.post(Progress(output.token_ids, output=output))
+                continue
+            tokens = self.llm.generated(request.engine_id)
+            draft = self.llm.draft(request.engine_id) if request.drafts else []
+            if (len(tokens), tuple(draft)) != request.sent:
+                request.sent = (len(tokens), tuple(draft))
+                request.post(Progress(tokens, draft))
+
+    def _abort_all(self, requests: dict, error: BaseException) -> None:
+        for request in requests.values():
+            try:
+                self.llm.abort(request.engine_id)
+            finally:
+                request.post(error)
+        requests.clear()
+        self.stats = self.llm.stats()

@@ -1,0 +1,168 @@
+"""The `diffuserve` command: serve a model over HTTP, generate from the terminal, benchmark."""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import threading
+import time
+from typing import Optional
+
+from tqdm import tqdm
+
+NO_DEFAULT_MODEL = ("no MODEL given, and diffuserve has no bundled default model yet (it is planned: issue 7). "
+                    "Pass a checkpoint directory, e.g. `diffuserve {command} /path/to/diffusiongemma`.")
+
+
+def _load(path: Optional[str], args, command: str):
+    """The LLM for checkpoint `path`, with a progress line while it loads. The runtime
+    reports no finer progress than done/not done, so the line shows the time spent."""
+    from .llm import LLM
+
+    if path is None:
+        sys.exit("error: " + NO_DEFAULT_MODEL.format(command=command))
+    if not os.path.isdir(path):
+        sys.exit(f"error: {path!r} is not a directory (a checkpoint is a directory: config.json, *.safetensors, "
+                 "tokenizer.json)")
+    size = sum(e.stat().st_size for e in os.scandir(path) if e.name.endswith(".safetensors"))
+    kv_bytes = None if args.kv_cache_gib is None else int(args.kv_cache_gib * 2**30)
+    loaded = threading.Event()
+    with tqdm(desc=f"loading {path} ({size / 1e9:.2f} GB)", bar_format="{desc}: {elapsed}", file=sys.stderr) as bar:
+        def tick():
+            while not loaded.wait(0.2):
+                bar.refresh()
+        threading.Thread(target=tick, daemon=True).start()
+        try:
+            return LLM(path, dtype=args.dtype, num_threads=args.threads, kv_cache_memory_bytes=kv_bytes,
+                       max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)
+        except ValueError as e:
+            sys.exit(f"error: {e}")
+        finally:
+            loaded.set()
+
+
+def serve(args) -> None:
+    import uvicorn
+
+    from .async_llm import AsyncLLM
+    from .server import build_app
+
+    llm = _load(args.model, args, "serve")
+    if llm.tokenizer is None:
+        sys.exit(f"error: {args.model} has no tokenizer.json; the server needs one to read and write text")
+    app = build_app(AsyncLLM(llm), args.served_model_name or args.model, api_key=args.api_key)
+    print(f"serving {args.served_model_name or args.model} at http://{args.host}:{args.port}/v1"
+          + (" (API key required)" if args.api_key else ""), file=sys.stderr)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
+                timeout_graceful_shutdown=args.shutdown_timeout)
+
+
+def generate(args) -> None:
+    from .detokenizer import IncrementalDetokenizer, until_eos
+    from .sampling import SamplingParams
+
+    llm = _load(args.model, args, "generate")
+    tokenizer = llm.tokenizer
+    if tokenizer is None:
+        sys.exit(f"error: {args.model} has no tokenizer.json, so it cannot read text")
+    if tokenizer.chat_template is not None and not args.raw:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}], add_generation_prompt=True)
+        prompt = tokenizer.encode(text, add_special_tokens=False)
+    else:
+        prompt = tokenizer.encode(args.prompt)
+    try:
+        params = SamplingParams(max_new_tokens=args.max_tokens, seed=args.seed,
+                                max_denoising_steps=args.max_denoising_steps)
+        request_id = llm.add_request(prompt, params)
+    except ValueError as e:
+        sys.exit(f"error: {e}")
+    eos = llm.model.config["generation"]["eos_token_ids"]
+    detokenizer = IncrementalDetokenizer(tokenizer)
+    shown, start, output = 0, time.perf_counter(), None
+    while output is None:  # print each block as it is committed
+        finished = llm.step()
+        output = finished[0] if finished else None
+        tokens = until_eos(output.token_ids if output else llm.generated(request_id), eos)
+        print(detokenizer.push(tokens[shown:]), end="", flush=True)
+        shown = len(tokens)
+    print(detokenizer.finish(), flush=True)
+    seconds = time.perf_counter() - start
+    print(f"[{len(output.token_ids)} tokens in {len(output.denoise_steps)} blocks, {sum(output.denoise_steps)} "
+          f"denoise steps, {seconds:.2f} s, finish: {output.finish_reason}, seed {output.seed}]", file=sys.stderr)
+
+
+def bench(args) -> None:
+    from . import bench as benchmark
+
+    benchmark.main(args.model, [int(n) for n in args.concurrency.split(",")], args.prompt_tokens, args.max_tokens,
+                   args.steps, load=lambda path: _load(path, args, "bench"))
+
+
+def _engine_options(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("engine")
+    group.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
+                       help="cast the weights (default: keep the stored dtype)")
+    group.add_argument("--threads", type=int, default=0, help="CPU threads (default: every hardware thread)")
+    group.add_argument("--kv-cache-gib", type=float, default=None, metavar="GIB",
+                       help="paged KV cache size (default: a quarter of RAM, at most 4 GiB)")
+    group.add_argument("--max-num-seqs", type=int, default=64, metavar="N",
+                       help="requests computed at once (default: 64)")
+    group.add_argument("--max-num-batched-tokens", type=int, default=None, metavar="N",
+                       help="rows per forward pass (default: max(4096, 4 canvases))")
+
+
+def parser() -> argparse.ArgumentParser:
+    root = argparse.ArgumentParser(
+        prog="diffuserve", description="Inference engine for block-diffusion language models (DiffusionGemma).",
+        epilog="Run `diffuserve COMMAND --help` for a command's options.")
+    commands = root.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = commands.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API",
+                            description="Serve MODEL over an OpenAI-compatible HTTP API: /v1/models, "
+                                        "/v1/completions, /v1/chat/completions, /health, /metrics.")
+    p.add_argument("model", nargs="?", metavar="MODEL", help="checkpoint directory")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="port (default: 8000)")
+    p.add_argument("--api-key", default=os.environ.get("DIFFUSERVE_API_KEY"),
+                   help="require `Authorization: Bearer KEY` on /v1 (default: $DIFFUSERVE_API_KEY, else none)")
+    p.add_argument("--served-model-name", metavar="NAME", help="the model's name in the API (default: MODEL)")
+    p.add_argument("--shutdown-timeout", type=float, default=30, metavar="SECONDS",
+                   help="on Ctrl-C / SIGTERM, how long running requests may finish before they are aborted "
+                        "(default: 30)")
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    _engine_options(p)
+    p.set_defaults(run=serve)
+
+    p = commands.add_parser("generate", help="generate from a prompt, printing the answer as it is made",
+                            description="Generate an answer to PROMPT and print it block by block.")
+    p.add_argument("prompt", metavar="PROMPT", help="the text (sent as a user message when the model has a chat "
+                                                    "template)")
+    p.add_argument("--model", "-m", help="checkpoint directory")
+    p.add_argument("--max-tokens", type=int, default=None, help="output length cap (default: the checkpoint's)")
+    p.add_argument("--max-denoising-steps", type=int, default=None, help="decoder passes per block at most")
+    p.add_argument("--seed", type=int, default=None, help="seed for a reproducible answer")
+    p.add_argument("--raw", action="store_true", help="send PROMPT as it is, without the chat template")
+    _engine_options(p)
+    p.set_defaults(run=generate)
+
+    p = commands.add_parser("bench", help="measure generation throughput at several concurrencies",
+                            description="Generation throughput of MODEL (default: a small random checkpoint) "
+                                        "with 1, 4 and 16 concurrent requests, at a fixed number of denoise steps "
+                                        "per block.")
+    p.add_argument("model", nargs="?", metavar="MODEL", help="checkpoint directory (default: a small random one)")
+    p.add_argument("--concurrency", default="1,4,16", help="comma-separated request counts (default: 1,4,16)")
+    p.add_argument("--prompt-tokens", type=int, default=128, help="prompt length (default: 128)")
+    p.add_argument("--max-tokens", type=int, default=256, help="tokens generated per request (default: 256)")
+    p.add_argument("--steps", type=int, default=16, help="denoise steps per block (default: 16)")
+    _engine_options(p)
+    p.set_defaults(run=bench)
+    return root
+
+
+def main(argv=None) -> None:
+    args = parser().parse_args(argv)
+    args.run(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,64 @@
+"""Prometheus metrics of the server, on their own registry (several servers can live in one
+process, e.g. in tests).
+
+Request-level counters are updated by the server as requests finish; the engine's own
+numbers (KV blocks, queue depth, prefix cache, forward passes) are read from its latest
+stats at scrape time, so they are never stale and never double-counted.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+class _EngineCollector:
+    def __init__(self, stats: Callable[[], dict]):
+        self._stats = stats
+
+    def collect(self):
+        s = self._stats()
+        used = s["kv_blocks_total"] - s["kv_blocks_free"]
+        yield from [
+            GaugeMetricFamily("diffuserve_requests_running", "Requests being computed", value=s["running"]),
+            GaugeMetricFamily("diffuserve_requests_waiting", "Requests queued for admission", value=s["waiting"]),
+            GaugeMetricFamily("diffuserve_kv_blocks_total", "KV cache blocks", value=s["kv_blocks_total"]),
+            GaugeMetricFamily("diffuserve_kv_blocks_free", "KV cache blocks free (unreferenced cached ones count "
+                              "as free)", value=s["kv_blocks_free"]),
+            GaugeMetricFamily("diffuserve_kv_cache_usage_ratio", "Fraction of KV cache blocks in use",
+                              value=used / s["kv_blocks_total"] if s["kv_blocks_total"] else 0.0),
+            CounterMetricFamily("diffuserve_prefix_cache_queries", "Prompt blocks looked up in the prefix cache",
+                                value=s["prefix_cache_queries"]),
+            CounterMetricFamily("diffuserve_prefix_cache_hits", "Prompt blocks found in the prefix cache",
+                                value=s["prefix_cache_hits"]),
+            CounterMetricFamily("diffuserve_preemptions", "Requests preempted for lack of KV cache",
+                                value=s["preemptions"]),
+            CounterMetricFamily("diffuserve_forward_passes", "Batched forward passes run", value=s["forward_passes"]),
+        ]
+
+
+class Metrics:
+    def __init__(self, engine_stats: Callable[[], dict]):
+        self.registry = CollectorRegistry()
+        self.requests = Counter("diffuserve_requests", "Generation requests (choices) by how they ended",
+                                ["finish_reason"], registry=self.registry)
+        self.prompt_tokens = Counter("diffuserve_prompt_tokens", "Prompt tokens received", registry=self.registry)
+        self.generation_tokens = Counter("diffuserve_generation_tokens", "Tokens generated", registry=self.registry)
+        self.denoise_steps = Histogram("diffuserve_denoise_steps_per_block", "Decoder passes per finished block",
+                                       buckets=(1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 256),
+                                       registry=self.registry)
+        self.registry.register(_EngineCollector(engine_stats))
+
+    def record(self, finish_reason: str, prompt_tokens: int, generated_tokens: int, denoise_steps) -> None:
+        """One finished (or aborted) choice."""
+        self.requests.labels(finish_reason).inc()
+        self.prompt_tokens.inc(prompt_tokens)
+        self.generation_tokens.inc(generated_tokens)
+        for steps in denoise_steps:
+            self.denoise_steps.observe(steps)
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)

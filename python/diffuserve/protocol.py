@@ -1,0 +1,197 @@
+"""The OpenAI request bodies the server accepts, checked strictly, and their translation
+into SamplingParams.
+
+Every field is declared; anything else is refused with a 400 that names it, so a client
+never believes a parameter took effect when it did not. A few OpenAI parameters are
+accepted only at the value that means "off" (top_p 1, penalties 0, logprobs false),
+because common clients send those defaults explicitly.
+"""
+from __future__ import annotations
+
+import re
+from typing import Any, Dict, List, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from .sampling import SamplingParams
+
+# Value at which an OpenAI parameter we do not implement changes nothing.
+_NEUTRAL = {"top_p": 1, "frequency_penalty": 0, "presence_penalty": 0, "logprobs": False}
+# Sent by clients to identify their end users; it does not affect generation.
+_INFORMATIONAL = ("user",)
+
+
+class ApiError(Exception):
+    """An error answered with OpenAI's error body: {"error": {message, type, param, code}}."""
+
+    def __init__(self, status: int, message: str, param: Optional[str] = None, code: Optional[str] = None,
+                 type: str = "invalid_request_error"):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.type = status, message, param, code, type
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class _GenerationRequest(_Strict):
+    """What completions and chat completions share: OpenAI's sampling parameters and the
+    diffusion extensions."""
+    model: str
+    max_tokens: Optional[int] = Field(None, ge=1)
+    temperature: Optional[float] = Field(None, ge=0, le=2)
+    seed: Optional[int] = Field(None, ge=0, lt=2**64)
+    stop: Union[str, List[str], None] = Field(None)
+    n: int = Field(1, ge=1, le=128)
+    stream: bool = False
+    stream_options: Optional[StreamOptions] = None
+    # Diffusion extensions (SamplingParams' names).
+    canvas_length: Optional[int] = Field(None, ge=1)
+    max_denoising_steps: Optional[int] = Field(None, ge=1)
+    entropy_bound: Optional[float] = Field(None, gt=0)
+    t_min: Optional[float] = Field(None, ge=0)
+    t_max: Optional[float] = Field(None, gt=0)
+    stability_threshold: Optional[int] = Field(None, ge=0)
+    confidence_threshold: Optional[float] = Field(None, gt=0)
+    seed_canvas: Optional[List[int]] = None
+    pinned_positions: Optional[List[int]] = None
+    allowed_token_ids: Optional[List[int]] = None
+    stream_drafts: bool = False  # stream the argmax canvas of the block being refined
+
+    def stop_strings(self) -> List[str]:
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        if len(stop) > 4:
+            raise ApiError(400, "stop may hold at most 4 strings", param="stop")
+        return stop
+
+    def sampling_params(self, defaults: dict, max_tokens: Optional[int]) -> List[SamplingParams]:
+        """One SamplingParams per choice (n). With a seed, choice i uses seed + i, so the
+        choices differ and the whole response is reproducible.
+
+        temperature scales both ends of the checkpoint's temperature schedule (t_max at the
+        first step, t_min at the last): 1 keeps it, 0 makes it near-greedy (a 1e-3 scale; the
+        sampler needs T > 0). An explicit t_min / t_max sets that end directly instead."""
+        if self.temperature is not None and (self.t_min is not None or self.t_max is not None):
+            raise ApiError(400, "give either temperature or t_min/t_max, not both", param="temperature")
+        scale = None if self.temperature is None else max(self.temperature, 1e-3)
+        t_min = self.t_min if scale is None else defaults["t_min"] * scale
+        t_max = self.t_max if scale is None else defaults["t_max"] * scale
+        if self.stream_options is not None and not self.stream:
+            raise ApiError(400, "stream_options is only allowed when stream is true", param="stream_options")
+        params = []
+        for i in range(self.n):
+            seed = None if self.seed is None else (self.seed + i) % 2**64
+            try:
+                params.append(SamplingParams(
+                    max_new_tokens=max_tokens, max_denoising_steps=self.max_denoising_steps, t_min=t_min,
+                    t_max=t_max, entropy_bound=self.entropy_bound, stability_threshold=self.stability_threshold,
+                    confidence_threshold=self.confidence_threshold, seed=seed, canvas_length=self.canvas_length,
+                    seed_canvas=self.seed_canvas, pinned_positions=self.pinned_positions,
+                    allowed_token_ids=self.allowed_token_ids))
+            except ValueError as e:
+                raise invalid_value(e) from None
+        return params
+
+
+class CompletionRequest(_GenerationRequest):
+    prompt: Union[str, List[int], List[Union[str, List[int]]]]  # one prompt, or a batch
+    echo: Literal[False] = False
+
+    def prompts(self) -> List[Union[str, List[int]]]:
+        """The prompts of this request: one text or token-id list, or a batch of them."""
+        if isinstance(self.prompt, str) or (self.prompt and isinstance(self.prompt[0], int)):
+            return [self.prompt]
+        if not self.prompt:
+            raise ApiError(400, "prompt must not be empty", param="prompt")
+        return list(self.prompt)
+
+
+class ChatMessage(BaseModel):
+    # Extra keys (name, tool_call_id, ...) reach the chat template as they are.
+    model_config = ConfigDict(extra="allow", strict=True)
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Union[str, List[Dict[str, Any]], None] = None
+
+
+class ChatCompletionRequest(_GenerationRequest):
+    messages: List[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: Optional[int] = Field(None, ge=1)
+
+    def max_new_tokens(self) -> Optional[int]:
+        if self.max_tokens is not None and self.max_completion_tokens is not None:
+            raise ApiError(400, "give max_completion_tokens or max_tokens, not both", param="max_tokens")
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def conversation(self) -> List[dict]:
+        """The messages as the chat template sees them: content as one string (text parts
+        joined by newlines, as vLLM does for text models)."""
+        out = []
+        for i, message in enumerate(self.messages):
+            content = message.content
+            if isinstance(content, list):
+                texts = []
+                for j, part in enumerate(content):
+                    if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                        raise ApiError(400, f"content part of type {part.get('type')!r} is not supported: this "
+                                       "server takes text only", param=f"messages[{i}].content[{j}]")
+                    texts.append(part["text"])
+                content = "\n".join(texts)
+            out.append({**message.model_dump(), "content": content})
+        return out
+
+
+def parse(model: type, body: Any):
+    """Validates a decoded JSON body into `model`, or raises the ApiError naming the field."""
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    for name, neutral in _NEUTRAL.items():
+        if name in body and (body[name] is None or body[name] == neutral):
+            del body[name]  # the value that changes nothing
+    for name in _INFORMATIONAL:
+        body.pop(name, None)
+    try:
+        return model.model_validate(body)
+    except ValidationError as e:
+        error = e.errors()[0]
+        param = _param_path(error["loc"])
+        if error["type"] == "extra_forbidden":
+            hint = f" (only {_NEUTRAL[param]!r} is accepted)" if param in _NEUTRAL else ""
+            raise ApiError(400, f"unsupported parameter: {param!r}{hint}", param=param,
+                           code="unsupported_parameter") from None
+        if error["type"] == "missing":
+            raise ApiError(400, f"missing required parameter: {param!r}", param=param,
+                           code="missing_required_parameter") from None
+        raise ApiError(400, f"invalid value for {param!r}: {error['msg']}", param=param,
+                       code="invalid_value") from None
+
+
+def _param_path(loc) -> str:
+    """('messages', 0, 'role') -> 'messages[0].role'; union branch names are dropped."""
+    path = ""
+    for part in loc:
+        if isinstance(part, int):
+            path += f"[{part}]"
+        elif not path:
+            path = part
+        elif "[" not in part and "-" not in part and part not in ("str", "int", "list"):
+            path += f".{part}"
+    return path
+
+
+def invalid_value(error: ValueError) -> ApiError:
+    """A ValueError from SamplingParams or the engine, whose message starts with the name of
+    the offending parameter ("seed_canvas has ...", "SamplingParams.canvas_length must ...",
+    "prompt: ..."), as a 400 naming that parameter."""
+    message = str(error)
+    name = re.match(r"(?:SamplingParams\.)?(\w*)", message).group(1)
+    return ApiError(400, message, param=name if name in _PARAMS else None, code="invalid_value")
+
+
+_PARAMS = set(CompletionRequest.model_fields) | set(ChatCompletionRequest.model_fields)

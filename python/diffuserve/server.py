@@ -1,0 +1,354 @@
+"""The OpenAI-compatible HTTP server: /v1/models, /v1/completions, /v1/chat/completions
+(plain JSON or server-sent events), /health and /metrics.
+
+A request becomes one engine request per choice (n choices per prompt). Each choice turns
+its tokens into text as whole blocks finish (incremental detokenization, stop strings)
+and, with stream_drafts, also reports the draft of the block being refined. A client that
+goes away (its stream closed, or its connection dropped while waiting for a plain
+response) aborts its engine requests, which frees their KV at once.
+"""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import time
+import uuid
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import AsyncIterator, List, Optional
+
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException
+
+from .async_llm import AsyncLLM, EngineDead
+from .chat_template import ChatTemplateError
+from .detokenizer import IncrementalDetokenizer, until_eos
+from .protocol import ApiError, ChatCompletionRequest, CompletionRequest, invalid_value, parse
+from .metrics import CONTENT_TYPE, Metrics
+from .sampling import SamplingParams
+from .stop_strings import StopStringFilter
+
+
+@dataclass
+class ChoiceEvent:
+    """What one choice adds to the response: new text, the current draft, or its end."""
+    index: int
+    text: str = ""
+    draft: Optional[str] = None
+    finish_reason: Optional[str] = None
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    denoise_steps: int = 0  # decoder passes, summed over blocks and choices
+
+    def body(self) -> dict:
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+                "total_tokens": self.prompt_tokens + self.completion_tokens, "denoise_steps": self.denoise_steps}
+
+
+class _Choice:
+    """One engine request and the text it produces."""
+
+    def __init__(self, server: "_Server", index: int, prompt: List[int], params: SamplingParams,
+                 stop: List[str], drafts: bool, usage: Usage, counts_prompt: bool):
+        self.server, self.index, self.prompt, self.usage = server, index, prompt, usage
+        self.counts_prompt = counts_prompt  # OpenAI counts a prompt once however many choices it has
+        self.eos = server.eos_token_ids  # the server never overrides the checkpoint's EOS
+        self._updates = server.engine.generate(prompt, params, drafts)
+        self._stop = stop
+        self.text = ""
+        self.finish_reason: Optional[str] = None
+
+    async def start(self) -> None:
+        """Waits until the engine has accepted the request; an invalid one is an ApiError."""
+        try:
+            await self._updates.__anext__()
+        except ValueError as e:
+            raise invalid_value(e) from None
+
+    async def close(self) -> None:
+        await self._updates.aclose()  # aborts the request when it has not finished
+
+    async def events(self) -> AsyncIterator[ChoiceEvent]:
+        detokenizer = IncrementalDetokenizer(self.server.tokenizer)
+        stops = StopStringFilter(self._stop)
+        done, generated, denoise_steps = 0, 0, []
+        try:
+            async for progress in self._updates:
+                output = progress.output
+                token_ids = until_eos(progress.token_ids, self.eos)
+                piece = detokenizer.push(token_ids[done:]) + (detokenizer.finish() if output else "")
+                done, generated = len(token_ids), len(progress.token_ids)
+                event = ChoiceEvent(self.index, stops.push(piece, final=output is not None))
+                if progress.draft:
+                    event.draft = self.server.tokenizer.decode(until_eos(progress.draft, self.eos))
+                if stops.stopped:
+                    event.finish_reason = "stop"  # leaving the loop closes the request: it is aborted
+                elif output is not None:
+                    event.finish_reason, denoise_steps = output.finish_reason, output.denoise_steps
+                self.text += event.text
+                yield event
+                if event.finish_reason:
+                    self.finish_reason = event.finish_reason
+                    return
+        finally:
+            await self.close()
+            self.usage.prompt_tokens += len(self.prompt) if self.counts_prompt else 0
+            self.usage.completion_tokens += generated
+            self.usage.denoise_steps += sum(denoise_steps)
+            self.server.metrics.record(self.finish_reason or "abort", len(self.prompt), generated, denoise_steps)
+
+
+class _Server:
+    def __init__(self, engine: AsyncLLM, model_name: str):
+        if engine.tokenizer is None:
+            raise ValueError("the server needs a tokenizer: the checkpoint has no tokenizer.json")
+        self.engine = engine
+        self.tokenizer = engine.tokenizer
+        self.model_name = model_name
+        generation = engine.llm.model.config["generation"]
+        self.defaults = {"t_min": generation["t_min"], "t_max": generation["t_max"]}
+        self.eos_token_ids = list(generation["eos_token_ids"])
+        self.metrics = Metrics(lambda: self.engine.stats)
+
+    def check_model(self, name: str) -> None:
+        if name != self.model_name:
+            raise ApiError(404, f"the model {name!r} does not exist; this server serves {self.model_name!r}",
+                           param="model", code="model_not_found")
+
+    def prompt_ids(self, prompt) -> List[int]:
+        return self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+
+    async def run(self, request: Request, body, prompts: List[List[int]], max_tokens: Optional[int], fmt):
+        params = body.sampling_params(self.defaults, max_tokens)
+        stop = body.stop_strings()
+        usage = Usage()
+        choices = []
+        for p, prompt in enumerate(prompts):
+            for i, choice_params in enumerate(params):
+                choices.append(_Choice(self, p * len(params) + i, prompt, choice_params, stop, body.stream_drafts,
+                                       usage, counts_prompt=i == 0))
+        try:
+            for choice in choices:
+                await choice.start()
+        except BaseException:
+            for choice in choices:
+                await choice.close()
+            raise
+        if body.stream:
+            include_usage = body.stream_options is not None and body.stream_options.include_usage
+            return StreamingResponse(self._sse(choices, fmt, usage, include_usage), media_type="text/event-stream")
+        await _unless_disconnected(request, _drain(_merged(choices)))
+        return fmt.response([(c.index, c.text, c.finish_reason) for c in choices], usage.body())
+
+    async def _sse(self, choices, fmt, usage: Usage, include_usage: bool) -> AsyncIterator[str]:
+        for choice in choices:
+            opening = fmt.opening_chunk(choice.index)
+            if opening is not None:
+                yield _sse(opening, include_usage)
+        try:
+            async for event in _merged(choices):
+                if event.text or event.draft is not None or event.finish_reason:
+                    yield _sse(fmt.chunk(event), include_usage)
+        except EngineDead as e:
+            yield _sse(ApiError(503, str(e), type="server_error").body(), False)
+        if include_usage:
+            yield _sse({**fmt.chunk_base(), "choices": [], "usage": usage.body()}, False)
+        yield "data: [DONE]\n\n"
+
+
+def _sse(payload: dict, include_usage: bool) -> str:
+    if include_usage and "usage" not in payload:
+        payload["usage"] = None
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+async def _merged(choices: List[_Choice]) -> AsyncIterator[ChoiceEvent]:
+    """The events of all choices, as they happen. Cancelling the consumer cancels every
+    choice, which aborts their engine requests."""
+    if len(choices) == 1:  # no tasks needed
+        async for event in choices[0].events():
+            yield event
+        return
+    events: asyncio.Queue = asyncio.Queue()
+    finished = object()
+
+    async def pump(choice):
+        try:
+            async for event in choice.events():
+                await events.put(event)
+        except Exception as e:
+            await events.put(e)
+        finally:
+            events.put_nowait(finished)
+
+    tasks = [asyncio.create_task(pump(c)) for c in choices]
+    try:
+        for _ in range(len(tasks)):
+            while (item := await events.get()) is not finished:
+                if isinstance(item, Exception):
+                    raise item
+                yield item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _drain(events: AsyncIterator) -> None:
+    async for _ in events:
+        pass
+
+
+async def _unless_disconnected(request: Request, work) -> None:
+    """Awaits `work` while the client stays connected; if it leaves first, cancels the work
+    (which aborts its engine requests)."""
+    async def disconnected():
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    task, listener = asyncio.ensure_future(work), asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait([task, listener], return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for t in (task, listener):
+            if not t.done():
+                t.cancel()
+        await asyncio.gather(listener, return_exceptions=True)
+    if task.cancelled():
+        await asyncio.gather(task, return_exceptions=True)
+        raise ApiError(499, "the client closed the request", code="client_closed_request")
+    task.result()
+
+
+@dataclass
+class _Format:
+    """How a response of one endpoint looks."""
+    model: str
+    chat: bool
+    id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def chunk_base(self) -> dict:
+        return {"id": ("chatcmpl-" if self.chat else "cmpl-") + self.id,
+                "object": "chat.completion.chunk" if self.chat else "text_completion",
+                "created": self.created, "model": self.model}
+
+    def opening_chunk(self, index: int) -> Optional[dict]:
+        if not self.chat:
+            return None
+        return {**self.chunk_base(), "choices": [{"index": index, "delta": {"role": "assistant", "content": ""},
+                                                  "logprobs": None, "finish_reason": None}]}
+
+    def chunk(self, event: ChoiceEvent) -> dict:
+        if self.chat:
+            delta = {"content": event.text} if event.text else {}
+            if event.draft is not None:
+                delta["draft"] = event.draft
+            choice = {"index": event.index, "delta": delta}
+        else:
+            choice = {"index": event.index, "text": event.text}
+            if event.draft is not None:
+                choice["draft"] = event.draft
+        return {**self.chunk_base(), "choices": [{**choice, "logprobs": None, "finish_reason": event.finish_reason}]}
+
+    def response(self, choices, usage: dict) -> dict:
+        body = {**self.chunk_base(), "usage": usage}
+        if self.chat:
+            body["object"] = "chat.completion"
+            body["choices"] = [{"index": i, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                                "finish_reason": reason} for i, text, reason in choices]
+        else:
+            body["choices"] = [{"index": i, "text": text, "logprobs": None, "finish_reason": reason}
+                               for i, text, reason in choices]
+        return body
+
+
+async def _json_body(request: Request):
+    raw = await request.body()
+    try:
+        return json.loads(raw)
+    except ValueError as e:
+        raise ApiError(400, f"the request body is not valid JSON: {e}") from None
+
+
+def build_app(engine: AsyncLLM, model_name: str, api_key: Optional[str] = None) -> FastAPI:
+    """The FastAPI app serving `engine` under `model_name`. The app owns the engine: its
+    shutdown aborts what is still running and stops the engine thread."""
+    server = _Server(engine, model_name)
+
+    @asynccontextmanager
+    async def lifespan(app):
+        yield
+        engine.shutdown()
+
+    app = FastAPI(title="diffuserve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+
+    def authenticate(request: Request):
+        given = request.headers.get("authorization", "")
+        if api_key is not None and not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
+            raise ApiError(401, "invalid or missing API key (send Authorization: Bearer <key>)",
+                           code="invalid_api_key")
+
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(authenticate)])
+
+    @app.exception_handler(ApiError)
+    async def api_error(request, e: ApiError):
+        return _error(e)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request, e: HTTPException):
+        return _error(ApiError(e.status_code, str(e.detail), code=None))
+
+    @app.exception_handler(EngineDead)
+    async def engine_dead(request, e: EngineDead):
+        return _error(ApiError(503, str(e), type="server_error"))
+
+    @app.exception_handler(Exception)
+    async def internal_error(request, e: Exception):
+        return _error(ApiError(500, f"internal error: {e!r}", type="server_error"))
+
+    @app.get("/health")
+    async def health():
+        return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(server.metrics.exposition(), media_type=CONTENT_TYPE)
+
+    @v1.get("/models")
+    async def models():
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0,
+                                            "owned_by": "diffuserve"}]}
+
+    @v1.post("/completions")
+    async def completions(request: Request):
+        body = parse(CompletionRequest, await _json_body(request))
+        server.check_model(body.model)
+        prompts = [server.prompt_ids(p) for p in body.prompts()]
+        return await server.run(request, body, prompts, body.max_tokens, _Format(model_name, chat=False))
+
+    @v1.post("/chat/completions")
+    async def chat_completions(request: Request):
+        body = parse(ChatCompletionRequest, await _json_body(request))
+        server.check_model(body.model)
+        try:
+            text = server.tokenizer.apply_chat_template(body.conversation(), add_generation_prompt=True)
+        except ChatTemplateError as e:
+            raise ApiError(400, str(e), param="messages") from None
+        except ValueError as e:  # no chat template
+            raise ApiError(400, str(e), param="messages", code="no_chat_template") from None
+        prompt = server.tokenizer.encode(text, add_special_tokens=False)  # the template wrote them
+        return await server.run(request, body, [prompt], body.max_new_tokens(), _Format(model_name, chat=True))
+
+    app.include_router(v1)
+    return app
+
+
+def _error(e: ApiError) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status)

@@ -1,0 +1,252 @@
+"""The OpenAI-compatible server on loopback, driven by the official openai client and raw
+HTTP: models, completions, chat, streaming, usage, error bodies, disconnects, shutdown."""
+import asyncio
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+import uvicorn
+
+import diffuserve as ds
+from diffuserve.async_llm import AsyncLLM
+from diffuserve.server import build_app
+
+from chat_checkpoint import write_chat_checkpoint
+
+MODEL = "tiny"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return write_chat_checkpoint(tmp_path_factory.mktemp("server"))
+
+
+@pytest.fixture(scope="module")
+def base_url(checkpoint):
+    app = build_app(AsyncLLM(ds.LLM(checkpoint, kv_cache_memory_bytes=32 << 20)), MODEL)
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=free_port(), log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.02)
+    yield f"http://127.0.0.1:{server.config.port}"
+    server.should_exit = True
+    thread.join(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def client(base_url):
+    return openai.OpenAI(base_url=base_url + "/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def offline(checkpoint):
+    return ds.LLM(checkpoint)
+
+
+def metrics(base_url) -> dict:
+    text = httpx.get(base_url + "/metrics").text
+    return {m.group(1): float(m.group(2)) for m in re.finditer(r"^(diffuserve_\w+(?:\{[^}]*\})?) (\S+)$", text, re.M)}
+
+
+def test_models_and_health(client, base_url):
+    assert [m.id for m in client.models.list()] == [MODEL]
+    assert httpx.get(base_url + "/health").status_code == 200
+
+
+def test_completion_matches_offline_generation(client, offline):
+    out = client.completions.create(model=MODEL, prompt="Hello world", max_tokens=40, seed=7)
+    expected = offline.generate(["Hello world"], ds.SamplingParams(max_new_tokens=40, seed=7))[0]
+    assert out.choices[0].text == expected.text
+    assert out.choices[0].finish_reason == expected.finish_reason
+    assert out.usage.prompt_tokens == len(expected.prompt_token_ids)
+    assert out.usage.completion_tokens == len(expected.token_ids)
+    assert out.usage.total_tokens == out.usage.prompt_tokens + out.usage.completion_tokens
+    assert out.usage.model_extra["denoise_steps"] == sum(expected.denoise_steps)
+
+
+def test_completion_token_prompt_batch_and_n(client, offline):
+    ids = offline.tokenizer.encode("Hi")
+    out = client.completions.create(model=MODEL, prompt=[ids, "Hello world"], max_tokens=16, seed=3, n=2)
+    assert [c.index for c in sorted(out.choices, key=lambda c: c.index)] == [0, 1, 2, 3]
+    texts = {c.index: c.text for c in out.choices}
+    expected = offline.generate([ids, ids, "Hello world", "Hello world"],
+                                [ds.SamplingParams(max_new_tokens=16, seed=s) for s in (3, 4, 3, 4)])
+    assert [texts[i] for i in range(4)] == [e.text for e in expected]
+    assert out.usage.prompt_tokens == len(ids) + len(expected[2].prompt_token_ids)  # each prompt counted once
+
+
+def test_chat_stream_equals_chat(client):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi 😀"}]
+    whole = client.chat.completions.create(model=MODEL, messages=messages, max_completion_tokens=48, seed=11)
+    stream = client.chat.completions.create(model=MODEL, messages=messages, max_completion_tokens=48, seed=11,
+                                            stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == \
+        [whole.choices[0].finish_reason]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_stop_strings(client):
+    full = client.completions.create(model=MODEL, prompt="Hello", max_tokens=48, seed=2).choices[0].text
+    stop = full[20:23]
+    cut = full[:full.index(stop)]
+    out = client.completions.create(model=MODEL, prompt="Hello", max_tokens=48, seed=2, stop=[stop, "never"])
+    assert (out.choices[0].text, out.choices[0].finish_reason) == (cut, "stop")
+    stream = client.completions.create(model=MODEL, prompt="Hello", max_tokens=48, seed=2, stop=stop, stream=True)
+    assert "".join(c.choices[0].text for c in stream) == cut
+
+
+def test_temperature_and_diffusion_extensions(client, offline):
+    body = dict(model=MODEL, prompt="Hello", max_tokens=16, seed=1)
+    cold = client.completions.create(**body, temperature=0)  # near-greedy, still reproducible by its seed
+    assert cold.choices[0].text == client.completions.create(**body, temperature=0).choices[0].text
+    out = client.completions.create(**body, extra_body=dict(canvas_length=8, max_denoising_steps=3,
+                                                            entropy_bound=0.5, t_min=0.1, t_max=0.3))
+    assert out.usage.model_extra["denoise_steps"] <= 2 * 3  # two blocks of 8, at most 3 steps each
+    allowed = client.completions.create(**body, extra_body=dict(allowed_token_ids=[300, 301]))
+    pieces = offline.tokenizer.decode([300]), offline.tokenizer.decode([301])
+    assert allowed.choices[0].text and set(allowed.choices[0].text) <= set("".join(pieces))
+
+
+def test_draft_streaming(base_url):
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 32, "seed": 4,
+            "stream": True, "stream_drafts": True}
+    with httpx.stream("POST", base_url + "/v1/chat/completions", json=body) as r:
+        events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    drafts = [c["choices"][0]["delta"]["draft"] for c in chunks if "draft" in c["choices"][0]["delta"]]
+    assert len(drafts) >= 2  # the canvas seen as it refines, before its block is committed
+
+
+@pytest.mark.parametrize("path,body,status,param,code", [
+    ("completions", "{not json", 400, None, None),
+    ("completions", {"model": "gpt-4", "prompt": "x"}, 404, "model", "model_not_found"),
+    ("completions", {"model": MODEL, "prompt": "x", "temperature": 3}, 400, "temperature", "invalid_value"),
+    ("completions", {"model": MODEL, "prompt": "x", "max_tokens": 0}, 400, "max_tokens", "invalid_value"),
+    ("completions", {"model": MODEL, "prompt": "x", "top_p": 0.5}, 400, "top_p", "unsupported_parameter"),
+    ("completions", {"model": MODEL, "prompt": "x", "logit_bias": {"3": 1}}, 400, "logit_bias",
+     "unsupported_parameter"),
+    ("completions", {"model": MODEL, "prompt": "x", "canvas_length": 64}, 400, "canvas_length", "invalid_value"),
+    ("completions", {"model": MODEL, "prompt": "x", "allowed_token_ids": [9999]}, 400, "allowed_token_ids",
+     "invalid_value"),
+    ("completions", {"model": MODEL, "prompt": [5, 99999]}, 400, "prompt", "invalid_value"),
+    ("completions", {"model": MODEL, "prompt": "x", "seed_canvas": [3, 3]}, 400, "seed_canvas", "invalid_value"),
+    ("completions", {"model": MODEL, "prompt": "x", "t_min": 0.5, "t_max": 0.2}, 400, "t_max", "invalid_value"),
+    ("completions", {"model": MODEL, "prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop", None),
+    ("completions", {"model": MODEL}, 400, "prompt", "missing_required_parameter"),
+    ("chat/completions", {"model": MODEL, "messages": []}, 400, "messages", "invalid_value"),
+    ("chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "http://x"}}]}]}, 400, "messages[0].content[0]", None),
+    ("chat/completions", {"model": MODEL, "messages": [{"role": "tool", "content": "x"}]}, 400, "messages", None),
+    ("chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "tools": []}, 400,
+     "tools", "unsupported_parameter"),
+])
+def test_error_bodies(base_url, path, body, status, param, code):
+    content = body if isinstance(body, str) else json.dumps(body)
+    r = httpx.post(f"{base_url}/v1/{path}", content=content, headers={"content-type": "application/json"})
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    assert (error["param"], error["code"]) == (param, code)
+
+
+def test_openai_client_raises_on_errors(client):
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="other", prompt="x")
+    with pytest.raises(openai.BadRequestError, match="presence_penalty"):
+        client.completions.create(model=MODEL, prompt="x", presence_penalty=1.0)
+    client.completions.create(model=MODEL, prompt="x", max_tokens=4, presence_penalty=0, top_p=1)  # no-op values
+
+
+def test_api_key(offline):
+    from fastapi.testclient import TestClient
+    with TestClient(build_app(AsyncLLM(offline), MODEL, api_key="secret")) as http:  # exiting stops the engine
+        assert http.get("/v1/models").status_code == 401
+        assert http.get("/v1/models", headers={"Authorization": "Bearer wrong"}).json()["error"]["code"] == \
+            "invalid_api_key"
+        assert http.get("/v1/models", headers={"Authorization": "Bearer secret"}).status_code == 200
+        assert http.get("/health").status_code == 200
+
+
+async def _stream(base_url, i, leave_early):
+    body = {"model": MODEL, "prompt": f"client {i}", "max_tokens": 96, "seed": i, "stream": True,
+            "stream_drafts": True}
+    async with httpx.AsyncClient(timeout=60) as http:
+        async with http.stream("POST", base_url + "/v1/completions", json=body) as r:
+            lines = []
+            async for line in r.aiter_lines():
+                if line.startswith("data: "):
+                    lines.append(line[6:])
+                    if leave_early and len(lines) == 2:
+                        return None  # closes the connection mid-stream
+    return lines
+
+
+def test_concurrent_streams_with_disconnects(base_url):
+    async def main():
+        return await asyncio.gather(*[_stream(base_url, i, leave_early=i % 2 == 1) for i in range(16)])
+    before = metrics(base_url).get('diffuserve_requests_total{finish_reason="abort"}', 0)
+    results = asyncio.run(main())
+    for i, lines in enumerate(results):
+        if i % 2 == 0:
+            assert lines[-1] == "[DONE]"
+            assert json.loads(lines[-2])["choices"][0]["finish_reason"] in ("stop", "length")
+    deadline = time.time() + 20
+    while True:  # the aborted requests free their KV as soon as the server notices the disconnect
+        m = metrics(base_url)
+        if (m["diffuserve_kv_blocks_free"] == m["diffuserve_kv_blocks_total"] and m["diffuserve_requests_running"]
+                == m["diffuserve_requests_waiting"] == 0) or time.time() > deadline:
+            break
+        time.sleep(0.05)
+    assert m["diffuserve_kv_blocks_free"] == m["diffuserve_kv_blocks_total"]
+    assert m["diffuserve_requests_running"] == m["diffuserve_requests_waiting"] == 0
+    assert m['diffuserve_requests_total{finish_reason="abort"}'] - before == 8
+    assert m["diffuserve_denoise_steps_per_block_count"] > 0 and m["diffuserve_generation_tokens_total"] > 0
+
+
+def test_graceful_shutdown_finishes_running_requests(checkpoint):
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "diffuserve", "serve", checkpoint, "--port", str(port),
+                             "--served-model-name", MODEL, "--log-level", "warning"], stderr=subprocess.PIPE)
+    try:
+        deadline = time.time() + 60
+        while True:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                assert time.time() < deadline and proc.poll() is None, proc.stderr.read().decode()
+                time.sleep(0.1)
+        body = {"model": MODEL, "prompt": "bye", "max_tokens": 128, "seed": 0, "stream": True,
+                "max_denoising_steps": 48, "confidence_threshold": 1e-30}
+        with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=60) as r:
+            lines = r.iter_lines()
+            first = next(line for line in lines if line.startswith("data: "))
+            proc.send_signal(signal.SIGINT)  # the running request still completes
+            rest = [line for line in lines if line.startswith("data: ")]
+        assert json.loads(first[6:])["choices"][0]["finish_reason"] is None
+        assert rest[-1] == "data: [DONE]" and json.loads(rest[-2][6:])["choices"][0]["finish_reason"] == "length"
+        assert proc.wait(timeout=30) == 0
+    finally:
+        proc.kill()
