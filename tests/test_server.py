@@ -250,3 +250,18 @@ def test_graceful_shutdown_finishes_running_requests(checkpoint):
         assert proc.wait(timeout=30) == 0
     finally:
         proc.kill()
+
+
+def test_plain_request_aborted_when_client_leaves(base_url):
+    before = metrics(base_url).get('diffuserve_requests_total{finish_reason="abort"}', 0)
+    body = {"model": MODEL, "prompt": "long", "max_tokens": 2048, "confidence_threshold": 1e-30}
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(base_url + "/v1/completions", json=body, timeout=httpx.Timeout(5, read=0.5))
+    deadline = time.time() + 20
+    while True:  # the abort is counted when requested; the engine thread frees the KV right after
+        m = metrics(base_url)
+        if m.get('diffuserve_requests_total{finish_reason="abort"}', 0) > before and \
+                m["diffuserve_kv_blocks_free"] == m["diffuserve_kv_blocks_total"]:
+            break
+        assert time.time() < deadline, f"the request was not aborted: {m}"
+        time.sleep(0.05)
