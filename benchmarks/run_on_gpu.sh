@@ -13,7 +13,7 @@ if ls .device/transformers-*.whl >/dev/null 2>&1; then
 fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/gpu.txt"
 start=$(date +%s)
-CMAKE_BUILD_PARALLEL_LEVEL=16 python3 -m pip install -q --no-build-isolation . > "$out/build.log" 2>&1 \
+CMAKE_BUILD_PARALLEL_LEVEL=16 python3 -m pip install -q --no-build-isolation --no-deps . > "$out/build.log" 2>&1 \
   || { tail -30 "$out/build.log"; exit 1; }
 echo "build: $(( $(date +%s) - start )) s"
 cd /tmp

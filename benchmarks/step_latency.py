@@ -51,7 +51,8 @@ def write_config(path):
 def weight_bytes():
     """bf16 bytes of the text weights a denoise step reads (every expert: 2048 pairs over 128)."""
     c, layers = TEXT_CONFIG, TEXT_CONFIG["layer_types"]
-    h, total = c["hidden_size"], c["vocab_size"] * c["hidden_size"] + 3 * h * c["intermediate_size"]
+    h = c["hidden_size"]
+    total = c["vocab_size"] * h + 3 * h * c["intermediate_size"]  # embedding (= lm_head), self-conditioning MLP
     for t in layers:
         d, kv = (512, 2) if t == "full_attention" else (256, 8)
         attn = h * 16 * d * 2 + h * kv * d * (1 if t == "full_attention" else 2)

@@ -4,7 +4,10 @@
 // copied up with each call; the routing of each MoE layer comes back to the host, which
 // lays out the expert segments.
 #include <algorithm>
+#include <chrono>
 #include <cmath>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <map>
 #include <mutex>
@@ -57,6 +60,42 @@ class DevicePool : public std::enable_shared_from_this<DevicePool> {
  private:
   std::mutex mutex_;
   std::map<size_t, std::vector<void*>> free_;
+};
+
+// DIFFUSERVE_PROFILE=1: every op synchronises and its time is added to a per-op total,
+// printed when the backend goes away. For finding where a step's time goes.
+class OpProfile {
+ public:
+  OpProfile() : enabled_(std::getenv("DIFFUSERVE_PROFILE") != nullptr) {}
+  ~OpProfile() {
+    if (!enabled_) return;
+    double total = 0;
+    for (auto& [name, t] : totals_) total += t.first;
+    std::fprintf(stderr, "diffuserve CUDA op profile (%.1f ms total):\n", total);
+    for (auto& [name, t] : totals_)
+      std::fprintf(stderr, "  %-14s %9.1f ms %7ld calls\n", name.c_str(), t.first, long(t.second));
+  }
+  struct Scope {
+    OpProfile* profile;
+    const char* name;
+    std::chrono::steady_clock::time_point start;
+    ~Scope() {
+      if (!profile) return;
+      cudaDeviceSynchronize();
+      auto& t = profile->totals_[name];
+      t.first += std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
+      t.second += 1;
+    }
+  };
+  Scope scope(const char* name) {
+    if (!enabled_) return {nullptr, name, {}};
+    cudaDeviceSynchronize();
+    return {this, name, std::chrono::steady_clock::now()};
+  }
+
+ private:
+  bool enabled_;
+  std::map<std::string, std::pair<double, int64_t>> totals_;
 };
 
 class CudaBackend final : public Backend {
@@ -141,19 +180,23 @@ class CudaBackend final : public Backend {
     check(cudaMemcpy(a.data, in, a.size() * sizeof(float), cudaMemcpyHostToDevice), "from_host");
   }
   void copy_rows(const Activation& src, int64_t src_row, Activation& dst, int64_t dst_row, int64_t n) override {
+    auto timed = profile_.scope("copy_rows");
     check(cudaMemcpyAsync(dst.row(dst_row), src.row(src_row), n * src.cols * sizeof(float), cudaMemcpyDeviceToDevice,
                           stream_),
           "copy_rows");
   }
   void scatter_rows(const Activation& src, const std::vector<int64_t>& dst_rows, Activation& dst) override {
+    auto timed = profile_.scope("scatter_rows");
     cuda::scatter_rows(src.data, src.cols, upload_table(dst_rows), int64_t(dst_rows.size()), dst.data, stream_);
   }
 
   void embed(const Weight& table, const std::vector<int32_t>& ids, float scale, Activation& out) override {
+    auto timed = profile_.scope("embed");
     cuda::embed(bf16(table), table.shape[1], upload_table(ids), int64_t(ids.size()), scale, out.data, stream_);
   }
 
   void linear(const Activation& x, const Weight& w, Activation& y, int expert) override {
+    auto timed = profile_.scope("linear");
     const int64_t n = w.shape[w.shape.size() - 2], k = w.shape.back();
     const cuda::GemmSegment seg{0, 0, int(x.rows), bf16(w) + (expert >= 0 ? int64_t(expert) * n * k : 0)};
     cuda::gemm(x.data, x.cols, nullptr, &seg, nullptr, int((x.rows + cuda::kGemmTileM - 1) / cuda::kGemmTileM), n, k,
@@ -161,6 +204,7 @@ class CudaBackend final : public Backend {
   }
 
   void linear_nt(const Activation& x, const Weight& w, Activation& y) override {
+    auto timed = profile_.scope("linear_nt");
     const int64_t k = w.shape[0], n = w.shape[1];
     const cuda::GemmSegment seg{0, 0, int(x.rows), bf16(w)};
     cuda::gemm(x.data, x.cols, nullptr, &seg, nullptr, int((x.rows + cuda::kGemmTileM - 1) / cuda::kGemmTileM), n, k,
@@ -168,17 +212,20 @@ class CudaBackend final : public Backend {
   }
 
   void rms_norm(const Activation& x, const Weight* weight, int64_t group, float eps, Activation& y) override {
+    auto timed = profile_.scope("rms_norm");
     cuda::rms_norm(x.data, weight ? static_cast<const float*>(weight->data) : nullptr, x.size() / group, group, eps,
                    y.data, stream_);
   }
 
   void rope(Activation& x, int64_t head_dim, const Weight& inv_freq, const std::vector<int64_t>& positions) override {
+    auto timed = profile_.scope("rope");
     cuda::rope(x.data, x.rows, x.cols / head_dim, head_dim, static_cast<const float*>(inv_freq.data),
                upload_table(positions), stream_);
   }
 
   void attention(const Activation& q, const std::vector<AttentionSegment>& segments, int64_t num_heads,
                  int64_t num_kv_heads, int64_t head_dim, Activation& out) override {
+    auto timed = profile_.scope("attention");
     const int group = int(num_heads / num_kv_heads);
     if (group > 16) throw InvalidArgument("the CUDA attention supports up to 16 query heads per KV head");
     std::vector<cuda::DeviceAttentionSegment> segs;
@@ -199,17 +246,19 @@ class CudaBackend final : public Backend {
   }
 
   void gelu_glu(const Activation& x, Activation& out) override {
+    auto timed = profile_.scope("gelu_glu");
     cuda::gelu_glu(x.data, x.rows, x.cols / 2, out.data, stream_);
   }
 
   Routing route(const Activation& x, const Weight& proj, const Weight& scale, const Weight& per_expert_scale,
                 int top_k, float eps) override {
+    auto timed = profile_.scope("route");
     const int64_t tokens = x.rows, hidden = x.cols, experts = proj.shape[0];
     Activation normed = alloc(tokens, hidden), scores = alloc(tokens, experts);
     rms_norm(x, nullptr, hidden, eps, normed);
     cuda::scale_columns(normed.data, static_cast<const float*>(scale.data), std::pow(float(hidden), -0.5f), tokens,
                         hidden, normed.data, stream_);
-    linear(normed, proj, scores, -1);
+    cuda::linear_fp32(normed.data, tokens, bf16(proj), experts, hidden, scores.data, stream_);
     auto ids = pool_->get(size_t(tokens) * top_k * sizeof(int32_t));
     auto weights = pool_->get(size_t(tokens) * top_k * sizeof(float));
     cuda::route_topk(scores.data, tokens, int(experts), top_k, static_cast<const float*>(per_expert_scale.data),
@@ -226,6 +275,7 @@ class CudaBackend final : public Backend {
 
   void experts(const Activation& x, const Routing& routing, const Weight& gate_up, const Weight& down,
                Activation& out) override {
+    auto timed = profile_.scope("experts");
     const int64_t num_experts = gate_up.shape[0], inter2 = gate_up.shape[1], hidden = x.cols;
     const int64_t pairs = int64_t(routing.experts.size()), tokens = pairs / routing.top_k;
     // Permute the (token, slot) pairs by expert: one segment per expert, one launch per GEMM.
@@ -260,14 +310,25 @@ class CudaBackend final : public Backend {
   }
 
   void add(const Activation& a, const Activation& b, Activation& y) override {
+    auto timed = profile_.scope("add");
     cuda::add(a.data, b.data, y.data, a.size(), stream_);
   }
-  void scale(Activation& x, float s) override { cuda::scale(x.data, s, x.size(), stream_); }
-  void softcap(Activation& x, float cap) override { cuda::softcap(x.data, cap, x.size(), stream_); }
-  void softmax(Activation& x) override { cuda::softmax_rows(x.data, x.rows, x.cols, stream_); }
+  void scale(Activation& x, float s) override {
+    auto timed = profile_.scope("scale");
+    cuda::scale(x.data, s, x.size(), stream_);
+  }
+  void softcap(Activation& x, float cap) override {
+    auto timed = profile_.scope("softcap");
+    cuda::softcap(x.data, cap, x.size(), stream_);
+  }
+  void softmax(Activation& x) override {
+    auto timed = profile_.scope("softmax");
+    cuda::softmax_rows(x.data, x.rows, x.cols, stream_);
+  }
 
   std::vector<RowSample> sample(Activation& logits, float temperature, const std::vector<uint8_t>& allowed,
                                 const RandomKey& key, DType feedback_dtype) override {
+    auto timed = profile_.scope("sample");
     auto out = pool_->get(size_t(logits.rows) * sizeof(cuda::DeviceRowSample));
     auto* device_out = static_cast<cuda::DeviceRowSample*>(out.get());
     cuda::sample_rows(logits.data, logits.rows, logits.cols, temperature,
@@ -300,6 +361,7 @@ class CudaBackend final : public Backend {
     return static_cast<const T*>(storage.get());
   }
 
+  OpProfile profile_;
   std::shared_ptr<DevicePool> pool_;
   cudaStream_t stream_ = nullptr;  // the legacy default stream: every call is ordered
   std::vector<std::shared_ptr<void>> keep_;

@@ -119,6 +119,19 @@ __global__ void scale_columns_kernel(const float* x, const float* scale, float f
   if (i < rows * cols) y[i] = x[i] * scale[i % cols] * factor;
 }
 
+__global__ void linear_fp32_kernel(const float* x, int64_t rows, const __nv_bfloat16* w, int64_t n, int64_t k,
+                                   float* y) {
+  const int64_t out = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
+  const int lane = threadIdx.x & 31;
+  if (out >= rows * n) return;
+  const float* xr = x + (out / n) * k;
+  const __nv_bfloat16* wr = w + (out % n) * k;
+  float acc = 0.0f;
+  for (int64_t j = lane; j < k; j += 32) acc += xr[j] * __bfloat162float(wr[j]);
+  for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
+  if (lane == 0) y[out] = acc;
+}
+
 // One thread per token: softmax over the experts, then top-k by repeated selection.
 __global__ void route_topk_kernel(const float* scores, int64_t tokens, int experts, int top_k,
                                   const float* per_expert_scale, int32_t* expert_ids, float* weights) {
@@ -240,6 +253,11 @@ void scale_columns(const float* x, const float* scale, float factor, int64_t row
                    cudaStream_t stream) {
   if (rows * cols)
     scale_columns_kernel<<<blocks_for(rows * cols), kThreads, 0, stream>>>(x, scale, factor, rows, cols, y);
+}
+
+void linear_fp32(const float* x, int64_t rows, const __nv_bfloat16* w, int64_t n, int64_t k, float* y,
+                 cudaStream_t stream) {
+  if (rows * n) linear_fp32_kernel<<<blocks_for(rows * n * 32), kThreads, 0, stream>>>(x, rows, w, n, k, y);
 }
 
 void route_topk(const float* scores, int64_t tokens, int experts, int top_k, const float* per_expert_scale,

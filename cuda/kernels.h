@@ -78,6 +78,10 @@ void scatter_rows(const float* src, int64_t cols, const int64_t* dst_rows, int64
 // does softmax, top-k (ties to the lower id), renormalisation and the per-expert scale.
 void scale_columns(const float* x, const float* scale, float factor, int64_t rows, int64_t cols, float* y,
                    cudaStream_t stream);
+// y = x @ w^T in fp32 (w: bf16 [n, k]), a warp per output: the router's scores, kept in
+// fp32 so that near-tied experts are ranked as the fp32 reference ranks them.
+void linear_fp32(const float* x, int64_t rows, const __nv_bfloat16* w, int64_t n, int64_t k, float* y,
+                 cudaStream_t stream);
 void route_topk(const float* scores, int64_t tokens, int experts, int top_k, const float* per_expert_scale,
                 int32_t* expert_ids, float* weights, cudaStream_t stream);
 // out[t] = sum_k weights[t, k] * y[inverse[t, k]] in k order (deterministic).
