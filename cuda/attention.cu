@@ -2,7 +2,7 @@
 //
 // A block takes up to 16 query vectors (several rows x the query heads of one KV head,
 // so each key is read once for its whole GQA group) and walks the segment's key spans in
-// chunks of 16 keys with an online softmax. Keys, values, queries and the output
+// chunks of 32 keys with an online softmax. Keys, values, queries and the output
 // accumulator sit in shared memory, so any head_dim works (256 and 512 for
 // DiffusionGemma). Each segment brings its own positions, causal flag and window.
 #include <cfloat>
@@ -12,7 +12,7 @@
 namespace diffuserve::cuda {
 namespace {
 
-constexpr int kQueries = 16, kChunk = 16, kThreads = 256;
+constexpr int kQueries = 16, kChunk = 32, kThreads = 256;
 
 __global__ void __launch_bounds__(kThreads) attention_kernel(const float* __restrict__ q, float* __restrict__ out,
                                                              const DeviceAttentionSegment* __restrict__ segments,
@@ -20,7 +20,7 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(const float* __rest
                                                              const AttentionItem* __restrict__ items, int num_heads,
                                                              int num_kv_heads, int head_dim) {
   extern __shared__ float smem[];
-  const int d = head_dim, dp = head_dim + 1;  // padded rows: a warp reading 16 keys hits 16 banks
+  const int d = head_dim, dp = head_dim + 1;  // padded rows: a warp reading 32 keys hits 32 banks
   float* Q = smem;                            // [kQueries][dp]
   float* K = Q + kQueries * dp;               // [kChunk][dp]
   float* V = K + kChunk * dp;                 // [kChunk][d]
@@ -60,9 +60,9 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(const float* __rest
         V[r * d + c] = span.values[off];
       }
       __syncthreads();
-      // Scores: one (query, key) pair per thread.
-      {
-        const int j = tid / kChunk, r = tid % kChunk;
+      // Scores: (query, key) pairs spread over the threads.
+      for (int pair = tid; pair < kQueries * kChunk; pair += kThreads) {
+        const int j = pair / kChunk, r = pair % kChunk;
         float score = -INFINITY;
         if (j < nq && r < count) {
           const int64_t p = seg.first_position + item.row0 + j / heads, key = span.first_position + c0 + r;

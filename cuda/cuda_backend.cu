@@ -198,17 +198,23 @@ class CudaBackend final : public Backend {
   void linear(const Activation& x, const Weight& w, Activation& y, int expert) override {
     auto timed = profile_.scope("linear");
     const int64_t n = w.shape[w.shape.size() - 2], k = w.shape.back();
-    const cuda::GemmSegment seg{0, 0, int(x.rows), bf16(w) + (expert >= 0 ? int64_t(expert) * n * k : 0)};
-    cuda::gemm(x.data, x.cols, nullptr, &seg, nullptr, int((x.rows + cuda::kGemmTileM - 1) / cuda::kGemmTileM), n, k,
-               false, y.data, y.cols, stream_);
+    gemm_dense(x, bf16(w) + (expert >= 0 ? int64_t(expert) * n * k : 0), n, k, y);
   }
 
+  // y = round_bf16(x) @ w with w [K, N] (the reference casts the probabilities to the
+  // weight dtype first). The product runs on a transposed copy of w ([N, K], made once
+  // per weight), which the GEMM reads along K like every other weight.
   void linear_nt(const Activation& x, const Weight& w, Activation& y) override {
     auto timed = profile_.scope("linear_nt");
     const int64_t k = w.shape[0], n = w.shape[1];
-    const cuda::GemmSegment seg{0, 0, int(x.rows), bf16(w)};
-    cuda::gemm(x.data, x.cols, nullptr, &seg, nullptr, int((x.rows + cuda::kGemmTileM - 1) / cuda::kGemmTileM), n, k,
-               true, y.data, y.cols, stream_);
+    auto& t = transposed_[w.data];
+    if (!t) {
+      t = pool_->get(size_t(k * n) * 2);
+      cuda::transpose_bf16(bf16(w), k, n, static_cast<__nv_bfloat16*>(t.get()), stream_);
+    }
+    Activation rounded = alloc(x.rows, x.cols);
+    cuda::round_bf16(x.data, rounded.data, x.size(), stream_);
+    gemm_dense(rounded, static_cast<const __nv_bfloat16*>(t.get()), n, k, y);
   }
 
   void rms_norm(const Activation& x, const Weight* weight, int64_t group, float eps, Activation& y) override {
@@ -253,16 +259,12 @@ class CudaBackend final : public Backend {
   Routing route(const Activation& x, const Weight& proj, const Weight& scale, const Weight& per_expert_scale,
                 int top_k, float eps) override {
     auto timed = profile_.scope("route");
-    const int64_t tokens = x.rows, hidden = x.cols, experts = proj.shape[0];
-    Activation normed = alloc(tokens, hidden), scores = alloc(tokens, experts);
-    rms_norm(x, nullptr, hidden, eps, normed);
-    cuda::scale_columns(normed.data, static_cast<const float*>(scale.data), std::pow(float(hidden), -0.5f), tokens,
-                        hidden, normed.data, stream_);
-    cuda::linear_fp32(normed.data, tokens, bf16(proj), experts, hidden, scores.data, stream_);
+    const int64_t tokens = x.rows;
     auto ids = pool_->get(size_t(tokens) * top_k * sizeof(int32_t));
     auto weights = pool_->get(size_t(tokens) * top_k * sizeof(float));
-    cuda::route_topk(scores.data, tokens, int(experts), top_k, static_cast<const float*>(per_expert_scale.data),
-                     static_cast<int32_t*>(ids.get()), static_cast<float*>(weights.get()), stream_);
+    cuda::route(x.data, tokens, x.cols, static_cast<const float*>(scale.data), bf16(proj), int(proj.shape[0]), top_k,
+                static_cast<const float*>(per_expert_scale.data), eps, static_cast<int32_t*>(ids.get()),
+                static_cast<float*>(weights.get()), stream_);
     Routing r;
     r.top_k = top_k;
     r.experts.resize(tokens * top_k);
@@ -284,6 +286,9 @@ class CudaBackend final : public Backend {
     std::vector<int64_t> row_map(pairs), inverse(pairs);
     std::vector<cuda::GemmSegment> up_segments, down_segments;
     std::vector<cuda::GemmTile> tiles;
+    int64_t used = 0;
+    for (const auto& a : assigned) used += !a.empty();
+    const int tile_rows = cuda::gemm_tile_rows(used ? pairs / used : 1);
     int64_t row = 0;
     for (int64_t e = 0; e < num_experts; ++e) {
       const auto& pairs_of_e = assigned[e];
@@ -295,16 +300,16 @@ class CudaBackend final : public Backend {
       const int segment = int(up_segments.size());
       up_segments.push_back({row, row, int(pairs_of_e.size()), bf16(gate_up) + e * inter2 * hidden});
       down_segments.push_back({row, row, int(pairs_of_e.size()), bf16(down) + e * hidden * (inter2 / 2)});
-      for (int m0 = 0; m0 < int(pairs_of_e.size()); m0 += cuda::kGemmTileM) tiles.push_back({segment, m0});
+      for (int m0 = 0; m0 < int(pairs_of_e.size()); m0 += tile_rows) tiles.push_back({segment, m0});
       row += int64_t(pairs_of_e.size());
     }
     Activation gu = alloc(pairs, inter2), act = alloc(pairs, inter2 / 2), y = alloc(pairs, hidden);
     const cuda::GemmTile* device_tiles = upload_table(tiles);
     cuda::gemm(x.data, x.cols, upload_table(row_map), upload_table(up_segments), device_tiles, int(tiles.size()),
-               inter2, hidden, false, gu.data, gu.cols, stream_);
+               tile_rows, inter2, hidden, gu.data, gu.cols, stream_);
     cuda::gelu_glu(gu.data, pairs, inter2 / 2, act.data, stream_);
-    cuda::gemm(act.data, act.cols, nullptr, upload_table(down_segments), device_tiles, int(tiles.size()), hidden,
-               inter2 / 2, false, y.data, y.cols, stream_);
+    cuda::gemm(act.data, act.cols, nullptr, upload_table(down_segments), device_tiles, int(tiles.size()), tile_rows,
+               hidden, inter2 / 2, y.data, y.cols, stream_);
     cuda::combine_experts(y.data, upload_table(inverse), upload_table(routing.weights), tokens, routing.top_k, hidden,
                           out.data, stream_);
   }
@@ -342,6 +347,13 @@ class CudaBackend final : public Backend {
   }
 
  private:
+  void gemm_dense(const Activation& x, const __nv_bfloat16* w, int64_t n, int64_t k, Activation& y) {
+    const cuda::GemmSegment seg{0, 0, int(x.rows), w};
+    const int tile = cuda::gemm_tile_rows(x.rows);
+    cuda::gemm(x.data, x.cols, nullptr, &seg, nullptr, int((x.rows + tile - 1) / tile), tile, n, k, y.data, y.cols,
+               stream_);
+  }
+
   static const __nv_bfloat16* bf16(const Weight& w) {
     if (w.dtype != DType::BF16) throw InvalidArgument("the CUDA GEMMs need bf16 weights");
     return static_cast<const __nv_bfloat16*>(w.data);
@@ -363,6 +375,7 @@ class CudaBackend final : public Backend {
 
   OpProfile profile_;
   std::shared_ptr<DevicePool> pool_;
+  std::map<const void*, std::shared_ptr<void>> transposed_;  // linear_nt's weights, [N, K]
   cudaStream_t stream_ = nullptr;  // the legacy default stream: every call is ordered
   std::vector<std::shared_ptr<void>> keep_;
 };

@@ -85,6 +85,11 @@ __global__ void add_kernel(const float* a, const float* b, float* y, int64_t n) 
   if (i < n) y[i] = a[i] + b[i];
 }
 
+__global__ void round_bf16_kernel(const float* x, float* y, int64_t n) {
+  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i < n) y[i] = __bfloat162float(__float2bfloat16(x[i]));
+}
+
 __global__ void scale_kernel(float* x, float s, int64_t n) {
   const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i < n) x[i] *= s;
@@ -113,49 +118,58 @@ __global__ void scatter_rows_kernel(const float* src, int64_t cols, const int64_
   dst[dst_rows[i / cols] * cols + i % cols] = src[i];
 }
 
-__global__ void scale_columns_kernel(const float* x, const float* scale, float factor, int64_t rows, int64_t cols,
-                                     float* y) {
-  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (i < rows * cols) y[i] = x[i] * scale[i % cols] * factor;
-}
-
-__global__ void linear_fp32_kernel(const float* x, int64_t rows, const __nv_bfloat16* w, int64_t n, int64_t k,
-                                   float* y) {
-  const int64_t out = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
-  const int lane = threadIdx.x & 31;
-  if (out >= rows * n) return;
-  const float* xr = x + (out / n) * k;
-  const __nv_bfloat16* wr = w + (out % n) * k;
-  float acc = 0.0f;
-  for (int64_t j = lane; j < k; j += 32) acc += xr[j] * __bfloat162float(wr[j]);
-  for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
-  if (lane == 0) y[out] = acc;
-}
-
-// One thread per token: softmax over the experts, then top-k by repeated selection.
-__global__ void route_topk_kernel(const float* scores, int64_t tokens, int experts, int top_k,
-                                  const float* per_expert_scale, int32_t* expert_ids, float* weights) {
-  const int64_t t = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (t >= tokens) return;
-  const float* s = scores + t * experts;
+// One block per token: the normed, scaled input row and the expert scores stay in shared
+// memory; each warp scores experts, then thread 0 picks the top k.
+__global__ void route_kernel(const float* x, int64_t hidden, const float* scale, const __nv_bfloat16* proj,
+                             int experts, int top_k, const float* per_expert_scale, float eps, int32_t* expert_ids,
+                             float* weights) {
+  extern __shared__ float shared[];
+  float* row = shared;             // [hidden]
+  float* scores = shared + hidden; // [experts]
+  const int64_t t = blockIdx.x;
+  const float* xt = x + t * hidden;
+  float ss = 0.0f;
+  for (int64_t j = threadIdx.x; j < hidden; j += blockDim.x) ss += xt[j] * xt[j];
+  const float inv = powf(block_sum(ss) / float(hidden) + eps, -0.5f), root = powf(float(hidden), -0.5f);
+  for (int64_t j = threadIdx.x; j < hidden; j += blockDim.x) row[j] = xt[j] * inv * scale[j] * root;
+  __syncthreads();
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+  for (int e = warp; e < experts; e += warps) {
+    const __nv_bfloat16* w = proj + int64_t(e) * hidden;
+    float acc = 0.0f;
+    for (int64_t j = lane; j < hidden; j += 32) acc += row[j] * __bfloat162float(w[j]);
+    for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
+    if (lane == 0) scores[e] = acc;
+  }
+  __syncthreads();
+  if (threadIdx.x != 0) return;
   float m = -INFINITY;
-  for (int e = 0; e < experts; ++e) m = fmaxf(m, s[e]);
+  for (int e = 0; e < experts; ++e) m = fmaxf(m, scores[e]);
   float z = 0.0f;
-  for (int e = 0; e < experts; ++e) z += expf(s[e] - m);
-  float picked_sum = 0.0f;
+  for (int e = 0; e < experts; ++e) z += expf(scores[e] - m);
+  int32_t* ids = expert_ids + t * top_k;
+  float* wt = weights + t * top_k;
+  float picked = 0.0f;
   for (int k = 0; k < top_k; ++k) {
     int best = -1;
-    for (int e = 0; e < experts; ++e) {
-      bool taken = false;
-      for (int j = 0; j < k; ++j) taken |= expert_ids[t * top_k + j] == e;
-      if (!taken && (best < 0 || s[e] > s[best])) best = e;
-    }
-    expert_ids[t * top_k + k] = best;
-    weights[t * top_k + k] = expf(s[best] - m) / z;
-    picked_sum += weights[t * top_k + k];
+    for (int e = 0; e < experts; ++e)
+      if (scores[e] != -INFINITY && (best < 0 || scores[e] > scores[best])) best = e;
+    ids[k] = best;
+    wt[k] = expf(scores[best] - m) / z;
+    picked += wt[k];
+    scores[best] = -INFINITY;  // taken
   }
-  for (int k = 0; k < top_k; ++k)
-    weights[t * top_k + k] = weights[t * top_k + k] / picked_sum * per_expert_scale[expert_ids[t * top_k + k]];
+  for (int k = 0; k < top_k; ++k) wt[k] = wt[k] / picked * per_expert_scale[ids[k]];
+}
+
+__global__ void transpose_bf16_kernel(const __nv_bfloat16* in, int64_t k, int64_t n, __nv_bfloat16* out) {
+  __shared__ __nv_bfloat16 tile[32][33];
+  const int64_t k0 = int64_t(blockIdx.y) * 32, n0 = int64_t(blockIdx.x) * 32;
+  for (int i = threadIdx.y; i < 32; i += blockDim.y)
+    if (k0 + i < k && n0 + threadIdx.x < n) tile[i][threadIdx.x] = in[(k0 + i) * n + n0 + threadIdx.x];
+  __syncthreads();
+  for (int i = threadIdx.y; i < 32; i += blockDim.y)
+    if (n0 + i < n && k0 + threadIdx.x < k) out[(n0 + i) * k + k0 + threadIdx.x] = tile[threadIdx.x][i];
 }
 
 __global__ void combine_experts_kernel(const float* y, const int64_t* inverse, const float* weights, int64_t tokens,
@@ -233,6 +247,10 @@ void add(const float* a, const float* b, float* y, int64_t n, cudaStream_t strea
   if (n) add_kernel<<<blocks_for(n), kThreads, 0, stream>>>(a, b, y, n);
 }
 
+void round_bf16(const float* x, float* y, int64_t n, cudaStream_t stream) {
+  if (n) round_bf16_kernel<<<blocks_for(n), kThreads, 0, stream>>>(x, y, n);
+}
+
 void scale(float* x, float s, int64_t n, cudaStream_t stream) {
   if (n) scale_kernel<<<blocks_for(n), kThreads, 0, stream>>>(x, s, n);
 }
@@ -249,22 +267,19 @@ void scatter_rows(const float* src, int64_t cols, const int64_t* dst_rows, int64
   if (n) scatter_rows_kernel<<<blocks_for(n * cols), kThreads, 0, stream>>>(src, cols, dst_rows, n, dst);
 }
 
-void scale_columns(const float* x, const float* scale, float factor, int64_t rows, int64_t cols, float* y,
-                   cudaStream_t stream) {
-  if (rows * cols)
-    scale_columns_kernel<<<blocks_for(rows * cols), kThreads, 0, stream>>>(x, scale, factor, rows, cols, y);
+void route(const float* x, int64_t tokens, int64_t hidden, const float* scale, const __nv_bfloat16* proj,
+           int experts, int top_k, const float* per_expert_scale, float eps, int32_t* expert_ids, float* weights,
+           cudaStream_t stream) {
+  if (!tokens) return;
+  const size_t bytes = sizeof(float) * size_t(hidden + experts);
+  cudaFuncSetAttribute(route_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes));
+  route_kernel<<<unsigned(tokens), kThreads, bytes, stream>>>(x, hidden, scale, proj, experts, top_k,
+                                                              per_expert_scale, eps, expert_ids, weights);
 }
 
-void linear_fp32(const float* x, int64_t rows, const __nv_bfloat16* w, int64_t n, int64_t k, float* y,
-                 cudaStream_t stream) {
-  if (rows * n) linear_fp32_kernel<<<blocks_for(rows * n * 32), kThreads, 0, stream>>>(x, rows, w, n, k, y);
-}
-
-void route_topk(const float* scores, int64_t tokens, int experts, int top_k, const float* per_expert_scale,
-                int32_t* expert_ids, float* weights, cudaStream_t stream) {
-  if (tokens)
-    route_topk_kernel<<<blocks_for(tokens), kThreads, 0, stream>>>(scores, tokens, experts, top_k, per_expert_scale,
-                                                                   expert_ids, weights);
+void transpose_bf16(const __nv_bfloat16* in, int64_t k, int64_t n, __nv_bfloat16* out, cudaStream_t stream) {
+  const dim3 grid(unsigned((n + 31) / 32), unsigned((k + 31) / 32)), block(32, 8);
+  transpose_bf16_kernel<<<grid, block, 0, stream>>>(in, k, n, out);
 }
 
 void combine_experts(const float* y, const int64_t* inverse, const float* weights, int64_t tokens, int top_k,

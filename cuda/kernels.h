@@ -15,10 +15,9 @@ namespace diffuserve::cuda {
 
 // ---- GEMM (gemm.cu) -------------------------------------------------------------
 // One matrix product per segment, all in one launch:
-//   Y[y_row + i] = X[x(i)] @ W_seg^T   (W_seg: [N, K], K contiguous), or
-//   Y[y_row + i] = X[x(i)] @ W         (w_kn: W: [K, N], N contiguous; one segment)
-// with x(i) = row_map ? row_map[x_row + i] : x_row + i. X rows are rounded to bf16 on
-// the way into the tensor cores; accumulation is fp32.
+//   Y[y_row + i] = X[x(i)] @ W_seg^T   (W_seg: [N, K], K contiguous)
+// with x(i) = row_map ? row_map[x_row + i] : x_row + i. X enters the tensor cores as a
+// bf16 hi/lo pair (fp32-like precision); accumulation is fp32.
 struct GemmSegment {
   int64_t x_row;
   int64_t y_row;
@@ -29,9 +28,19 @@ struct GemmTile {
   int segment;
   int m0;  // first row within the segment
 };
-constexpr int kGemmTileM = 64;
+// The tile height (16 or 64 rows) that suits segments of about `rows_per_segment` rows;
+// GemmTile::m0 steps by it.
+int gemm_tile_rows(int64_t rows_per_segment);
 void gemm(const float* x, int64_t ldx, const int64_t* row_map, const GemmSegment* segments, const GemmTile* tiles,
-          int num_tiles, int64_t n, int64_t k, bool w_kn, float* y, int64_t ldy, cudaStream_t stream);
+          int num_tiles, int tile_rows, int64_t n, int64_t k, float* y, int64_t ldy, cudaStream_t stream);
+// out[N, K] = in[K, N]^T (bf16).
+void transpose_bf16(const __nv_bfloat16* in, int64_t k, int64_t n, __nv_bfloat16* out, cudaStream_t stream);
+// The router of one MoE layer, per token: rms_norm(x) * scale * hidden^-0.5, scores in
+// fp32 against proj (bf16 [experts, hidden]) so that near-tied experts rank as in the
+// fp32 reference, softmax, top-k (ties to the lower id), renormalisation, per-expert scale.
+void route(const float* x, int64_t tokens, int64_t hidden, const float* scale, const __nv_bfloat16* proj,
+           int experts, int top_k, const float* per_expert_scale, float eps, int32_t* expert_ids, float* weights,
+           cudaStream_t stream);
 
 // ---- attention (attention.cu) ---------------------------------------------------
 struct DeviceKeySpan {
@@ -70,20 +79,12 @@ void rope(float* x, int64_t rows, int64_t heads, int64_t head_dim, const float* 
           cudaStream_t stream);
 void gelu_glu(const float* x, int64_t rows, int64_t inter, float* out, cudaStream_t stream);
 void add(const float* a, const float* b, float* y, int64_t n, cudaStream_t stream);
+// y = x rounded to bf16 (kept as fp32).
+void round_bf16(const float* x, float* y, int64_t n, cudaStream_t stream);
 void scale(float* x, float s, int64_t n, cudaStream_t stream);
 void softcap(float* x, float cap, int64_t n, cudaStream_t stream);
 void softmax_rows(float* x, int64_t rows, int64_t cols, cudaStream_t stream);
 void scatter_rows(const float* src, int64_t cols, const int64_t* dst_rows, int64_t n, float* dst, cudaStream_t stream);
-// Router: per token, x * scale (already normed) -> scores were computed by a GEMM; this
-// does softmax, top-k (ties to the lower id), renormalisation and the per-expert scale.
-void scale_columns(const float* x, const float* scale, float factor, int64_t rows, int64_t cols, float* y,
-                   cudaStream_t stream);
-// y = x @ w^T in fp32 (w: bf16 [n, k]), a warp per output: the router's scores, kept in
-// fp32 so that near-tied experts are ranked as the fp32 reference ranks them.
-void linear_fp32(const float* x, int64_t rows, const __nv_bfloat16* w, int64_t n, int64_t k, float* y,
-                 cudaStream_t stream);
-void route_topk(const float* scores, int64_t tokens, int experts, int top_k, const float* per_expert_scale,
-                int32_t* expert_ids, float* weights, cudaStream_t stream);
 // out[t] = sum_k weights[t, k] * y[inverse[t, k]] in k order (deterministic).
 void combine_experts(const float* y, const int64_t* inverse, const float* weights, int64_t tokens, int top_k,
                      int64_t hidden, float* out, cudaStream_t stream);

@@ -12,10 +12,10 @@ from diffuserve.random_checkpoint import write_random_checkpoint
 
 pytestmark = pytest.mark.skipif(not _core.cuda_available(), reason="no CUDA backend or no GPU")
 
-# bf16 weights on both sides; the GPU also rounds each GEMM's input rows to bf16 (the
-# CPU keeps them fp32), so logits differ by about that rounding: we bound the gap relative
-# to the logit range and require the argmax to agree almost everywhere.
-REL_TOL, MIN_AGREEMENT = 0.05, 0.95
+# The same bf16 weights on both sides, fp32 activations; the GPU's GEMMs take their
+# inputs as bf16 hi/lo pairs (16-bit mantissas) and its exp/tanh are the fast device
+# versions, so the passes agree to about 1e-4 of the logit range.
+REL_TOL, MIN_AGREEMENT = 2e-3, 1.0
 
 SHAPES = {
     # Real head dims (256 sliding, 512 global), GQA 2:1 and 4:1.

@@ -55,22 +55,19 @@ FP32_ATOL = 1e-4
 # 1. against "exact" arithmetic: HF run in fp32 on the same bf16 weights. diffuserve keeps
 #    activations in fp32 too, and differs only where it deliberately follows the bf16
 #    reference: sqrt(hidden) rounded to bf16 and self-conditioning probabilities cast to
-#    bf16 (observed <= 5e-4 without self-conditioning, <= 5e-3 with it).
+#    bf16 (observed <= 5e-4 without self-conditioning, <= 5e-3 with it), and the argmax
+#    agrees with exact at nearly every position (observed >= 0.97: one position in 32
+#    where the bf16 cast of the self-conditioning probabilities moves a near tie).
 BF16_EXACT_ATOL = 1e-2
+BF16_MIN_ARGMAX_AGREEMENT = 0.95
 # 2. against HF running natively in bf16, which rounds every activation to bf16 (relative
 #    error 2^-9 per op, ~20 ops per layer) and so flips a token's top-k experts now and
 #    then: observed mean |HF_bf16 - exact| 0.01-0.07 and max up to 1.6 on logits of range
-#    ~2. A max-abs bound would only measure HF's noise, so we require that diffuserve is
-#    closer to exact than HF-bf16 is, and that the argmax agrees at most positions
-#    (observed >= 0.84).
-BF16_MIN_ARGMAX_AGREEMENT = 0.75
+#    ~2. A bound on that gap would only measure HF's noise, so we require that diffuserve
+#    is closer to exact than HF-bf16 is.
 # On a GPU (DIFFUSERVE_TEST_DEVICE=cuda, run by benchmarks/run_on_gpu.sh) every case is a
-# bf16 checkpoint and the GEMM inputs are rounded to bf16 as in HF-bf16, activations
-# elsewhere staying fp32: the same criteria as for bf16 above, with the max-abs bound
-# against exact arithmetic loosened to what that rounding gives (see the closing note of
-# the CUDA issue for the measured figures).
+# bf16 checkpoint, checked by these same bf16 criteria (observed <= 4e-4 against exact).
 DEVICE = os.environ.get("DIFFUSERVE_TEST_DEVICE", "cpu")
-GPU_ATOL = 0.5
 
 
 def check_logits(ours, exact, native=None, *, where, atol):
@@ -83,10 +80,9 @@ def check_logits(ours, exact, native=None, *, where, atol):
     if native is None:
         assert agree == 1.0, f"{where}: argmax differs at {(1 - agree) * len(ours):.0f} positions"
     else:
+        assert agree >= BF16_MIN_ARGMAX_AGREEMENT, f"{where}: argmax agreement with exact {agree:.2f}"
         ours_err, native_err = np.abs(ours - exact).mean(), np.abs(native - exact).mean()
         assert ours_err <= native_err, f"{where}: mean error {ours_err:.2e} vs HF-bf16's {native_err:.2e}"
-        native_agree = (ours.argmax(-1) == native.argmax(-1)).mean()
-        assert native_agree >= BF16_MIN_ARGMAX_AGREEMENT, f"{where}: argmax agreement with HF-bf16 {native_agree:.2f}"
 
 
 def check_kv(seq, ref, n_layers, atol, where):
@@ -109,7 +105,7 @@ def test_matches_reference(case, tmp_path):
     model = ds.Model.load(path, device=DEVICE)
     assert model.dtype == {torch.float32: "float32", torch.bfloat16: "bfloat16"}[dtype]
     bf16 = dtype == torch.bfloat16
-    atol = GPU_ATOL if DEVICE != "cpu" else BF16_EXACT_ATOL if bf16 else FP32_ATOL
+    atol = BF16_EXACT_ATOL if bf16 else FP32_ATOL
     seq, exact = model.sequence(), ReferenceSequence(load(path, torch.float32))
     native = ReferenceSequence(load(path, dtype)) if bf16 else None
     refs = [r for r in (exact, native) if r is not None]
