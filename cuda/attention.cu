@@ -1,4 +1,5 @@
-// Attention over the paged KV cache for a mixed-phase batch, in one launch.
+// Attention over the paged KV cache for a mixed-phase batch, in one launch: the generic
+// kernel for any head dim (attention_mma.cu has the tensor-core one for multiples of 64).
 //
 // A block takes up to 16 query vectors (several rows x the query heads of one KV head,
 // so each key is read once for its whole GQA group) and walks the segment's key spans in

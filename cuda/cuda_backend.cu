@@ -247,8 +247,13 @@ class CudaBackend final : public Backend {
           items.push_back({index, int(r), int(std::min<int64_t>(rows_per_item, s.rows - r)), h});
     }
     if (items.empty()) return;
-    cuda::attention(q.data, out.data, upload_table(segs), upload_table(spans), upload_table(items), int(items.size()),
-                    int(num_heads), int(num_kv_heads), int(head_dim), stream_);
+    const auto* device_segs = upload_table(segs);
+    const auto* device_spans = upload_table(spans);
+    const auto* device_items = upload_table(items);
+    if (!cuda::attention_mma(q.data, out.data, device_segs, device_spans, device_items, int(items.size()),
+                             int(num_heads), int(num_kv_heads), int(head_dim), stream_))
+      cuda::attention(q.data, out.data, device_segs, device_spans, device_items, int(items.size()), int(num_heads),
+                      int(num_kv_heads), int(head_dim), stream_);
   }
 
   void gelu_glu(const Activation& x, Activation& out) override {
@@ -359,25 +364,42 @@ class CudaBackend final : public Backend {
     return static_cast<const __nv_bfloat16*>(w.data);
   }
 
-  // Copies a small host table to the device for the next kernel; the memory is recycled
-  // once the kernels queued before the next upload of the same size have run.
+  // Copies a small host table to the device for the next kernels, without waiting: the
+  // bytes go through a pinned staging ring (so the host table may go away at once), and
+  // the device copy stays referenced until well after the kernels that read it are queued.
   template <typename T>
   const T* upload_table(const std::vector<T>& table) {
     if (table.empty()) return nullptr;
-    auto storage = pool_->get(table.size() * sizeof(T));
-    check(cudaMemcpyAsync(storage.get(), table.data(), table.size() * sizeof(T), cudaMemcpyHostToDevice, stream_),
+    const size_t bytes = (table.size() * sizeof(T) + 255) / 256 * 256;
+    if (bytes > kStagingBytes) throw InvalidArgument("table of " + std::to_string(bytes) + " bytes is too large");
+    if (!staging_) {
+      void* p = nullptr;
+      check(cudaMallocHost(&p, kStagingBytes), "cudaMallocHost");
+      staging_ = std::shared_ptr<uint8_t>(static_cast<uint8_t*>(p), [](uint8_t* q) { cudaFreeHost(q); });
+    }
+    if (staging_used_ + bytes > kStagingBytes) {  // wrap: the copies out of the old bytes must be done
+      check(cudaStreamSynchronize(stream_), "upload_table");
+      staging_used_ = 0;
+    }
+    uint8_t* host = staging_.get() + staging_used_;
+    staging_used_ += bytes;
+    std::memcpy(host, table.data(), table.size() * sizeof(T));
+    auto storage = pool_->get(bytes);
+    check(cudaMemcpyAsync(storage.get(), host, table.size() * sizeof(T), cudaMemcpyHostToDevice, stream_),
           "upload_table");
-    check(cudaStreamSynchronize(stream_), "upload_table");  // the host table may go away after return
     keep_.push_back(storage);
-    if (keep_.size() > 64) keep_.erase(keep_.begin(), keep_.begin() + 32);
+    if (keep_.size() > 256) keep_.erase(keep_.begin(), keep_.begin() + 128);
     return static_cast<const T*>(storage.get());
   }
 
+  static constexpr size_t kStagingBytes = size_t(64) << 20;
   OpProfile profile_;
   std::shared_ptr<DevicePool> pool_;
   std::map<const void*, std::shared_ptr<void>> transposed_;  // linear_nt's weights, [N, K]
   cudaStream_t stream_ = nullptr;  // the legacy default stream: every call is ordered
-  std::vector<std::shared_ptr<void>> keep_;
+  std::vector<std::shared_ptr<void>> keep_;  // recent tables: alive until their kernels are queued
+  std::shared_ptr<uint8_t> staging_;          // pinned host ring for upload_table
+  size_t staging_used_ = 0;
 };
 
 }  // namespace

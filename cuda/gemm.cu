@@ -13,6 +13,9 @@
 // the product matches the fp32 reference (whose weights are the same bf16 values) to
 // fp32-like precision. It doubles the tensor-core work, which costs nothing where the
 // kernel waits on weight bytes (the MoE at small batch) and little elsewhere.
+#include <algorithm>
+#include <memory>
+
 #include "kernels.h"
 
 namespace diffuserve::cuda {
@@ -39,7 +42,8 @@ __global__ void __launch_bounds__(kThreads) gemm_kernel(const float* __restrict_
                                                         const int64_t* __restrict__ row_map,
                                                         const GemmSegment* __restrict__ segments,
                                                         const GemmTile* __restrict__ tiles, GemmSegment single,
-                                                        int64_t n, int64_t k, float* __restrict__ y, int64_t ldy) {
+                                                        int64_t n, int64_t k, int64_t k_slice, float* __restrict__ y,
+                                                        int64_t ldy, int64_t y_copy_stride) {
   __shared__ __align__(16) __nv_bfloat16 As[2][kM][kK + kPad];  // hi and lo parts of X
   __shared__ __align__(16) __nv_bfloat16 Bs[kN][kK + kPad];
 
@@ -99,14 +103,18 @@ __global__ void __launch_bounds__(kThreads) gemm_kernel(const float* __restrict_
     }
   };
 
+  // Split-K: blockIdx.z takes K-slice z of k_slice columns and writes its partial
+  // product into its own copy of Y (gemm() sums the copies in a fixed order).
+  const int64_t k_begin = int64_t(blockIdx.z) * k_slice, k_end = min(k, k_begin + k_slice);
+  y += int64_t(blockIdx.z) * y_copy_stride;
   float acc[kTilesM][kTilesN][4] = {};
   Staged<kM> next;
-  stage(0, next);
-  for (int64_t k0 = 0; k0 < k; k0 += kK) {
+  stage(k_begin, next);
+  for (int64_t k0 = k_begin; k0 < k_end; k0 += kK) {
     __syncthreads();
     store(next);
     __syncthreads();
-    if (k0 + kK < k) stage(k0 + kK, next);  // in flight while the tensor cores work
+    if (k0 + kK < k_end) stage(k0 + kK, next);  // in flight while the tensor cores work
 #pragma unroll
     for (int kk = 0; kk < kK; kk += 16) {
       uint32_t a[2][kTilesM][4], b[kTilesN][2];
@@ -151,6 +159,15 @@ __global__ void __launch_bounds__(kThreads) gemm_kernel(const float* __restrict_
       }
 }
 
+// y[i] = sum over copies c of partial[c][i], in copy order.
+__global__ void sum_copies_kernel(const float* partial, int copies, int64_t n, float* y) {
+  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= n) return;
+  float acc = 0.0f;
+  for (int c = 0; c < copies; ++c) acc += partial[c * n + i];
+  y[i] = acc;
+}
+
 }  // namespace
 
 int gemm_tile_rows(int64_t rows_per_segment) { return rows_per_segment <= 24 ? 16 : 64; }
@@ -160,12 +177,33 @@ void gemm(const float* x, int64_t ldx, const int64_t* row_map, const GemmSegment
   // With `tiles` null, `segments` is a host pointer to the single segment, passed by value.
   const GemmSegment single = tiles ? GemmSegment{} : *segments;
   const GemmSegment* device_segments = tiles ? segments : nullptr;
-  const dim3 grid(unsigned((n + kN - 1) / kN), unsigned(num_tiles));
+  const int64_t n_tiles = (n + kN - 1) / kN;
+  // Too few blocks to fill the GPU and a long K (the soft embedding: K = vocab): split K
+  // so that about 4 blocks per multiprocessor run, each on its own slice.
+  int splits = 1;
+  if (!tiles && ldy == n && n_tiles * num_tiles < 528 && k >= 8192)
+    splits = int(std::min<int64_t>({528 / (n_tiles * num_tiles), k / 2048, 64}));
+  const int64_t k_slice = (k / splits + kK - 1) / kK * kK;
+  splits = int((k + k_slice - 1) / k_slice);
+  float* out = y;
+  std::shared_ptr<void> partial;
+  const int64_t copy_stride = int64_t(single.rows) * ldy;
+  if (splits > 1) {  // single segment, y_row 0: copy c of Y lives at partial + c * rows * ldy
+    void* p = nullptr;
+    cudaMallocAsync(&p, sizeof(float) * size_t(splits * copy_stride), stream);
+    cudaMemsetAsync(p, 0, sizeof(float) * size_t(splits * copy_stride), stream);  // columns past n stay 0
+    partial = std::shared_ptr<void>(p, [stream](void* q) { cudaFreeAsync(q, stream); });
+    out = static_cast<float*>(p);
+  }
+  const dim3 grid{unsigned(n_tiles), unsigned(num_tiles), unsigned(splits)};
   auto launch = [&](auto kernel) {
-    kernel<<<grid, kThreads, 0, stream>>>(x, ldx, row_map, device_segments, tiles, single, n, k, y, ldy);
+    kernel<<<grid, kThreads, 0, stream>>>(x, ldx, row_map, device_segments, tiles, single, n, k, k_slice, out, ldy,
+                                          copy_stride);
   };
   if (tile_rows == 16) launch(gemm_kernel<16>);
   else launch(gemm_kernel<64>);
+  if (splits > 1)
+    sum_copies_kernel<<<unsigned((copy_stride + 255) / 256), 256, 0, stream>>>(out, splits, copy_stride, y);
 }
 
 }  // namespace diffuserve::cuda

@@ -66,6 +66,11 @@ struct AttentionItem {
   int kv_head;
 };
 int attention_rows_per_item(int group);  // query rows one block handles for a GQA group size
+// On tensor cores, for head dims 64, 128, 256 and 512 (attention_mma.cu); false for
+// others, which `attention` serves.
+bool attention_mma(const float* q, float* out, const DeviceAttentionSegment* segments, const DeviceKeySpan* spans,
+                   const AttentionItem* items, int num_items, int num_heads, int num_kv_heads, int head_dim,
+                   cudaStream_t stream);
 void attention(const float* q, float* out, const DeviceAttentionSegment* segments, const DeviceKeySpan* spans,
                const AttentionItem* items, int num_items, int num_heads, int num_kv_heads, int head_dim,
                cudaStream_t stream);

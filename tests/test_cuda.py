@@ -23,6 +23,11 @@ SHAPES = {
                            num_attention_heads=4, num_key_value_heads=2, head_dim=256, global_head_dim=512,
                            num_global_key_value_heads=1, sliding_window=48, num_experts=8, top_k_experts=2,
                            moe_intermediate_size=128),
+    # Head dims 64 and 128 (the tensor-core attention's smaller sizes), MHA on sliding layers.
+    "head_dims_64_128": dict(vocab_size=512, hidden_size=128, intermediate_size=192, num_hidden_layers=2,
+                             num_attention_heads=2, num_key_value_heads=2, head_dim=64, global_head_dim=128,
+                             num_global_key_value_heads=1, sliding_window=40, num_experts=4, top_k_experts=2,
+                             moe_intermediate_size=64),
     # Widths that are not multiples of 8 (the GEMM's scalar edges), GQA 8:1, one expert in two.
     "ragged": dict(vocab_size=333, hidden_size=72, intermediate_size=40, num_hidden_layers=2, num_attention_heads=8,
                    num_key_value_heads=1, head_dim=16, global_head_dim=24, num_global_key_value_heads=1,
