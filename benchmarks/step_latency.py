@@ -138,13 +138,15 @@ print(json.dumps({{"ms": 1e3 * (time.perf_counter() - t) / 5}}))
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="batch 1, context 1K only")
+    ap.add_argument("--grid", default="1x1024,4x1024,16x1024,1x8192,4x8192,16x8192,1x32768,4x32768,16x32768",
+                    help="comma-separated BATCHxCONTEXT rows")
     ap.add_argument("--hf", action="store_true", help="also time transformers at context 1K")
     ap.add_argument("--kv-gb", type=float, default=40.0, help="KV cache size (GiB)")
     args = ap.parse_args()
 
     bandwidth = copy_bandwidth()
     roofline_ms = 1e3 * weight_bytes() / bandwidth
-    grid = [(1, 1024)] if args.quick else [(b, c) for b in (1, 4, 16) for c in (1024, 8192, 32768)]
+    grid = [(1, 1024)] if args.quick else [tuple(int(v) for v in row.split("x")) for row in args.grid.split(",")]
     with tempfile.TemporaryDirectory() as tmp:
         path = write_config(os.path.join(tmp, "dg26b"))
         t = time.perf_counter()
@@ -155,6 +157,7 @@ def main():
         for batch, context in grid:
             step, tps = measure(llm, batch, context)
             rows.append((batch, context, step, commit_ms(llm.model, context) if batch == 1 else None, tps))
+            print(f"  measured batch {batch} context {context}: {step:.1f} ms/step", file=sys.stderr, flush=True)
         del llm
         hf = hf_forward_ms(path, 1024) if args.hf else None
 
