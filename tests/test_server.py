@@ -192,6 +192,8 @@ def test_api_key(offline):
 async def _stream(base_url, i, leave_early):
     body = {"model": MODEL, "prompt": f"client {i}", "max_tokens": 96, "seed": i, "stream": True,
             "stream_drafts": True}
+    if leave_early:  # far more work than the client waits for, at any machine speed
+        body.update(max_tokens=2048, max_denoising_steps=20000, confidence_threshold=1e-30)
     async with httpx.AsyncClient(timeout=60) as http:
         async with http.stream("POST", base_url + "/v1/completions", json=body) as r:
             lines = []
@@ -254,7 +256,9 @@ def test_graceful_shutdown_finishes_running_requests(checkpoint):
 
 def test_plain_request_aborted_when_client_leaves(base_url):
     before = metrics(base_url).get('diffuserve_requests_total{finish_reason="abort"}', 0)
-    body = {"model": MODEL, "prompt": "long", "max_tokens": 2048, "confidence_threshold": 1e-30}
+    # Tens of seconds of work at any machine speed: the client gives up long before.
+    body = {"model": MODEL, "prompt": "long", "max_tokens": 2048, "confidence_threshold": 1e-30,
+            "max_denoising_steps": 20000}
     with pytest.raises(httpx.TimeoutException):
         httpx.post(base_url + "/v1/completions", json=body, timeout=httpx.Timeout(5, read=0.5))
     deadline = time.time() + 20
