@@ -11,33 +11,18 @@
 #include <cfloat>
 
 #include "kernels.h"
+#include "mma.cuh"
 
 namespace diffuserve::cuda {
 namespace {
 
 constexpr int kWarps = 4, kThreads = 32 * kWarps, kQueries = 16, kKeys = 16, kPad = 8;
 
-__device__ __forceinline__ void mma(float* c, const uint32_t* a, const uint32_t* b) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-      "{%0,%1,%2,%3};\n"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-}
-
 // c += a * b with both split into bf16 hi/lo parts.
 __device__ __forceinline__ void mma3(float* c, const uint32_t (&a)[2][4], const uint32_t (&b)[2][2]) {
-  mma(c, a[0], b[0]);
-  mma(c, a[0], b[1]);
-  mma(c, a[1], b[0]);
-}
-
-// Two floats as packed bf16 hi parts and lo parts (lower column in the low half).
-__device__ __forceinline__ void split2(float x0, float x1, uint32_t& hi, uint32_t& lo) {
-  const __nv_bfloat162 h = __floats2bfloat162_rn(x0, x1);
-  const __nv_bfloat162 l = __floats2bfloat162_rn(x0 - __low2float(h), x1 - __high2float(h));
-  hi = *reinterpret_cast<const uint32_t*>(&h);
-  lo = *reinterpret_cast<const uint32_t*>(&l);
+  mma_bf16(c, a[0], b[0]);
+  mma_bf16(c, a[0], b[1]);
+  mma_bf16(c, a[1], b[0]);
 }
 
 // Shared memory: K and V (transposed) of one chunk as hi/lo bf16, and the partial scores.
@@ -85,7 +70,7 @@ __global__ void __launch_bounds__(kThreads) attention_mma_kernel(const float* __
     for (int r = 0; r < 4; ++r) {
       const int h = r & 1, d = d_begin + s * 16 + t * 2 + (r >> 1) * 8;
       const float* src = q + q_row[h] * q_stride + int64_t(q_head[h]) * kDim + d;
-      split2(q_valid[h] ? src[0] : 0.0f, q_valid[h] ? src[1] : 0.0f, qa[s][0][r], qa[s][1][r]);
+      split_bf16(q_valid[h] ? src[0] : 0.0f, q_valid[h] ? src[1] : 0.0f, qa[s][0][r], qa[s][1][r]);
     }
 
   float o[kTilesN][4] = {};
@@ -105,10 +90,10 @@ __global__ void __launch_bounds__(kThreads) attention_mma_kernel(const float* __
           vv = *reinterpret_cast<const float2*>(span.values + off);
         }
         uint32_t hi, lo;
-        split2(kv.x, kv.y, hi, lo);
+        split_bf16(kv.x, kv.y, hi, lo);
         *reinterpret_cast<uint32_t*>(&K[0][key][d]) = hi;
         *reinterpret_cast<uint32_t*>(&K[1][key][d]) = lo;
-        split2(vv.x, vv.y, hi, lo);
+        split_bf16(vv.x, vv.y, hi, lo);
         const __nv_bfloat162 h2 = *reinterpret_cast<__nv_bfloat162*>(&hi), l2 = *reinterpret_cast<__nv_bfloat162*>(&lo);
         Vt[0][d][key] = h2.x, Vt[0][d + 1][key] = h2.y;
         Vt[1][d][key] = l2.x, Vt[1][d + 1][key] = l2.y;
@@ -167,10 +152,10 @@ __global__ void __launch_bounds__(kThreads) attention_mma_kernel(const float* __
 
       // P as the A operand (the score fragments' layout is the A layout), then P V.
       uint32_t pa[2][4];
-      split2(s[0][0], s[0][1], pa[0][0], pa[1][0]);
-      split2(s[0][2], s[0][3], pa[0][1], pa[1][1]);
-      split2(s[1][0], s[1][1], pa[0][2], pa[1][2]);
-      split2(s[1][2], s[1][3], pa[0][3], pa[1][3]);
+      split_bf16(s[0][0], s[0][1], pa[0][0], pa[1][0]);
+      split_bf16(s[0][2], s[0][3], pa[0][1], pa[1][1]);
+      split_bf16(s[1][0], s[1][1], pa[0][2], pa[1][2]);
+      split_bf16(s[1][2], s[1][3], pa[0][3], pa[1][3]);
       for (int nt = 0; nt < kTilesN; ++nt) {
         const int d = d_begin + nt * 8 + g;
         uint32_t b[2][2];

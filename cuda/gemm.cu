@@ -17,19 +17,12 @@
 #include <memory>
 
 #include "kernels.h"
+#include "mma.cuh"
 
 namespace diffuserve::cuda {
 namespace {
 
 constexpr int kN = 128, kK = 32, kPad = 8, kThreads = 128;
-
-__device__ __forceinline__ void mma_bf16(float* c, const uint32_t* a, const uint32_t* b) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-      "{%0,%1,%2,%3};\n"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-}
 
 template <int kM>
 struct __align__(16) Staged {  // one K-slice of this thread's share of the tiles, in registers
@@ -91,11 +84,9 @@ __global__ void __launch_bounds__(kThreads) gemm_kernel(const float* __restrict_
   auto store = [&](const Staged<kM>& s) {
     for (int i = 0; i < kRuns; ++i) {
       const int linear = tid + i * kThreads, r = linear / 8, c = (linear % 8) * 4;
-      for (int j = 0; j < 4; ++j) {
-        const __nv_bfloat16 hi = __float2bfloat16(s.x[i * 4 + j]);
-        As[0][r][c + j] = hi;
-        As[1][r][c + j] = __float2bfloat16(s.x[i * 4 + j] - __bfloat162float(hi));
-      }
+      for (int j = 0; j < 4; j += 2)
+        split_bf16(s.x[i * 4 + j], s.x[i * 4 + j + 1], *reinterpret_cast<uint32_t*>(&As[0][r][c + j]),
+                   *reinterpret_cast<uint32_t*>(&As[1][r][c + j]));
     }
     for (int i = 0; i < 4; ++i) {
       const int linear = tid + i * kThreads, r = linear / 4, c = (linear % 4) * 8;

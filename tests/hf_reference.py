@@ -17,6 +17,17 @@ TINY_VISION = dict(model_type="gemma4_vision", hidden_size=16, intermediate_size
                    num_attention_heads=2, num_key_value_heads=2, head_dim=8)
 
 
+S, F = "sliding_attention", "full_attention"
+
+
+def text(layer_types, **kw):
+    """A tiny text_config with the given layer types; `kw` overrides fields."""
+    base = dict(vocab_size=96, hidden_size=32, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2,
+                head_dim=8, global_head_dim=16, num_global_key_value_heads=1, sliding_window=8, num_experts=4,
+                top_k_experts=2, moe_intermediate_size=16)
+    return {**base, **kw, "layer_types": layer_types, "num_hidden_layers": len(layer_types)}
+
+
 def build_model(text: dict, canvas_length: int, seed: int = 0, dtype=torch.float32, router_std: float = 0.08):
     """A randomly initialised HF model; `text` holds text_config fields (plus global_head_dim etc.).
 

@@ -5,16 +5,7 @@ import torch
 from transformers.models.diffusion_gemma.generation_diffusion_gemma import EntropyBoundSamplerConfig
 
 import diffuserve as ds
-from hf_reference import build_model, load, save
-
-S, F = "sliding_attention", "full_attention"
-
-
-def text(layer_types, **kw):
-    base = dict(vocab_size=96, hidden_size=32, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2,
-                head_dim=8, global_head_dim=16, num_global_key_value_heads=1, sliding_window=8, num_experts=4,
-                top_k_experts=2, moe_intermediate_size=16)
-    return {**base, **kw, "layer_types": layer_types, "num_hidden_layers": len(layer_types)}
+from hf_reference import F, S, build_model, load, save, text
 
 
 MODELS = {

@@ -1,0 +1,28 @@
+// The tensor-core building blocks the GEMM and the attention share: one bf16
+// m16n8k16 MMA with fp32 accumulation, and splitting fp32 pairs into bf16 hi/lo parts.
+#pragma once
+
+#include <cuda_bf16.h>
+
+#include <cstdint>
+
+namespace diffuserve::cuda {
+
+// c[16x8] += a[16x16] * b[16x8] (bf16 in, fp32 accumulate), register fragments as PTX lays them out.
+__device__ __forceinline__ void mma_bf16(float* c, const uint32_t* a, const uint32_t* b) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+// Two floats as packed bf16 hi parts and lo parts (x - hi), the lower column in the low half.
+__device__ __forceinline__ void split_bf16(float x0, float x1, uint32_t& hi, uint32_t& lo) {
+  const __nv_bfloat162 h = __floats2bfloat162_rn(x0, x1);
+  const __nv_bfloat162 l = __floats2bfloat162_rn(x0 - __low2float(h), x1 - __high2float(h));
+  hi = *reinterpret_cast<const uint32_t*>(&h);
+  lo = *reinterpret_cast<const uint32_t*>(&l);
+}
+
+}  // namespace diffuserve::cuda
