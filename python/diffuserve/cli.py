@@ -33,8 +33,9 @@ def _load(path: Optional[str], args, command: str):
                 bar.refresh()
         threading.Thread(target=tick, daemon=True).start()
         try:
-            return LLM(path, dtype=args.dtype, num_threads=args.threads, kv_cache_memory_bytes=kv_bytes,
-                       max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)
+            return LLM(path, device=args.device, dtype=args.dtype, num_threads=args.threads,
+                       kv_cache_memory_bytes=kv_bytes, max_num_seqs=args.max_num_seqs,
+                       max_num_batched_tokens=args.max_num_batched_tokens)
         except ValueError as e:
             sys.exit(f"error: {e}")
         finally:
@@ -100,11 +101,13 @@ def bench(args) -> None:
 
 def _engine_options(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("engine")
+    group.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default: cpu)")
     group.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
-                       help="cast the weights (default: keep the stored dtype)")
+                       help="cast the weights (default: keep the stored dtype; bfloat16 on a GPU)")
     group.add_argument("--threads", type=int, default=0, help="CPU threads (default: every hardware thread)")
     group.add_argument("--kv-cache-gib", type=float, default=None, metavar="GIB",
-                       help="paged KV cache size (default: a quarter of RAM, at most 4 GiB)")
+                       help="paged KV cache size (default: a quarter of RAM, at most 4 GiB; on a GPU 80%% "
+                            "of the memory the weights leave)")
     group.add_argument("--max-num-seqs", type=int, default=64, metavar="N",
                        help="requests computed at once (default: 64)")
     group.add_argument("--max-num-batched-tokens", type=int, default=None, metavar="N",
