@@ -146,10 +146,7 @@ void Engine::add(uint64_t id, std::vector<int32_t> prompt, const SamplingParams&
   const ModelConfig& c = model_->config();
   if (requests_.count(id)) throw InvalidArgument("a request with id " + std::to_string(id) + " already exists");
   if (prompt.empty()) throw InvalidArgument("the prompt is empty");
-  for (size_t j = 0; j < prompt.size(); ++j)
-    if (prompt[j] < 0 || prompt[j] >= c.vocab_size)
-      throw InvalidArgument("prompt: token id " + std::to_string(prompt[j]) + " at index " + std::to_string(j) +
-                            " is out of range [0, " + std::to_string(c.vocab_size) + ")");
+  check_token_ids(prompt, c, "prompt");
   validate(params, c);
   auto r = std::make_unique<RequestState>();
   r->canvas = params.canvas_length ? params.canvas_length : c.canvas_length;

@@ -59,6 +59,10 @@ struct ModelState {
   std::unique_ptr<KvCache> kv;
 };
 
+// Throws InvalidArgument "<what>: token id X at index i is out of range [0, vocab)" for
+// the first id outside the vocabulary.
+void check_token_ids(std::span<const int32_t> ids, const ModelConfig& config, const std::string& what);
+
 // Loads weights from `checkpoint` into `state` (config and backend already set),
 // checking that exactly the expected tensors are present with the expected shapes; with
 // no checkpoint, random weights of those shapes.

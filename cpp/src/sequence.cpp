@@ -41,13 +41,6 @@ std::unique_ptr<Backend> make_backend(const std::string& device, int num_threads
   throw InvalidArgument("device '" + device + "' is not available: use cpu, cuda or cuda:N");
 }
 
-void check_ids(std::span<const int32_t> ids, const ModelConfig& c, const char* what) {
-  for (size_t i = 0; i < ids.size(); ++i)
-    if (ids[i] < 0 || ids[i] >= c.vocab_size)
-      throw InvalidArgument(std::string(what) + ": token id " + std::to_string(ids[i]) + " at index " +
-                            std::to_string(i) + " is out of range [0, " + std::to_string(c.vocab_size) + ")");
-}
-
 void check_positions(int64_t length, size_t n, const ModelConfig& c, const char* what) {
   if (length + int64_t(n) > c.max_position_embeddings)
     throw InvalidArgument(std::string(what) + ": " + std::to_string(length) + " + " + std::to_string(n) +
@@ -68,6 +61,13 @@ bool cuda_available() {
 #else
   return false;
 #endif
+}
+
+void check_token_ids(std::span<const int32_t> ids, const ModelConfig& c, const std::string& what) {
+  for (size_t i = 0; i < ids.size(); ++i)
+    if (ids[i] < 0 || ids[i] >= c.vocab_size)
+      throw InvalidArgument(what + ": token id " + std::to_string(ids[i]) + " at index " + std::to_string(i) +
+                            " is out of range [0, " + std::to_string(c.vocab_size) + ")");
 }
 
 Model::Model(std::unique_ptr<ModelState> state) : state_(std::move(state)) {}
@@ -136,7 +136,7 @@ int Sequence::canvas_length() const { return state_->canvas_length; }
 void Sequence::encode(std::span<const int32_t> ids, const char* what) {
   const ModelConfig& c = model_->config();
   if (ids.empty()) throw InvalidArgument(std::string(what) + ": no tokens given");
-  check_ids(ids, c, what);
+  check_token_ids(ids, c, what);
   check_positions(length(), ids.size(), c, what);
   ModelState& m = model_->state();
   if (!m.kv->reserve(state_->table, int64_t(ids.size())))
@@ -148,7 +148,7 @@ void Sequence::encode(std::span<const int32_t> ids, const char* what) {
 
 void Sequence::prefill(std::span<const int32_t> ids) {
   if (length() > 0 || ids.empty()) return encode(ids, "prefill");
-  check_ids(ids, config(), "prefill");
+  check_token_ids(ids, config(), "prefill");
   KvCache& kv = *model_->state().kv;
   const int64_t hit = kv.match_prefix(state_->table, ids);
   if (hit == int64_t(ids.size())) return kv.record_prefix_query(hit, hit);  // every token's KV was cached
@@ -183,7 +183,7 @@ void Sequence::check_canvas(std::span<const int32_t> canvas) const {
   if (canvas.size() != size_t(state_->canvas_length))
     throw InvalidArgument("denoise: canvas has " + std::to_string(canvas.size()) + " tokens, expected canvas_length " +
                           std::to_string(state_->canvas_length));
-  check_ids(canvas, c, "denoise");
+  check_token_ids(canvas, c, "denoise");
   check_positions(length(), canvas.size(), c, "denoise");
 }
 
