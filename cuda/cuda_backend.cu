@@ -265,58 +265,42 @@ class CudaBackend final : public Backend {
                 int top_k, float eps) override {
     auto timed = profile_.scope("route");
     const int64_t tokens = x.rows;
-    auto ids = pool_->get(size_t(tokens) * top_k * sizeof(int32_t));
-    auto weights = pool_->get(size_t(tokens) * top_k * sizeof(float));
-    cuda::route(x.data, tokens, x.cols, static_cast<const float*>(scale.data), bf16(proj), int(proj.shape[0]), top_k,
-                static_cast<const float*>(per_expert_scale.data), eps, static_cast<int32_t*>(ids.get()),
-                static_cast<float*>(weights.get()), stream_);
     Routing r;
     r.top_k = top_k;
-    r.experts.resize(tokens * top_k);
-    r.weights.resize(tokens * top_k);
-    check(cudaMemcpy(r.experts.data(), ids.get(), r.experts.size() * sizeof(int32_t), cudaMemcpyDeviceToHost), "route");
-    check(cudaMemcpy(r.weights.data(), weights.get(), r.weights.size() * sizeof(float), cudaMemcpyDeviceToHost),
-          "route");
+    r.experts = std::static_pointer_cast<int32_t>(pool_->get(size_t(tokens) * top_k * sizeof(int32_t)));
+    r.weights = alloc(tokens, top_k);
+    cuda::route(x.data, tokens, x.cols, static_cast<const float*>(scale.data), bf16(proj), int(proj.shape[0]), top_k,
+                static_cast<const float*>(per_expert_scale.data), eps, r.experts.get(), r.weights.data, stream_);
     return r;
   }
 
+  // The expert layout is planned on the device from the routing, so nothing here waits
+  // for the GPU: tiles are launched for the most the plan can need, the unused ones exit.
   void experts(const Activation& x, const Routing& routing, const Weight& gate_up, const Weight& down,
                Activation& out) override {
     auto timed = profile_.scope("experts");
     const int64_t num_experts = gate_up.shape[0], inter2 = gate_up.shape[1], hidden = x.cols;
-    const int64_t pairs = int64_t(routing.experts.size()), tokens = pairs / routing.top_k;
-    // Permute the (token, slot) pairs by expert: one segment per expert, one launch per GEMM.
-    std::vector<std::vector<int64_t>> assigned(num_experts);
-    for (int64_t a = 0; a < pairs; ++a) assigned[routing.experts[a]].push_back(a);
-    std::vector<int64_t> row_map(pairs), inverse(pairs);
-    std::vector<cuda::GemmSegment> up_segments, down_segments;
-    std::vector<cuda::GemmTile> tiles;
-    int64_t used = 0;
-    for (const auto& a : assigned) used += !a.empty();
-    const int tile_rows = cuda::gemm_tile_rows(used ? pairs / used : 1);
-    int64_t row = 0;
-    for (int64_t e = 0; e < num_experts; ++e) {
-      const auto& pairs_of_e = assigned[e];
-      if (pairs_of_e.empty()) continue;
-      for (size_t i = 0; i < pairs_of_e.size(); ++i) {
-        row_map[row + i] = pairs_of_e[i] / routing.top_k;
-        inverse[pairs_of_e[i]] = row + int64_t(i);
-      }
-      const int segment = int(up_segments.size());
-      up_segments.push_back({row, row, int(pairs_of_e.size()), bf16(gate_up) + e * inter2 * hidden});
-      down_segments.push_back({row, row, int(pairs_of_e.size()), bf16(down) + e * hidden * (inter2 / 2)});
-      for (int m0 = 0; m0 < int(pairs_of_e.size()); m0 += tile_rows) tiles.push_back({segment, m0});
-      row += int64_t(pairs_of_e.size());
-    }
+    const int64_t pairs = routing.weights.size(), tokens = routing.weights.rows;
+    const int tile_rows = cuda::gemm_tile_rows(pairs / std::max<int64_t>(1, std::min(num_experts, pairs)));
+    const int max_tiles = int((pairs + tile_rows - 1) / tile_rows + num_experts);
+    auto row_map = pool_->get(sizeof(int64_t) * size_t(pairs)), inverse = pool_->get(sizeof(int64_t) * size_t(pairs));
+    auto up_segments = pool_->get(sizeof(cuda::GemmSegment) * size_t(num_experts));
+    auto down_segments = pool_->get(sizeof(cuda::GemmSegment) * size_t(num_experts));
+    auto tiles = pool_->get(sizeof(cuda::GemmTile) * size_t(max_tiles));
+    auto* device_tiles = static_cast<cuda::GemmTile*>(tiles.get());
+    cuda::moe_plan(routing.experts.get(), pairs, routing.top_k, int(num_experts), tile_rows, bf16(gate_up),
+                   inter2 * hidden, bf16(down), hidden * (inter2 / 2), static_cast<int64_t*>(row_map.get()),
+                   static_cast<int64_t*>(inverse.get()), static_cast<cuda::GemmSegment*>(up_segments.get()),
+                   static_cast<cuda::GemmSegment*>(down_segments.get()), device_tiles, max_tiles, stream_);
     Activation gu = alloc(pairs, inter2), act = alloc(pairs, inter2 / 2), y = alloc(pairs, hidden);
-    const cuda::GemmTile* device_tiles = upload_table(tiles);
-    cuda::gemm(x.data, x.cols, upload_table(row_map), upload_table(up_segments), device_tiles, int(tiles.size()),
-               tile_rows, inter2, hidden, gu.data, gu.cols, stream_);
+    cuda::gemm(x.data, x.cols, static_cast<const int64_t*>(row_map.get()),
+               static_cast<const cuda::GemmSegment*>(up_segments.get()), device_tiles, max_tiles, tile_rows, inter2,
+               hidden, gu.data, gu.cols, stream_);
     cuda::gelu_glu(gu.data, pairs, inter2 / 2, act.data, stream_);
-    cuda::gemm(act.data, act.cols, nullptr, upload_table(down_segments), device_tiles, int(tiles.size()), tile_rows,
-               hidden, inter2 / 2, y.data, y.cols, stream_);
-    cuda::combine_experts(y.data, upload_table(inverse), upload_table(routing.weights), tokens, routing.top_k, hidden,
-                          out.data, stream_);
+    cuda::gemm(act.data, act.cols, nullptr, static_cast<const cuda::GemmSegment*>(down_segments.get()), device_tiles,
+               max_tiles, tile_rows, hidden, inter2 / 2, y.data, y.cols, stream_);
+    cuda::combine_experts(y.data, static_cast<const int64_t*>(inverse.get()), routing.weights.data, tokens,
+                          routing.top_k, hidden, out.data, stream_);
   }
 
   void add(const Activation& a, const Activation& b, Activation& y) override {

@@ -44,6 +44,7 @@ __global__ void __launch_bounds__(kThreads) gemm_kernel(const float* __restrict_
   int m0 = blockIdx.y * kM;  // dense: tiles follow blockIdx.y
   if (tiles) {
     const GemmTile tile = tiles[blockIdx.y];
+    if (tile.segment < 0) return;  // an unused slot of a device-planned tile list
     seg = segments[tile.segment];
     m0 = tile.m0;
   }

@@ -172,6 +172,41 @@ __global__ void transpose_bf16_kernel(const __nv_bfloat16* in, int64_t k, int64_
     if (n0 + i < n && k0 + threadIdx.x < k) out[(n0 + i) * k + k0 + threadIdx.x] = tile[threadIdx.x][i];
 }
 
+// One block: count the pairs per expert, lay out segments and tiles, then place each pair
+// at its expert's next row. The order of rows within an expert does not matter: every
+// row's product is computed on its own.
+__global__ void moe_plan_kernel(const int32_t* ids, int64_t pairs, int top_k, int experts, int tile_rows,
+                                const __nv_bfloat16* gate_up, int64_t gate_up_stride, const __nv_bfloat16* down,
+                                int64_t down_stride, int64_t* row_map, int64_t* inverse, GemmSegment* up_segments,
+                                GemmSegment* down_segments, GemmTile* tiles, int max_tiles) {
+  extern __shared__ int64_t counts[];  // [experts] counts, then [experts] next free row
+  int64_t* cursor = counts + experts;
+  for (int e = threadIdx.x; e < experts; e += blockDim.x) counts[e] = 0;
+  __syncthreads();
+  for (int64_t a = threadIdx.x; a < pairs; a += blockDim.x)
+    atomicAdd(reinterpret_cast<unsigned long long*>(&counts[ids[a]]), 1ull);
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    int64_t row = 0;
+    int tile = 0;
+    for (int e = 0; e < experts; ++e) {
+      const int64_t n = counts[e];
+      up_segments[e] = {row, row, int(n), gate_up + e * gate_up_stride};
+      down_segments[e] = {row, row, int(n), down + e * down_stride};
+      for (int64_t m0 = 0; m0 < n; m0 += tile_rows) tiles[tile++] = {e, int(m0)};
+      cursor[e] = row;
+      row += n;
+    }
+    for (; tile < max_tiles; ++tile) tiles[tile] = {-1, 0};
+  }
+  __syncthreads();
+  for (int64_t a = threadIdx.x; a < pairs; a += blockDim.x) {
+    const int64_t at = int64_t(atomicAdd(reinterpret_cast<unsigned long long*>(&cursor[ids[a]]), 1ull));
+    row_map[at] = a / top_k;
+    inverse[a] = at;
+  }
+}
+
 __global__ void combine_experts_kernel(const float* y, const int64_t* inverse, const float* weights, int64_t tokens,
                                        int top_k, int64_t hidden, float* out) {
   const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
@@ -280,6 +315,17 @@ void route(const float* x, int64_t tokens, int64_t hidden, const float* scale, c
 void transpose_bf16(const __nv_bfloat16* in, int64_t k, int64_t n, __nv_bfloat16* out, cudaStream_t stream) {
   const dim3 grid(unsigned((n + 31) / 32), unsigned((k + 31) / 32)), block(32, 8);
   transpose_bf16_kernel<<<grid, block, 0, stream>>>(in, k, n, out);
+}
+
+void moe_plan(const int32_t* expert_ids, int64_t pairs, int top_k, int experts, int tile_rows,
+              const __nv_bfloat16* gate_up, int64_t gate_up_stride, const __nv_bfloat16* down, int64_t down_stride,
+              int64_t* row_map, int64_t* inverse, GemmSegment* up_segments, GemmSegment* down_segments,
+              GemmTile* tiles, int max_tiles, cudaStream_t stream) {
+  const size_t bytes = sizeof(int64_t) * 2 * size_t(experts);
+  cudaFuncSetAttribute(moe_plan_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes));
+  moe_plan_kernel<<<1, 1024, bytes, stream>>>(expert_ids, pairs, top_k, experts, tile_rows, gate_up, gate_up_stride,
+                                              down, down_stride, row_map, inverse, up_segments, down_segments, tiles,
+                                              max_tiles);
 }
 
 void combine_experts(const float* y, const int64_t* inverse, const float* weights, int64_t tokens, int top_k,

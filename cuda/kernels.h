@@ -90,6 +90,15 @@ void scale(float* x, float s, int64_t n, cudaStream_t stream);
 void softcap(float* x, float cap, int64_t n, cudaStream_t stream);
 void softmax_rows(float* x, int64_t rows, int64_t cols, cudaStream_t stream);
 void scatter_rows(const float* src, int64_t cols, const int64_t* dst_rows, int64_t n, float* dst, cudaStream_t stream);
+// Lays the MoE's (token, slot) pairs out by expert, on the device: row_map[row] = token
+// of each expert-ordered row, inverse[pair] = its row; one GEMM segment per expert for the
+// gate_up and the down weights (expert e's matrices at gate_up + e * gate_up_stride and
+// down + e * down_stride); tiles of tile_rows rows, the unused ones of the max_tiles slots
+// marked with segment -1.
+void moe_plan(const int32_t* expert_ids, int64_t pairs, int top_k, int experts, int tile_rows,
+              const __nv_bfloat16* gate_up, int64_t gate_up_stride, const __nv_bfloat16* down, int64_t down_stride,
+              int64_t* row_map, int64_t* inverse, GemmSegment* up_segments, GemmSegment* down_segments,
+              GemmTile* tiles, int max_tiles, cudaStream_t stream);
 // out[t] = sum_k weights[t, k] * y[inverse[t, k]] in k order (deterministic).
 void combine_experts(const float* y, const int64_t* inverse, const float* weights, int64_t tokens, int top_k,
                      int64_t hidden, float* out, cudaStream_t stream);

@@ -69,10 +69,11 @@ struct AttentionSegment {
   std::vector<KeySpan> spans;
 };
 
-// Routing of one token batch through the experts: top-k expert ids and their weights.
+// Routing of one token batch through the experts, in backend memory (it never needs to
+// visit the host): each token's top-k expert ids and their weights.
 struct Routing {
-  std::vector<int32_t> experts;  // [tokens, top_k]
-  std::vector<float> weights;    // [tokens, top_k]
+  std::shared_ptr<int32_t> experts;  // [tokens, top_k]
+  Activation weights;                // [tokens, top_k]
   int top_k = 0;
 };
 

@@ -293,8 +293,8 @@ class CpuBackend final : public Backend {
     softmax(scores);
     Routing r;
     r.top_k = top_k;
-    r.experts.resize(tokens * top_k);
-    r.weights.resize(tokens * top_k);
+    r.experts = std::shared_ptr<int32_t>(new int32_t[tokens * top_k], std::default_delete<int32_t[]>());
+    r.weights = alloc(tokens, top_k);
     std::vector<int32_t> order(experts);
     for (int64_t i = 0; i < tokens; ++i) {
       const float* p = scores.row(i);
@@ -305,8 +305,8 @@ class CpuBackend final : public Backend {
       float sum = 0;
       for (int k = 0; k < top_k; ++k) sum += p[order[k]];
       for (int k = 0; k < top_k; ++k) {
-        r.experts[i * top_k + k] = order[k];
-        r.weights[i * top_k + k] = p[order[k]] / sum * per_expert_scale[order[k]];
+        r.experts.get()[i * top_k + k] = order[k];
+        r.weights.data[i * top_k + k] = p[order[k]] / sum * per_expert_scale[order[k]];
       }
     }
     return r;
@@ -318,7 +318,7 @@ class CpuBackend final : public Backend {
     std::fill(out.data, out.data + out.size(), 0.0f);
     // Group (token, slot) pairs by expert, then run each expert once over its rows.
     std::vector<std::vector<int64_t>> assigned(num_experts);
-    for (int64_t a = 0; a < int64_t(routing.experts.size()); ++a) assigned[routing.experts[a]].push_back(a);
+    for (int64_t a = 0; a < routing.weights.size(); ++a) assigned[routing.experts.get()[a]].push_back(a);
     for (int64_t e = 0; e < num_experts; ++e) {
       const auto& rows = assigned[e];
       if (rows.empty()) continue;
@@ -329,7 +329,7 @@ class CpuBackend final : public Backend {
       gelu_glu(gu, act);
       linear(act, down, y, int(e));
       for (int64_t i = 0; i < r; ++i) {
-        const float wgt = routing.weights[rows[i]];
+        const float wgt = routing.weights.data[rows[i]];
         float* o = out.row(rows[i] / routing.top_k);
         for (int64_t j = 0; j < hidden; ++j) o[j] += wgt * y.row(i)[j];
       }
