@@ -48,6 +48,7 @@ nb::dict config_dict(const ModelConfig& c) {
   d["canvas_length"] = c.canvas_length;
   d["max_position_embeddings"] = c.max_position_embeddings;
   d["final_logit_softcapping"] = c.final_logit_softcapping;
+  d["quantization"] = c.quantization;
   nb::list layer_types;
   for (const auto& L : c.layers) layer_types.append(L.sliding ? "sliding_attention" : "full_attention");
   d["layer_types"] = layer_types;

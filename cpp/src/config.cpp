@@ -233,6 +233,17 @@ ModelConfig load_config(const std::string& dir) {
     c.layers.push_back(std::move(L));
   }
 
+  if (const json::Value* q = top.get("quantization_config")) {
+    if (!q->is_object()) top.fail("quantization_config", "must be an object");
+    Fields f{*q, path, "quantization_config."};
+    const std::string method = f.string_or("quant_method", "");
+    if (method != "compressed-tensors")
+      f.fail("quant_method", "'" + method + "' is not supported (supported: compressed-tensors)");
+    c.quantization = f.string_or("format", "");
+    if (c.quantization != "float-quantized" && c.quantization != "nvfp4-pack-quantized")
+      f.fail("format", "'" + c.quantization + "' is not supported (supported: float-quantized, nvfp4-pack-quantized)");
+  }
+
   std::vector<int32_t> eos = t.int_list_or_empty("eos_token_id");
   for (int32_t id : eos)
     if (id >= c.vocab_size) t.fail("eos_token_id", "= " + std::to_string(id) + " is not below vocab_size");

@@ -1,6 +1,7 @@
 #include "diffuserve/dtype.h"
 
 #include <cmath>
+#include <limits>
 #include <iterator>
 
 #include "diffuserve/errors.h"
@@ -101,6 +102,19 @@ uint16_t f32_to_f16(float f) {
   uint32_t half = 1u << (shift - 1);
   if (rem > half || (rem == half && (q & 1u))) ++q;
   return uint16_t(sign | q);
+}
+
+float fp8_e4m3_to_f32(uint8_t v) {
+  const float sign = (v & 0x80) ? -1.0f : 1.0f;
+  const int exponent = (v >> 3) & 0xf, mantissa = v & 0x7;
+  if (exponent == 0xf && mantissa == 0x7) return std::numeric_limits<float>::quiet_NaN();
+  if (exponent == 0) return sign * std::ldexp(float(mantissa) / 8.0f, -6);  // subnormal
+  return sign * std::ldexp(1.0f + float(mantissa) / 8.0f, exponent - 7);
+}
+
+float fp4_e2m1_to_f32(uint8_t nibble) {
+  static constexpr float kMagnitude[8] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f};
+  return (nibble & 0x8 ? -1.0f : 1.0f) * kMagnitude[nibble & 0x7];
 }
 
 float round_to_dtype(float x, DType t) {

@@ -16,12 +16,18 @@ namespace diffuserve {
 namespace {
 
 // Hands out checkpoint tensors by name, checking shape and dtype, and remembers which
-// were taken so that leftovers can be reported.
+// were taken so that leftovers can be reported. A linear weight may be stored quantized
+// as compressed-tensors writes it (config.json's quantization_config): FP8 ("weight"
+// in F8_E4M3 with "weight_scale" per tensor, channel or group) or NVFP4 ("weight_packed",
+// two E2M1 values a byte, with an E4M3 "weight_scale" per 16 inputs and a fp32
+// "weight_global_scale"); it is dequantized to fp32 here. The runtime's GEMMs then see
+// the same weights as the dequantized model.
 // With no checkpoint (load_format "dummy") it makes random weights of the same shapes.
 class TensorSource {
  public:
   TensorSource(ModelState& m, DType as) : m_(m), as_(as) {}
   bool dummy() const { return !m_.checkpoint; }
+  bool has(const std::string& name) const { return m_.checkpoint && m_.checkpoint->find(name); }
 
   const TensorView& take(const std::string& name, const std::vector<int64_t>& shape) {
     const TensorView* t = m_.checkpoint->find(name);
@@ -29,17 +35,19 @@ class TensorSource {
     if (t->shape != shape)
       throw FormatError(t->file + ": tensor '" + name + "' has shape " + shape_string(t->shape) + ", expected " +
                         shape_string(shape));
-    if (t->dtype != DType::F32 && t->dtype != DType::BF16 && t->dtype != DType::F16)
-      throw FormatError(t->file + ": tensor '" + name + "' has dtype " + dtype_name(t->dtype) +
-                        "; expected F32, BF16 or F16");
     taken_.insert(name);
     return *t;
   }
 
   Weight weight(const std::string& name, const std::vector<int64_t>& shape) {
     if (dummy()) return m_.backend->random_weight(shape, as_, ++seed_, 1.0f / std::sqrt(float(shape.back())));
-    const TensorView& t = take(name, shape);
-    return m_.backend->upload(t.data, t.dtype, t.shape, as_, m_.checkpoint);
+    const TensorView* t = m_.checkpoint->find(name);
+    if (t && is_float(t->dtype)) {  // stored plainly: the backend may keep pointing into the file
+      take(name, shape);
+      return m_.backend->upload(t->data, t->dtype, t->shape, as_, m_.checkpoint);
+    }
+    auto host = std::make_shared<std::vector<float>>(values(name, shape));
+    return m_.backend->upload(host->data(), DType::F32, shape, as_, host);
   }
 
   // Several [n_i, K] tensors stacked along rows into one weight (gate and up in one GEMM).
@@ -55,6 +63,22 @@ class TensorSource {
     return m_.backend->upload(host->data(), DType::F32, stacked_shape, as_, host);
   }
 
+  // An MoE layer's experts as one [E, rows, K] stack: stored fused (`fused`), or one
+  // linear per expert as LLM Compressor writes them (`<prefix>.<e>.<part>.weight` for
+  // each part, stacked along rows, e.g. gate then up).
+  Weight experts(const std::string& fused, const std::string& prefix, const std::vector<std::string>& parts,
+                 int64_t num_experts, const std::vector<int64_t>& part_shape) {
+    const std::vector<int64_t> shape = {num_experts, part_shape[0] * int64_t(parts.size()), part_shape[1]};
+    if (dummy() || has(fused)) return weight(fused, shape);
+    auto host = std::make_shared<std::vector<float>>();
+    for (int64_t e = 0; e < num_experts; ++e)
+      for (const auto& part : parts) {
+        const std::vector<float> v = floats(prefix + "." + std::to_string(e) + "." + part + ".weight", part_shape);
+        host->insert(host->end(), v.begin(), v.end());
+      }
+    return m_.backend->upload(host->data(), DType::F32, shape, as_, host);
+  }
+
   // A small tensor (norm weights, scales) as an fp32 weight.
   Weight small(const std::string& name, const std::vector<int64_t>& shape) {
     return fp32_weight(floats(name, shape), shape);
@@ -66,14 +90,50 @@ class TensorSource {
     return m_.backend->upload(host->data(), DType::F32, shape, DType::F32, host);
   }
 
-  // A small tensor read into fp32.
+  // A tensor read into fp32 and rounded to the weight dtype, as the reference holds it.
   std::vector<float> floats(const std::string& name, const std::vector<int64_t>& shape) {
     if (dummy()) {  // norm weights, scales and scalars of one
       int64_t n = 1;
       for (int64_t d : shape) n *= d;
       return std::vector<float>(n, 1.0f);
     }
-    const TensorView& t = take(name, shape);
+    std::vector<float> out = values(name, shape);
+    for (float& v : out) v = round_to_dtype(v, as_);
+    return out;
+  }
+
+  // Every tensor that was not taken must be one we deliberately skip.
+  void check_all_taken(bool tied) const {
+    if (dummy()) return;
+    const std::string encoder = "model.encoder.language_model.";
+    for (const auto& [name, view] : m_.checkpoint->tensors()) {
+      if (taken_.count(name)) continue;
+      if (name.rfind("model.encoder.vision_tower.", 0) == 0 || name.rfind("model.encoder.embed_vision.", 0) == 0)
+        continue;  // the vision tower: this engine serves text only
+      if (tied && name == "lm_head.weight") continue;  // a copy of the tied embedding
+      // The encoder shares the decoder's weights; a checkpoint whose ties were broken
+      // when it was written (LLM Compressor does this) holds byte-equal copies.
+      if (name.rfind(encoder, 0) == 0) {
+        const TensorView* twin = m_.checkpoint->find("model.decoder." + name.substr(encoder.size()));
+        if (twin && twin->dtype == view.dtype && twin->shape == view.shape &&
+            std::memcmp(twin->data, view.data, view.nbytes) == 0)
+          continue;
+        if (twin)
+          throw FormatError(view.file + ": tensor '" + name + "' differs from its decoder twin '" + twin->name +
+                            "': untied encoder weights are not supported");
+      }
+      throw FormatError(view.file + ": unexpected tensor '" + name + "' (not part of a DiffusionGemma text model)");
+    }
+  }
+
+ private:
+  static bool is_float(DType t) { return t == DType::F32 || t == DType::BF16 || t == DType::F16; }
+
+  // A stored float tensor (any shape) in fp32.
+  std::vector<float> widen(const TensorView& t) {
+    if (!is_float(t.dtype))
+      throw FormatError(t.file + ": tensor '" + t.name + "' has dtype " + dtype_name(t.dtype) +
+                        "; expected F32, BF16 or F16");
     std::vector<float> out(t.numel());
     for (int64_t i = 0; i < t.numel(); ++i) {
       uint16_t h;
@@ -82,25 +142,74 @@ class TensorSource {
         case DType::BF16: std::memcpy(&h, t.data + 2 * i, 2); out[i] = bf16_to_f32(h); break;
         default: std::memcpy(&h, t.data + 2 * i, 2); out[i] = f16_to_f32(h); break;
       }
-      // Stored values are rounded to the weight dtype, as the reference holds them.
-      out[i] = round_to_dtype(out[i], as_);
     }
     return out;
   }
 
-  // Every tensor that was not taken must be one we deliberately skip.
-  void check_all_taken(bool tied) const {
-    if (dummy()) return;
-    for (const auto& [name, view] : m_.checkpoint->tensors()) {
-      if (taken_.count(name)) continue;
-      if (name.rfind("model.encoder.vision_tower.", 0) == 0 || name.rfind("model.encoder.embed_vision.", 0) == 0)
-        continue;  // the vision tower: this engine serves text only
-      if (tied && name == "lm_head.weight") continue;  // a copy of the tied embedding
-      throw FormatError(view.file + ": unexpected tensor '" + name + "' (not part of a DiffusionGemma text model)");
-    }
+  // A companion tensor (a scale) of any shape, marked taken.
+  const TensorView& companion(const std::string& name) {
+    const TensorView* t = m_.checkpoint->find(name);
+    if (!t) throw FormatError(m_.path + ": missing tensor '" + name + "' (a quantized weight's scale)");
+    taken_.insert(name);
+    return *t;
   }
 
- private:
+  // Groups of `cols / groups` inputs share a scale: scales[row * groups + col / (cols / groups)].
+  static int64_t groups_of(const TensorView& scale, int64_t rows, int64_t cols) {
+    const int64_t n = scale.numel();
+    if (n == 1) return 0;  // one scale for the tensor
+    if (n % rows || cols % (n / rows))
+      throw FormatError(scale.file + ": tensor '" + scale.name + "' of shape " + shape_string(scale.shape) +
+                        " does not divide a [" + std::to_string(rows) + ", " + std::to_string(cols) + "] weight");
+    return n / rows;
+  }
+
+  // The weight `name` ([rows, cols]) in fp32: plain, FP8 or NVFP4.
+  std::vector<float> values(const std::string& name, const std::vector<int64_t>& shape) {
+    const std::string prefix = name.size() > 7 && name.ends_with(".weight") ? name.substr(0, name.size() - 7) : name;
+    const TensorView* t = m_.checkpoint->find(name);
+    if (!t && has(prefix + ".weight_packed")) return nvfp4(prefix, shape);
+    if (t && t->dtype == DType::F8_E4M3) return fp8(name, prefix, shape);
+    return widen(take(name, shape));
+  }
+
+  std::vector<float> fp8(const std::string& name, const std::string& prefix, const std::vector<int64_t>& shape) {
+    const TensorView& w = take(name, shape);
+    const TensorView& scale = companion(prefix + ".weight_scale");
+    const std::vector<float> s = widen(scale);
+    const int64_t rows = shape[0], cols = w.numel() / rows, groups = groups_of(scale, rows, cols);
+    std::vector<float> out(w.numel());
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t c = 0; c < cols; ++c)
+        out[r * cols + c] = fp8_e4m3_to_f32(w.data[r * cols + c]) * s[groups ? r * groups + c / (cols / groups) : 0];
+    return out;
+  }
+
+  std::vector<float> nvfp4(const std::string& prefix, const std::vector<int64_t>& shape) {
+    const int64_t rows = shape[0], cols = shape[1];
+    if (cols % 2) throw FormatError(m_.path + ": '" + prefix + ".weight_packed' needs an even number of columns");
+    const TensorView& packed = take(prefix + ".weight_packed", {rows, cols / 2});
+    const TensorView& scale = companion(prefix + ".weight_scale");
+    const TensorView& global = companion(prefix + ".weight_global_scale");
+    if (packed.dtype != DType::U8 || scale.dtype != DType::F8_E4M3 || global.numel() != 1)
+      throw FormatError(packed.file + ": '" + prefix + "' is not NVFP4 as compressed-tensors writes it (U8 " +
+                        "weight_packed, F8_E4M3 weight_scale, one weight_global_scale)");
+    const float global_scale = widen(global)[0];
+    const int64_t groups = groups_of(scale, rows, cols);
+    std::vector<float> out(rows * cols);
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t c = 0; c < cols; ++c) {
+        const uint8_t byte = packed.data[r * (cols / 2) + c / 2];
+        const float group_scale = fp8_e4m3_to_f32(scale.data[groups ? r * groups + c / (cols / groups) : 0]);
+        // The low nibble holds the even column (compressed-tensors' packing).
+        out[r * cols + c] = fp4_e2m1_to_f32(c % 2 ? byte >> 4 : byte & 0xf) * (group_scale / global_scale);
+      }
+    // Activation scales (W4A4 checkpoints) serve a quantized activation path; the CPU
+    // backend keeps activations in fp32.
+    if (has(prefix + ".input_global_scale")) companion(prefix + ".input_global_scale");
+    return out;
+  }
+
   ModelState& m_;
   DType as_;
   std::set<std::string> taken_;
@@ -148,8 +257,8 @@ void load_weights(ModelState& m, DType as) {
     lw.router_scale = src.small(p + "router.scale", {H});
     lw.router_per_expert_scale = src.small(p + "router.per_expert_scale", {E});
     lw.rope_inv_freq = src.fp32_weight(L.rope_inv_freq, {int64_t(L.rope_inv_freq.size())});
-    lw.experts_gate_up = src.weight(p + "experts.gate_up_proj", {E, 2 * MI, H});
-    lw.experts_down = src.weight(p + "experts.down_proj", {E, H, MI});
+    lw.experts_gate_up = src.experts(p + "experts.gate_up_proj", p + "experts", {"gate_proj", "up_proj"}, E, {MI, H});
+    lw.experts_down = src.experts(p + "experts.down_proj", p + "experts", {"down_proj"}, E, {H, MI});
     lw.decoder_layer_scalar = src.floats(p + "layer_scalar", {1})[0];
     lw.encoder_layer_scalar =
         src.floats("model.encoder.language_model.layers." + std::to_string(i) + ".layer_scalar", {1})[0];

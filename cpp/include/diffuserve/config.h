@@ -50,6 +50,9 @@ struct ModelConfig {
   int bos_token_id = -1;
   std::vector<LayerConfig> layers;
   GenerationDefaults generation;
+  // compressed-tensors format of quantized linear weights ("float-quantized" for FP8,
+  // "nvfp4-pack-quantized"), empty for a plain checkpoint.
+  std::string quantization;
 };
 
 // Reads `dir`/config.json and, when present, `dir`/generation_config.json. Throws

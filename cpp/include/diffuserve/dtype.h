@@ -34,6 +34,11 @@ inline uint16_t f32_to_bf16(float f) {
 float f16_to_f32(uint16_t h);
 uint16_t f32_to_f16(float f);
 
+// FP8 E4M3 (the "fn" variant: no infinities, 0x7f/0xff are NaN) and FP4 E2M1 (a 4-bit
+// nibble: sign, 2 exponent bits, 1 mantissa bit) to fp32.
+float fp8_e4m3_to_f32(uint8_t v);
+float fp4_e2m1_to_f32(uint8_t nibble);
+
 // Rounds an fp32 value through `t` and back (identity for F32): what a cast to the weight
 // dtype does to a value in the reference implementation.
 float round_to_dtype(float x, DType t);
