@@ -35,7 +35,7 @@ def _load(path: Optional[str], args, command: str):
         try:
             return LLM(path, device=args.device, dtype=args.dtype, num_threads=args.threads,
                        kv_cache_memory_bytes=kv_bytes, max_num_seqs=args.max_num_seqs,
-                       max_num_batched_tokens=args.max_num_batched_tokens)
+                       max_num_batched_tokens=args.max_num_batched_tokens, load_format=args.load_format)
         except ValueError as e:
             sys.exit(f"error: {e}")
         finally:
@@ -112,6 +112,8 @@ def _engine_options(parser: argparse.ArgumentParser) -> None:
                        help="requests computed at once (default: 64)")
     group.add_argument("--max-num-batched-tokens", type=int, default=None, metavar="N",
                        help="rows per forward pass (default: max(4096, 4 canvases))")
+    group.add_argument("--load-format", choices=["auto", "dummy"], default="auto",
+                       help="dummy: random weights at config.json's shapes, for benchmarks (default: auto)")
 
 
 def parser() -> argparse.ArgumentParser:
