@@ -16,7 +16,8 @@ import pytest
 from safetensors.numpy import load_file
 
 import diffuserve as ds
-from diffuserve.random_checkpoint import write_random_checkpoint, write_safetensors
+from diffuserve.random_checkpoint import write_random_checkpoint
+from diffuserve.safetensors_io import write_safetensors
 
 TINY = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=2,
             num_key_value_heads=1, head_dim=16, global_head_dim=32, num_global_key_value_heads=1, sliding_window=8,

@@ -124,3 +124,37 @@ def test_untied_encoder_copy_is_refused(tmp_path):
     save_file(tensors, path / "model.safetensors")
     with pytest.raises(ds.CheckpointError, match="differs from its decoder twin"):
         ds.Model.load(path)
+
+
+@pytest.mark.parametrize("scheme, library", [("fp8-dynamic", "FP8_DYNAMIC"), ("nvfp4", "NVFP4A16")])
+def test_quantize_writes_llm_compressors_bytes(tmp_path, scheme, library):
+    """`diffuserve quantize` on the fixtures' fp32 source gives LLM Compressor's tensors, bit for
+    bit (it leaves out the encoder's copies of the shared weights), and the same logits."""
+    import subprocess
+    import sys
+    from diffuserve.safetensors_io import read_safetensors
+    out = tmp_path / scheme
+    subprocess.run([sys.executable, "-m", "diffuserve", "quantize", os.path.join(FIXTURES, "base"), str(out),
+                    "--scheme", scheme], check=True)
+    ours = read_safetensors(str(out / "model.safetensors"))
+    theirs = read_safetensors(os.path.join(FIXTURES, library, "model.safetensors"))
+    assert set(ours) == {n for n in theirs if not n.startswith("model.encoder.language_model.")} | \
+        {n for n in theirs if n.startswith("model.encoder.language_model.") and n.endswith("layer_scalar")}
+    for name, (dtype, values) in ours.items():
+        assert theirs[name][0] == dtype, name
+        np.testing.assert_array_equal(theirs[name][1], values, err_msg=name)
+    canvas = np.arange(8)
+    logits = []
+    for path in (out, os.path.join(FIXTURES, library)):
+        seq = ds.Model.load(path).sequence()
+        seq.prefill(np.arange(3, 20))
+        logits.append(seq.denoise(canvas))
+    np.testing.assert_array_equal(logits[0], logits[1])
+
+
+def test_quantize_refuses_a_quantized_source(tmp_path):
+    from diffuserve.quantize import quantize
+    with pytest.raises(ValueError, match="already quantized"):
+        quantize(os.path.join(FIXTURES, "FP8_DYNAMIC"), str(tmp_path / "x"))
+    with pytest.raises(ValueError, match="scheme 'int8'"):
+        quantize(os.path.join(FIXTURES, "base"), str(tmp_path / "y"), "int8")

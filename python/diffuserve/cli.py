@@ -99,6 +99,16 @@ def bench(args) -> None:
                    args.steps, load=lambda path: _load(path, args, "bench"))
 
 
+def quantize(args) -> None:
+    from .quantize import quantize as run
+
+    try:
+        run(args.src, args.dst, args.scheme)
+    except (OSError, ValueError) as e:
+        sys.exit(f"error: {e}")
+    print(f"wrote {args.scheme} checkpoint to {args.dst}", file=sys.stderr)
+
+
 def _engine_options(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("engine")
     group.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default: cpu)")
@@ -161,6 +171,15 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=16, help="denoise steps per block (default: 16)")
     _engine_options(p)
     p.set_defaults(run=bench)
+
+    p = commands.add_parser("quantize", help="write an FP8 or NVFP4 copy of a checkpoint",
+                            description="Quantize SRC's linear weights to DST in the compressed-tensors format "
+                                        "LLM Compressor writes (fp8-dynamic: FP8_DYNAMIC; nvfp4: NVFP4A16).")
+    p.add_argument("src", metavar="SRC", help="a bf16 or fp32 checkpoint directory")
+    p.add_argument("dst", metavar="DST", help="output directory")
+    p.add_argument("--scheme", choices=["fp8-dynamic", "nvfp4"], default="fp8-dynamic",
+                   help="fp8-dynamic (default) or nvfp4")
+    p.set_defaults(run=quantize)
     return root
 
 

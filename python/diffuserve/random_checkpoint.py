@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import json
 import os
-import struct
 
 import numpy as np
+
+from .safetensors_io import bf16_bits, write_safetensors
 
 DEFAULT_TEXT_CONFIG = dict(
     vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
@@ -18,30 +19,6 @@ DEFAULT_TEXT_CONFIG = dict(
     num_experts=8, top_k_experts=2, moe_intermediate_size=128, rms_norm_eps=1e-6, final_logit_softcapping=30.0,
     max_position_embeddings=131072, eos_token_id=1, bos_token_id=2, pad_token_id=0,
 )
-
-
-def write_safetensors(path: str, tensors: dict) -> None:
-    """tensors: name -> np.ndarray (float32, or uint16 holding bfloat16 bits via a ('BF16', array) pair)."""
-    header, blobs, offset = {}, [], 0
-    for name, value in tensors.items():
-        dtype, arr = value if isinstance(value, tuple) else ({np.float32: "F32", np.float16: "F16"}[value.dtype.type], value)
-        data = np.ascontiguousarray(arr).tobytes()
-        header[name] = {"dtype": dtype, "shape": list(arr.shape), "data_offsets": [offset, offset + len(data)]}
-        blobs.append(data)
-        offset += len(data)
-    head = json.dumps(header, separators=(",", ":")).encode()
-    head += b" " * (-len(head) % 8)  # the data section starts 8-byte aligned
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(head)))
-        f.write(head)
-        for blob in blobs:
-            f.write(blob)
-
-
-def _bf16(x: np.ndarray) -> tuple:
-    bits = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
-    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16  # round to nearest even
-    return ("BF16", rounded.astype(np.uint16))
 
 
 def write_random_checkpoint(path, canvas_length: int = 64, dtype: str = "float32", seed: int = 0, **text) -> str:
@@ -66,7 +43,7 @@ def write_random_checkpoint(path, canvas_length: int = 64, dtype: str = "float32
 
     rng = np.random.default_rng(seed)
     H, I, E, MI = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_experts"], cfg["moe_intermediate_size"]
-    store = _bf16 if dtype == "bfloat16" else (lambda a: a.astype(np.float32))
+    store = (lambda a: ("BF16", bf16_bits(a))) if dtype == "bfloat16" else (lambda a: a.astype(np.float32))
     tensors = {}
 
     def add(name, shape, kind="linear"):

@@ -1,0 +1,194 @@
+"""`diffuserve quantize`: a bf16/fp32 DiffusionGemma checkpoint to compressed-tensors FP8 or
+NVFP4 (the formats LLM Compressor writes for its FP8_DYNAMIC and NVFP4A16 schemes), in numpy.
+
+What is quantized is what LLM Compressor's recipe `targets="Linear"` with the router, the
+vision tower and lm_head ignored quantizes: every attention, MLP and self-conditioning
+projection, and every expert, written one linear per expert.
+- fp8-dynamic: one scale per output channel, amax / 448; weights rounded to E4M3
+  (nearest, ties to even); activations declared dynamic, per token.
+- nvfp4: a global scale 448 * 6 / amax per tensor and an E4M3 scale per 16 inputs
+  (global * group amax / 6, rounded to E4M3); weights rounded to E2M1 as compressed-tensors
+  rounds them and packed two a byte; activations stay 16-bit (W4A16).
+The arithmetic follows compressed-tensors step by step, so that an fp32 checkpoint
+quantizes to LLM Compressor's bytes: tests/test_quantized.py checks it tensor for tensor.
+The encoder's copies of the shared weights that LLM Compressor also writes are left out
+(the weights are tied; diffuserve and transformers tie them back).
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+
+import numpy as np
+
+from .safetensors_io import as_float32, read_safetensors, write_safetensors
+
+FP8_MAX = 448.0
+_LINEAR = re.compile(r"model\.decoder\.(layers\.\d+\.(self_attn|mlp)\.\w+_proj|self_conditioning\.\w+_proj)\.weight$")
+
+
+def fp8_e4m3_bits(x: np.ndarray) -> np.ndarray:
+    """float32 values (|x| <= 448) to E4M3 bits, rounding to nearest, ties to even."""
+    x = np.asarray(x, dtype=np.float32)
+    sign = (np.signbit(x).astype(np.uint8)) << 7
+    a = np.abs(x).astype(np.float64)
+    exponent = np.floor(np.log2(np.maximum(a, 2.0 ** -6))).astype(np.int64)  # subnormals share 2^-6
+    step = np.exp2(exponent - 3)  # spacing of representable values in this binade
+    mantissa = np.rint(a / step).astype(np.int64)  # ties to even
+    normal = a >= 2.0 ** -6
+    carry = normal & (mantissa == 16)  # rounded up into the next binade
+    exponent = np.where(carry, exponent + 1, exponent)
+    mantissa = np.where(carry, 8, mantissa)
+    promoted = ~normal & (mantissa == 8)  # the largest subnormal rounded up to 2^-6
+    biased = np.where(normal | promoted, exponent + 7, 0)
+    fraction = np.where(normal | promoted, mantissa - 8, mantissa)
+    return (sign | (biased << 3).astype(np.uint8) | fraction.astype(np.uint8)).astype(np.uint8)
+
+
+def _fp8_linear(w: np.ndarray):
+    """A [out, in] weight as (E4M3 bits, fp32 per-channel scale) the way compressed-tensors
+    computes them for an fp32 model (a bf16 source is quantized from its values in fp32)."""
+    amax = np.maximum(np.abs(np.minimum(w.min(axis=1), 0)), np.maximum(w.max(axis=1), 0)).astype(np.float32)
+    scale = (amax / np.float32(FP8_MAX)).astype(np.float32)
+    scale[scale == 0] = np.finfo(np.float32).eps
+    q = np.clip(w / scale[:, None], -FP8_MAX, FP8_MAX)
+    return ("F8_E4M3", fp8_e4m3_bits(q)), scale[:, None]
+
+
+FP4_MAX = 6.0
+E2M1 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], dtype=np.float32)
+
+
+def _round_fp4(v: np.ndarray) -> np.ndarray:
+    """compressed-tensors' E2M1 rounding: fixed thresholds, then the sign put back (so a small
+    negative value becomes -0.0, which is packed with its sign bit)."""
+    a = np.abs(v)
+    bounds = [(0.25, True), (0.75, False), (1.25, True), (1.75, False), (2.5, True), (3.5, False), (5.0, True)]
+    code = np.zeros(a.shape, dtype=np.uint8)
+    for i, (bound, inclusive_above) in enumerate(bounds):  # value i+1 from just past each bound
+        code = np.where(a > bound if inclusive_above else a >= bound, i + 1, code)
+    return E2M1[code] * np.sign(v)
+
+
+def _absmax(w: np.ndarray) -> np.float32:
+    return np.float32(max(abs(min(w.min(), 0)), max(w.max(), 0)))
+
+
+def _nvfp4_linear(w: np.ndarray, amax: np.float32, group: int = 16):
+    """A [out, in] weight as (packed E2M1, E4M3 group scales, fp32 global scale), the global
+    scale from `amax` (the absmax of the weights that share it)."""
+    rows, cols = w.shape
+    if cols % group:
+        raise ValueError(f"nvfp4 needs the input size ({cols}) to be a multiple of {group}")
+    # torch evaluates `number / tensor` as reciprocal(tensor) * number: two roundings, kept.
+    global_scale = (np.float32(1.0) / np.maximum(amax, np.finfo(np.float32).tiny)) * np.float32(FP8_MAX * FP4_MAX)
+    if not np.isfinite(global_scale):
+        global_scale = np.float32(1.0)
+    groups = w.reshape(rows, cols // group, group)
+    group_amax = np.maximum(np.abs(np.minimum(groups.min(axis=2), 0)), np.maximum(groups.max(axis=2), 0))
+    scale_bits = fp8_e4m3_bits(np.clip(global_scale * (group_amax / np.float32(FP4_MAX)), -FP8_MAX, FP8_MAX))
+    scale_bits[scale_bits == 0] = fp8_e4m3_bits(np.float32([0.125]))[0]  # a zero scale becomes the E4M3 eps
+    scale = _E4M3[scale_bits]
+    q = _round_fp4(np.clip(groups / (scale / global_scale)[:, :, None], -FP4_MAX, FP4_MAX)).reshape(rows, cols)
+    codes = (np.searchsorted(E2M1, np.abs(q)).astype(np.uint8) | (np.signbit(q).astype(np.uint8) << 3))
+    packed = codes[:, 0::2] | (codes[:, 1::2] << 4)  # the even column in the low nibble
+    return ("U8", packed), ("F8_E4M3", scale_bits), np.float32([global_scale])
+
+
+def _e4m3_values() -> np.ndarray:
+    bits = np.arange(256, dtype=np.uint8)
+    exponent, mantissa = (bits >> 3) & 0xF, bits & 0x7
+    magnitude = np.where(exponent == 0, mantissa / 8.0 * 2.0 ** -6, (1 + mantissa / 8.0) * np.exp2(exponent - 7.0))
+    return np.where(bits & 0x80, -magnitude, magnitude).astype(np.float32)
+
+
+_E4M3 = _e4m3_values()
+
+SCHEMES = {
+    "fp8-dynamic": {
+        "format": "float-quantized",
+        "weights": {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "channel", "dynamic": False},
+        "input_activations": {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "token",
+                              "dynamic": True}},
+    "nvfp4": {
+        "format": "nvfp4-pack-quantized",
+        "weights": {"num_bits": 4, "type": "float", "symmetric": True, "strategy": "tensor_group", "group_size": 16,
+                    "scale_dtype": "torch.float8_e4m3fn", "dynamic": False},
+        "input_activations": None},
+}
+
+
+# Linears that inference engines fuse into one GEMM share NVFP4's global scale (as LLM
+# Compressor links their observers): gate with up, and q with k and v, of one module.
+_FUSED = {"gate_proj": "gate_up", "up_proj": "gate_up", "q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv"}
+
+
+def _fusion_group(prefix: str) -> tuple:
+    parent, leaf = prefix.rsplit(".", 1)
+    return (parent, _FUSED.get(leaf, leaf))
+
+
+def _quantize_linears(linears: dict, scheme: str) -> dict:
+    """prefix -> fp32 [out, in] weight, to the tensors of the scheme."""
+    out = {}
+    if scheme == "fp8-dynamic":
+        for prefix, w in linears.items():
+            out[prefix + ".weight"], out[prefix + ".weight_scale"] = _fp8_linear(w)
+        return out
+    group_amax = {}
+    for prefix, w in linears.items():
+        key = _fusion_group(prefix)
+        group_amax[key] = max(group_amax.get(key, np.float32(0)), _absmax(w))
+    for prefix, w in linears.items():
+        packed, scale, global_scale = _nvfp4_linear(w, group_amax[_fusion_group(prefix)])
+        out[prefix + ".weight_packed"], out[prefix + ".weight_scale"] = packed, scale
+        out[prefix + ".weight_global_scale"] = global_scale
+    return out
+
+
+def quantize(src: str, dst: str, scheme: str = "fp8-dynamic") -> None:
+    if scheme not in SCHEMES:
+        raise ValueError(f"scheme {scheme!r} is not supported (supported: {', '.join(SCHEMES)})")
+    with open(os.path.join(src, "config.json")) as f:
+        config = json.load(f)
+    if config.get("quantization_config"):
+        raise ValueError(f"{src} is already quantized")
+    files = sorted(n for n in os.listdir(src) if n.endswith(".safetensors"))
+    if not files:
+        raise ValueError(f"{src}: no .safetensors files")
+    tensors = {}
+    for name in files:
+        tensors.update(read_safetensors(os.path.join(src, name)))
+
+    linears, out = {}, {}
+    for name, (dtype, arr) in tensors.items():
+        if _LINEAR.match(name):
+            linears[name[: -len(".weight")]] = as_float32(dtype, arr)
+        elif name.endswith((".experts.gate_up_proj", ".experts.down_proj")):
+            prefix = name.rsplit(".", 1)[0]
+            w = as_float32(dtype, arr)
+            parts = (("gate_proj", "up_proj") if name.endswith("gate_up_proj") else ("down_proj",))
+            for e in range(w.shape[0]):
+                for part, rows in zip(parts, np.split(w[e], len(parts))):
+                    linears[f"{prefix}.{e}.{part}"] = rows
+        else:
+            out[name] = (dtype, arr)
+    out.update(_quantize_linears(linears, scheme))
+
+    os.makedirs(dst, exist_ok=True)
+    write_safetensors(os.path.join(dst, "model.safetensors"), out)
+    spec = SCHEMES[scheme]
+    config["quantization_config"] = {
+        "quant_method": "compressed-tensors", "format": spec["format"], "quantization_status": "compressed",
+        "config_groups": {"group_0": {"targets": ["Linear"], "format": spec["format"], "weights": spec["weights"],
+                                      "input_activations": spec["input_activations"], "output_activations": None}},
+        "ignore": ["lm_head", "re:.*router.*", "re:.*vision.*", "re:.*embed_vision.*"]}
+    with open(os.path.join(dst, "config.json"), "w") as f:
+        json.dump(config, f, indent=2)
+    for name in os.listdir(src):  # tokenizer, chat template, generation config: as they are
+        if name != "config.json" and not name.endswith((".safetensors", ".safetensors.index.json")):
+            path = os.path.join(src, name)
+            if os.path.isfile(path):
+                shutil.copy(path, os.path.join(dst, name))

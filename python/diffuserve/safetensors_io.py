@@ -1,0 +1,62 @@
+"""Reading and writing safetensors files with numpy alone (numpy has no bfloat16 or fp8:
+such tensors travel as their raw bits, with the dtype name beside them)."""
+from __future__ import annotations
+
+import json
+import struct
+
+import numpy as np
+
+_NUMPY = {"F32": np.float32, "F16": np.float16, "F64": np.float64, "I64": np.int64, "I32": np.int32,
+          "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_, "BF16": np.uint16,
+          "F8_E4M3": np.uint8, "F8_E5M2": np.uint8}
+
+
+def write_safetensors(path: str, tensors: dict) -> None:
+    """tensors: name -> np.ndarray, or a (safetensors dtype name, array of its raw bits) pair."""
+    header, blobs, offset = {}, [], 0
+    for name, value in tensors.items():
+        dtype, arr = value if isinstance(value, tuple) else ({np.float32: "F32", np.float16: "F16"}[value.dtype.type], value)
+        data = np.ascontiguousarray(arr).tobytes()
+        header[name] = {"dtype": dtype, "shape": list(arr.shape), "data_offsets": [offset, offset + len(data)]}
+        blobs.append(data)
+        offset += len(data)
+    head = json.dumps(header, separators=(",", ":")).encode()
+    head += b" " * (-len(head) % 8)  # the data section starts 8-byte aligned
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(head)))
+        f.write(head)
+        for blob in blobs:
+            f.write(blob)
+
+
+def read_safetensors(path: str) -> dict:
+    """name -> (safetensors dtype name, np.ndarray of the stored values or raw bits)."""
+    with open(path, "rb") as f:
+        data = f.read()
+    (length,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8:8 + length])
+    out = {}
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        begin, end = entry["data_offsets"]
+        raw = np.frombuffer(data, dtype=_NUMPY[entry["dtype"]], count=(end - begin) // np.dtype(_NUMPY[entry["dtype"]]).itemsize,
+                            offset=8 + length + begin)
+        out[name] = (entry["dtype"], raw.reshape(entry["shape"]))
+    return out
+
+
+def bf16_bits(x: np.ndarray) -> np.ndarray:
+    """fp32 values rounded to bfloat16 (nearest even), as uint16 bits."""
+    bits = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
+    return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+
+
+def as_float32(dtype: str, arr: np.ndarray) -> np.ndarray:
+    """A stored F32, F16 or BF16 tensor as float32."""
+    if dtype == "BF16":
+        return (arr.astype(np.uint32) << 16).view(np.float32)
+    if dtype in ("F32", "F16"):
+        return arr.astype(np.float32)
+    raise ValueError(f"expected a float tensor, got {dtype}")
