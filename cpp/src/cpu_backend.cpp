@@ -63,7 +63,8 @@ inline float gelu_tanh(float x) {
 
 class CpuBackend final : public Backend {
  public:
-  explicit CpuBackend(int num_threads) : pool_(num_threads) {}
+  explicit CpuBackend(int num_threads)
+      : pool_(num_threads > 0 ? std::make_shared<ThreadPool>(num_threads) : ThreadPool::shared()) {}
 
   Activation alloc(int64_t rows, int64_t cols) override {
     Activation a;
@@ -115,7 +116,7 @@ class CpuBackend final : public Backend {
     int64_t n = 1;
     for (int64_t d : shape) n *= d;
     auto host = std::make_shared<std::vector<float>>(n);
-    pool_.parallel_for(n, 1 << 16, [&](int64_t b, int64_t e) {
+    pool_->parallel_for(n, 1 << 16, [&](int64_t b, int64_t e) {
       for (int64_t i = b; i < e; ++i) (*host)[i] = random_weight_value(seed, uint64_t(i), scale);
     });
     return upload(host->data(), DType::F32, shape, as, host);
@@ -134,7 +135,7 @@ class CpuBackend final : public Backend {
   void embed(const Weight& table, const std::vector<int32_t>& ids, float scale, Activation& out) override {
     const int64_t h = table.shape[1];
     const size_t esz = dtype_size(table.dtype);
-    pool_.parallel_for(int64_t(ids.size()), 4, [&](int64_t b, int64_t e) {
+    pool_->parallel_for(int64_t(ids.size()), 4, [&](int64_t b, int64_t e) {
       for (int64_t i = b; i < e; ++i) {
         float* dst = out.row(i);
         widen(static_cast<const uint8_t*>(table.data) + int64_t(ids[i]) * h * esz, table.dtype, h, dst);
@@ -150,7 +151,7 @@ class CpuBackend final : public Backend {
     const int64_t m = x.rows;
     // Each task widens a tile of weight rows once and reuses it for every input row.
     constexpr int64_t kTile = 16;
-    pool_.parallel_for((n + kTile - 1) / kTile, 1, [&](int64_t tb, int64_t te) {
+    pool_->parallel_for((n + kTile - 1) / kTile, 1, [&](int64_t tb, int64_t te) {
       std::vector<float> tile(kTile * k);
       for (int64_t t = tb; t < te; ++t) {
         const int64_t n0 = t * kTile, rows = std::min(kTile, n - n0);
@@ -173,7 +174,7 @@ class CpuBackend final : public Backend {
   void linear_nt(const Activation& x, const Weight& w, Activation& y) override {
     const int64_t k = w.shape[0], n = w.shape[1];
     const size_t esz = dtype_size(w.dtype);
-    pool_.parallel_for(x.rows, 1, [&](int64_t b, int64_t e) {
+    pool_->parallel_for(x.rows, 1, [&](int64_t b, int64_t e) {
       std::vector<float> wrow(n);
       for (int64_t i = b; i < e; ++i) {
         float* yi = y.row(i);
@@ -192,7 +193,7 @@ class CpuBackend final : public Backend {
   void rms_norm(const Activation& x, const Weight* weight, int64_t group, float eps, Activation& y) override {
     const float* w = weight ? static_cast<const float*>(weight->data) : nullptr;
     const int64_t groups = x.size() / group;
-    pool_.parallel_for(groups, 64, [&](int64_t b, int64_t e) {
+    pool_->parallel_for(groups, 64, [&](int64_t b, int64_t e) {
       for (int64_t g = b; g < e; ++g) {
         const float* xi = x.data + g * group;
         float* yi = y.data + g * group;
@@ -207,7 +208,7 @@ class CpuBackend final : public Backend {
   void rope(Activation& x, int64_t head_dim, const Weight& inv_freq_weight, const std::vector<int64_t>& positions) override {
     const float* inv_freq = static_cast<const float*>(inv_freq_weight.data);
     const int64_t heads = x.cols / head_dim, half = head_dim / 2;
-    pool_.parallel_for(x.rows, 4, [&](int64_t b, int64_t e) {
+    pool_->parallel_for(x.rows, 4, [&](int64_t b, int64_t e) {
       std::vector<float> c(half), s(half);
       for (int64_t i = b; i < e; ++i) {
         for (int64_t f = 0; f < half; ++f) {
@@ -234,7 +235,7 @@ class CpuBackend final : public Backend {
     std::vector<std::pair<const AttentionSegment*, int64_t>> rows;  // segment, row within it
     for (const auto& seg : segments)
       for (int64_t r = 0; r < seg.rows; ++r) rows.push_back({&seg, r});
-    pool_.parallel_for(int64_t(rows.size()) * num_heads, 1, [&](int64_t b, int64_t e) {
+    pool_->parallel_for(int64_t(rows.size()) * num_heads, 1, [&](int64_t b, int64_t e) {
       std::vector<float> scores;
       for (int64_t task = b; task < e; ++task) {
         const auto [seg, r] = rows[task / num_heads];
@@ -272,7 +273,7 @@ class CpuBackend final : public Backend {
 
   void gelu_glu(const Activation& x, Activation& out) override {
     const int64_t inter = x.cols / 2;
-    pool_.parallel_for(x.rows, 16, [&](int64_t b, int64_t e) {
+    pool_->parallel_for(x.rows, 16, [&](int64_t b, int64_t e) {
       for (int64_t i = b; i < e; ++i)
         for (int64_t j = 0; j < inter; ++j) out.row(i)[j] = gelu_tanh(x.row(i)[j]) * x.row(i)[inter + j];
     });
@@ -343,12 +344,12 @@ class CpuBackend final : public Backend {
     for (int64_t i = 0; i < x.size(); ++i) x.data[i] *= s;
   }
   void softcap(Activation& x, float cap) override {
-    pool_.parallel_for(x.size(), 4096, [&](int64_t b, int64_t e) {
+    pool_->parallel_for(x.size(), 4096, [&](int64_t b, int64_t e) {
       for (int64_t i = b; i < e; ++i) x.data[i] = cap * std::tanh(x.data[i] / cap);
     });
   }
   void softmax(Activation& x) override {
-    pool_.parallel_for(x.rows, 1, [&](int64_t b, int64_t e) {
+    pool_->parallel_for(x.rows, 1, [&](int64_t b, int64_t e) {
       for (int64_t i = b; i < e; ++i) {
         float* r = x.row(i);
         const float m = *std::max_element(r, r + x.cols);
@@ -363,7 +364,7 @@ class CpuBackend final : public Backend {
                                 const RandomKey& key, DType feedback_dtype) override {
     const int64_t vocab = logits.cols;
     std::vector<RowSample> out(logits.rows);
-    pool_.parallel_for(logits.rows, 1, [&](int64_t b, int64_t e) {
+    pool_->parallel_for(logits.rows, 1, [&](int64_t b, int64_t e) {
       for (int64_t row = b; row < e; ++row) {
         float* l = logits.row(row);
         float best = -INFINITY, best_noisy = -INFINITY;
@@ -396,7 +397,7 @@ class CpuBackend final : public Backend {
   }
 
  private:
-  ThreadPool pool_;
+  std::shared_ptr<ThreadPool> pool_;
 };
 
 }  // namespace

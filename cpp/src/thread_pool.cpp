@@ -26,6 +26,15 @@ ThreadPool::ThreadPool(int num_threads) {
   }
 }
 
+std::shared_ptr<ThreadPool> ThreadPool::shared() {
+  static std::mutex mutex;
+  static std::weak_ptr<ThreadPool> pool;
+  std::lock_guard<std::mutex> lock(mutex);
+  std::shared_ptr<ThreadPool> p = pool.lock();
+  if (!p) pool = p = std::make_shared<ThreadPool>(0);
+  return p;
+}
+
 ThreadPool::~ThreadPool() { stop_workers(); }
 
 void ThreadPool::stop_workers() {

@@ -4,6 +4,7 @@
 #include <condition_variable>
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <mutex>
 #include <thread>
 #include <vector>
@@ -18,6 +19,11 @@ class ThreadPool {
   // kMaxThreads, or more than the OS will start, is an InvalidArgument.
   explicit ThreadPool(int num_threads);
   ~ThreadPool();
+
+  // The process-wide pool (DIFFUSERVE_NUM_THREADS, else every hardware thread), shared by
+  // every backend that does not ask for a thread count of its own: many models in one
+  // process then do not each start a thread per core.
+  static std::shared_ptr<ThreadPool> shared();
 
   int size() const { return int(workers_.size()) + 1; }
 
