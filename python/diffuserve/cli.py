@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import random
 import sys
 import threading
 import time
@@ -35,7 +36,8 @@ def _load(path: Optional[str], args, command: str):
         try:
             return LLM(path, device=args.device, dtype=args.dtype, num_threads=args.threads,
                        kv_cache_memory_bytes=kv_bytes, max_num_seqs=args.max_num_seqs,
-                       max_num_batched_tokens=args.max_num_batched_tokens, load_format=args.load_format)
+                       max_num_batched_tokens=args.max_num_batched_tokens, load_format=args.load_format,
+                       slice_steps=getattr(args, "slice_steps", 8))
         except ValueError as e:
             sys.exit(f"error: {e}")
         finally:
@@ -97,6 +99,56 @@ def bench(args) -> None:
 
     benchmark.main(args.model, [int(n) for n in args.concurrency.split(",")], args.prompt_tokens, args.max_tokens,
                    args.steps, load=lambda path: _load(path, args, "bench"))
+
+
+def sudoku(args) -> None:
+    from . import sudoku as sd
+
+    if args.model is None:
+        sys.exit("error: no --model given, and diffuserve has no bundled Sudoku model yet (issue 7)")
+    args.slice_steps = 1  # the live view redraws after every denoise step
+    llm = _load(args.model, args, "sudoku")
+    try:
+        digits = sd.digit_token_ids(llm.tokenizer)
+        if args.eval:
+            with open(args.eval) as f:
+                puzzles = [sd.parse(line) for line in f if line.strip()]
+            requests = [sd.request(llm, cells, args.seed + i, args.max_denoising_steps) for i, cells in enumerate(puzzles)]
+            outs = llm.generate([r[0] for r in requests], [r[1] for r in requests])
+            grids = [sd.grid_of(o.token_ids, digits) for o in outs]
+            solved = sum(sd.is_solution(g, p) for g, p in zip(grids, puzzles))
+            if args.output:
+                with open(args.output, "w") as f:
+                    f.writelines(sd.to_string(g) + "\n" for g in grids)
+            steps = sum(sum(o.denoise_steps) for o in outs) / max(len(outs), 1)
+            print(f"solved={solved / max(len(puzzles), 1):.4f} mean_steps={steps:.2f} n={len(puzzles)}")
+            return
+        if args.puzzle:
+            cells = sd.parse(args.puzzle)
+        else:
+            cells = sd.parse(sd.generate(args.givens, random.Random(args.seed))[0])
+        prompt, params = sd.request(llm, cells, args.seed, args.max_denoising_steps)
+    except (OSError, ValueError) as e:
+        sys.exit(f"error: {e}")
+    live = sys.stdout.isatty()  # a terminal: redraw in place, givens in bold
+    givens = cells if live else None
+    print(sd.format_grid(cells, givens) + "\n")
+    request_id = llm.add_request(prompt, params)
+    output, drawn = None, False
+    while output is None:
+        finished = llm.step()
+        output = finished[0] if finished else None
+        draft = llm.draft(request_id) if output is None else output.token_ids
+        if live and draft:
+            if drawn:
+                print("\033[11F", end="")  # back to the top of the grid: redraw in place
+            print(sd.format_grid(sd.grid_of(draft, digits), givens), flush=True)
+            drawn = True
+    grid = sd.grid_of(output.token_ids, digits)
+    if not live:
+        print(sd.format_grid(grid))
+    verdict = "valid and consistent with the givens" if sd.is_solution(grid, cells) else "NOT a valid solution"
+    print(f"\n{sd.to_string(grid)}\n{verdict}; {sum(output.denoise_steps)} denoise steps")
 
 
 def quantize(args) -> None:
@@ -171,6 +223,21 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=16, help="denoise steps per block (default: 16)")
     _engine_options(p)
     p.set_defaults(run=bench)
+
+    p = commands.add_parser("sudoku", help="solve a Sudoku, watching the canvas refine",
+                            description="Solve PUZZLE (81 characters, '.' or '0' for blanks; default: a generated "
+                                        "one) with a Sudoku model, redrawing the grid after every denoise step, "
+                                        "then say whether it is valid. With --eval FILE, solve one puzzle per line "
+                                        "and print solved=<fraction> mean_steps=<mean> n=<count>.")
+    p.add_argument("puzzle", nargs="?", metavar="PUZZLE")
+    p.add_argument("--model", "-m", help="a Sudoku checkpoint directory")
+    p.add_argument("--givens", type=int, default=30, help="givens of a generated puzzle (default: 30)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the puzzle and of the sampler (default: 0)")
+    p.add_argument("--max-denoising-steps", type=int, default=None, help="default: the checkpoint's")
+    p.add_argument("--eval", metavar="FILE", help="solve every puzzle in FILE, one per line")
+    p.add_argument("--output", metavar="OUT", help="with --eval: write each answer grid to OUT, one per line")
+    _engine_options(p)
+    p.set_defaults(run=sudoku)
 
     p = commands.add_parser("quantize", help="write an FP8 or NVFP4 copy of a checkpoint",
                             description="Quantize SRC's linear weights to DST in the compressed-tensors format "

@@ -67,6 +67,10 @@ class Tokenizer:
         eos = self.special_tokens.get("eos_token")
         return None if eos is None else self._tokenizer.token_to_id(eos)
 
+    def token_id(self, token: str) -> Optional[int]:
+        """The id of one vocabulary entry, or None."""
+        return self._tokenizer.token_to_id(token)
+
     def encode(self, text: str, add_special_tokens: bool = True) -> List[int]:
         """Token ids of `text`; add_special_tokens applies the tokenizer's post-processor
         (e.g. a leading <bos>), as transformers' encode does."""

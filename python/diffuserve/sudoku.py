@@ -1,0 +1,163 @@
+"""Sudoku: puzzles, checks, and solving one through a model by infilling.
+
+A puzzle is an 81-character string, row by row, '1'-'9' for givens and '0' or '.' for
+blanks. A Sudoku model reads the puzzle as its prompt and writes the solved grid as one
+81-token canvas: the givens are pinned (`pinned_positions`), every other cell is refined
+from noise, and only the digits 1-9 may be drawn (`allowed_token_ids`).
+"""
+from __future__ import annotations
+
+import random
+from typing import List, Optional, Tuple
+
+from .sampling import SamplingParams
+
+CELLS = 81
+
+
+def _units() -> List[List[int]]:
+    rows = [[r * 9 + c for c in range(9)] for r in range(9)]
+    cols = [[r * 9 + c for r in range(9)] for c in range(9)]
+    boxes = [[(br * 3 + r) * 9 + bc * 3 + c for r in range(3) for c in range(3)] for br in range(3) for bc in range(3)]
+    return rows + cols + boxes
+
+
+UNITS = _units()
+PEERS = [sorted({p for unit in UNITS if i in unit for p in unit} - {i}) for i in range(CELLS)]
+
+
+def parse(puzzle: str) -> List[int]:
+    """81 cells, 0 for a blank; ValueError naming what is wrong."""
+    text = "".join(puzzle.split())
+    if len(text) != CELLS:
+        raise ValueError(f"a puzzle has 81 cells, got {len(text)} characters")
+    bad = [ch for ch in text if ch not in "0123456789."]
+    if bad:
+        raise ValueError(f"a puzzle holds only digits and '.', got {bad[0]!r}")
+    return [0 if ch == "." else int(ch) for ch in text]
+
+
+def to_string(cells: List[int]) -> str:
+    return "".join(str(v) for v in cells)
+
+
+def is_solution(grid: List[int], puzzle: Optional[List[int]] = None) -> bool:
+    """Every row, column and box holds 1-9 once, and (given a puzzle) the givens are kept."""
+    if len(grid) != CELLS or any(not 1 <= v <= 9 for v in grid):
+        return False
+    if any(sorted(grid[i] for i in unit) != list(range(1, 10)) for unit in UNITS):
+        return False
+    return puzzle is None or all(p == 0 or p == g for p, g in zip(puzzle, grid))
+
+
+def _candidates(cells: List[int], i: int) -> List[int]:
+    used = {cells[p] for p in PEERS[i]}
+    return [v for v in range(1, 10) if v not in used]
+
+
+def count_solutions(cells: List[int], limit: int = 2) -> int:
+    """Solutions of a puzzle, counted up to `limit` (backtracking on the most constrained cell)."""
+    cells = list(cells)
+
+    def search() -> int:
+        best, best_options = -1, None
+        for i in range(CELLS):
+            if cells[i] == 0:
+                options = _candidates(cells, i)
+                if not options:
+                    return 0
+                if best_options is None or len(options) < len(best_options):
+                    best, best_options = i, options
+        if best < 0:
+            return 1
+        found = 0
+        for v in best_options:
+            cells[best] = v
+            found += search()
+            if found >= limit:
+                break
+        cells[best] = 0
+        return found
+
+    return search()
+
+
+def generate(givens: int = 30, rng: Optional[random.Random] = None) -> Tuple[str, str]:
+    """A (puzzle, solution) pair with a unique solution and about `givens` givens (never
+    fewer; more when no further cell can go without losing uniqueness)."""
+    if not 17 <= givens <= CELLS:
+        raise ValueError(f"givens must be in [17, 81], got {givens}")
+    rng = rng or random.Random()
+    grid = [0] * CELLS
+
+    def fill(i: int = 0) -> bool:
+        if i == CELLS:
+            return True
+        options = _candidates(grid, i)
+        rng.shuffle(options)
+        for v in options:
+            grid[i] = v
+            if fill(i + 1):
+                return True
+        grid[i] = 0
+        return False
+
+    fill()
+    puzzle = list(grid)
+    order = list(range(CELLS))
+    rng.shuffle(order)
+    remaining = CELLS
+    for i in order:
+        if remaining <= givens:
+            break
+        kept, puzzle[i] = puzzle[i], 0
+        if count_solutions(puzzle) == 1:
+            remaining -= 1
+        else:
+            puzzle[i] = kept
+    return to_string(puzzle), to_string(grid)
+
+
+def format_grid(cells: List[int], puzzle: Optional[List[int]] = None) -> str:
+    """The grid as 9 lines with box rules; givens in bold when a puzzle is given."""
+    lines = []
+    for r in range(9):
+        if r and r % 3 == 0:
+            lines.append("------+-------+------")
+        row = []
+        for c in range(9):
+            if c and c % 3 == 0:
+                row.append("|")
+            v = cells[r * 9 + c]
+            text = str(v) if v else "."
+            row.append(f"\033[1m{text}\033[0m" if puzzle is not None and puzzle[r * 9 + c] else text)
+        lines.append(" ".join(row))
+    return "\n".join(lines)
+
+
+def digit_token_ids(tokenizer) -> List[int]:
+    """The token ids of '1'..'9' in a Sudoku model's vocabulary."""
+    ids = [tokenizer.token_id(str(d)) if tokenizer is not None else None for d in range(1, 10)]
+    if None in ids:
+        raise ValueError("not a Sudoku model: its tokenizer has no single tokens for the digits 1-9")
+    return ids
+
+
+def request(llm, cells: List[int], seed: int = 0, max_denoising_steps: Optional[int] = None):
+    """(prompt ids, SamplingParams) that solve `cells` by infilling: the givens pinned, the
+    blanks started from random digits, only digits allowed, one 81-token canvas."""
+    if llm.model.canvas_length != CELLS:
+        raise ValueError(f"not a Sudoku model: its canvas has {llm.model.canvas_length} tokens, not 81")
+    digits = digit_token_ids(llm.tokenizer)
+    rng = random.Random(seed)
+    canvas = [digits[v - 1] if v else rng.choice(digits) for v in cells]
+    params = SamplingParams(max_new_tokens=CELLS, seed_canvas=canvas, pinned_positions=[i for i, v in enumerate(cells) if v],
+                            allowed_token_ids=digits, eos_token_id=[], seed=seed,
+                            max_denoising_steps=max_denoising_steps)
+    return llm.tokenizer.encode(to_string(cells)), params
+
+
+def grid_of(token_ids: List[int], digits: List[int]) -> List[int]:
+    """Cell values of a canvas of digit tokens (0 for anything else)."""
+    value = {t: d + 1 for d, t in enumerate(digits)}
+    return [value.get(t, 0) for t in token_ids]
