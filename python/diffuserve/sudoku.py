@@ -82,9 +82,11 @@ def count_solutions(cells: List[int], limit: int = 2) -> int:
     return search()
 
 
-def generate(givens: int = 30, rng: Optional[random.Random] = None) -> Tuple[str, str]:
-    """A (puzzle, solution) pair with a unique solution and about `givens` givens (never
-    fewer; more when no further cell can go without losing uniqueness)."""
+def generate(givens: int = 30, rng: Optional[random.Random] = None, unique: bool = True) -> Tuple[str, str]:
+    """A (puzzle, solution) pair with about `givens` givens. unique: the puzzle has one
+    solution (never fewer givens; more when no further cell can go without losing
+    uniqueness); otherwise exactly `givens` random cells are kept, which is fast (training
+    data only needs the solution to be consistent with the givens)."""
     if not 17 <= givens <= CELLS:
         raise ValueError(f"givens must be in [17, 81], got {givens}")
     rng = rng or random.Random()
@@ -111,7 +113,7 @@ def generate(givens: int = 30, rng: Optional[random.Random] = None) -> Tuple[str
         if remaining <= givens:
             break
         kept, puzzle[i] = puzzle[i], 0
-        if count_solutions(puzzle) == 1:
+        if not unique or count_solutions(puzzle) == 1:
             remaining -= 1
         else:
             puzzle[i] = kept
