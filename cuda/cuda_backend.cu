@@ -136,20 +136,7 @@ class CudaBackend final : public Backend {
     Weight w;
     w.dtype = as;
     w.shape = shape;
-    const int64_t n = w.numel();
-    std::vector<uint8_t> converted(size_t(n) * dtype_size(as));
-    for (int64_t i = 0; i < n; ++i) {
-      float v;
-      uint16_t h;
-      switch (dtype) {
-        case DType::F32: std::memcpy(&v, static_cast<const uint8_t*>(host) + 4 * i, 4); break;
-        case DType::BF16: std::memcpy(&h, static_cast<const uint8_t*>(host) + 2 * i, 2); v = bf16_to_f32(h); break;
-        case DType::F16: std::memcpy(&h, static_cast<const uint8_t*>(host) + 2 * i, 2); v = f16_to_f32(h); break;
-        default: throw InvalidArgument(std::string("weights of dtype ") + dtype_name(dtype) + " are not supported");
-      }
-      if (as == DType::F32) std::memcpy(&converted[4 * i], &v, 4);
-      else h = f32_to_bf16(v), std::memcpy(&converted[2 * i], &h, 2);
-    }
+    const std::vector<uint8_t> converted = store_floats(read_floats(host, dtype, w.numel()), as);
     auto storage = pool_->get(converted.size());
     check(cudaMemcpy(storage.get(), converted.data(), converted.size(), cudaMemcpyHostToDevice), "upload");
     w.data = storage.get();

@@ -3,13 +3,14 @@
 The model here has random weights (the trained one is issue 7's), so its grids are not
 solutions: these tests check the puzzle machinery, that the givens are kept, that only
 digits are written, and the command's output contract."""
+import importlib.util
 import os
 import random
 import subprocess
 import sys
 
 import pytest
-from tokenizers import Tokenizer, models, pre_tokenizers, processors
+from tokenizers import Tokenizer, models
 
 from diffuserve import sudoku as sd
 from diffuserve.random_checkpoint import write_random_checkpoint
@@ -45,19 +46,21 @@ def test_checks_and_parsing():
         sd.generate(10)
 
 
+TRAINER = os.path.join(os.path.dirname(__file__), "..", "training", "sudoku", "train.py")
+
+
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    """A random model with a character vocabulary: <pad> <eos> <bos> 0-9 '.'."""
+    """A random model with the Sudoku model's own text files (the trainer writes them)."""
+    spec = importlib.util.spec_from_file_location("sudoku_train", TRAINER)
+    trainer = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(trainer)
     path = tmp_path_factory.mktemp("sudoku") / "m"
-    vocab = {"<pad>": 0, "<eos>": 1, "<bos>": 2, **{str(d): 3 + d for d in range(10)}, ".": 13}
-    write_random_checkpoint(path, canvas_length=81, vocab_size=16, hidden_size=32, intermediate_size=48,
-                            num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
-                            global_head_dim=16, sliding_window=64, num_experts=4, top_k_experts=2,
+    write_random_checkpoint(path, canvas_length=81, vocab_size=len(trainer.VOCAB), hidden_size=32,
+                            intermediate_size=48, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                            head_dim=16, global_head_dim=16, sliding_window=64, num_experts=4, top_k_experts=2,
                             moe_intermediate_size=16)
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
-    tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
-    tok.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", 2)])
-    tok.save(str(path / "tokenizer.json"))
+    trainer.write_text_files(str(path))
     return str(path)
 
 
@@ -103,9 +106,8 @@ def test_clear_errors(model, tmp_path):
 def test_training_script_runs_and_its_checkpoint_solves_through_diffuserve(tmp_path):
     """training/sudoku/train.py end to end at toy size: a few steps, a checkpoint diffuserve
     loads, an evaluation through the real sampler, and a log line."""
-    script = os.path.join(os.path.dirname(__file__), "..", "training", "sudoku", "train.py")
     out = tmp_path / "run"
-    run_ = subprocess.run([sys.executable, script, "--out", str(out), "--device", "cpu", "--hidden", "32",
+    run_ = subprocess.run([sys.executable, TRAINER, "--out", str(out), "--device", "cpu", "--hidden", "32",
                            "--layers", "2", "--experts", "4", "--batch", "4", "--steps", "2", "--eval-every", "2",
                            "--eval-puzzles", "2"], capture_output=True, text=True)
     assert run_.returncode == 0, run_.stderr

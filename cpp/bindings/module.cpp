@@ -139,7 +139,6 @@ void bind_generate(nb::module_& m) {
       .def("abort", &Engine::abort, nb::arg("id"))
       .def("pending_tokens", &Engine::pending_tokens, nb::arg("id"))
       .def("canvas_length", &Engine::canvas_length, nb::arg("id"))
-      .def("is_waiting", &Engine::is_waiting, nb::arg("id"))
       .def("generated", &Engine::generated, nb::arg("id"))
       .def("draft", &Engine::draft, nb::arg("id"))
       .def("step",

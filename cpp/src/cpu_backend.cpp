@@ -96,18 +96,8 @@ class CpuBackend final : public Backend {
       w.storage = std::move(keep_alive);
       return w;
     }
-    const int64_t n = w.numel();
-    std::vector<float> wide(n);
-    std::vector<uint8_t> aligned(static_cast<const uint8_t*>(host), static_cast<const uint8_t*>(host) + n * dtype_size(dtype));
-    widen(aligned.data(), dtype, n, wide.data());
-    auto buf = std::shared_ptr<uint8_t[]>(new uint8_t[std::max<size_t>(n * dtype_size(as), 1)]);
-    for (int64_t i = 0; i < n; ++i) {
-      if (as == DType::F32) reinterpret_cast<float*>(buf.get())[i] = wide[i];
-      else if (as == DType::BF16) reinterpret_cast<uint16_t*>(buf.get())[i] = f32_to_bf16(wide[i]);
-      else if (as == DType::F16) reinterpret_cast<uint16_t*>(buf.get())[i] = f32_to_f16(wide[i]);
-      else throw InvalidArgument(std::string("cannot store weights as ") + dtype_name(as));
-    }
-    w.data = buf.get();
+    auto buf = std::make_shared<std::vector<uint8_t>>(store_floats(read_floats(host, dtype, w.numel()), as));
+    w.data = buf->data();
     w.storage = buf;
     return w;
   }

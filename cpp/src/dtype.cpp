@@ -1,6 +1,7 @@
 #include "diffuserve/dtype.h"
 
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <iterator>
 
@@ -115,6 +116,36 @@ float fp8_e4m3_to_f32(uint8_t v) {
 float fp4_e2m1_to_f32(uint8_t nibble) {
   static constexpr float kMagnitude[8] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f};
   return (nibble & 0x8 ? -1.0f : 1.0f) * kMagnitude[nibble & 0x7];
+}
+
+std::vector<float> read_floats(const void* src, DType dtype, int64_t n) {
+  const uint8_t* bytes = static_cast<const uint8_t*>(src);
+  std::vector<float> out(n);
+  uint16_t h;
+  for (int64_t i = 0; i < n; ++i) {
+    switch (dtype) {
+      case DType::F32: std::memcpy(&out[i], bytes + 4 * i, 4); break;
+      case DType::BF16: std::memcpy(&h, bytes + 2 * i, 2); out[i] = bf16_to_f32(h); break;
+      case DType::F16: std::memcpy(&h, bytes + 2 * i, 2); out[i] = f16_to_f32(h); break;
+      default: throw InvalidArgument(std::string("expected F32, BF16 or F16 values, got ") + dtype_name(dtype));
+    }
+  }
+  return out;
+}
+
+std::vector<uint8_t> store_floats(const std::vector<float>& values, DType to) {
+  if (to != DType::F32 && to != DType::BF16 && to != DType::F16)
+    throw InvalidArgument(std::string("cannot store weights as ") + dtype_name(to));
+  std::vector<uint8_t> out(values.size() * dtype_size(to));
+  for (size_t i = 0; i < values.size(); ++i) {
+    if (to == DType::F32) {
+      std::memcpy(&out[4 * i], &values[i], 4);
+    } else {
+      const uint16_t h = to == DType::BF16 ? f32_to_bf16(values[i]) : f32_to_f16(values[i]);
+      std::memcpy(&out[2 * i], &h, 2);
+    }
+  }
+  return out;
 }
 
 float round_to_dtype(float x, DType t) {

@@ -215,7 +215,6 @@ void Engine::abort(uint64_t id) {
 
 int64_t Engine::pending_tokens(uint64_t id) const { return get(id).pending(); }
 int Engine::canvas_length(uint64_t id) const { return get(id).canvas; }
-bool Engine::is_waiting(uint64_t id) const { return get(id).waiting; }
 std::vector<int32_t> Engine::generated(uint64_t id) const { return get(id).out.token_ids; }
 std::vector<int32_t> Engine::draft(uint64_t id) const {
   const RequestState& r = get(id);

@@ -1,7 +1,6 @@
 // Sampling parameters (defaults, validation) and generate(): whole requests through the Engine.
 #include "diffuserve/generate.h"
 
-#include <algorithm>
 #include <climits>
 #include <cmath>
 

@@ -62,13 +62,6 @@ KvCache::KvCache(Backend& backend, const ModelConfig& config, int64_t memory_byt
   }
 }
 
-int64_t KvCache::bytes_per_block(KvGroup g) const {
-  int64_t bytes = 0;
-  for (size_t i = 0; i < config_.layers.size(); ++i)
-    if (group_of_[i] == g) bytes += 2 * keys_[i].cols * block_size_ * 4;
-  return bytes;
-}
-
 KvStats KvCache::stats() const {
   KvStats s;
   for (const Pool& p : pools_) {

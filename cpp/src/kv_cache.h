@@ -56,7 +56,6 @@ class KvCache {
   KvCache(Backend& backend, const ModelConfig& config, int64_t memory_bytes, int block_size, int max_seqs);
 
   int block_size() const { return block_size_; }
-  int64_t bytes_per_block(KvGroup g) const;
   KvStats stats() const;
 
   // Allocates the blocks for `new_tokens` more tokens; false (and nothing changed) if

@@ -134,16 +134,7 @@ class TensorSource {
     if (!is_float(t.dtype))
       throw FormatError(t.file + ": tensor '" + t.name + "' has dtype " + dtype_name(t.dtype) +
                         "; expected F32, BF16 or F16");
-    std::vector<float> out(t.numel());
-    for (int64_t i = 0; i < t.numel(); ++i) {
-      uint16_t h;
-      switch (t.dtype) {
-        case DType::F32: std::memcpy(&out[i], t.data + 4 * i, 4); break;
-        case DType::BF16: std::memcpy(&h, t.data + 2 * i, 2); out[i] = bf16_to_f32(h); break;
-        default: std::memcpy(&h, t.data + 2 * i, 2); out[i] = f16_to_f32(h); break;
-      }
-    }
-    return out;
+    return read_floats(t.data, t.dtype, t.numel());
   }
 
   // A companion tensor (a scale) of any shape, marked taken.

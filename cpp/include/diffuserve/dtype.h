@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <cstring>
 #include <string>
+#include <vector>
 
 namespace diffuserve {
 
@@ -38,6 +39,11 @@ uint16_t f32_to_f16(float f);
 // nibble: sign, 2 exponent bits, 1 mantissa bit) to fp32.
 float fp8_e4m3_to_f32(uint8_t v);
 float fp4_e2m1_to_f32(uint8_t nibble);
+
+// n F32, BF16 or F16 values from `src` (which need not be aligned) as fp32.
+std::vector<float> read_floats(const void* src, DType dtype, int64_t n);
+// fp32 values as the bytes of F32, BF16 or F16 (rounded to nearest even).
+std::vector<uint8_t> store_floats(const std::vector<float>& values, DType to);
 
 // Rounds an fp32 value through `t` and back (identity for F32): what a cast to the weight
 // dtype does to a value in the reference implementation.

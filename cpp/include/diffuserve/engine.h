@@ -61,7 +61,6 @@ class Engine {
   int64_t pending_tokens(uint64_t id) const;
   // The request's canvas length (rows of one denoise step).
   int canvas_length(uint64_t id) const;
-  bool is_waiting(uint64_t id) const;
   // Tokens generated so far (whole finished blocks).
   std::vector<int32_t> generated(uint64_t id) const;
   // The argmax canvas of the block in progress (empty between blocks): a draft to stream.
