@@ -56,7 +56,7 @@ def model(tmp_path_factory):
     trainer = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(trainer)
     path = tmp_path_factory.mktemp("sudoku") / "m"
-    write_random_checkpoint(path, canvas_length=81, vocab_size=len(trainer.VOCAB), hidden_size=32,
+    write_random_checkpoint(path, canvas_length=trainer.CANVAS, vocab_size=len(trainer.VOCAB), hidden_size=32,
                             intermediate_size=48, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
                             head_dim=16, global_head_dim=16, sliding_window=64, num_experts=4, top_k_experts=2,
                             moe_intermediate_size=16)
@@ -94,7 +94,6 @@ def test_eval_prints_the_summary_and_writes_answers(model, tmp_path):
 
 def test_clear_errors(model, tmp_path):
     assert "81 cells" in run("123", "--model", model).stderr
-    assert "no bundled Sudoku model" in run("1" * 81).stderr
     plain = write_random_checkpoint(tmp_path / "plain", canvas_length=16, vocab_size=64, hidden_size=32,
                                     intermediate_size=48, num_hidden_layers=2, num_attention_heads=2,
                                     num_key_value_heads=1, head_dim=16, global_head_dim=16, sliding_window=8,
@@ -108,9 +107,10 @@ def test_training_script_runs_and_its_checkpoint_solves_through_diffuserve(tmp_p
     loads, an evaluation through the real sampler, and a log line."""
     out = tmp_path / "run"
     run_ = subprocess.run([sys.executable, TRAINER, "--out", str(out), "--device", "cpu", "--hidden", "32",
-                           "--layers", "2", "--experts", "4", "--batch", "4", "--steps", "2", "--eval-every", "2",
-                           "--eval-puzzles", "2"], capture_output=True, text=True)
+                           "--layers", "2", "--experts", "4", "--moe-intermediate", "16", "--batch", "4",
+                           "--minutes", "0.02", "--pool-seconds", "1", "--eval-puzzles", "2"],
+                          capture_output=True, text=True)
     assert run_.returncode == 0, run_.stderr
     assert '"solved"' in (out / "training_log.jsonl").read_text()
-    solved = run("--model", str(out), "--max-denoising-steps", "2")
+    solved = run("--model", str(out / "best"), "--max-denoising-steps", "2")
     assert solved.returncode == 0, solved.stderr

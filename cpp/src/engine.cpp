@@ -92,7 +92,7 @@ bool advance(RequestState& r, Backend& be, Activation logits, int vocab, DType w
     r.argmax[i] = rows[i].argmax;
     r.canvas_ids[i] = accepted[i] ? rows[i].candidate : r.random_token(renoise, uint32_t(i), vocab);
   }
-  r.feedback = logits;
+  if (p.self_conditioning) r.feedback = logits;
   const float mean_entropy = counted ? float(entropy_sum / counted) : 0.0f;
   return (*r.stop)(r.argmax, mean_entropy) || r.steps == p.max_denoising_steps;
 }
@@ -253,7 +253,7 @@ std::vector<std::pair<uint64_t, GenerationOutput>> Engine::step(const std::vecto
       }
       if (encode < pending || (encode > 0 && !fuse_commit_) || rows + r->canvas > max_batched_tokens) continue;
       if (!r->in_block) start_block(*r, c.vocab_size);
-      segments.push_back(Segment{&r->table, false, r->canvas_ids, r->steps ? &r->feedback : nullptr});
+      segments.push_back(Segment{&r->table, false, r->canvas_ids, r->feedback.data ? &r->feedback : nullptr});
       denoisers.push_back(r);
       rows += r->canvas;
     }

@@ -17,9 +17,18 @@ from .tokenizer import Tokenizer
 
 __version__ = "0.1.0"
 __all__ = ["Model", "Sequence", "LLM", "SamplingParams", "RequestOutput", "Tokenizer", "CheckpointError",
-           "cmake_dir", "include_dir"]
+           "cmake_dir", "include_dir", "default_model"]
 
 _HERE = Path(__file__).resolve().parent
+
+
+def default_model() -> str:
+    """The bundled model's directory: a small DiffusionGemma trained to solve Sudoku
+    (training/sudoku/train.py), used wherever no model is given."""
+    path = _HERE / "sudoku_model"
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"the bundled model is missing from {path}: reinstall diffuserve")
+    return str(path)
 
 
 def cmake_dir() -> str:

@@ -11,17 +11,17 @@ from typing import Optional
 
 from tqdm import tqdm
 
-NO_DEFAULT_MODEL = ("no MODEL given, and diffuserve has no bundled default model yet (it is planned: issue 7). "
-                    "Pass a checkpoint directory, e.g. `diffuserve {command} /path/to/diffusiongemma`.")
-
-
-def _load(path: Optional[str], args, command: str):
+def _load(path: Optional[str], args):
     """The LLM for checkpoint `path`, with a progress line while it loads. The runtime
     reports no finer progress than done/not done, so the line shows the time spent."""
+    from . import default_model
     from .llm import LLM
 
     if path is None:
-        sys.exit("error: " + NO_DEFAULT_MODEL.format(command=command))
+        try:
+            path = default_model()
+        except FileNotFoundError as e:
+            sys.exit(f"error: {e}")
     if not os.path.isdir(path):
         sys.exit(f"error: {path!r} is not a directory (a checkpoint is a directory: config.json, *.safetensors, "
                  "tokenizer.json)")
@@ -50,11 +50,12 @@ def serve(args) -> None:
     from .async_llm import AsyncLLM
     from .server import build_app
 
-    llm = _load(args.model, args, "serve")
+    llm = _load(args.model, args)
     if llm.tokenizer is None:
         sys.exit(f"error: {args.model} has no tokenizer.json; the server needs one to read and write text")
-    app = build_app(AsyncLLM(llm), args.served_model_name or args.model, api_key=args.api_key)
-    print(f"serving {args.served_model_name or args.model} at http://{args.host}:{args.port}/v1"
+    name = args.served_model_name or args.model or "diffuserve-sudoku"  # no model: the bundled one
+    app = build_app(AsyncLLM(llm), name, api_key=args.api_key)
+    print(f"serving {name} at http://{args.host}:{args.port}/v1"
           + (" (API key required)" if args.api_key else ""), file=sys.stderr)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
                 timeout_graceful_shutdown=args.shutdown_timeout)
@@ -64,7 +65,7 @@ def generate(args) -> None:
     from .detokenizer import IncrementalDetokenizer, until_eos
     from .sampling import SamplingParams
 
-    llm = _load(args.model, args, "generate")
+    llm = _load(args.model, args)
     tokenizer = llm.tokenizer
     if tokenizer is None:
         sys.exit(f"error: {args.model} has no tokenizer.json, so it cannot read text")
@@ -98,16 +99,14 @@ def bench(args) -> None:
     from . import bench as benchmark
 
     benchmark.main(args.model, [int(n) for n in args.concurrency.split(",")], args.prompt_tokens, args.max_tokens,
-                   args.steps, load=lambda path: _load(path, args, "bench"))
+                   args.steps, load=lambda path: _load(path, args))
 
 
 def sudoku(args) -> None:
     from . import sudoku as sd
 
-    if args.model is None:
-        sys.exit("error: no --model given, and diffuserve has no bundled Sudoku model yet (issue 7)")
     args.slice_steps = 1  # the live view redraws after every denoise step
-    llm = _load(args.model, args, "sudoku")
+    llm = _load(args.model, args)
     try:
         digits = sd.digit_token_ids(llm.tokenizer)
         if args.eval:
@@ -187,7 +186,7 @@ def parser() -> argparse.ArgumentParser:
     p = commands.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API",
                             description="Serve MODEL over an OpenAI-compatible HTTP API: /v1/models, "
                                         "/v1/completions, /v1/chat/completions, /health, /metrics.")
-    p.add_argument("model", nargs="?", metavar="MODEL", help="checkpoint directory")
+    p.add_argument("model", nargs="?", metavar="MODEL", help="checkpoint directory (default: the bundled Sudoku model)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port (default: 8000)")
     p.add_argument("--api-key", default=os.environ.get("DIFFUSERVE_API_KEY"),
@@ -204,7 +203,7 @@ def parser() -> argparse.ArgumentParser:
                             description="Generate an answer to PROMPT and print it block by block.")
     p.add_argument("prompt", metavar="PROMPT", help="the text (sent as a user message when the model has a chat "
                                                     "template)")
-    p.add_argument("--model", "-m", help="checkpoint directory")
+    p.add_argument("--model", "-m", help="checkpoint directory (default: the bundled Sudoku model)")
     p.add_argument("--max-tokens", type=int, default=None, help="output length cap (default: the checkpoint's)")
     p.add_argument("--max-denoising-steps", type=int, default=None, help="decoder passes per block at most")
     p.add_argument("--seed", type=int, default=None, help="seed for a reproducible answer")
@@ -230,7 +229,7 @@ def parser() -> argparse.ArgumentParser:
                                         "then say whether it is valid. With --eval FILE, solve one puzzle per line "
                                         "and print solved=<fraction> mean_steps=<mean> n=<count>.")
     p.add_argument("puzzle", nargs="?", metavar="PUZZLE")
-    p.add_argument("--model", "-m", help="a Sudoku checkpoint directory")
+    p.add_argument("--model", "-m", help="a Sudoku checkpoint directory (default: the bundled one)")
     p.add_argument("--givens", type=int, default=30, help="givens of a generated puzzle (default: 30)")
     p.add_argument("--seed", type=int, default=0, help="seed of the puzzle and of the sampler (default: 0)")
     p.add_argument("--max-denoising-steps", type=int, default=None, help="default: the checkpoint's")

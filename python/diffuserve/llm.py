@@ -46,9 +46,9 @@ class LLM:
                  kv_cache_memory_bytes: Optional[int] = None, max_num_seqs: int = 64,
                  max_num_batched_tokens: Optional[int] = None, kv_block_size: int = 16, slice_steps: int = 8,
                  fuse_commit: bool = True, load_format: str = "auto"):
-        if path is None:
-            raise ValueError("no model path given: diffuserve has no bundled default model yet (it is planned, "
-                             "issue 7); pass a checkpoint directory")
+        if path is None:  # the bundled Sudoku model
+            from . import default_model
+            path = default_model()
         for name, value, lo in [("max_num_seqs", max_num_seqs, 1), ("kv_block_size", kv_block_size, 1),
                                 ("slice_steps", slice_steps, 1)]:
             if not isinstance(value, int) or isinstance(value, bool) or value < lo:

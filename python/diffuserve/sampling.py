@@ -51,6 +51,7 @@ class SamplingParams:
     seed_canvas: Optional[Sequence[int]] = None  # initial tokens of the first block
     pinned_positions: Optional[Sequence[int]] = None  # first-block positions held at their seed_canvas token
     allowed_token_ids: Optional[Sequence[int]] = None  # only these may be sampled, accepted or output
+    self_conditioning: bool = True  # False: no step sees the previous step's logits (an ablation)
 
     def __post_init__(self):
         def integer(name, lo):
@@ -84,6 +85,8 @@ class SamplingParams:
         seed_canvas = _int_list("seed_canvas", self.seed_canvas)
         pinned = _int_list("pinned_positions", self.pinned_positions, allow_empty=True)
         _int_list("allowed_token_ids", self.allowed_token_ids)
+        if not isinstance(self.self_conditioning, bool):
+            raise ValueError(f"self_conditioning must be True or False, got {self.self_conditioning!r}")
         if pinned and not seed_canvas:
             raise ValueError("pinned_positions needs a seed_canvas to take the pinned tokens from")
         if len(set(pinned)) != len(pinned):
@@ -105,5 +108,6 @@ class SamplingParams:
         p.seed_canvas = _int_list("seed_canvas", self.seed_canvas)
         p.pinned_positions = _int_list("pinned_positions", self.pinned_positions, allow_empty=True)
         p.allowed_token_ids = _int_list("allowed_token_ids", self.allowed_token_ids)
+        p.self_conditioning = self.self_conditioning
         return p
 

@@ -145,21 +145,32 @@ def digit_token_ids(tokenizer) -> List[int]:
     return ids
 
 
-def request(llm, cells: List[int], seed: int = 0, max_denoising_steps: Optional[int] = None):
+def request(llm, cells: List[int], seed: int = 0, max_denoising_steps: Optional[int] = None,
+            self_conditioning: bool = True):
     """(prompt ids, SamplingParams) that solve `cells` by infilling: the givens pinned, the
-    blanks started from random digits, only digits allowed, one 81-token canvas."""
-    if llm.model.canvas_length != CELLS:
-        raise ValueError(f"not a Sudoku model: its canvas has {llm.model.canvas_length} tokens, not 81")
+    blanks started from random digits, only digits allowed. The canvas is the 81 cells, or
+    the 81 cells and an end token (pinned too) where the model's canvas has 82 tokens."""
+    canvas_length = llm.model.canvas_length
+    if canvas_length not in (CELLS, CELLS + 1):
+        raise ValueError(f"not a Sudoku model: its canvas has {canvas_length} tokens, not 81 or 82")
     digits = digit_token_ids(llm.tokenizer)
     rng = random.Random(seed)
     canvas = [digits[v - 1] if v else rng.choice(digits) for v in cells]
-    params = SamplingParams(max_new_tokens=CELLS, seed_canvas=canvas, pinned_positions=[i for i, v in enumerate(cells) if v],
-                            allowed_token_ids=digits, eos_token_id=[], seed=seed,
-                            max_denoising_steps=max_denoising_steps)
+    pinned, stop = [i for i, v in enumerate(cells) if v], []
+    if canvas_length > CELLS:
+        eos = llm.tokenizer.eos_token_id
+        if eos is None:
+            raise ValueError("not a Sudoku model: its canvas has 82 tokens but its tokenizer names no end token")
+        canvas.append(eos)
+        pinned.append(CELLS)
+        stop = [eos]
+    params = SamplingParams(max_new_tokens=canvas_length, seed_canvas=canvas, pinned_positions=pinned,
+                            allowed_token_ids=digits, eos_token_id=stop, seed=seed,
+                            max_denoising_steps=max_denoising_steps, self_conditioning=self_conditioning)
     return llm.tokenizer.encode(to_string(cells)), params
 
 
 def grid_of(token_ids: List[int], digits: List[int]) -> List[int]:
-    """Cell values of a canvas of digit tokens (0 for anything else)."""
+    """Cell values of the first 81 tokens of a canvas (0 for anything but a digit)."""
     value = {t: d + 1 for d, t in enumerate(digits)}
-    return [value.get(t, 0) for t in token_ids]
+    return [value.get(t, 0) for t in token_ids[:CELLS]]

@@ -30,6 +30,7 @@ struct SamplingParams {
   std::vector<int32_t> seed_canvas;        // initial tokens of the first block's canvas
   std::vector<int32_t> pinned_positions;   // first-block positions held at their seed_canvas token
   std::vector<int32_t> allowed_token_ids;  // only these may be drawn, accepted or output
+  bool self_conditioning = true;           // false: every step sees no previous logits (an ablation)
 };
 
 struct GenerationOutput {
