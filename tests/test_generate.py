@@ -145,6 +145,26 @@ def test_allowed_token_ids_constrain_every_output(checkpoints):
     assert set(out.token_ids) <= set(allowed)
 
 
+def test_self_conditioning_off_feeds_no_logits(checkpoints):
+    """self_conditioning=False: every step is a plain denoise of the current canvas. Near-greedy
+    with every position accepted, three steps are three argmaxes of denoise(canvas) without
+    self-conditioning logits; with it on, the later steps see the previous logits and differ."""
+    path = checkpoints["small"]
+    llm, canvas = ds.LLM(path), MODELS["small"][1]
+    prompt, seed_canvas = [3, 4, 5, 6], list(range(20, 20 + canvas))
+    common = dict(max_new_tokens=canvas, seed_canvas=seed_canvas, entropy_bound=HUGE_BOUND, eos_token_id=[],
+                  max_denoising_steps=3, confidence_threshold=1e-30, seed=0, **GREEDY)
+    off = llm.generate([prompt], ds.SamplingParams(self_conditioning=False, **common))[0]
+    on = llm.generate([prompt], ds.SamplingParams(**common))[0]
+    seq = llm.model.sequence()
+    seq.prefill(prompt)
+    expected = seed_canvas
+    for _ in range(3):
+        expected = seq.denoise(expected).argmax(axis=1).tolist()
+    assert off.denoise_steps == [3] and off.token_ids == expected
+    assert on.token_ids != expected
+
+
 def test_defaults_come_from_generation_config(checkpoints, tmp_path):
     import json
     import shutil
@@ -158,6 +178,7 @@ def test_defaults_come_from_generation_config(checkpoints, tmp_path):
 
 
 @pytest.mark.parametrize("kwargs, name", [
+    (dict(self_conditioning=1), "self_conditioning"),
     (dict(max_new_tokens=0), "max_new_tokens"), (dict(max_new_tokens=2.5), "max_new_tokens"),
     (dict(max_new_tokens=True), "max_new_tokens"), (dict(max_denoising_steps=0), "max_denoising_steps"),
     (dict(t_min=-0.1), "t_min"), (dict(t_max=float("nan")), "t_max"), (dict(t_min=0.5, t_max=0.5), "t_max"),

@@ -63,6 +63,7 @@ class _GenerationRequest(_Strict):
     seed_canvas: Optional[List[int]] = None
     pinned_positions: Optional[List[int]] = None
     allowed_token_ids: Optional[List[int]] = None
+    self_conditioning: bool = True
     stream_drafts: bool = False  # stream the argmax canvas of the block being refined
 
     def stop_strings(self) -> List[str]:
@@ -94,7 +95,7 @@ class _GenerationRequest(_Strict):
                     t_max=t_max, entropy_bound=self.entropy_bound, stability_threshold=self.stability_threshold,
                     confidence_threshold=self.confidence_threshold, seed=seed, canvas_length=self.canvas_length,
                     seed_canvas=self.seed_canvas, pinned_positions=self.pinned_positions,
-                    allowed_token_ids=self.allowed_token_ids))
+                    allowed_token_ids=self.allowed_token_ids, self_conditioning=self.self_conditioning))
             except ValueError as e:
                 raise invalid_value(e) from None
         return params
