@@ -115,7 +115,11 @@ size_t shared_bytes(int head_dim) {
 
 }  // namespace
 
-int attention_rows_per_item(int group) { return group >= kQueries ? 1 : kQueries / group; }
+int attention_rows_per_item(int group, int head_dim) {
+  const int mma_queries = attention_mma_queries(head_dim);  // nonzero where attention_mma serves
+  const int queries = mma_queries ? mma_queries : kQueries;
+  return group >= queries ? 1 : queries / group;
+}
 
 void attention(const float* q, float* out, const DeviceAttentionSegment* segments, const DeviceKeySpan* spans,
                const AttentionItem* items, int num_items, int num_heads, int num_kv_heads, int head_dim,

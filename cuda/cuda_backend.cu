@@ -185,12 +185,13 @@ class CudaBackend final : public Backend {
   void linear(const Activation& x, const Weight& w, Activation& y, int expert) override {
     auto timed = profile_.scope("linear");
     const int64_t n = w.shape[w.shape.size() - 2], k = w.shape.back();
-    gemm_dense(x, bf16(w) + (expert >= 0 ? int64_t(expert) * n * k : 0), n, k, y);
+    gemm_dense(x, bf16(w) + (expert >= 0 ? int64_t(expert) * n * k : 0), n, k, false, y);
   }
 
   // y = round_bf16(x) @ w with w [K, N] (the reference casts the probabilities to the
-  // weight dtype first). The product runs on a transposed copy of w ([N, K], made once
-  // per weight), which the GEMM reads along K like every other weight.
+  // weight dtype first; the GEMM rounds X itself). The product runs on a transposed copy
+  // of w ([N, K], made once per weight), which the GEMM reads along K like every other
+  // weight.
   void linear_nt(const Activation& x, const Weight& w, Activation& y) override {
     auto timed = profile_.scope("linear_nt");
     const int64_t k = w.shape[0], n = w.shape[1];
@@ -199,9 +200,7 @@ class CudaBackend final : public Backend {
       t = pool_->get(size_t(k * n) * 2);
       cuda::transpose_bf16(bf16(w), k, n, static_cast<__nv_bfloat16*>(t.get()), stream_);
     }
-    Activation rounded = alloc(x.rows, x.cols);
-    cuda::round_bf16(x.data, rounded.data, x.size(), stream_);
-    gemm_dense(rounded, static_cast<const __nv_bfloat16*>(t.get()), n, k, y);
+    gemm_dense(x, static_cast<const __nv_bfloat16*>(t.get()), n, k, true, y);
   }
 
   void rms_norm(const Activation& x, const Weight* weight, int64_t group, float eps, Activation& y) override {
@@ -224,7 +223,7 @@ class CudaBackend final : public Backend {
     std::vector<cuda::DeviceAttentionSegment> segs;
     std::vector<cuda::DeviceKeySpan> spans;
     std::vector<cuda::AttentionItem> items;
-    const int rows_per_item = cuda::attention_rows_per_item(group);
+    const int rows_per_item = cuda::attention_rows_per_item(group, int(head_dim));
     for (const AttentionSegment& s : segments) {
       const int index = int(segs.size());
       segs.push_back({s.first_row, s.first_position, s.window, s.causal ? 1 : 0, int(spans.size()), int(s.spans.size())});
@@ -268,7 +267,8 @@ class CudaBackend final : public Backend {
     auto timed = profile_.scope("experts");
     const int64_t num_experts = gate_up.shape[0], inter2 = gate_up.shape[1], hidden = x.cols;
     const int64_t pairs = routing.weights.size(), tokens = routing.weights.rows;
-    const int tile_rows = cuda::gemm_tile_rows(pairs / std::max<int64_t>(1, std::min(num_experts, pairs)));
+    const int64_t segments = std::max<int64_t>(1, std::min(num_experts, pairs));
+    const int tile_rows = cuda::gemm_tile_rows(pairs / segments, segments, std::min(inter2, hidden));
     const int max_tiles = int((pairs + tile_rows - 1) / tile_rows + num_experts);
     auto row_map = pool_->get(sizeof(int64_t) * size_t(pairs)), inverse = pool_->get(sizeof(int64_t) * size_t(pairs));
     auto up_segments = pool_->get(sizeof(cuda::GemmSegment) * size_t(num_experts));
@@ -280,12 +280,15 @@ class CudaBackend final : public Backend {
                    static_cast<int64_t*>(inverse.get()), static_cast<cuda::GemmSegment*>(up_segments.get()),
                    static_cast<cuda::GemmSegment*>(down_segments.get()), device_tiles, max_tiles, stream_);
     Activation gu = alloc(pairs, inter2), act = alloc(pairs, inter2 / 2), y = alloc(pairs, hidden);
-    cuda::gemm(x.data, x.cols, static_cast<const int64_t*>(row_map.get()),
+    auto up_scratch = pool_->get(cuda::gemm_scratch_bytes(x.rows, hidden, false));
+    cuda::gemm(x.data, x.rows, x.cols, static_cast<const int64_t*>(row_map.get()),
                static_cast<const cuda::GemmSegment*>(up_segments.get()), device_tiles, max_tiles, tile_rows, inter2,
-               hidden, gu.data, gu.cols, stream_);
+               hidden, false, gu.data, gu.cols, up_scratch.get(), stream_);
     cuda::gelu_glu(gu.data, pairs, inter2 / 2, act.data, stream_);
-    cuda::gemm(act.data, act.cols, nullptr, static_cast<const cuda::GemmSegment*>(down_segments.get()), device_tiles,
-               max_tiles, tile_rows, hidden, inter2 / 2, y.data, y.cols, stream_);
+    auto down_scratch = pool_->get(cuda::gemm_scratch_bytes(pairs, inter2 / 2, false));
+    cuda::gemm(act.data, pairs, act.cols, nullptr, static_cast<const cuda::GemmSegment*>(down_segments.get()),
+               device_tiles, max_tiles, tile_rows, hidden, inter2 / 2, false, y.data, y.cols, down_scratch.get(),
+               stream_);
     cuda::combine_experts(y.data, static_cast<const int64_t*>(inverse.get()), routing.weights.data, tokens,
                           routing.top_k, hidden, out.data, stream_);
   }
@@ -323,11 +326,12 @@ class CudaBackend final : public Backend {
   }
 
  private:
-  void gemm_dense(const Activation& x, const __nv_bfloat16* w, int64_t n, int64_t k, Activation& y) {
+  void gemm_dense(const Activation& x, const __nv_bfloat16* w, int64_t n, int64_t k, bool round_x, Activation& y) {
     const cuda::GemmSegment seg{0, 0, int(x.rows), w};
-    const int tile = cuda::gemm_tile_rows(x.rows);
-    cuda::gemm(x.data, x.cols, nullptr, &seg, nullptr, int((x.rows + tile - 1) / tile), tile, n, k, y.data, y.cols,
-               stream_);
+    const int tile = cuda::gemm_tile_rows(x.rows, 1, n);
+    auto scratch = pool_->get(cuda::gemm_scratch_bytes(x.rows, k, round_x));
+    cuda::gemm(x.data, x.rows, x.cols, nullptr, &seg, nullptr, int((x.rows + tile - 1) / tile), tile, n, k, round_x,
+               y.data, y.cols, scratch.get(), stream_);
   }
 
   static const __nv_bfloat16* bf16(const Weight& w) {

@@ -1,18 +1,39 @@
 // Segmented bf16 GEMM on tensor cores (mma.sync m16n8k16, fp32 accumulation).
 //
 // One launch computes a product per segment (one for a dense layer, one per expert for
-// the MoE), each over its own rows of X and its own weight matrix. Block tile BM x 128 x
-// 32 with four warps: BM = 64 (warps of 32 x 64) for tall inputs, BM = 16 (warps of 16 x
-// 32) for the MoE at small batch, where each expert sees a dozen rows and the kernel's
-// job is streaming weights: the small tile keeps few registers, so many blocks are in
-// flight. The next K-slice is loaded into registers while the current one is multiplied
-// from shared memory.
+// the MoE), each over its own rows of X and its own weight matrix.
 //
 // X is fp32 and enters the tensor cores as two bf16 parts, hi = bf16(x) and lo =
 // bf16(x - hi), each multiplied by the bf16 weights: 16 bits of mantissa instead of 8, so
 // the product matches the fp32 reference (whose weights are the same bf16 values) to
-// fp32-like precision. It doubles the tensor-core work, which costs nothing where the
-// kernel waits on weight bytes (the MoE at small batch) and little elsewhere.
+// fp32-like precision. A pre-pass writes X as rows of [hi | lo] bf16 (K zero-padded to a
+// multiple of 64) into the caller's scratch, so the main loop is a plain bf16 GEMM of A =
+// hi and lo against the same weight tile, with nothing to convert per tile. The pre-pass
+// keeps X's row order and the main loop gathers A rows through row_map (the MoE's up
+// projection), so a token is converted once however many experts it goes to. With round_x
+// (linear_nt's round_bf16(x) @ w) only hi is written and multiplied: lo would be zero.
+//
+// Main loop: block tiles of BM x BN outputs, K in slices of 64 (128 bytes of bf16 per tile
+// row), streamed global -> shared memory by cp.async into a ring of 3-4 stages, so the
+// next slices are in flight while the tensor cores work on the current one. Each tile row
+// keeps its eight 16-byte chunks XOR-swizzled by (row % 8), which makes both the cp.async
+// stores and the ldmatrix reads (8 rows of one chunk column) free of bank conflicts.
+// Fragments come from ldmatrix.x4, without .trans: W is [N, K], K contiguous, which is
+// already the MMA's "col" B layout. Three tile shapes:
+//   128 x 256, 8 warps of 64 x 64: tall inputs (dense at large batch, the lm_head, the MoE
+//       at large batch). Per 16-wide K step a warp loads 8 A and 4 B fragments for 64
+//       MMAs, which keeps shared-memory traffic below the tensor-core time.
+//   64 x 128, 4 warps of 32 x 64: a few hundred rows, where 128 x 256 tiles would leave
+//       most multiprocessors idle (batch 1's 256 rows); two blocks fit per multiprocessor.
+//   16 x 128, 4 warps of 16 x 32: the MoE at small batch, a dozen rows per expert, where
+//       the kernel's job is streaming weights at memory bandwidth: four stages and two
+//       blocks per multiprocessor keep ~100 KB of weights in flight on each.
+// Every shape accumulates each output in the same order (16-wide K steps in order, hi then
+// lo), so a row's result does not depend on the tile shape its batch size picked: batched
+// and single-sequence runs agree bitwise.
+//
+// Weights stream by cp.async when K % 8 == 0 (rows of 16-byte chunks; zero-filled past N
+// and K); otherwise (tiny test models) the same tiles are filled element by element.
 #include <algorithm>
 #include <memory>
 
@@ -22,133 +43,248 @@
 namespace diffuserve::cuda {
 namespace {
 
-constexpr int kN = 128, kK = 32, kPad = 8, kThreads = 128;
+constexpr int kBK = 64;  // K per pipeline stage
 
-template <int kM>
-struct __align__(16) Staged {  // one K-slice of this thread's share of the tiles, in registers
-  float x[kM / 4];
-  __nv_bfloat16 w[32];
+int64_t padded_k(int64_t k) { return (k + kBK - 1) / kBK * kBK; }
+
+int multiprocessors() {
+  int device = 0, count = 0;
+  cudaGetDevice(&device);
+  cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device);
+  return std::max(count, 1);
+}
+
+__device__ __forceinline__ uint32_t shared_address(const void* p) { return uint32_t(__cvta_generic_to_shared(p)); }
+
+// 16 bytes global -> shared, bypassing L1; zero-filled (nothing read) when !valid.
+__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int kPending>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory");
+}
+
+// Four 8x8 bf16 matrices; lanes 8i..8i+7 give the row addresses of matrix i, and each
+// thread gets element (lane / 4, 2 * (lane % 4) + {0, 1}) of matrix i in register i.
+__device__ __forceinline__ void ldmatrix_x4(uint32_t* r, uint32_t address) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(address));
+}
+
+// Element offset of (row, 16-byte chunk) in a tile of kBK-wide rows, chunks swizzled.
+__device__ __forceinline__ int swizzle(int row, int chunk) { return row * kBK + ((chunk ^ (row & 7)) << 3); }
+
+struct Params {
+  const __nv_bfloat16* a;  // X as bf16: row r at a + r * planes * kp, hi then (planes 2) lo
+  int64_t kp;              // K padded to kBK
+  const int64_t* row_map;
+  const GemmSegment* segments;
+  const GemmTile* tiles;
+  GemmSegment single;  // the segment when tiles is null (dense)
+  int64_t n, k;
+  bool w_vector;   // weights by 16-byte cp.async (K % 8 == 0, aligned)
+  bool y_pairs;    // Y by float2 stores (ldy even, aligned)
+  int64_t k_slice;  // split-K: K columns per blockIdx.z, a multiple of kBK
+  float* y;
+  int64_t ldy, y_copy_stride;
 };
 
-template <int kM>
-__global__ void __launch_bounds__(kThreads) gemm_kernel(const float* __restrict__ x, int64_t ldx,
-                                                        const int64_t* __restrict__ row_map,
-                                                        const GemmSegment* __restrict__ segments,
-                                                        const GemmTile* __restrict__ tiles, GemmSegment single,
-                                                        int64_t n, int64_t k, int64_t k_slice, float* __restrict__ y,
-                                                        int64_t ldy, int64_t y_copy_stride) {
-  __shared__ __align__(16) __nv_bfloat16 As[2][kM][kK + kPad];  // hi and lo parts of X
-  __shared__ __align__(16) __nv_bfloat16 Bs[kN][kK + kPad];
+// A block tile of kBM x kBN outputs, warps of (kBM / kWarpsM) x (kBN / kWarpsN), a ring of
+// kStages K-slices, kBlocks resident per multiprocessor (shared memory allows it).
+template <int kBM_, int kBN_, int kWarpsM_, int kWarpsN_, int kStages_, int kBlocks_>
+struct Shape {
+  static constexpr int kBM = kBM_, kBN = kBN_, kWarpsM = kWarpsM_, kWarpsN = kWarpsN_, kStages = kStages_;
+  static constexpr int kBlocks = kBlocks_, kThreads = kWarpsM * kWarpsN * 32;
+  static constexpr int smem_bytes(int planes) { return kStages * (planes * kBM + kBN) * kBK * 2; }
+};
+using Small = Shape<16, 128, 1, 4, 4, 2>;    // 80 KB of shared memory (hi and lo)
+using Medium = Shape<64, 128, 2, 2, 3, 2>;   // 96 KB
+using Large = Shape<128, 256, 2, 4, 3, 1>;   // 192 KB
 
-  GemmSegment seg = single;
-  int m0 = blockIdx.y * kM;  // dense: tiles follow blockIdx.y
-  if (tiles) {
-    const GemmTile tile = tiles[blockIdx.y];
+template <class S, int kPlanes>
+__global__ void __launch_bounds__(S::kThreads, S::kBlocks) gemm_kernel(const Params p) {
+  constexpr int kBM = S::kBM, kBN = S::kBN, kStages = S::kStages, kThreads = S::kThreads;
+  constexpr int kWM = kBM / S::kWarpsM, kWN = kBN / S::kWarpsN;
+  constexpr int kTilesM = kWM / 16, kTilesN = kWN / 8;  // m16 / n8 MMA tiles per warp
+  constexpr int kARows = kPlanes * kBM;                 // A tile rows per stage: hi rows, then lo rows
+  constexpr int kStageElems = (kARows + kBN) * kBK;
+  constexpr int kRowStep = kThreads / 8;  // tile rows one pass of the block's 16-byte copies covers
+  constexpr int kALoads = kBM / kRowStep, kBLoads = kBN / kRowStep;
+  static_assert(kBM % kRowStep == 0 && kBN % kRowStep == 0 && kTilesN % 2 == 0, "tile shape");
+  extern __shared__ __align__(128) __nv_bfloat16 smem[];
+
+  GemmSegment seg = p.single;
+  int m0 = blockIdx.y * kBM;  // dense: tiles follow blockIdx.y
+  if (p.tiles) {
+    const GemmTile tile = p.tiles[blockIdx.y];
     if (tile.segment < 0) return;  // an unused slot of a device-planned tile list
-    seg = segments[tile.segment];
+    seg = p.segments[tile.segment];
     m0 = tile.m0;
   }
-  const int rows = min(kM, seg.rows - m0);
-  const int64_t n0 = int64_t(blockIdx.x) * kN;
-  constexpr int kWarpsM = kM == 64 ? 2 : 1, kWarpsN = 4 / kWarpsM;
-  constexpr int kTilesM = kM / kWarpsM / 16, kTilesN = kN / kWarpsN / 8;  // m16 / n8 tiles per warp
-  constexpr int kRuns = kM / 16;                                            // X runs of 4 floats per thread
+  const int rows = min(kBM, seg.rows - m0);
+  const int64_t n0 = int64_t(blockIdx.x) * kBN, n = p.n, k = p.k;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int warp_m = warp / kWarpsN, warp_n = warp % kWarpsN, group = lane >> 2, tig = lane & 3;
+  const int warp_m = warp / S::kWarpsN, warp_n = warp % S::kWarpsN;
 
-  // X: kM x 32 floats, kM / 4 per thread. W: 128 x 32 bf16, 32 per thread.
-  auto stage = [&](int64_t k0, Staged<kM>& s) {
-    for (int i = 0; i < kRuns; ++i) {
-      const int linear = tid + i * kThreads, r = linear / 8, c = (linear % 8) * 4;
-      const float* src = nullptr;
-      if (r < rows) {
-        const int64_t xr = row_map ? row_map[seg.x_row + m0 + r] : seg.x_row + m0 + r;
-        src = x + xr * ldx;
-      }
-      if (src && k0 + c + 4 <= k && (ldx % 4) == 0) {
-        *reinterpret_cast<float4*>(&s.x[i * 4]) = *reinterpret_cast<const float4*>(src + k0 + c);
-      } else {
-        for (int j = 0; j < 4; ++j) s.x[i * 4 + j] = (src && k0 + c + j < k) ? src[k0 + c + j] : 0.0f;
-      }
+  // This thread's copies: chunk tid % 8 of tile rows tid / 8 + j * kRowStep, A and W.
+  const int copy_row = tid / 8, copy_chunk = tid % 8;
+  const __nv_bfloat16* a_src[kALoads];
+#pragma unroll
+  for (int j = 0; j < kALoads; ++j) {
+    const int r = copy_row + j * kRowStep;
+    int64_t xr = 0;  // rows past the tile's end are zero-filled from a valid address
+    if (r < rows) {
+      const int64_t i = seg.x_row + m0 + r;
+      xr = p.row_map ? p.row_map[i] : i;
     }
-    for (int i = 0; i < 4; ++i) {  // W [N, K]: row n, 8 consecutive k
-      const int linear = tid + i * kThreads, r = linear / 4, c = (linear % 4) * 8;
-      const int64_t nn = n0 + r, kk = k0 + c;
-      const __nv_bfloat16* src = seg.w + nn * k + kk;
-      if (nn < n && kk + 8 <= k && (k % 8) == 0) {
-        *reinterpret_cast<uint4*>(&s.w[i * 8]) = *reinterpret_cast<const uint4*>(src);
-      } else {
-        for (int j = 0; j < 8; ++j) s.w[i * 8 + j] = (nn < n && kk + j < k) ? src[j] : __float2bfloat16(0.0f);
+    a_src[j] = p.a + xr * kPlanes * p.kp + copy_chunk * 8;
+  }
+  const __nv_bfloat16* w_src = seg.w + (n0 + copy_row) * k + copy_chunk * 8;
+  const int64_t w_step = kRowStep * k;
+
+  // Stage `stage` <- K columns [k0, k0 + kBK) of the A rows and the W rows.
+  auto load_tile = [&](int stage, int64_t k0) {
+    __nv_bfloat16* tile = smem + stage * kStageElems;
+#pragma unroll
+    for (int plane = 0; plane < kPlanes; ++plane)
+#pragma unroll
+      for (int j = 0; j < kALoads; ++j) {
+        const int r = copy_row + j * kRowStep;
+        cp_async16(shared_address(tile + swizzle(plane * kBM + r, copy_chunk)), a_src[j] + plane * p.kp + k0,
+                   r < rows);
+      }
+    __nv_bfloat16* w_tile = tile + kARows * kBK;
+    const int64_t kk = k0 + copy_chunk * 8;  // this thread's first K column
+    if (p.w_vector) {
+#pragma unroll
+      for (int j = 0; j < kBLoads; ++j) {
+        const int r = copy_row + j * kRowStep;
+        const bool valid = n0 + r < n && kk < k;
+        cp_async16(shared_address(w_tile + swizzle(r, copy_chunk)), valid ? w_src + j * w_step + k0 : seg.w, valid);
+      }
+    } else {
+#pragma unroll
+      for (int j = 0; j < kBLoads; ++j) {
+        const int r = copy_row + j * kRowStep;
+        const bool row_ok = n0 + r < n;
+        const __nv_bfloat16* src = w_src + j * w_step + k0;
+        __align__(16) __nv_bfloat16 v[8];
+#pragma unroll
+        for (int e = 0; e < 8; ++e) v[e] = row_ok && kk + e < k ? src[e] : __float2bfloat16(0.0f);
+        *reinterpret_cast<uint4*>(w_tile + swizzle(r, copy_chunk)) = *reinterpret_cast<const uint4*>(v);
       }
     }
   };
-  auto store = [&](const Staged<kM>& s) {
-    for (int i = 0; i < kRuns; ++i) {
-      const int linear = tid + i * kThreads, r = linear / 8, c = (linear % 8) * 4;
-      for (int j = 0; j < 4; j += 2)
-        split_bf16(s.x[i * 4 + j], s.x[i * 4 + j + 1], *reinterpret_cast<uint32_t*>(&As[0][r][c + j]),
-                   *reinterpret_cast<uint32_t*>(&As[1][r][c + j]));
-    }
-    for (int i = 0; i < 4; ++i) {
-      const int linear = tid + i * kThreads, r = linear / 4, c = (linear % 4) * 8;
-      *reinterpret_cast<uint4*>(&Bs[r][c]) = *reinterpret_cast<const uint4*>(&s.w[i * 8]);
+
+  // The warp's MMAs over one stage: 4 K steps of 16, each hi then lo per output tile.
+  float acc[kTilesM][kTilesN][4] = {};
+  auto compute = [&](int stage) {
+    const __nv_bfloat16* tile = smem + stage * kStageElems;
+    const uint32_t a_base = shared_address(tile), w_base = shared_address(tile + kARows * kBK);
+#pragma unroll
+    for (int ks = 0; ks < kBK / 16; ++ks) {
+      // A (m16 x k16): lanes 0-15 give rows 0-15 at k 0-7, lanes 16-31 the same rows at
+      // k 8-15: registers a0..a3 = (rows 0-7, k 0-7), (8-15, 0-7), (0-7, 8-15), (8-15, 8-15).
+      uint32_t a[kPlanes][kTilesM][4];
+#pragma unroll
+      for (int plane = 0; plane < kPlanes; ++plane)
+#pragma unroll
+        for (int mt = 0; mt < kTilesM; ++mt) {
+          const int r = plane * kBM + warp_m * kWM + mt * 16 + (lane & 15);
+          ldmatrix_x4(a[plane][mt], a_base + 2 * swizzle(r, ks * 2 + (lane >> 4)));
+        }
+      // W (k16 x n8 pairs): lanes 0-7 give n 0-7 at k 0-7, lanes 8-15 n 0-7 at k 8-15,
+      // lanes 16-31 the same for n 8-15: b[nt] = {k 0-7, k 8-15} of each n8 tile.
+      uint32_t b[kTilesN][2];
+#pragma unroll
+      for (int np = 0; np < kTilesN / 2; ++np) {
+        const int r = warp_n * kWN + np * 16 + (lane & 7) + ((lane >> 4) << 3);
+        uint32_t q[4];
+        ldmatrix_x4(q, w_base + 2 * swizzle(r, ks * 2 + ((lane >> 3) & 1)));
+        b[2 * np][0] = q[0], b[2 * np][1] = q[1], b[2 * np + 1][0] = q[2], b[2 * np + 1][1] = q[3];
+      }
+#pragma unroll
+      for (int mt = 0; mt < kTilesM; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < kTilesN; ++nt)
+#pragma unroll
+          for (int plane = 0; plane < kPlanes; ++plane) mma_bf16(acc[mt][nt], a[plane][mt], b[nt]);
     }
   };
 
   // Split-K: blockIdx.z takes K-slice z of k_slice columns and writes its partial
   // product into its own copy of Y (gemm() sums the copies in a fixed order).
-  const int64_t k_begin = int64_t(blockIdx.z) * k_slice, k_end = min(k, k_begin + k_slice);
-  y += int64_t(blockIdx.z) * y_copy_stride;
-  float acc[kTilesM][kTilesN][4] = {};
-  Staged<kM> next;
-  stage(k_begin, next);
-  for (int64_t k0 = k_begin; k0 < k_end; k0 += kK) {
+  const int64_t k_begin = int64_t(blockIdx.z) * p.k_slice, k_end = min(p.kp, k_begin + p.k_slice);
+  const int k_tiles = int((k_end - k_begin) / kBK);
+  // The ring: slice t lives in stage t % kStages. Each iteration waits for its slice
+  // (at most kStages - 2 younger groups pending), syncs (the slice is visible to all
+  // warps, and all are done with the stage about to be refilled, read last iteration),
+  // then queues slice t + kStages - 1 before multiplying slice t.
+#pragma unroll
+  for (int s = 0; s < kStages - 1; ++s) {
+    if (s < k_tiles) load_tile(s, k_begin + s * kBK);
+    cp_async_commit();
+  }
+  for (int t = 0; t < k_tiles; ++t) {
+    cp_async_wait<kStages - 2>();
     __syncthreads();
-    store(next);
-    __syncthreads();
-    if (k0 + kK < k_end) stage(k0 + kK, next);  // in flight while the tensor cores work
-#pragma unroll
-    for (int kk = 0; kk < kK; kk += 16) {
-      uint32_t a[2][kTilesM][4], b[kTilesN][2];
-#pragma unroll
-      for (int part = 0; part < 2; ++part)
-#pragma unroll
-        for (int mt = 0; mt < kTilesM; ++mt) {
-          const int r = warp_m * kTilesM * 16 + mt * 16 + group;
-          a[part][mt][0] = *reinterpret_cast<const uint32_t*>(&As[part][r][kk + tig * 2]);
-          a[part][mt][1] = *reinterpret_cast<const uint32_t*>(&As[part][r + 8][kk + tig * 2]);
-          a[part][mt][2] = *reinterpret_cast<const uint32_t*>(&As[part][r][kk + tig * 2 + 8]);
-          a[part][mt][3] = *reinterpret_cast<const uint32_t*>(&As[part][r + 8][kk + tig * 2 + 8]);
-        }
-#pragma unroll
-      for (int nt = 0; nt < kTilesN; ++nt) {
-        const int c = warp_n * kTilesN * 8 + nt * 8 + group;
-        b[nt][0] = *reinterpret_cast<const uint32_t*>(&Bs[c][kk + tig * 2]);
-        b[nt][1] = *reinterpret_cast<const uint32_t*>(&Bs[c][kk + tig * 2 + 8]);
-      }
-#pragma unroll
-      for (int mt = 0; mt < kTilesM; ++mt)
-#pragma unroll
-        for (int nt = 0; nt < kTilesN; ++nt) {
-          mma_bf16(acc[mt][nt], a[0][mt], b[nt]);
-          mma_bf16(acc[mt][nt], a[1][mt], b[nt]);
-        }
-    }
+    const int next = t + kStages - 1;
+    if (next < k_tiles) load_tile(next % kStages, k_begin + int64_t(next) * kBK);
+    cp_async_commit();
+    compute(t % kStages);
   }
 
+  // Accumulator (m16 x n8): registers 0-1 at row lane / 4, 2-3 at row lane / 4 + 8,
+  // columns 2 * (lane % 4) + {0, 1}.
+  float* y = p.y + int64_t(blockIdx.z) * p.y_copy_stride;
 #pragma unroll
   for (int mt = 0; mt < kTilesM; ++mt)
 #pragma unroll
     for (int nt = 0; nt < kTilesN; ++nt)
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
-        const int r = warp_m * kTilesM * 16 + mt * 16 + group + half * 8;
-        const int64_t c = n0 + warp_n * kTilesN * 8 + nt * 8 + tig * 2;
+        const int r = warp_m * kWM + mt * 16 + (lane >> 2) + half * 8;
+        const int64_t c = n0 + warp_n * kWN + nt * 8 + (lane & 3) * 2;
         if (r >= rows) continue;
-        float* dst = y + (seg.y_row + m0 + r) * ldy;
-        if (c < n) dst[c] = acc[mt][nt][half * 2];
-        if (c + 1 < n) dst[c + 1] = acc[mt][nt][half * 2 + 1];
+        float* dst = y + (seg.y_row + m0 + r) * p.ldy + c;
+        const float v0 = acc[mt][nt][half * 2], v1 = acc[mt][nt][half * 2 + 1];
+        if (p.y_pairs && c + 1 < n) {
+          *reinterpret_cast<float2*>(dst) = make_float2(v0, v1);
+        } else {
+          if (c < n) dst[0] = v0;
+          if (c + 1 < n) dst[1] = v1;
+        }
       }
+}
+
+// A[r] = [hi | lo] of X row r (or hi alone with kPlanes 1), K zero-padded to kp; one
+// thread per 8 columns.
+template <int kPlanes>
+__global__ void split_kernel(const float* __restrict__ x, int64_t ldx, int64_t rows, int64_t k, int64_t kp,
+                             bool vector, __nv_bfloat16* __restrict__ a) {
+  const int64_t chunks = kp / 8, i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= rows * chunks) return;
+  const int64_t r = i / chunks, c = (i % chunks) * 8;
+  const float* src = x + r * ldx + c;
+  float v[8];
+  if (vector && c + 8 <= k) {
+    const float4 v0 = *reinterpret_cast<const float4*>(src), v1 = *reinterpret_cast<const float4*>(src + 4);
+    v[0] = v0.x, v[1] = v0.y, v[2] = v0.z, v[3] = v0.w, v[4] = v1.x, v[5] = v1.y, v[6] = v1.z, v[7] = v1.w;
+  } else {
+#pragma unroll
+    for (int j = 0; j < 8; ++j) v[j] = c + j < k ? src[j] : 0.0f;
+  }
+  uint4 hi, lo;
+  split_bf16(v[0], v[1], hi.x, lo.x);
+  split_bf16(v[2], v[3], hi.y, lo.y);
+  split_bf16(v[4], v[5], hi.z, lo.z);
+  split_bf16(v[6], v[7], hi.w, lo.w);
+  __nv_bfloat16* dst = a + r * kPlanes * kp + c;
+  *reinterpret_cast<uint4*>(dst) = hi;
+  if (kPlanes == 2) *reinterpret_cast<uint4*>(dst + kp) = lo;
 }
 
 // y[i] = sum over copies c of partial[c][i], in copy order.
@@ -160,40 +296,93 @@ __global__ void sum_copies_kernel(const float* partial, int copies, int64_t n, f
   y[i] = acc;
 }
 
+template <class S, int kPlanes>
+void launch(const Params& p, dim3 grid, cudaStream_t stream) {
+  constexpr int bytes = S::smem_bytes(kPlanes);
+  cudaFuncSetAttribute(gemm_kernel<S, kPlanes>, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+  gemm_kernel<S, kPlanes><<<grid, S::kThreads, bytes, stream>>>(p);
+}
+
+template <class S>
+void launch_shape(const Params& p, bool round_x, int64_t num_tiles, int splits, cudaStream_t stream) {
+  const dim3 grid{unsigned((p.n + S::kBN - 1) / S::kBN), unsigned(num_tiles), unsigned(splits)};
+  if (round_x) launch<S, 1>(p, grid, stream);
+  else launch<S, 2>(p, grid, stream);
+}
+
 }  // namespace
 
-int gemm_tile_rows(int64_t rows_per_segment) { return rows_per_segment <= 24 ? 16 : 64; }
+int gemm_tile_rows(int64_t rows_per_segment, int64_t segments, int64_t n) {
+  if (rows_per_segment <= 24) return 16;
+  // 128 x 256 tiles where they are mostly full and still give two waves of blocks.
+  const int64_t large_tiles = segments * ((rows_per_segment + 127) / 128) * ((n + 255) / 256);
+  return rows_per_segment >= 192 && large_tiles >= 2 * multiprocessors() ? 128 : 64;
+}
 
-void gemm(const float* x, int64_t ldx, const int64_t* row_map, const GemmSegment* segments, const GemmTile* tiles,
-          int num_tiles, int tile_rows, int64_t n, int64_t k, float* y, int64_t ldy, cudaStream_t stream) {
+size_t gemm_scratch_bytes(int64_t x_rows, int64_t k, bool round_x) {
+  return sizeof(__nv_bfloat16) * size_t(x_rows) * (round_x ? 1 : 2) * size_t(padded_k(k));
+}
+
+void gemm(const float* x, int64_t x_rows, int64_t ldx, const int64_t* row_map, const GemmSegment* segments,
+          const GemmTile* tiles, int num_tiles, int tile_rows, int64_t n, int64_t k, bool round_x, float* y,
+          int64_t ldy, void* scratch, cudaStream_t stream) {
+  if (num_tiles <= 0 || n <= 0) return;
+  const int64_t kp = padded_k(k);
+  auto* a = static_cast<__nv_bfloat16*>(scratch);
+  if (x_rows > 0 && kp > 0) {
+    const int64_t threads = x_rows * (kp / 8);
+    const bool vector = ldx % 4 == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0;
+    const unsigned blocks = unsigned((threads + 255) / 256);
+    if (round_x) split_kernel<1><<<blocks, 256, 0, stream>>>(x, ldx, x_rows, k, kp, vector, a);
+    else split_kernel<2><<<blocks, 256, 0, stream>>>(x, ldx, x_rows, k, kp, vector, a);
+  }
+
   // With `tiles` null, `segments` is a host pointer to the single segment, passed by value.
   const GemmSegment single = tiles ? GemmSegment{} : *segments;
-  const GemmSegment* device_segments = tiles ? segments : nullptr;
-  const int64_t n_tiles = (n + kN - 1) / kN;
+  static_assert(Small::kBN == Medium::kBN, "one block width below 128 rows");
+  const int block_n = tile_rows == 128 ? Large::kBN : Medium::kBN;
+  const int64_t n_tiles = (n + block_n - 1) / block_n;
   // Too few blocks to fill the GPU and a long K (the soft embedding: K = vocab): split K
   // so that about 4 blocks per multiprocessor run, each on its own slice.
+  const int64_t target = 4 * multiprocessors();
   int splits = 1;
-  if (!tiles && ldy == n && n_tiles * num_tiles < 528 && k >= 8192)
-    splits = int(std::min<int64_t>({528 / (n_tiles * num_tiles), k / 2048, 64}));
-  const int64_t k_slice = (k / splits + kK - 1) / kK * kK;
-  splits = int((k + k_slice - 1) / k_slice);
+  int64_t k_slice = kp;
+  if (!tiles && ldy == n && n_tiles * num_tiles < target && k >= 8192) {
+    splits = int(std::min<int64_t>({target / (n_tiles * num_tiles), k / 2048, 64}));
+    k_slice = (kp / splits + kBK - 1) / kBK * kBK;
+    splits = int((kp + k_slice - 1) / k_slice);
+  }
   float* out = y;
   std::shared_ptr<void> partial;
   const int64_t copy_stride = int64_t(single.rows) * ldy;
   if (splits > 1) {  // single segment, y_row 0: copy c of Y lives at partial + c * rows * ldy
-    void* p = nullptr;
-    cudaMallocAsync(&p, sizeof(float) * size_t(splits * copy_stride), stream);
-    cudaMemsetAsync(p, 0, sizeof(float) * size_t(splits * copy_stride), stream);  // columns past n stay 0
-    partial = std::shared_ptr<void>(p, [stream](void* q) { cudaFreeAsync(q, stream); });
-    out = static_cast<float*>(p);
+    void* q = nullptr;
+    cudaMallocAsync(&q, sizeof(float) * size_t(splits * copy_stride), stream);
+    cudaMemsetAsync(q, 0, sizeof(float) * size_t(splits * copy_stride), stream);  // columns past n stay 0
+    partial = std::shared_ptr<void>(q, [stream](void* r) { cudaFreeAsync(r, stream); });
+    out = static_cast<float*>(q);
   }
-  const dim3 grid{unsigned(n_tiles), unsigned(num_tiles), unsigned(splits)};
-  auto launch = [&](auto kernel) {
-    kernel<<<grid, kThreads, 0, stream>>>(x, ldx, row_map, device_segments, tiles, single, n, k, k_slice, out, ldy,
-                                          copy_stride);
-  };
-  if (tile_rows == 16) launch(gemm_kernel<16>);
-  else launch(gemm_kernel<64>);
+
+  Params p{};
+  p.a = a;
+  p.kp = kp;
+  p.row_map = row_map;
+  p.segments = tiles ? segments : nullptr;
+  p.tiles = tiles;
+  p.single = single;
+  p.n = n;
+  p.k = k;
+  // Weight rows of whole 16-byte chunks (the segments' matrices lie at multiples of N * K
+  // elements from 256-byte-aligned allocations, so K % 8 == 0 aligns them all).
+  p.w_vector = k % 8 == 0 && (tiles || reinterpret_cast<uintptr_t>(single.w) % 16 == 0);
+  p.y_pairs = ldy % 2 == 0 && reinterpret_cast<uintptr_t>(out) % 8 == 0;
+  p.k_slice = k_slice;
+  p.y = out;
+  p.ldy = ldy;
+  p.y_copy_stride = copy_stride;
+  if (tile_rows == 16) launch_shape<Small>(p, round_x, num_tiles, splits, stream);
+  else if (tile_rows == 128) launch_shape<Large>(p, round_x, num_tiles, splits, stream);
+  else launch_shape<Medium>(p, round_x, num_tiles, splits, stream);
   if (splits > 1)
     sum_copies_kernel<<<unsigned((copy_stride + 255) / 256), 256, 0, stream>>>(out, splits, copy_stride, y);
 }

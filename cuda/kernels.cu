@@ -85,11 +85,6 @@ __global__ void add_kernel(const float* a, const float* b, float* y, int64_t n) 
   if (i < n) y[i] = a[i] + b[i];
 }
 
-__global__ void round_bf16_kernel(const float* x, float* y, int64_t n) {
-  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (i < n) y[i] = __bfloat162float(__float2bfloat16(x[i]));
-}
-
 __global__ void scale_kernel(float* x, float s, int64_t n) {
   const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i < n) x[i] *= s;
@@ -280,10 +275,6 @@ void gelu_glu(const float* x, int64_t rows, int64_t inter, float* out, cudaStrea
 
 void add(const float* a, const float* b, float* y, int64_t n, cudaStream_t stream) {
   if (n) add_kernel<<<blocks_for(n), kThreads, 0, stream>>>(a, b, y, n);
-}
-
-void round_bf16(const float* x, float* y, int64_t n, cudaStream_t stream) {
-  if (n) round_bf16_kernel<<<blocks_for(n), kThreads, 0, stream>>>(x, y, n);
 }
 
 void scale(float* x, float s, int64_t n, cudaStream_t stream) {

@@ -16,8 +16,12 @@ namespace diffuserve::cuda {
 // ---- GEMM (gemm.cu) -------------------------------------------------------------
 // One matrix product per segment, all in one launch:
 //   Y[y_row + i] = X[x(i)] @ W_seg^T   (W_seg: [N, K], K contiguous)
-// with x(i) = row_map ? row_map[x_row + i] : x_row + i. X enters the tensor cores as a
-// bf16 hi/lo pair (fp32-like precision); accumulation is fp32.
+// with x(i) = row_map ? row_map[x_row + i] : x_row + i, X: x_rows rows of K values, ldx
+// apart. X enters the tensor cores as a bf16 hi/lo pair (fp32-like precision), or with
+// round_x as bf16(X) alone (Y = round_bf16(X) @ W^T); accumulation is fp32. `scratch` is
+// gemm_scratch_bytes(x_rows, k, round_x) bytes of device memory that the call may use
+// until it is done on `stream`. Where K % 8 == 0 the weight matrices must be 16-byte
+// aligned (they are at multiples of N * K elements from an allocation).
 struct GemmSegment {
   int64_t x_row;
   int64_t y_row;
@@ -28,11 +32,13 @@ struct GemmTile {
   int segment;
   int m0;  // first row within the segment
 };
-// The tile height (16 or 64 rows) that suits segments of about `rows_per_segment` rows;
-// GemmTile::m0 steps by it.
-int gemm_tile_rows(int64_t rows_per_segment);
-void gemm(const float* x, int64_t ldx, const int64_t* row_map, const GemmSegment* segments, const GemmTile* tiles,
-          int num_tiles, int tile_rows, int64_t n, int64_t k, float* y, int64_t ldy, cudaStream_t stream);
+// The tile height (16, 64 or 128 rows) that suits `segments` segments of about
+// `rows_per_segment` rows each and N = n; GemmTile::m0 steps by it.
+int gemm_tile_rows(int64_t rows_per_segment, int64_t segments, int64_t n);
+size_t gemm_scratch_bytes(int64_t x_rows, int64_t k, bool round_x);
+void gemm(const float* x, int64_t x_rows, int64_t ldx, const int64_t* row_map, const GemmSegment* segments,
+          const GemmTile* tiles, int num_tiles, int tile_rows, int64_t n, int64_t k, bool round_x, float* y,
+          int64_t ldy, void* scratch, cudaStream_t stream);
 // out[N, K] = in[K, N]^T (bf16).
 void transpose_bf16(const __nv_bfloat16* in, int64_t k, int64_t n, __nv_bfloat16* out, cudaStream_t stream);
 // The router of one MoE layer, per token: rms_norm(x) * scale * hidden^-0.5, scores in
@@ -65,7 +71,11 @@ struct AttentionItem {
   int rows;
   int kv_head;
 };
-int attention_rows_per_item(int group);  // query rows one block handles for a GQA group size
+// Query rows one block handles (AttentionItem::rows at most) for a GQA group size and head
+// dim, for whichever of the two kernels below serves that head dim.
+int attention_rows_per_item(int group, int head_dim);
+// Query vectors one block of attention_mma covers for a head dim; 0 where it does not serve.
+int attention_mma_queries(int head_dim);
 // On tensor cores, for head dims 64, 128, 256 and 512 (attention_mma.cu); false for
 // others, which `attention` serves.
 bool attention_mma(const float* q, float* out, const DeviceAttentionSegment* segments, const DeviceKeySpan* spans,
@@ -84,8 +94,6 @@ void rope(float* x, int64_t rows, int64_t heads, int64_t head_dim, const float* 
           cudaStream_t stream);
 void gelu_glu(const float* x, int64_t rows, int64_t inter, float* out, cudaStream_t stream);
 void add(const float* a, const float* b, float* y, int64_t n, cudaStream_t stream);
-// y = x rounded to bf16 (kept as fp32).
-void round_bf16(const float* x, float* y, int64_t n, cudaStream_t stream);
 void scale(float* x, float s, int64_t n, cudaStream_t stream);
 void softcap(float* x, float cap, int64_t n, cudaStream_t stream);
 void softmax_rows(float* x, int64_t rows, int64_t cols, cudaStream_t stream);

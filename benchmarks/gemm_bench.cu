@@ -1,0 +1,342 @@
+// The CUDA GEMM (cuda/gemm.cu) on its own: correctness against a double-precision host
+// reference over edge cases (tails in M, N and K, K not a multiple of 8, row_map gathers,
+// many segments with unused tile slots, ldx / ldy wider than K / N, split-K, round_x),
+// bitwise agreement of the three tile shapes (batch invariance), then timings at
+// DiffusionGemma-26B shapes. Build and run on a GPU machine:
+//   nvcc -std=c++20 -arch=sm_90a -O3 -I cpp/src -I cpp/include -I cuda \
+//       benchmarks/gemm_bench.cu cuda/gemm.cu -o /tmp/gemm_bench && /tmp/gemm_bench
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "kernels.h"
+
+using namespace diffuserve::cuda;
+
+namespace {
+
+int failures = 0;
+
+void check(cudaError_t e, const char* what) {
+  if (e != cudaSuccess) {
+    std::fprintf(stderr, "CUDA error %s: %s\n", what, cudaGetErrorString(e));
+    std::exit(2);
+  }
+}
+
+template <typename T>
+T* upload(const std::vector<T>& v) {
+  T* p = nullptr;
+  check(cudaMalloc(&p, std::max<size_t>(v.size(), 1) * sizeof(T)), "malloc");
+  check(cudaMemcpy(p, v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice), "upload");
+  return p;
+}
+
+float round_bf16(float x) { return __bfloat162float(__float2bfloat16(x)); }
+
+__global__ void random_fill_kernel(float* x, __nv_bfloat16* w, int64_t nx, int64_t nw) {
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < nx + nw; i += int64_t(gridDim.x) * blockDim.x) {
+    uint32_t h = uint32_t(i) * 2654435761u ^ uint32_t(i >> 32);
+    h ^= h >> 15, h *= 2246822519u, h ^= h >> 13;
+    const float u = float(h >> 8) / float(1 << 24) - 0.5f;
+    if (i < nx) x[i] = 4.0f * u;
+    else w[i - nx] = __float2bfloat16(0.1f * u);
+  }
+}
+
+void random_fill(float* x, __nv_bfloat16* w, int64_t nx, int64_t nw) {
+  random_fill_kernel<<<4096, 256>>>(x, w, nx, nw);
+  check(cudaDeviceSynchronize(), "random fill");
+}
+
+struct Problem {
+  int64_t x_rows, ldx, n, k, ldy, y_rows;
+  std::vector<float> x;
+  std::vector<__nv_bfloat16> w;  // all segments' matrices, [S][N][K]
+  std::vector<int64_t> row_map;  // empty: none
+  std::vector<GemmSegment> segs;  // w as an offset into `w` (elements) until uploaded
+  bool round_x = false;
+};
+
+// Runs `p` with the given tile height; returns Y (y_rows x ldy).
+std::vector<float> run(const Problem& p, int tile_rows) {
+  float* x = upload(p.x);
+  __nv_bfloat16* w = upload(p.w);
+  int64_t* row_map = p.row_map.empty() ? nullptr : upload(p.row_map);
+  std::vector<GemmSegment> segs = p.segs;
+  for (auto& s : segs) s.w = w + reinterpret_cast<intptr_t>(s.w);
+  float* y = nullptr;
+  const size_t y_bytes = sizeof(float) * size_t(p.y_rows * p.ldy);
+  check(cudaMalloc(&y, y_bytes), "malloc y");
+  check(cudaMemset(y, 0xff, y_bytes), "memset y");  // NaN: anything the GEMM should write and does not shows
+  void* scratch = nullptr;
+  check(cudaMalloc(&scratch, std::max<size_t>(gemm_scratch_bytes(p.x_rows, p.k, p.round_x), 1)), "malloc scratch");
+  if (segs.size() == 1 && p.row_map.empty() && segs[0].x_row == 0 && segs[0].y_row == 0) {
+    gemm(x, p.x_rows, p.ldx, nullptr, &segs[0], nullptr, int((segs[0].rows + tile_rows - 1) / tile_rows), tile_rows,
+         p.n, p.k, p.round_x, y, p.ldy, scratch, nullptr);
+  } else {  // device-planned style: tiles per segment, then unused slots
+    std::vector<GemmTile> tiles;
+    for (size_t s = 0; s < segs.size(); ++s)
+      for (int m0 = 0; m0 < segs[s].rows; m0 += tile_rows) tiles.push_back({int(s), m0});
+    for (int i = 0; i < 5; ++i) tiles.insert(tiles.begin() + (tiles.size() * i) / 5, GemmTile{-1, 0});
+    GemmSegment* d_segs = upload(segs);
+    GemmTile* d_tiles = upload(tiles);
+    gemm(x, p.x_rows, p.ldx, row_map, d_segs, d_tiles, int(tiles.size()), tile_rows, p.n, p.k, p.round_x, y, p.ldy,
+         scratch, nullptr);
+    check(cudaDeviceSynchronize(), "gemm");
+    cudaFree(d_segs);
+    cudaFree(d_tiles);
+  }
+  check(cudaDeviceSynchronize(), "gemm");
+  std::vector<float> out(size_t(p.y_rows * p.ldy));
+  check(cudaMemcpy(out.data(), y, y_bytes, cudaMemcpyDeviceToHost), "download");
+  cudaFree(x), cudaFree(w), cudaFree(row_map), cudaFree(y), cudaFree(scratch);
+  return out;
+}
+
+// Checks Y against the double reference on every written element (or `samples` random
+// ones), and that elements no segment writes were left alone.
+void verify(const Problem& p, const std::vector<float>& y, const char* name, int tile_rows, int samples = 0) {
+  std::vector<char> written(size_t(p.y_rows * p.ldy), 0);
+  double worst = 0;
+  int64_t bad = 0, checked = 0;
+  std::mt19937_64 rng(1);
+  for (const GemmSegment& s : p.segs) {
+    const int64_t w_off = reinterpret_cast<intptr_t>(s.w);
+    for (int i = 0; i < s.rows; ++i)
+      for (int64_t j = 0; j < p.n; ++j) written[size_t((s.y_row + i) * p.ldy + j)] = 1;
+    auto one = [&](int i, int64_t j) {
+      const int64_t xr = p.row_map.empty() ? s.x_row + i : p.row_map[s.x_row + i];
+      double ref = 0, mag = 0;
+      for (int64_t kk = 0; kk < p.k; ++kk) {
+        const double xv = p.round_x ? round_bf16(p.x[xr * p.ldx + kk]) : p.x[xr * p.ldx + kk];
+        const double wv = __bfloat162float(p.w[w_off + j * p.k + kk]);
+        ref += xv * wv, mag += std::fabs(xv * wv);
+      }
+      const double got = y[size_t((s.y_row + i) * p.ldy + j)];
+      const double err = std::fabs(got - ref) / (mag + 1e-30);
+      worst = std::max(worst, err);
+      ++checked;
+      if (!(err <= 2e-5)) {
+        if (bad++ < 5)
+          std::printf("    %s: row %d col %ld: got %.8g want %.8g\n", name, int(s.y_row + i), long(j), got, ref);
+      }
+    };
+    if (samples) {
+      for (int t = 0; t < samples && s.rows; ++t) one(int(rng() % s.rows), int64_t(rng() % p.n));
+    } else {
+      for (int i = 0; i < s.rows; ++i)
+        for (int64_t j = 0; j < p.n; ++j) one(i, j);
+    }
+  }
+  if (!samples)
+    for (size_t e = 0; e < written.size(); ++e)
+      if (!written[e] && !std::isnan(y[e])) {
+        if (bad++ < 5) std::printf("    %s: element %zu written outside the segments\n", name, e);
+      }
+  std::printf("%-6s %-44s tile %3d: %s (%ld checked, worst rel err %.2e)\n", bad ? "FAIL" : "ok", name, tile_rows,
+              bad ? "MISMATCH" : "match", long(checked), worst);
+  if (bad) ++failures;
+}
+
+Problem dense(int64_t m, int64_t n, int64_t k, int64_t ldx_extra = 0, int64_t ldy_extra = 0, bool round_x = false) {
+  std::mt19937 rng(unsigned(m * 7919 + n * 31 + k));
+  std::normal_distribution<float> d(0.0f, 1.0f);
+  Problem p;
+  p.x_rows = m, p.ldx = k + ldx_extra, p.n = n, p.k = k, p.ldy = n + ldy_extra, p.y_rows = m;
+  p.round_x = round_x;
+  p.x.resize(size_t(m * p.ldx));
+  for (auto& v : p.x) v = d(rng);
+  p.w.resize(size_t(n * k));
+  for (auto& v : p.w) v = __float2bfloat16(d(rng) * 0.05f);
+  p.segs = {{0, 0, int(m), nullptr}};
+  return p;
+}
+
+// The MoE layout: tokens routed to top_k of `experts`, rows ordered by expert, row_map
+// gathering the token rows (up) or none (down: X already in expert order).
+Problem moe(int64_t tokens, int experts, int top_k, int64_t n, int64_t k, bool gather, unsigned seed) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> d(0.0f, 1.0f);
+  std::vector<std::vector<int64_t>> by_expert(experts);
+  std::vector<int> ids(experts);
+  for (int e = 0; e < experts; ++e) ids[e] = e;
+  for (int64_t t = 0; t < tokens; ++t) {
+    std::shuffle(ids.begin(), ids.end(), rng);
+    for (int j = 0; j < top_k; ++j) by_expert[ids[j]].push_back(t);
+  }
+  Problem p;
+  const int64_t pairs = tokens * top_k;
+  p.n = n, p.k = k, p.ldy = n, p.y_rows = pairs;
+  p.x_rows = gather ? tokens : pairs, p.ldx = k;
+  p.x.resize(size_t(p.x_rows * k));
+  for (auto& v : p.x) v = d(rng);
+  p.w.resize(size_t(experts * n * k));
+  for (auto& v : p.w) v = __float2bfloat16(d(rng) * 0.05f);
+  int64_t row = 0;
+  for (int e = 0; e < experts; ++e) {
+    p.segs.push_back({row, row, int(by_expert[e].size()), reinterpret_cast<const __nv_bfloat16*>(intptr_t(e * n * k))});
+    for (int64_t t : by_expert[e]) p.row_map.push_back(t);
+    row += int64_t(by_expert[e].size());
+  }
+  if (!gather) p.row_map.clear();
+  return p;
+}
+
+void correctness() {
+  const int shapes[] = {16, 64, 128};
+  struct Case {
+    const char* name;
+    Problem p;
+  };
+  std::vector<Case> cases;
+  cases.push_back({"dense 1x8x16", dense(1, 8, 16)});
+  cases.push_back({"dense 7x100x72", dense(7, 100, 72)});
+  cases.push_back({"dense 33x333x72 (N tail)", dense(33, 333, 72)});
+  cases.push_back({"dense 130x257x200 (M, N, K tails)", dense(130, 257, 200)});
+  cases.push_back({"dense 65x40x333 (K % 8 != 0)", dense(65, 40, 333)});
+  cases.push_back({"dense 20x24x13 (K < 16)", dense(20, 24, 13)});
+  cases.push_back({"dense 300x512x704", dense(300, 512, 704)});
+  cases.push_back({"dense 129x300x136 ldx+5 ldy+3", dense(129, 300, 136, 5, 3)});
+  cases.push_back({"dense 96x130x2816", dense(96, 130, 2816)});
+  cases.push_back({"dense 50x70x333 round_x", dense(50, 70, 333, 0, 0, true)});
+  cases.push_back({"dense 200x264x512 round_x", dense(200, 264, 512, 0, 0, true)});
+  cases.push_back({"moe up 40 tok, 6 exp top 3, 48x72", moe(40, 6, 3, 48, 72, true, 1)});
+  cases.push_back({"moe down 40 tok, 6 exp top 3, 72x24", moe(40, 6, 3, 72, 24, false, 2)});
+  cases.push_back({"moe up 300 tok, 16 exp top 4, 264x136", moe(300, 16, 4, 264, 136, true, 3)});
+  cases.push_back({"moe up 100 tok, 8 exp top 2, 130x333", moe(100, 8, 2, 130, 333, true, 4)});
+  cases.push_back({"moe down 500 tok, 8 exp top 2, 264x200", moe(500, 8, 2, 264, 200, false, 5)});
+  for (const Case& c : cases) {
+    std::vector<float> first;
+    for (int t : shapes) {
+      const std::vector<float> y = run(c.p, t);
+      verify(c.p, y, c.name, t);
+      if (first.empty()) {
+        first = y;
+      } else {
+        size_t differ = 0;
+        for (size_t e = 0; e < y.size(); ++e)
+          if (std::memcmp(&y[e], &first[e], 4) != 0) ++differ;
+        if (differ) {
+          std::printf("FAIL   %-44s tile %3d: %zu elements differ bitwise from tile 16\n", c.name, t, differ);
+          ++failures;
+        }
+      }
+    }
+  }
+  // Split-K (few tiles, K >= 8192, ldy == n): the soft embedding.
+  Problem split = dense(40, 96, 12288 + 40);
+  verify(split, run(split, 64), "dense 40x96x12328 split-K", 64);
+  Problem split_round = dense(40, 96, 9000, 0, 0, true);
+  verify(split_round, run(split_round, 16), "dense 40x96x9000 split-K round_x", 16);
+}
+
+// Times gemm() (pre-pass included) on one problem; X, W random on the device.
+void bench(const char* name, int64_t tokens, int64_t n, int64_t k, int experts, int top_k, bool gather,
+           bool round_x = false) {
+  // The backend picks one tile height for both expert GEMMs, from the narrower (gate_up's 1408).
+  const bool moe_layer = experts > 0;
+  const int64_t rows = moe_layer ? tokens * top_k : tokens;  // output rows
+  const int64_t x_rows = moe_layer && gather ? tokens : rows;
+  const int64_t segments = moe_layer ? std::min<int64_t>(experts, rows) : 1;
+  const int tile_rows = gemm_tile_rows(rows / segments, segments, moe_layer ? 1408 : n);
+  float *x, *y;
+  __nv_bfloat16* w;
+  void* scratch;
+  const int64_t matrices = moe_layer ? experts : 1;
+  check(cudaMalloc(&x, sizeof(float) * size_t(x_rows * k)), "x");
+  check(cudaMalloc(&y, sizeof(float) * size_t(rows * n)), "y");
+  check(cudaMalloc(&w, 2 * size_t(matrices * n * k)), "w");
+  check(cudaMalloc(&scratch, gemm_scratch_bytes(x_rows, k, round_x)), "scratch");
+  random_fill(x, w, x_rows * k, matrices * n * k);
+  std::vector<GemmSegment> segs;
+  std::vector<GemmTile> tiles;
+  std::vector<int64_t> row_map;
+  if (moe_layer) {  // random routing, laid out as moe_plan does
+    std::mt19937 rng(5);
+    std::vector<std::vector<int64_t>> by_expert(experts);
+    std::vector<int> ids(experts);
+    for (int e = 0; e < experts; ++e) ids[e] = e;
+    for (int64_t t = 0; t < tokens; ++t) {
+      std::shuffle(ids.begin(), ids.end(), rng);
+      for (int j = 0; j < top_k; ++j) by_expert[ids[j]].push_back(t);
+    }
+    int64_t row = 0;
+    for (int e = 0; e < experts; ++e) {
+      segs.push_back({row, row, int(by_expert[e].size()), w + int64_t(e) * n * k});
+      for (int64_t m0 = 0; m0 < int64_t(by_expert[e].size()); m0 += tile_rows) tiles.push_back({e, int(m0)});
+      for (int64_t t : by_expert[e]) row_map.push_back(t);
+      row += int64_t(by_expert[e].size());
+    }
+    const int max_tiles = int((rows + tile_rows - 1) / tile_rows + experts);
+    while (int(tiles.size()) < max_tiles) tiles.push_back({-1, 0});
+  } else {
+    segs.push_back({0, 0, int(rows), w});
+  }
+  GemmSegment* d_segs = moe_layer ? upload(segs) : nullptr;
+  GemmTile* d_tiles = moe_layer ? upload(tiles) : nullptr;
+  int64_t* d_map = moe_layer && gather ? upload(row_map) : nullptr;
+  const int num_tiles = moe_layer ? int(tiles.size()) : int((rows + tile_rows - 1) / tile_rows);
+  auto call = [&] {
+    gemm(x, x_rows, k, d_map, moe_layer ? d_segs : segs.data(), d_tiles, num_tiles, tile_rows, n, k, round_x, y, n,
+         scratch, nullptr);
+  };
+  for (int i = 0; i < 3; ++i) call();
+  check(cudaDeviceSynchronize(), "warm-up");
+  cudaEvent_t a, b;
+  cudaEventCreate(&a), cudaEventCreate(&b);
+  const int reps = 20;
+  cudaEventRecord(a);
+  for (int i = 0; i < reps; ++i) call();
+  cudaEventRecord(b);
+  check(cudaEventSynchronize(b), "bench");
+  float ms = 0;
+  cudaEventElapsedTime(&ms, a, b);
+  ms /= reps;
+  const double flops = 2.0 * double(rows) * double(n) * double(k);
+  const double w_bytes = 2.0 * double(matrices) * double(n) * double(k);
+  std::printf("%-40s tile %3d: %9.1f us  %6.1f TFLOP/s (useful)  %6.0f GB/s of weights\n", name, tile_rows, ms * 1e3,
+              flops / (ms * 1e-3) / 1e12, w_bytes / (ms * 1e-3) / 1e9);
+  cudaFree(x), cudaFree(y), cudaFree(w), cudaFree(scratch), cudaFree(d_segs), cudaFree(d_tiles), cudaFree(d_map);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  cudaDeviceProp prop{};
+  check(cudaGetDeviceProperties(&prop, 0), "device");
+  std::printf("%s, %d SMs\n", prop.name, prop.multiProcessorCount);
+  correctness();
+  // Spot checks of the big shapes (sampled elements) with each tile shape.
+  for (int t : {16, 64, 128}) {
+    Problem big = dense(512, 4096, 2816);
+    verify(big, run(big, t), "dense 512x4096x2816 (sampled)", t, 4000);
+  }
+  Problem moe_big = moe(512, 128, 8, 264, 704, true, 9);
+  for (int t : {16, 64, 128}) verify(moe_big, run(moe_big, t), "moe up 512 tok 128 exp 264x704", t);
+  std::printf("%s\n", failures ? "CORRECTNESS FAILURES" : "all correctness checks passed");
+  if (argc > 1 && std::string(argv[1]) == "--check") return failures ? 1 : 0;
+
+  for (int64_t m : {256, 4096}) {
+    std::printf("-- dense, %ld rows\n", long(m));
+    bench("q_proj 2816->4096", m, 4096, 2816, 0, 0, false);
+    bench("q_proj 2816->8192", m, 8192, 2816, 0, 0, false);
+    bench("o_proj 4096->2816", m, 2816, 4096, 0, 0, false);
+    bench("kv_proj 2816->512", m, 512, 2816, 0, 0, false);
+    bench("mlp gate_up 2816->4224", m, 4224, 2816, 0, 0, false);
+    bench("mlp down 2112->2816", m, 2816, 2112, 0, 0, false);
+    bench("lm_head 2816->262144", m, 262144, 2816, 0, 0, false);
+    bench("soft embedding 262144->2816 (round_x)", m, 2816, 262144, 0, 0, false, true);
+  }
+  for (int64_t tokens : {256, 4096}) {
+    std::printf("-- MoE, %ld tokens, 128 experts top 8 (~%ld rows per expert)\n", long(tokens), long(tokens / 16));
+    bench("experts up 2816->1408", tokens, 1408, 2816, 128, 8, true);
+    bench("experts down 704->2816", tokens, 2816, 704, 128, 8, false);
+  }
+  return failures ? 1 : 0;
+}
