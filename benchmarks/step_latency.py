@@ -157,7 +157,9 @@ def main():
         for batch, context in grid:
             step, tps = measure(llm, batch, context)
             rows.append((batch, context, step, commit_ms(llm.model, context) if batch == 1 else None, tps))
-            print(f"  measured batch {batch} context {context}: {step:.1f} ms/step", file=sys.stderr, flush=True)
+            commit = "-" if rows[-1][3] is None else f"{rows[-1][3]:.1f} ms"
+            print(f"  measured batch {batch} context {context}: {step:.1f} ms/step, commit {commit}, "
+                  f"{tps:.0f} tok/s", file=sys.stderr, flush=True)  # seen even if a later row runs out of time
         del llm
         hf = hf_forward_ms(path, 1024) if args.hf else None
 
