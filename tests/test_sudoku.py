@@ -12,6 +12,7 @@ import sys
 import pytest
 from tokenizers import Tokenizer, models
 
+import diffuserve as ds
 from diffuserve import sudoku as sd
 from diffuserve.random_checkpoint import write_random_checkpoint
 
@@ -94,6 +95,11 @@ def test_eval_prints_the_summary_and_writes_answers(model, tmp_path):
 
 def test_clear_errors(model, tmp_path):
     assert "81 cells" in run("123", "--model", model).stderr
+    no_model = run("1" * 81)  # the bundled model is still being trained (issue 7)
+    assert no_model.returncode != 0 and "no bundled model yet" in no_model.stderr
+    assert "Traceback" not in no_model.stderr
+    with pytest.raises(FileNotFoundError, match="pass a checkpoint directory"):
+        ds.LLM()
     plain = write_random_checkpoint(tmp_path / "plain", canvas_length=16, vocab_size=64, hidden_size=32,
                                     intermediate_size=48, num_hidden_layers=2, num_attention_heads=2,
                                     num_key_value_heads=1, head_dim=16, global_head_dim=16, sliding_window=8,
