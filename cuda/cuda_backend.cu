@@ -280,11 +280,18 @@ class CudaBackend final : public Backend {
                    static_cast<int64_t*>(inverse.get()), static_cast<cuda::GemmSegment*>(up_segments.get()),
                    static_cast<cuda::GemmSegment*>(down_segments.get()), device_tiles, max_tiles, stream_);
     Activation gu = alloc(pairs, inter2), act = alloc(pairs, inter2 / 2), y = alloc(pairs, hidden);
+    Activation input = x;
+    if (gate_up.input_quant.scheme != ActivationScheme::None) {  // FP8 per token (quantizes_expert_inputs)
+      input = alloc(x.rows, x.cols);
+      copy_rows(x, 0, input, 0, x.rows);
+      quantize_input(input, gate_up.input_quant, routing.encoder_tokens, -1);
+    }
     auto up_scratch = pool_->get(cuda::gemm_scratch_bytes(x.rows, hidden, false));
-    cuda::gemm(x.data, x.rows, x.cols, static_cast<const int64_t*>(row_map.get()),
+    cuda::gemm(input.data, input.rows, input.cols, static_cast<const int64_t*>(row_map.get()),
                static_cast<const cuda::GemmSegment*>(up_segments.get()), device_tiles, max_tiles, tile_rows, inter2,
                hidden, false, gu.data, gu.cols, up_scratch.get(), stream_);
     cuda::gelu_glu(gu.data, pairs, inter2 / 2, act.data, stream_);
+    if (down.input_quant.scheme != ActivationScheme::None) quantize_input(act, down.input_quant, 0, -1);
     auto down_scratch = pool_->get(cuda::gemm_scratch_bytes(pairs, inter2 / 2, false));
     cuda::gemm(act.data, pairs, act.cols, nullptr, static_cast<const cuda::GemmSegment*>(down_segments.get()),
                device_tiles, max_tiles, tile_rows, hidden, inter2 / 2, false, y.data, y.cols, down_scratch.get(),
@@ -308,6 +315,19 @@ class CudaBackend final : public Backend {
   void softmax(Activation& x) override {
     auto timed = profile_.scope("softmax");
     cuda::softmax_rows(x.data, x.rows, x.cols, stream_);
+  }
+
+  // FP8's per-token scales do not depend on the expert, so `experts` quantizes its token
+  // rows once for all experts; NVFP4's per-expert global scales would need a copy of each
+  // token per expert, which it does not make yet.
+  bool quantizes_expert_inputs(ActivationScheme scheme) const override { return scheme != ActivationScheme::Nvfp4; }
+
+  void quantize_input(Activation& x, const ActivationQuant& quant, int64_t encoder_rows, int expert) override {
+    auto timed = profile_.scope("quantize_input");
+    const bool nvfp4 = quant.scheme == ActivationScheme::Nvfp4;
+    cuda::quantize_input(x.data, x.rows, x.cols, quant.scheme, encoder_rows,
+                         nvfp4 ? quant.global_scale(true, expert) : 0.0f,
+                         nvfp4 ? quant.global_scale(false, expert) : 0.0f, stream_);
   }
 
   std::vector<RowSample> sample(Activation& logits, float temperature, const std::vector<uint8_t>& allowed,

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cfloat>
 
+#include "activation_quant.h"
 #include "kernels.h"
 
 namespace diffuserve::cuda {
@@ -251,6 +252,32 @@ __global__ void sample_kernel(float* logits, int64_t vocab, float temperature, c
   if (threadIdx.x == 0) out[row] = {best_i, noisy_i, entropy};
 }
 
+// FP8 per token: one warp per row finds the row's absolute maximum, then quantizes it.
+__global__ void quantize_fp8_rows_kernel(float* x, int64_t rows, int64_t cols) {
+  const int64_t row = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
+  if (row >= rows) return;  // whole warps: blocks are whole warps
+  const int lane = threadIdx.x & 31;
+  float* v = x + row * cols;
+  float amax = 0.0f;
+  for (int64_t j = lane; j < cols; j += 32) amax = fmaxf(amax, fabsf(v[j]));
+  for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+  const float scale = fp8_token_scale(amax);
+  for (int64_t j = lane; j < cols; j += 32) v[j] = fake_quantize_e4m3(v[j], scale);
+}
+
+// NVFP4: one thread per group of 16 values, under its row's global scale.
+__global__ void quantize_nvfp4_groups_kernel(float* x, int64_t rows, int64_t cols, int64_t encoder_rows,
+                                             float encoder_global, float decoder_global) {
+  const int64_t groups = cols / kNvfp4Group, i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= rows * groups) return;
+  const int64_t row = i / groups;
+  float* v = x + row * cols + (i % groups) * kNvfp4Group;
+  float amax = 0.0f;
+  for (int j = 0; j < kNvfp4Group; ++j) amax = fmaxf(amax, fabsf(v[j]));
+  const float scale = nvfp4_group_scale(amax, row < encoder_rows ? encoder_global : decoder_global);
+  for (int j = 0; j < kNvfp4Group; ++j) v[j] = fake_quantize_e2m1(v[j], scale);
+}
+
 }  // namespace
 
 void embed(const __nv_bfloat16* table, int64_t hidden, const int32_t* ids, int64_t n, float scale, float* out,
@@ -333,6 +360,15 @@ void random_bf16(__nv_bfloat16* out, int64_t n, uint64_t seed, float scale, cuda
 void sample_rows(float* logits, int64_t rows, int64_t vocab, float temperature, const uint8_t* allowed,
                  RandomKey key, bool round_bf16, DeviceRowSample* out, cudaStream_t stream) {
   if (rows) sample_kernel<<<unsigned(rows), 1024, 0, stream>>>(logits, vocab, temperature, allowed, key, round_bf16, out);
+}
+
+void quantize_input(float* x, int64_t rows, int64_t cols, ActivationScheme scheme, int64_t encoder_rows,
+                    float encoder_global, float decoder_global, cudaStream_t stream) {
+  if (scheme == ActivationScheme::Fp8Token && rows)
+    quantize_fp8_rows_kernel<<<blocks_for(rows * 32), kThreads, 0, stream>>>(x, rows, cols);
+  if (scheme == ActivationScheme::Nvfp4 && rows)
+    quantize_nvfp4_groups_kernel<<<blocks_for(rows * (cols / kNvfp4Group)), kThreads, 0, stream>>>(
+        x, rows, cols, encoder_rows, encoder_global, decoder_global);
 }
 
 }  // namespace diffuserve::cuda

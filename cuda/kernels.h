@@ -111,6 +111,12 @@ void moe_plan(const int32_t* expert_ids, int64_t pairs, int top_k, int experts, 
 void combine_experts(const float* y, const int64_t* inverse, const float* weights, int64_t tokens, int top_k,
                      int64_t hidden, float* out, cudaStream_t stream);
 
+// In place on x [rows, cols], a linear's input quantized and dequantized as
+// activation_quant.h computes it: FP8 with one scale per row, or NVFP4 per 16 values with
+// rows below encoder_rows under encoder_global and the rest under decoder_global.
+void quantize_input(float* x, int64_t rows, int64_t cols, ActivationScheme scheme, int64_t encoder_rows,
+                    float encoder_global, float decoder_global, cudaStream_t stream);
+
 // Fills n bf16 values with random_weight_value (backend.h's dummy weights).
 void random_bf16(__nv_bfloat16* out, int64_t n, uint64_t seed, float scale, cudaStream_t stream);
 

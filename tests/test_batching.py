@@ -58,6 +58,18 @@ def test_batch_equals_each_alone(make_llm):
         assert out.denoise_steps == expected.denoise_steps
 
 
+@pytest.mark.parametrize("budget", [CANVAS, CANVAS + 4, 2 * CANVAS - 1])
+def test_budget_below_a_commit_plus_a_canvas_still_progresses(make_llm, budget):
+    """A token budget smaller than a pending commit plus the canvas: the commit is encoded on
+    a step of its own (or in chunks) and the denoising follows; the tokens are the same."""
+    prompts = [list(range(1, 12)), list(range(5, 9))]
+    ps = [params(1, n=32), params(2, n=24)]
+    tight = make_llm(max_num_batched_tokens=budget).generate(prompts, ps)
+    ref = make_llm()
+    for prompt, p, out in zip(prompts, ps, tight):
+        assert out.token_ids == alone(ref, prompt, p).token_ids
+
+
 def test_commit_fusion_saves_a_forward_per_block(make_llm):
     """Fused, a request's forwards are exactly its denoise steps: the prompt's last chunk and
     every commit ride along with a denoise step. Unfused, each costs a pass of its own."""

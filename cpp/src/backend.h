@@ -11,6 +11,7 @@
 #include <memory>
 #include <vector>
 
+#include "diffuserve/config.h"
 #include "diffuserve/dtype.h"
 #include "philox.h"
 
@@ -37,6 +38,20 @@ struct Activation {
   Activation view(int64_t first, int64_t count) const { return {row(first), count, cols, storage}; }
 };
 
+// How a linear quantizes its input, as the checkpoint's quantization_config says. Nvfp4
+// needs the linear's calibrated input_global_scale: one per expert of a stack (one for a
+// plain linear), for the encoder's rows and for the decoder's, as LLM Compressor
+// calibrates the encoder's copy of each linear apart from the decoder's (only the weights
+// are shared).
+struct ActivationQuant {
+  ActivationScheme scheme = ActivationScheme::None;
+  std::vector<float> encoder_global_scale, decoder_global_scale;
+
+  float global_scale(bool encoder, int expert) const {
+    return (encoder ? encoder_global_scale : decoder_global_scale)[expert < 0 ? 0 : expert];
+  }
+};
+
 // A weight in backend memory, in its storage dtype. Shape as stored ([out, in] for a
 // linear layer, [experts, out, in] for expert stacks).
 struct Weight {
@@ -44,6 +59,7 @@ struct Weight {
   std::vector<int64_t> shape;
   const void* data = nullptr;
   std::shared_ptr<const void> storage;
+  ActivationQuant input_quant;  // a linear's; scheme None for most weights
 
   int64_t numel() const;
   bool empty() const { return data == nullptr; }
@@ -75,6 +91,7 @@ struct Routing {
   std::shared_ptr<int32_t> experts;  // [tokens, top_k]
   Activation weights;                // [tokens, top_k]
   int top_k = 0;
+  int64_t encoder_tokens = 0;  // tokens [0, encoder_tokens) are the encoder's (see experts); set by the caller
 };
 
 // What the sampler needs of one canvas row of processed logits.
@@ -92,6 +109,8 @@ class Backend {
   virtual Activation alloc(int64_t rows, int64_t cols) = 0;
   // Bytes the KV cache may take by default, asked once the weights are loaded.
   virtual int64_t default_kv_cache_bytes() = 0;
+  // Whether `experts` can quantize its inputs with `scheme` (every backend can do None).
+  virtual bool quantizes_expert_inputs(ActivationScheme scheme) const { return true; }
   // Weight from host bytes in `dtype`, stored as `as` (a widening/narrowing cast when they
   // differ). The backend may keep pointing at `host`; `keep_alive` owns those bytes.
   virtual Weight upload(const void* host, DType dtype, const std::vector<int64_t>& shape, DType as,
@@ -129,9 +148,16 @@ class Backend {
   // Router: softmax(proj(rms(x) * scale * hidden^-0.5)), top-k, renormalise, * per_expert_scale.
   virtual Routing route(const Activation& x, const Weight& proj, const Weight& scale, const Weight& per_expert_scale,
                         int top_k, float eps) = 0;
-  // out = sum_k weight_k * down_e(gelu_glu(gate_up_e(x))) over each token's experts.
+  // out = sum_k weight_k * down_e(gelu_glu(gate_up_e(x))) over each token's experts, the
+  // inputs of gate_up_e and down_e quantized as those weights' input_quant says (the
+  // encoder's tokens with the encoder's scales: Routing::encoder_tokens).
   virtual void experts(const Activation& x, const Routing& routing, const Weight& gate_up, const Weight& down,
                        Activation& out) = 0;
+  // In place on x, the input of a linear whose weight carries `quant` (not None):
+  // quantized as the checkpoint says and dequantized again (activation_quant.h), so that
+  // an fp32 product multiplies exactly what a quantized kernel would. Rows below
+  // `encoder_rows` are the encoder's; `expert` picks an expert's scales (-1: a plain linear).
+  virtual void quantize_input(Activation& x, const ActivationQuant& quant, int64_t encoder_rows, int expert) = 0;
   // y = a + b (elementwise; y may alias a or b).
   virtual void add(const Activation& a, const Activation& b, Activation& y) = 0;
   virtual void scale(Activation& x, float s) = 0;

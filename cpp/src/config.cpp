@@ -9,6 +9,7 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <set>
 #include <sstream>
 
 #include "diffuserve/errors.h"
@@ -72,6 +73,17 @@ struct Fields {
     if (!v->is_bool()) fail(key, "must be true or false");
     return v->boolean;
   }
+  std::vector<std::string> string_list(const std::string& key) const {
+    const json::Value* v = get(key);
+    std::vector<std::string> out;
+    if (!v) return out;
+    if (!v->is_array()) fail(key, "must be a list of strings");
+    for (const auto& e : v->array) {
+      if (!e.is_string()) fail(key, "must be a list of strings");
+      out.push_back(e.string);
+    }
+    return out;
+  }
   // An int or a list of ints (eos_token_id is either).
   std::vector<int32_t> int_list_or_empty(const std::string& key) const {
     const json::Value* v = get(key);
@@ -120,6 +132,61 @@ std::vector<float> rope_inv_freq(const Fields& rope, int head_dim) {
     rope.fail("rope_type", "'" + type + "' is not supported (supported: default, proportional)");
   }
   return inv;
+}
+
+// A config group's input_activations (compressed-tensors' QuantizationArgs, whose
+// defaults fill what the file leaves out) as the scheme it names; any other is refused
+// with its settings spelled out.
+ActivationScheme activation_scheme(const Fields& group) {
+  const json::Value* v = group.get("input_activations");
+  if (!v) return ActivationScheme::None;
+  if (!v->is_object()) group.fail("input_activations", "must be an object or null");
+  const Fields a{*v, group.file, group.prefix + "input_activations."};
+  const std::string type = a.string_or("type", "int"), strategy = a.string_or("strategy", "tensor");
+  const int64_t bits = a.integer_or("num_bits", 8, 1, 64), group_size = a.integer_or("group_size", 0, -1, kMaxDim);
+  const bool symmetric = a.bool_or("symmetric", true);
+  std::string dynamic = "static";
+  if (const json::Value* d = a.get("dynamic")) {
+    if (d->is_bool()) dynamic = d->boolean ? "dynamic" : "static";
+    else if (d->is_string() && d->string == "local") dynamic = "local dynamic";
+    else a.fail("dynamic", "must be true, false or \"local\"");
+  }
+  if (type == "float" && bits == 8 && symmetric && strategy == "token" && dynamic == "dynamic")
+    return ActivationScheme::Fp8Token;
+  if (type == "float" && bits == 4 && symmetric && strategy == "tensor_group" && group_size == 16 &&
+      dynamic == "local dynamic")
+    return ActivationScheme::Nvfp4;
+  const std::string grouped = group_size > 0 ? " of " + std::to_string(group_size) : "";
+  group.fail("input_activations", "= " + std::string(symmetric ? "" : "asymmetric ") + dynamic + " " + strategy +
+                                      grouped + " " + std::to_string(bits) + "-bit " + type +
+                                      " is not supported (supported: dynamic token 8-bit float as in FP8_DYNAMIC, "
+                                      "local dynamic tensor_group of 16 4-bit float as in NVFP4)");
+}
+
+// quantization_config (compressed-tensors) into `c`: the weights' format, and which linears
+// quantize their inputs how. The KV cache and outputs are never quantized here.
+void load_quantization(const Fields& f, ModelConfig& c) {
+  const std::string method = f.string_or("quant_method", "");
+  if (method != "compressed-tensors")
+    f.fail("quant_method", "'" + method + "' is not supported (supported: compressed-tensors)");
+  c.quantization = f.string_or("format", "");
+  if (c.quantization != "float-quantized" && c.quantization != "nvfp4-pack-quantized")
+    f.fail("format", "'" + c.quantization + "' is not supported (supported: float-quantized, nvfp4-pack-quantized)");
+  if (f.get("kv_cache_scheme")) f.fail("kv_cache_scheme", "is not supported (the KV cache is not quantized)");
+  c.quantization_ignore = f.string_list("ignore");
+  const json::Value* groups = f.get("config_groups");
+  if (!groups) return;
+  if (!groups->is_object()) f.fail("config_groups", "must be an object");
+  std::set<std::string> targets;  // config groups apply in file order; one target in two would depend on it
+  for (const auto& [name, value] : groups->object) {
+    if (!value.is_object()) f.fail("config_groups." + name, "must be an object");
+    const Fields g{value, f.file, f.prefix + "config_groups." + name + "."};
+    if (g.get("output_activations")) g.fail("output_activations", "is not supported (outputs are not quantized)");
+    QuantizationGroup group{g.string_list("targets"), activation_scheme(g)};
+    for (const std::string& t : group.targets)
+      if (!targets.insert(t).second) g.fail("targets", "names '" + t + "', which another config group also targets");
+    c.quantization_groups.push_back(std::move(group));
+  }
 }
 
 GenerationDefaults load_generation(const std::string& path, const std::vector<int32_t>& model_eos) {
@@ -235,13 +302,7 @@ ModelConfig load_config(const std::string& dir) {
 
   if (const json::Value* q = top.get("quantization_config")) {
     if (!q->is_object()) top.fail("quantization_config", "must be an object");
-    Fields f{*q, path, "quantization_config."};
-    const std::string method = f.string_or("quant_method", "");
-    if (method != "compressed-tensors")
-      f.fail("quant_method", "'" + method + "' is not supported (supported: compressed-tensors)");
-    c.quantization = f.string_or("format", "");
-    if (c.quantization != "float-quantized" && c.quantization != "nvfp4-pack-quantized")
-      f.fail("format", "'" + c.quantization + "' is not supported (supported: float-quantized, nvfp4-pack-quantized)");
+    load_quantization(Fields{*q, path, "quantization_config."}, c);
   }
 
   std::vector<int32_t> eos = t.int_list_or_empty("eos_token_id");

@@ -10,6 +10,7 @@
 #include <unistd.h>
 #include <numeric>
 
+#include "activation_quant.h"
 #include "backend.h"
 #include "diffuserve/errors.h"
 #include "thread_pool.h"
@@ -316,8 +317,14 @@ class CpuBackend final : public Backend {
       const int64_t r = int64_t(rows.size());
       Activation xin = alloc(r, hidden), gu = alloc(r, inter2), act = alloc(r, inter2 / 2), y = alloc(r, hidden);
       for (int64_t i = 0; i < r; ++i) std::memcpy(xin.row(i), x.row(rows[i] / routing.top_k), hidden * sizeof(float));
+      // The rows are in token order, so the encoder's tokens (the batch's first) lead.
+      const int64_t encoder = std::count_if(rows.begin(), rows.end(),
+                                            [&](int64_t a) { return a / routing.top_k < routing.encoder_tokens; });
+      if (gate_up.input_quant.scheme != ActivationScheme::None)
+        quantize_input(xin, gate_up.input_quant, encoder, int(e));
       linear(xin, gate_up, gu, int(e));
       gelu_glu(gu, act);
+      if (down.input_quant.scheme != ActivationScheme::None) quantize_input(act, down.input_quant, encoder, int(e));
       linear(act, down, y, int(e));
       for (int64_t i = 0; i < r; ++i) {
         const float wgt = routing.weights.data[rows[i]];
@@ -325,6 +332,31 @@ class CpuBackend final : public Backend {
         for (int64_t j = 0; j < hidden; ++j) o[j] += wgt * y.row(i)[j];
       }
     }
+  }
+
+  // FP8: one scale per row. NVFP4: one per 16 values (the loader checked that they divide
+  // a row), under the row's phase's global scale.
+  void quantize_input(Activation& x, const ActivationQuant& quant, int64_t encoder_rows, int expert) override {
+    pool_->parallel_for(x.rows, 16, [&](int64_t b, int64_t e) {
+      for (int64_t i = b; i < e; ++i) {
+        float* v = x.row(i);
+        auto amax = [&](int64_t begin, int64_t end) {
+          float m = 0;
+          for (int64_t j = begin; j < end; ++j) m = std::max(m, std::abs(v[j]));
+          return m;
+        };
+        if (quant.scheme == ActivationScheme::Fp8Token) {
+          const float s = fp8_token_scale(amax(0, x.cols));
+          for (int64_t j = 0; j < x.cols; ++j) v[j] = fake_quantize_e4m3(v[j], s);
+        } else {
+          const float global = quant.global_scale(i < encoder_rows, expert);
+          for (int64_t g = 0; g < x.cols; g += kNvfp4Group) {
+            const float s = nvfp4_group_scale(amax(g, g + kNvfp4Group), global);
+            for (int64_t j = g; j < g + kNvfp4Group; ++j) v[j] = fake_quantize_e2m1(v[j], s);
+          }
+        }
+      }
+    });
   }
 
   void add(const Activation& a, const Activation& b, Activation& y) override {

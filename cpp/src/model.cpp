@@ -8,12 +8,61 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <optional>
+#include <regex>
 #include <set>
 
+#include "activation_quant.h"
 #include "diffuserve/errors.h"
 
 namespace diffuserve {
 namespace {
+
+// Which config group of quantization_config applies to a linear, by compressed-tensors'
+// rules (compressed_tensors.utils.match): none when an `ignore` entry matches it;
+// otherwise the most specific target: its exact name, then the first matching "re:"
+// regex in sorted order (anchored at the start, as Python's re.match), then the class
+// "Linear" (every module asked about is a torch Linear).
+class QuantizationTargets {
+ public:
+  QuantizationTargets(const ModelConfig& c, const std::string& path) {
+    for (const QuantizationGroup& g : c.quantization_groups)
+      for (const std::string& t : g.targets) targets_.push_back({pattern(t, path), g.input});
+    std::sort(targets_.begin(), targets_.end(), [](const auto& a, const auto& b) {
+      return std::pair(a.first.regex.has_value(), a.first.text) < std::pair(b.first.regex.has_value(), b.first.text);
+    });
+    for (const std::string& t : c.quantization_ignore) ignore_.push_back(pattern(t, path));
+  }
+
+  ActivationScheme input_scheme(const std::string& module) const {
+    for (const Pattern& p : ignore_)
+      if (p.names(module) || p.text == "Linear") return ActivationScheme::None;
+    for (const auto& [p, scheme] : targets_)
+      if (p.names(module)) return scheme;
+    for (const auto& [p, scheme] : targets_)
+      if (p.text == "Linear") return scheme;
+    return ActivationScheme::None;
+  }
+
+ private:
+  struct Pattern {
+    std::string text;
+    std::optional<std::regex> regex;  // of a "re:" target
+    bool names(const std::string& module) const {
+      return regex ? std::regex_search(module, *regex, std::regex_constants::match_continuous) : text == module;
+    }
+  };
+  static Pattern pattern(const std::string& text, const std::string& path) {
+    if (!text.starts_with("re:")) return {text, std::nullopt};
+    try {
+      return {text, std::regex(text.substr(3))};
+    } catch (const std::regex_error&) {
+      throw FormatError(path + ": quantization_config: '" + text + "' is not a regular expression this runtime reads");
+    }
+  }
+  std::vector<std::pair<Pattern, ActivationScheme>> targets_;
+  std::vector<Pattern> ignore_;
+};
 
 // Hands out checkpoint tensors by name, checking shape and dtype, and remembers which
 // were taken so that leftovers can be reported. A linear weight may be stored quantized
@@ -21,13 +70,18 @@ namespace {
 // in F8_E4M3 with "weight_scale" per tensor, channel or group) or NVFP4 ("weight_packed",
 // two E2M1 values a byte, with an E4M3 "weight_scale" per 16 inputs and a fp32
 // "weight_global_scale"); it is dequantized to fp32 here. The runtime's GEMMs then see
-// the same weights as the dequantized model.
+// the same weights as the dequantized model. A linear's weight also carries how the
+// config quantizes its input (ActivationQuant), with NVFP4's "input_global_scale".
 // With no checkpoint (load_format "dummy") it makes random weights of the same shapes.
 class TensorSource {
  public:
-  TensorSource(ModelState& m, DType as) : m_(m), as_(as) {}
+  TensorSource(ModelState& m, DType as) : m_(m), as_(as), targets_(m.config, m.path) {}
   bool dummy() const { return !m_.checkpoint; }
   bool has(const std::string& name) const { return m_.checkpoint && m_.checkpoint->find(name); }
+  // How the config quantizes the input of linear `module` (random weights: not at all).
+  ActivationScheme input_scheme(const std::string& module) const {
+    return dummy() ? ActivationScheme::None : targets_.input_scheme(module);
+  }
 
   const TensorView& take(const std::string& name, const std::vector<int64_t>& shape) {
     const TensorView* t = m_.checkpoint->find(name);
@@ -50,33 +104,51 @@ class TensorSource {
     return m_.backend->upload(host->data(), DType::F32, shape, as_, host);
   }
 
-  // Several [n_i, K] tensors stacked along rows into one weight (gate and up in one GEMM).
+  // A linear layer's weight `<module>.weight`, with its input quantization.
+  Weight linear(const std::string& name, const std::vector<int64_t>& shape) {
+    Weight w = weight(name, shape);
+    w.input_quant = input_quant({{module_of(name)}}, shape.back());
+    return w;
+  }
+
+  // Several [n_i, K] linears stacked along rows into one weight (gate and up in one GEMM).
   Weight stacked(const std::vector<std::string>& names, const std::vector<int64_t>& part_shape) {
     std::vector<int64_t> stacked_shape = part_shape;
     stacked_shape[0] *= int64_t(names.size());
     if (dummy()) return weight(names[0], stacked_shape);
     auto host = std::make_shared<std::vector<float>>();
+    std::vector<std::string> modules;
     for (const auto& name : names) {
       const std::vector<float> part = floats(name, part_shape);
       host->insert(host->end(), part.begin(), part.end());
+      modules.push_back(module_of(name));
     }
-    return m_.backend->upload(host->data(), DType::F32, stacked_shape, as_, host);
+    Weight w = m_.backend->upload(host->data(), DType::F32, stacked_shape, as_, host);
+    w.input_quant = input_quant({modules}, part_shape[1]);
+    return w;
   }
 
-  // An MoE layer's experts as one [E, rows, K] stack: stored fused (`fused`), or one
-  // linear per expert as LLM Compressor writes them (`<prefix>.<e>.<part>.weight` for
-  // each part, stacked along rows, e.g. gate then up).
+  // An MoE layer's experts as one [E, rows, K] stack: stored fused (`fused`, which is not
+  // a Linear and so never quantized), or one linear per expert as LLM Compressor writes
+  // them (`<prefix>.<e>.<part>.weight` for each part, stacked along rows, e.g. gate then up).
   Weight experts(const std::string& fused, const std::string& prefix, const std::vector<std::string>& parts,
                  int64_t num_experts, const std::vector<int64_t>& part_shape) {
     const std::vector<int64_t> shape = {num_experts, part_shape[0] * int64_t(parts.size()), part_shape[1]};
     if (dummy() || has(fused)) return weight(fused, shape);
     auto host = std::make_shared<std::vector<float>>();
+    std::vector<std::vector<std::string>> modules(num_experts);
     for (int64_t e = 0; e < num_experts; ++e)
       for (const auto& part : parts) {
-        const std::vector<float> v = floats(prefix + "." + std::to_string(e) + "." + part + ".weight", part_shape);
+        modules[e].push_back(prefix + "." + std::to_string(e) + "." + part);
+        const std::vector<float> v = floats(modules[e].back() + ".weight", part_shape);
         host->insert(host->end(), v.begin(), v.end());
       }
-    return m_.backend->upload(host->data(), DType::F32, shape, as_, host);
+    Weight w = m_.backend->upload(host->data(), DType::F32, shape, as_, host);
+    w.input_quant = input_quant(modules, part_shape[1]);
+    if (!m_.backend->quantizes_expert_inputs(w.input_quant.scheme))
+      throw FormatError(m_.path + ": the experts of '" + prefix + "' quantize their inputs to NVFP4, which this "
+                        "backend does not run yet (the CPU backend does)");
+    return w;
   }
 
   // A small tensor (norm weights, scales) as an fp32 weight.
@@ -140,9 +212,53 @@ class TensorSource {
   // A companion tensor (a scale) of any shape, marked taken.
   const TensorView& companion(const std::string& name) {
     const TensorView* t = m_.checkpoint->find(name);
-    if (!t) throw FormatError(m_.path + ": missing tensor '" + name + "' (a quantized weight's scale)");
+    if (!t) throw FormatError(m_.path + ": missing tensor '" + name + "' (a quantized linear's scale)");
     taken_.insert(name);
     return *t;
+  }
+
+  // A companion scale that holds one value.
+  float scalar(const std::string& name) {
+    const TensorView& t = companion(name);
+    if (t.numel() != 1) throw FormatError(t.file + ": tensor '" + name + "' must hold one value");
+    return widen(t)[0];
+  }
+
+  static std::string module_of(const std::string& weight_name) {
+    return weight_name.substr(0, weight_name.size() - std::string(".weight").size());
+  }
+
+  // How linears that the runtime feeds one input quantize it: modules[e] lists expert e's
+  // linears (one expert for a plain linear; gate and up for a stacked pair), which must
+  // all quantize it alike. `k` is their input size.
+  ActivationQuant input_quant(const std::vector<std::vector<std::string>>& modules, int64_t k) {
+    ActivationQuant q;
+    q.scheme = input_scheme(modules[0][0]);
+    for (const auto& parts : modules)
+      for (const std::string& module : parts) {
+        if (input_scheme(module) != q.scheme)
+          throw FormatError(m_.path + ": quantization_config quantizes the inputs of '" + modules[0][0] + "' and '" +
+                            module + "' differently, but the runtime runs them as one (stacked gate and up, or one "
+                            "MoE layer's experts)");
+        if (q.scheme != ActivationScheme::Nvfp4) continue;
+        // The encoder's copy of the linear has its own scale, where the checkpoint has one.
+        const std::string decoder = "model.decoder.", encoder = "model.encoder.language_model.";
+        const std::string twin = module.starts_with(decoder) ? encoder + module.substr(decoder.size()) : module;
+        const float decoder_scale = scalar(module + ".input_global_scale");
+        const float encoder_scale = has(twin + ".input_global_scale") ? scalar(twin + ".input_global_scale")
+                                                                      : decoder_scale;
+        if (module == parts[0]) {
+          q.decoder_global_scale.push_back(decoder_scale);
+          q.encoder_global_scale.push_back(encoder_scale);
+        } else if (decoder_scale != q.decoder_global_scale.back() || encoder_scale != q.encoder_global_scale.back()) {
+          throw FormatError(m_.path + ": '" + parts[0] + "' and '" + module +
+                            "' have different input_global_scale, but the runtime quantizes their one input once");
+        }
+      }
+    if (q.scheme == ActivationScheme::Nvfp4 && k % kNvfp4Group)
+      throw FormatError(m_.path + ": '" + modules[0][0] + "' has " + std::to_string(k) +
+                        " inputs; NVFP4 activations need a multiple of " + std::to_string(kNvfp4Group));
+    return q;
   }
 
   // Groups of `cols / groups` inputs share a scale: scales[row * groups + col / (cols / groups)].
@@ -181,11 +297,10 @@ class TensorSource {
     if (cols % 2) throw FormatError(m_.path + ": '" + prefix + ".weight_packed' needs an even number of columns");
     const TensorView& packed = take(prefix + ".weight_packed", {rows, cols / 2});
     const TensorView& scale = companion(prefix + ".weight_scale");
-    const TensorView& global = companion(prefix + ".weight_global_scale");
-    if (packed.dtype != DType::U8 || scale.dtype != DType::F8_E4M3 || global.numel() != 1)
+    if (packed.dtype != DType::U8 || scale.dtype != DType::F8_E4M3)
       throw FormatError(packed.file + ": '" + prefix + "' is not NVFP4 as compressed-tensors writes it (U8 " +
-                        "weight_packed, F8_E4M3 weight_scale, one weight_global_scale)");
-    const float global_scale = widen(global)[0];
+                        "weight_packed, F8_E4M3 weight_scale)");
+    const float global_scale = scalar(prefix + ".weight_global_scale");
     const int64_t groups = groups_of(scale, rows, cols);
     std::vector<float> out(rows * cols);
     for (int64_t r = 0; r < rows; ++r)
@@ -195,14 +310,12 @@ class TensorSource {
         // The low nibble holds the even column (compressed-tensors' packing).
         out[r * cols + c] = fp4_e2m1_to_f32(c % 2 ? byte >> 4 : byte & 0xf) * (group_scale / global_scale);
       }
-    // Activation scales (W4A4 checkpoints) serve a quantized activation path; the CPU
-    // backend keeps activations in fp32.
-    if (has(prefix + ".input_global_scale")) companion(prefix + ".input_global_scale");
     return out;
   }
 
   ModelState& m_;
   DType as_;
+  QuantizationTargets targets_;
   std::set<std::string> taken_;
   uint64_t seed_ = 0;  // dummy weights: one stream per tensor
 };
@@ -217,22 +330,22 @@ void load_weights(ModelState& m, DType as) {
   const std::string d = "model.decoder.";
 
   w.embed_tokens = src.weight(d + "embed_tokens.weight", {c.vocab_size, H});
-  if (!c.tie_word_embeddings) w.lm_head = src.weight("lm_head.weight", {c.vocab_size, H});
+  if (!c.tie_word_embeddings) w.lm_head = src.linear("lm_head.weight", {c.vocab_size, H});
   w.norm = src.small(d + "norm.weight", {H});
   const std::string sc = d + "self_conditioning.";
   w.sc_pre_norm = src.small(sc + "pre_norm.weight", {H});
   w.sc_gate_up = src.stacked({sc + "gate_proj.weight", sc + "up_proj.weight"}, {I, H});
-  w.sc_down = src.weight(sc + "down_proj.weight", {H, I});
+  w.sc_down = src.linear(sc + "down_proj.weight", {H, I});
 
   for (int i = 0; i < c.num_layers; ++i) {
     const LayerConfig& L = c.layers[i];
     const std::string p = d + "layers." + std::to_string(i) + ".";
     const int64_t q_out = int64_t(c.num_heads) * L.head_dim, kv_out = int64_t(L.num_kv_heads) * L.head_dim;
     LayerWeights lw;
-    lw.q_proj = src.weight(p + "self_attn.q_proj.weight", {q_out, H});
-    lw.k_proj = src.weight(p + "self_attn.k_proj.weight", {kv_out, H});
-    if (L.has_v_proj) lw.v_proj = src.weight(p + "self_attn.v_proj.weight", {kv_out, H});
-    lw.o_proj = src.weight(p + "self_attn.o_proj.weight", {H, q_out});
+    lw.q_proj = src.linear(p + "self_attn.q_proj.weight", {q_out, H});
+    lw.k_proj = src.linear(p + "self_attn.k_proj.weight", {kv_out, H});
+    if (L.has_v_proj) lw.v_proj = src.linear(p + "self_attn.v_proj.weight", {kv_out, H});
+    lw.o_proj = src.linear(p + "self_attn.o_proj.weight", {H, q_out});
     lw.q_norm = src.small(p + "self_attn.q_norm.weight", {L.head_dim});
     lw.k_norm = src.small(p + "self_attn.k_norm.weight", {L.head_dim});
     lw.input_layernorm = src.small(p + "input_layernorm.weight", {H});
@@ -243,8 +356,11 @@ void load_weights(ModelState& m, DType as) {
     lw.post_feedforward_layernorm_2 = src.small(p + "post_feedforward_layernorm_2.weight", {H});
     lw.pre_feedforward_layernorm_2 = src.small(p + "pre_feedforward_layernorm_2.weight", {H});
     lw.mlp_gate_up = src.stacked({p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"}, {I, H});
-    lw.mlp_down = src.weight(p + "mlp.down_proj.weight", {H, I});
+    lw.mlp_down = src.linear(p + "mlp.down_proj.weight", {H, I});
     lw.router_proj = src.weight(p + "router.proj.weight", {E, H});
+    if (src.input_scheme(p + "router.proj") != ActivationScheme::None)
+      throw FormatError(m.path + ": quantization_config quantizes the input of '" + p +
+                        "router.proj'; the router's activations are not quantized here");
     lw.router_scale = src.small(p + "router.scale", {H});
     lw.router_per_expert_scale = src.small(p + "router.per_expert_scale", {E});
     lw.rope_inv_freq = src.fp32_weight(L.rope_inv_freq, {int64_t(L.rope_inv_freq.size())});
@@ -262,15 +378,25 @@ void load_weights(ModelState& m, DType as) {
 
 namespace {
 
+// y = x @ w^T, x first quantized (in a copy: x feeds other linears too) when the checkpoint
+// quantizes this linear's input. Rows of x below `encoder_rows` are the encoder's.
+void linear(Backend& be, const Activation& x, const Weight& w, Activation& y, int64_t encoder_rows) {
+  if (w.input_quant.scheme == ActivationScheme::None) return be.linear(x, w, y);
+  Activation quantized = be.alloc(x.rows, x.cols);
+  be.copy_rows(x, 0, quantized, 0, x.rows);
+  be.quantize_input(quantized, w.input_quant, encoder_rows, -1);
+  be.linear(quantized, w, y);
+}
+
 // K and V of `x` for one layer: k_norm + RoPE on K; V is v_proj(x) (or, on full-attention
 // layers, the raw k_proj output) through an unscaled norm.
-void project_kv(ModelState& m, int li, const Activation& x, const std::vector<int64_t>& positions, Activation& k,
-                Activation& v) {
+void project_kv(ModelState& m, int li, const Activation& x, int64_t encoder_rows,
+                const std::vector<int64_t>& positions, Activation& k, Activation& v) {
   Backend& be = *m.backend;
   const LayerConfig& L = m.config.layers[li];
   const LayerWeights& W = m.weights.layers[li];
-  be.linear(x, W.k_proj, k);
-  if (L.has_v_proj) be.linear(x, W.v_proj, v);
+  linear(be, x, W.k_proj, k, encoder_rows);
+  if (L.has_v_proj) linear(be, x, W.v_proj, v, encoder_rows);
   else be.copy_rows(k, 0, v, 0, k.rows);
   be.rms_norm(k, &W.k_norm, L.head_dim, m.config.rms_norm_eps, k);
   be.rope(k, L.head_dim, W.rope_inv_freq, positions);
@@ -278,27 +404,29 @@ void project_kv(ModelState& m, int li, const Activation& x, const std::vector<in
 }
 
 // out = gated GELU MLP of x with stacked [gate; up] weights.
-void gated_mlp(Backend& be, const Activation& x, const Weight& gate_up, const Weight& down, Activation& out) {
+void gated_mlp(Backend& be, const Activation& x, int64_t encoder_rows, const Weight& gate_up, const Weight& down,
+               Activation& out) {
   Activation gu = be.alloc(x.rows, gate_up.shape[0]), act = be.alloc(x.rows, gate_up.shape[0] / 2);
-  be.linear(x, gate_up, gu);
+  linear(be, x, gate_up, gu, encoder_rows);
   be.gelu_glu(gu, act);
-  be.linear(act, down, out);
+  linear(be, act, down, out, encoder_rows);
 }
 
 // The feed-forward half of a layer, in place on h (the per-segment layer scalar follows):
 //   h = h + post_ff(post_ff_1(mlp(pre_ff(h))) + post_ff_2(experts(pre_ff_2(h), route(h))))
-void feed_forward(ModelState& m, int li, Activation& h) {
+// Rows of h below `encoder_rows` are the encoder's.
+void feed_forward(ModelState& m, int li, Activation& h, int64_t encoder_rows) {
   Backend& be = *m.backend;
   const LayerWeights& W = m.weights.layers[li];
   const float eps = m.config.rms_norm_eps;
   const int64_t n = h.rows, H = h.cols;
   Activation x = be.alloc(n, H), dense = be.alloc(n, H), moe = be.alloc(n, H);
   be.rms_norm(h, &W.pre_feedforward_layernorm, H, eps, x);
-  gated_mlp(be, x, W.mlp_gate_up, W.mlp_down, dense);
+  gated_mlp(be, x, encoder_rows, W.mlp_gate_up, W.mlp_down, dense);
   be.rms_norm(dense, &W.post_feedforward_layernorm_1, H, eps, dense);
 
-  const Routing routing = be.route(h, W.router_proj, W.router_scale, W.router_per_expert_scale,
-                                   m.config.top_k_experts, eps);
+  Routing routing = be.route(h, W.router_proj, W.router_scale, W.router_per_expert_scale, m.config.top_k_experts, eps);
+  routing.encoder_tokens = encoder_rows;
   be.rms_norm(h, &W.pre_feedforward_layernorm_2, H, eps, x);
   be.experts(x, routing, W.experts_gate_up, W.experts_down, moe);
   be.rms_norm(moe, &W.post_feedforward_layernorm_2, H, eps, moe);
@@ -333,7 +461,7 @@ void layer_forward(ModelState& m, KvCache& kv, int li, Activation& h, const std:
   Activation x = be.alloc(n, H);
   be.rms_norm(h, &W.input_layernorm, H, c.rms_norm_eps, x);
   Activation k = be.alloc(n, kv_cols), v = be.alloc(n, kv_cols);
-  project_kv(m, li, x, positions, k, v);
+  project_kv(m, li, x, encoder_rows, positions, k, v);
   // Encoder rows come first in the batch: rows [0, encoder_rows) go to their cache slots.
   if (encoder_rows) {
     std::vector<int64_t> slots;
@@ -348,6 +476,7 @@ void layer_forward(ModelState& m, KvCache& kv, int li, Activation& h, const std:
   const int64_t first = li == c.num_layers - 1 ? encoder_rows : 0;
   if (first == n) return;
   Activation rows_h = h.view(first, n - first), rows_x = x.view(first, n - first);
+  const int64_t rows_encoder = encoder_rows - first;
 
   std::vector<AttentionSegment> segments;
   for (const Placed& p : placed) {
@@ -365,15 +494,15 @@ void layer_forward(ModelState& m, KvCache& kv, int li, Activation& h, const std:
   }
   const std::vector<int64_t> q_positions(positions.begin() + first, positions.end());
   Activation q = be.alloc(n - first, q_cols), attn = be.alloc(n - first, q_cols);
-  be.linear(rows_x, W.q_proj, q);
+  linear(be, rows_x, W.q_proj, q, rows_encoder);
   be.rms_norm(q, &W.q_norm, L.head_dim, c.rms_norm_eps, q);
   be.rope(q, L.head_dim, W.rope_inv_freq, q_positions);
   be.attention(q, segments, c.num_heads, L.num_kv_heads, L.head_dim, attn);
 
-  be.linear(attn, W.o_proj, rows_x);
+  linear(be, attn, W.o_proj, rows_x, rows_encoder);
   be.rms_norm(rows_x, &W.post_attention_layernorm, H, c.rms_norm_eps, rows_x);
   be.add(rows_h, rows_x, rows_h);
-  feed_forward(m, li, rows_h);
+  feed_forward(m, li, rows_h, rows_encoder);
   for (const Placed& p : placed) {
     if (p.first_row < first) continue;
     Activation seg = h.view(p.first_row, p.rows);
@@ -427,7 +556,7 @@ Activation forward(ModelState& m, KvCache& kv, std::vector<Segment>& segments) {
     }
     Activation dec = h.view(encoder_rows, decoder_rows);
     be.rms_norm(soft, &W.sc_pre_norm, H, c.rms_norm_eps, soft);
-    gated_mlp(be, soft, W.sc_gate_up, W.sc_down, signal);
+    gated_mlp(be, soft, 0, W.sc_gate_up, W.sc_down, signal);
     be.add(dec, signal, dec);
     be.rms_norm(dec, nullptr, H, c.rms_norm_eps, dec);
   }
@@ -440,7 +569,7 @@ Activation forward(ModelState& m, KvCache& kv, std::vector<Segment>& segments) {
   if (decoder_rows) {
     Activation dec = h.view(encoder_rows, decoder_rows);
     be.rms_norm(dec, &W.norm, H, c.rms_norm_eps, dec);
-    be.linear(dec, W.lm_head.empty() ? W.embed_tokens : W.lm_head, logits);
+    linear(be, dec, W.lm_head.empty() ? W.embed_tokens : W.lm_head, logits, 0);
     if (c.final_logit_softcapping > 0) be.softcap(logits, c.final_logit_softcapping);
   }
   return logits;

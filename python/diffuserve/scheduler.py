@@ -63,6 +63,14 @@ class Scheduler:
         self.waiting.appendleft(request_id)
         self.preemptions += 1
 
+    def _rows(self, request_id: int, encode: int, pending: int, budget: int) -> int:
+        """Rows a request takes this step: its encode, plus its canvas when the encode
+        completes the pending tokens and both fit. Where only the encode fits, the engine
+        encodes now and denoises next step (so a commit plus a canvas larger than the whole
+        budget still makes progress)."""
+        with_canvas = encode + (self.engine.canvas_length(request_id) if encode == pending else 0)
+        return with_canvas if with_canvas <= budget or encode == 0 else encode
+
     def step(self) -> list:
         """Plans and runs one engine step; returns [(request_id, GenerationOutput)] of the
         requests that finished."""
@@ -82,7 +90,7 @@ class Scheduler:
                 if request_id not in self.running:
                     continue
                 encode = fitted
-            rows = encode + (self.engine.canvas_length(request_id) if encode == pending else 0)
+            rows = self._rows(request_id, encode, pending, budget)
             if rows > budget:
                 continue
             plan.append(_core.StepPlan(request_id, encode))
@@ -99,7 +107,7 @@ class Scheduler:
             pending = self.engine.pending_tokens(request_id)  # less after a prefix-cache hit
             encode = min(pending, fitted)
             plan.append(_core.StepPlan(request_id, encode))
-            budget -= encode + (self.engine.canvas_length(request_id) if encode == pending else 0)
+            budget -= self._rows(request_id, encode, pending, budget)
 
         finished = self.engine.step(plan, self.slice_steps, self.max_num_batched_tokens) if plan else []
         for request_id, _ in finished:

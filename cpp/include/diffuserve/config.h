@@ -31,6 +31,20 @@ struct GenerationDefaults {
   std::vector<int32_t> eos_token_ids;
 };
 
+// How a quantized linear's input is quantized (compressed-tensors' input_activations),
+// with scales computed from the values at run time:
+//   Fp8Token: E4M3 values, one scale per row (token): amax / 448 (FP8_DYNAMIC);
+//   Nvfp4:    E2M1 values in groups of 16 along K, each group's E4M3 scale amax / 6 under
+//             the linear's calibrated input_global_scale (NVFP4, W4A4).
+enum class ActivationScheme { None, Fp8Token, Nvfp4 };
+
+// A config group of quantization_config: the linears its targets name (exact module
+// names, "re:" regexes, or the class "Linear") quantize their input as `input` says.
+struct QuantizationGroup {
+  std::vector<std::string> targets;
+  ActivationScheme input = ActivationScheme::None;
+};
+
 struct ModelConfig {
   int vocab_size = 0;
   int hidden_size = 0;
@@ -51,8 +65,11 @@ struct ModelConfig {
   std::vector<LayerConfig> layers;
   GenerationDefaults generation;
   // compressed-tensors format of quantized linear weights ("float-quantized" for FP8,
-  // "nvfp4-pack-quantized"), empty for a plain checkpoint.
+  // "nvfp4-pack-quantized"), empty for a plain checkpoint; its config groups, and the
+  // modules that none of them applies to.
   std::string quantization;
+  std::vector<QuantizationGroup> quantization_groups;
+  std::vector<std::string> quantization_ignore;
 };
 
 // Reads `dir`/config.json and, when present, `dir`/generation_config.json. Throws

@@ -1,0 +1,66 @@
+// The arithmetic of activation quantization (config.h's ActivationScheme) as
+// compressed-tensors computes it (quantization/lifecycle/forward.py, utils/helpers.py): a
+// scale from the values' absolute maximum, then each value divided by it, clamped, rounded
+// to the narrow type and multiplied back. The same fp32 operations in the same order as
+// the library's torch code, so that the values come out bit for bit as its fake
+// quantization gives them; written once for the CPU backend and the CUDA kernels.
+#pragma once
+
+#include <cfloat>
+#include <cmath>
+
+#include "philox.h"  // DS_HOST_DEVICE
+
+namespace diffuserve {
+
+constexpr int kNvfp4Group = 16;  // NVFP4 activation values per scale, along K
+
+// The nearest E4M3 value to x (|x| <= 448), ties to even, as a cast to float8_e4m3fn.
+DS_HOST_DEVICE inline float round_e4m3(float x) {
+  int exponent;
+  frexpf(x, &exponent);  // |x| = m * 2^exponent, m in [0.5, 1)
+  // 3 mantissa bits: values in [2^e, 2^(e+1)) are 2^(e-3) apart; below 2^-6 (subnormals)
+  // the spacing stays 2^-9.
+  const float step = ldexpf(1.0f, (exponent - 1 > -6 ? exponent - 1 : -6) - 3);
+  return rintf(x / step) * step;
+}
+
+// compressed-tensors' E2M1 rounding of x (|x| <= 6): fixed thresholds, the ties going to
+// the value with the even mantissa.
+DS_HOST_DEVICE inline float round_e2m1(float x) {
+  const float a = fabsf(x);
+  const float r = a <= 0.25f  ? 0.0f
+                  : a < 0.75f ? 0.5f
+                  : a <= 1.25f ? 1.0f
+                  : a < 1.75f ? 1.5f
+                  : a <= 2.5f ? 2.0f
+                  : a < 3.5f  ? 3.0f
+                  : a <= 5.0f ? 4.0f
+                              : 6.0f;
+  return copysignf(r, x);
+}
+
+// FP8 per token: the row's scale, amax / 448; an all-zero row gets the fp32 eps instead
+// (the library keeps the division defined).
+DS_HOST_DEVICE inline float fp8_token_scale(float amax) {
+  const float scale = amax / 448.0f;
+  return scale == 0.0f ? FLT_EPSILON : scale;
+}
+
+// NVFP4: the scale a group of 16 values is divided by: amax / 6 under the linear's global
+// scale, rounded to E4M3 (an all-zero group gets E4M3's eps, 0.125), over the global scale.
+DS_HOST_DEVICE inline float nvfp4_group_scale(float amax, float global_scale) {
+  float scale = round_e4m3(fminf(global_scale * (amax / 6.0f), 448.0f));
+  if (scale == 0.0f) scale = 0.125f;
+  return scale / global_scale;
+}
+
+// x quantized with `scale` to E4M3 or to E2M1, and dequantized.
+DS_HOST_DEVICE inline float fake_quantize_e4m3(float x, float scale) {
+  return round_e4m3(fminf(fmaxf(x / scale, -448.0f), 448.0f)) * scale;
+}
+DS_HOST_DEVICE inline float fake_quantize_e2m1(float x, float scale) {
+  return round_e2m1(fminf(fmaxf(x / scale, -6.0f), 6.0f)) * scale;
+}
+
+}  // namespace diffuserve
