@@ -65,6 +65,21 @@ def model(tmp_path_factory):
     return str(path)
 
 
+def test_chat_prompt_is_the_puzzle_as_training_wrote_it(model):
+    """A chat message holding a puzzle, as 9 spaced lines with '.' blanks, renders to the
+    same ids as the trainer's prompts ('<bos>' and 81 cells); the answer decodes as digits."""
+    from diffuserve.tokenizer import Tokenizer as DsTokenizer
+    puzzle, solution = sd.generate(30, random.Random(11))
+    tok = DsTokenizer.from_checkpoint(model)
+    lines = "\n".join(" ".join(puzzle[r * 9:(r + 1) * 9].replace("0", ".")) for r in range(9))
+    text = tok.apply_chat_template([{"role": "user", "content": "  " + lines + "\n"}])
+    ids = tok.encode(text, add_special_tokens=False)
+    assert ids == tok.encode(puzzle.replace("0", "."))  # the post-processor adds <bos>
+    assert len(ids) == 82 and ids[0] == tok.token_id("<bos>")
+    answer = [tok.token_id(c) for c in solution] + [tok.eos_token_id]
+    assert tok.decode(answer) == solution
+
+
 def run(*args):
     return subprocess.run([sys.executable, "-m", "diffuserve", "sudoku", *args], capture_output=True, text=True)
 
