@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# One call on the GPU machine: build with the CUDA backend, run the CUDA tests (the CPU
-# oracle tests on CUDA, and CUDA against the CPU backend), then the step benchmark.
-# Logs go to $OUT (or ./gpu-logs). Usage: bash benchmarks/run_on_gpu.sh [--quick] [--hf]
+# One call on the GPU machine: the GEMM on its own against a double-precision reference
+# (benchmarks/gemm_bench.cu), a build with the CUDA backend, the CUDA tests (the CPU oracle
+# tests on CUDA, and CUDA against the CPU backend), then the step benchmark.
+# Logs go to $OUT (or ./gpu-logs). Usage: bash benchmarks/run_on_gpu.sh [step_latency.py options]
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${OUT:-gpu-logs}"
@@ -12,6 +13,9 @@ if ls .device/transformers-*.whl >/dev/null 2>&1; then
   export PYTHONPATH="/tmp/newer-transformers${PYTHONPATH:+:$PYTHONPATH}"
 fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/gpu.txt"
+nvcc -std=c++20 -arch=sm_90a -O3 -I cpp/src -I cpp/include -I cuda benchmarks/gemm_bench.cu cuda/gemm.cu \
+  -o /tmp/gemm_bench > "$out/gemm_bench.txt" 2>&1 && /tmp/gemm_bench >> "$out/gemm_bench.txt" 2>&1
+echo "gemm_bench: exit $? ($(grep -c '^ok' "$out/gemm_bench.txt") checks passed)"; grep -v "^ok" "$out/gemm_bench.txt"
 start=$(date +%s)
 CMAKE_BUILD_PARALLEL_LEVEL=16 python3 -m pip install -q --no-build-isolation --no-deps . > "$out/build.log" 2>&1 \
   || { tail -30 "$out/build.log"; exit 1; }
