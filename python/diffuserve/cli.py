@@ -112,15 +112,13 @@ def sudoku(args) -> None:
         if args.eval:
             with open(args.eval) as f:
                 puzzles = [sd.parse(line) for line in f if line.strip()]
-            requests = [sd.request(llm, cells, args.seed + i, args.max_denoising_steps) for i, cells in enumerate(puzzles)]
-            outs = llm.generate([r[0] for r in requests], [r[1] for r in requests])
-            grids = [sd.grid_of(o.token_ids, digits) for o in outs]
+            grids, steps = sd.solve_all(llm, puzzles, args.seed, max_denoising_steps=args.max_denoising_steps)
             solved = sum(sd.is_solution(g, p) for g, p in zip(grids, puzzles))
             if args.output:
                 with open(args.output, "w") as f:
                     f.writelines(sd.to_string(g) + "\n" for g in grids)
-            steps = sum(sum(o.denoise_steps) for o in outs) / max(len(outs), 1)
-            print(f"solved={solved / max(len(puzzles), 1):.4f} mean_steps={steps:.2f} n={len(puzzles)}")
+            n = max(len(puzzles), 1)
+            print(f"solved={solved / n:.4f} mean_steps={sum(steps) / n:.2f} n={len(puzzles)}")
             return
         if args.puzzle:
             cells = sd.parse(args.puzzle)

@@ -170,6 +170,26 @@ def request(llm, cells: List[int], seed: int = 0, max_denoising_steps: Optional[
     return llm.tokenizer.encode(to_string(cells)), params
 
 
+def solve_all(llm, puzzles: List[List[int]], seed: int = 0, plain: bool = False, **options) -> Tuple[list, list]:
+    """Solves every puzzle in one batch: (answer grids, denoise steps of each). By infilling
+    (`request`; `options` are its max_denoising_steps / self_conditioning, or any other
+    SamplingParams field to set), or with plain=True by plain generation from the puzzle as
+    the prompt, as a chat request would. Puzzle i is seeded seed + i."""
+    if plain:
+        prompts = [llm.tokenizer.encode(to_string(cells)) for cells in puzzles]
+        params = [SamplingParams(seed=seed + i, **options) for i in range(len(puzzles))]
+    else:
+        fields = {k: options.pop(k) for k in ("max_denoising_steps", "self_conditioning") if k in options}
+        requests = [request(llm, cells, seed + i, **fields) for i, cells in enumerate(puzzles)]
+        prompts, params = [r[0] for r in requests], [r[1] for r in requests]
+        for p in params:
+            for name, value in options.items():
+                setattr(p, name, value)
+    outs = llm.generate(prompts, params) if puzzles else []
+    digits = digit_token_ids(llm.tokenizer)
+    return [grid_of(o.token_ids, digits) for o in outs], [sum(o.denoise_steps) for o in outs]
+
+
 def grid_of(token_ids: List[int], digits: List[int]) -> List[int]:
     """Cell values of the first 81 tokens of a canvas (0 for anything but a digit)."""
     value = {t: d + 1 for d, t in enumerate(digits)}

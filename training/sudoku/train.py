@@ -165,13 +165,10 @@ def evaluate(path, puzzles, device):
     """Through diffuserve's sampler: (fraction solved by infilling, its mean denoise steps,
     fraction solved by plain generation from the puzzle as the prompt)."""
     llm = ds.LLM(path, device=device)
-    digits = sd.digit_token_ids(llm.tokenizer)
-    solved = lambda outs: sum(sd.is_solution(sd.grid_of(o.token_ids, digits), sd.parse(p))
-                              for o, p in zip(outs, puzzles)) / len(puzzles)
-    requests = [sd.request(llm, sd.parse(p), seed=i) for i, p in enumerate(puzzles)]
-    infilled = llm.generate([r[0] for r in requests], [r[1] for r in requests])
-    plain = llm.generate([r[0] for r in requests], [ds.SamplingParams(seed=i) for i in range(len(puzzles))])
-    return solved(infilled), sum(sum(o.denoise_steps) for o in infilled) / len(puzzles), solved(plain)
+    cells = [sd.parse(p) for p in puzzles]
+    solved = lambda grids: sum(sd.is_solution(g, c) for g, c in zip(grids, cells)) / len(cells)
+    infilled, steps = sd.solve_all(llm, cells)
+    return solved(infilled), sum(steps) / len(cells), solved(sd.solve_all(llm, cells, plain=True)[0])
 
 
 def save(model, path):
