@@ -87,7 +87,7 @@ def measure(llm, batch, context):
     llm.generate([prompt], warm)  # prefill once: the prompt's blocks stay in the prefix cache
     prefill_s, t = time.perf_counter() - t, time.perf_counter()
     llm.generate([prompt] * batch, warm)  # warm-up at this batch size
-    print(f"  batch {batch} context {context}: prefill and 4 steps {prefill_s:.1f} s, warm-up at this batch "
+    print(f"  batch {batch} context {context}: prefill and 2 steps {prefill_s:.1f} s, warm-up at this batch "
           f"{time.perf_counter() - t:.1f} s", file=sys.stderr, flush=True)  # where a slow row spends its time
     params = ds.SamplingParams(max_new_tokens=2 * CANVAS, max_denoising_steps=STEPS, confidence_threshold=1e-30,
                                eos_token_id=[], seed=1)
