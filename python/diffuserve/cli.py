@@ -112,19 +112,18 @@ def sudoku(args) -> None:
         if args.eval:
             with open(args.eval) as f:
                 puzzles = [sd.parse(line) for line in f if line.strip()]
-            grids, steps = sd.solve_all(llm, puzzles, args.seed, max_denoising_steps=args.max_denoising_steps)
-            solved = sum(sd.is_solution(g, p) for g, p in zip(grids, puzzles))
+            grids, solved, steps = sd.solve_all(llm, puzzles, args.seed, max_denoising_steps=args.max_denoising_steps)
             if args.output:
                 with open(args.output, "w") as f:
                     f.writelines(sd.to_string(g) + "\n" for g in grids)
             n = max(len(puzzles), 1)
-            print(f"solved={solved / n:.4f} mean_steps={sum(steps) / n:.2f} n={len(puzzles)}")
+            print(f"solved={sum(solved) / n:.4f} mean_steps={sum(steps) / n:.2f} n={len(puzzles)}")
             return
         if args.puzzle:
             cells = sd.parse(args.puzzle)
         else:
             cells = sd.parse(sd.generate(args.givens, random.Random(args.seed))[0])
-        prompt, params = sd.request(llm, cells, args.seed, args.max_denoising_steps)
+        prompt, params = sd.request(llm, cells, args.seed, max_denoising_steps=args.max_denoising_steps)
     except (OSError, ValueError) as e:
         sys.exit(f"error: {e}")
     live = sys.stdout.isatty()  # a terminal: redraw in place, givens in bold

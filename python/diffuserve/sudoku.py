@@ -145,11 +145,11 @@ def digit_token_ids(tokenizer) -> List[int]:
     return ids
 
 
-def request(llm, cells: List[int], seed: int = 0, max_denoising_steps: Optional[int] = None,
-            self_conditioning: bool = True):
+def request(llm, cells: List[int], seed: int = 0, **options):
     """(prompt ids, SamplingParams) that solve `cells` by infilling: the givens pinned, the
     blanks started from random digits, only digits allowed. The canvas is the 81 cells, or
-    the 81 cells and an end token (pinned too) where the model's canvas has 82 tokens."""
+    the 81 cells and an end token (pinned too) where the model's canvas has 82 tokens.
+    `options`: further SamplingParams fields (max_denoising_steps, self_conditioning, ...)."""
     canvas_length = llm.model.canvas_length
     if canvas_length not in (CELLS, CELLS + 1):
         raise ValueError(f"not a Sudoku model: its canvas has {canvas_length} tokens, not 81 or 82")
@@ -165,29 +165,26 @@ def request(llm, cells: List[int], seed: int = 0, max_denoising_steps: Optional[
         pinned.append(CELLS)
         stop = [eos]
     params = SamplingParams(max_new_tokens=canvas_length, seed_canvas=canvas, pinned_positions=pinned,
-                            allowed_token_ids=digits, eos_token_id=stop, seed=seed,
-                            max_denoising_steps=max_denoising_steps, self_conditioning=self_conditioning)
+                            allowed_token_ids=digits, eos_token_id=stop, seed=seed, **options)
     return llm.tokenizer.encode(to_string(cells)), params
 
 
-def solve_all(llm, puzzles: List[List[int]], seed: int = 0, plain: bool = False, **options) -> Tuple[list, list]:
-    """Solves every puzzle in one batch: (answer grids, denoise steps of each). By infilling
-    (`request`; `options` are its max_denoising_steps / self_conditioning, or any other
-    SamplingParams field to set), or with plain=True by plain generation from the puzzle as
-    the prompt, as a chat request would. Puzzle i is seeded seed + i."""
+def solve_all(llm, puzzles: List[List[int]], seed: int = 0, plain: bool = False,
+              **options) -> Tuple[list, list, list]:
+    """Solves every puzzle in one batch: (answer grids, whether each solves its puzzle,
+    denoise steps of each). By infilling (`request`), or with plain=True by plain generation
+    from the puzzle as the prompt, as a chat request would; `options` are further
+    SamplingParams fields. Puzzle i is seeded seed + i."""
     if plain:
         prompts = [llm.tokenizer.encode(to_string(cells)) for cells in puzzles]
         params = [SamplingParams(seed=seed + i, **options) for i in range(len(puzzles))]
     else:
-        fields = {k: options.pop(k) for k in ("max_denoising_steps", "self_conditioning") if k in options}
-        requests = [request(llm, cells, seed + i, **fields) for i, cells in enumerate(puzzles)]
+        requests = [request(llm, cells, seed + i, **options) for i, cells in enumerate(puzzles)]
         prompts, params = [r[0] for r in requests], [r[1] for r in requests]
-        for p in params:
-            for name, value in options.items():
-                setattr(p, name, value)
     outs = llm.generate(prompts, params) if puzzles else []
     digits = digit_token_ids(llm.tokenizer)
-    return [grid_of(o.token_ids, digits) for o in outs], [sum(o.denoise_steps) for o in outs]
+    grids = [grid_of(o.token_ids, digits) for o in outs]
+    return grids, [is_solution(g, c) for g, c in zip(grids, puzzles)], [sum(o.denoise_steps) for o in outs]
 
 
 def grid_of(token_ids: List[int], digits: List[int]) -> List[int]:

@@ -166,9 +166,9 @@ def evaluate(path, puzzles, device):
     fraction solved by plain generation from the puzzle as the prompt)."""
     llm = ds.LLM(path, device=device)
     cells = [sd.parse(p) for p in puzzles]
-    solved = lambda grids: sum(sd.is_solution(g, c) for g, c in zip(grids, cells)) / len(cells)
-    infilled, steps = sd.solve_all(llm, cells)
-    return solved(infilled), sum(steps) / len(cells), solved(sd.solve_all(llm, cells, plain=True)[0])
+    _, infilled, steps = sd.solve_all(llm, cells)
+    _, plain, _ = sd.solve_all(llm, cells, plain=True)
+    return sum(infilled) / len(cells), sum(steps) / len(cells), sum(plain) / len(cells)
 
 
 def save(model, path):
