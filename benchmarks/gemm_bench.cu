@@ -158,11 +158,8 @@ Problem dense(int64_t m, int64_t n, int64_t k, int64_t ldx_extra = 0, int64_t ld
   return p;
 }
 
-// The MoE layout: tokens routed to top_k of `experts`, rows ordered by expert, row_map
-// gathering the token rows (up) or none (down: X already in expert order).
-Problem moe(int64_t tokens, int experts, int top_k, int64_t n, int64_t k, bool gather, unsigned seed) {
-  std::mt19937 rng(seed);
-  std::normal_distribution<float> d(0.0f, 1.0f);
+// Random routing: the tokens each expert gets, each token to top_k distinct experts.
+std::vector<std::vector<int64_t>> route_randomly(int64_t tokens, int experts, int top_k, std::mt19937& rng) {
   std::vector<std::vector<int64_t>> by_expert(experts);
   std::vector<int> ids(experts);
   for (int e = 0; e < experts; ++e) ids[e] = e;
@@ -170,6 +167,15 @@ Problem moe(int64_t tokens, int experts, int top_k, int64_t n, int64_t k, bool g
     std::shuffle(ids.begin(), ids.end(), rng);
     for (int j = 0; j < top_k; ++j) by_expert[ids[j]].push_back(t);
   }
+  return by_expert;
+}
+
+// The MoE layout: tokens routed to top_k of `experts`, rows ordered by expert, row_map
+// gathering the token rows (up) or none (down: X already in expert order).
+Problem moe(int64_t tokens, int experts, int top_k, int64_t n, int64_t k, bool gather, unsigned seed) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> d(0.0f, 1.0f);
+  const std::vector<std::vector<int64_t>> by_expert = route_randomly(tokens, experts, top_k, rng);
   Problem p;
   const int64_t pairs = tokens * top_k;
   p.n = n, p.k = k, p.ldy = n, p.y_rows = pairs;
@@ -259,13 +265,7 @@ void bench(const char* name, int64_t tokens, int64_t n, int64_t k, int experts, 
   std::vector<int64_t> row_map;
   if (moe_layer) {  // random routing, laid out as moe_plan does
     std::mt19937 rng(5);
-    std::vector<std::vector<int64_t>> by_expert(experts);
-    std::vector<int> ids(experts);
-    for (int e = 0; e < experts; ++e) ids[e] = e;
-    for (int64_t t = 0; t < tokens; ++t) {
-      std::shuffle(ids.begin(), ids.end(), rng);
-      for (int j = 0; j < top_k; ++j) by_expert[ids[j]].push_back(t);
-    }
+    const std::vector<std::vector<int64_t>> by_expert = route_randomly(tokens, experts, top_k, rng);
     int64_t row = 0;
     for (int e = 0; e < experts; ++e) {
       segs.push_back({row, row, int(by_expert[e].size()), w + int64_t(e) * n * k});
