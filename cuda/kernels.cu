@@ -271,11 +271,8 @@ __global__ void quantize_nvfp4_groups_kernel(float* x, int64_t rows, int64_t col
   const int64_t groups = cols / kNvfp4Group, i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= rows * groups) return;
   const int64_t row = i / groups;
-  float* v = x + row * cols + (i % groups) * kNvfp4Group;
-  float amax = 0.0f;
-  for (int j = 0; j < kNvfp4Group; ++j) amax = fmaxf(amax, fabsf(v[j]));
-  const float scale = nvfp4_group_scale(amax, row < encoder_rows ? encoder_global : decoder_global);
-  for (int j = 0; j < kNvfp4Group; ++j) v[j] = fake_quantize_e2m1(v[j], scale);
+  fake_quantize_nvfp4_group(x + row * cols + (i % groups) * kNvfp4Group,
+                            row < encoder_rows ? encoder_global : decoder_global);
 }
 
 }  // namespace

@@ -63,4 +63,12 @@ DS_HOST_DEVICE inline float fake_quantize_e2m1(float x, float scale) {
   return round_e2m1(fminf(fmaxf(x / scale, -6.0f), 6.0f)) * scale;
 }
 
+// One NVFP4 group of kNvfp4Group values, in place, under the linear's global scale.
+DS_HOST_DEVICE inline void fake_quantize_nvfp4_group(float* v, float global_scale) {
+  float amax = 0.0f;
+  for (int j = 0; j < kNvfp4Group; ++j) amax = fmaxf(amax, fabsf(v[j]));
+  const float scale = nvfp4_group_scale(amax, global_scale);
+  for (int j = 0; j < kNvfp4Group; ++j) v[j] = fake_quantize_e2m1(v[j], scale);
+}
+
 }  // namespace diffuserve

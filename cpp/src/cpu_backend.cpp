@@ -340,20 +340,14 @@ class CpuBackend final : public Backend {
     pool_->parallel_for(x.rows, 16, [&](int64_t b, int64_t e) {
       for (int64_t i = b; i < e; ++i) {
         float* v = x.row(i);
-        auto amax = [&](int64_t begin, int64_t end) {
-          float m = 0;
-          for (int64_t j = begin; j < end; ++j) m = std::max(m, std::abs(v[j]));
-          return m;
-        };
         if (quant.scheme == ActivationScheme::Fp8Token) {
-          const float s = fp8_token_scale(amax(0, x.cols));
+          float amax = 0;
+          for (int64_t j = 0; j < x.cols; ++j) amax = std::max(amax, std::abs(v[j]));
+          const float s = fp8_token_scale(amax);
           for (int64_t j = 0; j < x.cols; ++j) v[j] = fake_quantize_e4m3(v[j], s);
         } else {
           const float global = quant.global_scale(i < encoder_rows, expert);
-          for (int64_t g = 0; g < x.cols; g += kNvfp4Group) {
-            const float s = nvfp4_group_scale(amax(g, g + kNvfp4Group), global);
-            for (int64_t j = g; j < g + kNvfp4Group; ++j) v[j] = fake_quantize_e2m1(v[j], s);
-          }
+          for (int64_t g = 0; g < x.cols; g += kNvfp4Group) fake_quantize_nvfp4_group(v + g, global);
         }
       }
     });
