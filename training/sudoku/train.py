@@ -23,9 +23,11 @@ and stack swaps, transposition), which keep a puzzle's solution unique, on the G
 Learning rate: linear warm-up, then cosine decay over the time budget. Every
 --eval-minutes the weights are written (bf16, sharded, <= 15 MB a file) and evaluated
 through diffuserve itself, the real sampler, on held-out puzzles: loss is not the metric.
-The best evaluated checkpoint is kept in OUT/best.
+Evaluation runs in a process of its own on the CPU, so training goes on meanwhile; the
+best evaluated checkpoint is kept in OUT/best.
 """
 import argparse
+import concurrent.futures
 import copy
 import json
 import math
@@ -161,10 +163,10 @@ def noised(answers, free, gen):
 
 # --- evaluation -------------------------------------------------------------------------
 
-def evaluate(path, puzzles, device):
+def evaluate(path, puzzles, device, threads):
     """Through diffuserve's sampler: (fraction solved by infilling, its mean denoise steps,
     fraction solved by plain generation from the puzzle as the prompt)."""
-    llm = ds.LLM(path, device=device)
+    llm = ds.LLM(path, device=device, num_threads=threads)
     cells = [sd.parse(p) for p in puzzles]
     _, infilled, steps = sd.solve_all(llm, cells)
     _, plain, _ = sd.solve_all(llm, cells, plain=True)
@@ -197,6 +199,8 @@ def main():
     ap.add_argument("--eval-minutes", type=float, default=2.0)
     ap.add_argument("--eval-puzzles", type=int, default=200)
     ap.add_argument("--eval-device", default="cpu", help="diffuserve's device for evaluation")
+    ap.add_argument("--eval-threads", type=int, default=max(1, (os.cpu_count() or 2) - 2),
+                    help="CPU threads of the evaluation (leave some to the training process)")
     ap.add_argument("--profile", action="store_true", help="print where two steps' time goes first")
     ap.add_argument("--compile", nargs="?", const="inductor", metavar="BACKEND",
                     help="torch.compile the model (default backend inductor): fuses the elementwise work that "
@@ -246,9 +250,27 @@ def main():
 
     os.makedirs(args.out, exist_ok=True)
     log = open(os.path.join(args.out, "training_log.jsonl"), "a")
-    scratch = tempfile.mkdtemp()  # the latest weights, evaluated; OUT keeps the best
-    profile = torch.profiler.profile() if args.profile else None
+    scratch = tempfile.mkdtemp()  # checkpoints waiting for (or under) evaluation; OUT keeps the best
+    # One evaluation at a time, in a process of its own (spawned: no CUDA state is forked).
+    evaluator = concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
+    pending = None  # (checkpoint path, the record so far, the evaluation's future)
     best = -1.0
+
+    def finish_evaluation():
+        nonlocal pending, best
+        path, record, future = pending
+        pending = None
+        solved, steps, solved_plain = future.result()
+        record.update(solved=solved, mean_steps=steps, solved_plain=solved_plain)
+        print(json.dumps(record), flush=True)
+        log.write(json.dumps(record) + "\n")
+        log.flush()
+        if solved > best:
+            best = solved
+            shutil.copytree(path, os.path.join(args.out, "best"), dirs_exist_ok=True)
+        shutil.rmtree(path)
+
+    profile = torch.profiler.profile() if args.profile else None
     start = last_eval = time.time()
     step = 0
     while True:
@@ -275,25 +297,23 @@ def main():
             print(profile.key_averages().table(sort_by="self_device_time_total" if args.device != "cpu" else
                                                "self_cpu_time_total", row_limit=15), flush=True)
         done = progress >= 1.0
+        minutes = round((time.time() - start) / 60, 2)
         if step % 100 == 0 or step <= 3:  # the first steps show compile time
-            print(json.dumps({"step": step, "loss": round(loss.item(), 4), "lr": lr,
-                              "minutes": round((time.time() - start) / 60, 2)}), flush=True)
-        if done or time.time() - last_eval >= 60 * args.eval_minutes:
-            current = scratch
-            save(model, current)
-            solved, steps, solved_plain = evaluate(current, held_out, args.eval_device)
-            record = {"step": step, "batch": args.batch, "loss": round(loss.item(), 4), "solved": solved,
-                      "mean_steps": steps, "solved_plain": solved_plain,
-                      "minutes": round((time.time() - start) / 60, 2)}
-            print(json.dumps(record), flush=True)
-            log.write(json.dumps(record) + "\n")
-            log.flush()
-            if solved > best:
-                best = solved
-                shutil.copytree(current, os.path.join(args.out, "best"), dirs_exist_ok=True)
+            print(json.dumps({"step": step, "loss": round(loss.item(), 4), "lr": lr, "minutes": minutes}), flush=True)
+        if pending and pending[2].done():
+            finish_evaluation()
+        if done or (not pending and time.time() - last_eval >= 60 * args.eval_minutes):
+            if pending:  # the last checkpoint waits for the one under evaluation
+                finish_evaluation()
+            path = os.path.join(scratch, f"step{step}")
+            save(model, path)
+            record = {"step": step, "batch": args.batch, "loss": round(loss.item(), 4), "minutes": minutes}
+            pending = (path, record, evaluator.submit(evaluate, path, held_out, args.eval_device, args.eval_threads))
             last_eval = time.time()
         if done:
+            finish_evaluation()
             break
+    evaluator.shutdown()
 
 if __name__ == "__main__":
     sys.exit(main())
