@@ -53,8 +53,13 @@ uint64_t random_bits(uint64_t seed, uint64_t i) {
   return z ^ (z >> 31);
 }
 
-// Byte i of the stream drawn from `seed`.
-uint8_t random_byte(uint64_t seed, uint64_t i) { return uint8_t(random_bits(seed, i / 8) >> (8 * (i % 8))); }
+// Bytes i of `out` = byte i of the stream drawn from `seed` (eight bytes a draw).
+void fill_random(std::vector<uint8_t>& out, uint64_t seed) {
+  for (size_t word = 0; word * 8 < out.size(); ++word) {
+    const uint64_t bits = random_bits(seed, word);
+    for (size_t b = 0; b < 8 && word * 8 + b < out.size(); ++b) out[word * 8 + b] = uint8_t(bits >> (8 * b));
+  }
+}
 
 // A factor in [0.75, 1.25) for row r: the scales differ from row to row.
 float row_factor(uint64_t seed, int64_t r) {
@@ -88,10 +93,8 @@ PackedWeight random_packed_weight(WeightFormat format, const std::vector<int64_t
   if (format == WeightFormat::Fp8) {
     w.group_size = cols;
     w.values.resize(size_t(rows * cols));
-    for (size_t i = 0; i < w.values.size(); ++i) {
-      const uint8_t code = random_byte(seed, i);
-      w.values[i] = fp8_is_number(code) ? code : code ^ 1;
-    }
+    fill_random(w.values, seed);
+    for (uint8_t& code : w.values) code = fp8_is_number(code) ? code : code ^ 1;
     const float rms = rms_of_codes(0, 256, fp8_e4m3_to_f32, fp8_is_number);
     for (int64_t r = 0; r < rows; ++r) w.scales.push_back(unit / rms * row_factor(seed, r));
     return w;
@@ -99,10 +102,10 @@ PackedWeight random_packed_weight(WeightFormat format, const std::vector<int64_t
   if (cols % 16) throw InvalidArgument("random NVFP4 weights need a multiple of 16 inputs, not " + std::to_string(cols));
   w.group_size = 16;
   w.values.resize(size_t(rows * cols / 2));
-  for (size_t i = 0; i < w.values.size(); ++i) w.values[i] = random_byte(seed, i);
+  fill_random(w.values, seed);
   w.group_scales.resize(size_t(rows * cols / 16));
-  for (size_t i = 0; i < w.group_scales.size(); ++i)
-    w.group_scales[i] = uint8_t(kFirstGroupScale + (random_byte(~seed, i) & 0xf));
+  fill_random(w.group_scales, ~seed);
+  for (uint8_t& code : w.group_scales) code = uint8_t(kFirstGroupScale + (code & 0xf));
   const float rms = rms_of_codes(0, 16, fp4_e2m1_to_f32, all) *
                     rms_of_codes(kFirstGroupScale, 16, fp8_e4m3_to_f32, all);
   for (int64_t r = 0; r < rows; ++r) w.global_scales.push_back(rms / unit * row_factor(seed, r));
