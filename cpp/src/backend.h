@@ -3,7 +3,9 @@
 // reference, a CUDA backend implements the same calls on the device.
 //
 // Activations are fp32 row-major matrices in the backend's memory. Weights keep the
-// dtype they were loaded in (F32, BF16 or F16) and are widened inside each op.
+// dtype they were loaded in (F32, BF16 or F16) and are widened inside each op; a backend
+// may also keep quantized linears packed (keeps_packed) and dequantize them in linear and
+// experts.
 #pragma once
 
 #include <cstdint>
