@@ -41,13 +41,13 @@ def path(request, tmp_path_factory):
                                    seed=7, **SHAPES[request.param])
 
 
-def compare(cpu, gpu, where):
+def compare(cpu, gpu, where, rel_tol=REL_TOL, min_agreement=MIN_AGREEMENT):
     scale = np.abs(cpu).max()
     rel = np.abs(cpu - gpu).max() / scale
     agree = (cpu.argmax(-1) == gpu.argmax(-1)).mean()
     print(f"{where}: max |diff| / range {rel:.2e}, argmax agreement {agree:.3f}")
     assert np.isfinite(gpu).all(), where
-    assert rel <= REL_TOL and agree >= MIN_AGREEMENT, where
+    assert rel <= rel_tol and agree >= min_agreement, where
 
 
 def test_passes_match_cpu(path):
@@ -87,23 +87,16 @@ def test_generate_agrees_with_cpu_and_is_batch_invariant(path):
     assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
 
 
-# Packed FP8 / NVFP4 weights. The GPU multiplies the packed values exactly (scale per row
-# after the sum); the CPU backend dequantizes at load and, in bf16, rounds each dequantized
-# weight to 8 bits, and FP8 activations may round to a neighbouring step where the two
-# sums differ in the last bits: so these agree to about 1% of the logit range, not 1e-4.
-QUANTIZED_REL_TOL, QUANTIZED_MIN_AGREEMENT = 2e-2, 0.85
+# Packed FP8 / NVFP4 weights: both backends multiply the exact dequantized values (the GPU
+# the packed values, each row's scale applied after the sum; the CPU the values dequantized
+# as it reads them), so weight-only quantization agrees as bf16 weights do. Where the
+# activations are quantized to FP8 too, an activation that the two sums put on either side
+# of a rounding boundary takes the neighbouring E4M3 step (up to 1/8 of its value): those
+# passes agree to about 1% of the logit range.
+FP8_ACTIVATIONS = dict(rel_tol=2e-2, min_agreement=0.85)
 
 
-def compare_quantized(cpu, gpu, where):
-    scale = np.abs(cpu).max()
-    rel = np.abs(cpu - gpu).max() / scale
-    agree = (cpu.argmax(-1) == gpu.argmax(-1)).mean()
-    print(f"{where}: max |diff| / range {rel:.2e}, argmax agreement {agree:.3f}")
-    assert np.isfinite(gpu).all(), where
-    assert rel <= QUANTIZED_REL_TOL and agree >= QUANTIZED_MIN_AGREEMENT, where
-
-
-def run_blocks(cpu, gpu, vocab, canvas_length, label):
+def run_blocks(cpu, gpu, vocab, canvas_length, label, **tolerances):
     rng = np.random.default_rng(0)
     prompt = rng.integers(0, vocab, 37)
     for s in (cpu, gpu):
@@ -111,9 +104,9 @@ def run_blocks(cpu, gpu, vocab, canvas_length, label):
     for block in range(2):
         canvas = rng.integers(0, vocab, canvas_length)
         a, b = cpu.denoise(canvas), gpu.denoise(canvas)
-        compare_quantized(a, b, f"{label} block {block}, first step")
-        compare_quantized(cpu.denoise(canvas, a / 0.7), gpu.denoise(canvas, a / 0.7),
-                          f"{label} block {block}, self-conditioned")
+        compare(a, b, f"{label} block {block}, first step", **tolerances)
+        compare(cpu.denoise(canvas, a / 0.7), gpu.denoise(canvas, a / 0.7), f"{label} block {block}, self-conditioned",
+                **tolerances)
         for s in (cpu, gpu):
             s.commit(canvas)
 
@@ -127,7 +120,8 @@ def test_quantized_checkpoint_matches_cpu(scheme):
     path = os.path.join(os.path.dirname(__file__), "fixtures", "quantized", scheme)
     cpu = ds.Model.load(path, dtype="bfloat16")
     gpu = ds.Model.load(path, device="cuda")
-    run_blocks(cpu.sequence(), gpu.sequence(), cpu.vocab_size, cpu.canvas_length, scheme)
+    run_blocks(cpu.sequence(), gpu.sequence(), cpu.vocab_size, cpu.canvas_length, scheme,
+               **(FP8_ACTIVATIONS if scheme == "FP8_DYNAMIC" else {}))
 
 
 @pytest.mark.parametrize("quantization", ["fp8", "nvfp4"])

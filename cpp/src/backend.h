@@ -62,9 +62,10 @@ struct Weight {
   WeightFormat format = WeightFormat::Plain;
   std::vector<int64_t> shape;
   const void* data = nullptr;
-  // Packed formats (every output row of a stack has its own): Fp8's weight_scale per row,
+  // Packed formats, in the backend's layout (upload_packed): the CUDA backend's data is
+  // the values, with (every output row of a stack has its own) Fp8's weight_scale per row,
   // multiplied; Nvfp4's weight_global_scale per row, divided by; and Nvfp4's E4M3
-  // weight_scale per 16 inputs, [.., out, in / 16].
+  // weight_scale per 16 inputs, [.., out, in / 16]. The CPU backend's data is the PackedWeight.
   const float* row_scales = nullptr;
   const uint8_t* group_scales = nullptr;
   std::shared_ptr<const void> storage;

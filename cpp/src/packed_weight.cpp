@@ -1,5 +1,6 @@
 #include "packed_weight.h"
 
+#include <array>
 #include <cmath>
 
 #include "backend.h"
@@ -25,20 +26,30 @@ void PackedWeight::append(const PackedWeight& part, const std::string& what) {
   global_scales.insert(global_scales.end(), part.global_scales.begin(), part.global_scales.end());
 }
 
-std::vector<float> dequantize(const PackedWeight& w) {
-  const int64_t rows = w.rows(), cols = w.cols(), groups = cols / w.group_size;
-  std::vector<float> out(size_t(rows * cols));
-  for (int64_t r = 0; r < rows; ++r)
+void dequantize_rows(const PackedWeight& w, int64_t first, int64_t count, float* out) {
+  // fp8_e4m3_to_f32 of every code: the CPU backend dequantizes as it multiplies, every pass.
+  static const std::array<float, 256> e4m3 = [] {
+    std::array<float, 256> t;
+    for (int code = 0; code < 256; ++code) t[code] = fp8_e4m3_to_f32(uint8_t(code));
+    return t;
+  }();
+  const int64_t cols = w.cols(), groups = cols / w.group_size;
+  for (int64_t r = first; r < first + count; ++r, out += cols)
     for (int64_t c = 0; c < cols; ++c) {
       const int64_t group = r * groups + c / w.group_size;
       if (w.format == WeightFormat::Fp8) {
-        out[r * cols + c] = fp8_e4m3_to_f32(w.values[r * cols + c]) * w.scales[group];
+        out[c] = e4m3[w.values[r * cols + c]] * w.scales[group];
       } else {
         const uint8_t byte = w.values[(r * cols + c) / 2];
-        const float group_scale = fp8_e4m3_to_f32(w.group_scales[group]);
-        out[r * cols + c] = fp4_e2m1_to_f32(c % 2 ? byte >> 4 : byte & 0xf) * (group_scale / w.global_scales[r]);
+        const float group_scale = e4m3[w.group_scales[group]];
+        out[c] = fp4_e2m1_to_f32(c % 2 ? byte >> 4 : byte & 0xf) * (group_scale / w.global_scales[r]);
       }
     }
+}
+
+std::vector<float> dequantize(const PackedWeight& w) {
+  std::vector<float> out(size_t(w.rows() * w.cols()));
+  dequantize_rows(w, 0, w.rows(), out.data());
   return out;
 }
 

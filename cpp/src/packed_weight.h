@@ -37,7 +37,9 @@ struct PackedWeight {
   void append(const PackedWeight& part, const std::string& what);
 };
 
-// The weight's values in fp32, by the formulas above (as fp32 operations, in that order).
+// Rows [first, first + count) of the weight's values in fp32 into out ([count, cols]), by
+// the formulas above (as fp32 operations, in that order); dequantize: all of them.
+void dequantize_rows(const PackedWeight& w, int64_t first, int64_t count, float* out);
 std::vector<float> dequantize(const PackedWeight& w);
 
 // Random packed bytes and scales of `shape` for load_format "dummy", the same for a seed
