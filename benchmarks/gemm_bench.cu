@@ -1,10 +1,12 @@
 // The CUDA GEMM (cuda/gemm.cu) on its own: correctness against a double-precision host
 // reference over edge cases (tails in M, N and K, K not a multiple of 8, row_map gathers,
-// many segments with unused tile slots, ldx / ldy wider than K / N, split-K, round_x),
-// bitwise agreement of the three tile shapes (batch invariance), then timings at
-// DiffusionGemma-26B shapes. Build and run on a GPU machine:
-//   nvcc -std=c++20 -arch=sm_90a -O3 -I cpp/src -I cpp/include -I cuda \
-//       benchmarks/gemm_bench.cu cuda/gemm.cu -o /tmp/gemm_bench && /tmp/gemm_bench
+// many segments with unused tile slots, ldx / ldy wider than K / N, split-K, round_x), for
+// bf16 weights and packed FP8 / NVFP4 ones (the reference multiplies the values
+// packed_weight.h's dequantize gives, as model.cpp loads them; K not a multiple of 16 / 32
+// / 64 takes the byte-by-byte loads), bitwise agreement of the three tile shapes (batch
+// invariance), then timings at DiffusionGemma-26B shapes. Build and run on a GPU machine:
+//   nvcc -std=c++20 -arch=sm_90a -O3 -I cpp/src -I cpp/include -I cuda benchmarks/gemm_bench.cu \
+//       cuda/gemm.cu cpp/src/packed_weight.cpp cpp/src/dtype.cpp -o /tmp/gemm_bench && /tmp/gemm_bench
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -15,7 +17,10 @@
 #include <vector>
 
 #include "kernels.h"
+#include "packed_decode.cuh"
+#include "packed_weight.h"
 
+using namespace diffuserve;
 using namespace diffuserve::cuda;
 
 namespace {
@@ -39,6 +44,32 @@ T* upload(const std::vector<T>& v) {
 
 float round_bf16(float x) { return __bfloat162float(__float2bfloat16(x)); }
 
+const char* format_name(WeightFormat f) { return f == WeightFormat::Plain ? "bf16" : f == WeightFormat::Fp8 ? "fp8" : "nvfp4"; }
+
+// Host checks of the exactness the packed GEMM relies on (packed_decode.cuh): the e2m1
+// decode gives dtype.h's values for every nibble in every position, and every product of
+// an E2M1 value and an E4M3 scale is a bf16 value.
+void check_decode() {
+  int64_t wrong = 0, inexact = 0;
+  for (uint32_t nibbles = 0; nibbles < 65536; ++nibbles) {
+    uint32_t first, second;
+    e2m1x4_to_bf16(nibbles, first, second);
+    const uint16_t got[4] = {uint16_t(first), uint16_t(first >> 16), uint16_t(second), uint16_t(second >> 16)};
+    for (int i = 0; i < 4; ++i) {
+      const float want = fp4_e2m1_to_f32((nibbles >> (4 * i)) & 0xf), value = bf16_to_f32(got[i]);
+      if (value != want || std::signbit(value) != std::signbit(want)) ++wrong;
+    }
+  }
+  for (int scale = 0; scale < 256; ++scale)
+    for (int nibble = 0; nibble < 16; ++nibble) {
+      const float product = fp4_e2m1_to_f32(uint8_t(nibble)) * fp8_e4m3_to_f32(uint8_t(scale));
+      if (!std::isnan(product) && round_bf16(product) != product) ++inexact;
+    }
+  std::printf("%-6s %-44s: %ld wrong decodes, %ld inexact products\n", wrong || inexact ? "FAIL" : "ok",
+              "e2m1 decode, e2m1 x e4m3 in bf16 (host)", long(wrong), long(inexact));
+  if (wrong || inexact) ++failures;
+}
+
 __global__ void random_fill_kernel(float* x, __nv_bfloat16* w, int64_t nx, int64_t nw) {
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < nx + nw; i += int64_t(gridDim.x) * blockDim.x) {
     uint32_t h = uint32_t(i) * 2654435761u ^ uint32_t(i >> 32);
@@ -57,19 +88,46 @@ void random_fill(float* x, __nv_bfloat16* w, int64_t nx, int64_t nw) {
 struct Problem {
   int64_t x_rows, ldx, n, k, ldy, y_rows;
   std::vector<float> x;
-  std::vector<__nv_bfloat16> w;  // all segments' matrices, [S][N][K]
+  WeightFormat format = WeightFormat::Plain;
+  PackedWeight packed;           // FP8 / NVFP4: the matrices [S][N][K] as stored
+  std::vector<uint8_t> w;        // the matrices' bytes as the GEMM reads them
+  std::vector<float> w_values;   // the values the product multiplies, [S][N][K]
   std::vector<int64_t> row_map;  // empty: none
-  std::vector<GemmSegment> segs;  // w as an offset into `w` (elements) until uploaded
+  std::vector<GemmSegment> segs;  // w.values as the index of the segment's matrix until uploaded
   bool round_x = false;
 };
+
+int matrix_of(const GemmSegment& s) { return int(reinterpret_cast<intptr_t>(s.w.values)); }
+
+// `matrices` random [n, k] weight matrices in `format` into p (bf16: values around 0.05).
+void random_weights(Problem& p, WeightFormat format, int matrices, std::mt19937& rng) {
+  p.format = format;
+  if (format == WeightFormat::Plain) {
+    std::normal_distribution<float> d(0.0f, 1.0f);
+    p.w.resize(size_t(2 * matrices * p.n * p.k));
+    for (size_t i = 0; i < p.w.size() / 2; ++i) {
+      const __nv_bfloat16 v = __float2bfloat16(d(rng) * 0.05f);
+      std::memcpy(&p.w[2 * i], &v, 2);
+      p.w_values.push_back(__bfloat162float(v));
+    }
+    return;
+  }
+  p.packed = random_packed_weight(format, {matrices, p.n, p.k}, rng());
+  p.w = p.packed.values;
+  p.w_values = dequantize(p.packed);
+}
 
 // Runs `p` with the given tile height; returns Y (y_rows x ldy).
 std::vector<float> run(const Problem& p, int tile_rows) {
   float* x = upload(p.x);
-  __nv_bfloat16* w = upload(p.w);
+  uint8_t* w = upload(p.w);
+  const bool fp8 = p.format == WeightFormat::Fp8;
+  float* row_scales = p.format == WeightFormat::Plain ? nullptr : upload(fp8 ? p.packed.scales : p.packed.global_scales);
+  uint8_t* group_scales = p.format == WeightFormat::Nvfp4 ? upload(p.packed.group_scales) : nullptr;
+  const ExpertStack stack{{w, row_scales, group_scales}, p.format, p.n, p.k};
   int64_t* row_map = p.row_map.empty() ? nullptr : upload(p.row_map);
   std::vector<GemmSegment> segs = p.segs;
-  for (auto& s : segs) s.w = w + reinterpret_cast<intptr_t>(s.w);
+  for (auto& s : segs) s.w = stack.expert(matrix_of(s));
   float* y = nullptr;
   const size_t y_bytes = sizeof(float) * size_t(p.y_rows * p.ldy);
   check(cudaMalloc(&y, y_bytes), "malloc y");
@@ -78,7 +136,7 @@ std::vector<float> run(const Problem& p, int tile_rows) {
   check(cudaMalloc(&scratch, std::max<size_t>(gemm_scratch_bytes(p.x_rows, p.k, p.round_x), 1)), "malloc scratch");
   if (segs.size() == 1 && p.row_map.empty() && segs[0].x_row == 0 && segs[0].y_row == 0) {
     gemm(x, p.x_rows, p.ldx, nullptr, &segs[0], nullptr, int((segs[0].rows + tile_rows - 1) / tile_rows), tile_rows,
-         p.n, p.k, p.round_x, y, p.ldy, scratch, nullptr);
+         p.format, p.n, p.k, p.round_x, y, p.ldy, scratch, nullptr);
   } else {  // device-planned style: tiles per segment, then unused slots
     std::vector<GemmTile> tiles;
     for (size_t s = 0; s < segs.size(); ++s)
@@ -86,8 +144,8 @@ std::vector<float> run(const Problem& p, int tile_rows) {
     for (int i = 0; i < 5; ++i) tiles.insert(tiles.begin() + (tiles.size() * i) / 5, GemmTile{-1, 0});
     GemmSegment* d_segs = upload(segs);
     GemmTile* d_tiles = upload(tiles);
-    gemm(x, p.x_rows, p.ldx, row_map, d_segs, d_tiles, int(tiles.size()), tile_rows, p.n, p.k, p.round_x, y, p.ldy,
-         scratch, nullptr);
+    gemm(x, p.x_rows, p.ldx, row_map, d_segs, d_tiles, int(tiles.size()), tile_rows, p.format, p.n, p.k, p.round_x,
+         y, p.ldy, scratch, nullptr);
     check(cudaDeviceSynchronize(), "gemm");
     cudaFree(d_segs);
     cudaFree(d_tiles);
@@ -95,7 +153,8 @@ std::vector<float> run(const Problem& p, int tile_rows) {
   check(cudaDeviceSynchronize(), "gemm");
   std::vector<float> out(size_t(p.y_rows * p.ldy));
   check(cudaMemcpy(out.data(), y, y_bytes, cudaMemcpyDeviceToHost), "download");
-  cudaFree(x), cudaFree(w), cudaFree(row_map), cudaFree(y), cudaFree(scratch);
+  cudaFree(x), cudaFree(w), cudaFree(row_scales), cudaFree(group_scales), cudaFree(row_map), cudaFree(y),
+      cudaFree(scratch);
   return out;
 }
 
@@ -107,7 +166,7 @@ void verify(const Problem& p, const std::vector<float>& y, const char* name, int
   int64_t bad = 0, checked = 0;
   std::mt19937_64 rng(1);
   for (const GemmSegment& s : p.segs) {
-    const int64_t w_off = reinterpret_cast<intptr_t>(s.w);
+    const int64_t w_off = matrix_of(s) * p.n * p.k;
     for (int i = 0; i < s.rows; ++i)
       for (int64_t j = 0; j < p.n; ++j) written[size_t((s.y_row + i) * p.ldy + j)] = 1;
     auto one = [&](int i, int64_t j) {
@@ -115,7 +174,7 @@ void verify(const Problem& p, const std::vector<float>& y, const char* name, int
       double ref = 0, mag = 0;
       for (int64_t kk = 0; kk < p.k; ++kk) {
         const double xv = p.round_x ? round_bf16(p.x[xr * p.ldx + kk]) : p.x[xr * p.ldx + kk];
-        const double wv = __bfloat162float(p.w[w_off + j * p.k + kk]);
+        const double wv = p.w_values[w_off + j * p.k + kk];
         ref += xv * wv, mag += std::fabs(xv * wv);
       }
       const double got = y[size_t((s.y_row + i) * p.ldy + j)];
@@ -139,12 +198,13 @@ void verify(const Problem& p, const std::vector<float>& y, const char* name, int
       if (!written[e] && !std::isnan(y[e])) {
         if (bad++ < 5) std::printf("    %s: element %zu written outside the segments\n", name, e);
       }
-  std::printf("%-6s %-44s tile %3d: %s (%ld checked, worst rel err %.2e)\n", bad ? "FAIL" : "ok", name, tile_rows,
-              bad ? "MISMATCH" : "match", long(checked), worst);
+  std::printf("%-6s %-44s %-5s tile %3d: %s (%ld checked, worst rel err %.2e)\n", bad ? "FAIL" : "ok", name,
+              format_name(p.format), tile_rows, bad ? "MISMATCH" : "match", long(checked), worst);
   if (bad) ++failures;
 }
 
-Problem dense(int64_t m, int64_t n, int64_t k, int64_t ldx_extra = 0, int64_t ldy_extra = 0, bool round_x = false) {
+Problem dense(int64_t m, int64_t n, int64_t k, int64_t ldx_extra = 0, int64_t ldy_extra = 0, bool round_x = false,
+              WeightFormat format = WeightFormat::Plain) {
   std::mt19937 rng(unsigned(m * 7919 + n * 31 + k));
   std::normal_distribution<float> d(0.0f, 1.0f);
   Problem p;
@@ -152,10 +212,12 @@ Problem dense(int64_t m, int64_t n, int64_t k, int64_t ldx_extra = 0, int64_t ld
   p.round_x = round_x;
   p.x.resize(size_t(m * p.ldx));
   for (auto& v : p.x) v = d(rng);
-  p.w.resize(size_t(n * k));
-  for (auto& v : p.w) v = __float2bfloat16(d(rng) * 0.05f);
-  p.segs = {{0, 0, int(m), nullptr}};
+  random_weights(p, format, 1, rng);
+  p.segs = {{0, 0, int(m), {}}};
   return p;
+}
+Problem dense(WeightFormat format, int64_t m, int64_t n, int64_t k, int64_t ldx_extra = 0, int64_t ldy_extra = 0) {
+  return dense(m, n, k, ldx_extra, ldy_extra, false, format);
 }
 
 // Random routing: the tokens each expert gets, each token to top_k distinct experts.
@@ -172,7 +234,8 @@ std::vector<std::vector<int64_t>> route_randomly(int64_t tokens, int experts, in
 
 // The MoE layout: tokens routed to top_k of `experts`, rows ordered by expert, row_map
 // gathering the token rows (up) or none (down: X already in expert order).
-Problem moe(int64_t tokens, int experts, int top_k, int64_t n, int64_t k, bool gather, unsigned seed) {
+Problem moe(int64_t tokens, int experts, int top_k, int64_t n, int64_t k, bool gather, unsigned seed,
+            WeightFormat format = WeightFormat::Plain) {
   std::mt19937 rng(seed);
   std::normal_distribution<float> d(0.0f, 1.0f);
   const std::vector<std::vector<int64_t>> by_expert = route_randomly(tokens, experts, top_k, rng);
@@ -182,11 +245,10 @@ Problem moe(int64_t tokens, int experts, int top_k, int64_t n, int64_t k, bool g
   p.x_rows = gather ? tokens : pairs, p.ldx = k;
   p.x.resize(size_t(p.x_rows * k));
   for (auto& v : p.x) v = d(rng);
-  p.w.resize(size_t(experts * n * k));
-  for (auto& v : p.w) v = __float2bfloat16(d(rng) * 0.05f);
+  random_weights(p, format, experts, rng);
   int64_t row = 0;
   for (int e = 0; e < experts; ++e) {
-    p.segs.push_back({row, row, int(by_expert[e].size()), reinterpret_cast<const __nv_bfloat16*>(intptr_t(e * n * k))});
+    p.segs.push_back({row, row, int(by_expert[e].size()), {reinterpret_cast<const void*>(intptr_t(e)), nullptr, nullptr}});
     for (int64_t t : by_expert[e]) p.row_map.push_back(t);
     row += int64_t(by_expert[e].size());
   }
@@ -195,6 +257,7 @@ Problem moe(int64_t tokens, int experts, int top_k, int64_t n, int64_t k, bool g
 }
 
 void correctness() {
+  check_decode();
   const int shapes[] = {16, 64, 128};
   struct Case {
     const char* name;
@@ -217,6 +280,26 @@ void correctness() {
   cases.push_back({"moe up 300 tok, 16 exp top 4, 264x136", moe(300, 16, 4, 264, 136, true, 3)});
   cases.push_back({"moe up 100 tok, 8 exp top 2, 130x333", moe(100, 8, 2, 130, 333, true, 4)});
   cases.push_back({"moe down 500 tok, 8 exp top 2, 264x200", moe(500, 8, 2, 264, 200, false, 5)});
+  // Packed weights. FP8 streams by cp.async where K % 16 == 0; NVFP4 (K % 16 == 0 always)
+  // where K % 64 == 0; other K take the byte-by-byte loads.
+  const WeightFormat fp8 = WeightFormat::Fp8, nvfp4 = WeightFormat::Nvfp4;
+  cases.push_back({"dense 7x100x64", dense(fp8, 7, 100, 64)});
+  cases.push_back({"dense 33x333x72 (N tail, K % 16 != 0)", dense(fp8, 33, 333, 72)});
+  cases.push_back({"dense 130x257x200 (M, N, K tails)", dense(fp8, 130, 257, 200)});
+  cases.push_back({"dense 65x40x333 (K odd)", dense(fp8, 65, 40, 333)});
+  cases.push_back({"dense 20x24x13 (K < 16)", dense(fp8, 20, 24, 13)});
+  cases.push_back({"dense 129x300x2816 ldx+5 ldy+3", dense(fp8, 129, 300, 2816, 5, 3)});
+  cases.push_back({"moe up 40 tok, 6 exp top 3, 48x64", moe(40, 6, 3, 48, 64, true, 6, fp8)});
+  cases.push_back({"moe up 300 tok, 16 exp top 4, 264x136", moe(300, 16, 4, 264, 136, true, 7, fp8)});
+  cases.push_back({"moe down 500 tok, 8 exp top 2, 264x704", moe(500, 8, 2, 264, 704, false, 8, fp8)});
+  cases.push_back({"dense 7x100x64", dense(nvfp4, 7, 100, 64)});
+  cases.push_back({"dense 20x24x16 (K = 16)", dense(nvfp4, 20, 24, 16)});
+  cases.push_back({"dense 33x333x96 (K % 64 != 0)", dense(nvfp4, 33, 333, 96)});
+  cases.push_back({"dense 130x257x208 (M, N, K tails)", dense(nvfp4, 130, 257, 208)});
+  cases.push_back({"dense 129x300x2816 ldx+5 ldy+3", dense(nvfp4, 129, 300, 2816, 5, 3)});
+  cases.push_back({"moe up 40 tok, 6 exp top 3, 48x80", moe(40, 6, 3, 48, 80, true, 9, nvfp4)});
+  cases.push_back({"moe up 300 tok, 16 exp top 4, 264x704", moe(300, 16, 4, 264, 704, true, 10, nvfp4)});
+  cases.push_back({"moe down 500 tok, 8 exp top 2, 264x32", moe(500, 8, 2, 264, 32, false, 11, nvfp4)});
   for (const Case& c : cases) {
     std::vector<float> first;
     for (int t : shapes) {
@@ -229,7 +312,8 @@ void correctness() {
         for (size_t e = 0; e < y.size(); ++e)
           if (std::memcmp(&y[e], &first[e], 4) != 0) ++differ;
         if (differ) {
-          std::printf("FAIL   %-44s tile %3d: %zu elements differ bitwise from tile 16\n", c.name, t, differ);
+          std::printf("FAIL   %-44s %-5s tile %3d: %zu elements differ bitwise from tile 16\n", c.name,
+                      format_name(c.p.format), t, differ);
           ++failures;
         }
       }
@@ -242,24 +326,33 @@ void correctness() {
   verify(split_round, run(split_round, 16), "dense 40x96x9000 split-K round_x", 16);
 }
 
-// Times gemm() (pre-pass included) on one problem; X, W random on the device.
+// Times gemm() (pre-pass included) on one problem; X, W random on the device (packed
+// weights: random bytes, as the timing does not depend on the values).
 void bench(const char* name, int64_t tokens, int64_t n, int64_t k, int experts, int top_k, bool gather,
-           bool round_x = false) {
+           WeightFormat format = WeightFormat::Plain, bool round_x = false) {
   // The backend picks one tile height for both expert GEMMs, from the narrower (gate_up's 1408).
   const bool moe_layer = experts > 0;
   const int64_t rows = moe_layer ? tokens * top_k : tokens;  // output rows
   const int64_t x_rows = moe_layer && gather ? tokens : rows;
   const int64_t segments = moe_layer ? std::min<int64_t>(experts, rows) : 1;
   const int tile_rows = gemm_tile_rows(rows / segments, segments, moe_layer ? 1408 : n);
-  float *x, *y;
-  __nv_bfloat16* w;
+  float *x, *y, *row_scales;
+  uint8_t *w, *group_scales;
   void* scratch;
   const int64_t matrices = moe_layer ? experts : 1;
+  const int64_t value_bytes = matrices * n * weight_row_bytes(format, k);
+  const int64_t group_bytes = format == WeightFormat::Nvfp4 ? matrices * n * (k / 16) : 0;
+  const int64_t row_scale_bytes = format == WeightFormat::Plain ? 0 : matrices * n * 4;
   check(cudaMalloc(&x, sizeof(float) * size_t(x_rows * k)), "x");
   check(cudaMalloc(&y, sizeof(float) * size_t(rows * n)), "y");
-  check(cudaMalloc(&w, 2 * size_t(matrices * n * k)), "w");
+  check(cudaMalloc(&w, size_t(value_bytes)), "w");
+  check(cudaMalloc(&row_scales, std::max<size_t>(row_scale_bytes, 1)), "row scales");
+  check(cudaMalloc(&group_scales, std::max<size_t>(group_bytes, 1)), "group scales");
+  check(cudaMemset(row_scales, 0, std::max<size_t>(row_scale_bytes, 1)), "row scales");
+  check(cudaMemset(group_scales, 0x38, std::max<size_t>(group_bytes, 1)), "group scales");  // E4M3 1.0
   check(cudaMalloc(&scratch, gemm_scratch_bytes(x_rows, k, round_x)), "scratch");
-  random_fill(x, w, x_rows * k, matrices * n * k);
+  random_fill(x, reinterpret_cast<__nv_bfloat16*>(w), x_rows * k, value_bytes / 2);
+  const ExpertStack stack{{w, row_scales, group_scales}, format, n, k};
   std::vector<GemmSegment> segs;
   std::vector<GemmTile> tiles;
   std::vector<int64_t> row_map;
@@ -268,7 +361,7 @@ void bench(const char* name, int64_t tokens, int64_t n, int64_t k, int experts, 
     const std::vector<std::vector<int64_t>> by_expert = route_randomly(tokens, experts, top_k, rng);
     int64_t row = 0;
     for (int e = 0; e < experts; ++e) {
-      segs.push_back({row, row, int(by_expert[e].size()), w + int64_t(e) * n * k});
+      segs.push_back({row, row, int(by_expert[e].size()), stack.expert(e)});
       for (int64_t m0 = 0; m0 < int64_t(by_expert[e].size()); m0 += tile_rows) tiles.push_back({e, int(m0)});
       for (int64_t t : by_expert[e]) row_map.push_back(t);
       row += int64_t(by_expert[e].size());
@@ -276,15 +369,15 @@ void bench(const char* name, int64_t tokens, int64_t n, int64_t k, int experts, 
     const int max_tiles = int((rows + tile_rows - 1) / tile_rows + experts);
     while (int(tiles.size()) < max_tiles) tiles.push_back({-1, 0});
   } else {
-    segs.push_back({0, 0, int(rows), w});
+    segs.push_back({0, 0, int(rows), stack.expert(0)});
   }
   GemmSegment* d_segs = moe_layer ? upload(segs) : nullptr;
   GemmTile* d_tiles = moe_layer ? upload(tiles) : nullptr;
   int64_t* d_map = moe_layer && gather ? upload(row_map) : nullptr;
   const int num_tiles = moe_layer ? int(tiles.size()) : int((rows + tile_rows - 1) / tile_rows);
   auto call = [&] {
-    gemm(x, x_rows, k, d_map, moe_layer ? d_segs : segs.data(), d_tiles, num_tiles, tile_rows, n, k, round_x, y, n,
-         scratch, nullptr);
+    gemm(x, x_rows, k, d_map, moe_layer ? d_segs : segs.data(), d_tiles, num_tiles, tile_rows, format, n, k, round_x,
+         y, n, scratch, nullptr);
   };
   for (int i = 0; i < 3; ++i) call();
   check(cudaDeviceSynchronize(), "warm-up");
@@ -299,10 +392,11 @@ void bench(const char* name, int64_t tokens, int64_t n, int64_t k, int experts, 
   cudaEventElapsedTime(&ms, a, b);
   ms /= reps;
   const double flops = 2.0 * double(rows) * double(n) * double(k);
-  const double w_bytes = 2.0 * double(matrices) * double(n) * double(k);
-  std::printf("%-40s tile %3d: %9.1f us  %6.1f TFLOP/s (useful)  %6.0f GB/s of weights\n", name, tile_rows, ms * 1e3,
-              flops / (ms * 1e-3) / 1e12, w_bytes / (ms * 1e-3) / 1e9);
-  cudaFree(x), cudaFree(y), cudaFree(w), cudaFree(scratch), cudaFree(d_segs), cudaFree(d_tiles), cudaFree(d_map);
+  const double w_bytes = double(value_bytes + group_bytes + row_scale_bytes);
+  std::printf("%-38s %-5s tile %3d: %9.1f us  %6.1f TFLOP/s (useful)  %5.2f TB/s of weights\n", name,
+              format_name(format), tile_rows, ms * 1e3, flops / (ms * 1e-3) / 1e12, w_bytes / (ms * 1e-3) / 1e12);
+  cudaFree(x), cudaFree(y), cudaFree(w), cudaFree(row_scales), cudaFree(group_scales), cudaFree(scratch);
+  cudaFree(d_segs), cudaFree(d_tiles), cudaFree(d_map);
 }
 
 }  // namespace
@@ -317,26 +411,33 @@ int main(int argc, char** argv) {
     Problem big = dense(512, 4096, 2816);
     verify(big, run(big, t), "dense 512x4096x2816 (sampled)", t, 4000);
   }
-  Problem moe_big = moe(512, 128, 8, 264, 704, true, 9);
-  for (int t : {16, 64, 128}) verify(moe_big, run(moe_big, t), "moe up 512 tok 128 exp 264x704", t);
+  for (WeightFormat f : {WeightFormat::Plain, WeightFormat::Fp8, WeightFormat::Nvfp4}) {
+    Problem moe_big = moe(512, 128, 8, 264, 704, true, 9, f);
+    for (int t : {16, 64, 128}) verify(moe_big, run(moe_big, t), "moe up 512 tok 128 exp 264x704", t);
+  }
   std::printf("%s\n", failures ? "CORRECTNESS FAILURES" : "all correctness checks passed");
   if (argc > 1 && std::string(argv[1]) == "--check") return failures ? 1 : 0;
 
+  const WeightFormat formats[] = {WeightFormat::Plain, WeightFormat::Fp8, WeightFormat::Nvfp4};
   for (int64_t m : {256, 4096}) {
     std::printf("-- dense, %ld rows\n", long(m));
-    bench("q_proj 2816->4096", m, 4096, 2816, 0, 0, false);
-    bench("q_proj 2816->8192", m, 8192, 2816, 0, 0, false);
-    bench("o_proj 4096->2816", m, 2816, 4096, 0, 0, false);
-    bench("kv_proj 2816->512", m, 512, 2816, 0, 0, false);
-    bench("mlp gate_up 2816->4224", m, 4224, 2816, 0, 0, false);
-    bench("mlp down 2112->2816", m, 2816, 2112, 0, 0, false);
-    bench("lm_head 2816->262144", m, 262144, 2816, 0, 0, false);
-    bench("soft embedding 262144->2816 (round_x)", m, 2816, 262144, 0, 0, false, true);
+    for (WeightFormat f : formats) {
+      bench("q_proj 2816->4096", m, 4096, 2816, 0, 0, false, f);
+      bench("q_proj 2816->8192", m, 8192, 2816, 0, 0, false, f);
+      bench("o_proj 4096->2816", m, 2816, 4096, 0, 0, false, f);
+      bench("kv_proj 2816->512", m, 512, 2816, 0, 0, false, f);
+      bench("mlp gate_up 2816->4224", m, 4224, 2816, 0, 0, false, f);
+      bench("mlp down 2112->2816", m, 2816, 2112, 0, 0, false, f);
+    }
+    bench("lm_head 2816->262144", m, 262144, 2816, 0, 0, false);  // the tied embedding: never packed
+    bench("soft embedding 262144->2816 (round_x)", m, 2816, 262144, 0, 0, false, WeightFormat::Plain, true);
   }
   for (int64_t tokens : {256, 4096}) {
     std::printf("-- MoE, %ld tokens, 128 experts top 8 (~%ld rows per expert)\n", long(tokens), long(tokens / 16));
-    bench("experts up 2816->1408", tokens, 1408, 2816, 128, 8, true);
-    bench("experts down 704->2816", tokens, 2816, 704, 128, 8, false);
+    for (WeightFormat f : formats) {
+      bench("experts up 2816->1408", tokens, 1408, 2816, 128, 8, true, f);
+      bench("experts down 704->2816", tokens, 2816, 704, 128, 8, false, f);
+    }
   }
   return failures ? 1 : 0;
 }

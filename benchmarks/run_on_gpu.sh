@@ -14,7 +14,7 @@ if ls .device/transformers-*.whl >/dev/null 2>&1; then
 fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/gpu.txt"
 nvcc -std=c++20 -arch=sm_90a -O3 -I cpp/src -I cpp/include -I cuda benchmarks/gemm_bench.cu cuda/gemm.cu \
-  -o /tmp/gemm_bench > "$out/gemm_bench.txt" 2>&1 && /tmp/gemm_bench >> "$out/gemm_bench.txt" 2>&1
+  cpp/src/packed_weight.cpp cpp/src/dtype.cpp -o /tmp/gemm_bench > "$out/gemm_bench.txt" 2>&1 && /tmp/gemm_bench >> "$out/gemm_bench.txt" 2>&1
 echo "gemm_bench: exit $? ($(grep -c '^ok' "$out/gemm_bench.txt") checks passed)"; grep -v "^ok" "$out/gemm_bench.txt"
 start=$(date +%s)
 CMAKE_BUILD_PARALLEL_LEVEL=16 python3 -m pip install -q --no-build-isolation --no-deps . > "$out/build.log" 2>&1 \
@@ -22,7 +22,7 @@ CMAKE_BUILD_PARALLEL_LEVEL=16 python3 -m pip install -q --no-build-isolation --n
 echo "build: $(( $(date +%s) - start )) s"
 cd /tmp
 DIFFUSERVE_TEST_DEVICE=cuda python3 -m pytest -q -s -p no:cacheprovider "$OLDPWD/tests/test_cuda.py" \
-  "$OLDPWD/tests/test_hf_parity.py" -k "test_passes or test_generate or test_matches_reference" \
+  "$OLDPWD/tests/test_hf_parity.py" -k "test_passes or test_generate or test_matches_reference or quantized" \
   > "$out/tests.log" 2>&1
 echo "tests: exit $? ($(tail -1 "$out/tests.log"))"
 grep -E "argmax agreement|tokens equal|max \|logit diff\|" "$out/tests.log" | sort | uniq | head -40

@@ -1,11 +1,12 @@
 """Denoise-step latency on a GPU at DiffusionGemma-26B-A4B's real text shapes (random weights).
 
-    python benchmarks/step_latency.py [--quick] [--hf]
+    python benchmarks/step_latency.py [--quick] [--hf] [--quantization fp8|nvfp4]
 
 Rows: ms per denoise step (one batched forward pass plus the sampler, through the
 engine) and per commit, at batch 1/4/16 and context 1K/8K/32K; output tokens/s at 16
-denoise steps per block; % of the weight-bandwidth roofline (bf16 weight bytes read per
-step over the measured device copy bandwidth). With --hf, transformers' forward at the
+denoise steps per block; % of the weight-bandwidth roofline (weight bytes read per step
+over the measured device copy bandwidth). --quantization packs the linears' random weights
+as an FP8 or NVFP4 checkpoint would (the embedding and the router stay bf16). With --hf, transformers' forward at the
 same shapes for the side-by-side ratio (run in a separate process: both models do not fit
 at once). Prints one table.
 """
@@ -48,17 +49,23 @@ def write_config(path):
     return path
 
 
-def weight_bytes():
-    """bf16 bytes of the text weights a denoise step reads (every expert: 2048 pairs over 128)."""
+# Bytes per weight of the linears: bf16; FP8 (its fp32 scale per row is negligible); NVFP4
+# (half a byte, and an E4M3 scale per 16).
+LINEAR_BYTES = {"bf16": 2, "fp8": 1, "nvfp4": 0.5 + 1 / 16}
+
+
+def weight_bytes(quantization="bf16"):
+    """Bytes of the text weights a denoise step reads (every expert: 2048 pairs over 128)."""
     c, layers = TEXT_CONFIG, TEXT_CONFIG["layer_types"]
     h = c["hidden_size"]
-    total = c["vocab_size"] * h + 3 * h * c["intermediate_size"]  # embedding (= lm_head), self-conditioning MLP
+    linears = 3 * h * c["intermediate_size"]  # self-conditioning MLP
+    plain = c["vocab_size"] * h  # embedding (= lm_head)
     for t in layers:
         d, kv = (512, 2) if t == "full_attention" else (256, 8)
         attn = h * 16 * d * 2 + h * kv * d * (1 if t == "full_attention" else 2)
-        total += attn + 3 * h * c["intermediate_size"] + 3 * c["num_experts"] * h * c["moe_intermediate_size"]
-        total += c["num_experts"] * h
-    return 2 * total
+        linears += attn + 3 * h * c["intermediate_size"] + 3 * c["num_experts"] * h * c["moe_intermediate_size"]
+        plain += c["num_experts"] * h  # the router
+    return 2 * plain + LINEAR_BYTES[quantization] * linears
 
 
 def copy_bandwidth():
@@ -146,16 +153,19 @@ def main():
                     help="comma-separated BATCHxCONTEXT rows")
     ap.add_argument("--hf", action="store_true", help="also time transformers at context 1K")
     ap.add_argument("--kv-gb", type=float, default=40.0, help="KV cache size (GiB)")
+    ap.add_argument("--quantization", choices=list(LINEAR_BYTES), default="bf16",
+                    help="the linears' random weights: bf16, or packed FP8 / NVFP4")
     args = ap.parse_args()
 
     bandwidth = copy_bandwidth()
-    roofline_ms = 1e3 * weight_bytes() / bandwidth
+    roofline_ms = 1e3 * weight_bytes(args.quantization) / bandwidth
     grid = [(1, 1024)] if args.quick else [tuple(int(v) for v in row.split("x")) for row in args.grid.split(",")]
     with tempfile.TemporaryDirectory() as tmp:
         path = write_config(os.path.join(tmp, "dg26b"))
         t = time.perf_counter()
         llm = ds.LLM(path, device="cuda", load_format="dummy", kv_cache_memory_bytes=int(args.kv_gb * 2**30),
-                     max_num_batched_tokens=8192, slice_steps=64)
+                     max_num_batched_tokens=8192, slice_steps=64,
+                     quantization=None if args.quantization == "bf16" else args.quantization)
         load_s = time.perf_counter() - t
         rows = []
         for batch, context in grid:
@@ -167,9 +177,9 @@ def main():
         del llm
         hf = hf_forward_ms(path, 1024) if args.hf else None
 
-    print(f"diffuserve denoise step, DiffusionGemma-26B-A4B text shapes (random bf16 weights), canvas {CANVAS}, "
-          f"{STEPS} steps/block")
-    print(f"weights read per step {weight_bytes() / 1e9:.1f} GB; copy bandwidth {bandwidth / 1e12:.2f} TB/s; "
+    print(f"diffuserve denoise step, DiffusionGemma-26B-A4B text shapes (random {args.quantization} weights), "
+          f"canvas {CANVAS}, {STEPS} steps/block")
+    print(f"weights read per step {weight_bytes(args.quantization) / 1e9:.1f} GB; copy bandwidth {bandwidth / 1e12:.2f} TB/s; "
           f"roofline {roofline_ms:.1f} ms/step; load {load_s:.0f} s")
     print("| batch | context | ms/step | % roofline | ms/commit | output tok/s |")
     print("|------:|--------:|--------:|-----------:|----------:|-------------:|")

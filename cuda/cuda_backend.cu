@@ -1,5 +1,6 @@
 // The CUDA backend: the Backend interface (cpp/src/backend.h) on one GPU. Activations are
-// fp32 and weights bf16 in device memory; the kernels are in gemm.cu, attention.cu and
+// fp32 and weights bf16 in device memory, the linears' packed where the checkpoint is FP8
+// (one scale per row) or NVFP4 (keeps_packed); the kernels are in gemm.cu, attention.cu and
 // kernels.cu. Small per-call tables (token ids, positions, KV slots, GEMM tiles) are
 // copied up with each call; the routing of each MoE layer comes back to the host, which
 // lays out the expert segments.
@@ -144,6 +145,37 @@ class CudaBackend final : public Backend {
     return w;
   }
 
+  // FP8 with one scale per output row (per channel, or per tensor repeated), and NVFP4's
+  // 16-value groups, are what the GEMM dequantizes in its main loop.
+  bool keeps_packed(const PackedWeight& w) const override {
+    return w.format == WeightFormat::Fp8 ? w.group_size == w.cols() : w.group_size == 16;
+  }
+
+  Weight upload_packed(const PackedWeight& host) override {
+    if (!keeps_packed(host)) throw InvalidArgument("the CUDA backend does not keep this packed weight layout");
+    Weight w;
+    w.format = host.format;
+    w.dtype = host.format == WeightFormat::Fp8 ? DType::F8_E4M3 : DType::U8;
+    w.shape = host.shape;
+    const std::vector<float>& row_scales = host.format == WeightFormat::Fp8 ? host.scales : host.global_scales;
+    // One allocation: the values, the row scales, the group scales, each 256-byte aligned.
+    auto aligned = [](size_t bytes) { return (bytes + 255) / 256 * 256; };
+    const size_t values = aligned(host.values.size()), scales = aligned(row_scales.size() * sizeof(float));
+    auto storage = pool_->get(values + scales + host.group_scales.size());
+    auto* base = static_cast<uint8_t*>(storage.get());
+    check(cudaMemcpy(base, host.values.data(), host.values.size(), cudaMemcpyHostToDevice), "upload_packed");
+    check(cudaMemcpy(base + values, row_scales.data(), row_scales.size() * sizeof(float), cudaMemcpyHostToDevice),
+          "upload_packed");
+    check(cudaMemcpy(base + values + scales, host.group_scales.data(), host.group_scales.size(),
+                     cudaMemcpyHostToDevice),
+          "upload_packed");
+    w.data = base;
+    w.row_scales = reinterpret_cast<const float*>(base + values);
+    w.group_scales = host.group_scales.empty() ? nullptr : base + values + scales;
+    w.storage = storage;
+    return w;
+  }
+
   Weight random_weight(const std::vector<int64_t>& shape, DType as, uint64_t seed, float scale) override {
     Weight w;
     w.dtype = DType::BF16;
@@ -184,8 +216,8 @@ class CudaBackend final : public Backend {
 
   void linear(const Activation& x, const Weight& w, Activation& y, int expert) override {
     auto timed = profile_.scope("linear");
-    const int64_t n = w.shape[w.shape.size() - 2], k = w.shape.back();
-    gemm_dense(x, bf16(w) + (expert >= 0 ? int64_t(expert) * n * k : 0), n, k, false, y);
+    const cuda::ExpertStack stack = matrices(w);
+    gemm_dense(x, stack.expert(std::max(expert, 0)), w.format, stack.n, stack.k, false, y);
   }
 
   // y = round_bf16(x) @ w with w [K, N] (the reference casts the probabilities to the
@@ -200,7 +232,7 @@ class CudaBackend final : public Backend {
       t = pool_->get(size_t(k * n) * 2);
       cuda::transpose_bf16(bf16(w), k, n, static_cast<__nv_bfloat16*>(t.get()), stream_);
     }
-    gemm_dense(x, static_cast<const __nv_bfloat16*>(t.get()), n, k, true, y);
+    gemm_dense(x, {t.get(), nullptr, nullptr}, WeightFormat::Plain, n, k, true, y);
   }
 
   void rms_norm(const Activation& x, const Weight* weight, int64_t group, float eps, Activation& y) override {
@@ -275,9 +307,9 @@ class CudaBackend final : public Backend {
     auto down_segments = pool_->get(sizeof(cuda::GemmSegment) * size_t(num_experts));
     auto tiles = pool_->get(sizeof(cuda::GemmTile) * size_t(max_tiles));
     auto* device_tiles = static_cast<cuda::GemmTile*>(tiles.get());
-    cuda::moe_plan(routing.experts.get(), pairs, routing.top_k, int(num_experts), tile_rows, bf16(gate_up),
-                   inter2 * hidden, bf16(down), hidden * (inter2 / 2), static_cast<int64_t*>(row_map.get()),
-                   static_cast<int64_t*>(inverse.get()), static_cast<cuda::GemmSegment*>(up_segments.get()),
+    cuda::moe_plan(routing.experts.get(), pairs, routing.top_k, int(num_experts), tile_rows, matrices(gate_up),
+                   matrices(down), static_cast<int64_t*>(row_map.get()), static_cast<int64_t*>(inverse.get()),
+                   static_cast<cuda::GemmSegment*>(up_segments.get()),
                    static_cast<cuda::GemmSegment*>(down_segments.get()), device_tiles, max_tiles, stream_);
     Activation gu = alloc(pairs, inter2), act = alloc(pairs, inter2 / 2), y = alloc(pairs, hidden);
     Activation input = x;
@@ -288,14 +320,14 @@ class CudaBackend final : public Backend {
     }
     auto up_scratch = pool_->get(cuda::gemm_scratch_bytes(x.rows, hidden, false));
     cuda::gemm(input.data, input.rows, input.cols, static_cast<const int64_t*>(row_map.get()),
-               static_cast<const cuda::GemmSegment*>(up_segments.get()), device_tiles, max_tiles, tile_rows, inter2,
-               hidden, false, gu.data, gu.cols, up_scratch.get(), stream_);
+               static_cast<const cuda::GemmSegment*>(up_segments.get()), device_tiles, max_tiles, tile_rows,
+               gate_up.format, inter2, hidden, false, gu.data, gu.cols, up_scratch.get(), stream_);
     cuda::gelu_glu(gu.data, pairs, inter2 / 2, act.data, stream_);
     if (down.input_quant.scheme != ActivationScheme::None) quantize_input(act, down.input_quant, 0, -1);
     auto down_scratch = pool_->get(cuda::gemm_scratch_bytes(pairs, inter2 / 2, false));
     cuda::gemm(act.data, pairs, act.cols, nullptr, static_cast<const cuda::GemmSegment*>(down_segments.get()),
-               device_tiles, max_tiles, tile_rows, hidden, inter2 / 2, false, y.data, y.cols, down_scratch.get(),
-               stream_);
+               device_tiles, max_tiles, tile_rows, down.format, hidden, inter2 / 2, false, y.data, y.cols,
+               down_scratch.get(), stream_);
     cuda::combine_experts(y.data, static_cast<const int64_t*>(inverse.get()), routing.weights.data, tokens,
                           routing.top_k, hidden, out.data, stream_);
   }
@@ -346,17 +378,25 @@ class CudaBackend final : public Backend {
   }
 
  private:
-  void gemm_dense(const Activation& x, const __nv_bfloat16* w, int64_t n, int64_t k, bool round_x, Activation& y) {
+  void gemm_dense(const Activation& x, const cuda::GemmMatrix& w, WeightFormat format, int64_t n, int64_t k,
+                  bool round_x, Activation& y) {
     const cuda::GemmSegment seg{0, 0, int(x.rows), w};
     const int tile = cuda::gemm_tile_rows(x.rows, 1, n);
     auto scratch = pool_->get(cuda::gemm_scratch_bytes(x.rows, k, round_x));
-    cuda::gemm(x.data, x.rows, x.cols, nullptr, &seg, nullptr, int((x.rows + tile - 1) / tile), tile, n, k, round_x,
-               y.data, y.cols, scratch.get(), stream_);
+    cuda::gemm(x.data, x.rows, x.cols, nullptr, &seg, nullptr, int((x.rows + tile - 1) / tile), tile, format, n, k,
+               round_x, y.data, y.cols, scratch.get(), stream_);
   }
 
   static const __nv_bfloat16* bf16(const Weight& w) {
-    if (w.dtype != DType::BF16) throw InvalidArgument("the CUDA GEMMs need bf16 weights");
+    if (w.format != WeightFormat::Plain || w.dtype != DType::BF16)
+      throw InvalidArgument("this CUDA op needs bf16 weights");
     return static_cast<const __nv_bfloat16*>(w.data);
+  }
+
+  // A linear's weight ([N, K]) or expert stack ([E, N, K]) as the GEMM reads it.
+  static cuda::ExpertStack matrices(const Weight& w) {
+    if (w.format == WeightFormat::Plain) bf16(w);  // checks the dtype
+    return {{w.data, w.row_scales, w.group_scales}, w.format, w.shape[w.shape.size() - 2], w.shape.back()};
   }
 
   // Copies a small host table to the device for the next kernels, without waiting: the

@@ -32,13 +32,22 @@
 // lo), so a row's result does not depend on the tile shape its batch size picked: batched
 // and single-sequence runs agree bitwise.
 //
-// Weights stream by cp.async when K % 8 == 0 (rows of 16-byte chunks; zero-filled past N
-// and K); otherwise (tiny test models) the same tiles are filled element by element.
+// Packed weights (FP8, NVFP4: packed_weight.h) stream as they are stored, 1 or 1/2 byte
+// per value (plus NVFP4's E4M3 scale per 16), into the ring; each iteration first converts
+// the slice's weights to the bf16 tile the MMAs read (packed_decode.cuh: exact), so the
+// main loop and its summation order are the bf16 path's. The per-row fp32 scale (FP8's
+// scale, NVFP4's global scale) is applied to the finished sums.
+//
+// Weights stream by 16-byte cp.async (4-byte for NVFP4's scales) where their rows allow
+// it (whole, aligned chunks); partial chunks are zero-filled past N and K. Otherwise (tiny
+// test models) the same bytes are copied one by one.
 #include <algorithm>
 #include <memory>
+#include <stdexcept>
 
 #include "kernels.h"
 #include "mma.cuh"
+#include "packed_decode.cuh"
 
 namespace diffuserve::cuda {
 namespace {
@@ -59,6 +68,26 @@ __device__ __forceinline__ uint32_t shared_address(const void* p) { return uint3
 // 16 bytes global -> shared, bypassing L1; zero-filled (nothing read) when !valid.
 __device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool valid) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0));
+}
+
+// Of `most` bytes, those before an end `remaining` bytes away.
+__device__ __forceinline__ int bytes_before(int64_t remaining, int most) {
+  return remaining <= 0 ? 0 : remaining >= most ? most : int(remaining);
+}
+
+// kBytes (16 or 4) bytes global -> shared, of which the first `valid` are read and the rest
+// zero-filled: by cp.async when `async` (src aligned to kBytes), else byte by byte.
+template <int kBytes>
+__device__ __forceinline__ void copy_bytes(uint8_t* dst, const uint8_t* src, int valid, bool async) {
+  if (async) {
+    if constexpr (kBytes == 16)
+      asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(shared_address(dst)), "l"(src), "r"(valid));
+    else
+      asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(shared_address(dst)), "l"(src), "r"(valid));
+  } else {
+#pragma unroll
+    for (int e = 0; e < kBytes; ++e) dst[e] = e < valid ? src[e] : 0;
+  }
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int kPending>
@@ -85,36 +114,58 @@ struct Params {
   const GemmTile* tiles;
   GemmSegment single;  // the segment when tiles is null (dense)
   int64_t n, k;
-  bool w_vector;   // weights by 16-byte cp.async (K % 8 == 0, aligned)
+  bool w_vector;   // weights by cp.async (whole aligned chunks per row, see gemm())
   bool y_pairs;    // Y by float2 stores (ldy even, aligned)
   int64_t k_slice;  // split-K: K columns per blockIdx.z, a multiple of kBK
   float* y;
   int64_t ldy, y_copy_stride;
 };
 
-// A block tile of kBM x kBN outputs, warps of (kBM / kWarpsM) x (kBN / kWarpsN), a ring of
-// kStages K-slices, kBlocks resident per multiprocessor (shared memory allows it).
-template <int kBM_, int kBN_, int kWarpsM_, int kWarpsN_, int kStages_, int kBlocks_>
-struct Shape {
-  static constexpr int kBM = kBM_, kBN = kBN_, kWarpsM = kWarpsM_, kWarpsN = kWarpsN_, kStages = kStages_;
-  static constexpr int kBlocks = kBlocks_, kThreads = kWarpsM * kWarpsN * 32;
-  static constexpr int smem_bytes(int planes) { return kStages * (planes * kBM + kBN) * kBK * 2; }
-};
-using Small = Shape<16, 128, 1, 4, 4, 2>;    // 80 KB of shared memory (hi and lo)
-using Medium = Shape<64, 128, 2, 2, 3, 2>;   // 96 KB
-using Large = Shape<128, 256, 2, 4, 3, 1>;   // 192 KB
+// Bytes of a stage's W: a bf16 tile, or the packed slice (NVFP4: values, then the scales).
+__host__ __device__ constexpr int weight_stage_bytes(WeightFormat format, int rows) {
+  return format == WeightFormat::Plain ? rows * kBK * 2
+         : format == WeightFormat::Fp8 ? rows * kBK
+                                       : rows * (kBK / 2 + kBK / 16);
+}
 
-template <class S, int kPlanes>
+// A block tile of kBM x kBN outputs, warps of (kBM / kWarpsM) x (kBN / kWarpsN), a ring of
+// kStages K-slices (kPackedStages with packed weights, whose slices are smaller), kBlocks
+// resident per multiprocessor (shared memory allows it).
+template <int kBM_, int kBN_, int kWarpsM_, int kWarpsN_, int kStages_, int kPackedStages_, int kBlocks_>
+struct Shape {
+  static constexpr int kBM = kBM_, kBN = kBN_, kWarpsM = kWarpsM_, kWarpsN = kWarpsN_;
+  static constexpr int kBlocks = kBlocks_, kThreads = kWarpsM * kWarpsN * 32;
+  __host__ __device__ static constexpr int stages(WeightFormat format) { return format == WeightFormat::Plain ? kStages_ : kPackedStages_; }
+  // The ring, then for packed weights the bf16 tile they are converted into.
+  static constexpr int smem_bytes(int planes, WeightFormat format) {
+    const int packed_tile = format == WeightFormat::Plain ? 0 : weight_stage_bytes(WeightFormat::Plain, kBN);
+    return stages(format) * (planes * kBM * kBK * 2 + weight_stage_bytes(format, kBN)) + packed_tile;
+  }
+};
+// Shared memory with hi and lo planes, bf16 / FP8 / NVFP4 weights:
+using Small = Shape<16, 128, 1, 4, 4, 6, 2>;    // 80 / 88 / 67 KB
+using Medium = Shape<64, 128, 2, 2, 3, 3, 2>;   // 96 / 88 / 78 KB
+using Large = Shape<128, 256, 2, 4, 3, 3, 1>;   // 192 / 176 / 155 KB
+
+template <class S, int kPlanes, WeightFormat kFormat>
 __global__ void __launch_bounds__(S::kThreads, S::kBlocks) gemm_kernel(const Params p) {
-  constexpr int kBM = S::kBM, kBN = S::kBN, kStages = S::kStages, kThreads = S::kThreads;
+  constexpr int kBM = S::kBM, kBN = S::kBN, kStages = S::stages(kFormat), kThreads = S::kThreads;
   constexpr int kWM = kBM / S::kWarpsM, kWN = kBN / S::kWarpsN;
   constexpr int kTilesM = kWM / 16, kTilesN = kWN / 8;  // m16 / n8 MMA tiles per warp
   constexpr int kARows = kPlanes * kBM;                 // A tile rows per stage: hi rows, then lo rows
-  constexpr int kStageElems = (kARows + kBN) * kBK;
+  constexpr int kABytes = kARows * kBK * 2, kStageBytes = kABytes + weight_stage_bytes(kFormat, kBN);
   constexpr int kRowStep = kThreads / 8;  // tile rows one pass of the block's 16-byte copies covers
-  constexpr int kALoads = kBM / kRowStep, kBLoads = kBN / kRowStep;
-  static_assert(kBM % kRowStep == 0 && kBN % kRowStep == 0 && kTilesN % 2 == 0, "tile shape");
-  extern __shared__ __align__(128) __nv_bfloat16 smem[];
+  constexpr int kALoads = kBM / kRowStep;
+  constexpr bool kPacked = kFormat != WeightFormat::Plain;
+  // A stage's W row: 16-byte chunks of the bf16 tile (swizzled) or of the packed slice (in order).
+  constexpr int kWRowBytes = weight_stage_bytes(kFormat, 1) - (kFormat == WeightFormat::Nvfp4 ? kBK / 16 : 0);
+  constexpr int kWChunks = kBN * kWRowBytes / 16, kWLoads = kWChunks / kThreads;
+  constexpr int kGroups = kBN * kBK / 16, kConverts = kGroups / kThreads;  // 16-value groups of a packed slice
+  static_assert(kBM % kRowStep == 0 && kWChunks % kThreads == 0 && kGroups % kThreads == 0 && kTilesN % 2 == 0 &&
+                    kBN <= kThreads,  // a thread per W row for NVFP4's scales
+                "tile shape");
+  extern __shared__ __align__(128) uint8_t smem[];
+  __nv_bfloat16* const packed_tile = reinterpret_cast<__nv_bfloat16*>(smem + kStages * kStageBytes);
 
   GemmSegment seg = p.single;
   int m0 = blockIdx.y * kBM;  // dense: tiles follow blockIdx.y
@@ -142,12 +193,13 @@ __global__ void __launch_bounds__(S::kThreads, S::kBlocks) gemm_kernel(const Par
     }
     a_src[j] = p.a + xr * kPlanes * p.kp + copy_chunk * 8;
   }
-  const __nv_bfloat16* w_src = seg.w + (n0 + copy_row) * k + copy_chunk * 8;
-  const int64_t w_step = kRowStep * k;
+  const uint8_t* const w_values = static_cast<const uint8_t*>(seg.w.values);
+  const int64_t w_row_bytes = weight_row_bytes(kFormat, k);
 
   // Stage `stage` <- K columns [k0, k0 + kBK) of the A rows and the W rows.
   auto load_tile = [&](int stage, int64_t k0) {
-    __nv_bfloat16* tile = smem + stage * kStageElems;
+    uint8_t* const base = smem + stage * kStageBytes;
+    const __nv_bfloat16* tile = reinterpret_cast<const __nv_bfloat16*>(base);
 #pragma unroll
     for (int plane = 0; plane < kPlanes; ++plane)
 #pragma unroll
@@ -156,34 +208,57 @@ __global__ void __launch_bounds__(S::kThreads, S::kBlocks) gemm_kernel(const Par
         cp_async16(shared_address(tile + swizzle(plane * kBM + r, copy_chunk)), a_src[j] + plane * p.kp + k0,
                    r < rows);
       }
-    __nv_bfloat16* w_tile = tile + kARows * kBK;
-    const int64_t kk = k0 + copy_chunk * 8;  // this thread's first K column
-    if (p.w_vector) {
+    // W: chunk c of the slice is row c / per_row's bytes [16 * (c % per_row), +16) of the slice.
+    uint8_t* const w_stage = base + kABytes;
+    constexpr int kPerRow = kWRowBytes / 16;
+    const int64_t slice_offset = weight_row_bytes(kFormat, k0);
 #pragma unroll
-      for (int j = 0; j < kBLoads; ++j) {
-        const int r = copy_row + j * kRowStep;
-        const bool valid = n0 + r < n && kk < k;
-        cp_async16(shared_address(w_tile + swizzle(r, copy_chunk)), valid ? w_src + j * w_step + k0 : seg.w, valid);
+    for (int j = 0; j < kWLoads; ++j) {
+      const int c = tid + j * kThreads, r = c / kPerRow, chunk = c % kPerRow;
+      const int64_t offset = slice_offset + 16 * chunk;
+      const int valid = n0 + r < n ? bytes_before(w_row_bytes - offset, 16) : 0;
+      uint8_t* const dst = kPacked ? w_stage + r * kWRowBytes + 16 * chunk
+                                   : reinterpret_cast<uint8_t*>(reinterpret_cast<__nv_bfloat16*>(w_stage) +
+                                                                swizzle(r, chunk));
+      copy_bytes<16>(dst, valid ? w_values + (n0 + r) * w_row_bytes + offset : w_values, valid, p.w_vector);
+    }
+    if constexpr (kFormat == WeightFormat::Nvfp4) {  // this slice's 4 E4M3 scales of row tid
+      const int64_t groups = k / 16, first = k0 / 16;
+      const int valid = n0 + tid < n ? bytes_before(groups - first, kBK / 16) : 0;
+      uint8_t* const scales = w_stage + kBN * kWRowBytes;
+      if (tid < kBN)
+        copy_bytes<kBK / 16>(scales + tid * (kBK / 16),
+                             valid ? seg.w.group_scales + (n0 + tid) * groups + first : seg.w.group_scales, valid,
+                             p.w_vector);
+    }
+  };
+
+  // Packed weights: the slice in stage `stage` -> the bf16 tile, 16 values (a 16-wide
+  // group) per step: tile row g / 4, chunks 2 (g % 4) and 2 (g % 4) + 1.
+  auto convert = [&](int stage) {
+    const uint8_t* const w_stage = smem + stage * kStageBytes + kABytes;
+#pragma unroll
+    for (int j = 0; j < kConverts; ++j) {
+      const int g = tid + j * kThreads, r = g / 4, quarter = g % 4;
+      uint4 first, second;
+      if constexpr (kFormat == WeightFormat::Fp8) {
+        fp8x16_to_bf16(*reinterpret_cast<const uint4*>(w_stage + r * kWRowBytes + 16 * quarter), first, second);
+      } else {
+        const uint8_t scale = w_stage[kBN * kWRowBytes + r * (kBK / 16) + quarter];
+        nvfp4x16_to_bf16(*reinterpret_cast<const uint2*>(w_stage + r * kWRowBytes + 8 * quarter), scale, first,
+                         second);
       }
-    } else {
-#pragma unroll
-      for (int j = 0; j < kBLoads; ++j) {
-        const int r = copy_row + j * kRowStep;
-        const bool row_ok = n0 + r < n;
-        const __nv_bfloat16* src = w_src + j * w_step + k0;
-        __align__(16) __nv_bfloat16 v[8];
-#pragma unroll
-        for (int e = 0; e < 8; ++e) v[e] = row_ok && kk + e < k ? src[e] : __float2bfloat16(0.0f);
-        *reinterpret_cast<uint4*>(w_tile + swizzle(r, copy_chunk)) = *reinterpret_cast<const uint4*>(v);
-      }
+      *reinterpret_cast<uint4*>(packed_tile + swizzle(r, 2 * quarter)) = first;
+      *reinterpret_cast<uint4*>(packed_tile + swizzle(r, 2 * quarter + 1)) = second;
     }
   };
 
   // The warp's MMAs over one stage: 4 K steps of 16, each hi then lo per output tile.
   float acc[kTilesM][kTilesN][4] = {};
   auto compute = [&](int stage) {
-    const __nv_bfloat16* tile = smem + stage * kStageElems;
-    const uint32_t a_base = shared_address(tile), w_base = shared_address(tile + kARows * kBK);
+    const uint8_t* const base = smem + stage * kStageBytes;
+    const uint32_t a_base = shared_address(base),
+                   w_base = shared_address(kPacked ? reinterpret_cast<const uint8_t*>(packed_tile) : base + kABytes);
 #pragma unroll
     for (int ks = 0; ks < kBK / 16; ++ks) {
       // A (m16 x k16): lanes 0-15 give rows 0-15 at k 0-7, lanes 16-31 the same rows at
@@ -221,8 +296,9 @@ __global__ void __launch_bounds__(S::kThreads, S::kBlocks) gemm_kernel(const Par
   const int k_tiles = int((k_end - k_begin) / kBK);
   // The ring: slice t lives in stage t % kStages. Each iteration waits for its slice
   // (at most kStages - 2 younger groups pending), syncs (the slice is visible to all
-  // warps, and all are done with the stage about to be refilled, read last iteration),
-  // then queues slice t + kStages - 1 before multiplying slice t.
+  // warps, and all are done with the stage about to be refilled, read last iteration, and
+  // with the converted tile), then queues slice t + kStages - 1 before multiplying slice t
+  // (packed weights: converting it, and syncing again so that the tile is complete).
 #pragma unroll
   for (int s = 0; s < kStages - 1; ++s) {
     if (s < k_tiles) load_tile(s, k_begin + s * kBK);
@@ -234,11 +310,21 @@ __global__ void __launch_bounds__(S::kThreads, S::kBlocks) gemm_kernel(const Par
     const int next = t + kStages - 1;
     if (next < k_tiles) load_tile(next % kStages, k_begin + int64_t(next) * kBK);
     cp_async_commit();
+    if constexpr (kPacked) {
+      convert(t % kStages);
+      __syncthreads();
+    }
     compute(t % kStages);
   }
 
   // Accumulator (m16 x n8): registers 0-1 at row lane / 4, 2-3 at row lane / 4 + 8,
-  // columns 2 * (lane % 4) + {0, 1}.
+  // columns 2 * (lane % 4) + {0, 1}. Packed weights: times FP8's row scale, or over NVFP4's
+  // global scale, as packed_weight.h dequantizes.
+  auto rescale = [&](float v, int64_t c) {
+    if constexpr (kFormat == WeightFormat::Fp8) return v * seg.w.row_scales[c];
+    if constexpr (kFormat == WeightFormat::Nvfp4) return v / seg.w.row_scales[c];
+    return v;
+  };
   float* y = p.y + int64_t(blockIdx.z) * p.y_copy_stride;
 #pragma unroll
   for (int mt = 0; mt < kTilesM; ++mt)
@@ -250,7 +336,8 @@ __global__ void __launch_bounds__(S::kThreads, S::kBlocks) gemm_kernel(const Par
         const int64_t c = n0 + warp_n * kWN + nt * 8 + (lane & 3) * 2;
         if (r >= rows) continue;
         float* dst = y + (seg.y_row + m0 + r) * p.ldy + c;
-        const float v0 = acc[mt][nt][half * 2], v1 = acc[mt][nt][half * 2 + 1];
+        const float v0 = c < n ? rescale(acc[mt][nt][half * 2], c) : 0.0f;
+        const float v1 = c + 1 < n ? rescale(acc[mt][nt][half * 2 + 1], c + 1) : 0.0f;
         if (p.y_pairs && c + 1 < n) {
           *reinterpret_cast<float2*>(dst) = make_float2(v0, v1);
         } else {
@@ -296,18 +383,22 @@ __global__ void sum_copies_kernel(const float* partial, int copies, int64_t n, f
   y[i] = acc;
 }
 
-template <class S, int kPlanes>
+template <class S, int kPlanes, WeightFormat kFormat>
 void launch(const Params& p, dim3 grid, cudaStream_t stream) {
-  constexpr int bytes = S::smem_bytes(kPlanes);
-  cudaFuncSetAttribute(gemm_kernel<S, kPlanes>, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
-  gemm_kernel<S, kPlanes><<<grid, S::kThreads, bytes, stream>>>(p);
+  constexpr int bytes = S::smem_bytes(kPlanes, kFormat);
+  cudaFuncSetAttribute(gemm_kernel<S, kPlanes, kFormat>, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+  gemm_kernel<S, kPlanes, kFormat><<<grid, S::kThreads, bytes, stream>>>(p);
 }
 
+// round_x (linear_nt's soft embedding) only ever multiplies plain weights.
 template <class S>
-void launch_shape(const Params& p, bool round_x, int64_t num_tiles, int splits, cudaStream_t stream) {
+void launch_shape(const Params& p, bool round_x, WeightFormat format, int64_t num_tiles, int splits,
+                  cudaStream_t stream) {
   const dim3 grid{unsigned((p.n + S::kBN - 1) / S::kBN), unsigned(num_tiles), unsigned(splits)};
-  if (round_x) launch<S, 1>(p, grid, stream);
-  else launch<S, 2>(p, grid, stream);
+  if (round_x) launch<S, 1, WeightFormat::Plain>(p, grid, stream);
+  else if (format == WeightFormat::Fp8) launch<S, 2, WeightFormat::Fp8>(p, grid, stream);
+  else if (format == WeightFormat::Nvfp4) launch<S, 2, WeightFormat::Nvfp4>(p, grid, stream);
+  else launch<S, 2, WeightFormat::Plain>(p, grid, stream);
 }
 
 }  // namespace
@@ -324,8 +415,10 @@ size_t gemm_scratch_bytes(int64_t x_rows, int64_t k, bool round_x) {
 }
 
 void gemm(const float* x, int64_t x_rows, int64_t ldx, const int64_t* row_map, const GemmSegment* segments,
-          const GemmTile* tiles, int num_tiles, int tile_rows, int64_t n, int64_t k, bool round_x, float* y,
-          int64_t ldy, void* scratch, cudaStream_t stream) {
+          const GemmTile* tiles, int num_tiles, int tile_rows, WeightFormat format, int64_t n, int64_t k, bool round_x,
+          float* y, int64_t ldy, void* scratch, cudaStream_t stream) {
+  if (round_x && format != WeightFormat::Plain) throw std::invalid_argument("gemm: round_x takes bf16 weights");
+  if (format == WeightFormat::Nvfp4 && k % 16) throw std::invalid_argument("gemm: NVFP4 weights need K % 16 == 0");
   if (num_tiles <= 0 || n <= 0) return;
   const int64_t kp = padded_k(k);
   auto* a = static_cast<__nv_bfloat16*>(scratch);
@@ -372,17 +465,19 @@ void gemm(const float* x, int64_t x_rows, int64_t ldx, const int64_t* row_map, c
   p.single = single;
   p.n = n;
   p.k = k;
-  // Weight rows of whole 16-byte chunks (the segments' matrices lie at multiples of N * K
-  // elements from 256-byte-aligned allocations, so K % 8 == 0 aligns them all).
-  p.w_vector = k % 8 == 0 && (tiles || reinterpret_cast<uintptr_t>(single.w) % 16 == 0);
+  // Weight rows of whole 16-byte chunks, and NVFP4 scale rows of whole 4-byte words (the
+  // segments' matrices lie at multiples of a matrix's bytes from 256-byte-aligned
+  // allocations, so that aligns them all).
+  const bool whole_chunks = weight_row_bytes(format, k) % 16 == 0 && (format != WeightFormat::Nvfp4 || k % 64 == 0);
+  p.w_vector = whole_chunks && (tiles || reinterpret_cast<uintptr_t>(single.w.values) % 16 == 0);
   p.y_pairs = ldy % 2 == 0 && reinterpret_cast<uintptr_t>(out) % 8 == 0;
   p.k_slice = k_slice;
   p.y = out;
   p.ldy = ldy;
   p.y_copy_stride = copy_stride;
-  if (tile_rows == 16) launch_shape<Small>(p, round_x, num_tiles, splits, stream);
-  else if (tile_rows == 128) launch_shape<Large>(p, round_x, num_tiles, splits, stream);
-  else launch_shape<Medium>(p, round_x, num_tiles, splits, stream);
+  if (tile_rows == 16) launch_shape<Small>(p, round_x, format, num_tiles, splits, stream);
+  else if (tile_rows == 128) launch_shape<Large>(p, round_x, format, num_tiles, splits, stream);
+  else launch_shape<Medium>(p, round_x, format, num_tiles, splits, stream);
   if (splits > 1)
     sum_copies_kernel<<<unsigned((copy_stride + 255) / 256), 256, 0, stream>>>(out, splits, copy_stride, y);
 }

@@ -172,9 +172,9 @@ __global__ void transpose_bf16_kernel(const __nv_bfloat16* in, int64_t k, int64_
 // at its expert's next row. The order of rows within an expert does not matter: every
 // row's product is computed on its own.
 __global__ void moe_plan_kernel(const int32_t* ids, int64_t pairs, int top_k, int experts, int tile_rows,
-                                const __nv_bfloat16* gate_up, int64_t gate_up_stride, const __nv_bfloat16* down,
-                                int64_t down_stride, int64_t* row_map, int64_t* inverse, GemmSegment* up_segments,
-                                GemmSegment* down_segments, GemmTile* tiles, int max_tiles) {
+                                const ExpertStack gate_up, const ExpertStack down, int64_t* row_map,
+                                int64_t* inverse, GemmSegment* up_segments, GemmSegment* down_segments,
+                                GemmTile* tiles, int max_tiles) {
   extern __shared__ int64_t counts[];  // [experts] counts, then [experts] next free row
   int64_t* cursor = counts + experts;
   for (int e = threadIdx.x; e < experts; e += blockDim.x) counts[e] = 0;
@@ -187,8 +187,8 @@ __global__ void moe_plan_kernel(const int32_t* ids, int64_t pairs, int top_k, in
     int tile = 0;
     for (int e = 0; e < experts; ++e) {
       const int64_t n = counts[e];
-      up_segments[e] = {row, row, int(n), gate_up + e * gate_up_stride};
-      down_segments[e] = {row, row, int(n), down + e * down_stride};
+      up_segments[e] = {row, row, int(n), gate_up.expert(e)};
+      down_segments[e] = {row, row, int(n), down.expert(e)};
       for (int64_t m0 = 0; m0 < n; m0 += tile_rows) tiles[tile++] = {e, int(m0)};
       cursor[e] = row;
       row += n;
@@ -333,14 +333,13 @@ void transpose_bf16(const __nv_bfloat16* in, int64_t k, int64_t n, __nv_bfloat16
 }
 
 void moe_plan(const int32_t* expert_ids, int64_t pairs, int top_k, int experts, int tile_rows,
-              const __nv_bfloat16* gate_up, int64_t gate_up_stride, const __nv_bfloat16* down, int64_t down_stride,
-              int64_t* row_map, int64_t* inverse, GemmSegment* up_segments, GemmSegment* down_segments,
-              GemmTile* tiles, int max_tiles, cudaStream_t stream) {
+              const ExpertStack& gate_up, const ExpertStack& down, int64_t* row_map, int64_t* inverse,
+              GemmSegment* up_segments, GemmSegment* down_segments, GemmTile* tiles, int max_tiles,
+              cudaStream_t stream) {
   const size_t bytes = sizeof(int64_t) * 2 * size_t(experts);
   cudaFuncSetAttribute(moe_plan_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes));
-  moe_plan_kernel<<<1, 1024, bytes, stream>>>(expert_ids, pairs, top_k, experts, tile_rows, gate_up, gate_up_stride,
-                                              down, down_stride, row_map, inverse, up_segments, down_segments, tiles,
-                                              max_tiles);
+  moe_plan_kernel<<<1, 1024, bytes, stream>>>(expert_ids, pairs, top_k, experts, tile_rows, gate_up, down, row_map,
+                                              inverse, up_segments, down_segments, tiles, max_tiles);
 }
 
 void combine_experts(const float* y, const int64_t* inverse, const float* weights, int64_t tokens, int top_k,

@@ -1,6 +1,6 @@
 // Launchers of the CUDA backend's kernels (cuda_backend.cu wires them to the Backend
-// interface). Activations are fp32, weights bf16 (norm weights and scales fp32), all in
-// device memory; every launcher runs on the given stream.
+// interface). Activations are fp32, weights bf16 or packed FP8/NVFP4 (norm weights and
+// scales fp32), all in device memory; every launcher runs on the given stream.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -18,15 +18,38 @@ namespace diffuserve::cuda {
 //   Y[y_row + i] = X[x(i)] @ W_seg^T   (W_seg: [N, K], K contiguous)
 // with x(i) = row_map ? row_map[x_row + i] : x_row + i, X: x_rows rows of K values, ldx
 // apart. X enters the tensor cores as a bf16 hi/lo pair (fp32-like precision), or with
-// round_x as bf16(X) alone (Y = round_bf16(X) @ W^T); accumulation is fp32. `scratch` is
-// gemm_scratch_bytes(x_rows, k, round_x) bytes of device memory that the call may use
-// until it is done on `stream`. Where K % 8 == 0 the weight matrices must be 16-byte
-// aligned (they are at multiples of N * K elements from an allocation).
+// round_x as bf16(X) alone (Y = round_bf16(X) @ W^T); accumulation is fp32. W is bf16, or
+// packed (`format`, packed_weight.h) and dequantized in the kernel: Y = (X @ Q^T) * scale
+// per column for FP8, (X @ (E2M1 * group scale)^T) / global scale for NVFP4 (not with
+// round_x). `scratch` is gemm_scratch_bytes(x_rows, k, round_x) bytes of device memory that
+// the call may use until it is done on `stream`. Weight rows whose bytes are a multiple of
+// 16 (and NVFP4 scale rows of 4) must start 16 (4)-byte aligned, as they do at multiples of
+// a matrix's size from an allocation.
+struct GemmMatrix {
+  const void* values;           // bf16 or E4M3 [N, K]; NVFP4 [N, K / 2]
+  const float* row_scales;      // packed: FP8's scale, NVFP4's global scale, per row (Weight::row_scales)
+  const uint8_t* group_scales;  // NVFP4: E4M3 [N, K / 16]
+};
 struct GemmSegment {
   int64_t x_row;
   int64_t y_row;
   int rows;
-  const __nv_bfloat16* w;
+  GemmMatrix w;
+};
+// Bytes of one W row of K values.
+DS_HOST_DEVICE inline int64_t weight_row_bytes(WeightFormat format, int64_t k) {
+  return format == WeightFormat::Plain ? 2 * k : format == WeightFormat::Fp8 ? k : k / 2;
+}
+// An [E, N, K] stack of matrices; expert(e) is the e-th.
+struct ExpertStack {
+  GemmMatrix first;
+  WeightFormat format;
+  int64_t n, k;
+  DS_HOST_DEVICE GemmMatrix expert(int e) const {
+    return {static_cast<const uint8_t*>(first.values) + e * n * weight_row_bytes(format, k),
+            first.row_scales ? first.row_scales + e * n : nullptr,
+            first.group_scales ? first.group_scales + e * n * (k / 16) : nullptr};
+  }
 };
 struct GemmTile {
   int segment;
@@ -37,8 +60,8 @@ struct GemmTile {
 int gemm_tile_rows(int64_t rows_per_segment, int64_t segments, int64_t n);
 size_t gemm_scratch_bytes(int64_t x_rows, int64_t k, bool round_x);
 void gemm(const float* x, int64_t x_rows, int64_t ldx, const int64_t* row_map, const GemmSegment* segments,
-          const GemmTile* tiles, int num_tiles, int tile_rows, int64_t n, int64_t k, bool round_x, float* y,
-          int64_t ldy, void* scratch, cudaStream_t stream);
+          const GemmTile* tiles, int num_tiles, int tile_rows, WeightFormat format, int64_t n, int64_t k, bool round_x,
+          float* y, int64_t ldy, void* scratch, cudaStream_t stream);
 // out[N, K] = in[K, N]^T (bf16).
 void transpose_bf16(const __nv_bfloat16* in, int64_t k, int64_t n, __nv_bfloat16* out, cudaStream_t stream);
 // The router of one MoE layer, per token: rms_norm(x) * scale * hidden^-0.5, scores in
@@ -100,13 +123,12 @@ void softmax_rows(float* x, int64_t rows, int64_t cols, cudaStream_t stream);
 void scatter_rows(const float* src, int64_t cols, const int64_t* dst_rows, int64_t n, float* dst, cudaStream_t stream);
 // Lays the MoE's (token, slot) pairs out by expert, on the device: row_map[row] = token
 // of each expert-ordered row, inverse[pair] = its row; one GEMM segment per expert for the
-// gate_up and the down weights (expert e's matrices at gate_up + e * gate_up_stride and
-// down + e * down_stride); tiles of tile_rows rows, the unused ones of the max_tiles slots
-// marked with segment -1.
+// gate_up and the down weights (expert e's matrices of each stack); tiles of tile_rows
+// rows, the unused ones of the max_tiles slots marked with segment -1.
 void moe_plan(const int32_t* expert_ids, int64_t pairs, int top_k, int experts, int tile_rows,
-              const __nv_bfloat16* gate_up, int64_t gate_up_stride, const __nv_bfloat16* down, int64_t down_stride,
-              int64_t* row_map, int64_t* inverse, GemmSegment* up_segments, GemmSegment* down_segments,
-              GemmTile* tiles, int max_tiles, cudaStream_t stream);
+              const ExpertStack& gate_up, const ExpertStack& down, int64_t* row_map, int64_t* inverse,
+              GemmSegment* up_segments, GemmSegment* down_segments, GemmTile* tiles, int max_tiles,
+              cudaStream_t stream);
 // out[t] = sum_k weights[t, k] * y[inverse[t, k]] in k order (deterministic).
 void combine_experts(const float* y, const int64_t* inverse, const float* weights, int64_t tokens, int top_k,
                      int64_t hidden, float* out, cudaStream_t stream);

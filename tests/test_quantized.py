@@ -247,3 +247,48 @@ def test_quantize_refuses_a_quantized_source(tmp_path):
         quantize(os.path.join(FIXTURES, "FP8_DYNAMIC"), str(tmp_path / "x"))
     with pytest.raises(ValueError, match="scheme 'int8'"):
         quantize(os.path.join(FIXTURES, "base"), str(tmp_path / "y"), "int8")
+
+
+@pytest.mark.parametrize("scheme", ["fp8-dynamic", "nvfp4"])
+def test_quantized_weights_do_not_depend_on_the_dtype(tmp_path, scheme):
+    """A quantized linear multiplies its exact dequantized values whatever dtype the plain
+    weights load in (as the GPU's packed GEMM does), not those values rounded to bf16: on a
+    bf16 source (hidden 64, so that sqrt(hidden) is a bf16 value too) "bfloat16" and
+    "float32" give the same logits, bit for bit."""
+    from diffuserve.quantize import quantize
+    from diffuserve.random_checkpoint import write_random_checkpoint
+    src = write_random_checkpoint(tmp_path / "src", canvas_length=8, dtype="bfloat16", seed=3, hidden_size=64)
+    quantize(src, str(tmp_path / scheme), scheme)
+    logits = []
+    for dtype in ("bfloat16", "float32"):
+        seq = ds.Model.load(str(tmp_path / scheme), dtype=dtype).sequence()
+        seq.prefill(np.arange(3, 20))
+        logits.append(seq.denoise(np.arange(8)))
+    np.testing.assert_array_equal(logits[0], logits[1])
+
+
+@pytest.mark.parametrize("quantization", ["fp8", "nvfp4"])
+def test_dummy_weights_can_be_quantized(quantization):
+    """load_format="dummy" with a quantization: the linears' random weights are packed
+    (here dequantized by the CPU backend as it multiplies them); the same draws each time,
+    scaled like the plain dummy weights, so that the passes stay finite and of the same size."""
+    path = os.path.join(FIXTURES, "base")
+    canvas = np.arange(8)
+    logits = {}
+    for q in (None, quantization, quantization):
+        seq = ds.Model.load(path, dtype="float32", load_format="dummy", quantization=q).sequence()
+        seq.prefill(np.arange(3, 20))
+        logits.setdefault(q, []).append(seq.denoise(canvas))
+    quantized, plain = logits[quantization], logits[None][0]
+    np.testing.assert_array_equal(quantized[0], quantized[1])
+    assert np.isfinite(quantized[0]).all() and not np.array_equal(quantized[0], plain)
+    assert 0.2 < quantized[0].std() / plain.std() < 5
+
+
+@pytest.mark.parametrize("args, message", [
+    (dict(quantization="fp8"), "quantization 'fp8' is for load_format 'dummy'"),
+    (dict(load_format="dummy", quantization="int4"), "quantization 'int4' is not supported (use fp8 or nvfp4)"),
+])
+def test_dummy_quantization_errors(args, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        ds.Model.load(os.path.join(FIXTURES, "base"), **args)

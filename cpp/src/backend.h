@@ -3,7 +3,9 @@
 // reference, a CUDA backend implements the same calls on the device.
 //
 // Activations are fp32 row-major matrices in the backend's memory. Weights keep the
-// dtype they were loaded in (F32, BF16 or F16) and are widened inside each op.
+// dtype they were loaded in (F32, BF16 or F16) and are widened inside each op; a backend
+// may also keep quantized linears packed (keeps_packed) and dequantize them in linear and
+// experts.
 #pragma once
 
 #include <cstdint>
@@ -13,6 +15,7 @@
 
 #include "diffuserve/config.h"
 #include "diffuserve/dtype.h"
+#include "packed_weight.h"
 #include "philox.h"
 
 namespace diffuserve {
@@ -52,12 +55,19 @@ struct ActivationQuant {
   }
 };
 
-// A weight in backend memory, in its storage dtype. Shape as stored ([out, in] for a
-// linear layer, [experts, out, in] for expert stacks).
+// A weight in backend memory. Shape: the values' ([out, in] for a linear layer, [experts,
+// out, in] for expert stacks), whatever their format.
 struct Weight {
-  DType dtype = DType::F32;
+  DType dtype = DType::F32;  // Plain: F32, BF16 or F16; Fp8: F8_E4M3; Nvfp4: U8 (two E2M1 a byte)
+  WeightFormat format = WeightFormat::Plain;
   std::vector<int64_t> shape;
   const void* data = nullptr;
+  // Packed formats, in the backend's layout (upload_packed): the CUDA backend's data is
+  // the values, with (every output row of a stack has its own) Fp8's weight_scale per row,
+  // multiplied; Nvfp4's weight_global_scale per row, divided by; and Nvfp4's E4M3
+  // weight_scale per 16 inputs, [.., out, in / 16]. The CPU backend's data is the PackedWeight.
+  const float* row_scales = nullptr;
+  const uint8_t* group_scales = nullptr;
   std::shared_ptr<const void> storage;
   ActivationQuant input_quant;  // a linear's; scheme None for most weights
 
@@ -111,6 +121,10 @@ class Backend {
   virtual int64_t default_kv_cache_bytes() = 0;
   // Whether `experts` can quantize its inputs with `scheme` (every backend can do None).
   virtual bool quantizes_expert_inputs(ActivationScheme scheme) const { return true; }
+  // Whether upload_packed takes `w` as it is (format and group size): its linear and
+  // experts then dequantize inside the product. Otherwise model.cpp dequantizes at load.
+  virtual bool keeps_packed(const PackedWeight&) const { return false; }
+  virtual Weight upload_packed(const PackedWeight& w);
   // Weight from host bytes in `dtype`, stored as `as` (a widening/narrowing cast when they
   // differ). The backend may keep pointing at `host`; `keep_alive` owns those bytes.
   virtual Weight upload(const void* host, DType dtype, const std::vector<int64_t>& shape, DType as,

@@ -1,6 +1,6 @@
 // The CPU backend: the readable reference for every op in backend.h. fp32 arithmetic
-// throughout, weights widened from their storage dtype as they are read, loops split
-// over a thread pool.
+// throughout, weights widened from their storage dtype (quantized ones dequantized from
+// their packed bytes) as they are read, loops split over a thread pool.
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
@@ -103,6 +103,22 @@ class CpuBackend final : public Backend {
     return w;
   }
 
+  // Every quantized weight stays packed (data points at the PackedWeight) and linear
+  // dequantizes it a tile of rows at a time: the exact values packed_weight.h defines,
+  // whatever the plain weights' dtype, as the CUDA backend's GEMM multiplies them.
+  bool keeps_packed(const PackedWeight&) const override { return true; }
+
+  Weight upload_packed(const PackedWeight& host) override {
+    auto packed = std::make_shared<const PackedWeight>(host);
+    Weight w;
+    w.format = host.format;
+    w.dtype = host.format == WeightFormat::Fp8 ? DType::F8_E4M3 : DType::U8;
+    w.shape = host.shape;
+    w.data = packed.get();
+    w.storage = packed;
+    return w;
+  }
+
   Weight random_weight(const std::vector<int64_t>& shape, DType as, uint64_t seed, float scale) override {
     int64_t n = 1;
     for (int64_t d : shape) n *= d;
@@ -137,8 +153,9 @@ class CpuBackend final : public Backend {
 
   void linear(const Activation& x, const Weight& w, Activation& y, int expert) override {
     const int64_t n = w.shape[w.shape.size() - 2], k = w.shape.back();
+    const int64_t first = expert >= 0 ? int64_t(expert) * n : 0;  // the matrix's first row in a stack
     const size_t esz = dtype_size(w.dtype);
-    const uint8_t* base = static_cast<const uint8_t*>(w.data) + (expert >= 0 ? int64_t(expert) * n * k * esz : 0);
+    const uint8_t* base = static_cast<const uint8_t*>(w.data) + (w.format == WeightFormat::Plain ? first * k * esz : 0);
     const int64_t m = x.rows;
     // Each task widens a tile of weight rows once and reuses it for every input row.
     constexpr int64_t kTile = 16;
@@ -147,7 +164,10 @@ class CpuBackend final : public Backend {
       for (int64_t t = tb; t < te; ++t) {
         const int64_t n0 = t * kTile, rows = std::min(kTile, n - n0);
         const float* wrows;
-        if (w.dtype == DType::F32) {
+        if (w.format != WeightFormat::Plain) {
+          dequantize_rows(*static_cast<const PackedWeight*>(w.data), first + n0, rows, tile.data());
+          wrows = tile.data();
+        } else if (w.dtype == DType::F32) {
           wrows = reinterpret_cast<const float*>(base) + n0 * k;
         } else {
           widen(base + n0 * k * esz, w.dtype, rows * k, tile.data());

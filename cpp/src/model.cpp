@@ -13,6 +13,7 @@
 #include <set>
 
 #include "activation_quant.h"
+#include "packed_weight.h"
 #include "diffuserve/errors.h"
 
 namespace diffuserve {
@@ -69,10 +70,12 @@ class QuantizationTargets {
 // as compressed-tensors writes it (config.json's quantization_config): FP8 ("weight"
 // in F8_E4M3 with "weight_scale" per tensor, channel or group) or NVFP4 ("weight_packed",
 // two E2M1 values a byte, with an E4M3 "weight_scale" per 16 inputs and a fp32
-// "weight_global_scale"); it is dequantized to fp32 here. The runtime's GEMMs then see
-// the same weights as the dequantized model. A linear's weight also carries how the
-// config quantizes its input (ActivationQuant), with NVFP4's "input_global_scale".
-// With no checkpoint (load_format "dummy") it makes random weights of the same shapes.
+// "weight_global_scale"). It is read as a PackedWeight, which the backend keeps packed
+// if it can (Backend::keeps_packed), else dequantized here (packed_weight.h), so that the
+// runtime's GEMMs see the same weights as the dequantized model. A linear's weight also
+// carries how the config quantizes its input (ActivationQuant), with NVFP4's
+// "input_global_scale". With no checkpoint (load_format "dummy") it makes random weights
+// of the same shapes, the linears' packed as ModelState::dummy_quantization says.
 class TensorSource {
  public:
   TensorSource(ModelState& m, DType as) : m_(m), as_(as), targets_(m.config, m.path) {}
@@ -93,20 +96,17 @@ class TensorSource {
     return *t;
   }
 
+  // A weight that is not a linear's (the embedding, the router): plain, dequantized if stored quantized.
   Weight weight(const std::string& name, const std::vector<int64_t>& shape) {
     if (dummy()) return m_.backend->random_weight(shape, as_, ++seed_, 1.0f / std::sqrt(float(shape.back())));
-    const TensorView* t = m_.checkpoint->find(name);
-    if (t && is_float(t->dtype)) {  // stored plainly: the backend may keep pointing into the file
-      take(name, shape);
-      return m_.backend->upload(t->data, t->dtype, t->shape, as_, m_.checkpoint);
-    }
-    auto host = std::make_shared<std::vector<float>>(values(name, shape));
-    return m_.backend->upload(host->data(), DType::F32, shape, as_, host);
+    if (is_packed(name)) return upload_dequantized(packed(name, shape));
+    const TensorView& t = expect_float(take(name, shape));
+    return m_.backend->upload(t.data, t.dtype, t.shape, as_, m_.checkpoint);  // may keep pointing into the file
   }
 
   // A linear layer's weight `<module>.weight`, with its input quantization.
   Weight linear(const std::string& name, const std::vector<int64_t>& shape) {
-    Weight w = weight(name, shape);
+    Weight w = dummy() ? dummy_linear(shape) : is_packed(name) ? upload(packed(name, shape)) : weight(name, shape);
     w.input_quant = input_quant({{module_of(name)}}, shape.back());
     return w;
   }
@@ -115,15 +115,10 @@ class TensorSource {
   Weight stacked(const std::vector<std::string>& names, const std::vector<int64_t>& part_shape) {
     std::vector<int64_t> stacked_shape = part_shape;
     stacked_shape[0] *= int64_t(names.size());
-    if (dummy()) return weight(names[0], stacked_shape);
-    auto host = std::make_shared<std::vector<float>>();
+    if (dummy()) return dummy_linear(stacked_shape);
     std::vector<std::string> modules;
-    for (const auto& name : names) {
-      const std::vector<float> part = floats(name, part_shape);
-      host->insert(host->end(), part.begin(), part.end());
-      modules.push_back(module_of(name));
-    }
-    Weight w = m_.backend->upload(host->data(), DType::F32, stacked_shape, as_, host);
+    for (const auto& name : names) modules.push_back(module_of(name));
+    Weight w = concatenated(names, part_shape, stacked_shape);
     w.input_quant = input_quant({modules}, part_shape[1]);
     return w;
   }
@@ -134,16 +129,16 @@ class TensorSource {
   Weight experts(const std::string& fused, const std::string& prefix, const std::vector<std::string>& parts,
                  int64_t num_experts, const std::vector<int64_t>& part_shape) {
     const std::vector<int64_t> shape = {num_experts, part_shape[0] * int64_t(parts.size()), part_shape[1]};
-    if (dummy() || has(fused)) return weight(fused, shape);
-    auto host = std::make_shared<std::vector<float>>();
+    if (dummy()) return dummy_linear(shape);
+    if (has(fused)) return weight(fused, shape);
     std::vector<std::vector<std::string>> modules(num_experts);
+    std::vector<std::string> names;
     for (int64_t e = 0; e < num_experts; ++e)
       for (const auto& part : parts) {
         modules[e].push_back(prefix + "." + std::to_string(e) + "." + part);
-        const std::vector<float> v = floats(modules[e].back() + ".weight", part_shape);
-        host->insert(host->end(), v.begin(), v.end());
+        names.push_back(modules[e].back() + ".weight");
       }
-    Weight w = m_.backend->upload(host->data(), DType::F32, shape, as_, host);
+    Weight w = concatenated(names, part_shape, shape);
     w.input_quant = input_quant(modules, part_shape[1]);
     if (!m_.backend->quantizes_expert_inputs(w.input_quant.scheme))
       throw FormatError(m_.path + ": the experts of '" + prefix + "' quantize their inputs to NVFP4, which this "
@@ -169,7 +164,7 @@ class TensorSource {
       for (int64_t d : shape) n *= d;
       return std::vector<float>(n, 1.0f);
     }
-    std::vector<float> out = values(name, shape);
+    std::vector<float> out = widen(take(name, shape));
     for (float& v : out) v = round_to_dtype(v, as_);
     return out;
   }
@@ -201,11 +196,50 @@ class TensorSource {
  private:
   static bool is_float(DType t) { return t == DType::F32 || t == DType::BF16 || t == DType::F16; }
 
-  // A stored float tensor (any shape) in fp32.
-  std::vector<float> widen(const TensorView& t) {
+  // A linear's random weight of `shape`, packed as the load option says.
+  Weight dummy_linear(const std::vector<int64_t>& shape) {
+    if (m_.dummy_quantization == WeightFormat::Plain)
+      return m_.backend->random_weight(shape, as_, ++seed_, 1.0f / std::sqrt(float(shape.back())));
+    return upload(random_packed_weight(m_.dummy_quantization, shape, ++seed_));
+  }
+
+  // A quantized weight as the backend takes it: packed, or dequantized into the weight dtype.
+  Weight upload(const PackedWeight& w) {
+    return m_.backend->keeps_packed(w) ? m_.backend->upload_packed(w) : upload_dequantized(w);
+  }
+  Weight upload_dequantized(const PackedWeight& w) {
+    auto host = std::make_shared<std::vector<float>>(dequantize(w));
+    return m_.backend->upload(host->data(), DType::F32, w.shape, as_, host);
+  }
+
+  // The [n_i, K] weights `names` stacked along rows into one weight of `shape`: packed when
+  // the first is stored quantized, else in the weight dtype.
+  Weight concatenated(const std::vector<std::string>& names, const std::vector<int64_t>& part_shape,
+                      const std::vector<int64_t>& shape) {
+    if (is_packed(names[0])) {
+      PackedWeight w = packed(names[0], part_shape);
+      for (size_t i = 1; i < names.size(); ++i) w.append(packed(names[i], part_shape), m_.path + ": '" + names[i] + "'");
+      w.shape = shape;
+      return upload(w);
+    }
+    auto host = std::make_shared<std::vector<float>>();
+    for (const auto& name : names) {
+      const std::vector<float> part = floats(name, part_shape);
+      host->insert(host->end(), part.begin(), part.end());
+    }
+    return m_.backend->upload(host->data(), DType::F32, shape, as_, host);
+  }
+
+  static const TensorView& expect_float(const TensorView& t) {
     if (!is_float(t.dtype))
       throw FormatError(t.file + ": tensor '" + t.name + "' has dtype " + dtype_name(t.dtype) +
                         "; expected F32, BF16 or F16");
+    return t;
+  }
+
+  // A stored float tensor (any shape) in fp32.
+  static std::vector<float> widen(const TensorView& t) {
+    expect_float(t);
     return read_floats(t.data, t.dtype, t.numel());
   }
 
@@ -271,28 +305,40 @@ class TensorSource {
     return n / rows;
   }
 
-  // The weight `name` ([rows, cols]) in fp32: plain, FP8 or NVFP4.
-  std::vector<float> values(const std::string& name, const std::vector<int64_t>& shape) {
-    const std::string prefix = name.size() > 7 && name.ends_with(".weight") ? name.substr(0, name.size() - 7) : name;
-    const TensorView* t = m_.checkpoint->find(name);
-    if (!t && has(prefix + ".weight_packed")) return nvfp4(prefix, shape);
-    if (t && t->dtype == DType::F8_E4M3) return fp8(name, prefix, shape);
-    return widen(take(name, shape));
+  static std::string prefix_of(const std::string& weight_name) {
+    return weight_name.ends_with(".weight") ? module_of(weight_name) : weight_name;
   }
 
-  std::vector<float> fp8(const std::string& name, const std::string& prefix, const std::vector<int64_t>& shape) {
+  // Whether the weight `name` is stored quantized: NVFP4's "<prefix>.weight_packed", or FP8.
+  bool is_packed(const std::string& name) const {
+    const TensorView* t = m_.checkpoint->find(name);
+    return (!t && has(prefix_of(name) + ".weight_packed")) || (t && t->dtype == DType::F8_E4M3);
+  }
+
+  // The quantized weight `name` ([rows, cols]) as stored, its scales per row or group.
+  PackedWeight packed(const std::string& name, const std::vector<int64_t>& shape) {
+    const std::string prefix = prefix_of(name);
+    if (!is_packed(name))
+      throw FormatError(m_.path + ": '" + name + "' is stored plainly, but the linears stacked with it are "
+                        "quantized; the runtime runs them as one weight");
+    return has(prefix + ".weight_packed") ? nvfp4(prefix, shape) : fp8(name, prefix, shape);
+  }
+
+  PackedWeight fp8(const std::string& name, const std::string& prefix, const std::vector<int64_t>& shape) {
     const TensorView& w = take(name, shape);
     const TensorView& scale = companion(prefix + ".weight_scale");
-    const std::vector<float> s = widen(scale);
-    const int64_t rows = shape[0], cols = w.numel() / rows, groups = groups_of(scale, rows, cols);
-    std::vector<float> out(w.numel());
-    for (int64_t r = 0; r < rows; ++r)
-      for (int64_t c = 0; c < cols; ++c)
-        out[r * cols + c] = fp8_e4m3_to_f32(w.data[r * cols + c]) * s[groups ? r * groups + c / (cols / groups) : 0];
-    return out;
+    const int64_t rows = shape[0], cols = shape[1], groups = groups_of(scale, rows, cols);
+    PackedWeight p;
+    p.format = WeightFormat::Fp8;
+    p.shape = shape;
+    p.group_size = groups ? cols / groups : cols;
+    p.values.assign(w.data, w.data + w.nbytes);
+    p.scales = widen(scale);
+    if (!groups) p.scales.assign(size_t(rows), p.scales[0]);  // one per tensor: the same for every row
+    return p;
   }
 
-  std::vector<float> nvfp4(const std::string& prefix, const std::vector<int64_t>& shape) {
+  PackedWeight nvfp4(const std::string& prefix, const std::vector<int64_t>& shape) {
     const int64_t rows = shape[0], cols = shape[1];
     if (cols % 2) throw FormatError(m_.path + ": '" + prefix + ".weight_packed' needs an even number of columns");
     const TensorView& packed = take(prefix + ".weight_packed", {rows, cols / 2});
@@ -300,17 +346,16 @@ class TensorSource {
     if (packed.dtype != DType::U8 || scale.dtype != DType::F8_E4M3)
       throw FormatError(packed.file + ": '" + prefix + "' is not NVFP4 as compressed-tensors writes it (U8 " +
                         "weight_packed, F8_E4M3 weight_scale)");
-    const float global_scale = scalar(prefix + ".weight_global_scale");
     const int64_t groups = groups_of(scale, rows, cols);
-    std::vector<float> out(rows * cols);
-    for (int64_t r = 0; r < rows; ++r)
-      for (int64_t c = 0; c < cols; ++c) {
-        const uint8_t byte = packed.data[r * (cols / 2) + c / 2];
-        const float group_scale = fp8_e4m3_to_f32(scale.data[groups ? r * groups + c / (cols / groups) : 0]);
-        // The low nibble holds the even column (compressed-tensors' packing).
-        out[r * cols + c] = fp4_e2m1_to_f32(c % 2 ? byte >> 4 : byte & 0xf) * (group_scale / global_scale);
-      }
-    return out;
+    PackedWeight p;
+    p.format = WeightFormat::Nvfp4;
+    p.shape = shape;
+    p.group_size = groups ? cols / groups : cols;
+    p.values.assign(packed.data, packed.data + packed.nbytes);
+    p.group_scales.assign(scale.data, scale.data + scale.nbytes);
+    if (!groups) p.group_scales.assign(size_t(rows), scale.data[0]);  // one per tensor: the same for every row
+    p.global_scales.assign(size_t(rows), scalar(prefix + ".weight_global_scale"));
+    return p;
   }
 
   ModelState& m_;

@@ -55,6 +55,7 @@ struct ModelState {
   std::shared_ptr<Checkpoint> checkpoint;  // weights may point into its mappings; null for dummy weights
   ModelWeights weights;
   DType weight_dtype = DType::F32;
+  WeightFormat dummy_quantization = WeightFormat::Plain;  // load_format "dummy": how the linears are packed
   float embed_scale = 1.0f;  // sqrt(hidden) rounded to the weight dtype, as the reference does
   std::unique_ptr<KvCache> kv;
 };

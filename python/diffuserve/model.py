@@ -41,7 +41,7 @@ class Model:
     @classmethod
     def load(cls, path, device: str = "cpu", dtype: Optional[str] = None, num_threads: int = 0,
              kv_cache_memory_bytes: Optional[int] = None, kv_block_size: int = 16, max_num_seqs: int = 64,
-             load_format: str = "auto") -> "Model":
+             load_format: str = "auto", quantization: Optional[str] = None) -> "Model":
         """Loads a checkpoint directory (config.json + safetensors, single or sharded).
 
         dtype: None keeps the stored weight dtype; "float32", "bfloat16" or "float16" casts.
@@ -51,6 +51,8 @@ class Model:
         most 4 GiB; on a GPU 80% of the memory the weights left free).
         load_format: "auto" reads the safetensors; "dummy" makes random weights at the config's
         shapes (only config.json is read), for benchmarks.
+        quantization: with load_format="dummy", None (plain weights), "fp8" or "nvfp4": the
+        linears' random weights packed as such a checkpoint stores them (GPU: kept packed).
         """
         path = os.fspath(path)
         if dtype is not None and not isinstance(dtype, str):
@@ -65,7 +67,7 @@ class Model:
                                                   or kv_cache_memory_bytes < 1):
             raise ValueError(f"kv_cache_memory_bytes must be a positive integer, got {kv_cache_memory_bytes!r}")
         return cls(_core.Model.load(path, device, _DTYPES[dtype], num_threads, kv_cache_memory_bytes or 0,
-                                    kv_block_size, max_num_seqs, load_format), path)
+                                    kv_block_size, max_num_seqs, load_format, quantization or ""), path)
 
     @property
     def vocab_size(self) -> int:

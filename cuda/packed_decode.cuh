@@ -1,0 +1,101 @@
+// Packed weights (cpp/src/packed_weight.h) to bf16 inside the GEMM, 16 values at a time,
+// exactly: the bf16 values equal the packed ones, so that with the per-row fp32 scale
+// applied after the K sum the product is the dequantized weight's to fp32 rounding.
+//   FP8: every E4M3 value is an fp16 normal and a bf16 value, so e4m3 -> f16 (one cvt per
+//        pair on sm_89+) -> bf16 is exact.
+//   NVFP4: e2m1 * e4m3 group scale has at most 2 + 4 significant bits and lies in
+//        [2^-10, 2688] (0.5 * 2^-9 up to 6 * 448), so its bf16 product (8 bits, fp32's
+//        exponent range) is exact; the global scale stays out, divided by per row at the end.
+// The e2m1 decode picks bf16 bytes from constant tables with prmt (byte permute); it is
+// written for the host too, where the bench checks it against dtype.h's fp4_e2m1_to_f32.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp8.h>
+
+#include <cstdint>
+
+#include "philox.h"  // DS_HOST_DEVICE
+
+namespace diffuserve::cuda {
+
+// PTX prmt.b32 (default mode): byte i of the result is byte (s & 7) of {b, a} (a is bytes
+// 0-3), or, where bit 3 of selector nibble i is set, that byte's sign bit replicated.
+DS_HOST_DEVICE inline uint32_t byte_perm(uint32_t a, uint32_t b, uint32_t selector) {
+#ifdef __CUDA_ARCH__
+  uint32_t d;
+  asm("prmt.b32 %0, %1, %2, %3;\n" : "=r"(d) : "r"(a), "r"(b), "r"(selector));
+  return d;
+#else
+  const uint64_t bytes = uint64_t(b) << 32 | a;
+  uint32_t d = 0;
+  for (int i = 0; i < 4; ++i) {
+    const uint32_t s = (selector >> (4 * i)) & 0xf;
+    uint32_t v = uint32_t(bytes >> (8 * (s & 7))) & 0xff;
+    if (s & 8) v = v & 0x80 ? 0xff : 0;
+    d |= v << (8 * i);
+  }
+  return d;
+#endif
+}
+
+// Four E2M1 values (nibble i of `nibbles` is value i) as bf16 pairs: first = values 0, 1
+// and second = values 2, 3, the lower value in the low half.
+DS_HOST_DEVICE inline void e2m1x4_to_bf16(uint32_t nibbles, uint32_t& first, uint32_t& second) {
+  // The bf16 bytes of the magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6 (0x0000, 0x3f00, 0x3f80,
+  // 0x3fc0, 0x4000, 0x4040, 0x4080, 0x40c0), low bytes and high bytes, magnitude 0 first.
+  constexpr uint32_t kLow0 = 0xc0800000, kLow1 = 0xc0804000, kHigh0 = 0x3f3f3f00, kHigh1 = 0x40404040;
+  const uint32_t magnitudes = nibbles & 0x7777;  // selector nibbles without bit 3 (no sign mode)
+  const uint32_t low = byte_perm(kLow0, kLow1, magnitudes);
+  uint32_t high = byte_perm(kHigh0, kHigh1, magnitudes);
+  // Each value's sign bit (nibble bit 3) as the top bit of a byte: values 1 and 3 have it at
+  // bit 7 of bytes 0 and 1 of `nibbles`, values 0 and 2 at bit 7 of bytes 0 and 1 of
+  // nibbles << 4; sign mode replicates it into 0xff or 0x00, one byte per value.
+  const uint32_t negative = byte_perm(nibbles, nibbles << 4, 0x9d8c);
+  high |= negative & 0x80808080;
+  first = byte_perm(low, high, 0x5140);  // low 0, high 0, low 1, high 1
+  second = byte_perm(low, high, 0x7362);
+}
+
+#ifdef __CUDACC__
+// Two E4M3 codes (the lower value in the low byte) as a bf16 pair.
+__device__ __forceinline__ uint32_t e4m3x2_to_bf16x2(uint16_t codes) {
+  const __half2 h(__nv_cvt_fp8x2_to_halfraw2(codes, __NV_E4M3));
+  const float2 f = __half22float2(h);
+  const __nv_bfloat162 b = __floats2bfloat162_rn(f.x, f.y);
+  return *reinterpret_cast<const uint32_t*>(&b);
+}
+
+// 16 E4M3 codes (K order) as 16 bf16 values: two 16-byte chunks of a bf16 tile row.
+__device__ __forceinline__ void fp8x16_to_bf16(uint4 codes, uint4& first, uint4& second) {
+  const uint32_t words[4] = {codes.x, codes.y, codes.z, codes.w};
+  uint32_t out[8];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    out[2 * i] = e4m3x2_to_bf16x2(uint16_t(words[i]));
+    out[2 * i + 1] = e4m3x2_to_bf16x2(uint16_t(words[i] >> 16));
+  }
+  first = make_uint4(out[0], out[1], out[2], out[3]);
+  second = make_uint4(out[4], out[5], out[6], out[7]);
+}
+
+// One NVFP4 group, 16 E2M1 values (8 bytes, the even value in the low nibble) times their
+// E4M3 group scale, as 16 bf16 values (exact, see above).
+__device__ __forceinline__ void nvfp4x16_to_bf16(uint2 packed, uint8_t scale_code, uint4& first, uint4& second) {
+  const uint32_t scale_pair = e4m3x2_to_bf16x2(uint16_t(scale_code) * 0x0101);
+  const __nv_bfloat162 scale = *reinterpret_cast<const __nv_bfloat162*>(&scale_pair);
+  const uint32_t words[2] = {packed.x, packed.y};
+  uint32_t out[8];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) e2m1x4_to_bf16((words[i / 2] >> (16 * (i % 2))) & 0xffff, out[2 * i], out[2 * i + 1]);
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    const __nv_bfloat162 product = __hmul2(*reinterpret_cast<const __nv_bfloat162*>(&out[i]), scale);
+    out[i] = *reinterpret_cast<const uint32_t*>(&product);
+  }
+  first = make_uint4(out[0], out[1], out[2], out[3]);
+  second = make_uint4(out[4], out[5], out[6], out[7]);
+}
+#endif
+
+}  // namespace diffuserve::cuda
