@@ -1,8 +1,9 @@
-"""Sudoku puzzles and checks, and `diffuserve sudoku` on a model with a Sudoku vocabulary.
+"""Sudoku puzzles and checks, `diffuserve sudoku`, and the bundled Sudoku model.
 
-The model here has random weights (the trained one is issue 7's), so its grids are not
-solutions: these tests check the puzzle machinery, that the givens are kept, that only
-digits are written, and the command's output contract."""
+Most tests use a random model with the Sudoku model's vocabulary and text files, whose
+grids are not solutions: they check the puzzle machinery, that the givens are kept, that
+only digits are written, and the command's output contract. The bundled (trained) model's
+tests check that it is what `LLM()` and the commands use by default, and that it solves."""
 import importlib.util
 import os
 import random
@@ -110,11 +111,6 @@ def test_eval_prints_the_summary_and_writes_answers(model, tmp_path):
 
 def test_clear_errors(model, tmp_path):
     assert "81 cells" in run("123", "--model", model).stderr
-    no_model = run("1" * 81)  # the bundled model is still being trained (issue 7)
-    assert no_model.returncode != 0 and "no bundled model yet" in no_model.stderr
-    assert "Traceback" not in no_model.stderr
-    with pytest.raises(FileNotFoundError, match="pass a checkpoint directory"):
-        ds.LLM()
     plain = write_random_checkpoint(tmp_path / "plain", canvas_length=16, vocab_size=64, hidden_size=32,
                                     intermediate_size=48, num_hidden_layers=2, num_attention_heads=2,
                                     num_key_value_heads=1, head_dim=16, global_head_dim=16, sliding_window=8,
@@ -135,3 +131,34 @@ def test_training_script_runs_and_its_checkpoint_solves_through_diffuserve(tmp_p
     assert '"solved"' in (out / "training_log.jsonl").read_text()
     solved = run("--model", str(out / "best"), "--max-denoising-steps", "2")
     assert solved.returncode == 0, solved.stderr
+
+
+def test_the_bundled_model_is_the_default_and_solves_puzzles():
+    """`LLM()` with no path is the bundled model; it solves most easy puzzles, by infilling
+    and from a chat message, through the real sampler with its generation defaults."""
+    llm = ds.LLM()
+    assert llm.model.canvas_length == sd.CELLS + 1
+    rng = random.Random(11)
+    puzzles = [sd.parse(sd.generate(45, rng)[0]) for _ in range(12)]
+    grids, solved, steps = sd.solve_all(llm, puzzles)
+    assert all(g[i] == v for g, p in zip(grids, puzzles) for i, v in enumerate(p) if v)  # givens kept
+    assert sum(solved) >= 8, f"solved {sum(solved)} of 12 easy puzzles"
+    assert max(steps) <= 24
+    chats = [llm.tokenizer.apply_chat_template([{"role": "user", "content": sd.to_string(p)}]) for p in puzzles]
+    outs = llm.generate([llm.tokenizer.encode(c, add_special_tokens=False) for c in chats])
+    assert all(o.finish_reason == "stop" for o in outs)  # the answer ends by itself, with <eos>
+    chat_solved = [len(o.text) == sd.CELLS and sd.is_solution(sd.parse(o.text), p) for o, p in zip(outs, puzzles)]
+    assert sum(chat_solved) >= 8, f"solved {sum(chat_solved)} of 12 easy puzzles from a chat message"
+
+
+def test_commands_default_to_the_bundled_model():
+    puzzle = sd.generate(45, random.Random(5))[0]
+    out = run(puzzle)
+    assert out.returncode == 0, out.stderr
+    assert "denoise steps" in out.stdout.strip().splitlines()[-1]
+
+
+def test_a_missing_bundled_model_is_a_clear_error(monkeypatch, tmp_path):
+    monkeypatch.setattr(ds, "_HERE", tmp_path)
+    with pytest.raises(FileNotFoundError, match="reinstall diffuserve, or pass a checkpoint directory"):
+        ds.LLM()

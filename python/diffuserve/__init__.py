@@ -27,8 +27,8 @@ def default_model() -> str:
     (training/sudoku/train.py), used wherever no model is given."""
     path = _HERE / "sudoku_model"
     if not (path / "config.json").is_file():
-        raise FileNotFoundError("diffuserve has no bundled model yet (the Sudoku model is still being trained, "
-                                "issue 7): pass a checkpoint directory")
+        raise FileNotFoundError(f"diffuserve's bundled model is missing from this install ({path}): reinstall "
+                                "diffuserve, or pass a checkpoint directory")
     return str(path)
 
 

@@ -50,9 +50,11 @@ from diffuserve import sudoku as sd
 VOCAB = {"<pad>": 0, "<eos>": 1, "<bos>": 2, **{str(d): 3 + d for d in range(10)}, ".": 13}
 DIGIT0 = VOCAB["0"]  # digit v is token DIGIT0 + v; 0 is a blank
 CANVAS = 82  # the grid, then <eos>
-GENERATION = {"max_new_tokens": CANVAS, "max_denoising_steps": 24, "t_min": 0.05, "t_max": 0.5,
+# Sampling defaults (generation_config.json), tuned on the bundled checkpoint: hotter
+# sampling lets the model revise confident mistakes (training/sudoku/README.md).
+GENERATION = {"max_new_tokens": CANVAS, "max_denoising_steps": 24, "t_min": 0.3, "t_max": 1.0,
               "stability_threshold": 1, "confidence_threshold": 0.01,
-              "sampler_config": {"entropy_bound": 2.0, "_cls_name": "EntropyBoundSamplerConfig"},
+              "sampler_config": {"entropy_bound": 0.5, "_cls_name": "EntropyBoundSamplerConfig"},
               "eos_token_id": 1, "pad_token_id": 0, "bos_token_id": 2}
 # The last message's text without whitespace: a puzzle may come as 9 lines, or spaced.
 CHAT_TEMPLATE = ("{{ bos_token }}{{ messages[-1]['content'] | replace(' ', '') | replace('\\n', '') "
