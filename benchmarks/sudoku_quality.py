@@ -13,6 +13,7 @@ import argparse
 import multiprocessing
 import os
 import random
+import sys
 import time
 
 import diffuserve as ds
@@ -51,6 +52,9 @@ def main():
         t = time.perf_counter()
         results[how] = sd.solve_all(llm, cells, **WAYS[how])[1:]  # (solved flags, denoise steps)
         seconds[how] = time.perf_counter() - t
+        ok, steps = results[how]  # each way as it ends: a long run shows its progress
+        print(f"  {how}: {100 * sum(ok) / len(ok):.1f}% solved, {sum(steps) / len(steps):.1f} mean steps, "
+              f"{seconds[how]:.0f} s", file=sys.stderr, flush=True)
     givens = [sum(v > 0 for v in c) for c in cells]
 
     print(f"Sudoku, {args.n} fresh puzzles with unique solutions (made in {made_s:.0f} s), model "
