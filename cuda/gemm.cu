@@ -195,6 +195,12 @@ __global__ void __launch_bounds__(S::kThreads, S::kBlocks) gemm_kernel(const Par
   }
   const uint8_t* const w_values = static_cast<const uint8_t*>(seg.w.values);
   const int64_t w_row_bytes = weight_row_bytes(kFormat, k);
+  // This thread's W chunks: chunk w_chunk of slice rows w_row + j * kWRowStep.
+  constexpr int kPerRow = kWRowBytes / 16, kWRowStep = kThreads / kPerRow;
+  static_assert(kThreads % kPerRow == 0, "W chunk mapping");
+  const int w_row = tid / kPerRow, w_chunk = tid % kPerRow;
+  const uint8_t* const w_src = w_values + (n0 + w_row) * w_row_bytes + 16 * w_chunk;
+  const int64_t w_step = int64_t(kWRowStep) * w_row_bytes;
 
   // Stage `stage` <- K columns [k0, k0 + kBK) of the A rows and the W rows.
   auto load_tile = [&](int stage, int64_t k0) {
@@ -210,17 +216,27 @@ __global__ void __launch_bounds__(S::kThreads, S::kBlocks) gemm_kernel(const Par
       }
     // W: chunk c of the slice is row c / per_row's bytes [16 * (c % per_row), +16) of the slice.
     uint8_t* const w_stage = base + kABytes;
-    constexpr int kPerRow = kWRowBytes / 16;
     const int64_t slice_offset = weight_row_bytes(kFormat, k0);
+    auto w_dst = [&](int r, int chunk) {
+      return kPacked ? w_stage + r * kWRowBytes + 16 * chunk
+                     : reinterpret_cast<uint8_t*>(reinterpret_cast<__nv_bfloat16*>(w_stage) + swizzle(r, chunk));
+    };
+    if (p.w_vector) {  // whole chunks: each is all inside the row or all past it (one uniform branch)
+      const bool k_ok = slice_offset + 16 * w_chunk < w_row_bytes;
 #pragma unroll
-    for (int j = 0; j < kWLoads; ++j) {
-      const int c = tid + j * kThreads, r = c / kPerRow, chunk = c % kPerRow;
-      const int64_t offset = slice_offset + 16 * chunk;
-      const int valid = n0 + r < n ? bytes_before(w_row_bytes - offset, 16) : 0;
-      uint8_t* const dst = kPacked ? w_stage + r * kWRowBytes + 16 * chunk
-                                   : reinterpret_cast<uint8_t*>(reinterpret_cast<__nv_bfloat16*>(w_stage) +
-                                                                swizzle(r, chunk));
-      copy_bytes<16>(dst, valid ? w_values + (n0 + r) * w_row_bytes + offset : w_values, valid, p.w_vector);
+      for (int j = 0; j < kWLoads; ++j) {
+        const int r = w_row + j * kWRowStep;
+        const bool valid = k_ok && n0 + r < n;
+        cp_async16(shared_address(w_dst(r, w_chunk)), valid ? w_src + j * w_step + slice_offset : w_values, valid);
+      }
+    } else {
+#pragma unroll
+      for (int j = 0; j < kWLoads; ++j) {
+        const int r = w_row + j * kWRowStep;
+        const int64_t offset = slice_offset + 16 * w_chunk;
+        const int valid = n0 + r < n ? bytes_before(w_row_bytes - offset, 16) : 0;
+        copy_bytes<16>(w_dst(r, w_chunk), valid ? w_values + (n0 + r) * w_row_bytes + offset : w_values, valid, false);
+      }
     }
     if constexpr (kFormat == WeightFormat::Nvfp4) {  // this slice's 4 E4M3 scales of row tid
       const int64_t groups = k / 16, first = k0 / 16;
