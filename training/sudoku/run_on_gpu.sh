@@ -1,20 +1,38 @@
 #!/usr/bin/env bash
-# One call on the GPU machine: build diffuserve (CPU backend: evaluation through its sampler
-# runs on the CPU cores while the GPU trains) unless it is installed, and train; $OUT gets
-# the best checkpoint (best/) and the training log.
-# Usage: bash training/sudoku/run_on_gpu.sh [train.py options]; results in $OUT.
+# One call on the GPU machine: build diffuserve (its CPU backend evaluates checkpoints
+# through the real sampler while the GPUs train) unless it is installed, then one training
+# run per visible GPU, the same train.py options with seeds 0, 1, ...; every run ends with
+# its final evaluation before DEADLINE seconds after this script starts (default 560: the
+# device's per-call limit is 600). $OUT gets run<g>.tar.* (each run's best checkpoint and
+# log, in parts under the 16 MB a returned file may have) and logs.tar (every run's output).
+# Usage: [DEADLINE=s] bash training/sudoku/run_on_gpu.sh [train.py options]
 set -uo pipefail
+start=$(date +%s)
 cd "$(dirname "$0")/../.."
-mkdir -p "${OUT:-gpu-logs}"
-out="$(cd "${OUT:-gpu-logs}" && pwd)"
+out="$(realpath -m "${OUT:-gpu-logs}")"
+mkdir -p "$out"
 if ls .device/transformers-*.whl >/dev/null 2>&1; then  # transformers >= 5.23, as the tests pin
-  python3 -m pip install -q --no-deps --target /tmp/newer-transformers .device/transformers-*.whl
+  python3 -m pip install -q --no-deps --upgrade --target /tmp/newer-transformers .device/transformers-*.whl
   export PYTHONPATH="/tmp/newer-transformers${PYTHONPATH:+:$PYTHONPATH}"
 fi
 if ! (cd /tmp && python3 -c "import diffuserve") 2>/dev/null; then
-  CMAKE_BUILD_PARALLEL_LEVEL=16 python3 -m pip install -q --no-build-isolation --no-deps \
+  CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) python3 -m pip install -q --no-build-isolation --no-deps \
     --config-settings=cmake.define.DIFFUSERVE_CUDA=OFF . > /tmp/build.log 2>&1 \
     || { tail -30 /tmp/build.log; exit 1; }
 fi
-cd /tmp
-PYTHONUNBUFFERED=1 python3 "$OLDPWD/training/sudoku/train.py" --out "$out" "$@"
+gpus=$(python3 -c "import torch; print(max(1, torch.cuda.device_count()))")
+# Training time: what is left before the deadline, less the pool of puzzles (train.py's
+# --pool-seconds, 40 by default), the last evaluation and packing (~90 s).
+minutes=$(python3 -c "print(round(max(0.5, (${DEADLINE:-560} - ($(date +%s) - $start) - 40 - 90) / 60), 2))")
+echo "$gpus GPU(s), $minutes minutes of training each"
+for ((g = 0; g < gpus; g++)); do
+  CUDA_VISIBLE_DEVICES=$g PYTHONUNBUFFERED=1 python3 training/sudoku/train.py --out "/tmp/run$g" --seed "$g" \
+    --minutes "$minutes" --eval-threads $(( $(nproc) / gpus - 2 > 1 ? $(nproc) / gpus - 2 : 1 )) "$@" \
+    > "/tmp/run$g.log" 2>&1 &
+done
+wait
+for ((g = 0; g < gpus; g++)); do
+  echo "== run $g (seed $g)"; grep -E '"solved"|Error|error' "/tmp/run$g.log" | tail -8
+  [ -d "/tmp/run$g/best" ] && (cd "/tmp/run$g" && tar cf - best training_log.jsonl | split -b 15M - "$out/run$g.tar.")
+done
+tar cf "$out/logs.tar" -C /tmp $(cd /tmp && ls run*.log)
