@@ -34,17 +34,21 @@ void dequantize_rows(const PackedWeight& w, int64_t first, int64_t count, float*
     return t;
   }();
   const int64_t cols = w.cols(), groups = cols / w.group_size;
-  for (int64_t r = first; r < first + count; ++r, out += cols)
-    for (int64_t c = 0; c < cols; ++c) {
-      const int64_t group = r * groups + c / w.group_size;
-      if (w.format == WeightFormat::Fp8) {
-        out[c] = e4m3[w.values[r * cols + c]] * w.scales[group];
-      } else {
-        const uint8_t byte = w.values[(r * cols + c) / 2];
-        const float group_scale = e4m3[w.group_scales[group]];
+  for (int64_t r = first; r < first + count; ++r, out += cols) {
+    if (w.format == WeightFormat::Fp8) {
+      const uint8_t* codes = w.values.data() + r * cols;
+      const float* row_scales = w.scales.data() + r * groups;
+      for (int64_t c = 0; c < cols; ++c) out[c] = e4m3[codes[c]] * row_scales[c / w.group_size];
+    } else {
+      const uint8_t* bytes = w.values.data() + r * cols / 2;  // cols is even: two values a byte
+      const uint8_t* row_group_scales = w.group_scales.data() + r * groups;
+      for (int64_t c = 0; c < cols; ++c) {
+        const float group_scale = e4m3[row_group_scales[c / w.group_size]];
+        const uint8_t byte = bytes[c / 2];
         out[c] = fp4_e2m1_to_f32(c % 2 ? byte >> 4 : byte & 0xf) * (group_scale / w.global_scales[r]);
       }
     }
+  }
 }
 
 std::vector<float> dequantize(const PackedWeight& w) {
