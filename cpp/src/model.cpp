@@ -421,14 +421,6 @@ void load_weights(ModelState& m, DType as) {
   m.embed_scale = round_to_dtype(std::sqrt(float(H)), as);
 }
 
-// The copy: x feeds other linears too.
-void Backend::quantized_linear(const Activation& x, const Weight& w, Activation& y, int64_t encoder_rows) {
-  Activation quantized = alloc(x.rows, x.cols);
-  copy_rows(x, 0, quantized, 0, x.rows);
-  quantize_input(quantized, w.input_quant, encoder_rows, -1);
-  linear(quantized, w, y);
-}
-
 namespace {
 
 // y = x @ w^T, x first quantized when the checkpoint quantizes this linear's input. Rows
