@@ -347,13 +347,13 @@ void verify(const Problem& p, const std::vector<float>& y, const char* name, int
   if (bad) ++failures;
 }
 
-Problem dense(int64_t m, int64_t n, int64_t k, int64_t ldx_extra = 0, int64_t ldy_extra = 0, bool round_x = false,
-              WeightFormat format = WeightFormat::Plain, GemmInput input = GemmInput::Split) {
+Problem dense(int64_t m, int64_t n, int64_t k, int64_t ldx_extra = 0, int64_t ldy_extra = 0,
+              GemmInput input = GemmInput::Split, WeightFormat format = WeightFormat::Plain) {
   std::mt19937 rng(unsigned(m * 7919 + n * 31 + k));
   std::normal_distribution<float> d(0.0f, 1.0f);
   Problem p;
   p.x_rows = m, p.ldx = k + ldx_extra, p.n = n, p.k = k, p.ldy = n + ldy_extra, p.y_rows = m;
-  p.input = round_x ? GemmInput::RoundBf16 : input;
+  p.input = input;
   p.x.resize(size_t(m * p.ldx));
   for (auto& v : p.x) v = d(rng);
   random_weights(p, format, 1, rng);
@@ -361,7 +361,7 @@ Problem dense(int64_t m, int64_t n, int64_t k, int64_t ldx_extra = 0, int64_t ld
   return p;
 }
 Problem dense(WeightFormat format, int64_t m, int64_t n, int64_t k, int64_t ldx_extra = 0, int64_t ldy_extra = 0) {
-  return dense(m, n, k, ldx_extra, ldy_extra, false, format);
+  return dense(m, n, k, ldx_extra, ldy_extra, GemmInput::Split, format);
 }
 // p (FP8 weights) with FP8 per-token X; with `zero_rows` every 7th X row all zero (the
 // eps scale).
@@ -495,8 +495,8 @@ void correctness() {
   cases.push_back({"dense 300x512x704", dense(300, 512, 704)});
   cases.push_back({"dense 129x300x136 ldx+5 ldy+3", dense(129, 300, 136, 5, 3)});
   cases.push_back({"dense 96x130x2816", dense(96, 130, 2816)});
-  cases.push_back({"dense 50x70x333 round_x", dense(50, 70, 333, 0, 0, true)});
-  cases.push_back({"dense 200x264x512 round_x", dense(200, 264, 512, 0, 0, true)});
+  cases.push_back({"dense 50x70x333 round", dense(50, 70, 333, 0, 0, GemmInput::RoundBf16)});
+  cases.push_back({"dense 200x264x512 round", dense(200, 264, 512, 0, 0, GemmInput::RoundBf16)});
   cases.push_back({"moe up 40 tok, 6 exp top 3, 48x72", moe(40, 6, 3, 48, 72, true, 1)});
   cases.push_back({"moe down 40 tok, 6 exp top 3, 72x24", moe(40, 6, 3, 72, 24, false, 2)});
   cases.push_back({"moe up 300 tok, 16 exp top 4, 264x136", moe(300, 16, 4, 264, 136, true, 3)});
@@ -562,8 +562,8 @@ void correctness() {
   // Split-K (few tiles, K >= 8192, ldy == n): the soft embedding.
   Problem split = dense(40, 96, 12288 + 40);
   verify(split, run(split, 64), "dense 40x96x12328 split-K", 64);
-  Problem split_round = dense(40, 96, 9000, 0, 0, true);
-  verify(split_round, run(split_round, 16), "dense 40x96x9000 split-K round_x", 16);
+  Problem split_round = dense(40, 96, 9000, 0, 0, GemmInput::RoundBf16);
+  verify(split_round, run(split_round, 16), "dense 40x96x9000 split-K round", 16);
   Problem split_fp8 = fp8_token(dense(WeightFormat::Fp8, 40, 96, 9000));
   verify(split_fp8, run(split_fp8, 64), "dense 40x96x9000 split-K", 64);
 }

@@ -1,5 +1,4 @@
-// Segmented GEMM on tensor cores (mma.sync: bf16 m16n8k16, or E4M3 m16n8k32; fp32
-// accumulation).
+// Segmented GEMM on tensor cores (mma.sync m16n8k16, bf16 or fp16, fp32 accumulation).
 //
 // One launch computes a product per segment (one for a dense layer, one per expert for
 // the MoE), each over its own rows of X and its own weight matrix.
@@ -11,17 +10,20 @@
 // multiple of 64) into the caller's scratch, so the main loop is a plain bf16 GEMM of A =
 // hi and lo against the same weight tile, with nothing to convert per tile. The pre-pass
 // keeps X's row order and the main loop gathers A rows through row_map (the MoE's up
-// projection), so a token is converted once however many experts it goes to. With round_x
-// (linear_nt's round_bf16(x) @ w) only hi is written and multiplied: lo would be zero.
+// projection), so a token is converted once however many experts it goes to. With
+// RoundBf16 (linear_nt's round_bf16(x) @ w) only hi is written and multiplied: lo would be
+// zero.
 //
 // FP8 per token (GemmInput::Fp8Token: a compressed-tensors FP8_DYNAMIC linear's input,
-// with FP8 weights) runs on the FP8 tensor cores instead: the pre-pass quantizes each X
-// row as activation_quant.h does, to E4M3 codes of x / s_row (s_row = amax / 448), one
-// byte each, and the main loop multiplies them with the weights' E4M3 codes as stored,
-// the scales s_row * w_scale applied to the finished sums. Every E4M3 product is exact in
-// fp32 and the sums are fp32 (mma_e4m3), so this is the fake-quantized fp32 product
-// (quantize_input, then the hi/lo GEMM) up to fp32 summation order, with a quarter of its
-// tensor work and no weight conversion.
+// with FP8 weights) is multiplied in E4M3 instead: the pre-pass quantizes each X row as
+// activation_quant.h does, to E4M3 codes of x / s_row (s_row = amax / 448), one byte
+// each, and the main loop multiplies them with the weights' E4M3 codes as stored, the
+// scales s_row * w_scale applied to the finished sums. Both operands are unpacked to fp16
+// in registers (exact) for fp16 MMAs, half the bf16 path's (no lo plane), and the weight
+// tile needs no conversion pass through shared memory (gemm_tile.cuh says why not the
+// E4M3 MMA). Every product is exact in fp32 and the sums are fp32, so this is the
+// fake-quantized fp32 product (quantize_input, then the hi/lo GEMM) up to fp32 summation
+// order.
 //
 // Main loop: block tiles of BM x BN outputs, K in slices of 128 bytes per tile row (64
 // bf16 or 128 E4M3 values), streamed global -> shared memory by cp.async into a ring of
@@ -33,8 +35,9 @@
 // fragments are laid out as the bf16 ones, so both MMAs share the addressing. Three tile
 // shapes:
 //   128 x 256, 8 warps of 64 x 64: tall inputs (dense at large batch, the lm_head, the MoE
-//       at large batch). Per 16-wide K step a warp loads 8 A and 4 B fragments for 64
-//       MMAs, which keeps shared-memory traffic below the tensor-core time.
+//       at large batch). Per 32-byte K step a warp loads 8 A and 4 B fragments for 64
+//       MMAs (E4M3: 4 and 4 for 64), which keeps shared-memory traffic below the
+//       tensor-core time.
 //   64 x 128, 4 warps of 32 x 64: a few hundred rows, where 128 x 256 tiles would leave
 //       most multiprocessors idle (batch 1's 256 rows); two blocks fit per multiprocessor.
 //   16 x 128, 4 warps of 16 x 32: the MoE at small batch, a dozen rows per expert, where
