@@ -440,13 +440,14 @@ __global__ void split_kernel(const float* __restrict__ x, int64_t ldx, int64_t r
   if (kPlanes == 2) *reinterpret_cast<uint4*>(dst + kp) = lo;
 }
 
-// FP8 per token, one warp per row: the row's scale, then its E4M3 codes, 4 a lane at a
-// time (one 4-byte store), zero past k up to kp (a multiple of 128).
-__global__ void fp8_codes_kernel(const float* __restrict__ x, int64_t ldx, int64_t rows, int64_t k, int64_t kp,
-                                 bool vector, uint8_t* __restrict__ codes, float* __restrict__ scales) {
-  const int64_t row = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
-  if (row >= rows) return;  // whole warps: blocks are whole warps
-  const int lane = threadIdx.x & 31;
+// FP8 per token, a block of one warp per row (a few hundred rows still spread over every
+// multiprocessor): the row's scale, then its E4M3 codes, 4 a lane at a time (one 4-byte
+// store), zero past k up to kp (a multiple of 128).
+__global__ void __launch_bounds__(32) fp8_codes_kernel(const float* __restrict__ x, int64_t ldx, int64_t k,
+                                                       int64_t kp, bool vector, uint8_t* __restrict__ codes,
+                                                       float* __restrict__ scales) {
+  const int64_t row = blockIdx.x;
+  const int lane = threadIdx.x;
   const float* src = x + row * ldx;
   const float scale = warp_fp8_token_scale(src, k);
   if (lane == 0) scales[row] = scale;
@@ -519,8 +520,7 @@ void fp8_token_codes(const float* x, int64_t rows, int64_t ldx, int64_t k, int64
   if (rows <= 0) return;
   if (ld_codes % 128 || ld_codes < k) throw std::invalid_argument("fp8_token_codes: code rows of a multiple of 128 >= K");
   const bool vector = ldx % 4 == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0;
-  fp8_codes_kernel<<<unsigned((rows * 32 + 255) / 256), 256, 0, stream>>>(x, ldx, rows, k, ld_codes, vector, codes,
-                                                                         scales);
+  fp8_codes_kernel<<<unsigned(rows), 32, 0, stream>>>(x, ldx, k, ld_codes, vector, codes, scales);
 }
 
 void gemm(const float* x, int64_t x_rows, int64_t ldx, const int64_t* row_map, const GemmSegment* segments,
