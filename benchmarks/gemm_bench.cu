@@ -1,12 +1,18 @@
 // The CUDA GEMM (cuda/gemm.cu) on its own: correctness against a double-precision host
 // reference over edge cases (tails in M, N and K, K not a multiple of 8, row_map gathers,
-// many segments with unused tile slots, ldx / ldy wider than K / N, split-K, round_x), for
-// bf16 weights and packed FP8 / NVFP4 ones (the reference multiplies the values
+// many segments with unused tile slots, ldx / ldy wider than K / N, split-K, RoundBf16),
+// for bf16 weights and packed FP8 / NVFP4 ones (the reference multiplies the values
 // packed_weight.h's dequantize gives, as model.cpp loads them; K not a multiple of 16 / 32
-// / 64 takes the byte-by-byte loads), bitwise agreement of the three tile shapes (batch
-// invariance), then timings at DiffusionGemma-26B shapes. Build and run on a GPU machine:
+// / 64 takes the byte-by-byte loads), and for FP8 weights with FP8 per-token X
+// (Fp8Token: the reference is sum(code_x * code_w) * s_x * s_w from the host's
+// activation_quant.h codes, and the product must also match the fake-quantized fp32 path,
+// quantize_input then Split); bitwise agreement of the three tile shapes (batch
+// invariance); then timings at DiffusionGemma-26B shapes. Before any of that, host checks
+// that need no GPU: E4M3 code bytes, and an emulation of ldmatrix and the MMA fragment
+// layouts (PTX ISA) with gemm_tile.cuh's addressing and E4M3 unpacking. Build and run:
 //   nvcc -std=c++20 -arch=sm_90a -O3 -I cpp/src -I cpp/include -I cuda benchmarks/gemm_bench.cu \
-//       cuda/gemm.cu cpp/src/packed_weight.cpp cpp/src/dtype.cpp -o /tmp/gemm_bench && /tmp/gemm_bench
+//       cuda/gemm.cu cuda/kernels.cu cpp/src/packed_weight.cpp cpp/src/dtype.cpp -o /tmp/gemm_bench && /tmp/gemm_bench
+// (--check: the checks alone; --host: the host checks alone, on a machine without a GPU).
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -16,6 +22,8 @@
 #include <string>
 #include <vector>
 
+#include "activation_quant.h"
+#include "gemm_tile.cuh"
 #include "kernels.h"
 #include "packed_decode.cuh"
 #include "packed_weight.h"
@@ -44,7 +52,110 @@ T* upload(const std::vector<T>& v) {
 
 float round_bf16(float x) { return __bfloat162float(__float2bfloat16(x)); }
 
-const char* format_name(WeightFormat f) { return f == WeightFormat::Plain ? "bf16" : f == WeightFormat::Fp8 ? "fp8" : "nvfp4"; }
+// The weights' format, and "fp8x8" for FP8 weights with FP8 per-token X.
+const char* format_name(WeightFormat f, GemmInput input = GemmInput::Split) {
+  if (input == GemmInput::Fp8Token) return "fp8x8";
+  return f == WeightFormat::Plain ? "bf16" : f == WeightFormat::Fp8 ? "fp8" : "nvfp4";
+}
+
+void report(bool ok, const char* what, const std::string& detail) {
+  std::printf("%-6s %-50s: %s\n", ok ? "ok" : "FAIL", what, detail.c_str());
+  if (!ok) ++failures;
+}
+
+// E4M3 codes (activation_quant.h): every finite code's value encodes back to the code, and
+// quantized values encode to the code whose value they are, over scales and magnitudes.
+void check_e4m3_codes() {
+  int64_t wrong = 0;
+  for (int c = 0; c < 256; ++c)
+    if ((c & 0x7f) != 0x7f && e4m3_code(fp8_e4m3_to_f32(uint8_t(c))) != c) ++wrong;
+  std::mt19937 rng(3);
+  std::normal_distribution<float> d(0.0f, 1.0f);
+  for (int i = 0; i < 200000; ++i) {
+    const float scale = std::ldexp(1.0f + float(rng() % 1000) / 1000.0f, int(rng() % 40) - 20);
+    const float x = d(rng) * scale * std::ldexp(1.0f, int(rng() % 20) - 4);
+    const float value = quantize_e4m3(x, scale);
+    if (fp8_e4m3_to_f32(e4m3_code(value)) != value) ++wrong;
+  }
+  report(!wrong, "e4m3 codes of quantized values (host)", std::to_string(wrong) + " wrong");
+}
+
+// The emulation's stand-in for e4m3x4_to_f16: each code in its fp16 value's 16-bit slot.
+struct CodeSlots {
+  DS_HOST_DEVICE void operator()(uint32_t codes, uint32_t& lo, uint32_t& hi) const {
+    lo = (codes & 0xff) | (codes >> 8 & 0xff) << 16;
+    hi = (codes >> 16 & 0xff) | (codes >> 24) << 16;
+  }
+};
+
+// ldmatrix.x4 and the MMA fragments emulated on the host over a random tile of E4M3 codes
+// stored as the kernel stores it (gemm_tile.cuh's swizzle): per 32-byte K step, each lane
+// loads A and B registers with the kernel's addressing and unpacks them (e4m3_a_halves /
+// e4m3_b_halves, the "fp16" pairs here holding code bytes in their value slots); the two
+// fp16 m16n8k16 MMAs, as the PTX ISA defines their fragments, must then give the exact
+// product of the 16 x K A rows and 8 x K W rows.
+void check_fragments() {
+  constexpr int kRows = 64, kK = kRowBytes;  // one stage: 4 steps of 32 bytes
+  std::mt19937 rng(4);
+  std::vector<uint8_t> tile(kRows * kRowBytes);
+  std::vector<uint8_t> value(kRows * kK);  // [row][k], as stored before swizzling
+  for (int r = 0; r < kRows; ++r)
+    for (int c = 0; c < kK; ++c) {
+      uint8_t code;
+      do code = uint8_t(rng()); while ((code & 0x7f) == 0x7f);  // no NaN
+      value[r * kK + c] = code;
+      tile[swizzle(r, c / 16) + c % 16] = code;
+    }
+  // Register j of lane l after ldmatrix.x4: the 4 bytes at byte 4 (l % 4) of row l / 4 of
+  // the matrix whose rows lanes 8j..8j+7 give (their (row, chunk) by `address`).
+  auto ldmatrix = [&](auto address, int lane, uint32_t* r) {
+    for (int j = 0; j < 4; ++j) {
+      const auto [row, chunk] = address(8 * j + lane / 4);
+      std::memcpy(&r[j], &tile[swizzle(row, chunk) + 4 * (lane % 4)], 4);
+    }
+  };
+  auto slot_value = [](uint32_t pair, int e) { return double(fp8_e4m3_to_f32(uint8_t(pair >> (16 * e)))); };
+  int64_t wrong = 0;
+  for (int a_row0 : {0, 16, 48})
+    for (int b_row0 : {0, 16, 40}) {
+      double d[16][16] = {};  // rows x columns of two n8 tiles
+      for (int ks = 0; ks < kK / 32; ++ks) {
+        uint32_t a[32][2][4], b[32][2][2][2];  // [lane][half][register]; b: [lane][n8 tile][half][register]
+        for (int lane = 0; lane < 32; ++lane) {
+          uint32_t r[4];
+          ldmatrix([&](int l) { return std::pair{a_fragment_row(a_row0, l), a_fragment_chunk(ks, l)}; }, lane, r);
+          e4m3_a_halves(r, a[lane], CodeSlots{});
+          ldmatrix([&](int l) { return std::pair{b_fragment_row(b_row0, l), b_fragment_chunk(ks, l)}; }, lane, r);
+          e4m3_b_halves(r, b[lane][0], CodeSlots{});
+          e4m3_b_halves(r + 2, b[lane][1], CodeSlots{});
+        }
+        // m16n8k16, PTX ISA: A register j of lane l holds row g + 8 (j % 2), columns
+        // 2t + 8 (j / 2) + e; B register j holds column g, rows 2t + 8 j + e (g = l / 4,
+        // t = l % 4, e = 0, 1 the low and high half). D[m][n] = sum over k of A[m][k] B[k][n].
+        for (int nt = 0; nt < 2; ++nt)
+          for (int half = 0; half < 2; ++half) {
+            double am[16][16], bm[16][8];
+            for (int l = 0; l < 32; ++l)
+              for (int e = 0; e < 2; ++e) {
+                for (int j = 0; j < 4; ++j) am[l / 4 + 8 * (j % 2)][2 * (l % 4) + 8 * (j / 2) + e] = slot_value(a[l][half][j], e);
+                for (int j = 0; j < 2; ++j) bm[2 * (l % 4) + 8 * j + e][l / 4] = slot_value(b[l][nt][half][j], e);
+              }
+            for (int m = 0; m < 16; ++m)
+              for (int n = 0; n < 8; ++n)
+                for (int k = 0; k < 16; ++k) d[m][8 * nt + n] += am[m][k] * bm[k][n];
+          }
+      }
+      for (int m = 0; m < 16; ++m)
+        for (int n = 0; n < 16; ++n) {
+          double want = 0;
+          for (int k = 0; k < kK; ++k)
+            want += double(fp8_e4m3_to_f32(value[(a_row0 + m) * kK + k])) *
+                    double(fp8_e4m3_to_f32(value[(b_row0 + n) * kK + k]));
+          if (d[m][n] != want) ++wrong;
+        }
+    }
+  report(!wrong, "ldmatrix + E4M3 halves + m16n8k16 emulation (host)", std::to_string(wrong) + " of 2304 outputs wrong");
+}
 
 // Host checks of the exactness the packed GEMM relies on (packed_decode.cuh): the e2m1
 // decode gives dtype.h's values for every nibble in every position, and every product of
@@ -94,7 +205,7 @@ struct Problem {
   std::vector<float> w_values;   // the values the product multiplies, [S][N][K]
   std::vector<int64_t> row_map;  // empty: none
   std::vector<GemmSegment> segs;  // w.values as the index of the segment's matrix until uploaded
-  bool round_x = false;
+  GemmInput input = GemmInput::Split;
 };
 
 int matrix_of(const GemmSegment& s) { return int(reinterpret_cast<intptr_t>(s.w.values)); }
@@ -133,10 +244,10 @@ std::vector<float> run(const Problem& p, int tile_rows) {
   check(cudaMalloc(&y, y_bytes), "malloc y");
   check(cudaMemset(y, 0xff, y_bytes), "memset y");  // NaN: anything the GEMM should write and does not shows
   void* scratch = nullptr;
-  check(cudaMalloc(&scratch, std::max<size_t>(gemm_scratch_bytes(p.x_rows, p.k, p.round_x), 1)), "malloc scratch");
+  check(cudaMalloc(&scratch, std::max<size_t>(gemm_scratch_bytes(p.x_rows, p.k, p.input), 1)), "malloc scratch");
   if (segs.size() == 1 && p.row_map.empty() && segs[0].x_row == 0 && segs[0].y_row == 0) {
     gemm(x, p.x_rows, p.ldx, nullptr, &segs[0], nullptr, int((segs[0].rows + tile_rows - 1) / tile_rows), tile_rows,
-         p.format, p.n, p.k, p.round_x, y, p.ldy, scratch, nullptr);
+         p.format, p.n, p.k, p.input, y, p.ldy, scratch, nullptr);
   } else {  // device-planned style: tiles per segment, then unused slots
     std::vector<GemmTile> tiles;
     for (size_t s = 0; s < segs.size(); ++s)
@@ -144,7 +255,7 @@ std::vector<float> run(const Problem& p, int tile_rows) {
     for (int i = 0; i < 5; ++i) tiles.insert(tiles.begin() + (tiles.size() * i) / 5, GemmTile{-1, 0});
     GemmSegment* d_segs = upload(segs);
     GemmTile* d_tiles = upload(tiles);
-    gemm(x, p.x_rows, p.ldx, row_map, d_segs, d_tiles, int(tiles.size()), tile_rows, p.format, p.n, p.k, p.round_x,
+    gemm(x, p.x_rows, p.ldx, row_map, d_segs, d_tiles, int(tiles.size()), tile_rows, p.format, p.n, p.k, p.input,
          y, p.ldy, scratch, nullptr);
     check(cudaDeviceSynchronize(), "gemm");
     cudaFree(d_segs);
@@ -158,9 +269,41 @@ std::vector<float> run(const Problem& p, int tile_rows) {
   return out;
 }
 
+// What the product multiplies: X and W ([x_rows][k], [matrices][n][k]) as values the
+// reference sums the products of, times x_scale[row] * w_scale[matrix row]. Split: X and
+// the dequantized W, scales 1; RoundBf16: bf16(X); Fp8Token: the E4M3 values X's rows
+// quantize to (activation_quant.h, on the host) and W's E4M3 values, with their scales.
+struct Operands {
+  std::vector<float> x, x_scale, w, w_scale;
+};
+Operands operands(const Problem& p) {
+  Operands o;
+  o.x.resize(size_t(p.x_rows * p.k));
+  o.x_scale.assign(size_t(p.x_rows), 1.0f);
+  for (int64_t r = 0; r < p.x_rows; ++r) {
+    const float* row = &p.x[size_t(r * p.ldx)];
+    float amax = 0.0f;
+    for (int64_t c = 0; c < p.k; ++c) amax = std::fmax(amax, std::fabs(row[c]));
+    if (p.input == GemmInput::Fp8Token) o.x_scale[r] = fp8_token_scale(amax);
+    for (int64_t c = 0; c < p.k; ++c)
+      o.x[size_t(r * p.k + c)] = p.input == GemmInput::Fp8Token    ? quantize_e4m3(row[c], o.x_scale[r])
+                                 : p.input == GemmInput::RoundBf16 ? round_bf16(row[c])
+                                                                   : row[c];
+  }
+  if (p.input == GemmInput::Fp8Token) {
+    for (uint8_t code : p.packed.values) o.w.push_back(fp8_e4m3_to_f32(code));
+    o.w_scale = p.packed.scales;
+  } else {
+    o.w = p.w_values;
+    o.w_scale.assign(o.w.size() / size_t(p.k), 1.0f);
+  }
+  return o;
+}
+
 // Checks Y against the double reference on every written element (or `samples` random
 // ones), and that elements no segment writes were left alone.
 void verify(const Problem& p, const std::vector<float>& y, const char* name, int tile_rows, int samples = 0) {
+  const Operands o = operands(p);
   std::vector<char> written(size_t(p.y_rows * p.ldy), 0);
   double worst = 0;
   int64_t bad = 0, checked = 0;
@@ -173,10 +316,11 @@ void verify(const Problem& p, const std::vector<float>& y, const char* name, int
       const int64_t xr = p.row_map.empty() ? s.x_row + i : p.row_map[s.x_row + i];
       double ref = 0, mag = 0;
       for (int64_t kk = 0; kk < p.k; ++kk) {
-        const double xv = p.round_x ? round_bf16(p.x[xr * p.ldx + kk]) : p.x[xr * p.ldx + kk];
-        const double wv = p.w_values[w_off + j * p.k + kk];
+        const double xv = o.x[xr * p.k + kk], wv = o.w[w_off + j * p.k + kk];
         ref += xv * wv, mag += std::fabs(xv * wv);
       }
+      const double scale = double(o.x_scale[xr]) * o.w_scale[matrix_of(s) * p.n + j];
+      ref *= scale, mag *= scale;
       const double got = y[size_t((s.y_row + i) * p.ldy + j)];
       const double err = std::fabs(got - ref) / (mag + 1e-30);
       worst = std::max(worst, err);
@@ -199,17 +343,17 @@ void verify(const Problem& p, const std::vector<float>& y, const char* name, int
         if (bad++ < 5) std::printf("    %s: element %zu written outside the segments\n", name, e);
       }
   std::printf("%-6s %-44s %-5s tile %3d: %s (%ld checked, worst rel err %.2e)\n", bad ? "FAIL" : "ok", name,
-              format_name(p.format), tile_rows, bad ? "MISMATCH" : "match", long(checked), worst);
+              format_name(p.format, p.input), tile_rows, bad ? "MISMATCH" : "match", long(checked), worst);
   if (bad) ++failures;
 }
 
-Problem dense(int64_t m, int64_t n, int64_t k, int64_t ldx_extra = 0, int64_t ldy_extra = 0, bool round_x = false,
-              WeightFormat format = WeightFormat::Plain) {
+Problem dense(int64_t m, int64_t n, int64_t k, int64_t ldx_extra = 0, int64_t ldy_extra = 0,
+              GemmInput input = GemmInput::Split, WeightFormat format = WeightFormat::Plain) {
   std::mt19937 rng(unsigned(m * 7919 + n * 31 + k));
   std::normal_distribution<float> d(0.0f, 1.0f);
   Problem p;
   p.x_rows = m, p.ldx = k + ldx_extra, p.n = n, p.k = k, p.ldy = n + ldy_extra, p.y_rows = m;
-  p.round_x = round_x;
+  p.input = input;
   p.x.resize(size_t(m * p.ldx));
   for (auto& v : p.x) v = d(rng);
   random_weights(p, format, 1, rng);
@@ -217,7 +361,86 @@ Problem dense(int64_t m, int64_t n, int64_t k, int64_t ldx_extra = 0, int64_t ld
   return p;
 }
 Problem dense(WeightFormat format, int64_t m, int64_t n, int64_t k, int64_t ldx_extra = 0, int64_t ldy_extra = 0) {
-  return dense(m, n, k, ldx_extra, ldy_extra, false, format);
+  return dense(m, n, k, ldx_extra, ldy_extra, GemmInput::Split, format);
+}
+// p (FP8 weights) with FP8 per-token X; with `zero_rows` every 7th X row all zero (the
+// eps scale).
+Problem fp8_token(Problem p, bool zero_rows = false) {
+  p.input = GemmInput::Fp8Token;
+  for (int64_t r = 0; zero_rows && r < p.x_rows; r += 7) std::fill_n(&p.x[size_t(r * p.ldx)], p.ldx, 0.0f);
+  return p;
+}
+
+// X's rows (k values, ldx apart) fake-quantized by the CUDA backend's quantize_input.
+std::vector<float> fake_quantized(const Problem& p) {
+  std::vector<float> rows(size_t(p.x_rows * p.k));
+  for (int64_t r = 0; r < p.x_rows; ++r) std::copy_n(&p.x[size_t(r * p.ldx)], p.k, &rows[size_t(r * p.k)]);
+  float* d = upload(rows);
+  quantize_input(d, p.x_rows, p.k, ActivationScheme::Fp8Token, 0, 0.0f, 0.0f, nullptr);
+  check(cudaMemcpy(rows.data(), d, rows.size() * sizeof(float), cudaMemcpyDeviceToHost), "download");
+  cudaFree(d);
+  return rows;
+}
+
+// The pre-pass of an Fp8Token problem: scales and codes bitwise as the host computes them
+// (activation_quant.h), zero past K, and code * scale bitwise quantize_input's value.
+void check_codes(const Problem& p, const char* name) {
+  const int64_t ld = (p.k + 127) / 128 * 128;
+  float* x = upload(p.x);
+  uint8_t* codes = nullptr;
+  float* scales = nullptr;
+  check(cudaMalloc(&codes, size_t(p.x_rows * ld)), "malloc codes");
+  check(cudaMalloc(&scales, sizeof(float) * size_t(p.x_rows)), "malloc scales");
+  check(cudaMemset(codes, 0xff, size_t(p.x_rows * ld)), "memset codes");
+  fp8_token_codes(x, p.x_rows, p.ldx, p.k, ld, codes, scales, nullptr);
+  std::vector<uint8_t> got(size_t(p.x_rows * ld));
+  std::vector<float> got_scales(size_t(p.x_rows));
+  check(cudaMemcpy(got.data(), codes, got.size(), cudaMemcpyDeviceToHost), "download codes");
+  check(cudaMemcpy(got_scales.data(), scales, got_scales.size() * sizeof(float), cudaMemcpyDeviceToHost), "download");
+  cudaFree(x), cudaFree(codes), cudaFree(scales);
+  const Operands o = operands(p);
+  const std::vector<float> fake = fake_quantized(p);
+  int64_t wrong_scales = 0, wrong_codes = 0, wrong_fake = 0;
+  for (int64_t r = 0; r < p.x_rows; ++r) {
+    if (std::memcmp(&got_scales[r], &o.x_scale[r], 4) != 0) ++wrong_scales;
+    for (int64_t c = 0; c < ld; ++c) {
+      const uint8_t code = got[size_t(r * ld + c)];
+      if (code != (c < p.k ? e4m3_code(o.x[size_t(r * p.k + c)]) : 0)) ++wrong_codes;
+      const float value = fp8_e4m3_to_f32(code) * got_scales[r];
+      if (c < p.k && std::memcmp(&value, &fake[size_t(r * p.k + c)], 4) != 0) ++wrong_fake;
+    }
+  }
+  report(!(wrong_scales || wrong_codes || wrong_fake), (std::string("fp8 codes ") + name).c_str(),
+         std::to_string(wrong_scales) + " scales, " + std::to_string(wrong_codes) + " codes, " +
+             std::to_string(wrong_fake) + " code * scale != quantize_input");
+}
+
+// An Fp8Token product against today's path for the same linear: quantize_input's fake-
+// quantized X through the hi/lo GEMM (Split) with the same FP8 weights. Equal up to fp32
+// summation order: |difference| within 4e-5 of sum |x w| (each is within 2e-5 of exact).
+void check_against_fake_quant(const Problem& p, const char* name, int tile_rows) {
+  Problem split = p;
+  split.input = GemmInput::Split;
+  const std::vector<float> fake = fake_quantized(p);
+  for (int64_t r = 0; r < p.x_rows; ++r) std::copy_n(&fake[size_t(r * p.k)], p.k, &split.x[size_t(r * p.ldx)]);
+  const std::vector<float> y8 = run(p, tile_rows), y_fake = run(split, tile_rows);
+  const Operands o = operands(p);
+  double worst = 0;
+  for (const GemmSegment& s : p.segs)
+    for (int i = 0; i < s.rows; ++i) {
+      const int64_t xr = p.row_map.empty() ? s.x_row + i : p.row_map[s.x_row + i];
+      for (int64_t j = 0; j < p.n; ++j) {
+        double mag = 0;
+        for (int64_t kk = 0; kk < p.k; ++kk)
+          mag += std::fabs(double(o.x[xr * p.k + kk]) * o.w[(matrix_of(s) * p.n + j) * p.k + kk]);
+        mag *= double(o.x_scale[xr]) * o.w_scale[matrix_of(s) * p.n + j];
+        const size_t e = size_t((s.y_row + i) * p.ldy + j);
+        worst = std::max(worst, std::fabs(double(y8[e]) - y_fake[e]) / (mag + 1e-30));
+      }
+    }
+  char detail[96];
+  std::snprintf(detail, sizeof detail, "worst |fp8x8 - fake-quant hi/lo| / sum|xw| %.2e (tile %d)", worst, tile_rows);
+  report(worst <= 4e-5, (std::string("vs fake quant ") + name).c_str(), detail);
 }
 
 // Random routing: the tokens each expert gets, each token to top_k distinct experts.
@@ -257,7 +480,6 @@ Problem moe(int64_t tokens, int experts, int top_k, int64_t n, int64_t k, bool g
 }
 
 void correctness() {
-  check_decode();
   const int shapes[] = {16, 64, 128};
   struct Case {
     const char* name;
@@ -273,8 +495,8 @@ void correctness() {
   cases.push_back({"dense 300x512x704", dense(300, 512, 704)});
   cases.push_back({"dense 129x300x136 ldx+5 ldy+3", dense(129, 300, 136, 5, 3)});
   cases.push_back({"dense 96x130x2816", dense(96, 130, 2816)});
-  cases.push_back({"dense 50x70x333 round_x", dense(50, 70, 333, 0, 0, true)});
-  cases.push_back({"dense 200x264x512 round_x", dense(200, 264, 512, 0, 0, true)});
+  cases.push_back({"dense 50x70x333 round", dense(50, 70, 333, 0, 0, GemmInput::RoundBf16)});
+  cases.push_back({"dense 200x264x512 round", dense(200, 264, 512, 0, 0, GemmInput::RoundBf16)});
   cases.push_back({"moe up 40 tok, 6 exp top 3, 48x72", moe(40, 6, 3, 48, 72, true, 1)});
   cases.push_back({"moe down 40 tok, 6 exp top 3, 72x24", moe(40, 6, 3, 72, 24, false, 2)});
   cases.push_back({"moe up 300 tok, 16 exp top 4, 264x136", moe(300, 16, 4, 264, 136, true, 3)});
@@ -300,7 +522,25 @@ void correctness() {
   cases.push_back({"moe up 40 tok, 6 exp top 3, 48x80", moe(40, 6, 3, 48, 80, true, 9, nvfp4)});
   cases.push_back({"moe up 300 tok, 16 exp top 4, 264x704", moe(300, 16, 4, 264, 704, true, 10, nvfp4)});
   cases.push_back({"moe down 500 tok, 8 exp top 2, 264x32", moe(500, 8, 2, 264, 32, false, 11, nvfp4)});
+  // FP8 weights with FP8 per-token X: 128 K a stage, 32 per step; W byte by byte where
+  // K % 16 != 0, the pre-pass's scalar loads where ldx % 4 != 0; zero rows.
+  cases.push_back({"dense 7x100x64 (K < 128)", fp8_token(dense(fp8, 7, 100, 64))});
+  cases.push_back({"dense 33x333x72 (N tail, K % 32 != 0)", fp8_token(dense(fp8, 33, 333, 72))});
+  cases.push_back({"dense 130x257x208 (M, N, K tails, zero rows)", fp8_token(dense(fp8, 130, 257, 208), true)});
+  cases.push_back({"dense 65x40x333 (K odd)", fp8_token(dense(fp8, 65, 40, 333))});
+  cases.push_back({"dense 20x24x13 (K < 16)", fp8_token(dense(fp8, 20, 24, 13))});
+  cases.push_back({"dense 300x512x704 (K % 128 = 64)", fp8_token(dense(fp8, 300, 512, 704))});
+  cases.push_back({"dense 129x300x2816 ldx+5 ldy+3", fp8_token(dense(fp8, 129, 300, 2816, 5, 3))});
+  cases.push_back({"moe up 40 tok, 6 exp top 3, 48x64", fp8_token(moe(40, 6, 3, 48, 64, true, 12, fp8))});
+  cases.push_back({"moe up 100 tok, 8 exp top 2, 130x333", fp8_token(moe(100, 8, 2, 130, 333, true, 13, fp8))});
+  cases.push_back(
+      {"moe up 300 tok, 16 exp top 4, 264x136 zero rows", fp8_token(moe(300, 16, 4, 264, 136, true, 14, fp8), true)});
+  cases.push_back({"moe down 500 tok, 8 exp top 2, 264x704", fp8_token(moe(500, 8, 2, 264, 704, false, 15, fp8))});
   for (const Case& c : cases) {
+    if (c.p.input == GemmInput::Fp8Token) {
+      check_codes(c.p, c.name);
+      check_against_fake_quant(c.p, c.name, 64);
+    }
     std::vector<float> first;
     for (int t : shapes) {
       const std::vector<float> y = run(c.p, t);
@@ -313,7 +553,7 @@ void correctness() {
           if (std::memcmp(&y[e], &first[e], 4) != 0) ++differ;
         if (differ) {
           std::printf("FAIL   %-44s %-5s tile %3d: %zu elements differ bitwise from tile 16\n", c.name,
-                      format_name(c.p.format), t, differ);
+                      format_name(c.p.format, c.p.input), t, differ);
           ++failures;
         }
       }
@@ -322,14 +562,16 @@ void correctness() {
   // Split-K (few tiles, K >= 8192, ldy == n): the soft embedding.
   Problem split = dense(40, 96, 12288 + 40);
   verify(split, run(split, 64), "dense 40x96x12328 split-K", 64);
-  Problem split_round = dense(40, 96, 9000, 0, 0, true);
-  verify(split_round, run(split_round, 16), "dense 40x96x9000 split-K round_x", 16);
+  Problem split_round = dense(40, 96, 9000, 0, 0, GemmInput::RoundBf16);
+  verify(split_round, run(split_round, 16), "dense 40x96x9000 split-K round", 16);
+  Problem split_fp8 = fp8_token(dense(WeightFormat::Fp8, 40, 96, 9000));
+  verify(split_fp8, run(split_fp8, 64), "dense 40x96x9000 split-K", 64);
 }
 
 // Times gemm() (pre-pass included) on one problem; X, W random on the device (packed
 // weights: random bytes, as the timing does not depend on the values).
 void bench(const char* name, int64_t tokens, int64_t n, int64_t k, int experts, int top_k, bool gather,
-           WeightFormat format = WeightFormat::Plain, bool round_x = false) {
+           WeightFormat format = WeightFormat::Plain, GemmInput input = GemmInput::Split) {
   // The backend picks one tile height for both expert GEMMs, from the narrower (gate_up's 1408).
   const bool moe_layer = experts > 0;
   const int64_t rows = moe_layer ? tokens * top_k : tokens;  // output rows
@@ -350,7 +592,7 @@ void bench(const char* name, int64_t tokens, int64_t n, int64_t k, int experts, 
   check(cudaMalloc(&group_scales, std::max<size_t>(group_bytes, 1)), "group scales");
   check(cudaMemset(row_scales, 0, std::max<size_t>(row_scale_bytes, 1)), "row scales");
   check(cudaMemset(group_scales, 0x38, std::max<size_t>(group_bytes, 1)), "group scales");  // E4M3 1.0
-  check(cudaMalloc(&scratch, gemm_scratch_bytes(x_rows, k, round_x)), "scratch");
+  check(cudaMalloc(&scratch, gemm_scratch_bytes(x_rows, k, input)), "scratch");
   random_fill(x, reinterpret_cast<__nv_bfloat16*>(w), x_rows * k, value_bytes / 2);
   const ExpertStack stack{{w, row_scales, group_scales}, format, n, k};
   std::vector<GemmSegment> segs;
@@ -376,7 +618,7 @@ void bench(const char* name, int64_t tokens, int64_t n, int64_t k, int experts, 
   int64_t* d_map = moe_layer && gather ? upload(row_map) : nullptr;
   const int num_tiles = moe_layer ? int(tiles.size()) : int((rows + tile_rows - 1) / tile_rows);
   auto call = [&] {
-    gemm(x, x_rows, k, d_map, moe_layer ? d_segs : segs.data(), d_tiles, num_tiles, tile_rows, format, n, k, round_x,
+    gemm(x, x_rows, k, d_map, moe_layer ? d_segs : segs.data(), d_tiles, num_tiles, tile_rows, format, n, k, input,
          y, n, scratch, nullptr);
   };
   for (int i = 0; i < 3; ++i) call();
@@ -394,7 +636,7 @@ void bench(const char* name, int64_t tokens, int64_t n, int64_t k, int experts, 
   const double flops = 2.0 * double(rows) * double(n) * double(k);
   const double w_bytes = double(value_bytes + group_bytes + row_scale_bytes);
   std::printf("%-38s %-5s tile %3d: %9.1f us  %6.1f TFLOP/s (useful)  %5.2f TB/s of weights\n", name,
-              format_name(format), tile_rows, ms * 1e3, flops / (ms * 1e-3) / 1e12, w_bytes / (ms * 1e-3) / 1e12);
+              format_name(format, input), tile_rows, ms * 1e3, flops / (ms * 1e-3) / 1e12, w_bytes / (ms * 1e-3) / 1e12);
   cudaFree(x), cudaFree(y), cudaFree(w), cudaFree(row_scales), cudaFree(group_scales), cudaFree(scratch);
   cudaFree(d_segs), cudaFree(d_tiles), cudaFree(d_map);
 }
@@ -402,6 +644,14 @@ void bench(const char* name, int64_t tokens, int64_t n, int64_t k, int experts, 
 }  // namespace
 
 int main(int argc, char** argv) {
+  const std::string mode = argc > 1 ? argv[1] : "";
+  check_decode();
+  check_e4m3_codes();
+  check_fragments();
+  if (mode == "--host") {
+    std::printf("%s\n", failures ? "HOST CHECK FAILURES" : "all host checks passed");
+    return failures ? 1 : 0;
+  }
   cudaDeviceProp prop{};
   check(cudaGetDeviceProperties(&prop, 0), "device");
   std::printf("%s, %d SMs\n", prop.name, prop.multiProcessorCount);
@@ -411,32 +661,43 @@ int main(int argc, char** argv) {
     Problem big = dense(512, 4096, 2816);
     verify(big, run(big, t), "dense 512x4096x2816 (sampled)", t, 4000);
   }
+  Problem big_fp8 = fp8_token(dense(WeightFormat::Fp8, 512, 4096, 2816));
+  for (int t : {16, 64, 128}) verify(big_fp8, run(big_fp8, t), "dense 512x4096x2816 (sampled)", t, 4000);
   for (WeightFormat f : {WeightFormat::Plain, WeightFormat::Fp8, WeightFormat::Nvfp4}) {
     Problem moe_big = moe(512, 128, 8, 264, 704, true, 9, f);
     for (int t : {16, 64, 128}) verify(moe_big, run(moe_big, t), "moe up 512 tok 128 exp 264x704", t);
   }
+  Problem moe_fp8 = fp8_token(moe(512, 128, 8, 264, 704, true, 9, WeightFormat::Fp8));
+  for (int t : {16, 64, 128}) verify(moe_fp8, run(moe_fp8, t), "moe up 512 tok 128 exp 264x704", t);
   std::printf("%s\n", failures ? "CORRECTNESS FAILURES" : "all correctness checks passed");
-  if (argc > 1 && std::string(argv[1]) == "--check") return failures ? 1 : 0;
+  if (mode == "--check") return failures ? 1 : 0;
 
-  const WeightFormat formats[] = {WeightFormat::Plain, WeightFormat::Fp8, WeightFormat::Nvfp4};
+  // Weights and X: bf16, FP8 and NVFP4 weights with hi/lo X (FP8_DYNAMIC today: plus a
+  // copy and quantize_input of X), FP8 weights with FP8 per-token X (fp8x8: the pre-pass
+  // quantizes X).
+  const std::pair<WeightFormat, GemmInput> kinds[] = {{WeightFormat::Plain, GemmInput::Split},
+                                                      {WeightFormat::Fp8, GemmInput::Split},
+                                                      {WeightFormat::Fp8, GemmInput::Fp8Token},
+                                                      {WeightFormat::Nvfp4, GemmInput::Split}};
   for (int64_t m : {256, 4096}) {
     std::printf("-- dense, %ld rows\n", long(m));
-    for (WeightFormat f : formats) {
-      bench("q_proj 2816->4096", m, 4096, 2816, 0, 0, false, f);
-      bench("q_proj 2816->8192", m, 8192, 2816, 0, 0, false, f);
-      bench("o_proj 4096->2816", m, 2816, 4096, 0, 0, false, f);
-      bench("kv_proj 2816->512", m, 512, 2816, 0, 0, false, f);
-      bench("mlp gate_up 2816->4224", m, 4224, 2816, 0, 0, false, f);
-      bench("mlp down 2112->2816", m, 2816, 2112, 0, 0, false, f);
+    for (const auto& [f, input] : kinds) {
+      bench("q_proj 2816->4096", m, 4096, 2816, 0, 0, false, f, input);
+      bench("q_proj 2816->8192", m, 8192, 2816, 0, 0, false, f, input);
+      bench("o_proj 4096->2816", m, 2816, 4096, 0, 0, false, f, input);
+      bench("kv_proj 2816->512", m, 512, 2816, 0, 0, false, f, input);
+      bench("mlp gate_up 2816->4224", m, 4224, 2816, 0, 0, false, f, input);
+      bench("mlp down 2112->2816", m, 2816, 2112, 0, 0, false, f, input);
     }
     bench("lm_head 2816->262144", m, 262144, 2816, 0, 0, false);  // the tied embedding: never packed
-    bench("soft embedding 262144->2816 (round_x)", m, 2816, 262144, 0, 0, false, WeightFormat::Plain, true);
+    bench("soft embedding 262144->2816 (round)", m, 2816, 262144, 0, 0, false, WeightFormat::Plain,
+          GemmInput::RoundBf16);
   }
   for (int64_t tokens : {256, 4096}) {
     std::printf("-- MoE, %ld tokens, 128 experts top 8 (~%ld rows per expert)\n", long(tokens), long(tokens / 16));
-    for (WeightFormat f : formats) {
-      bench("experts up 2816->1408", tokens, 1408, 2816, 128, 8, true, f);
-      bench("experts down 704->2816", tokens, 2816, 704, 128, 8, false, f);
+    for (const auto& [f, input] : kinds) {
+      bench("experts up 2816->1408", tokens, 1408, 2816, 128, 8, true, f, input);
+      bench("experts down 704->2816", tokens, 2816, 704, 128, 8, false, f, input);
     }
   }
   return failures ? 1 : 0;

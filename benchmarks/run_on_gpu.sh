@@ -13,7 +13,7 @@ if ls .device/transformers-*.whl >/dev/null 2>&1; then
   export PYTHONPATH="/tmp/newer-transformers${PYTHONPATH:+:$PYTHONPATH}"
 fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/gpu.txt"
-nvcc -std=c++20 -arch=sm_90a -O3 -I cpp/src -I cpp/include -I cuda benchmarks/gemm_bench.cu cuda/gemm.cu \
+nvcc -std=c++20 -arch=sm_90a -O3 -I cpp/src -I cpp/include -I cuda benchmarks/gemm_bench.cu cuda/gemm.cu cuda/kernels.cu \
   cpp/src/packed_weight.cpp cpp/src/dtype.cpp -o /tmp/gemm_bench > "$out/gemm_bench.txt" 2>&1 && /tmp/gemm_bench >> "$out/gemm_bench.txt" 2>&1
 echo "gemm_bench: exit $? ($(grep -c '^ok' "$out/gemm_bench.txt") checks passed)"; grep -v "^ok" "$out/gemm_bench.txt"
 start=$(date +%s)

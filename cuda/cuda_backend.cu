@@ -217,7 +217,14 @@ class CudaBackend final : public Backend {
   void linear(const Activation& x, const Weight& w, Activation& y, int expert) override {
     auto timed = profile_.scope("linear");
     const cuda::ExpertStack stack = matrices(w);
-    gemm_dense(x, stack.expert(std::max(expert, 0)), w.format, stack.n, stack.k, false, y);
+    gemm_dense(x, stack.expert(std::max(expert, 0)), w.format, stack.n, stack.k, cuda::GemmInput::Split, y);
+  }
+
+  void quantized_linear(const Activation& x, const Weight& w, Activation& y, int64_t encoder_rows) override {
+    if (gemm_input(w) != cuda::GemmInput::Fp8Token) return Backend::quantized_linear(x, w, y, encoder_rows);
+    auto timed = profile_.scope("linear");
+    const cuda::ExpertStack stack = matrices(w);
+    gemm_dense(x, stack.expert(0), w.format, stack.n, stack.k, cuda::GemmInput::Fp8Token, y);
   }
 
   // y = round_bf16(x) @ w with w [K, N] (the reference casts the probabilities to the
@@ -232,7 +239,7 @@ class CudaBackend final : public Backend {
       t = pool_->get(size_t(k * n) * 2);
       cuda::transpose_bf16(bf16(w), k, n, static_cast<__nv_bfloat16*>(t.get()), stream_);
     }
-    gemm_dense(x, {t.get(), nullptr, nullptr}, WeightFormat::Plain, n, k, true, y);
+    gemm_dense(x, {t.get(), nullptr, nullptr}, WeightFormat::Plain, n, k, cuda::GemmInput::RoundBf16, y);
   }
 
   void rms_norm(const Activation& x, const Weight* weight, int64_t group, float eps, Activation& y) override {
@@ -312,21 +319,25 @@ class CudaBackend final : public Backend {
                    static_cast<cuda::GemmSegment*>(up_segments.get()),
                    static_cast<cuda::GemmSegment*>(down_segments.get()), device_tiles, max_tiles, stream_);
     Activation gu = alloc(pairs, inter2), act = alloc(pairs, inter2 / 2), y = alloc(pairs, hidden);
+    // FP8 per token (quantizes_expert_inputs): the scales are per token, so the token rows
+    // are quantized once for all experts, by the GEMM itself or beforehand on a copy.
+    const cuda::GemmInput up_input = gemm_input(gate_up), down_input = gemm_input(down);
     Activation input = x;
-    if (gate_up.input_quant.scheme != ActivationScheme::None) {  // FP8 per token (quantizes_expert_inputs)
+    if (gate_up.input_quant.scheme != ActivationScheme::None && up_input != cuda::GemmInput::Fp8Token) {
       input = alloc(x.rows, x.cols);
       copy_rows(x, 0, input, 0, x.rows);
       quantize_input(input, gate_up.input_quant, routing.encoder_tokens, -1);
     }
-    auto up_scratch = pool_->get(cuda::gemm_scratch_bytes(x.rows, hidden, false));
+    auto up_scratch = pool_->get(cuda::gemm_scratch_bytes(x.rows, hidden, up_input));
     cuda::gemm(input.data, input.rows, input.cols, static_cast<const int64_t*>(row_map.get()),
                static_cast<const cuda::GemmSegment*>(up_segments.get()), device_tiles, max_tiles, tile_rows,
-               gate_up.format, inter2, hidden, false, gu.data, gu.cols, up_scratch.get(), stream_);
+               gate_up.format, inter2, hidden, up_input, gu.data, gu.cols, up_scratch.get(), stream_);
     cuda::gelu_glu(gu.data, pairs, inter2 / 2, act.data, stream_);
-    if (down.input_quant.scheme != ActivationScheme::None) quantize_input(act, down.input_quant, 0, -1);
-    auto down_scratch = pool_->get(cuda::gemm_scratch_bytes(pairs, inter2 / 2, false));
+    if (down.input_quant.scheme != ActivationScheme::None && down_input != cuda::GemmInput::Fp8Token)
+      quantize_input(act, down.input_quant, 0, -1);
+    auto down_scratch = pool_->get(cuda::gemm_scratch_bytes(pairs, inter2 / 2, down_input));
     cuda::gemm(act.data, pairs, act.cols, nullptr, static_cast<const cuda::GemmSegment*>(down_segments.get()),
-               device_tiles, max_tiles, tile_rows, down.format, hidden, inter2 / 2, false, y.data, y.cols,
+               device_tiles, max_tiles, tile_rows, down.format, hidden, inter2 / 2, down_input, y.data, y.cols,
                down_scratch.get(), stream_);
     cuda::combine_experts(y.data, static_cast<const int64_t*>(inverse.get()), routing.weights.data, tokens,
                           routing.top_k, hidden, out.data, stream_);
@@ -379,12 +390,21 @@ class CudaBackend final : public Backend {
 
  private:
   void gemm_dense(const Activation& x, const cuda::GemmMatrix& w, WeightFormat format, int64_t n, int64_t k,
-                  bool round_x, Activation& y) {
+                  cuda::GemmInput input, Activation& y) {
     const cuda::GemmSegment seg{0, 0, int(x.rows), w};
     const int tile = cuda::gemm_tile_rows(x.rows, 1, n);
-    auto scratch = pool_->get(cuda::gemm_scratch_bytes(x.rows, k, round_x));
+    auto scratch = pool_->get(cuda::gemm_scratch_bytes(x.rows, k, input));
     cuda::gemm(x.data, x.rows, x.cols, nullptr, &seg, nullptr, int((x.rows + tile - 1) / tile), tile, format, n, k,
-               round_x, y.data, y.cols, scratch.get(), stream_);
+               input, y.data, y.cols, scratch.get(), stream_);
+  }
+
+  // How the GEMM takes a weight's input: FP8 weights with FP8 per-token inputs quantize it
+  // in the GEMM's pre-pass (to E4M3 codes: no fake-quantized copy of X); everything else
+  // multiplies X as it is (quantized beforehand where input_quant says) in bf16 hi/lo.
+  static cuda::GemmInput gemm_input(const Weight& w) {
+    return w.format == WeightFormat::Fp8 && w.input_quant.scheme == ActivationScheme::Fp8Token
+               ? cuda::GemmInput::Fp8Token
+               : cuda::GemmInput::Split;
   }
 
   static const __nv_bfloat16* bf16(const Weight& w) {

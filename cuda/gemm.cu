@@ -1,4 +1,4 @@
-// Segmented bf16 GEMM on tensor cores (mma.sync m16n8k16, fp32 accumulation).
+// Segmented GEMM on tensor cores (mma.sync m16n8k16, bf16 or fp16, fp32 accumulation).
 //
 // One launch computes a product per segment (one for a dense layer, one per expert for
 // the MoE), each over its own rows of X and its own weight matrix.
@@ -10,33 +10,48 @@
 // multiple of 64) into the caller's scratch, so the main loop is a plain bf16 GEMM of A =
 // hi and lo against the same weight tile, with nothing to convert per tile. The pre-pass
 // keeps X's row order and the main loop gathers A rows through row_map (the MoE's up
-// projection), so a token is converted once however many experts it goes to. With round_x
-// (linear_nt's round_bf16(x) @ w) only hi is written and multiplied: lo would be zero.
+// projection), so a token is converted once however many experts it goes to. With
+// RoundBf16 (linear_nt's round_bf16(x) @ w) only hi is written and multiplied: lo would be
+// zero.
 //
-// Main loop: block tiles of BM x BN outputs, K in slices of 64 (128 bytes of bf16 per tile
-// row), streamed global -> shared memory by cp.async into a ring of 3-4 stages, so the
-// next slices are in flight while the tensor cores work on the current one. Each tile row
-// keeps its eight 16-byte chunks XOR-swizzled by (row % 8), which makes both the cp.async
-// stores and the ldmatrix reads (8 rows of one chunk column) free of bank conflicts.
-// Fragments come from ldmatrix.x4, without .trans: W is [N, K], K contiguous, which is
-// already the MMA's "col" B layout. Three tile shapes:
+// FP8 per token (GemmInput::Fp8Token: a compressed-tensors FP8_DYNAMIC linear's input,
+// with FP8 weights) is multiplied in E4M3 instead: the pre-pass quantizes each X row as
+// activation_quant.h does, to E4M3 codes of x / s_row (s_row = amax / 448), one byte
+// each, and the main loop multiplies them with the weights' E4M3 codes as stored, the
+// scales s_row * w_scale applied to the finished sums. Both operands are unpacked to fp16
+// in registers (exact) for fp16 MMAs, half the bf16 path's (no lo plane), and the weight
+// tile needs no conversion pass through shared memory (gemm_tile.cuh says why not the
+// E4M3 MMA). Every product is exact in fp32 and the sums are fp32, so this is the
+// fake-quantized fp32 product (quantize_input, then the hi/lo GEMM) up to fp32 summation
+// order.
+//
+// Main loop: block tiles of BM x BN outputs, K in slices of 128 bytes per tile row (64
+// bf16 or 128 E4M3 values), streamed global -> shared memory by cp.async into a ring of
+// 3-6 stages, so the next slices are in flight while the tensor cores work on the current
+// one. Each tile row keeps its eight 16-byte chunks XOR-swizzled by (row % 8), which makes
+// both the cp.async stores and the ldmatrix reads (8 rows of one chunk column) free of
+// bank conflicts (gemm_tile.cuh). Fragments come from ldmatrix.x4, without .trans: W is
+// [N, K], K contiguous, which is already the MMA's "col" B layout; in bytes the E4M3
+// fragments are laid out as the bf16 ones, so both MMAs share the addressing. Three tile
+// shapes:
 //   128 x 256, 8 warps of 64 x 64: tall inputs (dense at large batch, the lm_head, the MoE
-//       at large batch). Per 16-wide K step a warp loads 8 A and 4 B fragments for 64
-//       MMAs, which keeps shared-memory traffic below the tensor-core time.
+//       at large batch). Per 32-byte K step a warp loads 8 A and 4 B fragments for 64
+//       MMAs (E4M3: 4 and 4 for 64), which keeps shared-memory traffic below the
+//       tensor-core time.
 //   64 x 128, 4 warps of 32 x 64: a few hundred rows, where 128 x 256 tiles would leave
 //       most multiprocessors idle (batch 1's 256 rows); two blocks fit per multiprocessor.
 //   16 x 128, 4 warps of 16 x 32: the MoE at small batch, a dozen rows per expert, where
 //       the kernel's job is streaming weights at memory bandwidth: four stages and two
 //       blocks per multiprocessor keep ~100 KB of weights in flight on each.
-// Every shape accumulates each output in the same order (16-wide K steps in order, hi then
-// lo), so a row's result does not depend on the tile shape its batch size picked: batched
-// and single-sequence runs agree bitwise.
+// Every shape accumulates each output in the same order (K steps of 32 bytes in order, hi
+// then lo), so a row's result does not depend on the tile shape its batch size picked:
+// batched and single-sequence runs agree bitwise.
 //
-// Packed weights (FP8, NVFP4: packed_weight.h) stream as they are stored, 1 or 1/2 byte
-// per value (plus NVFP4's E4M3 scale per 16), into the ring; each iteration first converts
-// the slice's weights to the bf16 tile the MMAs read (packed_decode.cuh: exact), so the
-// main loop and its summation order are the bf16 path's. The per-row fp32 scale (FP8's
-// scale, NVFP4's global scale) is applied to the finished sums.
+// Packed weights (FP8, NVFP4: packed_weight.h) with bf16 X stream as they are stored, 1 or
+// 1/2 byte per value (plus NVFP4's E4M3 scale per 16), into the ring; each iteration first
+// converts the slice's weights to the bf16 tile the MMAs read (packed_decode.cuh: exact),
+// so the main loop and its summation order are the bf16 path's. The per-row fp32 scale
+// (FP8's scale, NVFP4's global scale) is applied to the finished sums.
 //
 // Weights stream by 16-byte cp.async (4-byte for NVFP4's scales) where their rows allow
 // it (whole, aligned chunks); partial chunks are zero-filled past N and K. Otherwise (tiny
@@ -45,6 +60,8 @@
 #include <memory>
 #include <stdexcept>
 
+#include "activation_quant.h"
+#include "gemm_tile.cuh"
 #include "kernels.h"
 #include "mma.cuh"
 #include "packed_decode.cuh"
@@ -52,9 +69,17 @@
 namespace diffuserve::cuda {
 namespace {
 
-constexpr int kBK = 64;  // K per pipeline stage
+// How X enters the tensor cores: bf16 parts (planes) or E4M3 codes, values per tile row.
+__host__ __device__ constexpr int planes(GemmInput input) { return input == GemmInput::Split ? 2 : 1; }
+__host__ __device__ constexpr int x_value_bytes(GemmInput input) { return input == GemmInput::Fp8Token ? 1 : 2; }
+// K values per pipeline stage (a tile row's 128 bytes of X).
+__host__ __device__ constexpr int stage_k(GemmInput input) { return kRowBytes / x_value_bytes(input); }
+// Whether packed weights are converted to a bf16 tile (bf16 X) or multiplied as they are.
+__host__ __device__ constexpr bool converts(GemmInput input, WeightFormat format) {
+  return format != WeightFormat::Plain && input != GemmInput::Fp8Token;
+}
 
-int64_t padded_k(int64_t k) { return (k + kBK - 1) / kBK * kBK; }
+int64_t padded_k(int64_t k, GemmInput input) { return (k + stage_k(input) - 1) / stage_k(input) * stage_k(input); }
 
 int multiprocessors() {
   int device = 0, count = 0;
@@ -103,12 +128,12 @@ __device__ __forceinline__ void ldmatrix_x4(uint32_t* r, uint32_t address) {
                : "r"(address));
 }
 
-// Element offset of (row, 16-byte chunk) in a tile of kBK-wide rows, chunks swizzled.
-__device__ __forceinline__ int swizzle(int row, int chunk) { return row * kBK + ((chunk ^ (row & 7)) << 3); }
-
 struct Params {
-  const __nv_bfloat16* a;  // X as bf16: row r at a + r * planes * kp, hi then (planes 2) lo
-  int64_t kp;              // K padded to kBK
+  const uint8_t* a;         // the pre-pass's X: row r at a + r * a_row_bytes, hi then (Split) lo
+  int64_t a_row_bytes;      // planes * kp values
+  int64_t plane_bytes;      // kp values: lo after hi
+  const float* a_scales;    // Fp8Token: s_row per X row
+  int64_t kp;               // K padded to the stage's K
   const int64_t* row_map;
   const GemmSegment* segments;
   const GemmTile* tiles;
@@ -116,56 +141,63 @@ struct Params {
   int64_t n, k;
   bool w_vector;   // weights by cp.async (whole aligned chunks per row, see gemm())
   bool y_pairs;    // Y by float2 stores (ldy even, aligned)
-  int64_t k_slice;  // split-K: K columns per blockIdx.z, a multiple of kBK
+  int64_t k_slice;  // split-K: K columns per blockIdx.z, a multiple of the stage's K
   float* y;
   int64_t ldy, y_copy_stride;
 };
 
-// Bytes of a stage's W: a bf16 tile, or the packed slice (NVFP4: values, then the scales).
-__host__ __device__ constexpr int weight_stage_bytes(WeightFormat format, int rows) {
-  return format == WeightFormat::Plain ? rows * kBK * 2
-         : format == WeightFormat::Fp8 ? rows * kBK
-                                       : rows * (kBK / 2 + kBK / 16);
+// Bytes of a stage's W row: the MMA tile's 128 (bf16, or E4M3 with E4M3 X), or the packed
+// slice that is converted into it; NVFP4's E4M3 scales (one per 16 values) follow the rows.
+__host__ __device__ constexpr int weight_row_stage_bytes(GemmInput input, WeightFormat format) {
+  return int(weight_row_bytes(format, stage_k(input)));
+}
+__host__ __device__ constexpr int weight_stage_bytes(GemmInput input, WeightFormat format, int rows) {
+  return rows * (weight_row_stage_bytes(input, format) + (format == WeightFormat::Nvfp4 ? stage_k(input) / 16 : 0));
 }
 
 // A block tile of kBM x kBN outputs, warps of (kBM / kWarpsM) x (kBN / kWarpsN), a ring of
-// kStages K-slices (kPackedStages with packed weights, whose slices are smaller), kBlocks
-// resident per multiprocessor (shared memory allows it).
+// kStages K-slices (kPackedStages with packed weights, whose slices are smaller, and with
+// E4M3 X, whose one plane is), kBlocks resident per multiprocessor (shared memory allows it).
 template <int kBM_, int kBN_, int kWarpsM_, int kWarpsN_, int kStages_, int kPackedStages_, int kBlocks_>
 struct Shape {
   static constexpr int kBM = kBM_, kBN = kBN_, kWarpsM = kWarpsM_, kWarpsN = kWarpsN_;
   static constexpr int kBlocks = kBlocks_, kThreads = kWarpsM * kWarpsN * 32;
-  __host__ __device__ static constexpr int stages(WeightFormat format) { return format == WeightFormat::Plain ? kStages_ : kPackedStages_; }
-  // The ring, then for packed weights the bf16 tile they are converted into.
-  static constexpr int smem_bytes(int planes, WeightFormat format) {
-    const int packed_tile = format == WeightFormat::Plain ? 0 : weight_stage_bytes(WeightFormat::Plain, kBN);
-    return stages(format) * (planes * kBM * kBK * 2 + weight_stage_bytes(format, kBN)) + packed_tile;
+  __host__ __device__ static constexpr int stages(WeightFormat format) {
+    return format == WeightFormat::Plain ? kStages_ : kPackedStages_;
+  }
+  __host__ __device__ static constexpr int stage_bytes(GemmInput input, WeightFormat format) {
+    return planes(input) * kBM * kRowBytes + weight_stage_bytes(input, format, kBN);
+  }
+  // The ring, then for converted weights the bf16 tile they are converted into.
+  static constexpr int smem_bytes(GemmInput input, WeightFormat format) {
+    return stages(format) * stage_bytes(input, format) + (converts(input, format) ? kBN * kRowBytes : 0);
   }
 };
-// Shared memory with hi and lo planes, bf16 / FP8 / NVFP4 weights:
-using Small = Shape<16, 128, 1, 4, 4, 6, 2>;    // 80 / 88 / 67 KB
-using Medium = Shape<64, 128, 2, 2, 3, 3, 2>;   // 96 / 88 / 78 KB
-using Large = Shape<128, 256, 2, 4, 3, 3, 1>;   // 192 / 176 / 155 KB
+// Shared memory with hi and lo planes, bf16 / FP8 / NVFP4 weights; E4M3 X and weights:
+using Small = Shape<16, 128, 1, 4, 4, 6, 2>;    // 80 / 88 / 67 KB; 108 KB
+using Medium = Shape<64, 128, 2, 2, 3, 3, 2>;   // 96 / 88 / 78 KB; 72 KB
+using Large = Shape<128, 256, 2, 4, 3, 3, 1>;   // 192 / 176 / 155 KB; 144 KB
 
-template <class S, int kPlanes, WeightFormat kFormat>
+template <class S, GemmInput kInput, WeightFormat kFormat>
 __global__ void __launch_bounds__(S::kThreads, S::kBlocks) gemm_kernel(const Params p) {
   constexpr int kBM = S::kBM, kBN = S::kBN, kStages = S::stages(kFormat), kThreads = S::kThreads;
+  constexpr int kPlanes = planes(kInput), kBK = stage_k(kInput);
   constexpr int kWM = kBM / S::kWarpsM, kWN = kBN / S::kWarpsN;
   constexpr int kTilesM = kWM / 16, kTilesN = kWN / 8;  // m16 / n8 MMA tiles per warp
   constexpr int kARows = kPlanes * kBM;                 // A tile rows per stage: hi rows, then lo rows
-  constexpr int kABytes = kARows * kBK * 2, kStageBytes = kABytes + weight_stage_bytes(kFormat, kBN);
+  constexpr int kABytes = kARows * kRowBytes, kStageBytes = S::stage_bytes(kInput, kFormat);
   constexpr int kRowStep = kThreads / 8;  // tile rows one pass of the block's 16-byte copies covers
   constexpr int kALoads = kBM / kRowStep;
-  constexpr bool kPacked = kFormat != WeightFormat::Plain;
-  // A stage's W row: 16-byte chunks of the bf16 tile (swizzled) or of the packed slice (in order).
-  constexpr int kWRowBytes = weight_stage_bytes(kFormat, 1) - (kFormat == WeightFormat::Nvfp4 ? kBK / 16 : 0);
+  constexpr bool kConvert = converts(kInput, kFormat);
+  // A stage's W row: 16-byte chunks of the MMA tile (swizzled) or of the packed slice (in order).
+  constexpr int kWRowBytes = weight_row_stage_bytes(kInput, kFormat);
   constexpr int kWChunks = kBN * kWRowBytes / 16, kWLoads = kWChunks / kThreads;
   constexpr int kGroups = kBN * kBK / 16, kConverts = kGroups / kThreads;  // 16-value groups of a packed slice
   static_assert(kBM % kRowStep == 0 && kWChunks % kThreads == 0 && kGroups % kThreads == 0 && kTilesN % 2 == 0 &&
                     kBN <= kThreads,  // a thread per W row for NVFP4's scales
                 "tile shape");
   extern __shared__ __align__(128) uint8_t smem[];
-  __nv_bfloat16* const packed_tile = reinterpret_cast<__nv_bfloat16*>(smem + kStages * kStageBytes);
+  uint8_t* const packed_tile = smem + kStages * kStageBytes;
 
   GemmSegment seg = p.single;
   int m0 = blockIdx.y * kBM;  // dense: tiles follow blockIdx.y
@@ -180,18 +212,20 @@ __global__ void __launch_bounds__(S::kThreads, S::kBlocks) gemm_kernel(const Par
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int warp_m = warp / S::kWarpsN, warp_n = warp % S::kWarpsN;
 
+  // The X row of tile row r (< rows).
+  auto x_row = [&](int r) {
+    const int64_t i = seg.x_row + m0 + r;
+    return p.row_map ? p.row_map[i] : i;
+  };
+
   // This thread's copies: chunk tid % 8 of tile rows tid / 8 + j * kRowStep, A and W.
   const int copy_row = tid / 8, copy_chunk = tid % 8;
-  const __nv_bfloat16* a_src[kALoads];
+  const uint8_t* a_src[kALoads];
 #pragma unroll
   for (int j = 0; j < kALoads; ++j) {
     const int r = copy_row + j * kRowStep;
-    int64_t xr = 0;  // rows past the tile's end are zero-filled from a valid address
-    if (r < rows) {
-      const int64_t i = seg.x_row + m0 + r;
-      xr = p.row_map ? p.row_map[i] : i;
-    }
-    a_src[j] = p.a + xr * kPlanes * p.kp + copy_chunk * 8;
+    // rows past the tile's end are zero-filled from a valid address
+    a_src[j] = p.a + (r < rows ? x_row(r) : 0) * p.a_row_bytes + copy_chunk * 16;
   }
   const uint8_t* const w_values = static_cast<const uint8_t*>(seg.w.values);
   const int64_t w_row_bytes = weight_row_bytes(kFormat, k);
@@ -205,22 +239,19 @@ __global__ void __launch_bounds__(S::kThreads, S::kBlocks) gemm_kernel(const Par
   // Stage `stage` <- K columns [k0, k0 + kBK) of the A rows and the W rows.
   auto load_tile = [&](int stage, int64_t k0) {
     uint8_t* const base = smem + stage * kStageBytes;
-    const __nv_bfloat16* tile = reinterpret_cast<const __nv_bfloat16*>(base);
+    const int64_t a_offset = k0 * x_value_bytes(kInput);
 #pragma unroll
     for (int plane = 0; plane < kPlanes; ++plane)
 #pragma unroll
       for (int j = 0; j < kALoads; ++j) {
         const int r = copy_row + j * kRowStep;
-        cp_async16(shared_address(tile + swizzle(plane * kBM + r, copy_chunk)), a_src[j] + plane * p.kp + k0,
-                   r < rows);
+        cp_async16(shared_address(base + swizzle(plane * kBM + r, copy_chunk)),
+                   a_src[j] + plane * p.plane_bytes + a_offset, r < rows);
       }
     // W: chunk c of the slice is row c / per_row's bytes [16 * (c % per_row), +16) of the slice.
     uint8_t* const w_stage = base + kABytes;
     const int64_t slice_offset = weight_row_bytes(kFormat, k0);
-    auto w_dst = [&](int r, int chunk) {
-      return kPacked ? w_stage + r * kWRowBytes + 16 * chunk
-                     : reinterpret_cast<uint8_t*>(reinterpret_cast<__nv_bfloat16*>(w_stage) + swizzle(r, chunk));
-    };
+    auto w_dst = [&](int r, int chunk) { return kConvert ? w_stage + r * kWRowBytes + 16 * chunk : w_stage + swizzle(r, chunk); };
     if (p.w_vector) {  // whole chunks: each is all inside the row or all past it (one uniform branch)
       const bool k_ok = slice_offset + 16 * w_chunk < w_row_bytes;
 #pragma unroll
@@ -269,40 +300,57 @@ __global__ void __launch_bounds__(S::kThreads, S::kBlocks) gemm_kernel(const Par
     }
   };
 
-  // The warp's MMAs over one stage: 4 K steps of 16, each hi then lo per output tile.
+  // The warp's MMAs over one stage: 4 K steps of 32 bytes, each one bf16 MMA per plane (hi
+  // then lo) or two fp16 ones (E4M3 halves, gemm_tile.cuh) per output tile. The W
+  // fragments of a step are loaded all at once, or with E4M3 (unpacked to twice the
+  // registers) one n16 pair at a time, which leaves registers for the accumulators.
+  constexpr int kHalves = kInput == GemmInput::Fp8Token ? 2 : 1;
+  constexpr int kPairsPerLoad = kInput == GemmInput::Fp8Token ? 1 : kTilesN / 2;
   float acc[kTilesM][kTilesN][4] = {};
   auto compute = [&](int stage) {
     const uint8_t* const base = smem + stage * kStageBytes;
-    const uint32_t a_base = shared_address(base),
-                   w_base = shared_address(kPacked ? reinterpret_cast<const uint8_t*>(packed_tile) : base + kABytes);
+    const uint32_t a_base = shared_address(base), w_base = shared_address(kConvert ? packed_tile : base + kABytes);
 #pragma unroll
-    for (int ks = 0; ks < kBK / 16; ++ks) {
-      // A (m16 x k16): lanes 0-15 give rows 0-15 at k 0-7, lanes 16-31 the same rows at
-      // k 8-15: registers a0..a3 = (rows 0-7, k 0-7), (8-15, 0-7), (0-7, 8-15), (8-15, 8-15).
-      uint32_t a[kPlanes][kTilesM][4];
+    for (int ks = 0; ks < kRowBytes / 32; ++ks) {
+      uint32_t a[kPlanes][kTilesM][kHalves][4];
 #pragma unroll
       for (int plane = 0; plane < kPlanes; ++plane)
 #pragma unroll
         for (int mt = 0; mt < kTilesM; ++mt) {
-          const int r = plane * kBM + warp_m * kWM + mt * 16 + (lane & 15);
-          ldmatrix_x4(a[plane][mt], a_base + 2 * swizzle(r, ks * 2 + (lane >> 4)));
+          uint32_t r[4];
+          ldmatrix_x4(r, a_base + swizzle(a_fragment_row(plane * kBM + warp_m * kWM + mt * 16, lane),
+                                          a_fragment_chunk(ks, lane)));
+          if constexpr (kHalves == 2) e4m3_a_halves(r, a[plane][mt], e4m3x4_to_f16);
+          else for (int i = 0; i < 4; ++i) a[plane][mt][0][i] = r[i];
         }
-      // W (k16 x n8 pairs): lanes 0-7 give n 0-7 at k 0-7, lanes 8-15 n 0-7 at k 8-15,
-      // lanes 16-31 the same for n 8-15: b[nt] = {k 0-7, k 8-15} of each n8 tile.
-      uint32_t b[kTilesN][2];
 #pragma unroll
-      for (int np = 0; np < kTilesN / 2; ++np) {
-        const int r = warp_n * kWN + np * 16 + (lane & 7) + ((lane >> 4) << 3);
-        uint32_t q[4];
-        ldmatrix_x4(q, w_base + 2 * swizzle(r, ks * 2 + ((lane >> 3) & 1)));
-        b[2 * np][0] = q[0], b[2 * np][1] = q[1], b[2 * np + 1][0] = q[2], b[2 * np + 1][1] = q[3];
+      for (int np0 = 0; np0 < kTilesN / 2; np0 += kPairsPerLoad) {
+        uint32_t b[2 * kPairsPerLoad][kHalves][2];  // n8 tiles 2 np0..
+#pragma unroll
+        for (int np = 0; np < kPairsPerLoad; ++np) {
+          uint32_t q[4];  // {0, 1}: the first n8 tile's, {2, 3}: the second's
+          ldmatrix_x4(q, w_base + swizzle(b_fragment_row(warp_n * kWN + (np0 + np) * 16, lane),
+                                          b_fragment_chunk(ks, lane)));
+          if constexpr (kHalves == 2) {
+            e4m3_b_halves(q, b[2 * np], e4m3x4_to_f16);
+            e4m3_b_halves(q + 2, b[2 * np + 1], e4m3x4_to_f16);
+          } else {
+            b[2 * np][0][0] = q[0], b[2 * np][0][1] = q[1], b[2 * np + 1][0][0] = q[2], b[2 * np + 1][0][1] = q[3];
+          }
+        }
+#pragma unroll
+        for (int mt = 0; mt < kTilesM; ++mt)
+#pragma unroll
+          for (int nt = 0; nt < 2 * kPairsPerLoad; ++nt)
+#pragma unroll
+            for (int half = 0; half < kHalves; ++half)
+#pragma unroll
+              for (int plane = 0; plane < kPlanes; ++plane) {
+                float* const c = acc[mt][2 * np0 + nt];
+                if constexpr (kHalves == 2) mma_f16(c, a[plane][mt][half], b[nt][half]);
+                else mma_bf16(c, a[plane][mt][half], b[nt][half]);
+              }
       }
-#pragma unroll
-      for (int mt = 0; mt < kTilesM; ++mt)
-#pragma unroll
-        for (int nt = 0; nt < kTilesN; ++nt)
-#pragma unroll
-          for (int plane = 0; plane < kPlanes; ++plane) mma_bf16(acc[mt][nt], a[plane][mt], b[nt]);
     }
   };
 
@@ -326,7 +374,7 @@ __global__ void __launch_bounds__(S::kThreads, S::kBlocks) gemm_kernel(const Par
     const int next = t + kStages - 1;
     if (next < k_tiles) load_tile(next % kStages, k_begin + int64_t(next) * kBK);
     cp_async_commit();
-    if constexpr (kPacked) {
+    if constexpr (kConvert) {
       convert(t % kStages);
       __syncthreads();
     }
@@ -335,8 +383,9 @@ __global__ void __launch_bounds__(S::kThreads, S::kBlocks) gemm_kernel(const Par
 
   // Accumulator (m16 x n8): registers 0-1 at row lane / 4, 2-3 at row lane / 4 + 8,
   // columns 2 * (lane % 4) + {0, 1}. Packed weights: times FP8's row scale, or over NVFP4's
-  // global scale, as packed_weight.h dequantizes.
-  auto rescale = [&](float v, int64_t c) {
+  // global scale, as packed_weight.h dequantizes; E4M3 X: first times its row's scale.
+  auto rescale = [&](float v, float x_scale, int64_t c) {
+    if constexpr (kInput == GemmInput::Fp8Token) return v * x_scale * seg.w.row_scales[c];
     if constexpr (kFormat == WeightFormat::Fp8) return v * seg.w.row_scales[c];
     if constexpr (kFormat == WeightFormat::Nvfp4) return v / seg.w.row_scales[c];
     return v;
@@ -352,8 +401,9 @@ __global__ void __launch_bounds__(S::kThreads, S::kBlocks) gemm_kernel(const Par
         const int64_t c = n0 + warp_n * kWN + nt * 8 + (lane & 3) * 2;
         if (r >= rows) continue;
         float* dst = y + (seg.y_row + m0 + r) * p.ldy + c;
-        const float v0 = c < n ? rescale(acc[mt][nt][half * 2], c) : 0.0f;
-        const float v1 = c + 1 < n ? rescale(acc[mt][nt][half * 2 + 1], c + 1) : 0.0f;
+        const float x_scale = kInput == GemmInput::Fp8Token ? p.a_scales[x_row(r)] : 1.0f;
+        const float v0 = c < n ? rescale(acc[mt][nt][half * 2], x_scale, c) : 0.0f;
+        const float v1 = c + 1 < n ? rescale(acc[mt][nt][half * 2 + 1], x_scale, c + 1) : 0.0f;
         if (p.y_pairs && c + 1 < n) {
           *reinterpret_cast<float2*>(dst) = make_float2(v0, v1);
         } else {
@@ -390,6 +440,34 @@ __global__ void split_kernel(const float* __restrict__ x, int64_t ldx, int64_t r
   if (kPlanes == 2) *reinterpret_cast<uint4*>(dst + kp) = lo;
 }
 
+// FP8 per token, a block of one warp per row (a few hundred rows still spread over every
+// multiprocessor): the row's scale, then its E4M3 codes, 4 a lane at a time (one 4-byte
+// store), zero past k up to kp (a multiple of 128).
+__global__ void __launch_bounds__(32) fp8_codes_kernel(const float* __restrict__ x, int64_t ldx, int64_t k,
+                                                       int64_t kp, bool vector, uint8_t* __restrict__ codes,
+                                                       float* __restrict__ scales) {
+  const int64_t row = blockIdx.x;
+  const int lane = threadIdx.x;
+  const float* src = x + row * ldx;
+  const float scale = warp_fp8_token_scale(src, k);
+  if (lane == 0) scales[row] = scale;
+  uint32_t* dst = reinterpret_cast<uint32_t*>(codes + row * kp);
+  for (int64_t c = 4 * lane; c < kp; c += 128) {
+    float v[4];
+    if (vector && c + 4 <= k) {
+      const float4 f = *reinterpret_cast<const float4*>(src + c);
+      v[0] = f.x, v[1] = f.y, v[2] = f.z, v[3] = f.w;
+    } else {
+#pragma unroll
+      for (int j = 0; j < 4; ++j) v[j] = c + j < k ? src[c + j] : 0.0f;
+    }
+    uint32_t word = 0;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) word |= uint32_t(e4m3_code(quantize_e4m3(v[j], scale))) << (8 * j);
+    dst[c / 4] = word;
+  }
+}
+
 // y[i] = sum over copies c of partial[c][i], in copy order.
 __global__ void sum_copies_kernel(const float* partial, int copies, int64_t n, float* y) {
   const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
@@ -399,22 +477,28 @@ __global__ void sum_copies_kernel(const float* partial, int copies, int64_t n, f
   y[i] = acc;
 }
 
-template <class S, int kPlanes, WeightFormat kFormat>
+template <class S, GemmInput kInput, WeightFormat kFormat>
 void launch(const Params& p, dim3 grid, cudaStream_t stream) {
-  constexpr int bytes = S::smem_bytes(kPlanes, kFormat);
-  cudaFuncSetAttribute(gemm_kernel<S, kPlanes, kFormat>, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
-  gemm_kernel<S, kPlanes, kFormat><<<grid, S::kThreads, bytes, stream>>>(p);
+  constexpr int bytes = S::smem_bytes(kInput, kFormat);
+  cudaFuncSetAttribute(gemm_kernel<S, kInput, kFormat>, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+  gemm_kernel<S, kInput, kFormat><<<grid, S::kThreads, bytes, stream>>>(p);
 }
 
-// round_x (linear_nt's soft embedding) only ever multiplies plain weights.
+// RoundBf16 (linear_nt's soft embedding) only ever multiplies plain weights, Fp8Token FP8 ones.
 template <class S>
-void launch_shape(const Params& p, bool round_x, WeightFormat format, int64_t num_tiles, int splits,
+void launch_shape(const Params& p, GemmInput input, WeightFormat format, int64_t num_tiles, int splits,
                   cudaStream_t stream) {
   const dim3 grid{unsigned((p.n + S::kBN - 1) / S::kBN), unsigned(num_tiles), unsigned(splits)};
-  if (round_x) launch<S, 1, WeightFormat::Plain>(p, grid, stream);
-  else if (format == WeightFormat::Fp8) launch<S, 2, WeightFormat::Fp8>(p, grid, stream);
-  else if (format == WeightFormat::Nvfp4) launch<S, 2, WeightFormat::Nvfp4>(p, grid, stream);
-  else launch<S, 2, WeightFormat::Plain>(p, grid, stream);
+  if (input == GemmInput::RoundBf16) launch<S, GemmInput::RoundBf16, WeightFormat::Plain>(p, grid, stream);
+  else if (input == GemmInput::Fp8Token) launch<S, GemmInput::Fp8Token, WeightFormat::Fp8>(p, grid, stream);
+  else if (format == WeightFormat::Fp8) launch<S, GemmInput::Split, WeightFormat::Fp8>(p, grid, stream);
+  else if (format == WeightFormat::Nvfp4) launch<S, GemmInput::Split, WeightFormat::Nvfp4>(p, grid, stream);
+  else launch<S, GemmInput::Split, WeightFormat::Plain>(p, grid, stream);
+}
+
+// Fp8Token's scratch: the codes, then (16-byte aligned) the scales.
+size_t codes_bytes(int64_t x_rows, int64_t k) {
+  return (size_t(x_rows) * size_t(padded_k(k, GemmInput::Fp8Token)) + 15) / 16 * 16;
 }
 
 }  // namespace
@@ -426,24 +510,38 @@ int gemm_tile_rows(int64_t rows_per_segment, int64_t segments, int64_t n) {
   return rows_per_segment >= 192 && large_tiles >= 2 * multiprocessors() ? 128 : 64;
 }
 
-size_t gemm_scratch_bytes(int64_t x_rows, int64_t k, bool round_x) {
-  return sizeof(__nv_bfloat16) * size_t(x_rows) * (round_x ? 1 : 2) * size_t(padded_k(k));
+size_t gemm_scratch_bytes(int64_t x_rows, int64_t k, GemmInput input) {
+  if (input == GemmInput::Fp8Token) return codes_bytes(x_rows, k) + sizeof(float) * size_t(x_rows);
+  return sizeof(__nv_bfloat16) * size_t(x_rows) * planes(input) * size_t(padded_k(k, input));
+}
+
+void fp8_token_codes(const float* x, int64_t rows, int64_t ldx, int64_t k, int64_t ld_codes, uint8_t* codes,
+                     float* scales, cudaStream_t stream) {
+  if (rows <= 0) return;
+  if (ld_codes % 128 || ld_codes < k) throw std::invalid_argument("fp8_token_codes: code rows of a multiple of 128 >= K");
+  const bool vector = ldx % 4 == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0;
+  fp8_codes_kernel<<<unsigned(rows), 32, 0, stream>>>(x, ldx, k, ld_codes, vector, codes, scales);
 }
 
 void gemm(const float* x, int64_t x_rows, int64_t ldx, const int64_t* row_map, const GemmSegment* segments,
-          const GemmTile* tiles, int num_tiles, int tile_rows, WeightFormat format, int64_t n, int64_t k, bool round_x,
-          float* y, int64_t ldy, void* scratch, cudaStream_t stream) {
-  if (round_x && format != WeightFormat::Plain) throw std::invalid_argument("gemm: round_x takes bf16 weights");
+          const GemmTile* tiles, int num_tiles, int tile_rows, WeightFormat format, int64_t n, int64_t k,
+          GemmInput input, float* y, int64_t ldy, void* scratch, cudaStream_t stream) {
+  if (input == GemmInput::RoundBf16 && format != WeightFormat::Plain)
+    throw std::invalid_argument("gemm: RoundBf16 takes bf16 weights");
+  if (input == GemmInput::Fp8Token && format != WeightFormat::Fp8)
+    throw std::invalid_argument("gemm: Fp8Token takes FP8 weights");
   if (format == WeightFormat::Nvfp4 && k % 16) throw std::invalid_argument("gemm: NVFP4 weights need K % 16 == 0");
   if (num_tiles <= 0 || n <= 0) return;
-  const int64_t kp = padded_k(k);
-  auto* a = static_cast<__nv_bfloat16*>(scratch);
+  const int64_t kp = padded_k(k, input), bk = stage_k(input);
+  auto* a = static_cast<uint8_t*>(scratch);
+  float* const a_scales = input == GemmInput::Fp8Token ? reinterpret_cast<float*>(a + codes_bytes(x_rows, k)) : nullptr;
   if (x_rows > 0 && kp > 0) {
-    const int64_t threads = x_rows * (kp / 8);
     const bool vector = ldx % 4 == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0;
-    const unsigned blocks = unsigned((threads + 255) / 256);
-    if (round_x) split_kernel<1><<<blocks, 256, 0, stream>>>(x, ldx, x_rows, k, kp, vector, a);
-    else split_kernel<2><<<blocks, 256, 0, stream>>>(x, ldx, x_rows, k, kp, vector, a);
+    const unsigned blocks = unsigned((x_rows * (kp / 8) + 255) / 256);
+    auto* bf16 = reinterpret_cast<__nv_bfloat16*>(a);
+    if (input == GemmInput::Fp8Token) fp8_token_codes(x, x_rows, ldx, k, kp, a, a_scales, stream);
+    else if (input == GemmInput::RoundBf16) split_kernel<1><<<blocks, 256, 0, stream>>>(x, ldx, x_rows, k, kp, vector, bf16);
+    else split_kernel<2><<<blocks, 256, 0, stream>>>(x, ldx, x_rows, k, kp, vector, bf16);
   }
 
   // With `tiles` null, `segments` is a host pointer to the single segment, passed by value.
@@ -458,7 +556,7 @@ void gemm(const float* x, int64_t x_rows, int64_t ldx, const int64_t* row_map, c
   int64_t k_slice = kp;
   if (!tiles && ldy == n && n_tiles * num_tiles < target && k >= 8192) {
     splits = int(std::min<int64_t>({target / (n_tiles * num_tiles), k / 2048, 64}));
-    k_slice = (kp / splits + kBK - 1) / kBK * kBK;
+    k_slice = (kp / splits + bk - 1) / bk * bk;
     splits = int((kp + k_slice - 1) / k_slice);
   }
   float* out = y;
@@ -474,6 +572,9 @@ void gemm(const float* x, int64_t x_rows, int64_t ldx, const int64_t* row_map, c
 
   Params p{};
   p.a = a;
+  p.a_row_bytes = planes(input) * kp * x_value_bytes(input);
+  p.plane_bytes = kp * x_value_bytes(input);
+  p.a_scales = a_scales;
   p.kp = kp;
   p.row_map = row_map;
   p.segments = tiles ? segments : nullptr;
@@ -491,9 +592,9 @@ void gemm(const float* x, int64_t x_rows, int64_t ldx, const int64_t* row_map, c
   p.y = out;
   p.ldy = ldy;
   p.y_copy_stride = copy_stride;
-  if (tile_rows == 16) launch_shape<Small>(p, round_x, format, num_tiles, splits, stream);
-  else if (tile_rows == 128) launch_shape<Large>(p, round_x, format, num_tiles, splits, stream);
-  else launch_shape<Medium>(p, round_x, format, num_tiles, splits, stream);
+  if (tile_rows == 16) launch_shape<Small>(p, input, format, num_tiles, splits, stream);
+  else if (tile_rows == 128) launch_shape<Large>(p, input, format, num_tiles, splits, stream);
+  else launch_shape<Medium>(p, input, format, num_tiles, splits, stream);
   if (splits > 1)
     sum_copies_kernel<<<unsigned((copy_stride + 255) / 256), 256, 0, stream>>>(out, splits, copy_stride, y);
 }

@@ -258,10 +258,7 @@ __global__ void quantize_fp8_rows_kernel(float* x, int64_t rows, int64_t cols) {
   if (row >= rows) return;  // whole warps: blocks are whole warps
   const int lane = threadIdx.x & 31;
   float* v = x + row * cols;
-  float amax = 0.0f;
-  for (int64_t j = lane; j < cols; j += 32) amax = fmaxf(amax, fabsf(v[j]));
-  for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-  const float scale = fp8_token_scale(amax);
+  const float scale = warp_fp8_token_scale(v, cols);
   for (int64_t j = lane; j < cols; j += 32) v[j] = fake_quantize_e4m3(v[j], scale);
 }
 

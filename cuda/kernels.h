@@ -17,14 +17,20 @@ namespace diffuserve::cuda {
 // One matrix product per segment, all in one launch:
 //   Y[y_row + i] = X[x(i)] @ W_seg^T   (W_seg: [N, K], K contiguous)
 // with x(i) = row_map ? row_map[x_row + i] : x_row + i, X: x_rows rows of K values, ldx
-// apart. X enters the tensor cores as a bf16 hi/lo pair (fp32-like precision), or with
-// round_x as bf16(X) alone (Y = round_bf16(X) @ W^T); accumulation is fp32. W is bf16, or
+// apart, entering the tensor cores as GemmInput says; accumulation is fp32. W is bf16, or
 // packed (`format`, packed_weight.h) and dequantized in the kernel: Y = (X @ Q^T) * scale
-// per column for FP8, (X @ (E2M1 * group scale)^T) / global scale for NVFP4 (not with
-// round_x). `scratch` is gemm_scratch_bytes(x_rows, k, round_x) bytes of device memory that
-// the call may use until it is done on `stream`. Weight rows whose bytes are a multiple of
-// 16 (and NVFP4 scale rows of 4) must start 16 (4)-byte aligned, as they do at multiples of
-// a matrix's size from an allocation.
+// per column for FP8, (X @ (E2M1 * group scale)^T) / global scale for NVFP4 (Split only).
+// `scratch` is gemm_scratch_bytes(x_rows, k, input) bytes of device memory that the call
+// may use until it is done on `stream`. Weight rows whose bytes are a multiple of 16 (and
+// NVFP4 scale rows of 4) must start 16 (4)-byte aligned, as they do at multiples of a
+// matrix's size from an allocation.
+enum class GemmInput {
+  Split,      // X as a bf16 hi/lo pair: fp32-like precision
+  RoundBf16,  // bf16(X) alone: Y = round_bf16(X) @ W^T (bf16 weights)
+  // FP8 per token (FP8 weights): Y = (fake-quantized X) @ W^T, the fp32 product of
+  // quantize_input's FP8 values, computed from E4M3 codes on the FP8 tensor cores.
+  Fp8Token,
+};
 struct GemmMatrix {
   const void* values;           // bf16 or E4M3 [N, K]; NVFP4 [N, K / 2]
   const float* row_scales;      // packed: FP8's scale, NVFP4's global scale, per row (Weight::row_scales)
@@ -37,7 +43,7 @@ struct GemmSegment {
   GemmMatrix w;
 };
 // Bytes of one W row of K values.
-DS_HOST_DEVICE inline int64_t weight_row_bytes(WeightFormat format, int64_t k) {
+DS_HOST_DEVICE constexpr int64_t weight_row_bytes(WeightFormat format, int64_t k) {
   return format == WeightFormat::Plain ? 2 * k : format == WeightFormat::Fp8 ? k : k / 2;
 }
 // An [E, N, K] stack of matrices; expert(e) is the e-th.
@@ -58,10 +64,15 @@ struct GemmTile {
 // The tile height (16, 64 or 128 rows) that suits `segments` segments of about
 // `rows_per_segment` rows each and N = n; GemmTile::m0 steps by it.
 int gemm_tile_rows(int64_t rows_per_segment, int64_t segments, int64_t n);
-size_t gemm_scratch_bytes(int64_t x_rows, int64_t k, bool round_x);
+size_t gemm_scratch_bytes(int64_t x_rows, int64_t k, GemmInput input);
 void gemm(const float* x, int64_t x_rows, int64_t ldx, const int64_t* row_map, const GemmSegment* segments,
-          const GemmTile* tiles, int num_tiles, int tile_rows, WeightFormat format, int64_t n, int64_t k, bool round_x,
-          float* y, int64_t ldy, void* scratch, cudaStream_t stream);
+          const GemmTile* tiles, int num_tiles, int tile_rows, WeightFormat format, int64_t n, int64_t k,
+          GemmInput input, float* y, int64_t ldy, void* scratch, cudaStream_t stream);
+// Fp8Token's pre-pass, for gemm() and its tests: per row of X (rows x k, ldx apart), the
+// FP8 token scale into scales[row] and the E4M3 codes of x / scale (activation_quant.h's
+// quantize_e4m3) into codes + row * ld_codes, zero from k to ld_codes (a multiple of 128).
+void fp8_token_codes(const float* x, int64_t rows, int64_t ldx, int64_t k, int64_t ld_codes, uint8_t* codes,
+                     float* scales, cudaStream_t stream);
 // out[N, K] = in[K, N]^T (bf16).
 void transpose_bf16(const __nv_bfloat16* in, int64_t k, int64_t n, __nv_bfloat16* out, cudaStream_t stream);
 // The router of one MoE layer, per token: rms_norm(x) * scale * hidden^-0.5, scores in

@@ -1,5 +1,6 @@
-// The tensor-core building blocks the GEMM and the attention share: one bf16
-// m16n8k16 MMA with fp32 accumulation, and splitting fp32 pairs into bf16 hi/lo parts.
+// The tensor-core building blocks the GEMM and the attention share: bf16 and fp16
+// m16n8k16 MMAs with fp32 accumulation, E4M3 -> fp16 unpacking, and splitting fp32 pairs
+// into bf16 hi/lo parts.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -15,6 +16,24 @@ __device__ __forceinline__ void mma_bf16(float* c, const uint32_t* a, const uint
       "{%0,%1,%2,%3};\n"
       : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+// c[16x8] += a[16x16] * b[16x8] (fp16 in, fp32 accumulate), register fragments as PTX lays them out.
+__device__ __forceinline__ void mma_f16(float* c, const uint32_t* a, const uint32_t* b) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+// Four E4M3 values (the first in the low byte) as two fp16 pairs, exactly (every E4M3
+// value is an fp16 one): lo = values 0, 1 and hi = values 2, 3. One cvt per pair, reading
+// its half of the register in place.
+__device__ __forceinline__ void e4m3x4_to_f16(uint32_t codes, uint32_t& lo, uint32_t& hi) {
+  asm("{\n .reg .b16 l, h;\n mov.b32 {l, h}, %2;\n cvt.rn.f16x2.e4m3x2 %0, l;\n cvt.rn.f16x2.e4m3x2 %1, h;\n}\n"
+      : "=r"(lo), "=r"(hi)
+      : "r"(codes));
 }
 
 // Two floats as packed bf16 hi parts and lo parts (x - hi), the lower column in the low half.

@@ -8,6 +8,8 @@
 
 #include <cfloat>
 #include <cmath>
+#include <cstdint>
+#include <cstring>
 
 #include "philox.h"  // DS_HOST_DEVICE
 
@@ -47,6 +49,17 @@ DS_HOST_DEVICE inline float fp8_token_scale(float amax) {
   return scale == 0.0f ? FLT_EPSILON : scale;
 }
 
+#ifdef __CUDACC__
+// The FP8 token scale of a row of `cols` values, by one warp (every lane gets it).
+__device__ inline float warp_fp8_token_scale(const float* row, int64_t cols) {
+  const int lane = threadIdx.x & 31;
+  float amax = 0.0f;
+  for (int64_t j = lane; j < cols; j += 32) amax = fmaxf(amax, fabsf(row[j]));
+  for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+  return fp8_token_scale(amax);
+}
+#endif
+
 // NVFP4: the scale a group of 16 values is divided by: amax / 6 under the linear's global
 // scale, rounded to E4M3 (an all-zero group gets E4M3's eps, 0.125), over the global scale.
 DS_HOST_DEVICE inline float nvfp4_group_scale(float amax, float global_scale) {
@@ -55,10 +68,25 @@ DS_HOST_DEVICE inline float nvfp4_group_scale(float amax, float global_scale) {
   return scale / global_scale;
 }
 
-// x quantized with `scale` to E4M3 or to E2M1, and dequantized.
-DS_HOST_DEVICE inline float fake_quantize_e4m3(float x, float scale) {
-  return round_e4m3(fminf(fmaxf(x / scale, -448.0f), 448.0f)) * scale;
+// x quantized with `scale` to E4M3: the E4M3 value (what an FP8 kernel multiplies).
+DS_HOST_DEVICE inline float quantize_e4m3(float x, float scale) {
+  return round_e4m3(fminf(fmaxf(x / scale, -448.0f), 448.0f));
 }
+
+// The float8_e4m3fn byte of v, an E4M3 value (as quantize_e4m3 returns): sign, 4 exponent
+// bits (bias 7), 3 mantissa bits; below 2^-6 the subnormals, multiples of 2^-9.
+DS_HOST_DEVICE inline uint8_t e4m3_code(float v) {
+  uint32_t bits;
+  memcpy(&bits, &v, 4);
+  const uint32_t sign = (bits >> 24) & 0x80;
+  const float a = fabsf(v);
+  if (a < 0.015625f) return uint8_t(sign | uint32_t(a * 512.0f));
+  const uint32_t exponent = ((bits >> 23) & 0xff) - 127 + 7, mantissa = (bits >> 20) & 7;
+  return uint8_t(sign | exponent << 3 | mantissa);
+}
+
+// x quantized with `scale` to E4M3 or to E2M1, and dequantized.
+DS_HOST_DEVICE inline float fake_quantize_e4m3(float x, float scale) { return quantize_e4m3(x, scale) * scale; }
 DS_HOST_DEVICE inline float fake_quantize_e2m1(float x, float scale) {
   return round_e2m1(fminf(fmaxf(x / scale, -6.0f), 6.0f)) * scale;
 }

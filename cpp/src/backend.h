@@ -144,6 +144,16 @@ class Backend {
   virtual void embed(const Weight& table, const std::vector<int32_t>& ids, float scale, Activation& out) = 0;
   // y = x @ w^T; w is [N, K] (or expert `expert` of an [E, N, K] stack).
   virtual void linear(const Activation& x, const Weight& w, Activation& y, int expert = -1) = 0;
+  // y = q(x) @ w^T, q(x) x quantized as w.input_quant says (not None; rows below
+  // `encoder_rows` are the encoder's), x left as it is (it feeds other linears too): by
+  // default linear on a copy of x through quantize_input; a backend may quantize inside
+  // the product instead.
+  virtual void quantized_linear(const Activation& x, const Weight& w, Activation& y, int64_t encoder_rows) {
+    Activation quantized = alloc(x.rows, x.cols);
+    copy_rows(x, 0, quantized, 0, x.rows);
+    quantize_input(quantized, w.input_quant, encoder_rows, -1);
+    linear(quantized, w, y);
+  }
   // y = x @ w; w is [K, N]. Rows of x are first rounded to w's dtype, as the reference
   // casts probabilities to the weight dtype before this product.
   virtual void linear_nt(const Activation& x, const Weight& w, Activation& y) = 0;

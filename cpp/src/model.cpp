@@ -423,14 +423,11 @@ void load_weights(ModelState& m, DType as) {
 
 namespace {
 
-// y = x @ w^T, x first quantized (in a copy: x feeds other linears too) when the checkpoint
-// quantizes this linear's input. Rows of x below `encoder_rows` are the encoder's.
+// y = x @ w^T, x first quantized when the checkpoint quantizes this linear's input. Rows
+// of x below `encoder_rows` are the encoder's.
 void linear(Backend& be, const Activation& x, const Weight& w, Activation& y, int64_t encoder_rows) {
   if (w.input_quant.scheme == ActivationScheme::None) return be.linear(x, w, y);
-  Activation quantized = be.alloc(x.rows, x.cols);
-  be.copy_rows(x, 0, quantized, 0, x.rows);
-  be.quantize_input(quantized, w.input_quant, encoder_rows, -1);
-  be.linear(quantized, w, y);
+  be.quantized_linear(x, w, y, encoder_rows);
 }
 
 // K and V of `x` for one layer: k_norm + RoPE on K; V is v_proj(x) (or, on full-attention
