@@ -1,6 +1,6 @@
 """Denoise-step latency on a GPU at DiffusionGemma-26B-A4B's real text shapes (random weights).
 
-    python benchmarks/step_latency.py [--quick] [--hf] [--quantization fp8|nvfp4]
+    python benchmarks/step_latency.py [--quick] [--hf] [--quantization fp8|fp8-dynamic|nvfp4]
 
 Rows: ms per denoise step (one batched forward pass plus the sampler, through the
 engine) and per commit, at batch 1/4/16 and context 1K/8K/32K; output tokens/s at 16
@@ -51,7 +51,7 @@ def write_config(path):
 
 # Bytes per weight of the linears: bf16; FP8 (its fp32 scale per row is negligible); NVFP4
 # (half a byte, and an E4M3 scale per 16).
-LINEAR_BYTES = {"bf16": 2, "fp8": 1, "nvfp4": 0.5 + 1 / 16}
+LINEAR_BYTES = {"bf16": 2, "fp8": 1, "fp8-dynamic": 1, "nvfp4": 0.5 + 1 / 16}
 
 
 def weight_bytes(quantization="bf16"):

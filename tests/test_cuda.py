@@ -41,13 +41,14 @@ def path(request, tmp_path_factory):
                                    seed=7, **SHAPES[request.param])
 
 
-def compare(cpu, gpu, where, rel_tol=REL_TOL, min_agreement=MIN_AGREEMENT):
+def compare(cpu, gpu, where, rel_tol=REL_TOL, min_agreement=MIN_AGREEMENT, mean_tol=None):
     scale = np.abs(cpu).max()
     rel = np.abs(cpu - gpu).max() / scale
+    mean = np.abs(cpu - gpu).mean() / np.abs(cpu).mean()
     agree = (cpu.argmax(-1) == gpu.argmax(-1)).mean()
-    print(f"{where}: max |diff| / range {rel:.2e}, argmax agreement {agree:.3f}")
+    print(f"{where}: max |diff| / range {rel:.2e}, mean |diff| / mean {mean:.2e}, argmax agreement {agree:.3f}")
     assert np.isfinite(gpu).all(), where
-    assert rel <= rel_tol and agree >= min_agreement, where
+    assert rel <= rel_tol and agree >= min_agreement and (mean_tol is None or mean <= mean_tol), where
 
 
 def test_passes_match_cpu(path):
@@ -91,9 +92,10 @@ def test_generate_agrees_with_cpu_and_is_batch_invariant(path):
 # the packed values, each row's scale applied after the sum; the CPU the values dequantized
 # as it reads them), so weight-only quantization agrees as bf16 weights do. Where the
 # activations are quantized to FP8 too, an activation that the two sums put on either side
-# of a rounding boundary takes the neighbouring E4M3 step (up to 1/8 of its value): those
-# passes agree to about 1% of the logit range.
-FP8_ACTIVATIONS = dict(rel_tol=2e-2, min_agreement=0.85)
+# of a rounding boundary takes the neighbouring E4M3 step (up to 1/8 of its value), and the
+# layers after carry that on: a few logits move by several percent of the range, so the
+# check is on the mean difference, with a loose bound on the largest.
+FP8_ACTIVATIONS = dict(rel_tol=0.15, min_agreement=0.85, mean_tol=1e-2)
 
 
 def run_blocks(cpu, gpu, vocab, canvas_length, label, **tolerances):
@@ -124,11 +126,12 @@ def test_quantized_checkpoint_matches_cpu(scheme):
                **(FP8_ACTIVATIONS if scheme == "FP8_DYNAMIC" else {}))
 
 
-@pytest.mark.parametrize("quantization", ["fp8", "nvfp4"])
+@pytest.mark.parametrize("quantization", ["fp8", "fp8-dynamic", "nvfp4"])
 @pytest.mark.parametrize("shape", ["real_head_dims", "head_dims_64_128"])
 def test_dummy_quantized_model_matches_cpu(tmp_path, quantization, shape):
     """load_format="dummy" with packed FP8 / NVFP4 linears: the same random draws on both backends."""
     path = write_random_checkpoint(tmp_path / "m", canvas_length=32, dtype="bfloat16", seed=7, **SHAPES[shape])
     cpu = ds.Model.load(path, load_format="dummy", quantization=quantization)
     gpu = ds.Model.load(path, device="cuda", load_format="dummy", quantization=quantization)
-    run_blocks(cpu.sequence(), gpu.sequence(), cpu.vocab_size, 32, f"dummy {quantization} {shape}")
+    run_blocks(cpu.sequence(), gpu.sequence(), cpu.vocab_size, 32, f"dummy {quantization} {shape}",
+               **(FP8_ACTIVATIONS if quantization == "fp8-dynamic" else {}))

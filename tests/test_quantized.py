@@ -267,7 +267,7 @@ def test_quantized_weights_do_not_depend_on_the_dtype(tmp_path, scheme):
     np.testing.assert_array_equal(logits[0], logits[1])
 
 
-@pytest.mark.parametrize("quantization", ["fp8", "nvfp4"])
+@pytest.mark.parametrize("quantization", ["fp8", "fp8-dynamic", "nvfp4"])
 def test_dummy_weights_can_be_quantized(quantization):
     """load_format="dummy" with a quantization: the linears' random weights are packed
     (here dequantized by the CPU backend as it multiplies them); the same draws each time,
@@ -285,9 +285,24 @@ def test_dummy_weights_can_be_quantized(quantization):
     assert 0.2 < quantized[0].std() / plain.std() < 5
 
 
+def test_dummy_fp8_dynamic_quantizes_the_inputs():
+    """"fp8-dynamic": the same FP8 weights as "fp8", the linears' inputs rounded to FP8 per
+    token as well: a different pass of the same size. (The random model carries the
+    rounding through its layers, so the two differ by far more than one rounding.)"""
+    path = os.path.join(FIXTURES, "base")
+    out = {}
+    for q in ("fp8", "fp8-dynamic"):
+        seq = ds.Model.load(path, dtype="float32", load_format="dummy", quantization=q).sequence()
+        seq.prefill(np.arange(3, 20))
+        out[q] = seq.denoise(np.arange(8))
+    assert np.isfinite(out["fp8-dynamic"]).all()
+    assert np.abs(out["fp8"] - out["fp8-dynamic"]).max() > 1e-3 * np.abs(out["fp8"]).max()
+    assert 0.5 < out["fp8-dynamic"].std() / out["fp8"].std() < 2
+
+
 @pytest.mark.parametrize("args, message", [
     (dict(quantization="fp8"), "quantization 'fp8' is for load_format 'dummy'"),
-    (dict(load_format="dummy", quantization="int4"), "quantization 'int4' is not supported (use fp8 or nvfp4)"),
+    (dict(load_format="dummy", quantization="int4"), "quantization 'int4' is not supported (use fp8, fp8-dynamic or nvfp4)"),
 ])
 def test_dummy_quantization_errors(args, message):
     with pytest.raises(ValueError, match=re.escape(message)):

@@ -106,7 +106,8 @@ class TensorSource {
 
   // A linear layer's weight `<module>.weight`, with its input quantization.
   Weight linear(const std::string& name, const std::vector<int64_t>& shape) {
-    Weight w = dummy() ? dummy_linear(shape) : is_packed(name) ? upload(packed(name, shape)) : weight(name, shape);
+    if (dummy()) return dummy_linear(shape);
+    Weight w = is_packed(name) ? upload(packed(name, shape)) : weight(name, shape);
     w.input_quant = input_quant({{module_of(name)}}, shape.back());
     return w;
   }
@@ -200,7 +201,9 @@ class TensorSource {
   Weight dummy_linear(const std::vector<int64_t>& shape) {
     if (m_.dummy_quantization == WeightFormat::Plain)
       return m_.backend->random_weight(shape, as_, ++seed_, 1.0f / std::sqrt(float(shape.back())));
-    return upload(random_packed_weight(m_.dummy_quantization, shape, ++seed_));
+    Weight w = upload(random_packed_weight(m_.dummy_quantization, shape, ++seed_));
+    w.input_quant.scheme = m_.dummy_activations;
+    return w;
   }
 
   // A quantized weight as the backend takes it: packed, or dequantized into the weight dtype.

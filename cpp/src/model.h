@@ -56,6 +56,7 @@ struct ModelState {
   ModelWeights weights;
   DType weight_dtype = DType::F32;
   WeightFormat dummy_quantization = WeightFormat::Plain;  // load_format "dummy": how the linears are packed
+  ActivationScheme dummy_activations = ActivationScheme::None;  // and how their inputs are quantized
   float embed_scale = 1.0f;  // sqrt(hidden) rounded to the weight dtype, as the reference does
   std::unique_ptr<KvCache> kv;
 };

@@ -92,10 +92,11 @@ std::shared_ptr<Model> Model::load(const std::string& path, const LoadOptions& o
   if (!options.quantization.empty() && options.load_format != "dummy")
     throw InvalidArgument("quantization '" + options.quantization + "' is for load_format 'dummy' (a checkpoint's "
                           "quantization_config says how its weights are quantized)");
-  if (options.quantization == "fp8") state->dummy_quantization = WeightFormat::Fp8;
+  if (options.quantization == "fp8" || options.quantization == "fp8-dynamic") state->dummy_quantization = WeightFormat::Fp8;
   else if (options.quantization == "nvfp4") state->dummy_quantization = WeightFormat::Nvfp4;
   else if (!options.quantization.empty())
-    throw InvalidArgument("quantization '" + options.quantization + "' is not supported (use fp8 or nvfp4)");
+    throw InvalidArgument("quantization '" + options.quantization + "' is not supported (use fp8, fp8-dynamic or nvfp4)");
+  if (options.quantization == "fp8-dynamic") state->dummy_activations = ActivationScheme::Fp8Token;
   state->backend = make_backend(options.device, options.num_threads);
   DType as = parse_dtype(options.dtype, stored);
   if (options.device != "cpu") {  // the GPU's GEMMs run on bf16 weights

@@ -51,8 +51,9 @@ class Model:
         most 4 GiB; on a GPU 80% of the memory the weights left free).
         load_format: "auto" reads the safetensors; "dummy" makes random weights at the config's
         shapes (only config.json is read), for benchmarks.
-        quantization: with load_format="dummy", None (plain weights), "fp8" or "nvfp4": the
-        linears' random weights packed as such a checkpoint stores them (GPU: kept packed).
+        quantization: with load_format="dummy", None (plain weights), "fp8", "fp8-dynamic" or
+        "nvfp4": the linears' random weights packed as such a checkpoint stores them (GPU: kept
+        packed); "fp8-dynamic" also quantizes their inputs to FP8 per token (FP8_DYNAMIC).
         """
         path = os.fspath(path)
         if dtype is not None and not isinstance(dtype, str):

@@ -35,8 +35,9 @@ struct LoadOptions {
   // "auto": weights from the checkpoint's safetensors; "dummy": random weights of the
   // config's shapes (config.json alone is needed), for benchmarks at any size.
   std::string load_format = "auto";
-  // With load_format "dummy": "" (plain weights), "fp8" or "nvfp4": the linears' random
-  // weights packed as an FP8 (per-channel) or NVFP4 checkpoint stores them.
+  // With load_format "dummy": "" (plain weights), "fp8", "fp8-dynamic" or "nvfp4": the
+  // linears' random weights packed as an FP8 (per-channel) or NVFP4 checkpoint stores them;
+  // "fp8-dynamic" also quantizes their inputs to FP8 per token, as FP8_DYNAMIC does.
   std::string quantization;
 };
 
