@@ -110,6 +110,12 @@ class CudaBackend final : public Backend {
     if (device < 0 || device >= count)
       throw InvalidArgument("device 'cuda:" + std::to_string(device) + "': only " + std::to_string(count) + " GPU(s)");
     check(cudaSetDevice(device), "cudaSetDevice");
+    // The GEMM's split-K partials come from cudaMallocAsync: keep freed memory in the pool
+    // (by default it goes back to the driver at every synchronisation, each step's sampler).
+    cudaMemPool_t mempool;
+    check(cudaDeviceGetDefaultMemPool(&mempool, device), "cudaDeviceGetDefaultMemPool");
+    uint64_t keep = UINT64_MAX;
+    check(cudaMemPoolSetAttribute(mempool, cudaMemPoolAttrReleaseThreshold, &keep), "cudaMemPoolSetAttribute");
   }
 
   Activation alloc(int64_t rows, int64_t cols) override {
@@ -286,16 +292,22 @@ class CudaBackend final : public Backend {
     cuda::gelu_glu(x.data, x.rows, x.cols / 2, out.data, stream_);
   }
 
+  // rms_norm(x) * scale through the GEMM against the router (fp32-like, as the reference
+  // ranks near-tied experts), times hidden^-0.5, then softmax and top k.
   Routing route(const Activation& x, const Weight& proj, const Weight& scale, const Weight& per_expert_scale,
                 int top_k, float eps) override {
     auto timed = profile_.scope("route");
-    const int64_t tokens = x.rows;
+    const int64_t tokens = x.rows, experts = proj.shape[0];
+    Activation normed = alloc(tokens, x.cols), scores = alloc(tokens, experts);
+    cuda::rms_norm(x.data, static_cast<const float*>(scale.data), tokens, x.cols, eps, normed.data, stream_);
+    gemm_dense(normed, {bf16(proj), nullptr, nullptr}, WeightFormat::Plain, experts, x.cols, cuda::GemmInput::Split,
+               scores);
     Routing r;
     r.top_k = top_k;
     r.experts = std::static_pointer_cast<int32_t>(pool_->get(size_t(tokens) * top_k * sizeof(int32_t)));
     r.weights = alloc(tokens, top_k);
-    cuda::route(x.data, tokens, x.cols, static_cast<const float*>(scale.data), bf16(proj), int(proj.shape[0]), top_k,
-                static_cast<const float*>(per_expert_scale.data), eps, r.experts.get(), r.weights.data, stream_);
+    cuda::route_top_k(scores.data, tokens, int(experts), std::pow(float(x.cols), -0.5f), top_k,
+                      static_cast<const float*>(per_expert_scale.data), r.experts.get(), r.weights.data, stream_);
     return r;
   }
 

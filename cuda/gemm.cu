@@ -547,16 +547,18 @@ void gemm(const float* x, int64_t x_rows, int64_t ldx, const int64_t* row_map, c
   // With `tiles` null, `segments` is a host pointer to the single segment, passed by value.
   const GemmSegment single = tiles ? GemmSegment{} : *segments;
   static_assert(Small::kBN == Medium::kBN, "one block width below 128 rows");
-  // Too few blocks to fill the GPU: split K, each slice's product into its own copy of Y,
-  // the copies summed in order after. How many slices is a function of the weight's shape
-  // alone, never of the rows, so that a row's result does not depend on what it is batched
-  // with: enough that a 256-row product (4 row tiles of 64) fills the multiprocessors once,
-  // four times for a long K (the soft embedding: K = vocab), in slices of >= 512.
+  // Far too few blocks to fill the GPU: split K, each slice's product into its own copy of
+  // Y, the copies summed in order after. Whether and how many slices is a function of the
+  // weight's shape alone, never of the rows, so that a row's result does not depend on what
+  // it is batched with. It pays where a 256-row product (4 row tiles of 64) would fill a
+  // quarter of the multiprocessors or less (the KV projections, 16 blocks: 42 -> 30 us on the
+  // H200; at 88-128 blocks two slices measured 5-25% slower), and for a long K (the soft
+  // embedding, K = vocab) up to 4 blocks a multiprocessor; slices of >= 512.
   int splits = 1;
   int64_t k_slice = kp;
   const int64_t blocks_at_256 = 4 * ((n + Medium::kBN - 1) / Medium::kBN);
   const int64_t target = (k >= 8192 ? 4 : 1) * multiprocessors();
-  if (!tiles && ldy == n && blocks_at_256 < target) {
+  if (!tiles && ldy == n && 4 * blocks_at_256 <= target) {
     splits = int(std::min<int64_t>({(target + blocks_at_256 - 1) / blocks_at_256, k / 512, 64}));
     splits = std::max(splits, 1);
     k_slice = (kp / splits + bk - 1) / bk * bk;

@@ -2,7 +2,6 @@
 // routing, the MoE combine, and the sampler's fused row pass.
 #include <algorithm>
 #include <cfloat>
-#include <cstdint>
 
 #include "activation_quant.h"
 #include "kernels.h"
@@ -115,98 +114,43 @@ __global__ void scatter_rows_kernel(const float* src, int64_t cols, const int64_
   dst[dst_rows[i / cols] * cols + i % cols] = src[i];
 }
 
-// The router: a block takes kTokens tokens, one warp each for the norm, whose normed and
-// scaled rows stay in shared memory; then each warp scores a share of the experts for all
-// kTokens tokens at once, so every router row read from L2 serves kTokens tokens (one
-// token a block read the whole router once per token and ran 200 µs a layer at 256
-// tokens); last, warp t picks token t's top k with warp-wide argmaxes.
-constexpr int kRouteWarps = 8;
-
-template <int kTokens, bool kVector>
-__global__ void __launch_bounds__(32 * kRouteWarps)
-    route_kernel(const float* x, int64_t tokens, int64_t hidden, const float* scale, const __nv_bfloat16* proj,
-                 int experts, int top_k, const float* per_expert_scale, float eps, int32_t* expert_ids,
-                 float* weights) {
-  extern __shared__ float shared[];
-  float* rows = shared;                     // [kTokens][hidden]
-  float* scores = shared + kTokens * hidden; // [kTokens][experts]
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int64_t t0 = int64_t(blockIdx.x) * kTokens;
-  const int count = int(tokens - t0 < kTokens ? tokens - t0 : kTokens);
-  const float root = powf(float(hidden), -0.5f);
-  for (int t = warp; t < count; t += kRouteWarps) {
-    const float* xt = x + (t0 + t) * hidden;
-    float ss = 0.0f;
-    for (int64_t j = lane; j < hidden; j += 32) ss += xt[j] * xt[j];
-    for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
-    const float inv = powf(ss / float(hidden) + eps, -0.5f);
-    for (int64_t j = lane; j < hidden; j += 32) rows[t * hidden + j] = xt[j] * inv * scale[j] * root;
-  }
-  __syncthreads();
-  for (int e = warp; e < experts; e += kRouteWarps) {
-    const __nv_bfloat16* w = proj + int64_t(e) * hidden;
-    float acc[kTokens] = {};
-    if (kVector) {  // 8 weights (16 bytes) a lane at a time
-      for (int64_t j = 8 * lane; j < hidden; j += 256) {
-        const uint4 packed = *reinterpret_cast<const uint4*>(w + j);
-        const __nv_bfloat162* pairs = reinterpret_cast<const __nv_bfloat162*>(&packed);
-        float wv[8];
-        for (int i = 0; i < 4; ++i) {
-          const float2 f = __bfloat1622float2(pairs[i]);
-          wv[2 * i] = f.x, wv[2 * i + 1] = f.y;
-        }
-        for (int t = 0; t < kTokens; ++t) {
-          const float4* r = reinterpret_cast<const float4*>(rows + t * hidden + j);
-          const float4 a = r[0], b = r[1];
-          acc[t] += a.x * wv[0] + a.y * wv[1] + a.z * wv[2] + a.w * wv[3] + b.x * wv[4] + b.y * wv[5] +
-                    b.z * wv[6] + b.w * wv[7];
-        }
-      }
-    } else {
-      for (int64_t j = lane; j < hidden; j += 32) {
-        const float wj = __bfloat162float(w[j]);
-        for (int t = 0; t < kTokens; ++t) acc[t] += rows[t * hidden + j] * wj;
-      }
+// The router's last step, one warp per token: softmax over the expert scores (times
+// `scale`), the top k (the lower expert id wins a tie) by warp-wide argmaxes, renormalised,
+// times each expert's scale.
+__global__ void route_top_k_kernel(float* scores, int64_t tokens, int experts, float scale, int top_k,
+                                   const float* per_expert_scale, int32_t* expert_ids, float* weights) {
+  const int lane = threadIdx.x & 31;
+  const int64_t t = int64_t(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5);
+  if (t >= tokens) return;
+  float* s = scores + t * experts;
+  float m = -INFINITY;
+  for (int e = lane; e < experts; e += 32) m = fmaxf(m, s[e] *= scale);
+  for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+  float z = 0.0f;
+  for (int e = lane; e < experts; e += 32) z += expf(s[e] - m);
+  for (int o = 16; o > 0; o >>= 1) z += __shfl_xor_sync(0xffffffffu, z, o);
+  int32_t* ids = expert_ids + t * top_k;
+  float* wt = weights + t * top_k;
+  float picked = 0.0f;
+  for (int k = 0; k < top_k; ++k) {
+    float best = -INFINITY;
+    int index = -1;
+    for (int e = lane; e < experts; e += 32)
+      if (s[e] != -INFINITY && (index < 0 || s[e] > best)) best = s[e], index = e;
+    for (int o = 16; o > 0; o >>= 1) {
+      const float v = __shfl_xor_sync(0xffffffffu, best, o);
+      const int i = __shfl_xor_sync(0xffffffffu, index, o);
+      if (i >= 0 && (index < 0 || v > best || (v == best && i < index))) best = v, index = i;
     }
-    for (int t = 0; t < kTokens; ++t) {
-      float v = acc[t];
-      for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-      if (lane == 0) scores[t * experts + e] = v;
-    }
+    const float p = expf(best - m) / z;
+    picked += p;
+    if (lane == 0) ids[k] = index, wt[k] = p;
+    __syncwarp();
+    if (lane == (index & 31)) s[index] = -INFINITY;  // taken
+    __syncwarp();
   }
-  __syncthreads();
-  // Softmax over the experts, then the top k (the lower expert id wins a tie), renormalised.
-  for (int t = warp; t < count; t += kRouteWarps) {
-    float* s = scores + t * experts;
-    float m = -INFINITY;
-    for (int e = lane; e < experts; e += 32) m = fmaxf(m, s[e]);
-    for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
-    float z = 0.0f;
-    for (int e = lane; e < experts; e += 32) z += expf(s[e] - m);
-    for (int o = 16; o > 0; o >>= 1) z += __shfl_xor_sync(0xffffffffu, z, o);
-    int32_t* ids = expert_ids + (t0 + t) * top_k;
-    float* wt = weights + (t0 + t) * top_k;
-    float picked = 0.0f;
-    for (int k = 0; k < top_k; ++k) {
-      float best = -INFINITY;
-      int index = -1;
-      for (int e = lane; e < experts; e += 32)
-        if (s[e] != -INFINITY && (index < 0 || s[e] > best)) best = s[e], index = e;
-      for (int o = 16; o > 0; o >>= 1) {
-        const float v = __shfl_xor_sync(0xffffffffu, best, o);
-        const int i = __shfl_xor_sync(0xffffffffu, index, o);
-        if (i >= 0 && (index < 0 || v > best || (v == best && i < index))) best = v, index = i;
-      }
-      const float p = expf(best - m) / z;
-      picked += p;
-      if (lane == 0) ids[k] = index, wt[k] = p;
-      __syncwarp();
-      if (lane == (index & 31)) s[index] = -INFINITY;  // taken
-      __syncwarp();
-    }
-    if (lane == 0)
-      for (int k = 0; k < top_k; ++k) wt[k] = wt[k] / picked * per_expert_scale[ids[k]];
-  }
+  if (lane == 0)
+    for (int k = 0; k < top_k; ++k) wt[k] = wt[k] / picked * per_expert_scale[ids[k]];
 }
 
 __global__ void transpose_bf16_kernel(const __nv_bfloat16* in, int64_t k, int64_t n, __nv_bfloat16* out) {
@@ -365,25 +309,11 @@ void scatter_rows(const float* src, int64_t cols, const int64_t* dst_rows, int64
   if (n) scatter_rows_kernel<<<blocks_for(n * cols), kThreads, 0, stream>>>(src, cols, dst_rows, n, dst);
 }
 
-void route(const float* x, int64_t tokens, int64_t hidden, const float* scale, const __nv_bfloat16* proj,
-           int experts, int top_k, const float* per_expert_scale, float eps, int32_t* expert_ids, float* weights,
-           cudaStream_t stream) {
-  if (!tokens) return;
-  // As many tokens a block as fit in 96 KB of shared memory (8 at the 26B's hidden 2816).
-  const int64_t per_token = sizeof(float) * (hidden + experts);
-  const int group = per_token * 8 <= 96 * 1024 ? 8 : per_token * 4 <= 96 * 1024 ? 4 : per_token * 2 <= 96 * 1024 ? 2 : 1;
-  const size_t bytes = size_t(per_token) * group;
-  const bool vector = hidden % 8 == 0 && reinterpret_cast<uintptr_t>(proj) % 16 == 0;
-  const unsigned blocks = unsigned((tokens + group - 1) / group);
-  auto launch = [&](auto kernel) {
-    cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes));
-    kernel<<<blocks, 32 * kRouteWarps, bytes, stream>>>(x, tokens, hidden, scale, proj, experts, top_k,
-                                                        per_expert_scale, eps, expert_ids, weights);
-  };
-  if (group == 8) vector ? launch(route_kernel<8, true>) : launch(route_kernel<8, false>);
-  else if (group == 4) vector ? launch(route_kernel<4, true>) : launch(route_kernel<4, false>);
-  else if (group == 2) vector ? launch(route_kernel<2, true>) : launch(route_kernel<2, false>);
-  else vector ? launch(route_kernel<1, true>) : launch(route_kernel<1, false>);
+void route_top_k(float* scores, int64_t tokens, int experts, float scale, int top_k, const float* per_expert_scale,
+                 int32_t* expert_ids, float* weights, cudaStream_t stream) {
+  if (tokens)
+    route_top_k_kernel<<<unsigned((tokens + 7) / 8), 256, 0, stream>>>(scores, tokens, experts, scale, top_k,
+                                                                      per_expert_scale, expert_ids, weights);
 }
 
 void transpose_bf16(const __nv_bfloat16* in, int64_t k, int64_t n, __nv_bfloat16* out, cudaStream_t stream) {

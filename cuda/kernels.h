@@ -75,12 +75,10 @@ void fp8_token_codes(const float* x, int64_t rows, int64_t ldx, int64_t k, int64
                      float* scales, cudaStream_t stream);
 // out[N, K] = in[K, N]^T (bf16).
 void transpose_bf16(const __nv_bfloat16* in, int64_t k, int64_t n, __nv_bfloat16* out, cudaStream_t stream);
-// The router of one MoE layer, per token: rms_norm(x) * scale * hidden^-0.5, scores in
-// fp32 against proj (bf16 [experts, hidden]) so that near-tied experts rank as in the
-// fp32 reference, softmax, top-k (ties to the lower id), renormalisation, per-expert scale.
-void route(const float* x, int64_t tokens, int64_t hidden, const float* scale, const __nv_bfloat16* proj,
-           int experts, int top_k, const float* per_expert_scale, float eps, int32_t* expert_ids, float* weights,
-           cudaStream_t stream);
+// The router's last step, per token: softmax over its expert scores (scaled by `scale`
+// first, in place), top-k (ties to the lower id), renormalisation, per-expert scale.
+void route_top_k(float* scores, int64_t tokens, int experts, float scale, int top_k, const float* per_expert_scale,
+                 int32_t* expert_ids, float* weights, cudaStream_t stream);
 
 // ---- attention (attention.cu) ---------------------------------------------------
 struct DeviceKeySpan {
