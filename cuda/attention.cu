@@ -182,13 +182,12 @@ size_t AttentionPlan::scratch_bytes() const {
 }
 
 AttentionPlan plan_attention(const std::vector<AttentionSegment>& segments, int num_heads, int num_kv_heads,
-                             int head_dim) {
+                             int head_dim, int resident_blocks) {
   AttentionPlan plan;
   plan.head_dim = head_dim;
   plan.queries_per_slot = attention_mma_queries(head_dim);
   const bool split = plan.queries_per_slot > 0;  // only the tensor-core kernel takes pieces
   const int rows_per_block = rows_per_item(num_heads / num_kv_heads, head_dim);
-  const int64_t resident = split ? attention_mma_resident_blocks(head_dim) : 1;
   for (const AttentionSegment& s : segments) {
     const int index = int(plan.segments.size()), span_begin = int(plan.spans.size());
     plan.segments.push_back({s.first_row, s.first_position, s.window, s.causal ? 1 : 0, span_begin, int(s.spans.size())});
@@ -199,7 +198,7 @@ AttentionPlan plan_attention(const std::vector<AttentionSegment>& segments, int 
     }
     const int groups = int((s.rows + rows_per_block - 1) / rows_per_block);
     const std::vector<Piece> pieces =
-        cut(s.spans, span_begin, split ? piece_keys(int64_t(groups) * num_kv_heads, keys, resident) : keys);
+        cut(s.spans, span_begin, split ? piece_keys(int64_t(groups) * num_kv_heads, keys, resident_blocks) : keys);
     auto rows = [&](int g) { return int(std::min<int64_t>(rows_per_block, s.rows - int64_t(g) * rows_per_block)); };
     // Which pieces each row group sees (any key within the union of its rows' causal
     // windows), and the rank of each among them; the row groups that see several get

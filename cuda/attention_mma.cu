@@ -195,22 +195,6 @@ __global__ void __launch_bounds__(Shape<kDim>::kThreads, 1)
     return (seg.first_row + item.row0 + j / group) * q_stride + int64_t(item.kv_head * group + j % group) * kDim;
   };
 
-  // Q fragments (hi/lo) of this warp's tiles and slice.
-  uint32_t qa[2][4][2][4];
-#pragma unroll
-  for (int mt = 0; mt < 2; ++mt)
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int j = row0 + mt * 16 + g + 8 * h;
-      const float* src = q + q_offset(j < nq ? j : 0) + d0 + 4 * t;
-#pragma unroll
-      for (int st = 0; st < 4; ++st) {
-        const float4 x = j < nq ? *reinterpret_cast<const float4*>(src + st * 16) : float4{0.0f, 0.0f, 0.0f, 0.0f};
-        split_bf16(x.x, x.y, qa[mt][st][0][h], qa[mt][st][1][h]);
-        split_bf16(x.z, x.w, qa[mt][st][0][2 + h], qa[mt][st][1][2 + h]);
-      }
-    }
-
   // The softmax thread's query row, the relative key positions it sees ([vis_lo, vis_hi];
   // none for a padding row), and its running max and sum.
   const int srow = tid / kLanes, spart = tid % kLanes;
@@ -263,7 +247,8 @@ __global__ void __launch_bounds__(Shape<kDim>::kThreads, 1)
   };
 
   // This warp's share of the scores of the chunk in K[buf]: its query tiles x the chunk's
-  // keys, over its slice.
+  // keys, over its slice, with Q's fragments (hi/lo).
+  uint32_t qa[2][4][2][4];
   auto score_shares = [&](int buf) {
     float s[2][kKeys / 8][4] = {};
 #pragma unroll
@@ -381,6 +366,21 @@ __global__ void __launch_bounds__(Shape<kDim>::kThreads, 1)
   slot = walk.advance(slot, kKeys);
   bool have_next = stage_keys(1, 1);  // this thread's key of the chunk after the current one exists
   cp_async_commit();
+  // Q fragments (hi/lo) of this warp's tiles and slice, loaded while the first chunk is
+  // on its way.
+#pragma unroll
+  for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int j = row0 + mt * 16 + g + 8 * h;
+      const float* src = q + q_offset(j < nq ? j : 0) + d0 + 4 * t;
+#pragma unroll
+      for (int st = 0; st < 4; ++st) {
+        const float4 x = j < nq ? *reinterpret_cast<const float4*>(src + st * 16) : float4{0.0f, 0.0f, 0.0f, 0.0f};
+        split_bf16(x.x, x.y, qa[mt][st][0][h], qa[mt][st][1][h]);
+        split_bf16(x.z, x.w, qa[mt][st][0][2 + h], qa[mt][st][1][2 + h]);
+      }
+    }
   cp_async_wait<1>();
   bool more = __syncthreads_or(have_first);  // any key to see at all
   if (more) {
@@ -437,41 +437,40 @@ __global__ void __launch_bounds__(Shape<kDim>::kThreads, 1)
     }
 }
 
-// The pieces of each merge into the output, one warp per query vector: piece p weighs
-// l_p e^(m_p - M) / sum over the pieces (M: their largest max; a piece that saw no key
-// weighs 0), and the weighted outputs are added in piece order.
-constexpr int kMergeThreads = 256;
+// The pieces of each merge into the output, one warp per query vector (blockIdx.y picks
+// the block's warps' vectors, so that the short chains of loads of every vector run at
+// once): piece p weighs l_p e^(m_p - M) / sum over the pieces (M: their largest max; a
+// piece that saw no key weighs 0), and the weighted outputs are added in piece order.
+constexpr int kMergeWarps = 8;
 __global__ void attention_merge_kernel(float* __restrict__ out, const float* __restrict__ partial_out,
                                        const float2* __restrict__ partial_ml,
                                        const DeviceAttentionSegment* __restrict__ segments,
                                        const AttentionMerge* __restrict__ merges, int num_heads, int num_kv_heads,
                                        int head_dim, int queries_per_slot) {
   const AttentionMerge merge = merges[blockIdx.x];
-  const DeviceAttentionSegment seg = segments[merge.segment];
-  const int group = num_heads / num_kv_heads, nq = merge.rows * group;
-  const int lane = threadIdx.x & 31;
-  for (int j = threadIdx.x >> 5; j < nq; j += kMergeThreads / 32) {
-    const float2* ml = partial_ml + int64_t(merge.slot) * queries_per_slot + j;  // piece p: ml[p * queries_per_slot]
-    float m = -INFINITY;
-    for (int p = lane; p < merge.pieces; p += 32) m = fmaxf(m, ml[p * queries_per_slot].x);
-    for (int s = 16; s > 0; s >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, s));
-    const auto weight = [m](float2 piece) { return piece.y > 0.0f ? piece.y * __expf(piece.x - m) : 0.0f; };
-    float sum = 0.0f;
-    for (int p = lane; p < merge.pieces; p += 32) sum += weight(ml[p * queries_per_slot]);
-    for (int s = 16; s > 0; s >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, s);
-    const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
-    const int64_t row = seg.first_row + merge.row0 + j / group;
-    float* dst = out + row * num_heads * int64_t(head_dim) + int64_t(merge.kv_head * group + j % group) * head_dim;
-    for (int d = 4 * lane; d < head_dim; d += 128) {
-      float4 acc = {0.0f, 0.0f, 0.0f, 0.0f};
-      for (int p = 0; p < merge.pieces; ++p) {
-        const float w = weight(ml[p * queries_per_slot]) * inv;
-        const float4 x = *reinterpret_cast<const float4*>(
-            partial_out + ((int64_t(merge.slot) + p) * queries_per_slot + j) * head_dim + d);
-        acc.x += w * x.x, acc.y += w * x.y, acc.z += w * x.z, acc.w += w * x.w;
-      }
-      *reinterpret_cast<float4*>(dst + d) = acc;
+  const int group = num_heads / num_kv_heads, lane = threadIdx.x & 31;
+  const int j = blockIdx.y * kMergeWarps + (threadIdx.x >> 5);
+  if (j >= merge.rows * group) return;
+  const float2* ml = partial_ml + int64_t(merge.slot) * queries_per_slot + j;  // piece p: ml[p * queries_per_slot]
+  float m = -INFINITY;
+  for (int p = lane; p < merge.pieces; p += 32) m = fmaxf(m, ml[p * queries_per_slot].x);
+  for (int s = 16; s > 0; s >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, s));
+  const auto weight = [m](float2 piece) { return piece.y > 0.0f ? piece.y * __expf(piece.x - m) : 0.0f; };
+  float sum = 0.0f;
+  for (int p = lane; p < merge.pieces; p += 32) sum += weight(ml[p * queries_per_slot]);
+  for (int s = 16; s > 0; s >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, s);
+  const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
+  const int64_t row = segments[merge.segment].first_row + merge.row0 + j / group;
+  float* dst = out + row * num_heads * int64_t(head_dim) + int64_t(merge.kv_head * group + j % group) * head_dim;
+  for (int d = 4 * lane; d < head_dim; d += 128) {
+    float4 acc = {0.0f, 0.0f, 0.0f, 0.0f};
+    for (int p = 0; p < merge.pieces; ++p) {
+      const float w = weight(ml[p * queries_per_slot]) * inv;
+      const float4 x = *reinterpret_cast<const float4*>(
+          partial_out + ((int64_t(merge.slot) + p) * queries_per_slot + j) * head_dim + d);
+      acc.x += w * x.x, acc.y += w * x.y, acc.z += w * x.z, acc.w += w * x.w;
     }
+    *reinterpret_cast<float4*>(dst + d) = acc;
   }
 }
 
@@ -485,13 +484,14 @@ int attention_mma_queries(int head_dim) {
 
 int attention_mma_resident_blocks(int head_dim) {
   int per_multiprocessor = 0;
-  with_head_dim(head_dim, [&](auto dim) {
+  const bool serves = with_head_dim(head_dim, [&](auto dim) {
     constexpr int kDim = decltype(dim)::value;
     using S = Shape<kDim>;
     cudaFuncSetAttribute(attention_mma_kernel<kDim>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(S::kBytes));
     cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_multiprocessor, attention_mma_kernel<kDim>, S::kThreads,
                                                   S::kBytes);
   });
+  if (!serves) return 1;
   int device = 0, multiprocessors = 0;
   cudaGetDevice(&device);
   cudaDeviceGetAttribute(&multiprocessors, cudaDevAttrMultiProcessorCount, device);
@@ -511,7 +511,8 @@ void attention_mma(const float* q, float* out, const AttentionPlan& plan, const 
         q, out, partial_out, partial_ml, tables.segments, tables.spans, tables.items, num_heads, num_kv_heads);
   });
   if (!plan.merges.empty())
-    attention_merge_kernel<<<unsigned(plan.merges.size()), kMergeThreads, 0, stream>>>(
+    attention_merge_kernel<<<dim3(unsigned(plan.merges.size()), unsigned(plan.queries_per_slot / kMergeWarps)),
+                             32 * kMergeWarps, 0, stream>>>(
         out, partial_out, partial_ml, tables.segments, tables.merges, num_heads, num_kv_heads, plan.head_dim,
         plan.queries_per_slot);
 }

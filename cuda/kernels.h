@@ -144,10 +144,10 @@ struct AttentionPlan {
   // Device memory `attention` may use for the partial results until it is done on its stream.
   size_t scratch_bytes() const;
 };
-// The plan of one Backend::attention call (num_heads / num_kv_heads <= 16); reads the
-// current device's multiprocessor count.
+// The plan of one Backend::attention call (num_heads / num_kv_heads <= 16) for a GPU that
+// runs `resident_blocks` blocks of the kernel at once (attention_mma_resident_blocks).
 AttentionPlan plan_attention(const std::vector<AttentionSegment>& segments, int num_heads, int num_kv_heads,
-                             int head_dim);
+                             int head_dim, int resident_blocks);
 // The plan's tables in device memory.
 struct AttentionTables {
   const DeviceAttentionSegment* segments;
@@ -162,7 +162,8 @@ void attention(const float* q, float* out, const AttentionPlan& plan, const Atte
 // has the generic one for every other head dim, which takes its items whole (no pieces).
 // Query vectors one block covers for a head dim; 0 where it does not serve.
 int attention_mma_queries(int head_dim);
-// Its blocks that run at once on the current device (multiprocessors x blocks per one).
+// Its blocks that run at once on the current device (multiprocessors x blocks per one); 1
+// where it does not serve the head dim.
 int attention_mma_resident_blocks(int head_dim);
 void attention_mma(const float* q, float* out, const AttentionPlan& plan, const AttentionTables& tables,
                    void* scratch, int num_heads, int num_kv_heads, cudaStream_t stream);
