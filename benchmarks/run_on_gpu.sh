@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# One call on the GPU machine: the GEMM on its own against a double-precision reference
-# (benchmarks/gemm_bench.cu), a build with the CUDA backend, the CUDA tests (the CPU oracle
-# tests on CUDA, and CUDA against the CPU backend), then the step benchmark.
+# One call on the GPU machine: the GEMM and the attention on their own against double-
+# precision references (benchmarks/gemm_bench.cu, benchmarks/attention_bench.cu), a build
+# with the CUDA backend, the CUDA tests (the CPU oracle tests on CUDA, and CUDA against the
+# CPU backend), then the step benchmark.
 # Logs go to $OUT (or ./gpu-logs). Usage: bash benchmarks/run_on_gpu.sh [step_latency.py options]
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -16,6 +17,9 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | 
 nvcc -std=c++20 -arch=sm_90a -O3 -I cpp/src -I cpp/include -I cuda benchmarks/gemm_bench.cu cuda/gemm.cu cuda/kernels.cu \
   cpp/src/packed_weight.cpp cpp/src/dtype.cpp -o /tmp/gemm_bench > "$out/gemm_bench.txt" 2>&1 && /tmp/gemm_bench >> "$out/gemm_bench.txt" 2>&1
 echo "gemm_bench: exit $? ($(grep -c '^ok' "$out/gemm_bench.txt") checks passed)"; grep -v "^ok" "$out/gemm_bench.txt"
+nvcc -std=c++20 -arch=sm_90a -O3 -I cpp/src -I cpp/include -I cuda benchmarks/attention_bench.cu cuda/attention.cu \
+  cuda/attention_mma.cu -o /tmp/attention_bench > "$out/attention_bench.txt" 2>&1 && /tmp/attention_bench >> "$out/attention_bench.txt" 2>&1
+echo "attention_bench: exit $? ($(grep -c '^ok' "$out/attention_bench.txt") checks passed)"; grep -v "^ok" "$out/attention_bench.txt"
 start=$(date +%s)
 CMAKE_BUILD_PARALLEL_LEVEL=16 python3 -m pip install -q --no-build-isolation --no-deps . > "$out/build.log" 2>&1 \
   || { tail -30 "$out/build.log"; exit 1; }

@@ -1,12 +1,17 @@
-// Attention over the paged KV cache for a mixed-phase batch, in one launch: the generic
-// kernel for any head dim (attention_mma.cu has the tensor-core one for multiples of 64).
+// Attention over the paged KV cache for a mixed-phase batch, in one launch: the plan of a
+// call (which block takes which rows, heads and keys), the entry point, and the generic
+// kernel for any head dim (attention_mma.cu has the tensor-core one for 64, 128, 256 and
+// 512, which also takes pieces of the keys: split-KV).
 //
-// A block takes up to 16 query vectors (several rows x the query heads of one KV head,
-// so each key is read once for its whole GQA group) and walks the segment's key spans in
-// chunks of 32 keys with an online softmax. Keys, values, queries and the output
-// accumulator sit in shared memory, so any head_dim works (256 and 512 for
-// DiffusionGemma). Each segment brings its own positions, causal flag and window.
+// The generic kernel: a block takes up to 16 query vectors (several rows x the query heads
+// of one KV head, so each key is read once for its whole GQA group) and walks the
+// segment's key spans in chunks of 32 keys with an online softmax. Keys, values, queries
+// and the output accumulator sit in shared memory, so any head_dim works. Each segment
+// brings its own positions, causal flag and window. The plan gives it each row group's keys
+// whole, as one piece.
+#include <algorithm>
 #include <cfloat>
+#include <cstdint>
 
 #include "kernels.h"
 
@@ -113,21 +118,132 @@ size_t shared_bytes(int head_dim) {
                           size_t(kQueries) * head_dim + kQueries * kChunk + 3 * kQueries);
 }
 
-}  // namespace
-
-int attention_rows_per_item(int group, int head_dim) {
+// Query rows one block takes: its query vectors over the GQA group.
+int rows_per_item(int group, int head_dim) {
   const int mma_queries = attention_mma_queries(head_dim);  // nonzero where attention_mma serves
   const int queries = mma_queries ? mma_queries : kQueries;
   return group >= queries ? 1 : queries / group;
 }
 
-void attention(const float* q, float* out, const DeviceAttentionSegment* segments, const DeviceKeySpan* spans,
-               const AttentionItem* items, int num_items, int num_heads, int num_kv_heads, int head_dim,
-               cudaStream_t stream) {
-  const size_t bytes = shared_bytes(head_dim);
+// Split-KV: the size of a segment's pieces, in keys, is the one that would finish the
+// segment soonest if it ran alone on `resident` concurrent blocks, counting waves of
+// blocks each costing its piece plus kBlockCostKeys (loading Q, filling the pipeline,
+// writing the output and merging). It depends on the segment and the GPU only.
+constexpr int64_t kBlockCostKeys = 64;
+constexpr int64_t kMinPieceKeys = 128;  // a partial result (as large as 16 to 32 keys) stays small next to its piece
+constexpr int64_t kPieceAlign = 32;     // a piece of whole chunks
+
+int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+int64_t piece_keys(int64_t items, int64_t keys, int64_t resident) {
+  int64_t best = keys, best_cost = ceil_div(items, resident) * (keys + kBlockCostKeys);
+  for (int64_t pieces = 2;; ++pieces) {
+    const int64_t size = ceil_div(ceil_div(keys, pieces), kPieceAlign) * kPieceAlign;
+    if (size < kMinPieceKeys) break;
+    const int64_t cost = ceil_div(items * ceil_div(keys, size), resident) * (size + kBlockCostKeys);
+    if (cost < best_cost) best = size, best_cost = cost;
+  }
+  return best;
+}
+
+// A piece of a segment's keys (AttentionItem's span fields) and its keys' lowest and
+// highest positions.
+struct Piece {
+  int span, key, last_span, last_end;
+  int64_t min_position, max_position;
+};
+
+// The segment's keys (its spans one after the other, the first at span_begin in the span
+// array) cut into pieces of `size` keys, the last one shorter.
+std::vector<Piece> cut(const std::vector<KeySpan>& spans, int span_begin, int64_t size) {
+  std::vector<Piece> pieces;
+  int64_t before = 0;  // keys of the spans before span i
+  for (size_t i = 0; i < spans.size(); ++i) {
+    const KeySpan& s = spans[i];
+    const int span = span_begin + int(i);
+    for (int64_t a = 0; a < s.count;) {  // keys [a, b) of the span lie in piece k
+      const int64_t k = (before + a) / size, b = std::min(s.count, (k + 1) * size - before);
+      if (k == int64_t(pieces.size())) pieces.push_back({span, int(a), span, 0, INT64_MAX, INT64_MIN});
+      Piece& p = pieces.back();
+      p.last_span = span, p.last_end = int(b);
+      p.min_position = std::min(p.min_position, s.first_position + a);
+      p.max_position = std::max(p.max_position, s.first_position + b - 1);
+      a = b;
+    }
+    before += s.count;
+  }
+  return pieces;
+}
+
+}  // namespace
+
+size_t AttentionPlan::scratch_bytes() const {
+  return sizeof(float) * size_t(slots) * size_t(queries_per_slot) * size_t(head_dim + 2);
+}
+
+AttentionPlan plan_attention(const std::vector<AttentionSegment>& segments, int num_heads, int num_kv_heads,
+                             int head_dim, int resident_blocks) {
+  AttentionPlan plan;
+  plan.head_dim = head_dim;
+  plan.queries_per_slot = attention_mma_queries(head_dim);
+  const bool split = plan.queries_per_slot > 0;  // only the tensor-core kernel takes pieces
+  const int rows_per_block = rows_per_item(num_heads / num_kv_heads, head_dim);
+  for (const AttentionSegment& s : segments) {
+    const int index = int(plan.segments.size()), span_begin = int(plan.spans.size());
+    plan.segments.push_back({s.first_row, s.first_position, s.window, s.causal ? 1 : 0, span_begin, int(s.spans.size())});
+    int64_t keys = 0;
+    for (const KeySpan& k : s.spans) {
+      plan.spans.push_back({k.keys, k.values, k.count, k.first_position});
+      keys += k.count;
+    }
+    const int groups = int((s.rows + rows_per_block - 1) / rows_per_block);
+    const std::vector<Piece> pieces =
+        cut(s.spans, span_begin, split ? piece_keys(int64_t(groups) * num_kv_heads, keys, resident_blocks) : keys);
+    auto rows = [&](int g) { return int(std::min<int64_t>(rows_per_block, s.rows - int64_t(g) * rows_per_block)); };
+    // Which pieces each row group sees (any key within the union of its rows' causal
+    // windows), and the rank of each among them; the row groups that see several get
+    // consecutive partial slots for each kv head, and a merge.
+    std::vector<std::vector<int>> rank(groups, std::vector<int>(pieces.size(), -1));
+    std::vector<int> seen(groups, 0);
+    std::vector<int64_t> first_slot(size_t(groups) * num_kv_heads, -1);
+    for (int g = 0; g < groups; ++g) {
+      const int64_t first = s.first_position + int64_t(g) * rows_per_block, last = first + rows(g) - 1;
+      for (size_t k = 0; k < pieces.size(); ++k)
+        if (!s.causal || (pieces[k].min_position <= last && (s.window == 0 || pieces[k].max_position > first - s.window)))
+          rank[g][k] = seen[g]++;
+      if (seen[g] < 2) continue;
+      for (int h = 0; h < num_kv_heads; ++h) {
+        first_slot[size_t(g) * num_kv_heads + h] = plan.slots;
+        plan.merges.push_back({index, g * rows_per_block, rows(g), h, int(plan.slots), seen[g]});
+        plan.slots += seen[g];
+      }
+    }
+    // One block per (piece, kv head, row group), the row groups innermost: the blocks that
+    // read the same keys run together, and the keys come from L2 after the first.
+    for (size_t k = 0; k < pieces.size(); ++k)
+      for (int h = 0; h < num_kv_heads; ++h)
+        for (int g = 0; g < groups; ++g) {
+          if (rank[g][k] < 0) continue;
+          const Piece& p = pieces[k];
+          const int64_t slot = seen[g] > 1 ? first_slot[size_t(g) * num_kv_heads + h] + rank[g][k] : -1;
+          plan.items.push_back({index, g * rows_per_block, rows(g), h, p.span, p.key, p.last_span, p.last_end, int(slot)});
+        }
+    // A row group that sees no key (only in a malformed batch) still gets its output: zeros.
+    for (int g = 0; g < groups; ++g)
+      for (int h = 0; seen[g] == 0 && h < num_kv_heads; ++h)
+        plan.items.push_back({index, g * rows_per_block, rows(g), h, 0, 0, -1, 0, -1});
+  }
+  return plan;
+}
+
+void attention(const float* q, float* out, const AttentionPlan& plan, const AttentionTables& tables, void* scratch,
+               int num_heads, int num_kv_heads, cudaStream_t stream) {
+  if (plan.items.empty()) return;
+  if (plan.queries_per_slot) return attention_mma(q, out, plan, tables, scratch, num_heads, num_kv_heads, stream);
+  const size_t bytes = shared_bytes(plan.head_dim);
   cudaFuncSetAttribute(attention_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes));
-  attention_kernel<<<num_items, kThreads, bytes, stream>>>(q, out, segments, spans, items, num_heads, num_kv_heads,
-                                                           head_dim);
+  attention_kernel<<<unsigned(plan.items.size()), kThreads, bytes, stream>>>(
+      q, out, tables.segments, tables.spans, tables.items, num_heads, num_kv_heads, plan.head_dim);
 }
 
 }  // namespace diffuserve::cuda

@@ -2,20 +2,27 @@
 // (DiffusionGemma's 256 and 512); attention.cu's kernel serves every other head dim.
 //
 // A block takes up to 64 query vectors (32 at head_dim 512): rows x the query heads of one
-// KV head, so every key it stages serves the whole GQA group and many rows at once. It
-// walks the keys of its segment's spans in chunks of 32 (16 at head dims 64 and 512) that
-// run across span boundaries (a KV cache block holds only 16 keys), and skips the keys that
-// no query of the block can see (causal and sliding-window bounds), which changes nothing
-// in the result. Each chunk is copied as fp32 into shared memory with cp.async,
-// double-buffered: chunk n + 1 arrives while chunk n is computed.
+// KV head, so every key it stages serves the whole GQA group and many rows at once, over
+// one piece of the segment's keys (attention.cu's plan cuts a segment's keys into pieces
+// where its rows alone would leave multiprocessors idle; a piece's result is normalised by
+// its own softmax sum and goes, with its running max and sum, to a partial slot that the
+// merge kernel below combines with the other pieces'). It walks the piece in chunks of 32
+// keys (16 at head dims 64 and 512) that run across span boundaries (a KV cache block
+// holds only 16 keys), and skips the keys that no query of the block can see (causal and
+// sliding-window bounds), which changes nothing in the result. Chunks are copied as fp32
+// into shared memory with cp.async, keys and values in separate buffers, each double-
+// buffered: chunk n + 1's values and chunk n + 2's keys are in flight while chunk n's values
+// and chunk n + 1's keys are multiplied.
 //
 // The warps form a grid: a warp owns two 16-row query tiles and a 64-wide slice of the head.
-// Q's fragments for its slice stay in registers. Per chunk a warp computes its slice's share
-// of the scores of its 32 queries; the shares meet in shared memory, where threads split the
-// rows, add the shares, mask, run the online softmax in fp32 and leave P (bf16 hi/lo) and
-// each row's rescale factor; then every warp accumulates P V for its tiles and its slice.
-// The output accumulators thus fit in registers even at head_dim 512, each K or V fragment a
-// warp builds serves both its query tiles, and a chunk costs three block-wide barriers.
+// Q's fragments for its slice stay in registers. A warp computes its slice's share of the
+// scores of its 32 queries; the shares meet in shared memory, where threads split the rows,
+// add the shares, mask, run the online softmax in fp32 and leave P (bf16 hi/lo) and each
+// row's rescale factor; then every warp accumulates P V for its tiles and its slice. The
+// output accumulators thus fit in registers even at head_dim 512, and each K or V fragment
+// a warp builds serves both its query tiles. A chunk costs two block-wide barriers: the
+// softmax of chunk n runs alone between them, then P V of chunk n and the score shares of
+// chunk n + 1 run together (the tensor cores see one stream of MMAs).
 // Q, K, V and P enter the tensor cores as bf16 hi/lo pairs (three products: hi*hi + hi*lo +
 // lo*hi), which keeps fp32-like precision; K and V are split as their fragments are read.
 //
@@ -24,7 +31,10 @@
 // care about the order), so a lane reads one float4. Likewise in a 32-wide group of P V's
 // output, column n of tile e is head dim 4n + e: V's fragments come from float4 reads and
 // the output leaves as float4s.
+#include <algorithm>
+#include <climits>
 #include <cmath>
+#include <type_traits>
 
 #include "kernels.h"
 #include "mma.cuh"
@@ -46,16 +56,29 @@ struct Shape {
   static constexpr int kKStride = kDim + 16, kVStride = kDim + 4;  // floats per staged key / value
   static constexpr int kSStride = kKeys + 8, kPStride = kKeys + 8;  // (the paddings avoid bank conflicts)
   // Shared memory: K and V chunks ([buffer][key][d], fp32), the score shares of the slices
-  // ([slice][query][key], fp32), P ([hi/lo][query][key], bf16), the chunks' key positions,
-  // and per query the rescale factor of the chunk and the final softmax denominator.
+  // ([slice][query][key], fp32), P ([hi/lo][query][key], bf16), the key positions of three
+  // chunks (staged two chunks ahead of their softmax), and per query the rescale factor of
+  // the chunk and the final softmax denominator.
   static constexpr size_t kV = sizeof(float) * 2 * kKeys * kKStride;
   static constexpr size_t kS = kV + sizeof(float) * 2 * kKeys * kVStride;
   static constexpr size_t kP = kS + sizeof(float) * kSlices * kQueries * kSStride;
   static constexpr size_t kPos = kP + sizeof(__nv_bfloat16) * 2 * kQueries * kPStride;
-  static constexpr size_t kAlpha = kPos + sizeof(int64_t) * 2 * kKeys;
+  static constexpr size_t kAlpha = kPos + sizeof(int) * 3 * kKeys;
   static constexpr size_t kL = kAlpha + sizeof(float) * kQueries;
   static constexpr size_t kBytes = kL + sizeof(float) * kQueries;
 };
+
+// Calls f(std::integral_constant<int, kDim>) for the head dims served here; false for others.
+template <typename F>
+bool with_head_dim(int head_dim, F&& f) {
+  switch (head_dim) {
+    case 64: f(std::integral_constant<int, 64>{}); return true;
+    case 128: f(std::integral_constant<int, 128>{}); return true;
+    case 256: f(std::integral_constant<int, 256>{}); return true;
+    case 512: f(std::integral_constant<int, 512>{}); return true;
+    default: return false;
+  }
+}
 
 // c += a * b with both split into bf16 hi/lo parts.
 __device__ __forceinline__ void mma3(float* c, const uint32_t (&a)[2][4], const uint32_t (&b)[2][2]) {
@@ -69,7 +92,12 @@ __device__ __forceinline__ void cp_async16(void* dst, const void* src, bool copy
   const uint32_t d = static_cast<uint32_t>(__cvta_generic_to_shared(dst));
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d), "l"(src), "r"(copy ? 16 : 0));
 }
-__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+// Waits until at most `kPending` of this thread's committed groups are still in flight.
+template <int kPending>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory");
+}
 
 // The four 8x8 bf16 matrices at rows `row` (lanes 0-15: rows 0-15 of a 16x16 tile, lanes
 // 16-31: the same rows 8 columns on) as an mma A fragment.
@@ -80,45 +108,66 @@ __device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* row) {
                : "r"(a));
 }
 
-// A place in a segment's keys: key `key` of span `span`, or span == end past the last one.
+// e^x on the special function unit, results below 2^-126 flushed to zero (__expf's care
+// for them costs three instructions, for weights no sum would notice).
+__device__ __forceinline__ float exp_ftz(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x * 1.4426950408889634f));
+  return y;
+}
+
+// A place in a segment's keys: key `key` of span `span`.
 struct Cursor {
   int span;
-  int64_t key;
+  int key;
 };
 
-// The keys of a segment that the block's queries (positions first..last) may see, one
-// after the other across the spans.
+// The keys of a block's piece that its queries (positions first..last) may see, one after
+// the other across the spans.
 struct KeyWalk {
   const DeviceKeySpan* spans;
-  int end;
+  int last_span, last_end;  // the piece ends after key last_end - 1 of span last_span
   bool causal;
   int64_t window, first, last;
 
-  // Of span s, keys [lo, hi) may be visible: the union of the queries' causal windows.
-  __device__ void range(const DeviceKeySpan& s, int64_t& lo, int64_t& hi) const {
-    lo = 0, hi = s.count;
+  // Of span `span`, keys [lo, hi) may be visible: those of the piece within the union of
+  // the queries' causal windows.
+  __device__ void range(int span, int64_t& lo, int64_t& hi) const {
+    const DeviceKeySpan& s = spans[span];
+    lo = 0, hi = span == last_span ? last_end : s.count;
     if (!causal) return;
     if (last + 1 - s.first_position < hi) hi = last + 1 - s.first_position;
     if (window > 0 && first - window + 1 - s.first_position > lo) lo = first - window + 1 - s.first_position;
   }
   // The cursor n visible keys further on; n = 0 moves a cursor onto the next visible key.
-  __device__ Cursor advance(Cursor c, int64_t n) const {
-    for (; c.span < end; ++c.span, c.key = 0) {
+  // Past the piece: span last_span + 1.
+  __device__ Cursor advance(Cursor c, int n) const {
+    for (; c.span <= last_span; ++c.span, c.key = 0) {
       int64_t lo, hi;
-      range(spans[c.span], lo, hi);
-      if (c.key < lo) c.key = lo;
+      range(c.span, lo, hi);
+      if (c.key < lo) c.key = int(lo);
       if (c.key + n < hi) return {c.span, c.key + n};
-      if (hi > c.key) n -= hi - c.key;
+      if (hi > c.key) n -= int(hi - c.key);
     }
-    return {end, 0};
+    return {last_span + 1, 0};
   }
+  __device__ bool has(Cursor c) const { return c.span <= last_span; }
 };
+
+// A key's position relative to the segment's first query, clamped into int (where a key
+// that far away is seen or not as at the clamp); kNoKey, below every bound, for no key.
+constexpr int kNoKey = INT_MIN;
+__device__ __forceinline__ int relative_position(int64_t position, int64_t origin) {
+  const int64_t r = position - origin;
+  return r < int64_t(INT_MIN) + 1 ? INT_MIN + 1 : r > INT_MAX ? INT_MAX : int(r);
+}
 
 template <int kDim>
 __global__ void __launch_bounds__(Shape<kDim>::kThreads, 1)
-    attention_mma_kernel(const float* __restrict__ q, float* __restrict__ out,
-                         const DeviceAttentionSegment* __restrict__ segments, const DeviceKeySpan* __restrict__ spans,
-                         const AttentionItem* __restrict__ items, int num_heads, int num_kv_heads) {
+    attention_mma_kernel(const float* __restrict__ q, float* __restrict__ out, float* __restrict__ partial_out,
+                         float2* __restrict__ partial_ml, const DeviceAttentionSegment* __restrict__ segments,
+                         const DeviceKeySpan* __restrict__ spans, const AttentionItem* __restrict__ items,
+                         int num_heads, int num_kv_heads) {
   using S = Shape<kDim>;
   constexpr int kKeys = S::kKeys, kSlices = S::kSlices, kQueries = S::kQueries, kThreads = S::kThreads;
   constexpr int kLanes = kThreads / kQueries;      // softmax threads per query row (1 to 8, within a warp)
@@ -130,7 +179,7 @@ __global__ void __launch_bounds__(Shape<kDim>::kThreads, 1)
   auto V = reinterpret_cast<float(*)[kKeys][S::kVStride]>(smem + S::kV);
   auto Sh = reinterpret_cast<float(*)[kQueries][S::kSStride]>(smem + S::kS);
   auto P = reinterpret_cast<__nv_bfloat16(*)[kQueries][S::kPStride]>(smem + S::kP);
-  auto key_pos = reinterpret_cast<int64_t(*)[kKeys]>(smem + S::kPos);  // -1: no key (past the last one)
+  auto key_pos = reinterpret_cast<int(*)[kKeys]>(smem + S::kPos);  // relative_position, or kNoKey
   auto alpha = reinterpret_cast<float*>(smem + S::kAlpha);
   auto denom = reinterpret_cast<float*>(smem + S::kL);
 
@@ -146,66 +195,61 @@ __global__ void __launch_bounds__(Shape<kDim>::kThreads, 1)
     return (seg.first_row + item.row0 + j / group) * q_stride + int64_t(item.kv_head * group + j % group) * kDim;
   };
 
-  // Q fragments (hi/lo) of this warp's tiles and slice.
-  uint32_t qa[2][4][2][4];
-#pragma unroll
-  for (int mt = 0; mt < 2; ++mt)
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int j = row0 + mt * 16 + g + 8 * h;
-      const float* src = q + q_offset(j < nq ? j : 0) + d0 + 4 * t;
-#pragma unroll
-      for (int st = 0; st < 4; ++st) {
-        const float4 x = j < nq ? *reinterpret_cast<const float4*>(src + st * 16) : float4{0.0f, 0.0f, 0.0f, 0.0f};
-        split_bf16(x.x, x.y, qa[mt][st][0][h], qa[mt][st][1][h]);
-        split_bf16(x.z, x.w, qa[mt][st][0][2 + h], qa[mt][st][1][2 + h]);
-      }
-    }
-
-  // The softmax thread's query row and its running max and sum.
+  // The softmax thread's query row, the relative key positions it sees ([vis_lo, vis_hi];
+  // none for a padding row), and its running max and sum.
   const int srow = tid / kLanes, spart = tid % kLanes;
-  const bool s_valid = srow < nq;
-  const int64_t s_pos = first_pos + srow / group;
+  int vis_lo = 1, vis_hi = 0;
+  if (srow < nq) {
+    const int64_t p = item.row0 + srow / group;
+    vis_hi = seg.causal ? int(p) : INT_MAX;
+    vis_lo = seg.causal && seg.window > 0 ? relative_position(p - seg.window + 1, 0) : INT_MIN + 1;
+  }
   float m_run = -INFINITY, l_run = 0.0f;
 
   // Staging: this thread copies part of key `copy_key` of each chunk; `slot` is where that
-  // key is in the spans for the next chunk to stage.
-  const KeyWalk walk{spans + seg.span_begin, seg.span_count, seg.causal != 0, seg.window, first_pos,
+  // key is in the spans for the next chunk to stage. A chunk's values are staged one chunk
+  // after its keys, from the address its key staging kept.
+  const KeyWalk walk{spans, item.last_span, item.last_end, seg.causal != 0, seg.window, first_pos,
                      first_pos + item.rows - 1};
   const int copy_key = tid / kCopiers, copy_part = tid % kCopiers;
-  Cursor slot = walk.advance({0, 0}, copy_key);
-  auto stage = [&](int buf) {
-    const bool valid = slot.span < walk.end;
-    const float *k_src = q, *v_src = q;  // any readable address: a missing key is zero-filled
+  Cursor slot = walk.advance({item.span, item.key}, copy_key);
+  const float* v_src = q;  // any readable address: a missing key is zero-filled
+  bool v_copy = false;
+  // Keys of the chunk at `slot` into K[buf], their positions into key_pos[pos]; whether
+  // this thread's key exists.
+  auto stage_keys = [&](int buf, int pos) {
+    const bool valid = walk.has(slot);
+    const float* k_src = q;
+    int position = kNoKey;
+    v_src = q;
     if (valid) {
-      const DeviceKeySpan s = walk.spans[slot.span];
-      const int64_t off = slot.key * kv_stride + int64_t(item.kv_head) * kDim;
+      const DeviceKeySpan s = spans[slot.span];
+      const int64_t off = int64_t(slot.key) * kv_stride + int64_t(item.kv_head) * kDim;
       k_src = s.keys + off, v_src = s.values + off;
-      if (copy_part == 0) key_pos[buf][copy_key] = s.first_position + slot.key;
-    } else if (copy_part == 0) {
-      key_pos[buf][copy_key] = -1;
+      position = relative_position(s.first_position + slot.key, seg.first_position);
     }
+    v_copy = valid;
+    if (copy_part == 0) key_pos[pos][copy_key] = position;
 #pragma unroll
     for (int i = 0; i < kDim / 4 / kCopiers; ++i) {
       const int d = 4 * (copy_part + kCopiers * i);
       cp_async16(&K[buf][copy_key][d], k_src + d, valid);
-      cp_async16(&V[buf][copy_key][d], v_src + d, valid);
+    }
+    return valid;
+  };
+  // Values of the chunk whose keys were staged last, into V[buf].
+  auto stage_values = [&](int buf) {
+#pragma unroll
+    for (int i = 0; i < kDim / 4 / kCopiers; ++i) {
+      const int d = 4 * (copy_part + kCopiers * i);
+      cp_async16(&V[buf][copy_key][d], v_src + d, v_copy);
     }
   };
 
-  float o[2][8][4] = {};
-  bool more = __syncthreads_or(slot.span < walk.end);  // any key to see at all
-  if (more) {
-    stage(0);
-    slot = walk.advance(slot, kKeys);
-  }
-  for (int buf = 0; more; buf ^= 1) {
-    cp_async_wait_all();
-    // Chunk `buf` is staged; the other buffer, the score shares and P are free again.
-    more = __syncthreads_or(slot.span < walk.end);
-    if (more) stage(buf ^ 1);
-
-    // This warp's share of the scores: its query tiles x the chunk's keys, over its slice.
+  // This warp's share of the scores of the chunk in K[buf]: its query tiles x the chunk's
+  // keys, over its slice, with Q's fragments (hi/lo).
+  uint32_t qa[2][4][2][4];
+  auto score_shares = [&](int buf) {
     float s[2][kKeys / 8][4] = {};
 #pragma unroll
     for (int st = 0; st < 4; ++st)
@@ -226,41 +270,38 @@ __global__ void __launch_bounds__(Shape<kDim>::kThreads, 1)
         *reinterpret_cast<float2*>(row) = {s[mt][nt][0], s[mt][nt][1]};
         *reinterpret_cast<float2*>(row + 8 * S::kSStride) = {s[mt][nt][2], s[mt][nt][3]};
       }
-    if (more) slot = walk.advance(slot, kKeys);
-    __syncthreads();
+  };
 
-    // Whole scores, mask and online softmax: row srow, key pairs spart + kLanes * i.
+  // Whole scores, mask and online softmax of the chunk whose positions are in key_pos[pos]:
+  // row srow, key pairs spart + kLanes * i. Leaves P and the row's rescale factor.
+  auto softmax = [&](int pos) {
     float p[kPairs][2];
     float row_max = -INFINITY;
 #pragma unroll
     for (int i = 0; i < kPairs; ++i) {
       const int key = 2 * (spart + kLanes * i);
-      float2 v = {0.0f, 0.0f};
+      float2 v = *reinterpret_cast<const float2*>(&Sh[0][srow][key]);
 #pragma unroll
-      for (int w = 0; w < kSlices; ++w) {
+      for (int w = 1; w < kSlices; ++w) {
         const float2 share = *reinterpret_cast<const float2*>(&Sh[w][srow][key]);
         v.x += share.x, v.y += share.y;
       }
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const int64_t kp = key_pos[buf][key + e];
-        const bool visible = kp >= 0 && s_valid &&
-                             (!seg.causal || (kp <= s_pos && (seg.window == 0 || kp > s_pos - seg.window)));
-        p[i][e] = visible ? (e ? v.y : v.x) : -INFINITY;
-        row_max = fmaxf(row_max, p[i][e]);
-      }
+      const int2 kp = *reinterpret_cast<const int2*>(&key_pos[pos][key]);
+      p[i][0] = kp.x >= vis_lo && kp.x <= vis_hi ? v.x : -INFINITY;
+      p[i][1] = kp.y >= vis_lo && kp.y <= vis_hi ? v.y : -INFINITY;
+      row_max = fmaxf(row_max, fmaxf(p[i][0], p[i][1]));
     }
 #pragma unroll
     for (int m = 1; m < kLanes; m <<= 1) row_max = fmaxf(row_max, __shfl_xor_sync(0xffffffffu, row_max, m));
     const float m_new = fmaxf(m_run, row_max);
-    const float a = m_new == -INFINITY ? 1.0f : __expf(m_run - m_new);
+    const float a = m_new == m_run ? 1.0f : exp_ftz(m_run - m_new);  // exactly 1 while the max holds
     m_run = m_new;
     float row_sum = 0.0f;
 #pragma unroll
     for (int i = 0; i < kPairs; ++i) {
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
-        p[i][e] = p[i][e] == -INFINITY ? 0.0f : __expf(p[i][e] - m_new);
+        p[i][e] = p[i][e] == -INFINITY ? 0.0f : exp_ftz(p[i][e] - m_new);
         row_sum += p[i][e];
       }
       const int key = 2 * (spart + kLanes * i);
@@ -271,14 +312,21 @@ __global__ void __launch_bounds__(Shape<kDim>::kThreads, 1)
     for (int m = 1; m < kLanes; m <<= 1) row_sum += __shfl_xor_sync(0xffffffffu, row_sum, m);
     l_run = l_run * a + row_sum;
     if (spart == 0) alpha[srow] = a;
-    __syncthreads();
+  };
 
-    // P V for this warp's query tiles and slice.
+  // P V of the chunk in V[buf] for this warp's query tiles and slice.
+  float o[2][8][4] = {};
+  auto accumulate = [&](int buf) {
+    float a[2][2];
 #pragma unroll
-    for (int mt = 0; mt < 2; ++mt) {
-      const float a0 = alpha[row0 + mt * 16 + g], a1 = alpha[row0 + mt * 16 + g + 8];
+    for (int mt = 0; mt < 2; ++mt) a[mt][0] = alpha[row0 + mt * 16 + g], a[mt][1] = alpha[row0 + mt * 16 + g + 8];
+    // Rescaling by 1 changes nothing: skipped while no row of the warp has a new max.
+    if (__any_sync(0xffffffffu, a[0][0] != 1.0f || a[0][1] != 1.0f || a[1][0] != 1.0f || a[1][1] != 1.0f)) {
 #pragma unroll
-      for (int nt = 0; nt < 8; ++nt) o[mt][nt][0] *= a0, o[mt][nt][1] *= a0, o[mt][nt][2] *= a1, o[mt][nt][3] *= a1;
+      for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < 8; ++nt)
+          o[mt][nt][0] *= a[mt][0], o[mt][nt][1] *= a[mt][0], o[mt][nt][2] *= a[mt][1], o[mt][nt][3] *= a[mt][1];
     }
 #pragma unroll
     for (int ks = 0; ks < kKeys / 16; ++ks) {
@@ -308,9 +356,64 @@ __global__ void __launch_bounds__(Shape<kDim>::kThreads, 1)
         }
       }
     }
-  }
+  };
 
-  if (spart == 0) denom[srow] = l_run;
+  // Chunk n uses K[n % 2], V[n % 2] and key_pos[n % 3]. Before the loop: chunk 0's keys and
+  // values, chunk 1's keys, chunk 0's score shares.
+  const bool have_first = stage_keys(0, 0);
+  stage_values(0);
+  cp_async_commit();
+  slot = walk.advance(slot, kKeys);
+  bool have_next = stage_keys(1, 1);  // this thread's key of the chunk after the current one exists
+  cp_async_commit();
+  // Q fragments (hi/lo) of this warp's tiles and slice, loaded while the first chunk is
+  // on its way.
+#pragma unroll
+  for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int j = row0 + mt * 16 + g + 8 * h;
+      const float* src = q + q_offset(j < nq ? j : 0) + d0 + 4 * t;
+#pragma unroll
+      for (int st = 0; st < 4; ++st) {
+        const float4 x = j < nq ? *reinterpret_cast<const float4*>(src + st * 16) : float4{0.0f, 0.0f, 0.0f, 0.0f};
+        split_bf16(x.x, x.y, qa[mt][st][0][h], qa[mt][st][1][h]);
+        split_bf16(x.z, x.w, qa[mt][st][0][2 + h], qa[mt][st][1][2 + h]);
+      }
+    }
+  cp_async_wait<1>();
+  bool more = __syncthreads_or(have_first);  // any key to see at all
+  if (more) {
+    score_shares(0);
+    __syncthreads();
+  }
+  for (int n = 0; more; ++n) {
+    const int buf = n & 1;
+    softmax(n % 3);
+    cp_async_wait<0>();  // chunk n's values, chunk n + 1's keys
+    more = __syncthreads_or(have_next);  // P and alpha are complete; whether chunk n + 1 exists
+    // The buffers of chunk n - 1's values and chunk n's keys were read before the last
+    // barrier: chunk n + 1's values and chunk n + 2's keys go there, staged here, between
+    // the MMAs, rather than in the softmax that the tensor cores wait for.
+    if (more) {
+      stage_values(buf ^ 1);
+      slot = walk.advance(slot, kKeys);
+      have_next = stage_keys(buf, (n + 2) % 3);
+      cp_async_commit();
+    }
+    accumulate(buf);
+    if (more) score_shares(buf ^ 1);
+    __syncthreads();  // P, alpha, the shares and the buffers read are free again
+  }
+  cp_async_wait<0>();  // a block without keys left its zero fills in flight
+
+  // The output, normalised by this piece's softmax sum (zero where no key was visible): to
+  // `out` when the piece is all the rows see, else to partial slot item.slot with the
+  // rows' max and sum, for the merge.
+  if (spart == 0) {
+    denom[srow] = l_run;
+    if (item.slot >= 0 && srow < nq) partial_ml[int64_t(item.slot) * kQueries + srow] = {m_run, l_run};
+  }
   __syncthreads();
 #pragma unroll
   for (int mt = 0; mt < 2; ++mt)
@@ -318,9 +421,10 @@ __global__ void __launch_bounds__(Shape<kDim>::kThreads, 1)
     for (int h = 0; h < 2; ++h) {
       const int j = row0 + mt * 16 + g + 8 * h;
       if (j >= nq) continue;
-      const float l = denom[j];
-      const auto scaled = [l](float x) { return l > 0.0f ? x / l : 0.0f; };
-      float* dst = out + q_offset(j) + d0 + 8 * t;
+      const float inv = denom[j] > 0.0f ? 1.0f / denom[j] : 0.0f;
+      const auto scaled = [inv](float x) { return x * inv; };
+      float* dst = (item.slot < 0 ? out + q_offset(j) : partial_out + (int64_t(item.slot) * kQueries + j) * kDim) +
+                   d0 + 8 * t;
 #pragma unroll
       for (int half = 0; half < 2; ++half)
 #pragma unroll
@@ -333,37 +437,84 @@ __global__ void __launch_bounds__(Shape<kDim>::kThreads, 1)
     }
 }
 
-template <int kDim>
-void launch(const float* q, float* out, const DeviceAttentionSegment* segments, const DeviceKeySpan* spans,
-            const AttentionItem* items, int num_items, int num_heads, int num_kv_heads, cudaStream_t stream) {
-  using S = Shape<kDim>;
-  cudaFuncSetAttribute(attention_mma_kernel<kDim>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(S::kBytes));
-  attention_mma_kernel<kDim><<<num_items, S::kThreads, S::kBytes, stream>>>(q, out, segments, spans, items, num_heads,
-                                                                            num_kv_heads);
+// The pieces of each merge into the output, one warp per query vector (blockIdx.y picks
+// the block's warps' vectors, so that the short chains of loads of every vector run at
+// once): piece p weighs l_p e^(m_p - M) / sum over the pieces (M: their largest max; a
+// piece that saw no key weighs 0), and the weighted outputs are added in piece order.
+constexpr int kMergeWarps = 8;
+__global__ void attention_merge_kernel(float* __restrict__ out, const float* __restrict__ partial_out,
+                                       const float2* __restrict__ partial_ml,
+                                       const DeviceAttentionSegment* __restrict__ segments,
+                                       const AttentionMerge* __restrict__ merges, int num_heads, int num_kv_heads,
+                                       int head_dim, int queries_per_slot) {
+  const AttentionMerge merge = merges[blockIdx.x];
+  const int group = num_heads / num_kv_heads, lane = threadIdx.x & 31;
+  const int j = blockIdx.y * kMergeWarps + (threadIdx.x >> 5);
+  if (j >= merge.rows * group) return;
+  const float2* ml = partial_ml + int64_t(merge.slot) * queries_per_slot + j;  // piece p: ml[p * queries_per_slot]
+  float m = -INFINITY;
+  for (int p = lane; p < merge.pieces; p += 32) m = fmaxf(m, ml[p * queries_per_slot].x);
+  for (int s = 16; s > 0; s >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, s));
+  const auto weight = [m](float2 piece) { return piece.y > 0.0f ? piece.y * __expf(piece.x - m) : 0.0f; };
+  float sum = 0.0f;
+  for (int p = lane; p < merge.pieces; p += 32) sum += weight(ml[p * queries_per_slot]);
+  for (int s = 16; s > 0; s >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, s);
+  const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
+  const int64_t row = segments[merge.segment].first_row + merge.row0 + j / group;
+  float* dst = out + row * num_heads * int64_t(head_dim) + int64_t(merge.kv_head * group + j % group) * head_dim;
+  for (int d = 4 * lane; d < head_dim; d += 128) {
+    float4 acc = {0.0f, 0.0f, 0.0f, 0.0f};
+    for (int p = 0; p < merge.pieces; ++p) {
+      const float w = weight(ml[p * queries_per_slot]) * inv;
+      const float4 x = *reinterpret_cast<const float4*>(
+          partial_out + ((int64_t(merge.slot) + p) * queries_per_slot + j) * head_dim + d);
+      acc.x += w * x.x, acc.y += w * x.y, acc.z += w * x.z, acc.w += w * x.w;
+    }
+    *reinterpret_cast<float4*>(dst + d) = acc;
+  }
 }
 
 }  // namespace
 
 int attention_mma_queries(int head_dim) {
-  switch (head_dim) {
-    case 64: return Shape<64>::kQueries;
-    case 128: return Shape<128>::kQueries;
-    case 256: return Shape<256>::kQueries;
-    case 512: return Shape<512>::kQueries;
-    default: return 0;
-  }
+  int queries = 0;
+  with_head_dim(head_dim, [&](auto dim) { queries = Shape<decltype(dim)::value>::kQueries; });
+  return queries;
 }
 
-bool attention_mma(const float* q, float* out, const DeviceAttentionSegment* segments, const DeviceKeySpan* spans,
-                   const AttentionItem* items, int num_items, int num_heads, int num_kv_heads, int head_dim,
-                   cudaStream_t stream) {
-  switch (head_dim) {
-    case 64: launch<64>(q, out, segments, spans, items, num_items, num_heads, num_kv_heads, stream); return true;
-    case 128: launch<128>(q, out, segments, spans, items, num_items, num_heads, num_kv_heads, stream); return true;
-    case 256: launch<256>(q, out, segments, spans, items, num_items, num_heads, num_kv_heads, stream); return true;
-    case 512: launch<512>(q, out, segments, spans, items, num_items, num_heads, num_kv_heads, stream); return true;
-    default: return false;
-  }
+int attention_mma_resident_blocks(int head_dim) {
+  int per_multiprocessor = 0;
+  const bool serves = with_head_dim(head_dim, [&](auto dim) {
+    constexpr int kDim = decltype(dim)::value;
+    using S = Shape<kDim>;
+    cudaFuncSetAttribute(attention_mma_kernel<kDim>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(S::kBytes));
+    cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_multiprocessor, attention_mma_kernel<kDim>, S::kThreads,
+                                                  S::kBytes);
+  });
+  if (!serves) return 1;
+  int device = 0, multiprocessors = 0;
+  cudaGetDevice(&device);
+  cudaDeviceGetAttribute(&multiprocessors, cudaDevAttrMultiProcessorCount, device);
+  return std::max(per_multiprocessor, 1) * std::max(multiprocessors, 1);
+}
+
+void attention_mma(const float* q, float* out, const AttentionPlan& plan, const AttentionTables& tables,
+                   void* scratch, int num_heads, int num_kv_heads, cudaStream_t stream) {
+  // Scratch: the slots' outputs ([slot][query][head_dim]), then their (max, sum) pairs.
+  float* partial_out = static_cast<float*>(scratch);
+  auto* partial_ml = reinterpret_cast<float2*>(partial_out + plan.slots * plan.queries_per_slot * plan.head_dim);
+  with_head_dim(plan.head_dim, [&](auto dim) {
+    constexpr int kDim = decltype(dim)::value;
+    using S = Shape<kDim>;
+    cudaFuncSetAttribute(attention_mma_kernel<kDim>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(S::kBytes));
+    attention_mma_kernel<kDim><<<unsigned(plan.items.size()), S::kThreads, S::kBytes, stream>>>(
+        q, out, partial_out, partial_ml, tables.segments, tables.spans, tables.items, num_heads, num_kv_heads);
+  });
+  if (!plan.merges.empty())
+    attention_merge_kernel<<<dim3(unsigned(plan.merges.size()), unsigned(plan.queries_per_slot / kMergeWarps)),
+                             32 * kMergeWarps, 0, stream>>>(
+        out, partial_out, partial_ml, tables.segments, tables.merges, num_heads, num_kv_heads, plan.head_dim,
+        plan.queries_per_slot);
 }
 
 }  // namespace diffuserve::cuda

@@ -263,28 +263,14 @@ class CudaBackend final : public Backend {
   void attention(const Activation& q, const std::vector<AttentionSegment>& segments, int64_t num_heads,
                  int64_t num_kv_heads, int64_t head_dim, Activation& out) override {
     auto timed = profile_.scope("attention");
-    const int group = int(num_heads / num_kv_heads);
-    if (group > 16) throw InvalidArgument("the CUDA attention supports up to 16 query heads per KV head");
-    std::vector<cuda::DeviceAttentionSegment> segs;
-    std::vector<cuda::DeviceKeySpan> spans;
-    std::vector<cuda::AttentionItem> items;
-    const int rows_per_item = cuda::attention_rows_per_item(group, int(head_dim));
-    for (const AttentionSegment& s : segments) {
-      const int index = int(segs.size());
-      segs.push_back({s.first_row, s.first_position, s.window, s.causal ? 1 : 0, int(spans.size()), int(s.spans.size())});
-      for (const KeySpan& k : s.spans) spans.push_back({k.keys, k.values, k.count, k.first_position});
-      for (int64_t r = 0; r < s.rows; r += rows_per_item)
-        for (int h = 0; h < num_kv_heads; ++h)
-          items.push_back({index, int(r), int(std::min<int64_t>(rows_per_item, s.rows - r)), h});
-    }
-    if (items.empty()) return;
-    const auto* device_segs = upload_table(segs);
-    const auto* device_spans = upload_table(spans);
-    const auto* device_items = upload_table(items);
-    if (!cuda::attention_mma(q.data, out.data, device_segs, device_spans, device_items, int(items.size()),
-                             int(num_heads), int(num_kv_heads), int(head_dim), stream_))
-      cuda::attention(q.data, out.data, device_segs, device_spans, device_items, int(items.size()), int(num_heads),
-                      int(num_kv_heads), int(head_dim), stream_);
+    if (num_heads / num_kv_heads > 16) throw InvalidArgument("the CUDA attention supports up to 16 query heads per KV head");
+    const cuda::AttentionPlan plan = cuda::plan_attention(segments, int(num_heads), int(num_kv_heads), int(head_dim),
+                                                          cuda::attention_mma_resident_blocks(int(head_dim)));
+    if (plan.items.empty()) return;
+    const cuda::AttentionTables tables{upload_table(plan.segments), upload_table(plan.spans), upload_table(plan.items),
+                                       upload_table(plan.merges)};
+    auto scratch = pool_->get(plan.scratch_bytes());
+    cuda::attention(q.data, out.data, plan, tables, scratch.get(), int(num_heads), int(num_kv_heads), stream_);
   }
 
   void gelu_glu(const Activation& x, Activation& out) override {

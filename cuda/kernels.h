@@ -7,6 +7,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <vector>
 
 #include "backend.h"
 #include "philox.h"
@@ -80,7 +81,16 @@ void transpose_bf16(const __nv_bfloat16* in, int64_t k, int64_t n, __nv_bfloat16
 void route_top_k(float* scores, int64_t tokens, int experts, float scale, int top_k, const float* per_expert_scale,
                  int32_t* expert_ids, float* weights, cudaStream_t stream);
 
-// ---- attention (attention.cu) ---------------------------------------------------
+// ---- attention (attention.cu, attention_mma.cu) -----------------------------------
+// Attention over the paged KV cache for a mixed-phase batch (Backend::attention): the host
+// plans the launch (plan_attention), uploads the plan's tables, and `attention` runs it.
+//
+// Split-KV: where a segment's rows alone would leave multiprocessors idle, each row group's
+// keys are cut into pieces that separate blocks take; each piece's output (normalised by
+// its own softmax sum) and its running max and sum go to scratch, and a merge kernel
+// combines the pieces in key order. How a segment is cut depends only on that segment (its
+// rows, its keys) and the GPU, never on the other segments of the launch, so a request
+// gets the same bits alone or batched.
 struct DeviceKeySpan {
   const float* keys;
   const float* values;
@@ -95,27 +105,66 @@ struct DeviceAttentionSegment {
   int span_begin;  // into the span array
   int span_count;
 };
-// A block's work: `rows` query rows starting at row `row0` of segment `segment`, all
-// query heads of kv head `kv_head`.
+// A block's work: `rows` query rows from row `row0` of segment `segment`, all query heads
+// of kv head `kv_head`, over one piece of the segment's keys (its spans one after the
+// other): from key `key` of span `span` to key `last_end` - 1 of span `last_span` (span
+// indices into the span array; last_span < span: no key). slot < 0: the piece is all the
+// rows see and the block writes the output; else the block writes partial slot `slot`.
 struct AttentionItem {
   int segment;
   int row0;
   int rows;
   int kv_head;
+  int span;
+  int key;
+  int last_span;
+  int last_end;
+  int slot;
 };
-// Query rows one block handles (AttentionItem::rows at most) for a GQA group size and head
-// dim, for whichever of the two kernels below serves that head dim.
-int attention_rows_per_item(int group, int head_dim);
-// Query vectors one block of attention_mma covers for a head dim; 0 where it does not serve.
+// Rows whose keys were cut into `pieces` pieces, written to partial slots [slot, slot +
+// pieces) in key order: attention_merge combines them into the output.
+struct AttentionMerge {
+  int segment;
+  int row0;
+  int rows;
+  int kv_head;
+  int slot;
+  int pieces;
+};
+struct AttentionPlan {
+  std::vector<DeviceAttentionSegment> segments;
+  std::vector<DeviceKeySpan> spans;
+  std::vector<AttentionItem> items;    // one block each
+  std::vector<AttentionMerge> merges;  // empty when no row group was cut
+  int64_t slots = 0;                   // partial results the pieces write
+  int queries_per_slot = 0;            // query vectors per item (and per slot)
+  int head_dim = 0;
+  // Device memory `attention` may use for the partial results until it is done on its stream.
+  size_t scratch_bytes() const;
+};
+// The plan of one Backend::attention call (num_heads / num_kv_heads <= 16) for a GPU that
+// runs `resident_blocks` blocks of the kernel at once (attention_mma_resident_blocks).
+AttentionPlan plan_attention(const std::vector<AttentionSegment>& segments, int num_heads, int num_kv_heads,
+                             int head_dim, int resident_blocks);
+// The plan's tables in device memory.
+struct AttentionTables {
+  const DeviceAttentionSegment* segments;
+  const DeviceKeySpan* spans;
+  const AttentionItem* items;
+  const AttentionMerge* merges;
+};
+void attention(const float* q, float* out, const AttentionPlan& plan, const AttentionTables& tables, void* scratch,
+               int num_heads, int num_kv_heads, cudaStream_t stream);
+
+// The tensor-core kernel (attention_mma.cu) for head dims 64, 128, 256 and 512; attention.cu
+// has the generic one for every other head dim, which takes its items whole (no pieces).
+// Query vectors one block covers for a head dim; 0 where it does not serve.
 int attention_mma_queries(int head_dim);
-// On tensor cores, for head dims 64, 128, 256 and 512 (attention_mma.cu); false for
-// others, which `attention` serves.
-bool attention_mma(const float* q, float* out, const DeviceAttentionSegment* segments, const DeviceKeySpan* spans,
-                   const AttentionItem* items, int num_items, int num_heads, int num_kv_heads, int head_dim,
-                   cudaStream_t stream);
-void attention(const float* q, float* out, const DeviceAttentionSegment* segments, const DeviceKeySpan* spans,
-               const AttentionItem* items, int num_items, int num_heads, int num_kv_heads, int head_dim,
-               cudaStream_t stream);
+// Its blocks that run at once on the current device (multiprocessors x blocks per one); 1
+// where it does not serve the head dim.
+int attention_mma_resident_blocks(int head_dim);
+void attention_mma(const float* q, float* out, const AttentionPlan& plan, const AttentionTables& tables,
+                   void* scratch, int num_heads, int num_kv_heads, cudaStream_t stream);
 
 // ---- elementwise, rows, sampling (kernels.cu) -------------------------------------
 void embed(const __nv_bfloat16* table, int64_t hidden, const int32_t* ids, int64_t n, float scale, float* out,

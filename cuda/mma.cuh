@@ -37,11 +37,12 @@ __device__ __forceinline__ void e4m3x4_to_f16(uint32_t codes, uint32_t& lo, uint
 }
 
 // Two floats as packed bf16 hi parts and lo parts (x - hi), the lower column in the low half.
+// The hi parts come back to fp32 by shifting their bits into place (a bf16 is the top half of
+// an fp32): six instructions a pair.
 __device__ __forceinline__ void split_bf16(float x0, float x1, uint32_t& hi, uint32_t& lo) {
-  const __nv_bfloat162 h = __floats2bfloat162_rn(x0, x1);
-  const __nv_bfloat162 l = __floats2bfloat162_rn(x0 - __low2float(h), x1 - __high2float(h));
-  hi = *reinterpret_cast<const uint32_t*>(&h);
-  lo = *reinterpret_cast<const uint32_t*>(&l);
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(hi) : "f"(x1), "f"(x0));  // x1 to the high half
+  const float hi0 = __uint_as_float(hi << 16), hi1 = __uint_as_float(hi & 0xffff0000u);
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(lo) : "f"(x1 - hi1), "f"(x0 - hi0));
 }
 
 }  // namespace diffuserve::cuda

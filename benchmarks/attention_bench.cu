@@ -1,0 +1,558 @@
+// The CUDA attention (cuda/attention.cu, cuda/attention_mma.cu) on its own: correctness
+// against a double-precision host reference on random inputs over head dims 64 / 128 / 256
+// / 512 (the tensor-core kernel) and 24 / 80 (the generic one), GQA ratios 1 to 16, causal
+// and non-causal segments, sliding windows, several segments of different lengths in one
+// launch with query rows between them that no segment owns (they must stay untouched),
+// spans of 16 keys cut at misaligned positions and spans of random lengths, and segments
+// whose keys the plan cuts into pieces (split-KV) as well as uncut ones; bitwise batch
+// invariance (a segment alone against the same segment among others, and a rerun); then
+// timings at DiffusionGemma-26B shapes (a denoise pass: 256 canvas rows per request over
+// its context). Before any of that, host checks of the plan that need no GPU: every row
+// group's pieces are disjoint, in key order, cover every key its rows can see, and get
+// consecutive slots and one merge where there are several; a segment's pieces are the same
+// alone and batched. Build and run:
+//   nvcc -std=c++20 -arch=sm_90a -O3 -I cpp/src -I cpp/include -I cuda benchmarks/attention_bench.cu \
+//       cuda/attention.cu cuda/attention_mma.cu -o /tmp/attention_bench && /tmp/attention_bench
+// (--check: the checks alone; --host: the plan checks alone, on a machine without a GPU).
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <map>
+#include <numeric>
+#include <random>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "kernels.h"
+
+using namespace diffuserve;
+using namespace diffuserve::cuda;
+
+namespace {
+
+int failures = 0;
+
+void check(cudaError_t e, const char* what) {
+  if (e != cudaSuccess) {
+    std::fprintf(stderr, "CUDA error %s: %s\n", what, cudaGetErrorString(e));
+    std::exit(2);
+  }
+}
+
+void report(bool ok, const std::string& what, const std::string& detail) {
+  std::printf("%-6s %-58s: %s\n", ok ? "ok" : "FAIL", what.c_str(), detail.c_str());
+  if (!ok) ++failures;
+}
+
+template <typename T>
+T* upload(const std::vector<T>& v) {
+  T* p = nullptr;
+  check(cudaMalloc(&p, std::max<size_t>(v.size(), 1) * sizeof(T)), "malloc");
+  check(cudaMemcpy(p, v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice), "upload");
+  return p;
+}
+
+// One segment: `rows` queries at positions first_position.., keys at positions
+// [key_begin, key_end) cut into spans at multiples of `block` (0: spans of random lengths
+// 1 to 40), each span stored at a random place of the problem's K/V storage.
+struct SegmentSpec {
+  int64_t rows, first_position;
+  bool causal;
+  int64_t window;
+  int64_t key_begin, key_end;
+  int block;
+  int64_t gap = 0;  // query rows that no segment owns, before this one
+};
+
+// Q (rows x heads x dim), K/V storage (rows x kv_heads x dim each) and the segments over
+// them, spans as storage rows until `segments` turns them into pointers.
+struct Problem {
+  int heads = 0, kv_heads = 0, dim = 0;
+  int64_t rows = 0, storage_rows = 0;
+  std::vector<float> q, k, v;
+  std::vector<AttentionSegment> segs;  // KeySpan::keys/values: nullptr + storage row
+  std::vector<int64_t> span_rows;      // per span of all segments, its first storage row
+};
+
+Problem make_problem(int heads, int kv_heads, int dim, const std::vector<SegmentSpec>& specs, unsigned seed) {
+  std::mt19937 rng(seed);
+  Problem p;
+  p.heads = heads, p.kv_heads = kv_heads, p.dim = dim;
+  std::vector<std::vector<int64_t>> lengths;
+  for (const SegmentSpec& s : specs) {
+    AttentionSegment a;
+    p.rows += s.gap;
+    a.first_row = p.rows, a.rows = s.rows, a.first_position = s.first_position, a.causal = s.causal,
+    a.window = s.window;
+    p.rows += s.rows;
+    for (int64_t pos = s.key_begin; pos < s.key_end;) {
+      const int64_t end = std::min(s.key_end, s.block ? (pos / s.block + 1) * s.block : pos + 1 + int64_t(rng() % 40));
+      a.spans.push_back({nullptr, nullptr, end - pos, pos});
+      pos = end;
+    }
+    p.segs.push_back(a);
+  }
+  // Spans at shuffled places of the storage, as a paged cache has them.
+  std::vector<std::pair<int, int>> order;  // (segment, span)
+  for (size_t s = 0; s < p.segs.size(); ++s)
+    for (size_t i = 0; i < p.segs[s].spans.size(); ++i) order.push_back({int(s), int(i)});
+  std::shuffle(order.begin(), order.end(), rng);
+  std::map<std::pair<int, int>, int64_t> first_row;
+  for (const auto& [s, i] : order) first_row[{s, i}] = p.storage_rows, p.storage_rows += p.segs[s].spans[i].count;
+  for (size_t s = 0; s < p.segs.size(); ++s)
+    for (size_t i = 0; i < p.segs[s].spans.size(); ++i) p.span_rows.push_back(first_row[{int(s), int(i)}]);
+  std::normal_distribution<float> d(0.0f, 1.0f);
+  const float q_scale = 2.0f / std::sqrt(float(dim));  // scores of a few units, as after q/k norms
+  p.q.resize(size_t(p.rows * heads * dim));
+  for (auto& x : p.q) x = d(rng) * q_scale;
+  p.k.resize(size_t(p.storage_rows * kv_heads * dim));
+  p.v.resize(p.k.size());
+  for (auto& x : p.k) x = d(rng);
+  for (auto& x : p.v) x = d(rng);
+  return p;
+}
+
+// The problem's segments with spans pointing into K and V storage at `k` and `v`.
+std::vector<AttentionSegment> segments(const Problem& p, const float* k, const float* v) {
+  std::vector<AttentionSegment> segs = p.segs;
+  const int64_t kv_cols = int64_t(p.kv_heads) * p.dim;
+  size_t n = 0;
+  for (auto& s : segs)
+    for (auto& span : s.spans) {
+      span.keys = k + p.span_rows[n] * kv_cols, span.values = v + p.span_rows[n] * kv_cols;
+      ++n;
+    }
+  return segs;
+}
+
+// Runs the attention on the GPU; returns the output (rows x heads x dim), NaN where nothing
+// was written.
+std::vector<float> run(const Problem& p, AttentionPlan* plan_out = nullptr) {
+  float* q = upload(p.q);
+  float* k = upload(p.k);
+  float* v = upload(p.v);
+  const AttentionPlan plan =
+      plan_attention(segments(p, k, v), p.heads, p.kv_heads, p.dim, attention_mma_resident_blocks(p.dim));
+  const AttentionTables tables{upload(plan.segments), upload(plan.spans), upload(plan.items), upload(plan.merges)};
+  void* scratch = nullptr;
+  check(cudaMalloc(&scratch, std::max<size_t>(plan.scratch_bytes(), 1)), "malloc scratch");
+  float* out = nullptr;
+  const size_t out_bytes = sizeof(float) * p.q.size();
+  check(cudaMalloc(&out, out_bytes), "malloc out");
+  check(cudaMemset(out, 0xff, out_bytes), "memset out");  // NaN
+  attention(q, out, plan, tables, scratch, p.heads, p.kv_heads, nullptr);
+  check(cudaDeviceSynchronize(), "attention");
+  std::vector<float> result(p.q.size());
+  check(cudaMemcpy(result.data(), out, out_bytes, cudaMemcpyDeviceToHost), "download");
+  cudaFree(q), cudaFree(k), cudaFree(v), cudaFree(out), cudaFree(scratch);
+  cudaFree(const_cast<DeviceAttentionSegment*>(tables.segments)), cudaFree(const_cast<DeviceKeySpan*>(tables.spans));
+  cudaFree(const_cast<AttentionItem*>(tables.items)), cudaFree(const_cast<AttentionMerge*>(tables.merges));
+  if (plan_out) *plan_out = plan;
+  return result;
+}
+
+// Row r, head h of segment s in double: the output and the largest |value| it weighs
+// (the scale of the error); no visible key gives zeros.
+std::vector<double> reference(const Problem& p, const AttentionSegment& s, int64_t r, int h, double& scale) {
+  const int kvh = h / (p.heads / p.kv_heads), d = p.dim;
+  const int64_t kv_cols = int64_t(p.kv_heads) * d, pos = s.first_position + r;
+  const float* qi = &p.q[size_t((s.first_row + r) * p.heads * d + int64_t(h) * d)];
+  std::vector<double> scores;
+  std::vector<const float*> values;
+  const size_t span0 = size_t(&s - &p.segs[0]);
+  size_t n = 0;
+  for (size_t i = 0; i < span0; ++i) n += p.segs[i].spans.size();
+  for (const KeySpan& span : s.spans) {
+    const int64_t row0 = p.span_rows[n++];
+    for (int64_t key = 0; key < span.count; ++key) {
+      const int64_t j = span.first_position + key;
+      if (s.causal && (j > pos || (s.window && j <= pos - s.window))) continue;
+      const float* kk = &p.k[size_t((row0 + key) * kv_cols + int64_t(kvh) * d)];
+      double dot = 0;
+      for (int c = 0; c < d; ++c) dot += double(qi[c]) * kk[c];
+      scores.push_back(dot);
+      values.push_back(&p.v[size_t((row0 + key) * kv_cols + int64_t(kvh) * d)]);
+    }
+  }
+  std::vector<double> o(size_t(d), 0.0);
+  scale = 0;
+  if (scores.empty()) return o;
+  const double best = *std::max_element(scores.begin(), scores.end());
+  double sum = 0;
+  for (double& x : scores) sum += (x = std::exp(x - best));
+  for (size_t i = 0; i < scores.size(); ++i)
+    for (int c = 0; c < d; ++c) {
+      o[size_t(c)] += scores[i] / sum * values[i][c];
+      scale = std::max(scale, double(std::fabs(values[i][c])));
+    }
+  return o;
+}
+
+// Checks `out` against the reference on every (row, head) of every segment (or `samples`
+// random ones), and that rows no segment owns were left alone.
+void verify(const Problem& p, const std::vector<float>& out, const std::string& name, const AttentionPlan& plan,
+            int samples = 0) {
+  const int d = p.dim;
+  std::vector<char> owned(size_t(p.rows), 0);
+  double worst = 0;
+  int64_t bad = 0, checked = 0;
+  std::mt19937_64 rng(1);
+  for (const AttentionSegment& s : p.segs) {
+    std::fill_n(owned.begin() + s.first_row, s.rows, 1);
+    auto one = [&](int64_t r, int h) {
+      double scale;
+      const std::vector<double> want = reference(p, s, r, h, scale);
+      const float* got = &out[size_t((s.first_row + r) * p.heads * d + int64_t(h) * d)];
+      for (int c = 0; c < d; ++c) {
+        const double err = std::fabs(double(got[c]) - want[size_t(c)]) / (scale + 1e-30);
+        worst = std::max(worst, std::isnan(err) ? INFINITY : err);
+        if (!(err <= 2e-4) && bad++ < 5)
+          std::printf("    %s: row %ld head %d dim %d: got %.8g want %.8g\n", name.c_str(), long(s.first_row + r), h,
+                      c, got[c], want[size_t(c)]);
+      }
+      ++checked;
+    };
+    if (samples) {
+      for (int i = 0; i < samples && s.rows; ++i) one(int64_t(rng() % s.rows), int(rng() % p.heads));
+    } else {
+      for (int64_t r = 0; r < s.rows; ++r)
+        for (int h = 0; h < p.heads; ++h) one(r, h);
+    }
+  }
+  for (int64_t r = 0; r < p.rows; ++r)
+    for (int64_t c = 0; !owned[size_t(r)] && c < int64_t(p.heads) * d; ++c)
+      if (!std::isnan(out[size_t(r * p.heads * d + c)]) && bad++ < 5)
+        std::printf("    %s: row %ld (no segment's) written\n", name.c_str(), long(r));
+  char detail[160];
+  std::snprintf(detail, sizeof detail, "%s (%ld vectors, worst err / max|v| %.1e; %zu blocks, %zu merges, %ld slots)",
+                bad ? "MISMATCH" : "match", long(checked), worst, plan.items.size(), plan.merges.size(),
+                long(plan.slots));
+  report(!bad, name, detail);
+}
+
+// ---- the plan, on the host ------------------------------------------------------------
+
+// The plan's pieces per output (segment, first row, kv head), in raw key indices of the
+// segment (its spans one after the other): (begin, end, slot rank or -1).
+using Output = std::tuple<int, int, int>;  // segment, row0, kv_head
+using PieceOf = std::tuple<int64_t, int64_t, int>;
+std::map<Output, std::vector<PieceOf>> pieces_by_output(const AttentionPlan& plan, std::string& error) {
+  std::map<Output, std::vector<PieceOf>> by;
+  std::map<Output, const AttentionMerge*> merge_of;
+  for (const AttentionMerge& m : plan.merges) {
+    if (merge_of.count({m.segment, m.row0, m.kv_head})) error = "two merges for one output";
+    merge_of[{m.segment, m.row0, m.kv_head}] = &m;
+  }
+  for (const AttentionItem& it : plan.items) {
+    const DeviceAttentionSegment& s = plan.segments[size_t(it.segment)];
+    auto raw = [&](int span, int key) {
+      int64_t before = 0;
+      for (int i = s.span_begin; i < span; ++i) before += plan.spans[size_t(i)].count;
+      return before + key;
+    };
+    const bool empty = it.last_span < it.span;
+    if (!empty && (it.span < s.span_begin || it.last_span >= s.span_begin + s.span_count)) error = "span out of segment";
+    const int64_t begin = empty ? 0 : raw(it.span, it.key), end = empty ? 0 : raw(it.last_span, it.last_end);
+    int rank = -1;
+    if (it.slot >= 0) {
+      const auto m = merge_of.find({it.segment, it.row0, it.kv_head});
+      if (m == merge_of.end()) error = "a slot without a merge";
+      else if (it.slot < m->second->slot || it.slot >= m->second->slot + m->second->pieces) error = "slot outside its merge";
+      else rank = it.slot - m->second->slot;
+    }
+    by[{it.segment, it.row0, it.kv_head}].push_back({begin, end, rank});
+  }
+  for (auto& [output, pieces] : by) {
+    std::sort(pieces.begin(), pieces.end());
+    const auto m = merge_of.find(output);
+    const int n = int(pieces.size());
+    if ((n > 1) != (m != merge_of.end()) || (m != merge_of.end() && m->second->pieces != n)) error = "merge count";
+    for (int i = 0; i < n; ++i) {
+      if (std::get<2>(pieces[size_t(i)]) != (n > 1 ? i : -1)) error = "slots not in key order";
+      if (i && std::get<0>(pieces[size_t(i)]) < std::get<1>(pieces[size_t(i - 1)])) error = "overlapping pieces";
+    }
+  }
+  return by;
+}
+
+// The plan of `p` for `resident` concurrent blocks: outputs, pieces, slots and merges
+// consistent, every visible key in a piece; returns the pieces per output.
+std::map<Output, std::vector<PieceOf>> check_plan(const Problem& p, int resident, const std::string& name,
+                                                  AttentionPlan* plan_out = nullptr) {
+  const AttentionPlan plan = plan_attention(p.segs, p.heads, p.kv_heads, p.dim, resident);
+  std::string error;
+  std::map<Output, std::vector<PieceOf>> by = pieces_by_output(plan, error);
+  const int group = p.heads / p.kv_heads;
+  int64_t rows_covered = 0;
+  for (const auto& [output, pieces] : by) {
+    const auto [segment, row0, kv_head] = output;
+    const AttentionSegment& s = p.segs[size_t(segment)];
+    const AttentionItem* item = nullptr;
+    for (const AttentionItem& it : plan.items)
+      if (it.segment == segment && it.row0 == row0 && it.kv_head == kv_head) item = &it;
+    if (item->rows * group > std::max(plan.queries_per_slot, 16)) error = "too many query vectors in a block";
+    if (kv_head == 0) rows_covered += item->rows;
+    // Every key some row of the group sees lies in one of its pieces.
+    int64_t raw = 0;
+    for (const KeySpan& span : s.spans)
+      for (int64_t key = 0; key < span.count; ++key, ++raw) {
+        const int64_t j = span.first_position + key;
+        bool seen = false;
+        for (int64_t r = row0; r < row0 + item->rows && !seen; ++r) {
+          const int64_t pos = s.first_position + r;
+          seen = !s.causal || (j <= pos && (s.window == 0 || j > pos - s.window));
+        }
+        bool in_piece = false;
+        for (const PieceOf& piece : pieces) in_piece |= raw >= std::get<0>(piece) && raw < std::get<1>(piece);
+        if (seen && !in_piece) error = "a visible key in no piece";
+      }
+  }
+  int64_t rows = 0;
+  for (const AttentionSegment& s : p.segs) rows += s.rows;
+  if (rows_covered != rows) error = "rows not covered once";
+  int64_t slots = 0;
+  for (const AttentionMerge& m : plan.merges) slots += m.pieces;
+  if (slots != plan.slots) error = "slots not all merged";
+  char detail[160];
+  std::snprintf(detail, sizeof detail, "%s (%zu blocks, %zu merges, %ld slots)", error.empty() ? "consistent" : error.c_str(),
+                plan.items.size(), plan.merges.size(), long(plan.slots));
+  report(error.empty(), "plan " + name + " (host, resident " + std::to_string(resident) + ")", detail);
+  if (plan_out) *plan_out = plan;
+  return by;
+}
+
+// The problem of segment `s` of `p` alone (the same queries, keys and values, at row 0).
+Problem alone(const Problem& p, int s) {
+  Problem a = p;
+  const AttentionSegment& seg = p.segs[size_t(s)];
+  const int64_t cols = int64_t(p.heads) * p.dim;
+  a.rows = seg.rows;
+  a.q.assign(p.q.begin() + seg.first_row * cols, p.q.begin() + (seg.first_row + seg.rows) * cols);
+  a.segs = {seg};
+  a.segs[0].first_row = 0;
+  size_t first = 0;
+  for (int i = 0; i < s; ++i) first += p.segs[size_t(i)].spans.size();
+  a.span_rows.assign(p.span_rows.begin() + int64_t(first), p.span_rows.begin() + int64_t(first + seg.spans.size()));
+  return a;
+}
+
+// Test problems: the kinds of segment the engine makes, and odd ones.
+SegmentSpec decoder(int64_t rows, int64_t context, int64_t window = 0, int block = 16) {  // a canvas over its context
+  const int64_t begin = window ? std::max<int64_t>(0, context - (window - 1)) : 0;
+  return {rows, context, false, window, begin, context + rows, block};
+}
+SegmentSpec encoder(int64_t rows, int64_t first, int64_t window, int block = 16) {  // a prompt chunk, causal
+  const int64_t begin = window ? std::max<int64_t>(0, first - (window - 1)) : 0;
+  return {rows, first, true, window, begin, first + rows, block};
+}
+
+struct Case {
+  std::string name;
+  std::vector<SegmentSpec> segs;
+};
+std::vector<Case> cases() {
+  SegmentSpec gapped = encoder(33, 20, 0);
+  gapped.gap = 3;
+  SegmentSpec tail = decoder(64, 1279, 0, 16);
+  tail.gap = 5;
+  return {
+      {"decoder 37 rows, 337 keys", {decoder(37, 300)}},
+      {"encoder 70 rows, window 40 (spans cut at 6)", {encoder(70, 54, 40)}},
+      {"encoder 45 rows, window 17, random spans", {encoder(45, 100, 17, 0)}},
+      {"3 segments, gaps, random spans", {decoder(5, 700, 0, 0), gapped, tail}},
+      {"decoder 3 rows, 5000 keys, random spans (split)", {decoder(3, 5000, 0, 0)}},
+      {"encoder 200 rows after 900, no window (split)", {encoder(200, 900, 0)}},
+  };
+}
+
+void host_checks() {
+  for (int dim : {64, 256, 512, 24})
+    for (const Case& c : cases()) {
+      const Problem p = make_problem(16, 4, dim, c.segs, 1);
+      for (int resident : {1, 132, 264})
+        check_plan(p, resident, "d" + std::to_string(dim) + " " + c.name);
+    }
+  // Batch invariance of the plan: each segment's pieces, alone and among the others.
+  for (int dim : {256, 512}) {
+    const Problem p = make_problem(16, dim == 256 ? 8 : 2, dim, cases()[3].segs, 2);
+    AttentionPlan batched_plan;
+    const auto batched = check_plan(p, 132, "d" + std::to_string(dim) + " batch", &batched_plan);
+    for (int s = 0; s < int(p.segs.size()); ++s) {
+      const auto by = check_plan(alone(p, s), 132, "d" + std::to_string(dim) + " segment " + std::to_string(s) + " alone");
+      bool same = true;
+      for (const auto& [output, pieces] : by) {
+        const auto it = batched.find({s, std::get<1>(output), std::get<2>(output)});
+        same &= it != batched.end() && it->second == pieces;
+      }
+      report(same, "plan d" + std::to_string(dim) + " segment " + std::to_string(s) + " alone = batched (host)",
+             same ? "same pieces" : "DIFFERENT pieces");
+    }
+  }
+  // How the 26B shapes are cut on an H200 (132 multiprocessors, one block each).
+  for (int batch : {1, 4})
+    for (int64_t context : {1024, 8192}) {
+      std::vector<SegmentSpec> sliding(size_t(batch), decoder(256, context, 1024)), full(size_t(batch), decoder(256, context));
+      AttentionPlan plan;
+      check_plan(make_problem(16, 8, 256, sliding, 3), 132, "sliding b" + std::to_string(batch) + " ctx " + std::to_string(context), &plan);
+      check_plan(make_problem(16, 2, 512, full, 3), 132, "full b" + std::to_string(batch) + " ctx " + std::to_string(context), &plan);
+    }
+}
+
+// ---- on the GPU ---------------------------------------------------------------------------
+
+void correctness() {
+  const int ratios[][2] = {{4, 4}, {8, 4}, {16, 4}, {16, 2}, {16, 1}};
+  for (int dim : {64, 128, 256, 512})
+    for (const auto& [heads, kv_heads] : ratios)
+      for (const Case& c : cases()) {
+        const Problem p = make_problem(heads, kv_heads, dim, c.segs, unsigned(dim + heads * 7 + kv_heads));
+        AttentionPlan plan;
+        const std::vector<float> out = run(p, &plan);
+        verify(p, out, "d" + std::to_string(dim) + " " + std::to_string(heads) + "/" + std::to_string(kv_heads) +
+                           " " + c.name, plan);
+      }
+  for (int dim : {24, 80})  // the generic kernel
+    for (const auto& [heads, kv_heads] : {std::pair{8, 2}, std::pair{4, 4}})
+      for (const Case& c : cases()) {
+        const Problem p = make_problem(heads, kv_heads, dim, c.segs, unsigned(dim + heads));
+        AttentionPlan plan;
+        const std::vector<float> out = run(p, &plan);
+        verify(p, out, "d" + std::to_string(dim) + " " + std::to_string(heads) + "/" + std::to_string(kv_heads) +
+                           " " + c.name, plan);
+      }
+  // The 26B shapes, sampled: a sliding and a full layer of one request.
+  {
+    const Problem sliding = make_problem(16, 8, 256, {decoder(256, 1024, 1024)}, 4);
+    AttentionPlan plan;
+    verify(sliding, run(sliding, &plan), "26B sliding 256 rows, 1279 keys (sampled)", plan, 300);
+    const Problem full = make_problem(16, 2, 512, {decoder(256, 1024)}, 5);
+    verify(full, run(full, &plan), "26B full 256 rows, 1280 keys (sampled)", plan, 300);
+  }
+  // Batch invariance: each segment alone and among the others, bitwise; and a rerun.
+  for (int dim : {64, 256, 512}) {
+    const Problem p = make_problem(16, dim == 512 ? 2 : 8, dim,
+                                   {decoder(40, 3000, 0, 0), encoder(100, 500, 300), decoder(256, 1024, 1024)}, 6);
+    const std::vector<float> batched = run(p), again = run(p);
+    report(std::memcmp(batched.data(), again.data(), batched.size() * sizeof(float)) == 0,
+           "d" + std::to_string(dim) + " rerun", "bitwise");
+    const int64_t cols = int64_t(p.heads) * p.dim;
+    for (int s = 0; s < int(p.segs.size()); ++s) {
+      const std::vector<float> single = run(alone(p, s));
+      const size_t differ = size_t(std::inner_product(
+          single.begin(), single.end(), batched.begin() + p.segs[size_t(s)].first_row * cols, int64_t(0),
+          std::plus<>(), [](float a, float b) { return std::memcmp(&a, &b, sizeof a) != 0; }));
+      report(!differ, "d" + std::to_string(dim) + " segment " + std::to_string(s) + " alone = batched",
+             differ ? std::to_string(differ) + " values differ" : "bitwise");
+    }
+  }
+}
+
+__global__ void random_fill_kernel(float* x, int64_t n, uint32_t seed) {
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
+    uint32_t h = (uint32_t(i) ^ seed) * 2654435761u ^ uint32_t(i >> 32);
+    h ^= h >> 15, h *= 2246822519u, h ^= h >> 13;
+    x[i] = float(h >> 8) / float(1 << 24) - 0.5f;
+  }
+}
+
+// Times attention() (the main kernel and the merge) for `batch` requests of a denoise pass:
+// 256 canvas rows each over `context` cached keys (sliding layers: the last window - 1) in
+// 16-key blocks scattered over the cache, plus the canvas's own keys.
+void bench(const char* name, int heads, int kv_heads, int dim, int64_t window, int batch, int64_t context) {
+  constexpr int64_t kCanvas = 256;
+  const int64_t cached = window ? std::min(context, window - 1) : context, kv_cols = int64_t(kv_heads) * dim;
+  const int64_t first_block = (context - cached) / 16, blocks_per_segment = (context + 15) / 16 - first_block;
+  const int64_t pool_rows = batch * (blocks_per_segment * 16 + kCanvas);
+  float *q, *out, *k, *v;
+  check(cudaMalloc(&q, sizeof(float) * size_t(batch * kCanvas * heads * dim)), "q");
+  check(cudaMalloc(&out, sizeof(float) * size_t(batch * kCanvas * heads * dim)), "out");
+  check(cudaMalloc(&k, sizeof(float) * size_t(pool_rows * kv_cols)), "k");
+  check(cudaMalloc(&v, sizeof(float) * size_t(pool_rows * kv_cols)), "v");
+  random_fill_kernel<<<4096, 256>>>(q, batch * kCanvas * heads * dim, 1);
+  random_fill_kernel<<<4096, 256>>>(k, pool_rows * kv_cols, 2);
+  random_fill_kernel<<<4096, 256>>>(v, pool_rows * kv_cols, 3);
+  check(cudaDeviceSynchronize(), "fill");
+  std::vector<int64_t> block_of(size_t(batch * blocks_per_segment));  // cache blocks in shuffled order
+  std::iota(block_of.begin(), block_of.end(), 0);
+  std::shuffle(block_of.begin(), block_of.end(), std::mt19937(7));
+  std::vector<AttentionSegment> segs;
+  for (int b = 0; b < batch; ++b) {
+    AttentionSegment s{b * kCanvas, kCanvas, context, false, window, {}};
+    for (int64_t pos = context - cached; pos < context;) {
+      const int64_t end = std::min(context, (pos / 16 + 1) * 16);
+      const int64_t row = block_of[size_t(b * blocks_per_segment + pos / 16 - first_block)] * 16 + pos % 16;
+      s.spans.push_back({k + row * kv_cols, v + row * kv_cols, end - pos, pos});
+      pos = end;
+    }
+    const int64_t own = batch * blocks_per_segment * 16 + b * kCanvas;
+    s.spans.push_back({k + own * kv_cols, v + own * kv_cols, kCanvas, context});
+    segs.push_back(s);
+  }
+  const int resident = attention_mma_resident_blocks(dim);
+  const auto t0 = std::chrono::steady_clock::now();
+  const AttentionPlan plan = plan_attention(segs, heads, kv_heads, dim, resident);
+  const double plan_us = std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count();
+  const AttentionTables tables{upload(plan.segments), upload(plan.spans), upload(plan.items), upload(plan.merges)};
+  void* scratch = nullptr;
+  check(cudaMalloc(&scratch, std::max<size_t>(plan.scratch_bytes(), 1)), "scratch");
+  auto call = [&] { attention(q, out, plan, tables, scratch, heads, kv_heads, nullptr); };
+  for (int i = 0; i < 3; ++i) call();
+  check(cudaDeviceSynchronize(), "warm-up");
+  cudaEvent_t a, b;
+  cudaEventCreate(&a), cudaEventCreate(&b);
+  const int reps = 20;
+  cudaEventRecord(a);
+  for (int i = 0; i < reps; ++i) call();
+  cudaEventRecord(b);
+  check(cudaEventSynchronize(b), "bench");
+  float ms = 0;
+  cudaEventElapsedTime(&ms, a, b);
+  const double us = ms * 1e3 / reps, keys = double(cached + kCanvas);
+  // Useful work (QK and PV, no masking here) and the K/V bytes the blocks stream (each block its piece).
+  const double flops = 4.0 * batch * kCanvas * heads * keys * dim;
+  double streamed = 0;
+  for (const AttentionItem& it : plan.items) {
+    int64_t n = 0;
+    for (int i = it.span; i <= it.last_span; ++i)
+      n += (i == it.last_span ? it.last_end : plan.spans[size_t(i)].count) - (i == it.span ? it.key : 0);
+    streamed += double(n) * dim * 8;
+  }
+  std::printf("%-8s batch %2d context %6ld: %9.1f us  %6.1f TFLOP/s (useful)  %5.2f TB/s K/V streamed  %6zu blocks "
+              "%5zu merges  plan %.0f us\n",
+              name, batch, long(context), us, flops / (us * 1e-6) / 1e12, streamed / (us * 1e-6) / 1e12,
+              plan.items.size(), plan.merges.size(), plan_us);
+  cudaFree(q), cudaFree(out), cudaFree(k), cudaFree(v), cudaFree(scratch);
+  cudaFree(const_cast<DeviceAttentionSegment*>(tables.segments)), cudaFree(const_cast<DeviceKeySpan*>(tables.spans));
+  cudaFree(const_cast<AttentionItem*>(tables.items)), cudaFree(const_cast<AttentionMerge*>(tables.merges));
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const std::string mode = argc > 1 ? argv[1] : "";
+  host_checks();
+  if (mode == "--host") {
+    std::printf("%s\n", failures ? "HOST CHECK FAILURES" : "all host checks passed");
+    return failures ? 1 : 0;
+  }
+  cudaDeviceProp prop{};
+  check(cudaGetDeviceProperties(&prop, 0), "device");
+  std::printf("%s, %d SMs; resident blocks: d256 %d, d512 %d\n", prop.name, prop.multiProcessorCount,
+              attention_mma_resident_blocks(256), attention_mma_resident_blocks(512));
+  correctness();
+  std::printf("%s\n", failures ? "CORRECTNESS FAILURES" : "all correctness checks passed");
+  if (mode == "--check") return failures ? 1 : 0;
+
+  // DiffusionGemma-26B, one layer call of a denoise pass: sliding layers (16 query heads,
+  // 8 KV heads, head_dim 256, window 1024) and full-attention layers (16 / 2 / 512).
+  for (int batch : {1, 4, 16})
+    for (int64_t context : {1024, 8192, 32768}) {
+      bench("sliding", 16, 8, 256, 1024, batch, context);
+      bench("full", 16, 2, 512, 0, batch, context);
+    }
+  return failures ? 1 : 0;
+}
