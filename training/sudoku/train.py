@@ -1,5 +1,5 @@
 """Trains the bundled Sudoku model: a small DiffusionGemma (the real architecture, with
-transformers' classes as the training model) that solves a puzzle as one canvas.
+transformers' classes holding the weights) that solves a puzzle as one canvas.
 
     python training/sudoku/train.py --out OUT [--minutes 8] [--init CHECKPOINT]
 
@@ -16,15 +16,17 @@ the model is first run without gradients on a differently noised canvas and its 
 divided by a temperature drawn from the inference schedule's range, are fed as the
 self-conditioning input, as the sampler feeds them.
 
-The loop is lean so the GPU does the work: puzzles with a unique solution are made once
-on every CPU core (for a fixed time), and each batch draws from that pool through the
-Sudoku symmetries (digit relabelling, row and column swaps within a band or stack, band
-and stack swaps, transposition), which keep a puzzle's solution unique, on the GPU.
-Learning rate: linear warm-up, then cosine decay over the time budget. Every
---eval-minutes the weights are written (bf16, sharded, <= 15 MB a file) and evaluated
-through diffuserve itself, the real sampler, on held-out puzzles: loss is not the metric.
-Evaluation runs in a process of its own on the CPU, so training goes on meanwhile; the
-best evaluated checkpoint is kept in OUT/best.
+The forward pass is lean_model.py's: the same logits as transformers' forward, from the
+same parameters, with far fewer kernels and static shapes (--hf-model trains through
+transformers' forward instead). The loop is lean so the GPU does the work: puzzles with a
+unique solution are made once on every CPU core (for a fixed time), and each batch draws
+from that pool through the Sudoku symmetries (digit relabelling, row and column swaps
+within a band or stack, band and stack swaps, transposition), which keep a puzzle's
+solution unique, on the GPU. Learning rate: linear warm-up, then cosine decay over the
+time budget. Every --eval-minutes the weights are written (bf16, sharded, <= 15 MB a
+file) and evaluated through diffuserve itself, the real sampler, on held-out puzzles: loss
+is not the metric. Evaluation runs in a process of its own on the CPU, so training goes on
+meanwhile; the best evaluated checkpoint is kept in OUT/best.
 """
 import argparse
 import concurrent.futures
@@ -50,6 +52,7 @@ from diffuserve import sudoku as sd
 VOCAB = {"<pad>": 0, "<eos>": 1, "<bos>": 2, **{str(d): 3 + d for d in range(10)}, ".": 13}
 DIGIT0 = VOCAB["0"]  # digit v is token DIGIT0 + v; 0 is a blank
 CANVAS = 82  # the grid, then <eos>
+PROMPT = 82  # <bos>, then the puzzle's 81 cells
 # Sampling defaults (generation_config.json), tuned on the bundled checkpoint: hotter
 # sampling lets the model revise confident mistakes (training/sudoku/README.md).
 GENERATION = {"max_new_tokens": CANVAS, "max_denoising_steps": 24, "t_min": 0.3, "t_max": 1.0,
@@ -191,8 +194,8 @@ def main():
     ap.add_argument("--layers", type=int, default=6)
     ap.add_argument("--experts", type=int, default=8)
     ap.add_argument("--moe-intermediate", type=int, default=128)
-    # transformers' classes run ~2,000 examples/s on an H200 at any batch size (elementwise-
-    # bound): a smaller batch buys more optimizer steps a minute (README.md).
+    # transformers' forward (--hf-model) runs ~2,000 examples/s on an H200 at any batch size
+    # (overhead-bound): a smaller batch buys more optimizer steps a minute (README.md).
     ap.add_argument("--batch", type=int, default=512, help="halved until the first step fits")
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--warmup", type=int, default=200, help="steps")
@@ -208,6 +211,10 @@ def main():
                     help="torch.compile the model (default backend inductor): fuses the elementwise work that "
                          "bounds eager training; three graphs (with and without self-conditioning, no-grad) "
                          "compile on the first steps")
+    ap.add_argument("--compile-mode", help="torch.compile's mode with --compile, e.g. reduce-overhead (CUDA graphs) "
+                                           "or max-autotune-no-cudagraphs")
+    ap.add_argument("--hf-model", action="store_true",
+                    help="train through transformers' own forward instead of lean_model.py's (the same logits)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
 
@@ -229,20 +236,25 @@ def main():
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01, fused=args.device != "cpu")
     autocast = torch.autocast(args.device.split(":")[0], dtype=torch.bfloat16, enabled=args.device != "cpu")
 
-    forward = torch.compile(model, backend=args.compile) if args.compile else model
+    if args.hf_model:
+        logits_of = lambda **inputs: model(**inputs).logits
+    else:
+        from lean_model import LeanDiffusionGemma  # beside this script (tests load this file by path)
+        logits_of = LeanDiffusionGemma(model, PROMPT)
+    forward = torch.compile(logits_of, backend=args.compile, mode=args.compile_mode) if args.compile else logits_of
 
     def train_step(step, size):
         prompts, answers, free = batch(pool, size, gen)
         sc = None
         if step % 2 == 0:  # self-conditioning from another noising of the canvas, as at inference
             with torch.no_grad(), autocast:
-                first = forward(input_ids=prompts, decoder_input_ids=noised(answers, free, gen)).logits.float()
+                first = forward(input_ids=prompts, decoder_input_ids=noised(answers, free, gen))
             temperature = GENERATION["t_min"] + (GENERATION["t_max"] - GENERATION["t_min"]) * torch.rand(
                 first.shape[0], 1, 1, device=first.device, generator=gen)
             sc = first / temperature
         with autocast:
             logits = forward(input_ids=prompts, decoder_input_ids=noised(answers, free, gen),
-                             self_conditioning_logits=sc).logits.float()
+                             self_conditioning_logits=sc)  # fp32, as transformers returns them
         loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), answers.flatten())
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
