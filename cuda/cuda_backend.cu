@@ -44,8 +44,14 @@ class DevicePool : public std::enable_shared_from_this<DevicePool> {
       if (!ptrs.empty()) p = ptrs.back(), ptrs.pop_back();
     }
     if (!p && cudaMalloc(&p, bytes) != cudaSuccess) {
+      // The free lists keep every size ever used: give them back to the driver (and what
+      // the GEMM's async pool holds), then try once more.
       cudaGetLastError();
-      throw InvalidArgument("out of GPU memory allocating " + std::to_string(bytes) + " bytes");
+      release_cached();
+      if (cudaMalloc(&p, bytes) != cudaSuccess) {
+        cudaGetLastError();
+        throw InvalidArgument("out of GPU memory allocating " + std::to_string(bytes) + " bytes");
+      }
     }
     std::weak_ptr<DevicePool> pool = weak_from_this();
     return std::shared_ptr<void>(p, [pool, bytes](void* q) {
@@ -59,6 +65,19 @@ class DevicePool : public std::enable_shared_from_this<DevicePool> {
   }
 
  private:
+  void release_cached() {
+    cudaDeviceSynchronize();  // no queued kernel may still use a block about to be freed
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (auto& [bytes, ptrs] : free_)
+      for (void* q : ptrs) cudaFree(q);
+    free_.clear();
+    int device = 0;
+    cudaMemPool_t async_pool;
+    if (cudaGetDevice(&device) == cudaSuccess && cudaDeviceGetDefaultMemPool(&async_pool, device) == cudaSuccess)
+      cudaMemPoolTrimTo(async_pool, 0);
+    cudaGetLastError();
+  }
+
   std::mutex mutex_;
   std::map<size_t, std::vector<void*>> free_;
 };

@@ -17,7 +17,7 @@ import pytest
 import uvicorn
 
 import diffuserve as ds
-from diffuserve.async_llm import AsyncLLM
+from diffuserve.async_llm import AsyncLLM, StepFailed
 from diffuserve.server import build_app
 
 from chat_checkpoint import write_chat_checkpoint
@@ -269,3 +269,34 @@ def test_plain_request_aborted_when_client_leaves(base_url):
             break
         assert time.time() < deadline, f"the request was not aborted: {m}"
         time.sleep(0.05)
+
+
+def test_a_failed_step_fails_its_requests_and_the_engine_goes_on(checkpoint):
+    """A step the runtime refuses (out of GPU memory, say, raised as ValueError) fails the
+    requests in it, with the reason, and frees their KV; the next request runs."""
+    llm = ds.LLM(checkpoint, kv_cache_memory_bytes=32 << 20)
+    real_step, failures = llm.step, ["out of GPU memory allocating 2147483648 bytes"]
+
+    def step():
+        if failures:
+            raise ValueError(failures.pop())
+        return real_step()
+
+    llm.step = step
+    engine = AsyncLLM(llm)
+    params = ds.SamplingParams(max_new_tokens=8, seed=0)
+
+    async def run():
+        outputs = [p.output async for p in engine.generate([5, 6, 7], params)]
+        return outputs[-1]
+
+    try:
+        with pytest.raises(StepFailed, match="out of GPU memory allocating 2147483648 bytes"):
+            asyncio.run(run())
+        deadline = time.time() + 10  # the engine thread refreshes its stats right after posting the error
+        while engine.stats["kv_blocks_free"] != engine.stats["kv_blocks_total"]:
+            assert time.time() < deadline, engine.stats
+            time.sleep(0.01)
+        assert len(asyncio.run(run()).token_ids) == 8
+    finally:
+        engine.shutdown()

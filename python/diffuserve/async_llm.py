@@ -29,8 +29,17 @@ class Progress:
     output: Optional[RequestOutput] = None
 
 
-class EngineDead(RuntimeError):
+class EngineError(RuntimeError):
+    """The engine could not finish the request (the server answers 503)."""
+
+
+class EngineDead(EngineError):
     """The engine thread stopped (shutdown, or an internal error) before the request finished."""
+
+
+class StepFailed(EngineError):
+    """A step holding the request could not run (out of GPU memory, say): every request in
+    it was aborted, their KV freed, and the engine goes on with the next ones."""
 
 
 class _Request:
@@ -116,7 +125,10 @@ class AsyncLLM:
                         self.llm.abort(requests.pop(key).engine_id)
                     self.stats = self.llm.stats()
                 if self.llm.has_unfinished():
-                    self._step(requests)
+                    try:
+                        self._step(requests)
+                    except ValueError as e:  # the runtime refused this step (InvalidArgument): not fatal
+                        self._abort_all(requests, StepFailed(f"the engine could not run this request: {e}"))
                     self.stats = self.llm.stats()
         except BaseException as e:  # a bug in the engine: fail every request instead of hanging them
             with self._lock:

@@ -22,7 +22,7 @@ from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
-from .async_llm import AsyncLLM, EngineDead
+from .async_llm import AsyncLLM, EngineError
 from .chat_template import ChatTemplateError
 from .detokenizer import IncrementalDetokenizer, until_eos
 from .protocol import ApiError, ChatCompletionRequest, CompletionRequest, invalid_value, parse
@@ -155,7 +155,7 @@ class _Server:
             async for event in _merged(choices):
                 if event.text or event.draft is not None or event.finish_reason:
                     yield _sse(fmt.chunk(event), include_usage)
-        except EngineDead as e:
+        except EngineError as e:
             yield _sse(ApiError(503, str(e), type="server_error").body(), False)
         if include_usage:
             yield _sse({**fmt.chunk_base(), "choices": [], "usage": usage.body()}, False)
@@ -305,8 +305,8 @@ def build_app(engine: AsyncLLM, model_name: str, api_key: Optional[str] = None) 
     async def http_error(request, e: HTTPException):
         return _error(ApiError(e.status_code, str(e.detail), code=None))
 
-    @app.exception_handler(EngineDead)
-    async def engine_dead(request, e: EngineDead):
+    @app.exception_handler(EngineError)
+    async def engine_error(request, e: EngineError):
         return _error(ApiError(503, str(e), type="server_error"))
 
     @app.exception_handler(Exception)
