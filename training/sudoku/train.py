@@ -55,9 +55,9 @@ CANVAS = 82  # the grid, then <eos>
 PROMPT = 82  # <bos>, then the puzzle's 81 cells
 # Sampling defaults (generation_config.json), tuned on the bundled checkpoint: hotter
 # sampling lets the model revise confident mistakes (training/sudoku/README.md).
-GENERATION = {"max_new_tokens": CANVAS, "max_denoising_steps": 24, "t_min": 0.3, "t_max": 1.0,
+GENERATION = {"max_new_tokens": CANVAS, "max_denoising_steps": 24, "t_min": 0.5, "t_max": 1.5,
               "stability_threshold": 1, "confidence_threshold": 0.01,
-              "sampler_config": {"entropy_bound": 0.5, "_cls_name": "EntropyBoundSamplerConfig"},
+              "sampler_config": {"entropy_bound": 0.1, "_cls_name": "EntropyBoundSamplerConfig"},
               "eos_token_id": 1, "pad_token_id": 0, "bos_token_id": 2}
 # The last message's text without whitespace: a puzzle may come as 9 lines, or spaced.
 CHAT_TEMPLATE = ("{{ bos_token }}{{ messages[-1]['content'] | replace(' ', '') | replace('\\n', '') "
