@@ -1,6 +1,6 @@
 """How well the bundled Sudoku model solves puzzles it never saw, through diffuserve.
 
-    python benchmarks/sudoku_quality.py [--model DIR] [--n 1000] [--device cpu|cuda]
+    python benchmarks/sudoku_quality.py [--model DIR] [--n 1000] [--device cpu|cuda] [--ways default,fixed48,...]
 
 Fresh puzzles with a unique solution (26 to 45 givens, uniformly; seeds apart from the
 training pool's and the trainer's held-out set), solved four ways: infilling with the
@@ -31,6 +31,8 @@ def _puzzle(i):
 # the argmax stable for more steps than there are), so all 48 steps run.
 WAYS = {"default": {}, "fixed48": dict(max_denoising_steps=48, stability_threshold=1000),
         "no_sc": dict(self_conditioning=False), "plain": dict(plain=True)}
+TITLES = {"default": "default", "fixed48": "fixed 48 steps", "no_sc": "no self-conditioning",
+          "plain": "plain generation"}
 
 
 def main():
@@ -38,14 +40,17 @@ def main():
     ap.add_argument("--model", help="a Sudoku checkpoint (default: the bundled one)")
     ap.add_argument("--n", type=int, default=1000, help="puzzles")
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--ways", default=",".join(WAYS), help="comma-separated, of " + ", ".join(WAYS))
     args = ap.parse_args()
+    ways = args.ways.split(",")
+    if not set(ways) <= set(WAYS):
+        ap.error(f"--ways: unknown {', '.join(sorted(set(ways) - set(WAYS)))} (use {', '.join(WAYS)})")
 
     t = time.perf_counter()
     with multiprocessing.get_context("fork").Pool(os.cpu_count()) as pool:
         puzzles = pool.map(_puzzle, range(args.n))
     made_s = time.perf_counter() - t
     llm = ds.LLM(args.model, device=args.device)
-    ways = list(WAYS)
     cells = [sd.parse(p) for p in puzzles]
     results, seconds = {}, {}
     for how in ways:
@@ -59,8 +64,8 @@ def main():
 
     print(f"Sudoku, {args.n} fresh puzzles with unique solutions (made in {made_s:.0f} s), model "
           f"{args.model or 'bundled'}, device {args.device}; solved % / mean denoise steps")
-    print("| givens | n | default | fixed 48 steps | no self-conditioning | plain generation |")
-    print("|-------:|--:|--------:|---------------:|---------------------:|-----------------:|")
+    print("| givens | n | " + " | ".join(TITLES[how] for how in ways) + " |")
+    print("|-------:|--:|" + "".join("-" * (len(TITLES[how]) + 1) + ":|" for how in ways))
     for bucket in BUCKETS + [None]:
         lo, hi = bucket or (None, None)
         idx = [i for i, g in enumerate(givens) if lo is None or lo <= g <= hi]
