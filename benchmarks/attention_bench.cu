@@ -27,34 +27,14 @@
 #include <tuple>
 #include <vector>
 
+#include "bench_common.cuh"
 #include "kernels.h"
 
+using namespace kernel_bench;
 using namespace diffuserve;
 using namespace diffuserve::cuda;
 
 namespace {
-
-int failures = 0;
-
-void check(cudaError_t e, const char* what) {
-  if (e != cudaSuccess) {
-    std::fprintf(stderr, "CUDA error %s: %s\n", what, cudaGetErrorString(e));
-    std::exit(2);
-  }
-}
-
-void report(bool ok, const std::string& what, const std::string& detail) {
-  std::printf("%-6s %-58s: %s\n", ok ? "ok" : "FAIL", what.c_str(), detail.c_str());
-  if (!ok) ++failures;
-}
-
-template <typename T>
-T* upload(const std::vector<T>& v) {
-  T* p = nullptr;
-  check(cudaMalloc(&p, std::max<size_t>(v.size(), 1) * sizeof(T)), "malloc");
-  check(cudaMemcpy(p, v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice), "upload");
-  return p;
-}
 
 // One segment: `rows` queries at positions first_position.., keys at positions
 // [key_begin, key_end) cut into spans at multiples of `block` (0: spans of random lengths
@@ -500,18 +480,7 @@ void bench(const char* name, int heads, int kv_heads, int dim, int64_t window, i
   void* scratch = nullptr;
   check(cudaMalloc(&scratch, std::max<size_t>(plan.scratch_bytes(), 1)), "scratch");
   auto call = [&] { attention(q, out, plan, tables, scratch, heads, kv_heads, nullptr); };
-  for (int i = 0; i < 3; ++i) call();
-  check(cudaDeviceSynchronize(), "warm-up");
-  cudaEvent_t a, b;
-  cudaEventCreate(&a), cudaEventCreate(&b);
-  const int reps = 20;
-  cudaEventRecord(a);
-  for (int i = 0; i < reps; ++i) call();
-  cudaEventRecord(b);
-  check(cudaEventSynchronize(b), "bench");
-  float ms = 0;
-  cudaEventElapsedTime(&ms, a, b);
-  const double us = ms * 1e3 / reps, keys = double(cached + kCanvas);
+  const double us = time_ms(call) * 1e3, keys = double(cached + kCanvas);
   // Useful work (QK and PV, no masking here) and the K/V bytes the blocks stream (each block its piece).
   const double flops = 4.0 * batch * kCanvas * heads * keys * dim;
   double streamed = 0;

@@ -23,32 +23,17 @@
 #include <vector>
 
 #include "activation_quant.h"
+#include "bench_common.cuh"
 #include "gemm_tile.cuh"
 #include "kernels.h"
 #include "packed_decode.cuh"
 #include "packed_weight.h"
 
+using namespace kernel_bench;
 using namespace diffuserve;
 using namespace diffuserve::cuda;
 
 namespace {
-
-int failures = 0;
-
-void check(cudaError_t e, const char* what) {
-  if (e != cudaSuccess) {
-    std::fprintf(stderr, "CUDA error %s: %s\n", what, cudaGetErrorString(e));
-    std::exit(2);
-  }
-}
-
-template <typename T>
-T* upload(const std::vector<T>& v) {
-  T* p = nullptr;
-  check(cudaMalloc(&p, std::max<size_t>(v.size(), 1) * sizeof(T)), "malloc");
-  check(cudaMemcpy(p, v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice), "upload");
-  return p;
-}
 
 float round_bf16(float x) { return __bfloat162float(__float2bfloat16(x)); }
 
@@ -56,11 +41,6 @@ float round_bf16(float x) { return __bfloat162float(__float2bfloat16(x)); }
 const char* format_name(WeightFormat f, GemmInput input = GemmInput::Split) {
   if (input == GemmInput::Fp8Token) return "fp8x8";
   return f == WeightFormat::Plain ? "bf16" : f == WeightFormat::Fp8 ? "fp8" : "nvfp4";
-}
-
-void report(bool ok, const char* what, const std::string& detail) {
-  std::printf("%-6s %-50s: %s\n", ok ? "ok" : "FAIL", what, detail.c_str());
-  if (!ok) ++failures;
 }
 
 // E4M3 codes (activation_quant.h): every finite code's value encodes back to the code, and
@@ -621,18 +601,7 @@ void bench(const char* name, int64_t tokens, int64_t n, int64_t k, int experts, 
     gemm(x, x_rows, k, d_map, moe_layer ? d_segs : segs.data(), d_tiles, num_tiles, tile_rows, format, n, k, input,
          y, n, scratch, nullptr);
   };
-  for (int i = 0; i < 3; ++i) call();
-  check(cudaDeviceSynchronize(), "warm-up");
-  cudaEvent_t a, b;
-  cudaEventCreate(&a), cudaEventCreate(&b);
-  const int reps = 20;
-  cudaEventRecord(a);
-  for (int i = 0; i < reps; ++i) call();
-  cudaEventRecord(b);
-  check(cudaEventSynchronize(b), "bench");
-  float ms = 0;
-  cudaEventElapsedTime(&ms, a, b);
-  ms /= reps;
+  const float ms = time_ms(call);
   const double flops = 2.0 * double(rows) * double(n) * double(k);
   const double w_bytes = double(value_bytes + group_bytes + row_scale_bytes);
   std::printf("%-38s %-5s tile %3d: %9.1f us  %6.1f TFLOP/s (useful)  %5.2f TB/s of weights\n", name,
