@@ -41,14 +41,13 @@ def path(request, tmp_path_factory):
                                    seed=7, **SHAPES[request.param])
 
 
-def compare(cpu, gpu, where, rel_tol=REL_TOL, min_agreement=MIN_AGREEMENT, mean_tol=None):
+def compare(cpu, gpu, where, rel_tol=REL_TOL, min_agreement=MIN_AGREEMENT):
     scale = np.abs(cpu).max()
     rel = np.abs(cpu - gpu).max() / scale
-    mean = np.abs(cpu - gpu).mean() / np.abs(cpu).mean()
     agree = (cpu.argmax(-1) == gpu.argmax(-1)).mean()
-    print(f"{where}: max |diff| / range {rel:.2e}, mean |diff| / mean {mean:.2e}, argmax agreement {agree:.3f}")
+    print(f"{where}: max |diff| / range {rel:.2e}, argmax agreement {agree:.3f}")
     assert np.isfinite(gpu).all(), where
-    assert rel <= rel_tol and agree >= min_agreement and (mean_tol is None or mean <= mean_tol), where
+    assert rel <= rel_tol and agree >= min_agreement, where
 
 
 def test_passes_match_cpu(path):
@@ -90,15 +89,11 @@ def test_generate_agrees_with_cpu_and_is_batch_invariant(path):
 
 # Packed FP8 / NVFP4 weights: both backends multiply the exact dequantized values (the GPU
 # the packed values, each row's scale applied after the sum; the CPU the values dequantized
-# as it reads them), so weight-only quantization agrees as bf16 weights do. Where the
-# activations are quantized to FP8 too, an activation that the two sums put on either side
-# of a rounding boundary takes the neighbouring E4M3 step (up to 1/8 of its value), and the
-# layers after carry that on: a few logits move by several percent of the range, so the
-# check is on the mean difference, with a loose bound on the largest.
-FP8_ACTIVATIONS = dict(rel_tol=0.15, min_agreement=0.85, mean_tol=1e-2)
-
-
-def run_blocks(cpu, gpu, vocab, canvas_length, label, **tolerances):
+# as it reads them), so weight-only quantization agrees as bf16 weights do. With FP8
+# inputs too, both quantize each token row by the same rule (activation_quant.h), and the
+# GPU multiplies the E4M3 codes exactly: LLM Compressor's FP8_DYNAMIC fixture agreed to 3e-6
+# of the logit range on the H200, so it is held to the bf16 tolerance as well.
+def run_blocks(cpu, gpu, vocab, canvas_length, label):
     rng = np.random.default_rng(0)
     prompt = rng.integers(0, vocab, 37)
     for s in (cpu, gpu):
@@ -106,9 +101,8 @@ def run_blocks(cpu, gpu, vocab, canvas_length, label, **tolerances):
     for block in range(2):
         canvas = rng.integers(0, vocab, canvas_length)
         a, b = cpu.denoise(canvas), gpu.denoise(canvas)
-        compare(a, b, f"{label} block {block}, first step", **tolerances)
-        compare(cpu.denoise(canvas, a / 0.7), gpu.denoise(canvas, a / 0.7), f"{label} block {block}, self-conditioned",
-                **tolerances)
+        compare(a, b, f"{label} block {block}, first step")
+        compare(cpu.denoise(canvas, a / 0.7), gpu.denoise(canvas, a / 0.7), f"{label} block {block}, self-conditioned")
         for s in (cpu, gpu):
             s.commit(canvas)
 
@@ -122,8 +116,7 @@ def test_quantized_checkpoint_matches_cpu(scheme):
     path = os.path.join(os.path.dirname(__file__), "fixtures", "quantized", scheme)
     cpu = ds.Model.load(path, dtype="bfloat16")
     gpu = ds.Model.load(path, device="cuda")
-    run_blocks(cpu.sequence(), gpu.sequence(), cpu.vocab_size, cpu.canvas_length, scheme,
-               **(FP8_ACTIVATIONS if scheme == "FP8_DYNAMIC" else {}))
+    run_blocks(cpu.sequence(), gpu.sequence(), cpu.vocab_size, cpu.canvas_length, scheme)
 
 
 # Open (issue 8): at hidden 128 and 256 the first layer's K from FP8 inputs differs from the
@@ -137,10 +130,9 @@ FP8_INPUTS_OPEN = pytest.mark.xfail(reason="FP8-input K/V differ from the CPU at
 @pytest.mark.parametrize("shape", ["real_head_dims", "head_dims_64_128"])
 def test_dummy_quantized_model_matches_cpu(tmp_path, quantization, shape):
     """load_format="dummy" with packed FP8 / NVFP4 linears: the same random draws on both
-    backends. With FP8 inputs ("fp8-dynamic") the random model carries each boundary
-    rounding through its layers and amplifies it (its logits move by a third when the
-    inputs are quantized at all), so there the first two layers' K and V, which see few of
-    them, are held to the tolerance, and the logits to their argmax."""
+    backends. With FP8 inputs ("fp8-dynamic") the first two layers' K and V are held to 1e-2
+    of their range, where a difference shows first, and the logits to their argmax (open:
+    see FP8_INPUTS_OPEN)."""
     path = write_random_checkpoint(tmp_path / "m", canvas_length=32, dtype="bfloat16", seed=7, **SHAPES[shape])
     cpu = ds.Model.load(path, load_format="dummy", quantization=quantization)
     gpu = ds.Model.load(path, device="cuda", load_format="dummy", quantization=quantization)
