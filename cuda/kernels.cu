@@ -312,8 +312,8 @@ void scatter_rows(const float* src, int64_t cols, const int64_t* dst_rows, int64
 void route_top_k(float* scores, int64_t tokens, int experts, float scale, int top_k, const float* per_expert_scale,
                  int32_t* expert_ids, float* weights, cudaStream_t stream) {
   if (tokens)
-    route_top_k_kernel<<<unsigned((tokens + 7) / 8), 256, 0, stream>>>(scores, tokens, experts, scale, top_k,
-                                                                      per_expert_scale, expert_ids, weights);
+    route_top_k_kernel<<<unsigned((tokens + kThreads / 32 - 1) / (kThreads / 32)), kThreads, 0, stream>>>(
+        scores, tokens, experts, scale, top_k, per_expert_scale, expert_ids, weights);  // a warp per token
 }
 
 void transpose_bf16(const __nv_bfloat16* in, int64_t k, int64_t n, __nv_bfloat16* out, cudaStream_t stream) {
