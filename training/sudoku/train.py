@@ -97,20 +97,20 @@ def write_text_files(path):
 # --- data -------------------------------------------------------------------------------
 
 def _make_puzzles(args):
-    seed, deadline = args
+    seed, deadline, givens = args
     rng, pairs = random.Random(seed), []
     while time.time() < deadline or not pairs:
-        pairs.append(sd.generate(rng.randint(26, 45), rng))
+        pairs.append(sd.generate(rng.randint(*givens), rng))
     return pairs
 
 
-def puzzle_pool(seconds, seed):
-    """(puzzles, solutions) as [N, 81] value tensors (0: blank), unique solutions, made on
-    every core for `seconds`."""
+def puzzle_pool(seconds, seed, givens=(26, 45)):
+    """(puzzles, solutions) as [N, 81] value tensors (0: blank), unique solutions with about
+    `givens` (a range) givens each, made on every core for `seconds`."""
     workers = os.cpu_count() or 1
     deadline = time.time() + seconds
     with multiprocessing.get_context("fork").Pool(workers) as pool:
-        parts = pool.map(_make_puzzles, [(seed * 1000 + w, deadline) for w in range(workers)])
+        parts = pool.map(_make_puzzles, [(seed * 1000 + w, deadline, givens) for w in range(workers)])
     pairs = [p for part in parts for p in part]
     values = lambda s: [int(c) for c in s]
     return torch.tensor([values(p) for p, _ in pairs]), torch.tensor([values(s) for _, s in pairs])
@@ -201,6 +201,8 @@ def main():
     ap.add_argument("--warmup", type=int, default=200, help="steps")
     ap.add_argument("--minutes", type=float, default=8.0, help="training time (the cosine decay spans it)")
     ap.add_argument("--pool-seconds", type=float, default=40.0, help="time spent making unique puzzles")
+    ap.add_argument("--givens", type=int, nargs=2, default=(26, 45), metavar=("MIN", "MAX"),
+                    help="training puzzles' givens, uniform in [MIN, MAX] (evaluation: always 26-45)")
     ap.add_argument("--eval-minutes", type=float, default=2.0)
     ap.add_argument("--eval-puzzles", type=int, default=200)
     ap.add_argument("--eval-device", default="cpu", help="diffuserve's device for evaluation")
@@ -221,7 +223,7 @@ def main():
     torch.manual_seed(args.seed)
     held_out = [sd.generate(random.Random(10**6 + i).randint(26, 45), random.Random(10**6 + i))[0]
                 for i in range(args.eval_puzzles)]
-    pool = tuple(t.to(args.device) for t in puzzle_pool(args.pool_seconds, args.seed))
+    pool = tuple(t.to(args.device) for t in puzzle_pool(args.pool_seconds, args.seed, tuple(args.givens)))
     print(f"pool: {pool[0].shape[0]} unique puzzles", flush=True)
     gen = torch.Generator(args.device).manual_seed(args.seed)
 
