@@ -138,13 +138,17 @@ class CudaBackend final : public Backend {
   }
 
   Activation alloc(int64_t rows, int64_t cols) override {
-    const size_t bytes = size_t(std::max<int64_t>(rows * cols, 1)) * sizeof(float);
+    Activation a = alloc_output(rows, cols);
+    check(cudaMemsetAsync(a.data, 0, size_t(std::max<int64_t>(a.size(), 1)) * sizeof(float), stream_),
+          "cudaMemsetAsync");
+    return a;
+  }
+  Activation alloc_output(int64_t rows, int64_t cols) override {
     Activation a;
     a.rows = rows;
     a.cols = cols;
-    a.storage = pool_->get(bytes);
+    a.storage = pool_->get(size_t(std::max<int64_t>(rows * cols, 1)) * sizeof(float));
     a.data = static_cast<float*>(a.storage.get());
-    check(cudaMemsetAsync(a.data, 0, bytes, stream_), "cudaMemsetAsync");
     return a;
   }
 
@@ -303,14 +307,14 @@ class CudaBackend final : public Backend {
                 int top_k, float eps) override {
     auto timed = profile_.scope("route");
     const int64_t tokens = x.rows, experts = proj.shape[0];
-    Activation normed = alloc(tokens, x.cols), scores = alloc(tokens, experts);
+    Activation normed = alloc_output(tokens, x.cols), scores = alloc_output(tokens, experts);
     cuda::rms_norm(x.data, static_cast<const float*>(scale.data), tokens, x.cols, eps, normed.data, stream_);
     gemm_dense(normed, {bf16(proj), nullptr, nullptr}, WeightFormat::Plain, experts, x.cols, cuda::GemmInput::Split,
                scores);
     Routing r;
     r.top_k = top_k;
     r.experts = std::static_pointer_cast<int32_t>(pool_->get(size_t(tokens) * top_k * sizeof(int32_t)));
-    r.weights = alloc(tokens, top_k);
+    r.weights = alloc_output(tokens, top_k);
     cuda::route_top_k(scores.data, tokens, int(experts), std::pow(float(x.cols), -0.5f), top_k,
                       static_cast<const float*>(per_expert_scale.data), r.experts.get(), r.weights.data, stream_);
     return r;
@@ -335,13 +339,13 @@ class CudaBackend final : public Backend {
                    matrices(down), static_cast<int64_t*>(row_map.get()), static_cast<int64_t*>(inverse.get()),
                    static_cast<cuda::GemmSegment*>(up_segments.get()),
                    static_cast<cuda::GemmSegment*>(down_segments.get()), device_tiles, max_tiles, stream_);
-    Activation gu = alloc(pairs, inter2), act = alloc(pairs, inter2 / 2), y = alloc(pairs, hidden);
+    Activation gu = alloc_output(pairs, inter2), act = alloc_output(pairs, inter2 / 2), y = alloc_output(pairs, hidden);
     // FP8 per token (quantizes_expert_inputs): the scales are per token, so the token rows
     // are quantized once for all experts, by the GEMM itself or beforehand on a copy.
     const cuda::GemmInput up_input = gemm_input(gate_up), down_input = gemm_input(down);
     Activation input = x;
     if (gate_up.input_quant.scheme != ActivationScheme::None && up_input != cuda::GemmInput::Fp8Token) {
-      input = alloc(x.rows, x.cols);
+      input = alloc_output(x.rows, x.cols);
       copy_rows(x, 0, input, 0, x.rows);
       quantize_input(input, gate_up.input_quant, routing.encoder_tokens, -1);
     }

@@ -10,6 +10,9 @@ namespace diffuserve::cuda {
 namespace {
 
 constexpr int kThreads = 256;
+// A block per vocab-wide row (softmax, the sampler): 256 rows of 262,144 logits need every
+// thread the multiprocessors hold to keep the memory system busy.
+constexpr int kRowThreads = 1024;
 
 unsigned blocks_for(int64_t n) { return unsigned((n + kThreads - 1) / kThreads); }
 
@@ -163,9 +166,31 @@ __global__ void transpose_bf16_kernel(const __nv_bfloat16* in, int64_t k, int64_
     if (n0 + i < n && k0 + threadIdx.x < k) out[(n0 + i) * k + k0 + threadIdx.x] = tile[threadIdx.x][i];
 }
 
-// One block: count the pairs per expert, lay out segments and tiles, then place each pair
-// at its expert's next row. The order of rows within an expert does not matter: every
-// row's product is computed on its own.
+// Over the block: the sum of v over the threads before this one, and (total) over all.
+__device__ int64_t block_exclusive_sum(int64_t v, int64_t& total) {
+  __shared__ int64_t warp_totals[32];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = (blockDim.x + 31) >> 5;
+  int64_t inclusive = v;
+  for (int o = 1; o < 32; o <<= 1) {
+    const int64_t before = __shfl_up_sync(0xffffffffu, inclusive, o);
+    if (lane >= o) inclusive += before;
+  }
+  __syncthreads();  // a previous call's readers are done with warp_totals
+  if (lane == 31) warp_totals[warp] = inclusive;
+  __syncthreads();
+  int64_t before = 0;
+  total = 0;
+  for (int w = 0; w < warps; ++w) {
+    if (w < warp) before += warp_totals[w];
+    total += warp_totals[w];
+  }
+  return before + inclusive - v;
+}
+
+// One block (whole warps): count the pairs per expert; lay out segments and tiles, each
+// thread a run of consecutive experts placed after the runs before it (prefix sums of rows
+// and of tiles); then place each pair at its expert's next row. The order of rows within
+// an expert does not matter: every row's product is computed on its own.
 __global__ void moe_plan_kernel(const int32_t* ids, int64_t pairs, int top_k, int experts, int tile_rows,
                                 const ExpertStack gate_up, const ExpertStack down, int64_t* row_map,
                                 int64_t* inverse, GemmSegment* up_segments, GemmSegment* down_segments,
@@ -177,19 +202,20 @@ __global__ void moe_plan_kernel(const int32_t* ids, int64_t pairs, int top_k, in
   for (int64_t a = threadIdx.x; a < pairs; a += blockDim.x)
     atomicAdd(reinterpret_cast<unsigned long long*>(&counts[ids[a]]), 1ull);
   __syncthreads();
-  if (threadIdx.x == 0) {
-    int64_t row = 0;
-    int tile = 0;
-    for (int e = 0; e < experts; ++e) {
-      const int64_t n = counts[e];
-      up_segments[e] = {row, row, int(n), gate_up.expert(e)};
-      down_segments[e] = {row, row, int(n), down.expert(e)};
-      for (int64_t m0 = 0; m0 < n; m0 += tile_rows) tiles[tile++] = {e, int(m0)};
-      cursor[e] = row;
-      row += n;
-    }
-    for (; tile < max_tiles; ++tile) tiles[tile] = {-1, 0};
+  const int per_thread = (experts + blockDim.x - 1) / blockDim.x;
+  const int first = min(experts, int(threadIdx.x) * per_thread), last = min(experts, first + per_thread);
+  int64_t run_rows = 0, run_tiles = 0, total_rows, total_tiles;
+  for (int e = first; e < last; ++e) run_rows += counts[e], run_tiles += (counts[e] + tile_rows - 1) / tile_rows;
+  int64_t row = block_exclusive_sum(run_rows, total_rows), tile = block_exclusive_sum(run_tiles, total_tiles);
+  for (int e = first; e < last; ++e) {
+    const int64_t n = counts[e];
+    up_segments[e] = {row, row, int(n), gate_up.expert(e)};
+    down_segments[e] = {row, row, int(n), down.expert(e)};
+    for (int64_t m0 = 0; m0 < n; m0 += tile_rows) tiles[tile++] = {e, int(m0)};
+    cursor[e] = row;
+    row += n;
   }
+  for (int64_t t = total_tiles + threadIdx.x; t < max_tiles; t += blockDim.x) tiles[t] = {-1, 0};
   __syncthreads();
   for (int64_t a = threadIdx.x; a < pairs; a += blockDim.x) {
     const int64_t at = int64_t(atomicAdd(reinterpret_cast<unsigned long long*>(&cursor[ids[a]]), 1ull));
@@ -302,7 +328,7 @@ void softcap(float* x, float cap, int64_t n, cudaStream_t stream) {
 }
 
 void softmax_rows(float* x, int64_t rows, int64_t cols, cudaStream_t stream) {
-  if (rows) softmax_kernel<<<unsigned(rows), kThreads, 0, stream>>>(x, cols);
+  if (rows) softmax_kernel<<<unsigned(rows), kRowThreads, 0, stream>>>(x, cols);
 }
 
 void scatter_rows(const float* src, int64_t cols, const int64_t* dst_rows, int64_t n, float* dst, cudaStream_t stream) {
@@ -344,7 +370,7 @@ void random_bf16(__nv_bfloat16* out, int64_t n, uint64_t seed, float scale, cuda
 
 void sample_rows(float* logits, int64_t rows, int64_t vocab, float temperature, const uint8_t* allowed,
                  RandomKey key, bool round_bf16, DeviceRowSample* out, cudaStream_t stream) {
-  if (rows) sample_kernel<<<unsigned(rows), 1024, 0, stream>>>(logits, vocab, temperature, allowed, key, round_bf16, out);
+  if (rows) sample_kernel<<<unsigned(rows), kRowThreads, 0, stream>>>(logits, vocab, temperature, allowed, key, round_bf16, out);
 }
 
 void quantize_input(float* x, int64_t rows, int64_t cols, ActivationScheme scheme, int64_t encoder_rows,

@@ -117,6 +117,10 @@ class Backend {
 
   // A zero-filled matrix (large ones are committed lazily by the OS as they are touched).
   virtual Activation alloc(int64_t rows, int64_t cols) = 0;
+  // A matrix that an op is about to overwrite whole: its values until then are undefined.
+  // The CUDA backend skips alloc's zero fill (a kernel launch per matrix, ~500 a denoise
+  // step at the 26B shapes); the CPU backend's alloc costs nothing more.
+  virtual Activation alloc_output(int64_t rows, int64_t cols) { return alloc(rows, cols); }
   // Bytes the KV cache may take by default, asked once the weights are loaded.
   virtual int64_t default_kv_cache_bytes() = 0;
   // Whether `experts` can quantize its inputs with `scheme` (every backend can do None).

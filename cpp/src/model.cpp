@@ -451,7 +451,7 @@ void project_kv(ModelState& m, int li, const Activation& x, int64_t encoder_rows
 // out = gated GELU MLP of x with stacked [gate; up] weights.
 void gated_mlp(Backend& be, const Activation& x, int64_t encoder_rows, const Weight& gate_up, const Weight& down,
                Activation& out) {
-  Activation gu = be.alloc(x.rows, gate_up.shape[0]), act = be.alloc(x.rows, gate_up.shape[0] / 2);
+  Activation gu = be.alloc_output(x.rows, gate_up.shape[0]), act = be.alloc_output(x.rows, gate_up.shape[0] / 2);
   linear(be, x, gate_up, gu, encoder_rows);
   be.gelu_glu(gu, act);
   linear(be, act, down, out, encoder_rows);
@@ -465,7 +465,7 @@ void feed_forward(ModelState& m, int li, Activation& h, int64_t encoder_rows) {
   const LayerWeights& W = m.weights.layers[li];
   const float eps = m.config.rms_norm_eps;
   const int64_t n = h.rows, H = h.cols;
-  Activation x = be.alloc(n, H), dense = be.alloc(n, H), moe = be.alloc(n, H);
+  Activation x = be.alloc_output(n, H), dense = be.alloc_output(n, H), moe = be.alloc_output(n, H);
   be.rms_norm(h, &W.pre_feedforward_layernorm, H, eps, x);
   gated_mlp(be, x, encoder_rows, W.mlp_gate_up, W.mlp_down, dense);
   be.rms_norm(dense, &W.post_feedforward_layernorm_1, H, eps, dense);
@@ -503,9 +503,9 @@ void layer_forward(ModelState& m, KvCache& kv, int li, Activation& h, const std:
   const int64_t q_cols = int64_t(c.num_heads) * L.head_dim;
   const int64_t window = L.sliding ? c.sliding_window : 0;
 
-  Activation x = be.alloc(n, H);
+  Activation x = be.alloc_output(n, H);
   be.rms_norm(h, &W.input_layernorm, H, c.rms_norm_eps, x);
-  Activation k = be.alloc(n, kv_cols), v = be.alloc(n, kv_cols);
+  Activation k = be.alloc_output(n, kv_cols), v = be.alloc_output(n, kv_cols);
   project_kv(m, li, x, encoder_rows, positions, k, v);
   // Encoder rows come first in the batch: rows [0, encoder_rows) go to their cache slots.
   if (encoder_rows) {
@@ -538,7 +538,7 @@ void layer_forward(ModelState& m, KvCache& kv, int li, Activation& h, const std:
     segments.push_back(std::move(a));
   }
   const std::vector<int64_t> q_positions(positions.begin() + first, positions.end());
-  Activation q = be.alloc(n - first, q_cols), attn = be.alloc(n - first, q_cols);
+  Activation q = be.alloc_output(n - first, q_cols), attn = be.alloc_output(n - first, q_cols);
   linear(be, rows_x, W.q_proj, q, rows_encoder);
   be.rms_norm(q, &W.q_norm, L.head_dim, c.rms_norm_eps, q);
   be.rope(q, L.head_dim, W.rope_inv_freq, q_positions);
@@ -583,17 +583,17 @@ Activation forward(ModelState& m, KvCache& kv, std::vector<Segment>& segments) {
   }
   const int64_t n = int64_t(tokens.size()), decoder_rows = n - encoder_rows;
 
-  Activation h = be.alloc(n, H);
+  Activation h = be.alloc_output(n, H);
   be.embed(W.embed_tokens, tokens, m.embed_scale, h);
 
   // Decoder rows: self-conditioning. The previous step's distribution as a soft embedding
   // (zero on a block's first step; the MLP still runs), through a gated MLP, added to the
   // canvas embedding, then an unscaled norm.
   if (decoder_rows) {
-    Activation soft = be.alloc(decoder_rows, H), signal = be.alloc(decoder_rows, H);
+    Activation soft = be.alloc(decoder_rows, H), signal = be.alloc_output(decoder_rows, H);  // soft: zeros first
     for (const Placed& p : placed) {
       if (p.segment->encoder || !p.segment->self_conditioning) continue;
-      Activation probs = be.alloc(p.rows, c.vocab_size), rows = soft.view(p.first_row - encoder_rows, p.rows);
+      Activation probs = be.alloc_output(p.rows, c.vocab_size), rows = soft.view(p.first_row - encoder_rows, p.rows);
       be.copy_rows(*p.segment->self_conditioning, 0, probs, 0, p.rows);
       be.softmax(probs);
       be.linear_nt(probs, W.embed_tokens, rows);
@@ -610,7 +610,7 @@ Activation forward(ModelState& m, KvCache& kv, std::vector<Segment>& segments) {
   for (Placed& p : placed)
     if (p.segment->encoder) kv.append(*p.segment->table, p.segment->tokens);
 
-  Activation logits = be.alloc(decoder_rows, c.vocab_size);
+  Activation logits = be.alloc_output(decoder_rows, c.vocab_size);
   if (decoder_rows) {
     Activation dec = h.view(encoder_rows, decoder_rows);
     be.rms_norm(dec, &W.norm, H, c.rms_norm_eps, dec);
