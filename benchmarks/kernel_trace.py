@@ -1,0 +1,70 @@
+"""Where a denoise step's GPU time goes, without synchronising any op: the kernels and copies
+of a few steps at DiffusionGemma-26B-A4B's text shapes (random bf16 weights, batch 1,
+context 1K), recorded by torch's profiler (CUPTI sees every kernel of the process,
+diffuserve's included). Needs a CUDA build and PyTorch.
+
+    python benchmarks/kernel_trace.py [--context 1024] [--steps 8]
+
+Prints the GPU-busy share of the wall time, then one row per kernel name: time and launches
+per forward pass, mean time per launch; then the host gaps between GPU work.
+(DIFFUSERVE_PROFILE=1 instead times each op with a synchronisation around it.)
+"""
+import argparse
+import os
+import tempfile
+import time
+
+import numpy as np
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+import diffuserve as ds
+from step_latency import CANVAS, write_config  # beside this script
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--steps", type=int, default=8, help="denoise steps traced (one block)")
+    ap.add_argument("--rows", type=int, default=24, help="kernel names shown")
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        llm = ds.LLM(write_config(os.path.join(tmp, "dg26b")), device="cuda", load_format="dummy",
+                     kv_cache_memory_bytes=20 << 30, max_num_batched_tokens=8192, slice_steps=64)
+        prompt = (np.arange(args.context) % 1000 + 3).tolist()
+        params = lambda steps: ds.SamplingParams(max_new_tokens=CANVAS, max_denoising_steps=steps,
+                                                 confidence_threshold=1e-30, eos_token_id=[], seed=0)
+        llm.generate([prompt], params(2))  # prefill (the prefix cache keeps it) and warm-up
+        passes = llm.stats()["forward_passes"]
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as trace:
+            start = time.perf_counter()
+            llm.generate([prompt], params(args.steps))
+            wall_ms = 1e3 * (time.perf_counter() - start)
+        passes = llm.stats()["forward_passes"] - passes
+
+    gpu = sorted((e for e in trace.events() if e.device_type == torch.autograd.DeviceType.CUDA),
+                 key=lambda e: e.time_range.start)
+    by_name = {}
+    for e in gpu:
+        total = by_name.setdefault(e.name, [0.0, 0])
+        total[0] += e.time_range.elapsed_us() / 1e3
+        total[1] += 1
+    busy_ms = sum(ms for ms, _ in by_name.values())
+    print(f"diffuserve kernel trace, 26B-A4B shapes (random bf16 weights), batch 1, context {args.context}, "
+          f"{passes} forward passes")
+    print(f"wall {wall_ms / passes:.1f} ms a pass, GPU busy {busy_ms / passes:.1f} ms ({100 * busy_ms / wall_ms:.0f}%), "
+          f"{len(gpu) / passes:.0f} kernels and copies a pass")
+    print("| ms a pass | launches a pass | us a launch | kernel |")
+    print("|----------:|----------------:|------------:|:-------|")
+    for name, (ms, n) in sorted(by_name.items(), key=lambda kv: -kv[1][0])[:args.rows]:
+        short = name.replace("diffuserve::cuda::(anonymous namespace)::", "").split("(")[0][:70]
+        print(f"| {ms / passes:9.3f} | {n / passes:15.1f} | {1e3 * ms / n:11.1f} | {short} |")
+    gaps = [b.time_range.start - a.time_range.end for a, b in zip(gpu, gpu[1:])]
+    long_gaps = sorted(g for g in gaps if g > 20)
+    longest = ", ".join(f"{g:.0f}" for g in long_gaps[-3:])
+    print(f"idle between GPU work: {sum(max(g, 0) for g in gaps) / 1e3 / passes:.1f} ms a pass; "
+          f"{len(long_gaps)} gaps over 20 us (host work), the longest {longest} us")
+
+
+if __name__ == "__main__":
+    main()
