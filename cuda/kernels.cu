@@ -54,6 +54,7 @@ __global__ void embed_kernel(const __nv_bfloat16* table, int64_t hidden, const i
   out[i] = __bfloat162float(table[int64_t(ids[i / hidden]) * hidden + i % hidden]) * scale;
 }
 
+// A hidden state's norm: a block per group.
 __global__ void rms_norm_kernel(const float* x, const float* weight, int64_t group, float eps, float* y) {
   const float* xi = x + int64_t(blockIdx.x) * group;
   float* yi = y + int64_t(blockIdx.x) * group;
@@ -61,6 +62,21 @@ __global__ void rms_norm_kernel(const float* x, const float* weight, int64_t gro
   for (int64_t j = threadIdx.x; j < group; j += blockDim.x) ss += xi[j] * xi[j];
   const float inv = powf(block_sum(ss) / float(group) + eps, -0.5f);
   for (int64_t j = threadIdx.x; j < group; j += blockDim.x) yi[j] = xi[j] * inv * (weight ? weight[j] : 1.0f);
+}
+
+// A head's norm (thousands of short groups): a warp per group, no block-wide barrier.
+__global__ void rms_norm_warp_kernel(const float* x, const float* weight, int64_t groups, int64_t group, float eps,
+                                     float* y) {
+  const int64_t g = int64_t(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5);
+  if (g >= groups) return;  // whole warps: blocks are whole warps
+  const int lane = threadIdx.x & 31;
+  const float* xi = x + g * group;
+  float* yi = y + g * group;
+  float ss = 0.0f;
+  for (int64_t j = lane; j < group; j += 32) ss += xi[j] * xi[j];
+  for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+  const float inv = powf(ss / float(group) + eps, -0.5f);
+  for (int64_t j = lane; j < group; j += 32) yi[j] = xi[j] * inv * (weight ? weight[j] : 1.0f);
 }
 
 __global__ void rope_kernel(float* x, int64_t rows, int64_t heads, int64_t head_dim, const float* inv_freq,
@@ -302,7 +318,14 @@ void embed(const __nv_bfloat16* table, int64_t hidden, const int32_t* ids, int64
 
 void rms_norm(const float* x, const float* weight, int64_t groups, int64_t group, float eps, float* y,
               cudaStream_t stream) {
-  if (groups) rms_norm_kernel<<<unsigned(groups), group >= 1024 ? 256 : 64, 0, stream>>>(x, weight, group, eps, y);
+  if (!groups) return;
+  if (group >= 1024) {
+    rms_norm_kernel<<<unsigned(groups), kThreads, 0, stream>>>(x, weight, group, eps, y);
+  } else {
+    constexpr int kWarps = kThreads / 32;
+    rms_norm_warp_kernel<<<unsigned((groups + kWarps - 1) / kWarps), kThreads, 0, stream>>>(x, weight, groups, group,
+                                                                                           eps, y);
+  }
 }
 
 void rope(float* x, int64_t rows, int64_t heads, int64_t head_dim, const float* inv_freq, const int64_t* positions,
