@@ -590,7 +590,8 @@ Activation forward(ModelState& m, KvCache& kv, std::vector<Segment>& segments) {
   // (zero on a block's first step; the MLP still runs), through a gated MLP, added to the
   // canvas embedding, then an unscaled norm.
   if (decoder_rows) {
-    Activation soft = be.alloc(decoder_rows, H), signal = be.alloc_output(decoder_rows, H);  // soft: zeros first
+    Activation soft = be.alloc(decoder_rows, H);  // zero, the rows without feedback stay so
+    Activation signal = be.alloc_output(decoder_rows, H);
     for (const Placed& p : placed) {
       if (p.segment->encoder || !p.segment->self_conditioning) continue;
       Activation probs = be.alloc_output(p.rows, c.vocab_size), rows = soft.view(p.first_row - encoder_rows, p.rows);
