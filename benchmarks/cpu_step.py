@@ -18,6 +18,7 @@ import numpy as np
 
 import diffuserve as ds
 from diffuserve.random_checkpoint import write_random_checkpoint
+from step_latency import fixed_steps  # beside this script
 
 CONFIG = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_experts=8, top_k_experts=2,
               moe_intermediate_size=128, vocab_size=4096, sliding_window=64)
@@ -95,8 +96,7 @@ def generation_row(path, threads, requests, fuse):
     llm = ds.LLM(path, num_threads=threads, fuse_commit=fuse)
     rng = np.random.default_rng(1)
     prompts = [rng.integers(0, CONFIG["vocab_size"], PROMPT).tolist() for _ in range(requests)]
-    params = ds.SamplingParams(max_new_tokens=GEN_TOKENS, max_denoising_steps=STEPS, confidence_threshold=1e-30,
-                               eos_token_id=[], seed=0)
+    params = fixed_steps(GEN_TOKENS, STEPS, seed=0)
     t = time.perf_counter()
     outs = llm.generate(prompts, params)
     seconds = time.perf_counter() - t

@@ -19,7 +19,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import diffuserve as ds
-from step_latency import CANVAS, write_config  # beside this script
+from step_latency import CANVAS, fixed_steps, write_config  # beside this script
 
 
 def main():
@@ -32,13 +32,11 @@ def main():
         llm = ds.LLM(write_config(os.path.join(tmp, "dg26b")), device="cuda", load_format="dummy",
                      kv_cache_memory_bytes=20 << 30, max_num_batched_tokens=8192, slice_steps=64)
         prompt = (np.arange(args.context) % 1000 + 3).tolist()
-        params = lambda steps: ds.SamplingParams(max_new_tokens=CANVAS, max_denoising_steps=steps,
-                                                 confidence_threshold=1e-30, eos_token_id=[], seed=0)
-        llm.generate([prompt], params(2))  # prefill (the prefix cache keeps it) and warm-up
+        llm.generate([prompt], fixed_steps(CANVAS, 2, seed=0))  # prefill (the prefix cache keeps it) and warm-up
         passes = llm.stats()["forward_passes"]
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as trace:
             start = time.perf_counter()
-            llm.generate([prompt], params(args.steps))
+            llm.generate([prompt], fixed_steps(CANVAS, args.steps, seed=0))
             wall_ms = 1e3 * (time.perf_counter() - start)
         passes = llm.stats()["forward_passes"] - passes
 
@@ -52,8 +50,8 @@ def main():
     busy_ms = sum(ms for ms, _ in by_name.values())
     print(f"diffuserve kernel trace, 26B-A4B shapes (random bf16 weights), batch 1, context {args.context}, "
           f"{passes} forward passes")
-    print(f"wall {wall_ms / passes:.1f} ms a pass, GPU busy {busy_ms / passes:.1f} ms ({100 * busy_ms / wall_ms:.0f}%), "
-          f"{len(gpu) / passes:.0f} kernels and copies a pass")
+    print(f"wall {wall_ms / passes:.1f} ms a pass, GPU busy {busy_ms / passes:.1f} ms "
+          f"({100 * busy_ms / wall_ms:.0f}%), {len(gpu) / passes:.0f} kernels and copies a pass")
     print("| ms a pass | launches a pass | us a launch | kernel |")
     print("|----------:|----------------:|------------:|:-------|")
     for name, (ms, n) in sorted(by_name.items(), key=lambda kv: -kv[1][0])[:args.rows]:

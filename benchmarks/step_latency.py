@@ -85,19 +85,24 @@ def copy_bandwidth():
     return bandwidth
 
 
+def fixed_steps(new_tokens, steps, seed):
+    """Sampling that runs exactly `steps` denoise steps per block: no token is ever confident
+    enough to stop a block early, and none ends the request."""
+    return ds.SamplingParams(max_new_tokens=new_tokens, max_denoising_steps=steps, confidence_threshold=1e-30,
+                             eos_token_id=[], seed=seed)
+
+
 def measure(llm, batch, context):
     """(ms per denoise pass, output tok/s) for `batch` requests over a `context`-token prompt."""
     prompt = (np.arange(context) % 1000 + 3).tolist()  # shared: the prefix cache fills it once
-    warm = ds.SamplingParams(max_new_tokens=CANVAS, max_denoising_steps=2, confidence_threshold=1e-30,
-                             eos_token_id=[], seed=0)
+    warm = fixed_steps(CANVAS, 2, seed=0)
     t = time.perf_counter()
     llm.generate([prompt], warm)  # prefill once: the prompt's blocks stay in the prefix cache
     prefill_s, t = time.perf_counter() - t, time.perf_counter()
     llm.generate([prompt] * batch, warm)  # warm-up at this batch size
     print(f"  batch {batch} context {context}: prefill and 2 steps {prefill_s:.1f} s, warm-up at this batch "
           f"{time.perf_counter() - t:.1f} s", file=sys.stderr, flush=True)  # where a slow row spends its time
-    params = ds.SamplingParams(max_new_tokens=2 * CANVAS, max_denoising_steps=STEPS, confidence_threshold=1e-30,
-                               eos_token_id=[], seed=1)
+    params = fixed_steps(2 * CANVAS, STEPS, seed=1)
     passes = llm.stats()["forward_passes"]
     t = time.perf_counter()
     outs = llm.generate([prompt] * batch, params)
