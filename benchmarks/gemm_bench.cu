@@ -8,8 +8,9 @@
 // activation_quant.h codes, and the product must also match the fake-quantized fp32 path,
 // quantize_input then Split); bitwise agreement of the three tile shapes (batch
 // invariance); then timings at DiffusionGemma-26B shapes. Before any of that, host checks
-// that need no GPU: E4M3 code bytes, and an emulation of ldmatrix and the MMA fragment
-// layouts (PTX ISA) with gemm_tile.cuh's addressing and E4M3 unpacking. Build and run:
+// that need no GPU: E4M3 code bytes, an emulation of ldmatrix and the MMA fragment
+// layouts (PTX ISA) with gemm_tile.cuh's addressing and E4M3 unpacking, and the K order
+// of decoded packed weights. Build and run:
 //   nvcc -std=c++20 -arch=sm_90a -O3 -I cpp/src -I cpp/include -I cuda benchmarks/gemm_bench.cu \
 //       cuda/gemm.cu cuda/kernels.cu cpp/src/packed_weight.cpp cpp/src/dtype.cpp -o /tmp/gemm_bench && /tmp/gemm_bench
 // (--check: the checks alone; --host: the host checks alone, on a machine without a GPU).
@@ -135,6 +136,22 @@ void check_fragments() {
         }
     }
   report(!wrong, "ldmatrix + E4M3 halves + m16n8k16 emulation (host)", std::to_string(wrong) + " of 2304 outputs wrong");
+}
+
+// The K order of decoded packed weights (gemm_tile.cuh): packed_k_source permutes each
+// 64-column slice, and the X column at each of lane l's A fragment positions (bf16
+// m16n8k16: columns 2t + 8j + e of K step ks, t = l % 4) is the W column its B fragment
+// decodes there: value 4ks + 2j + e of the lane's 16, i.e. column 16t + 4ks + 2j + e.
+void check_packed_order() {
+  int64_t wrong = 0;
+  std::vector<int> seen(64, 0);
+  for (int position = 0; position < 64; ++position) ++seen[packed_k_source(position)];
+  for (int column = 0; column < 64; ++column) wrong += seen[column] != 1;
+  for (int t = 0; t < 4; ++t)
+    for (int ks = 0; ks < 4; ++ks)
+      for (int j = 0; j < 2; ++j)
+        for (int e = 0; e < 2; ++e) wrong += packed_k_source(16 * ks + 2 * t + 8 * j + e) != 16 * t + 4 * ks + 2 * j + e;
+  report(!wrong, "packed weights' K order, X against W (host)", std::to_string(wrong) + " wrong");
 }
 
 // Host checks of the exactness the packed GEMM relies on (packed_decode.cuh): the e2m1
@@ -617,6 +634,7 @@ int main(int argc, char** argv) {
   check_decode();
   check_e4m3_codes();
   check_fragments();
+  check_packed_order();
   if (mode == "--host") {
     std::printf("%s\n", failures ? "HOST CHECK FAILURES" : "all host checks passed");
     return failures ? 1 : 0;

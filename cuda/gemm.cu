@@ -48,9 +48,12 @@
 // batched and single-sequence runs agree bitwise.
 //
 // Packed weights (FP8, NVFP4: packed_weight.h) with bf16 X stream as they are stored, 1 or
-// 1/2 byte per value (plus NVFP4's E4M3 scale per 16), into the ring; each iteration first
-// converts the slice's weights to the bf16 tile the MMAs read (packed_decode.cuh: exact),
-// so the main loop and its summation order are the bf16 path's. The per-row fp32 scale
+// 1/2 byte per value (plus NVFP4's E4M3 scale per 16), into the ring, and each lane decodes
+// its B fragments from there in registers (packed_decode.cuh: exact): 16 consecutive values
+// of a W row per lane and slice, read by one shared-memory load, so no pass through shared
+// memory and no extra barrier per slice (at batch 1 the MoE streams weights, and a
+// conversion pass had made FP8 and NVFP4 slower than bf16). The pre-pass stores X's K in
+// the order those fragments take (gemm_tile.cuh, packed_k_source). The per-row fp32 scale
 // (FP8's scale, NVFP4's global scale) is applied to the finished sums.
 //
 // Weights stream by 16-byte cp.async (4-byte for NVFP4's scales) where their rows allow
@@ -74,8 +77,8 @@ __host__ __device__ constexpr int planes(GemmInput input) { return input == Gemm
 __host__ __device__ constexpr int x_value_bytes(GemmInput input) { return input == GemmInput::Fp8Token ? 1 : 2; }
 // K values per pipeline stage (a tile row's 128 bytes of X).
 __host__ __device__ constexpr int stage_k(GemmInput input) { return kRowBytes / x_value_bytes(input); }
-// Whether packed weights are converted to a bf16 tile (bf16 X) or multiplied as they are.
-__host__ __device__ constexpr bool converts(GemmInput input, WeightFormat format) {
+// Whether packed weights are decoded to bf16 fragments (bf16 X) or multiplied as they are.
+__host__ __device__ constexpr bool decodes(GemmInput input, WeightFormat format) {
   return format != WeightFormat::Plain && input != GemmInput::Fp8Token;
 }
 
@@ -168,15 +171,14 @@ struct Shape {
   __host__ __device__ static constexpr int stage_bytes(GemmInput input, WeightFormat format) {
     return planes(input) * kBM * kRowBytes + weight_stage_bytes(input, format, kBN);
   }
-  // The ring, then for converted weights the bf16 tile they are converted into.
   static constexpr int smem_bytes(GemmInput input, WeightFormat format) {
-    return stages(format) * stage_bytes(input, format) + (converts(input, format) ? kBN * kRowBytes : 0);
+    return stages(format) * stage_bytes(input, format);
   }
 };
 // Shared memory with hi and lo planes, bf16 / FP8 / NVFP4 weights; E4M3 X and weights:
-using Small = Shape<16, 128, 1, 4, 4, 6, 2>;    // 80 / 88 / 67 KB; 108 KB
-using Medium = Shape<64, 128, 2, 2, 3, 3, 2>;   // 96 / 88 / 78 KB; 72 KB
-using Large = Shape<128, 256, 2, 4, 3, 3, 1>;   // 192 / 176 / 155 KB; 144 KB
+using Small = Shape<16, 128, 1, 4, 4, 6, 2>;    // 80 / 72 / 52 KB; 108 KB
+using Medium = Shape<64, 128, 2, 2, 3, 3, 2>;   // 96 / 72 / 62 KB; 72 KB
+using Large = Shape<128, 256, 2, 4, 3, 3, 1>;   // 192 / 144 / 123 KB; 144 KB
 
 template <class S, GemmInput kInput, WeightFormat kFormat>
 __global__ void __launch_bounds__(S::kThreads, S::kBlocks) gemm_kernel(const Params p) {
@@ -188,16 +190,14 @@ __global__ void __launch_bounds__(S::kThreads, S::kBlocks) gemm_kernel(const Par
   constexpr int kABytes = kARows * kRowBytes, kStageBytes = S::stage_bytes(kInput, kFormat);
   constexpr int kRowStep = kThreads / 8;  // tile rows one pass of the block's 16-byte copies covers
   constexpr int kALoads = kBM / kRowStep;
-  constexpr bool kConvert = converts(kInput, kFormat);
+  constexpr bool kDecode = decodes(kInput, kFormat);
   // A stage's W row: 16-byte chunks of the MMA tile (swizzled) or of the packed slice (in order).
   constexpr int kWRowBytes = weight_row_stage_bytes(kInput, kFormat);
   constexpr int kWChunks = kBN * kWRowBytes / 16, kWLoads = kWChunks / kThreads;
-  constexpr int kGroups = kBN * kBK / 16, kConverts = kGroups / kThreads;  // 16-value groups of a packed slice
-  static_assert(kBM % kRowStep == 0 && kWChunks % kThreads == 0 && kGroups % kThreads == 0 && kTilesN % 2 == 0 &&
+  static_assert(kBM % kRowStep == 0 && kWChunks % kThreads == 0 && kTilesN % 2 == 0 &&
                     kBN <= kThreads,  // a thread per W row for NVFP4's scales
                 "tile shape");
   extern __shared__ __align__(128) uint8_t smem[];
-  uint8_t* const packed_tile = smem + kStages * kStageBytes;
 
   GemmSegment seg = p.single;
   int m0 = blockIdx.y * kBM;  // dense: tiles follow blockIdx.y
@@ -251,7 +251,7 @@ __global__ void __launch_bounds__(S::kThreads, S::kBlocks) gemm_kernel(const Par
     // W: chunk c of the slice is row c / per_row's bytes [16 * (c % per_row), +16) of the slice.
     uint8_t* const w_stage = base + kABytes;
     const int64_t slice_offset = weight_row_bytes(kFormat, k0);
-    auto w_dst = [&](int r, int chunk) { return kConvert ? w_stage + r * kWRowBytes + 16 * chunk : w_stage + swizzle(r, chunk); };
+    auto w_dst = [&](int r, int chunk) { return kDecode ? w_stage + r * kWRowBytes + 16 * chunk : w_stage + swizzle(r, chunk); };
     if (p.w_vector) {  // whole chunks: each is all inside the row or all past it (one uniform branch)
       const bool k_ok = slice_offset + 16 * w_chunk < w_row_bytes;
 #pragma unroll
@@ -280,26 +280,6 @@ __global__ void __launch_bounds__(S::kThreads, S::kBlocks) gemm_kernel(const Par
     }
   };
 
-  // Packed weights: the slice in stage `stage` -> the bf16 tile, 16 values (a 16-wide
-  // group) per step: tile row g / 4, chunks 2 (g % 4) and 2 (g % 4) + 1.
-  auto convert = [&](int stage) {
-    const uint8_t* const w_stage = smem + stage * kStageBytes + kABytes;
-#pragma unroll
-    for (int j = 0; j < kConverts; ++j) {
-      const int g = tid + j * kThreads, r = g / 4, quarter = g % 4;
-      uint4 first, second;
-      if constexpr (kFormat == WeightFormat::Fp8) {
-        fp8x16_to_bf16(*reinterpret_cast<const uint4*>(w_stage + r * kWRowBytes + 16 * quarter), first, second);
-      } else {
-        const uint8_t scale = w_stage[kBN * kWRowBytes + r * (kBK / 16) + quarter];
-        nvfp4x16_to_bf16(*reinterpret_cast<const uint2*>(w_stage + r * kWRowBytes + 8 * quarter), scale, first,
-                         second);
-      }
-      *reinterpret_cast<uint4*>(packed_tile + swizzle(r, 2 * quarter)) = first;
-      *reinterpret_cast<uint4*>(packed_tile + swizzle(r, 2 * quarter + 1)) = second;
-    }
-  };
-
   // The warp's MMAs over one stage: 4 K steps of 32 bytes, each one bf16 MMA per plane (hi
   // then lo) or two fp16 ones (E4M3 halves, gemm_tile.cuh) per output tile. The W
   // fragments of a step are loaded all at once, or with E4M3 (unpacked to twice the
@@ -309,7 +289,7 @@ __global__ void __launch_bounds__(S::kThreads, S::kBlocks) gemm_kernel(const Par
   float acc[kTilesM][kTilesN][4] = {};
   auto compute = [&](int stage) {
     const uint8_t* const base = smem + stage * kStageBytes;
-    const uint32_t a_base = shared_address(base), w_base = shared_address(kConvert ? packed_tile : base + kABytes);
+    const uint32_t a_base = shared_address(base), w_base = shared_address(base + kABytes);
 #pragma unroll
     for (int ks = 0; ks < kRowBytes / 32; ++ks) {
       uint32_t a[kPlanes][kTilesM][kHalves][4];
@@ -354,15 +334,66 @@ __global__ void __launch_bounds__(S::kThreads, S::kBlocks) gemm_kernel(const Par
     }
   };
 
+  // Packed weights with bf16 X: lane (g, t) reads values 16t..16t+15 of W row g of each of
+  // its n8 tiles (FP8: 16 bytes; NVFP4: 8 bytes and their group's scale), and K step ks
+  // decodes values 16t + 4ks + {0..3} into that tile's B fragment (gemm_tile.cuh). Outputs
+  // accumulate in the same order as compute(): K steps in order, hi then lo. The large tile
+  // takes its n8 tiles in two passes (loading A's fragments twice), which keeps the packed
+  // words beside its 128 accumulators in registers.
+  constexpr int kPasses = kTilesM * kTilesN >= 32 ? 2 : 1, kPassTiles = kTilesN / kPasses;
+  auto compute_decoded = [&](int stage) {
+    const uint8_t* const base = smem + stage * kStageBytes;
+    const uint8_t* const w_stage = base + kABytes;
+    const uint32_t a_base = shared_address(base);
+    const int g = lane >> 2, t = lane & 3;
+    constexpr int kWords = kFormat == WeightFormat::Fp8 ? 4 : 2;  // a lane's 16 values of a row
+#pragma unroll
+    for (int pass = 0; pass < kPasses; ++pass) {
+      uint32_t w[kPassTiles][kWords];
+      [[maybe_unused]] uint32_t scale[kPassTiles];
+#pragma unroll
+      for (int i = 0; i < kPassTiles; ++i) {
+        const int r = warp_n * kWN + (pass * kPassTiles + i) * 8 + g;
+        if constexpr (kFormat == WeightFormat::Fp8) {
+          const uint4 v = *reinterpret_cast<const uint4*>(w_stage + r * kWRowBytes + 16 * t);
+          w[i][0] = v.x, w[i][1] = v.y, w[i][2] = v.z, w[i][3] = v.w;
+        } else {
+          const uint2 v = *reinterpret_cast<const uint2*>(w_stage + r * kWRowBytes + 8 * t);
+          w[i][0] = v.x, w[i][1] = v.y;
+          scale[i] = nvfp4_scale_pair(w_stage[kBN * kWRowBytes + r * (kBK / 16) + t]);
+        }
+      }
+#pragma unroll
+      for (int ks = 0; ks < kRowBytes / 32; ++ks) {
+        uint32_t a[kPlanes][kTilesM][4];
+#pragma unroll
+        for (int plane = 0; plane < kPlanes; ++plane)
+#pragma unroll
+          for (int mt = 0; mt < kTilesM; ++mt)
+            ldmatrix_x4(a[plane][mt], a_base + swizzle(a_fragment_row(plane * kBM + warp_m * kWM + mt * 16, lane),
+                                                       a_fragment_chunk(ks, lane)));
+#pragma unroll
+        for (int i = 0; i < kPassTiles; ++i) {
+          uint32_t b[2];
+          if constexpr (kFormat == WeightFormat::Fp8) fp8x4_to_bf16(w[i][ks], b[0], b[1]);
+          else nvfp4x4_to_bf16((w[i][ks / 2] >> (16 * (ks % 2))) & 0xffff, scale[i], b[0], b[1]);
+#pragma unroll
+          for (int mt = 0; mt < kTilesM; ++mt)
+#pragma unroll
+            for (int plane = 0; plane < kPlanes; ++plane) mma_bf16(acc[mt][pass * kPassTiles + i], a[plane][mt], b);
+        }
+      }
+    }
+  };
+
   // Split-K: blockIdx.z takes K-slice z of k_slice columns and writes its partial
   // product into its own copy of Y (gemm() sums the copies in a fixed order).
   const int64_t k_begin = int64_t(blockIdx.z) * p.k_slice, k_end = min(p.kp, k_begin + p.k_slice);
   const int k_tiles = int((k_end - k_begin) / kBK);
   // The ring: slice t lives in stage t % kStages. Each iteration waits for its slice
   // (at most kStages - 2 younger groups pending), syncs (the slice is visible to all
-  // warps, and all are done with the stage about to be refilled, read last iteration, and
-  // with the converted tile), then queues slice t + kStages - 1 before multiplying slice t
-  // (packed weights: converting it, and syncing again so that the tile is complete).
+  // warps, and all are done with the stage about to be refilled, read last iteration),
+  // then queues slice t + kStages - 1 before multiplying slice t.
 #pragma unroll
   for (int s = 0; s < kStages - 1; ++s) {
     if (s < k_tiles) load_tile(s, k_begin + s * kBK);
@@ -374,11 +405,8 @@ __global__ void __launch_bounds__(S::kThreads, S::kBlocks) gemm_kernel(const Par
     const int next = t + kStages - 1;
     if (next < k_tiles) load_tile(next % kStages, k_begin + int64_t(next) * kBK);
     cp_async_commit();
-    if constexpr (kConvert) {
-      convert(t % kStages);
-      __syncthreads();
-    }
-    compute(t % kStages);
+    if constexpr (kDecode) compute_decoded(t % kStages);
+    else compute(t % kStages);
   }
 
   // Accumulator (m16 x n8): registers 0-1 at row lane / 4, 2-3 at row lane / 4 + 8,
@@ -414,21 +442,29 @@ __global__ void __launch_bounds__(S::kThreads, S::kBlocks) gemm_kernel(const Par
 }
 
 // A[r] = [hi | lo] of X row r (or hi alone with kPlanes 1), K zero-padded to kp; one
-// thread per 8 columns.
-template <int kPlanes>
+// thread per 8 columns. kPermuted: each 64-column slice in the order the decoded packed
+// weights take (gemm_tile.cuh, packed_k_source), 4 pairs of adjacent columns per thread.
+template <int kPlanes, bool kPermuted>
 __global__ void split_kernel(const float* __restrict__ x, int64_t ldx, int64_t rows, int64_t k, int64_t kp,
                              bool vector, __nv_bfloat16* __restrict__ a) {
   const int64_t chunks = kp / 8, i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= rows * chunks) return;
   const int64_t r = i / chunks, c = (i % chunks) * 8;
-  const float* src = x + r * ldx + c;
+  const float* row = x + r * ldx;
   float v[8];
-  if (vector && c + 8 <= k) {
-    const float4 v0 = *reinterpret_cast<const float4*>(src), v1 = *reinterpret_cast<const float4*>(src + 4);
+  if constexpr (kPermuted) {
+#pragma unroll
+    for (int j = 0; j < 8; j += 2) {
+      const int64_t column = c - c % 64 + packed_k_source(int(c % 64) + j);  // even: a pair
+      v[j] = column < k ? row[column] : 0.0f;
+      v[j + 1] = column + 1 < k ? row[column + 1] : 0.0f;
+    }
+  } else if (vector && c + 8 <= k) {
+    const float4 v0 = *reinterpret_cast<const float4*>(row + c), v1 = *reinterpret_cast<const float4*>(row + c + 4);
     v[0] = v0.x, v[1] = v0.y, v[2] = v0.z, v[3] = v0.w, v[4] = v1.x, v[5] = v1.y, v[6] = v1.z, v[7] = v1.w;
   } else {
 #pragma unroll
-    for (int j = 0; j < 8; ++j) v[j] = c + j < k ? src[j] : 0.0f;
+    for (int j = 0; j < 8; ++j) v[j] = c + j < k ? row[c + j] : 0.0f;
   }
   uint4 hi, lo;
   split_bf16(v[0], v[1], hi.x, lo.x);
@@ -540,8 +576,11 @@ void gemm(const float* x, int64_t x_rows, int64_t ldx, const int64_t* row_map, c
     const unsigned blocks = unsigned((x_rows * (kp / 8) + 255) / 256);
     auto* bf16 = reinterpret_cast<__nv_bfloat16*>(a);
     if (input == GemmInput::Fp8Token) fp8_token_codes(x, x_rows, ldx, k, kp, a, a_scales, stream);
-    else if (input == GemmInput::RoundBf16) split_kernel<1><<<blocks, 256, 0, stream>>>(x, ldx, x_rows, k, kp, vector, bf16);
-    else split_kernel<2><<<blocks, 256, 0, stream>>>(x, ldx, x_rows, k, kp, vector, bf16);
+    else if (input == GemmInput::RoundBf16)
+      split_kernel<1, false><<<blocks, 256, 0, stream>>>(x, ldx, x_rows, k, kp, vector, bf16);
+    else if (decodes(input, format))
+      split_kernel<2, true><<<blocks, 256, 0, stream>>>(x, ldx, x_rows, k, kp, vector, bf16);
+    else split_kernel<2, false><<<blocks, 256, 0, stream>>>(x, ldx, x_rows, k, kp, vector, bf16);
   }
 
   // With `tiles` null, `segments` is a host pointer to the single segment, passed by value.

@@ -43,6 +43,17 @@ DS_HOST_DEVICE constexpr int a_fragment_chunk(int ks, int lane) { return 2 * ks 
 DS_HOST_DEVICE constexpr int b_fragment_row(int row0, int lane) { return row0 + (lane & 7) + ((lane >> 4) << 3); }
 DS_HOST_DEVICE constexpr int b_fragment_chunk(int ks, int lane) { return 2 * ks + ((lane >> 3) & 1); }
 
+// Packed weights (FP8, NVFP4) with bf16 X are decoded in registers (gemm.cu): in a 64-value
+// K slice, lane t of a B fragment reads the 16 consecutive values 16t..16t+15 of its W row
+// (FP8: 16 bytes; NVFP4: 8 bytes, exactly one scale group), and 16-value K step ks takes
+// values 16t + 4ks + {0..3} as its fragment's k 2t, 2t + 1, 2t + 8, 2t + 9. X's fragment k
+// must name the same W column, so the pre-pass stores each 64-value slice of X permuted:
+// position 16ks + j holds column packed_k_source(16ks + j). No value moves between lanes.
+DS_HOST_DEVICE constexpr int packed_k_source(int position) {
+  const int ks = position / 16, j = position % 16, t = (j % 8) / 2;
+  return 16 * t + 4 * ks + (j >= 8 ? 2 : 0) + j % 2;
+}
+
 // E4M3 X and weights multiply as fp16 (exact for E4M3 values), two m16n8k16 MMAs per
 // 32-byte step ("halves"): on sm_90 mma.sync has no E4M3 hardware, and ptxas's lowering of
 // the m16n8k32 E4M3 MMA (the same unpacking, MMAs from zero, fp32 adds) costs more

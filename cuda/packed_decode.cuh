@@ -1,6 +1,7 @@
-// Packed weights (cpp/src/packed_weight.h) to bf16 inside the GEMM, 16 values at a time,
-// exactly: the bf16 values equal the packed ones, so that with the per-row fp32 scale
-// applied after the K sum the product is the dequantized weight's to fp32 rounding.
+// Packed weights (cpp/src/packed_weight.h) to bf16 inside the GEMM, 4 values at a time into
+// an MMA fragment's registers, exactly: the bf16 values equal the packed ones, so that with
+// the per-row fp32 scale applied after the K sum the product is the dequantized weight's to
+// fp32 rounding.
 //   FP8: every E4M3 value is an fp16 normal and a bf16 value, so e4m3 -> f16 (one cvt per
 //        pair on sm_89+) -> bf16 is exact.
 //   NVFP4: e2m1 * e4m3 group scale has at most 2 + 4 significant bits and lies in
@@ -66,35 +67,29 @@ __device__ __forceinline__ uint32_t e4m3x2_to_bf16x2(uint16_t codes) {
   return *reinterpret_cast<const uint32_t*>(&b);
 }
 
-// 16 E4M3 codes (K order) as 16 bf16 values: two 16-byte chunks of a bf16 tile row.
-__device__ __forceinline__ void fp8x16_to_bf16(uint4 codes, uint4& first, uint4& second) {
-  const uint32_t words[4] = {codes.x, codes.y, codes.z, codes.w};
-  uint32_t out[8];
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    out[2 * i] = e4m3x2_to_bf16x2(uint16_t(words[i]));
-    out[2 * i + 1] = e4m3x2_to_bf16x2(uint16_t(words[i] >> 16));
-  }
-  first = make_uint4(out[0], out[1], out[2], out[3]);
-  second = make_uint4(out[4], out[5], out[6], out[7]);
+// Four E4M3 codes (K order, the first in the low byte) as bf16 pairs: first = values 0, 1
+// and second = values 2, 3.
+__device__ __forceinline__ void fp8x4_to_bf16(uint32_t codes, uint32_t& first, uint32_t& second) {
+  first = e4m3x2_to_bf16x2(uint16_t(codes));
+  second = e4m3x2_to_bf16x2(uint16_t(codes >> 16));
 }
 
-// One NVFP4 group, 16 E2M1 values (8 bytes, the even value in the low nibble) times their
-// E4M3 group scale, as 16 bf16 values (exact, see above).
-__device__ __forceinline__ void nvfp4x16_to_bf16(uint2 packed, uint8_t scale_code, uint4& first, uint4& second) {
-  const uint32_t scale_pair = e4m3x2_to_bf16x2(uint16_t(scale_code) * 0x0101);
+// An NVFP4 group's E4M3 scale as a bf16 pair (both halves the scale), for nvfp4x4_to_bf16.
+__device__ __forceinline__ uint32_t nvfp4_scale_pair(uint8_t scale_code) {
+  return e4m3x2_to_bf16x2(uint16_t(scale_code) * 0x0101);
+}
+
+// Four E2M1 values of one NVFP4 group (nibble i of `nibbles` is value i) times the group's
+// scale (nvfp4_scale_pair), as bf16 pairs: first = values 0, 1, second = values 2, 3
+// (exact, see above).
+__device__ __forceinline__ void nvfp4x4_to_bf16(uint32_t nibbles, uint32_t scale_pair, uint32_t& first,
+                                                uint32_t& second) {
+  e2m1x4_to_bf16(nibbles, first, second);
   const __nv_bfloat162 scale = *reinterpret_cast<const __nv_bfloat162*>(&scale_pair);
-  const uint32_t words[2] = {packed.x, packed.y};
-  uint32_t out[8];
-#pragma unroll
-  for (int i = 0; i < 4; ++i) e2m1x4_to_bf16((words[i / 2] >> (16 * (i % 2))) & 0xffff, out[2 * i], out[2 * i + 1]);
-#pragma unroll
-  for (int i = 0; i < 8; ++i) {
-    const __nv_bfloat162 product = __hmul2(*reinterpret_cast<const __nv_bfloat162*>(&out[i]), scale);
-    out[i] = *reinterpret_cast<const uint32_t*>(&product);
-  }
-  first = make_uint4(out[0], out[1], out[2], out[3]);
-  second = make_uint4(out[4], out[5], out[6], out[7]);
+  const __nv_bfloat162 a = __hmul2(*reinterpret_cast<const __nv_bfloat162*>(&first), scale);
+  const __nv_bfloat162 b = __hmul2(*reinterpret_cast<const __nv_bfloat162*>(&second), scale);
+  first = *reinterpret_cast<const uint32_t*>(&a);
+  second = *reinterpret_cast<const uint32_t*>(&b);
 }
 #endif
 
