@@ -274,7 +274,12 @@ class CudaBackend final : public Backend {
   void rms_norm(const Activation& x, const Weight* weight, int64_t group, float eps, Activation& y) override {
     auto timed = profile_.scope("rms_norm");
     cuda::rms_norm(x.data, weight ? static_cast<const float*>(weight->data) : nullptr, x.size() / group, group, eps,
-                   y.data, stream_);
+                   /*accumulate=*/false, y.data, stream_);
+  }
+  void add_rms_norm(const Activation& x, const Weight* weight, float eps, Activation& y) override {
+    auto timed = profile_.scope("add_rms_norm");
+    cuda::rms_norm(x.data, weight ? static_cast<const float*>(weight->data) : nullptr, x.rows, x.cols, eps,
+                   /*accumulate=*/true, y.data, stream_);
   }
 
   void rope(Activation& x, int64_t head_dim, const Weight& inv_freq, const std::vector<int64_t>& positions) override {
@@ -308,7 +313,8 @@ class CudaBackend final : public Backend {
     auto timed = profile_.scope("route");
     const int64_t tokens = x.rows, experts = proj.shape[0];
     Activation normed = alloc_output(tokens, x.cols), scores = alloc_output(tokens, experts);
-    cuda::rms_norm(x.data, static_cast<const float*>(scale.data), tokens, x.cols, eps, normed.data, stream_);
+    cuda::rms_norm(x.data, static_cast<const float*>(scale.data), tokens, x.cols, eps, /*accumulate=*/false,
+                   normed.data, stream_);
     gemm_dense(normed, {bf16(proj), nullptr, nullptr}, WeightFormat::Plain, experts, x.cols, cuda::GemmInput::Split,
                scores);
     Routing r;

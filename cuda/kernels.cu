@@ -70,30 +70,42 @@ __global__ void embed_kernel(const __nv_bfloat16* table, int64_t hidden, const i
   out[i] = __bfloat162float(table[int64_t(ids[i / hidden]) * hidden + i % hidden]) * scale;
 }
 
+// The write pass of both norm kernels below: this thread's elements j of a group get
+// x[j] * inv [* weight[j]], stored in y[j] or (kAccumulate) added to it. __fadd_rn keeps
+// nvcc from fusing that add with the multiply into one FMA (rounded once), so y + norm
+// rounds as a norm kernel followed by the add kernel would.
+template <bool kAccumulate>
+__device__ __forceinline__ void write_norm(const float* x, const float* weight, float inv, int64_t group,
+                                           int64_t first, int64_t stride, float* y) {
+  for_each_strided(x, group, first, stride, [&](int64_t j, float v) {
+    const float normed = v * inv * (weight ? weight[j] : 1.0f);
+    y[j] = kAccumulate ? __fadd_rn(y[j], normed) : normed;
+  });
+}
+
 // A hidden state's norm: a block per group.
+template <bool kAccumulate>
 __global__ void rms_norm_kernel(const float* x, const float* weight, int64_t group, float eps, float* y) {
   const float* xi = x + int64_t(blockIdx.x) * group;
-  float* yi = y + int64_t(blockIdx.x) * group;
   float ss = 0.0f;
   for_each_strided(xi, group, threadIdx.x, blockDim.x, [&](int64_t, float v) { ss += v * v; });
   const float inv = powf(block_sum(ss) / float(group) + eps, -0.5f);
-  for_each_strided(xi, group, threadIdx.x, blockDim.x,
-                   [&](int64_t j, float v) { yi[j] = v * inv * (weight ? weight[j] : 1.0f); });
+  write_norm<kAccumulate>(xi, weight, inv, group, threadIdx.x, blockDim.x, y + int64_t(blockIdx.x) * group);
 }
 
 // A head's norm (thousands of short groups): a warp per group, no block-wide barrier.
+template <bool kAccumulate>
 __global__ void rms_norm_warp_kernel(const float* x, const float* weight, int64_t groups, int64_t group, float eps,
                                      float* y) {
   const int64_t g = int64_t(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5);
   if (g >= groups) return;  // whole warps: blocks are whole warps
   const int lane = threadIdx.x & 31;
   const float* xi = x + g * group;
-  float* yi = y + g * group;
   float ss = 0.0f;
   for_each_strided(xi, group, lane, 32, [&](int64_t, float v) { ss += v * v; });
   for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
   const float inv = powf(ss / float(group) + eps, -0.5f);
-  for_each_strided(xi, group, lane, 32, [&](int64_t j, float v) { yi[j] = v * inv * (weight ? weight[j] : 1.0f); });
+  write_norm<kAccumulate>(xi, weight, inv, group, lane, 32, y + g * group);
 }
 
 __global__ void rope_kernel(float* x, int64_t rows, int64_t heads, int64_t head_dim, const float* inv_freq,
@@ -333,15 +345,16 @@ void embed(const __nv_bfloat16* table, int64_t hidden, const int32_t* ids, int64
   if (n) embed_kernel<<<blocks_for(n * hidden), kThreads, 0, stream>>>(table, hidden, ids, n, scale, out);
 }
 
-void rms_norm(const float* x, const float* weight, int64_t groups, int64_t group, float eps, float* y,
+void rms_norm(const float* x, const float* weight, int64_t groups, int64_t group, float eps, bool accumulate, float* y,
               cudaStream_t stream) {
   if (!groups) return;
   if (group >= 1024) {
-    rms_norm_kernel<<<unsigned(groups), kThreads, 0, stream>>>(x, weight, group, eps, y);
+    const auto kernel = accumulate ? rms_norm_kernel<true> : rms_norm_kernel<false>;
+    kernel<<<unsigned(groups), kThreads, 0, stream>>>(x, weight, group, eps, y);
   } else {
     constexpr int kWarps = kThreads / 32;
-    rms_norm_warp_kernel<<<unsigned((groups + kWarps - 1) / kWarps), kThreads, 0, stream>>>(x, weight, groups, group,
-                                                                                           eps, y);
+    const auto kernel = accumulate ? rms_norm_warp_kernel<true> : rms_norm_warp_kernel<false>;
+    kernel<<<unsigned((groups + kWarps - 1) / kWarps), kThreads, 0, stream>>>(x, weight, groups, group, eps, y);
   }
 }
 

@@ -169,7 +169,8 @@ void attention_mma(const float* q, float* out, const AttentionPlan& plan, const 
 // ---- elementwise, rows, sampling (kernels.cu) -------------------------------------
 void embed(const __nv_bfloat16* table, int64_t hidden, const int32_t* ids, int64_t n, float scale, float* out,
            cudaStream_t stream);
-void rms_norm(const float* x, const float* weight, int64_t groups, int64_t group, float eps, float* y,
+// Per group: y = x * (mean(x^2) + eps)^-0.5 [* weight], or y += that when accumulating.
+void rms_norm(const float* x, const float* weight, int64_t groups, int64_t group, float eps, bool accumulate, float* y,
               cudaStream_t stream);
 void rope(float* x, int64_t rows, int64_t heads, int64_t head_dim, const float* inv_freq, const int64_t* positions,
           cudaStream_t stream);

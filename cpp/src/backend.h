@@ -164,6 +164,10 @@ class Backend {
   // Per `group`-wide slice of each row: y = x * (mean(x^2) + eps)^-0.5 [* weight]
   // (weight: fp32 [group], or null for an unscaled norm). x and y may alias.
   virtual void rms_norm(const Activation& x, const Weight* weight, int64_t group, float eps, Activation& y) = 0;
+  // y = y + rms_norm(x) with whole rows as the groups (group = x.cols); x and y have the
+  // same shape. The residual add fused into the norm: bitwise the same as rms_norm into a
+  // scratch matrix, then add(y, scratch, y), with one pass (one launch) fewer.
+  virtual void add_rms_norm(const Activation& x, const Weight* weight, float eps, Activation& y) = 0;
   // In place on x viewed as [rows, heads, head_dim]: rotate_half RoPE at `positions`
   // (inv_freq: fp32 [head_dim / 2]).
   virtual void rope(Activation& x, int64_t head_dim, const Weight& inv_freq, const std::vector<int64_t>& positions) = 0;

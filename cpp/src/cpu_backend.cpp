@@ -202,18 +202,10 @@ class CpuBackend final : public Backend {
   }
 
   void rms_norm(const Activation& x, const Weight* weight, int64_t group, float eps, Activation& y) override {
-    const float* w = weight ? static_cast<const float*>(weight->data) : nullptr;
-    const int64_t groups = x.size() / group;
-    pool_->parallel_for(groups, 64, [&](int64_t b, int64_t e) {
-      for (int64_t g = b; g < e; ++g) {
-        const float* xi = x.data + g * group;
-        float* yi = y.data + g * group;
-        double ss = 0;
-        for (int64_t j = 0; j < group; ++j) ss += double(xi[j]) * xi[j];
-        const float inv = std::pow(float(ss / group) + eps, -0.5f);
-        for (int64_t j = 0; j < group; ++j) yi[j] = xi[j] * inv * (w ? w[j] : 1.0f);
-      }
-    });
+    norm_groups(x, weight, group, eps, /*accumulate=*/false, y);
+  }
+  void add_rms_norm(const Activation& x, const Weight* weight, float eps, Activation& y) override {
+    norm_groups(x, weight, x.cols, eps, /*accumulate=*/true, y);
   }
 
   void rope(Activation& x, int64_t head_dim, const Weight& inv_freq_weight, const std::vector<int64_t>& positions) override {
@@ -433,6 +425,27 @@ class CpuBackend final : public Backend {
   }
 
  private:
+  // rms_norm and add_rms_norm: per group of x, the normed value x * (mean(x^2) + eps)^-0.5
+  // [* weight] is stored in y, or (accumulate) added to y's value.
+  void norm_groups(const Activation& x, const Weight* weight, int64_t group, float eps, bool accumulate,
+                   Activation& y) {
+    const float* w = weight ? static_cast<const float*>(weight->data) : nullptr;
+    const int64_t groups = x.size() / group;
+    pool_->parallel_for(groups, 64, [&](int64_t b, int64_t e) {
+      for (int64_t g = b; g < e; ++g) {
+        const float* xi = x.data + g * group;
+        float* yi = y.data + g * group;
+        double ss = 0;
+        for (int64_t j = 0; j < group; ++j) ss += double(xi[j]) * xi[j];
+        const float inv = std::pow(float(ss / group) + eps, -0.5f);
+        for (int64_t j = 0; j < group; ++j) {
+          const float normed = xi[j] * inv * (w ? w[j] : 1.0f);
+          yi[j] = accumulate ? yi[j] + normed : normed;
+        }
+      }
+    });
+  }
+
   std::shared_ptr<ThreadPool> pool_;
 };
 

@@ -474,11 +474,10 @@ void feed_forward(ModelState& m, int li, Activation& h, int64_t encoder_rows) {
   routing.encoder_tokens = encoder_rows;
   be.rms_norm(h, &W.pre_feedforward_layernorm_2, H, eps, x);
   be.experts(x, routing, W.experts_gate_up, W.experts_down, moe);
-  be.rms_norm(moe, &W.post_feedforward_layernorm_2, H, eps, moe);
 
-  be.add(dense, moe, x);
-  be.rms_norm(x, &W.post_feedforward_layernorm, H, eps, x);
-  be.add(h, x, h);
+  // The two branches' sum, then its norm added to the residual.
+  be.add_rms_norm(moe, &W.post_feedforward_layernorm_2, eps, dense);
+  be.add_rms_norm(dense, &W.post_feedforward_layernorm, eps, h);
 }
 
 // A segment's place in the batch's rows and in its sequence.
@@ -545,8 +544,7 @@ void layer_forward(ModelState& m, KvCache& kv, int li, Activation& h, const std:
   be.attention(q, segments, c.num_heads, L.num_kv_heads, L.head_dim, attn);
 
   linear(be, attn, W.o_proj, rows_x, rows_encoder);
-  be.rms_norm(rows_x, &W.post_attention_layernorm, H, c.rms_norm_eps, rows_x);
-  be.add(rows_h, rows_x, rows_h);
+  be.add_rms_norm(rows_x, &W.post_attention_layernorm, c.rms_norm_eps, rows_h);
   feed_forward(m, li, rows_h, rows_encoder);
   for (const Placed& p : placed) {
     if (p.first_row < first) continue;
