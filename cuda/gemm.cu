@@ -40,6 +40,7 @@
 //       tensor-core time.
 //   64 x 128, 4 warps of 32 x 64: a few hundred rows, where 128 x 256 tiles would leave
 //       most multiprocessors idle (batch 1's 256 rows); two blocks fit per multiprocessor.
+//       With decoded packed weights the warps are 64 x 32, side by side (MediumDecoded).
 //   16 x 128, 4 warps of 16 x 32: the MoE at small batch, a dozen rows per expert, where
 //       the kernel's job is streaming weights at memory bandwidth: four stages and two
 //       blocks per multiprocessor keep ~100 KB of weights in flight on each.
@@ -179,6 +180,9 @@ struct Shape {
 using Small = Shape<16, 128, 1, 4, 4, 6, 2>;    // 80 / 72 / 52 KB; 108 KB
 using Medium = Shape<64, 128, 2, 2, 3, 3, 2>;   // 96 / 72 / 62 KB; 72 KB
 using Large = Shape<128, 256, 2, 4, 3, 3, 1>;   // 192 / 144 / 123 KB; 144 KB
+// Medium for decoded packed weights: warps side by side (64 x 32 each), as each warp decodes
+// the W columns it multiplies and two warps over the same columns would decode them twice.
+using MediumDecoded = Shape<64, 128, 1, 4, 3, 3, 2>;  // 72 / 62 KB
 
 template <class S, GemmInput kInput, WeightFormat kFormat>
 __global__ void __launch_bounds__(S::kThreads, S::kBlocks) gemm_kernel(const Params p) {
@@ -521,14 +525,15 @@ void launch(const Params& p, dim3 grid, cudaStream_t stream) {
 }
 
 // RoundBf16 (linear_nt's soft embedding) only ever multiplies plain weights, Fp8Token FP8 ones.
-template <class S>
+template <class S, class SDecoded = S>
 void launch_shape(const Params& p, GemmInput input, WeightFormat format, int64_t num_tiles, int splits,
                   cudaStream_t stream) {
+  static_assert(S::kBN == SDecoded::kBN && S::kBM == SDecoded::kBM, "one tile, two warp layouts");
   const dim3 grid{unsigned((p.n + S::kBN - 1) / S::kBN), unsigned(num_tiles), unsigned(splits)};
   if (input == GemmInput::RoundBf16) launch<S, GemmInput::RoundBf16, WeightFormat::Plain>(p, grid, stream);
   else if (input == GemmInput::Fp8Token) launch<S, GemmInput::Fp8Token, WeightFormat::Fp8>(p, grid, stream);
-  else if (format == WeightFormat::Fp8) launch<S, GemmInput::Split, WeightFormat::Fp8>(p, grid, stream);
-  else if (format == WeightFormat::Nvfp4) launch<S, GemmInput::Split, WeightFormat::Nvfp4>(p, grid, stream);
+  else if (format == WeightFormat::Fp8) launch<SDecoded, GemmInput::Split, WeightFormat::Fp8>(p, grid, stream);
+  else if (format == WeightFormat::Nvfp4) launch<SDecoded, GemmInput::Split, WeightFormat::Nvfp4>(p, grid, stream);
   else launch<S, GemmInput::Split, WeightFormat::Plain>(p, grid, stream);
 }
 
@@ -638,7 +643,7 @@ void gemm(const float* x, int64_t x_rows, int64_t ldx, const int64_t* row_map, c
   p.y_copy_stride = copy_stride;
   if (tile_rows == 16) launch_shape<Small>(p, input, format, num_tiles, splits, stream);
   else if (tile_rows == 128) launch_shape<Large>(p, input, format, num_tiles, splits, stream);
-  else launch_shape<Medium>(p, input, format, num_tiles, splits, stream);
+  else launch_shape<Medium, MediumDecoded>(p, input, format, num_tiles, splits, stream);
   if (splits > 1)
     sum_copies_kernel<<<unsigned((copy_stride + 255) / 256), 256, 0, stream>>>(out, splits, copy_stride, y);
 }
