@@ -249,6 +249,31 @@ class CudaBackend final : public Backend {
     gemm_dense(x, stack.expert(std::max(expert, 0)), w.format, stack.n, stack.k, cuda::GemmInput::Split, y);
   }
 
+  // One launch over the weights as segments of one product, each on all of x's rows (the
+  // GEMM's segments need 16-byte aligned matrices, as allocations give them).
+  void linears(const Activation& x, const std::vector<const Weight*>& ws, Activation& y) override {
+    for (const Weight* w : ws)
+      if (reinterpret_cast<uintptr_t>(w->data) % 16) return Backend::linears(x, ws, y);
+    auto timed = profile_.scope("linear");
+    const cuda::ExpertStack first = matrices(*ws.front());
+    const int tile = cuda::gemm_tile_rows(x.rows, int64_t(ws.size()), first.n);
+    std::vector<cuda::GemmSegment> segments(ws.size());
+    std::vector<cuda::GemmTile> tiles;
+    for (size_t i = 0; i < ws.size(); ++i) {
+      const Weight& w = *ws[i];
+      if (w.shape != ws.front()->shape || w.format != ws.front()->format || w.dtype != ws.front()->dtype)
+        throw InvalidArgument("linears: the weights differ in shape, format or dtype");
+      segments[i].x_row = 0;
+      segments[i].y_row = int64_t(i) * x.rows;
+      segments[i].rows = int(x.rows);
+      segments[i].w = matrices(w).expert(0);
+      for (int64_t m0 = 0; m0 < x.rows; m0 += tile) tiles.push_back({int(i), int(m0)});
+    }
+    auto scratch = pool_->get(cuda::gemm_scratch_bytes(x.rows, first.k, cuda::GemmInput::Split));
+    cuda::gemm(x.data, x.rows, x.cols, nullptr, upload_table(segments), upload_table(tiles), int(tiles.size()), tile,
+               ws.front()->format, first.n, first.k, cuda::GemmInput::Split, y.data, y.cols, scratch.get(), stream_);
+  }
+
   void quantized_linear(const Activation& x, const Weight& w, Activation& y, int64_t encoder_rows) override {
     if (gemm_input(w) != cuda::GemmInput::Fp8Token) return Backend::quantized_linear(x, w, y, encoder_rows);
     auto timed = profile_.scope("linear");

@@ -71,16 +71,32 @@ __global__ void embed_kernel(const __nv_bfloat16* table, int64_t hidden, const i
 }
 
 // The write pass of both norm kernels below: this thread's elements j of a group get
-// x[j] * inv [* weight[j]], stored in y[j] or (kAccumulate) added to it. __fadd_rn keeps
-// nvcc from fusing that add with the multiply into one FMA (rounded once), so y + norm
-// rounds as a norm kernel followed by the add kernel would.
+// x[j] * inv [* weight[j]], stored in y[j] or (kAccumulate) added to it. x, the weights and
+// y are all loaded kUnroll at a time before any is used (as for_each_strided does). x may
+// be y: each element is read and written by one thread, loads first. __fadd_rn keeps nvcc
+// from fusing the add with the multiply into one FMA (rounded once), so y + norm rounds as
+// a norm kernel followed by the add kernel would.
 template <bool kAccumulate>
 __device__ __forceinline__ void write_norm(const float* x, const float* weight, float inv, int64_t group,
                                            int64_t first, int64_t stride, float* y) {
-  for_each_strided(x, group, first, stride, [&](int64_t j, float v) {
-    const float normed = v * inv * (weight ? weight[j] : 1.0f);
-    y[j] = kAccumulate ? __fadd_rn(y[j], normed) : normed;
-  });
+  for (int64_t base = first; base < group; base += kUnroll * stride) {
+    float v[kUnroll], w[kUnroll], old[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int64_t j = base + u * stride;
+      const bool inside = j < group;
+      v[u] = inside ? x[j] : 0.0f;
+      w[u] = inside && weight ? weight[j] : 1.0f;
+      if (kAccumulate) old[u] = inside ? y[j] : 0.0f;
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int64_t j = base + u * stride;
+      if (j >= group) continue;
+      const float normed = v[u] * inv * w[u];
+      y[j] = kAccumulate ? __fadd_rn(old[u], normed) : normed;
+    }
+  }
 }
 
 // A hidden state's norm: a block per group.

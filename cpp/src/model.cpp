@@ -434,15 +434,26 @@ void linear(Backend& be, const Activation& x, const Weight& w, Activation& y, in
 }
 
 // K and V of `x` for one layer: k_norm + RoPE on K; V is v_proj(x) (or, on full-attention
-// layers, the raw k_proj output) through an unscaled norm.
+// layers, the raw k_proj output) through an unscaled norm. Both come as rows of one matrix,
+// [K; V], and where neither linear quantizes its input they are one product: on the GPU a
+// K or V projection alone fills half of it at batch 1.
 void project_kv(ModelState& m, int li, const Activation& x, int64_t encoder_rows,
                 const std::vector<int64_t>& positions, Activation& k, Activation& v) {
   Backend& be = *m.backend;
   const LayerConfig& L = m.config.layers[li];
   const LayerWeights& W = m.weights.layers[li];
-  linear(be, x, W.k_proj, k, encoder_rows);
-  if (L.has_v_proj) linear(be, x, W.v_proj, v, encoder_rows);
-  else be.copy_rows(k, 0, v, 0, k.rows);
+  const int64_t n = x.rows;
+  Activation kv = be.alloc_output(2 * n, int64_t(L.num_kv_heads) * L.head_dim);
+  k = kv.view(0, n), v = kv.view(n, n);
+  const auto plain_input = [](const Weight& w) { return w.input_quant.scheme == ActivationScheme::None; };
+  if (L.has_v_proj && plain_input(W.k_proj) && plain_input(W.v_proj) && W.k_proj.format == W.v_proj.format &&
+      W.k_proj.dtype == W.v_proj.dtype) {
+    be.linears(x, {&W.k_proj, &W.v_proj}, kv);
+  } else {
+    linear(be, x, W.k_proj, k, encoder_rows);
+    if (L.has_v_proj) linear(be, x, W.v_proj, v, encoder_rows);
+    else be.copy_rows(k, 0, v, 0, k.rows);
+  }
   be.rms_norm(k, &W.k_norm, L.head_dim, m.config.rms_norm_eps, k);
   be.rope(k, L.head_dim, W.rope_inv_freq, positions);
   be.rms_norm(v, nullptr, L.head_dim, m.config.rms_norm_eps, v);
@@ -498,13 +509,13 @@ void layer_forward(ModelState& m, KvCache& kv, int li, Activation& h, const std:
   const ModelConfig& c = m.config;
   const LayerConfig& L = c.layers[li];
   const LayerWeights& W = m.weights.layers[li];
-  const int64_t n = h.rows, H = h.cols, kv_cols = int64_t(L.num_kv_heads) * L.head_dim;
+  const int64_t n = h.rows, H = h.cols;
   const int64_t q_cols = int64_t(c.num_heads) * L.head_dim;
   const int64_t window = L.sliding ? c.sliding_window : 0;
 
   Activation x = be.alloc_output(n, H);
   be.rms_norm(h, &W.input_layernorm, H, c.rms_norm_eps, x);
-  Activation k = be.alloc_output(n, kv_cols), v = be.alloc_output(n, kv_cols);
+  Activation k, v;
   project_kv(m, li, x, encoder_rows, positions, k, v);
   // Encoder rows come first in the batch: rows [0, encoder_rows) go to their cache slots.
   if (encoder_rows) {
