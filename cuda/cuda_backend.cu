@@ -371,21 +371,36 @@ class CudaBackend final : public Backend {
                    static_cast<cuda::GemmSegment*>(up_segments.get()),
                    static_cast<cuda::GemmSegment*>(down_segments.get()), device_tiles, max_tiles, stream_);
     Activation gu = alloc_output(pairs, inter2), act = alloc_output(pairs, inter2 / 2), y = alloc_output(pairs, hidden);
-    // FP8 per token (quantizes_expert_inputs): the scales are per token, so the token rows
-    // are quantized once for all experts, by the GEMM itself or beforehand on a copy.
+    // Quantized inputs. FP8 per token: the scales are per token, so the token rows are
+    // quantized once for all experts, by the GEMM itself or beforehand on a copy. NVFP4:
+    // each expert has its own global scales, so each (token, expert) pair gets a row of its
+    // own, in the plan's order (the GEMM then gathers nothing).
     const cuda::GemmInput up_input = gemm_input(gate_up), down_input = gemm_input(down);
+    const auto* plan_rows = static_cast<const int64_t*>(row_map.get());
+    const auto* plan_segments = static_cast<const cuda::GemmSegment*>(up_segments.get());
+    auto quantize_nvfp4_rows = [&](const Activation& in, bool gather, const ActivationQuant& quant, Activation& to) {
+      cuda::quantize_nvfp4_expert_rows(in.data, gather, plan_rows, plan_segments, int(num_experts), to.rows, to.cols,
+                                       routing.encoder_tokens, upload_table(quant.encoder_global_scale),
+                                       upload_table(quant.decoder_global_scale), to.data, stream_);
+    };
     Activation input = x;
-    if (gate_up.input_quant.scheme != ActivationScheme::None && up_input != cuda::GemmInput::Fp8Token) {
+    const int64_t* up_rows = plan_rows;
+    if (gate_up.input_quant.scheme == ActivationScheme::Nvfp4) {
+      input = alloc_output(pairs, hidden);
+      quantize_nvfp4_rows(x, true, gate_up.input_quant, input);
+      up_rows = nullptr;
+    } else if (gate_up.input_quant.scheme != ActivationScheme::None && up_input != cuda::GemmInput::Fp8Token) {
       input = alloc_output(x.rows, x.cols);
       copy_rows(x, 0, input, 0, x.rows);
       quantize_input(input, gate_up.input_quant, routing.encoder_tokens, -1);
     }
-    auto up_scratch = pool_->get(cuda::gemm_scratch_bytes(x.rows, hidden, up_input));
-    cuda::gemm(input.data, input.rows, input.cols, static_cast<const int64_t*>(row_map.get()),
+    auto up_scratch = pool_->get(cuda::gemm_scratch_bytes(input.rows, hidden, up_input));
+    cuda::gemm(input.data, input.rows, input.cols, up_rows,
                static_cast<const cuda::GemmSegment*>(up_segments.get()), device_tiles, max_tiles, tile_rows,
                gate_up.format, inter2, hidden, up_input, gu.data, gu.cols, up_scratch.get(), stream_);
     cuda::gelu_glu(gu.data, pairs, inter2 / 2, act.data, stream_);
-    if (down.input_quant.scheme != ActivationScheme::None && down_input != cuda::GemmInput::Fp8Token)
+    if (down.input_quant.scheme == ActivationScheme::Nvfp4) quantize_nvfp4_rows(act, false, down.input_quant, act);
+    else if (down.input_quant.scheme != ActivationScheme::None && down_input != cuda::GemmInput::Fp8Token)
       quantize_input(act, down.input_quant, 0, -1);
     auto down_scratch = pool_->get(cuda::gemm_scratch_bytes(pairs, inter2 / 2, down_input));
     cuda::gemm(act.data, pairs, act.cols, nullptr, static_cast<const cuda::GemmSegment*>(down_segments.get()),
@@ -411,11 +426,6 @@ class CudaBackend final : public Backend {
     auto timed = profile_.scope("softmax");
     cuda::softmax_rows(x.data, x.rows, x.cols, stream_);
   }
-
-  // FP8's per-token scales do not depend on the expert, so `experts` quantizes its token
-  // rows once for all experts; NVFP4's per-expert global scales would need a copy of each
-  // token per expert, which it does not make yet.
-  bool quantizes_expert_inputs(ActivationScheme scheme) const override { return scheme != ActivationScheme::Nvfp4; }
 
   void quantize_input(Activation& x, const ActivationQuant& quant, int64_t encoder_rows, int expert) override {
     auto timed = profile_.scope("quantize_input");

@@ -354,6 +354,29 @@ __global__ void quantize_nvfp4_groups_kernel(float* x, int64_t rows, int64_t col
                             row < encoder_rows ? encoder_global : decoder_global);
 }
 
+// A thread per 16-value group of an expert-ordered row (quantize_nvfp4_expert_rows). The
+// row's expert: the last segment starting at or before it (segments start in expert order
+// and an empty one starts where the next begins, so the last is the one holding the row).
+__global__ void quantize_nvfp4_expert_rows_kernel(const float* x, bool gather, const int64_t* row_map,
+                                                  const GemmSegment* segments, int experts, int64_t rows,
+                                                  int64_t cols, int64_t encoder_tokens, const float* encoder_global,
+                                                  const float* decoder_global, float* out) {
+  const int64_t groups = cols / kNvfp4Group, i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= rows * groups) return;
+  const int64_t row = i / groups, column = (i % groups) * kNvfp4Group, token = row_map[row];
+  int lo = 0, hi = experts - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (segments[mid].x_row <= row) lo = mid;
+    else hi = mid - 1;
+  }
+  float v[kNvfp4Group];
+  const float* src = x + (gather ? token : row) * cols + column;
+  for (int j = 0; j < kNvfp4Group; ++j) v[j] = src[j];
+  fake_quantize_nvfp4_group(v, token < encoder_tokens ? encoder_global[lo] : decoder_global[lo]);
+  for (int j = 0; j < kNvfp4Group; ++j) out[row * cols + column + j] = v[j];
+}
+
 }  // namespace
 
 void embed(const __nv_bfloat16* table, int64_t hidden, const int32_t* ids, int64_t n, float scale, float* out,
@@ -431,6 +454,15 @@ void combine_experts(const float* y, const int64_t* inverse, const float* weight
   if (tokens)
     combine_experts_kernel<<<blocks_for(tokens * hidden), kThreads, 0, stream>>>(y, inverse, weights, tokens, top_k,
                                                                                  hidden, out);
+}
+
+void quantize_nvfp4_expert_rows(const float* x, bool gather, const int64_t* row_map, const GemmSegment* segments,
+                                int experts, int64_t rows, int64_t cols, int64_t encoder_tokens,
+                                const float* encoder_global, const float* decoder_global, float* out,
+                                cudaStream_t stream) {
+  if (rows && cols >= kNvfp4Group)
+    quantize_nvfp4_expert_rows_kernel<<<blocks_for(rows * (cols / kNvfp4Group)), kThreads, 0, stream>>>(
+        x, gather, row_map, segments, experts, rows, cols, encoder_tokens, encoder_global, decoder_global, out);
 }
 
 void random_bf16(__nv_bfloat16* out, int64_t n, uint64_t seed, float scale, cudaStream_t stream) {

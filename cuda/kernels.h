@@ -198,6 +198,17 @@ void combine_experts(const float* y, const int64_t* inverse, const float* weight
 void quantize_input(float* x, int64_t rows, int64_t cols, ActivationScheme scheme, int64_t encoder_rows,
                     float encoder_global, float decoder_global, cudaStream_t stream);
 
+// NVFP4 inputs of an MoE layer's experts: expert-ordered row i (moe_plan's layout; its
+// expert is the segment holding it) quantized and dequantized under its expert's global
+// scale, encoder_global[e] or decoder_global[e] as its token (row_map[i]) is below
+// encoder_tokens or not. `gather`: row i comes from x row row_map[i] (the gate/up input,
+// token rows); else from x row i (the down input, already one row per pair). Into out
+// [rows, cols]; x == out in place without gather.
+void quantize_nvfp4_expert_rows(const float* x, bool gather, const int64_t* row_map, const GemmSegment* segments,
+                                int experts, int64_t rows, int64_t cols, int64_t encoder_tokens,
+                                const float* encoder_global, const float* decoder_global, float* out,
+                                cudaStream_t stream);
+
 // Fills n bf16 values with random_weight_value (backend.h's dummy weights).
 void random_bf16(__nv_bfloat16* out, int64_t n, uint64_t seed, float scale, cudaStream_t stream);
 

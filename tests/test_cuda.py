@@ -98,8 +98,9 @@ def test_generate_agrees_with_cpu_and_is_batch_invariant(path):
 # as it reads them), so weight-only quantization agrees as bf16 weights do. With FP8
 # inputs too, both quantize each token row by the same rule (activation_quant.h), and the
 # GPU multiplies the E4M3 codes exactly: LLM Compressor's FP8_DYNAMIC fixture agreed to 3e-6
-# of the logit range on the H200, so it is held to the bf16 tolerance as well.
-def run_blocks(cpu, gpu, vocab, canvas_length, label):
+# of the logit range on the H200, so it is held to the bf16 tolerance as well. `later_tol`
+# (rel_tol, min_agreement) holds every pass after the first, where it differs.
+def run_blocks(cpu, gpu, vocab, canvas_length, label, later_tol=(REL_TOL, MIN_AGREEMENT)):
     rng = np.random.default_rng(0)
     prompt = rng.integers(0, vocab, 37)
     for s in (cpu, gpu):
@@ -107,22 +108,32 @@ def run_blocks(cpu, gpu, vocab, canvas_length, label):
     for block in range(2):
         canvas = rng.integers(0, vocab, canvas_length)
         a, b = cpu.denoise(canvas), gpu.denoise(canvas)
-        compare(a, b, f"{label} block {block}, first step")
-        compare(cpu.denoise(canvas, a / 0.7), gpu.denoise(canvas, a / 0.7), f"{label} block {block}, self-conditioned")
+        compare(a, b, f"{label} block {block}, first step", *(later_tol if block else (REL_TOL, MIN_AGREEMENT)))
+        compare(cpu.denoise(canvas, a / 0.7), gpu.denoise(canvas, a / 0.7), f"{label} block {block}, self-conditioned",
+                *later_tol)
         for s in (cpu, gpu):
             s.commit(canvas)
 
 
-@pytest.mark.parametrize("scheme", ["FP8_DYNAMIC", "NVFP4A16"])
+@pytest.mark.parametrize("scheme", ["FP8_DYNAMIC", "NVFP4A16", "NVFP4"])
 def test_quantized_checkpoint_matches_cpu(scheme):
-    """LLM Compressor's FP8 (per-channel weights, FP8 tokens) and weight-only NVFP4 fixtures:
-    the GPU keeps the linears and experts packed. (The W4A4 NVFP4 fixture quantizes the
-    experts' inputs per expert, which the CUDA backend refuses at load.)"""
+    """LLM Compressor's FP8 (per-channel weights, FP8 tokens), weight-only NVFP4 and W4A4
+    NVFP4 fixtures: the GPU keeps the linears and experts packed, and W4A4 quantizes each
+    (token, expert) pair's input under its expert's calibrated scales.
+
+    W4A4's first pass agreed to 4e-6 of the logit range on the H200 (2026-11-30), its
+    experts included. Later passes round a few more values to the other E2M1 level (one
+    mantissa bit, so a flip moves a value by up to a third): the self-conditioned step's
+    probabilities come from the device's fast exp and are cast to bf16, so a few round the
+    other way, and the self-conditioning MLP quantizes its input to 4 bits; there the first
+    self-conditioned step was off by 3.6e-2 of the range with every argmax equal. Those
+    passes are held to 0.1 of the range and 95% argmax agreement."""
     import os
     path = os.path.join(os.path.dirname(__file__), "fixtures", "quantized", scheme)
     cpu = ds.Model.load(path, dtype="bfloat16")
     gpu = ds.Model.load(path, device="cuda")
-    run_blocks(cpu.sequence(), gpu.sequence(), cpu.vocab_size, cpu.canvas_length, scheme)
+    later_tol = (0.1, 0.95) if scheme == "NVFP4" else (REL_TOL, MIN_AGREEMENT)
+    run_blocks(cpu.sequence(), gpu.sequence(), cpu.vocab_size, cpu.canvas_length, scheme, later_tol)
 
 
 @pytest.mark.parametrize("quantization", ["fp8", "fp8-dynamic", "nvfp4"])

@@ -123,8 +123,6 @@ class Backend {
   virtual Activation alloc_output(int64_t rows, int64_t cols) { return alloc(rows, cols); }
   // Bytes the KV cache may take by default, asked once the weights are loaded.
   virtual int64_t default_kv_cache_bytes() = 0;
-  // Whether `experts` can quantize its inputs with `scheme` (every backend can do None).
-  virtual bool quantizes_expert_inputs(ActivationScheme) const { return true; }
   // Whether upload_packed takes `w` as it is (format and group size): its linear and
   // experts then dequantize inside the product. Otherwise model.cpp dequantizes at load.
   virtual bool keeps_packed(const PackedWeight&) const { return false; }
