@@ -14,7 +14,7 @@
 //   nvcc -std=c++20 -arch=sm_90a -O3 -I cpp/src -I cpp/include -I cuda benchmarks/gemm_bench.cu \
 //       cuda/gemm.cu cuda/kernels.cu cpp/src/packed_weight.cpp cpp/src/dtype.cpp -o /tmp/gemm_bench && /tmp/gemm_bench
 // (--check: the checks alone; --host: the host checks alone, on a machine without a GPU;
-// --moe: the MoE timings alone).
+// --moe, --dense: the MoE timings, the dense ones at 256 rows, alone).
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -650,6 +650,16 @@ int main(int argc, char** argv) {
                                                       {WeightFormat::Fp8, GemmInput::Split},
                                                       {WeightFormat::Fp8, GemmInput::Fp8Token},
                                                       {WeightFormat::Nvfp4, GemmInput::Split}};
+  if (mode == "--dense") {  // the dense timings at batch 1's 256 rows alone
+    for (const auto& [f, input] : kinds) {
+      bench("q_proj 2816->4096", 256, 4096, 2816, 0, 0, false, f, input);
+      bench("o_proj 4096->2816", 256, 2816, 4096, 0, 0, false, f, input);
+      bench("kv_proj 2816->2048", 256, 2048, 2816, 0, 0, false, f, input);
+      bench("mlp gate_up 2816->4224", 256, 4224, 2816, 0, 0, false, f, input);
+      bench("mlp down 2112->2816", 256, 2816, 2112, 0, 0, false, f, input);
+    }
+    return failures ? 1 : 0;
+  }
   if (mode != "--moe") {  // --moe: the MoE timings alone
     correctness();
     // Spot checks of the big shapes (sampled elements) with each tile shape.
