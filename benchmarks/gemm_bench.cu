@@ -650,14 +650,23 @@ int main(int argc, char** argv) {
                                                       {WeightFormat::Fp8, GemmInput::Split},
                                                       {WeightFormat::Fp8, GemmInput::Fp8Token},
                                                       {WeightFormat::Nvfp4, GemmInput::Split}};
-  if (mode == "--dense") {  // the dense timings at batch 1's 256 rows alone
+  // The dense layers' products at m rows, each kind of weights and X.
+  auto time_dense = [&](int64_t m) {
+    std::printf("-- dense, %ld rows\n", long(m));
     for (const auto& [f, input] : kinds) {
-      bench("q_proj 2816->4096", 256, 4096, 2816, 0, 0, false, f, input);
-      bench("o_proj 4096->2816", 256, 2816, 4096, 0, 0, false, f, input);
-      bench("kv_proj 2816->2048", 256, 2048, 2816, 0, 0, false, f, input);
-      bench("mlp gate_up 2816->4224", 256, 4224, 2816, 0, 0, false, f, input);
-      bench("mlp down 2112->2816", 256, 2816, 2112, 0, 0, false, f, input);
+      bench("q_proj 2816->4096", m, 4096, 2816, 0, 0, false, f, input);
+      bench("q_proj 2816->8192", m, 8192, 2816, 0, 0, false, f, input);
+      bench("o_proj 4096->2816", m, 2816, 4096, 0, 0, false, f, input);
+      bench("kv_proj 2816->2048", m, 2048, 2816, 0, 0, false, f, input);
+      bench("mlp gate_up 2816->4224", m, 4224, 2816, 0, 0, false, f, input);
+      bench("mlp down 2112->2816", m, 2816, 2112, 0, 0, false, f, input);
     }
+    bench("lm_head 2816->262144", m, 262144, 2816, 0, 0, false);  // the tied embedding: never packed
+    bench("soft embedding 262144->2816 (round)", m, 2816, 262144, 0, 0, false, WeightFormat::Plain,
+          GemmInput::RoundBf16);
+  };
+  if (mode == "--dense") {  // the dense timings at batch 1's 256 rows alone
+    time_dense(256);
     return failures ? 1 : 0;
   }
   if (mode != "--moe") {  // --moe: the MoE timings alone
@@ -678,20 +687,7 @@ int main(int argc, char** argv) {
     std::printf("%s\n", failures ? "CORRECTNESS FAILURES" : "all correctness checks passed");
     if (mode == "--check") return failures ? 1 : 0;
 
-    for (int64_t m : {256, 4096}) {
-      std::printf("-- dense, %ld rows\n", long(m));
-      for (const auto& [f, input] : kinds) {
-        bench("q_proj 2816->4096", m, 4096, 2816, 0, 0, false, f, input);
-        bench("q_proj 2816->8192", m, 8192, 2816, 0, 0, false, f, input);
-        bench("o_proj 4096->2816", m, 2816, 4096, 0, 0, false, f, input);
-        bench("kv_proj 2816->2048", m, 2048, 2816, 0, 0, false, f, input);
-        bench("mlp gate_up 2816->4224", m, 4224, 2816, 0, 0, false, f, input);
-        bench("mlp down 2112->2816", m, 2816, 2112, 0, 0, false, f, input);
-      }
-      bench("lm_head 2816->262144", m, 262144, 2816, 0, 0, false);  // the tied embedding: never packed
-      bench("soft embedding 262144->2816 (round)", m, 2816, 262144, 0, 0, false, WeightFormat::Plain,
-            GemmInput::RoundBf16);
-    }
+    for (int64_t m : {256, 4096}) time_dense(m);
   }
   for (int64_t tokens : {256, 4096}) {
     std::printf("-- MoE, %ld tokens, 128 experts top 8 (~%ld rows per expert)\n", long(tokens), long(tokens / 16));
