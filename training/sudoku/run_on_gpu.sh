@@ -5,7 +5,9 @@
 # its final evaluation before DEADLINE seconds after this script starts (default 560: the
 # device's per-call limit is 600). $OUT gets run<g>.tar.* (each run's best checkpoint and
 # log, in parts under the 16 MB a returned file may have) and logs.tar (every run's output).
-# Usage: [DEADLINE=s] bash training/sudoku/run_on_gpu.sh [train.py options]
+# RUN<g>_ARGS (e.g. RUN1_ARGS="--layers 12") adds options for run g alone, so one call can
+# compare two recipes.
+# Usage: [DEADLINE=s] [RUN<g>_ARGS=...] bash training/sudoku/run_on_gpu.sh [train.py options]
 set -uo pipefail
 start=$(date +%s)
 cd "$(dirname "$0")/../.."
@@ -26,8 +28,10 @@ gpus=$(python3 -c "import torch; print(max(1, torch.cuda.device_count()))")
 minutes=$(python3 -c "print(round(max(0.5, (${DEADLINE:-560} - ($(date +%s) - $start) - 40 - 90) / 60), 2))")
 echo "$gpus GPU(s), $minutes minutes of training each"
 for ((g = 0; g < gpus; g++)); do
+  extra="RUN${g}_ARGS"
+  # shellcheck disable=SC2086  # the extra options split into words, as on a command line
   CUDA_VISIBLE_DEVICES=$g PYTHONUNBUFFERED=1 python3 training/sudoku/train.py --out "/tmp/run$g" --seed "$g" \
-    --minutes "$minutes" --eval-threads $(( $(nproc) / gpus - 2 > 1 ? $(nproc) / gpus - 2 : 1 )) "$@" \
+    --minutes "$minutes" --eval-threads $(( $(nproc) / gpus - 2 > 1 ? $(nproc) / gpus - 2 : 1 )) "$@" ${!extra:-} \
     > "/tmp/run$g.log" 2>&1 &
 done
 wait
