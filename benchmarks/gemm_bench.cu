@@ -15,6 +15,10 @@
 //       cuda/gemm.cu cuda/kernels.cu cpp/src/packed_weight.cpp cpp/src/dtype.cpp -o /tmp/gemm_bench && /tmp/gemm_bench
 // (--check: the checks alone; --host: the host checks alone, on a machine without a GPU;
 // --moe, --dense: the MoE timings, the dense ones at 256 rows, alone).
+// Built with cuBLASLt as well (add -DDIFFUSERVE_WITH_CUBLASLT cuda/cublaslt_gemm.cu -lcublasLt
+// and its include and library paths), it checks the dense bf16 products the CUDA backend
+// sends there the same way ("cuBLASLt" in place of a tile height), that a row's result is
+// the same whatever rows it is computed with, and times them beside gemm.cu's.
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -29,6 +33,9 @@
 #include "gemm_tile.cuh"
 #include "kernels.h"
 #include "packed_decode.cuh"
+#ifdef DIFFUSERVE_WITH_CUBLASLT
+#include "cublaslt_gemm.h"
+#endif
 #include "packed_weight.h"
 
 using namespace kernel_bench;
@@ -38,6 +45,18 @@ using namespace diffuserve::cuda;
 namespace {
 
 float round_bf16(float x) { return __bfloat162float(__float2bfloat16(x)); }
+
+// run()'s and bench()'s "tile height" for the product on cuBLASLt.
+constexpr int kCublasLt = 0;
+std::string engine_name(int tile_rows) {
+  return tile_rows == kCublasLt ? "cuBLASLt" : "tile " + std::to_string(tile_rows);
+}
+#ifdef DIFFUSERVE_WITH_CUBLASLT
+CublasLtGemm& cublaslt() {
+  static CublasLtGemm gemm;
+  return gemm;
+}
+#endif
 
 // The weights' format, and "fp8x8" for FP8 weights with FP8 per-token X.
 const char* format_name(WeightFormat f, GemmInput input = GemmInput::Split) {
@@ -243,7 +262,12 @@ std::vector<float> run(const Problem& p, int tile_rows) {
   check(cudaMemset(y, 0xff, y_bytes), "memset y");  // NaN: anything the GEMM should write and does not shows
   void* scratch = nullptr;
   check(cudaMalloc(&scratch, std::max<size_t>(gemm_scratch_bytes(p.x_rows, p.k, p.input), 1)), "malloc scratch");
-  if (segs.size() == 1 && p.row_map.empty() && segs[0].x_row == 0 && segs[0].y_row == 0) {
+  if (tile_rows == kCublasLt) {  // one plain bf16 segment
+#ifdef DIFFUSERVE_WITH_CUBLASLT
+    cublaslt().multiply(x, p.x_rows, p.ldx, p.input, {reinterpret_cast<const __nv_bfloat16*>(w)}, p.n, p.k, {y},
+                        p.ldy, scratch, nullptr);
+#endif
+  } else if (segs.size() == 1 && p.row_map.empty() && segs[0].x_row == 0 && segs[0].y_row == 0) {
     gemm(x, p.x_rows, p.ldx, nullptr, &segs[0], nullptr, int((segs[0].rows + tile_rows - 1) / tile_rows), tile_rows,
          p.format, p.n, p.k, p.input, y, p.ldy, scratch, nullptr);
   } else {  // device-planned style: tiles per segment, then unused slots
@@ -340,8 +364,9 @@ void verify(const Problem& p, const std::vector<float>& y, const char* name, int
       if (!written[e] && !std::isnan(y[e])) {
         if (bad++ < 5) std::printf("    %s: element %zu written outside the segments\n", name, e);
       }
-  std::printf("%-6s %-44s %-5s tile %3d: %s (%ld checked, worst rel err %.2e)\n", bad ? "FAIL" : "ok", name,
-              format_name(p.format, p.input), tile_rows, bad ? "MISMATCH" : "match", long(checked), worst);
+  std::printf("%-6s %-44s %-5s %-8s: %s (%ld checked, worst rel err %.2e)\n", bad ? "FAIL" : "ok", name,
+              format_name(p.format, p.input), engine_name(tile_rows).c_str(), bad ? "MISMATCH" : "match",
+              long(checked), worst);
   if (bad) ++failures;
 }
 
@@ -566,16 +591,53 @@ void correctness() {
   verify(split_fp8, run(split_fp8, 64), "dense 40x96x9000 split-K", 64);
 }
 
+#ifdef DIFFUSERVE_WITH_CUBLASLT
+// The dense bf16 products on cuBLASLt: against the reference (edge cases as correctness()'s
+// dense ones), and every row the same computed with all the rows or only the first few.
+void check_cublaslt() {
+  const GemmInput round = GemmInput::RoundBf16;
+  std::vector<std::pair<const char*, Problem>> cases;
+  cases.push_back({"dense 1x8x16", dense(1, 8, 16)});
+  cases.push_back({"dense 7x100x72", dense(7, 100, 72)});
+  cases.push_back({"dense 130x257x200 (M, N, K tails)", dense(130, 257, 200)});
+  cases.push_back({"dense 65x40x333 (K % 8 != 0)", dense(65, 40, 333)});
+  cases.push_back({"dense 20x24x13 (K < 16)", dense(20, 24, 13)});
+  cases.push_back({"dense 129x300x136 ldx+5 ldy+3", dense(129, 300, 136, 5, 3)});
+  cases.push_back({"dense 96x130x2816", dense(96, 130, 2816)});
+  cases.push_back({"dense 50x70x333 round", dense(50, 70, 333, 0, 0, round)});
+  cases.push_back({"dense 40x96x12328 (long K)", dense(40, 96, 12288 + 40)});
+  cases.push_back({"dense 40x96x9000 round (long K)", dense(40, 96, 9000, 0, 0, round)});
+  for (const auto& [name, p] : cases) verify(p, run(p, kCublasLt), name, kCublasLt);
+  Problem big = dense(512, 4096, 2816);
+  verify(big, run(big, kCublasLt), "dense 512x4096x2816 (sampled)", kCublasLt, 4000);
+  for (const Problem& full : {dense(300, 512, 704), dense(300, 2048, 2816, 0, 3), dense(256, 96, 30000, 0, 0, round)}) {
+    const std::vector<float> all = run(full, kCublasLt);
+    for (int64_t rows : {1, 7, 33, 200}) {
+      Problem part = full;
+      part.x_rows = part.y_rows = rows;
+      part.x.resize(size_t(rows * part.ldx));
+      part.segs[0].rows = int(rows);
+      const std::vector<float> y = run(part, kCublasLt);
+      const bool same = std::memcmp(y.data(), all.data(), y.size() * sizeof(float)) == 0;
+      report(same,
+             "cuBLASLt " + std::to_string(full.n) + "x" + std::to_string(full.k) + ": " + std::to_string(rows) +
+                 " rows alone",
+             same ? "bitwise equal to those rows among " + std::to_string(full.x_rows) : "DIFFER");
+    }
+  }
+}
+#endif
+
 // Times gemm() (pre-pass included) on one problem; X, W random on the device (packed
 // weights: random bytes, as the timing does not depend on the values).
 void bench(const char* name, int64_t tokens, int64_t n, int64_t k, int experts, int top_k, bool gather,
-           WeightFormat format = WeightFormat::Plain, GemmInput input = GemmInput::Split) {
+           WeightFormat format = WeightFormat::Plain, GemmInput input = GemmInput::Split, bool on_cublaslt = false) {
   // The backend picks one tile height for both expert GEMMs, from the narrower (gate_up's 1408).
   const bool moe_layer = experts > 0;
   const int64_t rows = moe_layer ? tokens * top_k : tokens;  // output rows
   const int64_t x_rows = moe_layer && gather ? tokens : rows;
   const int64_t segments = moe_layer ? std::min<int64_t>(experts, rows) : 1;
-  const int tile_rows = gemm_tile_rows(rows / segments, segments, moe_layer ? 1408 : n);
+  const int tile_rows = on_cublaslt ? kCublasLt : gemm_tile_rows(rows / segments, segments, moe_layer ? 1408 : n);
   float *x, *y, *row_scales;
   uint8_t *w, *group_scales;
   void* scratch;
@@ -616,14 +678,20 @@ void bench(const char* name, int64_t tokens, int64_t n, int64_t k, int experts, 
   int64_t* d_map = moe_layer && gather ? upload(row_map) : nullptr;
   const int num_tiles = moe_layer ? int(tiles.size()) : int((rows + tile_rows - 1) / tile_rows);
   auto call = [&] {
+#ifdef DIFFUSERVE_WITH_CUBLASLT
+    if (on_cublaslt)
+      return cublaslt().multiply(x, x_rows, k, input, {reinterpret_cast<const __nv_bfloat16*>(w)}, n, k, {y}, n,
+                                 scratch, nullptr);
+#endif
     gemm(x, x_rows, k, d_map, moe_layer ? d_segs : segs.data(), d_tiles, num_tiles, tile_rows, format, n, k, input,
          y, n, scratch, nullptr);
   };
   const float ms = time_ms(call);
   const double flops = 2.0 * double(rows) * double(n) * double(k);
   const double w_bytes = double(value_bytes + group_bytes + row_scale_bytes);
-  std::printf("%-38s %-5s tile %3d: %9.1f us  %6.1f TFLOP/s (useful)  %5.2f TB/s of weights\n", name,
-              format_name(format, input), tile_rows, ms * 1e3, flops / (ms * 1e-3) / 1e12, w_bytes / (ms * 1e-3) / 1e12);
+  std::printf("%-38s %-5s %-8s: %9.1f us  %6.1f TFLOP/s (useful)  %5.2f TB/s of weights\n", name,
+              format_name(format, input), engine_name(tile_rows).c_str(), ms * 1e3, flops / (ms * 1e-3) / 1e12,
+              w_bytes / (ms * 1e-3) / 1e12);
   cudaFree(x), cudaFree(y), cudaFree(w), cudaFree(row_scales), cudaFree(group_scales), cudaFree(scratch);
   cudaFree(d_segs), cudaFree(d_tiles), cudaFree(d_map);
 }
@@ -664,6 +732,20 @@ int main(int argc, char** argv) {
     bench("lm_head 2816->262144", m, 262144, 2816, 0, 0, false);  // the tied embedding: never packed
     bench("soft embedding 262144->2816 (round)", m, 2816, 262144, 0, 0, false, WeightFormat::Plain,
           GemmInput::RoundBf16);
+#ifdef DIFFUSERVE_WITH_CUBLASLT  // the bf16 products as the backend runs them with cuBLASLt
+    const WeightFormat bf16 = WeightFormat::Plain;
+    const GemmInput split = GemmInput::Split;
+    bench("q_proj 2816->4096", m, 4096, 2816, 0, 0, false, bf16, split, true);
+    bench("q_proj 2816->8192", m, 8192, 2816, 0, 0, false, bf16, split, true);
+    bench("o_proj 4096->2816", m, 2816, 4096, 0, 0, false, bf16, split, true);
+    bench("kv_proj 2816->2048", m, 2048, 2816, 0, 0, false, bf16, split, true);
+    bench("k_proj 2816->1024", m, 1024, 2816, 0, 0, false, bf16, split, true);
+    bench("mlp gate_up 2816->4224", m, 4224, 2816, 0, 0, false, bf16, split, true);
+    bench("mlp down 2112->2816", m, 2816, 2112, 0, 0, false, bf16, split, true);
+    bench("router 2816->128", m, 128, 2816, 0, 0, false, bf16, split, true);
+    bench("lm_head 2816->262144", m, 262144, 2816, 0, 0, false, bf16, split, true);
+    bench("soft embedding 262144->2816 (round)", m, 2816, 262144, 0, 0, false, bf16, GemmInput::RoundBf16, true);
+#endif
   };
   if (mode == "--dense") {  // the dense timings at batch 1's 256 rows alone
     time_dense(256);
@@ -684,6 +766,9 @@ int main(int argc, char** argv) {
     }
     Problem moe_fp8 = fp8_token(moe(512, 128, 8, 264, 704, true, 9, WeightFormat::Fp8));
     for (int t : {16, 64, 128}) verify(moe_fp8, run(moe_fp8, t), "moe up 512 tok 128 exp 264x704", t);
+#ifdef DIFFUSERVE_WITH_CUBLASLT
+    check_cublaslt();
+#endif
     std::printf("%s\n", failures ? "CORRECTNESS FAILURES" : "all correctness checks passed");
     if (mode == "--check") return failures ? 1 : 0;
 

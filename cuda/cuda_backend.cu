@@ -11,6 +11,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <vector>
@@ -18,6 +19,9 @@
 #include "backend.h"
 #include "diffuserve/errors.h"
 #include "kernels.h"
+#ifdef DIFFUSERVE_WITH_CUBLASLT
+#include "cublaslt_gemm.h"
+#endif
 
 namespace diffuserve {
 namespace {
@@ -135,6 +139,11 @@ class CudaBackend final : public Backend {
     check(cudaDeviceGetDefaultMemPool(&mempool, device), "cudaDeviceGetDefaultMemPool");
     uint64_t keep = UINT64_MAX;
     check(cudaMemPoolSetAttribute(mempool, cudaMemPoolAttrReleaseThreshold, &keep), "cudaMemPoolSetAttribute");
+#ifdef DIFFUSERVE_WITH_CUBLASLT
+    // DIFFUSERVE_CUBLASLT=0 keeps every product on gemm.cu (to compare the two).
+    const char* use = std::getenv("DIFFUSERVE_CUBLASLT");
+    if (!use || std::string(use) != "0") cublaslt_ = std::make_unique<cuda::CublasLtGemm>();
+#endif
   }
 
   Activation alloc(int64_t rows, int64_t cols) override {
@@ -256,20 +265,30 @@ class CudaBackend final : public Backend {
       if (reinterpret_cast<uintptr_t>(w->data) % 16) return Backend::linears(x, ws, y);
     auto timed = profile_.scope("linear");
     const cuda::ExpertStack first = matrices(*ws.front());
+    std::vector<const void*> weights;
+    std::vector<float*> outputs;
+    for (size_t i = 0; i < ws.size(); ++i) {
+      const Weight& w = *ws[i];
+      if (w.shape != ws.front()->shape || w.format != ws.front()->format || w.dtype != ws.front()->dtype)
+        throw InvalidArgument("linears: the weights differ in shape, format or dtype");
+      weights.push_back(w.data);
+      outputs.push_back(y.data + int64_t(i) * x.rows * y.cols);
+    }
+    auto scratch = pool_->get(cuda::gemm_scratch_bytes(x.rows, first.k, cuda::GemmInput::Split));
+    if (first.format == WeightFormat::Plain &&
+        products_on_cublaslt(x, weights, first.n, first.k, cuda::GemmInput::Split, outputs, y.cols, scratch.get()))
+      return;
     const int tile = cuda::gemm_tile_rows(x.rows, int64_t(ws.size()), first.n);
     std::vector<cuda::GemmSegment> segments(ws.size());
     std::vector<cuda::GemmTile> tiles;
     for (size_t i = 0; i < ws.size(); ++i) {
       const Weight& w = *ws[i];
-      if (w.shape != ws.front()->shape || w.format != ws.front()->format || w.dtype != ws.front()->dtype)
-        throw InvalidArgument("linears: the weights differ in shape, format or dtype");
       segments[i].x_row = 0;
       segments[i].y_row = int64_t(i) * x.rows;
       segments[i].rows = int(x.rows);
       segments[i].w = matrices(w).expert(0);
       for (int64_t m0 = 0; m0 < x.rows; m0 += tile) tiles.push_back({int(i), int(m0)});
     }
-    auto scratch = pool_->get(cuda::gemm_scratch_bytes(x.rows, first.k, cuda::GemmInput::Split));
     cuda::gemm(x.data, x.rows, x.cols, nullptr, upload_table(segments), upload_table(tiles), int(tiles.size()), tile,
                ws.front()->format, first.n, first.k, cuda::GemmInput::Split, y.data, y.cols, scratch.get(), stream_);
   }
@@ -453,11 +472,35 @@ class CudaBackend final : public Backend {
  private:
   void gemm_dense(const Activation& x, const cuda::GemmMatrix& w, WeightFormat format, int64_t n, int64_t k,
                   cuda::GemmInput input, Activation& y) {
+    auto scratch = pool_->get(cuda::gemm_scratch_bytes(x.rows, k, input));
+    if (format == WeightFormat::Plain && input != cuda::GemmInput::Fp8Token &&
+        products_on_cublaslt(x, {w.values}, n, k, input, {y.data}, y.cols, scratch.get()))
+      return;
     const cuda::GemmSegment seg{0, 0, int(x.rows), w};
     const int tile = cuda::gemm_tile_rows(x.rows, 1, n);
-    auto scratch = pool_->get(cuda::gemm_scratch_bytes(x.rows, k, input));
     cuda::gemm(x.data, x.rows, x.cols, nullptr, &seg, nullptr, int((x.rows + tile - 1) / tile), tile, format, n, k,
                input, y.data, y.cols, scratch.get(), stream_);
+  }
+
+  // Products of x (every row) with plain bf16 weights ws[i] ([n, k] each) into ys[i] (rows
+  // ldy apart) on cuBLASLt, where the build has it and it takes them all; false, having
+  // done nothing, otherwise. The choice depends on the shapes alone, never on the rows
+  // (batch invariance).
+  bool products_on_cublaslt(const Activation& x, const std::vector<const void*>& ws, int64_t n, int64_t k,
+                            cuda::GemmInput input, const std::vector<float*>& ys, int64_t ldy, void* scratch) {
+#ifdef DIFFUSERVE_WITH_CUBLASLT
+    if (!cublaslt_) return false;
+    std::vector<const __nv_bfloat16*> weights;
+    for (size_t i = 0; i < ws.size(); ++i) {
+      weights.push_back(static_cast<const __nv_bfloat16*>(ws[i]));
+      if (!cublaslt_->supports(input, weights.back(), n, k, ys[i], ldy)) return false;
+    }
+    cublaslt_->multiply(x.data, x.rows, x.cols, input, weights, n, k, ys, ldy, scratch, stream_);
+    return true;
+#else
+    (void)x, (void)ws, (void)n, (void)k, (void)input, (void)ys, (void)ldy, (void)scratch;
+    return false;
+#endif
   }
 
   // How the GEMM takes a weight's input: FP8 weights with FP8 per-token inputs quantize it
@@ -483,7 +526,9 @@ class CudaBackend final : public Backend {
 
   // Copies a small host table to the device for the next kernels, without waiting: the
   // bytes go through a pinned staging ring (so the host table may go away at once), and
-  // the device copy stays referenced until well after the kernels that read it are queued.
+  // the device copy stays among the recent tables until the kernels that read it are
+  // queued (a launch reads at most 4, of 16 kept); after that its memory may go back to
+  // the pool, since the stream runs whatever reuses it after those kernels.
   // Kernels only read tables, so one equal to a recent upload is not copied again: a
   // pass's layers ask for the same positions and attention plans over and over (at the
   // 26B shapes that saves ~130 copies a pass, each a queued operation and its gap).
@@ -514,8 +559,6 @@ class CudaBackend final : public Backend {
     auto storage = pool_->get(bytes);
     check(cudaMemcpyAsync(storage.get(), host, table.size() * sizeof(T), cudaMemcpyHostToDevice, stream_),
           "upload_table");
-    keep_.push_back(storage);
-    if (keep_.size() > 256) keep_.erase(keep_.begin(), keep_.begin() + 128);
     recent_tables_.insert(recent_tables_.begin(), RecentTable{std::vector<uint8_t>(first, first + size), storage});
     if (recent_tables_.size() > kRecentTables) recent_tables_.pop_back();
     return static_cast<const T*>(storage.get());
@@ -533,10 +576,12 @@ class CudaBackend final : public Backend {
   std::shared_ptr<DevicePool> pool_;
   std::map<const void*, std::shared_ptr<void>> transposed_;  // linear_nt's weights, [N, K]
   cudaStream_t stream_ = nullptr;  // the legacy default stream: every call is ordered
-  std::vector<std::shared_ptr<void>> keep_;  // recent tables: alive until their kernels are queued
   std::shared_ptr<uint8_t> staging_;          // pinned host ring for upload_table
   std::vector<RecentTable> recent_tables_;    // most recent first
   size_t staging_used_ = 0;
+#ifdef DIFFUSERVE_WITH_CUBLASLT
+  std::unique_ptr<cuda::CublasLtGemm> cublaslt_;  // null: every product on gemm.cu
+#endif
 };
 
 }  // namespace

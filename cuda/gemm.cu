@@ -570,6 +570,21 @@ void fp8_token_codes(const float* x, int64_t rows, int64_t ldx, int64_t k, int64
   fp8_codes_kernel<<<unsigned(rows), 32, 0, stream>>>(x, ldx, k, ld_codes, vector, codes, scales);
 }
 
+int64_t gemm_padded_k(int64_t k, GemmInput input) { return padded_k(k, input); }
+
+void bf16_planes(const float* x, int64_t rows, int64_t ldx, int64_t k, GemmInput input, bool permuted, void* scratch,
+                 cudaStream_t stream) {
+  if (input == GemmInput::Fp8Token) throw std::invalid_argument("bf16_planes: Fp8Token input has no bf16 planes");
+  const int64_t kp = padded_k(k, input);
+  if (rows <= 0 || kp <= 0) return;
+  const bool vector = ldx % 4 == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0;
+  const unsigned blocks = unsigned((rows * (kp / 8) + 255) / 256);
+  auto* a = static_cast<__nv_bfloat16*>(scratch);
+  if (input == GemmInput::RoundBf16) split_kernel<1, false><<<blocks, 256, 0, stream>>>(x, ldx, rows, k, kp, vector, a);
+  else if (permuted) split_kernel<2, true><<<blocks, 256, 0, stream>>>(x, ldx, rows, k, kp, vector, a);
+  else split_kernel<2, false><<<blocks, 256, 0, stream>>>(x, ldx, rows, k, kp, vector, a);
+}
+
 void gemm(const float* x, int64_t x_rows, int64_t ldx, const int64_t* row_map, const GemmSegment* segments,
           const GemmTile* tiles, int num_tiles, int tile_rows, WeightFormat format, int64_t n, int64_t k,
           GemmInput input, float* y, int64_t ldy, void* scratch, cudaStream_t stream) {
@@ -582,17 +597,8 @@ void gemm(const float* x, int64_t x_rows, int64_t ldx, const int64_t* row_map, c
   const int64_t kp = padded_k(k, input), bk = stage_k(input);
   auto* a = static_cast<uint8_t*>(scratch);
   float* const a_scales = input == GemmInput::Fp8Token ? reinterpret_cast<float*>(a + codes_bytes(x_rows, k)) : nullptr;
-  if (x_rows > 0 && kp > 0) {
-    const bool vector = ldx % 4 == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0;
-    const unsigned blocks = unsigned((x_rows * (kp / 8) + 255) / 256);
-    auto* bf16 = reinterpret_cast<__nv_bfloat16*>(a);
-    if (input == GemmInput::Fp8Token) fp8_token_codes(x, x_rows, ldx, k, kp, a, a_scales, stream);
-    else if (input == GemmInput::RoundBf16)
-      split_kernel<1, false><<<blocks, 256, 0, stream>>>(x, ldx, x_rows, k, kp, vector, bf16);
-    else if (decodes(input, format))
-      split_kernel<2, true><<<blocks, 256, 0, stream>>>(x, ldx, x_rows, k, kp, vector, bf16);
-    else split_kernel<2, false><<<blocks, 256, 0, stream>>>(x, ldx, x_rows, k, kp, vector, bf16);
-  }
+  if (input == GemmInput::Fp8Token) fp8_token_codes(x, x_rows, ldx, k, kp, a, a_scales, stream);
+  else bf16_planes(x, x_rows, ldx, k, input, decodes(input, format), scratch, stream);
 
   // With `tiles` null, `segments` is a host pointer to the single segment, passed by value.
   const GemmSegment single = tiles ? GemmSegment{} : *segments;

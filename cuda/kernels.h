@@ -66,6 +66,14 @@ struct GemmTile {
 // `rows_per_segment` rows each and N = n; GemmTile::m0 steps by it.
 int gemm_tile_rows(int64_t rows_per_segment, int64_t segments, int64_t n);
 size_t gemm_scratch_bytes(int64_t x_rows, int64_t k, GemmInput input);
+// K as gemm()'s pre-pass pads it for `input`.
+int64_t gemm_padded_k(int64_t k, GemmInput input);
+// gemm()'s pre-pass for bf16 inputs, alone (for products computed elsewhere: cuBLASLt):
+// row r of X to bf16 at scratch + r * planes * kp values (kp = gemm_padded_k), hi (Split's
+// high part, or RoundBf16's rounding) then, for Split, lo at + kp; K zero-padded to kp.
+// `permuted`: K in the order decoded packed weights take (gemm_tile.cuh).
+void bf16_planes(const float* x, int64_t rows, int64_t ldx, int64_t k, GemmInput input, bool permuted, void* scratch,
+                 cudaStream_t stream);
 void gemm(const float* x, int64_t x_rows, int64_t ldx, const int64_t* row_map, const GemmSegment* segments,
           const GemmTile* tiles, int num_tiles, int tile_rows, WeightFormat format, int64_t n, int64_t k,
           GemmInput input, float* y, int64_t ldy, void* scratch, cudaStream_t stream);

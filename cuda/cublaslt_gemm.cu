@@ -1,0 +1,156 @@
+// cuBLASLt for the dense bf16 linears (cublaslt_gemm.h). cuBLASLt is column-major, so the
+// row-major product y[m, n] = a[m, k] @ w[n, k]^T is computed as its transpose:
+// y^T[n, m] = w^T (w stored [n, k] row-major is [k, n] column-major, transposed) @ a^T
+// (a [m, k] row-major is [k, m] column-major, as it is).
+#include "cublaslt_gemm.h"
+
+#include <stdexcept>
+#include <string>
+
+namespace diffuserve::cuda {
+namespace {
+
+constexpr size_t kWorkspaceBytes = size_t(32) << 20;  // NVIDIA's advice for Hopper
+constexpr int64_t kReferenceRows = 256;               // a canvas: the rows a denoise step multiplies
+
+void check(cublasStatus_t status, const char* what) {
+  if (status != CUBLAS_STATUS_SUCCESS)
+    throw std::runtime_error(std::string("cuBLASLt error in ") + what + ": " + std::to_string(int(status)));
+}
+
+// The largest power of two (at most 16, the most any kernel asks for) dividing every byte
+// address and stride given: a plan serves every operand as aligned as its key says.
+int alignment(std::initializer_list<uint64_t> values) {
+  int a = 16;
+  for (uint64_t v : values)
+    while (a > 1 && v % a) a /= 2;
+  return a;
+}
+
+// X's planes: rows of planes * kp values (hi, then lo), as gemm.cu's pre-pass writes them.
+int64_t plane_values(GemmInput input, int64_t k) { return gemm_padded_k(k, input); }
+int64_t row_values(GemmInput input, int64_t k) {
+  return (input == GemmInput::Split ? 2 : 1) * plane_values(input, k);
+}
+
+// The operation and matrix layouts of one product at m rows (destroyed with it).
+struct Product {
+  cublasLtMatmulDesc_t op = nullptr;
+  cublasLtMatrixLayout_t w = nullptr, a = nullptr, y = nullptr;
+
+  Product(int64_t m, int64_t lda, int64_t n, int64_t k, int64_t ldy) {
+    check(cublasLtMatmulDescCreate(&op, CUBLAS_COMPUTE_32F, CUDA_R_32F), "matmul descriptor");
+    const cublasOperation_t transpose = CUBLAS_OP_T, keep = CUBLAS_OP_N;
+    check(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSA, &transpose, sizeof(transpose)), "transa");
+    check(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSB, &keep, sizeof(keep)), "transb");
+    check(cublasLtMatrixLayoutCreate(&w, CUDA_R_16BF, uint64_t(k), uint64_t(n), k), "w layout");
+    check(cublasLtMatrixLayoutCreate(&a, CUDA_R_16BF, uint64_t(k), uint64_t(m), lda), "a layout");
+    check(cublasLtMatrixLayoutCreate(&y, CUDA_R_32F, uint64_t(n), uint64_t(m), ldy), "y layout");
+  }
+  ~Product() {
+    if (y) cublasLtMatrixLayoutDestroy(y);
+    if (a) cublasLtMatrixLayoutDestroy(a);
+    if (w) cublasLtMatrixLayoutDestroy(w);
+    if (op) cublasLtMatmulDescDestroy(op);
+  }
+  Product(const Product&) = delete;
+  Product& operator=(const Product&) = delete;
+};
+
+}  // namespace
+
+CublasLtGemm::CublasLtGemm() { check(cublasLtCreate(&handle_), "cublasLtCreate"); }
+
+CublasLtGemm::~CublasLtGemm() {
+  if (workspace_) cudaFree(workspace_);
+  cublasLtDestroy(handle_);
+}
+
+CublasLtGemm::Plan CublasLtGemm::choose(const Key& key) {
+  const auto [n, k, lda, ldy, align_w, align_y] = key;
+  const int align_a = 16;
+  Plan plan;
+  cublasLtMatmulPreference_t preference = nullptr;
+  check(cublasLtMatmulPreferenceCreate(&preference), "preference");
+  const uint64_t workspace = kWorkspaceBytes;
+  // Sums over K in one sequence, or over fixed slices reduced from a workspace: both give a
+  // row the same result at every m once the algorithm is fixed. In-place reductions don't.
+  const uint32_t reductions =
+      CUBLASLT_REDUCTION_SCHEME_NONE | CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE | CUBLASLT_REDUCTION_SCHEME_OUTPUT_TYPE;
+  const uint32_t a_bytes = uint32_t(align_a), w_bytes = uint32_t(align_w), y_bytes = uint32_t(align_y);
+  check(cublasLtMatmulPreferenceSetAttribute(preference, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &workspace,
+                                             sizeof(workspace)), "workspace preference");
+  check(cublasLtMatmulPreferenceSetAttribute(preference, CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK, &reductions,
+                                             sizeof(reductions)), "reduction preference");
+  check(cublasLtMatmulPreferenceSetAttribute(preference, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &w_bytes,
+                                             sizeof(w_bytes)), "alignment preference");
+  check(cublasLtMatmulPreferenceSetAttribute(preference, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &a_bytes,
+                                             sizeof(a_bytes)), "alignment preference");
+  check(cublasLtMatmulPreferenceSetAttribute(preference, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &y_bytes,
+                                             sizeof(y_bytes)), "alignment preference");
+  check(cublasLtMatmulPreferenceSetAttribute(preference, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &y_bytes,
+                                             sizeof(y_bytes)), "alignment preference");
+  const Product reference(kReferenceRows, lda, n, k, ldy);
+  cublasLtMatmulHeuristicResult_t results[8];
+  int found = 0;
+  const cublasStatus_t status = cublasLtMatmulAlgoGetHeuristic(handle_, reference.op, reference.w, reference.a,
+                                                               reference.y, reference.y, preference, 8, results, &found);
+  cublasLtMatmulPreferenceDestroy(preference);
+  if (status != CUBLAS_STATUS_SUCCESS) return plan;
+  // The first (fastest by the heuristic) that also runs at one row and at many.
+  const Product one(1, lda, n, k, ldy), many(64 * kReferenceRows, lda, n, k, ldy);
+  for (int i = 0; i < found && !plan.usable; ++i) {
+    cublasLtMatmulHeuristicResult_t check_one{}, check_many{};
+    plan.usable = results[i].state == CUBLAS_STATUS_SUCCESS && results[i].workspaceSize <= kWorkspaceBytes &&
+                  cublasLtMatmulAlgoCheck(handle_, one.op, one.w, one.a, one.y, one.y, &results[i].algo,
+                                          &check_one) == CUBLAS_STATUS_SUCCESS &&
+                  cublasLtMatmulAlgoCheck(handle_, many.op, many.w, many.a, many.y, many.y, &results[i].algo,
+                                          &check_many) == CUBLAS_STATUS_SUCCESS;
+    if (plan.usable) plan.algo = results[i].algo;
+  }
+  return plan;
+}
+
+const CublasLtGemm::Plan& CublasLtGemm::plan(int64_t lda, const __nv_bfloat16* w, int64_t n, int64_t k,
+                                             const float* y, int64_t ldy) {
+  const Key key{n, k, lda, ldy, alignment({reinterpret_cast<uintptr_t>(w), uint64_t(k) * 2}),
+                alignment({reinterpret_cast<uintptr_t>(y), uint64_t(ldy) * 4})};
+  auto it = plans_.find(key);
+  if (it == plans_.end()) it = plans_.emplace(key, choose(key)).first;
+  return it->second;
+}
+
+bool CublasLtGemm::supports(GemmInput input, const __nv_bfloat16* w, int64_t n, int64_t k, const float* y,
+                            int64_t ldy) {
+  return input != GemmInput::Fp8Token && plan(row_values(input, k), w, n, k, y, ldy).usable;
+}
+
+void CublasLtGemm::multiply(const float* x, int64_t m, int64_t ldx, GemmInput input,
+                            const std::vector<const __nv_bfloat16*>& ws, int64_t n, int64_t k,
+                            const std::vector<float*>& ys, int64_t ldy, void* scratch, cudaStream_t stream) {
+  if (ws.size() != ys.size()) throw std::invalid_argument("CublasLtGemm::multiply: one output a weight");
+  if (reinterpret_cast<uintptr_t>(scratch) % 16) throw std::invalid_argument("CublasLtGemm::multiply: unaligned scratch");
+  for (size_t i = 0; i < ws.size(); ++i)
+    if (!supports(input, ws[i], n, k, ys[i], ldy))
+      throw std::invalid_argument("CublasLtGemm::multiply: cuBLASLt has no algorithm for this product");
+  if (m <= 0 || n <= 0) return;
+  if (!workspace_ && cudaMalloc(&workspace_, kWorkspaceBytes) != cudaSuccess) {
+    cudaGetLastError();
+    workspace_ = nullptr;
+    throw std::runtime_error("out of GPU memory allocating cuBLASLt's workspace");
+  }
+  bf16_planes(x, m, ldx, k, input, /*permuted=*/false, scratch, stream);
+  const int64_t lda = row_values(input, k), planes = lda / plane_values(input, k);
+  const Product product(m, lda, n, k, ldy);
+  const float one = 1.0f, zero = 0.0f;
+  for (size_t i = 0; i < ws.size(); ++i)
+    for (int64_t plane = 0; plane < planes; ++plane) {
+      const auto* a = static_cast<const __nv_bfloat16*>(scratch) + plane * plane_values(input, k);
+      check(cublasLtMatmul(handle_, product.op, &one, ws[i], product.w, a, product.a, plane ? &one : &zero, ys[i],
+                           product.y, ys[i], product.y, &plan(lda, ws[i], n, k, ys[i], ldy).algo, workspace_,
+                           kWorkspaceBytes, stream),
+            "cublasLtMatmul");
+    }
+}
+
+}  // namespace diffuserve::cuda
