@@ -676,7 +676,7 @@ void bench(const char* name, int64_t tokens, int64_t n, int64_t k, int experts, 
   GemmSegment* d_segs = moe_layer ? upload(segs) : nullptr;
   GemmTile* d_tiles = moe_layer ? upload(tiles) : nullptr;
   int64_t* d_map = moe_layer && gather ? upload(row_map) : nullptr;
-  const int num_tiles = moe_layer ? int(tiles.size()) : int((rows + tile_rows - 1) / tile_rows);
+  const int num_tiles = moe_layer ? int(tiles.size()) : on_cublaslt ? 0 : int((rows + tile_rows - 1) / tile_rows);
   auto call = [&] {
 #ifdef DIFFUSERVE_WITH_CUBLASLT
     if (on_cublaslt)
