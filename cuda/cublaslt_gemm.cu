@@ -6,6 +6,7 @@
 
 #include <stdexcept>
 #include <string>
+#include <utility>
 
 namespace diffuserve::cuda {
 namespace {
@@ -68,28 +69,25 @@ CublasLtGemm::~CublasLtGemm() {
 
 CublasLtGemm::Plan CublasLtGemm::choose(const Key& key) {
   const auto [n, k, lda, ldy, align_w, align_y] = key;
-  const int align_a = 16;
   Plan plan;
   cublasLtMatmulPreference_t preference = nullptr;
   check(cublasLtMatmulPreferenceCreate(&preference), "preference");
   const uint64_t workspace = kWorkspaceBytes;
-  // Sums over K in one sequence, or over fixed slices reduced from a workspace: both give a
-  // row the same result at every m once the algorithm is fixed. In-place reductions don't.
-  const uint32_t reductions =
-      CUBLASLT_REDUCTION_SCHEME_NONE | CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE | CUBLASLT_REDUCTION_SCHEME_OUTPUT_TYPE;
-  const uint32_t a_bytes = uint32_t(align_a), w_bytes = uint32_t(align_w), y_bytes = uint32_t(align_y);
   check(cublasLtMatmulPreferenceSetAttribute(preference, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &workspace,
                                              sizeof(workspace)), "workspace preference");
-  check(cublasLtMatmulPreferenceSetAttribute(preference, CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK, &reductions,
-                                             sizeof(reductions)), "reduction preference");
-  check(cublasLtMatmulPreferenceSetAttribute(preference, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &w_bytes,
-                                             sizeof(w_bytes)), "alignment preference");
-  check(cublasLtMatmulPreferenceSetAttribute(preference, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &a_bytes,
-                                             sizeof(a_bytes)), "alignment preference");
-  check(cublasLtMatmulPreferenceSetAttribute(preference, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &y_bytes,
-                                             sizeof(y_bytes)), "alignment preference");
-  check(cublasLtMatmulPreferenceSetAttribute(preference, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &y_bytes,
-                                             sizeof(y_bytes)), "alignment preference");
+  // Sums over K in one sequence, or over fixed slices reduced from a workspace: both give a
+  // row the same result at every m once the algorithm is fixed. In-place reductions don't.
+  // cuBLASLt's A is the weight, B X's planes (always 16-byte aligned), C and D the output.
+  const std::pair<cublasLtMatmulPreferenceAttributes_t, uint32_t> preferences[] = {
+      {CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK, CUBLASLT_REDUCTION_SCHEME_NONE |
+                                                       CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE |
+                                                       CUBLASLT_REDUCTION_SCHEME_OUTPUT_TYPE},
+      {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, uint32_t(align_w)},
+      {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, 16},
+      {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, uint32_t(align_y)},
+      {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, uint32_t(align_y)}};
+  for (const auto& [attribute, value] : preferences)
+    check(cublasLtMatmulPreferenceSetAttribute(preference, attribute, &value, sizeof(value)), "preference");
   const Product reference(kReferenceRows, lda, n, k, ldy);
   cublasLtMatmulHeuristicResult_t results[8];
   int found = 0;
