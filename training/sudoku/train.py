@@ -190,10 +190,11 @@ def main():
     ap.add_argument("--out", required=True)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--init", help="start from this checkpoint's weights")
-    ap.add_argument("--hidden", type=int, default=256)
-    ap.add_argument("--layers", type=int, default=6)
-    ap.add_argument("--experts", type=int, default=8)
-    ap.add_argument("--moe-intermediate", type=int, default=128)
+    # The bundled model's shape: deep and narrow (README.md, "Depth, not more steps").
+    ap.add_argument("--hidden", type=int, default=192)
+    ap.add_argument("--layers", type=int, default=12)
+    ap.add_argument("--experts", type=int, default=6)
+    ap.add_argument("--moe-intermediate", type=int, default=96)
     # transformers' forward (--hf-model) runs ~2,000 examples/s on an H200 at any batch size
     # (overhead-bound): a smaller batch buys more optimizer steps a minute (README.md).
     ap.add_argument("--batch", type=int, default=512, help="halved until the first step fits")
