@@ -275,7 +275,9 @@ class CudaBackend final : public Backend {
       outputs.push_back(y.data + int64_t(i) * x.rows * y.cols);
     }
     auto scratch = pool_->get(cuda::gemm_scratch_bytes(x.rows, first.k, cuda::GemmInput::Split));
-    if (first.format == WeightFormat::Plain &&
+    // cuBLASLt's plan depends on each output's alignment: with rows of a multiple of 4
+    // floats every block of y is 16-byte aligned, whatever x.rows (batch invariance).
+    if (first.format == WeightFormat::Plain && y.cols % 4 == 0 &&
         products_on_cublaslt(x, weights, first.n, first.k, cuda::GemmInput::Split, outputs, y.cols, scratch.get()))
       return;
     const int tile = cuda::gemm_tile_rows(x.rows, int64_t(ws.size()), first.n);
