@@ -28,11 +28,8 @@ int alignment(std::initializer_list<uint64_t> values) {
   return a;
 }
 
-// X's planes: rows of planes * kp values (hi, then lo), as gemm.cu's pre-pass writes them.
-int64_t plane_values(GemmInput input, int64_t k) { return gemm_padded_k(k, input); }
-int64_t row_values(GemmInput input, int64_t k) {
-  return (input == GemmInput::Split ? 2 : 1) * plane_values(input, k);
-}
+// Values in a row of X's planes: planes * kp (hi, then lo), as gemm.cu's pre-pass writes them.
+int64_t row_values(GemmInput input, int64_t k) { return planes(input) * gemm_padded_k(k, input); }
 
 // The operation and matrix layouts of one product at m rows (destroyed with it).
 struct Product {
@@ -109,18 +106,19 @@ CublasLtGemm::Plan CublasLtGemm::choose(const Key& key) {
   return plan;
 }
 
-const CublasLtGemm::Plan& CublasLtGemm::plan(int64_t lda, const __nv_bfloat16* w, int64_t n, int64_t k,
-                                             const float* y, int64_t ldy) {
-  const Key key{n, k, lda, ldy, alignment({reinterpret_cast<uintptr_t>(w), uint64_t(k) * 2}),
+const CublasLtGemm::Plan* CublasLtGemm::usable_plan(GemmInput input, const __nv_bfloat16* w, int64_t n, int64_t k,
+                                                     const float* y, int64_t ldy) {
+  if (input == GemmInput::Fp8Token) return nullptr;
+  const Key key{n, k, row_values(input, k), ldy, alignment({reinterpret_cast<uintptr_t>(w), uint64_t(k) * 2}),
                 alignment({reinterpret_cast<uintptr_t>(y), uint64_t(ldy) * 4})};
   auto it = plans_.find(key);
   if (it == plans_.end()) it = plans_.emplace(key, choose(key)).first;
-  return it->second;
+  return it->second.usable ? &it->second : nullptr;
 }
 
 bool CublasLtGemm::supports(GemmInput input, const __nv_bfloat16* w, int64_t n, int64_t k, const float* y,
                             int64_t ldy) {
-  return input != GemmInput::Fp8Token && plan(row_values(input, k), w, n, k, y, ldy).usable;
+  return usable_plan(input, w, n, k, y, ldy) != nullptr;
 }
 
 void CublasLtGemm::multiply(const float* x, int64_t m, int64_t ldx, GemmInput input,
@@ -128,9 +126,11 @@ void CublasLtGemm::multiply(const float* x, int64_t m, int64_t ldx, GemmInput in
                             const std::vector<float*>& ys, int64_t ldy, void* scratch, cudaStream_t stream) {
   if (ws.size() != ys.size()) throw std::invalid_argument("CublasLtGemm::multiply: one output a weight");
   if (reinterpret_cast<uintptr_t>(scratch) % 16) throw std::invalid_argument("CublasLtGemm::multiply: unaligned scratch");
-  for (size_t i = 0; i < ws.size(); ++i)
-    if (!supports(input, ws[i], n, k, ys[i], ldy))
-      throw std::invalid_argument("CublasLtGemm::multiply: cuBLASLt has no algorithm for this product");
+  std::vector<const Plan*> chosen;
+  for (size_t i = 0; i < ws.size(); ++i) {
+    chosen.push_back(usable_plan(input, ws[i], n, k, ys[i], ldy));
+    if (!chosen.back()) throw std::invalid_argument("CublasLtGemm::multiply: cuBLASLt has no algorithm for this product");
+  }
   if (m <= 0 || n <= 0) return;
   if (!workspace_ && cudaMalloc(&workspace_, kWorkspaceBytes) != cudaSuccess) {
     cudaGetLastError();
@@ -138,15 +138,14 @@ void CublasLtGemm::multiply(const float* x, int64_t m, int64_t ldx, GemmInput in
     throw std::runtime_error("out of GPU memory allocating cuBLASLt's workspace");
   }
   bf16_planes(x, m, ldx, k, input, /*permuted=*/false, scratch, stream);
-  const int64_t lda = row_values(input, k), planes = lda / plane_values(input, k);
-  const Product product(m, lda, n, k, ldy);
+  const int64_t kp = gemm_padded_k(k, input);
+  const Product product(m, row_values(input, k), n, k, ldy);
   const float one = 1.0f, zero = 0.0f;
   for (size_t i = 0; i < ws.size(); ++i)
-    for (int64_t plane = 0; plane < planes; ++plane) {
-      const auto* a = static_cast<const __nv_bfloat16*>(scratch) + plane * plane_values(input, k);
+    for (int plane = 0; plane < planes(input); ++plane) {
+      const auto* a = static_cast<const __nv_bfloat16*>(scratch) + plane * kp;
       check(cublasLtMatmul(handle_, product.op, &one, ws[i], product.w, a, product.a, plane ? &one : &zero, ys[i],
-                           product.y, ys[i], product.y, &plan(lda, ws[i], n, k, ys[i], ldy).algo, workspace_,
-                           kWorkspaceBytes, stream),
+                           product.y, ys[i], product.y, &chosen[i]->algo, workspace_, kWorkspaceBytes, stream),
             "cublasLtMatmul");
     }
 }

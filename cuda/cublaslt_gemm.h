@@ -47,7 +47,8 @@ class CublasLtGemm {
   };
   // (n, k, lda, ldy, alignment of w and y in bytes); X's planes are always 16-byte aligned
   using Key = std::tuple<int64_t, int64_t, int64_t, int64_t, int, int>;
-  const Plan& plan(int64_t lda, const __nv_bfloat16* w, int64_t n, int64_t k, const float* y, int64_t ldy);
+  // The plan for this product, chosen on first use; null where none is usable.
+  const Plan* usable_plan(GemmInput input, const __nv_bfloat16* w, int64_t n, int64_t k, const float* y, int64_t ldy);
   Plan choose(const Key& key);
 
   cublasLtHandle_t handle_ = nullptr;

@@ -78,8 +78,8 @@
 namespace diffuserve::cuda {
 namespace {
 
-// How X enters the tensor cores: bf16 parts (planes) or E4M3 codes, values per tile row.
-__host__ __device__ constexpr int planes(GemmInput input) { return input == GemmInput::Split ? 2 : 1; }
+// How X enters the tensor cores: bf16 parts (planes, kernels.h) or E4M3 codes, values per
+// tile row.
 __host__ __device__ constexpr int x_value_bytes(GemmInput input) { return input == GemmInput::Fp8Token ? 1 : 2; }
 // K values per pipeline stage (a tile row's 128 bytes of X).
 __host__ __device__ constexpr int stage_k(GemmInput input) { return kRowBytes / x_value_bytes(input); }

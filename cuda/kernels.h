@@ -32,6 +32,8 @@ enum class GemmInput {
   // quantize_input's FP8 values, computed from E4M3 codes on the FP8 tensor cores.
   Fp8Token,
 };
+// The bf16 planes of X a product reads: Split's hi and lo, else one.
+DS_HOST_DEVICE constexpr int planes(GemmInput input) { return input == GemmInput::Split ? 2 : 1; }
 struct GemmMatrix {
   const void* values;           // bf16 or E4M3 [N, K]; NVFP4 [N, K / 2]
   const float* row_scales;      // packed: FP8's scale, NVFP4's global scale, per row (Weight::row_scales)
