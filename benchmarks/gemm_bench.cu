@@ -26,6 +26,7 @@
 #include <cstring>
 #include <random>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "activation_quant.h"
@@ -502,12 +503,15 @@ Problem moe(int64_t tokens, int experts, int top_k, int64_t n, int64_t k, bool g
   return p;
 }
 
-void correctness() {
-  const int shapes[] = {16, 64, 128};
-  struct Case {
-    const char* name;
-    Problem p;
-  };
+struct Case {
+  const char* name;
+  Problem p;
+};
+
+// The dense products with bf16 weights: tails in M, N and K, K < 16, ldx / ldy wider than
+// K / N, RoundBf16. correctness() runs them with every tile shape, check_cublaslt() on
+// cuBLASLt.
+std::vector<Case> bf16_dense_cases() {
   std::vector<Case> cases;
   cases.push_back({"dense 1x8x16", dense(1, 8, 16)});
   cases.push_back({"dense 7x100x72", dense(7, 100, 72)});
@@ -520,6 +524,12 @@ void correctness() {
   cases.push_back({"dense 96x130x2816", dense(96, 130, 2816)});
   cases.push_back({"dense 50x70x333 round", dense(50, 70, 333, 0, 0, GemmInput::RoundBf16)});
   cases.push_back({"dense 200x264x512 round", dense(200, 264, 512, 0, 0, GemmInput::RoundBf16)});
+  return cases;
+}
+
+void correctness() {
+  const int shapes[] = {16, 64, 128};
+  std::vector<Case> cases = bf16_dense_cases();
   cases.push_back({"moe up 40 tok, 6 exp top 3, 48x72", moe(40, 6, 3, 48, 72, true, 1)});
   cases.push_back({"moe down 40 tok, 6 exp top 3, 72x24", moe(40, 6, 3, 72, 24, false, 2)});
   cases.push_back({"moe up 300 tok, 16 exp top 4, 264x136", moe(300, 16, 4, 264, 136, true, 3)});
@@ -592,22 +602,14 @@ void correctness() {
 }
 
 #ifdef DIFFUSERVE_WITH_CUBLASLT
-// The dense bf16 products on cuBLASLt: against the reference (edge cases as correctness()'s
-// dense ones), and every row the same computed with all the rows or only the first few.
+// The dense bf16 products on cuBLASLt: against the reference (correctness()'s bf16 cases,
+// and long K), and every row the same computed with all the rows or only the first few.
 void check_cublaslt() {
   const GemmInput round = GemmInput::RoundBf16;
-  std::vector<std::pair<const char*, Problem>> cases;
-  cases.push_back({"dense 1x8x16", dense(1, 8, 16)});
-  cases.push_back({"dense 7x100x72", dense(7, 100, 72)});
-  cases.push_back({"dense 130x257x200 (M, N, K tails)", dense(130, 257, 200)});
-  cases.push_back({"dense 65x40x333 (K % 8 != 0)", dense(65, 40, 333)});
-  cases.push_back({"dense 20x24x13 (K < 16)", dense(20, 24, 13)});
-  cases.push_back({"dense 129x300x136 ldx+5 ldy+3", dense(129, 300, 136, 5, 3)});
-  cases.push_back({"dense 96x130x2816", dense(96, 130, 2816)});
-  cases.push_back({"dense 50x70x333 round", dense(50, 70, 333, 0, 0, round)});
+  std::vector<Case> cases = bf16_dense_cases();
   cases.push_back({"dense 40x96x12328 (long K)", dense(40, 96, 12288 + 40)});
   cases.push_back({"dense 40x96x9000 round (long K)", dense(40, 96, 9000, 0, 0, round)});
-  for (const auto& [name, p] : cases) verify(p, run(p, kCublasLt), name, kCublasLt);
+  for (const Case& c : cases) verify(c.p, run(c.p, kCublasLt), c.name, kCublasLt);
   Problem big = dense(512, 4096, 2816);
   verify(big, run(big, kCublasLt), "dense 512x4096x2816 (sampled)", kCublasLt, 4000);
   for (const Problem& full : {dense(300, 512, 704), dense(300, 2048, 2816, 0, 3), dense(256, 96, 30000, 0, 0, round)}) {
@@ -718,33 +720,30 @@ int main(int argc, char** argv) {
                                                       {WeightFormat::Fp8, GemmInput::Split},
                                                       {WeightFormat::Fp8, GemmInput::Fp8Token},
                                                       {WeightFormat::Nvfp4, GemmInput::Split}};
-  // The dense layers' products at m rows, each kind of weights and X.
+  // The dense layers' products (name, N, K): q of sliding and of global layers, o, K and V
+  // as one product (gemm.cu's linears), the MLP's.
+  const std::tuple<const char*, int64_t, int64_t> layer_products[] = {
+      {"q_proj 2816->4096", 4096, 2816},      {"q_proj 2816->8192", 8192, 2816},
+      {"o_proj 4096->2816", 2816, 4096},      {"kv_proj 2816->2048", 2048, 2816},
+      {"mlp gate_up 2816->4224", 4224, 2816}, {"mlp down 2112->2816", 2816, 2112}};
+  // Those products at m rows, each kind of weights and X, then the tied embedding's.
   auto time_dense = [&](int64_t m) {
     std::printf("-- dense, %ld rows\n", long(m));
-    for (const auto& [f, input] : kinds) {
-      bench("q_proj 2816->4096", m, 4096, 2816, 0, 0, false, f, input);
-      bench("q_proj 2816->8192", m, 8192, 2816, 0, 0, false, f, input);
-      bench("o_proj 4096->2816", m, 2816, 4096, 0, 0, false, f, input);
-      bench("kv_proj 2816->2048", m, 2048, 2816, 0, 0, false, f, input);
-      bench("mlp gate_up 2816->4224", m, 4224, 2816, 0, 0, false, f, input);
-      bench("mlp down 2112->2816", m, 2816, 2112, 0, 0, false, f, input);
-    }
-    bench("lm_head 2816->262144", m, 262144, 2816, 0, 0, false);  // the tied embedding: never packed
-    bench("soft embedding 262144->2816 (round)", m, 2816, 262144, 0, 0, false, WeightFormat::Plain,
-          GemmInput::RoundBf16);
-#ifdef DIFFUSERVE_WITH_CUBLASLT  // the bf16 products as the backend runs them with cuBLASLt
-    const WeightFormat bf16 = WeightFormat::Plain;
-    const GemmInput split = GemmInput::Split;
-    bench("q_proj 2816->4096", m, 4096, 2816, 0, 0, false, bf16, split, true);
-    bench("q_proj 2816->8192", m, 8192, 2816, 0, 0, false, bf16, split, true);
-    bench("o_proj 4096->2816", m, 2816, 4096, 0, 0, false, bf16, split, true);
-    bench("kv_proj 2816->2048", m, 2048, 2816, 0, 0, false, bf16, split, true);
-    bench("k_proj 2816->1024", m, 1024, 2816, 0, 0, false, bf16, split, true);
-    bench("mlp gate_up 2816->4224", m, 4224, 2816, 0, 0, false, bf16, split, true);
-    bench("mlp down 2112->2816", m, 2816, 2112, 0, 0, false, bf16, split, true);
-    bench("router 2816->128", m, 128, 2816, 0, 0, false, bf16, split, true);
-    bench("lm_head 2816->262144", m, 262144, 2816, 0, 0, false, bf16, split, true);
-    bench("soft embedding 262144->2816 (round)", m, 2816, 262144, 0, 0, false, bf16, GemmInput::RoundBf16, true);
+    for (const auto& [f, input] : kinds)
+      for (const auto& [name, n, k] : layer_products) bench(name, m, n, k, 0, 0, false, f, input);
+    // The tied embedding (never packed): the lm_head, and the soft embedding (K = vocab).
+    auto time_embedding = [&](bool on_cublaslt) {
+      bench("lm_head 2816->262144", m, 262144, 2816, 0, 0, false, WeightFormat::Plain, GemmInput::Split, on_cublaslt);
+      bench("soft embedding 262144->2816 (round)", m, 2816, 262144, 0, 0, false, WeightFormat::Plain,
+            GemmInput::RoundBf16, on_cublaslt);
+    };
+    time_embedding(false);
+#ifdef DIFFUSERVE_WITH_CUBLASLT  // the bf16 products on cuBLASLt, with K (and V) apart as the backend runs them
+    for (const auto& [name, n, k] : layer_products)
+      bench(name, m, n, k, 0, 0, false, WeightFormat::Plain, GemmInput::Split, true);
+    bench("k_proj 2816->1024", m, 1024, 2816, 0, 0, false, WeightFormat::Plain, GemmInput::Split, true);
+    bench("router 2816->128", m, 128, 2816, 0, 0, false, WeightFormat::Plain, GemmInput::Split, true);
+    time_embedding(true);
 #endif
   };
   if (mode == "--dense") {  // the dense timings at batch 1's 256 rows alone
