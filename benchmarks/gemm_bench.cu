@@ -6,12 +6,12 @@
 // / 64 takes the byte-by-byte loads), and for FP8 weights with FP8 per-token X
 // (Fp8Token: the reference is sum(code_x * code_w) * s_x * s_w from the host's
 // activation_quant.h codes, and the product must also match the fake-quantized fp32 path,
-// quantize_input then Split); bitwise agreement of the three tile shapes (batch
-// invariance); then timings at DiffusionGemma-26B shapes. Before any of that, host checks
+// quantize_input then Split); bitwise agreement of the tile shapes (batch invariance; the
+// wgmma tile's too, where the build and GPU have it); then timings at DiffusionGemma-26B shapes. Before any of that, host checks
 // that need no GPU: E4M3 code bytes, an emulation of ldmatrix and the MMA fragment
 // layouts (PTX ISA) with gemm_tile.cuh's addressing and E4M3 unpacking, and the K order
 // of decoded packed weights. Build and run:
-//   nvcc -std=c++20 -arch=sm_90a -O3 -I cpp/src -I cpp/include -I cuda benchmarks/gemm_bench.cu \
+//   nvcc -std=c++20 -arch=sm_90a -DDIFFUSERVE_SM90A -O3 -I cpp/src -I cpp/include -I cuda benchmarks/gemm_bench.cu \
 //       cuda/gemm.cu cuda/kernels.cu cpp/src/packed_weight.cpp cpp/src/dtype.cpp -o /tmp/gemm_bench && /tmp/gemm_bench
 // (--check: the checks alone; --host: the host checks alone, on a machine without a GPU;
 // --moe, --dense: the MoE timings, the dense ones at 256 rows, alone).
@@ -244,6 +244,12 @@ void random_weights(Problem& p, WeightFormat format, int matrices, std::mt19937&
   p.packed = random_packed_weight(format, {matrices, p.n, p.k}, rng());
   p.w = p.packed.values;
   p.w_values = dequantize(p.packed);
+}
+
+// The tile heights gemm() has for `p`: 32 is the wgmma tile (bf16 X and W, sm_90a).
+std::vector<int> tile_heights(const Problem& p) {
+  if (gemm_has_wgmma_tile(p.input, p.format)) return {16, 32, 64, 128};
+  return {16, 64, 128};
 }
 
 // Runs `p` with the given tile height; returns Y (y_rows x ldy).
@@ -528,7 +534,6 @@ std::vector<Case> bf16_dense_cases() {
 }
 
 void correctness() {
-  const int shapes[] = {16, 64, 128};
   std::vector<Case> cases = bf16_dense_cases();
   cases.push_back({"moe up 40 tok, 6 exp top 3, 48x72", moe(40, 6, 3, 48, 72, true, 1)});
   cases.push_back({"moe down 40 tok, 6 exp top 3, 72x24", moe(40, 6, 3, 72, 24, false, 2)});
@@ -575,7 +580,7 @@ void correctness() {
       check_against_fake_quant(c.p, c.name, 64);
     }
     std::vector<float> first;
-    for (int t : shapes) {
+    for (int t : tile_heights(c.p)) {
       const std::vector<float> y = run(c.p, t);
       verify(c.p, y, c.name, t);
       if (first.empty()) {
@@ -639,7 +644,7 @@ void bench(const char* name, int64_t tokens, int64_t n, int64_t k, int experts, 
   const int64_t rows = moe_layer ? tokens * top_k : tokens;  // output rows
   const int64_t x_rows = moe_layer && gather ? tokens : rows;
   const int64_t segments = moe_layer ? std::min<int64_t>(experts, rows) : 1;
-  const int tile_rows = on_cublaslt ? kCublasLt : gemm_tile_rows(rows / segments, segments, moe_layer ? 1408 : n);
+  const int tile_rows = on_cublaslt ? kCublasLt : gemm_tile_rows(rows / segments, segments, moe_layer ? 1408 : n, gemm_has_wgmma_tile(input, format));
   float *x, *y, *row_scales;
   uint8_t *w, *group_scales;
   void* scratch;
@@ -712,7 +717,7 @@ int main(int argc, char** argv) {
   }
   cudaDeviceProp prop{};
   check(cudaGetDeviceProperties(&prop, 0), "device");
-  std::printf("%s, %d SMs\n", prop.name, prop.multiProcessorCount);
+  std::printf("%s, %d SMs, wgmma tile %s\n", prop.name, prop.multiProcessorCount, gemm_has_wgmma_tile(GemmInput::Split, WeightFormat::Plain) ? "on" : "off");
   // Weights and X: bf16, FP8 and NVFP4 weights with hi/lo X (FP8_DYNAMIC today: plus a
   // copy and quantize_input of X), FP8 weights with FP8 per-token X (fp8x8: the pre-pass
   // quantizes X).
@@ -753,18 +758,16 @@ int main(int argc, char** argv) {
   if (mode != "--moe") {  // --moe: the MoE timings alone
     correctness();
     // Spot checks of the big shapes (sampled elements) with each tile shape.
-    for (int t : {16, 64, 128}) {
-      Problem big = dense(512, 4096, 2816);
-      verify(big, run(big, t), "dense 512x4096x2816 (sampled)", t, 4000);
-    }
+    Problem big = dense(512, 4096, 2816);
+    for (int t : tile_heights(big)) verify(big, run(big, t), "dense 512x4096x2816 (sampled)", t, 4000);
     Problem big_fp8 = fp8_token(dense(WeightFormat::Fp8, 512, 4096, 2816));
-    for (int t : {16, 64, 128}) verify(big_fp8, run(big_fp8, t), "dense 512x4096x2816 (sampled)", t, 4000);
+    for (int t : tile_heights(big_fp8)) verify(big_fp8, run(big_fp8, t), "dense 512x4096x2816 (sampled)", t, 4000);
     for (WeightFormat f : {WeightFormat::Plain, WeightFormat::Fp8, WeightFormat::Nvfp4}) {
       Problem moe_big = moe(512, 128, 8, 264, 704, true, 9, f);
-      for (int t : {16, 64, 128}) verify(moe_big, run(moe_big, t), "moe up 512 tok 128 exp 264x704", t);
+      for (int t : tile_heights(moe_big)) verify(moe_big, run(moe_big, t), "moe up 512 tok 128 exp 264x704", t);
     }
     Problem moe_fp8 = fp8_token(moe(512, 128, 8, 264, 704, true, 9, WeightFormat::Fp8));
-    for (int t : {16, 64, 128}) verify(moe_fp8, run(moe_fp8, t), "moe up 512 tok 128 exp 264x704", t);
+    for (int t : tile_heights(moe_fp8)) verify(moe_fp8, run(moe_fp8, t), "moe up 512 tok 128 exp 264x704", t);
 #ifdef DIFFUSERVE_WITH_CUBLASLT
     check_cublaslt();
 #endif

@@ -280,7 +280,8 @@ class CudaBackend final : public Backend {
     if (first.format == WeightFormat::Plain && y.cols % 4 == 0 &&
         products_on_cublaslt(x, weights, first.n, first.k, cuda::GemmInput::Split, outputs, y.cols, scratch.get()))
       return;
-    const int tile = cuda::gemm_tile_rows(x.rows, int64_t(ws.size()), first.n);
+    const int tile = cuda::gemm_tile_rows(x.rows, int64_t(ws.size()), first.n,
+                                          cuda::gemm_has_wgmma_tile(cuda::GemmInput::Split, first.format));
     std::vector<cuda::GemmSegment> segments(ws.size());
     std::vector<cuda::GemmTile> tiles;
     for (size_t i = 0; i < ws.size(); ++i) {
@@ -380,7 +381,11 @@ class CudaBackend final : public Backend {
     const int64_t num_experts = gate_up.shape[0], inter2 = gate_up.shape[1], hidden = x.cols;
     const int64_t pairs = routing.weights.size(), tokens = routing.weights.rows;
     const int64_t segments = std::max<int64_t>(1, std::min(num_experts, pairs));
-    const int tile_rows = cuda::gemm_tile_rows(pairs / segments, segments, std::min(inter2, hidden));
+    const cuda::GemmInput up_input = gemm_input(gate_up), down_input = gemm_input(down);
+    // One tile plan serves both products: the wgmma tile only where both have it.
+    const bool wgmma = cuda::gemm_has_wgmma_tile(up_input, gate_up.format) &&
+                       cuda::gemm_has_wgmma_tile(down_input, down.format);
+    const int tile_rows = cuda::gemm_tile_rows(pairs / segments, segments, std::min(inter2, hidden), wgmma);
     const int max_tiles = int((pairs + tile_rows - 1) / tile_rows + num_experts);
     auto row_map = pool_->get(sizeof(int64_t) * size_t(pairs)), inverse = pool_->get(sizeof(int64_t) * size_t(pairs));
     auto up_segments = pool_->get(sizeof(cuda::GemmSegment) * size_t(num_experts));
@@ -396,7 +401,6 @@ class CudaBackend final : public Backend {
     // quantized once for all experts, by the GEMM itself or beforehand on a copy. NVFP4:
     // each expert has its own global scales, so each (token, expert) pair gets a row of its
     // own, in the plan's order (the GEMM then gathers nothing).
-    const cuda::GemmInput up_input = gemm_input(gate_up), down_input = gemm_input(down);
     const auto* plan_rows = static_cast<const int64_t*>(row_map.get());
     const auto* plan_segments = static_cast<const cuda::GemmSegment*>(up_segments.get());
     auto quantize_nvfp4_rows = [&](const Activation& in, bool gather, const ActivationQuant& quant, Activation& to) {
@@ -479,7 +483,7 @@ class CudaBackend final : public Backend {
         products_on_cublaslt(x, {w.values}, n, k, input, {y.data}, y.cols, scratch.get()))
       return;
     const cuda::GemmSegment seg{0, 0, int(x.rows), w};
-    const int tile = cuda::gemm_tile_rows(x.rows, 1, n);
+    const int tile = cuda::gemm_tile_rows(x.rows, 1, n, cuda::gemm_has_wgmma_tile(input, format));
     cuda::gemm(x.data, x.rows, x.cols, nullptr, &seg, nullptr, int((x.rows + tile - 1) / tile), tile, format, n, k,
                input, y.data, y.cols, scratch.get(), stream_);
   }

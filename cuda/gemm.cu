@@ -32,7 +32,7 @@
 // both the cp.async stores and the ldmatrix reads (8 rows of one chunk column) free of
 // bank conflicts (gemm_tile.cuh). Fragments come from ldmatrix.x4, without .trans: W is
 // [N, K], K contiguous, which is already the MMA's "col" B layout; in bytes the E4M3
-// fragments are laid out as the bf16 ones, so both MMAs share the addressing. Three tile
+// fragments are laid out as the bf16 ones, so both MMAs share the addressing. Four tile
 // shapes:
 //   128 x 256, 8 warps of 64 x 64: tall inputs (dense at large batch, the lm_head, the MoE
 //       at large batch). Per 32-byte K step a warp loads 8 A and 4 B fragments for 64
@@ -49,6 +49,12 @@
 //       blocks per multiprocessor keep ~100 KB of bf16 weights in flight on each. (With
 //       two blocks of four stages, 8 warps, ncu found no warp ready to issue 56% of the
 //       time, mostly waiting on dependent instructions; three blocks were 3-5% faster.)
+//   32 x 128 on wgmma (wgmma.cuh), one warpgroup: in place of 16 x 128 where X and the
+//       weights are bf16 and the build has sm_90a (the MoE of bf16 checkpoints at small
+//       batch). The same ring, read by the tensor cores through descriptors. 32 rows, as a
+//       batch-1 expert's 16 +- 4 tokens spill past 16 about half the time, and a second
+//       tile streams the expert's weights again (the same tile on wgmma at 16 rows
+//       measured no faster than mma.sync: the warps' issue was not what held it back).
 // Every shape accumulates each output in the same order (K steps of 32 bytes in order, hi
 // then lo), so a row's result does not depend on the tile shape its batch size picked:
 // batched and single-sequence runs agree bitwise.
@@ -66,14 +72,17 @@
 // it (whole, aligned chunks); partial chunks are zero-filled past N and K. Otherwise (tiny
 // test models) the same bytes are copied one by one.
 #include <algorithm>
+#include <cstdlib>
 #include <memory>
 #include <stdexcept>
+#include <string>
 
 #include "activation_quant.h"
 #include "gemm_tile.cuh"
 #include "kernels.h"
 #include "mma.cuh"
 #include "packed_decode.cuh"
+#include "wgmma.cuh"
 
 namespace diffuserve::cuda {
 namespace {
@@ -167,9 +176,12 @@ __host__ __device__ constexpr int weight_stage_bytes(GemmInput input, WeightForm
 // A block tile of kBM x kBN outputs, warps of (kBM / kWarpsM) x (kBN / kWarpsN), a ring of
 // kStages K-slices (kPackedStages with packed weights, whose slices are smaller, and with
 // E4M3 X, whose one plane is), kBlocks resident per multiprocessor (shared memory allows it).
-template <int kBM_, int kBN_, int kWarpsM_, int kWarpsN_, int kStages_, int kPackedStages_, int kBlocks_>
+// kWgmma: the MMAs are wgmma's (wgmma.cuh), one warpgroup's.
+template <int kBM_, int kBN_, int kWarpsM_, int kWarpsN_, int kStages_, int kPackedStages_, int kBlocks_,
+          bool kWgmma_ = false>
 struct Shape {
   static constexpr int kBM = kBM_, kBN = kBN_, kWarpsM = kWarpsM_, kWarpsN = kWarpsN_;
+  static constexpr bool kWgmma = kWgmma_;
   static constexpr int kBlocks = kBlocks_, kThreads = kWarpsM * kWarpsN * 32;
   __host__ __device__ static constexpr int stages(WeightFormat format) {
     return format == WeightFormat::Plain ? kStages_ : kPackedStages_;
@@ -186,6 +198,11 @@ using Small = Shape<16, 128, 1, 4, 3, 6, 3>;    // 60 / 72 / 52 KB; 108 KB
 using Medium = Shape<64, 128, 2, 2, 3, 3, 2>;   // 96 / 72 / 62 KB; 72 KB
 using MediumOneWave = Shape<64, 128, 2, 4, 3, 3, 2>;
 using Large = Shape<128, 256, 2, 4, 3, 3, 1>;   // 192 / 144 / 123 KB; 144 KB
+// The wgmma tile (bf16 X and weights; see the top): the 128 weight rows are the MMAs' M, as
+// two m64 halves, and the 32 X rows their N (Y^T = W X^T), one m64n32 wgmma per half, plane
+// and 16-value K step. (Packed weights decoded into wgmma's register operand measured no
+// faster than Small's mma.sync, NVFP4's down projection 18% slower: they stay there.)
+using SmallWgmma = Shape<32, 128, 1, 4, 3, 3, 3, true>;  // 72 KB
 // Medium for decoded packed weights: warps side by side (64 x 32 each), as each warp decodes
 // the W columns it multiplies and two warps over the same columns would decode them twice.
 using MediumDecoded = Shape<64, 128, 1, 4, 3, 3, 2>;  // 72 / 62 KB
@@ -207,7 +224,10 @@ __global__ void __launch_bounds__(S::kThreads, S::kBlocks) gemm_kernel(const Par
   static_assert(kBM % kRowStep == 0 && kWChunks % kThreads == 0 && kTilesN % 2 == 0 &&
                     kBN <= kThreads,  // a thread per W row for NVFP4's scales
                 "tile shape");
-  extern __shared__ __align__(128) uint8_t smem[];
+  static_assert(!S::kWgmma || (kFormat == WeightFormat::Plain && kInput != GemmInput::Fp8Token && kBM == 32 &&
+                               kBN == 128 && kThreads == 128 && kABytes % 1024 == 0 && kStageBytes % 1024 == 0),
+                "wgmma: bf16 X and W, one warpgroup, 32 X rows, 128 W rows, operands on whole swizzle atoms");
+  extern __shared__ __align__(1024) uint8_t smem[];
 
   GemmSegment seg = p.single;
   int m0 = blockIdx.y * kBM;  // dense: tiles follow blockIdx.y
@@ -396,6 +416,30 @@ __global__ void __launch_bounds__(S::kThreads, S::kBlocks) gemm_kernel(const Par
     }
   };
 
+  // On wgmma: weight rows [64 h, 64 h + 64) of the tile are half h's M, the X tile's plane
+  // rows its N; per accumulator, K steps in order, hi then lo, as compute() sums them.
+  float wacc[2][16] = {};
+  auto compute_wgmma = [&](int stage) {
+#ifdef DIFFUSERVE_WGMMA_DEVICE
+    const uint32_t a_base = shared_address(smem + stage * kStageBytes), w_base = a_base + kABytes;
+    wgmma_fence();
+#pragma unroll
+    for (int ks = 0; ks < kRowBytes / 32; ++ks)
+#pragma unroll
+      for (int half = 0; half < 2; ++half)
+#pragma unroll
+        for (int plane = 0; plane < kPlanes; ++plane)
+          wgmma_m64n32k16_bf16(wacc[half], wgmma_descriptor(w_base + half * 64 * kRowBytes + 32 * ks),
+                               wgmma_descriptor(a_base + plane * kBM * kRowBytes + 32 * ks));
+    wgmma_commit();
+    wgmma_wait<0>();  // the stage is refilled after the next barrier
+    wgmma_hold(wacc[0]);
+    wgmma_hold(wacc[1]);
+#else
+    __trap();  // gemm() launches wgmma shapes only where the build has sm_90a code
+#endif
+  };
+
   // Split-K: blockIdx.z takes K-slice z of k_slice columns and writes its partial
   // product into its own copy of Y (gemm() sums the copies in a fixed order).
   const int64_t k_begin = int64_t(blockIdx.z) * p.k_slice, k_end = min(p.kp, k_begin + p.k_slice);
@@ -411,11 +455,15 @@ __global__ void __launch_bounds__(S::kThreads, S::kBlocks) gemm_kernel(const Par
   }
   for (int t = 0; t < k_tiles; ++t) {
     cp_async_wait<kStages - 2>();
+#ifdef DIFFUSERVE_WGMMA_DEVICE
+    if constexpr (S::kWgmma) fence_proxy_async();
+#endif
     __syncthreads();
     const int next = t + kStages - 1;
     if (next < k_tiles) load_tile(next % kStages, k_begin + int64_t(next) * kBK);
     cp_async_commit();
-    if constexpr (kDecode) compute_decoded(t % kStages);
+    if constexpr (S::kWgmma) compute_wgmma(t % kStages);
+    else if constexpr (kDecode) compute_decoded(t % kStages);
     else compute(t % kStages);
   }
 
@@ -429,26 +477,41 @@ __global__ void __launch_bounds__(S::kThreads, S::kBlocks) gemm_kernel(const Par
     return v;
   };
   float* y = p.y + int64_t(blockIdx.z) * p.y_copy_stride;
+  if constexpr (S::kWgmma) {  // wacc[h][4 j + 2 i + e]: W row 64 h + 16 warp + lane / 4 + 8 i, X row 8 j + 2 (lane % 4) + e
 #pragma unroll
-  for (int mt = 0; mt < kTilesM; ++mt)
+    for (int half = 0; half < 2; ++half)
 #pragma unroll
-    for (int nt = 0; nt < kTilesN; ++nt)
+      for (int j = 0; j < kBM / 8; ++j)
 #pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const int r = warp_m * kWM + mt * 16 + (lane >> 2) + half * 8;
-        const int64_t c = n0 + warp_n * kWN + nt * 8 + (lane & 3) * 2;
-        if (r >= rows) continue;
-        float* dst = y + (seg.y_row + m0 + r) * p.ldy + c;
-        const float x_scale = kInput == GemmInput::Fp8Token ? p.a_scales[x_row(r)] : 1.0f;
-        const float v0 = c < n ? rescale(acc[mt][nt][half * 2], x_scale, c) : 0.0f;
-        const float v1 = c + 1 < n ? rescale(acc[mt][nt][half * 2 + 1], x_scale, c + 1) : 0.0f;
-        if (p.y_pairs && c + 1 < n) {
-          *reinterpret_cast<float2*>(dst) = make_float2(v0, v1);
-        } else {
-          if (c < n) dst[0] = v0;
-          if (c + 1 < n) dst[1] = v1;
+        for (int i = 0; i < 2; ++i)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const int r = 8 * j + 2 * (lane & 3) + e;
+            const int64_t c = n0 + 64 * half + 16 * warp + (lane >> 2) + 8 * i;
+            if (r < rows && c < n) y[(seg.y_row + m0 + r) * p.ldy + c] = wacc[half][4 * j + 2 * i + e];
+          }
+  } else {
+#pragma unroll
+    for (int mt = 0; mt < kTilesM; ++mt)
+#pragma unroll
+      for (int nt = 0; nt < kTilesN; ++nt)
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          const int r = warp_m * kWM + mt * 16 + (lane >> 2) + half * 8;
+          const int64_t c = n0 + warp_n * kWN + nt * 8 + (lane & 3) * 2;
+          if (r >= rows) continue;
+          float* dst = y + (seg.y_row + m0 + r) * p.ldy + c;
+          const float x_scale = kInput == GemmInput::Fp8Token ? p.a_scales[x_row(r)] : 1.0f;
+          const float v0 = c < n ? rescale(acc[mt][nt][half * 2], x_scale, c) : 0.0f;
+          const float v1 = c + 1 < n ? rescale(acc[mt][nt][half * 2 + 1], x_scale, c + 1) : 0.0f;
+          if (p.y_pairs && c + 1 < n) {
+            *reinterpret_cast<float2*>(dst) = make_float2(v0, v1);
+          } else {
+            if (c < n) dst[0] = v0;
+            if (c + 1 < n) dst[1] = v1;
+          }
         }
-      }
+  }
 }
 
 // A[r] = [hi | lo] of X row r (or hi alone with kPlanes 1), K zero-padded to kp; one
@@ -550,8 +613,25 @@ size_t codes_bytes(int64_t x_rows, int64_t k) {
 
 }  // namespace
 
-int gemm_tile_rows(int64_t rows_per_segment, int64_t segments, int64_t n) {
-  if (rows_per_segment <= 24) return 16;
+bool gemm_has_wgmma_tile(GemmInput input, WeightFormat format) {
+  if (input == GemmInput::Fp8Token || format != WeightFormat::Plain) return false;
+#ifdef DIFFUSERVE_SM90A
+  static const bool use = [] {
+    int device = 0, major = 0, minor = 0;
+    cudaGetDevice(&device);
+    cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
+    cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device);
+    const char* env = std::getenv("DIFFUSERVE_WGMMA");
+    return major == 9 && minor == 0 && !(env && std::string(env) == "0");
+  }();
+  return use;
+#else
+  return false;  // no sm_90a code in this build
+#endif
+}
+
+int gemm_tile_rows(int64_t rows_per_segment, int64_t segments, int64_t n, bool wgmma) {
+  if (rows_per_segment <= 24) return wgmma ? SmallWgmma::kBM : Small::kBM;
   // 128 x 256 tiles where they are mostly full and still give two waves of blocks.
   const int64_t large_tiles = segments * ((rows_per_segment + 127) / 128) * ((n + 255) / 256);
   return rows_per_segment >= 192 && large_tiles >= 2 * multiprocessors() ? 128 : 64;
@@ -653,11 +733,21 @@ void gemm(const float* x, int64_t x_rows, int64_t ldx, const int64_t* row_map, c
   p.y = out;
   p.ldy = ldy;
   p.y_copy_stride = copy_stride;
-  if (tile_rows == 16) launch_shape<Small>(p, input, format, num_tiles, splits, stream);
-  else if (tile_rows == 128) launch_shape<Large>(p, input, format, num_tiles, splits, stream);
-  else if (int64_t(num_tiles) * ((n + Medium::kBN - 1) / Medium::kBN) * splits <= multiprocessors())
+  if (tile_rows == SmallWgmma::kBM) {
+    if (!gemm_has_wgmma_tile(input, format))
+      throw std::invalid_argument("gemm: 32-row tiles need wgmma (sm_90a), bf16 X and bf16 weights");
+    const dim3 grid{unsigned((n + SmallWgmma::kBN - 1) / SmallWgmma::kBN), unsigned(num_tiles), unsigned(splits)};
+    if (input == GemmInput::RoundBf16) launch<SmallWgmma, GemmInput::RoundBf16, WeightFormat::Plain>(p, grid, stream);
+    else launch<SmallWgmma, GemmInput::Split, WeightFormat::Plain>(p, grid, stream);
+  } else if (tile_rows == 16) {
+    launch_shape<Small>(p, input, format, num_tiles, splits, stream);
+  } else if (tile_rows == 128) {
+    launch_shape<Large>(p, input, format, num_tiles, splits, stream);
+  } else if (int64_t(num_tiles) * ((n + Medium::kBN - 1) / Medium::kBN) * splits <= multiprocessors()) {
     launch_shape<MediumOneWave, MediumDecoded>(p, input, format, num_tiles, splits, stream);
-  else launch_shape<Medium, MediumDecoded>(p, input, format, num_tiles, splits, stream);
+  } else {
+    launch_shape<Medium, MediumDecoded>(p, input, format, num_tiles, splits, stream);
+  }
   if (splits > 1)
     sum_copies_kernel<<<unsigned((copy_stride + 255) / 256), 256, 0, stream>>>(out, splits, copy_stride, y);
 }

@@ -64,9 +64,14 @@ struct GemmTile {
   int segment;
   int m0;  // first row within the segment
 };
-// The tile height (16, 64 or 128 rows) that suits `segments` segments of about
-// `rows_per_segment` rows each and N = n; GemmTile::m0 steps by it.
-int gemm_tile_rows(int64_t rows_per_segment, int64_t segments, int64_t n);
+// The tile height (16, 32, 64 or 128 rows) that suits `segments` segments of about
+// `rows_per_segment` rows each and N = n; GemmTile::m0 steps by it. `wgmma`: whether the
+// products have the wgmma tile (32 rows), as gemm_has_wgmma_tile says.
+int gemm_tile_rows(int64_t rows_per_segment, int64_t segments, int64_t n, bool wgmma);
+// Whether gemm() has its wgmma tile for X as `input` and weights in `format`: bf16 both, sm_90a
+// code in the build, an sm_90 GPU, and DIFFUSERVE_WGMMA unset or not 0 (0 keeps every tile
+// on mma.sync, to compare).
+bool gemm_has_wgmma_tile(GemmInput input, WeightFormat format);
 size_t gemm_scratch_bytes(int64_t x_rows, int64_t k, GemmInput input);
 // K as gemm()'s pre-pass pads it for `input`.
 int64_t gemm_padded_k(int64_t k, GemmInput input);

@@ -1,0 +1,72 @@
+// Hopper's warpgroup MMA (wgmma.mma_async, sm_90a): one instruction per 128 threads
+// multiplies a 64 x N x 16 product, both operands read from shared memory by the tensor
+// cores themselves, so the warps issue no fragment loads and
+// wait on nothing until wgmma_wait. The GEMM (gemm.cu) uses it for the MoE at small batch,
+// where N can be 32 rows of X (mma.sync's fragments made 16 the practical tile there).
+//
+// Shared-memory operands are described by a 64-bit descriptor. gemm.cu's tiles (gemm_tile.cuh)
+// are exactly the layout the descriptor's 128-byte swizzle names, K-major: rows of 128
+// bytes, 16-byte chunk c of row r at chunk c ^ (r % 8), in atoms of 8 rows (1,024 bytes,
+// which must start 1,024-byte aligned). An operand of 8k rows is k atoms one after the
+// other (the stride between atoms, 1,024 bytes), and its K step s of 32 bytes (16 bf16
+// values) starts 32 s bytes into its first row: the hardware applies the swizzle to the
+// address it forms, as ldmatrix's addresses had it applied by hand.
+#pragma once
+
+#include <cstdint>
+
+namespace diffuserve::cuda {
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define DIFFUSERVE_WGMMA_DEVICE 1  // this device pass has wgmma
+#endif
+
+// The descriptor of a K-major, 128-byte-swizzled operand whose first row starts at shared
+// address `address` (plus the K offset within the row, a multiple of 32 bytes).
+__device__ __forceinline__ uint64_t wgmma_descriptor(uint32_t address) {
+  constexpr uint64_t kAtomStride = 1024 >> 4;  // bytes between 8-row atoms, in 16-byte units
+  constexpr uint64_t kSwizzle128 = 1;          // layout type: 128-byte swizzle
+  return uint64_t((address & 0x3ffff) >> 4)    // start address, 16-byte units
+         | uint64_t(1) << 16                   // leading byte offset: unused by swizzled K-major layouts
+         | kAtomStride << 32 | kSwizzle128 << 62;
+}
+
+#ifdef DIFFUSERVE_WGMMA_DEVICE
+// d[64 x 32] += a[64 x 16] * b[32 x 16]^T (bf16 in, fp32 accumulate), a and b K-major in
+// shared memory. Thread i of the warpgroup holds d's rows 16 (i / 32) + g + {0, 8} and columns
+// 8 j + 2 t + {0, 1}, with g = (i % 32) / 4 and t = i % 4: d[4 j + 2 h + e] = row g + 8 h,
+// column 8 j + 2 t + e.
+#define DIFFUSERVE_WGMMA_D32                                                                               \
+  "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), \
+      "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+__device__ __forceinline__ void wgmma_m64n32k16_bf16(float (&d)[16], uint64_t a, uint64_t b) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.eq.u32 p, 1, 1;\n"
+      "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15}, "
+      "%16, %17, p, 1, 1, 0, 0;\n}\n"
+      : DIFFUSERVE_WGMMA_D32
+      : "l"(a), "l"(b));
+}
+#undef DIFFUSERVE_WGMMA_D32
+
+// Before the first wgmma of a group: the accumulator registers as the warps last wrote them.
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+// Waits until at most kPending committed groups are in flight.
+template <int kPending>
+__device__ __forceinline__ void wgmma_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(kPending) : "memory");
+}
+// Keeps the compiler from moving accesses to d across a wgmma fence or wait (the asm
+// statements above do not name the registers an in-flight wgmma writes).
+template <int kN>
+__device__ __forceinline__ void wgmma_hold(float (&d)[kN]) {
+#pragma unroll
+  for (int i = 0; i < kN; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+// Shared memory written by this thread's cp.async (the generic proxy), made visible to the
+// tensor cores' reads (the async proxy); a barrier then makes everyone's visible.
+__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+#endif
+
+}  // namespace diffuserve::cuda
