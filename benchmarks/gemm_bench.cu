@@ -776,7 +776,7 @@ int main(int argc, char** argv) {
 
     for (int64_t m : {256, 4096}) time_dense(m);
   }
-  for (int64_t tokens : {256, 4096}) {
+  for (int64_t tokens : {256, 1024, 4096}) {  // batch 1, 4 and 16's canvases
     std::printf("-- MoE, %ld tokens, 128 experts top 8 (~%ld rows per expert)\n", long(tokens), long(tokens / 16));
     for (const auto& [f, input] : kinds) {
       bench("experts up 2816->1408", tokens, 1408, 2816, 128, 8, true, f, input);

@@ -6,7 +6,7 @@ diffuserve's included). Needs a CUDA build and PyTorch.
     python benchmarks/kernel_trace.py [--context 1024] [--steps 8]
 
 Prints the GPU-busy share of the wall time, then one row per kernel name: time and launches
-per forward pass, mean time per launch; then the host gaps between GPU work.
+per forward pass, mean time per launch; then the gaps between GPU work, by length.
 (DIFFUSERVE_PROFILE=1 instead times each op with a synchronisation around it.)
 """
 import argparse
@@ -57,11 +57,19 @@ def main():
     for name, (ms, n) in sorted(by_name.items(), key=lambda kv: -kv[1][0])[:args.rows]:
         short = name.replace("diffuserve::cuda::(anonymous namespace)::", "").split("(")[0][:70]
         print(f"| {ms / passes:9.3f} | {n / passes:15.1f} | {1e3 * ms / n:11.1f} | {short} |")
-    gaps = [b.time_range.start - a.time_range.end for a, b in zip(gpu, gpu[1:])]
+    gaps = [max(b.time_range.start - a.time_range.end, 0) for a, b in zip(gpu, gpu[1:])]
     long_gaps = sorted(g for g in gaps if g > 20)
     longest = ", ".join(f"{g:.0f}" for g in long_gaps[-3:])
-    print(f"idle between GPU work: {sum(max(g, 0) for g in gaps) / 1e3 / passes:.1f} ms a pass; "
+    print(f"idle between GPU work: {sum(gaps) / 1e3 / passes:.1f} ms a pass; "
           f"{len(long_gaps)} gaps over 20 us (host work), the longest {longest} us")
+    # Short gaps are the GPU starting one queued kernel after another; long ones, the host
+    # not keeping the queue ahead (or waiting for a result).
+    bounds = [0, 2, 5, 20, float("inf")]
+    print("| gap (us) | gaps a pass | idle ms a pass |")
+    print("|:---------|------------:|---------------:|")
+    for lo, hi in zip(bounds, bounds[1:]):
+        inside = [g for g in gaps if lo <= g < hi]
+        print(f"| {lo:g}-{hi:g} | {len(inside) / passes:11.1f} | {sum(inside) / 1e3 / passes:14.2f} |")
 
 
 if __name__ == "__main__":

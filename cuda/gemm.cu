@@ -49,11 +49,12 @@
 //       blocks per multiprocessor keep ~100 KB of bf16 weights in flight on each. (With
 //       two blocks of four stages, 8 warps, ncu found no warp ready to issue 56% of the
 //       time, mostly waiting on dependent instructions; three blocks were 3-5% faster.)
-//   32 x 128 on wgmma (wgmma.cuh), one warpgroup: in place of 16 x 128 where X and the
-//       weights are bf16 and the build has sm_90a (the MoE of bf16 checkpoints at small
-//       batch). The same ring, read by the tensor cores through descriptors. 32 rows, as a
-//       batch-1 expert's 16 +- 4 tokens spill past 16 about half the time, and a second
-//       tile streams the expert's weights again (the same tile on wgmma at 16 rows
+//   32, 64 or 128 x 128 on wgmma (wgmma.cuh), one warpgroup: in place of the three above
+//       where X and the weights are bf16 and the build has sm_90a (the MoE of bf16
+//       checkpoints; dense products where cuBLASLt is absent). The same ring, read by the
+//       tensor cores through descriptors, the weight rows as the MMAs' M. 32 rows in place
+//       of 16: a batch-1 expert's 16 +- 4 tokens spill past 16 about half the time, and a
+//       second tile streams the expert's weights again (the same tile on wgmma at 16 rows
 //       measured no faster than mma.sync: the warps' issue was not what held it back).
 // Every shape accumulates each output in the same order (K steps of 32 bytes in order, hi
 // then lo), so a row's result does not depend on the tile shape its batch size picked:
@@ -198,11 +199,13 @@ using Small = Shape<16, 128, 1, 4, 3, 6, 3>;    // 60 / 72 / 52 KB; 108 KB
 using Medium = Shape<64, 128, 2, 2, 3, 3, 2>;   // 96 / 72 / 62 KB; 72 KB
 using MediumOneWave = Shape<64, 128, 2, 4, 3, 3, 2>;
 using Large = Shape<128, 256, 2, 4, 3, 3, 1>;   // 192 / 144 / 123 KB; 144 KB
-// The wgmma tile (bf16 X and weights; see the top): the 128 weight rows are the MMAs' M, as
-// two m64 halves, and the 32 X rows their N (Y^T = W X^T), one m64n32 wgmma per half, plane
-// and 16-value K step. (Packed weights decoded into wgmma's register operand measured no
-// faster than Small's mma.sync, NVFP4's down projection 18% slower: they stay there.)
-using SmallWgmma = Shape<32, 128, 1, 4, 3, 3, 3, true>;  // 72 KB
+// The wgmma tiles (bf16 X and weights; see the top): the 128 weight rows are the MMAs' M, as
+// two m64 halves, and the 32, 64 or 128 X rows their N (Y^T = W X^T), one wgmma per half,
+// plane and 16-value K step. (Packed weights decoded into wgmma's register operand measured
+// no faster than Small's mma.sync, NVFP4's down projection 18% slower: they stay there.)
+using Wgmma32 = Shape<32, 128, 1, 4, 3, 3, 3, true>;    // 72 KB
+using Wgmma64 = Shape<64, 128, 1, 4, 3, 3, 2, true>;    // 96 KB
+using Wgmma128 = Shape<128, 128, 1, 4, 3, 3, 1, true>;  // 144 KB
 // Medium for decoded packed weights: warps side by side (64 x 32 each), as each warp decodes
 // the W columns it multiplies and two warps over the same columns would decode them twice.
 using MediumDecoded = Shape<64, 128, 1, 4, 3, 3, 2>;  // 72 / 62 KB
@@ -224,9 +227,9 @@ __global__ void __launch_bounds__(S::kThreads, S::kBlocks) gemm_kernel(const Par
   static_assert(kBM % kRowStep == 0 && kWChunks % kThreads == 0 && kTilesN % 2 == 0 &&
                     kBN <= kThreads,  // a thread per W row for NVFP4's scales
                 "tile shape");
-  static_assert(!S::kWgmma || (kFormat == WeightFormat::Plain && kInput != GemmInput::Fp8Token && kBM == 32 &&
-                               kBN == 128 && kThreads == 128 && kABytes % 1024 == 0 && kStageBytes % 1024 == 0),
-                "wgmma: bf16 X and W, one warpgroup, 32 X rows, 128 W rows, operands on whole swizzle atoms");
+  static_assert(!S::kWgmma || (kFormat == WeightFormat::Plain && kInput != GemmInput::Fp8Token && kBN == 128 &&
+                               kThreads == 128 && kABytes % 1024 == 0 && kStageBytes % 1024 == 0),
+                "wgmma: bf16 X and W, one warpgroup, 128 W rows, operands on whole swizzle atoms");
   extern __shared__ __align__(1024) uint8_t smem[];
 
   GemmSegment seg = p.single;
@@ -418,26 +421,28 @@ __global__ void __launch_bounds__(S::kThreads, S::kBlocks) gemm_kernel(const Par
 
   // On wgmma: weight rows [64 h, 64 h + 64) of the tile are half h's M, the X tile's plane
   // rows its N; per accumulator, K steps in order, hi then lo, as compute() sums them.
-  float wacc[2][16] = {};
+  float wacc[2][kBM / 2] = {};
   auto compute_wgmma = [&](int stage) {
+    if constexpr (S::kWgmma) {
 #ifdef DIFFUSERVE_WGMMA_DEVICE
-    const uint32_t a_base = shared_address(smem + stage * kStageBytes), w_base = a_base + kABytes;
-    wgmma_fence();
+      const uint32_t a_base = shared_address(smem + stage * kStageBytes), w_base = a_base + kABytes;
+      wgmma_fence();
 #pragma unroll
-    for (int ks = 0; ks < kRowBytes / 32; ++ks)
+      for (int ks = 0; ks < kRowBytes / 32; ++ks)
 #pragma unroll
-      for (int half = 0; half < 2; ++half)
+        for (int half = 0; half < 2; ++half)
 #pragma unroll
-        for (int plane = 0; plane < kPlanes; ++plane)
-          wgmma_m64n32k16_bf16(wacc[half], wgmma_descriptor(w_base + half * 64 * kRowBytes + 32 * ks),
-                               wgmma_descriptor(a_base + plane * kBM * kRowBytes + 32 * ks));
-    wgmma_commit();
-    wgmma_wait<0>();  // the stage is refilled after the next barrier
-    wgmma_hold(wacc[0]);
-    wgmma_hold(wacc[1]);
+          for (int plane = 0; plane < kPlanes; ++plane)
+            wgmma_bf16<kBM>(wacc[half], wgmma_descriptor(w_base + half * 64 * kRowBytes + 32 * ks),
+                            wgmma_descriptor(a_base + plane * kBM * kRowBytes + 32 * ks));
+      wgmma_commit();
+      wgmma_wait<0>();  // the stage is refilled after the next barrier
+      wgmma_hold(wacc[0]);
+      wgmma_hold(wacc[1]);
 #else
-    __trap();  // gemm() launches wgmma shapes only where the build has sm_90a code
+      __trap();  // gemm() launches wgmma shapes only where the build has sm_90a code
 #endif
+    }
   };
 
   // Split-K: blockIdx.z takes K-slice z of k_slice columns and writes its partial
@@ -593,6 +598,14 @@ void launch(const Params& p, dim3 grid, cudaStream_t stream) {
   gemm_kernel<S, kInput, kFormat><<<grid, S::kThreads, bytes, stream>>>(p);
 }
 
+// A wgmma tile (bf16 weights, X split or rounded).
+template <class S>
+void launch_wgmma(const Params& p, GemmInput input, int64_t num_tiles, int splits, cudaStream_t stream) {
+  const dim3 grid{unsigned((p.n + S::kBN - 1) / S::kBN), unsigned(num_tiles), unsigned(splits)};
+  if (input == GemmInput::RoundBf16) launch<S, GemmInput::RoundBf16, WeightFormat::Plain>(p, grid, stream);
+  else launch<S, GemmInput::Split, WeightFormat::Plain>(p, grid, stream);
+}
+
 // RoundBf16 (linear_nt's soft embedding) only ever multiplies plain weights, Fp8Token FP8 ones.
 template <class S, class SDecoded = S>
 void launch_shape(const Params& p, GemmInput input, WeightFormat format, int64_t num_tiles, int splits,
@@ -631,7 +644,7 @@ bool gemm_has_wgmma_tile(GemmInput input, WeightFormat format) {
 }
 
 int gemm_tile_rows(int64_t rows_per_segment, int64_t segments, int64_t n, bool wgmma) {
-  if (rows_per_segment <= 24) return wgmma ? SmallWgmma::kBM : Small::kBM;
+  if (rows_per_segment <= 24) return wgmma ? Wgmma32::kBM : Small::kBM;
   // 128 x 256 tiles where they are mostly full and still give two waves of blocks.
   const int64_t large_tiles = segments * ((rows_per_segment + 127) / 128) * ((n + 255) / 256);
   return rows_per_segment >= 192 && large_tiles >= 2 * multiprocessors() ? 128 : 64;
@@ -733,16 +746,17 @@ void gemm(const float* x, int64_t x_rows, int64_t ldx, const int64_t* row_map, c
   p.y = out;
   p.ldy = ldy;
   p.y_copy_stride = copy_stride;
-  if (tile_rows == SmallWgmma::kBM) {
-    if (!gemm_has_wgmma_tile(input, format))
-      throw std::invalid_argument("gemm: 32-row tiles need wgmma (sm_90a), bf16 X and bf16 weights");
-    const dim3 grid{unsigned((n + SmallWgmma::kBN - 1) / SmallWgmma::kBN), unsigned(num_tiles), unsigned(splits)};
-    if (input == GemmInput::RoundBf16) launch<SmallWgmma, GemmInput::RoundBf16, WeightFormat::Plain>(p, grid, stream);
-    else launch<SmallWgmma, GemmInput::Split, WeightFormat::Plain>(p, grid, stream);
+  const bool wgmma = gemm_has_wgmma_tile(input, format);
+  if (tile_rows == Wgmma32::kBM) {
+    if (!wgmma) throw std::invalid_argument("gemm: 32-row tiles need wgmma (sm_90a), bf16 X and bf16 weights");
+    launch_wgmma<Wgmma32>(p, input, num_tiles, splits, stream);
   } else if (tile_rows == 16) {
     launch_shape<Small>(p, input, format, num_tiles, splits, stream);
   } else if (tile_rows == 128) {
-    launch_shape<Large>(p, input, format, num_tiles, splits, stream);
+    if (wgmma) launch_wgmma<Wgmma128>(p, input, num_tiles, splits, stream);
+    else launch_shape<Large>(p, input, format, num_tiles, splits, stream);
+  } else if (wgmma) {
+    launch_wgmma<Wgmma64>(p, input, num_tiles, splits, stream);
   } else if (int64_t(num_tiles) * ((n + Medium::kBN - 1) / Medium::kBN) * splits <= multiprocessors()) {
     launch_shape<MediumOneWave, MediumDecoded>(p, input, format, num_tiles, splits, stream);
   } else {

@@ -1,8 +1,8 @@
 // Hopper's warpgroup MMA (wgmma.mma_async, sm_90a): one instruction per 128 threads
 // multiplies a 64 x N x 16 product, both operands read from shared memory by the tensor
 // cores themselves, so the warps issue no fragment loads and
-// wait on nothing until wgmma_wait. The GEMM (gemm.cu) uses it for the MoE at small batch,
-// where N can be 32 rows of X (mma.sync's fragments made 16 the practical tile there).
+// wait on nothing until wgmma_wait. The GEMM (gemm.cu) uses it for bf16 products (the MoE of
+// bf16 checkpoints): 128 weight rows as M, 32, 64 or 128 rows of X as N.
 //
 // Shared-memory operands are described by a 64-bit descriptor. gemm.cu's tiles (gemm_tile.cuh)
 // are exactly the layout the descriptor's 128-byte swizzle names, K-major: rows of 128
@@ -32,22 +32,42 @@ __device__ __forceinline__ uint64_t wgmma_descriptor(uint32_t address) {
 }
 
 #ifdef DIFFUSERVE_WGMMA_DEVICE
-// d[64 x 32] += a[64 x 16] * b[32 x 16]^T (bf16 in, fp32 accumulate), a and b K-major in
-// shared memory. Thread i of the warpgroup holds d's rows 16 (i / 32) + g + {0, 8} and columns
-// 8 j + 2 t + {0, 1}, with g = (i % 32) / 4 and t = i % 4: d[4 j + 2 h + e] = row g + 8 h,
-// column 8 j + 2 t + e.
-#define DIFFUSERVE_WGMMA_D32                                                                               \
-  "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), \
-      "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
-__device__ __forceinline__ void wgmma_m64n32k16_bf16(float (&d)[16], uint64_t a, uint64_t b) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.eq.u32 p, 1, 1;\n"
-      "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15}, "
-      "%16, %17, p, 1, 1, 0, 0;\n}\n"
-      : DIFFUSERVE_WGMMA_D32
-      : "l"(a), "l"(b));
+// d[64 x kN] += a[64 x 16] * b[kN x 16]^T (bf16 in, fp32 accumulate; kN = 32, 64 or 128), a
+// and b K-major in shared memory. Thread i of the warpgroup holds d's rows 16 (i / 32) + g +
+// {0, 8} and columns 8 j + 2 t + {0, 1}, with g = (i % 32) / 4 and t = i % 4:
+// d[4 j + 2 h + e] = row g + 8 h, column 8 j + 2 t + e.
+#define DS_D4(i) "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3])
+#define DS_D16(i) DS_D4(i), DS_D4(i + 4), DS_D4(i + 8), DS_D4(i + 12)
+template <int kN>
+__device__ __forceinline__ void wgmma_bf16(float (&d)[kN / 2], uint64_t a, uint64_t b) {
+  static_assert(kN == 32 || kN == 64 || kN == 128, "wgmma_bf16: N of 32, 64 or 128");
+  if constexpr (kN == 32)
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.eq.u32 p, 1, 1;\n"
+        "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 {"
+        "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15"
+        "}, %16, %17, p, 1, 1, 0, 0;\n}\n"
+        : DS_D16(0)
+        : "l"(a), "l"(b));
+  else if constexpr (kN == 64)
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.eq.u32 p, 1, 1;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {"
+        "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31"
+        "}, %32, %33, p, 1, 1, 0, 0;\n}\n"
+        : DS_D16(0), DS_D16(16)
+        : "l"(a), "l"(b));
+  else if constexpr (kN == 128)
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.eq.u32 p, 1, 1;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {"
+        "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63"
+        "}, %64, %65, p, 1, 1, 0, 0;\n}\n"
+        : DS_D16(0), DS_D16(16), DS_D16(32), DS_D16(48)
+        : "l"(a), "l"(b));
 }
-#undef DIFFUSERVE_WGMMA_D32
+#undef DS_D16
+#undef DS_D4
 
 // Before the first wgmma of a group: the accumulator registers as the warps last wrote them.
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
