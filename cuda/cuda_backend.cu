@@ -461,13 +461,13 @@ class CudaBackend final : public Backend {
   }
 
   std::vector<RowSample> sample(Activation& logits, float temperature, const std::vector<uint8_t>& allowed,
-                                const RandomKey& key, DType feedback_dtype) override {
+                                const RandomKey& key, DType feedback_dtype, bool softmax_feedback) override {
     auto timed = profile_.scope("sample");
     auto out = pool_->get(size_t(logits.rows) * sizeof(cuda::DeviceRowSample));
     auto* device_out = static_cast<cuda::DeviceRowSample*>(out.get());
     cuda::sample_rows(logits.data, logits.rows, logits.cols, temperature,
-                      allowed.empty() ? nullptr : upload_table(allowed), key, feedback_dtype == DType::BF16, device_out,
-                      stream_);
+                      allowed.empty() ? nullptr : upload_table(allowed), key, feedback_dtype == DType::BF16,
+                      softmax_feedback, device_out, stream_);
     std::vector<cuda::DeviceRowSample> host(logits.rows);
     check(cudaMemcpy(host.data(), device_out, host.size() * sizeof(host[0]), cudaMemcpyDeviceToHost), "sample");
     std::vector<RowSample> rows(logits.rows);

@@ -300,38 +300,102 @@ __global__ void random_bf16_kernel(__nv_bfloat16* out, int64_t n, uint64_t seed,
     out[i] = __float2bfloat16(random_weight_value(seed, uint64_t(i), scale));
 }
 
-// One block per canvas row: processed logits, argmax, Gumbel-max candidate, entropy
-// (as torch's Categorical computes it), then the feedback rounding.
-__global__ void sample_kernel(float* logits, int64_t vocab, float temperature, const uint8_t* allowed, RandomKey key,
-                              bool round_bf16, DeviceRowSample* out) {
+// Softmax statistics kept online over a stream of values: the running max m, s = the sum
+// of e^(x - m) and t = the sum of e^(x - m) (x - m), for the entropy; -inf values (masked
+// ids) count for nothing.
+struct OnlineSoftmax {
+  float m, s, t;
+
+  __device__ void add(float x) {
+    if (x == -INFINITY) return;
+    if (x > m) {  // a new max: what came before (nothing, the first time) is rescaled to it
+      if (s > 0.0f) {
+        const float c = expf(m - x);
+        t = c * (t + (m - x) * s);
+        s *= c;
+      }
+      m = x;
+      s += 1.0f;
+    } else {
+      const float e = expf(x - m);
+      s += e;
+      t += e * (x - m);
+    }
+  }
+  __device__ void merge(const OnlineSoftmax& o) {
+    if (o.s == 0.0f) return;
+    if (s == 0.0f) {
+      *this = o;
+      return;
+    }
+    const float top = fmaxf(m, o.m), a = expf(m - top), b = expf(o.m - top);
+    t = a * (t + (m - top) * s) + b * (o.t + (o.m - top) * o.s);
+    s = a * s + b * o.s;
+    m = top;
+  }
+  // -sum p log p of the softmax (torch's Categorical entropy): log s - t / s.
+  __device__ float entropy() const { return logf(s) - t / s; }
+};
+
+// The statistics merged over the block: every thread gets the same, merged in one order.
+__device__ OnlineSoftmax block_merge(OnlineSoftmax v) {
+  __shared__ float m[32], s[32], t[32];
+  for (int o = 16; o > 0; o >>= 1)
+    v.merge({__shfl_xor_sync(0xffffffffu, v.m, o), __shfl_xor_sync(0xffffffffu, v.s, o),
+             __shfl_xor_sync(0xffffffffu, v.t, o)});
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = (blockDim.x + 31) >> 5;
+  __syncthreads();
+  if (lane == 0) m[warp] = v.m, s[warp] = v.s, t[warp] = v.t;
+  __syncthreads();
+  OnlineSoftmax total{m[0], s[0], t[0]};
+  for (int w = 1; w < warps; ++w) total.merge({m[w], s[w], t[w]});
+  return total;
+}
+
+// One block per canvas row, two passes over it. The first only reads, once for all the
+// sampler needs of the processed logits p (logits / temperature, masked ids -inf): the
+// argmax, the Gumbel-max candidate, the entropy (from online softmax statistics), and the
+// softmax statistics of the feedback f (p rounded to bf16 when round_bf16). The second
+// writes f, or with softmax_feedback its softmax (the next step's soft embedding input;
+// the forward's softmax op, copy and their passes are then left out).
+__global__ void __launch_bounds__(kRowThreads)
+    sample_kernel(float* logits, int64_t vocab, float temperature, const uint8_t* allowed, RandomKey key,
+                  bool round_bf16, bool softmax_feedback, bool vector, DeviceRowSample* out) {
   const int64_t row = blockIdx.x;
   float* l = logits + row * vocab;
+  auto processed = [&](int64_t v, float x) { return !allowed || allowed[v] ? x / temperature : -INFINITY; };
+  auto fed_back = [&](float p) { return round_bf16 ? __bfloat162float(__float2bfloat16(p)) : p; };
   float best = -INFINITY, best_noisy = -INFINITY;
   int best_i = INT_MAX, noisy_i = INT_MAX;
+  OnlineSoftmax dist{-INFINITY, 0.0f, 0.0f}, feedback = dist;
   for (int64_t v4 = int64_t(threadIdx.x) * 4; v4 < vocab; v4 += int64_t(blockDim.x) * 4) {
+    float x[4];
+    if (vector) {  // rows of whole, aligned float4s
+      const float4 q = *reinterpret_cast<const float4*>(l + v4);
+      x[0] = q.x, x[1] = q.y, x[2] = q.z, x[3] = q.w;
+    } else {
+      for (int j = 0; j < 4; ++j) x[j] = v4 + j < vocab ? l[v4 + j] : 0.0f;
+    }
     const Philox4 bits = key.draw(uint32_t(row), uint32_t(v4));
     for (int j = 0; j < 4 && v4 + j < vocab; ++j) {
       const int64_t v = v4 + j;
-      const float p = (!allowed || allowed[v]) ? l[v] / temperature : -INFINITY;
-      l[v] = p;
+      const float p = processed(v, x[j]);
       if (p > best || (p == best && v < best_i)) best = p, best_i = int(v);
       const float noisy = p + gumbel(bits[j]);
       if (noisy > best_noisy || (noisy == best_noisy && v < noisy_i)) best_noisy = noisy, noisy_i = int(v);
+      dist.add(p);
+      feedback.add(fed_back(p));
     }
   }
   block_argmax(best, best_i);
   block_argmax(best_noisy, noisy_i);
-  float sum = 0.0f;
-  for_each_strided(l, vocab, threadIdx.x, blockDim.x, [&](int64_t, float p) { sum += expf(p - best); });
-  const float log_z = best + logf(block_sum(sum));
-  float entropy = 0.0f;
-  for_each_strided(l, vocab, threadIdx.x, blockDim.x, [&](int64_t v, float p) {
-    const float log_p = fmaxf(p - log_z, -FLT_MAX);
-    entropy -= log_p * expf(p - log_z);
-    if (round_bf16) l[v] = __bfloat162float(__float2bfloat16(p));
+  dist = block_merge(dist);
+  feedback = block_merge(feedback);
+  for_each_strided(l, vocab, threadIdx.x, blockDim.x, [&](int64_t v, float x) {
+    const float f = fed_back(processed(v, x));
+    l[v] = softmax_feedback ? expf(f - feedback.m) / feedback.s : f;
   });
-  entropy = block_sum(entropy);
-  if (threadIdx.x == 0) out[row] = {best_i, noisy_i, entropy};
+  if (threadIdx.x == 0) out[row] = {best_i, noisy_i, dist.entropy()};
 }
 
 // FP8 per token: one warp per row finds the row's absolute maximum, then quantizes it.
@@ -470,8 +534,11 @@ void random_bf16(__nv_bfloat16* out, int64_t n, uint64_t seed, float scale, cuda
 }
 
 void sample_rows(float* logits, int64_t rows, int64_t vocab, float temperature, const uint8_t* allowed,
-                 RandomKey key, bool round_bf16, DeviceRowSample* out, cudaStream_t stream) {
-  if (rows) sample_kernel<<<unsigned(rows), kRowThreads, 0, stream>>>(logits, vocab, temperature, allowed, key, round_bf16, out);
+                 RandomKey key, bool round_bf16, bool softmax_feedback, DeviceRowSample* out, cudaStream_t stream) {
+  const bool vector = vocab % 4 == 0 && reinterpret_cast<uintptr_t>(logits) % 16 == 0;
+  if (rows)
+    sample_kernel<<<unsigned(rows), kRowThreads, 0, stream>>>(logits, vocab, temperature, allowed, key, round_bf16,
+                                                              softmax_feedback, vector, out);
 }
 
 void quantize_input(float* x, int64_t rows, int64_t cols, ActivationScheme scheme, int64_t encoder_rows,

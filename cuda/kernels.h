@@ -232,8 +232,8 @@ struct DeviceRowSample {
   int32_t candidate;
   float entropy;
 };
-// The sampler's row pass (Backend::sample), one block per row.
+// The sampler's passes over each row (Backend::sample), one block per row.
 void sample_rows(float* logits, int64_t rows, int64_t vocab, float temperature, const uint8_t* allowed,
-                 RandomKey key, bool round_bf16, DeviceRowSample* out, cudaStream_t stream);
+                 RandomKey key, bool round_bf16, bool softmax_feedback, DeviceRowSample* out, cudaStream_t stream);
 
 }  // namespace diffuserve::cuda

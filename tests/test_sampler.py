@@ -117,6 +117,20 @@ def test_allowed_ids_restrict_argmax_candidate_and_entropy():
     np.testing.assert_allclose(entropy, sub, rtol=1e-5, atol=1e-6)
 
 
+def test_softmax_feedback_is_the_softmax_of_the_processed_logits():
+    # What the engine feeds back for self-conditioning: the row's processed logits, then
+    # their softmax, as the forward would otherwise compute it; the draws are unchanged.
+    logits = spread_logits(5, 40, 8)
+    allowed = list(range(0, 40, 3))
+    processed, argmax, candidate, entropy = sample_rows(logits, 0.7, allowed=allowed, seed=4)
+    probs, *draws = sampler.sample_rows(logits, 0.7, allowed, 4, 0, 0, softmax_feedback=True)
+    for a, b in zip((argmax, candidate, entropy), draws):
+        np.testing.assert_array_equal(a, b)
+    expected = torch.softmax(torch.from_numpy(processed), dim=-1).numpy()
+    np.testing.assert_allclose(probs, expected, rtol=1e-6, atol=1e-9)
+    assert (probs[:, [i for i in range(40) if i not in allowed]] == 0).all()
+
+
 def test_draws_are_addressed_by_seed_block_step():
     logits = np.zeros((8, 1000), dtype=np.float32)
     base = sample_rows(logits, seed=5, block=1, step=2)[2]

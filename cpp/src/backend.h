@@ -208,10 +208,12 @@ class Backend {
   // processed = logits / temperature, with ids outside `allowed` (when not empty: one
   // flag per vocab id) set to -inf; then per row the argmax, a Gumbel-max candidate drawn
   // with `key` at (row, vocab id), and the entropy. Finally the processed logits are
-  // rounded to `feedback_dtype`: they are the next step's self-conditioning input, which
-  // the reference casts to the weight dtype.
+  // rounded to `feedback_dtype` (the reference casts the next step's self-conditioning
+  // input to the weight dtype) and, with `softmax_feedback`, replaced by their softmax as
+  // the softmax op computes it: the very input the next step's soft embedding multiplies,
+  // so that no pass over the vocabulary is left to the forward.
   virtual std::vector<RowSample> sample(Activation& logits, float temperature, const std::vector<uint8_t>& allowed,
-                                        const RandomKey& key, DType feedback_dtype) = 0;
+                                        const RandomKey& key, DType feedback_dtype, bool softmax_feedback) = 0;
 };
 
 std::unique_ptr<Backend> make_cpu_backend(int num_threads);

@@ -378,18 +378,12 @@ class CpuBackend final : public Backend {
   }
   void softmax(Activation& x) override {
     pool_->parallel_for(x.rows, 1, [&](int64_t b, int64_t e) {
-      for (int64_t i = b; i < e; ++i) {
-        float* r = x.row(i);
-        const float m = *std::max_element(r, r + x.cols);
-        float sum = 0;
-        for (int64_t j = 0; j < x.cols; ++j) sum += (r[j] = std::exp(r[j] - m));
-        for (int64_t j = 0; j < x.cols; ++j) r[j] /= sum;
-      }
+      for (int64_t i = b; i < e; ++i) softmax_row(x.row(i), x.cols);
     });
   }
 
   std::vector<RowSample> sample(Activation& logits, float temperature, const std::vector<uint8_t>& allowed,
-                                const RandomKey& key, DType feedback_dtype) override {
+                                const RandomKey& key, DType feedback_dtype, bool softmax_feedback) override {
     const int64_t vocab = logits.cols;
     std::vector<RowSample> out(logits.rows);
     pool_->parallel_for(logits.rows, 1, [&](int64_t b, int64_t e) {
@@ -419,12 +413,20 @@ class CpuBackend final : public Backend {
         r.entropy = entropy;
         if (feedback_dtype != DType::F32)
           for (int64_t j = 0; j < vocab; ++j) l[j] = round_to_dtype(l[j], feedback_dtype);
+        if (softmax_feedback) softmax_row(l, vocab);
       }
     });
     return out;
   }
 
  private:
+  static void softmax_row(float* r, int64_t n) {
+    const float m = *std::max_element(r, r + n);
+    float sum = 0;
+    for (int64_t j = 0; j < n; ++j) sum += (r[j] = std::exp(r[j] - m));
+    for (int64_t j = 0; j < n; ++j) r[j] /= sum;
+  }
+
   // rms_norm and add_rms_norm: per group of x, the normed value x * (mean(x^2) + eps)^-0.5
   // [* weight] is stored in y, or (accumulate) added to y's value.
   void norm_groups(const Activation& x, const Weight* weight, int64_t group, float eps, bool accumulate,

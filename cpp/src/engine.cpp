@@ -26,7 +26,7 @@ struct RequestState {
   std::vector<int32_t> canvas_ids, argmax;
   std::vector<uint8_t> free_position;  // 0: pinned to its seed_canvas token
   std::unique_ptr<StableAndConfident> stop;
-  Activation feedback;  // the previous step's processed logits, for self-conditioning
+  Activation feedback;  // the softmax of the previous step's processed logits, for self-conditioning
   int steps = 0;
 
   int64_t target_length() const { return int64_t(prompt.size() + out.token_ids.size()); }
@@ -76,7 +76,7 @@ bool advance(RequestState& r, Backend& be, Activation logits, int vocab, DType w
   const float temperature = schedule_temperature(p.t_min, p.t_max, remaining, p.max_denoising_steps);
   const std::vector<RowSample> rows =
       be.sample(logits, temperature, r.allowed, RandomKey{r.seed, r.block(), step, RandomStream::Candidate},
-                weight_dtype);
+                weight_dtype, p.self_conditioning);
 
   std::vector<float> entropy(r.canvas);
   double entropy_sum = 0;
@@ -253,7 +253,7 @@ std::vector<std::pair<uint64_t, GenerationOutput>> Engine::step(const std::vecto
       }
       if (encode < pending || (encode > 0 && !fuse_commit_) || rows + r->canvas > max_batched_tokens) continue;
       if (!r->in_block) start_block(*r, c.vocab_size);
-      segments.push_back(Segment{&r->table, false, r->canvas_ids, r->feedback.data ? &r->feedback : nullptr});
+      segments.push_back(Segment{&r->table, false, r->canvas_ids, r->feedback.data ? &r->feedback : nullptr, true});
       denoisers.push_back(r);
       rows += r->canvas;
     }

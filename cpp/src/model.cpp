@@ -600,9 +600,12 @@ Activation forward(ModelState& m, KvCache& kv, std::vector<Segment>& segments) {
     Activation signal = be.alloc_output(decoder_rows, H);
     for (const Placed& p : placed) {
       if (p.segment->encoder || !p.segment->self_conditioning) continue;
-      Activation probs = be.alloc_output(p.rows, c.vocab_size), rows = soft.view(p.first_row - encoder_rows, p.rows);
-      be.copy_rows(*p.segment->self_conditioning, 0, probs, 0, p.rows);
-      be.softmax(probs);
+      Activation probs = *p.segment->self_conditioning, rows = soft.view(p.first_row - encoder_rows, p.rows);
+      if (!p.segment->self_conditioning_softmax) {
+        probs = be.alloc_output(p.rows, c.vocab_size);
+        be.copy_rows(*p.segment->self_conditioning, 0, probs, 0, p.rows);
+        be.softmax(probs);
+      }
       be.linear_nt(probs, W.embed_tokens, rows);
       be.scale(rows, m.embed_scale);
     }

@@ -44,7 +44,10 @@ struct Segment {
   KvTable* table = nullptr;  // the sequence's KV
   bool encoder = false;      // causal pass that appends KV (prefill chunk, commit); else a denoise step
   std::vector<int32_t> tokens;
-  const Activation* self_conditioning = nullptr;  // denoise: previous step's processed logits, or null
+  // denoise: the previous step's processed logits (or null), or with self_conditioning_softmax
+  // their softmax, as Backend::sample leaves it
+  const Activation* self_conditioning = nullptr;
+  bool self_conditioning_softmax = false;
 };
 
 struct ModelState {
