@@ -246,7 +246,8 @@ void random_weights(Problem& p, WeightFormat format, int matrices, std::mt19937&
   p.w_values = dequantize(p.packed);
 }
 
-// The tile heights gemm() has for `p`: 32 is the wgmma tile (bf16 X and W, sm_90a).
+// The tile heights gemm() has for `p`, whose results must agree bitwise: mma.sync's (16,
+// 64, 128), or on sm_90a for bf16 the wgmma tiles (32, 64, 128) and mma.sync's 16.
 std::vector<int> tile_heights(const Problem& p) {
   if (gemm_has_wgmma_tile(p.input, p.format)) return {16, 32, 64, 128};
   return {16, 64, 128};
@@ -590,7 +591,7 @@ void correctness() {
         for (size_t e = 0; e < y.size(); ++e)
           if (std::memcmp(&y[e], &first[e], 4) != 0) ++differ;
         if (differ) {
-          std::printf("FAIL   %-44s %-5s tile %3d: %zu elements differ bitwise from tile 16\n", c.name,
+          std::printf("FAIL   %-44s %-5s tile %3d: %zu elements differ bitwise from the first tile\n", c.name,
                       format_name(c.p.format, c.p.input), t, differ);
           ++failures;
         }
@@ -644,7 +645,8 @@ void bench(const char* name, int64_t tokens, int64_t n, int64_t k, int experts, 
   const int64_t rows = moe_layer ? tokens * top_k : tokens;  // output rows
   const int64_t x_rows = moe_layer && gather ? tokens : rows;
   const int64_t segments = moe_layer ? std::min<int64_t>(experts, rows) : 1;
-  const int tile_rows = on_cublaslt ? kCublasLt : gemm_tile_rows(rows / segments, segments, moe_layer ? 1408 : n, gemm_has_wgmma_tile(input, format));
+  const int tile_rows =
+      on_cublaslt ? kCublasLt : gemm_tile_rows(rows / segments, segments, moe_layer ? 1408 : n, input, format);
   float *x, *y, *row_scales;
   uint8_t *w, *group_scales;
   void* scratch;

@@ -280,8 +280,7 @@ class CudaBackend final : public Backend {
     if (first.format == WeightFormat::Plain && y.cols % 4 == 0 &&
         products_on_cublaslt(x, weights, first.n, first.k, cuda::GemmInput::Split, outputs, y.cols, scratch.get()))
       return;
-    const int tile = cuda::gemm_tile_rows(x.rows, int64_t(ws.size()), first.n,
-                                          cuda::gemm_has_wgmma_tile(cuda::GemmInput::Split, first.format));
+    const int tile = cuda::gemm_tile_rows(x.rows, int64_t(ws.size()), first.n, cuda::GemmInput::Split, first.format);
     std::vector<cuda::GemmSegment> segments(ws.size());
     std::vector<cuda::GemmTile> tiles;
     for (size_t i = 0; i < ws.size(); ++i) {
@@ -382,10 +381,12 @@ class CudaBackend final : public Backend {
     const int64_t pairs = routing.weights.size(), tokens = routing.weights.rows;
     const int64_t segments = std::max<int64_t>(1, std::min(num_experts, pairs));
     const cuda::GemmInput up_input = gemm_input(gate_up), down_input = gemm_input(down);
-    // One tile plan serves both products: the wgmma tile only where both have it.
-    const bool wgmma = cuda::gemm_has_wgmma_tile(up_input, gate_up.format) &&
-                       cuda::gemm_has_wgmma_tile(down_input, down.format);
-    const int tile_rows = cuda::gemm_tile_rows(pairs / segments, segments, std::min(inter2, hidden), wgmma);
+    // One tile plan serves both products; where their kinds would take different heights,
+    // 64 rows, which every kind has.
+    const int64_t rows_per_expert = pairs / segments, n = std::min(inter2, hidden);
+    const int up_tile = cuda::gemm_tile_rows(rows_per_expert, segments, n, up_input, gate_up.format);
+    const int tile_rows =
+        up_tile == cuda::gemm_tile_rows(rows_per_expert, segments, n, down_input, down.format) ? up_tile : 64;
     const int max_tiles = int((pairs + tile_rows - 1) / tile_rows + num_experts);
     auto row_map = pool_->get(sizeof(int64_t) * size_t(pairs)), inverse = pool_->get(sizeof(int64_t) * size_t(pairs));
     auto up_segments = pool_->get(sizeof(cuda::GemmSegment) * size_t(num_experts));
@@ -483,7 +484,7 @@ class CudaBackend final : public Backend {
         products_on_cublaslt(x, {w.values}, n, k, input, {y.data}, y.cols, scratch.get()))
       return;
     const cuda::GemmSegment seg{0, 0, int(x.rows), w};
-    const int tile = cuda::gemm_tile_rows(x.rows, 1, n, cuda::gemm_has_wgmma_tile(input, format));
+    const int tile = cuda::gemm_tile_rows(x.rows, 1, n, input, format);
     cuda::gemm(x.data, x.rows, x.cols, nullptr, &seg, nullptr, int((x.rows + tile - 1) / tile), tile, format, n, k,
                input, y.data, y.cols, scratch.get(), stream_);
   }

@@ -643,7 +643,8 @@ bool gemm_has_wgmma_tile(GemmInput input, WeightFormat format) {
 #endif
 }
 
-int gemm_tile_rows(int64_t rows_per_segment, int64_t segments, int64_t n, bool wgmma) {
+int gemm_tile_rows(int64_t rows_per_segment, int64_t segments, int64_t n, GemmInput input, WeightFormat format) {
+  const bool wgmma = gemm_has_wgmma_tile(input, format);
   if (rows_per_segment <= 24) return wgmma ? Wgmma32::kBM : Small::kBM;
   // 128 x 256 tiles where they are mostly full and still give two waves of blocks.
   const int64_t large_tiles = segments * ((rows_per_segment + 127) / 128) * ((n + 255) / 256);

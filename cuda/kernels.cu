@@ -13,6 +13,9 @@ constexpr int kThreads = 256;
 // A block per vocab-wide row (softmax, the sampler): 256 rows of 262,144 logits need every
 // thread the multiprocessors hold to keep the memory system busy.
 constexpr int kRowThreads = 1024;
+// The sampler's blocks: 512 threads, two a multiprocessor at its 64 registers, so a batch-1
+// canvas (256 rows) runs in one wave on 132 multiprocessors.
+constexpr int kSampleThreads = 512;
 
 unsigned blocks_for(int64_t n) { return unsigned((n + kThreads - 1) / kThreads); }
 
@@ -302,7 +305,7 @@ __global__ void random_bf16_kernel(__nv_bfloat16* out, int64_t n, uint64_t seed,
 
 // Softmax statistics kept online over a stream of values: the running max m, s = the sum
 // of e^(x - m) and t = the sum of e^(x - m) (x - m), for the entropy; -inf values (masked
-// ids) count for nothing.
+// ids) count for nothing. e^x on the special function unit (__expf), as the softmax op.
 struct OnlineSoftmax {
   float m, s, t;
 
@@ -310,14 +313,14 @@ struct OnlineSoftmax {
     if (x == -INFINITY) return;
     if (x > m) {  // a new max: what came before (nothing, the first time) is rescaled to it
       if (s > 0.0f) {
-        const float c = expf(m - x);
+        const float c = __expf(m - x);
         t = c * (t + (m - x) * s);
         s *= c;
       }
       m = x;
       s += 1.0f;
     } else {
-      const float e = expf(x - m);
+      const float e = __expf(x - m);
       s += e;
       t += e * (x - m);
     }
@@ -328,7 +331,7 @@ struct OnlineSoftmax {
       *this = o;
       return;
     }
-    const float top = fmaxf(m, o.m), a = expf(m - top), b = expf(o.m - top);
+    const float top = fmaxf(m, o.m), a = __expf(m - top), b = __expf(o.m - top);
     t = a * (t + (m - top) * s) + b * (o.t + (o.m - top) * o.s);
     s = a * s + b * o.s;
     m = top;
@@ -358,7 +361,7 @@ __device__ OnlineSoftmax block_merge(OnlineSoftmax v) {
 // softmax statistics of the feedback f (p rounded to bf16 when round_bf16). The second
 // writes f, or with softmax_feedback its softmax (the next step's soft embedding input;
 // the forward's softmax op, copy and their passes are then left out).
-__global__ void __launch_bounds__(kRowThreads)
+__global__ void __launch_bounds__(kSampleThreads, 2)
     sample_kernel(float* logits, int64_t vocab, float temperature, const uint8_t* allowed, RandomKey key,
                   bool round_bf16, bool softmax_feedback, bool vector, DeviceRowSample* out) {
   const int64_t row = blockIdx.x;
@@ -391,9 +394,10 @@ __global__ void __launch_bounds__(kRowThreads)
   block_argmax(best_noisy, noisy_i);
   dist = block_merge(dist);
   feedback = block_merge(feedback);
+  const float inv_sum = 1.0f / feedback.s;
   for_each_strided(l, vocab, threadIdx.x, blockDim.x, [&](int64_t v, float x) {
     const float f = fed_back(processed(v, x));
-    l[v] = softmax_feedback ? expf(f - feedback.m) / feedback.s : f;
+    l[v] = softmax_feedback ? __expf(f - feedback.m) * inv_sum : f;
   });
   if (threadIdx.x == 0) out[row] = {best_i, noisy_i, dist.entropy()};
 }
@@ -537,7 +541,7 @@ void sample_rows(float* logits, int64_t rows, int64_t vocab, float temperature, 
                  RandomKey key, bool round_bf16, bool softmax_feedback, DeviceRowSample* out, cudaStream_t stream) {
   const bool vector = vocab % 4 == 0 && reinterpret_cast<uintptr_t>(logits) % 16 == 0;
   if (rows)
-    sample_kernel<<<unsigned(rows), kRowThreads, 0, stream>>>(logits, vocab, temperature, allowed, key, round_bf16,
+    sample_kernel<<<unsigned(rows), kSampleThreads, 0, stream>>>(logits, vocab, temperature, allowed, key, round_bf16,
                                                               softmax_feedback, vector, out);
 }
 

@@ -65,12 +65,12 @@ struct GemmTile {
   int m0;  // first row within the segment
 };
 // The tile height (16, 32, 64 or 128 rows) that suits `segments` segments of about
-// `rows_per_segment` rows each and N = n; GemmTile::m0 steps by it. `wgmma`: whether the
-// products have the wgmma tile (32 rows), as gemm_has_wgmma_tile says.
-int gemm_tile_rows(int64_t rows_per_segment, int64_t segments, int64_t n, bool wgmma);
-// Whether gemm() has its wgmma tile for X as `input` and weights in `format`: bf16 both, sm_90a
-// code in the build, an sm_90 GPU, and DIFFUSERVE_WGMMA unset or not 0 (0 keeps every tile
-// on mma.sync, to compare).
+// `rows_per_segment` rows each, N = n, X as `input` and weights in `format`; GemmTile::m0
+// steps by it. Results do not depend on it, among the heights it gives for one kind.
+int gemm_tile_rows(int64_t rows_per_segment, int64_t segments, int64_t n, GemmInput input, WeightFormat format);
+// Whether gemm() multiplies X as `input` with weights in `format` on wgmma tiles (32, 64 and
+// 128 rows): bf16 both, sm_90a code in the build, an sm_90 GPU, and DIFFUSERVE_WGMMA unset
+// or not 0 (0 keeps every tile on mma.sync, to compare).
 bool gemm_has_wgmma_tile(GemmInput input, WeightFormat format);
 size_t gemm_scratch_bytes(int64_t x_rows, int64_t k, GemmInput input);
 // K as gemm()'s pre-pass pads it for `input`.
