@@ -74,17 +74,17 @@ void bind_sampler(nb::module_& m) {
   s.def("accept_by_entropy", [](const std::vector<float>& entropy, float bound) {
     return accept_by_entropy(entropy, bound, {});
   });
-  // One `sample` op on the CPU backend: returns (processed logits, or with softmax_feedback
-  // their softmax, argmax, candidate, entropy).
+  // One `sample` op on `device`'s backend: returns (processed logits, or with
+  // softmax_feedback their softmax, argmax, candidate, entropy).
   s.def("sample_rows", [](LogitsIn logits, float temperature, const std::vector<int32_t>& allowed_ids, uint64_t seed,
-                          uint32_t block, uint32_t step, bool softmax_feedback) {
+                          uint32_t block, uint32_t step, bool softmax_feedback, const std::string& device) {
     const int64_t rows = logits.shape(0), vocab = logits.shape(1);
     std::vector<uint8_t> allowed;
     if (!allowed_ids.empty()) {
       allowed.assign(vocab, 0);
       for (int32_t t : allowed_ids) allowed.at(t) = 1;
     }
-    auto be = make_cpu_backend(1);
+    auto be = make_backend(device, 1);
     Activation a = be->alloc(rows, vocab);
     be->from_host(logits.data(), a);
     const std::vector<RowSample> out =
@@ -102,7 +102,7 @@ void bind_sampler(nb::module_& m) {
     return nb::make_tuple(to_numpy(std::move(processed), {n, size_t(vocab)}), to_numpy(std::move(argmax), {n}),
                           to_numpy(std::move(candidate), {n}), to_numpy(std::move(entropy), {n}));
   }, nb::arg("logits"), nb::arg("temperature"), nb::arg("allowed_ids"), nb::arg("seed"), nb::arg("block"),
-     nb::arg("step"), nb::arg("softmax_feedback") = false);
+     nb::arg("step"), nb::arg("softmax_feedback") = false, nb::arg("device") = "cpu");
   nb::class_<StableAndConfident>(s, "StableAndConfident")
       .def(nb::init<int, float>(), nb::arg("stability_threshold"), nb::arg("confidence_threshold"))
       .def("__call__", &StableAndConfident::operator(), nb::arg("argmax_canvas"), nb::arg("mean_entropy"));

@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "diffuserve/config.h"
@@ -217,6 +218,9 @@ class Backend {
 };
 
 std::unique_ptr<Backend> make_cpu_backend(int num_threads);
+// "cpu", "cuda" or "cuda:N" -> that backend; InvalidArgument for other names, or "cuda" in a
+// build without the CUDA backend.
+std::unique_ptr<Backend> make_backend(const std::string& device, int num_threads);
 #ifdef DIFFUSERVE_WITH_CUDA
 std::unique_ptr<Backend> make_cuda_backend(int device);
 #endif

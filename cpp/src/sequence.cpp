@@ -25,7 +25,15 @@ DType parse_dtype(const std::string& name, DType stored) {
   throw InvalidArgument("dtype '" + name + "' is not supported (use float32, bfloat16 or float16)");
 }
 
-// "cpu", "cuda" or "cuda:N" -> the backend.
+void check_positions(int64_t length, size_t n, const ModelConfig& c, const char* what) {
+  if (length + int64_t(n) > c.max_position_embeddings)
+    throw InvalidArgument(std::string(what) + ": " + std::to_string(length) + " + " + std::to_string(n) +
+                          " tokens exceed max_position_embeddings (" + std::to_string(c.max_position_embeddings) +
+                          ")");
+}
+
+}  // namespace
+
 std::unique_ptr<Backend> make_backend(const std::string& device, int num_threads) {
   if (device == "cpu") return make_cpu_backend(num_threads);
   if (device == "cuda" || device.rfind("cuda:", 0) == 0) {
@@ -40,15 +48,6 @@ std::unique_ptr<Backend> make_backend(const std::string& device, int num_threads
   }
   throw InvalidArgument("device '" + device + "' is not available: use cpu, cuda or cuda:N");
 }
-
-void check_positions(int64_t length, size_t n, const ModelConfig& c, const char* what) {
-  if (length + int64_t(n) > c.max_position_embeddings)
-    throw InvalidArgument(std::string(what) + ": " + std::to_string(length) + " + " + std::to_string(n) +
-                          " tokens exceed max_position_embeddings (" + std::to_string(c.max_position_embeddings) +
-                          ")");
-}
-
-}  // namespace
 
 bool cuda_available() {
 #ifdef DIFFUSERVE_WITH_CUDA
