@@ -246,12 +246,9 @@ void random_weights(Problem& p, WeightFormat format, int matrices, std::mt19937&
   p.w_values = dequantize(p.packed);
 }
 
-// The tile heights gemm() has for `p`, whose results must agree bitwise: mma.sync's (16,
-// 64, 128), or on sm_90a for bf16 the wgmma tiles (32, 64, 128) and mma.sync's 16.
-std::vector<int> tile_heights(const Problem& p) {
-  if (gemm_has_wgmma_tile(p.input, p.format)) return {16, 32, 64, 128};
-  return {16, 64, 128};
-}
+// The tile heights gemm() has, whose results must agree bitwise (on sm_90a, for bf16, those
+// of 32 rows and more are wgmma's, 16 is mma.sync's).
+const int kTileHeights[] = {16, 32, 64, 128};
 
 // Runs `p` with the given tile height; returns Y (y_rows x ldy).
 std::vector<float> run(const Problem& p, int tile_rows) {
@@ -581,7 +578,7 @@ void correctness() {
       check_against_fake_quant(c.p, c.name, 64);
     }
     std::vector<float> first;
-    for (int t : tile_heights(c.p)) {
+    for (int t : kTileHeights) {
       const std::vector<float> y = run(c.p, t);
       verify(c.p, y, c.name, t);
       if (first.empty()) {
@@ -761,15 +758,15 @@ int main(int argc, char** argv) {
     correctness();
     // Spot checks of the big shapes (sampled elements) with each tile shape.
     Problem big = dense(512, 4096, 2816);
-    for (int t : tile_heights(big)) verify(big, run(big, t), "dense 512x4096x2816 (sampled)", t, 4000);
+    for (int t : kTileHeights) verify(big, run(big, t), "dense 512x4096x2816 (sampled)", t, 4000);
     Problem big_fp8 = fp8_token(dense(WeightFormat::Fp8, 512, 4096, 2816));
-    for (int t : tile_heights(big_fp8)) verify(big_fp8, run(big_fp8, t), "dense 512x4096x2816 (sampled)", t, 4000);
+    for (int t : kTileHeights) verify(big_fp8, run(big_fp8, t), "dense 512x4096x2816 (sampled)", t, 4000);
     for (WeightFormat f : {WeightFormat::Plain, WeightFormat::Fp8, WeightFormat::Nvfp4}) {
       Problem moe_big = moe(512, 128, 8, 264, 704, true, 9, f);
-      for (int t : tile_heights(moe_big)) verify(moe_big, run(moe_big, t), "moe up 512 tok 128 exp 264x704", t);
+      for (int t : kTileHeights) verify(moe_big, run(moe_big, t), "moe up 512 tok 128 exp 264x704", t);
     }
     Problem moe_fp8 = fp8_token(moe(512, 128, 8, 264, 704, true, 9, WeightFormat::Fp8));
-    for (int t : tile_heights(moe_fp8)) verify(moe_fp8, run(moe_fp8, t), "moe up 512 tok 128 exp 264x704", t);
+    for (int t : kTileHeights) verify(moe_fp8, run(moe_fp8, t), "moe up 512 tok 128 exp 264x704", t);
 #ifdef DIFFUSERVE_WITH_CUBLASLT
     check_cublaslt();
 #endif

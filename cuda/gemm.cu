@@ -32,7 +32,7 @@
 // both the cp.async stores and the ldmatrix reads (8 rows of one chunk column) free of
 // bank conflicts (gemm_tile.cuh). Fragments come from ldmatrix.x4, without .trans: W is
 // [N, K], K contiguous, which is already the MMA's "col" B layout; in bytes the E4M3
-// fragments are laid out as the bf16 ones, so both MMAs share the addressing. Four tile
+// fragments are laid out as the bf16 ones, so both MMAs share the addressing. The tile
 // shapes:
 //   128 x 256, 8 warps of 64 x 64: tall inputs (dense at large batch, the lm_head, the MoE
 //       at large batch). Per 32-byte K step a warp loads 8 A and 4 B fragments for 64
@@ -44,18 +44,19 @@
 //       multiprocessor) takes 8 warps of 32 x 32 instead, which hide latency better (4-6%
 //       faster on the H200; where blocks are plenty, 4 warps' fewer fragment loads win).
 //       With decoded packed weights, 4 warps of 64 x 32 side by side (MediumDecoded).
-//   16 x 128, 4 warps of 16 x 32: the MoE at small batch, a dozen rows per expert, where
+//   16 or 32 x 128, 4 warps of 16 or 32 x 32: the MoE at small batch (32 rows from 13 rows
+//       an expert: at batch 1 an expert's 16 +- 4 rows spill past 16 about half the time,
+//       and a second tile streams and decodes its weights again), where
 //       the kernel's job is streaming weights at memory bandwidth: three stages and three
 //       blocks per multiprocessor keep ~100 KB of bf16 weights in flight on each. (With
 //       two blocks of four stages, 8 warps, ncu found no warp ready to issue 56% of the
 //       time, mostly waiting on dependent instructions; three blocks were 3-5% faster.)
-//   32, 64 or 128 x 128 on wgmma (wgmma.cuh), one warpgroup: in place of the three above
-//       where X and the weights are bf16 and the build has sm_90a (the MoE of bf16
-//       checkpoints; dense products where cuBLASLt is absent). The same ring, read by the
-//       tensor cores through descriptors, the weight rows as the MMAs' M. 32 rows in place
-//       of 16: a batch-1 expert's 16 +- 4 tokens spill past 16 about half the time, and a
-//       second tile streams the expert's weights again (the same tile on wgmma at 16 rows
-//       measured no faster than mma.sync: the warps' issue was not what held it back).
+//   32, 64 or 128 x 128 on wgmma (wgmma.cuh), one warpgroup: in place of the 32-, 64- and
+//       128-row tiles above where X and the weights are bf16 and the build has sm_90a (the
+//       MoE of bf16 checkpoints; dense products where cuBLASLt is absent). The same ring,
+//       read by the tensor cores through descriptors, the weight rows as the MMAs' M. (At
+//       16 rows, wgmma measured no faster than mma.sync: the warps' issue was not what held
+//       that tile back, the second tiles were.)
 // Every shape accumulates each output in the same order (K steps of 32 bytes in order, hi
 // then lo), so a row's result does not depend on the tile shape its batch size picked:
 // batched and single-sequence runs agree bitwise.
@@ -196,6 +197,7 @@ struct Shape {
 };
 // Shared memory with hi and lo planes, bf16 / FP8 / NVFP4 weights; E4M3 X and weights:
 using Small = Shape<16, 128, 1, 4, 3, 6, 3>;    // 60 / 72 / 52 KB; 108 KB
+using Small32 = Shape<32, 128, 1, 4, 3, 4, 3>;  // 72 / 64 / 50 KB; 80 KB
 using Medium = Shape<64, 128, 2, 2, 3, 3, 2>;   // 96 / 72 / 62 KB; 72 KB
 using MediumOneWave = Shape<64, 128, 2, 4, 3, 3, 2>;
 using Large = Shape<128, 256, 2, 4, 3, 3, 1>;   // 192 / 144 / 123 KB; 144 KB
@@ -645,7 +647,9 @@ bool gemm_has_wgmma_tile(GemmInput input, WeightFormat format) {
 
 int gemm_tile_rows(int64_t rows_per_segment, int64_t segments, int64_t n, GemmInput input, WeightFormat format) {
   const bool wgmma = gemm_has_wgmma_tile(input, format);
-  if (rows_per_segment <= 24) return wgmma ? Wgmma32::kBM : Small::kBM;
+  // An expert with 16 +- 4 rows spills past a 16-row tile about half the time, and a second
+  // tile streams (and decodes) its weights again: 32 rows from 13.
+  if (rows_per_segment <= 24) return wgmma ? Wgmma32::kBM : rows_per_segment <= 12 ? Small::kBM : Small32::kBM;
   // 128 x 256 tiles where they are mostly full and still give two waves of blocks.
   const int64_t large_tiles = segments * ((rows_per_segment + 127) / 128) * ((n + 255) / 256);
   return rows_per_segment >= 192 && large_tiles >= 2 * multiprocessors() ? 128 : 64;
@@ -748,9 +752,10 @@ void gemm(const float* x, int64_t x_rows, int64_t ldx, const int64_t* row_map, c
   p.ldy = ldy;
   p.y_copy_stride = copy_stride;
   const bool wgmma = gemm_has_wgmma_tile(input, format);
-  if (tile_rows == Wgmma32::kBM) {
-    if (!wgmma) throw std::invalid_argument("gemm: 32-row tiles need wgmma (sm_90a), bf16 X and bf16 weights");
-    launch_wgmma<Wgmma32>(p, input, num_tiles, splits, stream);
+  static_assert(Wgmma32::kBM == Small32::kBM, "one 32-row tile height");
+  if (tile_rows == 32) {
+    if (wgmma) launch_wgmma<Wgmma32>(p, input, num_tiles, splits, stream);
+    else launch_shape<Small32>(p, input, format, num_tiles, splits, stream);
   } else if (tile_rows == 16) {
     launch_shape<Small>(p, input, format, num_tiles, splits, stream);
   } else if (tile_rows == 128) {
