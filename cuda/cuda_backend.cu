@@ -334,6 +334,13 @@ class CudaBackend final : public Backend {
                upload_table(positions), stream_);
   }
 
+  void rms_norm_rope(Activation& x, const Weight& weight, int64_t head_dim, float eps, const Weight& inv_freq,
+                     const std::vector<int64_t>& positions) override {
+    auto timed = profile_.scope("rms_norm_rope");
+    cuda::rms_norm_rope(x.data, static_cast<const float*>(weight.data), x.rows, x.cols / head_dim, head_dim, eps,
+                        static_cast<const float*>(inv_freq.data), upload_table(positions), stream_);
+  }
+
   void attention(const Activation& q, const std::vector<AttentionSegment>& segments, int64_t num_heads,
                  int64_t num_kv_heads, int64_t head_dim, Activation& out) override {
     auto timed = profile_.scope("attention");

@@ -140,6 +140,28 @@ __global__ void rope_kernel(float* x, int64_t rows, int64_t heads, int64_t head_
   v[f + half] = x2 * c + x1 * s;
 }
 
+// A warp per (row, head): the head's mean square, then each lane's pairs (f, f + half) normed
+// and rotated, computed as rms_norm_warp_kernel and rope_kernel compute them.
+__global__ void rms_norm_rope_kernel(float* x, const float* weight, int64_t groups, int64_t heads, int64_t head_dim,
+                                     float eps, const float* inv_freq, const int64_t* positions) {
+  const int64_t g = int64_t(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5);
+  if (g >= groups) return;  // whole warps: blocks are whole warps
+  const int lane = threadIdx.x & 31;
+  float* v = x + g * head_dim;
+  float ss = 0.0f;
+  for_each_strided(v, head_dim, lane, 32, [&](int64_t, float e) { ss += e * e; });
+  for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+  const float inv = powf(ss / float(head_dim) + eps, -0.5f), position = float(positions[g / heads]);
+  const int64_t half = head_dim / 2;
+  for (int64_t f = lane; f < half; f += 32) {
+    const float x1 = v[f] * inv * weight[f], x2 = v[f + half] * inv * weight[f + half];
+    float s, c;
+    sincosf(position * inv_freq[f], &s, &c);
+    v[f] = x1 * c - x2 * s;
+    v[f + half] = x2 * c + x1 * s;
+  }
+}
+
 __global__ void gelu_glu_kernel(const float* x, int64_t rows, int64_t inter, float* out) {
   const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= rows * inter) return;
@@ -469,6 +491,15 @@ void rope(float* x, int64_t rows, int64_t heads, int64_t head_dim, const float* 
           cudaStream_t stream) {
   const int64_t n = rows * heads * (head_dim / 2);
   if (n) rope_kernel<<<blocks_for(n), kThreads, 0, stream>>>(x, rows, heads, head_dim, inv_freq, positions);
+}
+
+void rms_norm_rope(float* x, const float* weight, int64_t rows, int64_t heads, int64_t head_dim, float eps,
+                   const float* inv_freq, const int64_t* positions, cudaStream_t stream) {
+  constexpr int kWarps = kThreads / 32;
+  const int64_t groups = rows * heads;
+  if (groups)
+    rms_norm_rope_kernel<<<unsigned((groups + kWarps - 1) / kWarps), kThreads, 0, stream>>>(
+        x, weight, groups, heads, head_dim, eps, inv_freq, positions);
 }
 
 void gelu_glu(const float* x, int64_t rows, int64_t inter, float* out, cudaStream_t stream) {

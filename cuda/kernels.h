@@ -189,6 +189,9 @@ void rms_norm(const float* x, const float* weight, int64_t groups, int64_t group
               cudaStream_t stream);
 void rope(float* x, int64_t rows, int64_t heads, int64_t head_dim, const float* inv_freq, const int64_t* positions,
           cudaStream_t stream);
+// rms_norm of each head (weight [head_dim]), then rope, in place: a warp per (row, head).
+void rms_norm_rope(float* x, const float* weight, int64_t rows, int64_t heads, int64_t head_dim, float eps,
+                   const float* inv_freq, const int64_t* positions, cudaStream_t stream);
 void gelu_glu(const float* x, int64_t rows, int64_t inter, float* out, cudaStream_t stream);
 void add(const float* a, const float* b, float* y, int64_t n, cudaStream_t stream);
 void scale(float* x, float s, int64_t n, cudaStream_t stream);

@@ -451,8 +451,7 @@ void project_kv(ModelState& m, int li, const Activation& x, int64_t encoder_rows
     if (L.has_v_proj) linear(be, x, W.v_proj, v, encoder_rows);
     else be.copy_rows(k, 0, v, 0, k.rows);
   }
-  be.rms_norm(k, &W.k_norm, L.head_dim, m.config.rms_norm_eps, k);
-  be.rope(k, L.head_dim, W.rope_inv_freq, positions);
+  be.rms_norm_rope(k, W.k_norm, L.head_dim, m.config.rms_norm_eps, W.rope_inv_freq, positions);
   be.rms_norm(v, nullptr, L.head_dim, m.config.rms_norm_eps, v);
 }
 
@@ -547,8 +546,7 @@ void layer_forward(ModelState& m, KvCache& kv, int li, Activation& h, const std:
   const std::vector<int64_t> q_positions(positions.begin() + first, positions.end());
   Activation q = be.alloc_output(n - first, q_cols), attn = be.alloc_output(n - first, q_cols);
   linear(be, rows_x, W.q_proj, q, rows_encoder);
-  be.rms_norm(q, &W.q_norm, L.head_dim, c.rms_norm_eps, q);
-  be.rope(q, L.head_dim, W.rope_inv_freq, q_positions);
+  be.rms_norm_rope(q, W.q_norm, L.head_dim, c.rms_norm_eps, W.rope_inv_freq, q_positions);
   be.attention(q, segments, c.num_heads, L.num_kv_heads, L.head_dim, attn);
 
   linear(be, attn, W.o_proj, rows_x, rows_encoder);
