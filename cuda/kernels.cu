@@ -1,7 +1,7 @@
 // The CUDA backend's row and elementwise kernels: embedding, norms, RoPE, activations,
 // routing, the MoE combine, and the sampler's fused row pass.
 #include <algorithm>
-#include <cfloat>
+#include <climits>
 
 #include "activation_quant.h"
 #include "kernels.h"
@@ -10,8 +10,8 @@ namespace diffuserve::cuda {
 namespace {
 
 constexpr int kThreads = 256;
-// A block per vocab-wide row (softmax, the sampler): 256 rows of 262,144 logits need every
-// thread the multiprocessors hold to keep the memory system busy.
+// A block per vocab-wide row (softmax): 256 rows of 262,144 logits need every thread the
+// multiprocessors hold to keep the memory system busy.
 constexpr int kRowThreads = 1024;
 // The sampler's blocks: 512 threads, two a multiprocessor at its 64 registers, so a batch-1
 // canvas (256 rows) runs in one wave on 132 multiprocessors.
