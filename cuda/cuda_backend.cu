@@ -328,12 +328,6 @@ class CudaBackend final : public Backend {
                    /*accumulate=*/true, y.data, stream_);
   }
 
-  void rope(Activation& x, int64_t head_dim, const Weight& inv_freq, const std::vector<int64_t>& positions) override {
-    auto timed = profile_.scope("rope");
-    cuda::rope(x.data, x.rows, x.cols / head_dim, head_dim, static_cast<const float*>(inv_freq.data),
-               upload_table(positions), stream_);
-  }
-
   void rms_norm_rope(Activation& x, const Weight& weight, int64_t head_dim, float eps, const Weight& inv_freq,
                      const std::vector<int64_t>& positions) override {
     auto timed = profile_.scope("rms_norm_rope");

@@ -112,6 +112,14 @@ __global__ void rms_norm_kernel(const float* x, const float* weight, int64_t gro
   write_norm<kAccumulate>(xi, weight, inv, group, threadIdx.x, blockDim.x, y + int64_t(blockIdx.x) * group);
 }
 
+// (mean(x^2) + eps)^-0.5 of a group of x, summed by the warp (every lane gets it).
+__device__ float warp_inv_rms(const float* x, int64_t group, float eps, int lane) {
+  float ss = 0.0f;
+  for_each_strided(x, group, lane, 32, [&](int64_t, float v) { ss += v * v; });
+  for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+  return powf(ss / float(group) + eps, -0.5f);
+}
+
 // A head's norm (thousands of short groups): a warp per group, no block-wide barrier.
 template <bool kAccumulate>
 __global__ void rms_norm_warp_kernel(const float* x, const float* weight, int64_t groups, int64_t group, float eps,
@@ -120,38 +128,18 @@ __global__ void rms_norm_warp_kernel(const float* x, const float* weight, int64_
   if (g >= groups) return;  // whole warps: blocks are whole warps
   const int lane = threadIdx.x & 31;
   const float* xi = x + g * group;
-  float ss = 0.0f;
-  for_each_strided(xi, group, lane, 32, [&](int64_t, float v) { ss += v * v; });
-  for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
-  const float inv = powf(ss / float(group) + eps, -0.5f);
-  write_norm<kAccumulate>(xi, weight, inv, group, lane, 32, y + g * group);
+  write_norm<kAccumulate>(xi, weight, warp_inv_rms(xi, group, eps, lane), group, lane, 32, y + g * group);
 }
 
-__global__ void rope_kernel(float* x, int64_t rows, int64_t heads, int64_t head_dim, const float* inv_freq,
-                            const int64_t* positions) {
-  const int64_t half = head_dim / 2, i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (i >= rows * heads * half) return;
-  const int64_t f = i % half, h = (i / half) % heads, r = i / (half * heads);
-  float s, c;
-  sincosf(float(positions[r]) * inv_freq[f], &s, &c);
-  float* v = x + (r * heads + h) * head_dim;
-  const float x1 = v[f], x2 = v[f + half];
-  v[f] = x1 * c - x2 * s;
-  v[f + half] = x2 * c + x1 * s;
-}
-
-// A warp per (row, head): the head's mean square, then each lane's pairs (f, f + half) normed
-// and rotated, computed as rms_norm_warp_kernel and rope_kernel compute them.
+// A warp per (row, head): the head's norm as rms_norm_warp_kernel computes it, then rotate_half
+// RoPE on each lane's pairs (f, f + half).
 __global__ void rms_norm_rope_kernel(float* x, const float* weight, int64_t groups, int64_t heads, int64_t head_dim,
                                      float eps, const float* inv_freq, const int64_t* positions) {
   const int64_t g = int64_t(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5);
   if (g >= groups) return;  // whole warps: blocks are whole warps
   const int lane = threadIdx.x & 31;
   float* v = x + g * head_dim;
-  float ss = 0.0f;
-  for_each_strided(v, head_dim, lane, 32, [&](int64_t, float e) { ss += e * e; });
-  for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
-  const float inv = powf(ss / float(head_dim) + eps, -0.5f), position = float(positions[g / heads]);
+  const float inv = warp_inv_rms(v, head_dim, eps, lane), position = float(positions[g / heads]);
   const int64_t half = head_dim / 2;
   for (int64_t f = lane; f < half; f += 32) {
     const float x1 = v[f] * inv * weight[f], x2 = v[f + half] * inv * weight[f + half];
@@ -485,12 +473,6 @@ void rms_norm(const float* x, const float* weight, int64_t groups, int64_t group
     const auto kernel = accumulate ? rms_norm_warp_kernel<true> : rms_norm_warp_kernel<false>;
     kernel<<<unsigned((groups + kWarps - 1) / kWarps), kThreads, 0, stream>>>(x, weight, groups, group, eps, y);
   }
-}
-
-void rope(float* x, int64_t rows, int64_t heads, int64_t head_dim, const float* inv_freq, const int64_t* positions,
-          cudaStream_t stream) {
-  const int64_t n = rows * heads * (head_dim / 2);
-  if (n) rope_kernel<<<blocks_for(n), kThreads, 0, stream>>>(x, rows, heads, head_dim, inv_freq, positions);
 }
 
 void rms_norm_rope(float* x, const float* weight, int64_t rows, int64_t heads, int64_t head_dim, float eps,

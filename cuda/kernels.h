@@ -187,8 +187,6 @@ void embed(const __nv_bfloat16* table, int64_t hidden, const int32_t* ids, int64
 // Per group: y = x * (mean(x^2) + eps)^-0.5 [* weight], or y += that when accumulating.
 void rms_norm(const float* x, const float* weight, int64_t groups, int64_t group, float eps, bool accumulate, float* y,
               cudaStream_t stream);
-void rope(float* x, int64_t rows, int64_t heads, int64_t head_dim, const float* inv_freq, const int64_t* positions,
-          cudaStream_t stream);
 // rms_norm of each head (weight [head_dim]), then rope, in place: a warp per (row, head).
 void rms_norm_rope(float* x, const float* weight, int64_t rows, int64_t heads, int64_t head_dim, float eps,
                    const float* inv_freq, const int64_t* positions, cudaStream_t stream);

@@ -176,16 +176,11 @@ class Backend {
   // same shape. The residual add fused into the norm: bitwise the same as rms_norm into a
   // scratch matrix, then add(y, scratch, y), with one pass (one launch) fewer.
   virtual void add_rms_norm(const Activation& x, const Weight* weight, float eps, Activation& y) = 0;
-  // In place on x viewed as [rows, heads, head_dim]: rotate_half RoPE at `positions`
-  // (inv_freq: fp32 [head_dim / 2]).
-  virtual void rope(Activation& x, int64_t head_dim, const Weight& inv_freq, const std::vector<int64_t>& positions) = 0;
-  // rms_norm per head (weight: fp32 [head_dim]), then rope, in place: the query and key
-  // heads' path, one op so that a backend may do both in one pass (by default, the two ops).
+  // In place on x viewed as [rows, heads, head_dim] (the query and key heads): rms_norm of
+  // each head (weight: fp32 [head_dim]), then rotate_half RoPE at `positions` (inv_freq:
+  // fp32 [head_dim / 2]). One op, so that a backend may do both in one pass.
   virtual void rms_norm_rope(Activation& x, const Weight& weight, int64_t head_dim, float eps, const Weight& inv_freq,
-                             const std::vector<int64_t>& positions) {
-    rms_norm(x, &weight, head_dim, eps, x);
-    rope(x, head_dim, inv_freq, positions);
-  }
+                             const std::vector<int64_t>& positions) = 0;
   // out = softmax(q k^T) v per head (scale 1), GQA, for every segment of the batch (each
   // with its own keys, positions, causal flag and window) in one call.
   virtual void attention(const Activation& q, const std::vector<AttentionSegment>& segments, int64_t num_heads,

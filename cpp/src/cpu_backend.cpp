@@ -208,7 +208,9 @@ class CpuBackend final : public Backend {
     norm_groups(x, weight, x.cols, eps, /*accumulate=*/true, y);
   }
 
-  void rope(Activation& x, int64_t head_dim, const Weight& inv_freq_weight, const std::vector<int64_t>& positions) override {
+  void rms_norm_rope(Activation& x, const Weight& weight, int64_t head_dim, float eps, const Weight& inv_freq_weight,
+                     const std::vector<int64_t>& positions) override {
+    norm_groups(x, &weight, head_dim, eps, /*accumulate=*/false, x);
     const float* inv_freq = static_cast<const float*>(inv_freq_weight.data);
     const int64_t heads = x.cols / head_dim, half = head_dim / 2;
     pool_->parallel_for(x.rows, 4, [&](int64_t b, int64_t e) {
