@@ -7,10 +7,10 @@
 // (Fp8Token: the reference is sum(code_x * code_w) * s_x * s_w from the host's
 // activation_quant.h codes, and the product must also match the fake-quantized fp32 path,
 // quantize_input then Split); bitwise agreement of the tile shapes (batch invariance; the
-// wgmma tile's too, where the build and GPU have it); then timings at DiffusionGemma-26B shapes. Before any of that, host checks
-// that need no GPU: E4M3 code bytes, an emulation of ldmatrix and the MMA fragment
-// layouts (PTX ISA) with gemm_tile.cuh's addressing and E4M3 unpacking, and the K order
-// of decoded packed weights. Build and run:
+// wgmma tiles' too, where the build and GPU have them); then timings at DiffusionGemma-26B
+// shapes. Before any of that, host checks that need no GPU: E4M3 code bytes, an emulation
+// of ldmatrix and the MMA fragment layouts (PTX ISA) with gemm_tile.cuh's addressing and
+// E4M3 unpacking, and the K order of decoded packed weights. Build and run:
 //   nvcc -std=c++20 -arch=sm_90a -DDIFFUSERVE_SM90A -O3 -I cpp/src -I cpp/include -I cuda benchmarks/gemm_bench.cu \
 //       cuda/gemm.cu cuda/kernels.cu cpp/src/packed_weight.cpp cpp/src/dtype.cpp -o /tmp/gemm_bench && /tmp/gemm_bench
 // (--check: the checks alone; --host: the host checks alone, on a machine without a GPU;
@@ -716,7 +716,8 @@ int main(int argc, char** argv) {
   }
   cudaDeviceProp prop{};
   check(cudaGetDeviceProperties(&prop, 0), "device");
-  std::printf("%s, %d SMs, wgmma tile %s\n", prop.name, prop.multiProcessorCount, gemm_has_wgmma_tile(GemmInput::Split, WeightFormat::Plain) ? "on" : "off");
+  std::printf("%s, %d SMs, wgmma tile %s\n", prop.name, prop.multiProcessorCount,
+              gemm_has_wgmma_tile(GemmInput::Split, WeightFormat::Plain) ? "on" : "off");
   // Weights and X: bf16, FP8 and NVFP4 weights with hi/lo X (FP8_DYNAMIC today: plus a
   // copy and quantize_input of X), FP8 weights with FP8 per-token X (fp8x8: the pre-pass
   // quantizes X).
