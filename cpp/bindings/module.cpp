@@ -79,16 +79,18 @@ void bind_sampler(nb::module_& m) {
   s.def("sample_rows", [](LogitsIn logits, float temperature, const std::vector<int32_t>& allowed_ids, uint64_t seed,
                           uint32_t block, uint32_t step, bool softmax_feedback, const std::string& device) {
     const int64_t rows = logits.shape(0), vocab = logits.shape(1);
-    std::vector<uint8_t> allowed;
-    if (!allowed_ids.empty()) {
-      allowed.assign(vocab, 0);
-      for (int32_t t : allowed_ids) allowed.at(t) = 1;
-    }
     auto be = make_backend(device, 1);
+    std::shared_ptr<void> allowed;
+    if (!allowed_ids.empty()) {
+      std::vector<uint8_t> flags(vocab, 0);
+      for (int32_t t : allowed_ids) flags.at(t) = 1;
+      allowed = be->alloc_bytes(flags.size());
+      be->write_bytes(allowed.get(), flags.data(), flags.size());
+    }
     Activation a = be->alloc(rows, vocab);
     be->from_host(logits.data(), a);
-    const std::vector<RowSample> out =
-        be->sample(a, temperature, allowed, RandomKey{seed, block, step}, DType::F32, softmax_feedback);
+    const std::vector<RowSample> out = be->sample(a, temperature, static_cast<const uint8_t*>(allowed.get()),
+                                                  RandomKey{seed, block, step}, DType::F32, softmax_feedback);
     std::vector<float> processed(a.size());
     be->to_host(a, processed.data());
     std::vector<int32_t> argmax, candidate;
@@ -103,9 +105,23 @@ void bind_sampler(nb::module_& m) {
                           to_numpy(std::move(candidate), {n}), to_numpy(std::move(entropy), {n}));
   }, nb::arg("logits"), nb::arg("temperature"), nb::arg("allowed_ids"), nb::arg("seed"), nb::arg("block"),
      nb::arg("step"), nb::arg("softmax_feedback") = false, nb::arg("device") = "cpu");
-  nb::class_<StableAndConfident>(s, "StableAndConfident")
-      .def(nb::init<int, float>(), nb::arg("stability_threshold"), nb::arg("confidence_threshold"))
-      .def("__call__", &StableAndConfident::operator(), nb::arg("argmax_canvas"), nb::arg("mean_entropy"));
+  // The stop rule one step at a time, as update_canvas applies it (less its last-step stop).
+  struct StopRule {
+    int stability;
+    float confidence;
+    std::vector<int32_t> history;
+    int step = 0;
+  };
+  nb::class_<StopRule>(s, "StableAndConfident")
+      .def("__init__", [](StopRule* self, int stability, float confidence) {
+        new (self) StopRule{stability, confidence, {}, 0};
+      }, nb::arg("stability_threshold"), nb::arg("confidence_threshold"))
+      .def("__call__", [](StopRule& self, const std::vector<int32_t>& argmax, float mean_entropy) {
+        self.history.resize(size_t(std::max(self.stability, 0)) * argmax.size());
+        const bool stable = stable_argmax(self.history.data(), self.step++, argmax.data(), int(argmax.size()),
+                                          self.stability);
+        return stable && mean_entropy < self.confidence;
+      }, nb::arg("argmax_canvas"), nb::arg("mean_entropy"));
 }
 
 void bind_generate(nb::module_& m) {

@@ -112,6 +112,38 @@ struct RowSample {
   float entropy = 0;      // of softmax(processed logits), in nats
 };
 
+// A block's sampler parameters, fixed for the block.
+struct CanvasParams {
+  int canvas = 0;
+  int vocab = 0;
+  float t_min = 0, t_max = 0;
+  int max_steps = 0;
+  float entropy_bound = 0;
+  int stability = 0;     // stop once the argmax canvas held for this many steps
+  float confidence = 0;  // ... and the mean entropy is below this
+  uint64_t seed = 0;
+  uint32_t block = 0;
+  bool self_conditioning = false;  // the step leaves the softmax feedback in the logits
+  DType feedback_dtype = DType::F32;
+  int allowed_count = 0;  // allowed ids; 0: every id
+};
+
+// A block's sampler state in backend memory (one allocation, laid out by sampler.h's
+// new_canvas): what a denoise step reads and writes, so that the steps of a block need
+// nothing from the host in between.
+enum CanvasCounter { kCanvasSteps = 0, kCanvasStopped = 1, kCanvasCounters = 2 };
+struct CanvasState {
+  CanvasParams params;
+  int32_t* tokens = nullptr;       // [canvas] the next step's input ids
+  int32_t* argmax = nullptr;       // [canvas] the argmax canvas of the last step
+  int32_t* history = nullptr;      // [stability, canvas] stable_argmax's ring
+  int32_t* counters = nullptr;     // [kCanvasCounters]: steps done; 1 once the block stopped
+  int32_t* allowed_ids = nullptr;  // [allowed_count], sorted
+  uint8_t* free_position = nullptr;  // [canvas]; 0: pinned to its seed token
+  uint8_t* allowed = nullptr;        // [vocab] flags; null: every id
+  std::shared_ptr<void> storage;
+};
+
 class Backend {
  public:
   virtual ~Backend() = default;
@@ -137,14 +169,22 @@ class Backend {
   virtual Weight random_weight(const std::vector<int64_t>& shape, DType as, uint64_t seed, float scale) = 0;
   virtual void to_host(const Activation& a, float* out) = 0;
   virtual void from_host(const float* in, Activation& a) = 0;
+  // Bytes of backend memory, their values undefined until written (small state: token ids,
+  // a block's sampler state). Memory taken while a backend records repeat's body stays
+  // the body's own until repeat returns.
+  virtual std::shared_ptr<void> alloc_bytes(size_t bytes) = 0;
+  // Host bytes into backend memory, ordered with the ops (src may go away at once).
+  virtual void write_bytes(void* dst, const void* src, size_t bytes) = 0;
+  // Backend bytes to the host, after every op queued so far.
+  virtual void read_bytes(void* dst, const void* src, size_t bytes) = 0;
   // dst rows [dst_row, dst_row + n) = src rows [src_row, src_row + n); the ranges may
   // overlap (memmove). Same column count.
   virtual void copy_rows(const Activation& src, int64_t src_row, Activation& dst, int64_t dst_row, int64_t n) = 0;
   // dst row dst_rows[i] = src row i, for every row of src (writing KV into cache slots).
   virtual void scatter_rows(const Activation& src, const std::vector<int64_t>& dst_rows, Activation& dst) = 0;
 
-  // out[i] = table[ids[i]] * scale
-  virtual void embed(const Weight& table, const std::vector<int32_t>& ids, float scale, Activation& out) = 0;
+  // out[i] = table[ids[i]] * scale for i < out.rows; ids in backend memory.
+  virtual void embed(const Weight& table, const int32_t* ids, float scale, Activation& out) = 0;
   // y = x @ w^T; w is [N, K] (or expert `expert` of an [E, N, K] stack).
   virtual void linear(const Activation& x, const Weight& w, Activation& y, int expert = -1) = 0;
   // Rows [i * x.rows, (i + 1) * x.rows) of y = x @ ws[i]^T, for weights of one shape,
@@ -208,15 +248,26 @@ class Backend {
   // Row-wise softmax in fp32.
   virtual void softmax(Activation& x) = 0;
   // The sampler's pass over canvas logits, in place, one row per canvas position:
-  // processed = logits / temperature, with ids outside `allowed` (when not empty: one
-  // flag per vocab id) set to -inf; then per row the argmax, a Gumbel-max candidate drawn
-  // with `key` at (row, vocab id), and the entropy. Finally the processed logits are
-  // rounded to `feedback_dtype` (the reference casts the next step's self-conditioning
-  // input to the weight dtype) and, with `softmax_feedback`, replaced by their softmax as
-  // the softmax op computes it: the very input the next step's soft embedding multiplies,
-  // so that no pass over the vocabulary is left to the forward.
-  virtual std::vector<RowSample> sample(Activation& logits, float temperature, const std::vector<uint8_t>& allowed,
+  // processed = logits / temperature, with ids outside `allowed` (when not null: one flag
+  // per vocab id, in backend memory) set to -inf; then per row the argmax, a Gumbel-max
+  // candidate drawn with `key` at (row, vocab id), and the entropy. Finally the processed
+  // logits are rounded to `feedback_dtype` (the reference casts the next step's
+  // self-conditioning input to the weight dtype) and, with `softmax_feedback`, replaced by
+  // their softmax as the softmax op computes it: the very input the next step's soft
+  // embedding multiplies, so that no pass over the vocabulary is left to the forward.
+  virtual std::vector<RowSample> sample(Activation& logits, float temperature, const uint8_t* allowed,
                                         const RandomKey& key, DType feedback_dtype, bool softmax_feedback) = 0;
+  // One denoise step of a block on its canvas logits (left as sample leaves them, the next
+  // step's feedback): sample at the scheduled temperature, then sampler.h's update_canvas
+  // (acceptance, renoising, argmax history, stop flag, step count). By default on the
+  // host, around `sample`; a backend may keep it all in its own memory.
+  virtual void denoise_step(Activation& logits, CanvasState& canvas);
+  // Runs body() up to max_times times (>= 1), stopping after a run that leaves any of
+  // `canvases` stopped; returns the runs. The body must do the same work every run, its
+  // changing inputs in backend memory (a steady batch of denoise steps), so that a backend
+  // may record it once and loop on the device (the CUDA backend: a graph with a while node).
+  virtual int repeat(const std::function<void()>& body, const std::vector<const CanvasState*>& canvases,
+                     int max_times);
 };
 
 std::unique_ptr<Backend> make_cpu_backend(int num_threads);

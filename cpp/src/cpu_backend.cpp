@@ -131,6 +131,13 @@ class CpuBackend final : public Backend {
 
   void to_host(const Activation& a, float* out) override { std::memcpy(out, a.data, a.size() * sizeof(float)); }
   void from_host(const float* in, Activation& a) override { std::memcpy(a.data, in, a.size() * sizeof(float)); }
+  std::shared_ptr<void> alloc_bytes(size_t bytes) override {
+    void* p = std::malloc(std::max<size_t>(bytes, 1));
+    if (!p) throw InvalidArgument("out of memory allocating " + std::to_string(bytes) + " bytes");
+    return std::shared_ptr<void>(p, std::free);
+  }
+  void write_bytes(void* dst, const void* src, size_t bytes) override { std::memcpy(dst, src, bytes); }
+  void read_bytes(void* dst, const void* src, size_t bytes) override { std::memcpy(dst, src, bytes); }
   void copy_rows(const Activation& src, int64_t src_row, Activation& dst, int64_t dst_row, int64_t n) override {
     std::memmove(dst.row(dst_row), src.row(src_row), n * src.cols * sizeof(float));
   }
@@ -139,10 +146,10 @@ class CpuBackend final : public Backend {
     for (size_t i = 0; i < dst_rows.size(); ++i) std::memcpy(dst.row(dst_rows[i]), src.row(int64_t(i)), src.cols * sizeof(float));
   }
 
-  void embed(const Weight& table, const std::vector<int32_t>& ids, float scale, Activation& out) override {
+  void embed(const Weight& table, const int32_t* ids, float scale, Activation& out) override {
     const int64_t h = table.shape[1];
     const size_t esz = dtype_size(table.dtype);
-    pool_->parallel_for(int64_t(ids.size()), 4, [&](int64_t b, int64_t e) {
+    pool_->parallel_for(out.rows, 4, [&](int64_t b, int64_t e) {
       for (int64_t i = b; i < e; ++i) {
         float* dst = out.row(i);
         widen(static_cast<const uint8_t*>(table.data) + int64_t(ids[i]) * h * esz, table.dtype, h, dst);
@@ -384,7 +391,7 @@ class CpuBackend final : public Backend {
     });
   }
 
-  std::vector<RowSample> sample(Activation& logits, float temperature, const std::vector<uint8_t>& allowed,
+  std::vector<RowSample> sample(Activation& logits, float temperature, const uint8_t* allowed,
                                 const RandomKey& key, DType feedback_dtype, bool softmax_feedback) override {
     const int64_t vocab = logits.cols;
     std::vector<RowSample> out(logits.rows);
@@ -396,7 +403,7 @@ class CpuBackend final : public Backend {
         for (int64_t v = 0; v < vocab; v += 4) {
           const Philox4 bits = key.draw(uint32_t(row), uint32_t(v));
           for (int64_t j = v; j < std::min(v + 4, vocab); ++j) {
-            l[j] = (allowed.empty() || allowed[j]) ? l[j] / temperature : -INFINITY;
+            l[j] = (!allowed || allowed[j]) ? l[j] / temperature : -INFINITY;
             if (l[j] > best) best = l[j], r.argmax = int32_t(j);
             const float noisy = l[j] + gumbel(bits[j - v]);
             if (noisy > best_noisy) best_noisy = noisy, r.candidate = int32_t(j);

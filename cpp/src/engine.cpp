@@ -3,6 +3,7 @@
 #include "diffuserve/engine.h"
 
 #include <algorithm>
+#include <optional>
 #include <random>
 
 #include "model.h"
@@ -15,23 +16,21 @@ struct RequestState {
   SamplingParams params;
   uint64_t seed = 0;
   int canvas = 0;                     // this request's canvas length
-  std::vector<uint8_t> allowed;       // per vocab id; empty: every id
-  std::vector<int32_t> allowed_ids;   // sorted, unique
+  std::vector<int32_t> allowed_ids;   // sorted, unique; empty: every id
   GenerationOutput out;
   bool waiting = true;
   KvTable table;
 
-  // The block in progress.
-  bool in_block = false;
-  std::vector<int32_t> canvas_ids, argmax;
-  std::vector<uint8_t> free_position;  // 0: pinned to its seed_canvas token
-  std::unique_ptr<StableAndConfident> stop;
-  Activation feedback;  // the softmax of the previous step's processed logits, for self-conditioning
-  int steps = 0;
+  // The block in progress: its sampler state in backend memory, and the softmax of its
+  // last step's processed logits (the next step's self-conditioning input).
+  std::optional<CanvasState> block_state;
+  Activation feedback;
+  int steps = 0;  // as of the last read of the state
 
   int64_t target_length() const { return int64_t(prompt.size() + out.token_ids.size()); }
   int64_t pending() const { return target_length() - table.length(); }
   uint32_t block() const { return uint32_t(out.denoise_steps.size()); }
+  bool in_block() const { return block_state.has_value(); }
   // The tokens [from, from + n) of prompt + generated.
   std::vector<int32_t> target_tokens(int64_t from, int64_t n) const {
     std::vector<int32_t> t;
@@ -39,11 +38,10 @@ struct RequestState {
       t.push_back(i < int64_t(prompt.size()) ? prompt[i] : out.token_ids[i - prompt.size()]);
     return t;
   }
-  // A uniformly random token from the allowed set.
-  int32_t random_token(const RandomKey& key, uint32_t position, int vocab) const {
-    const uint32_t bits = key.draw(position, 0)[0];
-    return allowed_ids.empty() ? int32_t(uniform_below(bits, uint32_t(vocab)))
-                               : allowed_ids[uniform_below(bits, uint32_t(allowed_ids.size()))];
+  void end_block() {
+    block_state.reset();
+    feedback = Activation{};
+    steps = 0;
   }
 };
 
@@ -51,69 +49,54 @@ namespace {
 
 // A new block: pinned positions hold their seed token in the first block; the rest start
 // as noise (or as the seed canvas).
-void start_block(RequestState& r, int vocab) {
+void start_block(RequestState& r, Backend& be, int vocab, DType weight_dtype) {
   const SamplingParams& p = r.params;
-  r.free_position.assign(r.canvas, 1);
-  r.canvas_ids.resize(r.canvas);
+  std::vector<uint8_t> free_position(r.canvas, 1);
+  std::vector<int32_t> tokens(r.canvas);
   const RandomKey init{r.seed, r.block(), 0, RandomStream::InitialCanvas};
-  for (int i = 0; i < r.canvas; ++i) r.canvas_ids[i] = r.random_token(init, uint32_t(i), vocab);
+  for (int i = 0; i < r.canvas; ++i)
+    tokens[i] = random_allowed_token(init, uint32_t(i), vocab, r.allowed_ids.data(), int(r.allowed_ids.size()));
   if (r.block() == 0 && !p.seed_canvas.empty()) {
-    r.canvas_ids = p.seed_canvas;
-    for (int32_t pos : p.pinned_positions) r.free_position[pos] = 0;
+    tokens = p.seed_canvas;
+    for (int32_t pos : p.pinned_positions) free_position[pos] = 0;
   }
-  r.argmax = r.canvas_ids;
-  r.stop = std::make_unique<StableAndConfident>(p.stability_threshold, p.confidence_threshold);
+  CanvasParams c;
+  c.canvas = r.canvas;
+  c.vocab = vocab;
+  c.t_min = p.t_min;
+  c.t_max = p.t_max;
+  c.max_steps = p.max_denoising_steps;
+  c.entropy_bound = p.entropy_bound;
+  c.stability = p.stability_threshold;
+  c.confidence = p.confidence_threshold;
+  c.seed = r.seed;
+  c.block = r.block();
+  c.self_conditioning = p.self_conditioning;
+  c.feedback_dtype = weight_dtype;
+  c.allowed_count = int(r.allowed_ids.size());
+  r.block_state = new_canvas(be, c, tokens, free_position, r.allowed_ids);
   r.feedback = Activation{};
   r.steps = 0;
-  r.in_block = true;
-}
-
-// One sampler step on this step's logits (processed in place); true when the block stops.
-bool advance(RequestState& r, Backend& be, Activation logits, int vocab, DType weight_dtype) {
-  const SamplingParams& p = r.params;
-  const int remaining = p.max_denoising_steps - r.steps;
-  const uint32_t step = uint32_t(r.steps++);
-  const float temperature = schedule_temperature(p.t_min, p.t_max, remaining, p.max_denoising_steps);
-  const std::vector<RowSample> rows =
-      be.sample(logits, temperature, r.allowed, RandomKey{r.seed, r.block(), step, RandomStream::Candidate},
-                weight_dtype, p.self_conditioning);
-
-  std::vector<float> entropy(r.canvas);
-  double entropy_sum = 0;
-  int counted = 0;
-  for (int i = 0; i < r.canvas; ++i) {
-    entropy[i] = rows[i].entropy;
-    if (r.free_position[i]) entropy_sum += entropy[i], ++counted;
-  }
-  const std::vector<uint8_t> accepted = accept_by_entropy(entropy, p.entropy_bound, r.free_position);
-  const RandomKey renoise{r.seed, r.block(), step, RandomStream::Renoise};
-  for (int i = 0; i < r.canvas; ++i) {
-    if (!r.free_position[i]) continue;
-    r.argmax[i] = rows[i].argmax;
-    r.canvas_ids[i] = accepted[i] ? rows[i].candidate : r.random_token(renoise, uint32_t(i), vocab);
-  }
-  if (p.self_conditioning) r.feedback = logits;
-  const float mean_entropy = counted ? float(entropy_sum / counted) : 0.0f;
-  return (*r.stop)(r.argmax, mean_entropy) || r.steps == p.max_denoising_steps;
 }
 
 // The block's argmax canvas joins the output; true when the request is finished (EOS or
 // max_new_tokens). Otherwise the block becomes pending tokens to commit.
-bool finish_block(RequestState& r, int pad_token_id) {
+bool finish_block(RequestState& r, Backend& be, int pad_token_id) {
   const SamplingParams& p = r.params;
+  const CanvasReadout block = read_canvas(be, *r.block_state);
+  const std::vector<int32_t>& argmax = block.argmax;
   std::vector<int32_t>& tokens = r.out.token_ids;
-  auto eos = std::find_first_of(r.argmax.begin(), r.argmax.end(), p.eos_token_ids.begin(), p.eos_token_ids.end());
-  tokens.insert(tokens.end(), r.argmax.begin(), eos == r.argmax.end() ? eos : eos + 1);
-  r.out.denoise_steps.push_back(r.steps);
-  r.in_block = false;
-  r.feedback = Activation{};
+  auto eos = std::find_first_of(argmax.begin(), argmax.end(), p.eos_token_ids.begin(), p.eos_token_ids.end());
+  tokens.insert(tokens.end(), argmax.begin(), eos == argmax.end() ? eos : eos + 1);
+  r.out.denoise_steps.push_back(block.steps);
+  r.end_block();
   bool finished = false;
   if (int(tokens.size()) >= p.max_new_tokens) {  // max_new_tokens cuts the last block
-    const bool eos_kept = eos != r.argmax.end() && int(tokens.size()) <= p.max_new_tokens;
+    const bool eos_kept = eos != argmax.end() && int(tokens.size()) <= p.max_new_tokens;
     tokens.resize(std::min<size_t>(tokens.size(), size_t(p.max_new_tokens)));
     r.out.finish_reason = eos_kept ? "stop" : "length";
     finished = true;
-  } else if (eos != r.argmax.end()) {
+  } else if (eos != argmax.end()) {
     r.out.finish_reason = "stop";
     finished = true;
   }
@@ -169,12 +152,8 @@ void Engine::add(uint64_t id, std::vector<int32_t> prompt, const SamplingParams&
     r->seed = uint64_t(entropy()) << 32 | entropy();
   }
   r->allowed_ids = params.allowed_token_ids;
-  if (!r->allowed_ids.empty()) {
-    r->allowed.assign(c.vocab_size, 0);
-    for (int32_t t : r->allowed_ids) r->allowed[t] = 1;
-    std::sort(r->allowed_ids.begin(), r->allowed_ids.end());
-    r->allowed_ids.erase(std::unique(r->allowed_ids.begin(), r->allowed_ids.end()), r->allowed_ids.end());
-  }
+  std::sort(r->allowed_ids.begin(), r->allowed_ids.end());
+  r->allowed_ids.erase(std::unique(r->allowed_ids.begin(), r->allowed_ids.end()), r->allowed_ids.end());
   requests_[id] = std::move(r);
 }
 
@@ -203,8 +182,7 @@ void Engine::preempt(uint64_t id) {
   RequestState& r = get(id);
   model_->state().kv->release(r.table);
   r.waiting = true;
-  r.in_block = false;
-  r.feedback = Activation{};
+  r.end_block();
 }
 
 void Engine::abort(uint64_t id) {
@@ -218,12 +196,14 @@ int Engine::canvas_length(uint64_t id) const { return get(id).canvas; }
 std::vector<int32_t> Engine::generated(uint64_t id) const { return get(id).out.token_ids; }
 std::vector<int32_t> Engine::draft(uint64_t id) const {
   const RequestState& r = get(id);
-  return r.in_block && r.steps ? r.argmax : std::vector<int32_t>{};
+  if (!r.in_block() || !r.steps) return {};
+  return read_canvas(*model_->state().backend, *r.block_state).argmax;
 }
 
 std::vector<std::pair<uint64_t, GenerationOutput>> Engine::step(const std::vector<StepPlan>& plan, int max_steps,
                                                                 int64_t max_batched_tokens) {
   ModelState& m = model_->state();
+  Backend& be = *m.backend;
   const ModelConfig& c = m.config;
   std::vector<std::pair<uint64_t, RequestState*>> active;
   std::map<uint64_t, int64_t> allowance;
@@ -235,11 +215,13 @@ std::vector<std::pair<uint64_t, GenerationOutput>> Engine::step(const std::vecto
   }
 
   std::vector<std::pair<uint64_t, GenerationOutput>> finished;
-  for (int pass = 0; pass < max_steps && !active.empty(); ++pass) {
+  Activation last_logits;  // the previous pass's
+  for (int pass = 0; pass < max_steps && !active.empty();) {
     std::vector<Segment> segments;
     std::vector<RequestState*> denoisers;
+    std::vector<size_t> denoiser_segment;  // index in segments
     segments.reserve(2 * active.size());
-    int64_t rows = 0;
+    int64_t rows = 0, denoise_rows = 0;
     for (auto& [id, r] : active) {
       const int64_t pending = r->pending();
       // Prompt chunks go only into the first pass, as planned; later passes commit blocks.
@@ -252,20 +234,62 @@ std::vector<std::pair<uint64_t, GenerationOutput>> Engine::step(const std::vecto
         rows += encode;
       }
       if (encode < pending || (encode > 0 && !fuse_commit_) || rows + r->canvas > max_batched_tokens) continue;
-      if (!r->in_block) start_block(*r, c.vocab_size);
-      segments.push_back(Segment{&r->table, false, r->canvas_ids, r->feedback.data ? &r->feedback : nullptr, true});
+      if (!r->in_block()) start_block(*r, be, c.vocab_size, m.weight_dtype);
+      denoiser_segment.push_back(segments.size());
+      segments.push_back(Segment{&r->table, false, {}, nullptr, true, r->block_state->tokens, r->canvas});
       denoisers.push_back(r);
       rows += r->canvas;
+      denoise_rows += r->canvas;
     }
     if (segments.empty()) break;
-    Activation logits = forward(m, *m.kv, segments);
-    ++passes_;
+
+    // A steady batch, only denoise steps each past its block's first (the forward is then
+    // the same work every step, its inputs in backend memory), repeats until a block stops:
+    // on its own logits matrix, a step's feedback being its previous step's rows of it
+    // (the previous pass's matrix when the batch is the same, else copied in).
+    const bool steady = segments.size() == denoisers.size() &&
+                        std::all_of(denoisers.begin(), denoisers.end(), [](const RequestState* r) {
+                          return r->steps > 0 || !r->params.self_conditioning;
+                        });
+    bool in_place = steady && last_logits.rows == denoise_rows;
+    for (size_t i = 0, row = 0; i < denoisers.size(); row += denoisers[i]->canvas, ++i)
+      in_place = in_place && (!denoisers[i]->feedback.data || denoisers[i]->feedback.data == last_logits.row(int64_t(row)));
+    Activation logits = in_place ? last_logits : be.alloc_output(denoise_rows, c.vocab_size);
+    std::vector<Activation> feedback(denoisers.size());
+    std::vector<const CanvasState*> states;
+    for (size_t i = 0, row = 0; i < denoisers.size(); row += denoisers[i]->canvas, ++i) {
+      RequestState* r = denoisers[i];
+      states.push_back(&*r->block_state);
+      if (!r->feedback.data) continue;
+      feedback[i] = r->feedback;
+      if (steady) {
+        feedback[i] = logits.view(int64_t(row), r->canvas);
+        if (!in_place) be.copy_rows(r->feedback, 0, logits, int64_t(row), r->canvas);
+      }
+      segments[denoiser_segment[i]].self_conditioning = &feedback[i];
+    }
+    auto run = [&] {
+      forward(m, *m.kv, segments, &logits);
+      int64_t row = 0;
+      for (RequestState* r : denoisers) {
+        Activation canvas_logits = logits.view(row, r->canvas);
+        be.denoise_step(canvas_logits, *r->block_state);
+        row += r->canvas;
+      }
+    };
+    int runs = 1;
+    if (steady) runs = be.repeat(run, states, max_steps - pass);
+    else run();
+    pass += runs;
+    passes_ += runs;
+    last_logits = logits;
 
     int64_t row = 0;
     for (RequestState* r : denoisers) {
-      const bool block_done = advance(*r, *m.backend, logits.view(row, r->canvas), c.vocab_size, m.weight_dtype);
+      r->feedback = r->params.self_conditioning ? logits.view(row, r->canvas) : Activation{};
       row += r->canvas;
-      if (block_done && finish_block(*r, c.pad_token_id)) {
+      r->steps += runs;
+      if (canvas_stopped(be, *r->block_state) && finish_block(*r, be, c.pad_token_id)) {
         auto it = std::find_if(active.begin(), active.end(), [&](const auto& a) { return a.second == r; });
         const uint64_t id = it->first;
         active.erase(it);

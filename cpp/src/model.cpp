@@ -561,7 +561,7 @@ void layer_forward(ModelState& m, KvCache& kv, int li, Activation& h, const std:
 
 }  // namespace
 
-Activation forward(ModelState& m, KvCache& kv, std::vector<Segment>& segments) {
+Activation forward(ModelState& m, KvCache& kv, std::vector<Segment>& segments, const Activation* logits_out) {
   Backend& be = *m.backend;
   const ModelConfig& c = m.config;
   const ModelWeights& W = m.weights;
@@ -569,7 +569,6 @@ Activation forward(ModelState& m, KvCache& kv, std::vector<Segment>& segments) {
 
   // Lay the rows out: encoder segments first, then decoder segments.
   std::vector<Placed> placed;
-  std::vector<int32_t> tokens;
   std::vector<int64_t> positions;
   int64_t encoder_rows = 0;
   for (int pass = 0; pass < 2; ++pass) {
@@ -579,16 +578,27 @@ Activation forward(ModelState& m, KvCache& kv, std::vector<Segment>& segments) {
       if (!s.encoder)  // after this batch's encoder rows of the same sequence
         for (const Placed& e : placed)
           if (e.segment->encoder && e.segment->table == s.table) first_position += e.rows;
-      placed.push_back({&s, int64_t(tokens.size()), int64_t(s.tokens.size()), first_position, first_position});
-      tokens.insert(tokens.end(), s.tokens.begin(), s.tokens.end());
-      for (int64_t i = 0; i < int64_t(s.tokens.size()); ++i) positions.push_back(first_position + i);
+      placed.push_back({&s, int64_t(positions.size()), s.rows(), first_position, first_position});
+      for (int64_t i = 0; i < s.rows(); ++i) positions.push_back(first_position + i);
     }
-    if (pass == 0) encoder_rows = int64_t(tokens.size());
+    if (pass == 0) encoder_rows = int64_t(positions.size());
   }
-  const int64_t n = int64_t(tokens.size()), decoder_rows = n - encoder_rows;
+  const int64_t n = int64_t(positions.size()), decoder_rows = n - encoder_rows;
 
+  // Each segment's embedding rows, from its ids in backend memory (host ids go there first).
   Activation h = be.alloc_output(n, H);
-  be.embed(W.embed_tokens, tokens, m.embed_scale, h);
+  for (const Placed& p : placed) {
+    const Segment& s = *p.segment;
+    std::shared_ptr<void> uploaded;
+    const int32_t* ids = s.token_ids;
+    if (!ids) {
+      uploaded = be.alloc_bytes(s.tokens.size() * sizeof(int32_t));
+      be.write_bytes(uploaded.get(), s.tokens.data(), s.tokens.size() * sizeof(int32_t));
+      ids = static_cast<const int32_t*>(uploaded.get());
+    }
+    Activation rows = h.view(p.first_row, p.rows);
+    be.embed(W.embed_tokens, ids, m.embed_scale, rows);
+  }
 
   // Decoder rows: self-conditioning. The previous step's distribution as a soft embedding
   // (zero on a block's first step; the MLP still runs), through a gated MLP, added to the
@@ -618,7 +628,9 @@ Activation forward(ModelState& m, KvCache& kv, std::vector<Segment>& segments) {
   for (Placed& p : placed)
     if (p.segment->encoder) kv.append(*p.segment->table, p.segment->tokens);
 
-  Activation logits = be.alloc_output(decoder_rows, c.vocab_size);
+  if (logits_out && (logits_out->rows != decoder_rows || logits_out->cols != c.vocab_size))
+    throw InvalidArgument("forward: the logits matrix is not [denoise rows, vocab]");
+  Activation logits = logits_out ? *logits_out : be.alloc_output(decoder_rows, c.vocab_size);
   if (decoder_rows) {
     Activation dec = h.view(encoder_rows, decoder_rows);
     be.rms_norm(dec, &W.norm, H, c.rms_norm_eps, dec);

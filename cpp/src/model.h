@@ -43,11 +43,16 @@ struct ModelWeights {
 struct Segment {
   KvTable* table = nullptr;  // the sequence's KV
   bool encoder = false;      // causal pass that appends KV (prefill chunk, commit); else a denoise step
-  std::vector<int32_t> tokens;
+  std::vector<int32_t> tokens;  // host ids (always, for an encoder segment)
   // denoise: the previous step's processed logits (or null), or with self_conditioning_softmax
   // their softmax, as Backend::sample leaves it
   const Activation* self_conditioning = nullptr;
   bool self_conditioning_softmax = false;
+  // A denoise step's ids in backend memory instead of `tokens` (its block's CanvasState).
+  const int32_t* token_ids = nullptr;
+  int64_t token_count = 0;
+
+  int64_t rows() const { return token_ids ? token_count : int64_t(tokens.size()); }
 };
 
 struct ModelState {
@@ -78,7 +83,9 @@ void load_weights(ModelState& state, DType as);
 // recorded (KvCache::append). A denoise segment sees its sequence's cache including this
 // batch's encoder rows of the same sequence, so commit + next block's first step can run
 // as one pass. At most one encoder segment per sequence. Returns the softcapped fp32
-// logits of the denoise segments' rows, in segment order.
-Activation forward(ModelState& m, KvCache& kv, std::vector<Segment>& segments);
+// logits of the denoise segments' rows, in segment order: in `logits` when given (one row
+// per denoise row; a segment's self_conditioning may be its own rows of it, read before
+// they are overwritten).
+Activation forward(ModelState& m, KvCache& kv, std::vector<Segment>& segments, const Activation* logits = nullptr);
 
 }  // namespace diffuserve

@@ -1,17 +1,10 @@
 #include "sampler.h"
 
 #include <algorithm>
+#include <cstring>
 #include <numeric>
 
 namespace diffuserve {
-
-float schedule_temperature(float t_min, float t_max, int steps_remaining, int max_steps) {
-  // transformers: t_min + (t_max - t_min) * (cur_step / max_steps) with cur_step an int32
-  // tensor: the Python-float difference is rounded to fp32, the rest is fp32 arithmetic.
-  const float span = float(double(t_max) - double(t_min));
-  const float fraction = float(steps_remaining) / float(max_steps);
-  return t_min + span * fraction;
-}
 
 std::vector<uint8_t> accept_by_entropy(const std::vector<float>& entropy, float bound,
                                        const std::vector<uint8_t>& eligible) {
@@ -30,16 +23,143 @@ std::vector<uint8_t> accept_by_entropy(const std::vector<float>& entropy, float 
   return accepted;
 }
 
-bool StableAndConfident::operator()(const std::vector<int32_t>& argmax_canvas, float mean_entropy) {
-  bool stable = true;
-  if (stability_ > 0) {
-    // A history that is not yet full holds "no canvas" entries, which match nothing.
-    stable = int(history_.size()) == stability_ &&
-             std::all_of(history_.begin(), history_.end(), [&](const auto& h) { return h == argmax_canvas; });
-    history_.push_back(argmax_canvas);
-    if (int(history_.size()) > stability_) history_.erase(history_.begin());
+bool stable_argmax(int32_t* history, int step, const int32_t* argmax, int canvas, int stability) {
+  if (stability <= 0) return true;
+  // The ring holds min(step, stability) canvases; a ring not yet full has "no canvas"
+  // entries, which match nothing.
+  bool stable = step >= stability;
+  for (int h = 0; h < stability && stable; ++h)
+    stable = std::equal(argmax, argmax + canvas, history + int64_t(h) * canvas);
+  std::copy(argmax, argmax + canvas, history + int64_t(step % stability) * canvas);
+  return stable;
+}
+
+namespace {
+
+// Where each part of a block's state lies in its one allocation: the int32 arrays, then
+// the byte flags.
+struct CanvasLayout {
+  size_t tokens, argmax, history, counters, allowed_ids, free_position, allowed, bytes;
+
+  explicit CanvasLayout(const CanvasParams& p) {
+    const size_t c = size_t(p.canvas), i32 = sizeof(int32_t);
+    tokens = 0;
+    argmax = tokens + c * i32;
+    history = argmax + c * i32;
+    counters = history + size_t(p.stability) * c * i32;
+    allowed_ids = counters + kCanvasCounters * i32;
+    free_position = allowed_ids + size_t(p.allowed_count) * i32;
+    allowed = free_position + c;
+    bytes = allowed + (p.allowed_count ? size_t(p.vocab) : 0);
   }
-  return stable && mean_entropy < confidence_;
+};
+
+}  // namespace
+
+CanvasState new_canvas(Backend& be, const CanvasParams& params, const std::vector<int32_t>& tokens,
+                       const std::vector<uint8_t>& free_position, const std::vector<int32_t>& allowed_ids) {
+  const CanvasLayout at(params);
+  std::vector<uint8_t> host(at.bytes, 0);  // history and counters start at zero
+  auto put = [&](size_t offset, const void* src, size_t bytes) { std::memcpy(host.data() + offset, src, bytes); };
+  put(at.tokens, tokens.data(), tokens.size() * sizeof(int32_t));
+  put(at.argmax, tokens.data(), tokens.size() * sizeof(int32_t));
+  put(at.allowed_ids, allowed_ids.data(), allowed_ids.size() * sizeof(int32_t));
+  put(at.free_position, free_position.data(), free_position.size());
+  for (int32_t id : allowed_ids) host[at.allowed + size_t(id)] = 1;
+
+  CanvasState s;
+  s.params = params;
+  s.storage = be.alloc_bytes(at.bytes);
+  be.write_bytes(s.storage.get(), host.data(), host.size());
+  auto* base = static_cast<uint8_t*>(s.storage.get());
+  s.tokens = reinterpret_cast<int32_t*>(base + at.tokens);
+  s.argmax = reinterpret_cast<int32_t*>(base + at.argmax);
+  s.history = reinterpret_cast<int32_t*>(base + at.history);
+  s.counters = reinterpret_cast<int32_t*>(base + at.counters);
+  s.allowed_ids = reinterpret_cast<int32_t*>(base + at.allowed_ids);
+  s.free_position = base + at.free_position;
+  s.allowed = params.allowed_count ? base + at.allowed : nullptr;
+  return s;
+}
+
+CanvasReadout read_canvas(Backend& be, const CanvasState& s) {
+  CanvasReadout r;
+  r.argmax.resize(s.params.canvas);
+  int32_t counters[kCanvasCounters];
+  be.read_bytes(counters, s.counters, sizeof(counters));
+  be.read_bytes(r.argmax.data(), s.argmax, r.argmax.size() * sizeof(int32_t));
+  r.steps = counters[kCanvasSteps];
+  r.stopped = counters[kCanvasStopped] != 0;
+  return r;
+}
+
+bool canvas_stopped(Backend& be, const CanvasState& s) {
+  int32_t stopped = 0;
+  be.read_bytes(&stopped, s.counters + kCanvasStopped, sizeof(stopped));
+  return stopped != 0;
+}
+
+void update_canvas(const CanvasParams& p, const std::vector<RowSample>& rows, CanvasHost& s) {
+  const int step = s.counters[kCanvasSteps];
+  std::vector<float> entropy(p.canvas);
+  double entropy_sum = 0;
+  int counted = 0;
+  for (int i = 0; i < p.canvas; ++i) {
+    entropy[i] = rows[i].entropy;
+    if (s.free_position[i]) entropy_sum += entropy[i], ++counted;
+  }
+  const std::vector<uint8_t> accepted = accept_by_entropy(entropy, p.entropy_bound, s.free_position);
+  const RandomKey renoise{p.seed, p.block, uint32_t(step), RandomStream::Renoise};
+  for (int i = 0; i < p.canvas; ++i) {
+    if (!s.free_position[i]) continue;
+    s.argmax[i] = rows[i].argmax;
+    s.tokens[i] = accepted[i] ? rows[i].candidate
+                              : random_allowed_token(renoise, uint32_t(i), p.vocab, s.allowed_ids.data(), p.allowed_count);
+  }
+  const float mean_entropy = counted ? float(entropy_sum / counted) : 0.0f;
+  const bool stable = stable_argmax(s.history.data(), step, s.argmax.data(), p.canvas, p.stability);
+  s.counters[kCanvasSteps] = step + 1;
+  s.counters[kCanvasStopped] = (stable && mean_entropy < p.confidence) || step + 1 == p.max_steps;
+}
+
+void Backend::denoise_step(Activation& logits, CanvasState& canvas) {
+  const CanvasParams& p = canvas.params;
+  const CanvasLayout at(p);
+  CanvasHost s;
+  auto read = [&](auto& v, const void* src, size_t n) {
+    v.resize(n);
+    read_bytes(v.data(), src, n * sizeof(v[0]));
+  };
+  read(s.tokens, canvas.tokens, p.canvas);
+  read(s.argmax, canvas.argmax, p.canvas);
+  read(s.history, canvas.history, size_t(p.stability) * p.canvas);
+  read(s.counters, canvas.counters, kCanvasCounters);
+  read(s.allowed_ids, canvas.allowed_ids, p.allowed_count);
+  read(s.free_position, canvas.free_position, p.canvas);
+
+  const int step = s.counters[kCanvasSteps];
+  const float temperature = schedule_temperature(p.t_min, p.t_max, p.max_steps - step, p.max_steps);
+  const std::vector<RowSample> rows = sample(logits, temperature, canvas.allowed,
+                                             RandomKey{p.seed, p.block, uint32_t(step), RandomStream::Candidate},
+                                             p.feedback_dtype, p.self_conditioning);
+  update_canvas(p, rows, s);
+  // Back in one write: tokens, argmax, history and counters lie one after the other.
+  std::vector<int32_t> back = s.tokens;
+  back.insert(back.end(), s.argmax.begin(), s.argmax.end());
+  back.insert(back.end(), s.history.begin(), s.history.end());
+  back.insert(back.end(), s.counters.begin(), s.counters.end());
+  static_assert(sizeof(int32_t) == 4);
+  write_bytes(canvas.tokens, back.data(), at.allowed_ids - at.tokens);
+}
+
+int Backend::repeat(const std::function<void()>& body, const std::vector<const CanvasState*>& canvases,
+                    int max_times) {
+  for (int runs = 1;; ++runs) {
+    body();
+    if (runs >= max_times) return runs;
+    for (const CanvasState* c : canvases)
+      if (canvas_stopped(*this, *c)) return runs;
+  }
 }
 
 }  // namespace diffuserve

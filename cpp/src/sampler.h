@@ -1,6 +1,9 @@
-// The host-side pieces of DiffusionGemma's sampler, one canvas at a time. The per-row
-// work over the vocabulary (temperature, argmax, candidate draw, entropy) is the
-// backend's `sample` op; what is here is O(canvas).
+// DiffusionGemma's sampler (DESIGN.md, "The sampler") on one canvas. The per-row work over
+// the vocabulary (temperature, argmax, candidate draw, entropy) is the backend's `sample`
+// op; what is here is O(canvas): the schedule, the acceptance, the renoising and the stop
+// rule, and the block's state that they update (CanvasState, in backend memory, so that
+// a block's steps need nothing from the host in between). The host functions are the
+// reference that a backend's own denoise_step (the CUDA one's kernels) matches bit for bit.
 #pragma once
 
 #include <cstdint>
@@ -11,8 +14,26 @@
 namespace diffuserve {
 
 // Linear schedule over the steps remaining: t_min + (t_max - t_min) * (remaining / max_steps),
-// rounded as the reference's fp32 tensor arithmetic rounds it.
-float schedule_temperature(float t_min, float t_max, int steps_remaining, int max_steps);
+// rounded as the reference's fp32 tensor arithmetic rounds it: the Python-float difference
+// to fp32, the rest fp32 operations one at a time (no fused multiply-add on the device).
+DS_HOST_DEVICE inline float schedule_temperature(float t_min, float t_max, int steps_remaining, int max_steps) {
+  const float span = float(double(t_max) - double(t_min));
+#ifdef __CUDA_ARCH__
+  return __fadd_rn(t_min, __fmul_rn(span, __fdiv_rn(float(steps_remaining), float(max_steps))));
+#else
+  const float fraction = float(steps_remaining) / float(max_steps);
+  return t_min + span * fraction;
+#endif
+}
+
+// A uniformly random token (a renoised position, an initial canvas) from the allowed ids
+// (sorted; none: the whole vocabulary).
+DS_HOST_DEVICE inline int32_t random_allowed_token(const RandomKey& key, uint32_t position, int vocab,
+                                                   const int32_t* allowed_ids, int allowed_count) {
+  const uint32_t bits = key.draw(position, 0)[0];
+  return allowed_count ? allowed_ids[uniform_below(bits, uint32_t(allowed_count))]
+                       : int32_t(uniform_below(bits, uint32_t(vocab)));
+}
 
 // Entropy-bound acceptance: positions sorted by entropy (ascending, ties by position) are
 // accepted while the sum of the entropies before them is <= bound. `eligible` (empty: all)
@@ -20,17 +41,34 @@ float schedule_temperature(float t_min, float t_max, int steps_remaining, int ma
 std::vector<uint8_t> accept_by_entropy(const std::vector<float>& entropy, float bound,
                                        const std::vector<uint8_t>& eligible);
 
-// Stops a block when the argmax canvas equals each of the last `stability` argmax canvases
-// and the mean entropy is below `confidence`.
-class StableAndConfident {
- public:
-  StableAndConfident(int stability, float confidence) : stability_(stability), confidence_(confidence) {}
-  bool operator()(const std::vector<int32_t>& argmax_canvas, float mean_entropy);
+// The stop rule's stability half on a ring of the last `stability` argmax canvases (slot
+// s % stability holds step s's; `step` steps came before this one): whether this step's
+// argmax canvas equals each of them, none missing. Records this step's canvas in the ring.
+// Stability 0 is always stable.
+bool stable_argmax(int32_t* history, int step, const int32_t* argmax, int canvas, int stability);
 
- private:
-  int stability_;
-  float confidence_;
-  std::vector<std::vector<int32_t>> history_;  // oldest first, at most `stability_`
+// A new block's state: its first step's input ids and which positions are free.
+CanvasState new_canvas(Backend& be, const CanvasParams& params, const std::vector<int32_t>& tokens,
+                       const std::vector<uint8_t>& free_position, const std::vector<int32_t>& allowed_ids);
+
+// What the host reads of a block between engine steps (one wait for the device).
+struct CanvasReadout {
+  std::vector<int32_t> argmax;
+  int steps = 0;
+  bool stopped = false;
 };
+CanvasReadout read_canvas(Backend& be, const CanvasState& canvas);
+// Whether the block stopped (one counter read).
+bool canvas_stopped(Backend& be, const CanvasState& canvas);
+
+// The host side of a denoise step (Backend::denoise_step's default), on host copies of a
+// block's state: given the step's rows (sample's output at the scheduled temperature),
+// accept by entropy, renoise the rest, update the argmax and its history, decide the stop
+// and count the step.
+struct CanvasHost {
+  std::vector<int32_t> tokens, argmax, history, counters, allowed_ids;
+  std::vector<uint8_t> free_position;
+};
+void update_canvas(const CanvasParams& p, const std::vector<RowSample>& rows, CanvasHost& s);
 
 }  // namespace diffuserve
