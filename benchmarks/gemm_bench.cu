@@ -266,7 +266,7 @@ std::vector<float> run(const Problem& p, int tile_rows) {
   check(cudaMalloc(&y, y_bytes), "malloc y");
   check(cudaMemset(y, 0xff, y_bytes), "memset y");  // NaN: anything the GEMM should write and does not shows
   void* scratch = nullptr;
-  check(cudaMalloc(&scratch, std::max<size_t>(gemm_scratch_bytes(p.x_rows, p.k, p.input), 1)), "malloc scratch");
+  check(cudaMalloc(&scratch, std::max<size_t>(gemm_scratch_bytes(p.x_rows, p.n, p.k, p.input), 1)), "malloc scratch");
   if (tile_rows == kCublasLt) {  // one plain bf16 segment
 #ifdef DIFFUSERVE_WITH_CUBLASLT
     cublaslt().multiply(x, p.x_rows, p.ldx, p.input, {reinterpret_cast<const __nv_bfloat16*>(w)}, p.n, p.k, {y},
@@ -658,7 +658,7 @@ void bench(const char* name, int64_t tokens, int64_t n, int64_t k, int experts, 
   check(cudaMalloc(&group_scales, std::max<size_t>(group_bytes, 1)), "group scales");
   check(cudaMemset(row_scales, 0, std::max<size_t>(row_scale_bytes, 1)), "row scales");
   check(cudaMemset(group_scales, 0x38, std::max<size_t>(group_bytes, 1)), "group scales");  // E4M3 1.0
-  check(cudaMalloc(&scratch, gemm_scratch_bytes(x_rows, k, input)), "scratch");
+  check(cudaMalloc(&scratch, gemm_scratch_bytes(x_rows, n, k, input)), "scratch");
   random_fill(x, reinterpret_cast<__nv_bfloat16*>(w), x_rows * k, value_bytes / 2);
   const ExpertStack stack{{w, row_scales, group_scales}, format, n, k};
   std::vector<GemmSegment> segs;

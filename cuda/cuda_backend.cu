@@ -1,9 +1,11 @@
 // The CUDA backend: the Backend interface (cpp/src/backend.h) on one GPU. Activations are
 // fp32 and weights bf16 in device memory, the linears' packed where the checkpoint is FP8
 // (one scale per row) or NVFP4 (keeps_packed); the kernels are in gemm.cu, attention.cu and
-// kernels.cu. Small per-call tables (token ids, positions, KV slots, GEMM tiles) are
-// copied up with each call; the routing of each MoE layer comes back to the host, which
-// lays out the expert segments.
+// kernels.cu. Every op is queued on one stream. Small per-call tables (token ids, positions,
+// KV slots, attention plans) are copied up with each call; the MoE's expert layout is
+// planned on the device. A block's sampler state stays on the device, and a steady batch of
+// denoise steps (Backend::repeat) is recorded once into a CUDA graph whose while node loops
+// on the device until a block stops: no host round trip between steps.
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -19,6 +21,7 @@
 #include "backend.h"
 #include "diffuserve/errors.h"
 #include "kernels.h"
+#include "sampler.h"
 #ifdef DIFFUSERVE_WITH_CUBLASLT
 #include "cublaslt_gemm.h"
 #endif
@@ -91,6 +94,7 @@ class DevicePool : public std::enable_shared_from_this<DevicePool> {
 class OpProfile {
  public:
   OpProfile() : enabled_(std::getenv("DIFFUSERVE_PROFILE") != nullptr) {}
+  bool enabled() const { return enabled_; }
   ~OpProfile() {
     if (!enabled_) return;
     double total = 0;
@@ -133,6 +137,12 @@ class CudaBackend final : public Backend {
     if (device < 0 || device >= count)
       throw InvalidArgument("device 'cuda:" + std::to_string(device) + "': only " + std::to_string(count) + " GPU(s)");
     check(cudaSetDevice(device), "cudaSetDevice");
+    check(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "cudaStreamCreate");
+    check(cudaStreamCreateWithFlags(&side_, cudaStreamNonBlocking), "cudaStreamCreate");
+    // DIFFUSERVE_CUDA_GRAPHS=0 runs repeat's steps one by one from the host (to compare);
+    // the op profile synchronises around every op, which a recording cannot.
+    const char* graphs = std::getenv("DIFFUSERVE_CUDA_GRAPHS");
+    graphs_ = !(graphs && std::string(graphs) == "0") && !profile_.enabled();
     // The GEMM's split-K partials come from cudaMallocAsync: keep freed memory in the pool
     // (by default it goes back to the driver at every synchronisation, each step's sampler).
     cudaMemPool_t mempool;
@@ -144,6 +154,12 @@ class CudaBackend final : public Backend {
     const char* use = std::getenv("DIFFUSERVE_CUBLASLT");
     if (!use || std::string(use) != "0") cublaslt_ = std::make_unique<cuda::CublasLtGemm>();
 #endif
+  }
+
+  ~CudaBackend() override {
+    cudaStreamSynchronize(stream_);
+    cudaStreamDestroy(side_);
+    cudaStreamDestroy(stream_);
   }
 
   Activation alloc(int64_t rows, int64_t cols) override {
@@ -159,6 +175,25 @@ class CudaBackend final : public Backend {
     a.storage = pool_->get(size_t(std::max<int64_t>(rows * cols, 1)) * sizeof(float));
     a.data = static_cast<float*>(a.storage.get());
     return a;
+  }
+
+  std::shared_ptr<void> alloc_bytes(size_t bytes) override {
+    auto storage = pool_->get(bytes);
+    if (recording_) recorded_.push_back(storage);  // its bytes are written once, while recording
+    return storage;
+  }
+  void write_bytes(void* dst, const void* src, size_t bytes) override {
+    if (!bytes) return;
+    if (recording_) {  // now, outside the recording: the body reads these bytes every run
+      check(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, side_), "write_bytes");
+      check(cudaStreamSynchronize(side_), "write_bytes");
+      return;
+    }
+    check(cudaMemcpyAsync(dst, stage(src, bytes), bytes, cudaMemcpyHostToDevice, stream_), "write_bytes");
+  }
+  void read_bytes(void* dst, const void* src, size_t bytes) override {
+    check(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, stream_), "read_bytes");
+    check(cudaStreamSynchronize(stream_), "read_bytes");
   }
 
   int64_t default_kv_cache_bytes() override {  // most of what the weights left free
@@ -177,7 +212,7 @@ class CudaBackend final : public Backend {
     w.shape = shape;
     const std::vector<uint8_t> converted = store_floats(read_floats(host, dtype, w.numel()), as);
     auto storage = pool_->get(converted.size());
-    check(cudaMemcpy(storage.get(), converted.data(), converted.size(), cudaMemcpyHostToDevice), "upload");
+    copy_up(storage.get(), converted.data(), converted.size());
     w.data = storage.get();
     w.storage = storage;
     return w;
@@ -201,12 +236,9 @@ class CudaBackend final : public Backend {
     const size_t values = aligned(host.values.size()), scales = aligned(row_scales.size() * sizeof(float));
     auto storage = pool_->get(values + scales + host.group_scales.size());
     auto* base = static_cast<uint8_t*>(storage.get());
-    check(cudaMemcpy(base, host.values.data(), host.values.size(), cudaMemcpyHostToDevice), "upload_packed");
-    check(cudaMemcpy(base + values, row_scales.data(), row_scales.size() * sizeof(float), cudaMemcpyHostToDevice),
-          "upload_packed");
-    check(cudaMemcpy(base + values + scales, host.group_scales.data(), host.group_scales.size(),
-                     cudaMemcpyHostToDevice),
-          "upload_packed");
+    copy_up(base, host.values.data(), host.values.size());
+    copy_up(base + values, row_scales.data(), row_scales.size() * sizeof(float));
+    copy_up(base + values + scales, host.group_scales.data(), host.group_scales.size());
     w.data = base;
     w.row_scales = reinterpret_cast<const float*>(base + values);
     w.group_scales = host.group_scales.empty() ? nullptr : base + values + scales;
@@ -230,12 +262,8 @@ class CudaBackend final : public Backend {
     return w;
   }
 
-  void to_host(const Activation& a, float* out) override {
-    check(cudaMemcpy(out, a.data, a.size() * sizeof(float), cudaMemcpyDeviceToHost), "to_host");
-  }
-  void from_host(const float* in, Activation& a) override {
-    check(cudaMemcpy(a.data, in, a.size() * sizeof(float), cudaMemcpyHostToDevice), "from_host");
-  }
+  void to_host(const Activation& a, float* out) override { read_bytes(out, a.data, a.size() * sizeof(float)); }
+  void from_host(const float* in, Activation& a) override { copy_up(a.data, in, a.size() * sizeof(float)); }
   void copy_rows(const Activation& src, int64_t src_row, Activation& dst, int64_t dst_row, int64_t n) override {
     auto timed = profile_.scope("copy_rows");
     check(cudaMemcpyAsync(dst.row(dst_row), src.row(src_row), n * src.cols * sizeof(float), cudaMemcpyDeviceToDevice,
@@ -247,9 +275,9 @@ class CudaBackend final : public Backend {
     cuda::scatter_rows(src.data, src.cols, upload_table(dst_rows), int64_t(dst_rows.size()), dst.data, stream_);
   }
 
-  void embed(const Weight& table, const std::vector<int32_t>& ids, float scale, Activation& out) override {
+  void embed(const Weight& table, const int32_t* ids, float scale, Activation& out) override {
     auto timed = profile_.scope("embed");
-    cuda::embed(bf16(table), table.shape[1], upload_table(ids), int64_t(ids.size()), scale, out.data, stream_);
+    cuda::embed(bf16(table), table.shape[1], ids, out.rows, scale, out.data, stream_);
   }
 
   void linear(const Activation& x, const Weight& w, Activation& y, int expert) override {
@@ -274,7 +302,7 @@ class CudaBackend final : public Backend {
       weights.push_back(w.data);
       outputs.push_back(y.data + int64_t(i) * x.rows * y.cols);
     }
-    auto scratch = pool_->get(cuda::gemm_scratch_bytes(x.rows, first.k, cuda::GemmInput::Split));
+    auto scratch = pool_->get(cuda::gemm_scratch_bytes(x.rows, first.n, first.k, cuda::GemmInput::Split));
     // cuBLASLt's plan depends on each output's alignment: with rows of a multiple of 4
     // floats every block of y is 16-byte aligned, whatever x.rows (batch invariance).
     if (first.format == WeightFormat::Plain && y.cols % 4 == 0 &&
@@ -310,9 +338,10 @@ class CudaBackend final : public Backend {
     auto timed = profile_.scope("linear_nt");
     const int64_t k = w.shape[0], n = w.shape[1];
     auto& t = transposed_[w.data];
-    if (!t) {
+    if (!t) {  // once; while recording, now on the side (not in every run of the body)
       t = pool_->get(size_t(k * n) * 2);
-      cuda::transpose_bf16(bf16(w), k, n, static_cast<__nv_bfloat16*>(t.get()), stream_);
+      cuda::transpose_bf16(bf16(w), k, n, static_cast<__nv_bfloat16*>(t.get()), recording_ ? side_ : stream_);
+      if (recording_) check(cudaStreamSynchronize(side_), "linear_nt");
     }
     gemm_dense(x, {t.get(), nullptr, nullptr}, WeightFormat::Plain, n, k, cuda::GemmInput::RoundBf16, y);
   }
@@ -421,7 +450,7 @@ class CudaBackend final : public Backend {
       copy_rows(x, 0, input, 0, x.rows);
       quantize_input(input, gate_up.input_quant, routing.encoder_tokens, -1);
     }
-    auto up_scratch = pool_->get(cuda::gemm_scratch_bytes(input.rows, hidden, up_input));
+    auto up_scratch = pool_->get(cuda::gemm_scratch_bytes(input.rows, inter2, hidden, up_input));
     cuda::gemm(input.data, input.rows, input.cols, up_rows,
                static_cast<const cuda::GemmSegment*>(up_segments.get()), device_tiles, max_tiles, tile_rows,
                gate_up.format, inter2, hidden, up_input, gu.data, gu.cols, up_scratch.get(), stream_);
@@ -429,7 +458,7 @@ class CudaBackend final : public Backend {
     if (down.input_quant.scheme == ActivationScheme::Nvfp4) quantize_nvfp4_rows(act, false, down.input_quant, act);
     else if (down.input_quant.scheme != ActivationScheme::None && down_input != cuda::GemmInput::Fp8Token)
       quantize_input(act, down.input_quant, 0, -1);
-    auto down_scratch = pool_->get(cuda::gemm_scratch_bytes(pairs, inter2 / 2, down_input));
+    auto down_scratch = pool_->get(cuda::gemm_scratch_bytes(pairs, hidden, inter2 / 2, down_input));
     cuda::gemm(act.data, pairs, act.cols, nullptr, static_cast<const cuda::GemmSegment*>(down_segments.get()),
                device_tiles, max_tiles, tile_rows, down.format, hidden, inter2 / 2, down_input, y.data, y.cols,
                down_scratch.get(), stream_);
@@ -462,25 +491,112 @@ class CudaBackend final : public Backend {
                          nvfp4 ? quant.global_scale(false, expert) : 0.0f, stream_);
   }
 
-  std::vector<RowSample> sample(Activation& logits, float temperature, const std::vector<uint8_t>& allowed,
-                                const RandomKey& key, DType feedback_dtype, bool softmax_feedback) override {
+  std::vector<RowSample> sample(Activation& logits, float temperature, const uint8_t* allowed, const RandomKey& key,
+                                DType feedback_dtype, bool softmax_feedback) override {
     auto timed = profile_.scope("sample");
     auto out = pool_->get(size_t(logits.rows) * sizeof(cuda::DeviceRowSample));
     auto* device_out = static_cast<cuda::DeviceRowSample*>(out.get());
-    cuda::sample_rows(logits.data, logits.rows, logits.cols, temperature,
-                      allowed.empty() ? nullptr : upload_table(allowed), key, feedback_dtype == DType::BF16,
-                      softmax_feedback, device_out, stream_);
+    cuda::sample_rows(logits.data, logits.rows, logits.cols, temperature, allowed, key, {},
+                      feedback_dtype == DType::BF16, softmax_feedback, device_out, stream_);
     std::vector<cuda::DeviceRowSample> host(logits.rows);
-    check(cudaMemcpy(host.data(), device_out, host.size() * sizeof(host[0]), cudaMemcpyDeviceToHost), "sample");
+    read_bytes(host.data(), device_out, host.size() * sizeof(host[0]));
     std::vector<RowSample> rows(logits.rows);
     for (size_t i = 0; i < host.size(); ++i) rows[i] = {host[i].argmax, host[i].candidate, host[i].entropy};
     return rows;
   }
 
+  // The sampler's row pass at the step the block's counter says, then its update, both on
+  // the device.
+  void denoise_step(Activation& logits, CanvasState& canvas) override {
+    auto timed = profile_.scope("denoise_step");
+    const CanvasParams& p = canvas.params;
+    auto rows = pool_->get(size_t(logits.rows) * sizeof(cuda::DeviceRowSample));
+    auto* device_rows = static_cast<cuda::DeviceRowSample*>(rows.get());
+    const cuda::DeviceSchedule schedule{canvas.counters, p.t_min, p.t_max, p.max_steps};
+    cuda::sample_rows(logits.data, logits.rows, logits.cols, 0.0f, canvas.allowed,
+                      RandomKey{p.seed, p.block, 0, RandomStream::Candidate}, schedule,
+                      p.feedback_dtype == DType::BF16, p.self_conditioning, device_rows, stream_);
+    auto scratch = pool_->get(size_t(p.canvas) * (sizeof(int32_t) + 1));
+    cuda::update_canvas({p, canvas.tokens, canvas.argmax, canvas.history, canvas.counters, canvas.allowed_ids,
+                         canvas.free_position},
+                        device_rows, scratch.get(), stream_);
+  }
+
+  // body() recorded once into the body of a graph's while node, which runs it until a
+  // block stops or max_times runs: the steps of a steady batch with no host in between.
+  // What the body allocates stays its own until the graph is done (alloc_bytes' and the
+  // uploaded tables' bytes, written once while recording; its scratch is rewritten in
+  // every run, in the same order as when recorded). Where recording fails (an op that a
+  // graph cannot hold), the steps run from the host, and later calls do so at once.
+  int repeat(const std::function<void()>& body, const std::vector<const CanvasState*>& canvases,
+             int max_times) override {
+    if (max_times <= 1 || !graphs_) return Backend::repeat(body, canvases, max_times);
+    std::vector<const int32_t*> stopped;
+    for (const CanvasState* c : canvases) stopped.push_back(c->counters + kCanvasStopped);
+    auto flags = pool_->get(stopped.size() * sizeof(stopped[0]));
+    auto runs = pool_->get(sizeof(int32_t));
+    const int32_t zero = 0;
+    write_bytes(flags.get(), stopped.data(), stopped.size() * sizeof(stopped[0]));
+    write_bytes(runs.get(), &zero, sizeof(zero));
+
+    cudaGraph_t graph = nullptr;
+    cudaGraphExec_t exec = nullptr;
+    auto release = [&] {
+      if (exec) cudaGraphExecDestroy(exec);
+      if (graph) cudaGraphDestroy(graph);
+      recorded_.clear();
+      recorded_tables_.clear();
+    };
+    try {
+      check(cudaGraphCreate(&graph, 0), "cudaGraphCreate");
+      cudaGraphConditionalHandle condition;
+      check(cudaGraphConditionalHandleCreate(&condition, graph, 1, cudaGraphCondAssignDefault),
+            "cudaGraphConditionalHandleCreate");
+      cudaGraphNodeParams loop = {};
+      loop.type = cudaGraphNodeTypeConditional;
+      loop.conditional.handle = condition;
+      loop.conditional.type = cudaGraphCondTypeWhile;
+      loop.conditional.size = 1;
+      cudaGraphNode_t node;
+      check(cudaGraphAddNode(&node, graph, nullptr, nullptr, 0, &loop), "cudaGraphAddNode");
+      check(cudaStreamBeginCaptureToGraph(stream_, loop.conditional.phGraph_out[0], nullptr, nullptr, 0,
+                                          cudaStreamCaptureModeRelaxed),
+            "cudaStreamBeginCaptureToGraph");
+      recording_ = true;
+      try {
+        body();
+        cuda::continue_while(condition, static_cast<const int32_t* const*>(flags.get()), int(stopped.size()),
+                             static_cast<int32_t*>(runs.get()), max_times, stream_);
+        check(cudaGetLastError(), "recording");
+      } catch (...) {
+        recording_ = false;
+        cudaGraph_t partial = nullptr;
+        cudaStreamEndCapture(stream_, &partial);
+        throw;
+      }
+      recording_ = false;
+      cudaGraph_t recorded = nullptr;
+      check(cudaStreamEndCapture(stream_, &recorded), "cudaStreamEndCapture");
+      check(cudaGraphInstantiate(&exec, graph, 0), "cudaGraphInstantiate");
+    } catch (const std::exception& e) {
+      release();
+      cudaGetLastError();
+      std::fprintf(stderr, "diffuserve: CUDA graph recording failed (%s); denoise steps run from the host\n",
+                   e.what());
+      graphs_ = false;
+      return Backend::repeat(body, canvases, max_times);
+    }
+    check(cudaGraphLaunch(exec, stream_), "cudaGraphLaunch");
+    int32_t done = 0;
+    read_bytes(&done, runs.get(), sizeof(done));
+    release();
+    return done;
+  }
+
  private:
   void gemm_dense(const Activation& x, const cuda::GemmMatrix& w, WeightFormat format, int64_t n, int64_t k,
                   cuda::GemmInput input, Activation& y) {
-    auto scratch = pool_->get(cuda::gemm_scratch_bytes(x.rows, k, input));
+    auto scratch = pool_->get(cuda::gemm_scratch_bytes(x.rows, n, k, input));
     if (format == WeightFormat::Plain && input != cuda::GemmInput::Fp8Token &&
         products_on_cublaslt(x, {w.values}, n, k, input, {y.data}, y.cols, scratch.get()))
       return;
@@ -540,36 +656,50 @@ class CudaBackend final : public Backend {
   // Kernels only read tables, so one equal to a recent upload is not copied again: a
   // pass's layers ask for the same positions and attention plans over and over (at the
   // 26B shapes that saves ~130 copies a pass, each a queued operation and its gap).
+  // While recording a repeat body, tables are the body's own (alloc_bytes, write_bytes),
+  // remembered among themselves alike.
   template <typename T>
   const T* upload_table(const std::vector<T>& table) {
     if (table.empty()) return nullptr;
     const size_t size = table.size() * sizeof(T);
     const auto* first = reinterpret_cast<const uint8_t*>(table.data());
-    for (auto it = recent_tables_.begin(); it != recent_tables_.end(); ++it)
+    std::vector<RecentTable>& recent = recording_ ? recorded_tables_ : recent_tables_;
+    for (auto it = recent.begin(); it != recent.end(); ++it)
       if (it->bytes.size() == size && std::memcmp(it->bytes.data(), first, size) == 0) {
-        std::rotate(recent_tables_.begin(), it, it + 1);  // most recent first
-        return static_cast<const T*>(recent_tables_.front().device.get());
+        std::rotate(recent.begin(), it, it + 1);  // most recent first
+        return static_cast<const T*>(recent.front().device.get());
       }
-    const size_t bytes = (size + 255) / 256 * 256;
-    if (bytes > kStagingBytes) throw InvalidArgument("table of " + std::to_string(bytes) + " bytes is too large");
+    auto storage = alloc_bytes(size);
+    write_bytes(storage.get(), table.data(), size);
+    recent.insert(recent.begin(), RecentTable{std::vector<uint8_t>(first, first + size), storage});
+    if (!recording_ && recent.size() > kRecentTables) recent.pop_back();
+    return static_cast<const T*>(storage.get());
+  }
+
+  // `bytes` of host memory copied into the pinned staging ring, for an asynchronous copy
+  // up from there.
+  const void* stage(const void* src, size_t bytes) {
+    const size_t aligned = (bytes + 255) / 256 * 256;
+    if (aligned > kStagingBytes) throw InvalidArgument("table of " + std::to_string(bytes) + " bytes is too large");
     if (!staging_) {
       void* p = nullptr;
       check(cudaMallocHost(&p, kStagingBytes), "cudaMallocHost");
       staging_ = std::shared_ptr<uint8_t>(static_cast<uint8_t*>(p), [](uint8_t* q) { cudaFreeHost(q); });
     }
-    if (staging_used_ + bytes > kStagingBytes) {  // wrap: the copies out of the old bytes must be done
-      check(cudaStreamSynchronize(stream_), "upload_table");
+    if (staging_used_ + aligned > kStagingBytes) {  // wrap: the copies out of the old bytes must be done
+      check(cudaStreamSynchronize(stream_), "stage");
       staging_used_ = 0;
     }
     uint8_t* host = staging_.get() + staging_used_;
-    staging_used_ += bytes;
-    std::memcpy(host, table.data(), table.size() * sizeof(T));
-    auto storage = pool_->get(bytes);
-    check(cudaMemcpyAsync(storage.get(), host, table.size() * sizeof(T), cudaMemcpyHostToDevice, stream_),
-          "upload_table");
-    recent_tables_.insert(recent_tables_.begin(), RecentTable{std::vector<uint8_t>(first, first + size), storage});
-    if (recent_tables_.size() > kRecentTables) recent_tables_.pop_back();
-    return static_cast<const T*>(storage.get());
+    staging_used_ += aligned;
+    std::memcpy(host, src, bytes);
+    return host;
+  }
+
+  // Large host data (weights) to the device in stream order, waiting for it.
+  void copy_up(void* dst, const void* src, size_t bytes) {
+    check(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, stream_), "copy to the device");
+    check(cudaStreamSynchronize(stream_), "copy to the device");
   }
 
   static constexpr size_t kStagingBytes = size_t(64) << 20;
@@ -583,9 +713,14 @@ class CudaBackend final : public Backend {
   OpProfile profile_;
   std::shared_ptr<DevicePool> pool_;
   std::map<const void*, std::shared_ptr<void>> transposed_;  // linear_nt's weights, [N, K]
-  cudaStream_t stream_ = nullptr;  // the legacy default stream: every call is ordered
-  std::shared_ptr<uint8_t> staging_;          // pinned host ring for upload_table
+  cudaStream_t stream_ = nullptr;  // every op, in order
+  cudaStream_t side_ = nullptr;    // one-off copies while recording a graph
+  bool graphs_ = true;             // repeat records a graph
+  bool recording_ = false;         // repeat is recording its body
+  std::vector<std::shared_ptr<void>> recorded_;  // memory the recorded body owns
+  std::shared_ptr<uint8_t> staging_;          // pinned host ring for write_bytes
   std::vector<RecentTable> recent_tables_;    // most recent first
+  std::vector<RecentTable> recorded_tables_;  // the recorded body's
   size_t staging_used_ = 0;
 #ifdef DIFFUSERVE_WITH_CUBLASLT
   std::unique_ptr<cuda::CublasLtGemm> cublaslt_;  // null: every product on gemm.cu

@@ -655,9 +655,47 @@ int gemm_tile_rows(int64_t rows_per_segment, int64_t segments, int64_t n, GemmIn
   return rows_per_segment >= 192 && large_tiles >= 2 * multiprocessors() ? 128 : 64;
 }
 
-size_t gemm_scratch_bytes(int64_t x_rows, int64_t k, GemmInput input) {
-  if (input == GemmInput::Fp8Token) return codes_bytes(x_rows, k) + sizeof(float) * size_t(x_rows);
-  return sizeof(__nv_bfloat16) * size_t(x_rows) * planes(input) * size_t(padded_k(k, input));
+namespace {
+
+// Far too few blocks to fill the GPU: split K, each slice's product into its own copy of
+// Y, the copies summed in order after. Whether and how many slices is a function of the
+// weight's shape alone, never of the rows, so that a row's result does not depend on what
+// it is batched with. It pays where a 256-row product (4 row tiles of 64) would fill a
+// quarter of the multiprocessors or less (the KV projections, 16 blocks: 42 -> 30 us on the
+// H200; at 88-128 blocks two slices measured 5-25% slower), and for a long K (the soft
+// embedding, K = vocab) up to 4 blocks a multiprocessor; slices of >= 512. For a product
+// of one segment (no tiles) whose Y rows are N wide.
+struct SplitK {
+  int splits = 1;
+  int64_t k_slice = 0;
+};
+SplitK split_k(int64_t n, int64_t k, GemmInput input) {
+  SplitK s;
+  const int64_t kp = padded_k(k, input), bk = stage_k(input);
+  s.k_slice = kp;
+  const int64_t blocks_at_256 = 4 * ((n + Medium::kBN - 1) / Medium::kBN);
+  const int64_t target = (k >= 8192 ? 4 : 1) * multiprocessors();
+  if (4 * blocks_at_256 <= target) {
+    s.splits = std::max(1, int(std::min<int64_t>({(target + blocks_at_256 - 1) / blocks_at_256, k / 512, 64})));
+    s.k_slice = (kp / s.splits + bk - 1) / bk * bk;
+    s.splits = int((kp + s.k_slice - 1) / s.k_slice);
+  }
+  return s;
+}
+
+// The pre-pass's bytes of X (the split copies of Y follow, 256-byte aligned).
+size_t input_bytes(int64_t x_rows, int64_t k, GemmInput input) {
+  const size_t bytes = input == GemmInput::Fp8Token
+                           ? codes_bytes(x_rows, k) + sizeof(float) * size_t(x_rows)
+                           : sizeof(__nv_bfloat16) * size_t(x_rows) * planes(input) * size_t(padded_k(k, input));
+  return (bytes + 255) / 256 * 256;
+}
+
+}  // namespace
+
+size_t gemm_scratch_bytes(int64_t x_rows, int64_t n, int64_t k, GemmInput input) {
+  const SplitK split = split_k(n, k, input);
+  return input_bytes(x_rows, k, input) + (split.splits > 1 ? sizeof(float) * size_t(split.splits * x_rows * n) : 0);
 }
 
 void fp8_token_codes(const float* x, int64_t rows, int64_t ldx, int64_t k, int64_t ld_codes, uint8_t* codes,
@@ -692,7 +730,7 @@ void gemm(const float* x, int64_t x_rows, int64_t ldx, const int64_t* row_map, c
     throw std::invalid_argument("gemm: Fp8Token takes FP8 weights");
   if (format == WeightFormat::Nvfp4 && k % 16) throw std::invalid_argument("gemm: NVFP4 weights need K % 16 == 0");
   if (num_tiles <= 0 || n <= 0) return;
-  const int64_t kp = padded_k(k, input), bk = stage_k(input);
+  const int64_t kp = padded_k(k, input);
   auto* a = static_cast<uint8_t*>(scratch);
   float* const a_scales = input == GemmInput::Fp8Token ? reinterpret_cast<float*>(a + codes_bytes(x_rows, k)) : nullptr;
   if (input == GemmInput::Fp8Token) fp8_token_codes(x, x_rows, ldx, k, kp, a, a_scales, stream);
@@ -701,32 +739,13 @@ void gemm(const float* x, int64_t x_rows, int64_t ldx, const int64_t* row_map, c
   // With `tiles` null, `segments` is a host pointer to the single segment, passed by value.
   const GemmSegment single = tiles ? GemmSegment{} : *segments;
   static_assert(Small::kBN == Medium::kBN, "one block width below 128 rows");
-  // Far too few blocks to fill the GPU: split K, each slice's product into its own copy of
-  // Y, the copies summed in order after. Whether and how many slices is a function of the
-  // weight's shape alone, never of the rows, so that a row's result does not depend on what
-  // it is batched with. It pays where a 256-row product (4 row tiles of 64) would fill a
-  // quarter of the multiprocessors or less (the KV projections, 16 blocks: 42 -> 30 us on the
-  // H200; at 88-128 blocks two slices measured 5-25% slower), and for a long K (the soft
-  // embedding, K = vocab) up to 4 blocks a multiprocessor; slices of >= 512.
-  int splits = 1;
-  int64_t k_slice = kp;
-  const int64_t blocks_at_256 = 4 * ((n + Medium::kBN - 1) / Medium::kBN);
-  const int64_t target = (k >= 8192 ? 4 : 1) * multiprocessors();
-  if (!tiles && ldy == n && 4 * blocks_at_256 <= target) {
-    splits = int(std::min<int64_t>({(target + blocks_at_256 - 1) / blocks_at_256, k / 512, 64}));
-    splits = std::max(splits, 1);
-    k_slice = (kp / splits + bk - 1) / bk * bk;
-    splits = int((kp + k_slice - 1) / k_slice);
-  }
+  const SplitK split = !tiles && ldy == n ? split_k(n, k, input) : SplitK{1, kp};
+  const int splits = split.splits;
   float* out = y;
-  std::shared_ptr<void> partial;
   const int64_t copy_stride = int64_t(single.rows) * ldy;
   if (splits > 1) {  // single segment, y_row 0: copy c of Y lives at partial + c * rows * ldy
-    void* q = nullptr;
-    cudaMallocAsync(&q, sizeof(float) * size_t(splits * copy_stride), stream);
-    cudaMemsetAsync(q, 0, sizeof(float) * size_t(splits * copy_stride), stream);  // columns past n stay 0
-    partial = std::shared_ptr<void>(q, [stream](void* r) { cudaFreeAsync(r, stream); });
-    out = static_cast<float*>(q);
+    out = reinterpret_cast<float*>(static_cast<uint8_t*>(scratch) + input_bytes(x_rows, k, input));
+    cudaMemsetAsync(out, 0, sizeof(float) * size_t(splits * copy_stride), stream);  // columns past n stay 0
   }
 
   Params p{};
@@ -747,7 +766,7 @@ void gemm(const float* x, int64_t x_rows, int64_t ldx, const int64_t* row_map, c
   const bool whole_chunks = weight_row_bytes(format, k) % 16 == 0 && (format != WeightFormat::Nvfp4 || k % 64 == 0);
   p.w_vector = whole_chunks && (tiles || reinterpret_cast<uintptr_t>(single.w.values) % 16 == 0);
   p.y_pairs = ldy % 2 == 0 && reinterpret_cast<uintptr_t>(out) % 8 == 0;
-  p.k_slice = k_slice;
+  p.k_slice = split.k_slice;
   p.y = out;
   p.ldy = ldy;
   p.y_copy_stride = copy_stride;

@@ -5,6 +5,7 @@
 
 #include "activation_quant.h"
 #include "kernels.h"
+#include "sampler.h"
 
 namespace diffuserve::cuda {
 namespace {
@@ -373,8 +374,13 @@ __device__ OnlineSoftmax block_merge(OnlineSoftmax v) {
 // the forward's softmax op, copy and their passes are then left out).
 __global__ void __launch_bounds__(kSampleThreads, 2)
     sample_kernel(float* logits, int64_t vocab, float temperature, const uint8_t* allowed, RandomKey key,
-                  bool round_bf16, bool softmax_feedback, bool vector, DeviceRowSample* out) {
+                  DeviceSchedule schedule, bool round_bf16, bool softmax_feedback, bool vector, DeviceRowSample* out) {
   const int64_t row = blockIdx.x;
+  if (schedule.steps_done) {
+    const int step = *schedule.steps_done;
+    temperature = schedule_temperature(schedule.t_min, schedule.t_max, schedule.max_steps - step, schedule.max_steps);
+    key.step = uint32_t(step);
+  }
   float* l = logits + row * vocab;
   auto processed = [&](int64_t v, float x) { return !allowed || allowed[v] ? x / temperature : -INFINITY; };
   auto fed_back = [&](float p) { return round_bf16 ? __bfloat162float(__float2bfloat16(p)) : p; };
@@ -413,6 +419,73 @@ __global__ void __launch_bounds__(kSampleThreads, 2)
 }
 
 // FP8 per token: one warp per row finds the row's absolute maximum, then quantizes it.
+// update_canvas_kernel's threads: one block for the whole canvas.
+constexpr int kCanvasThreads = 512;
+
+// sampler.h's update_canvas for one block, bit for bit. The stable sort by entropy is a
+// rank per position (entropies below it, or equal at a lower position: O(canvas^2)
+// compares, a few microseconds at 256 positions); the acceptance's running sum and the
+// mean entropy are one thread's double sums in the reference's order.
+__global__ void __launch_bounds__(kCanvasThreads)
+    update_canvas_kernel(DeviceCanvas s, const DeviceRowSample* rows, int32_t* order, uint8_t* accepted) {
+  const CanvasParams& p = s.params;
+  const int canvas = p.canvas, step = s.counters[kCanvasSteps];
+  // NaN entropies sort last (a total order, so the ranks stay a permutation).
+  auto key = [&](int i) { const float e = rows[i].entropy; return e == e ? e : INFINITY; };
+  for (int i = threadIdx.x; i < canvas; i += blockDim.x) {
+    if (!s.free_position[i]) continue;
+    const float e = key(i);
+    int rank = 0;
+    for (int j = 0; j < canvas; ++j) {
+      if (!s.free_position[j]) continue;
+      const float f = key(j);
+      rank += f < e || (f == e && j < i);
+    }
+    order[rank] = i;
+  }
+  __shared__ float mean_entropy;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    int free = 0;
+    double sum = 0;
+    for (int i = 0; i < canvas; ++i)
+      if (s.free_position[i]) sum += rows[i].entropy, ++free;
+    double running = 0;
+    for (int r = 0; r < free; ++r) {
+      const int i = order[r];
+      running += rows[i].entropy;
+      accepted[i] = float(running) - rows[i].entropy <= p.entropy_bound;
+    }
+    mean_entropy = free ? float(sum / free) : 0.0f;
+  }
+  __syncthreads();
+  const RandomKey renoise{p.seed, p.block, uint32_t(step), RandomStream::Renoise};
+  bool same = p.stability <= 0 || step >= p.stability;
+  for (int i = threadIdx.x; i < canvas; i += blockDim.x) {
+    if (s.free_position[i]) {
+      s.argmax[i] = rows[i].argmax;
+      s.tokens[i] = accepted[i] ? rows[i].candidate
+                                : random_allowed_token(renoise, uint32_t(i), p.vocab, s.allowed_ids, p.allowed_count);
+    }
+    for (int h = 0; h < p.stability && same; ++h) same = s.history[int64_t(h) * canvas + i] == s.argmax[i];
+  }
+  const bool stable = __syncthreads_and(same);
+  if (p.stability > 0)
+    for (int i = threadIdx.x; i < canvas; i += blockDim.x)
+      s.history[int64_t(step % p.stability) * canvas + i] = s.argmax[i];
+  if (threadIdx.x == 0) {
+    s.counters[kCanvasSteps] = step + 1;
+    s.counters[kCanvasStopped] = (stable && mean_entropy < p.confidence) || step + 1 == p.max_steps;
+  }
+}
+
+__global__ void continue_while_kernel(cudaGraphConditionalHandle condition, const int32_t* const* stopped, int count,
+                                      int32_t* runs, int max_runs) {
+  bool go = ++*runs < max_runs;
+  for (int i = 0; i < count; ++i) go = go && !*stopped[i];
+  cudaGraphSetConditional(condition, go ? 1u : 0u);
+}
+
 __global__ void quantize_fp8_rows_kernel(float* x, int64_t rows, int64_t cols) {
   const int64_t row = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
   if (row >= rows) return;  // whole warps: blocks are whole warps
@@ -551,11 +624,23 @@ void random_bf16(__nv_bfloat16* out, int64_t n, uint64_t seed, float scale, cuda
 }
 
 void sample_rows(float* logits, int64_t rows, int64_t vocab, float temperature, const uint8_t* allowed,
-                 RandomKey key, bool round_bf16, bool softmax_feedback, DeviceRowSample* out, cudaStream_t stream) {
+                 RandomKey key, const DeviceSchedule& schedule, bool round_bf16, bool softmax_feedback,
+                 DeviceRowSample* out, cudaStream_t stream) {
   const bool vector = vocab % 4 == 0 && reinterpret_cast<uintptr_t>(logits) % 16 == 0;
   if (rows)
-    sample_kernel<<<unsigned(rows), kSampleThreads, 0, stream>>>(logits, vocab, temperature, allowed, key, round_bf16,
-                                                              softmax_feedback, vector, out);
+    sample_kernel<<<unsigned(rows), kSampleThreads, 0, stream>>>(logits, vocab, temperature, allowed, key, schedule,
+                                                              round_bf16, softmax_feedback, vector, out);
+}
+
+void update_canvas(const DeviceCanvas& canvas, const DeviceRowSample* rows, void* scratch, cudaStream_t stream) {
+  auto* order = static_cast<int32_t*>(scratch);
+  update_canvas_kernel<<<1, kCanvasThreads, 0, stream>>>(canvas, rows, order,
+                                                         reinterpret_cast<uint8_t*>(order + canvas.params.canvas));
+}
+
+void continue_while(cudaGraphConditionalHandle condition, const int32_t* const* stopped, int count, int32_t* runs,
+                    int max_runs, cudaStream_t stream) {
+  continue_while_kernel<<<1, 1, 0, stream>>>(condition, stopped, count, runs, max_runs);
 }
 
 void quantize_input(float* x, int64_t rows, int64_t cols, ActivationScheme scheme, int64_t encoder_rows,

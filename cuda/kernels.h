@@ -21,7 +21,7 @@ namespace diffuserve::cuda {
 // apart, entering the tensor cores as GemmInput says; accumulation is fp32. W is bf16, or
 // packed (`format`, packed_weight.h) and dequantized in the kernel: Y = (X @ Q^T) * scale
 // per column for FP8, (X @ (E2M1 * group scale)^T) / global scale for NVFP4 (Split only).
-// `scratch` is gemm_scratch_bytes(x_rows, k, input) bytes of device memory that the call
+// `scratch` is gemm_scratch_bytes(x_rows, n, k, input) bytes of device memory that the call
 // may use until it is done on `stream`. Weight rows whose bytes are a multiple of 16 (and
 // NVFP4 scale rows of 4) must start 16 (4)-byte aligned, as they do at multiples of a
 // matrix's size from an allocation.
@@ -72,7 +72,7 @@ int gemm_tile_rows(int64_t rows_per_segment, int64_t segments, int64_t n, GemmIn
 // 128 rows): bf16 both, sm_90a code in the build, an sm_90 GPU, and DIFFUSERVE_WGMMA unset
 // or not 0 (0 keeps every tile on mma.sync, to compare).
 bool gemm_has_wgmma_tile(GemmInput input, WeightFormat format);
-size_t gemm_scratch_bytes(int64_t x_rows, int64_t k, GemmInput input);
+size_t gemm_scratch_bytes(int64_t x_rows, int64_t n, int64_t k, GemmInput input);
 // K as gemm()'s pre-pass pads it for `input`.
 int64_t gemm_padded_k(int64_t k, GemmInput input);
 // gemm()'s pre-pass for bf16 inputs, alone (for products computed elsewhere: cuBLASLt):
@@ -233,8 +233,34 @@ struct DeviceRowSample {
   int32_t candidate;
   float entropy;
 };
+// Where a sample call's temperature and Candidate key step come from: as given, or with
+// `steps_done` (a block's step counter in device memory) from the schedule at that step,
+// as sampler.h's schedule_temperature computes it.
+struct DeviceSchedule {
+  const int32_t* steps_done = nullptr;
+  float t_min = 0, t_max = 0;
+  int max_steps = 0;
+};
 // The sampler's passes over each row (Backend::sample), one block per row.
 void sample_rows(float* logits, int64_t rows, int64_t vocab, float temperature, const uint8_t* allowed,
-                 RandomKey key, bool round_bf16, bool softmax_feedback, DeviceRowSample* out, cudaStream_t stream);
+                 RandomKey key, const DeviceSchedule& schedule, bool round_bf16, bool softmax_feedback,
+                 DeviceRowSample* out, cudaStream_t stream);
+// A block's state as kernels take it (CanvasState less its storage).
+struct DeviceCanvas {
+  CanvasParams params;
+  int32_t* tokens;
+  int32_t* argmax;
+  int32_t* history;
+  int32_t* counters;
+  const int32_t* allowed_ids;
+  const uint8_t* free_position;
+};
+// sampler.h's update_canvas on the device, one block: acceptance, renoising, argmax
+// history, stop flag and step count from the step's rows. `scratch`: canvas ints and bytes.
+void update_canvas(const DeviceCanvas& canvas, const DeviceRowSample* rows, void* scratch, cudaStream_t stream);
+// The last node of a repeat body (Backend::repeat): counts the run and sets the while
+// node's condition: go on while fewer than max_runs runs and no block's stopped flag set.
+void continue_while(cudaGraphConditionalHandle condition, const int32_t* const* stopped, int count, int32_t* runs,
+                    int max_runs, cudaStream_t stream);
 
 }  // namespace diffuserve::cuda

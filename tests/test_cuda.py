@@ -193,3 +193,44 @@ def test_dummy_quantized_model_matches_cpu(tmp_path, quantization, shape):
     canvas = np.random.default_rng(1).integers(0, cpu.vocab_size, 32)
     compare(seqs[0].denoise(canvas), seqs[1].denoise(canvas), f"dummy fp8-dynamic {shape} logits", rel_tol=1.0,
             min_agreement=0.85)
+
+
+# A block's steps with the sampler's update on the device against the same steps updated
+# on the host (update_canvas, the reference), both from the GPU's own sample rows: tokens,
+# argmax, step count and stop flag bit for bit, through acceptance (tied entropies
+# included), renoising from the allowed ids, pinned positions and the stop rule.
+@pytest.mark.parametrize("stability", [0, 1, 2])
+def test_device_canvas_update_matches_host(stability):
+    rng = np.random.default_rng(stability)
+    canvas, vocab = 80, 777
+    base = (rng.standard_normal((canvas, vocab)) * 6).astype(np.float32)
+    base[10:14] = base[9]  # equal rows: equal entropies, ordered by position
+    noise = [3.0, 1.0, 0.3, 0.0, 0.0, 0.0, 0.0]  # settling: the argmax holds, the block stops
+    logits = np.stack([base + (rng.standard_normal((canvas, vocab)) * s).astype(np.float32) for s in noise])
+    kwargs = dict(tokens=rng.integers(0, vocab, canvas).tolist(), pinned=[0, 33],
+                  allowed_ids=sorted(rng.choice(vocab, 400, replace=False).tolist()), t_min=0.4, t_max=0.9,
+                  max_steps=len(noise) + 2, entropy_bound=2.5, stability=stability, confidence=50.0, seed=11, block=3,
+                  device="cuda")
+    host = _core.sampler.denoise_steps(logits, host_update=True, **kwargs)
+    device = _core.sampler.denoise_steps(logits, **kwargs)
+    assert [s[2] for s in device] == list(range(1, len(noise) + 1))
+    for step, (h, d) in enumerate(zip(host, device)):
+        assert h[0] == d[0] and h[1] == d[1], f"step {step}: tokens or argmax differ"
+        assert h[3] == d[3], f"step {step}: stop flag"
+    assert device[-1][3] and (stability == 0 or not device[0][3])
+
+
+# Steady denoise steps run as one recorded graph that loops on the device; with
+# DIFFUSERVE_CUDA_GRAPHS=0 the host runs them one by one. Same kernels, same inputs: the
+# outputs are the same bits, blocks stopping early included.
+def test_graph_loop_matches_host_loop(path, monkeypatch):
+    prompts = [[1, 2, 3, 4], list(range(5, 70)), [9] * 17]
+    params = [ds.SamplingParams(max_new_tokens=96, seed=i, eos_token_id=[], max_denoising_steps=10,
+                                stability_threshold=1, confidence_threshold=100.0) for i in range(3)]
+    params[0].t_min, params[0].t_max = 1e-6, 2e-6  # near-greedy: the argmax settles and the block stops early
+    graphs = ds.LLM(path, device="cuda").generate(prompts, params)
+    monkeypatch.setenv("DIFFUSERVE_CUDA_GRAPHS", "0")
+    host = ds.LLM(path, device="cuda").generate(prompts, params)
+    for a, b in zip(graphs, host):
+        assert a.token_ids == b.token_ids and a.denoise_steps == b.denoise_steps
+    print("denoise steps:", [o.denoise_steps for o in graphs])

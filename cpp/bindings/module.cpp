@@ -10,6 +10,7 @@
 #include <nanobind/stl/unique_ptr.h>
 #include <nanobind/stl/vector.h>
 
+#include <algorithm>
 #include <cstring>
 
 #include "backend.h"
@@ -105,6 +106,50 @@ void bind_sampler(nb::module_& m) {
                           to_numpy(std::move(candidate), {n}), to_numpy(std::move(entropy), {n}));
   }, nb::arg("logits"), nb::arg("temperature"), nb::arg("allowed_ids"), nb::arg("seed"), nb::arg("block"),
      nb::arg("step"), nb::arg("softmax_feedback") = false, nb::arg("device") = "cpu");
+  // A block's denoise steps on given logits ([steps, canvas, vocab]), on `device`'s backend:
+  // its own denoise_step, or with host_update the default one (the backend's sample, then
+  // update_canvas on the host). Returns (tokens, argmax, steps done, stopped) after each.
+  using StepLogits = nb::ndarray<const float, nb::ndim<3>, nb::c_contig, nb::device::cpu>;
+  s.def("denoise_steps", [](StepLogits logits, const std::vector<int32_t>& tokens, const std::vector<int32_t>& pinned,
+                            std::vector<int32_t> allowed_ids, float t_min, float t_max, int max_steps,
+                            float entropy_bound, int stability, float confidence, uint64_t seed, uint32_t block,
+                            const std::string& device, bool host_update) {
+    const int64_t canvas = logits.shape(1), vocab = logits.shape(2);
+    if (int64_t(tokens.size()) != canvas) throw InvalidArgument("denoise_steps: one token per canvas row");
+    auto be = make_backend(device, 1);
+    std::sort(allowed_ids.begin(), allowed_ids.end());
+    allowed_ids.erase(std::unique(allowed_ids.begin(), allowed_ids.end()), allowed_ids.end());
+    std::vector<uint8_t> free_position(canvas, 1);
+    for (int32_t pos : pinned) free_position.at(pos) = 0;
+    CanvasParams p;
+    p.canvas = int(canvas);
+    p.vocab = int(vocab);
+    p.t_min = t_min;
+    p.t_max = t_max;
+    p.max_steps = max_steps;
+    p.entropy_bound = entropy_bound;
+    p.stability = stability;
+    p.confidence = confidence;
+    p.seed = seed;
+    p.block = block;
+    p.self_conditioning = true;
+    p.allowed_count = int(allowed_ids.size());
+    CanvasState state = new_canvas(*be, p, tokens, free_position, allowed_ids);
+    nb::list out;
+    for (int64_t step = 0; step < int64_t(logits.shape(0)); ++step) {
+      Activation a = be->alloc(canvas, vocab);
+      be->from_host(logits.data() + step * canvas * vocab, a);
+      if (host_update) be->Backend::denoise_step(a, state);
+      else be->denoise_step(a, state);
+      const CanvasReadout r = read_canvas(*be, state);
+      std::vector<int32_t> now(canvas);
+      be->read_bytes(now.data(), state.tokens, now.size() * sizeof(int32_t));
+      out.append(nb::make_tuple(now, r.argmax, r.steps, r.stopped));
+    }
+    return out;
+  }, nb::arg("logits"), nb::arg("tokens"), nb::arg("pinned"), nb::arg("allowed_ids"), nb::arg("t_min"),
+     nb::arg("t_max"), nb::arg("max_steps"), nb::arg("entropy_bound"), nb::arg("stability"), nb::arg("confidence"),
+     nb::arg("seed"), nb::arg("block"), nb::arg("device") = "cpu", nb::arg("host_update") = false);
   // The stop rule one step at a time, as update_canvas applies it (less its last-step stop).
   struct StopRule {
     int stability;
