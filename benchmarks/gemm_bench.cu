@@ -12,7 +12,7 @@
 // of ldmatrix and the MMA fragment layouts (PTX ISA) with gemm_tile.cuh's addressing and
 // E4M3 unpacking, and the K order of decoded packed weights. Build and run:
 //   nvcc -std=c++20 -arch=sm_90a -DDIFFUSERVE_SM90A -O3 -I cpp/src -I cpp/include -I cuda benchmarks/gemm_bench.cu \
-//       cuda/gemm.cu cuda/kernels.cu cpp/src/packed_weight.cpp cpp/src/dtype.cpp -o /tmp/gemm_bench && /tmp/gemm_bench
+//       cuda/gemm.cu cuda/kernels.cu cpp/src/packed_weight.cpp cpp/src/sampler.cpp cpp/src/dtype.cpp -o /tmp/gemm_bench && /tmp/gemm_bench
 // (--check: the checks alone; --host: the host checks alone, on a machine without a GPU;
 // --moe, --dense: the MoE timings, the dense ones at 256 rows, alone).
 // Built with cuBLASLt as well (add -DDIFFUSERVE_WITH_CUBLASLT cuda/cublaslt_gemm.cu -lcublasLt

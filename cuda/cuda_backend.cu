@@ -89,6 +89,42 @@ class DevicePool : public std::enable_shared_from_this<DevicePool> {
   std::map<size_t, std::vector<void*>> free_;
 };
 
+// The memory a recorded repeat body owns (Backend::repeat): bump-allocated from chunks that
+// no kernel uses outside the recording and that are kept from one recording to the next.
+// Never the pool's: the body's kernels reuse the pool's blocks as scratch in every run, and
+// bytes written once while recording (tables, token ids) must stay as written.
+class RecordingArena {
+ public:
+  ~RecordingArena() {
+    for (void* chunk : chunks_) cudaFree(chunk);
+  }
+  void* get(size_t bytes) {
+    bytes = (std::max<size_t>(bytes, 1) + 255) / 256 * 256;
+    while (current_ < chunks_.size() && used_ + bytes > sizes_[current_]) ++current_, used_ = 0;
+    if (current_ == chunks_.size()) {
+      void* chunk = nullptr;
+      const size_t size = std::max(bytes, kChunkBytes);
+      if (cudaMalloc(&chunk, size) != cudaSuccess) {
+        cudaGetLastError();
+        throw InvalidArgument("out of GPU memory allocating " + std::to_string(size) + " bytes");
+      }
+      chunks_.push_back(chunk);
+      sizes_.push_back(size);
+      used_ = 0;
+    }
+    void* p = static_cast<uint8_t*>(chunks_[current_]) + used_;
+    used_ += bytes;
+    return p;
+  }
+  void reset() { current_ = 0, used_ = 0; }  // once nothing recorded is left to run
+
+ private:
+  static constexpr size_t kChunkBytes = size_t(4) << 20;
+  std::vector<void*> chunks_;
+  std::vector<size_t> sizes_;
+  size_t current_ = 0, used_ = 0;
+};
+
 // DIFFUSERVE_PROFILE=1: every op synchronises and its time is added to a per-op total,
 // printed when the backend goes away. For finding where a step's time goes.
 class OpProfile {
@@ -178,13 +214,12 @@ class CudaBackend final : public Backend {
   }
 
   std::shared_ptr<void> alloc_bytes(size_t bytes) override {
-    auto storage = pool_->get(bytes);
-    if (recording_) recorded_.push_back(storage);  // its bytes are written once, while recording
-    return storage;
+    if (recording_) return std::shared_ptr<void>(arena_.get(bytes), [](void*) {});  // written once, while recording
+    return pool_->get(bytes);
   }
   void write_bytes(void* dst, const void* src, size_t bytes) override {
     if (!bytes) return;
-    if (recording_) {  // now, outside the recording: the body reads these bytes every run
+    if (recording_) {  // now, outside the recording, into the arena: the body reads them every run
       check(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, side_), "write_bytes");
       check(cudaStreamSynchronize(side_), "write_bytes");
       return;
@@ -338,8 +373,15 @@ class CudaBackend final : public Backend {
     auto timed = profile_.scope("linear_nt");
     const int64_t k = w.shape[0], n = w.shape[1];
     auto& t = transposed_[w.data];
-    if (!t) {  // once; while recording, now on the side (not in every run of the body)
-      t = pool_->get(size_t(k * n) * 2);
+    if (!t) {  // once; while recording, now on the side (not in every run of the body), into
+               // memory of its own (a pool block may be one of the body's scratch)
+      if (recording_) {
+        void* fresh = nullptr;
+        check(cudaMalloc(&fresh, size_t(k * n) * 2), "linear_nt");
+        t = std::shared_ptr<void>(fresh, cudaFree);
+      } else {
+        t = pool_->get(size_t(k * n) * 2);
+      }
       cuda::transpose_bf16(bf16(w), k, n, static_cast<__nv_bfloat16*>(t.get()), recording_ ? side_ : stream_);
       if (recording_) check(cudaStreamSynchronize(side_), "linear_nt");
     }
@@ -524,10 +566,11 @@ class CudaBackend final : public Backend {
 
   // body() recorded once into the body of a graph's while node, which runs it until a
   // block stops or max_times runs: the steps of a steady batch with no host in between.
-  // What the body allocates stays its own until the graph is done (alloc_bytes' and the
-  // uploaded tables' bytes, written once while recording; its scratch is rewritten in
-  // every run, in the same order as when recorded). Where recording fails (an op that a
-  // graph cannot hold), the steps run from the host, and later calls do so at once.
+  // Bytes the body writes from the host (alloc_bytes: its tables) are written once while
+  // recording, into the recording's arena; its scratch from the pool is rewritten in every
+  // run, in the order it was recorded. The host records while the device may still run
+  // earlier work (nothing recorded touches that work's memory). Where recording fails (an
+  // op that a graph cannot hold), the steps run from the host, and later calls do so at once.
   int repeat(const std::function<void()>& body, const std::vector<const CanvasState*>& canvases,
              int max_times) override {
     if (max_times <= 1 || !graphs_) return Backend::repeat(body, canvases, max_times);
@@ -544,8 +587,8 @@ class CudaBackend final : public Backend {
     auto release = [&] {
       if (exec) cudaGraphExecDestroy(exec);
       if (graph) cudaGraphDestroy(graph);
-      recorded_.clear();
       recorded_tables_.clear();
+      arena_.reset();
     };
     try {
       check(cudaGraphCreate(&graph, 0), "cudaGraphCreate");
@@ -717,7 +760,7 @@ class CudaBackend final : public Backend {
   cudaStream_t side_ = nullptr;    // one-off copies while recording a graph
   bool graphs_ = true;             // repeat records a graph
   bool recording_ = false;         // repeat is recording its body
-  std::vector<std::shared_ptr<void>> recorded_;  // memory the recorded body owns
+  RecordingArena arena_;           // memory the recorded body owns
   std::shared_ptr<uint8_t> staging_;          // pinned host ring for write_bytes
   std::vector<RecentTable> recent_tables_;    // most recent first
   std::vector<RecentTable> recorded_tables_;  // the recorded body's
