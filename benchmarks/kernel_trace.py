@@ -70,6 +70,18 @@ def main():
     for lo, hi in zip(bounds, bounds[1:]):
         inside = [g for g in gaps if lo <= g < hi]
         print(f"| {lo:g}-{hi:g} | {len(inside) / passes:11.1f} | {sum(inside) / 1e3 / passes:14.2f} |")
+    # The host's side: time in the CUDA runtime calls (launches, waits, graph recording and
+    # instantiation), which the long gaps above are waiting for.
+    host = {}
+    for e in trace.events():
+        if e.device_type == torch.autograd.DeviceType.CPU and e.name.startswith("cuda"):
+            total = host.setdefault(e.name, [0.0, 0])
+            total[0] += e.time_range.elapsed_us() / 1e3
+            total[1] += 1
+    print("| host ms a pass | calls a pass | CUDA runtime call |")
+    print("|---------------:|-------------:|:------------------|")
+    for name, (ms, n) in sorted(host.items(), key=lambda kv: -kv[1][0])[:8]:
+        print(f"| {ms / passes:14.2f} | {n / passes:12.1f} | {name} |")
 
 
 if __name__ == "__main__":
