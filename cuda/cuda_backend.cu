@@ -564,36 +564,72 @@ class CudaBackend final : public Backend {
                         device_rows, scratch.get(), stream_);
   }
 
-  // body() recorded once into the body of a graph's while node, which runs it until a
-  // block stops or max_times runs: the steps of a steady batch with no host in between.
-  // Bytes the body writes from the host (alloc_bytes: its tables) are written once while
-  // recording, into the recording's arena; its scratch from the pool is rewritten in every
-  // run, in the order it was recorded. The host records while the device may still run
-  // earlier work (nothing recorded touches that work's memory). Where recording fails (an
-  // op that a graph cannot hold), the steps run from the host, and later calls do so at once.
+  // A steady batch's steps: body() recorded once into the body of a graph's while node,
+  // which runs it until a block stops or the runs are done, with no host in between.
+  // Recording takes the host a while (a forward's launches, then instantiation: ~16 ms at
+  // the 26B shapes); where the device would sit idle through it, it runs the first step
+  // meanwhile.
   int repeat(const std::function<void()>& body, const std::vector<const CanvasState*>& canvases,
              int max_times) override {
-    if (max_times <= 1 || !graphs_) return Backend::repeat(body, canvases, max_times);
-    std::vector<const int32_t*> stopped;
-    for (const CanvasState* c : canvases) stopped.push_back(c->counters + kCanvasStopped);
-    auto flags = pool_->get(stopped.size() * sizeof(stopped[0]));
-    auto runs = pool_->get(sizeof(int32_t));
-    const int32_t zero = 0;
-    write_bytes(flags.get(), stopped.data(), stopped.size() * sizeof(stopped[0]));
-    write_bytes(runs.get(), &zero, sizeof(zero));
+    if (max_times <= 2 || !graphs_) return Backend::repeat(body, canvases, max_times);
+    int done = 0;
+    if (cudaStreamQuery(stream_) == cudaSuccess) {
+      body();
+      done = 1;
+    }
+    cudaGetLastError();  // cudaErrorNotReady is an answer, not a failure
+    Recording graph;
+    record(body, canvases, max_times - done, graph);
+    if (done)
+      for (const CanvasState* c : canvases)
+        if (canvas_stopped(*this, *c)) return done;
+    if (!graph.exec) return done + Backend::repeat(body, canvases, max_times - done);
+    check(cudaGraphLaunch(graph.exec, stream_), "cudaGraphLaunch");
+    int32_t runs = 0;
+    read_bytes(&runs, graph.runs.get(), sizeof(runs));
+    return done + runs;
+  }
 
+ private:
+  // A recorded repeat body, ready to launch (exec null where recording failed), and what
+  // it owns until it is gone: the arena's bytes, the stop flags' table, the run counter.
+  struct Recording {
+    CudaBackend* backend = nullptr;
     cudaGraph_t graph = nullptr;
     cudaGraphExec_t exec = nullptr;
-    auto release = [&] {
+    std::shared_ptr<void> flags, runs;
+
+    Recording() = default;
+    Recording(const Recording&) = delete;
+    Recording& operator=(const Recording&) = delete;
+    ~Recording() {
       if (exec) cudaGraphExecDestroy(exec);
       if (graph) cudaGraphDestroy(graph);
-      recorded_tables_.clear();
-      arena_.reset();
-    };
+      if (backend) backend->recorded_tables_.clear(), backend->arena_.reset();
+    }
+  };
+
+  // Records into `r` body() and the run counter's kernel: a graph that loops while no block of
+  // `canvases` stopped, up to max_runs runs. Bytes the body writes from the host
+  // (alloc_bytes: its tables) are written once, now, into the recording's arena; its
+  // scratch from the pool is rewritten in every run, in the order it was recorded. The host
+  // records while the device may still run earlier work (nothing recorded touches that
+  // work's memory). Where recording fails (an op that a graph cannot hold), the steps run
+  // from the host, and later calls do so at once.
+  void record(const std::function<void()>& body, const std::vector<const CanvasState*>& canvases, int max_runs,
+              Recording& r) {
+    std::vector<const int32_t*> stopped;
+    for (const CanvasState* c : canvases) stopped.push_back(c->counters + kCanvasStopped);
+    r.flags = pool_->get(stopped.size() * sizeof(stopped[0]));
+    r.runs = pool_->get(sizeof(int32_t));
+    const int32_t zero = 0;
+    write_bytes(r.flags.get(), stopped.data(), stopped.size() * sizeof(stopped[0]));
+    write_bytes(r.runs.get(), &zero, sizeof(zero));
+    r.backend = this;
     try {
-      check(cudaGraphCreate(&graph, 0), "cudaGraphCreate");
+      check(cudaGraphCreate(&r.graph, 0), "cudaGraphCreate");
       cudaGraphConditionalHandle condition;
-      check(cudaGraphConditionalHandleCreate(&condition, graph, 1, cudaGraphCondAssignDefault),
+      check(cudaGraphConditionalHandleCreate(&condition, r.graph, 1, cudaGraphCondAssignDefault),
             "cudaGraphConditionalHandleCreate");
       cudaGraphNodeParams loop = {};
       loop.type = cudaGraphNodeTypeConditional;
@@ -601,15 +637,15 @@ class CudaBackend final : public Backend {
       loop.conditional.type = cudaGraphCondTypeWhile;
       loop.conditional.size = 1;
       cudaGraphNode_t node;
-      check(cudaGraphAddNode(&node, graph, nullptr, nullptr, 0, &loop), "cudaGraphAddNode");
+      check(cudaGraphAddNode(&node, r.graph, nullptr, nullptr, 0, &loop), "cudaGraphAddNode");
       check(cudaStreamBeginCaptureToGraph(stream_, loop.conditional.phGraph_out[0], nullptr, nullptr, 0,
                                           cudaStreamCaptureModeRelaxed),
             "cudaStreamBeginCaptureToGraph");
       recording_ = true;
       try {
         body();
-        cuda::continue_while(condition, static_cast<const int32_t* const*>(flags.get()), int(stopped.size()),
-                             static_cast<int32_t*>(runs.get()), max_times, stream_);
+        cuda::continue_while(condition, static_cast<const int32_t* const*>(r.flags.get()), int(stopped.size()),
+                             static_cast<int32_t*>(r.runs.get()), max_runs, stream_);
         check(cudaGetLastError(), "recording");
       } catch (...) {
         recording_ = false;
@@ -620,23 +656,16 @@ class CudaBackend final : public Backend {
       recording_ = false;
       cudaGraph_t recorded = nullptr;
       check(cudaStreamEndCapture(stream_, &recorded), "cudaStreamEndCapture");
-      check(cudaGraphInstantiate(&exec, graph, 0), "cudaGraphInstantiate");
+      check(cudaGraphInstantiate(&r.exec, r.graph, 0), "cudaGraphInstantiate");
     } catch (const std::exception& e) {
-      release();
       cudaGetLastError();
+      if (r.exec) cudaGraphExecDestroy(r.exec), r.exec = nullptr;
       std::fprintf(stderr, "diffuserve: CUDA graph recording failed (%s); denoise steps run from the host\n",
                    e.what());
       graphs_ = false;
-      return Backend::repeat(body, canvases, max_times);
     }
-    check(cudaGraphLaunch(exec, stream_), "cudaGraphLaunch");
-    int32_t done = 0;
-    read_bytes(&done, runs.get(), sizeof(done));
-    release();
-    return done;
   }
 
- private:
   void gemm_dense(const Activation& x, const cuda::GemmMatrix& w, WeightFormat format, int64_t n, int64_t k,
                   cuda::GemmInput input, Activation& y) {
     auto scratch = pool_->get(cuda::gemm_scratch_bytes(x.rows, n, k, input));
