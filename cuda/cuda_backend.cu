@@ -391,12 +391,12 @@ class CudaBackend final : public Backend {
   void rms_norm(const Activation& x, const Weight* weight, int64_t group, float eps, Activation& y) override {
     auto timed = profile_.scope("rms_norm");
     cuda::rms_norm(x.data, weight ? static_cast<const float*>(weight->data) : nullptr, x.size() / group, group, eps,
-                   /*accumulate=*/false, y.data, stream_);
+                   /*accumulate=*/false, 1.0f, y.data, stream_);
   }
-  void add_rms_norm(const Activation& x, const Weight* weight, float eps, Activation& y) override {
+  void add_rms_norm(const Activation& x, const Weight* weight, float eps, Activation& y, float scale) override {
     auto timed = profile_.scope("add_rms_norm");
     cuda::rms_norm(x.data, weight ? static_cast<const float*>(weight->data) : nullptr, x.rows, x.cols, eps,
-                   /*accumulate=*/true, y.data, stream_);
+                   /*accumulate=*/true, scale, y.data, stream_);
   }
 
   void rms_norm_rope(Activation& x, const Weight& weight, int64_t head_dim, float eps, const Weight& inv_freq,
@@ -431,7 +431,7 @@ class CudaBackend final : public Backend {
     auto timed = profile_.scope("route");
     const int64_t tokens = x.rows, experts = proj.shape[0];
     Activation normed = alloc_output(tokens, x.cols), scores = alloc_output(tokens, experts);
-    cuda::rms_norm(x.data, static_cast<const float*>(scale.data), tokens, x.cols, eps, /*accumulate=*/false,
+    cuda::rms_norm(x.data, static_cast<const float*>(scale.data), tokens, x.cols, eps, /*accumulate=*/false, 1.0f,
                    normed.data, stream_);
     gemm_dense(normed, {bf16(proj), nullptr, nullptr}, WeightFormat::Plain, experts, x.cols, cuda::GemmInput::Split,
                scores);
@@ -533,12 +533,12 @@ class CudaBackend final : public Backend {
                          nvfp4 ? quant.global_scale(false, expert) : 0.0f, stream_);
   }
 
-  std::vector<RowSample> sample(Activation& logits, float temperature, const uint8_t* allowed, const RandomKey& key,
-                                DType feedback_dtype, bool softmax_feedback) override {
+  std::vector<RowSample> sample(Activation& logits, float cap, float temperature, const uint8_t* allowed,
+                                const RandomKey& key, DType feedback_dtype, bool softmax_feedback) override {
     auto timed = profile_.scope("sample");
     auto out = pool_->get(size_t(logits.rows) * sizeof(cuda::DeviceRowSample));
     auto* device_out = static_cast<cuda::DeviceRowSample*>(out.get());
-    cuda::sample_rows(logits.data, logits.rows, logits.cols, temperature, allowed, key, {},
+    cuda::sample_rows(logits.data, logits.rows, logits.cols, cap, temperature, allowed, key, {},
                       feedback_dtype == DType::BF16, softmax_feedback, device_out, stream_);
     std::vector<cuda::DeviceRowSample> host(logits.rows);
     read_bytes(host.data(), device_out, host.size() * sizeof(host[0]));
@@ -555,7 +555,7 @@ class CudaBackend final : public Backend {
     auto rows = pool_->get(size_t(logits.rows) * sizeof(cuda::DeviceRowSample));
     auto* device_rows = static_cast<cuda::DeviceRowSample*>(rows.get());
     const cuda::DeviceSchedule schedule{canvas.counters, p.t_min, p.t_max, p.max_steps};
-    cuda::sample_rows(logits.data, logits.rows, logits.cols, 0.0f, canvas.allowed,
+    cuda::sample_rows(logits.data, logits.rows, logits.cols, p.softcap, 0.0f, canvas.allowed,
                       RandomKey{p.seed, p.block, 0, RandomStream::Candidate}, schedule,
                       p.feedback_dtype == DType::BF16, p.self_conditioning, device_rows, stream_);
     auto scratch = pool_->get(size_t(p.canvas) * (sizeof(int32_t) + 1));

@@ -82,7 +82,7 @@ __global__ void embed_kernel(const __nv_bfloat16* table, int64_t hidden, const i
 // a norm kernel followed by the add kernel would.
 template <bool kAccumulate>
 __device__ __forceinline__ void write_norm(const float* x, const float* weight, float inv, int64_t group,
-                                           int64_t first, int64_t stride, float* y) {
+                                           int64_t first, int64_t stride, float scale, float* y) {
   for (int64_t base = first; base < group; base += kUnroll * stride) {
     float v[kUnroll], w[kUnroll], old[kUnroll];
 #pragma unroll
@@ -98,19 +98,19 @@ __device__ __forceinline__ void write_norm(const float* x, const float* weight, 
       const int64_t j = base + u * stride;
       if (j >= group) continue;
       const float normed = v[u] * inv * w[u];
-      y[j] = kAccumulate ? __fadd_rn(old[u], normed) : normed;
+      y[j] = kAccumulate ? __fmul_rn(__fadd_rn(old[u], normed), scale) : normed;
     }
   }
 }
 
 // A hidden state's norm: a block per group.
 template <bool kAccumulate>
-__global__ void rms_norm_kernel(const float* x, const float* weight, int64_t group, float eps, float* y) {
+__global__ void rms_norm_kernel(const float* x, const float* weight, int64_t group, float eps, float scale, float* y) {
   const float* xi = x + int64_t(blockIdx.x) * group;
   float ss = 0.0f;
   for_each_strided(xi, group, threadIdx.x, blockDim.x, [&](int64_t, float v) { ss += v * v; });
   const float inv = powf(block_sum(ss) / float(group) + eps, -0.5f);
-  write_norm<kAccumulate>(xi, weight, inv, group, threadIdx.x, blockDim.x, y + int64_t(blockIdx.x) * group);
+  write_norm<kAccumulate>(xi, weight, inv, group, threadIdx.x, blockDim.x, scale, y + int64_t(blockIdx.x) * group);
 }
 
 // (mean(x^2) + eps)^-0.5 of a group of x, summed by the warp (every lane gets it).
@@ -124,12 +124,12 @@ __device__ float warp_inv_rms(const float* x, int64_t group, float eps, int lane
 // A head's norm (thousands of short groups): a warp per group, no block-wide barrier.
 template <bool kAccumulate>
 __global__ void rms_norm_warp_kernel(const float* x, const float* weight, int64_t groups, int64_t group, float eps,
-                                     float* y) {
+                                     float scale, float* y) {
   const int64_t g = int64_t(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5);
   if (g >= groups) return;  // whole warps: blocks are whole warps
   const int lane = threadIdx.x & 31;
   const float* xi = x + g * group;
-  write_norm<kAccumulate>(xi, weight, warp_inv_rms(xi, group, eps, lane), group, lane, 32, y + g * group);
+  write_norm<kAccumulate>(xi, weight, warp_inv_rms(xi, group, eps, lane), group, lane, 32, scale, y + g * group);
 }
 
 // A warp per (row, head): the head's norm as rms_norm_warp_kernel computes it, then rotate_half
@@ -169,9 +169,12 @@ __global__ void scale_kernel(float* x, float s, int64_t n) {
   if (i < n) x[i] *= s;
 }
 
+// cap * tanh(x / cap): the softcap op's and the sampler's, one expression.
+__device__ __forceinline__ float capped(float x, float cap) { return cap * tanhf(x / cap); }
+
 __global__ void softcap_kernel(float* x, float cap, int64_t n) {
   const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (i < n) x[i] = cap * tanhf(x[i] / cap);
+  if (i < n) x[i] = capped(x[i], cap);
 }
 
 __global__ void softmax_kernel(float* x, int64_t cols) {
@@ -373,7 +376,7 @@ __device__ OnlineSoftmax block_merge(OnlineSoftmax v) {
 // writes f, or with softmax_feedback its softmax (the next step's soft embedding input;
 // the forward's softmax op, copy and their passes are then left out).
 __global__ void __launch_bounds__(kSampleThreads, 2)
-    sample_kernel(float* logits, int64_t vocab, float temperature, const uint8_t* allowed, RandomKey key,
+    sample_kernel(float* logits, int64_t vocab, float cap, float temperature, const uint8_t* allowed, RandomKey key,
                   DeviceSchedule schedule, bool round_bf16, bool softmax_feedback, bool vector, DeviceRowSample* out) {
   const int64_t row = blockIdx.x;
   if (schedule.steps_done) {
@@ -382,7 +385,9 @@ __global__ void __launch_bounds__(kSampleThreads, 2)
     key.step = uint32_t(step);
   }
   float* l = logits + row * vocab;
-  auto processed = [&](int64_t v, float x) { return !allowed || allowed[v] ? x / temperature : -INFINITY; };
+  auto processed = [&](int64_t v, float x) {
+    return !allowed || allowed[v] ? (cap > 0.0f ? capped(x, cap) : x) / temperature : -INFINITY;
+  };
   auto fed_back = [&](float p) { return round_bf16 ? __bfloat162float(__float2bfloat16(p)) : p; };
   float best = -INFINITY, best_noisy = -INFINITY;
   int best_i = INT_MAX, noisy_i = INT_MAX;
@@ -535,16 +540,17 @@ void embed(const __nv_bfloat16* table, int64_t hidden, const int32_t* ids, int64
   if (n) embed_kernel<<<blocks_for(n * hidden), kThreads, 0, stream>>>(table, hidden, ids, n, scale, out);
 }
 
-void rms_norm(const float* x, const float* weight, int64_t groups, int64_t group, float eps, bool accumulate, float* y,
-              cudaStream_t stream) {
+void rms_norm(const float* x, const float* weight, int64_t groups, int64_t group, float eps, bool accumulate,
+              float scale, float* y, cudaStream_t stream) {
   if (!groups) return;
   if (group >= 1024) {
     const auto kernel = accumulate ? rms_norm_kernel<true> : rms_norm_kernel<false>;
-    kernel<<<unsigned(groups), kThreads, 0, stream>>>(x, weight, group, eps, y);
+    kernel<<<unsigned(groups), kThreads, 0, stream>>>(x, weight, group, eps, scale, y);
   } else {
     constexpr int kWarps = kThreads / 32;
     const auto kernel = accumulate ? rms_norm_warp_kernel<true> : rms_norm_warp_kernel<false>;
-    kernel<<<unsigned((groups + kWarps - 1) / kWarps), kThreads, 0, stream>>>(x, weight, groups, group, eps, y);
+    kernel<<<unsigned((groups + kWarps - 1) / kWarps), kThreads, 0, stream>>>(x, weight, groups, group, eps, scale,
+                                                                               y);
   }
 }
 
@@ -623,13 +629,13 @@ void random_bf16(__nv_bfloat16* out, int64_t n, uint64_t seed, float scale, cuda
   if (n) random_bf16_kernel<<<unsigned(std::min<int64_t>(blocks_for(n), 65536)), kThreads, 0, stream>>>(out, n, seed, scale);
 }
 
-void sample_rows(float* logits, int64_t rows, int64_t vocab, float temperature, const uint8_t* allowed,
+void sample_rows(float* logits, int64_t rows, int64_t vocab, float cap, float temperature, const uint8_t* allowed,
                  RandomKey key, const DeviceSchedule& schedule, bool round_bf16, bool softmax_feedback,
                  DeviceRowSample* out, cudaStream_t stream) {
   const bool vector = vocab % 4 == 0 && reinterpret_cast<uintptr_t>(logits) % 16 == 0;
   if (rows)
-    sample_kernel<<<unsigned(rows), kSampleThreads, 0, stream>>>(logits, vocab, temperature, allowed, key, schedule,
-                                                              round_bf16, softmax_feedback, vector, out);
+    sample_kernel<<<unsigned(rows), kSampleThreads, 0, stream>>>(logits, vocab, cap, temperature, allowed, key,
+                                                              schedule, round_bf16, softmax_feedback, vector, out);
 }
 
 void update_canvas(const DeviceCanvas& canvas, const DeviceRowSample* rows, void* scratch, cudaStream_t stream) {

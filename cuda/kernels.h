@@ -184,9 +184,10 @@ void attention_mma(const float* q, float* out, const AttentionPlan& plan, const 
 // ---- elementwise, rows, sampling (kernels.cu) -------------------------------------
 void embed(const __nv_bfloat16* table, int64_t hidden, const int32_t* ids, int64_t n, float scale, float* out,
            cudaStream_t stream);
-// Per group: y = x * (mean(x^2) + eps)^-0.5 [* weight], or y += that when accumulating.
-void rms_norm(const float* x, const float* weight, int64_t groups, int64_t group, float eps, bool accumulate, float* y,
-              cudaStream_t stream);
+// Per group: y = x * (mean(x^2) + eps)^-0.5 [* weight], or when accumulating
+// y = (y + that) * scale.
+void rms_norm(const float* x, const float* weight, int64_t groups, int64_t group, float eps, bool accumulate,
+              float scale, float* y, cudaStream_t stream);
 // rms_norm of each head (weight [head_dim]), then rope, in place: a warp per (row, head).
 void rms_norm_rope(float* x, const float* weight, int64_t rows, int64_t heads, int64_t head_dim, float eps,
                    const float* inv_freq, const int64_t* positions, cudaStream_t stream);
@@ -242,7 +243,7 @@ struct DeviceSchedule {
   int max_steps = 0;
 };
 // The sampler's passes over each row (Backend::sample), one block per row.
-void sample_rows(float* logits, int64_t rows, int64_t vocab, float temperature, const uint8_t* allowed,
+void sample_rows(float* logits, int64_t rows, int64_t vocab, float cap, float temperature, const uint8_t* allowed,
                  RandomKey key, const DeviceSchedule& schedule, bool round_bf16, bool softmax_feedback,
                  DeviceRowSample* out, cudaStream_t stream);
 // A block's state as kernels take it (CanvasState less its storage).

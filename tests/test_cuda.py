@@ -102,9 +102,9 @@ def test_sampler_matches_cpu(vocab, temperature):
     rng = np.random.default_rng(vocab)
     logits = (rng.standard_normal((64, vocab)) * rng.uniform(0.05, 12, (64, 1))).astype(np.float32)
     allowed = [] if vocab == 1000 else sorted(rng.choice(vocab, 300, replace=False).tolist())
-    for softmax_feedback in (False, True):
+    for softmax_feedback, softcap in ((False, 0.0), (True, 0.0), (True, 30.0)):
         cpu, gpu = (_core.sampler.sample_rows(logits, temperature, allowed, 3, 1, 2, softmax_feedback=softmax_feedback,
-                                              device=device) for device in ("cpu", "cuda"))
+                                              device=device, softcap=softcap) for device in ("cpu", "cuda"))
         np.testing.assert_array_equal(gpu[1], cpu[1])  # argmax: the same processed values
         assert np.mean(gpu[2] == cpu[2]) >= 0.98  # candidates: the same draws (logf may differ in its last bit)
         np.testing.assert_allclose(gpu[3], cpu[3], rtol=1e-4, atol=1e-5)  # entropy
@@ -210,7 +210,7 @@ def test_device_canvas_update_matches_host(stability):
     kwargs = dict(tokens=rng.integers(0, vocab, canvas).tolist(), pinned=[0, 33],
                   allowed_ids=sorted(rng.choice(vocab, 400, replace=False).tolist()), t_min=0.4, t_max=0.9,
                   max_steps=len(noise) + 2, entropy_bound=2.5, stability=stability, confidence=50.0, seed=11, block=3,
-                  device="cuda")
+                  softcap=30.0, device="cuda")
     host = _core.sampler.denoise_steps(logits, host_update=True, **kwargs)
     device = _core.sampler.denoise_steps(logits, **kwargs)
     assert [s[2] for s in device] == list(range(1, len(noise) + 1))

@@ -27,6 +27,16 @@ def test_temperature_schedule(t_min, t_max, steps):
         np.testing.assert_array_equal(processed, expected)
 
 
+def test_softcap_comes_before_the_temperature():
+    """The engine leaves the final softcap to the sampler: processed = cap * tanh(logits / cap) / T,
+    as the reference softcaps the logits and its sampler then divides them."""
+    logits = (np.random.default_rng(3).standard_normal((8, 300)) * 12).astype(np.float32)
+    processed, argmax, _, _ = sampler.sample_rows(logits, 0.7, [], 0, 0, 0, softcap=30.0)
+    expected = (30 * torch.tanh(torch.from_numpy(logits) / 30) / 0.7).numpy()
+    np.testing.assert_allclose(processed, expected, rtol=2e-6, atol=1e-6)
+    np.testing.assert_array_equal(argmax, expected.argmax(-1))
+
+
 def hf_accept(logits, bound):
     s = EntropyBoundSampler(EntropyBoundSamplerConfig(entropy_bound=float(bound)), logits.shape[0], logits.shape[1], 48)
     current = torch.zeros(1, logits.shape[0], dtype=torch.long)

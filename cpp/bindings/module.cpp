@@ -75,10 +75,12 @@ void bind_sampler(nb::module_& m) {
   s.def("accept_by_entropy", [](const std::vector<float>& entropy, float bound) {
     return accept_by_entropy(entropy, bound, {});
   });
-  // One `sample` op on `device`'s backend: returns (processed logits, or with
-  // softmax_feedback their softmax, argmax, candidate, entropy).
+  // One `sample` op on `device`'s backend (softcap > 0: the logits' final softcap first):
+  // returns (processed logits, or with softmax_feedback their softmax, argmax, candidate,
+  // entropy).
   s.def("sample_rows", [](LogitsIn logits, float temperature, const std::vector<int32_t>& allowed_ids, uint64_t seed,
-                          uint32_t block, uint32_t step, bool softmax_feedback, const std::string& device) {
+                          uint32_t block, uint32_t step, bool softmax_feedback, const std::string& device,
+                          float softcap) {
     const int64_t rows = logits.shape(0), vocab = logits.shape(1);
     auto be = make_backend(device, 1);
     std::shared_ptr<void> allowed;
@@ -90,7 +92,7 @@ void bind_sampler(nb::module_& m) {
     }
     Activation a = be->alloc(rows, vocab);
     be->from_host(logits.data(), a);
-    const std::vector<RowSample> out = be->sample(a, temperature, static_cast<const uint8_t*>(allowed.get()),
+    const std::vector<RowSample> out = be->sample(a, softcap, temperature, static_cast<const uint8_t*>(allowed.get()),
                                                   RandomKey{seed, block, step}, DType::F32, softmax_feedback);
     std::vector<float> processed(a.size());
     be->to_host(a, processed.data());
@@ -105,7 +107,7 @@ void bind_sampler(nb::module_& m) {
     return nb::make_tuple(to_numpy(std::move(processed), {n, size_t(vocab)}), to_numpy(std::move(argmax), {n}),
                           to_numpy(std::move(candidate), {n}), to_numpy(std::move(entropy), {n}));
   }, nb::arg("logits"), nb::arg("temperature"), nb::arg("allowed_ids"), nb::arg("seed"), nb::arg("block"),
-     nb::arg("step"), nb::arg("softmax_feedback") = false, nb::arg("device") = "cpu");
+     nb::arg("step"), nb::arg("softmax_feedback") = false, nb::arg("device") = "cpu", nb::arg("softcap") = 0.0f);
   // A block's denoise steps on given logits ([steps, canvas, vocab]), on `device`'s backend:
   // its own denoise_step, or with host_update the default one (the backend's sample, then
   // update_canvas on the host). Returns (tokens, argmax, steps done, stopped) after each.
@@ -113,7 +115,7 @@ void bind_sampler(nb::module_& m) {
   s.def("denoise_steps", [](StepLogits logits, const std::vector<int32_t>& tokens, const std::vector<int32_t>& pinned,
                             std::vector<int32_t> allowed_ids, float t_min, float t_max, int max_steps,
                             float entropy_bound, int stability, float confidence, uint64_t seed, uint32_t block,
-                            const std::string& device, bool host_update) {
+                            const std::string& device, bool host_update, float softcap) {
     const int64_t canvas = logits.shape(1), vocab = logits.shape(2);
     if (int64_t(tokens.size()) != canvas) throw InvalidArgument("denoise_steps: one token per canvas row");
     auto be = make_backend(device, 1);
@@ -124,6 +126,7 @@ void bind_sampler(nb::module_& m) {
     CanvasParams p;
     p.canvas = int(canvas);
     p.vocab = int(vocab);
+    p.softcap = softcap;
     p.t_min = t_min;
     p.t_max = t_max;
     p.max_steps = max_steps;
@@ -149,7 +152,8 @@ void bind_sampler(nb::module_& m) {
     return out;
   }, nb::arg("logits"), nb::arg("tokens"), nb::arg("pinned"), nb::arg("allowed_ids"), nb::arg("t_min"),
      nb::arg("t_max"), nb::arg("max_steps"), nb::arg("entropy_bound"), nb::arg("stability"), nb::arg("confidence"),
-     nb::arg("seed"), nb::arg("block"), nb::arg("device") = "cpu", nb::arg("host_update") = false);
+     nb::arg("seed"), nb::arg("block"), nb::arg("device") = "cpu", nb::arg("host_update") = false,
+     nb::arg("softcap") = 0.0f);
   // The stop rule one step at a time, as update_canvas applies it (less its last-step stop).
   struct StopRule {
     int stability;

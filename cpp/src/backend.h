@@ -116,6 +116,7 @@ struct RowSample {
 struct CanvasParams {
   int canvas = 0;
   int vocab = 0;
+  float softcap = 0;  // the logits' final softcap, applied by the sampler (0: none)
   float t_min = 0, t_max = 0;
   int max_steps = 0;
   float entropy_bound = 0;
@@ -212,10 +213,12 @@ class Backend {
   // Per `group`-wide slice of each row: y = x * (mean(x^2) + eps)^-0.5 [* weight]
   // (weight: fp32 [group], or null for an unscaled norm). x and y may alias.
   virtual void rms_norm(const Activation& x, const Weight* weight, int64_t group, float eps, Activation& y) = 0;
-  // y = y + rms_norm(x) with whole rows as the groups (group = x.cols); x and y have the
-  // same shape. The residual add fused into the norm: bitwise the same as rms_norm into a
-  // scratch matrix, then add(y, scratch, y), with one pass (one launch) fewer.
-  virtual void add_rms_norm(const Activation& x, const Weight* weight, float eps, Activation& y) = 0;
+  // y = (y + rms_norm(x)) * scale with whole rows as the groups (group = x.cols); x and y
+  // have the same shape. The residual add (and a layer scalar) fused into the norm: bitwise
+  // the same as rms_norm into a scratch matrix, add(y, scratch, y), then scale(y, scale),
+  // with one pass (one launch) or two fewer.
+  virtual void add_rms_norm(const Activation& x, const Weight* weight, float eps, Activation& y,
+                            float scale = 1.0f) = 0;
   // In place on x viewed as [rows, heads, head_dim] (the query and key heads): rms_norm of
   // each head (weight: fp32 [head_dim]), then rotate_half RoPE at `positions` (inv_freq:
   // fp32 [head_dim / 2]). One op, so that a backend may do both in one pass.
@@ -248,14 +251,15 @@ class Backend {
   // Row-wise softmax in fp32.
   virtual void softmax(Activation& x) = 0;
   // The sampler's pass over canvas logits, in place, one row per canvas position:
-  // processed = logits / temperature, with ids outside `allowed` (when not null: one flag
-  // per vocab id, in backend memory) set to -inf; then per row the argmax, a Gumbel-max
+  // processed = softcap(logits) / temperature (softcap(x) = cap * tanh(x / cap) as the
+  // softcap op computes it, when cap > 0), with ids outside `allowed` (when not null: one
+  // flag per vocab id, in backend memory) set to -inf; then per row the argmax, a Gumbel-max
   // candidate drawn with `key` at (row, vocab id), and the entropy. Finally the processed
   // logits are rounded to `feedback_dtype` (the reference casts the next step's
   // self-conditioning input to the weight dtype) and, with `softmax_feedback`, replaced by
   // their softmax as the softmax op computes it: the very input the next step's soft
   // embedding multiplies, so that no pass over the vocabulary is left to the forward.
-  virtual std::vector<RowSample> sample(Activation& logits, float temperature, const uint8_t* allowed,
+  virtual std::vector<RowSample> sample(Activation& logits, float cap, float temperature, const uint8_t* allowed,
                                         const RandomKey& key, DType feedback_dtype, bool softmax_feedback) = 0;
   // One denoise step of a block on its canvas logits (left as sample leaves them, the next
   // step's feedback): sample at the scheduled temperature, then sampler.h's update_canvas

@@ -211,8 +211,8 @@ class CpuBackend final : public Backend {
   void rms_norm(const Activation& x, const Weight* weight, int64_t group, float eps, Activation& y) override {
     norm_groups(x, weight, group, eps, /*accumulate=*/false, y);
   }
-  void add_rms_norm(const Activation& x, const Weight* weight, float eps, Activation& y) override {
-    norm_groups(x, weight, x.cols, eps, /*accumulate=*/true, y);
+  void add_rms_norm(const Activation& x, const Weight* weight, float eps, Activation& y, float scale) override {
+    norm_groups(x, weight, x.cols, eps, /*accumulate=*/true, y, scale);
   }
 
   void rms_norm_rope(Activation& x, const Weight& weight, int64_t head_dim, float eps, const Weight& inv_freq_weight,
@@ -382,7 +382,7 @@ class CpuBackend final : public Backend {
   }
   void softcap(Activation& x, float cap) override {
     pool_->parallel_for(x.size(), 4096, [&](int64_t b, int64_t e) {
-      for (int64_t i = b; i < e; ++i) x.data[i] = cap * std::tanh(x.data[i] / cap);
+      for (int64_t i = b; i < e; ++i) x.data[i] = capped(x.data[i], cap);
     });
   }
   void softmax(Activation& x) override {
@@ -391,7 +391,7 @@ class CpuBackend final : public Backend {
     });
   }
 
-  std::vector<RowSample> sample(Activation& logits, float temperature, const uint8_t* allowed,
+  std::vector<RowSample> sample(Activation& logits, float cap, float temperature, const uint8_t* allowed,
                                 const RandomKey& key, DType feedback_dtype, bool softmax_feedback) override {
     const int64_t vocab = logits.cols;
     std::vector<RowSample> out(logits.rows);
@@ -403,7 +403,7 @@ class CpuBackend final : public Backend {
         for (int64_t v = 0; v < vocab; v += 4) {
           const Philox4 bits = key.draw(uint32_t(row), uint32_t(v));
           for (int64_t j = v; j < std::min(v + 4, vocab); ++j) {
-            l[j] = (!allowed || allowed[j]) ? l[j] / temperature : -INFINITY;
+            l[j] = (!allowed || allowed[j]) ? (cap > 0 ? capped(l[j], cap) : l[j]) / temperature : -INFINITY;
             if (l[j] > best) best = l[j], r.argmax = int32_t(j);
             const float noisy = l[j] + gumbel(bits[j - v]);
             if (noisy > best_noisy) best_noisy = noisy, r.candidate = int32_t(j);
@@ -429,6 +429,8 @@ class CpuBackend final : public Backend {
   }
 
  private:
+  static float capped(float x, float cap) { return cap * std::tanh(x / cap); }
+
   static void softmax_row(float* r, int64_t n) {
     const float m = *std::max_element(r, r + n);
     float sum = 0;
@@ -437,9 +439,9 @@ class CpuBackend final : public Backend {
   }
 
   // rms_norm and add_rms_norm: per group of x, the normed value x * (mean(x^2) + eps)^-0.5
-  // [* weight] is stored in y, or (accumulate) added to y's value.
+  // [* weight] is stored in y, or (accumulate) added to y's value, the sum times `scale`.
   void norm_groups(const Activation& x, const Weight* weight, int64_t group, float eps, bool accumulate,
-                   Activation& y) {
+                   Activation& y, float scale = 1.0f) {
     const float* w = weight ? static_cast<const float*>(weight->data) : nullptr;
     const int64_t groups = x.size() / group;
     pool_->parallel_for(groups, 64, [&](int64_t b, int64_t e) {
@@ -451,7 +453,7 @@ class CpuBackend final : public Backend {
         const float inv = std::pow(float(ss / group) + eps, -0.5f);
         for (int64_t j = 0; j < group; ++j) {
           const float normed = xi[j] * inv * (w ? w[j] : 1.0f);
-          yi[j] = accumulate ? yi[j] + normed : normed;
+          yi[j] = accumulate ? (yi[j] + normed) * scale : normed;
         }
       }
     });

@@ -49,7 +49,8 @@ namespace {
 
 // A new block: pinned positions hold their seed token in the first block; the rest start
 // as noise (or as the seed canvas).
-void start_block(RequestState& r, Backend& be, int vocab, DType weight_dtype) {
+void start_block(RequestState& r, Backend& be, const ModelConfig& config, DType weight_dtype) {
+  const int vocab = config.vocab_size;
   const SamplingParams& p = r.params;
   std::vector<uint8_t> free_position(r.canvas, 1);
   std::vector<int32_t> tokens(r.canvas);
@@ -63,6 +64,7 @@ void start_block(RequestState& r, Backend& be, int vocab, DType weight_dtype) {
   CanvasParams c;
   c.canvas = r.canvas;
   c.vocab = vocab;
+  c.softcap = config.final_logit_softcapping;
   c.t_min = p.t_min;
   c.t_max = p.t_max;
   c.max_steps = p.max_denoising_steps;
@@ -234,7 +236,7 @@ std::vector<std::pair<uint64_t, GenerationOutput>> Engine::step(const std::vecto
         rows += encode;
       }
       if (encode < pending || (encode > 0 && !fuse_commit_) || rows + r->canvas > max_batched_tokens) continue;
-      if (!r->in_block()) start_block(*r, be, c.vocab_size, m.weight_dtype);
+      if (!r->in_block()) start_block(*r, be, c, m.weight_dtype);
       denoiser_segment.push_back(segments.size());
       segments.push_back(Segment{&r->table, false, {}, nullptr, true, r->block_state->tokens, r->canvas});
       denoisers.push_back(r);
@@ -269,7 +271,7 @@ std::vector<std::pair<uint64_t, GenerationOutput>> Engine::step(const std::vecto
       segments[denoiser_segment[i]].self_conditioning = &feedback[i];
     }
     auto run = [&] {
-      forward(m, *m.kv, segments, &logits);
+      forward(m, *m.kv, segments, &logits, /*softcap=*/false);  // the sampler softcaps
       int64_t row = 0;
       for (RequestState* r : denoisers) {
         Activation canvas_logits = logits.view(row, r->canvas);

@@ -11,6 +11,7 @@
 #include <optional>
 #include <regex>
 #include <set>
+#include <tuple>
 
 #include "activation_quant.h"
 #include "packed_weight.h"
@@ -464,8 +465,8 @@ void gated_mlp(Backend& be, const Activation& x, int64_t encoder_rows, const Wei
   linear(be, act, down, out, encoder_rows);
 }
 
-// The feed-forward half of a layer, in place on h (the per-segment layer scalar follows):
-//   h = h + post_ff(post_ff_1(mlp(pre_ff(h))) + post_ff_2(experts(pre_ff_2(h), route(h))))
+// The feed-forward half of a layer and the layer scalar, in place on h:
+//   h = (h + post_ff(post_ff_1(mlp(pre_ff(h))) + post_ff_2(experts(pre_ff_2(h), route(h))))) * scalar
 // Rows of h below `encoder_rows` are the encoder's.
 void feed_forward(ModelState& m, int li, Activation& h, int64_t encoder_rows) {
   Backend& be = *m.backend;
@@ -482,9 +483,16 @@ void feed_forward(ModelState& m, int li, Activation& h, int64_t encoder_rows) {
   be.rms_norm(h, &W.pre_feedforward_layernorm_2, H, eps, x);
   be.experts(x, routing, W.experts_gate_up, W.experts_down, moe);
 
-  // The two branches' sum, then its norm added to the residual.
+  // The two branches' sum, then its norm added to the residual and the layer scalar
+  // applied: the encoder's rows (first) and the decoder's each have their own.
   be.add_rms_norm(moe, &W.post_feedforward_layernorm_2, eps, dense);
-  be.add_rms_norm(dense, &W.post_feedforward_layernorm, eps, h);
+  const int64_t decoder_rows = n - encoder_rows;
+  for (const auto& [first, rows, scalar] : {std::tuple{int64_t(0), encoder_rows, W.encoder_layer_scalar},
+                                            std::tuple{encoder_rows, decoder_rows, W.decoder_layer_scalar}}) {
+    if (!rows) continue;
+    Activation part = dense.view(first, rows), residual = h.view(first, rows);
+    be.add_rms_norm(part, &W.post_feedforward_layernorm, eps, residual, scalar);
+  }
 }
 
 // A segment's place in the batch's rows and in its sequence.
@@ -552,16 +560,12 @@ void layer_forward(ModelState& m, KvCache& kv, int li, Activation& h, const std:
   linear(be, attn, W.o_proj, rows_x, rows_encoder);
   be.add_rms_norm(rows_x, &W.post_attention_layernorm, c.rms_norm_eps, rows_h);
   feed_forward(m, li, rows_h, rows_encoder);
-  for (const Placed& p : placed) {
-    if (p.first_row < first) continue;
-    Activation seg = h.view(p.first_row, p.rows);
-    be.scale(seg, p.segment->encoder ? W.encoder_layer_scalar : W.decoder_layer_scalar);
-  }
 }
 
 }  // namespace
 
-Activation forward(ModelState& m, KvCache& kv, std::vector<Segment>& segments, const Activation* logits_out) {
+Activation forward(ModelState& m, KvCache& kv, std::vector<Segment>& segments, const Activation* logits_out,
+                   bool softcap) {
   Backend& be = *m.backend;
   const ModelConfig& c = m.config;
   const ModelWeights& W = m.weights;
@@ -635,7 +639,7 @@ Activation forward(ModelState& m, KvCache& kv, std::vector<Segment>& segments, c
     Activation dec = h.view(encoder_rows, decoder_rows);
     be.rms_norm(dec, &W.norm, H, c.rms_norm_eps, dec);
     linear(be, dec, W.lm_head.empty() ? W.embed_tokens : W.lm_head, logits, 0);
-    if (c.final_logit_softcapping > 0) be.softcap(logits, c.final_logit_softcapping);
+    if (softcap && c.final_logit_softcapping > 0) be.softcap(logits, c.final_logit_softcapping);
   }
   return logits;
 }

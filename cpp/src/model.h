@@ -85,7 +85,9 @@ void load_weights(ModelState& state, DType as);
 // as one pass. At most one encoder segment per sequence. Returns the softcapped fp32
 // logits of the denoise segments' rows, in segment order: in `logits` when given (one row
 // per denoise row; a segment's self_conditioning may be its own rows of it, read before
-// they are overwritten).
-Activation forward(ModelState& m, KvCache& kv, std::vector<Segment>& segments, const Activation* logits = nullptr);
+// they are overwritten). softcap false: before the final softcap, which the sampler then
+// applies (CanvasParams::softcap).
+Activation forward(ModelState& m, KvCache& kv, std::vector<Segment>& segments, const Activation* logits = nullptr,
+                   bool softcap = true);
 
 }  // namespace diffuserve

@@ -139,7 +139,7 @@ void Backend::denoise_step(Activation& logits, CanvasState& canvas) {
 
   const int step = s.counters[kCanvasSteps];
   const float temperature = schedule_temperature(p.t_min, p.t_max, p.max_steps - step, p.max_steps);
-  const std::vector<RowSample> rows = sample(logits, temperature, canvas.allowed,
+  const std::vector<RowSample> rows = sample(logits, p.softcap, temperature, canvas.allowed,
                                              RandomKey{p.seed, p.block, uint32_t(step), RandomStream::Candidate},
                                              p.feedback_dtype, p.self_conditioning);
   update_canvas(p, rows, s);
