@@ -393,6 +393,20 @@ class CudaBackend final : public Backend {
     cuda::rms_norm(x.data, weight ? static_cast<const float*>(weight->data) : nullptr, x.size() / group, group, eps,
                    /*accumulate=*/false, 1.0f, y.data, stream_);
   }
+  void rms_norms(const Activation& x, const std::vector<const Weight*>& weights, float eps,
+                 const std::vector<Activation*>& outputs) override {
+    auto timed = profile_.scope("rms_norm");
+    cuda::NormOutputs outs{};
+    for (size_t i = 0; i < weights.size(); ++i) {
+      if (outs.count == cuda::kMaxNormOutputs) {  // a full launch: the rest in another
+        cuda::rms_norms(x.data, outs, x.rows, x.cols, eps, /*accumulate=*/false, 1.0f, stream_);
+        outs.count = 0;
+      }
+      outs.weight[outs.count] = weights[i] ? static_cast<const float*>(weights[i]->data) : nullptr;
+      outs.y[outs.count++] = outputs[i]->data;
+    }
+    cuda::rms_norms(x.data, outs, x.rows, x.cols, eps, /*accumulate=*/false, 1.0f, stream_);
+  }
   void add_rms_norm(const Activation& x, const Weight* weight, float eps, Activation& y, float scale) override {
     auto timed = profile_.scope("add_rms_norm");
     cuda::rms_norm(x.data, weight ? static_cast<const float*>(weight->data) : nullptr, x.rows, x.cols, eps,
@@ -424,22 +438,19 @@ class CudaBackend final : public Backend {
     cuda::gelu_glu(x.data, x.rows, x.cols / 2, out.data, stream_);
   }
 
-  // rms_norm(x) * scale through the GEMM against the router (fp32-like, as the reference
+  // The normed input through the GEMM against the router (fp32-like, as the reference
   // ranks near-tied experts), times hidden^-0.5, then softmax and top k.
-  Routing route(const Activation& x, const Weight& proj, const Weight& scale, const Weight& per_expert_scale,
-                int top_k, float eps) override {
+  Routing route(const Activation& normed, const Weight& proj, const Weight& per_expert_scale, int top_k) override {
     auto timed = profile_.scope("route");
-    const int64_t tokens = x.rows, experts = proj.shape[0];
-    Activation normed = alloc_output(tokens, x.cols), scores = alloc_output(tokens, experts);
-    cuda::rms_norm(x.data, static_cast<const float*>(scale.data), tokens, x.cols, eps, /*accumulate=*/false, 1.0f,
-                   normed.data, stream_);
-    gemm_dense(normed, {bf16(proj), nullptr, nullptr}, WeightFormat::Plain, experts, x.cols, cuda::GemmInput::Split,
-               scores);
+    const int64_t tokens = normed.rows, experts = proj.shape[0];
+    Activation scores = alloc_output(tokens, experts);
+    gemm_dense(normed, {bf16(proj), nullptr, nullptr}, WeightFormat::Plain, experts, normed.cols,
+               cuda::GemmInput::Split, scores);
     Routing r;
     r.top_k = top_k;
     r.experts = std::static_pointer_cast<int32_t>(pool_->get(size_t(tokens) * top_k * sizeof(int32_t)));
     r.weights = alloc_output(tokens, top_k);
-    cuda::route_top_k(scores.data, tokens, int(experts), std::pow(float(x.cols), -0.5f), top_k,
+    cuda::route_top_k(scores.data, tokens, int(experts), std::pow(float(normed.cols), -0.5f), top_k,
                       static_cast<const float*>(per_expert_scale.data), r.experts.get(), r.weights.data, stream_);
     return r;
   }

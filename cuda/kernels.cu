@@ -2,6 +2,7 @@
 // routing, the MoE combine, and the sampler's fused row pass.
 #include <algorithm>
 #include <climits>
+#include <stdexcept>
 
 #include "activation_quant.h"
 #include "kernels.h"
@@ -103,14 +104,16 @@ __device__ __forceinline__ void write_norm(const float* x, const float* weight, 
   }
 }
 
-// A hidden state's norm: a block per group.
+// A hidden state's norms: a block per group, each of outs' weights into its output.
 template <bool kAccumulate>
-__global__ void rms_norm_kernel(const float* x, const float* weight, int64_t group, float eps, float scale, float* y) {
+__global__ void rms_norm_kernel(const float* x, NormOutputs outs, int64_t group, float eps, float scale) {
   const float* xi = x + int64_t(blockIdx.x) * group;
   float ss = 0.0f;
   for_each_strided(xi, group, threadIdx.x, blockDim.x, [&](int64_t, float v) { ss += v * v; });
   const float inv = powf(block_sum(ss) / float(group) + eps, -0.5f);
-  write_norm<kAccumulate>(xi, weight, inv, group, threadIdx.x, blockDim.x, scale, y + int64_t(blockIdx.x) * group);
+  for (int o = 0; o < outs.count; ++o)
+    write_norm<kAccumulate>(xi, outs.weight[o], inv, group, threadIdx.x, blockDim.x, scale,
+                            outs.y[o] + int64_t(blockIdx.x) * group);
 }
 
 // (mean(x^2) + eps)^-0.5 of a group of x, summed by the warp (every lane gets it).
@@ -121,15 +124,17 @@ __device__ float warp_inv_rms(const float* x, int64_t group, float eps, int lane
   return powf(ss / float(group) + eps, -0.5f);
 }
 
-// A head's norm (thousands of short groups): a warp per group, no block-wide barrier.
+// A head's norms (thousands of short groups): a warp per group, no block-wide barrier.
 template <bool kAccumulate>
-__global__ void rms_norm_warp_kernel(const float* x, const float* weight, int64_t groups, int64_t group, float eps,
-                                     float scale, float* y) {
+__global__ void rms_norm_warp_kernel(const float* x, NormOutputs outs, int64_t groups, int64_t group, float eps,
+                                     float scale) {
   const int64_t g = int64_t(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5);
   if (g >= groups) return;  // whole warps: blocks are whole warps
   const int lane = threadIdx.x & 31;
   const float* xi = x + g * group;
-  write_norm<kAccumulate>(xi, weight, warp_inv_rms(xi, group, eps, lane), group, lane, 32, scale, y + g * group);
+  const float inv = warp_inv_rms(xi, group, eps, lane);
+  for (int o = 0; o < outs.count; ++o)
+    write_norm<kAccumulate>(xi, outs.weight[o], inv, group, lane, 32, scale, outs.y[o] + g * group);
 }
 
 // A warp per (row, head): the head's norm as rms_norm_warp_kernel computes it, then rotate_half
@@ -540,18 +545,24 @@ void embed(const __nv_bfloat16* table, int64_t hidden, const int32_t* ids, int64
   if (n) embed_kernel<<<blocks_for(n * hidden), kThreads, 0, stream>>>(table, hidden, ids, n, scale, out);
 }
 
-void rms_norm(const float* x, const float* weight, int64_t groups, int64_t group, float eps, bool accumulate,
-              float scale, float* y, cudaStream_t stream) {
-  if (!groups) return;
+void rms_norms(const float* x, const NormOutputs& outs, int64_t groups, int64_t group, float eps, bool accumulate,
+               float scale, cudaStream_t stream) {
+  if (!groups || !outs.count) return;
+  if (outs.count > kMaxNormOutputs || (accumulate && outs.count > 1))
+    throw std::invalid_argument("rms_norms: at most 4 outputs, one when accumulating");
   if (group >= 1024) {
     const auto kernel = accumulate ? rms_norm_kernel<true> : rms_norm_kernel<false>;
-    kernel<<<unsigned(groups), kThreads, 0, stream>>>(x, weight, group, eps, scale, y);
+    kernel<<<unsigned(groups), kThreads, 0, stream>>>(x, outs, group, eps, scale);
   } else {
     constexpr int kWarps = kThreads / 32;
     const auto kernel = accumulate ? rms_norm_warp_kernel<true> : rms_norm_warp_kernel<false>;
-    kernel<<<unsigned((groups + kWarps - 1) / kWarps), kThreads, 0, stream>>>(x, weight, groups, group, eps, scale,
-                                                                               y);
+    kernel<<<unsigned((groups + kWarps - 1) / kWarps), kThreads, 0, stream>>>(x, outs, groups, group, eps, scale);
   }
+}
+
+void rms_norm(const float* x, const float* weight, int64_t groups, int64_t group, float eps, bool accumulate,
+              float scale, float* y, cudaStream_t stream) {
+  rms_norms(x, NormOutputs{{weight}, {y}, 1}, groups, group, eps, accumulate, scale, stream);
 }
 
 void rms_norm_rope(float* x, const float* weight, int64_t rows, int64_t heads, int64_t head_dim, float eps,

@@ -188,6 +188,16 @@ void embed(const __nv_bfloat16* table, int64_t hidden, const int32_t* ids, int64
 // y = (y + that) * scale.
 void rms_norm(const float* x, const float* weight, int64_t groups, int64_t group, float eps, bool accumulate,
               float scale, float* y, cudaStream_t stream);
+// rms_norm with several weights (null: none) into as many outputs, from one pass over x
+// (one output when accumulating).
+constexpr int kMaxNormOutputs = 4;
+struct NormOutputs {
+  const float* weight[kMaxNormOutputs];
+  float* y[kMaxNormOutputs];
+  int count;
+};
+void rms_norms(const float* x, const NormOutputs& outs, int64_t groups, int64_t group, float eps, bool accumulate,
+               float scale, cudaStream_t stream);
 // rms_norm of each head (weight [head_dim]), then rope, in place: a warp per (row, head).
 void rms_norm_rope(float* x, const float* weight, int64_t rows, int64_t heads, int64_t head_dim, float eps,
                    const float* inv_freq, const int64_t* positions, cudaStream_t stream);

@@ -213,6 +213,13 @@ class Backend {
   // Per `group`-wide slice of each row: y = x * (mean(x^2) + eps)^-0.5 [* weight]
   // (weight: fp32 [group], or null for an unscaled norm). x and y may alias.
   virtual void rms_norm(const Activation& x, const Weight* weight, int64_t group, float eps, Activation& y) = 0;
+  // rms_norm of x with whole rows as the groups by each of `weights` into the matching
+  // output: several norms of one input from one pass over it (a layer's feed-forward input
+  // goes through three). By default one rms_norm each.
+  virtual void rms_norms(const Activation& x, const std::vector<const Weight*>& weights, float eps,
+                         const std::vector<Activation*>& outputs) {
+    for (size_t i = 0; i < weights.size(); ++i) rms_norm(x, weights[i], x.cols, eps, *outputs[i]);
+  }
   // y = (y + rms_norm(x)) * scale with whole rows as the groups (group = x.cols); x and y
   // have the same shape. The residual add (and a layer scalar) fused into the norm: bitwise
   // the same as rms_norm into a scratch matrix, add(y, scratch, y), then scale(y, scale),
@@ -230,9 +237,9 @@ class Backend {
                          int64_t num_kv_heads, int64_t head_dim, Activation& out) = 0;
   // out = gelu_tanh(x[:, :I]) * x[:, I:], x is [rows, 2I].
   virtual void gelu_glu(const Activation& x, Activation& out) = 0;
-  // Router: softmax(proj(rms(x) * scale * hidden^-0.5)), top-k, renormalise, * per_expert_scale.
-  virtual Routing route(const Activation& x, const Weight& proj, const Weight& scale, const Weight& per_expert_scale,
-                        int top_k, float eps) = 0;
+  // Router: softmax(proj(normed * hidden^-0.5)), top-k, renormalise, * per_expert_scale;
+  // normed is rms_norm(x) by the router's scale.
+  virtual Routing route(const Activation& normed, const Weight& proj, const Weight& per_expert_scale, int top_k) = 0;
   // out = sum_k weight_k * down_e(gelu_glu(gate_up_e(x))) over each token's experts, the
   // inputs of gate_up_e and down_e quantized as those weights' input_quant says (the
   // encoder's tokens with the encoder's scales: Routing::encoder_tokens).

@@ -291,18 +291,15 @@ class CpuBackend final : public Backend {
     });
   }
 
-  Routing route(const Activation& x, const Weight& proj, const Weight& scale_weight,
-                const Weight& per_expert_scale_weight, int top_k, float eps) override {
-    const int64_t tokens = x.rows, hidden = x.cols, experts = proj.shape[0];
-    const float* scale = static_cast<const float*>(scale_weight.data);
+  Routing route(const Activation& normed, const Weight& proj, const Weight& per_expert_scale_weight,
+                int top_k) override {
+    const int64_t tokens = normed.rows, hidden = normed.cols, experts = proj.shape[0];
     const float* per_expert_scale = static_cast<const float*>(per_expert_scale_weight.data);
-    Activation normed = alloc(tokens, hidden);
-    rms_norm(x, nullptr, hidden, eps, normed);
+    Activation scaled = alloc(tokens, hidden);
     const float root = std::pow(float(hidden), -0.5f);
-    for (int64_t i = 0; i < tokens; ++i)
-      for (int64_t j = 0; j < hidden; ++j) normed.row(i)[j] = normed.row(i)[j] * scale[j] * root;
+    for (int64_t i = 0; i < tokens * hidden; ++i) scaled.data[i] = normed.data[i] * root;
     Activation scores = alloc(tokens, experts);
-    linear(normed, proj, scores, -1);
+    linear(scaled, proj, scores, -1);
     softmax(scores);
     Routing r;
     r.top_k = top_k;

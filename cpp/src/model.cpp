@@ -473,15 +473,17 @@ void feed_forward(ModelState& m, int li, Activation& h, int64_t encoder_rows) {
   const LayerWeights& W = m.weights.layers[li];
   const float eps = m.config.rms_norm_eps;
   const int64_t n = h.rows, H = h.cols;
-  Activation x = be.alloc_output(n, H), dense = be.alloc_output(n, H), moe = be.alloc_output(n, H);
-  be.rms_norm(h, &W.pre_feedforward_layernorm, H, eps, x);
+  Activation x = be.alloc_output(n, H), x2 = be.alloc_output(n, H), router_in = be.alloc_output(n, H);
+  Activation dense = be.alloc_output(n, H), moe = be.alloc_output(n, H);
+  // h's three norms (the MLP's input, the experts', the router's) in one pass over it.
+  be.rms_norms(h, {&W.pre_feedforward_layernorm, &W.pre_feedforward_layernorm_2, &W.router_scale}, eps,
+               {&x, &x2, &router_in});
   gated_mlp(be, x, encoder_rows, W.mlp_gate_up, W.mlp_down, dense);
   be.rms_norm(dense, &W.post_feedforward_layernorm_1, H, eps, dense);
 
-  Routing routing = be.route(h, W.router_proj, W.router_scale, W.router_per_expert_scale, m.config.top_k_experts, eps);
+  Routing routing = be.route(router_in, W.router_proj, W.router_per_expert_scale, m.config.top_k_experts);
   routing.encoder_tokens = encoder_rows;
-  be.rms_norm(h, &W.pre_feedforward_layernorm_2, H, eps, x);
-  be.experts(x, routing, W.experts_gate_up, W.experts_down, moe);
+  be.experts(x2, routing, W.experts_gate_up, W.experts_down, moe);
 
   // The two branches' sum, then its norm added to the residual and the layer scalar
   // applied: the encoder's rows (first) and the decoder's each have their own.
