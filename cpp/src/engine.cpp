@@ -25,7 +25,7 @@ struct RequestState {
   // last step's processed logits (the next step's self-conditioning input).
   std::optional<CanvasState> block_state;
   Activation feedback;
-  int steps = 0;  // as of the last read of the state
+  int steps = 0;  // denoise steps run (counted on the host as well, so it need not read them)
 
   int64_t target_length() const { return int64_t(prompt.size() + out.token_ids.size()); }
   int64_t pending() const { return target_length() - table.length(); }
