@@ -164,7 +164,7 @@ class OpProfile {
 
 class CudaBackend final : public Backend {
  public:
-  explicit CudaBackend(int device) : pool_(std::make_shared<DevicePool>()) {
+  explicit CudaBackend(int device) : device_(device), pool_(std::make_shared<DevicePool>()) {
     int count = 0;
     if (cudaGetDeviceCount(&count) != cudaSuccess || count == 0) {
       cudaGetLastError();
@@ -193,6 +193,7 @@ class CudaBackend final : public Backend {
   }
 
   ~CudaBackend() override {
+    cudaSetDevice(device_);
     cudaStreamSynchronize(stream_);
     cudaStreamDestroy(side_);
     cudaStreamDestroy(stream_);
@@ -205,6 +206,7 @@ class CudaBackend final : public Backend {
     return a;
   }
   Activation alloc_output(int64_t rows, int64_t cols) override {
+    bind();
     Activation a;
     a.rows = rows;
     a.cols = cols;
@@ -214,10 +216,12 @@ class CudaBackend final : public Backend {
   }
 
   std::shared_ptr<void> alloc_bytes(size_t bytes) override {
+    bind();
     if (recording_) return std::shared_ptr<void>(arena_.get(bytes), [](void*) {});  // written once, while recording
     return pool_->get(bytes);
   }
   void write_bytes(void* dst, const void* src, size_t bytes) override {
+    bind();
     if (!bytes) return;
     if (recording_) {  // now, outside the recording, into the arena: the body reads them every run
       check(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, side_), "write_bytes");
@@ -227,11 +231,13 @@ class CudaBackend final : public Backend {
     check(cudaMemcpyAsync(dst, stage(src, bytes), bytes, cudaMemcpyHostToDevice, stream_), "write_bytes");
   }
   void read_bytes(void* dst, const void* src, size_t bytes) override {
+    bind();
     check(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, stream_), "read_bytes");
     check(cudaStreamSynchronize(stream_), "read_bytes");
   }
 
   int64_t default_kv_cache_bytes() override {  // most of what the weights left free
+    bind();
     size_t free = 0, total = 0;
     check(cudaMemGetInfo(&free, &total), "cudaMemGetInfo");
     return int64_t(double(free) * 0.8);
@@ -239,6 +245,7 @@ class CudaBackend final : public Backend {
 
   Weight upload(const void* host, DType dtype, const std::vector<int64_t>& shape, DType as,
                 std::shared_ptr<const void>) override {
+    bind();
     if (as != DType::F32 && as != DType::BF16)
       throw InvalidArgument(std::string("the CUDA backend keeps weights in bf16 (or fp32 for norms), not ") +
                             dtype_name(as));
@@ -260,6 +267,7 @@ class CudaBackend final : public Backend {
   }
 
   Weight upload_packed(const PackedWeight& host) override {
+    bind();
     if (!keeps_packed(host)) throw InvalidArgument("the CUDA backend does not keep this packed weight layout");
     Weight w;
     w.format = host.format;
@@ -282,6 +290,7 @@ class CudaBackend final : public Backend {
   }
 
   Weight random_weight(const std::vector<int64_t>& shape, DType as, uint64_t seed, float scale) override {
+    bind();
     Weight w;
     w.dtype = DType::BF16;
     w.shape = shape;
@@ -300,23 +309,23 @@ class CudaBackend final : public Backend {
   void to_host(const Activation& a, float* out) override { read_bytes(out, a.data, a.size() * sizeof(float)); }
   void from_host(const float* in, Activation& a) override { copy_up(a.data, in, a.size() * sizeof(float)); }
   void copy_rows(const Activation& src, int64_t src_row, Activation& dst, int64_t dst_row, int64_t n) override {
-    auto timed = profile_.scope("copy_rows");
+    auto timed = op("copy_rows");
     check(cudaMemcpyAsync(dst.row(dst_row), src.row(src_row), n * src.cols * sizeof(float), cudaMemcpyDeviceToDevice,
                           stream_),
           "copy_rows");
   }
   void scatter_rows(const Activation& src, const std::vector<int64_t>& dst_rows, Activation& dst) override {
-    auto timed = profile_.scope("scatter_rows");
+    auto timed = op("scatter_rows");
     cuda::scatter_rows(src.data, src.cols, upload_table(dst_rows), int64_t(dst_rows.size()), dst.data, stream_);
   }
 
   void embed(const Weight& table, const int32_t* ids, float scale, Activation& out) override {
-    auto timed = profile_.scope("embed");
+    auto timed = op("embed");
     cuda::embed(bf16(table), table.shape[1], ids, out.rows, scale, out.data, stream_);
   }
 
   void linear(const Activation& x, const Weight& w, Activation& y, int expert) override {
-    auto timed = profile_.scope("linear");
+    auto timed = op("linear");
     const cuda::ExpertStack stack = matrices(w);
     gemm_dense(x, stack.expert(std::max(expert, 0)), w.format, stack.n, stack.k, cuda::GemmInput::Split, y);
   }
@@ -326,7 +335,7 @@ class CudaBackend final : public Backend {
   void linears(const Activation& x, const std::vector<const Weight*>& ws, Activation& y) override {
     for (const Weight* w : ws)
       if (reinterpret_cast<uintptr_t>(w->data) % 16) return Backend::linears(x, ws, y);
-    auto timed = profile_.scope("linear");
+    auto timed = op("linear");
     const cuda::ExpertStack first = matrices(*ws.front());
     std::vector<const void*> weights;
     std::vector<float*> outputs;
@@ -360,7 +369,7 @@ class CudaBackend final : public Backend {
 
   void quantized_linear(const Activation& x, const Weight& w, Activation& y, int64_t encoder_rows) override {
     if (gemm_input(w) != cuda::GemmInput::Fp8Token) return Backend::quantized_linear(x, w, y, encoder_rows);
-    auto timed = profile_.scope("linear");
+    auto timed = op("linear");
     const cuda::ExpertStack stack = matrices(w);
     gemm_dense(x, stack.expert(0), w.format, stack.n, stack.k, cuda::GemmInput::Fp8Token, y);
   }
@@ -370,7 +379,7 @@ class CudaBackend final : public Backend {
   // of w ([N, K], made once per weight), which the GEMM reads along K like every other
   // weight.
   void linear_nt(const Activation& x, const Weight& w, Activation& y) override {
-    auto timed = profile_.scope("linear_nt");
+    auto timed = op("linear_nt");
     const int64_t k = w.shape[0], n = w.shape[1];
     auto& t = transposed_[w.data];
     if (!t) {  // once; while recording, now on the side (not in every run of the body), into
@@ -389,13 +398,13 @@ class CudaBackend final : public Backend {
   }
 
   void rms_norm(const Activation& x, const Weight* weight, int64_t group, float eps, Activation& y) override {
-    auto timed = profile_.scope("rms_norm");
+    auto timed = op("rms_norm");
     cuda::rms_norm(x.data, weight ? static_cast<const float*>(weight->data) : nullptr, x.size() / group, group, eps,
                    /*accumulate=*/false, 1.0f, y.data, stream_);
   }
   void rms_norms(const Activation& x, const std::vector<const Weight*>& weights, float eps,
                  const std::vector<Activation*>& outputs) override {
-    auto timed = profile_.scope("rms_norm");
+    auto timed = op("rms_norm");
     cuda::NormOutputs outs{};
     for (size_t i = 0; i < weights.size(); ++i) {
       if (outs.count == cuda::kMaxNormOutputs) {  // a full launch: the rest in another
@@ -408,21 +417,21 @@ class CudaBackend final : public Backend {
     cuda::rms_norms(x.data, outs, x.rows, x.cols, eps, /*accumulate=*/false, 1.0f, stream_);
   }
   void add_rms_norm(const Activation& x, const Weight* weight, float eps, Activation& y, float scale) override {
-    auto timed = profile_.scope("add_rms_norm");
+    auto timed = op("add_rms_norm");
     cuda::rms_norm(x.data, weight ? static_cast<const float*>(weight->data) : nullptr, x.rows, x.cols, eps,
                    /*accumulate=*/true, scale, y.data, stream_);
   }
 
   void rms_norm_rope(Activation& x, const Weight& weight, int64_t head_dim, float eps, const Weight& inv_freq,
                      const std::vector<int64_t>& positions) override {
-    auto timed = profile_.scope("rms_norm_rope");
+    auto timed = op("rms_norm_rope");
     cuda::rms_norm_rope(x.data, static_cast<const float*>(weight.data), x.rows, x.cols / head_dim, head_dim, eps,
                         static_cast<const float*>(inv_freq.data), upload_table(positions), stream_);
   }
 
   void attention(const Activation& q, const std::vector<AttentionSegment>& segments, int64_t num_heads,
                  int64_t num_kv_heads, int64_t head_dim, Activation& out) override {
-    auto timed = profile_.scope("attention");
+    auto timed = op("attention");
     if (num_heads / num_kv_heads > 16) throw InvalidArgument("the CUDA attention supports up to 16 query heads per KV head");
     const cuda::AttentionPlan plan = cuda::plan_attention(segments, int(num_heads), int(num_kv_heads), int(head_dim),
                                                           cuda::attention_mma_resident_blocks(int(head_dim)));
@@ -434,14 +443,14 @@ class CudaBackend final : public Backend {
   }
 
   void gelu_glu(const Activation& x, Activation& out) override {
-    auto timed = profile_.scope("gelu_glu");
+    auto timed = op("gelu_glu");
     cuda::gelu_glu(x.data, x.rows, x.cols / 2, out.data, stream_);
   }
 
   // The normed input through the GEMM against the router (fp32-like, as the reference
   // ranks near-tied experts), times hidden^-0.5, then softmax and top k.
   Routing route(const Activation& normed, const Weight& proj, const Weight& per_expert_scale, int top_k) override {
-    auto timed = profile_.scope("route");
+    auto timed = op("route");
     const int64_t tokens = normed.rows, experts = proj.shape[0];
     Activation scores = alloc_output(tokens, experts);
     gemm_dense(normed, {bf16(proj), nullptr, nullptr}, WeightFormat::Plain, experts, normed.cols,
@@ -459,7 +468,7 @@ class CudaBackend final : public Backend {
   // for the GPU: tiles are launched for the most the plan can need, the unused ones exit.
   void experts(const Activation& x, const Routing& routing, const Weight& gate_up, const Weight& down,
                Activation& out) override {
-    auto timed = profile_.scope("experts");
+    auto timed = op("experts");
     const int64_t num_experts = gate_up.shape[0], inter2 = gate_up.shape[1], hidden = x.cols;
     const int64_t pairs = routing.weights.size(), tokens = routing.weights.rows;
     const int64_t segments = std::max<int64_t>(1, std::min(num_experts, pairs));
@@ -520,24 +529,24 @@ class CudaBackend final : public Backend {
   }
 
   void add(const Activation& a, const Activation& b, Activation& y) override {
-    auto timed = profile_.scope("add");
+    auto timed = op("add");
     cuda::add(a.data, b.data, y.data, a.size(), stream_);
   }
   void scale(Activation& x, float s) override {
-    auto timed = profile_.scope("scale");
+    auto timed = op("scale");
     cuda::scale(x.data, s, x.size(), stream_);
   }
   void softcap(Activation& x, float cap) override {
-    auto timed = profile_.scope("softcap");
+    auto timed = op("softcap");
     cuda::softcap(x.data, cap, x.size(), stream_);
   }
   void softmax(Activation& x) override {
-    auto timed = profile_.scope("softmax");
+    auto timed = op("softmax");
     cuda::softmax_rows(x.data, x.rows, x.cols, stream_);
   }
 
   void quantize_input(Activation& x, const ActivationQuant& quant, int64_t encoder_rows, int expert) override {
-    auto timed = profile_.scope("quantize_input");
+    auto timed = op("quantize_input");
     const bool nvfp4 = quant.scheme == ActivationScheme::Nvfp4;
     cuda::quantize_input(x.data, x.rows, x.cols, quant.scheme, encoder_rows,
                          nvfp4 ? quant.global_scale(true, expert) : 0.0f,
@@ -546,7 +555,7 @@ class CudaBackend final : public Backend {
 
   std::vector<RowSample> sample(Activation& logits, float cap, float temperature, const uint8_t* allowed,
                                 const RandomKey& key, DType feedback_dtype, bool softmax_feedback) override {
-    auto timed = profile_.scope("sample");
+    auto timed = op("sample");
     auto out = pool_->get(size_t(logits.rows) * sizeof(cuda::DeviceRowSample));
     auto* device_out = static_cast<cuda::DeviceRowSample*>(out.get());
     cuda::sample_rows(logits.data, logits.rows, logits.cols, cap, temperature, allowed, key, {},
@@ -561,7 +570,7 @@ class CudaBackend final : public Backend {
   // The sampler's row pass at the step the block's counter says, then its update, both on
   // the device.
   void denoise_step(Activation& logits, CanvasState& canvas) override {
-    auto timed = profile_.scope("denoise_step");
+    auto timed = op("denoise_step");
     const CanvasParams& p = canvas.params;
     auto rows = pool_->get(size_t(logits.rows) * sizeof(cuda::DeviceRowSample));
     auto* device_rows = static_cast<cuda::DeviceRowSample*>(rows.get());
@@ -582,6 +591,7 @@ class CudaBackend final : public Backend {
   // meanwhile.
   int repeat(const std::function<void()>& body, const std::vector<const CanvasState*>& canvases,
              int max_times) override {
+    bind();
     if (max_times <= 2 || !graphs_) return Backend::repeat(body, canvases, max_times);
     int done = 0;
     if (cudaStreamQuery(stream_) == cudaSuccess) {
@@ -675,6 +685,20 @@ class CudaBackend final : public Backend {
                    e.what());
       graphs_ = false;
     }
+  }
+
+  // The calling thread's current device made this backend's (the engine may run on another
+  // thread than the one that loaded the model), then an op's profile scope.
+  void bind() const {
+    thread_local int bound = -1;
+    if (bound != device_) {
+      check(cudaSetDevice(device_), "cudaSetDevice");
+      bound = device_;
+    }
+  }
+  OpProfile::Scope op(const char* name) {
+    bind();
+    return profile_.scope(name);
   }
 
   void gemm_dense(const Activation& x, const cuda::GemmMatrix& w, WeightFormat format, int64_t n, int64_t k,
@@ -781,6 +805,7 @@ class CudaBackend final : public Backend {
 
   // Large host data (weights) to the device in stream order, waiting for it.
   void copy_up(void* dst, const void* src, size_t bytes) {
+    bind();
     check(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, stream_), "copy to the device");
     check(cudaStreamSynchronize(stream_), "copy to the device");
   }
@@ -793,6 +818,7 @@ class CudaBackend final : public Backend {
     std::vector<uint8_t> bytes;
     std::shared_ptr<void> device;
   };
+  int device_;
   OpProfile profile_;
   std::shared_ptr<DevicePool> pool_;
   std::map<const void*, std::shared_ptr<void>> transposed_;  // linear_nt's weights, [N, K]
