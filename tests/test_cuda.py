@@ -3,6 +3,8 @@
 Skipped where this build has no CUDA backend or the machine no GPU; benchmarks/run_on_gpu.sh
 runs it on the device machine together with the HF parity tests on CUDA.
 """
+import threading
+
 import numpy as np
 import pytest
 
@@ -234,3 +236,15 @@ def test_graph_loop_matches_host_loop(path, monkeypatch):
     for a, b in zip(graphs, host):
         assert a.token_ids == b.token_ids and a.denoise_steps == b.denoise_steps
     print("denoise steps:", [o.denoise_steps for o in graphs])
+
+
+# The server's engine thread is not the one that loaded the model: the backend makes each
+# calling thread's current device its own before it queues anything.
+def test_generate_from_another_thread(path):
+    llm = ds.LLM(path, device="cuda:0")
+    params = ds.SamplingParams(max_new_tokens=40, seed=5, eos_token_id=[], max_denoising_steps=4)
+    out = {}
+    worker = threading.Thread(target=lambda: out.setdefault("ids", llm.generate([[3, 1, 4]], params)[0].token_ids))
+    worker.start()
+    worker.join()
+    assert out["ids"] == llm.generate([[3, 1, 4]], params)[0].token_ids
