@@ -538,6 +538,12 @@ void correctness() {
   cases.push_back({"moe up 300 tok, 16 exp top 4, 264x136", moe(300, 16, 4, 264, 136, true, 3)});
   cases.push_back({"moe up 100 tok, 8 exp top 2, 130x333", moe(100, 8, 2, 130, 333, true, 4)});
   cases.push_back({"moe down 500 tok, 8 exp top 2, 264x200", moe(500, 8, 2, 264, 200, false, 5)});
+  // Inputs rounded to bf16 (activations "bfloat16"): one plane.
+  for (Problem p : {moe(300, 16, 4, 264, 136, true, 16), moe(500, 8, 2, 264, 704, false, 17)}) {
+    p.input = GemmInput::RoundBf16;
+    cases.push_back({p.row_map.empty() ? "moe down 500 tok, 8 exp top 2, 264x704 round"
+                                       : "moe up 300 tok, 16 exp top 4, 264x136 round", p});
+  }
   // Packed weights. FP8 streams by cp.async where K % 16 == 0; NVFP4 (K % 16 == 0 always)
   // where K % 64 == 0; other K take the byte-by-byte loads.
   const WeightFormat fp8 = WeightFormat::Fp8, nvfp4 = WeightFormat::Nvfp4;

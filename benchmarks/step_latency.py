@@ -1,6 +1,7 @@
 """Denoise-step latency on a GPU at DiffusionGemma-26B-A4B's real text shapes (random weights).
 
     python benchmarks/step_latency.py [--quick] [--hf] [--quantization fp8|fp8-dynamic|nvfp4]
+                                      [--activations bfloat16]
 
 Rows: ms per denoise step (one batched forward pass plus the sampler, through the
 engine) and per commit, at batch 1/4/16 and context 1K/8K/32K; output tokens/s at 16
@@ -160,6 +161,8 @@ def main():
     ap.add_argument("--kv-gb", type=float, default=40.0, help="KV cache size (GiB)")
     ap.add_argument("--quantization", choices=list(LINEAR_BYTES), default="bf16",
                     help="the linears' random weights: bf16, or packed FP8 / NVFP4")
+    ap.add_argument("--activations", choices=["float32", "bfloat16"], default="float32",
+                    help="the linears' inputs as fp32 (two bf16 products) or rounded to bf16 (one)")
     args = ap.parse_args()
 
     bandwidth = copy_bandwidth()
@@ -170,7 +173,8 @@ def main():
         t = time.perf_counter()
         llm = ds.LLM(path, device="cuda", load_format="dummy", kv_cache_memory_bytes=int(args.kv_gb * 2**30),
                      max_num_batched_tokens=8192, slice_steps=64,
-                     quantization=None if args.quantization == "bf16" else args.quantization)
+                     quantization=None if args.quantization == "bf16" else args.quantization,
+                     activations=args.activations)
         load_s = time.perf_counter() - t
         rows = []
         for batch, context in grid:
@@ -182,8 +186,8 @@ def main():
         del llm
         hf = hf_forward_ms(path, 1024) if args.hf else None
 
-    print(f"diffuserve denoise step, DiffusionGemma-26B-A4B text shapes (random {args.quantization} weights), "
-          f"canvas {CANVAS}, {STEPS} steps/block")
+    print(f"diffuserve denoise step, DiffusionGemma-26B-A4B text shapes (random {args.quantization} weights, "
+          f"{args.activations} linear inputs), canvas {CANVAS}, {STEPS} steps/block")
     print(f"weights read per step {weight_bytes(args.quantization) / 1e9:.1f} GB; copy bandwidth {bandwidth / 1e12:.2f} TB/s; "
           f"roofline {roofline_ms:.1f} ms/step; load {load_s:.0f} s")
     print("| batch | context | ms/step | % roofline | ms/commit | output tok/s |")

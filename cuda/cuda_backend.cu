@@ -368,10 +368,11 @@ class CudaBackend final : public Backend {
   }
 
   void quantized_linear(const Activation& x, const Weight& w, Activation& y, int64_t encoder_rows) override {
-    if (gemm_input(w) != cuda::GemmInput::Fp8Token) return Backend::quantized_linear(x, w, y, encoder_rows);
+    const cuda::GemmInput input = gemm_input(w);
+    if (input == cuda::GemmInput::Split) return Backend::quantized_linear(x, w, y, encoder_rows);
     auto timed = op("linear");
     const cuda::ExpertStack stack = matrices(w);
-    gemm_dense(x, stack.expert(0), w.format, stack.n, stack.k, cuda::GemmInput::Fp8Token, y);
+    gemm_dense(x, stack.expert(0), w.format, stack.n, stack.k, input, y);
   }
 
   // y = round_bf16(x) @ w with w [K, N] (the reference casts the probabilities to the
@@ -507,7 +508,7 @@ class CudaBackend final : public Backend {
       input = alloc_output(pairs, hidden);
       quantize_nvfp4_rows(x, true, gate_up.input_quant, input);
       up_rows = nullptr;
-    } else if (gate_up.input_quant.scheme != ActivationScheme::None && up_input != cuda::GemmInput::Fp8Token) {
+    } else if (gate_up.input_quant.scheme != ActivationScheme::None && up_input == cuda::GemmInput::Split) {
       input = alloc_output(x.rows, x.cols);
       copy_rows(x, 0, input, 0, x.rows);
       quantize_input(input, gate_up.input_quant, routing.encoder_tokens, -1);
@@ -518,7 +519,7 @@ class CudaBackend final : public Backend {
                gate_up.format, inter2, hidden, up_input, gu.data, gu.cols, up_scratch.get(), stream_);
     cuda::gelu_glu(gu.data, pairs, inter2 / 2, act.data, stream_);
     if (down.input_quant.scheme == ActivationScheme::Nvfp4) quantize_nvfp4_rows(act, false, down.input_quant, act);
-    else if (down.input_quant.scheme != ActivationScheme::None && down_input != cuda::GemmInput::Fp8Token)
+    else if (down.input_quant.scheme != ActivationScheme::None && down_input == cuda::GemmInput::Split)
       quantize_input(act, down.input_quant, 0, -1);
     auto down_scratch = pool_->get(cuda::gemm_scratch_bytes(pairs, hidden, inter2 / 2, down_input));
     cuda::gemm(act.data, pairs, act.cols, nullptr, static_cast<const cuda::GemmSegment*>(down_segments.get()),
@@ -735,12 +736,15 @@ class CudaBackend final : public Backend {
   }
 
   // How the GEMM takes a weight's input: FP8 weights with FP8 per-token inputs quantize it
-  // in the GEMM's pre-pass (to E4M3 codes: no fake-quantized copy of X); everything else
-  // multiplies X as it is (quantized beforehand where input_quant says) in bf16 hi/lo.
+  // in the GEMM's pre-pass (to E4M3 codes: no fake-quantized copy of X), and plain weights
+  // with bf16 inputs round it there (one bf16 plane); everything else multiplies X as it is
+  // (quantized beforehand where input_quant says) in bf16 hi/lo.
   static cuda::GemmInput gemm_input(const Weight& w) {
-    return w.format == WeightFormat::Fp8 && w.input_quant.scheme == ActivationScheme::Fp8Token
-               ? cuda::GemmInput::Fp8Token
-               : cuda::GemmInput::Split;
+    if (w.format == WeightFormat::Fp8 && w.input_quant.scheme == ActivationScheme::Fp8Token)
+      return cuda::GemmInput::Fp8Token;
+    if (w.format == WeightFormat::Plain && w.input_quant.scheme == ActivationScheme::Bf16)
+      return cuda::GemmInput::RoundBf16;
+    return cuda::GemmInput::Split;
   }
 
   static const __nv_bfloat16* bf16(const Weight& w) {

@@ -496,6 +496,11 @@ __global__ void continue_while_kernel(cudaGraphConditionalHandle condition, cons
   cudaGraphSetConditional(condition, go ? 1u : 0u);
 }
 
+__global__ void round_bf16_kernel(float* x, int64_t n) {
+  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i < n) x[i] = __bfloat162float(__float2bfloat16(x[i]));
+}
+
 __global__ void quantize_fp8_rows_kernel(float* x, int64_t rows, int64_t cols) {
   const int64_t row = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
   if (row >= rows) return;  // whole warps: blocks are whole warps
@@ -662,6 +667,8 @@ void continue_while(cudaGraphConditionalHandle condition, const int32_t* const* 
 
 void quantize_input(float* x, int64_t rows, int64_t cols, ActivationScheme scheme, int64_t encoder_rows,
                     float encoder_global, float decoder_global, cudaStream_t stream) {
+  if (scheme == ActivationScheme::Bf16 && rows)
+    round_bf16_kernel<<<blocks_for(rows * cols), kThreads, 0, stream>>>(x, rows * cols);
   if (scheme == ActivationScheme::Fp8Token && rows)
     quantize_fp8_rows_kernel<<<blocks_for(rows * 32), kThreads, 0, stream>>>(x, rows, cols);
   if (scheme == ActivationScheme::Nvfp4 && rows)

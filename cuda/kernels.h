@@ -221,7 +221,8 @@ void combine_experts(const float* y, const int64_t* inverse, const float* weight
 
 // In place on x [rows, cols], a linear's input quantized and dequantized as
 // activation_quant.h computes it: FP8 with one scale per row, or NVFP4 per 16 values with
-// rows below encoder_rows under encoder_global and the rest under decoder_global.
+// rows below encoder_rows under encoder_global and the rest under decoder_global; or each
+// value rounded to bf16.
 void quantize_input(float* x, int64_t rows, int64_t cols, ActivationScheme scheme, int64_t encoder_rows,
                     float encoder_global, float decoder_global, cudaStream_t stream);
 

@@ -248,3 +248,19 @@ def test_generate_from_another_thread(path):
     worker.start()
     worker.join()
     assert out["ids"] == llm.generate([[3, 1, 4]], params)[0].token_ids
+
+
+# activations="bfloat16" on both backends: the same rounded inputs through exact bf16 x bf16
+# products with fp32 sums (the GPU's one-plane GEMMs, cuBLASLt's and wgmma's), so the GPU
+# agrees with the CPU as closely as in fp32 mode.
+def test_bf16_activations_match_cpu(path):
+    cpu, gpu = (ds.Model.load(path, device=d, activations="bfloat16").sequence() for d in ("cpu", "cuda"))
+    vocab = cpu.model.vocab_size
+    rng = np.random.default_rng(1)
+    prompt = rng.integers(0, vocab, 60)
+    for s in (cpu, gpu):
+        s.prefill(prompt)
+    canvas = rng.integers(0, vocab, 32)
+    a, b = cpu.denoise(canvas), gpu.denoise(canvas)
+    compare(a, b, "bf16 inputs, first step")
+    compare(cpu.denoise(canvas, a / 0.7), gpu.denoise(canvas, a / 0.7), "bf16 inputs, self-conditioned")

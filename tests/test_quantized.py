@@ -307,3 +307,28 @@ def test_dummy_fp8_dynamic_quantizes_the_inputs():
 def test_dummy_quantization_errors(args, message):
     with pytest.raises(ValueError, match=re.escape(message)):
         ds.Model.load(os.path.join(FIXTURES, "base"), **args)
+
+
+# activations="bfloat16": the linears' and experts' inputs rounded to bf16 before their
+# products (the faster GPU mode; transformers in bf16 rounds them too). Close to the fp32
+# products, not the same; the router stays fp32; an unknown value is refused by name.
+def test_bf16_activations_round_the_linear_inputs(tmp_path):
+    from diffuserve.random_checkpoint import write_random_checkpoint
+    path = write_random_checkpoint(tmp_path / "m", canvas_length=16, dtype="bfloat16", seed=4, vocab_size=300,
+                                   hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=2,
+                                   num_key_value_heads=1, head_dim=32, global_head_dim=64,
+                                   num_global_key_value_heads=1, sliding_window=24, num_experts=4, top_k_experts=2,
+                                   moe_intermediate_size=32)
+    exact, rounded = (ds.Model.load(path, activations=a).sequence() for a in ("float32", "bfloat16"))
+    rng = np.random.default_rng(0)
+    prompt, canvas = rng.integers(0, 300, 40), rng.integers(0, 300, 16)
+    for s in (exact, rounded):
+        s.prefill(prompt)
+    a, b = exact.denoise(canvas), rounded.denoise(canvas)
+    rel = np.abs(a - b).max() / np.abs(a).max()
+    print(f"bf16 inputs: max |diff| / range {rel:.2e}, argmax agreement {(a.argmax(-1) == b.argmax(-1)).mean():.3f}")
+    assert 0 < rel < 3e-2 and np.isfinite(b).all()
+    out = ds.LLM(path, activations="bfloat16").generate([[1, 2, 3]], ds.SamplingParams(max_new_tokens=16, seed=1))
+    assert len(out[0].token_ids) > 0
+    with pytest.raises(ValueError, match="activations"):
+        ds.Model.load(path, activations="float8")

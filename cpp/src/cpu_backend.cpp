@@ -353,12 +353,14 @@ class CpuBackend final : public Backend {
   }
 
   // FP8: one scale per row. NVFP4: one per 16 values (the loader checked that they divide
-  // a row), under the row's phase's global scale.
+  // a row), under the row's phase's global scale. Bf16: each value rounded to bf16.
   void quantize_input(Activation& x, const ActivationQuant& quant, int64_t encoder_rows, int expert) override {
     pool_->parallel_for(x.rows, 16, [&](int64_t b, int64_t e) {
       for (int64_t i = b; i < e; ++i) {
         float* v = x.row(i);
-        if (quant.scheme == ActivationScheme::Fp8Token) {
+        if (quant.scheme == ActivationScheme::Bf16) {
+          for (int64_t j = 0; j < x.cols; ++j) v[j] = round_to_dtype(v[j], DType::BF16);
+        } else if (quant.scheme == ActivationScheme::Fp8Token) {
           float amax = 0;
           for (int64_t j = 0; j < x.cols; ++j) amax = std::max(amax, std::abs(v[j]));
           const float s = fp8_token_scale(amax);

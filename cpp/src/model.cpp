@@ -368,6 +368,27 @@ class TensorSource {
 
 }  // namespace
 
+namespace {
+
+// Activations "bfloat16": every linear and expert stack whose weights are multiplied
+// plainly (not packed) takes its input rounded to bf16, the lm_head (the tied embedding)
+// included; the router stays fp32 (near-tied experts), as do attention and the norms.
+void round_linear_inputs(ModelWeights& w) {
+  auto round_input = [](Weight& x) {
+    if (!x.empty() && x.format == WeightFormat::Plain && x.input_quant.scheme == ActivationScheme::None)
+      x.input_quant.scheme = ActivationScheme::Bf16;
+  };
+  round_input(w.lm_head.empty() ? w.embed_tokens : w.lm_head);
+  round_input(w.sc_gate_up);
+  round_input(w.sc_down);
+  for (LayerWeights& l : w.layers)
+    for (Weight* x : {&l.q_proj, &l.k_proj, &l.v_proj, &l.o_proj, &l.mlp_gate_up, &l.mlp_down, &l.experts_gate_up,
+                      &l.experts_down})
+      round_input(*x);
+}
+
+}  // namespace
+
 void load_weights(ModelState& m, DType as) {
   const ModelConfig& c = m.config;
   TensorSource src(m, as);
@@ -418,6 +439,7 @@ void load_weights(ModelState& m, DType as) {
     w.layers.push_back(std::move(lw));
   }
   src.check_all_taken(c.tie_word_embeddings);
+  if (m.bf16_activations) round_linear_inputs(w);
   m.weight_dtype = as;
   m.embed_scale = round_to_dtype(std::sqrt(float(H)), as);
 }

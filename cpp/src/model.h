@@ -65,6 +65,7 @@ struct ModelState {
   DType weight_dtype = DType::F32;
   WeightFormat dummy_quantization = WeightFormat::Plain;  // load_format "dummy": how the linears are packed
   ActivationScheme dummy_activations = ActivationScheme::None;  // and how their inputs are quantized
+  bool bf16_activations = false;  // LoadOptions::activations "bfloat16"
   float embed_scale = 1.0f;  // sqrt(hidden) rounded to the weight dtype, as the reference does
   std::unique_ptr<KvCache> kv;
 };

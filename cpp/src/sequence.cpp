@@ -96,6 +96,9 @@ std::shared_ptr<Model> Model::load(const std::string& path, const LoadOptions& o
   else if (!options.quantization.empty())
     throw InvalidArgument("quantization '" + options.quantization + "' is not supported (use fp8, fp8-dynamic or nvfp4)");
   if (options.quantization == "fp8-dynamic") state->dummy_activations = ActivationScheme::Fp8Token;
+  if (options.activations != "float32" && options.activations != "bfloat16")
+    throw InvalidArgument("activations '" + options.activations + "' is not supported (use float32 or bfloat16)");
+  state->bf16_activations = options.activations == "bfloat16";
   state->backend = make_backend(options.device, options.num_threads);
   DType as = parse_dtype(options.dtype, stored);
   if (options.device != "cpu") {  // the GPU's GEMMs run on bf16 weights

@@ -41,7 +41,8 @@ class Model:
     @classmethod
     def load(cls, path, device: str = "cpu", dtype: Optional[str] = None, num_threads: int = 0,
              kv_cache_memory_bytes: Optional[int] = None, kv_block_size: int = 16, max_num_seqs: int = 64,
-             load_format: str = "auto", quantization: Optional[str] = None) -> "Model":
+             load_format: str = "auto", quantization: Optional[str] = None,
+             activations: str = "float32") -> "Model":
         """Loads a checkpoint directory (config.json + safetensors, single or sharded).
 
         dtype: None keeps the stored weight dtype; "float32", "bfloat16" or "float16" casts.
@@ -54,6 +55,12 @@ class Model:
         quantization: with load_format="dummy", None (plain weights), "fp8", "fp8-dynamic" or
         "nvfp4": the linears' random weights packed as such a checkpoint stores them (GPU: kept
         packed); "fp8-dynamic" also quantizes their inputs to FP8 per token (FP8_DYNAMIC).
+        activations: "float32" (default): every product as in fp32, the reference's numbers (the
+        GPU multiplies an input's bf16 hi and lo halves, two tensor-core products); "bfloat16":
+        the inputs of the linears and experts with plain weights (lm_head included) rounded to
+        bf16 first, as transformers computes in bf16: one product, about half the GPU's
+        tensor-core work; logits then differ from fp32's by up to ~2% of their range (random
+        weights). The router, attention and norms stay fp32.
         """
         path = os.fspath(path)
         if dtype is not None and not isinstance(dtype, str):
@@ -67,8 +74,10 @@ class Model:
         if kv_cache_memory_bytes is not None and (not isinstance(kv_cache_memory_bytes, int)
                                                   or kv_cache_memory_bytes < 1):
             raise ValueError(f"kv_cache_memory_bytes must be a positive integer, got {kv_cache_memory_bytes!r}")
+        if activations not in ("float32", "bfloat16"):
+            raise ValueError(f"activations must be 'float32' or 'bfloat16', got {activations!r}")
         return cls(_core.Model.load(path, device, _DTYPES[dtype], num_threads, kv_cache_memory_bytes or 0,
-                                    kv_block_size, max_num_seqs, load_format, quantization or ""), path)
+                                    kv_block_size, max_num_seqs, load_format, quantization or "", activations), path)
 
     @property
     def vocab_size(self) -> int:

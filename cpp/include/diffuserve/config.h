@@ -36,7 +36,9 @@ struct GenerationDefaults {
 //   Fp8Token: E4M3 values, one scale per row (token): amax / 448 (FP8_DYNAMIC);
 //   Nvfp4:    E2M1 values in groups of 16 along K, each group's E4M3 scale amax / 6 under
 //             the linear's calibrated input_global_scale (NVFP4, W4A4).
-enum class ActivationScheme { None, Fp8Token, Nvfp4 };
+//   Bf16:     rounded to bf16 (LoadOptions::activations "bfloat16": the inputs of the linears
+//             that multiply plain weights; one bf16 product instead of fp32's hi/lo pair).
+enum class ActivationScheme { None, Fp8Token, Nvfp4, Bf16 };
 
 // A config group of quantization_config: the linears its targets name (exact module
 // names, "re:" regexes, or the class "Linear") quantize their input as `input` says.

@@ -24,7 +24,7 @@
 namespace diffuserve {
 
 struct LoadOptions {
-  std::string device = "cpu";  // "cpu" (the CUDA backend is not built yet)
+  std::string device = "cpu";  // "cpu", "cuda" or "cuda:N" (builds with the CUDA backend)
   // Weight storage dtype: "" keeps the checkpoint's; "float32", "bfloat16" or "float16" casts.
   std::string dtype;
   int num_threads = 0;         // 0: DIFFUSERVE_NUM_THREADS, else every hardware thread
@@ -39,6 +39,12 @@ struct LoadOptions {
   // linears' random weights packed as an FP8 (per-channel) or NVFP4 checkpoint stores them;
   // "fp8-dynamic" also quantizes their inputs to FP8 per token, as FP8_DYNAMIC does.
   std::string quantization;
+  // How the linears' inputs enter their products: "float32" (every product as in fp32, the
+  // reference's numbers; on the GPU two bf16 tensor-core products, the input's hi and lo
+  // halves) or "bfloat16" (the inputs of the linears and experts with plain weights,
+  // lm_head included, rounded to bf16 first, as transformers computes in bf16: one product,
+  // about half the tensor-core work; the router, attention and norms stay fp32).
+  std::string activations = "float32";
 };
 
 // Occupancy of the KV cache (see kv_cache.h).
