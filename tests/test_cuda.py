@@ -250,17 +250,31 @@ def test_generate_from_another_thread(path):
     assert out["ids"] == llm.generate([[3, 1, 4]], params)[0].token_ids
 
 
-# activations="bfloat16" on both backends: the same rounded inputs through exact bf16 x bf16
-# products with fp32 sums (the GPU's one-plane GEMMs, cuBLASLt's and wgmma's), so the GPU
-# agrees with the CPU as closely as in fp32 mode.
+# activations="bfloat16" on the GPU. Rounding the inputs makes each backend's small fp32
+# differences jump to neighbouring bf16 values now and then, and those steps grow through
+# the layers: the GPU and the CPU, both rounding, differ about as much as rounding and not
+# rounding do on the CPU (their GEMMs with rounded inputs are checked exactly in
+# gemm_bench). So: the GPU applies it (its logits move), stays within a few times that
+# spread of the CPU's, and keeps the argmax.
 def test_bf16_activations_match_cpu(path):
-    cpu, gpu = (ds.Model.load(path, device=d, activations="bfloat16").sequence() for d in ("cpu", "cuda"))
-    vocab = cpu.model.vocab_size
     rng = np.random.default_rng(1)
-    prompt = rng.integers(0, vocab, 60)
-    for s in (cpu, gpu):
+    seqs = {}
+    for device in ("cpu", "cuda"):
+        for activations in ("float32", "bfloat16"):
+            seqs[device, activations] = ds.Model.load(path, device=device, activations=activations,
+                                                      kv_cache_memory_bytes=256 << 20).sequence()
+    vocab = seqs["cpu", "float32"].model.vocab_size
+    prompt, canvas = rng.integers(0, vocab, 60), rng.integers(0, vocab, 32)
+    logits = {}
+    for key, s in seqs.items():
         s.prefill(prompt)
-    canvas = rng.integers(0, vocab, 32)
-    a, b = cpu.denoise(canvas), gpu.denoise(canvas)
-    compare(a, b, "bf16 inputs, first step")
-    compare(cpu.denoise(canvas, a / 0.7), gpu.denoise(canvas, a / 0.7), "bf16 inputs, self-conditioned")
+        logits[key] = s.denoise(canvas)
+    spread = lambda a, b: np.abs(logits[a] - logits[b]).max() / np.abs(logits[a]).max()
+    rounding = spread(("cpu", "float32"), ("cpu", "bfloat16"))
+    across = spread(("cpu", "bfloat16"), ("cuda", "bfloat16"))
+    agree = (logits["cpu", "bfloat16"].argmax(-1) == logits["cuda", "bfloat16"].argmax(-1)).mean()
+    print(f"bf16 inputs: rounding moves the CPU's logits {rounding:.2e}, GPU against CPU {across:.2e}, "
+          f"argmax agreement {agree:.3f}")
+    assert np.isfinite(logits["cuda", "bfloat16"]).all()
+    assert spread(("cuda", "float32"), ("cuda", "bfloat16")) > 0
+    assert across <= 4 * rounding + 1e-3 and agree >= 0.95
