@@ -84,6 +84,8 @@ def main():
     ap.add_argument("--max-tokens", type=int, default=2 * CANVAS)
     ap.add_argument("--steps", type=int, default=16, help="denoise steps per block")
     ap.add_argument("--kv-cache-gib", type=float, default=None)
+    ap.add_argument("--activations", choices=["float32", "bfloat16"], default="float32",
+                    help="the server's --activations (bfloat16: the linears' inputs rounded, faster)")
     args = ap.parse_args()
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -95,6 +97,7 @@ def main():
             extra = ["--load-format", "dummy"]
         if args.kv_cache_gib:
             extra += ["--kv-cache-gib", str(args.kv_cache_gib)]
+        extra += ["--activations", args.activations]
         port = free_port()
         url = f"http://127.0.0.1:{port}"
         server = subprocess.Popen([sys.executable, "-m", "diffuserve", "serve", path, "--port", str(port), "--device",
