@@ -24,7 +24,9 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(const float* __rest
                                                              const DeviceAttentionSegment* __restrict__ segments,
                                                              const DeviceKeySpan* __restrict__ spans,
                                                              const AttentionItem* __restrict__ items, int num_heads,
-                                                             int num_kv_heads, int head_dim) {
+                                                             int num_kv_heads, int head_dim, bool round_bf16) {
+  // With activations "bfloat16", Q, K, V and P rounded to bf16 before their products.
+  auto input = [round_bf16](float x) { return round_bf16 ? __bfloat162float(__float2bfloat16(x)) : x; };
   extern __shared__ float smem[];
   const int d = head_dim, dp = head_dim + 1;  // padded rows: a warp reading 32 keys hits 32 banks
   float* Q = smem;                            // [kQueries][dp]
@@ -48,7 +50,7 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(const float* __rest
   for (int i = tid; i < nq * d; i += kThreads) {
     const int j = i / d, c = i % d;
     const int64_t row = seg.first_row + item.row0 + j / heads;
-    Q[j * dp + c] = q[row * q_stride + int64_t(item.kv_head * group + j % heads) * d + c];
+    Q[j * dp + c] = input(q[row * q_stride + int64_t(item.kv_head * group + j % heads) * d + c]);
     O[j * d + c] = 0.0f;
   }
   if (tid < kQueries) m_run[tid] = -FLT_MAX, l_run[tid] = 0.0f;
@@ -62,8 +64,8 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(const float* __rest
       for (int i = tid; i < count * d; i += kThreads) {
         const int r = i / d, c = i % d;
         const int64_t off = (c0 + r) * kv_stride + int64_t(item.kv_head) * d + c;
-        K[r * dp + c] = span.keys[off];
-        V[r * d + c] = span.values[off];
+        K[r * dp + c] = input(span.keys[off]);
+        V[r * d + c] = input(span.values[off]);
       }
       __syncthreads();
       // Scores: (query, key) pairs spread over the threads.
@@ -98,7 +100,7 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(const float* __rest
       for (int i = tid; i < nq * d; i += kThreads) {
         const int j = i / d, c = i % d;
         float acc = O[i] * alpha[j];
-        for (int r = 0; r < count; ++r) acc += P[j * kChunk + r] * V[r * d + c];
+        for (int r = 0; r < count; ++r) acc += input(P[j * kChunk + r]) * V[r * d + c];
         O[i] = acc;
       }
     }
@@ -237,13 +239,14 @@ AttentionPlan plan_attention(const std::vector<AttentionSegment>& segments, int 
 }
 
 void attention(const float* q, float* out, const AttentionPlan& plan, const AttentionTables& tables, void* scratch,
-               int num_heads, int num_kv_heads, cudaStream_t stream) {
+               int num_heads, int num_kv_heads, cudaStream_t stream, bool round_bf16) {
   if (plan.items.empty()) return;
-  if (plan.queries_per_slot) return attention_mma(q, out, plan, tables, scratch, num_heads, num_kv_heads, stream);
+  if (plan.queries_per_slot)
+    return attention_mma(q, out, plan, tables, scratch, num_heads, num_kv_heads, stream, round_bf16);
   const size_t bytes = shared_bytes(plan.head_dim);
   cudaFuncSetAttribute(attention_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes));
   attention_kernel<<<unsigned(plan.items.size()), kThreads, bytes, stream>>>(
-      q, out, tables.segments, tables.spans, tables.items, num_heads, num_kv_heads, plan.head_dim);
+      q, out, tables.segments, tables.spans, tables.items, num_heads, num_kv_heads, plan.head_dim, round_bf16);
 }
 
 }  // namespace diffuserve::cuda

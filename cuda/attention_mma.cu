@@ -25,6 +25,8 @@
 // chunk n + 1 run together (the tensor cores see one stream of MMAs).
 // Q, K, V and P enter the tensor cores as bf16 hi/lo pairs (three products: hi*hi + hi*lo +
 // lo*hi), which keeps fp32-like precision; K and V are split as their fragments are read.
+// With activations "bfloat16" (kRound) they enter rounded to bf16: the hi parts alone, one
+// product (the softmax's sums stay fp32).
 //
 // Fragments: within a 16-wide k step of Q K^T, lane t's k pairs (2t, 2t + 1) and (2t + 8,
 // 2t + 9) stand for head dims 4t..4t + 3 of both Q and K (the sum over the head does not
@@ -80,11 +82,15 @@ bool with_head_dim(int head_dim, F&& f) {
   }
 }
 
-// c += a * b with both split into bf16 hi/lo parts.
-__device__ __forceinline__ void mma3(float* c, const uint32_t (&a)[2][4], const uint32_t (&b)[2][2]) {
+// c += a * b with both split into bf16 hi/lo parts: three products (fp32-like); with
+// kRound (inputs rounded to bf16, activations "bfloat16") the hi parts' alone.
+template <bool kRound>
+__device__ __forceinline__ void mma_parts(float* c, const uint32_t (&a)[2][4], const uint32_t (&b)[2][2]) {
   mma_bf16(c, a[0], b[0]);
-  mma_bf16(c, a[0], b[1]);
-  mma_bf16(c, a[1], b[0]);
+  if constexpr (!kRound) {
+    mma_bf16(c, a[0], b[1]);
+    mma_bf16(c, a[1], b[0]);
+  }
 }
 
 // 16 bytes global -> shared, asynchronously; zeros instead when !copy (src is then not read).
@@ -162,7 +168,7 @@ __device__ __forceinline__ int relative_position(int64_t position, int64_t origi
   return r < int64_t(INT_MIN) + 1 ? INT_MIN + 1 : r > INT_MAX ? INT_MAX : int(r);
 }
 
-template <int kDim>
+template <int kDim, bool kRound>
 __global__ void __launch_bounds__(Shape<kDim>::kThreads, 1)
     attention_mma_kernel(const float* __restrict__ q, float* __restrict__ out, float* __restrict__ partial_out,
                          float2* __restrict__ partial_ml, const DeviceAttentionSegment* __restrict__ segments,
@@ -260,7 +266,7 @@ __global__ void __launch_bounds__(Shape<kDim>::kThreads, 1)
         split_bf16(k.x, k.y, b[0][0], b[1][0]);
         split_bf16(k.z, k.w, b[0][1], b[1][1]);
 #pragma unroll
-        for (int mt = 0; mt < 2; ++mt) mma3(s[mt][nt], qa[mt][st], b);
+        for (int mt = 0; mt < 2; ++mt) mma_parts<kRound>(s[mt][nt], qa[mt][st], b);
       }
 #pragma unroll
     for (int mt = 0; mt < 2; ++mt)
@@ -352,7 +358,7 @@ __global__ void __launch_bounds__(Shape<kDim>::kThreads, 1)
           split_bf16(v[0][e], v[1][e], b[0][0], b[1][0]);
           split_bf16(v[2][e], v[3][e], b[0][1], b[1][1]);
 #pragma unroll
-          for (int mt = 0; mt < 2; ++mt) mma3(o[mt][half * 4 + e], pa[mt], b);
+          for (int mt = 0; mt < 2; ++mt) mma_parts<kRound>(o[mt][half * 4 + e], pa[mt], b);
         }
       }
     }
@@ -487,9 +493,9 @@ int attention_mma_resident_blocks(int head_dim) {
   const bool serves = with_head_dim(head_dim, [&](auto dim) {
     constexpr int kDim = decltype(dim)::value;
     using S = Shape<kDim>;
-    cudaFuncSetAttribute(attention_mma_kernel<kDim>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(S::kBytes));
-    cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_multiprocessor, attention_mma_kernel<kDim>, S::kThreads,
-                                                  S::kBytes);
+    const auto kernel = attention_mma_kernel<kDim, false>;  // the rounding kernel's twin: the same resources
+    cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(S::kBytes));
+    cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_multiprocessor, kernel, S::kThreads, S::kBytes);
   });
   if (!serves) return 1;
   int device = 0, multiprocessors = 0;
@@ -499,15 +505,16 @@ int attention_mma_resident_blocks(int head_dim) {
 }
 
 void attention_mma(const float* q, float* out, const AttentionPlan& plan, const AttentionTables& tables,
-                   void* scratch, int num_heads, int num_kv_heads, cudaStream_t stream) {
+                   void* scratch, int num_heads, int num_kv_heads, cudaStream_t stream, bool round_bf16) {
   // Scratch: the slots' outputs ([slot][query][head_dim]), then their (max, sum) pairs.
   float* partial_out = static_cast<float*>(scratch);
   auto* partial_ml = reinterpret_cast<float2*>(partial_out + plan.slots * plan.queries_per_slot * plan.head_dim);
   with_head_dim(plan.head_dim, [&](auto dim) {
     constexpr int kDim = decltype(dim)::value;
     using S = Shape<kDim>;
-    cudaFuncSetAttribute(attention_mma_kernel<kDim>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(S::kBytes));
-    attention_mma_kernel<kDim><<<unsigned(plan.items.size()), S::kThreads, S::kBytes, stream>>>(
+    const auto kernel = round_bf16 ? attention_mma_kernel<kDim, true> : attention_mma_kernel<kDim, false>;
+    cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(S::kBytes));
+    kernel<<<unsigned(plan.items.size()), S::kThreads, S::kBytes, stream>>>(
         q, out, partial_out, partial_ml, tables.segments, tables.spans, tables.items, num_heads, num_kv_heads);
   });
   if (!plan.merges.empty())

@@ -431,7 +431,7 @@ class CudaBackend final : public Backend {
   }
 
   void attention(const Activation& q, const std::vector<AttentionSegment>& segments, int64_t num_heads,
-                 int64_t num_kv_heads, int64_t head_dim, Activation& out) override {
+                 int64_t num_kv_heads, int64_t head_dim, Activation& out, bool round_bf16) override {
     auto timed = op("attention");
     if (num_heads / num_kv_heads > 16) throw InvalidArgument("the CUDA attention supports up to 16 query heads per KV head");
     const cuda::AttentionPlan plan = cuda::plan_attention(segments, int(num_heads), int(num_kv_heads), int(head_dim),
@@ -440,7 +440,8 @@ class CudaBackend final : public Backend {
     const cuda::AttentionTables tables{upload_table(plan.segments), upload_table(plan.spans), upload_table(plan.items),
                                        upload_table(plan.merges)};
     auto scratch = pool_->get(plan.scratch_bytes());
-    cuda::attention(q.data, out.data, plan, tables, scratch.get(), int(num_heads), int(num_kv_heads), stream_);
+    cuda::attention(q.data, out.data, plan, tables, scratch.get(), int(num_heads), int(num_kv_heads), stream_,
+                    round_bf16);
   }
 
   void gelu_glu(const Activation& x, Activation& out) override {

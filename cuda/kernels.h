@@ -168,8 +168,10 @@ struct AttentionTables {
   const AttentionItem* items;
   const AttentionMerge* merges;
 };
+// round_bf16: Q, K, V and the softmax's probabilities rounded to bf16 before their
+// products (activations "bfloat16"), one tensor-core product instead of three.
 void attention(const float* q, float* out, const AttentionPlan& plan, const AttentionTables& tables, void* scratch,
-               int num_heads, int num_kv_heads, cudaStream_t stream);
+               int num_heads, int num_kv_heads, cudaStream_t stream, bool round_bf16 = false);
 
 // The tensor-core kernel (attention_mma.cu) for head dims 64, 128, 256 and 512; attention.cu
 // has the generic one for every other head dim, which takes its items whole (no pieces).
@@ -179,7 +181,7 @@ int attention_mma_queries(int head_dim);
 // where it does not serve the head dim.
 int attention_mma_resident_blocks(int head_dim);
 void attention_mma(const float* q, float* out, const AttentionPlan& plan, const AttentionTables& tables,
-                   void* scratch, int num_heads, int num_kv_heads, cudaStream_t stream);
+                   void* scratch, int num_heads, int num_kv_heads, cudaStream_t stream, bool round_bf16 = false);
 
 // ---- elementwise, rows, sampling (kernels.cu) -------------------------------------
 void embed(const __nv_bfloat16* table, int64_t hidden, const int32_t* ids, int64_t n, float scale, float* out,

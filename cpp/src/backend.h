@@ -232,9 +232,11 @@ class Backend {
   virtual void rms_norm_rope(Activation& x, const Weight& weight, int64_t head_dim, float eps, const Weight& inv_freq,
                              const std::vector<int64_t>& positions) = 0;
   // out = softmax(q k^T) v per head (scale 1), GQA, for every segment of the batch (each
-  // with its own keys, positions, causal flag and window) in one call.
+  // with its own keys, positions, causal flag and window) in one call. round_bf16: q, k, v
+  // and the probabilities rounded to bf16 before their products (activations "bfloat16";
+  // the softmax's sums stay fp32).
   virtual void attention(const Activation& q, const std::vector<AttentionSegment>& segments, int64_t num_heads,
-                         int64_t num_kv_heads, int64_t head_dim, Activation& out) = 0;
+                         int64_t num_kv_heads, int64_t head_dim, Activation& out, bool round_bf16) = 0;
   // out = gelu_tanh(x[:, :I]) * x[:, I:], x is [rows, 2I].
   virtual void gelu_glu(const Activation& x, Activation& out) = 0;
   // Router: softmax(proj(normed * hidden^-0.5)), top-k, renormalise, * per_expert_scale;

@@ -241,18 +241,19 @@ class CpuBackend final : public Backend {
   }
 
   void attention(const Activation& q, const std::vector<AttentionSegment>& segments, int64_t num_heads,
-                 int64_t num_kv_heads, int64_t head_dim, Activation& out) override {
+                 int64_t num_kv_heads, int64_t head_dim, Activation& out, bool round_bf16) override {
+    auto input = [round_bf16](float x) { return round_bf16 ? round_to_dtype(x, DType::BF16) : x; };
     const int64_t group = num_heads / num_kv_heads, kv_stride = num_kv_heads * head_dim;
     // One task per (query row, head) across every segment.
     std::vector<std::pair<const AttentionSegment*, int64_t>> rows;  // segment, row within it
     for (const auto& seg : segments)
       for (int64_t r = 0; r < seg.rows; ++r) rows.push_back({&seg, r});
     pool_->parallel_for(int64_t(rows.size()) * num_heads, 1, [&](int64_t b, int64_t e) {
-      std::vector<float> scores;
+      std::vector<float> scores, qi(head_dim), key(head_dim);
       for (int64_t task = b; task < e; ++task) {
         const auto [seg, r] = rows[task / num_heads];
         const int64_t h = task % num_heads, kvh = h / group, i = seg->first_row + r;
-        const float* qi = q.row(i) + h * head_dim;
+        for (int64_t d = 0; d < head_dim; ++d) qi[d] = input(q.row(i)[h * head_dim + d]);
         const int64_t p = seg->first_position + r;
         auto visible = [&](int64_t j) {
           return !seg->causal || (j <= p && (seg->window == 0 || j > p - seg->window));
@@ -261,9 +262,13 @@ class CpuBackend final : public Backend {
         float best = -INFINITY;
         for (const auto& s : seg->spans)
           for (int64_t k = 0; k < s.count; ++k) {
-            scores.push_back(visible(s.first_position + k)
-                                 ? dot(qi, s.keys + k * kv_stride + kvh * head_dim, head_dim)
-                                 : -INFINITY);
+            float score = -INFINITY;
+            if (visible(s.first_position + k)) {
+              const float* kj = s.keys + k * kv_stride + kvh * head_dim;
+              for (int64_t d = 0; d < head_dim; ++d) key[d] = input(kj[d]);
+              score = dot(qi.data(), key.data(), head_dim);
+            }
+            scores.push_back(score);
             best = std::max(best, scores.back());
           }
         float* o = out.row(i) + h * head_dim;
@@ -274,10 +279,10 @@ class CpuBackend final : public Backend {
         size_t idx = 0;
         for (const auto& s : seg->spans)
           for (int64_t k = 0; k < s.count; ++k, ++idx) {
-            const float pj = scores[idx] / sum;
+            const float pj = input(scores[idx] / sum);
             if (pj == 0.0f) continue;
             const float* v = s.values + k * kv_stride + kvh * head_dim;
-            for (int64_t d = 0; d < head_dim; ++d) o[d] += pj * v[d];
+            for (int64_t d = 0; d < head_dim; ++d) o[d] += pj * input(v[d]);
           }
       }
     });

@@ -372,7 +372,8 @@ namespace {
 
 // Activations "bfloat16": every linear and expert stack whose weights are multiplied
 // plainly (not packed) takes its input rounded to bf16, the lm_head (the tied embedding)
-// included; the router stays fp32 (near-tied experts), as do attention and the norms.
+// included; the router stays fp32 (near-tied experts), as do the norms. (Attention rounds
+// its inputs too: layer_forward passes the mode.)
 void round_linear_inputs(ModelWeights& w) {
   auto round_input = [](Weight& x) {
     if (!x.empty() && x.format == WeightFormat::Plain && x.input_quant.scheme == ActivationScheme::None)
@@ -579,7 +580,7 @@ void layer_forward(ModelState& m, KvCache& kv, int li, Activation& h, const std:
   Activation q = be.alloc_output(n - first, q_cols), attn = be.alloc_output(n - first, q_cols);
   linear(be, rows_x, W.q_proj, q, rows_encoder);
   be.rms_norm_rope(q, W.q_norm, L.head_dim, c.rms_norm_eps, W.rope_inv_freq, q_positions);
-  be.attention(q, segments, c.num_heads, L.num_kv_heads, L.head_dim, attn);
+  be.attention(q, segments, c.num_heads, L.num_kv_heads, L.head_dim, attn, m.bf16_activations);
 
   linear(be, attn, W.o_proj, rows_x, rows_encoder);
   be.add_rms_norm(rows_x, &W.post_attention_layernorm, c.rms_norm_eps, rows_h);

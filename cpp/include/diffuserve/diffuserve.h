@@ -43,7 +43,9 @@ struct LoadOptions {
   // reference's numbers; on the GPU two bf16 tensor-core products, the input's hi and lo
   // halves) or "bfloat16" (the inputs of the linears and experts with plain weights,
   // lm_head included, rounded to bf16 first, as transformers computes in bf16: one product,
-  // about half the tensor-core work; the router, attention and norms stay fp32).
+  // about half the tensor-core work; attention's queries, keys, values and probabilities
+  // are rounded too, one product instead of three; the router, the softmax sums and the
+  // norms stay fp32).
   std::string activations = "float32";
 };
 
