@@ -147,3 +147,24 @@ def test_draws_are_addressed_by_seed_block_step():
     np.testing.assert_array_equal(base, sample_rows(logits, seed=5, block=1, step=2)[2])
     for other in [dict(seed=6, block=1, step=2), dict(seed=5, block=2, step=2), dict(seed=5, block=1, step=3)]:
         assert (sample_rows(logits, **other)[2] != base).any()
+
+
+# A block's state through denoise_step on the CPU (the engine's path, the CUDA kernels'
+# reference): the step count, the stop rule (stable after `stability` equal argmax canvases
+# before this step, confident under the bound; or the last step), pinned positions held.
+def test_block_state_steps_stop_and_pinned_positions():
+    rng = np.random.default_rng(0)
+    canvas, vocab = 12, 50
+    base = (rng.standard_normal((canvas, vocab)) * 8).astype(np.float32)
+    logits = np.stack([base] * 5)  # the same logits every step: the argmax canvas holds
+    tokens = rng.integers(0, vocab, canvas).tolist()
+    common = dict(tokens=tokens, pinned=[3], allowed_ids=[], t_min=0.4, t_max=0.8, entropy_bound=1e9, seed=1, block=0)
+    out = sampler.denoise_steps(logits, max_steps=9, stability=2, confidence=100.0, **common)
+    assert [s[2] for s in out] == [1, 2, 3, 4, 5]
+    assert [s[3] for s in out] == [False, False, True, True, True]
+    for ids, argmax, _, _ in out:
+        assert ids[3] == tokens[3] and argmax[3] == tokens[3]
+        assert [argmax[i] for i in range(canvas) if i != 3] == [int(base[i].argmax()) for i in range(canvas) if i != 3]
+    # Not confident: only the last step stops the block.
+    out = sampler.denoise_steps(logits[:3], max_steps=3, stability=1, confidence=1e-30, **common)
+    assert [s[3] for s in out] == [False, False, True]

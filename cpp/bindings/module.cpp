@@ -123,20 +123,15 @@ void bind_sampler(nb::module_& m) {
     allowed_ids.erase(std::unique(allowed_ids.begin(), allowed_ids.end()), allowed_ids.end());
     std::vector<uint8_t> free_position(canvas, 1);
     for (int32_t pos : pinned) free_position.at(pos) = 0;
-    CanvasParams p;
-    p.canvas = int(canvas);
-    p.vocab = int(vocab);
-    p.softcap = softcap;
-    p.t_min = t_min;
-    p.t_max = t_max;
-    p.max_steps = max_steps;
-    p.entropy_bound = entropy_bound;
-    p.stability = stability;
-    p.confidence = confidence;
-    p.seed = seed;
-    p.block = block;
-    p.self_conditioning = true;
-    p.allowed_count = int(allowed_ids.size());
+    SamplingParams sampling;
+    sampling.t_min = t_min;
+    sampling.t_max = t_max;
+    sampling.max_denoising_steps = max_steps;
+    sampling.entropy_bound = entropy_bound;
+    sampling.stability_threshold = stability;
+    sampling.confidence_threshold = confidence;
+    const CanvasParams p = canvas_params(sampling, int(canvas), int(vocab), softcap, seed, block, DType::F32,
+                                         int(allowed_ids.size()));
     CanvasState state = new_canvas(*be, p, tokens, free_position, allowed_ids);
     nb::list out;
     for (int64_t step = 0; step < int64_t(logits.shape(0)); ++step) {

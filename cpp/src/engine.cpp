@@ -61,21 +61,8 @@ void start_block(RequestState& r, Backend& be, const ModelConfig& config, DType 
     tokens = p.seed_canvas;
     for (int32_t pos : p.pinned_positions) free_position[pos] = 0;
   }
-  CanvasParams c;
-  c.canvas = r.canvas;
-  c.vocab = vocab;
-  c.softcap = config.final_logit_softcapping;
-  c.t_min = p.t_min;
-  c.t_max = p.t_max;
-  c.max_steps = p.max_denoising_steps;
-  c.entropy_bound = p.entropy_bound;
-  c.stability = p.stability_threshold;
-  c.confidence = p.confidence_threshold;
-  c.seed = r.seed;
-  c.block = r.block();
-  c.self_conditioning = p.self_conditioning;
-  c.feedback_dtype = weight_dtype;
-  c.allowed_count = int(r.allowed_ids.size());
+  const CanvasParams c = canvas_params(p, r.canvas, vocab, config.final_logit_softcapping, r.seed, r.block(),
+                                       weight_dtype, int(r.allowed_ids.size()));
   r.block_state = new_canvas(be, c, tokens, free_position, r.allowed_ids);
   r.feedback = Activation{};
   r.steps = 0;

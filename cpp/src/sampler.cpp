@@ -56,6 +56,26 @@ struct CanvasLayout {
 
 }  // namespace
 
+CanvasParams canvas_params(const SamplingParams& p, int canvas, int vocab, float softcap, uint64_t seed,
+                           uint32_t block, DType feedback_dtype, int allowed_count) {
+  CanvasParams c;
+  c.canvas = canvas;
+  c.vocab = vocab;
+  c.softcap = softcap;
+  c.t_min = p.t_min;
+  c.t_max = p.t_max;
+  c.max_steps = p.max_denoising_steps;
+  c.entropy_bound = p.entropy_bound;
+  c.stability = p.stability_threshold;
+  c.confidence = p.confidence_threshold;
+  c.seed = seed;
+  c.block = block;
+  c.self_conditioning = p.self_conditioning;
+  c.feedback_dtype = feedback_dtype;
+  c.allowed_count = allowed_count;
+  return c;
+}
+
 CanvasState new_canvas(Backend& be, const CanvasParams& params, const std::vector<int32_t>& tokens,
                        const std::vector<uint8_t>& free_position, const std::vector<int32_t>& allowed_ids) {
   const CanvasLayout at(params);

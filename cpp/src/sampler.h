@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "backend.h"
+#include "diffuserve/generate.h"
 
 namespace diffuserve {
 
@@ -46,6 +47,12 @@ std::vector<uint8_t> accept_by_entropy(const std::vector<float>& entropy, float 
 // argmax canvas equals each of them, none missing. Records this step's canvas in the ring.
 // Stability 0 is always stable.
 bool stable_argmax(int32_t* history, int step, const int32_t* argmax, int canvas, int stability);
+
+// A block's parameters: its request's sampling parameters, where it is (seed, block), the
+// model's vocabulary and final softcap, the dtype the feedback is rounded to, and how many
+// ids are allowed (0: every id).
+CanvasParams canvas_params(const SamplingParams& p, int canvas, int vocab, float softcap, uint64_t seed,
+                           uint32_t block, DType feedback_dtype, int allowed_count);
 
 // A new block's state: its first step's input ids and which positions are free.
 CanvasState new_canvas(Backend& be, const CanvasParams& params, const std::vector<int32_t>& tokens,
