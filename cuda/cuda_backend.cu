@@ -51,8 +51,8 @@ class DevicePool : public std::enable_shared_from_this<DevicePool> {
       if (!ptrs.empty()) p = ptrs.back(), ptrs.pop_back();
     }
     if (!p && cudaMalloc(&p, bytes) != cudaSuccess) {
-      // The free lists keep every size ever used: give them back to the driver (and what
-      // the GEMM's async pool holds), then try once more.
+      // The free lists keep every size ever used: give them back to the driver, then try
+      // once more.
       cudaGetLastError();
       release_cached();
       if (cudaMalloc(&p, bytes) != cudaSuccess) {
@@ -78,10 +78,6 @@ class DevicePool : public std::enable_shared_from_this<DevicePool> {
     for (auto& [bytes, ptrs] : free_)
       for (void* q : ptrs) cudaFree(q);
     free_.clear();
-    int device = 0;
-    cudaMemPool_t async_pool;
-    if (cudaGetDevice(&device) == cudaSuccess && cudaDeviceGetDefaultMemPool(&async_pool, device) == cudaSuccess)
-      cudaMemPoolTrimTo(async_pool, 0);
     cudaGetLastError();
   }
 
@@ -179,12 +175,6 @@ class CudaBackend final : public Backend {
     // the op profile synchronises around every op, which a recording cannot.
     const char* graphs = std::getenv("DIFFUSERVE_CUDA_GRAPHS");
     graphs_ = !(graphs && std::string(graphs) == "0") && !profile_.enabled();
-    // The GEMM's split-K partials come from cudaMallocAsync: keep freed memory in the pool
-    // (by default it goes back to the driver at every synchronisation, each step's sampler).
-    cudaMemPool_t mempool;
-    check(cudaDeviceGetDefaultMemPool(&mempool, device), "cudaDeviceGetDefaultMemPool");
-    uint64_t keep = UINT64_MAX;
-    check(cudaMemPoolSetAttribute(mempool, cudaMemPoolAttrReleaseThreshold, &keep), "cudaMemPoolSetAttribute");
 #ifdef DIFFUSERVE_WITH_CUBLASLT
     // DIFFUSERVE_CUBLASLT=0 keeps every product on gemm.cu (to compare the two).
     const char* use = std::getenv("DIFFUSERVE_CUBLASLT");

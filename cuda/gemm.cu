@@ -75,7 +75,6 @@
 // test models) the same bytes are copied one by one.
 #include <algorithm>
 #include <cstdlib>
-#include <memory>
 #include <stdexcept>
 #include <string>
 
@@ -627,36 +626,6 @@ size_t codes_bytes(int64_t x_rows, int64_t k) {
   return (size_t(x_rows) * size_t(padded_k(k, GemmInput::Fp8Token)) + 15) / 16 * 16;
 }
 
-}  // namespace
-
-bool gemm_has_wgmma_tile(GemmInput input, WeightFormat format) {
-  if (input == GemmInput::Fp8Token || format != WeightFormat::Plain) return false;
-#ifdef DIFFUSERVE_SM90A
-  static const bool use = [] {
-    int device = 0, major = 0, minor = 0;
-    cudaGetDevice(&device);
-    cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
-    cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device);
-    const char* env = std::getenv("DIFFUSERVE_WGMMA");
-    return major == 9 && minor == 0 && !(env && std::string(env) == "0");
-  }();
-  return use;
-#else
-  return false;  // no sm_90a code in this build
-#endif
-}
-
-int gemm_tile_rows(int64_t rows_per_segment, int64_t segments, int64_t n, GemmInput input, WeightFormat format) {
-  const bool wgmma = gemm_has_wgmma_tile(input, format);
-  // 16 or 32 rows for the MoE at small batch (32 from 13 rows an expert: see the top).
-  if (rows_per_segment <= 24) return wgmma || rows_per_segment > 12 ? 32 : 16;
-  // 128 x 256 tiles where they are mostly full and still give two waves of blocks.
-  const int64_t large_tiles = segments * ((rows_per_segment + 127) / 128) * ((n + 255) / 256);
-  return rows_per_segment >= 192 && large_tiles >= 2 * multiprocessors() ? 128 : 64;
-}
-
-namespace {
-
 // Far too few blocks to fill the GPU: split K, each slice's product into its own copy of
 // Y, the copies summed in order after. Whether and how many slices is a function of the
 // weight's shape alone, never of the rows, so that a row's result does not depend on what
@@ -692,6 +661,32 @@ size_t input_bytes(int64_t x_rows, int64_t k, GemmInput input) {
 }
 
 }  // namespace
+
+bool gemm_has_wgmma_tile(GemmInput input, WeightFormat format) {
+  if (input == GemmInput::Fp8Token || format != WeightFormat::Plain) return false;
+#ifdef DIFFUSERVE_SM90A
+  static const bool use = [] {
+    int device = 0, major = 0, minor = 0;
+    cudaGetDevice(&device);
+    cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
+    cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device);
+    const char* env = std::getenv("DIFFUSERVE_WGMMA");
+    return major == 9 && minor == 0 && !(env && std::string(env) == "0");
+  }();
+  return use;
+#else
+  return false;  // no sm_90a code in this build
+#endif
+}
+
+int gemm_tile_rows(int64_t rows_per_segment, int64_t segments, int64_t n, GemmInput input, WeightFormat format) {
+  const bool wgmma = gemm_has_wgmma_tile(input, format);
+  // 16 or 32 rows for the MoE at small batch (32 from 13 rows an expert: see the top).
+  if (rows_per_segment <= 24) return wgmma || rows_per_segment > 12 ? 32 : 16;
+  // 128 x 256 tiles where they are mostly full and still give two waves of blocks.
+  const int64_t large_tiles = segments * ((rows_per_segment + 127) / 128) * ((n + 255) / 256);
+  return rows_per_segment >= 192 && large_tiles >= 2 * multiprocessors() ? 128 : 64;
+}
 
 size_t gemm_scratch_bytes(int64_t x_rows, int64_t n, int64_t k, GemmInput input) {
   const SplitK split = split_k(n, k, input);

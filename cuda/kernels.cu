@@ -375,7 +375,7 @@ __device__ OnlineSoftmax block_merge(OnlineSoftmax v) {
 }
 
 // One block per canvas row, two passes over it. The first only reads, once for all the
-// sampler needs of the processed logits p (logits / temperature, masked ids -inf): the
+// sampler needs of the processed logits p (softcap(logits) / temperature, masked ids -inf): the
 // argmax, the Gumbel-max candidate, the entropy (from online softmax statistics), and the
 // softmax statistics of the feedback f (p rounded to bf16 when round_bf16). The second
 // writes f, or with softmax_feedback its softmax (the next step's soft embedding input;
@@ -428,7 +428,6 @@ __global__ void __launch_bounds__(kSampleThreads, 2)
   if (threadIdx.x == 0) out[row] = {best_i, noisy_i, dist.entropy()};
 }
 
-// FP8 per token: one warp per row finds the row's absolute maximum, then quantizes it.
 // update_canvas_kernel's threads: one block for the whole canvas.
 constexpr int kCanvasThreads = 512;
 
@@ -501,6 +500,7 @@ __global__ void round_bf16_kernel(float* x, int64_t n) {
   if (i < n) x[i] = __bfloat162float(__float2bfloat16(x[i]));
 }
 
+// FP8 per token: one warp per row finds the row's absolute maximum, then quantizes it.
 __global__ void quantize_fp8_rows_kernel(float* x, int64_t rows, int64_t cols) {
   const int64_t row = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
   if (row >= rows) return;  // whole warps: blocks are whole warps

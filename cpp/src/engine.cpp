@@ -206,9 +206,14 @@ std::vector<std::pair<uint64_t, GenerationOutput>> Engine::step(const std::vecto
   std::vector<std::pair<uint64_t, GenerationOutput>> finished;
   Activation last_logits;  // the previous pass's
   for (int pass = 0; pass < max_steps && !active.empty();) {
+    // A denoising request's segment and its rows of the pass's logits.
+    struct Denoiser {
+      RequestState* r;
+      size_t segment;
+      int64_t first_row;
+    };
     std::vector<Segment> segments;
-    std::vector<RequestState*> denoisers;
-    std::vector<size_t> denoiser_segment;  // index in segments
+    std::vector<Denoiser> denoisers;
     segments.reserve(2 * active.size());
     int64_t rows = 0, denoise_rows = 0;
     for (auto& [id, r] : active) {
@@ -224,9 +229,8 @@ std::vector<std::pair<uint64_t, GenerationOutput>> Engine::step(const std::vecto
       }
       if (encode < pending || (encode > 0 && !fuse_commit_) || rows + r->canvas > max_batched_tokens) continue;
       if (!r->in_block()) start_block(*r, be, c, m.weight_dtype);
-      denoiser_segment.push_back(segments.size());
+      denoisers.push_back({r, segments.size(), denoise_rows});
       segments.push_back(Segment{&r->table, false, {}, nullptr, true, r->block_state->tokens, r->canvas});
-      denoisers.push_back(r);
       rows += r->canvas;
       denoise_rows += r->canvas;
     }
@@ -237,33 +241,32 @@ std::vector<std::pair<uint64_t, GenerationOutput>> Engine::step(const std::vecto
     // on its own logits matrix, a step's feedback being its previous step's rows of it
     // (the previous pass's matrix when the batch is the same, else copied in).
     const bool steady = segments.size() == denoisers.size() &&
-                        std::all_of(denoisers.begin(), denoisers.end(), [](const RequestState* r) {
-                          return r->steps > 0 || !r->params.self_conditioning;
+                        std::all_of(denoisers.begin(), denoisers.end(), [](const Denoiser& d) {
+                          return d.r->steps > 0 || !d.r->params.self_conditioning;
                         });
-    bool in_place = steady && last_logits.rows == denoise_rows;
-    for (size_t i = 0, row = 0; i < denoisers.size(); row += denoisers[i]->canvas, ++i)
-      in_place = in_place && (!denoisers[i]->feedback.data || denoisers[i]->feedback.data == last_logits.row(int64_t(row)));
+    const bool in_place = steady && last_logits.rows == denoise_rows &&
+                          std::all_of(denoisers.begin(), denoisers.end(), [&](const Denoiser& d) {
+                            return !d.r->feedback.data || d.r->feedback.data == last_logits.row(d.first_row);
+                          });
     Activation logits = in_place ? last_logits : be.alloc_output(denoise_rows, c.vocab_size);
     std::vector<Activation> feedback(denoisers.size());
     std::vector<const CanvasState*> states;
-    for (size_t i = 0, row = 0; i < denoisers.size(); row += denoisers[i]->canvas, ++i) {
-      RequestState* r = denoisers[i];
-      states.push_back(&*r->block_state);
-      if (!r->feedback.data) continue;
-      feedback[i] = r->feedback;
+    for (size_t i = 0; i < denoisers.size(); ++i) {
+      const Denoiser& d = denoisers[i];
+      states.push_back(&*d.r->block_state);
+      if (!d.r->feedback.data) continue;
+      feedback[i] = d.r->feedback;
       if (steady) {
-        feedback[i] = logits.view(int64_t(row), r->canvas);
-        if (!in_place) be.copy_rows(r->feedback, 0, logits, int64_t(row), r->canvas);
+        feedback[i] = logits.view(d.first_row, d.r->canvas);
+        if (!in_place) be.copy_rows(d.r->feedback, 0, logits, d.first_row, d.r->canvas);
       }
-      segments[denoiser_segment[i]].self_conditioning = &feedback[i];
+      segments[d.segment].self_conditioning = &feedback[i];
     }
     auto run = [&] {
       forward(m, *m.kv, segments, &logits, /*softcap=*/false);  // the sampler softcaps
-      int64_t row = 0;
-      for (RequestState* r : denoisers) {
-        Activation canvas_logits = logits.view(row, r->canvas);
-        be.denoise_step(canvas_logits, *r->block_state);
-        row += r->canvas;
+      for (const Denoiser& d : denoisers) {
+        Activation canvas_logits = logits.view(d.first_row, d.r->canvas);
+        be.denoise_step(canvas_logits, *d.r->block_state);
       }
     };
     int runs = 1;
@@ -273,10 +276,9 @@ std::vector<std::pair<uint64_t, GenerationOutput>> Engine::step(const std::vecto
     passes_ += runs;
     last_logits = logits;
 
-    int64_t row = 0;
-    for (RequestState* r : denoisers) {
-      r->feedback = r->params.self_conditioning ? logits.view(row, r->canvas) : Activation{};
-      row += r->canvas;
+    for (const Denoiser& d : denoisers) {
+      RequestState* r = d.r;
+      r->feedback = r->params.self_conditioning ? logits.view(d.first_row, r->canvas) : Activation{};
       r->steps += runs;
       // The stop rule cannot have fired before the argmax history is full, short of the
       // last step: then nothing is read (the host goes on queueing work, or recording the

@@ -366,10 +366,6 @@ class TensorSource {
   uint64_t seed_ = 0;  // dummy weights: one stream per tensor
 };
 
-}  // namespace
-
-namespace {
-
 // Activations "bfloat16": every linear and expert stack whose weights are multiplied
 // plainly (not packed) takes its input rounded to bf16, the lm_head (the tied embedding)
 // included; the router stays fp32 (near-tied experts), as do the norms. (Attention rounds
