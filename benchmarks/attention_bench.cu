@@ -1,19 +1,21 @@
 // The CUDA attention (cuda/attention.cu, cuda/attention_mma.cu) on its own: correctness
-// against a double-precision host reference on random inputs over head dims 64 / 128 / 256
-// / 512 (the tensor-core kernel) and 24 / 80 (the generic one), GQA ratios 1 to 16, causal
-// and non-causal segments, sliding windows, several segments of different lengths in one
-// launch with query rows between them that no segment owns (they must stay untouched),
-// spans of 16 keys cut at misaligned positions and spans of random lengths, and segments
-// whose keys the plan cuts into pieces (split-KV) as well as uncut ones; bitwise batch
-// invariance (a segment alone against the same segment among others, and a rerun); then
-// timings at DiffusionGemma-26B shapes (a denoise pass: 256 canvas rows per request over
-// its context). Before any of that, host checks of the plan that need no GPU: every row
-// group's pieces are disjoint, in key order, cover every key its rows can see, and get
-// consecutive slots and one merge where there are several; a segment's pieces are the same
-// alone and batched. Build and run:
+// against a double-precision host reference on random inputs, as they are and rounded to
+// bf16, over head dims 64 / 128 / 256 / 512 (the tensor-core kernel) and 24 / 80 (the
+// generic one), GQA ratios 1 to 16, causal and non-causal segments, sliding windows,
+// several segments of different lengths in one launch with query rows between them that
+// no segment owns (they must stay untouched), spans of 16 keys cut at misaligned positions
+// and spans of random lengths, and segments whose keys the plan cuts into pieces (split-KV)
+// as well as uncut ones; bitwise batch invariance (a segment alone against the same segment
+// among others, and a rerun); then timings at DiffusionGemma-26B shapes (a denoise pass: 256
+// canvas rows per request over its context; inputs as they are and rounded to bf16). Before
+// any of that, host checks of the plan that need no GPU: every row group's pieces are
+// disjoint, in key order, cover every key its rows can see, and get consecutive slots and
+// one merge where there are several; a segment's pieces are the same alone and batched.
+// Build and run:
 //   nvcc -std=c++20 -arch=sm_90a -O3 -I cpp/src -I cpp/include -I cuda benchmarks/attention_bench.cu \
 //       cuda/attention.cu cuda/attention_mma.cu -o /tmp/attention_bench && /tmp/attention_bench
-// (--check: the checks alone; --host: the plan checks alone, on a machine without a GPU).
+// (--check: the checks alone; --time: the timings alone; --host: the plan checks alone, on a
+// machine without a GPU).
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -109,14 +111,14 @@ std::vector<AttentionSegment> segments(const Problem& p, const float* k, const f
   return segs;
 }
 
-// Runs the attention on the GPU; returns the output (rows x heads x dim), NaN where nothing
-// was written.
-std::vector<float> run(const Problem& p, AttentionPlan* plan_out = nullptr) {
+// Runs the attention on the GPU (inputs rounded to bf16 or not); returns the output (rows x
+// heads x dim), NaN where nothing was written.
+std::vector<float> run(const Problem& p, bool round_bf16, AttentionPlan* plan_out = nullptr) {
   float* q = upload(p.q);
   float* k = upload(p.k);
   float* v = upload(p.v);
   const AttentionPlan plan =
-      plan_attention(segments(p, k, v), p.heads, p.kv_heads, p.dim, attention_mma_resident_blocks(p.dim));
+      plan_attention(segments(p, k, v), p.heads, p.kv_heads, p.dim, attention_mma_resident_blocks(p.dim), round_bf16);
   const AttentionTables tables{upload(plan.segments), upload(plan.spans), upload(plan.items), upload(plan.merges)};
   void* scratch = nullptr;
   check(cudaMalloc(&scratch, std::max<size_t>(plan.scratch_bytes(), 1)), "malloc scratch");
@@ -135,9 +137,12 @@ std::vector<float> run(const Problem& p, AttentionPlan* plan_out = nullptr) {
   return result;
 }
 
-// Row r, head h of segment s in double: the output and the largest |value| it weighs
-// (the scale of the error); no visible key gives zeros.
-std::vector<double> reference(const Problem& p, const AttentionSegment& s, int64_t r, int h, double& scale) {
+// Row r, head h of segment s in double (Q, K and V rounded to bf16 first with round_bf16):
+// the output and the largest |value| it weighs (the scale of the error); no visible key
+// gives zeros.
+std::vector<double> reference(const Problem& p, const AttentionSegment& s, int64_t r, int h, bool round_bf16,
+                              double& scale) {
+  auto in = [round_bf16](float x) { return double(round_bf16 ? __bfloat162float(__float2bfloat16(x)) : x); };
   const int kvh = h / (p.heads / p.kv_heads), d = p.dim;
   const int64_t kv_cols = int64_t(p.kv_heads) * d, pos = s.first_position + r;
   const float* qi = &p.q[size_t((s.first_row + r) * p.heads * d + int64_t(h) * d)];
@@ -153,7 +158,7 @@ std::vector<double> reference(const Problem& p, const AttentionSegment& s, int64
       if (s.causal && (j > pos || (s.window && j <= pos - s.window))) continue;
       const float* kk = &p.k[size_t((row0 + key) * kv_cols + int64_t(kvh) * d)];
       double dot = 0;
-      for (int c = 0; c < d; ++c) dot += double(qi[c]) * kk[c];
+      for (int c = 0; c < d; ++c) dot += in(qi[c]) * in(kk[c]);
       scores.push_back(dot);
       values.push_back(&p.v[size_t((row0 + key) * kv_cols + int64_t(kvh) * d)]);
     }
@@ -166,16 +171,19 @@ std::vector<double> reference(const Problem& p, const AttentionSegment& s, int64
   for (double& x : scores) sum += (x = std::exp(x - best));
   for (size_t i = 0; i < scores.size(); ++i)
     for (int c = 0; c < d; ++c) {
-      o[size_t(c)] += scores[i] / sum * values[i][c];
+      o[size_t(c)] += scores[i] / sum * in(values[i][c]);
       scale = std::max(scale, double(std::fabs(values[i][c])));
     }
   return o;
 }
 
 // Checks `out` against the reference on every (row, head) of every segment (or `samples`
-// random ones), and that rows no segment owns were left alone.
+// random ones), and that rows no segment owns were left alone. The tolerance, relative to
+// the largest |value|: 2e-4 for fp32-like inputs; 4e-3 for bf16 ones, as the kernel rounds
+// the probabilities too (each to 2^-9 of itself) and the reference does not.
 void verify(const Problem& p, const std::vector<float>& out, const std::string& name, const AttentionPlan& plan,
             int samples = 0) {
+  const double tolerance = plan.round_bf16 ? 4e-3 : 2e-4;
   const int d = p.dim;
   std::vector<char> owned(size_t(p.rows), 0);
   double worst = 0;
@@ -185,12 +193,12 @@ void verify(const Problem& p, const std::vector<float>& out, const std::string& 
     std::fill_n(owned.begin() + s.first_row, s.rows, 1);
     auto one = [&](int64_t r, int h) {
       double scale;
-      const std::vector<double> want = reference(p, s, r, h, scale);
+      const std::vector<double> want = reference(p, s, r, h, plan.round_bf16, scale);
       const float* got = &out[size_t((s.first_row + r) * p.heads * d + int64_t(h) * d)];
       for (int c = 0; c < d; ++c) {
         const double err = std::fabs(double(got[c]) - want[size_t(c)]) / (scale + 1e-30);
         worst = std::max(worst, std::isnan(err) ? INFINITY : err);
-        if (!(err <= 2e-4) && bad++ < 5)
+        if (!(err <= tolerance) && bad++ < 5)
           std::printf("    %s: row %ld head %d dim %d: got %.8g want %.8g\n", name.c_str(), long(s.first_row + r), h,
                       c, got[c], want[size_t(c)]);
       }
@@ -263,7 +271,7 @@ std::map<Output, std::vector<PieceOf>> pieces_by_output(const AttentionPlan& pla
 // consistent, every visible key in a piece; returns the pieces per output.
 std::map<Output, std::vector<PieceOf>> check_plan(const Problem& p, int resident, const std::string& name,
                                                   AttentionPlan* plan_out = nullptr) {
-  const AttentionPlan plan = plan_attention(p.segs, p.heads, p.kv_heads, p.dim, resident);
+  const AttentionPlan plan = plan_attention(p.segs, p.heads, p.kv_heads, p.dim, resident, false);
   std::string error;
   std::map<Output, std::vector<PieceOf>> by = pieces_by_output(plan, error);
   const int group = p.heads / p.kv_heads;
@@ -386,49 +394,64 @@ void host_checks() {
 
 void correctness() {
   const int ratios[][2] = {{4, 4}, {8, 4}, {16, 4}, {16, 2}, {16, 1}};
+  auto named = [](const char* round, int dim, int heads, int kv_heads, const std::string& what) {
+    return std::string(round) + "d" + std::to_string(dim) + " " + std::to_string(heads) + "/" +
+           std::to_string(kv_heads) + " " + what;
+  };
   for (int dim : {64, 128, 256, 512})
     for (const auto& [heads, kv_heads] : ratios)
       for (const Case& c : cases()) {
         const Problem p = make_problem(heads, kv_heads, dim, c.segs, unsigned(dim + heads * 7 + kv_heads));
         AttentionPlan plan;
-        const std::vector<float> out = run(p, &plan);
-        verify(p, out, "d" + std::to_string(dim) + " " + std::to_string(heads) + "/" + std::to_string(kv_heads) +
-                           " " + c.name, plan);
+        const std::vector<float> out = run(p, false, &plan);
+        verify(p, out, named("", dim, heads, kv_heads, c.name), plan);
+      }
+  // bf16 inputs, fewer shapes.
+  for (int dim : {64, 256, 512})
+    for (const auto& [heads, kv_heads] : {std::pair{16, 2}})
+      for (const Case& c : cases()) {
+        const Problem p = make_problem(heads, kv_heads, dim, c.segs, unsigned(dim + heads * 5 + kv_heads));
+        AttentionPlan plan;
+        const std::vector<float> out = run(p, true, &plan);
+        verify(p, out, named("bf16 ", dim, heads, kv_heads, c.name), plan);
       }
   for (int dim : {24, 80})  // the generic kernel
     for (const auto& [heads, kv_heads] : {std::pair{8, 2}, std::pair{4, 4}})
-      for (const Case& c : cases()) {
-        const Problem p = make_problem(heads, kv_heads, dim, c.segs, unsigned(dim + heads));
-        AttentionPlan plan;
-        const std::vector<float> out = run(p, &plan);
-        verify(p, out, "d" + std::to_string(dim) + " " + std::to_string(heads) + "/" + std::to_string(kv_heads) +
-                           " " + c.name, plan);
-      }
+      for (const Case& c : cases())
+        for (bool round_bf16 : {false, true}) {
+          const Problem p = make_problem(heads, kv_heads, dim, c.segs, unsigned(dim + heads));
+          AttentionPlan plan;
+          const std::vector<float> out = run(p, round_bf16, &plan);
+          verify(p, out, named(round_bf16 ? "bf16 " : "", dim, heads, kv_heads, c.name), plan);
+        }
   // The 26B shapes, sampled: a sliding and a full layer of one request.
-  {
+  for (bool round_bf16 : {false, true}) {
+    const std::string round = round_bf16 ? "bf16 " : "";
     const Problem sliding = make_problem(16, 8, 256, {decoder(256, 1024, 1024)}, 4);
     AttentionPlan plan;
-    verify(sliding, run(sliding, &plan), "26B sliding 256 rows, 1279 keys (sampled)", plan, 300);
+    verify(sliding, run(sliding, round_bf16, &plan), round + "26B sliding 256 rows, 1279 keys (sampled)", plan, 300);
     const Problem full = make_problem(16, 2, 512, {decoder(256, 1024)}, 5);
-    verify(full, run(full, &plan), "26B full 256 rows, 1280 keys (sampled)", plan, 300);
+    verify(full, run(full, round_bf16, &plan), round + "26B full 256 rows, 1280 keys (sampled)", plan, 300);
   }
   // Batch invariance: each segment alone and among the others, bitwise; and a rerun.
-  for (int dim : {64, 256, 512}) {
-    const Problem p = make_problem(16, dim == 512 ? 2 : 8, dim,
-                                   {decoder(40, 3000, 0, 0), encoder(100, 500, 300), decoder(256, 1024, 1024)}, 6);
-    const std::vector<float> batched = run(p), again = run(p);
-    report(std::memcmp(batched.data(), again.data(), batched.size() * sizeof(float)) == 0,
-           "d" + std::to_string(dim) + " rerun", "bitwise");
-    const int64_t cols = int64_t(p.heads) * p.dim;
-    for (int s = 0; s < int(p.segs.size()); ++s) {
-      const std::vector<float> single = run(alone(p, s));
-      const size_t differ = size_t(std::inner_product(
-          single.begin(), single.end(), batched.begin() + p.segs[size_t(s)].first_row * cols, int64_t(0),
-          std::plus<>(), [](float a, float b) { return std::memcmp(&a, &b, sizeof a) != 0; }));
-      report(!differ, "d" + std::to_string(dim) + " segment " + std::to_string(s) + " alone = batched",
-             differ ? std::to_string(differ) + " values differ" : "bitwise");
+  for (bool round_bf16 : {false, true})
+    for (int dim : {64, 256, 512}) {
+      const std::string name = std::string(round_bf16 ? "bf16 " : "") + "d" + std::to_string(dim);
+      const Problem p = make_problem(16, dim == 512 ? 2 : 8, dim,
+                                     {decoder(40, 3000, 0, 0), encoder(100, 500, 300), decoder(256, 1024, 1024)}, 6);
+      const std::vector<float> batched = run(p, round_bf16), again = run(p, round_bf16);
+      report(std::memcmp(batched.data(), again.data(), batched.size() * sizeof(float)) == 0, name + " rerun",
+             "bitwise");
+      const int64_t cols = int64_t(p.heads) * p.dim;
+      for (int s = 0; s < int(p.segs.size()); ++s) {
+        const std::vector<float> single = run(alone(p, s), round_bf16);
+        const size_t differ = size_t(std::inner_product(
+            single.begin(), single.end(), batched.begin() + p.segs[size_t(s)].first_row * cols, int64_t(0),
+            std::plus<>(), [](float a, float b) { return std::memcmp(&a, &b, sizeof a) != 0; }));
+        report(!differ, name + " segment " + std::to_string(s) + " alone = batched",
+               differ ? std::to_string(differ) + " values differ" : "bitwise");
+      }
     }
-  }
 }
 
 __global__ void random_fill_kernel(float* x, int64_t n, uint32_t seed) {
@@ -442,7 +465,8 @@ __global__ void random_fill_kernel(float* x, int64_t n, uint32_t seed) {
 // Times attention() (the main kernel and the merge) for `batch` requests of a denoise pass:
 // 256 canvas rows each over `context` cached keys (sliding layers: the last window - 1) in
 // 16-key blocks scattered over the cache, plus the canvas's own keys.
-void bench(const char* name, int heads, int kv_heads, int dim, int64_t window, int batch, int64_t context) {
+void bench(const char* name, int heads, int kv_heads, int dim, int64_t window, int batch, int64_t context,
+           bool round_bf16) {
   constexpr int64_t kCanvas = 256;
   const int64_t cached = window ? std::min(context, window - 1) : context, kv_cols = int64_t(kv_heads) * dim;
   const int64_t first_block = (context - cached) / 16, blocks_per_segment = (context + 15) / 16 - first_block;
@@ -474,7 +498,7 @@ void bench(const char* name, int heads, int kv_heads, int dim, int64_t window, i
   }
   const int resident = attention_mma_resident_blocks(dim);
   const auto t0 = std::chrono::steady_clock::now();
-  const AttentionPlan plan = plan_attention(segs, heads, kv_heads, dim, resident);
+  const AttentionPlan plan = plan_attention(segs, heads, kv_heads, dim, resident, round_bf16);
   const double plan_us = std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count();
   const AttentionTables tables{upload(plan.segments), upload(plan.spans), upload(plan.items), upload(plan.merges)};
   void* scratch = nullptr;
@@ -490,9 +514,9 @@ void bench(const char* name, int heads, int kv_heads, int dim, int64_t window, i
       n += (i == it.last_span ? it.last_end : plan.spans[size_t(i)].count) - (i == it.span ? it.key : 0);
     streamed += double(n) * dim * 8;
   }
-  std::printf("%-8s batch %2d context %6ld: %9.1f us  %6.1f TFLOP/s (useful)  %5.2f TB/s K/V streamed  %6zu blocks "
+  std::printf("%-8s %-4s batch %2d context %6ld: %9.1f us  %6.1f TFLOP/s (useful)  %5.2f TB/s K/V streamed  %6zu blocks "
               "%5zu merges  plan %.0f us\n",
-              name, batch, long(context), us, flops / (us * 1e-6) / 1e12, streamed / (us * 1e-6) / 1e12,
+              name, round_bf16 ? "bf16" : "fp32", batch, long(context), us, flops / (us * 1e-6) / 1e12, streamed / (us * 1e-6) / 1e12,
               plan.items.size(), plan.merges.size(), plan_us);
   cudaFree(q), cudaFree(out), cudaFree(k), cudaFree(v), cudaFree(scratch);
   cudaFree(const_cast<DeviceAttentionSegment*>(tables.segments)), cudaFree(const_cast<DeviceKeySpan*>(tables.spans));
@@ -512,16 +536,20 @@ int main(int argc, char** argv) {
   check(cudaGetDeviceProperties(&prop, 0), "device");
   std::printf("%s, %d SMs; resident blocks: d256 %d, d512 %d\n", prop.name, prop.multiProcessorCount,
               attention_mma_resident_blocks(256), attention_mma_resident_blocks(512));
-  correctness();
-  std::printf("%s\n", failures ? "CORRECTNESS FAILURES" : "all correctness checks passed");
+  if (mode != "--time") {
+    correctness();
+    std::printf("%s\n", failures ? "CORRECTNESS FAILURES" : "all correctness checks passed");
+  }
   if (mode == "--check") return failures ? 1 : 0;
 
   // DiffusionGemma-26B, one layer call of a denoise pass: sliding layers (16 query heads,
   // 8 KV heads, head_dim 256, window 1024) and full-attention layers (16 / 2 / 512).
   for (int batch : {1, 4, 16})
     for (int64_t context : {1024, 8192, 32768}) {
-      bench("sliding", 16, 8, 256, 1024, batch, context);
-      bench("full", 16, 2, 512, 0, batch, context);
+      for (bool round_bf16 : {false, true}) {
+        bench("sliding", 16, 8, 256, 1024, batch, context, round_bf16);
+        bench("full", 16, 2, 512, 0, batch, context, round_bf16);
+      }
     }
   return failures ? 1 : 0;
 }

@@ -1,9 +1,9 @@
 """Where a denoise step's GPU time goes, without synchronising any op: the kernels and copies
-of a few steps at DiffusionGemma-26B-A4B's text shapes (random bf16 weights, batch 1,
-context 1K), recorded by torch's profiler (CUPTI sees every kernel of the process,
+of a few steps at DiffusionGemma-26B-A4B's text shapes (random bf16 weights, batch 1 and
+context 1K unless told), recorded by torch's profiler (CUPTI sees every kernel of the process,
 diffuserve's included). Needs a CUDA build and PyTorch.
 
-    python benchmarks/kernel_trace.py [--context 1024] [--steps 8]
+    python benchmarks/kernel_trace.py [--batch 1] [--context 1024] [--steps 8] [--activations bfloat16]
 
 Prints the GPU-busy share of the wall time, then one row per kernel name: time and launches
 per forward pass, mean time per launch; then the gaps between GPU work, by length.
@@ -25,18 +25,22 @@ from step_latency import CANVAS, fixed_steps, write_config  # beside this script
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--batch", type=int, default=1, help="requests denoised together")
     ap.add_argument("--steps", type=int, default=8, help="denoise steps traced (one block)")
     ap.add_argument("--rows", type=int, default=24, help="kernel names shown")
+    ap.add_argument("--activations", choices=["float32", "bfloat16"], default="float32",
+                    help="what the linears and attention take their inputs as (LoadOptions.activations)")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         llm = ds.LLM(write_config(os.path.join(tmp, "dg26b")), device="cuda", load_format="dummy",
-                     kv_cache_memory_bytes=20 << 30, max_num_batched_tokens=8192, slice_steps=64)
-        prompt = (np.arange(args.context) % 1000 + 3).tolist()
-        llm.generate([prompt], fixed_steps(CANVAS, 2, seed=0))  # prefill (the prefix cache keeps it) and warm-up
+                     kv_cache_memory_bytes=20 << 30, max_num_batched_tokens=8192, slice_steps=64,
+                     activations=args.activations)
+        prompts = [((np.arange(args.context) + 7 * r) % 1000 + 3).tolist() for r in range(args.batch)]
+        llm.generate(prompts, fixed_steps(CANVAS, 2, seed=0))  # prefill (the prefix cache keeps it) and warm-up
         passes = llm.stats()["forward_passes"]
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as trace:
             start = time.perf_counter()
-            llm.generate([prompt], fixed_steps(CANVAS, args.steps, seed=0))
+            llm.generate(prompts, fixed_steps(CANVAS, args.steps, seed=0))
             wall_ms = 1e3 * (time.perf_counter() - start)
         passes = llm.stats()["forward_passes"] - passes
 
@@ -48,8 +52,8 @@ def main():
         total[0] += e.time_range.elapsed_us() / 1e3
         total[1] += 1
     busy_ms = sum(ms for ms, _ in by_name.values())
-    print(f"diffuserve kernel trace, 26B-A4B shapes (random bf16 weights), batch 1, context {args.context}, "
-          f"{passes} forward passes")
+    print(f"diffuserve kernel trace, 26B-A4B shapes (random bf16 weights, {args.activations} inputs), batch {args.batch}, "
+          f"context {args.context}, {passes} forward passes")
     print(f"wall {wall_ms / passes:.1f} ms a pass, GPU busy {busy_ms / passes:.1f} ms "
           f"({100 * busy_ms / wall_ms:.0f}%), {len(gpu) / passes:.0f} kernels and copies a pass")
     print("| ms a pass | launches a pass | us a launch | kernel |")

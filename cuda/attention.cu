@@ -184,9 +184,10 @@ size_t AttentionPlan::scratch_bytes() const {
 }
 
 AttentionPlan plan_attention(const std::vector<AttentionSegment>& segments, int num_heads, int num_kv_heads,
-                             int head_dim, int resident_blocks) {
+                             int head_dim, int resident_blocks, bool round_bf16) {
   AttentionPlan plan;
   plan.head_dim = head_dim;
+  plan.round_bf16 = round_bf16;
   plan.queries_per_slot = attention_mma_queries(head_dim);
   const bool split = plan.queries_per_slot > 0;  // only the tensor-core kernel takes pieces
   const int rows_per_block = rows_per_item(num_heads / num_kv_heads, head_dim);
@@ -239,14 +240,14 @@ AttentionPlan plan_attention(const std::vector<AttentionSegment>& segments, int 
 }
 
 void attention(const float* q, float* out, const AttentionPlan& plan, const AttentionTables& tables, void* scratch,
-               int num_heads, int num_kv_heads, cudaStream_t stream, bool round_bf16) {
+               int num_heads, int num_kv_heads, cudaStream_t stream) {
   if (plan.items.empty()) return;
   if (plan.queries_per_slot)
-    return attention_mma(q, out, plan, tables, scratch, num_heads, num_kv_heads, stream, round_bf16);
+    return attention_mma(q, out, plan, tables, scratch, num_heads, num_kv_heads, stream);
   const size_t bytes = shared_bytes(plan.head_dim);
   cudaFuncSetAttribute(attention_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes));
   attention_kernel<<<unsigned(plan.items.size()), kThreads, bytes, stream>>>(
-      q, out, tables.segments, tables.spans, tables.items, num_heads, num_kv_heads, plan.head_dim, round_bf16);
+      q, out, tables.segments, tables.spans, tables.items, num_heads, num_kv_heads, plan.head_dim, plan.round_bf16);
 }
 
 }  // namespace diffuserve::cuda

@@ -505,14 +505,14 @@ int attention_mma_resident_blocks(int head_dim) {
 }
 
 void attention_mma(const float* q, float* out, const AttentionPlan& plan, const AttentionTables& tables,
-                   void* scratch, int num_heads, int num_kv_heads, cudaStream_t stream, bool round_bf16) {
+                   void* scratch, int num_heads, int num_kv_heads, cudaStream_t stream) {
   // Scratch: the slots' outputs ([slot][query][head_dim]), then their (max, sum) pairs.
   float* partial_out = static_cast<float*>(scratch);
   auto* partial_ml = reinterpret_cast<float2*>(partial_out + plan.slots * plan.queries_per_slot * plan.head_dim);
   with_head_dim(plan.head_dim, [&](auto dim) {
     constexpr int kDim = decltype(dim)::value;
     using S = Shape<kDim>;
-    const auto kernel = round_bf16 ? attention_mma_kernel<kDim, true> : attention_mma_kernel<kDim, false>;
+    const auto kernel = plan.round_bf16 ? attention_mma_kernel<kDim, true> : attention_mma_kernel<kDim, false>;
     cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(S::kBytes));
     kernel<<<unsigned(plan.items.size()), S::kThreads, S::kBytes, stream>>>(
         q, out, partial_out, partial_ml, tables.segments, tables.spans, tables.items, num_heads, num_kv_heads);

@@ -60,7 +60,7 @@ struct Product {
 CublasLtGemm::CublasLtGemm() { check(cublasLtCreate(&handle_), "cublasLtCreate"); }
 
 CublasLtGemm::~CublasLtGemm() {
-  if (workspace_) cudaFree(workspace_);
+  for (const auto& [stream, workspace] : workspaces_) cudaFree(workspace);
   cublasLtDestroy(handle_);
 }
 
@@ -132,9 +132,10 @@ void CublasLtGemm::multiply(const float* x, int64_t m, int64_t ldx, GemmInput in
     if (!chosen.back()) throw std::invalid_argument("CublasLtGemm::multiply: cuBLASLt has no algorithm for this product");
   }
   if (m <= 0 || n <= 0) return;
-  if (!workspace_ && cudaMalloc(&workspace_, kWorkspaceBytes) != cudaSuccess) {
+  void*& workspace = workspaces_[stream];
+  if (!workspace && cudaMalloc(&workspace, kWorkspaceBytes) != cudaSuccess) {
     cudaGetLastError();
-    workspace_ = nullptr;
+    workspace = nullptr;
     throw std::runtime_error("out of GPU memory allocating cuBLASLt's workspace");
   }
   bf16_planes(x, m, ldx, k, input, /*permuted=*/false, scratch, stream);
@@ -145,7 +146,7 @@ void CublasLtGemm::multiply(const float* x, int64_t m, int64_t ldx, GemmInput in
     for (int plane = 0; plane < planes(input); ++plane) {
       const auto* a = static_cast<const __nv_bfloat16*>(scratch) + plane * kp;
       check(cublasLtMatmul(handle_, product.op, &one, ws[i], product.w, a, product.a, plane ? &one : &zero, ys[i],
-                           product.y, ys[i], product.y, &chosen[i]->algo, workspace_, kWorkspaceBytes, stream),
+                           product.y, ys[i], product.y, &chosen[i]->algo, workspace, kWorkspaceBytes, stream),
             "cublasLtMatmul");
     }
 }

@@ -52,7 +52,7 @@ class CublasLtGemm {
   Plan choose(const Key& key);
 
   cublasLtHandle_t handle_ = nullptr;
-  void* workspace_ = nullptr;
+  std::map<cudaStream_t, void*> workspaces_;  // one per stream: products on two streams may run at once
   std::map<Key, Plan> plans_;
 };
 

@@ -64,12 +64,35 @@ class DevicePool : public std::enable_shared_from_this<DevicePool> {
     return std::shared_ptr<void>(p, [pool, bytes](void* q) {
       if (auto alive = pool.lock()) {
         std::lock_guard<std::mutex> lock(alive->mutex_);
-        alive->free_[bytes].push_back(q);
+        if (alive->deferring_) alive->deferred_.push_back({bytes, q});
+        else alive->free_[bytes].push_back(q);
       } else {
         cudaFree(q);
       }
     });
   }
+
+  // While one lives, blocks given back are not handed out again: two streams' work may be
+  // in flight, and a block one of them frees may still be in use by the other until both
+  // are joined. Made after the fork, destroyed after the join.
+  class Deferral {
+   public:
+    explicit Deferral(DevicePool& pool) : pool_(pool) {
+      std::lock_guard<std::mutex> lock(pool_.mutex_);
+      ++pool_.deferring_;
+    }
+    ~Deferral() {
+      std::lock_guard<std::mutex> lock(pool_.mutex_);
+      if (--pool_.deferring_) return;
+      for (const auto& [bytes, q] : pool_.deferred_) pool_.free_[bytes].push_back(q);
+      pool_.deferred_.clear();
+    }
+    Deferral(const Deferral&) = delete;
+    Deferral& operator=(const Deferral&) = delete;
+
+   private:
+    DevicePool& pool_;
+  };
 
  private:
   void release_cached() {
@@ -83,6 +106,8 @@ class DevicePool : public std::enable_shared_from_this<DevicePool> {
 
   std::mutex mutex_;
   std::map<size_t, std::vector<void*>> free_;
+  int deferring_ = 0;                                // live Deferrals
+  std::vector<std::pair<size_t, void*>> deferred_;  // blocks given back under one (size, block)
 };
 
 // The memory a recorded repeat body owns (Backend::repeat): bump-allocated from chunks that
@@ -171,10 +196,20 @@ class CudaBackend final : public Backend {
     check(cudaSetDevice(device), "cudaSetDevice");
     check(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "cudaStreamCreate");
     check(cudaStreamCreateWithFlags(&side_, cudaStreamNonBlocking), "cudaStreamCreate");
+    // The branch stream runs ahead of the main one where both have blocks waiting for a
+    // multiprocessor: its short kernels fill the gaps of the main branch's long ones.
+    int least = 0, greatest = 0;
+    check(cudaDeviceGetStreamPriorityRange(&least, &greatest), "cudaDeviceGetStreamPriorityRange");
+    check(cudaStreamCreateWithPriority(&branch_, cudaStreamNonBlocking, greatest), "cudaStreamCreate");
+    check(cudaEventCreateWithFlags(&fork_, cudaEventDisableTiming), "cudaEventCreate");
+    check(cudaEventCreateWithFlags(&join_, cudaEventDisableTiming), "cudaEventCreate");
     // DIFFUSERVE_CUDA_GRAPHS=0 runs repeat's steps one by one from the host (to compare);
     // the op profile synchronises around every op, which a recording cannot.
     const char* graphs = std::getenv("DIFFUSERVE_CUDA_GRAPHS");
     graphs_ = !(graphs && std::string(graphs) == "0") && !profile_.enabled();
+    // DIFFUSERVE_CUDA_BRANCHES=0 queues concurrently's branches one after the other (to compare).
+    const char* branches = std::getenv("DIFFUSERVE_CUDA_BRANCHES");
+    branches_ = !(branches && std::string(branches) == "0");
 #ifdef DIFFUSERVE_WITH_CUBLASLT
     // DIFFUSERVE_CUBLASLT=0 keeps every product on gemm.cu (to compare the two).
     const char* use = std::getenv("DIFFUSERVE_CUBLASLT");
@@ -185,6 +220,9 @@ class CudaBackend final : public Backend {
   ~CudaBackend() override {
     cudaSetDevice(device_);
     cudaStreamSynchronize(stream_);
+    cudaEventDestroy(join_);
+    cudaEventDestroy(fork_);
+    cudaStreamDestroy(branch_);
     cudaStreamDestroy(side_);
     cudaStreamDestroy(stream_);
   }
@@ -424,14 +462,14 @@ class CudaBackend final : public Backend {
                  int64_t num_kv_heads, int64_t head_dim, Activation& out, bool round_bf16) override {
     auto timed = op("attention");
     if (num_heads / num_kv_heads > 16) throw InvalidArgument("the CUDA attention supports up to 16 query heads per KV head");
-    const cuda::AttentionPlan plan = cuda::plan_attention(segments, int(num_heads), int(num_kv_heads), int(head_dim),
-                                                          cuda::attention_mma_resident_blocks(int(head_dim)));
+    const cuda::AttentionPlan plan =
+        cuda::plan_attention(segments, int(num_heads), int(num_kv_heads), int(head_dim),
+                             cuda::attention_mma_resident_blocks(int(head_dim)), round_bf16);
     if (plan.items.empty()) return;
     const cuda::AttentionTables tables{upload_table(plan.segments), upload_table(plan.spans), upload_table(plan.items),
                                        upload_table(plan.merges)};
     auto scratch = pool_->get(plan.scratch_bytes());
-    cuda::attention(q.data, out.data, plan, tables, scratch.get(), int(num_heads), int(num_kv_heads), stream_,
-                    round_bf16);
+    cuda::attention(q.data, out.data, plan, tables, scratch.get(), int(num_heads), int(num_kv_heads), stream_);
   }
 
   void gelu_glu(const Activation& x, Activation& out) override {
@@ -581,6 +619,32 @@ class CudaBackend final : public Backend {
   // Recording takes the host a while (a forward's launches, then instantiation: ~16 ms at
   // the 26B shapes); where the device would sit idle through it, it runs the first step
   // meanwhile.
+  // The second branch on branch_, which waits for everything queued before it; the main
+  // stream waits for it before anything after (also when a branch throws). Nested calls run
+  // their branches in order.
+  void concurrently(const std::function<void()>& first, const std::function<void()>& second) override {
+    if (branched_ || !branches_) return Backend::concurrently(first, second);
+    bind();
+    check(cudaEventRecord(fork_, stream_), "fork");
+    check(cudaStreamWaitEvent(branch_, fork_), "fork");
+    const DevicePool::Deferral deferral(*pool_);  // outlives the join below
+    struct Join {
+      CudaBackend& be;
+      bool swapped = false;
+      ~Join() {
+        if (swapped) std::swap(be.stream_, be.branch_);
+        cudaEventRecord(be.join_, be.branch_);
+        cudaStreamWaitEvent(be.stream_, be.join_);
+        be.branched_ = false;
+      }
+    } join{*this};
+    branched_ = true;
+    first();
+    std::swap(stream_, branch_);
+    join.swapped = true;
+    second();
+  }
+
   int repeat(const std::function<void()>& body, const std::vector<const CanvasState*>& canvases,
              int max_times) override {
     bind();
@@ -790,6 +854,7 @@ class CudaBackend final : public Backend {
     }
     if (staging_used_ + aligned > kStagingBytes) {  // wrap: the copies out of the old bytes must be done
       check(cudaStreamSynchronize(stream_), "stage");
+      check(cudaStreamSynchronize(branch_), "stage");
       staging_used_ = 0;
     }
     uint8_t* host = staging_.get() + staging_used_;
@@ -817,8 +882,12 @@ class CudaBackend final : public Backend {
   OpProfile profile_;
   std::shared_ptr<DevicePool> pool_;
   std::map<const void*, std::shared_ptr<void>> transposed_;  // linear_nt's weights, [N, K]
-  cudaStream_t stream_ = nullptr;  // every op, in order
+  cudaStream_t stream_ = nullptr;  // every op, in order (within concurrently's second branch: branch_'s)
   cudaStream_t side_ = nullptr;    // one-off copies while recording a graph
+  cudaStream_t branch_ = nullptr;  // concurrently's second branch (swapped with stream_ while it is queued)
+  cudaEvent_t fork_ = nullptr, join_ = nullptr;
+  bool branches_ = true;           // concurrently uses branch_
+  bool branched_ = false;          // within concurrently
   bool graphs_ = true;             // repeat records a graph
   bool recording_ = false;         // repeat is recording its body
   RecordingArena arena_;           // memory the recorded body owns

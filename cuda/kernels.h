@@ -154,13 +154,16 @@ struct AttentionPlan {
   int64_t slots = 0;                   // partial results the pieces write
   int queries_per_slot = 0;            // query vectors per item (and per slot)
   int head_dim = 0;
+  bool round_bf16 = false;
   // Device memory `attention` may use for the partial results until it is done on its stream.
   size_t scratch_bytes() const;
 };
 // The plan of one Backend::attention call (num_heads / num_kv_heads <= 16) for a GPU that
 // runs `resident_blocks` blocks of the kernel at once (attention_mma_resident_blocks).
+// round_bf16: Q, K, V and the softmax's probabilities rounded to bf16 before their
+// products (activations "bfloat16"), one tensor-core product instead of three.
 AttentionPlan plan_attention(const std::vector<AttentionSegment>& segments, int num_heads, int num_kv_heads,
-                             int head_dim, int resident_blocks);
+                             int head_dim, int resident_blocks, bool round_bf16);
 // The plan's tables in device memory.
 struct AttentionTables {
   const DeviceAttentionSegment* segments;
@@ -168,20 +171,18 @@ struct AttentionTables {
   const AttentionItem* items;
   const AttentionMerge* merges;
 };
-// round_bf16: Q, K, V and the softmax's probabilities rounded to bf16 before their
-// products (activations "bfloat16"), one tensor-core product instead of three.
 void attention(const float* q, float* out, const AttentionPlan& plan, const AttentionTables& tables, void* scratch,
-               int num_heads, int num_kv_heads, cudaStream_t stream, bool round_bf16 = false);
+               int num_heads, int num_kv_heads, cudaStream_t stream);
 
 // The tensor-core kernel (attention_mma.cu) for head dims 64, 128, 256 and 512; attention.cu
 // has the generic one for every other head dim, which takes its items whole (no pieces).
-// Query vectors one block covers for a head dim; 0 where it does not serve.
+// Query vectors one block covers for a head dim; 0 where none serves.
 int attention_mma_queries(int head_dim);
 // Its blocks that run at once on the current device (multiprocessors x blocks per one); 1
-// where it does not serve the head dim.
+// where none serves the head dim.
 int attention_mma_resident_blocks(int head_dim);
 void attention_mma(const float* q, float* out, const AttentionPlan& plan, const AttentionTables& tables,
-                   void* scratch, int num_heads, int num_kv_heads, cudaStream_t stream, bool round_bf16 = false);
+                   void* scratch, int num_heads, int num_kv_heads, cudaStream_t stream);
 
 // ---- elementwise, rows, sampling (kernels.cu) -------------------------------------
 void embed(const __nv_bfloat16* table, int64_t hidden, const int32_t* ids, int64_t n, float scale, float* out,

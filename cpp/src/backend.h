@@ -275,6 +275,13 @@ class Backend {
   // (acceptance, renoising, argmax history, stop flag, step count). By default on the
   // host, around `sample`; a backend may keep it all in its own memory.
   virtual void denoise_step(Activation& logits, CanvasState& canvas);
+  // Runs first() and second(): two branches of a forward pass, each reading only what was
+  // written before the call and writing only its own outputs, so that a backend may run
+  // them at the same time (the CUDA backend queues second() on a stream of its own).
+  virtual void concurrently(const std::function<void()>& first, const std::function<void()>& second) {
+    first();
+    second();
+  }
   // Runs body() up to max_times times (>= 1), stopping after a run that leaves any of
   // `canvases` stopped; returns the runs. The body must do the same work every run, its
   // changing inputs in backend memory (a steady batch of denoise steps), so that a backend

@@ -497,12 +497,18 @@ void feed_forward(ModelState& m, int li, Activation& h, int64_t encoder_rows) {
   // h's three norms (the MLP's input, the experts', the router's) in one pass over it.
   be.rms_norms(h, {&W.pre_feedforward_layernorm, &W.pre_feedforward_layernorm_2, &W.router_scale}, eps,
                {&x, &x2, &router_in});
-  gated_mlp(be, x, encoder_rows, W.mlp_gate_up, W.mlp_down, dense);
-  be.rms_norm(dense, &W.post_feedforward_layernorm_1, H, eps, dense);
-
-  Routing routing = be.route(router_in, W.router_proj, W.router_per_expert_scale, m.config.top_k_experts);
-  routing.encoder_tokens = encoder_rows;
-  be.experts(x2, routing, W.experts_gate_up, W.experts_down, moe);
+  // The two branches are independent: the dense MLP's short products may run in the gaps
+  // of the experts' (the router's steps before them, the tails of their waves).
+  be.concurrently(
+      [&] {
+        Routing routing = be.route(router_in, W.router_proj, W.router_per_expert_scale, m.config.top_k_experts);
+        routing.encoder_tokens = encoder_rows;
+        be.experts(x2, routing, W.experts_gate_up, W.experts_down, moe);
+      },
+      [&] {
+        gated_mlp(be, x, encoder_rows, W.mlp_gate_up, W.mlp_down, dense);
+        be.rms_norm(dense, &W.post_feedforward_layernorm_1, H, eps, dense);
+      });
 
   // The two branches' sum, then its norm added to the residual and the layer scalar
   // applied: the encoder's rows (first) and the decoder's each have their own.
@@ -541,22 +547,31 @@ void layer_forward(ModelState& m, KvCache& kv, int li, Activation& h, const std:
   Activation x = be.alloc_output(n, H);
   be.rms_norm(h, &W.input_layernorm, H, c.rms_norm_eps, x);
   Activation k, v;
-  project_kv(m, li, x, encoder_rows, positions, k, v);
-  // Encoder rows come first in the batch: rows [0, encoder_rows) go to their cache slots.
-  if (encoder_rows) {
-    std::vector<int64_t> slots;
-    for (const Placed& p : placed)
-      if (p.segment->encoder)
-        for (int64_t r = 0; r < p.rows; ++r) slots.push_back(kv.slot(*p.segment->table, li, p.first_position + r));
-    be.scatter_rows(k.view(0, encoder_rows), slots, kv.keys(li));
-    be.scatter_rows(v.view(0, encoder_rows), slots, kv.values(li));
-  }
+  auto keys_and_values = [&] {
+    project_kv(m, li, x, encoder_rows, positions, k, v);
+    // Encoder rows come first in the batch: rows [0, encoder_rows) go to their cache slots.
+    if (encoder_rows) {
+      std::vector<int64_t> slots;
+      for (const Placed& p : placed)
+        if (p.segment->encoder)
+          for (int64_t r = 0; r < p.rows; ++r) slots.push_back(kv.slot(*p.segment->table, li, p.first_position + r));
+      be.scatter_rows(k.view(0, encoder_rows), slots, kv.keys(li));
+      be.scatter_rows(v.view(0, encoder_rows), slots, kv.values(li));
+    }
+  };
 
   // Past its KV, the encoder's last layer feeds nothing: only decoder rows go on.
   const int64_t first = li == c.num_layers - 1 ? encoder_rows : 0;
-  if (first == n) return;
+  if (first == n) return keys_and_values();
   Activation rows_h = h.view(first, n - first), rows_x = x.view(first, n - first);
   const int64_t rows_encoder = encoder_rows - first;
+  // The queries, beside the keys and values (independent until the attention).
+  const std::vector<int64_t> q_positions(positions.begin() + first, positions.end());
+  Activation q = be.alloc_output(n - first, q_cols), attn = be.alloc_output(n - first, q_cols);
+  be.concurrently(keys_and_values, [&] {
+    linear(be, rows_x, W.q_proj, q, rows_encoder);
+    be.rms_norm_rope(q, W.q_norm, L.head_dim, c.rms_norm_eps, W.rope_inv_freq, q_positions);
+  });
 
   std::vector<AttentionSegment> segments;
   for (const Placed& p : placed) {
@@ -572,10 +587,6 @@ void layer_forward(ModelState& m, KvCache& kv, int li, Activation& h, const std:
     if (!p.segment->encoder) a.spans.push_back(KeySpan{k.row(p.first_row), v.row(p.first_row), p.rows, p.first_position});
     segments.push_back(std::move(a));
   }
-  const std::vector<int64_t> q_positions(positions.begin() + first, positions.end());
-  Activation q = be.alloc_output(n - first, q_cols), attn = be.alloc_output(n - first, q_cols);
-  linear(be, rows_x, W.q_proj, q, rows_encoder);
-  be.rms_norm_rope(q, W.q_norm, L.head_dim, c.rms_norm_eps, W.rope_inv_freq, q_positions);
   be.attention(q, segments, c.num_heads, L.num_kv_heads, L.head_dim, attn, m.bf16_activations);
 
   linear(be, attn, W.o_proj, rows_x, rows_encoder);
