@@ -636,6 +636,7 @@ class CudaBackend final : public Backend {
         cudaEventRecord(be.join_, be.branch_);
         cudaStreamWaitEvent(be.stream_, be.join_);
         be.branched_ = false;
+        for (RecentTable& t : be.recent_tables_) t.branch = nullptr;  // every copy is ordered before what follows
       }
     } join{*this};
     branched_ = true;
@@ -823,7 +824,9 @@ class CudaBackend final : public Backend {
   // pass's layers ask for the same positions and attention plans over and over (at the
   // 26B shapes that saves ~130 copies a pass, each a queued operation and its gap).
   // While recording a repeat body, tables are the body's own (alloc_bytes, write_bytes),
-  // remembered among themselves alike.
+  // remembered among themselves alike. Within concurrently, a table copied by one branch
+  // serves only that branch (the other's stream is not ordered after the copy) until the
+  // join.
   template <typename T>
   const T* upload_table(const std::vector<T>& table) {
     if (table.empty()) return nullptr;
@@ -831,13 +834,15 @@ class CudaBackend final : public Backend {
     const auto* first = reinterpret_cast<const uint8_t*>(table.data());
     std::vector<RecentTable>& recent = recording_ ? recorded_tables_ : recent_tables_;
     for (auto it = recent.begin(); it != recent.end(); ++it)
-      if (it->bytes.size() == size && std::memcmp(it->bytes.data(), first, size) == 0) {
+      if (it->bytes.size() == size && (!it->branch || it->branch == stream_) &&
+          std::memcmp(it->bytes.data(), first, size) == 0) {
         std::rotate(recent.begin(), it, it + 1);  // most recent first
         return static_cast<const T*>(recent.front().device.get());
       }
     auto storage = alloc_bytes(size);
     write_bytes(storage.get(), table.data(), size);
-    recent.insert(recent.begin(), RecentTable{std::vector<uint8_t>(first, first + size), storage});
+    recent.insert(recent.begin(), RecentTable{std::vector<uint8_t>(first, first + size), storage,
+                                              branched_ && !recording_ ? stream_ : nullptr});
     if (!recording_ && recent.size() > kRecentTables) recent.pop_back();
     return static_cast<const T*>(storage.get());
   }
@@ -877,6 +882,7 @@ class CudaBackend final : public Backend {
   struct RecentTable {
     std::vector<uint8_t> bytes;
     std::shared_ptr<void> device;
+    cudaStream_t branch;  // within concurrently, the stream its copy is queued on; else null
   };
   int device_;
   OpProfile profile_;

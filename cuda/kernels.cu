@@ -273,17 +273,18 @@ __device__ int64_t block_exclusive_sum(int64_t v, int64_t& total) {
 // One block (whole warps): count the pairs per expert; lay out segments and tiles, each
 // thread a run of consecutive experts placed after the runs before it (prefix sums of rows
 // and of tiles); then place each pair at its expert's next row. The order of rows within
-// an expert does not matter: every row's product is computed on its own.
+// an expert does not matter: every row's product is computed on its own. The counters are
+// 32-bit (moe_plan checks that the pairs fit): shared memory adds those natively, 64-bit
+// ones in compare-and-swap loops that the experts' pairs contend for.
 __global__ void moe_plan_kernel(const int32_t* ids, int64_t pairs, int top_k, int experts, int tile_rows,
                                 const ExpertStack gate_up, const ExpertStack down, int64_t* row_map,
                                 int64_t* inverse, GemmSegment* up_segments, GemmSegment* down_segments,
                                 GemmTile* tiles, int max_tiles) {
-  extern __shared__ int64_t counts[];  // [experts] counts, then [experts] next free row
-  int64_t* cursor = counts + experts;
+  extern __shared__ uint32_t counts[];  // [experts] counts, then [experts] next free row
+  uint32_t* cursor = counts + experts;
   for (int e = threadIdx.x; e < experts; e += blockDim.x) counts[e] = 0;
   __syncthreads();
-  for (int64_t a = threadIdx.x; a < pairs; a += blockDim.x)
-    atomicAdd(reinterpret_cast<unsigned long long*>(&counts[ids[a]]), 1ull);
+  for (int64_t a = threadIdx.x; a < pairs; a += blockDim.x) atomicAdd(&counts[ids[a]], 1u);
   __syncthreads();
   const int per_thread = (experts + blockDim.x - 1) / blockDim.x;
   const int first = min(experts, int(threadIdx.x) * per_thread), last = min(experts, first + per_thread);
@@ -295,26 +296,42 @@ __global__ void moe_plan_kernel(const int32_t* ids, int64_t pairs, int top_k, in
     up_segments[e] = {row, row, int(n), gate_up.expert(e)};
     down_segments[e] = {row, row, int(n), down.expert(e)};
     for (int64_t m0 = 0; m0 < n; m0 += tile_rows) tiles[tile++] = {e, int(m0)};
-    cursor[e] = row;
+    cursor[e] = uint32_t(row);
     row += n;
   }
   for (int64_t t = total_tiles + threadIdx.x; t < max_tiles; t += blockDim.x) tiles[t] = {-1, 0};
   __syncthreads();
   for (int64_t a = threadIdx.x; a < pairs; a += blockDim.x) {
-    const int64_t at = int64_t(atomicAdd(reinterpret_cast<unsigned long long*>(&cursor[ids[a]]), 1ull));
+    const int64_t at = atomicAdd(&cursor[ids[a]], 1u);
     row_map[at] = a / top_k;
     inverse[a] = at;
   }
 }
 
-__global__ void combine_experts_kernel(const float* y, const int64_t* inverse, const float* weights, int64_t tokens,
-                                       int top_k, int64_t hidden, float* out) {
-  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (i >= tokens * hidden) return;
-  const int64_t t = i / hidden, h = i % hidden;
-  float acc = 0.0f;
-  for (int k = 0; k < top_k; ++k) acc += weights[t * top_k + k] * y[inverse[t * top_k + k] * hidden + h];
-  out[i] = acc;
+// A block per token (its pairs' rows and weights, the same for every thread, come from
+// cache after the first), four columns a thread where the rows are whole aligned float4s.
+__global__ void combine_experts_kernel(const float* y, const int64_t* inverse, const float* weights, int top_k,
+                                       int64_t hidden, bool vector, float* out) {
+  const int64_t t = blockIdx.x;
+  const int64_t* rows = inverse + t * top_k;
+  const float* w = weights + t * top_k;
+  float* dst = out + t * hidden;
+  if (vector) {
+    for (int64_t c = 4 * int64_t(threadIdx.x); c < hidden; c += 4 * int64_t(blockDim.x)) {
+      float4 acc = {0.0f, 0.0f, 0.0f, 0.0f};
+      for (int k = 0; k < top_k; ++k) {
+        const float4 v = *reinterpret_cast<const float4*>(y + rows[k] * hidden + c);
+        acc.x += w[k] * v.x, acc.y += w[k] * v.y, acc.z += w[k] * v.z, acc.w += w[k] * v.w;
+      }
+      *reinterpret_cast<float4*>(dst + c) = acc;
+    }
+  } else {
+    for (int64_t c = threadIdx.x; c < hidden; c += blockDim.x) {
+      float acc = 0.0f;
+      for (int k = 0; k < top_k; ++k) acc += w[k] * y[rows[k] * hidden + c];
+      dst[c] = acc;
+    }
+  }
 }
 
 __global__ void random_bf16_kernel(__nv_bfloat16* out, int64_t n, uint64_t seed, float scale) {
@@ -619,7 +636,8 @@ void moe_plan(const int32_t* expert_ids, int64_t pairs, int top_k, int experts, 
               const ExpertStack& gate_up, const ExpertStack& down, int64_t* row_map, int64_t* inverse,
               GemmSegment* up_segments, GemmSegment* down_segments, GemmTile* tiles, int max_tiles,
               cudaStream_t stream) {
-  const size_t bytes = sizeof(int64_t) * 2 * size_t(experts);
+  if (pairs > int64_t(INT32_MAX)) throw std::invalid_argument("moe_plan: more than 2^31 token-expert pairs");
+  const size_t bytes = sizeof(uint32_t) * 2 * size_t(experts);
   cudaFuncSetAttribute(moe_plan_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes));
   moe_plan_kernel<<<1, 1024, bytes, stream>>>(expert_ids, pairs, top_k, experts, tile_rows, gate_up, down, row_map,
                                               inverse, up_segments, down_segments, tiles, max_tiles);
@@ -627,9 +645,10 @@ void moe_plan(const int32_t* expert_ids, int64_t pairs, int top_k, int experts, 
 
 void combine_experts(const float* y, const int64_t* inverse, const float* weights, int64_t tokens, int top_k,
                      int64_t hidden, float* out, cudaStream_t stream) {
-  if (tokens)
-    combine_experts_kernel<<<blocks_for(tokens * hidden), kThreads, 0, stream>>>(y, inverse, weights, tokens, top_k,
-                                                                                 hidden, out);
+  const bool vector = hidden % 4 == 0 && reinterpret_cast<uintptr_t>(y) % 16 == 0 &&
+                      reinterpret_cast<uintptr_t>(out) % 16 == 0;
+  if (tokens && hidden)
+    combine_experts_kernel<<<unsigned(tokens), kThreads, 0, stream>>>(y, inverse, weights, top_k, hidden, vector, out);
 }
 
 void quantize_nvfp4_expert_rows(const float* x, bool gather, const int64_t* row_map, const GemmSegment* segments,
