@@ -308,29 +308,28 @@ __global__ void moe_plan_kernel(const int32_t* ids, int64_t pairs, int top_k, in
   }
 }
 
-// A block per token (its pairs' rows and weights, the same for every thread, come from
-// cache after the first), four columns a thread where the rows are whole aligned float4s.
+// A thread per (token, 4 columns) where rows are whole aligned float4s, else per column:
+// blockIdx.x is the token (the grid's long side), whose pairs' rows and weights every
+// thread of it reads (from cache after the first).
 __global__ void combine_experts_kernel(const float* y, const int64_t* inverse, const float* weights, int top_k,
                                        int64_t hidden, bool vector, float* out) {
-  const int64_t t = blockIdx.x;
+  const int64_t t = blockIdx.x, width = vector ? 4 : 1;
+  const int64_t c = (int64_t(blockIdx.y) * blockDim.x + threadIdx.x) * width;
+  if (c >= hidden) return;
   const int64_t* rows = inverse + t * top_k;
   const float* w = weights + t * top_k;
-  float* dst = out + t * hidden;
   if (vector) {
-    for (int64_t c = 4 * int64_t(threadIdx.x); c < hidden; c += 4 * int64_t(blockDim.x)) {
-      float4 acc = {0.0f, 0.0f, 0.0f, 0.0f};
-      for (int k = 0; k < top_k; ++k) {
-        const float4 v = *reinterpret_cast<const float4*>(y + rows[k] * hidden + c);
-        acc.x += w[k] * v.x, acc.y += w[k] * v.y, acc.z += w[k] * v.z, acc.w += w[k] * v.w;
-      }
-      *reinterpret_cast<float4*>(dst + c) = acc;
+    float4 acc = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll 4
+    for (int k = 0; k < top_k; ++k) {
+      const float4 v = *reinterpret_cast<const float4*>(y + rows[k] * hidden + c);
+      acc.x += w[k] * v.x, acc.y += w[k] * v.y, acc.z += w[k] * v.z, acc.w += w[k] * v.w;
     }
+    *reinterpret_cast<float4*>(out + t * hidden + c) = acc;
   } else {
-    for (int64_t c = threadIdx.x; c < hidden; c += blockDim.x) {
-      float acc = 0.0f;
-      for (int k = 0; k < top_k; ++k) acc += w[k] * y[rows[k] * hidden + c];
-      dst[c] = acc;
-    }
+    float acc = 0.0f;
+    for (int k = 0; k < top_k; ++k) acc += w[k] * y[rows[k] * hidden + c];
+    out[t * hidden + c] = acc;
   }
 }
 
@@ -647,8 +646,10 @@ void combine_experts(const float* y, const int64_t* inverse, const float* weight
                      int64_t hidden, float* out, cudaStream_t stream) {
   const bool vector = hidden % 4 == 0 && reinterpret_cast<uintptr_t>(y) % 16 == 0 &&
                       reinterpret_cast<uintptr_t>(out) % 16 == 0;
+  const int64_t threads_per_token = vector ? hidden / 4 : hidden;
   if (tokens && hidden)
-    combine_experts_kernel<<<unsigned(tokens), kThreads, 0, stream>>>(y, inverse, weights, top_k, hidden, vector, out);
+    combine_experts_kernel<<<dim3(unsigned(tokens), blocks_for(threads_per_token)), kThreads, 0, stream>>>(
+        y, inverse, weights, top_k, hidden, vector, out);
 }
 
 void quantize_nvfp4_expert_rows(const float* x, bool gather, const int64_t* row_map, const GemmSegment* segments,
