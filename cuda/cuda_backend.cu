@@ -614,11 +614,6 @@ class CudaBackend final : public Backend {
                         device_rows, scratch.get(), stream_);
   }
 
-  // A steady batch's steps: body() recorded once into the body of a graph's while node,
-  // which runs it until a block stops or the runs are done, with no host in between.
-  // Recording takes the host a while (a forward's launches, then instantiation: ~16 ms at
-  // the 26B shapes); where the device would sit idle through it, it runs the first step
-  // meanwhile.
   // The second branch on branch_, which waits for everything queued before it; the main
   // stream waits for it before anything after (also when a branch throws). Nested calls run
   // their branches in order.
@@ -646,6 +641,11 @@ class CudaBackend final : public Backend {
     second();
   }
 
+  // A steady batch's steps: body() recorded once into the body of a graph's while node,
+  // which runs it until a block stops or the runs are done, with no host in between.
+  // Recording takes the host a while (a forward's launches, then instantiation: ~16 ms at
+  // the 26B shapes); where the device would sit idle through it, it runs the first step
+  // meanwhile.
   int repeat(const std::function<void()>& body, const std::vector<const CanvasState*>& canvases,
              int max_times) override {
     bind();
