@@ -238,6 +238,25 @@ def test_graph_loop_matches_host_loop(path, monkeypatch):
     print("denoise steps:", [o.denoise_steps for o in graphs])
 
 
+# A layer's independent branches run on two streams (Backend::concurrently); with
+# DIFFUSERVE_CUDA_BRANCHES=0 they queue one after the other on one. Same kernels, same
+# inputs: the logits are the same bits, and so are generated tokens (eager and graph steps).
+def test_branches_match_one_stream(path, monkeypatch):
+    prompts = [[1, 2, 3, 4], list(range(5, 70))]
+    params = [ds.SamplingParams(max_new_tokens=64, seed=i, eos_token_id=[], max_denoising_steps=6) for i in range(2)]
+    runs = []
+    for branches in ("1", "0"):
+        monkeypatch.setenv("DIFFUSERVE_CUDA_BRANCHES", branches)
+        seq = ds.Model.load(path, device="cuda", kv_cache_memory_bytes=256 << 20).sequence()
+        vocab = seq.model.vocab_size
+        seq.prefill(np.arange(60) * 3 % vocab)
+        logits = seq.denoise(np.arange(32) * 7 % vocab)
+        tokens = [o.token_ids for o in ds.LLM(path, device="cuda").generate(prompts, params)]
+        runs.append((logits, tokens))
+    assert np.array_equal(runs[0][0], runs[1][0])
+    assert runs[0][1] == runs[1][1]
+
+
 # The server's engine thread is not the one that loaded the model: the backend makes each
 # calling thread's current device its own before it queues anything.
 def test_generate_from_another_thread(path):
