@@ -205,15 +205,12 @@ class CudaBackend final : public Backend {
     check(cudaEventCreateWithFlags(&join_, cudaEventDisableTiming), "cudaEventCreate");
     // DIFFUSERVE_CUDA_GRAPHS=0 runs repeat's steps one by one from the host (to compare);
     // the op profile synchronises around every op, which a recording cannot.
-    const char* graphs = std::getenv("DIFFUSERVE_CUDA_GRAPHS");
-    graphs_ = !(graphs && std::string(graphs) == "0") && !profile_.enabled();
+    graphs_ = !cuda::switched_off("DIFFUSERVE_CUDA_GRAPHS") && !profile_.enabled();
     // DIFFUSERVE_CUDA_BRANCHES=0 queues concurrently's branches one after the other (to compare).
-    const char* branches = std::getenv("DIFFUSERVE_CUDA_BRANCHES");
-    branches_ = !(branches && std::string(branches) == "0");
+    branches_ = !cuda::switched_off("DIFFUSERVE_CUDA_BRANCHES");
 #ifdef DIFFUSERVE_WITH_CUBLASLT
     // DIFFUSERVE_CUBLASLT=0 keeps every product on gemm.cu (to compare the two).
-    const char* use = std::getenv("DIFFUSERVE_CUBLASLT");
-    if (!use || std::string(use) != "0") cublaslt_ = std::make_unique<cuda::CublasLtGemm>();
+    if (!cuda::switched_off("DIFFUSERVE_CUBLASLT")) cublaslt_ = std::make_unique<cuda::CublasLtGemm>();
 #endif
   }
 

@@ -74,9 +74,7 @@
 // it (whole, aligned chunks); partial chunks are zero-filled past N and K. Otherwise (tiny
 // test models) the same bytes are copied one by one.
 #include <algorithm>
-#include <cstdlib>
 #include <stdexcept>
-#include <string>
 
 #include "activation_quant.h"
 #include "gemm_tile.cuh"
@@ -670,8 +668,7 @@ bool gemm_has_wgmma_tile(GemmInput input, WeightFormat format) {
     cudaGetDevice(&device);
     cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
     cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device);
-    const char* env = std::getenv("DIFFUSERVE_WGMMA");
-    return major == 9 && minor == 0 && !(env && std::string(env) == "0");
+    return major == 9 && minor == 0 && !switched_off("DIFFUSERVE_WGMMA");
   }();
   return use;
 #else

@@ -2,7 +2,9 @@
 // routing, the MoE combine, and the sampler's fused row pass.
 #include <algorithm>
 #include <climits>
+#include <cstdlib>
 #include <stdexcept>
+#include <string>
 
 #include "activation_quant.h"
 #include "kernels.h"
@@ -560,6 +562,11 @@ __global__ void quantize_nvfp4_expert_rows_kernel(const float* x, bool gather, c
 }
 
 }  // namespace
+
+bool switched_off(const char* name) {
+  const char* value = std::getenv(name);
+  return value && std::string(value) == "0";
+}
 
 void embed(const __nv_bfloat16* table, int64_t hidden, const int32_t* ids, int64_t n, float scale, float* out,
            cudaStream_t stream) {

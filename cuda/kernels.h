@@ -14,6 +14,11 @@
 
 namespace diffuserve::cuda {
 
+// Whether the environment variable `name` is "0": the switches that turn a fast path off,
+// to compare (DIFFUSERVE_WGMMA, DIFFUSERVE_CUBLASLT, DIFFUSERVE_CUDA_GRAPHS,
+// DIFFUSERVE_CUDA_BRANCHES).
+bool switched_off(const char* name);
+
 // ---- GEMM (gemm.cu) -------------------------------------------------------------
 // One matrix product per segment, all in one launch:
 //   Y[y_row + i] = X[x(i)] @ W_seg^T   (W_seg: [N, K], K contiguous)
