@@ -224,6 +224,7 @@ struct Problem {
   std::vector<int64_t> row_map;  // empty: none
   std::vector<GemmSegment> segs;  // w.values as the index of the segment's matrix until uploaded
   GemmInput input = GemmInput::Split;
+  bool gated = false;  // X's rows [gate | up], 2K values: the product takes gelu_glu of them
 };
 
 int matrix_of(const GemmSegment& s) { return int(reinterpret_cast<intptr_t>(s.w.values)); }
@@ -269,12 +270,12 @@ std::vector<float> run(const Problem& p, int tile_rows) {
   check(cudaMalloc(&scratch, std::max<size_t>(gemm_scratch_bytes(p.x_rows, p.n, p.k, p.input), 1)), "malloc scratch");
   if (tile_rows == kCublasLt) {  // one plain bf16 segment
 #ifdef DIFFUSERVE_WITH_CUBLASLT
-    cublaslt().multiply(x, p.x_rows, p.ldx, p.input, {reinterpret_cast<const __nv_bfloat16*>(w)}, p.n, p.k, {y},
-                        p.ldy, scratch, nullptr);
+    cublaslt().multiply(x, p.x_rows, p.ldx, p.gated, p.input, {reinterpret_cast<const __nv_bfloat16*>(w)}, p.n, p.k,
+                        {y}, p.ldy, scratch, nullptr);
 #endif
   } else if (segs.size() == 1 && p.row_map.empty() && segs[0].x_row == 0 && segs[0].y_row == 0) {
-    gemm(x, p.x_rows, p.ldx, nullptr, &segs[0], nullptr, int((segs[0].rows + tile_rows - 1) / tile_rows), tile_rows,
-         p.format, p.n, p.k, p.input, y, p.ldy, scratch, nullptr);
+    gemm(x, p.x_rows, p.ldx, p.gated, nullptr, &segs[0], nullptr, int((segs[0].rows + tile_rows - 1) / tile_rows),
+         tile_rows, p.format, p.n, p.k, p.input, y, p.ldy, scratch, nullptr);
   } else {  // device-planned style: tiles per segment, then unused slots
     std::vector<GemmTile> tiles;
     for (size_t s = 0; s < segs.size(); ++s)
@@ -282,8 +283,8 @@ std::vector<float> run(const Problem& p, int tile_rows) {
     for (int i = 0; i < 5; ++i) tiles.insert(tiles.begin() + (tiles.size() * i) / 5, GemmTile{-1, 0});
     GemmSegment* d_segs = upload(segs);
     GemmTile* d_tiles = upload(tiles);
-    gemm(x, p.x_rows, p.ldx, row_map, d_segs, d_tiles, int(tiles.size()), tile_rows, p.format, p.n, p.k, p.input,
-         y, p.ldy, scratch, nullptr);
+    gemm(x, p.x_rows, p.ldx, p.gated, row_map, d_segs, d_tiles, int(tiles.size()), tile_rows, p.format, p.n, p.k,
+         p.input, y, p.ldy, scratch, nullptr);
     check(cudaDeviceSynchronize(), "gemm");
     cudaFree(d_segs);
     cudaFree(d_tiles);
@@ -308,7 +309,9 @@ Operands operands(const Problem& p) {
   o.x.resize(size_t(p.x_rows * p.k));
   o.x_scale.assign(size_t(p.x_rows), 1.0f);
   for (int64_t r = 0; r < p.x_rows; ++r) {
-    const float* row = &p.x[size_t(r * p.ldx)];
+    std::vector<float> row(&p.x[size_t(r * p.ldx)], &p.x[size_t(r * p.ldx)] + p.k);
+    if (p.gated)
+      for (int64_t c = 0; c < p.k; ++c) row[c] = gelu_glu_value(row[c], p.x[size_t(r * p.ldx + p.k + c)]);
     float amax = 0.0f;
     for (int64_t c = 0; c < p.k; ++c) amax = std::fmax(amax, std::fabs(row[c]));
     if (p.input == GemmInput::Fp8Token) o.x_scale[r] = fp8_token_scale(amax);
@@ -390,6 +393,16 @@ Problem dense(int64_t m, int64_t n, int64_t k, int64_t ldx_extra = 0, int64_t ld
 }
 Problem dense(WeightFormat format, int64_t m, int64_t n, int64_t k, int64_t ldx_extra = 0, int64_t ldy_extra = 0) {
   return dense(m, n, k, ldx_extra, ldy_extra, GemmInput::Split, format);
+}
+// p with gated X: rows of [gate | up], 2K random values (ldx K more).
+Problem gated(Problem p) {
+  std::mt19937 rng(unsigned(p.x_rows * 131 + p.k));
+  std::normal_distribution<float> d(0.0f, 1.0f);
+  p.gated = true;
+  p.ldx += p.k;
+  p.x.resize(size_t(p.x_rows * p.ldx));
+  for (auto& v : p.x) v = d(rng);
+  return p;
 }
 // p (FP8 weights) with FP8 per-token X; with `zero_rows` every 7th X row all zero (the
 // eps scale).
@@ -528,6 +541,10 @@ std::vector<Case> bf16_dense_cases() {
   cases.push_back({"dense 96x130x2816", dense(96, 130, 2816)});
   cases.push_back({"dense 50x70x333 round", dense(50, 70, 333, 0, 0, GemmInput::RoundBf16)});
   cases.push_back({"dense 200x264x512 round", dense(200, 264, 512, 0, 0, GemmInput::RoundBf16)});
+  // Gated X (the MLP's activation in the pre-pass): float4 loads, and K % 4 != 0's scalar ones.
+  cases.push_back({"dense 300x512x704 gated", gated(dense(300, 512, 704))});
+  cases.push_back({"dense 65x40x333 gated ldx+5", gated(dense(65, 40, 333, 5))});
+  cases.push_back({"dense 200x264x512 round gated", gated(dense(200, 264, 512, 0, 0, GemmInput::RoundBf16))});
   return cases;
 }
 
@@ -564,6 +581,10 @@ void correctness() {
   cases.push_back({"moe up 40 tok, 6 exp top 3, 48x80", moe(40, 6, 3, 48, 80, true, 9, nvfp4)});
   cases.push_back({"moe up 300 tok, 16 exp top 4, 264x704", moe(300, 16, 4, 264, 704, true, 10, nvfp4)});
   cases.push_back({"moe down 500 tok, 8 exp top 2, 264x32", moe(500, 8, 2, 264, 32, false, 11, nvfp4)});
+  // Gated X with packed weights: the pre-pass's permuted K order.
+  cases.push_back({"dense 129x300x2816 gated ldx+5 ldy+3", gated(dense(fp8, 129, 300, 2816, 5, 3))});
+  cases.push_back({"moe down 500 tok, 8 exp top 2, 264x704 gated", gated(moe(500, 8, 2, 264, 704, false, 18, nvfp4))});
+  cases.push_back({"moe down 500 tok, 8 exp top 2, 264x704 gated", gated(moe(500, 8, 2, 264, 704, false, 19))});
   // FP8 weights with FP8 per-token X: 128 K a stage, 32 per step; W byte by byte where
   // K % 16 != 0, the pre-pass's scalar loads where ldx % 4 != 0; zero rows.
   cases.push_back({"dense 7x100x64 (K < 128)", fp8_token(dense(fp8, 7, 100, 64))});
@@ -692,11 +713,11 @@ void bench(const char* name, int64_t tokens, int64_t n, int64_t k, int experts, 
   auto call = [&] {
 #ifdef DIFFUSERVE_WITH_CUBLASLT
     if (on_cublaslt)
-      return cublaslt().multiply(x, x_rows, k, input, {reinterpret_cast<const __nv_bfloat16*>(w)}, n, k, {y}, n,
+      return cublaslt().multiply(x, x_rows, k, false, input, {reinterpret_cast<const __nv_bfloat16*>(w)}, n, k, {y}, n,
                                  scratch, nullptr);
 #endif
-    gemm(x, x_rows, k, d_map, moe_layer ? d_segs : segs.data(), d_tiles, num_tiles, tile_rows, format, n, k, input,
-         y, n, scratch, nullptr);
+    gemm(x, x_rows, k, false, d_map, moe_layer ? d_segs : segs.data(), d_tiles, num_tiles, tile_rows, format, n, k,
+         input, y, n, scratch, nullptr);
   };
   const float ms = time_ms(call);
   const double flops = 2.0 * double(rows) * double(n) * double(k);

@@ -25,6 +25,7 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(const float* __rest
                                                              const DeviceKeySpan* __restrict__ spans,
                                                              const AttentionItem* __restrict__ items, int num_heads,
                                                              int num_kv_heads, int head_dim, bool round_bf16) {
+  wait_for_earlier_kernels();
   // With activations "bfloat16", Q, K, V and P rounded to bf16 before their products.
   auto input = [round_bf16](float x) { return round_bf16 ? __bfloat162float(__float2bfloat16(x)) : x; };
   extern __shared__ float smem[];
@@ -246,8 +247,8 @@ void attention(const float* q, float* out, const AttentionPlan& plan, const Atte
     return attention_mma(q, out, plan, tables, scratch, num_heads, num_kv_heads, stream);
   const size_t bytes = shared_bytes(plan.head_dim);
   cudaFuncSetAttribute(attention_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes));
-  attention_kernel<<<unsigned(plan.items.size()), kThreads, bytes, stream>>>(
-      q, out, tables.segments, tables.spans, tables.items, num_heads, num_kv_heads, plan.head_dim, plan.round_bf16);
+  launch(attention_kernel, unsigned(plan.items.size()), kThreads, bytes, stream, q, out, tables.segments, tables.spans,
+         tables.items, num_heads, num_kv_heads, plan.head_dim, plan.round_bf16);
 }
 
 }  // namespace diffuserve::cuda

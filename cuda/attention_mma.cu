@@ -174,6 +174,7 @@ __global__ void __launch_bounds__(Shape<kDim>::kThreads, 1)
                          float2* __restrict__ partial_ml, const DeviceAttentionSegment* __restrict__ segments,
                          const DeviceKeySpan* __restrict__ spans, const AttentionItem* __restrict__ items,
                          int num_heads, int num_kv_heads) {
+  wait_for_earlier_kernels();
   using S = Shape<kDim>;
   constexpr int kKeys = S::kKeys, kSlices = S::kSlices, kQueries = S::kQueries, kThreads = S::kThreads;
   constexpr int kLanes = kThreads / kQueries;      // softmax threads per query row (1 to 8, within a warp)
@@ -453,6 +454,7 @@ __global__ void attention_merge_kernel(float* __restrict__ out, const float* __r
                                        const DeviceAttentionSegment* __restrict__ segments,
                                        const AttentionMerge* __restrict__ merges, int num_heads, int num_kv_heads,
                                        int head_dim, int queries_per_slot) {
+  wait_for_earlier_kernels();
   const AttentionMerge merge = merges[blockIdx.x];
   const int group = num_heads / num_kv_heads, lane = threadIdx.x & 31;
   const int j = blockIdx.y * kMergeWarps + (threadIdx.x >> 5);
@@ -514,14 +516,13 @@ void attention_mma(const float* q, float* out, const AttentionPlan& plan, const 
     using S = Shape<kDim>;
     const auto kernel = plan.round_bf16 ? attention_mma_kernel<kDim, true> : attention_mma_kernel<kDim, false>;
     cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(S::kBytes));
-    kernel<<<unsigned(plan.items.size()), S::kThreads, S::kBytes, stream>>>(
-        q, out, partial_out, partial_ml, tables.segments, tables.spans, tables.items, num_heads, num_kv_heads);
+    launch(kernel, unsigned(plan.items.size()), S::kThreads, S::kBytes, stream, q, out, partial_out, partial_ml,
+           tables.segments, tables.spans, tables.items, num_heads, num_kv_heads);
   });
   if (!plan.merges.empty())
-    attention_merge_kernel<<<dim3(unsigned(plan.merges.size()), unsigned(plan.queries_per_slot / kMergeWarps)),
-                             32 * kMergeWarps, 0, stream>>>(
-        out, partial_out, partial_ml, tables.segments, tables.merges, num_heads, num_kv_heads, plan.head_dim,
-        plan.queries_per_slot);
+    launch(attention_merge_kernel, dim3(unsigned(plan.merges.size()), unsigned(plan.queries_per_slot / kMergeWarps)),
+           32 * kMergeWarps, 0, stream, out, partial_out, partial_ml, tables.segments, tables.merges, num_heads,
+           num_kv_heads, plan.head_dim, plan.queries_per_slot);
 }
 
 }  // namespace diffuserve::cuda

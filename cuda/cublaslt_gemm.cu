@@ -121,7 +121,7 @@ bool CublasLtGemm::supports(GemmInput input, const __nv_bfloat16* w, int64_t n, 
   return usable_plan(input, w, n, k, y, ldy) != nullptr;
 }
 
-void CublasLtGemm::multiply(const float* x, int64_t m, int64_t ldx, GemmInput input,
+void CublasLtGemm::multiply(const float* x, int64_t m, int64_t ldx, bool gated, GemmInput input,
                             const std::vector<const __nv_bfloat16*>& ws, int64_t n, int64_t k,
                             const std::vector<float*>& ys, int64_t ldy, void* scratch, cudaStream_t stream) {
   if (ws.size() != ys.size()) throw std::invalid_argument("CublasLtGemm::multiply: one output a weight");
@@ -138,7 +138,7 @@ void CublasLtGemm::multiply(const float* x, int64_t m, int64_t ldx, GemmInput in
     workspace = nullptr;
     throw std::runtime_error("out of GPU memory allocating cuBLASLt's workspace");
   }
-  bf16_planes(x, m, ldx, k, input, /*permuted=*/false, scratch, stream);
+  bf16_planes(x, m, ldx, gated, k, input, /*permuted=*/false, scratch, stream);
   const int64_t kp = gemm_padded_k(k, input);
   const Product product(m, row_values(input, k), n, k, ldy);
   const float one = 1.0f, zero = 0.0f;

@@ -34,11 +34,13 @@ class CublasLtGemm {
   // fixed K slices from a workspace (never in place, whose order is not fixed), and kept.
   bool supports(GemmInput input, const __nv_bfloat16* w, int64_t n, int64_t k, const float* y, int64_t ldy);
   // ys[i][m, n] (fp32, rows ldy apart) = X @ ws[i]^T for each weight (all [n, k] and
-  // supported), X fp32 [m, k] (rows ldx apart) entering as `input` says: gemm.cu's
-  // pre-pass writes its bf16 planes once into `scratch` (gemm_scratch_bytes, 16-byte
-  // aligned), then one product a plane and weight, Split's lo plane's added to its hi's.
-  void multiply(const float* x, int64_t m, int64_t ldx, GemmInput input, const std::vector<const __nv_bfloat16*>& ws,
-                int64_t n, int64_t k, const std::vector<float*>& ys, int64_t ldy, void* scratch, cudaStream_t stream);
+  // supported), X fp32 [m, k] (rows ldx apart; `gated`: gemm()'s gated rows) entering as
+  // `input` says: gemm.cu's pre-pass writes its bf16 planes once into `scratch`
+  // (gemm_scratch_bytes, 16-byte aligned), then one product a plane and weight, Split's lo
+  // plane's added to its hi's.
+  void multiply(const float* x, int64_t m, int64_t ldx, bool gated, GemmInput input,
+                const std::vector<const __nv_bfloat16*>& ws, int64_t n, int64_t k, const std::vector<float*>& ys,
+                int64_t ldy, void* scratch, cudaStream_t stream);
 
  private:
   struct Plan {

@@ -375,7 +375,8 @@ class CudaBackend final : public Backend {
     // cuBLASLt's plan depends on each output's alignment: with rows of a multiple of 4
     // floats every block of y is 16-byte aligned, whatever x.rows (batch invariance).
     if (first.format == WeightFormat::Plain && y.cols % 4 == 0 &&
-        products_on_cublaslt(x, weights, first.n, first.k, cuda::GemmInput::Split, outputs, y.cols, scratch.get()))
+        products_on_cublaslt(x, false, weights, first.n, first.k, cuda::GemmInput::Split, outputs, y.cols,
+                             scratch.get()))
       return;
     const int tile = cuda::gemm_tile_rows(x.rows, int64_t(ws.size()), first.n, cuda::GemmInput::Split, first.format);
     std::vector<cuda::GemmSegment> segments(ws.size());
@@ -388,8 +389,9 @@ class CudaBackend final : public Backend {
       segments[i].w = matrices(w).expert(0);
       for (int64_t m0 = 0; m0 < x.rows; m0 += tile) tiles.push_back({int(i), int(m0)});
     }
-    cuda::gemm(x.data, x.rows, x.cols, nullptr, upload_table(segments), upload_table(tiles), int(tiles.size()), tile,
-               ws.front()->format, first.n, first.k, cuda::GemmInput::Split, y.data, y.cols, scratch.get(), stream_);
+    cuda::gemm(x.data, x.rows, x.cols, false, nullptr, upload_table(segments), upload_table(tiles), int(tiles.size()),
+               tile, ws.front()->format, first.n, first.k, cuda::GemmInput::Split, y.data, y.cols, scratch.get(),
+               stream_);
   }
 
   void quantized_linear(const Activation& x, const Weight& w, Activation& y, int64_t encoder_rows) override {
@@ -398,6 +400,18 @@ class CudaBackend final : public Backend {
     auto timed = op("linear");
     const cuda::ExpertStack stack = matrices(w);
     gemm_dense(x, stack.expert(0), w.format, stack.n, stack.k, input, y);
+  }
+
+  // The activation in the product's pre-pass, where that pass is all that touches the
+  // product's input: plain inputs (fp32-like), or bf16 ones; not where the input is
+  // quantized beforehand or to FP8 codes.
+  void gelu_glu_linear(const Activation& x, const Weight& w, Activation& y, int64_t encoder_rows) override {
+    const cuda::GemmInput input = gemm_input(w);
+    if (w.input_quant.scheme != ActivationScheme::None && input != cuda::GemmInput::RoundBf16)
+      return Backend::gelu_glu_linear(x, w, y, encoder_rows);
+    auto timed = op("linear");
+    const cuda::ExpertStack stack = matrices(w);
+    gemm_dense(x, stack.expert(0), w.format, stack.n, stack.k, input, y, /*gated=*/true);
   }
 
   // y = round_bf16(x) @ w with w [K, N] (the reference casts the probabilities to the
@@ -425,34 +439,47 @@ class CudaBackend final : public Backend {
 
   void rms_norm(const Activation& x, const Weight* weight, int64_t group, float eps, Activation& y) override {
     auto timed = op("rms_norm");
-    cuda::rms_norm(x.data, weight ? static_cast<const float*>(weight->data) : nullptr, x.size() / group, group, eps,
-                   /*accumulate=*/false, 1.0f, y.data, stream_);
+    cuda::rms_norms(x.data, written({weight}, {&y}), {}, x.size() / group, group, eps, stream_);
   }
   void rms_norms(const Activation& x, const std::vector<const Weight*>& weights, float eps,
                  const std::vector<Activation*>& outputs) override {
     auto timed = op("rms_norm");
-    cuda::NormOutputs outs{};
-    for (size_t i = 0; i < weights.size(); ++i) {
-      if (outs.count == cuda::kMaxNormOutputs) {  // a full launch: the rest in another
-        cuda::rms_norms(x.data, outs, x.rows, x.cols, eps, /*accumulate=*/false, 1.0f, stream_);
-        outs.count = 0;
-      }
-      outs.weight[outs.count] = weights[i] ? static_cast<const float*>(weights[i]->data) : nullptr;
-      outs.y[outs.count++] = outputs[i]->data;
+    for (size_t first = 0; first < weights.size(); first += cuda::kMaxNormOutputs) {  // full launches, then the rest
+      const size_t last = std::min(weights.size(), first + cuda::kMaxNormOutputs);
+      const std::vector<const Weight*> part_weights(weights.begin() + first, weights.begin() + last);
+      const std::vector<Activation*> part_outputs(outputs.begin() + first, outputs.begin() + last);
+      cuda::rms_norms(x.data, written(part_weights, part_outputs), {}, x.rows, x.cols, eps, stream_);
     }
-    cuda::rms_norms(x.data, outs, x.rows, x.cols, eps, /*accumulate=*/false, 1.0f, stream_);
   }
   void add_rms_norm(const Activation& x, const Weight* weight, float eps, Activation& y, float scale) override {
     auto timed = op("add_rms_norm");
-    cuda::rms_norm(x.data, weight ? static_cast<const float*>(weight->data) : nullptr, x.rows, x.cols, eps,
-                   /*accumulate=*/true, scale, y.data, stream_);
+    cuda::rms_norms(x.data, added(weight, y, scale), {}, x.rows, x.cols, eps, stream_);
+  }
+  void add_rms_norm_then_norms(const Activation& x, const Weight* weight, float eps, Activation& y,
+                               const std::vector<const Weight*>& weights,
+                               const std::vector<Activation*>& outputs) override {
+    if (weights.size() > size_t(cuda::kMaxNormOutputs))
+      return Backend::add_rms_norm_then_norms(x, weight, eps, y, weights, outputs);
+    auto timed = op("add_rms_norm");
+    cuda::rms_norms(x.data, added(weight, y, 1.0f), written(weights, outputs), x.rows, x.cols, eps, stream_);
+  }
+  void add_rms_norm_twice(const Activation& x, const Weight* x_weight, Activation& y, const Weight* y_weight, float eps,
+                          Activation& h, float scale) override {
+    auto timed = op("add_rms_norm");
+    cuda::rms_norms(x.data, added(x_weight, y, 1.0f), added(y_weight, h, scale), x.rows, x.cols, eps, stream_);
   }
 
   void rms_norm_rope(Activation& x, const Weight& weight, int64_t head_dim, float eps, const Weight& inv_freq,
                      const std::vector<int64_t>& positions) override {
     auto timed = op("rms_norm_rope");
-    cuda::rms_norm_rope(x.data, static_cast<const float*>(weight.data), x.rows, x.cols / head_dim, head_dim, eps,
+    cuda::rms_norm_rope(x.data, static_cast<const float*>(weight.data), x.rows, 0, x.cols / head_dim, head_dim, eps,
                         static_cast<const float*>(inv_freq.data), upload_table(positions), stream_);
+  }
+  void key_value_norms(Activation& kv, const Weight& k_weight, int64_t head_dim, float eps, const Weight& inv_freq,
+                       const std::vector<int64_t>& positions) override {
+    auto timed = op("rms_norm_rope");
+    cuda::rms_norm_rope(kv.data, static_cast<const float*>(k_weight.data), kv.rows / 2, kv.rows / 2, kv.cols / head_dim,
+                        head_dim, eps, static_cast<const float*>(inv_freq.data), upload_table(positions), stream_);
   }
 
   void attention(const Activation& q, const std::vector<AttentionSegment>& segments, int64_t num_heads,
@@ -474,20 +501,20 @@ class CudaBackend final : public Backend {
     cuda::gelu_glu(x.data, x.rows, x.cols / 2, out.data, stream_);
   }
 
-  // The normed input through the GEMM against the router (fp32-like, as the reference
-  // ranks near-tied experts), times hidden^-0.5, then softmax and top k.
+  // The router in one launch (cuda::route): scores fp32-like, as the reference ranks
+  // near-tied experts, times hidden^-0.5, then softmax and top k.
   Routing route(const Activation& normed, const Weight& proj, const Weight& per_expert_scale, int top_k) override {
     auto timed = op("route");
     const int64_t tokens = normed.rows, experts = proj.shape[0];
-    Activation scores = alloc_output(tokens, experts);
-    gemm_dense(normed, {bf16(proj), nullptr, nullptr}, WeightFormat::Plain, experts, normed.cols,
-               cuda::GemmInput::Split, scores);
+    if (experts > cuda::route_max_experts())
+      throw InvalidArgument("the CUDA router takes at most " + std::to_string(cuda::route_max_experts()) +
+                            " experts; this model has " + std::to_string(experts));
     Routing r;
     r.top_k = top_k;
     r.experts = std::static_pointer_cast<int32_t>(pool_->get(size_t(tokens) * top_k * sizeof(int32_t)));
     r.weights = alloc_output(tokens, top_k);
-    cuda::route_top_k(scores.data, tokens, int(experts), std::pow(float(normed.cols), -0.5f), top_k,
-                      static_cast<const float*>(per_expert_scale.data), r.experts.get(), r.weights.data, stream_);
+    cuda::route(normed.data, tokens, normed.cols, bf16(proj), int(experts), std::pow(float(normed.cols), -0.5f), top_k,
+                static_cast<const float*>(per_expert_scale.data), r.experts.get(), r.weights.data, stream_);
     return r;
   }
 
@@ -516,7 +543,7 @@ class CudaBackend final : public Backend {
                    matrices(down), static_cast<int64_t*>(row_map.get()), static_cast<int64_t*>(inverse.get()),
                    static_cast<cuda::GemmSegment*>(up_segments.get()),
                    static_cast<cuda::GemmSegment*>(down_segments.get()), device_tiles, max_tiles, stream_);
-    Activation gu = alloc_output(pairs, inter2), act = alloc_output(pairs, inter2 / 2), y = alloc_output(pairs, hidden);
+    Activation gu = alloc_output(pairs, inter2), y = alloc_output(pairs, hidden);
     // Quantized inputs. FP8 per token: the scales are per token, so the token rows are
     // quantized once for all experts, by the GEMM itself or beforehand on a copy. NVFP4:
     // each expert has its own global scales, so each (token, expert) pair gets a row of its
@@ -540,15 +567,21 @@ class CudaBackend final : public Backend {
       quantize_input(input, gate_up.input_quant, routing.encoder_tokens, -1);
     }
     auto up_scratch = pool_->get(cuda::gemm_scratch_bytes(input.rows, inter2, hidden, up_input));
-    cuda::gemm(input.data, input.rows, input.cols, up_rows,
+    cuda::gemm(input.data, input.rows, input.cols, false, up_rows,
                static_cast<const cuda::GemmSegment*>(up_segments.get()), device_tiles, max_tiles, tile_rows,
                gate_up.format, inter2, hidden, up_input, gu.data, gu.cols, up_scratch.get(), stream_);
-    cuda::gelu_glu(gu.data, pairs, inter2 / 2, act.data, stream_);
-    if (down.input_quant.scheme == ActivationScheme::Nvfp4) quantize_nvfp4_rows(act, false, down.input_quant, act);
-    else if (down.input_quant.scheme != ActivationScheme::None && down_input == cuda::GemmInput::Split)
-      quantize_input(act, down.input_quant, 0, -1);
+    // The activation: in the down product's pre-pass (as gelu_glu_linear), unless its
+    // input is quantized first or to FP8 codes.
+    const bool gated = down.input_quant.scheme == ActivationScheme::None || down_input == cuda::GemmInput::RoundBf16;
+    Activation act = gu;
+    if (!gated) {
+      act = alloc_output(pairs, inter2 / 2);
+      cuda::gelu_glu(gu.data, pairs, inter2 / 2, act.data, stream_);
+      if (down.input_quant.scheme == ActivationScheme::Nvfp4) quantize_nvfp4_rows(act, false, down.input_quant, act);
+      else if (down_input == cuda::GemmInput::Split) quantize_input(act, down.input_quant, 0, -1);
+    }
     auto down_scratch = pool_->get(cuda::gemm_scratch_bytes(pairs, hidden, inter2 / 2, down_input));
-    cuda::gemm(act.data, pairs, act.cols, nullptr, static_cast<const cuda::GemmSegment*>(down_segments.get()),
+    cuda::gemm(act.data, pairs, act.cols, gated, nullptr, static_cast<const cuda::GemmSegment*>(down_segments.get()),
                device_tiles, max_tiles, tile_rows, down.format, hidden, inter2 / 2, down_input, y.data, y.cols,
                down_scratch.get(), stream_);
     cuda::combine_experts(y.data, static_cast<const int64_t*>(inverse.get()), routing.weights.data, tokens,
@@ -755,23 +788,24 @@ class CudaBackend final : public Backend {
     return profile_.scope(name);
   }
 
+  // y = X @ w^T, X = x or, gated, gelu_glu of x's [gate | up] rows (cuda::gemm).
   void gemm_dense(const Activation& x, const cuda::GemmMatrix& w, WeightFormat format, int64_t n, int64_t k,
-                  cuda::GemmInput input, Activation& y) {
+                  cuda::GemmInput input, Activation& y, bool gated = false) {
     auto scratch = pool_->get(cuda::gemm_scratch_bytes(x.rows, n, k, input));
     if (format == WeightFormat::Plain && input != cuda::GemmInput::Fp8Token &&
-        products_on_cublaslt(x, {w.values}, n, k, input, {y.data}, y.cols, scratch.get()))
+        products_on_cublaslt(x, gated, {w.values}, n, k, input, {y.data}, y.cols, scratch.get()))
       return;
     const cuda::GemmSegment seg{0, 0, int(x.rows), w};
     const int tile = cuda::gemm_tile_rows(x.rows, 1, n, input, format);
-    cuda::gemm(x.data, x.rows, x.cols, nullptr, &seg, nullptr, int((x.rows + tile - 1) / tile), tile, format, n, k,
-               input, y.data, y.cols, scratch.get(), stream_);
+    cuda::gemm(x.data, x.rows, x.cols, gated, nullptr, &seg, nullptr, int((x.rows + tile - 1) / tile), tile, format, n,
+               k, input, y.data, y.cols, scratch.get(), stream_);
   }
 
-  // Products of x (every row) with plain bf16 weights ws[i] ([n, k] each) into ys[i] (rows
-  // ldy apart) on cuBLASLt, where the build has it and it takes them all; false, having
-  // done nothing, otherwise. The choice depends on the shapes alone, never on the rows
-  // (batch invariance).
-  bool products_on_cublaslt(const Activation& x, const std::vector<const void*>& ws, int64_t n, int64_t k,
+  // Products of X (x's rows, or gated as gemm_dense says) with plain bf16 weights ws[i]
+  // ([n, k] each) into ys[i] (rows ldy apart) on cuBLASLt, where the build has it and it
+  // takes them all; false, having done nothing, otherwise. The choice depends on the
+  // shapes alone, never on the rows (batch invariance).
+  bool products_on_cublaslt(const Activation& x, bool gated, const std::vector<const void*>& ws, int64_t n, int64_t k,
                             cuda::GemmInput input, const std::vector<float*>& ys, int64_t ldy, void* scratch) {
 #ifdef DIFFUSERVE_WITH_CUBLASLT
     if (!cublaslt_) return false;
@@ -780,10 +814,10 @@ class CudaBackend final : public Backend {
       weights.push_back(static_cast<const __nv_bfloat16*>(ws[i]));
       if (!cublaslt_->supports(input, weights.back(), n, k, ys[i], ldy)) return false;
     }
-    cublaslt_->multiply(x.data, x.rows, x.cols, input, weights, n, k, ys, ldy, scratch, stream_);
+    cublaslt_->multiply(x.data, x.rows, x.cols, gated, input, weights, n, k, ys, ldy, scratch, stream_);
     return true;
 #else
-    (void)x, (void)ws, (void)n, (void)k, (void)input, (void)ys, (void)ldy, (void)scratch;
+    (void)x, (void)gated, (void)ws, (void)n, (void)k, (void)input, (void)ys, (void)ldy, (void)scratch;
     return false;
 #endif
   }
@@ -804,6 +838,24 @@ class CudaBackend final : public Backend {
     if (w.format != WeightFormat::Plain || w.dtype != DType::BF16)
       throw InvalidArgument("this CUDA op needs bf16 weights");
     return static_cast<const __nv_bfloat16*>(w.data);
+  }
+
+  // A norm's outputs for the kernels: each weights[i] (null: none) into outputs[i] (at most
+  // kMaxNormOutputs), or one added to y: y = (y + norm * weight) * scale.
+  static cuda::NormOutputs written(const std::vector<const Weight*>& weights, const std::vector<Activation*>& outputs) {
+    cuda::NormOutputs outs{};
+    for (size_t i = 0; i < weights.size(); ++i) {
+      outs.weight[i] = weights[i] ? static_cast<const float*>(weights[i]->data) : nullptr;
+      outs.y[i] = outputs[i]->data;
+    }
+    outs.count = int(weights.size());
+    return outs;
+  }
+  static cuda::NormOutputs added(const Weight* weight, Activation& y, float scale) {
+    cuda::NormOutputs outs = written({weight}, {&y});
+    outs.accumulate = true;
+    outs.scale = scale;
+    return outs;
   }
 
   // A linear's weight ([N, K]) or expert stack ([E, N, K]) as the GEMM reads it.

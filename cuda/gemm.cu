@@ -211,6 +211,7 @@ using MediumDecoded = Shape<64, 128, 1, 4, 3, 3, 2>;  // 72 / 62 KB
 
 template <class S, GemmInput kInput, WeightFormat kFormat>
 __global__ void __launch_bounds__(S::kThreads, S::kBlocks) gemm_kernel(const Params p) {
+  wait_for_earlier_kernels();
   constexpr int kBM = S::kBM, kBN = S::kBN, kStages = S::stages(kFormat), kThreads = S::kThreads;
   constexpr int kPlanes = planes(kInput), kBK = stage_k(kInput);
   constexpr int kWM = kBM / S::kWarpsM, kWN = kBN / S::kWarpsN;
@@ -522,27 +523,40 @@ __global__ void __launch_bounds__(S::kThreads, S::kBlocks) gemm_kernel(const Par
 // A[r] = [hi | lo] of X row r (or hi alone with kPlanes 1), K zero-padded to kp; one
 // thread per 8 columns. kPermuted: each 64-column slice in the order the decoded packed
 // weights take (gemm_tile.cuh, packed_k_source), 4 pairs of adjacent columns per thread.
-template <int kPlanes, bool kPermuted>
-__global__ void split_kernel(const float* __restrict__ x, int64_t ldx, int64_t rows, int64_t k, int64_t kp,
-                             bool vector, __nv_bfloat16* __restrict__ a) {
+// kGated: X row r is [gate | up], 2K values, and the row taken is their gelu_glu_value
+// (the MLP's activation, computed here rather than in a pass of its own).
+template <int kPlanes, bool kPermuted, bool kGated>
+__global__ void split_kernel(const float* __restrict__ x, int64_t ldx, int64_t rows, int64_t k, int64_t kp, bool vector,
+                             __nv_bfloat16* __restrict__ a) {
+  wait_for_earlier_kernels();
   const int64_t chunks = kp / 8, i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= rows * chunks) return;
   const int64_t r = i / chunks, c = (i % chunks) * 8;
   const float* row = x + r * ldx;
+  auto value = [&](int64_t column) {
+    return column >= k ? 0.0f : kGated ? gelu_glu_value(row[column], row[k + column]) : row[column];
+  };
   float v[8];
   if constexpr (kPermuted) {
 #pragma unroll
     for (int j = 0; j < 8; j += 2) {
       const int64_t column = c - c % 64 + packed_k_source(int(c % 64) + j);  // even: a pair
-      v[j] = column < k ? row[column] : 0.0f;
-      v[j + 1] = column + 1 < k ? row[column + 1] : 0.0f;
+      v[j] = value(column);
+      v[j + 1] = value(column + 1);
     }
   } else if (vector && c + 8 <= k) {
     const float4 v0 = *reinterpret_cast<const float4*>(row + c), v1 = *reinterpret_cast<const float4*>(row + c + 4);
     v[0] = v0.x, v[1] = v0.y, v[2] = v0.z, v[3] = v0.w, v[4] = v1.x, v[5] = v1.y, v[6] = v1.z, v[7] = v1.w;
+    if constexpr (kGated) {
+      const float4 u0 = *reinterpret_cast<const float4*>(row + k + c),
+                   u1 = *reinterpret_cast<const float4*>(row + k + c + 4);
+      const float u[8] = {u0.x, u0.y, u0.z, u0.w, u1.x, u1.y, u1.z, u1.w};
+#pragma unroll
+      for (int j = 0; j < 8; ++j) v[j] = gelu_glu_value(v[j], u[j]);
+    }
   } else {
 #pragma unroll
-    for (int j = 0; j < 8; ++j) v[j] = c + j < k ? row[c + j] : 0.0f;
+    for (int j = 0; j < 8; ++j) v[j] = value(c + j);
   }
   uint4 hi, lo;
   split_bf16(v[0], v[1], hi.x, lo.x);
@@ -560,6 +574,7 @@ __global__ void split_kernel(const float* __restrict__ x, int64_t ldx, int64_t r
 __global__ void __launch_bounds__(32) fp8_codes_kernel(const float* __restrict__ x, int64_t ldx, int64_t k,
                                                        int64_t kp, bool vector, uint8_t* __restrict__ codes,
                                                        float* __restrict__ scales) {
+  wait_for_earlier_kernels();
   const int64_t row = blockIdx.x;
   const int lane = threadIdx.x;
   const float* src = x + row * ldx;
@@ -584,6 +599,7 @@ __global__ void __launch_bounds__(32) fp8_codes_kernel(const float* __restrict__
 
 // y[i] = sum over copies c of partial[c][i], in copy order.
 __global__ void sum_copies_kernel(const float* partial, int copies, int64_t n, float* y) {
+  wait_for_earlier_kernels();
   const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= n) return;
   float acc = 0.0f;
@@ -592,18 +608,18 @@ __global__ void sum_copies_kernel(const float* partial, int copies, int64_t n, f
 }
 
 template <class S, GemmInput kInput, WeightFormat kFormat>
-void launch(const Params& p, dim3 grid, cudaStream_t stream) {
+void launch_gemm(const Params& p, dim3 grid, cudaStream_t stream) {
   constexpr int bytes = S::smem_bytes(kInput, kFormat);
   cudaFuncSetAttribute(gemm_kernel<S, kInput, kFormat>, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
-  gemm_kernel<S, kInput, kFormat><<<grid, S::kThreads, bytes, stream>>>(p);
+  launch(gemm_kernel<S, kInput, kFormat>, grid, S::kThreads, bytes, stream, p);
 }
 
 // A wgmma tile (bf16 weights, X split or rounded).
 template <class S>
 void launch_wgmma(const Params& p, GemmInput input, int64_t num_tiles, int splits, cudaStream_t stream) {
   const dim3 grid{unsigned((p.n + S::kBN - 1) / S::kBN), unsigned(num_tiles), unsigned(splits)};
-  if (input == GemmInput::RoundBf16) launch<S, GemmInput::RoundBf16, WeightFormat::Plain>(p, grid, stream);
-  else launch<S, GemmInput::Split, WeightFormat::Plain>(p, grid, stream);
+  if (input == GemmInput::RoundBf16) launch_gemm<S, GemmInput::RoundBf16, WeightFormat::Plain>(p, grid, stream);
+  else launch_gemm<S, GemmInput::Split, WeightFormat::Plain>(p, grid, stream);
 }
 
 // RoundBf16 (linear_nt's soft embedding) only ever multiplies plain weights, Fp8Token FP8 ones.
@@ -612,11 +628,11 @@ void launch_shape(const Params& p, GemmInput input, WeightFormat format, int64_t
                   cudaStream_t stream) {
   static_assert(S::kBN == SDecoded::kBN && S::kBM == SDecoded::kBM, "one tile, two warp layouts");
   const dim3 grid{unsigned((p.n + S::kBN - 1) / S::kBN), unsigned(num_tiles), unsigned(splits)};
-  if (input == GemmInput::RoundBf16) launch<S, GemmInput::RoundBf16, WeightFormat::Plain>(p, grid, stream);
-  else if (input == GemmInput::Fp8Token) launch<S, GemmInput::Fp8Token, WeightFormat::Fp8>(p, grid, stream);
-  else if (format == WeightFormat::Fp8) launch<SDecoded, GemmInput::Split, WeightFormat::Fp8>(p, grid, stream);
-  else if (format == WeightFormat::Nvfp4) launch<SDecoded, GemmInput::Split, WeightFormat::Nvfp4>(p, grid, stream);
-  else launch<S, GemmInput::Split, WeightFormat::Plain>(p, grid, stream);
+  if (input == GemmInput::RoundBf16) launch_gemm<S, GemmInput::RoundBf16, WeightFormat::Plain>(p, grid, stream);
+  else if (input == GemmInput::Fp8Token) launch_gemm<S, GemmInput::Fp8Token, WeightFormat::Fp8>(p, grid, stream);
+  else if (format == WeightFormat::Fp8) launch_gemm<SDecoded, GemmInput::Split, WeightFormat::Fp8>(p, grid, stream);
+  else if (format == WeightFormat::Nvfp4) launch_gemm<SDecoded, GemmInput::Split, WeightFormat::Nvfp4>(p, grid, stream);
+  else launch_gemm<S, GemmInput::Split, WeightFormat::Plain>(p, grid, stream);
 }
 
 // Fp8Token's scratch: the codes, then (16-byte aligned) the scales.
@@ -695,25 +711,28 @@ void fp8_token_codes(const float* x, int64_t rows, int64_t ldx, int64_t k, int64
   if (rows <= 0) return;
   if (ld_codes % 128 || ld_codes < k) throw std::invalid_argument("fp8_token_codes: code rows of a multiple of 128 >= K");
   const bool vector = ldx % 4 == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0;
-  fp8_codes_kernel<<<unsigned(rows), 32, 0, stream>>>(x, ldx, k, ld_codes, vector, codes, scales);
+  launch(fp8_codes_kernel, unsigned(rows), 32, 0, stream, x, ldx, k, ld_codes, vector, codes, scales);
 }
 
 int64_t gemm_padded_k(int64_t k, GemmInput input) { return padded_k(k, input); }
 
-void bf16_planes(const float* x, int64_t rows, int64_t ldx, int64_t k, GemmInput input, bool permuted, void* scratch,
-                 cudaStream_t stream) {
+void bf16_planes(const float* x, int64_t rows, int64_t ldx, bool gated, int64_t k, GemmInput input, bool permuted,
+                 void* scratch, cudaStream_t stream) {
   if (input == GemmInput::Fp8Token) throw std::invalid_argument("bf16_planes: Fp8Token input has no bf16 planes");
+  if (input == GemmInput::RoundBf16 && permuted) throw std::invalid_argument("bf16_planes: RoundBf16 is not permuted");
   const int64_t kp = padded_k(k, input);
   if (rows <= 0 || kp <= 0) return;
-  const bool vector = ldx % 4 == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0;
+  // Whole float4s: rows (and, gated, their up halves) 16-byte aligned.
+  const bool vector = ldx % 4 == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0 && (!gated || k % 4 == 0);
   const unsigned blocks = unsigned((rows * (kp / 8) + 255) / 256);
-  auto* a = static_cast<__nv_bfloat16*>(scratch);
-  if (input == GemmInput::RoundBf16) split_kernel<1, false><<<blocks, 256, 0, stream>>>(x, ldx, rows, k, kp, vector, a);
-  else if (permuted) split_kernel<2, true><<<blocks, 256, 0, stream>>>(x, ldx, rows, k, kp, vector, a);
-  else split_kernel<2, false><<<blocks, 256, 0, stream>>>(x, ldx, rows, k, kp, vector, a);
+  const auto kernel = input == GemmInput::RoundBf16
+                          ? (gated ? split_kernel<1, false, true> : split_kernel<1, false, false>)
+                      : permuted ? (gated ? split_kernel<2, true, true> : split_kernel<2, true, false>)
+                                 : (gated ? split_kernel<2, false, true> : split_kernel<2, false, false>);
+  launch(kernel, blocks, 256, 0, stream, x, ldx, rows, k, kp, vector, static_cast<__nv_bfloat16*>(scratch));
 }
 
-void gemm(const float* x, int64_t x_rows, int64_t ldx, const int64_t* row_map, const GemmSegment* segments,
+void gemm(const float* x, int64_t x_rows, int64_t ldx, bool gated, const int64_t* row_map, const GemmSegment* segments,
           const GemmTile* tiles, int num_tiles, int tile_rows, WeightFormat format, int64_t n, int64_t k,
           GemmInput input, float* y, int64_t ldy, void* scratch, cudaStream_t stream) {
   if (input == GemmInput::RoundBf16 && format != WeightFormat::Plain)
@@ -721,12 +740,13 @@ void gemm(const float* x, int64_t x_rows, int64_t ldx, const int64_t* row_map, c
   if (input == GemmInput::Fp8Token && format != WeightFormat::Fp8)
     throw std::invalid_argument("gemm: Fp8Token takes FP8 weights");
   if (format == WeightFormat::Nvfp4 && k % 16) throw std::invalid_argument("gemm: NVFP4 weights need K % 16 == 0");
+  if (input == GemmInput::Fp8Token && gated) throw std::invalid_argument("gemm: Fp8Token input is not gated");
   if (num_tiles <= 0 || n <= 0) return;
   const int64_t kp = padded_k(k, input);
   auto* a = static_cast<uint8_t*>(scratch);
   float* const a_scales = input == GemmInput::Fp8Token ? reinterpret_cast<float*>(a + codes_bytes(x_rows, k)) : nullptr;
   if (input == GemmInput::Fp8Token) fp8_token_codes(x, x_rows, ldx, k, kp, a, a_scales, stream);
-  else bf16_planes(x, x_rows, ldx, k, input, decodes(input, format), scratch, stream);
+  else bf16_planes(x, x_rows, ldx, gated, k, input, decodes(input, format), scratch, stream);
 
   // With `tiles` null, `segments` is a host pointer to the single segment, passed by value.
   const GemmSegment single = tiles ? GemmSegment{} : *segments;
@@ -780,7 +800,7 @@ void gemm(const float* x, int64_t x_rows, int64_t ldx, const int64_t* row_map, c
     launch_shape<Medium, MediumDecoded>(p, input, format, num_tiles, splits, stream);
   }
   if (splits > 1)
-    sum_copies_kernel<<<unsigned((copy_stride + 255) / 256), 256, 0, stream>>>(out, splits, copy_stride, y);
+    launch(sum_copies_kernel, unsigned((copy_stride + 255) / 256), 256, 0, stream, out, splits, copy_stride, y);
 }
 
 }  // namespace diffuserve::cuda

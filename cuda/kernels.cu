@@ -2,9 +2,7 @@
 // routing, the MoE combine, and the sampler's fused row pass.
 #include <algorithm>
 #include <climits>
-#include <cstdlib>
 #include <stdexcept>
-#include <string>
 
 #include "activation_quant.h"
 #include "kernels.h"
@@ -72,6 +70,7 @@ __device__ void block_argmax(float& value, int& index) {
 
 __global__ void embed_kernel(const __nv_bfloat16* table, int64_t hidden, const int32_t* ids, int64_t n, float scale,
                              float* out) {
+  wait_for_earlier_kernels();
   const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= n * hidden) return;
   out[i] = __bfloat162float(table[int64_t(ids[i / hidden]) * hidden + i % hidden]) * scale;
@@ -106,16 +105,31 @@ __device__ __forceinline__ void write_norm(const float* x, const float* weight, 
   }
 }
 
-// A hidden state's norms: a block per group, each of outs' weights into its output.
-template <bool kAccumulate>
-__global__ void rms_norm_kernel(const float* x, NormOutputs outs, int64_t group, float eps, float scale) {
-  const float* xi = x + int64_t(blockIdx.x) * group;
-  float ss = 0.0f;
-  for_each_strided(xi, group, threadIdx.x, blockDim.x, [&](int64_t, float v) { ss += v * v; });
-  const float inv = powf(block_sum(ss) / float(group) + eps, -0.5f);
-  for (int o = 0; o < outs.count; ++o)
-    write_norm<kAccumulate>(xi, outs.weight[o], inv, group, threadIdx.x, blockDim.x, scale,
-                            outs.y[o] + int64_t(blockIdx.x) * group);
+// A norm's write pass into each of its outputs, this thread's elements of group `g`.
+__device__ __forceinline__ void write_norms(const float* x, const NormOutputs& outs, int64_t g, float inv,
+                                            int64_t group, int64_t first, int64_t stride) {
+  for (int o = 0; o < outs.count; ++o) {
+    float* y = outs.y[o] + g * group;
+    if (outs.accumulate) write_norm<true>(x, outs.weight[o], inv, group, first, stride, outs.scale, y);
+    else write_norm<false>(x, outs.weight[o], inv, group, first, stride, 1.0f, y);
+  }
+}
+
+// A hidden state's norms: a block per group. `then`'s pass reads outs.y[0] back, each
+// element in the thread that wrote it (the same stride), so it needs no barrier.
+__global__ void rms_norm_kernel(const float* x, NormOutputs outs, NormOutputs then, int64_t group, float eps) {
+  wait_for_earlier_kernels();
+  const int64_t g = blockIdx.x;
+  auto inv_rms = [&](const float* v) {
+    float ss = 0.0f;
+    for_each_strided(v, group, threadIdx.x, blockDim.x, [&](int64_t, float e) { ss += e * e; });
+    return powf(block_sum(ss) / float(group) + eps, -0.5f);
+  };
+  const float* xi = x + g * group;
+  write_norms(xi, outs, g, inv_rms(xi), group, threadIdx.x, blockDim.x);
+  if (!then.count) return;
+  const float* yi = outs.y[0] + g * group;
+  write_norms(yi, then, g, inv_rms(yi), group, threadIdx.x, blockDim.x);
 }
 
 // (mean(x^2) + eps)^-0.5 of a group of x, summed by the warp (every lane gets it).
@@ -127,27 +141,32 @@ __device__ float warp_inv_rms(const float* x, int64_t group, float eps, int lane
 }
 
 // A head's norms (thousands of short groups): a warp per group, no block-wide barrier.
-template <bool kAccumulate>
-__global__ void rms_norm_warp_kernel(const float* x, NormOutputs outs, int64_t groups, int64_t group, float eps,
-                                     float scale) {
+__global__ void rms_norm_warp_kernel(const float* x, NormOutputs outs, NormOutputs then, int64_t groups, int64_t group,
+                                     float eps) {
+  wait_for_earlier_kernels();
   const int64_t g = int64_t(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5);
   if (g >= groups) return;  // whole warps: blocks are whole warps
   const int lane = threadIdx.x & 31;
   const float* xi = x + g * group;
-  const float inv = warp_inv_rms(xi, group, eps, lane);
-  for (int o = 0; o < outs.count; ++o)
-    write_norm<kAccumulate>(xi, outs.weight[o], inv, group, lane, 32, scale, outs.y[o] + g * group);
+  write_norms(xi, outs, g, warp_inv_rms(xi, group, eps, lane), group, lane, 32);
+  if (!then.count) return;
+  const float* yi = outs.y[0] + g * group;
+  write_norms(yi, then, g, warp_inv_rms(yi, group, eps, lane), group, lane, 32);
 }
 
 // A warp per (row, head): the head's norm as rms_norm_warp_kernel computes it, then rotate_half
-// RoPE on each lane's pairs (f, f + half).
-__global__ void rms_norm_rope_kernel(float* x, const float* weight, int64_t groups, int64_t heads, int64_t head_dim,
-                                     float eps, const float* inv_freq, const int64_t* positions) {
+// RoPE on each lane's pairs (f, f + half); past the first `groups` heads, the plain_groups
+// heads after them get the unscaled norm alone.
+__global__ void rms_norm_rope_kernel(float* x, const float* weight, int64_t groups, int64_t plain_groups, int64_t heads,
+                                     int64_t head_dim, float eps, const float* inv_freq, const int64_t* positions) {
+  wait_for_earlier_kernels();
   const int64_t g = int64_t(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5);
-  if (g >= groups) return;  // whole warps: blocks are whole warps
+  if (g >= groups + plain_groups) return;  // whole warps: blocks are whole warps
   const int lane = threadIdx.x & 31;
   float* v = x + g * head_dim;
-  const float inv = warp_inv_rms(v, head_dim, eps, lane), position = float(positions[g / heads]);
+  const float inv = warp_inv_rms(v, head_dim, eps, lane);
+  if (g >= groups) return write_norm<false>(v, nullptr, inv, head_dim, lane, 32, 1.0f, v);
+  const float position = float(positions[g / heads]);
   const int64_t half = head_dim / 2;
   for (int64_t f = lane; f < half; f += 32) {
     const float x1 = v[f] * inv * weight[f], x2 = v[f + half] * inv * weight[f + half];
@@ -159,19 +178,21 @@ __global__ void rms_norm_rope_kernel(float* x, const float* weight, int64_t grou
 }
 
 __global__ void gelu_glu_kernel(const float* x, int64_t rows, int64_t inter, float* out) {
+  wait_for_earlier_kernels();
   const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= rows * inter) return;
   const int64_t r = i / inter, j = i % inter;
-  const float g = x[r * 2 * inter + j], u = x[r * 2 * inter + inter + j];
-  out[i] = 0.5f * g * (1.0f + tanhf(0.7978845608028654f * (g + 0.044715f * g * g * g))) * u;
+  out[i] = gelu_glu_value(x[r * 2 * inter + j], x[r * 2 * inter + inter + j]);
 }
 
 __global__ void add_kernel(const float* a, const float* b, float* y, int64_t n) {
+  wait_for_earlier_kernels();
   const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i < n) y[i] = a[i] + b[i];
 }
 
 __global__ void scale_kernel(float* x, float s, int64_t n) {
+  wait_for_earlier_kernels();
   const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i < n) x[i] *= s;
 }
@@ -180,11 +201,13 @@ __global__ void scale_kernel(float* x, float s, int64_t n) {
 __device__ __forceinline__ float capped(float x, float cap) { return cap * tanhf(x / cap); }
 
 __global__ void softcap_kernel(float* x, float cap, int64_t n) {
+  wait_for_earlier_kernels();
   const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i < n) x[i] = capped(x[i], cap);
 }
 
 __global__ void softmax_kernel(float* x, int64_t cols) {
+  wait_for_earlier_kernels();
   float* r = x + int64_t(blockIdx.x) * cols;
   float m = -INFINITY;
   int unused = 0;
@@ -197,51 +220,14 @@ __global__ void softmax_kernel(float* x, int64_t cols) {
 }
 
 __global__ void scatter_rows_kernel(const float* src, int64_t cols, const int64_t* dst_rows, int64_t n, float* dst) {
+  wait_for_earlier_kernels();
   const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= n * cols) return;
   dst[dst_rows[i / cols] * cols + i % cols] = src[i];
 }
 
-// The router's last step, one warp per token: softmax over the expert scores (times
-// `scale`), the top k (the lower expert id wins a tie) by warp-wide argmaxes, renormalised,
-// times each expert's scale.
-__global__ void route_top_k_kernel(float* scores, int64_t tokens, int experts, float scale, int top_k,
-                                   const float* per_expert_scale, int32_t* expert_ids, float* weights) {
-  const int lane = threadIdx.x & 31;
-  const int64_t t = int64_t(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5);
-  if (t >= tokens) return;
-  float* s = scores + t * experts;
-  float m = -INFINITY;
-  for (int e = lane; e < experts; e += 32) m = fmaxf(m, s[e] *= scale);
-  for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
-  float z = 0.0f;
-  for (int e = lane; e < experts; e += 32) z += expf(s[e] - m);
-  for (int o = 16; o > 0; o >>= 1) z += __shfl_xor_sync(0xffffffffu, z, o);
-  int32_t* ids = expert_ids + t * top_k;
-  float* wt = weights + t * top_k;
-  float picked = 0.0f;
-  for (int k = 0; k < top_k; ++k) {
-    float best = -INFINITY;
-    int index = -1;
-    for (int e = lane; e < experts; e += 32)
-      if (s[e] != -INFINITY && (index < 0 || s[e] > best)) best = s[e], index = e;
-    for (int o = 16; o > 0; o >>= 1) {
-      const float v = __shfl_xor_sync(0xffffffffu, best, o);
-      const int i = __shfl_xor_sync(0xffffffffu, index, o);
-      if (i >= 0 && (index < 0 || v > best || (v == best && i < index))) best = v, index = i;
-    }
-    const float p = expf(best - m) / z;
-    picked += p;
-    if (lane == 0) ids[k] = index, wt[k] = p;
-    __syncwarp();
-    if (lane == (index & 31)) s[index] = -INFINITY;  // taken
-    __syncwarp();
-  }
-  if (lane == 0)
-    for (int k = 0; k < top_k; ++k) wt[k] = wt[k] / picked * per_expert_scale[ids[k]];
-}
-
 __global__ void transpose_bf16_kernel(const __nv_bfloat16* in, int64_t k, int64_t n, __nv_bfloat16* out) {
+  wait_for_earlier_kernels();
   __shared__ __nv_bfloat16 tile[32][33];
   const int64_t k0 = int64_t(blockIdx.y) * 32, n0 = int64_t(blockIdx.x) * 32;
   for (int i = threadIdx.y; i < 32; i += blockDim.y)
@@ -282,6 +268,7 @@ __global__ void moe_plan_kernel(const int32_t* ids, int64_t pairs, int top_k, in
                                 const ExpertStack gate_up, const ExpertStack down, int64_t* row_map,
                                 int64_t* inverse, GemmSegment* up_segments, GemmSegment* down_segments,
                                 GemmTile* tiles, int max_tiles) {
+  wait_for_earlier_kernels();
   extern __shared__ uint32_t counts[];  // [experts] counts, then [experts] next free row
   uint32_t* cursor = counts + experts;
   for (int e = threadIdx.x; e < experts; e += blockDim.x) counts[e] = 0;
@@ -315,6 +302,7 @@ __global__ void moe_plan_kernel(const int32_t* ids, int64_t pairs, int top_k, in
 // thread of it reads (from cache after the first).
 __global__ void combine_experts_kernel(const float* y, const int64_t* inverse, const float* weights, int top_k,
                                        int64_t hidden, bool vector, float* out) {
+  wait_for_earlier_kernels();
   const int64_t t = blockIdx.x, width = vector ? 4 : 1;
   const int64_t c = (int64_t(blockIdx.y) * blockDim.x + threadIdx.x) * width;
   if (c >= hidden) return;
@@ -336,6 +324,7 @@ __global__ void combine_experts_kernel(const float* y, const int64_t* inverse, c
 }
 
 __global__ void random_bf16_kernel(__nv_bfloat16* out, int64_t n, uint64_t seed, float scale) {
+  wait_for_earlier_kernels();
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
     out[i] = __float2bfloat16(random_weight_value(seed, uint64_t(i), scale));
 }
@@ -401,6 +390,7 @@ __device__ OnlineSoftmax block_merge(OnlineSoftmax v) {
 __global__ void __launch_bounds__(kSampleThreads, 2)
     sample_kernel(float* logits, int64_t vocab, float cap, float temperature, const uint8_t* allowed, RandomKey key,
                   DeviceSchedule schedule, bool round_bf16, bool softmax_feedback, bool vector, DeviceRowSample* out) {
+  wait_for_earlier_kernels();
   const int64_t row = blockIdx.x;
   if (schedule.steps_done) {
     const int step = *schedule.steps_done;
@@ -455,6 +445,7 @@ constexpr int kCanvasThreads = 512;
 // mean entropy are one thread's double sums in the reference's order.
 __global__ void __launch_bounds__(kCanvasThreads)
     update_canvas_kernel(DeviceCanvas s, const DeviceRowSample* rows, int32_t* order, uint8_t* accepted) {
+  wait_for_earlier_kernels();
   const CanvasParams& p = s.params;
   const int canvas = p.canvas, step = s.counters[kCanvasSteps];
   // NaN entropies sort last (a total order, so the ranks stay a permutation).
@@ -508,18 +499,21 @@ __global__ void __launch_bounds__(kCanvasThreads)
 
 __global__ void continue_while_kernel(cudaGraphConditionalHandle condition, const int32_t* const* stopped, int count,
                                       int32_t* runs, int max_runs) {
+  wait_for_earlier_kernels();
   bool go = ++*runs < max_runs;
   for (int i = 0; i < count; ++i) go = go && !*stopped[i];
   cudaGraphSetConditional(condition, go ? 1u : 0u);
 }
 
 __global__ void round_bf16_kernel(float* x, int64_t n) {
+  wait_for_earlier_kernels();
   const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i < n) x[i] = __bfloat162float(__float2bfloat16(x[i]));
 }
 
 // FP8 per token: one warp per row finds the row's absolute maximum, then quantizes it.
 __global__ void quantize_fp8_rows_kernel(float* x, int64_t rows, int64_t cols) {
+  wait_for_earlier_kernels();
   const int64_t row = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
   if (row >= rows) return;  // whole warps: blocks are whole warps
   const int lane = threadIdx.x & 31;
@@ -531,6 +525,7 @@ __global__ void quantize_fp8_rows_kernel(float* x, int64_t rows, int64_t cols) {
 // NVFP4: one thread per group of 16 values, under its row's global scale.
 __global__ void quantize_nvfp4_groups_kernel(float* x, int64_t rows, int64_t cols, int64_t encoder_rows,
                                              float encoder_global, float decoder_global) {
+  wait_for_earlier_kernels();
   const int64_t groups = cols / kNvfp4Group, i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= rows * groups) return;
   const int64_t row = i / groups;
@@ -545,6 +540,7 @@ __global__ void quantize_nvfp4_expert_rows_kernel(const float* x, bool gather, c
                                                   const GemmSegment* segments, int experts, int64_t rows,
                                                   int64_t cols, int64_t encoder_tokens, const float* encoder_global,
                                                   const float* decoder_global, float* out) {
+  wait_for_earlier_kernels();
   const int64_t groups = cols / kNvfp4Group, i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= rows * groups) return;
   const int64_t row = i / groups, column = (i % groups) * kNvfp4Group, token = row_map[row];
@@ -563,79 +559,63 @@ __global__ void quantize_nvfp4_expert_rows_kernel(const float* x, bool gather, c
 
 }  // namespace
 
-bool switched_off(const char* name) {
-  const char* value = std::getenv(name);
-  return value && std::string(value) == "0";
-}
-
 void embed(const __nv_bfloat16* table, int64_t hidden, const int32_t* ids, int64_t n, float scale, float* out,
            cudaStream_t stream) {
-  if (n) embed_kernel<<<blocks_for(n * hidden), kThreads, 0, stream>>>(table, hidden, ids, n, scale, out);
+  if (n) launch(embed_kernel, blocks_for(n * hidden), kThreads, 0, stream, table, hidden, ids, n, scale, out);
 }
 
-void rms_norms(const float* x, const NormOutputs& outs, int64_t groups, int64_t group, float eps, bool accumulate,
-               float scale, cudaStream_t stream) {
+void rms_norms(const float* x, const NormOutputs& outs, const NormOutputs& then, int64_t groups, int64_t group,
+               float eps, cudaStream_t stream) {
   if (!groups || !outs.count) return;
-  if (outs.count > kMaxNormOutputs || (accumulate && outs.count > 1))
-    throw std::invalid_argument("rms_norms: at most 4 outputs, one when accumulating");
+  for (const NormOutputs* o : {&outs, &then})
+    if (o->count > kMaxNormOutputs || (o->accumulate && o->count > 1))
+      throw std::invalid_argument("rms_norms: at most 4 outputs, one when accumulating");
+  if (then.count && outs.count > 1) throw std::invalid_argument("rms_norms: `then` normalises one output");
   if (group >= 1024) {
-    const auto kernel = accumulate ? rms_norm_kernel<true> : rms_norm_kernel<false>;
-    kernel<<<unsigned(groups), kThreads, 0, stream>>>(x, outs, group, eps, scale);
+    launch(rms_norm_kernel, unsigned(groups), kThreads, 0, stream, x, outs, then, group, eps);
   } else {
     constexpr int kWarps = kThreads / 32;
-    const auto kernel = accumulate ? rms_norm_warp_kernel<true> : rms_norm_warp_kernel<false>;
-    kernel<<<unsigned((groups + kWarps - 1) / kWarps), kThreads, 0, stream>>>(x, outs, groups, group, eps, scale);
+    launch(rms_norm_warp_kernel, unsigned((groups + kWarps - 1) / kWarps), kThreads, 0, stream, x, outs, then, groups,
+           group, eps);
   }
 }
 
-void rms_norm(const float* x, const float* weight, int64_t groups, int64_t group, float eps, bool accumulate,
-              float scale, float* y, cudaStream_t stream) {
-  rms_norms(x, NormOutputs{{weight}, {y}, 1}, groups, group, eps, accumulate, scale, stream);
-}
-
-void rms_norm_rope(float* x, const float* weight, int64_t rows, int64_t heads, int64_t head_dim, float eps,
-                   const float* inv_freq, const int64_t* positions, cudaStream_t stream) {
+void rms_norm_rope(float* x, const float* weight, int64_t rows, int64_t plain_rows, int64_t heads, int64_t head_dim,
+                   float eps, const float* inv_freq, const int64_t* positions, cudaStream_t stream) {
   constexpr int kWarps = kThreads / 32;
-  const int64_t groups = rows * heads;
-  if (groups)
-    rms_norm_rope_kernel<<<unsigned((groups + kWarps - 1) / kWarps), kThreads, 0, stream>>>(
-        x, weight, groups, heads, head_dim, eps, inv_freq, positions);
+  const int64_t groups = rows * heads, plain_groups = plain_rows * heads;
+  if (groups + plain_groups)
+    launch(rms_norm_rope_kernel, unsigned((groups + plain_groups + kWarps - 1) / kWarps), kThreads, 0, stream, x,
+           weight, groups, plain_groups, heads, head_dim, eps, inv_freq, positions);
 }
 
 void gelu_glu(const float* x, int64_t rows, int64_t inter, float* out, cudaStream_t stream) {
-  if (rows * inter) gelu_glu_kernel<<<blocks_for(rows * inter), kThreads, 0, stream>>>(x, rows, inter, out);
+  if (rows * inter) launch(gelu_glu_kernel, blocks_for(rows * inter), kThreads, 0, stream, x, rows, inter, out);
 }
 
 void add(const float* a, const float* b, float* y, int64_t n, cudaStream_t stream) {
-  if (n) add_kernel<<<blocks_for(n), kThreads, 0, stream>>>(a, b, y, n);
+  if (n) launch(add_kernel, blocks_for(n), kThreads, 0, stream, a, b, y, n);
 }
 
 void scale(float* x, float s, int64_t n, cudaStream_t stream) {
-  if (n) scale_kernel<<<blocks_for(n), kThreads, 0, stream>>>(x, s, n);
+  if (n) launch(scale_kernel, blocks_for(n), kThreads, 0, stream, x, s, n);
 }
 
 void softcap(float* x, float cap, int64_t n, cudaStream_t stream) {
-  if (n) softcap_kernel<<<blocks_for(n), kThreads, 0, stream>>>(x, cap, n);
+  if (n) launch(softcap_kernel, blocks_for(n), kThreads, 0, stream, x, cap, n);
 }
 
 void softmax_rows(float* x, int64_t rows, int64_t cols, cudaStream_t stream) {
-  if (rows) softmax_kernel<<<unsigned(rows), kRowThreads, 0, stream>>>(x, cols);
+  if (rows) launch(softmax_kernel, unsigned(rows), kRowThreads, 0, stream, x, cols);
 }
 
 void scatter_rows(const float* src, int64_t cols, const int64_t* dst_rows, int64_t n, float* dst, cudaStream_t stream) {
-  if (n) scatter_rows_kernel<<<blocks_for(n * cols), kThreads, 0, stream>>>(src, cols, dst_rows, n, dst);
-}
-
-void route_top_k(float* scores, int64_t tokens, int experts, float scale, int top_k, const float* per_expert_scale,
-                 int32_t* expert_ids, float* weights, cudaStream_t stream) {
-  if (tokens)
-    route_top_k_kernel<<<unsigned((tokens + kThreads / 32 - 1) / (kThreads / 32)), kThreads, 0, stream>>>(
-        scores, tokens, experts, scale, top_k, per_expert_scale, expert_ids, weights);  // a warp per token
+  if (n) launch(scatter_rows_kernel, blocks_for(n * cols), kThreads, 0, stream, src, cols, dst_rows, n, dst);
 }
 
 void transpose_bf16(const __nv_bfloat16* in, int64_t k, int64_t n, __nv_bfloat16* out, cudaStream_t stream) {
   const dim3 grid(unsigned((n + 31) / 32), unsigned((k + 31) / 32)), block(32, 8);
-  transpose_bf16_kernel<<<grid, block, 0, stream>>>(in, k, n, out);
+  launch(transpose_bf16_kernel, grid, block, 0, stream, in, k, n, out);
 }
 
 void moe_plan(const int32_t* expert_ids, int64_t pairs, int top_k, int experts, int tile_rows,
@@ -645,8 +625,8 @@ void moe_plan(const int32_t* expert_ids, int64_t pairs, int top_k, int experts, 
   if (pairs > int64_t(INT32_MAX)) throw std::invalid_argument("moe_plan: more than 2^31 token-expert pairs");
   const size_t bytes = sizeof(uint32_t) * 2 * size_t(experts);
   cudaFuncSetAttribute(moe_plan_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes));
-  moe_plan_kernel<<<1, 1024, bytes, stream>>>(expert_ids, pairs, top_k, experts, tile_rows, gate_up, down, row_map,
-                                              inverse, up_segments, down_segments, tiles, max_tiles);
+  launch(moe_plan_kernel, 1, 1024, bytes, stream, expert_ids, pairs, top_k, experts, tile_rows, gate_up, down, row_map,
+         inverse, up_segments, down_segments, tiles, max_tiles);
 }
 
 void combine_experts(const float* y, const int64_t* inverse, const float* weights, int64_t tokens, int top_k,
@@ -655,8 +635,8 @@ void combine_experts(const float* y, const int64_t* inverse, const float* weight
                       reinterpret_cast<uintptr_t>(out) % 16 == 0;
   const int64_t threads_per_token = vector ? hidden / 4 : hidden;
   if (tokens && hidden)
-    combine_experts_kernel<<<dim3(unsigned(tokens), blocks_for(threads_per_token)), kThreads, 0, stream>>>(
-        y, inverse, weights, top_k, hidden, vector, out);
+    launch(combine_experts_kernel, dim3(unsigned(tokens), blocks_for(threads_per_token)), kThreads, 0, stream, y,
+           inverse, weights, top_k, hidden, vector, out);
 }
 
 void quantize_nvfp4_expert_rows(const float* x, bool gather, const int64_t* row_map, const GemmSegment* segments,
@@ -664,12 +644,14 @@ void quantize_nvfp4_expert_rows(const float* x, bool gather, const int64_t* row_
                                 const float* encoder_global, const float* decoder_global, float* out,
                                 cudaStream_t stream) {
   if (rows && cols >= kNvfp4Group)
-    quantize_nvfp4_expert_rows_kernel<<<blocks_for(rows * (cols / kNvfp4Group)), kThreads, 0, stream>>>(
-        x, gather, row_map, segments, experts, rows, cols, encoder_tokens, encoder_global, decoder_global, out);
+    launch(quantize_nvfp4_expert_rows_kernel, blocks_for(rows * (cols / kNvfp4Group)), kThreads, 0, stream, x, gather,
+           row_map, segments, experts, rows, cols, encoder_tokens, encoder_global, decoder_global, out);
 }
 
 void random_bf16(__nv_bfloat16* out, int64_t n, uint64_t seed, float scale, cudaStream_t stream) {
-  if (n) random_bf16_kernel<<<unsigned(std::min<int64_t>(blocks_for(n), 65536)), kThreads, 0, stream>>>(out, n, seed, scale);
+  if (n)
+    launch(random_bf16_kernel, unsigned(std::min<int64_t>(blocks_for(n), 65536)), kThreads, 0, stream, out, n, seed,
+           scale);
 }
 
 void sample_rows(float* logits, int64_t rows, int64_t vocab, float cap, float temperature, const uint8_t* allowed,
@@ -677,30 +659,30 @@ void sample_rows(float* logits, int64_t rows, int64_t vocab, float cap, float te
                  DeviceRowSample* out, cudaStream_t stream) {
   const bool vector = vocab % 4 == 0 && reinterpret_cast<uintptr_t>(logits) % 16 == 0;
   if (rows)
-    sample_kernel<<<unsigned(rows), kSampleThreads, 0, stream>>>(logits, vocab, cap, temperature, allowed, key,
-                                                              schedule, round_bf16, softmax_feedback, vector, out);
+    launch(sample_kernel, unsigned(rows), kSampleThreads, 0, stream, logits, vocab, cap, temperature, allowed, key,
+           schedule, round_bf16, softmax_feedback, vector, out);
 }
 
 void update_canvas(const DeviceCanvas& canvas, const DeviceRowSample* rows, void* scratch, cudaStream_t stream) {
   auto* order = static_cast<int32_t*>(scratch);
-  update_canvas_kernel<<<1, kCanvasThreads, 0, stream>>>(canvas, rows, order,
-                                                         reinterpret_cast<uint8_t*>(order + canvas.params.canvas));
+  launch(update_canvas_kernel, 1, kCanvasThreads, 0, stream, canvas, rows, order,
+         reinterpret_cast<uint8_t*>(order + canvas.params.canvas));
 }
 
 void continue_while(cudaGraphConditionalHandle condition, const int32_t* const* stopped, int count, int32_t* runs,
                     int max_runs, cudaStream_t stream) {
-  continue_while_kernel<<<1, 1, 0, stream>>>(condition, stopped, count, runs, max_runs);
+  launch(continue_while_kernel, 1, 1, 0, stream, condition, stopped, count, runs, max_runs);
 }
 
 void quantize_input(float* x, int64_t rows, int64_t cols, ActivationScheme scheme, int64_t encoder_rows,
                     float encoder_global, float decoder_global, cudaStream_t stream) {
   if (scheme == ActivationScheme::Bf16 && rows)
-    round_bf16_kernel<<<blocks_for(rows * cols), kThreads, 0, stream>>>(x, rows * cols);
+    launch(round_bf16_kernel, blocks_for(rows * cols), kThreads, 0, stream, x, rows * cols);
   if (scheme == ActivationScheme::Fp8Token && rows)
-    quantize_fp8_rows_kernel<<<blocks_for(rows * 32), kThreads, 0, stream>>>(x, rows, cols);
+    launch(quantize_fp8_rows_kernel, blocks_for(rows * 32), kThreads, 0, stream, x, rows, cols);
   if (scheme == ActivationScheme::Nvfp4 && rows)
-    quantize_nvfp4_groups_kernel<<<blocks_for(rows * (cols / kNvfp4Group)), kThreads, 0, stream>>>(
-        x, rows, cols, encoder_rows, encoder_global, decoder_global);
+    launch(quantize_nvfp4_groups_kernel, blocks_for(rows * (cols / kNvfp4Group)), kThreads, 0, stream, x, rows, cols,
+           encoder_rows, encoder_global, decoder_global);
 }
 
 }  // namespace diffuserve::cuda

@@ -10,20 +10,18 @@
 #include <vector>
 
 #include "backend.h"
+#include "launch.cuh"
 #include "philox.h"
 
 namespace diffuserve::cuda {
-
-// Whether the environment variable `name` is "0": the switches that turn a fast path off,
-// to compare (DIFFUSERVE_WGMMA, DIFFUSERVE_CUBLASLT, DIFFUSERVE_CUDA_GRAPHS,
-// DIFFUSERVE_CUDA_BRANCHES).
-bool switched_off(const char* name);
 
 // ---- GEMM (gemm.cu) -------------------------------------------------------------
 // One matrix product per segment, all in one launch:
 //   Y[y_row + i] = X[x(i)] @ W_seg^T   (W_seg: [N, K], K contiguous)
 // with x(i) = row_map ? row_map[x_row + i] : x_row + i, X: x_rows rows of K values, ldx
-// apart, entering the tensor cores as GemmInput says; accumulation is fp32. W is bf16, or
+// apart, entering the tensor cores as GemmInput says; accumulation is fp32. `gated`: the
+// x_rows rows hold [gate | up], 2K values each, and X is their gelu_glu_value, computed
+// in the pre-pass that makes X's bf16 planes (not with Fp8Token). W is bf16, or
 // packed (`format`, packed_weight.h) and dequantized in the kernel: Y = (X @ Q^T) * scale
 // per column for FP8, (X @ (E2M1 * group scale)^T) / global scale for NVFP4 (Split only).
 // `scratch` is gemm_scratch_bytes(x_rows, n, k, input) bytes of device memory that the call
@@ -81,12 +79,13 @@ size_t gemm_scratch_bytes(int64_t x_rows, int64_t n, int64_t k, GemmInput input)
 // K as gemm()'s pre-pass pads it for `input`.
 int64_t gemm_padded_k(int64_t k, GemmInput input);
 // gemm()'s pre-pass for bf16 inputs, alone (for products computed elsewhere: cuBLASLt):
-// row r of X to bf16 at scratch + r * planes * kp values (kp = gemm_padded_k), hi (Split's
-// high part, or RoundBf16's rounding) then, for Split, lo at + kp; K zero-padded to kp.
-// `permuted`: K in the order decoded packed weights take (gemm_tile.cuh).
-void bf16_planes(const float* x, int64_t rows, int64_t ldx, int64_t k, GemmInput input, bool permuted, void* scratch,
-                 cudaStream_t stream);
-void gemm(const float* x, int64_t x_rows, int64_t ldx, const int64_t* row_map, const GemmSegment* segments,
+// row r of X (gated as gemm() says) to bf16 at scratch + r * planes * kp values (kp =
+// gemm_padded_k), hi (Split's high part, or RoundBf16's rounding) then, for Split, lo at
+// + kp; K zero-padded to kp. `permuted`: K in the order decoded packed weights take
+// (gemm_tile.cuh).
+void bf16_planes(const float* x, int64_t rows, int64_t ldx, bool gated, int64_t k, GemmInput input, bool permuted,
+                 void* scratch, cudaStream_t stream);
+void gemm(const float* x, int64_t x_rows, int64_t ldx, bool gated, const int64_t* row_map, const GemmSegment* segments,
           const GemmTile* tiles, int num_tiles, int tile_rows, WeightFormat format, int64_t n, int64_t k,
           GemmInput input, float* y, int64_t ldy, void* scratch, cudaStream_t stream);
 // Fp8Token's pre-pass, for gemm() and its tests: per row of X (rows x k, ldx apart), the
@@ -96,10 +95,14 @@ void fp8_token_codes(const float* x, int64_t rows, int64_t ldx, int64_t k, int64
                      float* scales, cudaStream_t stream);
 // out[N, K] = in[K, N]^T (bf16).
 void transpose_bf16(const __nv_bfloat16* in, int64_t k, int64_t n, __nv_bfloat16* out, cudaStream_t stream);
-// The router's last step, per token: softmax over its expert scores (scaled by `scale`
-// first, in place), top-k (ties to the lower id), renormalisation, per-expert scale.
-void route_top_k(float* scores, int64_t tokens, int experts, float scale, int top_k, const float* per_expert_scale,
-                 int32_t* expert_ids, float* weights, cudaStream_t stream);
+// The MoE router, one launch (route.cu): per token, scores = x @ W^T (x: tokens rows of
+// `hidden` fp32 values, as bf16 hi/lo parts: fp32-like, as the reference ranks near-tied
+// experts; W: bf16 [experts, hidden]), then the softmax of scores * scale, its top k (the
+// lower expert id wins a tie), renormalised, times each expert's scale. At most
+// route_max_experts() experts.
+int route_max_experts();
+void route(const float* x, int64_t tokens, int64_t hidden, const __nv_bfloat16* w, int experts, float scale, int top_k,
+           const float* per_expert_scale, int32_t* expert_ids, float* weights, cudaStream_t stream);
 
 // ---- attention (attention.cu, attention_mma.cu) -----------------------------------
 // Attention over the paged KV cache for a mixed-phase batch (Backend::attention): the host
@@ -192,23 +195,31 @@ void attention_mma(const float* q, float* out, const AttentionPlan& plan, const 
 // ---- elementwise, rows, sampling (kernels.cu) -------------------------------------
 void embed(const __nv_bfloat16* table, int64_t hidden, const int32_t* ids, int64_t n, float scale, float* out,
            cudaStream_t stream);
-// Per group: y = x * (mean(x^2) + eps)^-0.5 [* weight], or when accumulating
-// y = (y + that) * scale.
-void rms_norm(const float* x, const float* weight, int64_t groups, int64_t group, float eps, bool accumulate,
-              float scale, float* y, cudaStream_t stream);
-// rms_norm with several weights (null: none) into as many outputs, from one pass over x
-// (one output when accumulating).
+// The outputs of a norm of groups of x, n = x * (mean(x^2) + eps)^-0.5: each output
+// y = n * its weight (null: none), or with `accumulate` (one output) y = (y + n * weight) * scale.
 constexpr int kMaxNormOutputs = 4;
 struct NormOutputs {
   const float* weight[kMaxNormOutputs];
   float* y[kMaxNormOutputs];
   int count;
+  bool accumulate;
+  float scale;  // accumulate's
 };
-void rms_norms(const float* x, const NormOutputs& outs, int64_t groups, int64_t group, float eps, bool accumulate,
-               float scale, cudaStream_t stream);
-// rms_norm of each head (weight [head_dim]), then rope, in place: a warp per (row, head).
-void rms_norm_rope(float* x, const float* weight, int64_t rows, int64_t heads, int64_t head_dim, float eps,
-                   const float* inv_freq, const int64_t* positions, cudaStream_t stream);
+// The norm of x into `outs`, from one pass over x; then, where then.count > 0 (`outs` one
+// output), the norm of that output as it now is into `then`: two norms in one launch,
+// bitwise as two calls.
+void rms_norms(const float* x, const NormOutputs& outs, const NormOutputs& then, int64_t groups, int64_t group,
+               float eps, cudaStream_t stream);
+// rms_norm of each head (weight [head_dim]), then rope, in place on rows [0, rows); then,
+// on the plain_rows rows after them, each head's unscaled norm (a layer's values after its
+// keys): a warp per (row, head).
+void rms_norm_rope(float* x, const float* weight, int64_t rows, int64_t plain_rows, int64_t heads, int64_t head_dim,
+                   float eps, const float* inv_freq, const int64_t* positions, cudaStream_t stream);
+// The MLP's activation of one (gate, up) pair: gelu (tanh approximation) of the gate, times up.
+DS_HOST_DEVICE inline float gelu_glu_value(float gate, float up) {
+  return 0.5f * gate * (1.0f + tanhf(0.7978845608028654f * (gate + 0.044715f * gate * gate * gate))) * up;
+}
+// out[r, j] = gelu_glu_value(x[r, j], x[r, inter + j]) for x [rows, 2 * inter].
 void gelu_glu(const float* x, int64_t rows, int64_t inter, float* out, cudaStream_t stream);
 void add(const float* a, const float* b, float* y, int64_t n, cudaStream_t stream);
 void scale(float* x, float s, int64_t n, cudaStream_t stream);

@@ -35,10 +35,10 @@ SHAPES = {
                    num_key_value_heads=1, head_dim=16, global_head_dim=24, num_global_key_value_heads=1,
                    sliding_window=20, num_experts=6, top_k_experts=3, moe_intermediate_size=24),
     # A hidden width past 1024 (the norms' block-per-row kernel, as at 26B's 2816) that is
-    # not a multiple of 64.
+    # not a multiple of 64; more experts than the router kernel's first pass takes (128).
     "wide_hidden": dict(vocab_size=512, hidden_size=1096, intermediate_size=256, num_hidden_layers=2,
                         num_attention_heads=2, num_key_value_heads=1, head_dim=64, global_head_dim=128,
-                        num_global_key_value_heads=1, sliding_window=40, num_experts=4, top_k_experts=2,
+                        num_global_key_value_heads=1, sliding_window=40, num_experts=136, top_k_experts=4,
                         moe_intermediate_size=64),
 }
 

@@ -207,6 +207,21 @@ class Backend {
     quantize_input(quantized, w.input_quant, encoder_rows, -1);
     linear(quantized, w, y);
   }
+  // y = x @ w^T with x first quantized as w.input_quant says (when not None): linear, or
+  // quantized_linear. Rows of x below `encoder_rows` are the encoder's.
+  void linear_with_input_quant(const Activation& x, const Weight& w, Activation& y, int64_t encoder_rows) {
+    if (w.input_quant.scheme == ActivationScheme::None) return linear(x, w, y);
+    quantized_linear(x, w, y, encoder_rows);
+  }
+  // y = gelu_glu(x) @ w^T (x: [rows, 2K] of gate and up, w: [N, K]) through
+  // linear_with_input_quant: the MLP's activation and down projection as one op, so that a
+  // backend may compute the activation in the product's own pass over its input (the CUDA
+  // one's bf16 pre-pass). By default gelu_glu into a matrix of its own, then the product.
+  virtual void gelu_glu_linear(const Activation& x, const Weight& w, Activation& y, int64_t encoder_rows) {
+    Activation act = alloc_output(x.rows, x.cols / 2);
+    gelu_glu(x, act);
+    linear_with_input_quant(act, w, y, encoder_rows);
+  }
   // y = x @ w; w is [K, N]. Rows of x are first rounded to w's dtype, as the reference
   // casts probabilities to the weight dtype before this product.
   virtual void linear_nt(const Activation& x, const Weight& w, Activation& y) = 0;
@@ -226,11 +241,37 @@ class Backend {
   // with one pass (one launch) or two fewer.
   virtual void add_rms_norm(const Activation& x, const Weight* weight, float eps, Activation& y,
                             float scale = 1.0f) = 0;
+  // add_rms_norm(x, weight, eps, y), then rms_norms(y, weights, eps, outputs): the residual
+  // update and the next norms of the stream in one op, so that a backend may do both in
+  // one pass. By default the two ops.
+  virtual void add_rms_norm_then_norms(const Activation& x, const Weight* weight, float eps, Activation& y,
+                                       const std::vector<const Weight*>& weights,
+                                       const std::vector<Activation*>& outputs) {
+    add_rms_norm(x, weight, eps, y);
+    rms_norms(y, weights, eps, outputs);
+  }
+  // add_rms_norm(x, x_weight, eps, y), then add_rms_norm(y, y_weight, eps, h, scale): two
+  // branches joined and added to the residual stream in one op, so that a backend may do
+  // both in one pass. By default the two ops.
+  virtual void add_rms_norm_twice(const Activation& x, const Weight* x_weight, Activation& y, const Weight* y_weight,
+                                  float eps, Activation& h, float scale) {
+    add_rms_norm(x, x_weight, eps, y);
+    add_rms_norm(y, y_weight, eps, h, scale);
+  }
   // In place on x viewed as [rows, heads, head_dim] (the query and key heads): rms_norm of
   // each head (weight: fp32 [head_dim]), then rotate_half RoPE at `positions` (inv_freq:
   // fp32 [head_dim / 2]). One op, so that a backend may do both in one pass.
   virtual void rms_norm_rope(Activation& x, const Weight& weight, int64_t head_dim, float eps, const Weight& inv_freq,
                              const std::vector<int64_t>& positions) = 0;
+  // A layer's new keys and values, in place on kv = [K; V] (rows of K, then as many of V):
+  // rms_norm_rope of K by k_weight, and an unscaled rms_norm of each V head. One op, so
+  // that a backend may do both in one pass. By default the two ops.
+  virtual void key_value_norms(Activation& kv, const Weight& k_weight, int64_t head_dim, float eps,
+                               const Weight& inv_freq, const std::vector<int64_t>& positions) {
+    Activation k = kv.view(0, kv.rows / 2), v = kv.view(kv.rows / 2, kv.rows / 2);
+    rms_norm_rope(k, k_weight, head_dim, eps, inv_freq, positions);
+    rms_norm(v, nullptr, head_dim, eps, v);
+  }
   // out = softmax(q k^T) v per head (scale 1), GQA, for every segment of the batch (each
   // with its own keys, positions, causal flag and window) in one call. round_bf16: q, k, v
   // and the probabilities rounded to bf16 before their products (activations "bfloat16";

@@ -443,13 +443,6 @@ void load_weights(ModelState& m, DType as) {
 
 namespace {
 
-// y = x @ w^T, x first quantized when the checkpoint quantizes this linear's input. Rows
-// of x below `encoder_rows` are the encoder's.
-void linear(Backend& be, const Activation& x, const Weight& w, Activation& y, int64_t encoder_rows) {
-  if (w.input_quant.scheme == ActivationScheme::None) return be.linear(x, w, y);
-  be.quantized_linear(x, w, y, encoder_rows);
-}
-
 // K and V of `x` for one layer: k_norm + RoPE on K; V is v_proj(x) (or, on full-attention
 // layers, the raw k_proj output) through an unscaled norm. Both come as rows of one matrix,
 // [K; V], and where neither linear quantizes its input they are one product: on the GPU a
@@ -467,36 +460,37 @@ void project_kv(ModelState& m, int li, const Activation& x, int64_t encoder_rows
       W.k_proj.dtype == W.v_proj.dtype) {
     be.linears(x, {&W.k_proj, &W.v_proj}, kv);
   } else {
-    linear(be, x, W.k_proj, k, encoder_rows);
-    if (L.has_v_proj) linear(be, x, W.v_proj, v, encoder_rows);
+    be.linear_with_input_quant(x, W.k_proj, k, encoder_rows);
+    if (L.has_v_proj) be.linear_with_input_quant(x, W.v_proj, v, encoder_rows);
     else be.copy_rows(k, 0, v, 0, k.rows);
   }
-  be.rms_norm_rope(k, W.k_norm, L.head_dim, m.config.rms_norm_eps, W.rope_inv_freq, positions);
-  be.rms_norm(v, nullptr, L.head_dim, m.config.rms_norm_eps, v);
+  be.key_value_norms(kv, W.k_norm, L.head_dim, m.config.rms_norm_eps, W.rope_inv_freq, positions);
 }
 
 // out = gated GELU MLP of x with stacked [gate; up] weights.
 void gated_mlp(Backend& be, const Activation& x, int64_t encoder_rows, const Weight& gate_up, const Weight& down,
                Activation& out) {
-  Activation gu = be.alloc_output(x.rows, gate_up.shape[0]), act = be.alloc_output(x.rows, gate_up.shape[0] / 2);
-  linear(be, x, gate_up, gu, encoder_rows);
-  be.gelu_glu(gu, act);
-  linear(be, act, down, out, encoder_rows);
+  Activation gu = be.alloc_output(x.rows, gate_up.shape[0]);
+  be.linear_with_input_quant(x, gate_up, gu, encoder_rows);
+  be.gelu_glu_linear(gu, down, out, encoder_rows);
 }
 
-// The feed-forward half of a layer and the layer scalar, in place on h:
+// The attention's output added to the residual stream, then the feed-forward half of a
+// layer and the layer scalar, in place on h:
+//   h = h + post_attn(attn)
 //   h = (h + post_ff(post_ff_1(mlp(pre_ff(h))) + post_ff_2(experts(pre_ff_2(h), route(h))))) * scalar
 // Rows of h below `encoder_rows` are the encoder's.
-void feed_forward(ModelState& m, int li, Activation& h, int64_t encoder_rows) {
+void feed_forward(ModelState& m, int li, const Activation& attn, Activation& h, int64_t encoder_rows) {
   Backend& be = *m.backend;
   const LayerWeights& W = m.weights.layers[li];
   const float eps = m.config.rms_norm_eps;
   const int64_t n = h.rows, H = h.cols;
   Activation x = be.alloc_output(n, H), x2 = be.alloc_output(n, H), router_in = be.alloc_output(n, H);
   Activation dense = be.alloc_output(n, H), moe = be.alloc_output(n, H);
-  // h's three norms (the MLP's input, the experts', the router's) in one pass over it.
-  be.rms_norms(h, {&W.pre_feedforward_layernorm, &W.pre_feedforward_layernorm_2, &W.router_scale}, eps,
-               {&x, &x2, &router_in});
+  // The new h's three norms (the MLP's input, the experts', the router's) in the same pass.
+  be.add_rms_norm_then_norms(attn, &W.post_attention_layernorm, eps, h,
+                             {&W.pre_feedforward_layernorm, &W.pre_feedforward_layernorm_2, &W.router_scale},
+                             {&x, &x2, &router_in});
   // The two branches are independent: the dense MLP's short products may run in the gaps
   // of the experts' (the router's steps before them, the tails of their waves).
   be.concurrently(
@@ -512,13 +506,13 @@ void feed_forward(ModelState& m, int li, Activation& h, int64_t encoder_rows) {
 
   // The two branches' sum, then its norm added to the residual and the layer scalar
   // applied: the encoder's rows (first) and the decoder's each have their own.
-  be.add_rms_norm(moe, &W.post_feedforward_layernorm_2, eps, dense);
   const int64_t decoder_rows = n - encoder_rows;
   for (const auto& [first, rows, scalar] : {std::tuple{int64_t(0), encoder_rows, W.encoder_layer_scalar},
                                             std::tuple{encoder_rows, decoder_rows, W.decoder_layer_scalar}}) {
     if (!rows) continue;
-    Activation part = dense.view(first, rows), residual = h.view(first, rows);
-    be.add_rms_norm(part, &W.post_feedforward_layernorm, eps, residual, scalar);
+    Activation branch = moe.view(first, rows), sum = dense.view(first, rows), residual = h.view(first, rows);
+    be.add_rms_norm_twice(branch, &W.post_feedforward_layernorm_2, sum, &W.post_feedforward_layernorm, eps, residual,
+                          scalar);
   }
 }
 
@@ -569,7 +563,7 @@ void layer_forward(ModelState& m, KvCache& kv, int li, Activation& h, const std:
   const std::vector<int64_t> q_positions(positions.begin() + first, positions.end());
   Activation q = be.alloc_output(n - first, q_cols), attn = be.alloc_output(n - first, q_cols);
   be.concurrently(keys_and_values, [&] {
-    linear(be, rows_x, W.q_proj, q, rows_encoder);
+    be.linear_with_input_quant(rows_x, W.q_proj, q, rows_encoder);
     be.rms_norm_rope(q, W.q_norm, L.head_dim, c.rms_norm_eps, W.rope_inv_freq, q_positions);
   });
 
@@ -589,9 +583,8 @@ void layer_forward(ModelState& m, KvCache& kv, int li, Activation& h, const std:
   }
   be.attention(q, segments, c.num_heads, L.num_kv_heads, L.head_dim, attn, m.bf16_activations);
 
-  linear(be, attn, W.o_proj, rows_x, rows_encoder);
-  be.add_rms_norm(rows_x, &W.post_attention_layernorm, c.rms_norm_eps, rows_h);
-  feed_forward(m, li, rows_h, rows_encoder);
+  be.linear_with_input_quant(attn, W.o_proj, rows_x, rows_encoder);
+  feed_forward(m, li, rows_x, rows_h, rows_encoder);
 }
 
 }  // namespace
@@ -670,7 +663,7 @@ Activation forward(ModelState& m, KvCache& kv, std::vector<Segment>& segments, c
   if (decoder_rows) {
     Activation dec = h.view(encoder_rows, decoder_rows);
     be.rms_norm(dec, &W.norm, H, c.rms_norm_eps, dec);
-    linear(be, dec, W.lm_head.empty() ? W.embed_tokens : W.lm_head, logits, 0);
+    be.linear_with_input_quant(dec, W.lm_head.empty() ? W.embed_tokens : W.lm_head, logits, 0);
     if (softcap && c.final_logit_softcapping > 0) be.softcap(logits, c.final_logit_softcapping);
   }
   return logits;

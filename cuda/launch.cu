@@ -1,0 +1,24 @@
+#include "launch.cuh"
+
+#include <cstdlib>
+#include <string>
+
+namespace diffuserve::cuda {
+
+bool switched_off(const char* name) {
+  const char* value = std::getenv(name);
+  return value && std::string(value) == "0";
+}
+
+bool programmatic_launch() {
+  static const bool on = [] {
+    int device = 0, major = 0;
+    if (cudaGetDevice(&device) != cudaSuccess ||
+        cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess)
+      return false;
+    return major >= 9 && !switched_off("DIFFUSERVE_PDL");
+  }();
+  return on;
+}
+
+}  // namespace diffuserve::cuda

@@ -1,0 +1,58 @@
+// Every kernel of the CUDA backend is launched with launch() and starts with
+// wait_for_earlier_kernels(): programmatic dependent launch (Hopper). A step is a
+// thousand short kernels in a row on one stream; launched plainly, each one's blocks are
+// scheduled only once the one before has drained, a few microseconds of an idle GPU per
+// kernel. With the launch attribute a kernel's blocks may be scheduled as soon as every
+// block of the one before has started (and called launch_dependents), and then wait in
+// griddepcontrol.wait until it has finished and its writes are visible: the scheduling
+// overlaps the tail of the kernel before, the order of memory accesses stays the
+// stream's. The wait is the first statement of every kernel, before any load or store,
+// so no kernel reads or overwrites what an earlier one still uses; and as each kernel
+// finishes only after its own wait, the wait covers every kernel before it, not just the
+// last. Kernels of other libraries (cuBLASLt) and copies keep the plain stream order.
+// DIFFUSERVE_PDL=0 launches plainly, to compare.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <utility>
+
+namespace diffuserve::cuda {
+
+__device__ __forceinline__ void wait_for_earlier_kernels() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+  // This kernel's blocks have all started once each has passed here: the next kernel's
+  // may be scheduled into the room they leave.
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+// Whether the environment variable `name` is "0": the switches that turn a fast path off,
+// to compare (DIFFUSERVE_WGMMA, DIFFUSERVE_CUBLASLT, DIFFUSERVE_CUDA_GRAPHS,
+// DIFFUSERVE_CUDA_BRANCHES, DIFFUSERVE_PDL).
+bool switched_off(const char* name);
+
+// Whether launch() uses programmatic dependent launch: an sm_90 or newer GPU (the first
+// one asked about) and DIFFUSERVE_PDL not 0.
+bool programmatic_launch();
+
+// kernel<<<grid, block, shared_bytes, stream>>>(args...), with programmatic dependent
+// launch where programmatic_launch() says so. A launch error is left for the stream's
+// next error check, as <<<>>> leaves it.
+template <class... Params, class... Args>
+void launch(void (*kernel)(Params...), dim3 grid, dim3 block, size_t shared_bytes, cudaStream_t stream,
+            Args&&... args) {
+  cudaLaunchAttribute attribute{};
+  attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute.val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t config{};
+  config.gridDim = grid;
+  config.blockDim = block;
+  config.dynamicSmemBytes = shared_bytes;
+  config.stream = stream;
+  if (programmatic_launch()) config.attrs = &attribute, config.numAttrs = 1;
+  cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...);
+}
+
+}  // namespace diffuserve::cuda

@@ -1,0 +1,201 @@
+// The MoE router in one launch: the scores of 16 tokens against every expert on tensor
+// cores, then each token's softmax and top k from shared memory. At batch 1 this replaces
+// a pre-pass, two split-K products with their reductions (the scores want fp32-like
+// precision: bf16 hi and lo parts) and the top-k kernel: six launches.
+//
+// A cluster of 4 blocks takes 16 tokens (one m16n8k16 row tile); the experts' 8-wide tiles
+// go round the blocks (tile T to block T % 4). A block's 16 warps take 4 of its tiles at a
+// time, 4 warps a tile, each a quarter of the hidden size; the quarters' sums meet in
+// shared memory and are added in quarter order, and the tile's scores go to the first
+// block's shared memory, which then routes the tokens, a warp each. So a block streams a
+// quarter of the weights, with 64 chunks of loads in flight at a time.
+//
+// Each lane reads its fragments straight from global memory: the tokens' rows (fp32, split
+// into bf16 hi/lo as they are read: two products) and the experts' weight rows (bf16).
+// Within a 32-wide chunk of the hidden size, lane t's 8 consecutive values k0 + 8t .. 8t + 7
+// stand for its fragment pairs of both 16-wide steps, in A and B alike (the sum over k does
+// not care about the order), so a lane reads two float4s of a token row and one 16-byte
+// piece of a weight row. A token's scores depend on its row alone: batch-invariant.
+#include <cooperative_groups.h>
+
+#include <stdexcept>
+#include <string>
+
+#include "kernels.h"
+#include "mma.cuh"
+
+namespace diffuserve::cuda {
+namespace {
+
+constexpr int kRouteTokens = 16;
+constexpr int kClusterBlocks = 4;                  // blocks a token tile's experts are spread over
+constexpr int kTileSlots = 4, kKParts = 4;         // a block's tiles at a time, and warps a tile
+constexpr int kRouteWarps = kTileSlots * kKParts;  // warp w: slot w % 4, quarter w / 4
+// Shared memory: the scores [token][expert] (used in the first block), then the quarters
+// 1..3 of the slots' sums [quarter - 1][token][slot * 8 + column].
+constexpr size_t kPartialBytes = sizeof(float) * (kKParts - 1) * kRouteTokens * kTileSlots * 8;
+constexpr size_t kMaxSharedBytes = 200 * 1024;
+
+// Values k .. k + 7 of a row of n: two float4s (kWhole: all inside, 16-byte aligned), or
+// one at a time, zero past n.
+template <bool kWhole>
+__device__ __forceinline__ void load8(const float* row, int64_t k, int64_t n, float (&v)[8]) {
+  if constexpr (kWhole) {
+    const float4 a = *reinterpret_cast<const float4*>(row + k), b = *reinterpret_cast<const float4*>(row + k + 4);
+    v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
+  } else {
+#pragma unroll
+    for (int j = 0; j < 8; ++j) v[j] = k + j < n ? row[k + j] : 0.0f;
+  }
+}
+// The same of a bf16 row, as four packed pairs (the lower k in the low half).
+template <bool kWhole>
+__device__ __forceinline__ uint4 load8(const __nv_bfloat16* row, int64_t k, int64_t n) {
+  if constexpr (kWhole) return *reinterpret_cast<const uint4*>(row + k);
+  uint32_t p[4];
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const __nv_bfloat16 lo = k + 2 * j < n ? row[k + 2 * j] : __float2bfloat16(0.0f);
+    const __nv_bfloat16 hi = k + 2 * j + 1 < n ? row[k + 2 * j + 1] : __float2bfloat16(0.0f);
+    p[j] = uint32_t(__bfloat16_as_ushort(lo)) | uint32_t(__bfloat16_as_ushort(hi)) << 16;
+  }
+  return {p[0], p[1], p[2], p[3]};
+}
+
+// acc += the products over one 32-wide chunk of the hidden size: lane t's values k .. k + 7
+// (k = k0 + 8t) of its token rows g, g + 8 and of its expert's weight row.
+template <bool kWhole>
+__device__ __forceinline__ void accumulate_chunk(const float* const (&rows)[2], const __nv_bfloat16* w_row, int64_t k,
+                                                 int64_t hidden, float (&acc)[4]) {
+  float a[2][8];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) load8<kWhole>(rows[h], k, hidden, a[h]);
+  const uint4 b = load8<kWhole>(w_row, k, hidden);
+#pragma unroll
+  for (int step = 0; step < 2; ++step) {  // values 4 step .. 4 step + 3 of the lane's 8
+    uint32_t parts[2][4];                  // [hi, lo][fragment register]
+    const int v = 4 * step;
+    split_bf16(a[0][v], a[0][v + 1], parts[0][0], parts[1][0]);
+    split_bf16(a[1][v], a[1][v + 1], parts[0][1], parts[1][1]);
+    split_bf16(a[0][v + 2], a[0][v + 3], parts[0][2], parts[1][2]);
+    split_bf16(a[1][v + 2], a[1][v + 3], parts[0][3], parts[1][3]);
+    const uint32_t frag[2] = {step ? b.z : b.x, step ? b.w : b.y};
+    mma_bf16(acc, parts[0], frag);
+    mma_bf16(acc, parts[1], frag);
+  }
+}
+
+// One token's routing from its scores s (in place): softmax of s * scale, the top k (the
+// lower expert id wins a tie) by warp-wide argmaxes, renormalised, times each expert's scale.
+__device__ void route_token(float* s, int experts, float scale, int top_k, const float* per_expert_scale,
+                            int32_t* ids, float* wt, int lane) {
+  float m = -INFINITY;
+  for (int e = lane; e < experts; e += 32) m = fmaxf(m, s[e] *= scale);
+  for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+  float z = 0.0f;
+  for (int e = lane; e < experts; e += 32) z += expf(s[e] - m);
+  for (int o = 16; o > 0; o >>= 1) z += __shfl_xor_sync(0xffffffffu, z, o);
+  float picked = 0.0f;
+  for (int k = 0; k < top_k; ++k) {
+    float best = -INFINITY;
+    int index = -1;
+    for (int e = lane; e < experts; e += 32)
+      if (s[e] != -INFINITY && (index < 0 || s[e] > best)) best = s[e], index = e;
+    for (int o = 16; o > 0; o >>= 1) {
+      const float v = __shfl_xor_sync(0xffffffffu, best, o);
+      const int i = __shfl_xor_sync(0xffffffffu, index, o);
+      if (i >= 0 && (index < 0 || v > best || (v == best && i < index))) best = v, index = i;
+    }
+    const float p = expf(best - m) / z;
+    picked += p;
+    if (lane == 0) ids[k] = index, wt[k] = p;
+    __syncwarp();
+    if (lane == (index & 31)) s[index] = -INFINITY;  // taken
+    __syncwarp();
+  }
+  if (lane == 0)
+    for (int k = 0; k < top_k; ++k) wt[k] = wt[k] / picked * per_expert_scale[ids[k]];
+}
+
+__global__ void __cluster_dims__(kClusterBlocks, 1, 1) __launch_bounds__(kRouteWarps * 32)
+    route_kernel(const float* __restrict__ x, int64_t tokens, int64_t hidden, const __nv_bfloat16* __restrict__ w,
+                 int experts, bool vector, float scale, int top_k, const float* __restrict__ per_expert_scale,
+                 int32_t* __restrict__ expert_ids, float* __restrict__ weights) {
+  wait_for_earlier_kernels();
+  namespace cg = cooperative_groups;
+  const cg::cluster_group cluster = cg::this_cluster();
+  extern __shared__ float shared[];
+  float* scores = shared;  // [kRouteTokens][experts]
+  auto partial = reinterpret_cast<float(*)[kRouteTokens][kTileSlots * 8]>(shared + kRouteTokens * experts);
+  float* first_scores = cluster.map_shared_rank(scores, 0);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+  const int slot = warp % kTileSlots, part = warp / kTileSlots, rank = int(cluster.block_rank());
+  const int64_t first = int64_t(blockIdx.x / kClusterBlocks) * kRouteTokens;
+  // This lane's token rows g and g + 8 (a row past the tokens reads as the last one's,
+  // and its scores are never used).
+  const float* rows[2];
+  for (int h = 0; h < 2; ++h) {
+    const int64_t token = first + g + 8 * h;
+    rows[h] = x + (token < tokens ? token : tokens - 1) * hidden;
+  }
+  // This warp's quarter of the hidden size: chunks [begin, end) of 32, those below
+  // whole_end read as whole vectors.
+  const int64_t chunks = (hidden + 31) / 32, per_part = (chunks + kKParts - 1) / kKParts;
+  const int64_t begin = (part * per_part < chunks ? part * per_part : chunks) * 32;
+  const int64_t end = ((part + 1) * per_part < chunks ? (part + 1) * per_part : chunks) * 32;
+  const int64_t whole_end = vector ? (hidden / 32 * 32 < end ? hidden / 32 * 32 : end) : begin;
+
+  // Pass p: this block's tiles rank + 4 (4p + slot), one a slot.
+  const int tiles = (experts + 7) / 8, stride = kClusterBlocks * kTileSlots;
+  for (int pass_tile = rank; pass_tile < tiles; pass_tile += stride) {
+    const int tile = pass_tile + kClusterBlocks * slot;
+    float acc[4] = {};
+    if (tile < tiles) {
+      const int expert = tile * 8 + g;  // past the last: the last, whose scores are not kept
+      const __nv_bfloat16* w_row = w + int64_t(expert < experts ? expert : experts - 1) * hidden;
+      int64_t k0 = begin;
+#pragma unroll 8
+      for (; k0 < whole_end; k0 += 32) accumulate_chunk<true>(rows, w_row, k0 + 8 * t, hidden, acc);
+      for (; k0 < end; k0 += 32) accumulate_chunk<false>(rows, w_row, k0 + 8 * t, hidden, acc);
+    }
+    // acc: rows g, g + 8 x columns 2t, 2t + 1 of the tile. Quarters 1..3 to shared memory,
+    // then quarter 0 adds them in order and sends the scores to the first block.
+    if (part > 0)
+      for (int r = 0; r < 4; ++r) partial[part - 1][g + 8 * (r >> 1)][slot * 8 + 2 * t + (r & 1)] = acc[r];
+    __syncthreads();
+    if (part == 0 && tile < tiles)
+      for (int r = 0; r < 4; ++r) {
+        const int row = g + 8 * (r >> 1), column = 2 * t + (r & 1), e = tile * 8 + column;
+        float sum = acc[r];
+        for (int q = 0; q < kKParts - 1; ++q) sum += partial[q][row][slot * 8 + column];
+        if (e < experts) first_scores[row * experts + e] = sum;
+      }
+    __syncthreads();
+  }
+  cluster.sync();  // every block's scores are in the first block's shared memory
+  if (rank != 0) return;
+  for (int r = warp; r < kRouteTokens && first + r < tokens; r += kRouteWarps)
+    route_token(scores + r * experts, experts, scale, top_k, per_expert_scale, expert_ids + (first + r) * top_k,
+                weights + (first + r) * top_k, lane);
+}
+
+}  // namespace
+
+int route_max_experts() { return int((kMaxSharedBytes - kPartialBytes) / (sizeof(float) * kRouteTokens)); }
+
+void route(const float* x, int64_t tokens, int64_t hidden, const __nv_bfloat16* w, int experts, float scale,
+           int top_k, const float* per_expert_scale, int32_t* expert_ids, float* weights, cudaStream_t stream) {
+  if (experts < 1 || experts > route_max_experts() || top_k < 1 || top_k > experts)
+    throw std::invalid_argument("route: 1 to " + std::to_string(route_max_experts()) +
+                                " experts and 1 <= top_k <= experts");
+  if (!tokens) return;
+  // Whole aligned vectors: 16-byte rows of x (float4s) and of w (8 bf16s).
+  const bool vector = hidden % 8 == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0 &&
+                      reinterpret_cast<uintptr_t>(w) % 16 == 0;
+  const size_t bytes = sizeof(float) * kRouteTokens * size_t(experts) + kPartialBytes;
+  cudaFuncSetAttribute(route_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes));
+  launch(route_kernel, unsigned((tokens + kRouteTokens - 1) / kRouteTokens * kClusterBlocks), kRouteWarps * 32, bytes,
+         stream, x, tokens, hidden, w, experts, vector, scale, top_k, per_expert_scale, expert_ids, weights);
+}
+
+}  // namespace diffuserve::cuda
