@@ -132,6 +132,49 @@ __global__ void rms_norm_kernel(const float* x, NormOutputs outs, NormOutputs th
   write_norms(yi, then, g, inv_rms(yi), group, threadIdx.x, blockDim.x);
 }
 
+// rms_norm_kernel with the group in registers, read once: kPer values a thread at
+// threadIdx.x + i * blockDim.x (group <= kPer * blockDim.x), the same sums in the same
+// order, so the same results. `then` normalises the first output's values as they stay
+// in registers.
+constexpr int kRowKernelThreads = 512;  // at most
+template <int kPer>
+__global__ void __launch_bounds__(kRowKernelThreads)
+    rms_norm_row_kernel(const float* x, NormOutputs outs, NormOutputs then, int64_t group, float eps) {
+  wait_for_earlier_kernels();
+  const int64_t g = blockIdx.x, stride = blockDim.x;
+  auto inside = [&](int i) { return threadIdx.x + i * stride < group; };
+  auto index = [&](int i) { return g * group + threadIdx.x + i * stride; };
+  float v[kPer];
+#pragma unroll
+  for (int i = 0; i < kPer; ++i) v[i] = inside(i) ? x[index(i)] : 0.0f;
+  // The norm of v into each output, the first one last; v becomes its values.
+  auto normalise = [&](const NormOutputs& o) {
+    float ss = 0.0f;
+#pragma unroll
+    for (int i = 0; i < kPer; ++i) ss += v[i] * v[i];
+    const float inv = powf(block_sum(ss) / float(group) + eps, -0.5f);
+    for (int k = o.count - 1; k >= 0; --k) {
+      const float* weight = o.weight[k];
+      float* y = o.y[k];
+      float w[kPer], old[kPer];
+#pragma unroll
+      for (int i = 0; i < kPer; ++i) {
+        w[i] = inside(i) && weight ? weight[threadIdx.x + i * stride] : 1.0f;
+        old[i] = inside(i) && o.accumulate ? y[index(i)] : 0.0f;
+      }
+#pragma unroll
+      for (int i = 0; i < kPer; ++i) {
+        const float normed = v[i] * inv * w[i];
+        const float out = o.accumulate ? __fmul_rn(__fadd_rn(old[i], normed), o.scale) : normed;
+        if (inside(i)) y[index(i)] = out;
+        if (k == 0) v[i] = out;
+      }
+    }
+  };
+  normalise(outs);
+  if (then.count) normalise(then);
+}
+
 // (mean(x^2) + eps)^-0.5 of a group of x, summed by the warp (every lane gets it).
 __device__ float warp_inv_rms(const float* x, int64_t group, float eps, int lane) {
   float ss = 0.0f;
@@ -571,7 +614,11 @@ void rms_norms(const float* x, const NormOutputs& outs, const NormOutputs& then,
     if (o->count > kMaxNormOutputs || (o->accumulate && o->count > 1))
       throw std::invalid_argument("rms_norms: at most 4 outputs, one when accumulating");
   if (then.count && outs.count > 1) throw std::invalid_argument("rms_norms: `then` normalises one output");
-  if (group >= 1024) {
+  constexpr int kPer = 8;  // a row in registers: 8 values a thread
+  if (group >= 1024 && group <= kPer * kRowKernelThreads) {
+    const int threads = int(((group + kPer - 1) / kPer + 31) / 32 * 32);
+    launch(rms_norm_row_kernel<kPer>, unsigned(groups), threads, 0, stream, x, outs, then, group, eps);
+  } else if (group >= 1024) {
     launch(rms_norm_kernel, unsigned(groups), kThreads, 0, stream, x, outs, then, group, eps);
   } else {
     constexpr int kWarps = kThreads / 32;

@@ -8,7 +8,7 @@
 // time, 4 warps a tile, each a quarter of the hidden size; the quarters' sums meet in
 // shared memory and are added in quarter order, and the tile's scores go to the first
 // block's shared memory, which then routes the tokens, a warp each. So a block streams a
-// quarter of the weights, with 64 chunks of loads in flight at a time.
+// quarter of the weights, each warp with 4 chunks of loads in flight at a time.
 //
 // Each lane reads its fragments straight from global memory: the tokens' rows (fp32, split
 // into bf16 hi/lo as they are read: two products) and the experts' weight rows (bf16).
@@ -31,6 +31,7 @@ constexpr int kRouteTokens = 16;
 constexpr int kClusterBlocks = 4;                  // blocks a token tile's experts are spread over
 constexpr int kTileSlots = 4, kKParts = 4;         // a block's tiles at a time, and warps a tile
 constexpr int kRouteWarps = kTileSlots * kKParts;  // warp w: slot w % 4, quarter w / 4
+constexpr int kDepth = 4;                          // chunks of loads a warp has in flight
 // Shared memory: the scores [token][expert] (used in the first block), then the quarters
 // 1..3 of the slots' sums [quarter - 1][token][slot * 8 + column].
 constexpr size_t kPartialBytes = sizeof(float) * (kKParts - 1) * kRouteTokens * kTileSlots * 8;
@@ -62,24 +63,30 @@ __device__ __forceinline__ uint4 load8(const __nv_bfloat16* row, int64_t k, int6
   return {p[0], p[1], p[2], p[3]};
 }
 
-// acc += the products over one 32-wide chunk of the hidden size: lane t's values k .. k + 7
-// (k = k0 + 8t) of its token rows g, g + 8 and of its expert's weight row.
-template <bool kWhole>
-__device__ __forceinline__ void accumulate_chunk(const float* const (&rows)[2], const __nv_bfloat16* w_row, int64_t k,
-                                                 int64_t hidden, float (&acc)[4]) {
+// One 32-wide chunk of the hidden size as a lane holds it: its values k .. k + 7 (k = k0 +
+// 8t) of its token rows g, g + 8 and of its expert's weight row.
+struct Chunk {
   float a[2][8];
+  uint4 b;
+};
+template <bool kWhole>
+__device__ __forceinline__ void load_chunk(const float* const (&rows)[2], const __nv_bfloat16* w_row, int64_t k,
+                                           int64_t hidden, Chunk& c) {
 #pragma unroll
-  for (int h = 0; h < 2; ++h) load8<kWhole>(rows[h], k, hidden, a[h]);
-  const uint4 b = load8<kWhole>(w_row, k, hidden);
+  for (int h = 0; h < 2; ++h) load8<kWhole>(rows[h], k, hidden, c.a[h]);
+  c.b = load8<kWhole>(w_row, k, hidden);
+}
+// acc += the chunk's products: two 16-wide steps, hi and lo parts each.
+__device__ __forceinline__ void multiply_chunk(const Chunk& c, float (&acc)[4]) {
 #pragma unroll
   for (int step = 0; step < 2; ++step) {  // values 4 step .. 4 step + 3 of the lane's 8
     uint32_t parts[2][4];                  // [hi, lo][fragment register]
     const int v = 4 * step;
-    split_bf16(a[0][v], a[0][v + 1], parts[0][0], parts[1][0]);
-    split_bf16(a[1][v], a[1][v + 1], parts[0][1], parts[1][1]);
-    split_bf16(a[0][v + 2], a[0][v + 3], parts[0][2], parts[1][2]);
-    split_bf16(a[1][v + 2], a[1][v + 3], parts[0][3], parts[1][3]);
-    const uint32_t frag[2] = {step ? b.z : b.x, step ? b.w : b.y};
+    split_bf16(c.a[0][v], c.a[0][v + 1], parts[0][0], parts[1][0]);
+    split_bf16(c.a[1][v], c.a[1][v + 1], parts[0][1], parts[1][1]);
+    split_bf16(c.a[0][v + 2], c.a[0][v + 3], parts[0][2], parts[1][2]);
+    split_bf16(c.a[1][v + 2], c.a[1][v + 3], parts[0][3], parts[1][3]);
+    const uint32_t frag[2] = {step ? c.b.z : c.b.x, step ? c.b.w : c.b.y};
     mma_bf16(acc, parts[0], frag);
     mma_bf16(acc, parts[1], frag);
   }
@@ -117,7 +124,7 @@ __device__ void route_token(float* s, int experts, float scale, int top_k, const
     for (int k = 0; k < top_k; ++k) wt[k] = wt[k] / picked * per_expert_scale[ids[k]];
 }
 
-__global__ void __cluster_dims__(kClusterBlocks, 1, 1) __launch_bounds__(kRouteWarps * 32)
+__global__ void __cluster_dims__(kClusterBlocks, 1, 1) __launch_bounds__(kRouteWarps * 32, 1)
     route_kernel(const float* __restrict__ x, int64_t tokens, int64_t hidden, const __nv_bfloat16* __restrict__ w,
                  int experts, bool vector, float scale, int top_k, const float* __restrict__ per_expert_scale,
                  int32_t* __restrict__ expert_ids, float* __restrict__ weights) {
@@ -153,10 +160,21 @@ __global__ void __cluster_dims__(kClusterBlocks, 1, 1) __launch_bounds__(kRouteW
     if (tile < tiles) {
       const int expert = tile * 8 + g;  // past the last: the last, whose scores are not kept
       const __nv_bfloat16* w_row = w + int64_t(expert < experts ? expert : experts - 1) * hidden;
+      // kDepth chunks' loads in flight at a time (the loop is latency-bound otherwise).
       int64_t k0 = begin;
-#pragma unroll 8
-      for (; k0 < whole_end; k0 += 32) accumulate_chunk<true>(rows, w_row, k0 + 8 * t, hidden, acc);
-      for (; k0 < end; k0 += 32) accumulate_chunk<false>(rows, w_row, k0 + 8 * t, hidden, acc);
+      for (; k0 + kDepth * 32 <= whole_end; k0 += kDepth * 32) {
+        Chunk c[kDepth];
+#pragma unroll
+        for (int d = 0; d < kDepth; ++d) load_chunk<true>(rows, w_row, k0 + 32 * d + 8 * t, hidden, c[d]);
+#pragma unroll
+        for (int d = 0; d < kDepth; ++d) multiply_chunk(c[d], acc);
+      }
+      for (; k0 < end; k0 += 32) {
+        Chunk c;
+        if (k0 < whole_end) load_chunk<true>(rows, w_row, k0 + 8 * t, hidden, c);
+        else load_chunk<false>(rows, w_row, k0 + 8 * t, hidden, c);
+        multiply_chunk(c, acc);
+      }
     }
     // acc: rows g, g + 8 x columns 2t, 2t + 1 of the tile. Quarters 1..3 to shared memory,
     // then quarter 0 adds them in order and sends the scores to the first block.
