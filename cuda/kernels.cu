@@ -424,12 +424,16 @@ __device__ OnlineSoftmax block_merge(OnlineSoftmax v) {
   return total;
 }
 
-// One block per canvas row, two passes over it. The first only reads, once for all the
-// sampler needs of the processed logits p (softcap(logits) / temperature, masked ids -inf): the
-// argmax, the Gumbel-max candidate, the entropy (from online softmax statistics), and the
-// softmax statistics of the feedback f (p rounded to bf16 when round_bf16). The second
-// writes f, or with softmax_feedback its softmax (the next step's soft embedding input;
-// the forward's softmax op, copy and their passes are then left out).
+// One block per canvas row, two passes over it. The first only reads, once for what the
+// rest needs of the processed logits p (softcap(logits) / temperature, masked ids -inf):
+// the argmax, the entropy (from online softmax statistics) and the softmax statistics of
+// the feedback f (p rounded to bf16 when round_bf16). The second writes f, or with
+// softmax_feedback its softmax (the next step's soft embedding input; the forward's
+// softmax op, copy and their passes are then left out), and draws the Gumbel-max
+// candidate: only for ids whose p is within the noise's range of the row's max, since
+// the winner's noisy value is at least max + the least noise and no other id can reach
+// it. With a peaked distribution that skips the Philox draws and the two logarithms of
+// nearly the whole vocabulary; the candidate is the same id.
 __global__ void __launch_bounds__(kSampleThreads, 2)
     sample_kernel(float* logits, int64_t vocab, float cap, float temperature, const uint8_t* allowed, RandomKey key,
                   DeviceSchedule schedule, bool round_bf16, bool softmax_feedback, bool vector, DeviceRowSample* out) {
@@ -445,37 +449,58 @@ __global__ void __launch_bounds__(kSampleThreads, 2)
     return !allowed || allowed[v] ? (cap > 0.0f ? capped(x, cap) : x) / temperature : -INFINITY;
   };
   auto fed_back = [&](float p) { return round_bf16 ? __bfloat162float(__float2bfloat16(p)) : p; };
-  float best = -INFINITY, best_noisy = -INFINITY;
-  int best_i = INT_MAX, noisy_i = INT_MAX;
-  OnlineSoftmax dist{-INFINITY, 0.0f, 0.0f}, feedback = dist;
-  for (int64_t v4 = int64_t(threadIdx.x) * 4; v4 < vocab; v4 += int64_t(blockDim.x) * 4) {
-    float x[4];
+  // The row's ids four at a time, each thread's in the same order in both passes.
+  auto load4 = [&](int64_t v4, float (&x)[4]) {
     if (vector) {  // rows of whole, aligned float4s
       const float4 q = *reinterpret_cast<const float4*>(l + v4);
       x[0] = q.x, x[1] = q.y, x[2] = q.z, x[3] = q.w;
     } else {
       for (int j = 0; j < 4; ++j) x[j] = v4 + j < vocab ? l[v4 + j] : 0.0f;
     }
-    const Philox4 bits = key.draw(uint32_t(row), uint32_t(v4));
+  };
+  const int64_t first4 = int64_t(threadIdx.x) * 4, stride4 = int64_t(blockDim.x) * 4;
+  float best = -INFINITY;
+  int best_i = INT_MAX;
+  OnlineSoftmax dist{-INFINITY, 0.0f, 0.0f}, feedback = dist;
+  for (int64_t v4 = first4; v4 < vocab; v4 += stride4) {
+    float x[4];
+    load4(v4, x);
     for (int j = 0; j < 4 && v4 + j < vocab; ++j) {
       const int64_t v = v4 + j;
       const float p = processed(v, x[j]);
       if (p > best || (p == best && v < best_i)) best = p, best_i = int(v);
-      const float noisy = p + gumbel(bits[j]);
-      if (noisy > best_noisy || (noisy == best_noisy && v < noisy_i)) best_noisy = noisy, noisy_i = int(v);
       dist.add(p);
       feedback.add(fed_back(p));
     }
   }
   block_argmax(best, best_i);
-  block_argmax(best_noisy, noisy_i);
   dist = block_merge(dist);
   feedback = block_merge(feedback);
-  const float inv_sum = 1.0f / feedback.s;
-  for_each_strided(l, vocab, threadIdx.x, blockDim.x, [&](int64_t v, float x) {
-    const float f = fed_back(processed(v, x));
-    l[v] = softmax_feedback ? __expf(f - feedback.m) * inv_sum : f;
-  });
+  const float inv_sum = 1.0f / feedback.s, reach = best + kGumbelMin;
+  float best_noisy = -INFINITY;
+  int noisy_i = INT_MAX;
+  for (int64_t v4 = first4; v4 < vocab; v4 += stride4) {
+    float x[4], p[4] = {-INFINITY, -INFINITY, -INFINITY, -INFINITY};
+    load4(v4, x);
+    bool draw = false;
+    for (int j = 0; j < 4 && v4 + j < vocab; ++j) {
+      p[j] = processed(v4 + j, x[j]);
+      const float f = fed_back(p[j]);
+      x[j] = softmax_feedback ? __expf(f - feedback.m) * inv_sum : f;
+      draw |= !(p[j] + kGumbelMax < reach);
+    }
+    if (vector) *reinterpret_cast<float4*>(l + v4) = {x[0], x[1], x[2], x[3]};
+    else
+      for (int j = 0; j < 4 && v4 + j < vocab; ++j) l[v4 + j] = x[j];
+    if (!draw) continue;
+    const Philox4 bits = key.draw(uint32_t(row), uint32_t(v4));
+    for (int j = 0; j < 4 && v4 + j < vocab; ++j) {
+      if (p[j] + kGumbelMax < reach) continue;
+      const float noisy = p[j] + gumbel(bits[j]);
+      if (noisy > best_noisy || (noisy == best_noisy && v4 + j < noisy_i)) best_noisy = noisy, noisy_i = int(v4 + j);
+    }
+  }
+  block_argmax(best_noisy, noisy_i);
   if (threadIdx.x == 0) out[row] = {best_i, noisy_i, dist.entropy()};
 }
 

@@ -59,6 +59,9 @@ DS_HOST_DEVICE inline float uniform_open(uint32_t bits) { return (float(bits >> 
 // Standard Gumbel noise: argmax(logits + gumbel) samples from softmax(logits). Finite:
 // within [-2.82, 16.64], uniform_open's extremes.
 DS_HOST_DEVICE inline float gumbel(uint32_t bits) { return -logf(-logf(uniform_open(bits))); }
+// Bounds on gumbel's values with a margin for logf's rounding: p + noise can beat q + noise'
+// only where p + kGumbelMax >= q + kGumbelMin.
+constexpr float kGumbelMin = -2.9f, kGumbelMax = 16.7f;
 
 // A uniform integer in [0, n) (multiply-shift; bias below 2^-32 * n).
 DS_HOST_DEVICE inline uint32_t uniform_below(uint32_t bits, uint32_t n) { return uint32_t((uint64_t(bits) * n) >> 32); }
