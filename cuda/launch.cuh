@@ -38,21 +38,33 @@ bool switched_off(const char* name);
 bool programmatic_launch();
 
 // kernel<<<grid, block, shared_bytes, stream>>>(args...), with programmatic dependent
-// launch where programmatic_launch() says so. A launch error is left for the stream's
-// next error check, as <<<>>> leaves it.
+// launch where programmatic_launch() says so, and the blocks in clusters of
+// `cluster_blocks` along x where that is more than 1 (sm_90 code; grid.x a multiple). A
+// launch error is left for the stream's next error check, as <<<>>> leaves it.
 template <class... Params, class... Args>
-void launch(void (*kernel)(Params...), dim3 grid, dim3 block, size_t shared_bytes, cudaStream_t stream,
-            Args&&... args) {
-  cudaLaunchAttribute attribute{};
-  attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attribute.val.programmaticStreamSerializationAllowed = 1;
+void launch_clusters(int cluster_blocks, void (*kernel)(Params...), dim3 grid, dim3 block, size_t shared_bytes,
+                     cudaStream_t stream, Args&&... args) {
+  cudaLaunchAttribute attributes[2] = {};
   cudaLaunchConfig_t config{};
   config.gridDim = grid;
   config.blockDim = block;
   config.dynamicSmemBytes = shared_bytes;
   config.stream = stream;
-  if (programmatic_launch()) config.attrs = &attribute, config.numAttrs = 1;
+  config.attrs = attributes;
+  if (programmatic_launch()) {
+    attributes[config.numAttrs].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attributes[config.numAttrs++].val.programmaticStreamSerializationAllowed = 1;
+  }
+  if (cluster_blocks > 1) {
+    attributes[config.numAttrs].id = cudaLaunchAttributeClusterDimension;
+    attributes[config.numAttrs++].val.clusterDim = {unsigned(cluster_blocks), 1, 1};
+  }
   cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...);
+}
+template <class... Params, class... Args>
+void launch(void (*kernel)(Params...), dim3 grid, dim3 block, size_t shared_bytes, cudaStream_t stream,
+            Args&&... args) {
+  launch_clusters(1, kernel, grid, block, shared_bytes, stream, std::forward<Args>(args)...);
 }
 
 }  // namespace diffuserve::cuda

@@ -8,7 +8,9 @@
 // time, 4 warps a tile, each a quarter of the hidden size; the quarters' sums meet in
 // shared memory and are added in quarter order, and the tile's scores go to the first
 // block's shared memory, which then routes the tokens, a warp each. So a block streams a
-// quarter of the weights, each warp with 4 chunks of loads in flight at a time.
+// quarter of the weights, each warp with 4 chunks of loads in flight at a time. Code for
+// GPUs before Hopper (no clusters) runs with clusters of one block: a block takes every
+// tile.
 //
 // Each lane reads its fragments straight from global memory: the tokens' rows (fp32, split
 // into bf16 hi/lo as they are read: two products) and the experts' weight rows (bf16).
@@ -124,20 +126,25 @@ __device__ void route_token(float* s, int experts, float scale, int top_k, const
     for (int k = 0; k < top_k; ++k) wt[k] = wt[k] / picked * per_expert_scale[ids[k]];
 }
 
-__global__ void __cluster_dims__(kClusterBlocks, 1, 1) __launch_bounds__(kRouteWarps * 32, 1)
+__global__ void __launch_bounds__(kRouteWarps * 32, 1)
     route_kernel(const float* __restrict__ x, int64_t tokens, int64_t hidden, const __nv_bfloat16* __restrict__ w,
                  int experts, bool vector, float scale, int top_k, const float* __restrict__ per_expert_scale,
                  int32_t* __restrict__ expert_ids, float* __restrict__ weights) {
   wait_for_earlier_kernels();
-  namespace cg = cooperative_groups;
-  const cg::cluster_group cluster = cg::this_cluster();
   extern __shared__ float shared[];
   float* scores = shared;  // [kRouteTokens][experts]
   auto partial = reinterpret_cast<float(*)[kRouteTokens][kTileSlots * 8]>(shared + kRouteTokens * experts);
+#if __CUDA_ARCH__ >= 900
+  const cooperative_groups::cluster_group cluster = cooperative_groups::this_cluster();
+  const int blocks = int(cluster.num_blocks()), rank = int(cluster.block_rank());
   float* first_scores = cluster.map_shared_rank(scores, 0);
+#else
+  const int blocks = 1, rank = 0;
+  float* first_scores = scores;
+#endif
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
-  const int slot = warp % kTileSlots, part = warp / kTileSlots, rank = int(cluster.block_rank());
-  const int64_t first = int64_t(blockIdx.x / kClusterBlocks) * kRouteTokens;
+  const int slot = warp % kTileSlots, part = warp / kTileSlots;
+  const int64_t first = int64_t(blockIdx.x / blocks) * kRouteTokens;
   // This lane's token rows g and g + 8 (a row past the tokens reads as the last one's,
   // and its scores are never used).
   const float* rows[2];
@@ -152,10 +159,10 @@ __global__ void __cluster_dims__(kClusterBlocks, 1, 1) __launch_bounds__(kRouteW
   const int64_t end = ((part + 1) * per_part < chunks ? (part + 1) * per_part : chunks) * 32;
   const int64_t whole_end = vector ? (hidden / 32 * 32 < end ? hidden / 32 * 32 : end) : begin;
 
-  // Pass p: this block's tiles rank + 4 (4p + slot), one a slot.
-  const int tiles = (experts + 7) / 8, stride = kClusterBlocks * kTileSlots;
-  for (int pass_tile = rank; pass_tile < tiles; pass_tile += stride) {
-    const int tile = pass_tile + kClusterBlocks * slot;
+  // Pass p: this block's tiles rank + blocks (4p + slot), one a slot.
+  const int tiles = (experts + 7) / 8;
+  for (int pass_tile = rank; pass_tile < tiles; pass_tile += blocks * kTileSlots) {
+    const int tile = pass_tile + blocks * slot;
     float acc[4] = {};
     if (tile < tiles) {
       const int expert = tile * 8 + g;  // past the last: the last, whose scores are not kept
@@ -190,7 +197,9 @@ __global__ void __cluster_dims__(kClusterBlocks, 1, 1) __launch_bounds__(kRouteW
       }
     __syncthreads();
   }
+#if __CUDA_ARCH__ >= 900
   cluster.sync();  // every block's scores are in the first block's shared memory
+#endif
   if (rank != 0) return;
   for (int r = warp; r < kRouteTokens && first + r < tokens; r += kRouteWarps)
     route_token(scores + r * experts, experts, scale, top_k, per_expert_scale, expert_ids + (first + r) * top_k,
@@ -212,8 +221,16 @@ void route(const float* x, int64_t tokens, int64_t hidden, const __nv_bfloat16* 
                       reinterpret_cast<uintptr_t>(w) % 16 == 0;
   const size_t bytes = sizeof(float) * kRouteTokens * size_t(experts) + kPartialBytes;
   cudaFuncSetAttribute(route_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes));
-  launch(route_kernel, unsigned((tokens + kRouteTokens - 1) / kRouteTokens * kClusterBlocks), kRouteWarps * 32, bytes,
-         stream, x, tokens, hidden, w, experts, vector, scale, top_k, per_expert_scale, expert_ids, weights);
+  // Clusters where the kernel's code is Hopper's (sm_90 and newer); one block a token tile before.
+  static const int cluster_blocks = [] {
+    cudaFuncAttributes attributes{};
+    return cudaFuncGetAttributes(&attributes, route_kernel) == cudaSuccess && attributes.binaryVersion >= 90
+               ? kClusterBlocks
+               : 1;
+  }();
+  launch_clusters(cluster_blocks, route_kernel, unsigned((tokens + kRouteTokens - 1) / kRouteTokens * cluster_blocks),
+                  kRouteWarps * 32, bytes, stream, x, tokens, hidden, w, experts, vector, scale, top_k,
+                  per_expert_scale, expert_ids, weights);
 }
 
 }  // namespace diffuserve::cuda
