@@ -8,6 +8,9 @@ diffuserve's included). Needs a CUDA build and PyTorch.
 Prints the GPU-busy share of the wall time, then one row per kernel name: time and launches
 per forward pass, mean time per launch; then the gaps between GPU work, by length.
 (DIFFUSERVE_PROFILE=1 instead times each op with a synchronisation around it.)
+Programmatic dependent launch is off here unless DIFFUSERVE_PDL is set: with it a kernel's
+blocks start while the kernel before is still running and wait for it, so each kernel's time
+would include that wait.
 """
 import argparse
 import os
@@ -31,6 +34,7 @@ def main():
     ap.add_argument("--activations", choices=["float32", "bfloat16"], default="float32",
                     help="what the linears and attention take their inputs as (LoadOptions.activations)")
     args = ap.parse_args()
+    os.environ.setdefault("DIFFUSERVE_PDL", "0")  # read at the first launch, below
     with tempfile.TemporaryDirectory() as tmp:
         llm = ds.LLM(write_config(os.path.join(tmp, "dg26b")), device="cuda", load_format="dummy",
                      kv_cache_memory_bytes=20 << 30, max_num_batched_tokens=8192, slice_steps=64,
