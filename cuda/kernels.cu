@@ -76,12 +76,19 @@ __global__ void embed_kernel(const __nv_bfloat16* table, int64_t hidden, const i
   out[i] = __bfloat162float(table[int64_t(ids[i / hidden]) * hidden + i % hidden]) * scale;
 }
 
-// The write pass of both norm kernels below: this thread's elements j of a group get
-// x[j] * inv [* weight[j]], stored in y[j] or (kAccumulate) added to it. x, the weights and
-// y are all loaded kUnroll at a time before any is used (as for_each_strided does). x may
-// be y: each element is read and written by one thread, loads first. __fadd_rn keeps nvcc
-// from fusing the add with the multiply into one FMA (rounded once), so y + norm rounds as
-// a norm kernel followed by the add kernel would.
+// One element of a norm's output: v * inv * w, or with `accumulate` (old + that) * scale.
+// __fadd_rn keeps nvcc from fusing the add with the multiply into one FMA (rounded once),
+// so old + norm rounds as a norm kernel followed by the add kernel would.
+__device__ __forceinline__ float norm_output(float v, float inv, float w, bool accumulate, float old, float scale) {
+  const float normed = v * inv * w;
+  return accumulate ? __fmul_rn(__fadd_rn(old, normed), scale) : normed;
+}
+
+// The write pass of the streaming norm kernels below: this thread's elements j of a group
+// get norm_output of x[j] * inv [* weight[j]], stored in y[j] or (kAccumulate) added to it.
+// x, the weights and y are all loaded kUnroll at a time before any is used (as
+// for_each_strided does). x may be y: each element is read and written by one thread,
+// loads first.
 template <bool kAccumulate>
 __device__ __forceinline__ void write_norm(const float* x, const float* weight, float inv, int64_t group,
                                            int64_t first, int64_t stride, float scale, float* y) {
@@ -99,8 +106,7 @@ __device__ __forceinline__ void write_norm(const float* x, const float* weight, 
     for (int u = 0; u < kUnroll; ++u) {
       const int64_t j = base + u * stride;
       if (j >= group) continue;
-      const float normed = v[u] * inv * w[u];
-      y[j] = kAccumulate ? __fmul_rn(__fadd_rn(old[u], normed), scale) : normed;
+      y[j] = norm_output(v[u], inv, w[u], kAccumulate, old[u], scale);
     }
   }
 }
@@ -164,8 +170,7 @@ __global__ void __launch_bounds__(kRowKernelThreads)
       }
 #pragma unroll
       for (int i = 0; i < kPer; ++i) {
-        const float normed = v[i] * inv * w[i];
-        const float out = o.accumulate ? __fmul_rn(__fadd_rn(old[i], normed), o.scale) : normed;
+        const float out = norm_output(v[i], inv, w[i], o.accumulate, old[i], o.scale);
         if (inside(i)) y[index(i)] = out;
         if (k == 0) v[i] = out;
       }
