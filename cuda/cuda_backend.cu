@@ -402,16 +402,12 @@ class CudaBackend final : public Backend {
     gemm_dense(x, stack.expert(0), w.format, stack.n, stack.k, input, y);
   }
 
-  // The activation in the product's pre-pass, where that pass is all that touches the
-  // product's input: plain inputs (fp32-like), or bf16 ones; not where the input is
-  // quantized beforehand or to FP8 codes.
+  // The activation in the product's pre-pass, where it can be (gated_input).
   void gelu_glu_linear(const Activation& x, const Weight& w, Activation& y, int64_t encoder_rows) override {
-    const cuda::GemmInput input = gemm_input(w);
-    if (w.input_quant.scheme != ActivationScheme::None && input != cuda::GemmInput::RoundBf16)
-      return Backend::gelu_glu_linear(x, w, y, encoder_rows);
+    if (!gated_input(w)) return Backend::gelu_glu_linear(x, w, y, encoder_rows);
     auto timed = op("linear");
     const cuda::ExpertStack stack = matrices(w);
-    gemm_dense(x, stack.expert(0), w.format, stack.n, stack.k, input, y, /*gated=*/true);
+    gemm_dense(x, stack.expert(0), w.format, stack.n, stack.k, gemm_input(w), y, /*gated=*/true);
   }
 
   // y = round_bf16(x) @ w with w [K, N] (the reference casts the probabilities to the
@@ -570,9 +566,8 @@ class CudaBackend final : public Backend {
     cuda::gemm(input.data, input.rows, input.cols, false, up_rows,
                static_cast<const cuda::GemmSegment*>(up_segments.get()), device_tiles, max_tiles, tile_rows,
                gate_up.format, inter2, hidden, up_input, gu.data, gu.cols, up_scratch.get(), stream_);
-    // The activation: in the down product's pre-pass (as gelu_glu_linear), unless its
-    // input is quantized first or to FP8 codes.
-    const bool gated = down.input_quant.scheme == ActivationScheme::None || down_input == cuda::GemmInput::RoundBf16;
+    // The activation: in the down product's pre-pass where it can be (gated_input).
+    const bool gated = gated_input(down);
     Activation act = gu;
     if (!gated) {
       act = alloc_output(pairs, inter2 / 2);
@@ -832,6 +827,14 @@ class CudaBackend final : public Backend {
     if (w.format == WeightFormat::Plain && w.input_quant.scheme == ActivationScheme::Bf16)
       return cuda::GemmInput::RoundBf16;
     return cuda::GemmInput::Split;
+  }
+
+  // Whether the MLP's activation can be computed in the bf16 pre-pass of w's product
+  // (cuda::gemm's `gated`): where that pass is all that touches the product's input, plain
+  // inputs (fp32-like) or bf16 ones; not where the input is quantized beforehand or to FP8
+  // codes.
+  static bool gated_input(const Weight& w) {
+    return w.input_quant.scheme == ActivationScheme::None || gemm_input(w) == cuda::GemmInput::RoundBf16;
   }
 
   static const __nv_bfloat16* bf16(const Weight& w) {
