@@ -330,6 +330,16 @@ Operands operands(const Problem& p) {
   return o;
 }
 
+// Whether `tile_rows` multiplies p on wgmma (32 rows and more, where the build and GPU have it).
+bool on_wgmma(const Problem& p, int tile_rows) { return tile_rows >= 32 && gemm_has_wgmma_tile(p.input, p.format); }
+
+// How far from the exact product an output may be, relative to sum |x w|: fp32-like (the
+// hi/lo planes; E4M3 on mma.sync, whose fp16 products are exact), or E4M3 on wgmma, whose
+// tensor cores add a stage's products with fewer bits (gemm.cu).
+double tolerance(const Problem& p, int tile_rows) {
+  return p.input == GemmInput::Fp8Token && on_wgmma(p, tile_rows) ? 2e-3 : 2e-5;
+}
+
 // Checks Y against the double reference on every written element (or `samples` random
 // ones), and that elements no segment writes were left alone.
 void verify(const Problem& p, const std::vector<float>& y, const char* name, int tile_rows, int samples = 0) {
@@ -355,7 +365,7 @@ void verify(const Problem& p, const std::vector<float>& y, const char* name, int
       const double err = std::fabs(got - ref) / (mag + 1e-30);
       worst = std::max(worst, err);
       ++checked;
-      if (!(err <= 2e-5)) {
+      if (!(err <= tolerance(p, tile_rows))) {
         if (bad++ < 5)
           std::printf("    %s: row %d col %ld: got %.8g want %.8g\n", name, int(s.y_row + i), long(j), got, ref);
       }
@@ -457,8 +467,8 @@ void check_codes(const Problem& p, const char* name) {
 }
 
 // An Fp8Token product against today's path for the same linear: quantize_input's fake-
-// quantized X through the hi/lo GEMM (Split) with the same FP8 weights. Equal up to fp32
-// summation order: |difference| within 4e-5 of sum |x w| (each is within 2e-5 of exact).
+// quantized X through the hi/lo GEMM (Split) with the same FP8 weights. Equal up to the
+// two products' tolerances of the exact one (fp32 summation order alone on mma.sync).
 void check_against_fake_quant(const Problem& p, const char* name, int tile_rows) {
   Problem split = p;
   split.input = GemmInput::Split;
@@ -481,7 +491,8 @@ void check_against_fake_quant(const Problem& p, const char* name, int tile_rows)
     }
   char detail[96];
   std::snprintf(detail, sizeof detail, "worst |fp8x8 - fake-quant hi/lo| / sum|xw| %.2e (tile %d)", worst, tile_rows);
-  report(worst <= 4e-5, (std::string("vs fake quant ") + name).c_str(), detail);
+  report(worst <= tolerance(p, tile_rows) + tolerance(split, tile_rows), (std::string("vs fake quant ") + name).c_str(),
+         detail);
 }
 
 // Random routing: the tokens each expert gets, each token to top_k distinct experts.
@@ -604,10 +615,12 @@ void correctness() {
       check_codes(c.p, c.name);
       check_against_fake_quant(c.p, c.name, 64);
     }
-    std::vector<float> first;
+    // Bitwise across the heights, except E4M3 on wgmma against mma.sync (other sums).
+    std::vector<float> first_on[2];
     for (int t : kTileHeights) {
       const std::vector<float> y = run(c.p, t);
       verify(c.p, y, c.name, t);
+      std::vector<float>& first = first_on[c.p.input == GemmInput::Fp8Token && on_wgmma(c.p, t)];
       if (first.empty()) {
         first = y;
       } else {
@@ -615,8 +628,8 @@ void correctness() {
         for (size_t e = 0; e < y.size(); ++e)
           if (std::memcmp(&y[e], &first[e], 4) != 0) ++differ;
         if (differ) {
-          std::printf("FAIL   %-44s %-5s tile %3d: %zu elements differ bitwise from the first tile\n", c.name,
-                      format_name(c.p.format, c.p.input), t, differ);
+          std::printf("FAIL   %-44s %-5s tile %3d: %zu elements differ bitwise from the first tile on the same MMAs\n",
+                      c.name, format_name(c.p.format, c.p.input), t, differ);
           ++failures;
         }
       }

@@ -4,6 +4,7 @@ context 1K unless told), recorded by torch's profiler (CUPTI sees every kernel o
 diffuserve's included). Needs a CUDA build and PyTorch.
 
     python benchmarks/kernel_trace.py [--batch 1] [--context 1024] [--steps 8] [--activations bfloat16]
+                                      [--quantization fp8-dynamic]
 
 Prints the GPU-busy share of the wall time, then one row per kernel name: time and launches
 per forward pass, mean time per launch; then the gaps between GPU work, by length.
@@ -22,7 +23,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import diffuserve as ds
-from step_latency import CANVAS, fixed_steps, write_config  # beside this script
+from step_latency import CANVAS, LINEAR_BYTES, fixed_steps, write_config  # beside this script
 
 
 def main():
@@ -33,12 +34,15 @@ def main():
     ap.add_argument("--rows", type=int, default=24, help="kernel names shown")
     ap.add_argument("--activations", choices=["float32", "bfloat16"], default="float32",
                     help="what the linears and attention take their inputs as (LoadOptions.activations)")
+    ap.add_argument("--quantization", choices=list(LINEAR_BYTES), default="bf16",
+                    help="the random linears' format, as step_latency.py's")
     args = ap.parse_args()
     os.environ.setdefault("DIFFUSERVE_PDL", "0")  # read at the first launch, below
     with tempfile.TemporaryDirectory() as tmp:
         llm = ds.LLM(write_config(os.path.join(tmp, "dg26b")), device="cuda", load_format="dummy",
                      kv_cache_memory_bytes=20 << 30, max_num_batched_tokens=8192, slice_steps=64,
-                     activations=args.activations)
+                     activations=args.activations,
+                     quantization=None if args.quantization == "bf16" else args.quantization)
         prompts = [((np.arange(args.context) + 7 * r) % 1000 + 3).tolist() for r in range(args.batch)]
         llm.generate(prompts, fixed_steps(CANVAS, 2, seed=0))  # prefill (the prefix cache keeps it) and warm-up
         passes = llm.stats()["forward_passes"]
@@ -56,7 +60,8 @@ def main():
         total[0] += e.time_range.elapsed_us() / 1e3
         total[1] += 1
     busy_ms = sum(ms for ms, _ in by_name.values())
-    print(f"diffuserve kernel trace, 26B-A4B shapes (random bf16 weights, {args.activations} inputs), batch {args.batch}, "
+    print(f"diffuserve kernel trace, 26B-A4B shapes (random {args.quantization} weights, {args.activations} inputs), "
+          f"batch {args.batch}, "
           f"context {args.context}, {passes} forward passes")
     print(f"wall {wall_ms / passes:.1f} ms a pass, GPU busy {busy_ms / passes:.1f} ms "
           f"({100 * busy_ms / wall_ms:.0f}%), {len(gpu) / passes:.0f} kernels and copies a pass")

@@ -357,9 +357,15 @@ class CudaBackend final : public Backend {
 
   // One launch over the weights as segments of one product, each on all of x's rows (the
   // GEMM's segments need 16-byte aligned matrices, as allocations give them).
-  void linears(const Activation& x, const std::vector<const Weight*>& ws, Activation& y) override {
+  // One product where the weights' inputs are all taken alike inside it (gemm_input: plain,
+  // rounded to bf16, or FP8 per token, each quantized by the pre-pass alone).
+  void linears(const Activation& x, const std::vector<const Weight*>& ws, Activation& y,
+               int64_t encoder_rows) override {
+    const cuda::GemmInput input = gemm_input(*ws.front());
     for (const Weight* w : ws)
-      if (reinterpret_cast<uintptr_t>(w->data) % 16) return Backend::linears(x, ws, y);
+      if (reinterpret_cast<uintptr_t>(w->data) % 16 || gemm_input(*w) != input ||
+          (input == cuda::GemmInput::Split && w->input_quant.scheme != ActivationScheme::None))
+        return Backend::linears(x, ws, y, encoder_rows);
     auto timed = op("linear");
     const cuda::ExpertStack first = matrices(*ws.front());
     std::vector<const void*> weights;
@@ -371,14 +377,13 @@ class CudaBackend final : public Backend {
       weights.push_back(w.data);
       outputs.push_back(y.data + int64_t(i) * x.rows * y.cols);
     }
-    auto scratch = pool_->get(cuda::gemm_scratch_bytes(x.rows, first.n, first.k, cuda::GemmInput::Split));
+    auto scratch = pool_->get(cuda::gemm_scratch_bytes(x.rows, first.n, first.k, input));
     // cuBLASLt's plan depends on each output's alignment: with rows of a multiple of 4
     // floats every block of y is 16-byte aligned, whatever x.rows (batch invariance).
     if (first.format == WeightFormat::Plain && y.cols % 4 == 0 &&
-        products_on_cublaslt(x, false, weights, first.n, first.k, cuda::GemmInput::Split, outputs, y.cols,
-                             scratch.get()))
+        products_on_cublaslt(x, false, weights, first.n, first.k, input, outputs, y.cols, scratch.get()))
       return;
-    const int tile = cuda::gemm_tile_rows(x.rows, int64_t(ws.size()), first.n, cuda::GemmInput::Split, first.format);
+    const int tile = cuda::gemm_tile_rows(x.rows, int64_t(ws.size()), first.n, input, first.format);
     std::vector<cuda::GemmSegment> segments(ws.size());
     std::vector<cuda::GemmTile> tiles;
     for (size_t i = 0; i < ws.size(); ++i) {
@@ -390,8 +395,7 @@ class CudaBackend final : public Backend {
       for (int64_t m0 = 0; m0 < x.rows; m0 += tile) tiles.push_back({int(i), int(m0)});
     }
     cuda::gemm(x.data, x.rows, x.cols, false, nullptr, upload_table(segments), upload_table(tiles), int(tiles.size()),
-               tile, ws.front()->format, first.n, first.k, cuda::GemmInput::Split, y.data, y.cols, scratch.get(),
-               stream_);
+               tile, ws.front()->format, first.n, first.k, input, y.data, y.cols, scratch.get(), stream_);
   }
 
   void quantized_linear(const Activation& x, const Weight& w, Activation& y, int64_t encoder_rows) override {

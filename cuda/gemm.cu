@@ -18,10 +18,13 @@
 // with FP8 weights) is multiplied in E4M3 instead: the pre-pass quantizes each X row as
 // activation_quant.h does, to E4M3 codes of x / s_row (s_row = amax / 448), one byte
 // each, and the main loop multiplies them with the weights' E4M3 codes as stored, the
-// scales s_row * w_scale applied to the finished sums. Both operands are unpacked to fp16
-// in registers (exact) for fp16 MMAs, half the bf16 path's (no lo plane), and the weight
-// tile needs no conversion pass through shared memory (gemm_tile.cuh says why not the
-// E4M3 MMA). Every product is exact in fp32 and the sums are fp32, so this is the
+// scales s_row * w_scale applied to the finished sums. On sm_90a both operands go to
+// Hopper's E4M3 tensor cores as they are (wgmma, below), whose sums carry fewer bits than
+// fp32: within 2e-3 of sum |x w| of the exact product, far inside E4M3's own rounding of
+// each input. Elsewhere (and with DIFFUSERVE_WGMMA=0) both are unpacked to fp16 in
+// registers (exact) for mma.sync's fp16 MMAs, half the bf16 path's (no lo plane), and the
+// weight tile needs no conversion pass through shared memory (gemm_tile.cuh says why not
+// mma.sync's E4M3 MMA): every product is exact in fp32 and the sums are fp32, the
 // fake-quantized fp32 product (quantize_input, then the hi/lo GEMM) up to fp32 summation
 // order.
 //
@@ -52,14 +55,16 @@
 //       two blocks of four stages, 8 warps, ncu found no warp ready to issue 56% of the
 //       time, mostly waiting on dependent instructions; three blocks were 3-5% faster.)
 //   32, 64 or 128 x 128 on wgmma (wgmma.cuh), one warpgroup: in place of the 32-, 64- and
-//       128-row tiles above where X and the weights are bf16 and the build has sm_90a (the
-//       MoE of bf16 checkpoints; dense products where cuBLASLt is absent). The same ring,
-//       read by the tensor cores through descriptors, the weight rows as the MMAs' M. (At
-//       16 rows, wgmma measured no faster than mma.sync: the warps' issue was not what held
-//       that tile back, the second tiles were.)
+//       128-row tiles above where X and the weights are both bf16 or both E4M3 and the build
+//       has sm_90a (the MoE of bf16 checkpoints; dense products where cuBLASLt is absent;
+//       every product of FP8_DYNAMIC's linears and experts). The same ring, read by the
+//       tensor cores through descriptors, the weight rows as the MMAs' M. (At 16 rows, bf16
+//       wgmma measured no faster than mma.sync: the warps' issue was not what held that tile
+//       back, the second tiles were; E4M3 takes 32 rows there as well.)
 // Every shape accumulates each output in the same order (K steps of 32 bytes in order, hi
-// then lo), so a row's result does not depend on the tile shape its batch size picked:
-// batched and single-sequence runs agree bitwise.
+// then lo; E4M3 on wgmma, a stage's tensor-core sum added in order), so a row's result does
+// not depend on the tile shape its batch size picked: batched and single-sequence runs agree
+// bitwise.
 //
 // Packed weights (FP8, NVFP4: packed_weight.h) with bf16 X stream as they are stored, 1 or
 // 1/2 byte per value (plus NVFP4's E4M3 scale per 16), into the ring, and each lane decodes
@@ -227,9 +232,10 @@ __global__ void __launch_bounds__(S::kThreads, S::kBlocks) gemm_kernel(const Par
   static_assert(kBM % kRowStep == 0 && kWChunks % kThreads == 0 && kTilesN % 2 == 0 &&
                     kBN <= kThreads,  // a thread per W row for NVFP4's scales
                 "tile shape");
-  static_assert(!S::kWgmma || (kFormat == WeightFormat::Plain && kInput != GemmInput::Fp8Token && kBN == 128 &&
+  static_assert(!S::kWgmma || ((kFormat == WeightFormat::Plain) == (kInput != GemmInput::Fp8Token) &&
+                               (kFormat == WeightFormat::Plain || kFormat == WeightFormat::Fp8) && kBN == 128 &&
                                kThreads == 128 && kABytes % 1024 == 0 && kStageBytes % 1024 == 0),
-                "wgmma: bf16 X and W, one warpgroup, 128 W rows, operands on whole swizzle atoms");
+                "wgmma: bf16 X and W or E4M3 X and W, one warpgroup, 128 W rows, operands on whole swizzle atoms");
   extern __shared__ __align__(1024) uint8_t smem[];
 
   GemmSegment seg = p.single;
@@ -420,25 +426,55 @@ __global__ void __launch_bounds__(S::kThreads, S::kBlocks) gemm_kernel(const Par
   };
 
   // On wgmma: weight rows [64 h, 64 h + 64) of the tile are half h's M, the X tile's plane
-  // rows its N; per accumulator, K steps in order, hi then lo, as compute() sums them.
+  // rows its N. bf16: per accumulator, K steps in order, hi then lo, as compute() sums them.
+  // E4M3: the tensor cores add E4M3 products with fewer bits than fp32 (errors near 2^-12 of
+  // the magnitude within one MMA), and carried on in their accumulators they would compound
+  // over K. So each stage's 128 values go into registers of their own (the first K step
+  // overwriting them), added to the fp32 sums after: an output is within 2e-3 of sum |x w|
+  // of the exact product (gemm_bench), a hundredth of E4M3's own rounding of each input
+  // (2^-4), and the order of the additions is the stage's alone. Both halves are in flight
+  // at once where the registers allow (32 and 64 X rows).
   float wacc[2][kBM / 2] = {};
+  constexpr int kPartHalves = kBM <= 64 ? 2 : 1;
+  [[maybe_unused]] float wpart[kPartHalves][kBM / 2] = {};
   auto compute_wgmma = [&](int stage) {
     if constexpr (S::kWgmma) {
 #ifdef DIFFUSERVE_WGMMA_DEVICE
       const uint32_t a_base = shared_address(smem + stage * kStageBytes), w_base = a_base + kABytes;
-      wgmma_fence();
+      auto w_operand = [&](int half, int ks) { return wgmma_descriptor(w_base + half * 64 * kRowBytes + 32 * ks); };
+      auto x_operand = [&](int plane, int ks) { return wgmma_descriptor(a_base + plane * kBM * kRowBytes + 32 * ks); };
+      if constexpr (kInput == GemmInput::Fp8Token) {
 #pragma unroll
-      for (int ks = 0; ks < kRowBytes / 32; ++ks)
+        for (int half0 = 0; half0 < 2; half0 += kPartHalves) {
+          wgmma_fence();
 #pragma unroll
-        for (int half = 0; half < 2; ++half)
+          for (int ks = 0; ks < kRowBytes / 32; ++ks)
 #pragma unroll
-          for (int plane = 0; plane < kPlanes; ++plane)
-            wgmma_bf16<kBM>(wacc[half], wgmma_descriptor(w_base + half * 64 * kRowBytes + 32 * ks),
-                            wgmma_descriptor(a_base + plane * kBM * kRowBytes + 32 * ks));
-      wgmma_commit();
-      wgmma_wait<0>();  // the stage is refilled after the next barrier
-      wgmma_hold(wacc[0]);
-      wgmma_hold(wacc[1]);
+            for (int h = 0; h < kPartHalves; ++h)
+              wgmma_e4m3<kBM>(wpart[h], w_operand(half0 + h, ks), x_operand(0, ks), ks > 0);
+          wgmma_commit();
+          wgmma_wait<0>();
+#pragma unroll
+          for (int h = 0; h < kPartHalves; ++h) {
+            wgmma_hold(wpart[h]);
+#pragma unroll
+            for (int i = 0; i < kBM / 2; ++i) wacc[half0 + h][i] += wpart[h][i];
+          }
+        }
+      } else {
+        wgmma_fence();
+#pragma unroll
+        for (int ks = 0; ks < kRowBytes / 32; ++ks)
+#pragma unroll
+          for (int half = 0; half < 2; ++half)
+#pragma unroll
+            for (int plane = 0; plane < kPlanes; ++plane)
+              wgmma_bf16<kBM>(wacc[half], w_operand(half, ks), x_operand(plane, ks));
+        wgmma_commit();
+        wgmma_wait<0>();  // the stage is refilled after the next barrier
+        wgmma_hold(wacc[0]);
+        wgmma_hold(wacc[1]);
+      }
 #else
       __trap();  // gemm() launches wgmma shapes only where the build has sm_90a code
 #endif
@@ -481,6 +517,7 @@ __global__ void __launch_bounds__(S::kThreads, S::kBlocks) gemm_kernel(const Par
     if constexpr (kFormat == WeightFormat::Nvfp4) return v / seg.w.row_scales[c];
     return v;
   };
+  auto x_scale = [&](int r) { return kInput == GemmInput::Fp8Token ? p.a_scales[x_row(r)] : 1.0f; };
   float* y = p.y + int64_t(blockIdx.z) * p.y_copy_stride;
   if constexpr (S::kWgmma) {
     // wacc[h][4 j + 2 i + e]: W row 64 h + 16 warp + lane / 4 + 8 i, X row 8 j + 2 (lane % 4) + e
@@ -494,7 +531,8 @@ __global__ void __launch_bounds__(S::kThreads, S::kBlocks) gemm_kernel(const Par
           for (int e = 0; e < 2; ++e) {
             const int r = 8 * j + 2 * (lane & 3) + e;
             const int64_t c = n0 + 64 * half + 16 * warp + (lane >> 2) + 8 * i;
-            if (r < rows && c < n) y[(seg.y_row + m0 + r) * p.ldy + c] = wacc[half][4 * j + 2 * i + e];
+            if (r < rows && c < n)
+              y[(seg.y_row + m0 + r) * p.ldy + c] = rescale(wacc[half][4 * j + 2 * i + e], x_scale(r), c);
           }
   } else {
 #pragma unroll
@@ -507,9 +545,9 @@ __global__ void __launch_bounds__(S::kThreads, S::kBlocks) gemm_kernel(const Par
           const int64_t c = n0 + warp_n * kWN + nt * 8 + (lane & 3) * 2;
           if (r >= rows) continue;
           float* dst = y + (seg.y_row + m0 + r) * p.ldy + c;
-          const float x_scale = kInput == GemmInput::Fp8Token ? p.a_scales[x_row(r)] : 1.0f;
-          const float v0 = c < n ? rescale(acc[mt][nt][half * 2], x_scale, c) : 0.0f;
-          const float v1 = c + 1 < n ? rescale(acc[mt][nt][half * 2 + 1], x_scale, c + 1) : 0.0f;
+          const float s = x_scale(r);
+          const float v0 = c < n ? rescale(acc[mt][nt][half * 2], s, c) : 0.0f;
+          const float v1 = c + 1 < n ? rescale(acc[mt][nt][half * 2 + 1], s, c + 1) : 0.0f;
           if (p.y_pairs && c + 1 < n) {
             *reinterpret_cast<float2*>(dst) = make_float2(v0, v1);
           } else {
@@ -614,11 +652,12 @@ void launch_gemm(const Params& p, dim3 grid, cudaStream_t stream) {
   launch(gemm_kernel<S, kInput, kFormat>, grid, S::kThreads, bytes, stream, p);
 }
 
-// A wgmma tile (bf16 weights, X split or rounded).
+// A wgmma tile (bf16 weights with X split or rounded, or FP8 weights with FP8 X).
 template <class S>
 void launch_wgmma(const Params& p, GemmInput input, int64_t num_tiles, int splits, cudaStream_t stream) {
   const dim3 grid{unsigned((p.n + S::kBN - 1) / S::kBN), unsigned(num_tiles), unsigned(splits)};
   if (input == GemmInput::RoundBf16) launch_gemm<S, GemmInput::RoundBf16, WeightFormat::Plain>(p, grid, stream);
+  else if (input == GemmInput::Fp8Token) launch_gemm<S, GemmInput::Fp8Token, WeightFormat::Fp8>(p, grid, stream);
   else launch_gemm<S, GemmInput::Split, WeightFormat::Plain>(p, grid, stream);
 }
 
@@ -677,7 +716,8 @@ size_t input_bytes(int64_t x_rows, int64_t k, GemmInput input) {
 }  // namespace
 
 bool gemm_has_wgmma_tile(GemmInput input, WeightFormat format) {
-  if (input == GemmInput::Fp8Token || format != WeightFormat::Plain) return false;
+  const bool fp8 = input == GemmInput::Fp8Token;  // E4M3 X takes E4M3 weights, other X bf16 ones
+  if (format != (fp8 ? WeightFormat::Fp8 : WeightFormat::Plain)) return false;
 #ifdef DIFFUSERVE_SM90A
   static const bool use = [] {
     int device = 0, major = 0, minor = 0;

@@ -9,7 +9,7 @@
 // bytes, 16-byte chunk c of row r at chunk c ^ (r % 8), in atoms of 8 rows (1,024 bytes,
 // which must start 1,024-byte aligned). An operand of 8k rows is k atoms one after the
 // other (the stride between atoms, 1,024 bytes), and its K step s of 32 bytes (16 bf16
-// values) starts 32 s bytes into its first row: the hardware applies the swizzle to the
+// or 32 E4M3 values) starts 32 s bytes into its first row: the hardware applies the swizzle to the
 // address it forms, as ldmatrix's addresses had it applied by hand.
 #pragma once
 
@@ -32,40 +32,56 @@ __device__ __forceinline__ uint64_t wgmma_descriptor(uint32_t address) {
 }
 
 #ifdef DIFFUSERVE_WGMMA_DEVICE
-// d[64 x kN] += a[64 x 16] * b[kN x 16]^T (bf16 in, fp32 accumulate; kN = 32, 64 or 128), a
-// and b K-major in shared memory. Thread i of the warpgroup holds d's rows 16 (i / 32) + g +
-// {0, 8} and columns 8 j + 2 t + {0, 1}, with g = (i % 32) / 4 and t = i % 4:
-// d[4 j + 2 h + e] = row g + 8 h, column 8 j + 2 t + e.
+// d[64 x kN] (+)= a[64 x k] * b[kN x k]^T, fp32 accumulators (kN = 32, 64 or 128), a and b
+// K-major in shared memory, 32 bytes of K each: wgmma_bf16's 16 bf16 values, wgmma_e4m3's 32
+// E4M3 ones. `accumulate` false: d = a b^T, the registers' old values ignored. Thread i of
+// the warpgroup holds d's rows 16 (i / 32) + g + {0, 8} and columns 8 j + 2 t + {0, 1},
+// with g = (i % 32) / 4 and t = i % 4: d[4 j + 2 h + e] = row g + 8 h, column 8 j + 2 t + e.
+// (E4M3 takes no transpose operands: its only layout is K-major.)
 #define DS_D4(i) "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3])
 #define DS_D16(i) DS_D4(i), DS_D4(i + 4), DS_D4(i + 8), DS_D4(i + 12)
+#define DS_WGMMA(KIND, TAIL)                                                                               \
+  if constexpr (kN == 32)                                                                                  \
+    asm volatile(                                                                                          \
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"                                                       \
+        "wgmma.mma_async.sync.aligned.m64n32" KIND                                                         \
+        " {"                                                                                               \
+        "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15"                                            \
+        "}, %16, %17, p, 1, 1" TAIL ";\n}\n"                                                               \
+        : DS_D16(0)                                                                                        \
+        : "l"(a), "l"(b), "r"(int(accumulate)));                                                           \
+  else if constexpr (kN == 64)                                                                             \
+    asm volatile(                                                                                          \
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"                                                       \
+        "wgmma.mma_async.sync.aligned.m64n64" KIND                                                         \
+        " {"                                                                                               \
+        "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,"   \
+        "%26,%27,%28,%29,%30,%31"                                                                          \
+        "}, %32, %33, p, 1, 1" TAIL ";\n}\n"                                                               \
+        : DS_D16(0), DS_D16(16)                                                                            \
+        : "l"(a), "l"(b), "r"(int(accumulate)));                                                           \
+  else                                                                                                     \
+    asm volatile(                                                                                          \
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"                                                       \
+        "wgmma.mma_async.sync.aligned.m64n128" KIND                                                        \
+        " {"                                                                                               \
+        "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,"   \
+        "%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49," \
+        "%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63"                                          \
+        "}, %64, %65, p, 1, 1" TAIL ";\n}\n"                                                               \
+        : DS_D16(0), DS_D16(16), DS_D16(32), DS_D16(48)                                                    \
+        : "l"(a), "l"(b), "r"(int(accumulate)))
 template <int kN>
-__device__ __forceinline__ void wgmma_bf16(float (&d)[kN / 2], uint64_t a, uint64_t b) {
-  static_assert(kN == 32 || kN == 64 || kN == 128, "wgmma_bf16: N of 32, 64 or 128");
-  if constexpr (kN == 32)
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.eq.u32 p, 1, 1;\n"
-        "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 {"
-        "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15"
-        "}, %16, %17, p, 1, 1, 0, 0;\n}\n"
-        : DS_D16(0)
-        : "l"(a), "l"(b));
-  else if constexpr (kN == 64)
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.eq.u32 p, 1, 1;\n"
-        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {"
-        "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31"
-        "}, %32, %33, p, 1, 1, 0, 0;\n}\n"
-        : DS_D16(0), DS_D16(16)
-        : "l"(a), "l"(b));
-  else if constexpr (kN == 128)
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.eq.u32 p, 1, 1;\n"
-        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {"
-        "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63"
-        "}, %64, %65, p, 1, 1, 0, 0;\n}\n"
-        : DS_D16(0), DS_D16(16), DS_D16(32), DS_D16(48)
-        : "l"(a), "l"(b));
+__device__ __forceinline__ void wgmma_bf16(float (&d)[kN / 2], uint64_t a, uint64_t b, bool accumulate = true) {
+  static_assert(kN == 32 || kN == 64 || kN == 128, "wgmma: N of 32, 64 or 128");
+  DS_WGMMA("k16.f32.bf16.bf16", ", 0, 0");
 }
+template <int kN>
+__device__ __forceinline__ void wgmma_e4m3(float (&d)[kN / 2], uint64_t a, uint64_t b, bool accumulate = true) {
+  static_assert(kN == 32 || kN == 64 || kN == 128, "wgmma: N of 32, 64 or 128");
+  DS_WGMMA("k32.f32.e4m3.e4m3", "");
+}
+#undef DS_WGMMA
 #undef DS_D16
 #undef DS_D4
 

@@ -188,13 +188,14 @@ class Backend {
   virtual void embed(const Weight& table, const int32_t* ids, float scale, Activation& out) = 0;
   // y = x @ w^T; w is [N, K] (or expert `expert` of an [E, N, K] stack).
   virtual void linear(const Activation& x, const Weight& w, Activation& y, int expert = -1) = 0;
-  // Rows [i * x.rows, (i + 1) * x.rows) of y = x @ ws[i]^T, for weights of one shape,
-  // format and dtype whose inputs are not quantized: several linears of one input as one
-  // product (a layer's K and V). By default one linear each.
-  virtual void linears(const Activation& x, const std::vector<const Weight*>& ws, Activation& y) {
+  // Rows [i * x.rows, (i + 1) * x.rows) of y = x @ ws[i]^T, x first quantized as each
+  // w.input_quant says (rows below `encoder_rows` are the encoder's), for weights of one
+  // shape, format and dtype: several linears of one input as one product (a layer's K and
+  // V), where a backend can. By default linear_with_input_quant each.
+  virtual void linears(const Activation& x, const std::vector<const Weight*>& ws, Activation& y, int64_t encoder_rows) {
     for (size_t i = 0; i < ws.size(); ++i) {
       Activation part = y.view(int64_t(i) * x.rows, x.rows);
-      linear(x, *ws[i], part);
+      linear_with_input_quant(x, *ws[i], part, encoder_rows);
     }
   }
   // y = q(x) @ w^T, q(x) x quantized as w.input_quant says (not None; rows below

@@ -445,8 +445,8 @@ namespace {
 
 // K and V of `x` for one layer: k_norm + RoPE on K; V is v_proj(x) (or, on full-attention
 // layers, the raw k_proj output) through an unscaled norm. Both come as rows of one matrix,
-// [K; V], and where neither linear quantizes its input they are one product: on the GPU a
-// K or V projection alone fills half of it at batch 1.
+// [K; V], from one Backend::linears, which the GPU makes one product where it can: a K or
+// V projection alone fills half of it at batch 1.
 void project_kv(ModelState& m, int li, const Activation& x, int64_t encoder_rows,
                 const std::vector<int64_t>& positions, Activation& k, Activation& v) {
   Backend& be = *m.backend;
@@ -455,10 +455,8 @@ void project_kv(ModelState& m, int li, const Activation& x, int64_t encoder_rows
   const int64_t n = x.rows;
   Activation kv = be.alloc_output(2 * n, int64_t(L.num_kv_heads) * L.head_dim);
   k = kv.view(0, n), v = kv.view(n, n);
-  const auto plain_input = [](const Weight& w) { return w.input_quant.scheme == ActivationScheme::None; };
-  if (L.has_v_proj && plain_input(W.k_proj) && plain_input(W.v_proj) && W.k_proj.format == W.v_proj.format &&
-      W.k_proj.dtype == W.v_proj.dtype) {
-    be.linears(x, {&W.k_proj, &W.v_proj}, kv);
+  if (L.has_v_proj && W.k_proj.format == W.v_proj.format && W.k_proj.dtype == W.v_proj.dtype) {
+    be.linears(x, {&W.k_proj, &W.v_proj}, kv, encoder_rows);
   } else {
     be.linear_with_input_quant(x, W.k_proj, k, encoder_rows);
     if (L.has_v_proj) be.linear_with_input_quant(x, W.v_proj, v, encoder_rows);
