@@ -297,6 +297,24 @@ std::vector<float> run(const Problem& p, int tile_rows) {
   return out;
 }
 
+// X's rows as the product takes them, k values each: p.x's, or with `gated` the MLP's
+// activation of each [gate | up] row as the device computes it (gelu_glu; the host's tanhf
+// may differ by an ulp, which FP8 per token could round to another code).
+std::vector<float> x_values(const Problem& p) {
+  std::vector<float> rows(size_t(p.x_rows * p.k)), gate_up(size_t(p.x_rows * 2 * p.k));
+  if (!p.gated) {
+    for (int64_t r = 0; r < p.x_rows; ++r) std::copy_n(&p.x[size_t(r * p.ldx)], p.k, &rows[size_t(r * p.k)]);
+    return rows;
+  }
+  for (int64_t r = 0; r < p.x_rows; ++r) std::copy_n(&p.x[size_t(r * p.ldx)], 2 * p.k, &gate_up[size_t(r * 2 * p.k)]);
+  float* d_in = upload(gate_up);
+  float* d_out = upload(rows);
+  gelu_glu(d_in, p.x_rows, p.k, d_out, nullptr);
+  check(cudaMemcpy(rows.data(), d_out, rows.size() * sizeof(float), cudaMemcpyDeviceToHost), "download");
+  cudaFree(d_in), cudaFree(d_out);
+  return rows;
+}
+
 // What the product multiplies: X and W ([x_rows][k], [matrices][n][k]) as values the
 // reference sums the products of, times x_scale[row] * w_scale[matrix row]. Split: X and
 // the dequantized W, scales 1; RoundBf16: bf16(X); Fp8Token: the E4M3 values X's rows
@@ -308,10 +326,9 @@ Operands operands(const Problem& p) {
   Operands o;
   o.x.resize(size_t(p.x_rows * p.k));
   o.x_scale.assign(size_t(p.x_rows), 1.0f);
+  const std::vector<float> x = x_values(p);
   for (int64_t r = 0; r < p.x_rows; ++r) {
-    std::vector<float> row(&p.x[size_t(r * p.ldx)], &p.x[size_t(r * p.ldx)] + p.k);
-    if (p.gated)
-      for (int64_t c = 0; c < p.k; ++c) row[c] = gelu_glu_value(row[c], p.x[size_t(r * p.ldx + p.k + c)]);
+    const float* row = &x[size_t(r * p.k)];
     float amax = 0.0f;
     for (int64_t c = 0; c < p.k; ++c) amax = std::fmax(amax, std::fabs(row[c]));
     if (p.input == GemmInput::Fp8Token) o.x_scale[r] = fp8_token_scale(amax);
@@ -422,10 +439,9 @@ Problem fp8_token(Problem p, bool zero_rows = false) {
   return p;
 }
 
-// X's rows (k values, ldx apart) fake-quantized by the CUDA backend's quantize_input.
+// X's rows (x_values) fake-quantized by the CUDA backend's quantize_input.
 std::vector<float> fake_quantized(const Problem& p) {
-  std::vector<float> rows(size_t(p.x_rows * p.k));
-  for (int64_t r = 0; r < p.x_rows; ++r) std::copy_n(&p.x[size_t(r * p.ldx)], p.k, &rows[size_t(r * p.k)]);
+  std::vector<float> rows = x_values(p);
   float* d = upload(rows);
   quantize_input(d, p.x_rows, p.k, ActivationScheme::Fp8Token, 0, 0.0f, 0.0f, nullptr);
   check(cudaMemcpy(rows.data(), d, rows.size() * sizeof(float), cudaMemcpyDeviceToHost), "download");
@@ -443,7 +459,7 @@ void check_codes(const Problem& p, const char* name) {
   check(cudaMalloc(&codes, size_t(p.x_rows * ld)), "malloc codes");
   check(cudaMalloc(&scales, sizeof(float) * size_t(p.x_rows)), "malloc scales");
   check(cudaMemset(codes, 0xff, size_t(p.x_rows * ld)), "memset codes");
-  fp8_token_codes(x, p.x_rows, p.ldx, p.k, ld, codes, scales, nullptr);
+  fp8_token_codes(x, p.x_rows, p.ldx, p.gated, p.k, ld, codes, scales, nullptr);
   std::vector<uint8_t> got(size_t(p.x_rows * ld));
   std::vector<float> got_scales(size_t(p.x_rows));
   check(cudaMemcpy(got.data(), codes, got.size(), cudaMemcpyDeviceToHost), "download codes");
@@ -472,6 +488,7 @@ void check_codes(const Problem& p, const char* name) {
 void check_against_fake_quant(const Problem& p, const char* name, int tile_rows) {
   Problem split = p;
   split.input = GemmInput::Split;
+  split.gated = false;  // its rows: the fake-quantized activations
   const std::vector<float> fake = fake_quantized(p);
   for (int64_t r = 0; r < p.x_rows; ++r) std::copy_n(&fake[size_t(r * p.k)], p.k, &split.x[size_t(r * p.ldx)]);
   const std::vector<float> y8 = run(p, tile_rows), y_fake = run(split, tile_rows);
@@ -610,6 +627,13 @@ void correctness() {
   cases.push_back(
       {"moe up 300 tok, 16 exp top 4, 264x136 zero rows", fp8_token(moe(300, 16, 4, 264, 136, true, 14, fp8), true)});
   cases.push_back({"moe down 500 tok, 8 exp top 2, 264x704", fp8_token(moe(500, 8, 2, 264, 704, false, 15, fp8))});
+  // Gated FP8 X: the activation in the codes pass (float4 loads, and K % 4 != 0's scalar ones).
+  cases.push_back({"dense 300x512x704 gated", fp8_token(gated(dense(fp8, 300, 512, 704)))});
+  cases.push_back({"dense 65x40x333 gated ldx+5", fp8_token(gated(dense(fp8, 65, 40, 333, 5)))});
+  cases.push_back(
+      {"moe down 500 tok, 8 exp top 2, 264x704 gated", fp8_token(gated(moe(500, 8, 2, 264, 704, false, 20, fp8)))});
+  // A row wider than the codes kernel's block (8,192 values): read twice.
+  cases.push_back({"dense 9x40x9000 (wide rows)", fp8_token(dense(fp8, 9, 40, 9000))});
   for (const Case& c : cases) {
     if (c.p.input == GemmInput::Fp8Token) {
       check_codes(c.p, c.name);
@@ -674,16 +698,19 @@ void check_cublaslt() {
 #endif
 
 // Times gemm() (pre-pass included) on one problem; X, W random on the device (packed
-// weights: random bytes, as the timing does not depend on the values).
+// weights: random bytes, as the timing does not depend on the values). The tile height is
+// the backend's (gemm_tile_rows) unless `tile` names one.
 void bench(const char* name, int64_t tokens, int64_t n, int64_t k, int experts, int top_k, bool gather,
-           WeightFormat format = WeightFormat::Plain, GemmInput input = GemmInput::Split, bool on_cublaslt = false) {
+           WeightFormat format = WeightFormat::Plain, GemmInput input = GemmInput::Split, bool on_cublaslt = false,
+           int tile = 0) {
   // The backend picks one tile height for both expert GEMMs, from the narrower (gate_up's 1408).
   const bool moe_layer = experts > 0;
   const int64_t rows = moe_layer ? tokens * top_k : tokens;  // output rows
   const int64_t x_rows = moe_layer && gather ? tokens : rows;
   const int64_t segments = moe_layer ? std::min<int64_t>(experts, rows) : 1;
-  const int tile_rows =
-      on_cublaslt ? kCublasLt : gemm_tile_rows(rows / segments, segments, moe_layer ? 1408 : n, input, format);
+  const int tile_rows = on_cublaslt ? kCublasLt
+                        : tile      ? tile
+                                    : gemm_tile_rows(rows / segments, segments, moe_layer ? 1408 : n, input, format);
   float *x, *y, *row_scales;
   uint8_t *w, *group_scales;
   void* scratch;
@@ -776,6 +803,9 @@ int main(int argc, char** argv) {
     std::printf("-- dense, %ld rows\n", long(m));
     for (const auto& [f, input] : kinds)
       for (const auto& [name, n, k] : layer_products) bench(name, m, n, k, 0, 0, false, f, input);
+    for (int tile : {32, 128})  // FP8 x FP8 at the other tile heights
+      for (const auto& [name, n, k] : layer_products)
+        bench(name, m, n, k, 0, 0, false, WeightFormat::Fp8, GemmInput::Fp8Token, false, tile);
     // The tied embedding (never packed): the lm_head, and the soft embedding (K = vocab).
     auto time_embedding = [&](bool on_cublaslt) {
       bench("lm_head 2816->262144", m, 262144, 2816, 0, 0, false, WeightFormat::Plain, GemmInput::Split, on_cublaslt);

@@ -833,12 +833,11 @@ class CudaBackend final : public Backend {
     return cuda::GemmInput::Split;
   }
 
-  // Whether the MLP's activation can be computed in the bf16 pre-pass of w's product
-  // (cuda::gemm's `gated`): where that pass is all that touches the product's input, plain
-  // inputs (fp32-like) or bf16 ones; not where the input is quantized beforehand or to FP8
-  // codes.
+  // Whether the MLP's activation can be computed in the pre-pass of w's product (cuda::gemm's
+  // `gated`): where that pass is all that touches the product's input, plain inputs
+  // (fp32-like), bf16 ones or FP8 codes; not where the input is quantized beforehand.
   static bool gated_input(const Weight& w) {
-    return w.input_quant.scheme == ActivationScheme::None || gemm_input(w) == cuda::GemmInput::RoundBf16;
+    return w.input_quant.scheme == ActivationScheme::None || gemm_input(w) != cuda::GemmInput::Split;
   }
 
   static const __nv_bfloat16* bf16(const Weight& w) {

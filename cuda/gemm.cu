@@ -82,6 +82,7 @@
 #include <stdexcept>
 
 #include "activation_quant.h"
+#include "block_reduce.cuh"
 #include "gemm_tile.cuh"
 #include "kernels.h"
 #include "mma.cuh"
@@ -203,13 +204,16 @@ using Small32 = Shape<32, 128, 1, 4, 3, 4, 3>;  // 72 / 64 / 50 KB; 80 KB
 using Medium = Shape<64, 128, 2, 2, 3, 3, 2>;   // 96 / 72 / 62 KB; 72 KB
 using MediumOneWave = Shape<64, 128, 2, 4, 3, 3, 2>;
 using Large = Shape<128, 256, 2, 4, 3, 3, 1>;   // 192 / 144 / 123 KB; 144 KB
-// The wgmma tiles (bf16 X and weights; see the top): the 128 weight rows are the MMAs' M, as
-// two m64 halves, and the 32, 64 or 128 X rows their N (Y^T = W X^T), one wgmma per half,
-// plane and 16-value K step. (Packed weights decoded into wgmma's register operand measured
-// no faster than Small's mma.sync, NVFP4's down projection 18% slower: they stay there.)
-using Wgmma32 = Shape<32, 128, 1, 4, 3, 3, 3, true>;    // 72 KB
-using Wgmma64 = Shape<64, 128, 1, 4, 3, 3, 2, true>;    // 96 KB
-using Wgmma128 = Shape<128, 128, 1, 4, 3, 3, 1, true>;  // 144 KB
+// The wgmma tiles (bf16 X and weights, or E4M3 both; see the top): the 128 weight rows are
+// the MMAs' M, as two m64 halves, and the 32, 64 or 128 X rows their N (Y^T = W X^T), one
+// wgmma per half, plane and 32-byte K step. (Packed weights decoded into wgmma's register
+// operand measured no faster than Small's mma.sync, NVFP4's down projection 18% slower:
+// they stay there.) E4M3's stages are smaller (one X plane, a byte a weight), and the dense
+// products at batch 1 give about one block a multiprocessor, whose loads in flight bound it:
+// 6 stages where a block is 64 or 128 rows high.
+using Wgmma32 = Shape<32, 128, 1, 4, 3, 3, 3, true>;    // 72 KB; 60 KB
+using Wgmma64 = Shape<64, 128, 1, 4, 3, 6, 2, true>;    // 96 KB; 144 KB
+using Wgmma128 = Shape<128, 128, 1, 4, 3, 6, 1, true>;  // 144 KB; 192 KB
 // Medium for decoded packed weights: warps side by side (64 x 32 each), as each warp decodes
 // the W columns it multiplies and two warps over the same columns would decode them twice.
 using MediumDecoded = Shape<64, 128, 1, 4, 3, 3, 2>;  // 72 / 62 KB
@@ -606,32 +610,63 @@ __global__ void split_kernel(const float* __restrict__ x, int64_t ldx, int64_t r
   if (kPlanes == 2) *reinterpret_cast<uint4*>(dst + kp) = lo;
 }
 
-// FP8 per token, a block of one warp per row (a few hundred rows still spread over every
-// multiprocessor): the row's scale, then its E4M3 codes, 4 a lane at a time (one 4-byte
-// store), zero past k up to kp (a multiple of 128).
-__global__ void __launch_bounds__(32) fp8_codes_kernel(const float* __restrict__ x, int64_t ldx, int64_t k,
-                                                       int64_t kp, bool vector, uint8_t* __restrict__ codes,
-                                                       float* __restrict__ scales) {
+// FP8 per token, a block per row, 8 consecutive values a thread (two float4 loads where the
+// row allows): the row's absolute maximum over the block, its scale, then the E4M3 codes (one
+// 8-byte store a thread), zero past k up to kp (a multiple of 128). Where the block covers
+// the row (kp <= 8,192) each thread keeps its values in registers between the two; wider
+// rows are read again. (A warp a row had each multiprocessor run two warps of dependent
+// loads at batch 1: 19 us a launch on the H200.) kGated: a row holds [gate | up], 2K values,
+// and its values are their gelu_glu_value, as split_kernel's.
+constexpr int kCodesMaxThreads = 1024;
+template <bool kGated>
+__global__ void __launch_bounds__(kCodesMaxThreads) fp8_codes_kernel(const float* __restrict__ x, int64_t ldx,
+                                                                     int64_t k, int64_t kp, bool vector,
+                                                                     uint8_t* __restrict__ codes,
+                                                                     float* __restrict__ scales) {
   wait_for_earlier_kernels();
-  const int64_t row = blockIdx.x;
-  const int lane = threadIdx.x;
+  const int64_t row = blockIdx.x, stride = 8 * int64_t(blockDim.x), first = 8 * int64_t(threadIdx.x);
   const float* src = x + row * ldx;
-  const float scale = warp_fp8_token_scale(src, k);
-  if (lane == 0) scales[row] = scale;
-  uint32_t* dst = reinterpret_cast<uint32_t*>(codes + row * kp);
-  for (int64_t c = 4 * lane; c < kp; c += 128) {
-    float v[4];
-    if (vector && c + 4 <= k) {
-      const float4 f = *reinterpret_cast<const float4*>(src + c);
-      v[0] = f.x, v[1] = f.y, v[2] = f.z, v[3] = f.w;
+  auto value = [&](int64_t c) { return c >= k ? 0.0f : kGated ? gelu_glu_value(src[c], src[k + c]) : src[c]; };
+  auto load = [&](int64_t c, float (&v)[8]) {
+    if (vector && c + 8 <= k) {
+      const float4 a = *reinterpret_cast<const float4*>(src + c), b = *reinterpret_cast<const float4*>(src + c + 4);
+      v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
+      if constexpr (kGated) {
+        const float4 ua = *reinterpret_cast<const float4*>(src + k + c),
+                     ub = *reinterpret_cast<const float4*>(src + k + c + 4);
+        const float u[8] = {ua.x, ua.y, ua.z, ua.w, ub.x, ub.y, ub.z, ub.w};
+#pragma unroll
+        for (int j = 0; j < 8; ++j) v[j] = gelu_glu_value(v[j], u[j]);
+      }
     } else {
 #pragma unroll
-      for (int j = 0; j < 4; ++j) v[j] = c + j < k ? src[c + j] : 0.0f;
+      for (int j = 0; j < 8; ++j) v[j] = value(c + j);
     }
-    uint32_t word = 0;
+  };
+  float v[8], amax = 0.0f;
+  load(first, v);
 #pragma unroll
-    for (int j = 0; j < 4; ++j) word |= uint32_t(e4m3_code(quantize_e4m3(v[j], scale))) << (8 * j);
-    dst[c / 4] = word;
+  for (int j = 0; j < 8; ++j) amax = fmaxf(amax, fabsf(v[j]));
+  for (int64_t c = first + stride; c < k; c += stride) {
+    float w[8];
+    load(c, w);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) amax = fmaxf(amax, fabsf(w[j]));
+  }
+  const float scale = fp8_token_scale(block_reduce(amax, [](float a, float b) { return fmaxf(a, b); }));
+  if (threadIdx.x == 0) scales[row] = scale;
+  uint8_t* const dst = codes + row * kp;
+  auto store = [&](int64_t c, const float (&w)[8]) {
+    uint32_t word[2] = {0, 0};
+#pragma unroll
+    for (int j = 0; j < 8; ++j) word[j / 4] |= uint32_t(e4m3_code(quantize_e4m3(w[j], scale))) << (8 * (j % 4));
+    *reinterpret_cast<uint2*>(dst + c) = make_uint2(word[0], word[1]);
+  };
+  if (first < kp) store(first, v);
+  for (int64_t c = first + stride; c < kp; c += stride) {
+    float w[8];
+    load(c, w);
+    store(c, w);
   }
 }
 
@@ -746,12 +781,15 @@ size_t gemm_scratch_bytes(int64_t x_rows, int64_t n, int64_t k, GemmInput input)
   return input_bytes(x_rows, k, input) + (split.splits > 1 ? sizeof(float) * size_t(split.splits * x_rows * n) : 0);
 }
 
-void fp8_token_codes(const float* x, int64_t rows, int64_t ldx, int64_t k, int64_t ld_codes, uint8_t* codes,
-                     float* scales, cudaStream_t stream) {
+void fp8_token_codes(const float* x, int64_t rows, int64_t ldx, bool gated, int64_t k, int64_t ld_codes,
+                     uint8_t* codes, float* scales, cudaStream_t stream) {
   if (rows <= 0) return;
   if (ld_codes % 128 || ld_codes < k) throw std::invalid_argument("fp8_token_codes: code rows of a multiple of 128 >= K");
-  const bool vector = ldx % 4 == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0;
-  launch(fp8_codes_kernel, unsigned(rows), 32, 0, stream, x, ldx, k, ld_codes, vector, codes, scales);
+  // Whole float4s: rows (and, gated, their up halves) 16-byte aligned.
+  const bool vector = ldx % 4 == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0 && (!gated || k % 4 == 0);
+  const int threads = int(std::min<int64_t>(kCodesMaxThreads, (ld_codes / 8 + 31) / 32 * 32));
+  launch(gated ? fp8_codes_kernel<true> : fp8_codes_kernel<false>, unsigned(rows), threads, 0, stream, x, ldx, k,
+         ld_codes, vector, codes, scales);
 }
 
 int64_t gemm_padded_k(int64_t k, GemmInput input) { return padded_k(k, input); }
@@ -780,12 +818,11 @@ void gemm(const float* x, int64_t x_rows, int64_t ldx, bool gated, const int64_t
   if (input == GemmInput::Fp8Token && format != WeightFormat::Fp8)
     throw std::invalid_argument("gemm: Fp8Token takes FP8 weights");
   if (format == WeightFormat::Nvfp4 && k % 16) throw std::invalid_argument("gemm: NVFP4 weights need K % 16 == 0");
-  if (input == GemmInput::Fp8Token && gated) throw std::invalid_argument("gemm: Fp8Token input is not gated");
   if (num_tiles <= 0 || n <= 0) return;
   const int64_t kp = padded_k(k, input);
   auto* a = static_cast<uint8_t*>(scratch);
   float* const a_scales = input == GemmInput::Fp8Token ? reinterpret_cast<float*>(a + codes_bytes(x_rows, k)) : nullptr;
-  if (input == GemmInput::Fp8Token) fp8_token_codes(x, x_rows, ldx, k, kp, a, a_scales, stream);
+  if (input == GemmInput::Fp8Token) fp8_token_codes(x, x_rows, ldx, gated, k, kp, a, a_scales, stream);
   else bf16_planes(x, x_rows, ldx, gated, k, input, decodes(input, format), scratch, stream);
 
   // With `tiles` null, `segments` is a host pointer to the single segment, passed by value.

@@ -5,6 +5,7 @@
 #include <stdexcept>
 
 #include "activation_quant.h"
+#include "block_reduce.cuh"
 #include "kernels.h"
 #include "sampler.h"
 
@@ -39,15 +40,7 @@ __device__ __forceinline__ void for_each_strided(const float* x, int64_t n, int6
 
 // Sum over the block (all threads get the result).
 __device__ float block_sum(float v) {
-  __shared__ float partial[32];
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = (blockDim.x + 31) >> 5;
-  __syncthreads();
-  if (lane == 0) partial[warp] = v;
-  __syncthreads();
-  float total = 0.0f;
-  for (int w = 0; w < warps; ++w) total += partial[w];
-  return total;
+  return block_reduce(v, [](float a, float b) { return a + b; });
 }
 
 // The larger value, the lower index on ties, over the block (all threads get the result).

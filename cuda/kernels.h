@@ -21,7 +21,7 @@ namespace diffuserve::cuda {
 // with x(i) = row_map ? row_map[x_row + i] : x_row + i, X: x_rows rows of K values, ldx
 // apart, entering the tensor cores as GemmInput says; accumulation is fp32. `gated`: the
 // x_rows rows hold [gate | up], 2K values each, and X is their gelu_glu_value, computed
-// in the pre-pass that makes X's bf16 planes (not with Fp8Token). W is bf16, or
+// in the pre-pass (that makes X's bf16 planes, or Fp8Token's codes). W is bf16, or
 // packed (`format`, packed_weight.h) and dequantized in the kernel: Y = (X @ Q^T) * scale
 // per column for FP8, (X @ (E2M1 * group scale)^T) / global scale for NVFP4 (Split only).
 // `scratch` is gemm_scratch_bytes(x_rows, n, k, input) bytes of device memory that the call
@@ -88,11 +88,12 @@ void bf16_planes(const float* x, int64_t rows, int64_t ldx, bool gated, int64_t 
 void gemm(const float* x, int64_t x_rows, int64_t ldx, bool gated, const int64_t* row_map, const GemmSegment* segments,
           const GemmTile* tiles, int num_tiles, int tile_rows, WeightFormat format, int64_t n, int64_t k,
           GemmInput input, float* y, int64_t ldy, void* scratch, cudaStream_t stream);
-// Fp8Token's pre-pass, for gemm() and its tests: per row of X (rows x k, ldx apart), the
-// FP8 token scale into scales[row] and the E4M3 codes of x / scale (activation_quant.h's
-// quantize_e4m3) into codes + row * ld_codes, zero from k to ld_codes (a multiple of 128).
-void fp8_token_codes(const float* x, int64_t rows, int64_t ldx, int64_t k, int64_t ld_codes, uint8_t* codes,
-                     float* scales, cudaStream_t stream);
+// Fp8Token's pre-pass, for gemm() and its tests: per row of X (rows x k, ldx apart; gated
+// as gemm() says), the FP8 token scale into scales[row] and the E4M3 codes of x / scale
+// (activation_quant.h's quantize_e4m3) into codes + row * ld_codes, zero from k to ld_codes
+// (a multiple of 128).
+void fp8_token_codes(const float* x, int64_t rows, int64_t ldx, bool gated, int64_t k, int64_t ld_codes,
+                     uint8_t* codes, float* scales, cudaStream_t stream);
 // out[N, K] = in[K, N]^T (bf16).
 void transpose_bf16(const __nv_bfloat16* in, int64_t k, int64_t n, __nv_bfloat16* out, cudaStream_t stream);
 // The MoE router, one launch (route.cu): per token, scores = x @ W^T (x: tokens rows of

@@ -3,6 +3,7 @@
 Skipped where this build has no CUDA backend or the machine no GPU; benchmarks/run_on_gpu.sh
 runs it on the device machine together with the HF parity tests on CUDA.
 """
+import os
 import threading
 
 import numpy as np
@@ -18,6 +19,12 @@ pytestmark = pytest.mark.skipif(not _core.cuda_available(), reason="no CUDA back
 # inputs as bf16 hi/lo pairs (16-bit mantissas) and its exp/tanh are the fast device
 # versions, so the passes agree to about 1e-4 of the logit range.
 REL_TOL, MIN_AGREEMENT = 2e-3, 1.0
+
+# FP8 weights with FP8 inputs (FP8_DYNAMIC) multiply on Hopper's E4M3 tensor cores, whose
+# sums carry fewer bits than fp32 (within 2e-3 of sum |x w|: benchmarks/gemm_bench.cu);
+# DIFFUSERVE_WGMMA=0 (and GPUs before Hopper) keeps the exact fp16 MMAs, which agree with
+# the CPU to fp32 precision.
+FP8_TENSOR_CORES = os.environ.get("DIFFUSERVE_WGMMA") != "0"
 
 SHAPES = {
     # Real head dims (256 sliding, 512 global), GQA 2:1 and 4:1.
@@ -119,10 +126,11 @@ def test_sampler_matches_cpu(vocab, temperature):
 # Packed FP8 / NVFP4 weights: both backends multiply the exact dequantized values (the GPU
 # the packed values, each row's scale applied after the sum; the CPU the values dequantized
 # as it reads them), so weight-only quantization agrees as bf16 weights do. With FP8
-# inputs too, both quantize each token row by the same rule (activation_quant.h), and the
-# GPU multiplies the E4M3 codes exactly: LLM Compressor's FP8_DYNAMIC fixture agreed to 3e-6
-# of the logit range on the H200, so it is held to the bf16 tolerance as well. `later_tol`
-# (rel_tol, min_agreement) holds every pass after the first, where it differs.
+# inputs too, both quantize each token row by the same rule (activation_quant.h); on the
+# exact fp16 MMAs LLM Compressor's FP8_DYNAMIC fixture agreed to 3e-6 of the logit range on
+# the H200, so there it is held to the bf16 tolerance as well (on the E4M3 tensor cores,
+# check_fp8_inputs). `later_tol` (rel_tol, min_agreement) holds every pass after the first,
+# where it differs.
 def run_blocks(cpu, gpu, vocab, canvas_length, label, later_tol=(REL_TOL, MIN_AGREEMENT)):
     rng = np.random.default_rng(0)
     prompt = rng.integers(0, vocab, 37)
@@ -155,31 +163,24 @@ def test_quantized_checkpoint_matches_cpu(scheme):
     path = os.path.join(os.path.dirname(__file__), "fixtures", "quantized", scheme)
     cpu = ds.Model.load(path, dtype="bfloat16")
     gpu = ds.Model.load(path, device="cuda")
+    if scheme == "FP8_DYNAMIC" and FP8_TENSOR_CORES:
+        return check_fp8_inputs(cpu, gpu, cpu.canvas_length, scheme)
     later_tol = (0.1, 0.95) if scheme == "NVFP4" else (REL_TOL, MIN_AGREEMENT)
     run_blocks(cpu.sequence(), gpu.sequence(), cpu.vocab_size, cpu.canvas_length, scheme, later_tol)
 
 
-@pytest.mark.parametrize("quantization", ["fp8", "fp8-dynamic", "nvfp4"])
-@pytest.mark.parametrize("shape", ["real_head_dims", "head_dims_64_128"])
-def test_dummy_quantized_model_matches_cpu(tmp_path, quantization, shape):
-    """load_format="dummy" with packed FP8 / NVFP4 linears: the same random draws on both
-    backends.
-
-    FP8 inputs ("fp8-dynamic") round each value of a linear's input to 3 mantissa bits, so
-    a value the two backends hold a few bits apart can round the other way, which moves its
-    token's whole output row by ~1% of the range. Past the first layer the GPU's hi/lo
-    products carry 16 of fp32's 24 mantissa bits, and a token that rounded differently
-    attends into the next ones and may route to other experts. In the first layer it shows
-    with unit norm weights, as the dummy model has them: on the H200 (2026-11-30), fp8-dynamic
-    checkpoints at widths 64-512 agreed in layer 0 to 3e-7 with random norm weights (8 of 8),
-    while with unit ones 2 of 8 (both at width 128) had 3-8% of the tokens off by ~1%. So
-    layer 0's K and V are checked per token, most tokens to fp32 precision; the logits by
-    argmax."""
-    path = write_random_checkpoint(tmp_path / "m", canvas_length=32, dtype="bfloat16", seed=7, **SHAPES[shape])
-    cpu = ds.Model.load(path, load_format="dummy", quantization=quantization)
-    gpu = ds.Model.load(path, device="cuda", load_format="dummy", quantization=quantization)
-    if quantization != "fp8-dynamic":
-        return run_blocks(cpu.sequence(), gpu.sequence(), cpu.vocab_size, 32, f"dummy {quantization} {shape}")
+def check_fp8_inputs(cpu, gpu, canvas_length, label):
+    """FP8 inputs round each value of a linear's input to 3 mantissa bits, so a value the two
+    backends hold a few bits apart can round the other way, which moves its token's whole
+    output row by ~1% of the range; the token then attends into the next ones and may route
+    to other experts, and a random model carries that to its logits. So layer 0's K and V are
+    checked per token, most tokens to what the GPU's products keep (fp32 on the exact MMAs,
+    2e-3 of sum |x w| on the E4M3 tensor cores, which the per-token norm and RoPE keep
+    relative to the range); the logits by argmax. On the H200 (2026-11-30, exact MMAs):
+    checkpoints at widths 64-512 agreed in layer 0 to 3e-7 with random norm weights (8 of
+    8), while with unit ones (as the dummy model has them) 2 of 8 had 3-8% of the tokens off
+    by ~1%."""
+    token_tol = 3e-3 if FP8_TENSOR_CORES else 1e-5
     prompt = np.random.default_rng(0).integers(0, cpu.vocab_size, 37)
     seqs = cpu.sequence(), gpu.sequence()
     for s in seqs:
@@ -187,14 +188,26 @@ def test_dummy_quantized_model_matches_cpu(tmp_path, quantization, shape):
     for layer in range(2):
         for name, a, b in zip("KV", seqs[0].kv(layer)[:2], seqs[1].kv(layer)[:2]):
             per_token = np.abs(a - b).max(axis=(0, 2)) / np.abs(a).max()  # [tokens]
-            exact = (per_token <= 1e-5).mean()
-            print(f"dummy fp8-dynamic {shape} layer {layer} {name}: tokens within 1e-5 of the range {exact:.2f}, "
+            close = (per_token <= token_tol).mean()
+            print(f"{label} layer {layer} {name}: tokens within {token_tol:g} of the range {close:.2f}, "
                   f"worst {per_token.max():.1e}")
             if layer == 0:
-                assert exact >= 0.75 and per_token.max() <= 0.05
-    canvas = np.random.default_rng(1).integers(0, cpu.vocab_size, 32)
-    compare(seqs[0].denoise(canvas), seqs[1].denoise(canvas), f"dummy fp8-dynamic {shape} logits", rel_tol=1.0,
-            min_agreement=0.85)
+                assert close >= 0.75 and per_token.max() <= 0.05
+    canvas = np.random.default_rng(1).integers(0, cpu.vocab_size, canvas_length)
+    compare(seqs[0].denoise(canvas), seqs[1].denoise(canvas), f"{label} logits", rel_tol=1.0, min_agreement=0.85)
+
+
+@pytest.mark.parametrize("quantization", ["fp8", "fp8-dynamic", "nvfp4"])
+@pytest.mark.parametrize("shape", ["real_head_dims", "head_dims_64_128"])
+def test_dummy_quantized_model_matches_cpu(tmp_path, quantization, shape):
+    """load_format="dummy" with packed FP8 / NVFP4 linears: the same random draws on both
+    backends; FP8 inputs ("fp8-dynamic") as check_fp8_inputs says."""
+    path = write_random_checkpoint(tmp_path / "m", canvas_length=32, dtype="bfloat16", seed=7, **SHAPES[shape])
+    cpu = ds.Model.load(path, load_format="dummy", quantization=quantization)
+    gpu = ds.Model.load(path, device="cuda", load_format="dummy", quantization=quantization)
+    if quantization == "fp8-dynamic":
+        return check_fp8_inputs(cpu, gpu, 32, f"dummy fp8-dynamic {shape}")
+    run_blocks(cpu.sequence(), gpu.sequence(), cpu.vocab_size, 32, f"dummy {quantization} {shape}")
 
 
 # A block's steps with the sampler's update on the device against the same steps updated
