@@ -268,10 +268,9 @@ std::vector<float> run(const Problem& p, int tile_rows) {
   check(cudaMemset(y, 0xff, y_bytes), "memset y");  // NaN: anything the GEMM should write and does not shows
   void* scratch = nullptr;
   check(cudaMalloc(&scratch, std::max<size_t>(gemm_scratch_bytes(p.x_rows, p.n, p.k, p.input), 1)), "malloc scratch");
-  if (tile_rows == kCublasLt) {  // one plain bf16 segment
+  if (tile_rows == kCublasLt) {  // one segment: bf16 weights, or FP8 weights and X
 #ifdef DIFFUSERVE_WITH_CUBLASLT
-    cublaslt().multiply(x, p.x_rows, p.ldx, p.gated, p.input, {reinterpret_cast<const __nv_bfloat16*>(w)}, p.n, p.k,
-                        {y}, p.ldy, scratch, nullptr);
+    cublaslt().multiply(x, p.x_rows, p.ldx, p.gated, p.input, {segs[0].w}, p.n, p.k, {y}, p.ldy, scratch, nullptr);
 #endif
   } else if (segs.size() == 1 && p.row_map.empty() && segs[0].x_row == 0 && segs[0].y_row == 0) {
     gemm(x, p.x_rows, p.ldx, p.gated, nullptr, &segs[0], nullptr, int((segs[0].rows + tile_rows - 1) / tile_rows),
@@ -351,10 +350,10 @@ Operands operands(const Problem& p) {
 bool on_wgmma(const Problem& p, int tile_rows) { return tile_rows >= 32 && gemm_has_wgmma_tile(p.input, p.format); }
 
 // How far from the exact product an output may be, relative to sum |x w|: fp32-like (the
-// hi/lo planes; E4M3 on mma.sync, whose fp16 products are exact), or E4M3 on wgmma, whose
-// tensor cores add a stage's products with fewer bits (gemm.cu).
+// hi/lo planes; E4M3 on mma.sync, whose fp16 products are exact), or E4M3 on the tensor
+// cores (wgmma, cuBLASLt), which add products with fewer bits (gemm.cu).
 double tolerance(const Problem& p, int tile_rows) {
-  return p.input == GemmInput::Fp8Token && on_wgmma(p, tile_rows) ? 2e-3 : 2e-5;
+  return p.input == GemmInput::Fp8Token && (tile_rows == kCublasLt || on_wgmma(p, tile_rows)) ? 2e-3 : 2e-5;
 }
 
 // Checks Y against the double reference on every written element (or `samples` random
@@ -669,17 +668,30 @@ void correctness() {
 }
 
 #ifdef DIFFUSERVE_WITH_CUBLASLT
-// The dense bf16 products on cuBLASLt: against the reference (correctness()'s bf16 cases,
-// and long K), and every row the same computed with all the rows or only the first few.
+// The dense products on cuBLASLt (bf16; FP8 weights with FP8 per-token X): against the
+// reference (correctness()'s bf16 cases, long K, FP8 ones), and every row the same computed
+// with all the rows or only the first few.
 void check_cublaslt() {
   const GemmInput round = GemmInput::RoundBf16;
+  const WeightFormat fp8 = WeightFormat::Fp8;
   std::vector<Case> cases = bf16_dense_cases();
   cases.push_back({"dense 40x96x12328 (long K)", dense(40, 96, 12288 + 40)});
   cases.push_back({"dense 40x96x9000 round (long K)", dense(40, 96, 9000, 0, 0, round)});
-  for (const Case& c : cases) verify(c.p, run(c.p, kCublasLt), c.name, kCublasLt);
+  cases.push_back({"dense 7x100x64", fp8_token(dense(fp8, 7, 100, 64))});
+  cases.push_back({"dense 130x256x208 (M, K tails, zero rows)", fp8_token(dense(fp8, 130, 256, 208), true)});
+  cases.push_back({"dense 129x300x2816 ldx+5 ldy+4", fp8_token(dense(fp8, 129, 300, 2816, 5, 4))});
+  cases.push_back({"dense 300x512x704 gated", fp8_token(gated(dense(fp8, 300, 512, 704)))});
+  for (const Case& c : cases) {
+    const bool fp8_input = c.p.input == GemmInput::Fp8Token;
+    const GemmMatrix w{c.p.w.data(), fp8_input ? c.p.packed.scales.data() : nullptr, nullptr};  // addresses: alignment
+    if (fp8_input && !cublaslt().supports(c.p.input, w, c.p.n, c.p.k, nullptr, c.p.ldy))
+      report(false, std::string("cuBLASLt ") + c.name, "no algorithm");
+    else verify(c.p, run(c.p, kCublasLt), c.name, kCublasLt);
+  }
   Problem big = dense(512, 4096, 2816);
   verify(big, run(big, kCublasLt), "dense 512x4096x2816 (sampled)", kCublasLt, 4000);
-  for (const Problem& full : {dense(300, 512, 704), dense(300, 2048, 2816, 0, 3), dense(256, 96, 30000, 0, 0, round)}) {
+  for (const Problem& full : {dense(300, 512, 704), dense(300, 2048, 2816, 0, 3), dense(256, 96, 30000, 0, 0, round),
+                              fp8_token(dense(fp8, 300, 2048, 2816))}) {
     const std::vector<float> all = run(full, kCublasLt);
     for (int64_t rows : {1, 7, 33, 200}) {
       Problem part = full;
@@ -753,8 +765,7 @@ void bench(const char* name, int64_t tokens, int64_t n, int64_t k, int experts, 
   auto call = [&] {
 #ifdef DIFFUSERVE_WITH_CUBLASLT
     if (on_cublaslt)
-      return cublaslt().multiply(x, x_rows, k, false, input, {reinterpret_cast<const __nv_bfloat16*>(w)}, n, k, {y}, n,
-                                 scratch, nullptr);
+      return cublaslt().multiply(x, x_rows, k, false, input, {stack.expert(0)}, n, k, {y}, n, scratch, nullptr);
 #endif
     gemm(x, x_rows, k, false, d_map, moe_layer ? d_segs : segs.data(), d_tiles, num_tiles, tile_rows, format, n, k,
          input, y, n, scratch, nullptr);
@@ -814,8 +825,10 @@ int main(int argc, char** argv) {
     };
     time_embedding(false);
 #ifdef DIFFUSERVE_WITH_CUBLASLT  // the bf16 products on cuBLASLt, with K (and V) apart as the backend runs them
-    for (const auto& [name, n, k] : layer_products)
+    for (const auto& [name, n, k] : layer_products) {
       bench(name, m, n, k, 0, 0, false, WeightFormat::Plain, GemmInput::Split, true);
+      bench(name, m, n, k, 0, 0, false, WeightFormat::Fp8, GemmInput::Fp8Token, true);
+    }
     bench("k_proj 2816->1024", m, 1024, 2816, 0, 0, false, WeightFormat::Plain, GemmInput::Split, true);
     bench("router 2816->128", m, 128, 2816, 0, 0, false, WeightFormat::Plain, GemmInput::Split, true);
     time_embedding(true);

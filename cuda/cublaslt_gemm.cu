@@ -1,7 +1,10 @@
-// cuBLASLt for the dense bf16 linears (cublaslt_gemm.h). cuBLASLt is column-major, so the
+// cuBLASLt for the dense linears (cublaslt_gemm.h). cuBLASLt is column-major, so the
 // row-major product y[m, n] = a[m, k] @ w[n, k]^T is computed as its transpose:
 // y^T[n, m] = w^T (w stored [n, k] row-major is [k, n] column-major, transposed) @ a^T
-// (a [m, k] row-major is [k, m] column-major, as it is).
+// (a [m, k] row-major is [k, m] column-major, as it is): the "TN" layout, the only one
+// its E4M3 products take. Their scales are outer vectors: y^T[i, j] times w's scale i
+// (a weight row's) and a's scale j (a token's), applied to the finished sums; with
+// fast accumulation off, the tensor cores' partial sums are added in fp32 as they go.
 #include "cublaslt_gemm.h"
 
 #include <stdexcept>
@@ -31,19 +34,36 @@ int alignment(std::initializer_list<uint64_t> values) {
 // Values in a row of X's planes: planes * kp (hi, then lo), as gemm.cu's pre-pass writes them.
 int64_t row_values(GemmInput input, int64_t k) { return planes(input) * gemm_padded_k(k, input); }
 
-// The operation and matrix layouts of one product at m rows (destroyed with it).
+// The operation and matrix layouts of one product at m rows (destroyed with it); `fp8`:
+// E4M3 operands with outer-vector scales (set_scales gives their addresses).
 struct Product {
   cublasLtMatmulDesc_t op = nullptr;
   cublasLtMatrixLayout_t w = nullptr, a = nullptr, y = nullptr;
 
-  Product(int64_t m, int64_t lda, int64_t n, int64_t k, int64_t ldy) {
+  Product(bool fp8, int64_t m, int64_t lda, int64_t n, int64_t k, int64_t ldy) {
     check(cublasLtMatmulDescCreate(&op, CUBLAS_COMPUTE_32F, CUDA_R_32F), "matmul descriptor");
     const cublasOperation_t transpose = CUBLAS_OP_T, keep = CUBLAS_OP_N;
     check(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSA, &transpose, sizeof(transpose)), "transa");
     check(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSB, &keep, sizeof(keep)), "transb");
-    check(cublasLtMatrixLayoutCreate(&w, CUDA_R_16BF, uint64_t(k), uint64_t(n), k), "w layout");
-    check(cublasLtMatrixLayoutCreate(&a, CUDA_R_16BF, uint64_t(k), uint64_t(m), lda), "a layout");
+    if (fp8) {
+      const cublasLtMatmulMatrixScale_t outer = CUBLASLT_MATMUL_MATRIX_SCALE_OUTER_VEC_32F;
+      const int8_t fast_accumulation = 0;
+      check(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_A_SCALE_MODE, &outer, sizeof(outer)), "a scales");
+      check(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_B_SCALE_MODE, &outer, sizeof(outer)), "b scales");
+      check(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_FAST_ACCUM, &fast_accumulation,
+                                           sizeof(fast_accumulation)),
+            "fast accumulation");
+    }
+    const cudaDataType_t type = fp8 ? CUDA_R_8F_E4M3 : CUDA_R_16BF;
+    check(cublasLtMatrixLayoutCreate(&w, type, uint64_t(k), uint64_t(n), k), "w layout");
+    check(cublasLtMatrixLayoutCreate(&a, type, uint64_t(k), uint64_t(m), lda), "a layout");
     check(cublasLtMatrixLayoutCreate(&y, CUDA_R_32F, uint64_t(n), uint64_t(m), ldy), "y layout");
+  }
+  void set_scales(const float* w_scales, const float* a_scales) {
+    check(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &w_scales, sizeof(w_scales)),
+          "w scales");
+    check(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &a_scales, sizeof(a_scales)),
+          "a scales");
   }
   ~Product() {
     if (y) cublasLtMatrixLayoutDestroy(y);
@@ -65,7 +85,7 @@ CublasLtGemm::~CublasLtGemm() {
 }
 
 CublasLtGemm::Plan CublasLtGemm::choose(const Key& key) {
-  const auto [n, k, lda, ldy, align_w, align_y] = key;
+  const auto [fp8, n, k, lda, ldy, align_w, align_y] = key;
   Plan plan;
   cublasLtMatmulPreference_t preference = nullptr;
   check(cublasLtMatmulPreferenceCreate(&preference), "preference");
@@ -85,7 +105,12 @@ CublasLtGemm::Plan CublasLtGemm::choose(const Key& key) {
       {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, uint32_t(align_y)}};
   for (const auto& [attribute, value] : preferences)
     check(cublasLtMatmulPreferenceSetAttribute(preference, attribute, &value, sizeof(value)), "preference");
-  const Product reference(kReferenceRows, lda, n, k, ldy);
+  Product reference(fp8, kReferenceRows, lda, n, k, ldy), one(fp8, 1, lda, n, k, ldy),
+      many(fp8, 64 * kReferenceRows, lda, n, k, ldy);
+  if (fp8) {  // the choice looks at the scales' modes, not their addresses: a placeholder, never read
+    const float* const placeholder = reinterpret_cast<const float*>(uintptr_t(256));
+    for (Product* product : {&reference, &one, &many}) product->set_scales(placeholder, placeholder);
+  }
   cublasLtMatmulHeuristicResult_t results[8];
   int found = 0;
   const cublasStatus_t status = cublasLtMatmulAlgoGetHeuristic(handle_, reference.op, reference.w, reference.a,
@@ -93,7 +118,6 @@ CublasLtGemm::Plan CublasLtGemm::choose(const Key& key) {
   cublasLtMatmulPreferenceDestroy(preference);
   if (status != CUBLAS_STATUS_SUCCESS) return plan;
   // The first (fastest by the heuristic) that also runs at one row and at many.
-  const Product one(1, lda, n, k, ldy), many(64 * kReferenceRows, lda, n, k, ldy);
   for (int i = 0; i < found && !plan.usable; ++i) {
     cublasLtMatmulHeuristicResult_t check_one{}, check_many{};
     plan.usable = results[i].state == CUBLAS_STATUS_SUCCESS && results[i].workspaceSize <= kWorkspaceBytes &&
@@ -106,24 +130,29 @@ CublasLtGemm::Plan CublasLtGemm::choose(const Key& key) {
   return plan;
 }
 
-const CublasLtGemm::Plan* CublasLtGemm::usable_plan(GemmInput input, const __nv_bfloat16* w, int64_t n, int64_t k,
-                                                     const float* y, int64_t ldy) {
-  if (input == GemmInput::Fp8Token) return nullptr;
-  const Key key{n, k, row_values(input, k), ldy, alignment({reinterpret_cast<uintptr_t>(w), uint64_t(k) * 2}),
+const CublasLtGemm::Plan* CublasLtGemm::usable_plan(GemmInput input, const GemmMatrix& w, int64_t n, int64_t k,
+                                                    const float* y, int64_t ldy) {
+  const bool fp8 = input == GemmInput::Fp8Token;
+  if (fp8 && !w.row_scales) return nullptr;
+  const Key key{fp8,
+                n,
+                k,
+                row_values(input, k),
+                ldy,
+                alignment({reinterpret_cast<uintptr_t>(w.values), uint64_t(k) * (fp8 ? 1 : 2)}),
                 alignment({reinterpret_cast<uintptr_t>(y), uint64_t(ldy) * 4})};
   auto it = plans_.find(key);
   if (it == plans_.end()) it = plans_.emplace(key, choose(key)).first;
   return it->second.usable ? &it->second : nullptr;
 }
 
-bool CublasLtGemm::supports(GemmInput input, const __nv_bfloat16* w, int64_t n, int64_t k, const float* y,
-                            int64_t ldy) {
+bool CublasLtGemm::supports(GemmInput input, const GemmMatrix& w, int64_t n, int64_t k, const float* y, int64_t ldy) {
   return usable_plan(input, w, n, k, y, ldy) != nullptr;
 }
 
 void CublasLtGemm::multiply(const float* x, int64_t m, int64_t ldx, bool gated, GemmInput input,
-                            const std::vector<const __nv_bfloat16*>& ws, int64_t n, int64_t k,
-                            const std::vector<float*>& ys, int64_t ldy, void* scratch, cudaStream_t stream) {
+                            const std::vector<GemmMatrix>& ws, int64_t n, int64_t k, const std::vector<float*>& ys,
+                            int64_t ldy, void* scratch, cudaStream_t stream) {
   if (ws.size() != ys.size()) throw std::invalid_argument("CublasLtGemm::multiply: one output a weight");
   if (reinterpret_cast<uintptr_t>(scratch) % 16) throw std::invalid_argument("CublasLtGemm::multiply: unaligned scratch");
   std::vector<const Plan*> chosen;
@@ -138,17 +167,21 @@ void CublasLtGemm::multiply(const float* x, int64_t m, int64_t ldx, bool gated, 
     workspace = nullptr;
     throw std::runtime_error("out of GPU memory allocating cuBLASLt's workspace");
   }
-  bf16_planes(x, m, ldx, gated, k, input, /*permuted=*/false, scratch, stream);
+  const bool fp8 = input == GemmInput::Fp8Token;
+  const float* const token_scales = fp8 ? fp8_token_input(x, m, ldx, gated, k, scratch, stream) : nullptr;
+  if (!fp8) bf16_planes(x, m, ldx, gated, k, input, /*permuted=*/false, scratch, stream);
   const int64_t kp = gemm_padded_k(k, input);
-  const Product product(m, row_values(input, k), n, k, ldy);
+  Product product(fp8, m, row_values(input, k), n, k, ldy);
   const float one = 1.0f, zero = 0.0f;
-  for (size_t i = 0; i < ws.size(); ++i)
+  for (size_t i = 0; i < ws.size(); ++i) {
+    if (fp8) product.set_scales(ws[i].row_scales, token_scales);
     for (int plane = 0; plane < planes(input); ++plane) {
-      const auto* a = static_cast<const __nv_bfloat16*>(scratch) + plane * kp;
-      check(cublasLtMatmul(handle_, product.op, &one, ws[i], product.w, a, product.a, plane ? &one : &zero, ys[i],
-                           product.y, ys[i], product.y, &chosen[i]->algo, workspace, kWorkspaceBytes, stream),
+      const auto* a = static_cast<const uint8_t*>(scratch) + plane * kp * (fp8 ? 1 : 2);
+      check(cublasLtMatmul(handle_, product.op, &one, ws[i].values, product.w, a, product.a, plane ? &one : &zero,
+                           ys[i], product.y, ys[i], product.y, &chosen[i]->algo, workspace, kWorkspaceBytes, stream),
             "cublasLtMatmul");
     }
+  }
 }
 
 }  // namespace diffuserve::cuda

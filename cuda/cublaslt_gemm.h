@@ -1,7 +1,9 @@
-// Dense bf16 products on cuBLASLt, NVIDIA's tuned GEMM library (on Hopper its kernels use
-// wgmma and TMA, which gemm.cu's mma.sync kernel does not): the CUDA backend's linears with
-// plain bf16 weights go here when the build found cuBLASLt (DIFFUSERVE_WITH_CUBLASLT).
-// The MoE's grouped products and packed weights stay on gemm.cu.
+// Dense products on cuBLASLt, NVIDIA's tuned GEMM library (on Hopper its kernels use wgmma
+// and TMA): the CUDA backend's linears with plain bf16 weights, and those with FP8 weights
+// and FP8 per-token inputs (FP8_DYNAMIC: E4M3 x E4M3 with the weight rows' and the tokens'
+// scales as cuBLASLt's outer-vector scales), go here when the build found cuBLASLt
+// (DIFFUSERVE_WITH_CUBLASLT). The MoE's grouped products and other packed weights stay on
+// gemm.cu.
 #pragma once
 
 #include <cublasLt.h>
@@ -25,32 +27,32 @@ class CublasLtGemm {
   CublasLtGemm& operator=(const CublasLtGemm&) = delete;
 
   // Whether cuBLASLt has an algorithm for products of X (entering as `input`) with the
-  // bf16 weight w ([n, k], K contiguous) into y (rows ldy apart): the same answer for
-  // every number of rows.
+  // weight w ([n, k], K contiguous; bf16, or with Fp8Token E4M3 with a scale per row) into
+  // y (rows ldy apart): the same answer for every number of rows.
   //
   // A row's result must not depend on what it is batched with (DESIGN.md), while cuBLASLt
   // picks its kernel, tile and K split by the rows. So the algorithm is chosen once per
   // shape, at a reference row count, among those that sum over K in one sequence or reduce
   // fixed K slices from a workspace (never in place, whose order is not fixed), and kept.
-  bool supports(GemmInput input, const __nv_bfloat16* w, int64_t n, int64_t k, const float* y, int64_t ldy);
+  bool supports(GemmInput input, const GemmMatrix& w, int64_t n, int64_t k, const float* y, int64_t ldy);
   // ys[i][m, n] (fp32, rows ldy apart) = X @ ws[i]^T for each weight (all [n, k] and
   // supported), X fp32 [m, k] (rows ldx apart; `gated`: gemm()'s gated rows) entering as
-  // `input` says: gemm.cu's pre-pass writes its bf16 planes once into `scratch`
-  // (gemm_scratch_bytes, 16-byte aligned), then one product a plane and weight, Split's lo
-  // plane's added to its hi's.
-  void multiply(const float* x, int64_t m, int64_t ldx, bool gated, GemmInput input,
-                const std::vector<const __nv_bfloat16*>& ws, int64_t n, int64_t k, const std::vector<float*>& ys,
-                int64_t ldy, void* scratch, cudaStream_t stream);
+  // `input` says: gemm.cu's pre-pass writes its bf16 planes or E4M3 codes once into
+  // `scratch` (gemm_scratch_bytes, 16-byte aligned), then one product a plane and weight,
+  // Split's lo plane's added to its hi's.
+  void multiply(const float* x, int64_t m, int64_t ldx, bool gated, GemmInput input, const std::vector<GemmMatrix>& ws,
+                int64_t n, int64_t k, const std::vector<float*>& ys, int64_t ldy, void* scratch, cudaStream_t stream);
 
  private:
   struct Plan {
     bool usable = false;
     cublasLtMatmulAlgo_t algo{};
   };
-  // (n, k, lda, ldy, alignment of w and y in bytes); X's planes are always 16-byte aligned
-  using Key = std::tuple<int64_t, int64_t, int64_t, int64_t, int, int>;
+  // (E4M3 or bf16 operands, n, k, lda, ldy, alignment of w and y in bytes); X's planes are
+  // always 16-byte aligned
+  using Key = std::tuple<bool, int64_t, int64_t, int64_t, int64_t, int, int>;
   // The plan for this product, chosen on first use; null where none is usable.
-  const Plan* usable_plan(GemmInput input, const __nv_bfloat16* w, int64_t n, int64_t k, const float* y, int64_t ldy);
+  const Plan* usable_plan(GemmInput input, const GemmMatrix& w, int64_t n, int64_t k, const float* y, int64_t ldy);
   Plan choose(const Key& key);
 
   cublasLtHandle_t handle_ = nullptr;

@@ -368,20 +368,20 @@ class CudaBackend final : public Backend {
         return Backend::linears(x, ws, y, encoder_rows);
     auto timed = op("linear");
     const cuda::ExpertStack first = matrices(*ws.front());
-    std::vector<const void*> weights;
+    std::vector<cuda::GemmMatrix> weights;
     std::vector<float*> outputs;
     for (size_t i = 0; i < ws.size(); ++i) {
       const Weight& w = *ws[i];
       if (w.shape != ws.front()->shape || w.format != ws.front()->format || w.dtype != ws.front()->dtype)
         throw InvalidArgument("linears: the weights differ in shape, format or dtype");
-      weights.push_back(w.data);
+      weights.push_back(matrices(w).expert(0));
       outputs.push_back(y.data + int64_t(i) * x.rows * y.cols);
     }
     auto scratch = pool_->get(cuda::gemm_scratch_bytes(x.rows, first.n, first.k, input));
     // cuBLASLt's plan depends on each output's alignment: with rows of a multiple of 4
     // floats every block of y is 16-byte aligned, whatever x.rows (batch invariance).
-    if (first.format == WeightFormat::Plain && y.cols % 4 == 0 &&
-        products_on_cublaslt(x, false, weights, first.n, first.k, input, outputs, y.cols, scratch.get()))
+    if (y.cols % 4 == 0 &&
+        products_on_cublaslt(x, false, weights, first.format, first.n, first.k, input, outputs, y.cols, scratch.get()))
       return;
     const int tile = cuda::gemm_tile_rows(x.rows, int64_t(ws.size()), first.n, input, first.format);
     std::vector<cuda::GemmSegment> segments(ws.size());
@@ -791,32 +791,30 @@ class CudaBackend final : public Backend {
   void gemm_dense(const Activation& x, const cuda::GemmMatrix& w, WeightFormat format, int64_t n, int64_t k,
                   cuda::GemmInput input, Activation& y, bool gated = false) {
     auto scratch = pool_->get(cuda::gemm_scratch_bytes(x.rows, n, k, input));
-    if (format == WeightFormat::Plain && input != cuda::GemmInput::Fp8Token &&
-        products_on_cublaslt(x, gated, {w.values}, n, k, input, {y.data}, y.cols, scratch.get()))
-      return;
+    if (products_on_cublaslt(x, gated, {w}, format, n, k, input, {y.data}, y.cols, scratch.get())) return;
     const cuda::GemmSegment seg{0, 0, int(x.rows), w};
     const int tile = cuda::gemm_tile_rows(x.rows, 1, n, input, format);
     cuda::gemm(x.data, x.rows, x.cols, gated, nullptr, &seg, nullptr, int((x.rows + tile - 1) / tile), tile, format, n,
                k, input, y.data, y.cols, scratch.get(), stream_);
   }
 
-  // Products of X (x's rows, or gated as gemm_dense says) with plain bf16 weights ws[i]
-  // ([n, k] each) into ys[i] (rows ldy apart) on cuBLASLt, where the build has it and it
-  // takes them all; false, having done nothing, otherwise. The choice depends on the
-  // shapes alone, never on the rows (batch invariance).
-  bool products_on_cublaslt(const Activation& x, bool gated, const std::vector<const void*>& ws, int64_t n, int64_t k,
-                            cuda::GemmInput input, const std::vector<float*>& ys, int64_t ldy, void* scratch) {
+  // Products of X (x's rows, or gated as gemm_dense says) with weights ws[i] ([n, k] each;
+  // plain bf16 with bf16 planes of X, or FP8 with FP8 per-token X) into ys[i] (rows ldy
+  // apart) on cuBLASLt, where the build has it and it takes them all; false, having done
+  // nothing, otherwise. The choice depends on the shapes alone, never on the rows (batch
+  // invariance).
+  bool products_on_cublaslt(const Activation& x, bool gated, const std::vector<cuda::GemmMatrix>& ws,
+                            WeightFormat format, int64_t n, int64_t k, cuda::GemmInput input,
+                            const std::vector<float*>& ys, int64_t ldy, void* scratch) {
 #ifdef DIFFUSERVE_WITH_CUBLASLT
-    if (!cublaslt_) return false;
-    std::vector<const __nv_bfloat16*> weights;
-    for (size_t i = 0; i < ws.size(); ++i) {
-      weights.push_back(static_cast<const __nv_bfloat16*>(ws[i]));
-      if (!cublaslt_->supports(input, weights.back(), n, k, ys[i], ldy)) return false;
-    }
-    cublaslt_->multiply(x.data, x.rows, x.cols, gated, input, weights, n, k, ys, ldy, scratch, stream_);
+    const bool fp8 = input == cuda::GemmInput::Fp8Token;
+    if (!cublaslt_ || format != (fp8 ? WeightFormat::Fp8 : WeightFormat::Plain)) return false;
+    for (size_t i = 0; i < ws.size(); ++i)
+      if (!cublaslt_->supports(input, ws[i], n, k, ys[i], ldy)) return false;
+    cublaslt_->multiply(x.data, x.rows, x.cols, gated, input, ws, n, k, ys, ldy, scratch, stream_);
     return true;
 #else
-    (void)x, (void)gated, (void)ws, (void)n, (void)k, (void)input, (void)ys, (void)ldy, (void)scratch;
+    (void)x, (void)gated, (void)ws, (void)format, (void)n, (void)k, (void)input, (void)ys, (void)ldy, (void)scratch;
     return false;
 #endif
   }

@@ -208,12 +208,13 @@ using Large = Shape<128, 256, 2, 4, 3, 3, 1>;   // 192 / 144 / 123 KB; 144 KB
 // the MMAs' M, as two m64 halves, and the 32, 64 or 128 X rows their N (Y^T = W X^T), one
 // wgmma per half, plane and 32-byte K step. (Packed weights decoded into wgmma's register
 // operand measured no faster than Small's mma.sync, NVFP4's down projection 18% slower:
-// they stay there.) E4M3's stages are smaller (one X plane, a byte a weight), and the dense
-// products at batch 1 give about one block a multiprocessor, whose loads in flight bound it:
-// 6 stages where a block is 64 or 128 rows high.
+// they stay there.) E4M3's stages are smaller (one X plane, a byte a weight); 6 stages at 64
+// and 128 rows measured no faster for the dense products at batch 1 (about a block a
+// multiprocessor) and up to 1.7x slower for the MoE at batch 4 and 16 (one block a
+// multiprocessor where two had fit).
 using Wgmma32 = Shape<32, 128, 1, 4, 3, 3, 3, true>;    // 72 KB; 60 KB
-using Wgmma64 = Shape<64, 128, 1, 4, 3, 6, 2, true>;    // 96 KB; 144 KB
-using Wgmma128 = Shape<128, 128, 1, 4, 3, 6, 1, true>;  // 144 KB; 192 KB
+using Wgmma64 = Shape<64, 128, 1, 4, 3, 3, 2, true>;    // 96 KB; 72 KB
+using Wgmma128 = Shape<128, 128, 1, 4, 3, 3, 1, true>;  // 144 KB; 96 KB
 // Medium for decoded packed weights: warps side by side (64 x 32 each), as each warp decodes
 // the W columns it multiplies and two warps over the same columns would decode them twice.
 using MediumDecoded = Shape<64, 128, 1, 4, 3, 3, 2>;  // 72 / 62 KB
@@ -794,6 +795,14 @@ void fp8_token_codes(const float* x, int64_t rows, int64_t ldx, bool gated, int6
 
 int64_t gemm_padded_k(int64_t k, GemmInput input) { return padded_k(k, input); }
 
+const float* fp8_token_input(const float* x, int64_t rows, int64_t ldx, bool gated, int64_t k, void* scratch,
+                             cudaStream_t stream) {
+  auto* codes = static_cast<uint8_t*>(scratch);
+  float* const scales = reinterpret_cast<float*>(codes + codes_bytes(rows, k));
+  fp8_token_codes(x, rows, ldx, gated, k, padded_k(k, GemmInput::Fp8Token), codes, scales, stream);
+  return scales;
+}
+
 void bf16_planes(const float* x, int64_t rows, int64_t ldx, bool gated, int64_t k, GemmInput input, bool permuted,
                  void* scratch, cudaStream_t stream) {
   if (input == GemmInput::Fp8Token) throw std::invalid_argument("bf16_planes: Fp8Token input has no bf16 planes");
@@ -821,9 +830,10 @@ void gemm(const float* x, int64_t x_rows, int64_t ldx, bool gated, const int64_t
   if (num_tiles <= 0 || n <= 0) return;
   const int64_t kp = padded_k(k, input);
   auto* a = static_cast<uint8_t*>(scratch);
-  float* const a_scales = input == GemmInput::Fp8Token ? reinterpret_cast<float*>(a + codes_bytes(x_rows, k)) : nullptr;
-  if (input == GemmInput::Fp8Token) fp8_token_codes(x, x_rows, ldx, gated, k, kp, a, a_scales, stream);
-  else bf16_planes(x, x_rows, ldx, gated, k, input, decodes(input, format), scratch, stream);
+  const float* const a_scales =
+      input == GemmInput::Fp8Token ? fp8_token_input(x, x_rows, ldx, gated, k, scratch, stream) : nullptr;
+  if (input != GemmInput::Fp8Token)
+    bf16_planes(x, x_rows, ldx, gated, k, input, decodes(input, format), scratch, stream);
 
   // With `tiles` null, `segments` is a host pointer to the single segment, passed by value.
   const GemmSegment single = tiles ? GemmSegment{} : *segments;

@@ -88,7 +88,12 @@ void bf16_planes(const float* x, int64_t rows, int64_t ldx, bool gated, int64_t 
 void gemm(const float* x, int64_t x_rows, int64_t ldx, bool gated, const int64_t* row_map, const GemmSegment* segments,
           const GemmTile* tiles, int num_tiles, int tile_rows, WeightFormat format, int64_t n, int64_t k,
           GemmInput input, float* y, int64_t ldy, void* scratch, cudaStream_t stream);
-// Fp8Token's pre-pass, for gemm() and its tests: per row of X (rows x k, ldx apart; gated
+// gemm()'s pre-pass for Fp8Token alone (for products computed elsewhere: cuBLASLt): the
+// E4M3 codes of X's rows (gated as gemm() says) at scratch + r * kp bytes (kp =
+// gemm_padded_k), then their scales, whose address it returns (fp8_token_codes, below).
+const float* fp8_token_input(const float* x, int64_t rows, int64_t ldx, bool gated, int64_t k, void* scratch,
+                             cudaStream_t stream);
+// Fp8Token's codes and scales, for gemm() and its tests: per row of X (rows x k, ldx apart; gated
 // as gemm() says), the FP8 token scale into scales[row] and the E4M3 codes of x / scale
 // (activation_quant.h's quantize_e4m3) into codes + row * ld_codes, zero from k to ld_codes
 // (a multiple of 128).
