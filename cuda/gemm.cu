@@ -570,26 +570,17 @@ __global__ void __launch_bounds__(S::kThreads, S::kBlocks) gemm_kernel(const Par
 // weights take (gemm_tile.cuh, packed_k_source), 4 pairs of adjacent columns per thread.
 // kGated: X row r is [gate | up], 2K values, and the row taken is their gelu_glu_value
 // (the MLP's activation, computed here rather than in a pass of its own).
-template <int kPlanes, bool kPermuted, bool kGated>
-__global__ void split_kernel(const float* __restrict__ x, int64_t ldx, int64_t rows, int64_t k, int64_t kp, bool vector,
-                             __nv_bfloat16* __restrict__ a) {
-  wait_for_earlier_kernels();
-  const int64_t chunks = kp / 8, i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (i >= rows * chunks) return;
-  const int64_t r = i / chunks, c = (i % chunks) * 8;
-  const float* row = x + r * ldx;
-  auto value = [&](int64_t column) {
-    return column >= k ? 0.0f : kGated ? gelu_glu_value(row[column], row[k + column]) : row[column];
-  };
-  float v[8];
-  if constexpr (kPermuted) {
-#pragma unroll
-    for (int j = 0; j < 8; j += 2) {
-      const int64_t column = c - c % 64 + packed_k_source(int(c % 64) + j);  // even: a pair
-      v[j] = value(column);
-      v[j + 1] = value(column + 1);
-    }
-  } else if (vector && c + 8 <= k) {
+// Column c of an X row of k values, zero past k; kGated: the row holds [gate | up], 2K
+// values, and the column's value is their gelu_glu_value (the MLP's activation).
+template <bool kGated>
+__device__ __forceinline__ float x_value(const float* row, int64_t k, int64_t c) {
+  return c >= k ? 0.0f : kGated ? gelu_glu_value(row[c], row[k + c]) : row[c];
+}
+// Columns c..c+7 of it: two float4 loads (gated, four) where `vector` (rows 16-byte aligned)
+// and all eight lie before k, else one by one.
+template <bool kGated>
+__device__ __forceinline__ void x_values8(const float* row, int64_t k, int64_t c, bool vector, float (&v)[8]) {
+  if (vector && c + 8 <= k) {
     const float4 v0 = *reinterpret_cast<const float4*>(row + c), v1 = *reinterpret_cast<const float4*>(row + c + 4);
     v[0] = v0.x, v[1] = v0.y, v[2] = v0.z, v[3] = v0.w, v[4] = v1.x, v[5] = v1.y, v[6] = v1.z, v[7] = v1.w;
     if constexpr (kGated) {
@@ -601,7 +592,28 @@ __global__ void split_kernel(const float* __restrict__ x, int64_t ldx, int64_t r
     }
   } else {
 #pragma unroll
-    for (int j = 0; j < 8; ++j) v[j] = value(c + j);
+    for (int j = 0; j < 8; ++j) v[j] = x_value<kGated>(row, k, c + j);
+  }
+}
+
+template <int kPlanes, bool kPermuted, bool kGated>
+__global__ void split_kernel(const float* __restrict__ x, int64_t ldx, int64_t rows, int64_t k, int64_t kp, bool vector,
+                             __nv_bfloat16* __restrict__ a) {
+  wait_for_earlier_kernels();
+  const int64_t chunks = kp / 8, i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= rows * chunks) return;
+  const int64_t r = i / chunks, c = (i % chunks) * 8;
+  const float* row = x + r * ldx;
+  float v[8];
+  if constexpr (kPermuted) {
+#pragma unroll
+    for (int j = 0; j < 8; j += 2) {
+      const int64_t column = c - c % 64 + packed_k_source(int(c % 64) + j);  // even: a pair
+      v[j] = x_value<kGated>(row, k, column);
+      v[j + 1] = x_value<kGated>(row, k, column + 1);
+    }
+  } else {
+    x_values8<kGated>(row, k, c, vector, v);
   }
   uint4 hi, lo;
   split_bf16(v[0], v[1], hi.x, lo.x);
@@ -629,23 +641,7 @@ __global__ void __launch_bounds__(kCodesMaxThreads) fp8_codes_kernel(const float
   wait_for_earlier_kernels();
   const int64_t row = blockIdx.x, stride = 8 * int64_t(blockDim.x), first = 8 * int64_t(threadIdx.x);
   const float* src = x + row * ldx;
-  auto value = [&](int64_t c) { return c >= k ? 0.0f : kGated ? gelu_glu_value(src[c], src[k + c]) : src[c]; };
-  auto load = [&](int64_t c, float (&v)[8]) {
-    if (vector && c + 8 <= k) {
-      const float4 a = *reinterpret_cast<const float4*>(src + c), b = *reinterpret_cast<const float4*>(src + c + 4);
-      v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
-      if constexpr (kGated) {
-        const float4 ua = *reinterpret_cast<const float4*>(src + k + c),
-                     ub = *reinterpret_cast<const float4*>(src + k + c + 4);
-        const float u[8] = {ua.x, ua.y, ua.z, ua.w, ub.x, ub.y, ub.z, ub.w};
-#pragma unroll
-        for (int j = 0; j < 8; ++j) v[j] = gelu_glu_value(v[j], u[j]);
-      }
-    } else {
-#pragma unroll
-      for (int j = 0; j < 8; ++j) v[j] = value(c + j);
-    }
-  };
+  auto load = [&](int64_t c, float (&v)[8]) { x_values8<kGated>(src, k, c, vector, v); };
   float v[8], amax = 0.0f;
   load(first, v);
 #pragma unroll
