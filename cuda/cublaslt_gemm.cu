@@ -168,8 +168,7 @@ void CublasLtGemm::multiply(const float* x, int64_t m, int64_t ldx, bool gated, 
     throw std::runtime_error("out of GPU memory allocating cuBLASLt's workspace");
   }
   const bool fp8 = input == GemmInput::Fp8Token;
-  const float* const token_scales = fp8 ? fp8_token_input(x, m, ldx, gated, k, scratch, stream) : nullptr;
-  if (!fp8) bf16_planes(x, m, ldx, gated, k, input, /*permuted=*/false, scratch, stream);
+  const float* const token_scales = prepare_gemm_input(x, m, ldx, gated, k, input, /*permuted=*/false, scratch, stream);
   const int64_t kp = gemm_padded_k(k, input);
   Product product(fp8, m, row_values(input, k), n, k, ldy);
   const float one = 1.0f, zero = 0.0f;

@@ -355,10 +355,10 @@ class CudaBackend final : public Backend {
     gemm_dense(x, stack.expert(std::max(expert, 0)), w.format, stack.n, stack.k, cuda::GemmInput::Split, y);
   }
 
-  // One launch over the weights as segments of one product, each on all of x's rows (the
-  // GEMM's segments need 16-byte aligned matrices, as allocations give them).
-  // One product where the weights' inputs are all taken alike inside it (gemm_input: plain,
-  // rounded to bf16, or FP8 per token, each quantized by the pre-pass alone).
+  // One product over the weights, each on all of x's rows, where their inputs are all taken
+  // alike inside it (gemm_input: plain, rounded to bf16, or FP8 per token, each quantized by
+  // the pre-pass alone): on cuBLASLt, or one gemm.cu launch with a segment a weight (its
+  // segments need 16-byte aligned matrices, as allocations give them).
   void linears(const Activation& x, const std::vector<const Weight*>& ws, Activation& y,
                int64_t encoder_rows) override {
     const cuda::GemmInput input = gemm_input(*ws.front());
@@ -387,11 +387,10 @@ class CudaBackend final : public Backend {
     std::vector<cuda::GemmSegment> segments(ws.size());
     std::vector<cuda::GemmTile> tiles;
     for (size_t i = 0; i < ws.size(); ++i) {
-      const Weight& w = *ws[i];
       segments[i].x_row = 0;
       segments[i].y_row = int64_t(i) * x.rows;
       segments[i].rows = int(x.rows);
-      segments[i].w = matrices(w).expert(0);
+      segments[i].w = weights[i];
       for (int64_t m0 = 0; m0 < x.rows; m0 += tile) tiles.push_back({int(i), int(m0)});
     }
     cuda::gemm(x.data, x.rows, x.cols, false, nullptr, upload_table(segments), upload_table(tiles), int(tiles.size()),
@@ -807,8 +806,7 @@ class CudaBackend final : public Backend {
                             WeightFormat format, int64_t n, int64_t k, cuda::GemmInput input,
                             const std::vector<float*>& ys, int64_t ldy, void* scratch) {
 #ifdef DIFFUSERVE_WITH_CUBLASLT
-    const bool fp8 = input == cuda::GemmInput::Fp8Token;
-    if (!cublaslt_ || format != (fp8 ? WeightFormat::Fp8 : WeightFormat::Plain)) return false;
+    if (!cublaslt_ || !cuda::gemm_operands_alike(input, format)) return false;
     for (size_t i = 0; i < ws.size(); ++i)
       if (!cublaslt_->supports(input, ws[i], n, k, ys[i], ldy)) return false;
     cublaslt_->multiply(x.data, x.rows, x.cols, gated, input, ws, n, k, ys, ldy, scratch, stream_);

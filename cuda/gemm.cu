@@ -239,9 +239,8 @@ __global__ void __launch_bounds__(S::kThreads, S::kBlocks) gemm_kernel(const Par
   static_assert(kBM % kRowStep == 0 && kWChunks % kThreads == 0 && kTilesN % 2 == 0 &&
                     kBN <= kThreads,  // a thread per W row for NVFP4's scales
                 "tile shape");
-  static_assert(!S::kWgmma || ((kFormat == WeightFormat::Plain) == (kInput != GemmInput::Fp8Token) &&
-                               (kFormat == WeightFormat::Plain || kFormat == WeightFormat::Fp8) && kBN == 128 &&
-                               kThreads == 128 && kABytes % 1024 == 0 && kStageBytes % 1024 == 0),
+  static_assert(!S::kWgmma || (gemm_operands_alike(kInput, kFormat) && kBN == 128 && kThreads == 128 &&
+                               kABytes % 1024 == 0 && kStageBytes % 1024 == 0),
                 "wgmma: bf16 X and W or E4M3 X and W, one warpgroup, 128 W rows, operands on whole swizzle atoms");
   extern __shared__ __align__(1024) uint8_t smem[];
 
@@ -565,11 +564,6 @@ __global__ void __launch_bounds__(S::kThreads, S::kBlocks) gemm_kernel(const Par
   }
 }
 
-// A[r] = [hi | lo] of X row r (or hi alone with kPlanes 1), K zero-padded to kp; one
-// thread per 8 columns. kPermuted: each 64-column slice in the order the decoded packed
-// weights take (gemm_tile.cuh, packed_k_source), 4 pairs of adjacent columns per thread.
-// kGated: X row r is [gate | up], 2K values, and the row taken is their gelu_glu_value
-// (the MLP's activation, computed here rather than in a pass of its own).
 // Column c of an X row of k values, zero past k; kGated: the row holds [gate | up], 2K
 // values, and the column's value is their gelu_glu_value (the MLP's activation).
 template <bool kGated>
@@ -596,6 +590,11 @@ __device__ __forceinline__ void x_values8(const float* row, int64_t k, int64_t c
   }
 }
 
+// A[r] = [hi | lo] of X row r (or hi alone with kPlanes 1), K zero-padded to kp; one
+// thread per 8 columns. kPermuted: each 64-column slice in the order the decoded packed
+// weights take (gemm_tile.cuh, packed_k_source), 4 pairs of adjacent columns per thread.
+// kGated: X row r is [gate | up], 2K values, and the row taken is their gelu_glu_value
+// (the MLP's activation, computed here rather than in a pass of its own).
 template <int kPlanes, bool kPermuted, bool kGated>
 __global__ void split_kernel(const float* __restrict__ x, int64_t ldx, int64_t rows, int64_t k, int64_t kp, bool vector,
                              __nv_bfloat16* __restrict__ a) {
@@ -662,8 +661,8 @@ __global__ void __launch_bounds__(kCodesMaxThreads) fp8_codes_kernel(const float
     return uint32_t(__nv_cvt_float2_to_fp8x2(make_float2(a / scale, b / scale), __NV_SATFINITE, __NV_E4M3));
   };
   auto store = [&](int64_t c, const float (&w)[8]) {
-    const uint2 codes = make_uint2(pair(w[0], w[1]) | pair(w[2], w[3]) << 16, pair(w[4], w[5]) | pair(w[6], w[7]) << 16);
-    *reinterpret_cast<uint2*>(dst + c) = codes;
+    *reinterpret_cast<uint2*>(dst + c) =
+        make_uint2(pair(w[0], w[1]) | pair(w[2], w[3]) << 16, pair(w[4], w[5]) | pair(w[6], w[7]) << 16);
   };
   if (first < kp) store(first, v);
   for (int64_t c = first + stride; c < kp; c += stride) {
@@ -712,6 +711,11 @@ void launch_shape(const Params& p, GemmInput input, WeightFormat format, int64_t
   else launch_gemm<S, GemmInput::Split, WeightFormat::Plain>(p, grid, stream);
 }
 
+// Whether the pre-passes may read X's rows (and, gated, their up halves) as whole float4s.
+bool whole_float4s(const float* x, int64_t ldx, bool gated, int64_t k) {
+  return ldx % 4 == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0 && (!gated || k % 4 == 0);
+}
+
 // Fp8Token's scratch: the codes, then (16-byte aligned) the scales.
 size_t codes_bytes(int64_t x_rows, int64_t k) {
   return (size_t(x_rows) * size_t(padded_k(k, GemmInput::Fp8Token)) + 15) / 16 * 16;
@@ -754,8 +758,7 @@ size_t input_bytes(int64_t x_rows, int64_t k, GemmInput input) {
 }  // namespace
 
 bool gemm_has_wgmma_tile(GemmInput input, WeightFormat format) {
-  const bool fp8 = input == GemmInput::Fp8Token;  // E4M3 X takes E4M3 weights, other X bf16 ones
-  if (format != (fp8 ? WeightFormat::Fp8 : WeightFormat::Plain)) return false;
+  if (!gemm_operands_alike(input, format)) return false;
 #ifdef DIFFUSERVE_SM90A
   static const bool use = [] {
     int device = 0, major = 0, minor = 0;
@@ -788,37 +791,32 @@ void fp8_token_codes(const float* x, int64_t rows, int64_t ldx, bool gated, int6
                      uint8_t* codes, float* scales, cudaStream_t stream) {
   if (rows <= 0) return;
   if (ld_codes % 128 || ld_codes < k) throw std::invalid_argument("fp8_token_codes: code rows of a multiple of 128 >= K");
-  // Whole float4s: rows (and, gated, their up halves) 16-byte aligned.
-  const bool vector = ldx % 4 == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0 && (!gated || k % 4 == 0);
   const int threads = int(std::min<int64_t>(kCodesMaxThreads, (ld_codes / 8 + 31) / 32 * 32));
   launch(gated ? fp8_codes_kernel<true> : fp8_codes_kernel<false>, unsigned(rows), threads, 0, stream, x, ldx, k,
-         ld_codes, vector, codes, scales);
+         ld_codes, whole_float4s(x, ldx, gated, k), codes, scales);
 }
 
 int64_t gemm_padded_k(int64_t k, GemmInput input) { return padded_k(k, input); }
 
-const float* fp8_token_input(const float* x, int64_t rows, int64_t ldx, bool gated, int64_t k, void* scratch,
-                             cudaStream_t stream) {
-  auto* codes = static_cast<uint8_t*>(scratch);
-  float* const scales = reinterpret_cast<float*>(codes + codes_bytes(rows, k));
-  fp8_token_codes(x, rows, ldx, gated, k, padded_k(k, GemmInput::Fp8Token), codes, scales, stream);
-  return scales;
-}
-
-void bf16_planes(const float* x, int64_t rows, int64_t ldx, bool gated, int64_t k, GemmInput input, bool permuted,
-                 void* scratch, cudaStream_t stream) {
-  if (input == GemmInput::Fp8Token) throw std::invalid_argument("bf16_planes: Fp8Token input has no bf16 planes");
-  if (input == GemmInput::RoundBf16 && permuted) throw std::invalid_argument("bf16_planes: RoundBf16 is not permuted");
+const float* prepare_gemm_input(const float* x, int64_t rows, int64_t ldx, bool gated, int64_t k, GemmInput input,
+                                bool permuted, void* scratch, cudaStream_t stream) {
+  if (permuted && input != GemmInput::Split) throw std::invalid_argument("prepare_gemm_input: only Split is permuted");
   const int64_t kp = padded_k(k, input);
-  if (rows <= 0 || kp <= 0) return;
-  // Whole float4s: rows (and, gated, their up halves) 16-byte aligned.
-  const bool vector = ldx % 4 == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0 && (!gated || k % 4 == 0);
+  if (input == GemmInput::Fp8Token) {
+    auto* codes = static_cast<uint8_t*>(scratch);
+    float* const scales = reinterpret_cast<float*>(codes + codes_bytes(rows, k));
+    fp8_token_codes(x, rows, ldx, gated, k, kp, codes, scales, stream);
+    return scales;
+  }
+  if (rows <= 0 || kp <= 0) return nullptr;
   const unsigned blocks = unsigned((rows * (kp / 8) + 255) / 256);
   const auto kernel = input == GemmInput::RoundBf16
                           ? (gated ? split_kernel<1, false, true> : split_kernel<1, false, false>)
                       : permuted ? (gated ? split_kernel<2, true, true> : split_kernel<2, true, false>)
                                  : (gated ? split_kernel<2, false, true> : split_kernel<2, false, false>);
-  launch(kernel, blocks, 256, 0, stream, x, ldx, rows, k, kp, vector, static_cast<__nv_bfloat16*>(scratch));
+  launch(kernel, blocks, 256, 0, stream, x, ldx, rows, k, kp, whole_float4s(x, ldx, gated, k),
+         static_cast<__nv_bfloat16*>(scratch));
+  return nullptr;
 }
 
 void gemm(const float* x, int64_t x_rows, int64_t ldx, bool gated, const int64_t* row_map, const GemmSegment* segments,
@@ -833,9 +831,7 @@ void gemm(const float* x, int64_t x_rows, int64_t ldx, bool gated, const int64_t
   const int64_t kp = padded_k(k, input);
   auto* a = static_cast<uint8_t*>(scratch);
   const float* const a_scales =
-      input == GemmInput::Fp8Token ? fp8_token_input(x, x_rows, ldx, gated, k, scratch, stream) : nullptr;
-  if (input != GemmInput::Fp8Token)
-    bf16_planes(x, x_rows, ldx, gated, k, input, decodes(input, format), scratch, stream);
+      prepare_gemm_input(x, x_rows, ldx, gated, k, input, decodes(input, format), scratch, stream);
 
   // With `tiles` null, `segments` is a host pointer to the single segment, passed by value.
   const GemmSegment single = tiles ? GemmSegment{} : *segments;

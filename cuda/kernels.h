@@ -71,28 +71,31 @@ struct GemmTile {
 // `rows_per_segment` rows each, N = n, X as `input` and weights in `format`; GemmTile::m0
 // steps by it. Results do not depend on it, among the heights it gives for one kind.
 int gemm_tile_rows(int64_t rows_per_segment, int64_t segments, int64_t n, GemmInput input, WeightFormat format);
+// Whether X as `input` and weights in `format` reach the tensor cores as they are, both of
+// one kind: bf16 weights with bf16 X (split or rounded), or E4M3 weights with E4M3 X
+// (Fp8Token). Other packed weights are decoded in the kernel.
+DS_HOST_DEVICE constexpr bool gemm_operands_alike(GemmInput input, WeightFormat format) {
+  return format == (input == GemmInput::Fp8Token ? WeightFormat::Fp8 : WeightFormat::Plain);
+}
 // Whether gemm() multiplies X as `input` with weights in `format` on wgmma tiles (32, 64 and
-// 128 rows): bf16 both, sm_90a code in the build, an sm_90 GPU, and DIFFUSERVE_WGMMA unset
-// or not 0 (0 keeps every tile on mma.sync, to compare).
+// 128 rows): operands alike (above), sm_90a code in the build, an sm_90 GPU, and
+// DIFFUSERVE_WGMMA unset or not 0 (0 keeps every tile on mma.sync, to compare).
 bool gemm_has_wgmma_tile(GemmInput input, WeightFormat format);
 size_t gemm_scratch_bytes(int64_t x_rows, int64_t n, int64_t k, GemmInput input);
 // K as gemm()'s pre-pass pads it for `input`.
 int64_t gemm_padded_k(int64_t k, GemmInput input);
-// gemm()'s pre-pass for bf16 inputs, alone (for products computed elsewhere: cuBLASLt):
-// row r of X (gated as gemm() says) to bf16 at scratch + r * planes * kp values (kp =
-// gemm_padded_k), hi (Split's high part, or RoundBf16's rounding) then, for Split, lo at
-// + kp; K zero-padded to kp. `permuted`: K in the order decoded packed weights take
-// (gemm_tile.cuh).
-void bf16_planes(const float* x, int64_t rows, int64_t ldx, bool gated, int64_t k, GemmInput input, bool permuted,
-                 void* scratch, cudaStream_t stream);
+// gemm()'s pre-pass alone (for products computed elsewhere: cuBLASLt): X's rows (gated as
+// gemm() says) into `scratch` as the product takes them, K zero-padded to kp =
+// gemm_padded_k. bf16 inputs: row r at scratch + r * planes * kp values, hi (Split's high
+// part, or RoundBf16's rounding) then, for Split, lo at + kp (`permuted`, Split only: K in
+// the order decoded packed weights take, gemm_tile.cuh); returns null. Fp8Token: the E4M3
+// codes, row r at scratch + r * kp bytes (fp8_token_codes, below), then the rows' scales,
+// whose address it returns.
+const float* prepare_gemm_input(const float* x, int64_t rows, int64_t ldx, bool gated, int64_t k, GemmInput input,
+                                bool permuted, void* scratch, cudaStream_t stream);
 void gemm(const float* x, int64_t x_rows, int64_t ldx, bool gated, const int64_t* row_map, const GemmSegment* segments,
           const GemmTile* tiles, int num_tiles, int tile_rows, WeightFormat format, int64_t n, int64_t k,
           GemmInput input, float* y, int64_t ldy, void* scratch, cudaStream_t stream);
-// gemm()'s pre-pass for Fp8Token alone (for products computed elsewhere: cuBLASLt): the
-// E4M3 codes of X's rows (gated as gemm() says) at scratch + r * kp bytes (kp =
-// gemm_padded_k), then their scales, whose address it returns (fp8_token_codes, below).
-const float* fp8_token_input(const float* x, int64_t rows, int64_t ldx, bool gated, int64_t k, void* scratch,
-                             cudaStream_t stream);
 // Fp8Token's codes and scales, for gemm() and its tests: per row of X (rows x k, ldx apart; gated
 // as gemm() says), the FP8 token scale into scales[row] and the E4M3 codes of x / scale
 // (activation_quant.h's quantize_e4m3) into codes + row * ld_codes, zero from k to ld_codes
