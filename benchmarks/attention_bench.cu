@@ -1,20 +1,20 @@
 // The CUDA attention (cuda/attention.cu, cuda/attention_mma.cu) on its own: correctness
 // against a double-precision host reference on random inputs, as they are and rounded to
-// bf16, over head dims 64 / 128 / 256 / 512 (the tensor-core kernel) and 24 / 80 (the
-// generic one), GQA ratios 1 to 16, causal and non-causal segments, sliding windows,
-// several segments of different lengths in one launch with query rows between them that
-// no segment owns (they must stay untouched), spans of 16 keys cut at misaligned positions
-// and spans of random lengths, and segments whose keys the plan cuts into pieces (split-KV)
-// as well as uncut ones; bitwise batch invariance (a segment alone against the same segment
-// among others, and a rerun); then timings at DiffusionGemma-26B shapes (a denoise pass: 256
-// canvas rows per request over its context; inputs as they are and rounded to bf16). Before
-// any of that, host checks of the plan that need no GPU: every row group's pieces are
-// disjoint, in key order, cover every key its rows can see, and get consecutive slots and
-// one merge where there are several; a segment's pieces are the same alone and batched.
-// Build and run:
-//   nvcc -std=c++20 -arch=sm_90a -O3 -I cpp/src -I cpp/include -I cuda benchmarks/attention_bench.cu \
-//       cuda/attention.cu cuda/attention_mma.cu -o /tmp/attention_bench && /tmp/attention_bench
-// (--check: the checks alone; --time: the timings alone; --host: the plan checks alone, on a
+// bf16, over head dims 64 / 128 / 256 / 512 (the tensor-core kernels: mma.sync, and wgmma for 256
+// with bf16 inputs on Hopper) and 24 / 80 (the generic one), GQA ratios 1 to 16, causal and non-causal segments,
+// sliding windows, several segments of different lengths in one launch with query rows between them that no segment
+// owns (they must stay untouched), spans of 16 keys cut at misaligned positions and spans of random lengths, and
+// segments whose keys the plan cuts into pieces (split-KV) as well as uncut ones; bitwise batch invariance (a segment
+// alone against the same segment among others, and a rerun); then timings at DiffusionGemma-26B shapes (a denoise pass:
+// 256 canvas rows per request over its context; inputs as they are and rounded to bf16). Before any of that, host
+// checks of the plan that need no GPU: every row group's pieces are disjoint, in key order, cover every key its rows
+// can see, and get consecutive slots and one merge where there are several; a segment's pieces are the same alone and
+// batched. Build and run:
+//   nvcc -std=c++20 -arch=sm_90a -DDIFFUSERVE_SM90A -O3 -I cpp/src -I cpp/include -I cuda \
+//       benchmarks/attention_bench.cu cuda/attention.cu cuda/attention_mma.cu cuda/attention_wgmma.cu \
+//       cuda/launch.cu -o /tmp/attention_bench && /tmp/attention_bench
+// (--check: the checks alone; --check-bf16: those with bf16 inputs alone; --time: the timings
+// alone; --time-1k: those of batch 1 at context 1K; --host: the plan checks alone, on a
 // machine without a GPU).
 #include <algorithm>
 #include <chrono>
@@ -117,8 +117,8 @@ std::vector<float> run(const Problem& p, bool round_bf16, AttentionPlan* plan_ou
   float* q = upload(p.q);
   float* k = upload(p.k);
   float* v = upload(p.v);
-  const AttentionPlan plan =
-      plan_attention(segments(p, k, v), p.heads, p.kv_heads, p.dim, attention_mma_resident_blocks(p.dim), round_bf16);
+  const AttentionPlan plan = plan_attention(segments(p, k, v), p.heads, p.kv_heads, p.dim,
+                                            attention_mma_resident_blocks(p.dim, round_bf16), round_bf16);
   const AttentionTables tables{upload(plan.segments), upload(plan.spans), upload(plan.items), upload(plan.merges)};
   void* scratch = nullptr;
   check(cudaMalloc(&scratch, std::max<size_t>(plan.scratch_bytes(), 1)), "malloc scratch");
@@ -392,40 +392,17 @@ void host_checks() {
 
 // ---- on the GPU ---------------------------------------------------------------------------
 
-void correctness() {
+// bf16_only: the checks with inputs rounded to bf16 alone (--check-bf16).
+void correctness(bool bf16_only) {
   const int ratios[][2] = {{4, 4}, {8, 4}, {16, 4}, {16, 2}, {16, 1}};
   auto named = [](const char* round, int dim, int heads, int kv_heads, const std::string& what) {
     return std::string(round) + "d" + std::to_string(dim) + " " + std::to_string(heads) + "/" +
            std::to_string(kv_heads) + " " + what;
   };
-  for (int dim : {64, 128, 256, 512})
-    for (const auto& [heads, kv_heads] : ratios)
-      for (const Case& c : cases()) {
-        const Problem p = make_problem(heads, kv_heads, dim, c.segs, unsigned(dim + heads * 7 + kv_heads));
-        AttentionPlan plan;
-        const std::vector<float> out = run(p, false, &plan);
-        verify(p, out, named("", dim, heads, kv_heads, c.name), plan);
-      }
-  // bf16 inputs, fewer shapes.
-  for (int dim : {64, 256, 512})
-    for (const auto& [heads, kv_heads] : {std::pair{16, 2}})
-      for (const Case& c : cases()) {
-        const Problem p = make_problem(heads, kv_heads, dim, c.segs, unsigned(dim + heads * 5 + kv_heads));
-        AttentionPlan plan;
-        const std::vector<float> out = run(p, true, &plan);
-        verify(p, out, named("bf16 ", dim, heads, kv_heads, c.name), plan);
-      }
-  for (int dim : {24, 80})  // the generic kernel
-    for (const auto& [heads, kv_heads] : {std::pair{8, 2}, std::pair{4, 4}})
-      for (const Case& c : cases())
-        for (bool round_bf16 : {false, true}) {
-          const Problem p = make_problem(heads, kv_heads, dim, c.segs, unsigned(dim + heads));
-          AttentionPlan plan;
-          const std::vector<float> out = run(p, round_bf16, &plan);
-          verify(p, out, named(round_bf16 ? "bf16 " : "", dim, heads, kv_heads, c.name), plan);
-        }
-  // The 26B shapes, sampled: a sliding and a full layer of one request.
+  // First the checks that take least (no full host reference): the 26B shapes, sampled (a
+  // sliding and a full layer of one request), and batch invariance.
   for (bool round_bf16 : {false, true}) {
+    if (bf16_only && !round_bf16) continue;
     const std::string round = round_bf16 ? "bf16 " : "";
     const Problem sliding = make_problem(16, 8, 256, {decoder(256, 1024, 1024)}, 4);
     AttentionPlan plan;
@@ -436,6 +413,7 @@ void correctness() {
   // Batch invariance: each segment alone and among the others, bitwise; and a rerun.
   for (bool round_bf16 : {false, true})
     for (int dim : {64, 256, 512}) {
+      if (bf16_only && !round_bf16) continue;
       const std::string name = std::string(round_bf16 ? "bf16 " : "") + "d" + std::to_string(dim);
       const Problem p = make_problem(16, dim == 512 ? 2 : 8, dim,
                                      {decoder(40, 3000, 0, 0), encoder(100, 500, 300), decoder(256, 1024, 1024)}, 6);
@@ -452,6 +430,36 @@ void correctness() {
                differ ? std::to_string(differ) + " values differ" : "bitwise");
       }
     }
+  // Every (row, head) against the reference. bf16 inputs: every ratio at head dim 256 (on
+  // Hopper, attention_wgmma.cu's kernel), 16/2 at the others; before the fp32 checks.
+  for (int dim : {64, 256, 512})
+    for (const auto& [heads, kv_heads] : ratios)
+      for (const Case& c : cases()) {
+        if (dim != 256 && !(heads == 16 && kv_heads == 2)) continue;
+        const Problem p = make_problem(heads, kv_heads, dim, c.segs, unsigned(dim + heads * 5 + kv_heads));
+        AttentionPlan plan;
+        const std::vector<float> out = run(p, true, &plan);
+        verify(p, out, named("bf16 ", dim, heads, kv_heads, c.name), plan);
+      }
+  for (int dim : {64, 128, 256, 512})
+    for (const auto& [heads, kv_heads] : ratios)
+      for (const Case& c : cases()) {
+        if (bf16_only) break;
+        const Problem p = make_problem(heads, kv_heads, dim, c.segs, unsigned(dim + heads * 7 + kv_heads));
+        AttentionPlan plan;
+        const std::vector<float> out = run(p, false, &plan);
+        verify(p, out, named("", dim, heads, kv_heads, c.name), plan);
+      }
+  for (int dim : {24, 80})  // the generic kernel
+    for (const auto& [heads, kv_heads] : {std::pair{8, 2}, std::pair{4, 4}})
+      for (const Case& c : cases())
+        for (bool round_bf16 : {false, true}) {
+          if (bf16_only && !round_bf16) continue;
+          const Problem p = make_problem(heads, kv_heads, dim, c.segs, unsigned(dim + heads));
+          AttentionPlan plan;
+          const std::vector<float> out = run(p, round_bf16, &plan);
+          verify(p, out, named(round_bf16 ? "bf16 " : "", dim, heads, kv_heads, c.name), plan);
+        }
 }
 
 __global__ void random_fill_kernel(float* x, int64_t n, uint32_t seed) {
@@ -496,7 +504,7 @@ void bench(const char* name, int heads, int kv_heads, int dim, int64_t window, i
     s.spans.push_back({k + own * kv_cols, v + own * kv_cols, kCanvas, context});
     segs.push_back(s);
   }
-  const int resident = attention_mma_resident_blocks(dim);
+  const int resident = attention_mma_resident_blocks(dim, round_bf16);
   const auto t0 = std::chrono::steady_clock::now();
   const AttentionPlan plan = plan_attention(segs, heads, kv_heads, dim, resident, round_bf16);
   const double plan_us = std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count();
@@ -534,18 +542,22 @@ int main(int argc, char** argv) {
   }
   cudaDeviceProp prop{};
   check(cudaGetDeviceProperties(&prop, 0), "device");
-  std::printf("%s, %d SMs; resident blocks: d256 %d, d512 %d\n", prop.name, prop.multiProcessorCount,
-              attention_mma_resident_blocks(256), attention_mma_resident_blocks(512));
-  if (mode != "--time") {
-    correctness();
+  std::printf("%s, %d SMs; resident blocks: d256 %d (rounded inputs %d%s), d512 %d\n", prop.name,
+              prop.multiProcessorCount, attention_mma_resident_blocks(256, false),
+              attention_mma_resident_blocks(256, true), attention_wgmma_serves(256, true) ? ", wgmma" : "",
+              attention_mma_resident_blocks(512, false));
+  if (mode != "--time" && mode != "--time-1k") {
+    correctness(mode == "--check-bf16");
     std::printf("%s\n", failures ? "CORRECTNESS FAILURES" : "all correctness checks passed");
   }
-  if (mode == "--check") return failures ? 1 : 0;
+  if (mode == "--check" || mode == "--check-bf16") return failures ? 1 : 0;
 
   // DiffusionGemma-26B, one layer call of a denoise pass: sliding layers (16 query heads,
   // 8 KV heads, head_dim 256, window 1024) and full-attention layers (16 / 2 / 512).
+  const bool quick = mode == "--time-1k";  // batch 1 at context 1K alone
   for (int batch : {1, 4, 16})
     for (int64_t context : {1024, 8192, 32768}) {
+      if (quick && (batch != 1 || context != 1024)) continue;
       for (bool round_bf16 : {false, true}) {
         bench("sliding", 16, 8, 256, 1024, batch, context, round_bf16);
         bench("full", 16, 2, 512, 0, batch, context, round_bf16);

@@ -24,7 +24,7 @@ lt_flags=${lt:+-DDIFFUSERVE_WITH_CUBLASLT -I $lt/include cuda/cublaslt_gemm.cu -
 # shellcheck disable=SC2086  # the flags split into words
 nvcc $flags benchmarks/gemm_bench.cu cuda/gemm.cu cuda/kernels.cu cuda/launch.cu cpp/src/packed_weight.cpp cpp/src/sampler.cpp cpp/src/dtype.cpp \
   $lt_flags -o /tmp/gemm_bench > "$out/gemm_bench.txt" 2>&1 &
-nvcc $flags benchmarks/attention_bench.cu cuda/attention.cu cuda/attention_mma.cu cuda/launch.cu -o /tmp/attention_bench \
+nvcc $flags benchmarks/attention_bench.cu cuda/attention.cu cuda/attention_mma.cu cuda/attention_wgmma.cu cuda/launch.cu -o /tmp/attention_bench \
   > "$out/attention_bench.txt" 2>&1 &
 wait
 for bench in gemm_bench attention_bench; do

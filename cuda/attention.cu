@@ -122,8 +122,8 @@ size_t shared_bytes(int head_dim) {
 }
 
 // Query rows one block takes: its query vectors over the GQA group.
-int rows_per_item(int group, int head_dim) {
-  const int mma_queries = attention_mma_queries(head_dim);  // nonzero where attention_mma serves
+int rows_per_item(int group, int head_dim, bool round_bf16) {
+  const int mma_queries = attention_mma_queries(head_dim, round_bf16);  // nonzero where attention_mma serves
   const int queries = mma_queries ? mma_queries : kQueries;
   return group >= queries ? 1 : queries / group;
 }
@@ -189,9 +189,9 @@ AttentionPlan plan_attention(const std::vector<AttentionSegment>& segments, int 
   AttentionPlan plan;
   plan.head_dim = head_dim;
   plan.round_bf16 = round_bf16;
-  plan.queries_per_slot = attention_mma_queries(head_dim);
+  plan.queries_per_slot = attention_mma_queries(head_dim, round_bf16);
   const bool split = plan.queries_per_slot > 0;  // only the tensor-core kernel takes pieces
-  const int rows_per_block = rows_per_item(num_heads / num_kv_heads, head_dim);
+  const int rows_per_block = rows_per_item(num_heads / num_kv_heads, head_dim, round_bf16);
   for (const AttentionSegment& s : segments) {
     const int index = int(plan.segments.size()), span_begin = int(plan.spans.size());
     plan.segments.push_back({s.first_row, s.first_position, s.window, s.causal ? 1 : 0, span_begin, int(s.spans.size())});

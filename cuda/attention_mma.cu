@@ -38,6 +38,7 @@
 #include <cmath>
 #include <type_traits>
 
+#include "attention_keys.cuh"
 #include "kernels.h"
 #include "mma.cuh"
 
@@ -112,60 +113,6 @@ __device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* row) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                : "r"(a));
-}
-
-// e^x on the special function unit, results below 2^-126 flushed to zero (__expf's care
-// for them costs three instructions, for weights no sum would notice).
-__device__ __forceinline__ float exp_ftz(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x * 1.4426950408889634f));
-  return y;
-}
-
-// A place in a segment's keys: key `key` of span `span`.
-struct Cursor {
-  int span;
-  int key;
-};
-
-// The keys of a block's piece that its queries (positions first..last) may see, one after
-// the other across the spans.
-struct KeyWalk {
-  const DeviceKeySpan* spans;
-  int last_span, last_end;  // the piece ends after key last_end - 1 of span last_span
-  bool causal;
-  int64_t window, first, last;
-
-  // Of span `span`, keys [lo, hi) may be visible: those of the piece within the union of
-  // the queries' causal windows.
-  __device__ void range(int span, int64_t& lo, int64_t& hi) const {
-    const DeviceKeySpan& s = spans[span];
-    lo = 0, hi = span == last_span ? last_end : s.count;
-    if (!causal) return;
-    if (last + 1 - s.first_position < hi) hi = last + 1 - s.first_position;
-    if (window > 0 && first - window + 1 - s.first_position > lo) lo = first - window + 1 - s.first_position;
-  }
-  // The cursor n visible keys further on; n = 0 moves a cursor onto the next visible key.
-  // Past the piece: span last_span + 1.
-  __device__ Cursor advance(Cursor c, int n) const {
-    for (; c.span <= last_span; ++c.span, c.key = 0) {
-      int64_t lo, hi;
-      range(c.span, lo, hi);
-      if (c.key < lo) c.key = int(lo);
-      if (c.key + n < hi) return {c.span, c.key + n};
-      if (hi > c.key) n -= int(hi - c.key);
-    }
-    return {last_span + 1, 0};
-  }
-  __device__ bool has(Cursor c) const { return c.span <= last_span; }
-};
-
-// A key's position relative to the segment's first query, clamped into int (where a key
-// that far away is seen or not as at the clamp); kNoKey, below every bound, for no key.
-constexpr int kNoKey = INT_MIN;
-__device__ __forceinline__ int relative_position(int64_t position, int64_t origin) {
-  const int64_t r = position - origin;
-  return r < int64_t(INT_MIN) + 1 ? INT_MIN + 1 : r > INT_MAX ? INT_MAX : int(r);
 }
 
 template <int kDim, bool kRound>
@@ -484,13 +431,15 @@ __global__ void attention_merge_kernel(float* __restrict__ out, const float* __r
 
 }  // namespace
 
-int attention_mma_queries(int head_dim) {
+int attention_mma_queries(int head_dim, bool round_bf16) {
+  if (attention_wgmma_serves(head_dim, round_bf16)) return attention_wgmma_queries();
   int queries = 0;
   with_head_dim(head_dim, [&](auto dim) { queries = Shape<decltype(dim)::value>::kQueries; });
   return queries;
 }
 
-int attention_mma_resident_blocks(int head_dim) {
+int attention_mma_resident_blocks(int head_dim, bool round_bf16) {
+  if (attention_wgmma_serves(head_dim, round_bf16)) return attention_wgmma_resident_blocks();
   int per_multiprocessor = 0;
   const bool serves = with_head_dim(head_dim, [&](auto dim) {
     constexpr int kDim = decltype(dim)::value;
@@ -511,14 +460,18 @@ void attention_mma(const float* q, float* out, const AttentionPlan& plan, const 
   // Scratch: the slots' outputs ([slot][query][head_dim]), then their (max, sum) pairs.
   float* partial_out = static_cast<float*>(scratch);
   auto* partial_ml = reinterpret_cast<float2*>(partial_out + plan.slots * plan.queries_per_slot * plan.head_dim);
-  with_head_dim(plan.head_dim, [&](auto dim) {
-    constexpr int kDim = decltype(dim)::value;
-    using S = Shape<kDim>;
-    const auto kernel = plan.round_bf16 ? attention_mma_kernel<kDim, true> : attention_mma_kernel<kDim, false>;
-    cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(S::kBytes));
-    launch(kernel, unsigned(plan.items.size()), S::kThreads, S::kBytes, stream, q, out, partial_out, partial_ml,
-           tables.segments, tables.spans, tables.items, num_heads, num_kv_heads);
-  });
+  if (attention_wgmma_serves(plan.head_dim, plan.round_bf16)) {
+    attention_wgmma(q, out, partial_out, partial_ml, plan, tables, num_heads, num_kv_heads, stream);
+  } else {
+    with_head_dim(plan.head_dim, [&](auto dim) {
+      constexpr int kDim = decltype(dim)::value;
+      using S = Shape<kDim>;
+      const auto kernel = plan.round_bf16 ? attention_mma_kernel<kDim, true> : attention_mma_kernel<kDim, false>;
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(S::kBytes));
+      launch(kernel, unsigned(plan.items.size()), S::kThreads, S::kBytes, stream, q, out, partial_out, partial_ml,
+             tables.segments, tables.spans, tables.items, num_heads, num_kv_heads);
+    });
+  }
   if (!plan.merges.empty())
     launch(attention_merge_kernel, dim3(unsigned(plan.merges.size()), unsigned(plan.queries_per_slot / kMergeWarps)),
            32 * kMergeWarps, 0, stream, out, partial_out, partial_ml, tables.segments, tables.merges, num_heads,

@@ -758,19 +758,7 @@ size_t input_bytes(int64_t x_rows, int64_t k, GemmInput input) {
 }  // namespace
 
 bool gemm_has_wgmma_tile(GemmInput input, WeightFormat format) {
-  if (!gemm_operands_alike(input, format)) return false;
-#ifdef DIFFUSERVE_SM90A
-  static const bool use = [] {
-    int device = 0, major = 0, minor = 0;
-    cudaGetDevice(&device);
-    cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
-    cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device);
-    return major == 9 && minor == 0 && !switched_off("DIFFUSERVE_WGMMA");
-  }();
-  return use;
-#else
-  return false;  // no sm_90a code in this build
-#endif
+  return gemm_operands_alike(input, format) && wgmma_enabled();
 }
 
 int gemm_tile_rows(int64_t rows_per_segment, int64_t segments, int64_t n, GemmInput input, WeightFormat format) {

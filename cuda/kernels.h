@@ -78,8 +78,8 @@ DS_HOST_DEVICE constexpr bool gemm_operands_alike(GemmInput input, WeightFormat 
   return format == (input == GemmInput::Fp8Token ? WeightFormat::Fp8 : WeightFormat::Plain);
 }
 // Whether gemm() multiplies X as `input` with weights in `format` on wgmma tiles (32, 64 and
-// 128 rows): operands alike (above), sm_90a code in the build, an sm_90 GPU, and
-// DIFFUSERVE_WGMMA unset or not 0 (0 keeps every tile on mma.sync, to compare).
+// 128 rows): operands alike (above) and wgmma_enabled() (launch.cuh; DIFFUSERVE_WGMMA=0
+// keeps every tile on mma.sync, to compare).
 bool gemm_has_wgmma_tile(GemmInput input, WeightFormat format);
 size_t gemm_scratch_bytes(int64_t x_rows, int64_t n, int64_t k, GemmInput input);
 // K as gemm()'s pre-pass pads it for `input`.
@@ -191,15 +191,23 @@ struct AttentionTables {
 void attention(const float* q, float* out, const AttentionPlan& plan, const AttentionTables& tables, void* scratch,
                int num_heads, int num_kv_heads, cudaStream_t stream);
 
-// The tensor-core kernel (attention_mma.cu) for head dims 64, 128, 256 and 512; attention.cu
-// has the generic one for every other head dim, which takes its items whole (no pieces).
-// Query vectors one block covers for a head dim; 0 where none serves.
-int attention_mma_queries(int head_dim);
-// Its blocks that run at once on the current device (multiprocessors x blocks per one); 1
+// The tensor-core kernels for head dims 64, 128, 256 and 512 (attention_mma.cu on mma.sync;
+// attention_wgmma.cu on Hopper's wgmma for head dim 256 with inputs rounded to bf16, where
+// attention_wgmma_serves); attention.cu has the generic one for every other head dim, which
+// takes its items whole (no pieces). Query vectors one block covers; 0 where none serves.
+int attention_mma_queries(int head_dim, bool round_bf16);
+// Their blocks that run at once on the current device (multiprocessors x blocks per one); 1
 // where none serves the head dim.
-int attention_mma_resident_blocks(int head_dim);
+int attention_mma_resident_blocks(int head_dim, bool round_bf16);
 void attention_mma(const float* q, float* out, const AttentionPlan& plan, const AttentionTables& tables,
                    void* scratch, int num_heads, int num_kv_heads, cudaStream_t stream);
+bool attention_wgmma_serves(int head_dim, bool round_bf16);
+int attention_wgmma_queries();
+int attention_wgmma_resident_blocks();
+// The blocks of attention_mma's plan (pieces to partial_out / partial_ml, as attention_mma
+// lays out its scratch; attention_mma merges them).
+void attention_wgmma(const float* q, float* out, float* partial_out, float2* partial_ml, const AttentionPlan& plan,
+                     const AttentionTables& tables, int num_heads, int num_kv_heads, cudaStream_t stream);
 
 // ---- elementwise, rows, sampling (kernels.cu) -------------------------------------
 void embed(const __nv_bfloat16* table, int64_t hidden, const int32_t* ids, int64_t n, float scale, float* out,

@@ -10,6 +10,22 @@ bool switched_off(const char* name) {
   return value && std::string(value) == "0";
 }
 
+bool wgmma_enabled() {
+#ifdef DIFFUSERVE_SM90A
+  static const bool on = [] {
+    int device = 0, major = 0, minor = 0;
+    if (cudaGetDevice(&device) != cudaSuccess ||
+        cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess ||
+        cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) != cudaSuccess)
+      return false;
+    return major == 9 && minor == 0 && !switched_off("DIFFUSERVE_WGMMA");
+  }();
+  return on;
+#else
+  return false;  // no sm_90a code in this build
+#endif
+}
+
 bool programmatic_launch() {
   static const bool on = [] {
     int device = 0, major = 0;

@@ -33,6 +33,10 @@ __device__ __forceinline__ void wait_for_earlier_kernels() {
 // DIFFUSERVE_CUDA_BRANCHES, DIFFUSERVE_PDL).
 bool switched_off(const char* name);
 
+// Whether Hopper's wgmma kernels run: the build has sm_90a code (DIFFUSERVE_SM90A), the GPU
+// (the first one asked about) is an sm_90 one, and DIFFUSERVE_WGMMA is not 0.
+bool wgmma_enabled();
+
 // Whether launch() uses programmatic dependent launch: an sm_90 or newer GPU (the first
 // one asked about) and DIFFUSERVE_PDL not 0.
 bool programmatic_launch();

@@ -1,8 +1,9 @@
 // Hopper's warpgroup MMA (wgmma.mma_async, sm_90a): one instruction per 128 threads
 // multiplies a 64 x N x 16 product, both operands read from shared memory by the tensor
-// cores themselves, so the warps issue no fragment loads and
-// wait on nothing until wgmma_wait. The GEMM (gemm.cu) uses it for bf16 products (the MoE of
-// bf16 checkpoints): 128 weight rows as M, 32, 64 or 128 rows of X as N.
+// cores themselves (or the first from registers), so the warps issue no fragment loads and
+// wait on nothing until wgmma_wait. The GEMM (gemm.cu) uses it for bf16 and E4M3 products:
+// 128 weight rows as M, 32, 64 or 128 rows of X as N; the attention (attention_wgmma.cu) for
+// its scores (64 queries x 64 keys) and, with the probabilities in registers, P V.
 //
 // Shared-memory operands are described by a 64-bit descriptor. gemm.cu's tiles (gemm_tile.cuh)
 // are exactly the layout the descriptor's 128-byte swizzle names, K-major: rows of 128
@@ -80,6 +81,26 @@ template <int kN>
 __device__ __forceinline__ void wgmma_e4m3(float (&d)[kN / 2], uint64_t a, uint64_t b, bool accumulate = true) {
   static_assert(kN == 32 || kN == 64 || kN == 128, "wgmma: N of 32, 64 or 128");
   DS_WGMMA("k32.f32.e4m3.e4m3", "");
+}
+// d[64 x 256] += a[64 x 16] * b[256 x 16]^T with a in registers (bf16, thread i of the
+// warpgroup holding an mma.sync m16n8k16 A fragment of rows 16 (i / 32)..+15: register r
+// at row g + 8 (r % 2), columns 2 t + 8 (r / 2) + {0, 1}, the lower column in the low half)
+// and b K-major in shared memory (wgmma_descriptor); fp32 accumulators laid out as above
+// (d[4 j + 2 h + e] = row g + 8 h, column 8 j + 2 t + e). The registers of a are read while
+// the MMA runs: they must keep their values until wgmma_wait.
+__device__ __forceinline__ void wgmma_bf16_rs256(float (&d)[128], const uint32_t (&a)[4], uint64_t b) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %133, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 {"
+      "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,"
+      "%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,"
+      "%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63,%64,%65,%66,%67,%68,%69,%70,%71,%72,%73,"
+      "%74,%75,%76,%77,%78,%79,%80,%81,%82,%83,%84,%85,%86,%87,%88,%89,%90,%91,%92,%93,%94,%95,%96,%97,"
+      "%98,%99,%100,%101,%102,%103,%104,%105,%106,%107,%108,%109,%110,%111,%112,%113,%114,%115,%116,"
+      "%117,%118,%119,%120,%121,%122,%123,%124,%125,%126,%127"
+      "}, {%128,%129,%130,%131}, %132, p, 1, 1, 0;\n}\n"
+      : DS_D16(0), DS_D16(16), DS_D16(32), DS_D16(48), DS_D16(64), DS_D16(80), DS_D16(96), DS_D16(112)
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(1));
 }
 #undef DS_WGMMA
 #undef DS_D16

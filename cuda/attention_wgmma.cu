@@ -1,0 +1,341 @@
+// Attention on Hopper's warpgroup MMAs (wgmma.cuh) for head dim 256 with Q, K, V and the
+// probabilities rounded to bf16 (activations "bfloat16"): DiffusionGemma's sliding-window
+// layers. attention_mma.cu's mma.sync kernel serves every other case, and this one takes the
+// same plan (items, pieces, partial slots and merges; attention.cu), only with more query
+// vectors a block.
+//
+// A block is two warpgroups, each with 64 query vectors (rows x the query heads of one KV
+// head, as in attention_mma.cu) and the whole head: its 64 x 256 output accumulators stay
+// in registers (128 a thread). Both walk the block's piece of the keys in chunks of 64 that
+// all threads stage together into shared memory, converting the KV cache's fp32 to bf16 on
+// the way: K as it is stored ([key][dim], the score product's K-major B) and V transposed
+// ([dim][key], the K-major B of P V). A chunk's scores S = Q K^T are one wgmma chain per
+// warpgroup (Q and K from shared memory), read back into registers for the online softmax
+// (masking, running max and sum in fp32); the probabilities, rounded to bf16, are already
+// laid out as the A fragments of the next product, O += P V, which takes them straight from
+// registers. The staging of chunk n + 1 (global loads, conversion, stores into the other
+// buffer) runs while the tensor cores work on chunk n's two products, one barrier a chunk.
+//
+// Shared memory tiles are rows of 128 bytes (64 bf16 values) in 8-row, 1,024-byte swizzle
+// atoms (gemm_tile.cuh's swizzle, the layout wgmma_descriptor names), wider rows cut into
+// 64-value column blocks ("subtiles") one after the other.
+//
+// On the H200 (attention_bench, the 26B sliding layer at batch 1, 1K, same run): 57.8 us
+// against 68.6 us on mma.sync. It is bound by latency, not by the tensor cores (ncu: one
+// block of 8 warps a multiprocessor, for its 192 KB of tiles and 246 registers a thread; 7
+// cycles between a warp's instructions, 2 of them waiting on shared memory; the tensor
+// cores 25% busy): the staging's synchronous loads and the look-ups. Tried and not kept: the
+// look-ups walking a shared-memory copy of the piece's spans (60.9 us), and head dim 512
+// with both warpgroups on the same 64 queries, each half the output dims (167.5 us against
+// mma.sync's 154).
+#include <algorithm>
+#include <cmath>
+
+#include "attention_keys.cuh"
+#include "gemm_tile.cuh"
+#include "kernels.h"
+#include "launch.cuh"
+#include "wgmma.cuh"
+
+namespace diffuserve::cuda {
+namespace {
+
+constexpr int kDim = 256;               // head dim
+constexpr int kGroups = 2;              // warpgroups
+constexpr int kQueries = 64 * kGroups;  // query vectors per block
+constexpr int kThreads = 128 * kGroups;
+constexpr int kKeys = 64;             // keys per chunk: a 128-byte row of V^T
+constexpr int kSubtiles = kDim / 64;  // 64-value column blocks of Q and K rows
+// Where a chunk's keys are (null: no key there; its K and V are staged as zeros).
+struct KeySource {
+  const float* key;
+  const float* value;
+};
+// Shared memory: Q [subtile][query][64], K [buffer][subtile][key][64], V^T [buffer][dim][key]
+// (bf16), then for three chunks (one softmaxed, one staged, one being looked up) each key's
+// source and relative position.
+constexpr int kQTile = kSubtiles * kQueries * kRowBytes;  // 64 KB
+constexpr int kKTile = kSubtiles * kKeys * kRowBytes;     // 32 KB
+constexpr int kVTile = kDim * kRowBytes;                  // 32 KB
+constexpr int kKOffset = kQTile, kVOffset = kKOffset + 2 * kKTile, kSourceOffset = kVOffset + 2 * kVTile;
+constexpr int kPositionOffset = kSourceOffset + 3 * kKeys * int(sizeof(KeySource));
+constexpr int kSharedBytes = kPositionOffset + 3 * kKeys * int(sizeof(int));
+
+#ifdef DIFFUSERVE_WGMMA_DEVICE
+__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
+  uint32_t r;
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
+  return r;
+}
+
+// Four fp32 values as bf16 into a tile row at `dst` (8 bytes, aligned).
+__device__ __forceinline__ void store_bf16x4(uint8_t* dst, float4 x) {
+  *reinterpret_cast<uint2*>(dst) = {pack_bf16(x.x, x.y), pack_bf16(x.z, x.w)};
+}
+
+__device__ __forceinline__ float4 load_or_zero(const float* src) {
+  return src ? *reinterpret_cast<const float4*>(src) : float4{0.0f, 0.0f, 0.0f, 0.0f};
+}
+#endif
+
+__global__ void __launch_bounds__(kThreads, 1)
+    attention_wgmma_kernel(const float* __restrict__ q, float* __restrict__ out, float* __restrict__ partial_out,
+                           float2* __restrict__ partial_ml, const DeviceAttentionSegment* __restrict__ segments,
+                           const DeviceKeySpan* __restrict__ spans, const AttentionItem* __restrict__ items,
+                           int num_heads, int num_kv_heads) {
+  wait_for_earlier_kernels();
+#ifdef DIFFUSERVE_WGMMA_DEVICE
+  extern __shared__ __align__(1024) uint8_t smem[];
+  auto sources = reinterpret_cast<KeySource(*)[kKeys]>(smem + kSourceOffset);
+  auto key_pos = reinterpret_cast<int (*)[kKeys]>(smem + kPositionOffset);  // relative_position, or kNoKey
+  const uint32_t q_base = uint32_t(__cvta_generic_to_shared(smem));
+  const uint32_t k_base = q_base + kKOffset, v_base = q_base + kVOffset;
+
+  const AttentionItem item = items[blockIdx.x];
+  const DeviceAttentionSegment seg = segments[item.segment];
+  const int group = num_heads / num_kv_heads, nq = item.rows * group;
+  const int64_t q_stride = int64_t(num_heads) * kDim, kv_stride = int64_t(num_kv_heads) * kDim;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
+  const int wg = warp / 4;  // this thread's warpgroup: query vectors 64 wg..64 wg + 63
+  const int64_t first_pos = seg.first_position + item.row0;
+  // Query vector j: row j / group of the item, head kv_head * group + j % group.
+  auto q_offset = [&](int j) {
+    return (seg.first_row + item.row0 + j / group) * q_stride + int64_t(item.kv_head * group + j % group) * kDim;
+  };
+
+  // The two query vectors whose scores and outputs this thread holds (accumulator rows g
+  // and g + 8 of its warp's 16), the relative key positions each sees ([vis_lo, vis_hi];
+  // none for a padding row), and their running max and this thread's share of their sums.
+  int row[2], vis_lo[2], vis_hi[2];
+  float m_run[2], l_run[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    row[h] = 64 * wg + 16 * (warp % 4) + g + 8 * h;
+    vis_lo[h] = 1, vis_hi[h] = 0;
+    if (row[h] < nq) {
+      const int64_t p = item.row0 + row[h] / group;
+      vis_hi[h] = seg.causal ? int(p) : INT_MAX;
+      vis_lo[h] = seg.causal && seg.window > 0 ? relative_position(p - seg.window + 1, 0) : INT_MIN + 1;
+    }
+    m_run[h] = -INFINITY, l_run[h] = 0.0f;
+  }
+
+  // Threads 0..kKeys-1 look up key `tid` of each chunk: where it is and its position
+  // (table slot `slot`); whether it exists.
+  const KeyWalk walk{spans,     item.last_span,           item.last_end, seg.causal != 0, seg.window,
+                     first_pos, first_pos + item.rows - 1};
+  Cursor cursor{};
+  if (tid < kKeys) cursor = walk.advance({item.span, item.key}, tid);
+  auto look_up = [&](int slot) {
+    if (tid >= kKeys) return false;
+    const bool valid = walk.has(cursor);
+    KeySource source{nullptr, nullptr};
+    int position = kNoKey;
+    if (valid) {
+      const DeviceKeySpan s = spans[cursor.span];
+      const int64_t offset = int64_t(cursor.key) * kv_stride + int64_t(item.kv_head) * kDim;
+      source = {s.keys + offset, s.values + offset};
+      position = relative_position(s.first_position + cursor.key, seg.first_position);
+      cursor = walk.advance(cursor, kKeys);
+    }
+    sources[slot][tid] = source;
+    key_pos[slot][tid] = position;
+    return valid;
+  };
+
+  // Rows of fp32 as bf16 into a [subtile][row][64] tile of `rows` rows: row r, float4 column
+  // c (of 64) from rows(r) (null: zeros). A warp takes one row's 512 contiguous bytes.
+  auto stage_rows = [&](uint8_t* tile, int rows, auto&& source_of) {
+    const int c = tid % 64;
+    for (int r0 = 0; r0 < rows; r0 += 8 * (kThreads / 64)) {
+      float4 x[8];
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        const float* src = source_of(r0 + tid / 64 + (kThreads / 64) * i);
+        x[i] = load_or_zero(src ? src + 4 * c : nullptr);
+      }
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        const int r = r0 + tid / 64 + (kThreads / 64) * i;
+        store_bf16x4(tile + (c / 16) * rows * kRowBytes + swizzle(r, (c % 16) / 2) + 8 * (c % 2), x[i]);
+      }
+    }
+  };
+  // The values of the chunk in table slot `slot`, transposed into V^T buffer `buf`: tasks of
+  // 8 dims x the 64 keys, lane l taking keys 2l and 2l + 1 (32 bytes of each, a whole
+  // sector) and storing one 4-byte key pair in each of the 8 dim rows (a warp's stores fill
+  // one 128-byte row: no bank conflicts).
+  auto stage_values = [&](int slot, int buf) {
+    uint8_t* const tile = smem + kVOffset + buf * kVTile;
+    const float* src[2] = {sources[slot][2 * lane].value, sources[slot][2 * lane + 1].value};
+#pragma unroll
+    for (int round = 0; round < kDim / 8 / (kThreads / 32) / 2; ++round) {
+      float4 x[2][2][2];  // [task][key][dims 0-3, 4-7]
+#pragma unroll
+      for (int task = 0; task < 2; ++task) {
+        const int d0 = 8 * (warp + (kThreads / 32) * (2 * round + task));
+#pragma unroll
+        for (int k = 0; k < 2; ++k)
+#pragma unroll
+          for (int half = 0; half < 2; ++half)
+            x[task][k][half] = load_or_zero(src[k] ? src[k] + d0 + 4 * half : nullptr);
+      }
+#pragma unroll
+      for (int task = 0; task < 2; ++task) {
+        const int d0 = 8 * (warp + (kThreads / 32) * (2 * round + task));
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+          const float4& a = x[task][0][i / 4];
+          const float4& b = x[task][1][i / 4];
+          const float va = i % 4 == 0 ? a.x : i % 4 == 1 ? a.y : i % 4 == 2 ? a.z : a.w;
+          const float vb = i % 4 == 0 ? b.x : i % 4 == 1 ? b.y : i % 4 == 2 ? b.z : b.w;
+          *reinterpret_cast<uint32_t*>(tile + swizzle(d0 + i, lane / 4) + 4 * (lane % 4)) = pack_bf16(va, vb);
+        }
+      }
+    }
+  };
+  auto stage_keys = [&](int slot, int buf) {
+    stage_rows(smem + kKOffset + buf * kKTile, kKeys, [&](int key) { return sources[slot][key].key; });
+  };
+
+  // Before the loop: the tables of chunks 0 and 1, Q, chunk 0's keys and values.
+  const bool first_mine = look_up(0);
+  const bool next_mine = look_up(1);
+  stage_rows(smem, kQueries, [&](int j) { return j < nq ? q + q_offset(j) : nullptr; });
+  __syncthreads();  // the tables
+  stage_keys(0, 0);
+  stage_values(0, 0);
+  fence_proxy_async();
+  bool have = __syncthreads_or(first_mine);  // chunk n has keys
+  bool have_next = __syncthreads_or(next_mine);
+
+  float o[128] = {};
+  const uint32_t q_rows = q_base + wg * 64 * kRowBytes;  // this warpgroup's Q rows in subtile 0
+  for (int n = 0; have; ++n) {
+    const int buf = n & 1;
+    // S = Q K^T: 16 K steps of 16 dims (32 bytes of a subtile row).
+    float s[32];
+    wgmma_fence();
+#pragma unroll
+    for (int step = 0; step < kDim / 16; ++step) {
+      const uint32_t column = 32 * (step % 4);
+      wgmma_bf16<kKeys>(s, wgmma_descriptor(q_rows + (step / 4) * kQueries * kRowBytes + column),
+                        wgmma_descriptor(k_base + buf * kKTile + (step / 4) * kKeys * kRowBytes + column), step > 0);
+    }
+    wgmma_commit();
+    if (have_next) stage_keys((n + 1) % 3, buf ^ 1);
+    const bool after_mine = look_up((n + 2) % 3);
+    // The look-ups' and the staging's lanes may have parted (loops and loads of their own):
+    // wgmma's instructions are .aligned, for whole warps only.
+    __syncwarp();
+    wgmma_wait<0>();
+    wgmma_hold(s);
+
+    // Mask and online softmax: s[4 j + 2 h + e] is row h's score of key 8 j + 2 t + e.
+    const int* pos = key_pos[n % 3];
+    float row_max[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+    for (int j = 0; j < kKeys / 8; ++j) {
+      const int2 kp = *reinterpret_cast<const int2*>(pos + 8 * j + 2 * t);
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        float& s0 = s[4 * j + 2 * h];
+        float& s1 = s[4 * j + 2 * h + 1];
+        s0 = kp.x >= vis_lo[h] && kp.x <= vis_hi[h] ? s0 : -INFINITY;
+        s1 = kp.y >= vis_lo[h] && kp.y <= vis_hi[h] ? s1 : -INFINITY;
+        row_max[h] = fmaxf(row_max[h], fmaxf(s0, s1));
+      }
+    }
+    float alpha[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      row_max[h] = fmaxf(row_max[h], __shfl_xor_sync(0xffffffffu, row_max[h], 1));
+      row_max[h] = fmaxf(row_max[h], __shfl_xor_sync(0xffffffffu, row_max[h], 2));
+      const float m_new = fmaxf(m_run[h], row_max[h]);
+      alpha[h] = m_new == m_run[h] ? 1.0f : exp_ftz(m_run[h] - m_new);  // exactly 1 while the max holds
+      m_run[h] = m_new;
+      float sum = 0.0f;
+#pragma unroll
+      for (int j = 0; j < kKeys / 8; ++j)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          float& x = s[4 * j + 2 * h + e];
+          x = x == -INFINITY ? 0.0f : exp_ftz(x - m_new);
+          sum += x;
+        }
+      l_run[h] = l_run[h] * alpha[h] + sum;
+    }
+    // Rescaling by 1 changes nothing: skipped while no row of the warp has a new max.
+    if (__any_sync(0xffffffffu, alpha[0] != 1.0f || alpha[1] != 1.0f)) {
+#pragma unroll
+      for (int i = 0; i < 128; ++i) o[i] *= alpha[(i / 2) % 2];
+    }
+    // P as A fragments: K step ks (keys 16 ks..16 ks + 15) is s[8 ks..8 ks + 7], register r
+    // the pair s[8 ks + 2 r], s[8 ks + 2 r + 1] (rows g, g + 8, g, g + 8; keys 2t, 2t, 2t + 8, 2t + 8).
+    uint32_t p[kKeys / 16][4];
+#pragma unroll
+    for (int ks = 0; ks < kKeys / 16; ++ks)
+#pragma unroll
+      for (int r = 0; r < 4; ++r) p[ks][r] = pack_bf16(s[8 * ks + 2 * r], s[8 * ks + 2 * r + 1]);
+
+    // O += P V: 4 K steps of 16 keys (32 bytes of each V^T row).
+    wgmma_fence();
+#pragma unroll
+    for (int ks = 0; ks < kKeys / 16; ++ks)
+      wgmma_bf16_rs256(o, p[ks], wgmma_descriptor(v_base + buf * kVTile + 32 * ks));
+    wgmma_commit();
+    if (have_next) stage_values((n + 1) % 3, buf ^ 1);
+    __syncwarp();
+    wgmma_wait<0>();
+    wgmma_hold(o);
+    // The staged chunk visible to the tensor cores; both warpgroups done with this one.
+    fence_proxy_async();
+    const bool have_after = __syncthreads_or(after_mine);
+    have = have_next, have_next = have_after;
+  }
+
+  // The output, normalised by this piece's softmax sum (zero where no key was visible): to
+  // `out` when the piece is all the rows see, else to partial slot item.slot with the
+  // rows' max and sum, for the merge. o[4 j + 2 h + e] is row h's dim 8 j + 2 t + e.
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    float l = l_run[h];
+    l += __shfl_xor_sync(0xffffffffu, l, 1);
+    l += __shfl_xor_sync(0xffffffffu, l, 2);
+    const int j = row[h];
+    if (j >= nq) continue;
+    const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+    float* dst = item.slot < 0 ? out + q_offset(j) : partial_out + (int64_t(item.slot) * kQueries + j) * kDim;
+#pragma unroll
+    for (int c = 0; c < kDim / 8; ++c)
+      *reinterpret_cast<float2*>(dst + 8 * c + 2 * t) = {o[4 * c + 2 * h] * inv, o[4 * c + 2 * h + 1] * inv};
+    if (item.slot >= 0 && t == 0) partial_ml[int64_t(item.slot) * kQueries + j] = {m_run[h], l};
+  }
+#else
+  __trap();  // attention_wgmma_serves is false where the build has no sm_90a code
+#endif
+}
+
+}  // namespace
+
+bool attention_wgmma_serves(int head_dim, bool round_bf16) { return head_dim == kDim && round_bf16 && wgmma_enabled(); }
+
+int attention_wgmma_queries() { return kQueries; }
+
+int attention_wgmma_resident_blocks() {
+  int device = 0, multiprocessors = 0, per_multiprocessor = 0;
+  cudaFuncSetAttribute(attention_wgmma_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSharedBytes);
+  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_multiprocessor, attention_wgmma_kernel, kThreads, kSharedBytes);
+  cudaGetDevice(&device);
+  cudaDeviceGetAttribute(&multiprocessors, cudaDevAttrMultiProcessorCount, device);
+  return std::max(per_multiprocessor, 1) * std::max(multiprocessors, 1);
+}
+
+void attention_wgmma(const float* q, float* out, float* partial_out, float2* partial_ml, const AttentionPlan& plan,
+                     const AttentionTables& tables, int num_heads, int num_kv_heads, cudaStream_t stream) {
+  cudaFuncSetAttribute(attention_wgmma_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSharedBytes);
+  launch(attention_wgmma_kernel, unsigned(plan.items.size()), kThreads, kSharedBytes, stream, q, out, partial_out,
+         partial_ml, tables.segments, tables.spans, tables.items, num_heads, num_kv_heads);
+}
+
+}  // namespace diffuserve::cuda
