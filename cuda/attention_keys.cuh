@@ -1,9 +1,11 @@
 // What the two tensor-core attention kernels (attention_mma.cu on mma.sync, attention_wgmma.cu
-// on Hopper's wgmma) share: walking a block's piece of a segment's keys across the KV cache's
-// spans, keys' positions relative to the segment, and the softmax's exponential.
+// on Hopper's wgmma) share: a block's query vectors (where they are, which keys they see),
+// walking its piece of a segment's keys across the KV cache's spans, keys' positions
+// relative to the segment, and the online softmax's steps.
 #pragma once
 
 #include <climits>
+#include <cmath>
 #include <cstdint>
 
 #include "kernels.h"
@@ -62,6 +64,64 @@ constexpr int kNoKey = INT_MIN;
 __device__ __forceinline__ int relative_position(int64_t position, int64_t origin) {
   const int64_t r = position - origin;
   return r < int64_t(INT_MIN) + 1 ? INT_MIN + 1 : r > INT_MAX ? INT_MAX : int(r);
+}
+
+// The keys a query vector sees, by relative_position: [lo, hi] (none for a padding vector).
+struct VisibleKeys {
+  int lo = 1, hi = 0;
+  __device__ bool sees(int position) const { return position >= lo && position <= hi; }
+};
+
+// A block's query vectors: an item's rows x the query heads of its KV head, vector j being
+// row j / group of the item, head kv_head * group + j % group; j < count exist.
+struct ItemQueries {
+  DeviceAttentionSegment seg;
+  AttentionItem item;
+  int group;      // query heads per KV head
+  int num_heads;  // query heads a row (Q and the output: num_heads * head_dim floats a row)
+  int head_dim;
+  int count;
+  __device__ ItemQueries(const DeviceAttentionSegment& s, const AttentionItem& i, int heads, int kv_heads, int dim)
+      : seg(s), item(i), group(heads / kv_heads), num_heads(heads), head_dim(dim), count(i.rows * group) {}
+
+  // Where vector j is in Q (and in the output).
+  __device__ int64_t offset(int j) const {
+    return (seg.first_row + item.row0 + j / group) * int64_t(num_heads) * head_dim +
+           int64_t(item.kv_head * group + j % group) * head_dim;
+  }
+  // Where vector j's output goes: to `out` when the item's piece is all its rows see, else
+  // to its row of the item's partial slot (queries_per_slot rows), for the merge.
+  __device__ float* output(float* out, float* partial_out, int queries_per_slot, int j) const {
+    return item.slot < 0 ? out + offset(j) : partial_out + (int64_t(item.slot) * queries_per_slot + j) * head_dim;
+  }
+  // The item's piece of the segment's keys, as its rows may see them.
+  __device__ KeyWalk keys(const DeviceKeySpan* spans) const {
+    const int64_t first = seg.first_position + item.row0;
+    return {spans, item.last_span, item.last_end, seg.causal != 0, seg.window, first, first + item.rows - 1};
+  }
+  __device__ VisibleKeys visible(int j) const {
+    VisibleKeys v;
+    if (j < count) {
+      const int64_t p = item.row0 + j / group;
+      v.hi = seg.causal ? int(p) : INT_MAX;
+      v.lo = seg.causal && seg.window > 0 ? relative_position(p - seg.window + 1, 0) : INT_MIN + 1;
+    }
+    return v;
+  }
+};
+
+// The online softmax, given a chunk's largest visible score of a row (-inf: none): the row's
+// new running max, and the factor its sum and output so far are rescaled by, exactly 1
+// while the max holds.
+__device__ __forceinline__ float raise_max(float& m_run, float row_max) {
+  const float m_new = fmaxf(m_run, row_max);
+  const float alpha = m_new == m_run ? 1.0f : exp_ftz(m_run - m_new);
+  m_run = m_new;
+  return alpha;
+}
+// A score's weight against the row's running max: 0 for a masked (-inf) one.
+__device__ __forceinline__ float softmax_weight(float score, float m_run) {
+  return score == -INFINITY ? 0.0f : exp_ftz(score - m_run);
 }
 
 }  // namespace diffuserve::cuda

@@ -33,8 +33,6 @@
 // care about the order), so a lane reads one float4. Likewise in a 32-wide group of P V's
 // output, column n of tile e is head dim 4n + e: V's fragments come from float4 reads and
 // the output leaves as float4s.
-#include <algorithm>
-#include <climits>
 #include <cmath>
 #include <type_traits>
 
@@ -139,32 +137,20 @@ __global__ void __launch_bounds__(Shape<kDim>::kThreads, 1)
 
   const AttentionItem item = items[blockIdx.x];
   const DeviceAttentionSegment seg = segments[item.segment];
-  const int group = num_heads / num_kv_heads, nq = item.rows * group;
-  const int64_t q_stride = int64_t(num_heads) * kDim, kv_stride = int64_t(num_kv_heads) * kDim;
+  const ItemQueries queries(seg, item, num_heads, num_kv_heads, kDim);
+  const int nq = queries.count;
+  const int64_t kv_stride = int64_t(num_kv_heads) * kDim;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
   const int d0 = (warp % kSlices) * 64, row0 = (warp / kSlices) * 32;  // this warp's head slice and query tiles
-  const int64_t first_pos = seg.first_position + item.row0;
-  // Query vector j: row j / group of the item, head kv_head * group + j % group.
-  auto q_offset = [&](int j) {
-    return (seg.first_row + item.row0 + j / group) * q_stride + int64_t(item.kv_head * group + j % group) * kDim;
-  };
-
-  // The softmax thread's query row, the relative key positions it sees ([vis_lo, vis_hi];
-  // none for a padding row), and its running max and sum.
+  // The softmax thread's query vector, the keys it sees, and its running max and sum.
   const int srow = tid / kLanes, spart = tid % kLanes;
-  int vis_lo = 1, vis_hi = 0;
-  if (srow < nq) {
-    const int64_t p = item.row0 + srow / group;
-    vis_hi = seg.causal ? int(p) : INT_MAX;
-    vis_lo = seg.causal && seg.window > 0 ? relative_position(p - seg.window + 1, 0) : INT_MIN + 1;
-  }
+  const VisibleKeys visible = queries.visible(srow);
   float m_run = -INFINITY, l_run = 0.0f;
 
   // Staging: this thread copies part of key `copy_key` of each chunk; `slot` is where that
   // key is in the spans for the next chunk to stage. A chunk's values are staged one chunk
   // after its keys, from the address its key staging kept.
-  const KeyWalk walk{spans, item.last_span, item.last_end, seg.causal != 0, seg.window, first_pos,
-                     first_pos + item.rows - 1};
+  const KeyWalk walk = queries.keys(spans);
   const int copy_key = tid / kCopiers, copy_part = tid % kCopiers;
   Cursor slot = walk.advance({item.span, item.key}, copy_key);
   const float* v_src = q;  // any readable address: a missing key is zero-filled
@@ -241,21 +227,19 @@ __global__ void __launch_bounds__(Shape<kDim>::kThreads, 1)
         v.x += share.x, v.y += share.y;
       }
       const int2 kp = *reinterpret_cast<const int2*>(&key_pos[pos][key]);
-      p[i][0] = kp.x >= vis_lo && kp.x <= vis_hi ? v.x : -INFINITY;
-      p[i][1] = kp.y >= vis_lo && kp.y <= vis_hi ? v.y : -INFINITY;
+      p[i][0] = visible.sees(kp.x) ? v.x : -INFINITY;
+      p[i][1] = visible.sees(kp.y) ? v.y : -INFINITY;
       row_max = fmaxf(row_max, fmaxf(p[i][0], p[i][1]));
     }
 #pragma unroll
     for (int m = 1; m < kLanes; m <<= 1) row_max = fmaxf(row_max, __shfl_xor_sync(0xffffffffu, row_max, m));
-    const float m_new = fmaxf(m_run, row_max);
-    const float a = m_new == m_run ? 1.0f : exp_ftz(m_run - m_new);  // exactly 1 while the max holds
-    m_run = m_new;
+    const float a = raise_max(m_run, row_max);
     float row_sum = 0.0f;
 #pragma unroll
     for (int i = 0; i < kPairs; ++i) {
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
-        p[i][e] = p[i][e] == -INFINITY ? 0.0f : exp_ftz(p[i][e] - m_new);
+        p[i][e] = softmax_weight(p[i][e], m_run);
         row_sum += p[i][e];
       }
       const int key = 2 * (spart + kLanes * i);
@@ -327,7 +311,7 @@ __global__ void __launch_bounds__(Shape<kDim>::kThreads, 1)
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int j = row0 + mt * 16 + g + 8 * h;
-      const float* src = q + q_offset(j < nq ? j : 0) + d0 + 4 * t;
+      const float* src = q + queries.offset(j < nq ? j : 0) + d0 + 4 * t;
 #pragma unroll
       for (int st = 0; st < 4; ++st) {
         const float4 x = j < nq ? *reinterpret_cast<const float4*>(src + st * 16) : float4{0.0f, 0.0f, 0.0f, 0.0f};
@@ -377,8 +361,7 @@ __global__ void __launch_bounds__(Shape<kDim>::kThreads, 1)
       if (j >= nq) continue;
       const float inv = denom[j] > 0.0f ? 1.0f / denom[j] : 0.0f;
       const auto scaled = [inv](float x) { return x * inv; };
-      float* dst = (item.slot < 0 ? out + q_offset(j) : partial_out + (int64_t(item.slot) * kQueries + j) * kDim) +
-                   d0 + 8 * t;
+      float* dst = queries.output(out, partial_out, kQueries, j) + d0 + 8 * t;
 #pragma unroll
       for (int half = 0; half < 2; ++half)
 #pragma unroll
@@ -440,19 +423,13 @@ int attention_mma_queries(int head_dim, bool round_bf16) {
 
 int attention_mma_resident_blocks(int head_dim, bool round_bf16) {
   if (attention_wgmma_serves(head_dim, round_bf16)) return attention_wgmma_resident_blocks();
-  int per_multiprocessor = 0;
-  const bool serves = with_head_dim(head_dim, [&](auto dim) {
-    constexpr int kDim = decltype(dim)::value;
-    using S = Shape<kDim>;
-    const auto kernel = attention_mma_kernel<kDim, false>;  // the rounding kernel's twin: the same resources
-    cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(S::kBytes));
-    cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_multiprocessor, kernel, S::kThreads, S::kBytes);
+  int blocks = 1;
+  with_head_dim(head_dim, [&](auto dim) {
+    using S = Shape<decltype(dim)::value>;
+    // the rounding kernel's twin: the same resources
+    blocks = resident_blocks(attention_mma_kernel<decltype(dim)::value, false>, S::kThreads, int(S::kBytes));
   });
-  if (!serves) return 1;
-  int device = 0, multiprocessors = 0;
-  cudaGetDevice(&device);
-  cudaDeviceGetAttribute(&multiprocessors, cudaDevAttrMultiProcessorCount, device);
-  return std::max(per_multiprocessor, 1) * std::max(multiprocessors, 1);
+  return blocks;
 }
 
 void attention_mma(const float* q, float* out, const AttentionPlan& plan, const AttentionTables& tables,

@@ -28,13 +28,13 @@
 // look-ups walking a shared-memory copy of the piece's spans (60.9 us), and head dim 512
 // with both warpgroups on the same 64 queries, each half the output dims (167.5 us against
 // mma.sync's 154).
-#include <algorithm>
 #include <cmath>
 
 #include "attention_keys.cuh"
 #include "gemm_tile.cuh"
 #include "kernels.h"
 #include "launch.cuh"
+#include "mma.cuh"
 #include "wgmma.cuh"
 
 namespace diffuserve::cuda {
@@ -62,19 +62,17 @@ constexpr int kPositionOffset = kSourceOffset + 3 * kKeys * int(sizeof(KeySource
 constexpr int kSharedBytes = kPositionOffset + 3 * kKeys * int(sizeof(int));
 
 #ifdef DIFFUSERVE_WGMMA_DEVICE
-__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
-  uint32_t r;
-  asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
-  return r;
-}
-
 // Four fp32 values as bf16 into a tile row at `dst` (8 bytes, aligned).
 __device__ __forceinline__ void store_bf16x4(uint8_t* dst, float4 x) {
-  *reinterpret_cast<uint2*>(dst) = {pack_bf16(x.x, x.y), pack_bf16(x.z, x.w)};
+  *reinterpret_cast<uint2*>(dst) = {round_bf16x2(x.x, x.y), round_bf16x2(x.z, x.w)};
 }
 
 __device__ __forceinline__ float4 load_or_zero(const float* src) {
   return src ? *reinterpret_cast<const float4*>(src) : float4{0.0f, 0.0f, 0.0f, 0.0f};
+}
+
+__device__ __forceinline__ float component(const float4& x, int i) {
+  return i == 0 ? x.x : i == 1 ? x.y : i == 2 ? x.z : x.w;
 }
 #endif
 
@@ -93,37 +91,28 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   const AttentionItem item = items[blockIdx.x];
   const DeviceAttentionSegment seg = segments[item.segment];
-  const int group = num_heads / num_kv_heads, nq = item.rows * group;
-  const int64_t q_stride = int64_t(num_heads) * kDim, kv_stride = int64_t(num_kv_heads) * kDim;
+  const ItemQueries queries(seg, item, num_heads, num_kv_heads, kDim);
+  const int nq = queries.count;
+  const int64_t kv_stride = int64_t(num_kv_heads) * kDim;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
   const int wg = warp / 4;  // this thread's warpgroup: query vectors 64 wg..64 wg + 63
-  const int64_t first_pos = seg.first_position + item.row0;
-  // Query vector j: row j / group of the item, head kv_head * group + j % group.
-  auto q_offset = [&](int j) {
-    return (seg.first_row + item.row0 + j / group) * q_stride + int64_t(item.kv_head * group + j % group) * kDim;
-  };
 
   // The two query vectors whose scores and outputs this thread holds (accumulator rows g
-  // and g + 8 of its warp's 16), the relative key positions each sees ([vis_lo, vis_hi];
-  // none for a padding row), and their running max and this thread's share of their sums.
-  int row[2], vis_lo[2], vis_hi[2];
+  // and g + 8 of its warp's 16), the keys each sees, and their running max and this
+  // thread's share of their sums.
+  int row[2];
+  VisibleKeys visible[2];
   float m_run[2], l_run[2];
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     row[h] = 64 * wg + 16 * (warp % 4) + g + 8 * h;
-    vis_lo[h] = 1, vis_hi[h] = 0;
-    if (row[h] < nq) {
-      const int64_t p = item.row0 + row[h] / group;
-      vis_hi[h] = seg.causal ? int(p) : INT_MAX;
-      vis_lo[h] = seg.causal && seg.window > 0 ? relative_position(p - seg.window + 1, 0) : INT_MIN + 1;
-    }
+    visible[h] = queries.visible(row[h]);
     m_run[h] = -INFINITY, l_run[h] = 0.0f;
   }
 
   // Threads 0..kKeys-1 look up key `tid` of each chunk: where it is and its position
   // (table slot `slot`); whether it exists.
-  const KeyWalk walk{spans,     item.last_span,           item.last_end, seg.causal != 0, seg.window,
-                     first_pos, first_pos + item.rows - 1};
+  const KeyWalk walk = queries.keys(spans);
   Cursor cursor{};
   if (tid < kKeys) cursor = walk.advance({item.span, item.key}, tid);
   auto look_up = [&](int slot) {
@@ -185,11 +174,8 @@ __global__ void __launch_bounds__(kThreads, 1)
         const int d0 = 8 * (warp + (kThreads / 32) * (2 * round + task));
 #pragma unroll
         for (int i = 0; i < 8; ++i) {
-          const float4& a = x[task][0][i / 4];
-          const float4& b = x[task][1][i / 4];
-          const float va = i % 4 == 0 ? a.x : i % 4 == 1 ? a.y : i % 4 == 2 ? a.z : a.w;
-          const float vb = i % 4 == 0 ? b.x : i % 4 == 1 ? b.y : i % 4 == 2 ? b.z : b.w;
-          *reinterpret_cast<uint32_t*>(tile + swizzle(d0 + i, lane / 4) + 4 * (lane % 4)) = pack_bf16(va, vb);
+          *reinterpret_cast<uint32_t*>(tile + swizzle(d0 + i, lane / 4) + 4 * (lane % 4)) =
+              round_bf16x2(component(x[task][0][i / 4], i % 4), component(x[task][1][i / 4], i % 4));
         }
       }
     }
@@ -201,7 +187,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   // Before the loop: the tables of chunks 0 and 1, Q, chunk 0's keys and values.
   const bool first_mine = look_up(0);
   const bool next_mine = look_up(1);
-  stage_rows(smem, kQueries, [&](int j) { return j < nq ? q + q_offset(j) : nullptr; });
+  stage_rows(smem, kQueries, [&](int j) { return j < nq ? q + queries.offset(j) : nullptr; });
   __syncthreads();  // the tables
   stage_keys(0, 0);
   stage_values(0, 0);
@@ -241,8 +227,8 @@ __global__ void __launch_bounds__(kThreads, 1)
       for (int h = 0; h < 2; ++h) {
         float& s0 = s[4 * j + 2 * h];
         float& s1 = s[4 * j + 2 * h + 1];
-        s0 = kp.x >= vis_lo[h] && kp.x <= vis_hi[h] ? s0 : -INFINITY;
-        s1 = kp.y >= vis_lo[h] && kp.y <= vis_hi[h] ? s1 : -INFINITY;
+        s0 = visible[h].sees(kp.x) ? s0 : -INFINITY;
+        s1 = visible[h].sees(kp.y) ? s1 : -INFINITY;
         row_max[h] = fmaxf(row_max[h], fmaxf(s0, s1));
       }
     }
@@ -251,16 +237,14 @@ __global__ void __launch_bounds__(kThreads, 1)
     for (int h = 0; h < 2; ++h) {
       row_max[h] = fmaxf(row_max[h], __shfl_xor_sync(0xffffffffu, row_max[h], 1));
       row_max[h] = fmaxf(row_max[h], __shfl_xor_sync(0xffffffffu, row_max[h], 2));
-      const float m_new = fmaxf(m_run[h], row_max[h]);
-      alpha[h] = m_new == m_run[h] ? 1.0f : exp_ftz(m_run[h] - m_new);  // exactly 1 while the max holds
-      m_run[h] = m_new;
+      alpha[h] = raise_max(m_run[h], row_max[h]);
       float sum = 0.0f;
 #pragma unroll
       for (int j = 0; j < kKeys / 8; ++j)
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
           float& x = s[4 * j + 2 * h + e];
-          x = x == -INFINITY ? 0.0f : exp_ftz(x - m_new);
+          x = softmax_weight(x, m_run[h]);
           sum += x;
         }
       l_run[h] = l_run[h] * alpha[h] + sum;
@@ -276,7 +260,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
     for (int ks = 0; ks < kKeys / 16; ++ks)
 #pragma unroll
-      for (int r = 0; r < 4; ++r) p[ks][r] = pack_bf16(s[8 * ks + 2 * r], s[8 * ks + 2 * r + 1]);
+      for (int r = 0; r < 4; ++r) p[ks][r] = round_bf16x2(s[8 * ks + 2 * r], s[8 * ks + 2 * r + 1]);
 
     // O += P V: 4 K steps of 16 keys (32 bytes of each V^T row).
     wgmma_fence();
@@ -305,7 +289,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     const int j = row[h];
     if (j >= nq) continue;
     const float inv = l > 0.0f ? 1.0f / l : 0.0f;
-    float* dst = item.slot < 0 ? out + q_offset(j) : partial_out + (int64_t(item.slot) * kQueries + j) * kDim;
+    float* dst = queries.output(out, partial_out, kQueries, j);
 #pragma unroll
     for (int c = 0; c < kDim / 8; ++c)
       *reinterpret_cast<float2*>(dst + 8 * c + 2 * t) = {o[4 * c + 2 * h] * inv, o[4 * c + 2 * h + 1] * inv};
@@ -322,14 +306,7 @@ bool attention_wgmma_serves(int head_dim, bool round_bf16) { return head_dim == 
 
 int attention_wgmma_queries() { return kQueries; }
 
-int attention_wgmma_resident_blocks() {
-  int device = 0, multiprocessors = 0, per_multiprocessor = 0;
-  cudaFuncSetAttribute(attention_wgmma_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSharedBytes);
-  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_multiprocessor, attention_wgmma_kernel, kThreads, kSharedBytes);
-  cudaGetDevice(&device);
-  cudaDeviceGetAttribute(&multiprocessors, cudaDevAttrMultiProcessorCount, device);
-  return std::max(per_multiprocessor, 1) * std::max(multiprocessors, 1);
-}
+int attention_wgmma_resident_blocks() { return resident_blocks(attention_wgmma_kernel, kThreads, kSharedBytes); }
 
 void attention_wgmma(const float* q, float* out, float* partial_out, float2* partial_ml, const AttentionPlan& plan,
                      const AttentionTables& tables, int num_heads, int num_kv_heads, cudaStream_t stream) {

@@ -106,13 +106,6 @@ __host__ __device__ constexpr bool decodes(GemmInput input, WeightFormat format)
 
 int64_t padded_k(int64_t k, GemmInput input) { return (k + stage_k(input) - 1) / stage_k(input) * stage_k(input); }
 
-int multiprocessors() {
-  int device = 0, count = 0;
-  cudaGetDevice(&device);
-  cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device);
-  return std::max(count, 1);
-}
-
 __device__ __forceinline__ uint32_t shared_address(const void* p) { return uint32_t(__cvta_generic_to_shared(p)); }
 
 // 16 bytes global -> shared, bypassing L1; zero-filled (nothing read) when !valid.

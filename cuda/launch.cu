@@ -10,6 +10,13 @@ bool switched_off(const char* name) {
   return value && std::string(value) == "0";
 }
 
+int multiprocessors() {
+  int device = 0, count = 0;
+  cudaGetDevice(&device);
+  cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device);
+  return count > 1 ? count : 1;
+}
+
 bool wgmma_enabled() {
 #ifdef DIFFUSERVE_SM90A
   static const bool on = [] {

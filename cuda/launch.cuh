@@ -37,6 +37,19 @@ bool switched_off(const char* name);
 // (the first one asked about) is an sm_90 one, and DIFFUSERVE_WGMMA is not 0.
 bool wgmma_enabled();
 
+// The current device's multiprocessors (at least 1).
+int multiprocessors();
+
+// Blocks of `kernel` (`threads` threads, `shared_bytes` of dynamic shared memory, which this
+// allows it) that run at once on the current device: multiprocessors x blocks per one.
+template <class... Params>
+int resident_blocks(void (*kernel)(Params...), int threads, int shared_bytes) {
+  int per_multiprocessor = 0;
+  cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, shared_bytes);
+  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_multiprocessor, kernel, threads, shared_bytes);
+  return (per_multiprocessor > 1 ? per_multiprocessor : 1) * multiprocessors();
+}
+
 // Whether launch() uses programmatic dependent launch: an sm_90 or newer GPU (the first
 // one asked about) and DIFFUSERVE_PDL not 0.
 bool programmatic_launch();

@@ -1,6 +1,6 @@
 // The tensor-core building blocks the GEMM and the attention share: bf16 and fp16
-// m16n8k16 MMAs with fp32 accumulation, E4M3 -> fp16 unpacking, and splitting fp32 pairs
-// into bf16 hi/lo parts.
+// m16n8k16 MMAs with fp32 accumulation, E4M3 -> fp16 unpacking, and rounding fp32 pairs to
+// bf16 or splitting them into bf16 hi/lo parts.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -36,13 +36,20 @@ __device__ __forceinline__ void e4m3x4_to_f16(uint32_t codes, uint32_t& lo, uint
       : "r"(codes));
 }
 
+// Two floats rounded to a packed bf16 pair, x0 in the low half: one instruction.
+__device__ __forceinline__ uint32_t round_bf16x2(float x0, float x1) {
+  uint32_t r;
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(x1), "f"(x0));  // x1 to the high half
+  return r;
+}
+
 // Two floats as packed bf16 hi parts and lo parts (x - hi), the lower column in the low half.
 // The hi parts come back to fp32 by shifting their bits into place (a bf16 is the top half of
 // an fp32): six instructions a pair.
 __device__ __forceinline__ void split_bf16(float x0, float x1, uint32_t& hi, uint32_t& lo) {
-  asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(hi) : "f"(x1), "f"(x0));  // x1 to the high half
+  hi = round_bf16x2(x0, x1);
   const float hi0 = __uint_as_float(hi << 16), hi1 = __uint_as_float(hi & 0xffff0000u);
-  asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(lo) : "f"(x1 - hi1), "f"(x0 - hi0));
+  lo = round_bf16x2(x0 - hi0, x1 - hi1);
 }
 
 }  // namespace diffuserve::cuda

@@ -54,15 +54,18 @@ __device__ __forceinline__ void load8(const float* row, int64_t k, int64_t n, fl
 // The same of a bf16 row, as four packed pairs (the lower k in the low half).
 template <bool kWhole>
 __device__ __forceinline__ uint4 load8(const __nv_bfloat16* row, int64_t k, int64_t n) {
-  if constexpr (kWhole) return *reinterpret_cast<const uint4*>(row + k);
-  uint32_t p[4];
+  if constexpr (kWhole) {
+    return *reinterpret_cast<const uint4*>(row + k);
+  } else {
+    uint32_t p[4];
 #pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    const __nv_bfloat16 lo = k + 2 * j < n ? row[k + 2 * j] : __float2bfloat16(0.0f);
-    const __nv_bfloat16 hi = k + 2 * j + 1 < n ? row[k + 2 * j + 1] : __float2bfloat16(0.0f);
-    p[j] = uint32_t(__bfloat16_as_ushort(lo)) | uint32_t(__bfloat16_as_ushort(hi)) << 16;
+    for (int j = 0; j < 4; ++j) {
+      const __nv_bfloat16 lo = k + 2 * j < n ? row[k + 2 * j] : __float2bfloat16(0.0f);
+      const __nv_bfloat16 hi = k + 2 * j + 1 < n ? row[k + 2 * j + 1] : __float2bfloat16(0.0f);
+      p[j] = uint32_t(__bfloat16_as_ushort(lo)) | uint32_t(__bfloat16_as_ushort(hi)) << 16;
+    }
+    return {p[0], p[1], p[2], p[3]};
   }
-  return {p[0], p[1], p[2], p[3]};
 }
 
 // One 32-wide chunk of the hidden size as a lane holds it: its values k .. k + 7 (k = k0 +
