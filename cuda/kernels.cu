@@ -131,46 +131,84 @@ __global__ void rms_norm_kernel(const float* x, NormOutputs outs, NormOutputs th
   write_norms(yi, then, g, inv_rms(yi), group, threadIdx.x, blockDim.x);
 }
 
-// rms_norm_kernel with the group in registers, read once: kPer values a thread at
-// threadIdx.x + i * blockDim.x (group <= kPer * blockDim.x), the same sums in the same
-// order, so the same results. `then` normalises the first output's values as they stay
-// in registers.
+// rms_norm_kernel for a group that fits in registers, kRowValues values a thread: kWidth
+// consecutive ones (a float4, or one float where rows are not whole aligned float4s) at
+// (threadIdx.x + i * blockDim.x) * kWidth. A block is a row, and a canvas is only a few
+// hundred rows, so each round trip to memory is paid in full: the row and the old values
+// the outputs accumulate onto are loaded together before the first sum, and each norm's
+// weights before its sum, so the kernel waits on one round trip a norm, not one an output.
+// `then` normalises the first output's values as they stay in registers.
 constexpr int kRowKernelThreads = 512;  // at most
-template <int kPer>
+constexpr int kRowValues = 8;
+template <int kWidth>
+__device__ __forceinline__ void load_row(const float* row, int64_t group, float (&v)[kRowValues]) {
+#pragma unroll
+  for (int i = 0; i < kRowValues / kWidth; ++i) {
+    const int64_t j = (threadIdx.x + int64_t(i) * blockDim.x) * kWidth;
+    if constexpr (kWidth == 4) {
+      const float4 q = j < group ? *reinterpret_cast<const float4*>(row + j) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+      v[4 * i] = q.x, v[4 * i + 1] = q.y, v[4 * i + 2] = q.z, v[4 * i + 3] = q.w;
+    } else {
+      v[i] = j < group ? row[j] : 0.0f;
+    }
+  }
+}
+template <int kWidth>
+__device__ __forceinline__ void store_row(float* row, int64_t group, const float (&v)[kRowValues]) {
+#pragma unroll
+  for (int i = 0; i < kRowValues / kWidth; ++i) {
+    const int64_t j = (threadIdx.x + int64_t(i) * blockDim.x) * kWidth;
+    if (j >= group) continue;
+    if constexpr (kWidth == 4) *reinterpret_cast<float4*>(row + j) = {v[4 * i], v[4 * i + 1], v[4 * i + 2], v[4 * i + 3]};
+    else row[j] = v[i];
+  }
+}
+
+template <int kWidth>
 __global__ void __launch_bounds__(kRowKernelThreads)
     rms_norm_row_kernel(const float* x, NormOutputs outs, NormOutputs then, int64_t group, float eps) {
   wait_for_earlier_kernels();
-  const int64_t g = blockIdx.x, stride = blockDim.x;
-  auto inside = [&](int i) { return threadIdx.x + i * stride < group; };
-  auto index = [&](int i) { return g * group + threadIdx.x + i * stride; };
-  float v[kPer];
+  const int64_t g = blockIdx.x;
+  // `then`'s output may be the first output itself (accumulating into it in place): its
+  // old values are then the first norm's, known only after it.
+  const bool then_in_place = then.count && then.y[0] == outs.y[0];
+  float v[kRowValues], old[2][kRowValues];
+  load_row<kWidth>(x + g * group, group, v);
+  if (outs.accumulate) load_row<kWidth>(outs.y[0] + g * group, group, old[0]);
+  if (then.count && then.accumulate && !then_in_place) load_row<kWidth>(then.y[0] + g * group, group, old[1]);
+  // The norm of v into each output of `o`, the first one last; v becomes its values. The
+  // weights are loaded before the sum, so their round trip overlaps its barriers.
+  auto normalise = [&](const NormOutputs& o, const float (&old)[kRowValues]) {
+    float w[kMaxNormOutputs][kRowValues];
 #pragma unroll
-  for (int i = 0; i < kPer; ++i) v[i] = inside(i) ? x[index(i)] : 0.0f;
-  // The norm of v into each output, the first one last; v becomes its values.
-  auto normalise = [&](const NormOutputs& o) {
+    for (int k = 0; k < kMaxNormOutputs; ++k) {
+      if (k >= o.count) break;
+      if (o.weight[k]) load_row<kWidth>(o.weight[k], group, w[k]);
+      else
+        for (int i = 0; i < kRowValues; ++i) w[k][i] = 1.0f;
+    }
     float ss = 0.0f;
 #pragma unroll
-    for (int i = 0; i < kPer; ++i) ss += v[i] * v[i];
+    for (int i = 0; i < kRowValues; ++i) ss += v[i] * v[i];
     const float inv = powf(block_sum(ss) / float(group) + eps, -0.5f);
-    for (int k = o.count - 1; k >= 0; --k) {
-      const float* weight = o.weight[k];
-      float* y = o.y[k];
-      float w[kPer], old[kPer];
 #pragma unroll
-      for (int i = 0; i < kPer; ++i) {
-        w[i] = inside(i) && weight ? weight[threadIdx.x + i * stride] : 1.0f;
-        old[i] = inside(i) && o.accumulate ? y[index(i)] : 0.0f;
-      }
+    for (int k = kMaxNormOutputs - 1; k >= 0; --k) {
+      if (k >= o.count) continue;
+      float out[kRowValues];
 #pragma unroll
-      for (int i = 0; i < kPer; ++i) {
-        const float out = norm_output(v[i], inv, w[i], o.accumulate, old[i], o.scale);
-        if (inside(i)) y[index(i)] = out;
-        if (k == 0) v[i] = out;
-      }
+      for (int i = 0; i < kRowValues; ++i) out[i] = norm_output(v[i], inv, w[k][i], o.accumulate, old[i], o.scale);
+      store_row<kWidth>(o.y[k] + g * group, group, out);
+      if (k == 0)
+#pragma unroll
+        for (int i = 0; i < kRowValues; ++i) v[i] = out[i];
     }
   };
-  normalise(outs);
-  if (then.count) normalise(then);
+  normalise(outs, old[0]);
+  if (!then.count) return;
+  if (then_in_place)
+#pragma unroll
+    for (int i = 0; i < kRowValues; ++i) old[1][i] = v[i];
+  normalise(then, old[1]);
 }
 
 // (mean(x^2) + eps)^-0.5 of a group of x, summed by the warp (every lane gets it).
@@ -637,10 +675,16 @@ void rms_norms(const float* x, const NormOutputs& outs, const NormOutputs& then,
     if (o->count > kMaxNormOutputs || (o->accumulate && o->count > 1))
       throw std::invalid_argument("rms_norms: at most 4 outputs, one when accumulating");
   if (then.count && outs.count > 1) throw std::invalid_argument("rms_norms: `then` normalises one output");
-  constexpr int kPer = 8;  // a row in registers: 8 values a thread
-  if (group >= 1024 && group <= kPer * kRowKernelThreads) {
-    const int threads = int(((group + kPer - 1) / kPer + 31) / 32 * 32);
-    launch(rms_norm_row_kernel<kPer>, unsigned(groups), threads, 0, stream, x, outs, then, group, eps);
+  if (group >= 1024 && group <= kRowValues * kRowKernelThreads) {
+    // float4s where every row the kernel touches is whole aligned ones
+    bool vector = group % 4 == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0;
+    for (const NormOutputs* o : {&outs, &then})
+      for (int k = 0; k < o->count; ++k)
+        vector = vector && reinterpret_cast<uintptr_t>(o->y[k]) % 16 == 0 &&
+                 reinterpret_cast<uintptr_t>(o->weight[k]) % 16 == 0;
+    const int threads = int(((group + kRowValues - 1) / kRowValues + 31) / 32 * 32);
+    launch(vector ? rms_norm_row_kernel<4> : rms_norm_row_kernel<1>, unsigned(groups), threads, 0, stream, x, outs,
+           then, group, eps);
   } else if (group >= 1024) {
     launch(rms_norm_kernel, unsigned(groups), kThreads, 0, stream, x, outs, then, group, eps);
   } else {
