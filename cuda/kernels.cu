@@ -233,26 +233,53 @@ __global__ void rms_norm_warp_kernel(const float* x, NormOutputs outs, NormOutpu
   write_norms(yi, then, g, warp_inv_rms(yi, group, eps, lane), group, lane, 32);
 }
 
-// A warp per (row, head): the head's norm as rms_norm_warp_kernel computes it, then rotate_half
-// RoPE on each lane's pairs (f, f + half); past the first `groups` heads, the plain_groups
-// heads after them get the unscaled norm alone.
-__global__ void rms_norm_rope_kernel(float* x, const float* weight, int64_t groups, int64_t plain_groups, int64_t heads,
-                                     int64_t head_dim, float eps, const float* inv_freq, const int64_t* positions) {
+// The query or key heads' norms and rotate_half RoPE, a block per row: each head's norm as
+// rms_norm_warp_kernel computes it (a warp a head), then each thread takes pairs (f, f +
+// half) and rotates them in every head of the row, so each angle's sincosf (the kernel's
+// main cost) is computed once a row, not once a head. Past the first `rows` blocks, the
+// plain_rows rows after them get each head's unscaled norm alone, a warp a head (a layer's
+// values after its keys).
+__global__ void rms_norm_rope_kernel(float* __restrict__ x, const float* __restrict__ weight, int64_t rows,
+                                     int64_t plain_rows, int64_t heads, int64_t head_dim, float eps,
+                                     const float* __restrict__ inv_freq, const int64_t* __restrict__ positions) {
   wait_for_earlier_kernels();
-  const int64_t g = int64_t(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5);
-  if (g >= groups + plain_groups) return;  // whole warps: blocks are whole warps
-  const int lane = threadIdx.x & 31;
-  float* v = x + g * head_dim;
-  const float inv = warp_inv_rms(v, head_dim, eps, lane);
-  if (g >= groups) return write_norm<false>(v, nullptr, inv, head_dim, lane, 32, 1.0f, v);
-  const float position = float(positions[g / heads]);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+  if (blockIdx.x >= rows) {
+    const int64_t g = rows * heads + int64_t(blockIdx.x - rows) * warps + warp;  // the plain group
+    if (g >= (rows + plain_rows) * heads) return;
+    float* v = x + g * head_dim;
+    return write_norm<false>(v, nullptr, warp_inv_rms(v, head_dim, eps, lane), head_dim, lane, 32, 1.0f, v);
+  }
+  extern __shared__ float inv[];  // [heads]
+  float* const row = x + int64_t(blockIdx.x) * heads * head_dim;
+  for (int64_t h = warp; h < heads; h += warps) {
+    const float r = warp_inv_rms(row + h * head_dim, head_dim, eps, lane);
+    if (lane == 0) inv[h] = r;
+  }
+  __syncthreads();
+  const float position = float(positions[blockIdx.x]);
   const int64_t half = head_dim / 2;
-  for (int64_t f = lane; f < half; f += 32) {
-    const float x1 = v[f] * inv * weight[f], x2 = v[f + half] * inv * weight[f + half];
-    float s, c;
-    sincosf(position * inv_freq[f], &s, &c);
-    v[f] = x1 * c - x2 * s;
-    v[f + half] = x2 * c + x1 * s;
+  constexpr int kHeads = 4;  // heads' loads in flight at a time
+  for (int64_t f = threadIdx.x; f < half; f += blockDim.x) {
+    float sn, cs;
+    sincosf(position * inv_freq[f], &sn, &cs);
+    const float w1 = weight[f], w2 = weight[f + half];
+    for (int64_t h0 = 0; h0 < heads; h0 += kHeads) {
+      float x1[kHeads], x2[kHeads];
+#pragma unroll
+      for (int i = 0; i < kHeads; ++i) {
+        const float* v = row + (h0 + i) * head_dim;
+        x1[i] = h0 + i < heads ? v[f] : 0.0f, x2[i] = h0 + i < heads ? v[f + half] : 0.0f;
+      }
+#pragma unroll
+      for (int i = 0; i < kHeads; ++i) {
+        if (h0 + i >= heads) continue;
+        float* v = row + (h0 + i) * head_dim;
+        const float a = x1[i] * inv[h0 + i] * w1, b = x2[i] * inv[h0 + i] * w2;
+        v[f] = a * cs - b * sn;
+        v[f + half] = b * cs + a * sn;
+      }
+    }
   }
 }
 
@@ -460,10 +487,13 @@ __device__ OnlineSoftmax block_merge(OnlineSoftmax v) {
   return total;
 }
 
-// One block per canvas row, two passes over it. The first only reads, once for what the
-// rest needs of the processed logits p (softcap(logits) / temperature, masked ids -inf):
-// the argmax, the entropy (from online softmax statistics) and the softmax statistics of
-// the feedback f (p rounded to bf16 when round_bf16). The second writes f, or with
+// One block per canvas row, two passes over it. The first computes the processed logits p
+// (softcap(logits) / temperature, masked ids -inf), writes them over the logits, and
+// gathers what the rest needs of them: the argmax, the entropy (from online softmax
+// statistics) and the softmax statistics of the feedback f (p rounded to bf16 when
+// round_bf16). (The kernel is bound by instruction issue, not memory: writing p and reading
+// it back costs less than computing the softcap's tanh and the two divisions again.) The
+// second reads p back and writes f, or with
 // softmax_feedback its softmax (the next step's soft embedding input; the forward's
 // softmax op, copy and their passes are then left out), and draws the Gumbel-max
 // candidate: only for ids whose p is within the noise's range of the row's max, since
@@ -494,6 +524,11 @@ __global__ void __launch_bounds__(kSampleThreads, 2)
       for (int j = 0; j < 4; ++j) x[j] = v4 + j < vocab ? l[v4 + j] : 0.0f;
     }
   };
+  auto store4 = [&](int64_t v4, const float (&x)[4]) {
+    if (vector) *reinterpret_cast<float4*>(l + v4) = {x[0], x[1], x[2], x[3]};
+    else
+      for (int j = 0; j < 4 && v4 + j < vocab; ++j) l[v4 + j] = x[j];
+  };
   const int64_t first4 = int64_t(threadIdx.x) * 4, stride4 = int64_t(blockDim.x) * 4;
   float best = -INFINITY;
   int best_i = INT_MAX;
@@ -503,11 +538,12 @@ __global__ void __launch_bounds__(kSampleThreads, 2)
     load4(v4, x);
     for (int j = 0; j < 4 && v4 + j < vocab; ++j) {
       const int64_t v = v4 + j;
-      const float p = processed(v, x[j]);
+      const float p = x[j] = processed(v, x[j]);
       if (p > best || (p == best && v < best_i)) best = p, best_i = int(v);
       dist.add(p);
       feedback.add(fed_back(p));
     }
+    store4(v4, x);
   }
   block_argmax(best, best_i);
   dist = block_merge(dist);
@@ -517,17 +553,14 @@ __global__ void __launch_bounds__(kSampleThreads, 2)
   int noisy_i = INT_MAX;
   for (int64_t v4 = first4; v4 < vocab; v4 += stride4) {
     float x[4], p[4] = {-INFINITY, -INFINITY, -INFINITY, -INFINITY};
-    load4(v4, x);
+    load4(v4, p);
     bool draw = false;
     for (int j = 0; j < 4 && v4 + j < vocab; ++j) {
-      p[j] = processed(v4 + j, x[j]);
       const float f = fed_back(p[j]);
       x[j] = softmax_feedback ? __expf(f - feedback.m) * inv_sum : f;
       draw |= !(p[j] + kGumbelMax < reach);
     }
-    if (vector) *reinterpret_cast<float4*>(l + v4) = {x[0], x[1], x[2], x[3]};
-    else
-      for (int j = 0; j < 4 && v4 + j < vocab; ++j) l[v4 + j] = x[j];
+    store4(v4, x);
     if (!draw) continue;
     const Philox4 bits = key.draw(uint32_t(row), uint32_t(v4));
     for (int j = 0; j < 4 && v4 + j < vocab; ++j) {
@@ -697,10 +730,10 @@ void rms_norms(const float* x, const NormOutputs& outs, const NormOutputs& then,
 void rms_norm_rope(float* x, const float* weight, int64_t rows, int64_t plain_rows, int64_t heads, int64_t head_dim,
                    float eps, const float* inv_freq, const int64_t* positions, cudaStream_t stream) {
   constexpr int kWarps = kThreads / 32;
-  const int64_t groups = rows * heads, plain_groups = plain_rows * heads;
-  if (groups + plain_groups)
-    launch(rms_norm_rope_kernel, unsigned((groups + plain_groups + kWarps - 1) / kWarps), kThreads, 0, stream, x,
-           weight, groups, plain_groups, heads, head_dim, eps, inv_freq, positions);
+  const int64_t plain_blocks = (plain_rows * heads + kWarps - 1) / kWarps;
+  if (rows + plain_blocks)
+    launch(rms_norm_rope_kernel, unsigned(rows + plain_blocks), kThreads, sizeof(float) * size_t(heads), stream, x,
+           weight, rows, plain_rows, heads, head_dim, eps, inv_freq, positions);
 }
 
 void gelu_glu(const float* x, int64_t rows, int64_t inter, float* out, cudaStream_t stream) {
