@@ -233,52 +233,44 @@ __global__ void rms_norm_warp_kernel(const float* x, NormOutputs outs, NormOutpu
   write_norms(yi, then, g, warp_inv_rms(yi, group, eps, lane), group, lane, 32);
 }
 
-// The query or key heads' norms and rotate_half RoPE, a block per row: each head's norm as
-// rms_norm_warp_kernel computes it (a warp a head), then each thread takes pairs (f, f +
-// half) and rotates them in every head of the row, so each angle's sincosf (the kernel's
-// main cost) is computed once a row, not once a head. Past the first `rows` blocks, the
-// plain_rows rows after them get each head's unscaled norm alone, a warp a head (a layer's
-// values after its keys).
-__global__ void rms_norm_rope_kernel(float* __restrict__ x, const float* __restrict__ weight, int64_t rows,
-                                     int64_t plain_rows, int64_t heads, int64_t head_dim, float eps,
+// A warp per (row, head): the head's norm as rms_norm_warp_kernel computes it, then rotate_half
+// RoPE on each lane's pairs (f, f + half); past the first `groups` heads, the plain_groups
+// heads after them get the unscaled norm alone.
+__global__ void rms_norm_rope_kernel(float* __restrict__ x, const float* __restrict__ weight, int64_t groups,
+                                     int64_t plain_groups, int64_t heads, int64_t head_dim, float eps,
                                      const float* __restrict__ inv_freq, const int64_t* __restrict__ positions) {
   wait_for_earlier_kernels();
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
-  if (blockIdx.x >= rows) {
-    const int64_t g = rows * heads + int64_t(blockIdx.x - rows) * warps + warp;  // the plain group
-    if (g >= (rows + plain_rows) * heads) return;
-    float* v = x + g * head_dim;
-    return write_norm<false>(v, nullptr, warp_inv_rms(v, head_dim, eps, lane), head_dim, lane, 32, 1.0f, v);
-  }
-  extern __shared__ float inv[];  // [heads]
-  float* const row = x + int64_t(blockIdx.x) * heads * head_dim;
-  for (int64_t h = warp; h < heads; h += warps) {
-    const float r = warp_inv_rms(row + h * head_dim, head_dim, eps, lane);
-    if (lane == 0) inv[h] = r;
-  }
-  __syncthreads();
-  const float position = float(positions[blockIdx.x]);
+  const int64_t g = int64_t(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5);
+  if (g >= groups + plain_groups) return;  // whole warps: blocks are whole warps
+  const int lane = threadIdx.x & 31;
+  float* v = x + g * head_dim;
+  const float inv = warp_inv_rms(v, head_dim, eps, lane);
+  if (g >= groups) return write_norm<false>(v, nullptr, inv, head_dim, lane, 32, 1.0f, v);
+  const float position = float(positions[g / heads]);
   const int64_t half = head_dim / 2;
-  constexpr int kHeads = 4;  // heads' loads in flight at a time
-  for (int64_t f = threadIdx.x; f < half; f += blockDim.x) {
-    float sn, cs;
-    sincosf(position * inv_freq[f], &sn, &cs);
-    const float w1 = weight[f], w2 = weight[f + half];
-    for (int64_t h0 = 0; h0 < heads; h0 += kHeads) {
-      float x1[kHeads], x2[kHeads];
+  // A lane's pairs (f, f + half) kPairs at a time, every load before any store: one round
+  // trip a group, not one a pair (sincosf's branches keep the compiler from moving loads
+  // past the stores itself).
+  constexpr int kPairs = 4;
+  for (int64_t f0 = lane; f0 < half; f0 += 32 * kPairs) {
+    float x1[kPairs], x2[kPairs], w1[kPairs], w2[kPairs], freq[kPairs];
 #pragma unroll
-      for (int i = 0; i < kHeads; ++i) {
-        const float* v = row + (h0 + i) * head_dim;
-        x1[i] = h0 + i < heads ? v[f] : 0.0f, x2[i] = h0 + i < heads ? v[f + half] : 0.0f;
-      }
+    for (int i = 0; i < kPairs; ++i) {
+      const int64_t f = f0 + 32 * i;
+      const bool inside = f < half;
+      x1[i] = inside ? v[f] : 0.0f, x2[i] = inside ? v[f + half] : 0.0f;
+      w1[i] = inside ? weight[f] : 0.0f, w2[i] = inside ? weight[f + half] : 0.0f;
+      freq[i] = inside ? inv_freq[f] : 0.0f;
+    }
 #pragma unroll
-      for (int i = 0; i < kHeads; ++i) {
-        if (h0 + i >= heads) continue;
-        float* v = row + (h0 + i) * head_dim;
-        const float a = x1[i] * inv[h0 + i] * w1, b = x2[i] * inv[h0 + i] * w2;
-        v[f] = a * cs - b * sn;
-        v[f + half] = b * cs + a * sn;
-      }
+    for (int i = 0; i < kPairs; ++i) {
+      const int64_t f = f0 + 32 * i;
+      if (f >= half) continue;
+      const float a = x1[i] * inv * w1[i], b = x2[i] * inv * w2[i];
+      float sn, cs;
+      sincosf(position * freq[i], &sn, &cs);
+      v[f] = a * cs - b * sn;
+      v[f + half] = b * cs + a * sn;
     }
   }
 }
@@ -552,7 +544,7 @@ __global__ void __launch_bounds__(kSampleThreads, 2)
   float best_noisy = -INFINITY;
   int noisy_i = INT_MAX;
   for (int64_t v4 = first4; v4 < vocab; v4 += stride4) {
-    float x[4], p[4] = {-INFINITY, -INFINITY, -INFINITY, -INFINITY};
+    float x[4], p[4];
     load4(v4, p);
     bool draw = false;
     for (int j = 0; j < 4 && v4 + j < vocab; ++j) {
@@ -730,10 +722,10 @@ void rms_norms(const float* x, const NormOutputs& outs, const NormOutputs& then,
 void rms_norm_rope(float* x, const float* weight, int64_t rows, int64_t plain_rows, int64_t heads, int64_t head_dim,
                    float eps, const float* inv_freq, const int64_t* positions, cudaStream_t stream) {
   constexpr int kWarps = kThreads / 32;
-  const int64_t plain_blocks = (plain_rows * heads + kWarps - 1) / kWarps;
-  if (rows + plain_blocks)
-    launch(rms_norm_rope_kernel, unsigned(rows + plain_blocks), kThreads, sizeof(float) * size_t(heads), stream, x,
-           weight, rows, plain_rows, heads, head_dim, eps, inv_freq, positions);
+  const int64_t groups = rows * heads, plain_groups = plain_rows * heads;
+  if (groups + plain_groups)
+    launch(rms_norm_rope_kernel, unsigned((groups + plain_groups + kWarps - 1) / kWarps), kThreads, 0, stream, x,
+           weight, groups, plain_groups, heads, head_dim, eps, inv_freq, positions);
 }
 
 void gelu_glu(const float* x, int64_t rows, int64_t inter, float* out, cudaStream_t stream) {

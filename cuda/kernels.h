@@ -227,9 +227,9 @@ struct NormOutputs {
 // bitwise as two calls.
 void rms_norms(const float* x, const NormOutputs& outs, const NormOutputs& then, int64_t groups, int64_t group,
                float eps, cudaStream_t stream);
-// rms_norm of each head (weight [head_dim]), then rope, in place on rows [0, rows) (a block
-// a row, each angle's sin and cos computed once for all its heads); then, on the plain_rows
-// rows after them, each head's unscaled norm (a layer's values after its keys).
+// rms_norm of each head (weight [head_dim]), then rope, in place on rows [0, rows); then,
+// on the plain_rows rows after them, each head's unscaled norm (a layer's values after its
+// keys): a warp per (row, head).
 void rms_norm_rope(float* x, const float* weight, int64_t rows, int64_t plain_rows, int64_t heads, int64_t head_dim,
                    float eps, const float* inv_freq, const int64_t* positions, cudaStream_t stream);
 // The MLP's activation of one (gate, up) pair: gelu (tanh approximation) of the gate, times up.
