@@ -181,7 +181,8 @@ std::vector<Piece> cut(const std::vector<KeySpan>& spans, int span_begin, int64_
 }  // namespace
 
 size_t AttentionPlan::scratch_bytes() const {
-  return sizeof(float) * size_t(slots) * size_t(queries_per_slot) * size_t(head_dim + 2);
+  const size_t partial = sizeof(float) * size_t(slots) * size_t(queries_per_slot) * size_t(head_dim + 2);
+  return attention_packed_offset(partial) + 2 * attention_packed_bytes(packed_rows, packed_cols);
 }
 
 AttentionPlan plan_attention(const std::vector<AttentionSegment>& segments, int num_heads, int num_kv_heads,
@@ -191,13 +192,16 @@ AttentionPlan plan_attention(const std::vector<AttentionSegment>& segments, int 
   plan.round_bf16 = round_bf16;
   plan.queries_per_slot = attention_mma_queries(head_dim, round_bf16);
   const bool split = plan.queries_per_slot > 0;  // only the tensor-core kernel takes pieces
+  const bool packed = attention_wgmma_serves(head_dim, round_bf16);
+  plan.packed_cols = packed ? int64_t(num_kv_heads) * head_dim : 0;
   const int rows_per_block = rows_per_item(num_heads / num_kv_heads, head_dim, round_bf16);
   for (const AttentionSegment& s : segments) {
     const int index = int(plan.segments.size()), span_begin = int(plan.spans.size());
     plan.segments.push_back({s.first_row, s.first_position, s.window, s.causal ? 1 : 0, span_begin, int(s.spans.size())});
     int64_t keys = 0;
     for (const KeySpan& k : s.spans) {
-      plan.spans.push_back({k.keys, k.values, k.count, k.first_position});
+      plan.spans.push_back({k.keys, k.values, k.count, k.first_position, plan.packed_rows});
+      if (packed) plan.packed_rows += k.count;
       keys += k.count;
     }
     const int groups = int((s.rows + rows_per_block - 1) / rows_per_block);

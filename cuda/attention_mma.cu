@@ -92,18 +92,6 @@ __device__ __forceinline__ void mma_parts(float* c, const uint32_t (&a)[2][4], c
   }
 }
 
-// 16 bytes global -> shared, asynchronously; zeros instead when !copy (src is then not read).
-__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool copy) {
-  const uint32_t d = static_cast<uint32_t>(__cvta_generic_to_shared(dst));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d), "l"(src), "r"(copy ? 16 : 0));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-// Waits until at most `kPending` of this thread's committed groups are still in flight.
-template <int kPending>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory");
-}
-
 // The four 8x8 bf16 matrices at rows `row` (lanes 0-15: rows 0-15 of a 16x16 tile, lanes
 // 16-31: the same rows 8 columns on) as an mma A fragment.
 __device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* row) {
@@ -434,11 +422,19 @@ int attention_mma_resident_blocks(int head_dim, bool round_bf16) {
 
 void attention_mma(const float* q, float* out, const AttentionPlan& plan, const AttentionTables& tables,
                    void* scratch, int num_heads, int num_kv_heads, cudaStream_t stream) {
-  // Scratch: the slots' outputs ([slot][query][head_dim]), then their (max, sum) pairs.
+  // Scratch: the slots' outputs ([slot][query][head_dim]), then their (max, sum) pairs, then
+  // the wgmma kernel's bf16 keys and values.
   float* partial_out = static_cast<float*>(scratch);
   auto* partial_ml = reinterpret_cast<float2*>(partial_out + plan.slots * plan.queries_per_slot * plan.head_dim);
   if (attention_wgmma_serves(plan.head_dim, plan.round_bf16)) {
-    attention_wgmma(q, out, partial_out, partial_ml, plan, tables, num_heads, num_kv_heads, stream);
+    const size_t partial_bytes =
+        reinterpret_cast<uint8_t*>(partial_ml + plan.slots * plan.queries_per_slot) - static_cast<uint8_t*>(scratch);
+    auto* packed_keys =
+        reinterpret_cast<__nv_bfloat16*>(static_cast<uint8_t*>(scratch) + attention_packed_offset(partial_bytes));
+    auto* packed_values = reinterpret_cast<__nv_bfloat16*>(reinterpret_cast<uint8_t*>(packed_keys) +
+                                                           attention_packed_bytes(plan.packed_rows, plan.packed_cols));
+    attention_wgmma(q, out, partial_out, partial_ml, packed_keys, packed_values, plan, tables, num_heads, num_kv_heads,
+                    stream);
   } else {
     with_head_dim(plan.head_dim, [&](auto dim) {
       constexpr int kDim = decltype(dim)::value;

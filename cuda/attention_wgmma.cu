@@ -4,31 +4,35 @@
 // same plan (items, pieces, partial slots and merges; attention.cu), only with more query
 // vectors a block.
 //
+// A pre-pass writes the keys and values of every span (the KV cache's pages and the batch's
+// own rows, fp32) as bf16 rows, one span after the other, into the attention's scratch: the
+// kernel then stages each chunk with cp.async, no registers and no conversion in its way,
+// and the next chunk's copies run while the tensor cores work on this one.
+//
 // A block is two warpgroups, each with 64 query vectors (rows x the query heads of one KV
 // head, as in attention_mma.cu) and the whole head: its 64 x 256 output accumulators stay
 // in registers (128 a thread). Both walk the block's piece of the keys in chunks of 64 that
-// all threads stage together into shared memory, converting the KV cache's fp32 to bf16 on
-// the way: K as it is stored ([key][dim], the score product's K-major B) and V transposed
-// ([dim][key], the K-major B of P V). A chunk's scores S = Q K^T are one wgmma chain per
-// warpgroup (Q and K from shared memory), read back into registers for the online softmax
-// (masking, running max and sum in fp32); the probabilities, rounded to bf16, are already
-// laid out as the A fragments of the next product, O += P V, which takes them straight from
-// registers. The staging of chunk n + 1 (global loads, conversion, stores into the other
-// buffer) runs while the tensor cores work on chunk n's two products, one barrier a chunk.
+// all threads stage together into shared memory: K and V alike as rows of keys ([key][dim],
+// K-major for the score product's B, N-major for P V's). A chunk's scores S = Q K^T are
+// one wgmma chain per warpgroup (Q and K from shared memory), read back into registers for
+// the online softmax (masking, running max and sum in fp32); the probabilities, rounded to
+// bf16, are already laid out as the A fragments of the next product, O += P V, which takes
+// them straight from registers. One barrier a chunk.
 //
 // Shared memory tiles are rows of 128 bytes (64 bf16 values) in 8-row, 1,024-byte swizzle
 // atoms (gemm_tile.cuh's swizzle, the layout wgmma_descriptor names), wider rows cut into
 // 64-value column blocks ("subtiles") one after the other.
 //
-// On the H200 (attention_bench, the 26B sliding layer at batch 1, 1K, same run): 57.8 us
-// against 68.6 us on mma.sync. It is bound by latency, not by the tensor cores (ncu: one
-// block of 8 warps a multiprocessor, for its 192 KB of tiles and 246 registers a thread; 7
-// cycles between a warp's instructions, 2 of them waiting on shared memory; the tensor
-// cores 25% busy): the staging's synchronous loads and the look-ups. Tried and not kept: the
-// look-ups walking a shared-memory copy of the piece's spans (60.9 us), and head dim 512
-// with both warpgroups on the same 64 queries, each half the output dims (167.5 us against
+// On the H200 (attention_bench, the 26B sliding layer at batch 1, 1K, same run), before the
+// pre-pass, with the chunks staged from fp32 by synchronous loads in the kernel: 57.8 us
+// against 68.6 us on mma.sync, bound by latency (ncu: one block of 8 warps a
+// multiprocessor, for its 192 KB of tiles and 246 registers a thread; 7 cycles between a
+// warp's instructions; the tensor cores 25% busy). Tried and not kept: the look-ups
+// walking a shared-memory copy of the piece's spans (60.9 us), and head dim 512 with both
+// warpgroups on the same 64 queries, each half the output dims (167.5 us against
 // mma.sync's 154).
 #include <cmath>
+#include <stdexcept>
 
 #include "attention_keys.cuh"
 #include "gemm_tile.cuh"
@@ -44,22 +48,47 @@ constexpr int kDim = 256;               // head dim
 constexpr int kGroups = 2;              // warpgroups
 constexpr int kQueries = 64 * kGroups;  // query vectors per block
 constexpr int kThreads = 128 * kGroups;
-constexpr int kKeys = 64;             // keys per chunk: a 128-byte row of V^T
-constexpr int kSubtiles = kDim / 64;  // 64-value column blocks of Q and K rows
-// Where a chunk's keys are (null: no key there; its K and V are staged as zeros).
-struct KeySource {
-  const float* key;
-  const float* value;
-};
-// Shared memory: Q [subtile][query][64], K [buffer][subtile][key][64], V^T [buffer][dim][key]
-// (bf16), then for three chunks (one softmaxed, one staged, one being looked up) each key's
-// source and relative position.
+constexpr int kKeys = 64;             // keys per chunk
+constexpr int kSubtiles = kDim / 64;  // 64-value column blocks of Q, K and V rows
+// Shared memory: Q [subtile][query][64], K and V [buffer][subtile][key][64] (bf16), then for
+// three chunks (one softmaxed, one staged, one being looked up) each key's row in the bf16
+// copies (-1: no key there; its K and V are staged as zeros) and relative position.
 constexpr int kQTile = kSubtiles * kQueries * kRowBytes;  // 64 KB
-constexpr int kKTile = kSubtiles * kKeys * kRowBytes;     // 32 KB
-constexpr int kVTile = kDim * kRowBytes;                  // 32 KB
-constexpr int kKOffset = kQTile, kVOffset = kKOffset + 2 * kKTile, kSourceOffset = kVOffset + 2 * kVTile;
-constexpr int kPositionOffset = kSourceOffset + 3 * kKeys * int(sizeof(KeySource));
+constexpr int kKVTile = kSubtiles * kKeys * kRowBytes;    // 32 KB
+constexpr int kKOffset = kQTile, kVOffset = kKOffset + 2 * kKVTile, kRowOffset = kVOffset + 2 * kKVTile;
+constexpr int kPositionOffset = kRowOffset + 3 * kKeys * int(sizeof(int));
 constexpr int kSharedBytes = kPositionOffset + 3 * kKeys * int(sizeof(int));
+
+// The pre-pass: row r of the bf16 copies is row r - spans[s].packed of span s (the last
+// span whose packed row is at most r), 8 values a thread, keys and values alike.
+constexpr int kPackThreads = 256;
+__global__ void pack_bf16_kernel(const DeviceKeySpan* __restrict__ spans, int span_count, int64_t rows, int64_t cols,
+                                 bool vector, __nv_bfloat16* __restrict__ keys, __nv_bfloat16* __restrict__ values) {
+  wait_for_earlier_kernels();
+  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x, per_row = cols / 8;
+  if (i >= rows * per_row) return;
+  const int64_t r = i / per_row, c = (i % per_row) * 8;
+  int lo = 0, hi = span_count - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (spans[mid].packed <= r) lo = mid;
+    else hi = mid - 1;
+  }
+  const int64_t offset = (r - spans[lo].packed) * cols + c;
+  auto convert = [&](const float* src, __nv_bfloat16* dst) {
+    float v[8];
+    if (vector) {
+      const float4 a = *reinterpret_cast<const float4*>(src), b = *reinterpret_cast<const float4*>(src + 4);
+      v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
+    } else {
+      for (int j = 0; j < 8; ++j) v[j] = src[j];
+    }
+    *reinterpret_cast<uint4*>(dst) = {round_bf16x2(v[0], v[1]), round_bf16x2(v[2], v[3]), round_bf16x2(v[4], v[5]),
+                                      round_bf16x2(v[6], v[7])};
+  };
+  convert(spans[lo].keys + offset, keys + r * cols + c);
+  convert(spans[lo].values + offset, values + r * cols + c);
+}
 
 #ifdef DIFFUSERVE_WGMMA_DEVICE
 // Four fp32 values as bf16 into a tile row at `dst` (8 bytes, aligned).
@@ -70,21 +99,18 @@ __device__ __forceinline__ void store_bf16x4(uint8_t* dst, float4 x) {
 __device__ __forceinline__ float4 load_or_zero(const float* src) {
   return src ? *reinterpret_cast<const float4*>(src) : float4{0.0f, 0.0f, 0.0f, 0.0f};
 }
-
-__device__ __forceinline__ float component(const float4& x, int i) {
-  return i == 0 ? x.x : i == 1 ? x.y : i == 2 ? x.z : x.w;
-}
 #endif
 
 __global__ void __launch_bounds__(kThreads, 1)
     attention_wgmma_kernel(const float* __restrict__ q, float* __restrict__ out, float* __restrict__ partial_out,
-                           float2* __restrict__ partial_ml, const DeviceAttentionSegment* __restrict__ segments,
-                           const DeviceKeySpan* __restrict__ spans, const AttentionItem* __restrict__ items,
-                           int num_heads, int num_kv_heads) {
+                           float2* __restrict__ partial_ml, const __nv_bfloat16* __restrict__ packed_keys,
+                           const __nv_bfloat16* __restrict__ packed_values,
+                           const DeviceAttentionSegment* __restrict__ segments, const DeviceKeySpan* __restrict__ spans,
+                           const AttentionItem* __restrict__ items, int num_heads, int num_kv_heads) {
   wait_for_earlier_kernels();
 #ifdef DIFFUSERVE_WGMMA_DEVICE
   extern __shared__ __align__(1024) uint8_t smem[];
-  auto sources = reinterpret_cast<KeySource(*)[kKeys]>(smem + kSourceOffset);
+  auto packed_row = reinterpret_cast<int (*)[kKeys]>(smem + kRowOffset);
   auto key_pos = reinterpret_cast<int (*)[kKeys]>(smem + kPositionOffset);  // relative_position, or kNoKey
   const uint32_t q_base = uint32_t(__cvta_generic_to_shared(smem));
   const uint32_t k_base = q_base + kKOffset, v_base = q_base + kVOffset;
@@ -110,88 +136,70 @@ __global__ void __launch_bounds__(kThreads, 1)
     m_run[h] = -INFINITY, l_run[h] = 0.0f;
   }
 
-  // Threads 0..kKeys-1 look up key `tid` of each chunk: where it is and its position
-  // (table slot `slot`); whether it exists.
+  // Threads 0..kKeys-1 look up key `tid` of each chunk: its row in the bf16 copies and its
+  // position (table slot `slot`); whether it exists.
   const KeyWalk walk = queries.keys(spans);
   Cursor cursor{};
   if (tid < kKeys) cursor = walk.advance({item.span, item.key}, tid);
   auto look_up = [&](int slot) {
     if (tid >= kKeys) return false;
     const bool valid = walk.has(cursor);
-    KeySource source{nullptr, nullptr};
-    int position = kNoKey;
+    int packed = -1, position = kNoKey;
     if (valid) {
       const DeviceKeySpan s = spans[cursor.span];
-      const int64_t offset = int64_t(cursor.key) * kv_stride + int64_t(item.kv_head) * kDim;
-      source = {s.keys + offset, s.values + offset};
+      packed = int(s.packed + cursor.key);
       position = relative_position(s.first_position + cursor.key, seg.first_position);
       cursor = walk.advance(cursor, kKeys);
     }
-    sources[slot][tid] = source;
+    packed_row[slot][tid] = packed;
     key_pos[slot][tid] = position;
     return valid;
   };
 
-  // Rows of fp32 as bf16 into a [subtile][row][64] tile of `rows` rows: row r, float4 column
-  // c (of 64) from rows(r) (null: zeros). A warp takes one row's 512 contiguous bytes.
-  auto stage_rows = [&](uint8_t* tile, int rows, auto&& source_of) {
+  // Q's rows of fp32 as bf16 into its [subtile][row][64] tile: row r, float4 column c (of
+  // 64) from q (zeros past the item's vectors). A warp takes one row's 512 contiguous bytes.
+  {
     const int c = tid % 64;
-    for (int r0 = 0; r0 < rows; r0 += 8 * (kThreads / 64)) {
+    for (int r0 = 0; r0 < kQueries; r0 += 8 * (kThreads / 64)) {
       float4 x[8];
 #pragma unroll
       for (int i = 0; i < 8; ++i) {
-        const float* src = source_of(r0 + tid / 64 + (kThreads / 64) * i);
-        x[i] = load_or_zero(src ? src + 4 * c : nullptr);
+        const int j = r0 + tid / 64 + (kThreads / 64) * i;
+        x[i] = load_or_zero(j < nq ? q + queries.offset(j) + 4 * c : nullptr);
       }
 #pragma unroll
       for (int i = 0; i < 8; ++i) {
         const int r = r0 + tid / 64 + (kThreads / 64) * i;
-        store_bf16x4(tile + (c / 16) * rows * kRowBytes + swizzle(r, (c % 16) / 2) + 8 * (c % 2), x[i]);
+        store_bf16x4(smem + (c / 16) * kQueries * kRowBytes + swizzle(r, (c % 16) / 2) + 8 * (c % 2), x[i]);
       }
     }
-  };
-  // The values of the chunk in table slot `slot`, transposed into V^T buffer `buf`: tasks of
-  // 8 dims x the 64 keys, lane l taking keys 2l and 2l + 1 (32 bytes of each, a whole
-  // sector) and storing one 4-byte key pair in each of the 8 dim rows (a warp's stores fill
-  // one 128-byte row: no bank conflicts).
-  auto stage_values = [&](int slot, int buf) {
-    uint8_t* const tile = smem + kVOffset + buf * kVTile;
-    const float* src[2] = {sources[slot][2 * lane].value, sources[slot][2 * lane + 1].value};
+  }
+  // The keys and values of the chunk in table slot `slot` into buffer `buf`, by cp.async
+  // (this thread's part, one commit group): 16-byte piece p of a key's 512 bytes (this KV
+  // head's 256 values) to subtile p / 8, chunk p % 8 of the key's row; a warp copies one
+  // key's contiguous bytes.
+  auto stage_chunk = [&](int slot, int buf) {
+    uint8_t* const k_tile = smem + kKOffset + buf * kKVTile;
+    uint8_t* const v_tile = smem + kVOffset + buf * kKVTile;
+    const int p = lane;
 #pragma unroll
-    for (int round = 0; round < kDim / 8 / (kThreads / 32) / 2; ++round) {
-      float4 x[2][2][2];  // [task][key][dims 0-3, 4-7]
-#pragma unroll
-      for (int task = 0; task < 2; ++task) {
-        const int d0 = 8 * (warp + (kThreads / 32) * (2 * round + task));
-#pragma unroll
-        for (int k = 0; k < 2; ++k)
-#pragma unroll
-          for (int half = 0; half < 2; ++half)
-            x[task][k][half] = load_or_zero(src[k] ? src[k] + d0 + 4 * half : nullptr);
-      }
-#pragma unroll
-      for (int task = 0; task < 2; ++task) {
-        const int d0 = 8 * (warp + (kThreads / 32) * (2 * round + task));
-#pragma unroll
-        for (int i = 0; i < 8; ++i) {
-          *reinterpret_cast<uint32_t*>(tile + swizzle(d0 + i, lane / 4) + 4 * (lane % 4)) =
-              round_bf16x2(component(x[task][0][i / 4], i % 4), component(x[task][1][i / 4], i % 4));
-        }
-      }
+    for (int i = 0; i < kKeys / (kThreads / 32); ++i) {
+      const int key = warp + (kThreads / 32) * i, packed = packed_row[slot][key];
+      const int64_t src = (packed < 0 ? 0 : int64_t(packed) * kv_stride) + int64_t(item.kv_head) * kDim + 8 * p;
+      const int dst = (p / 8) * kKeys * kRowBytes + swizzle(key, p % 8);
+      cp_async16(k_tile + dst, packed_keys + src, packed >= 0);
+      cp_async16(v_tile + dst, packed_values + src, packed >= 0);
     }
-  };
-  auto stage_keys = [&](int slot, int buf) {
-    stage_rows(smem + kKOffset + buf * kKTile, kKeys, [&](int key) { return sources[slot][key].key; });
+    cp_async_commit();
   };
 
   // Before the loop: the tables of chunks 0 and 1, Q, chunk 0's keys and values.
   const bool first_mine = look_up(0);
   const bool next_mine = look_up(1);
-  stage_rows(smem, kQueries, [&](int j) { return j < nq ? q + queries.offset(j) : nullptr; });
   __syncthreads();  // the tables
-  stage_keys(0, 0);
-  stage_values(0, 0);
-  fence_proxy_async();
+  stage_chunk(0, 0);
+  cp_async_wait<0>();
+  fence_proxy_async();                       // Q's stores and the copies, for the tensor cores
   bool have = __syncthreads_or(first_mine);  // chunk n has keys
   bool have_next = __syncthreads_or(next_mine);
 
@@ -199,6 +207,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   const uint32_t q_rows = q_base + wg * 64 * kRowBytes;  // this warpgroup's Q rows in subtile 0
   for (int n = 0; have; ++n) {
     const int buf = n & 1;
+    // The next chunk's copies run while this one is multiplied (its buffer was last read by
+    // the previous chunk's products, finished before the barrier that ended it).
+    if (have_next) stage_chunk((n + 1) % 3, buf ^ 1);
     // S = Q K^T: 16 K steps of 16 dims (32 bytes of a subtile row).
     float s[32];
     wgmma_fence();
@@ -206,13 +217,12 @@ __global__ void __launch_bounds__(kThreads, 1)
     for (int step = 0; step < kDim / 16; ++step) {
       const uint32_t column = 32 * (step % 4);
       wgmma_bf16<kKeys>(s, wgmma_descriptor(q_rows + (step / 4) * kQueries * kRowBytes + column),
-                        wgmma_descriptor(k_base + buf * kKTile + (step / 4) * kKeys * kRowBytes + column), step > 0);
+                        wgmma_descriptor(k_base + buf * kKVTile + (step / 4) * kKeys * kRowBytes + column), step > 0);
     }
     wgmma_commit();
-    if (have_next) stage_keys((n + 1) % 3, buf ^ 1);
     const bool after_mine = look_up((n + 2) % 3);
-    // The look-ups' and the staging's lanes may have parted (loops and loads of their own):
-    // wgmma's instructions are .aligned, for whole warps only.
+    // The look-ups' lanes may have parted (loops and loads of their own): wgmma's
+    // instructions are .aligned, for whole warps only.
     __syncwarp();
     wgmma_wait<0>();
     wgmma_hold(s);
@@ -262,17 +272,18 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
       for (int r = 0; r < 4; ++r) p[ks][r] = round_bf16x2(s[8 * ks + 2 * r], s[8 * ks + 2 * r + 1]);
 
-    // O += P V: 4 K steps of 16 keys (32 bytes of each V^T row).
+    // O += P V: 4 K steps of 16 keys (16 rows of V, two atoms).
     wgmma_fence();
 #pragma unroll
     for (int ks = 0; ks < kKeys / 16; ++ks)
-      wgmma_bf16_rs256(o, p[ks], wgmma_descriptor(v_base + buf * kVTile + 32 * ks));
+      wgmma_bf16_rs256(o, p[ks],
+                       wgmma_descriptor_n_major(v_base + buf * kKVTile + 16 * kRowBytes * ks, kKeys * kRowBytes));
     wgmma_commit();
-    if (have_next) stage_values((n + 1) % 3, buf ^ 1);
-    __syncwarp();
     wgmma_wait<0>();
     wgmma_hold(o);
-    // The staged chunk visible to the tensor cores; both warpgroups done with this one.
+    // The next chunk's copies landed (this thread's), visible to the tensor cores; both
+    // warpgroups done with this one.
+    cp_async_wait<0>();
     fence_proxy_async();
     const bool have_after = __syncthreads_or(after_mine);
     have = have_next, have_next = have_after;
@@ -308,11 +319,25 @@ int attention_wgmma_queries() { return kQueries; }
 
 int attention_wgmma_resident_blocks() { return resident_blocks(attention_wgmma_kernel, kThreads, kSharedBytes); }
 
-void attention_wgmma(const float* q, float* out, float* partial_out, float2* partial_ml, const AttentionPlan& plan,
-                     const AttentionTables& tables, int num_heads, int num_kv_heads, cudaStream_t stream) {
+void attention_wgmma(const float* q, float* out, float* partial_out, float2* partial_ml, __nv_bfloat16* packed_keys,
+                     __nv_bfloat16* packed_values, const AttentionPlan& plan, const AttentionTables& tables,
+                     int num_heads, int num_kv_heads, cudaStream_t stream) {
+  if (plan.packed_cols != int64_t(num_kv_heads) * kDim)
+    throw std::invalid_argument("attention_wgmma: the plan's bf16 rows are not num_kv_heads x 256 values");
+  if (plan.packed_rows > INT32_MAX) throw std::invalid_argument("attention_wgmma: more than 2^31 keys");
+  if (plan.packed_rows) {
+    bool vector = true;  // whole aligned float4s in every span
+    for (const DeviceKeySpan& s : plan.spans)
+      vector =
+          vector && reinterpret_cast<uintptr_t>(s.keys) % 16 == 0 && reinterpret_cast<uintptr_t>(s.values) % 16 == 0;
+    const int64_t threads = plan.packed_rows * (plan.packed_cols / 8);
+    launch(pack_bf16_kernel, unsigned((threads + kPackThreads - 1) / kPackThreads), kPackThreads, 0, stream,
+           tables.spans, int(plan.spans.size()), plan.packed_rows, plan.packed_cols, vector, packed_keys,
+           packed_values);
+  }
   cudaFuncSetAttribute(attention_wgmma_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSharedBytes);
   launch(attention_wgmma_kernel, unsigned(plan.items.size()), kThreads, kSharedBytes, stream, q, out, partial_out,
-         partial_ml, tables.segments, tables.spans, tables.items, num_heads, num_kv_heads);
+         partial_ml, packed_keys, packed_values, tables.segments, tables.spans, tables.items, num_heads, num_kv_heads);
 }
 
 }  // namespace diffuserve::cuda

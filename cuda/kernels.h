@@ -128,6 +128,7 @@ struct DeviceKeySpan {
   const float* values;
   int64_t count;
   int64_t first_position;
+  int64_t packed;  // its first row in the bf16 copies of K and V (AttentionPlan::packed_rows)
 };
 struct DeviceAttentionSegment {
   int64_t first_row;
@@ -172,7 +173,13 @@ struct AttentionPlan {
   int queries_per_slot = 0;            // query vectors per item (and per slot)
   int head_dim = 0;
   bool round_bf16 = false;
-  // Device memory `attention` may use for the partial results until it is done on its stream.
+  // The wgmma kernel's keys and values as bf16 (attention_wgmma_serves): every span's rows
+  // one after the other, `packed_cols` values a row, converted by a pre-pass so that the
+  // kernel stages them with cp.async. 0 rows for the other kernels.
+  int64_t packed_rows = 0;
+  int64_t packed_cols = 0;
+  // Device memory `attention` may use for the partial results and the bf16 copies until it
+  // is done on its stream.
   size_t scratch_bytes() const;
 };
 // The plan of one Backend::attention call (num_heads / num_kv_heads <= 16) for a GPU that
@@ -205,9 +212,18 @@ bool attention_wgmma_serves(int head_dim, bool round_bf16);
 int attention_wgmma_queries();
 int attention_wgmma_resident_blocks();
 // The blocks of attention_mma's plan (pieces to partial_out / partial_ml, as attention_mma
-// lays out its scratch; attention_mma merges them).
-void attention_wgmma(const float* q, float* out, float* partial_out, float2* partial_ml, const AttentionPlan& plan,
-                     const AttentionTables& tables, int num_heads, int num_kv_heads, cudaStream_t stream);
+// lays out its scratch; attention_mma merges them), after a pre-pass that writes the spans'
+// keys and values as bf16 into `packed_keys` and `packed_values` (plan.packed_rows x
+// plan.packed_cols each).
+void attention_wgmma(const float* q, float* out, float* partial_out, float2* partial_ml, __nv_bfloat16* packed_keys,
+                     __nv_bfloat16* packed_values, const AttentionPlan& plan, const AttentionTables& tables,
+                     int num_heads, int num_kv_heads, cudaStream_t stream);
+// attention's scratch: the partial results, then from this offset (256-byte aligned) the
+// bf16 keys, then the bf16 values, each of this many bytes.
+inline size_t attention_packed_offset(size_t partial_bytes) { return (partial_bytes + 255) / 256 * 256; }
+inline size_t attention_packed_bytes(int64_t rows, int64_t cols) {
+  return (sizeof(__nv_bfloat16) * size_t(rows) * size_t(cols) + 255) / 256 * 256;
+}
 
 // ---- elementwise, rows, sampling (kernels.cu) -------------------------------------
 void embed(const __nv_bfloat16* table, int64_t hidden, const int32_t* ids, int64_t n, float scale, float* out,

@@ -32,6 +32,16 @@ __device__ __forceinline__ uint64_t wgmma_descriptor(uint32_t address) {
          | kAtomStride << 32 | kSwizzle128 << 62;
 }
 
+// The descriptor of an N-major, 128-byte-swizzled B operand: rows of 128 bytes, each 64
+// consecutive N values of one k (the same swizzled rows and 8-row atoms as above, the atoms
+// one after the other along K), and the next 64 N values `column_block_bytes` further on.
+// A K step of 16 starts two atoms (2,048 bytes) further.
+__device__ __forceinline__ uint64_t wgmma_descriptor_n_major(uint32_t address, uint32_t column_block_bytes) {
+  constexpr uint64_t kAtomStride = 1024 >> 4, kSwizzle128 = 1;
+  return uint64_t((address & 0x3ffff) >> 4) | uint64_t(column_block_bytes >> 4) << 16 | kAtomStride << 32 |
+         kSwizzle128 << 62;
+}
+
 #ifdef DIFFUSERVE_WGMMA_DEVICE
 // d[64 x kN] (+)= a[64 x k] * b[kN x k]^T, fp32 accumulators (kN = 32, 64 or 128), a and b
 // K-major in shared memory, 32 bytes of K each: wgmma_bf16's 16 bf16 values, wgmma_e4m3's 32
@@ -82,10 +92,10 @@ __device__ __forceinline__ void wgmma_e4m3(float (&d)[kN / 2], uint64_t a, uint6
   static_assert(kN == 32 || kN == 64 || kN == 128, "wgmma: N of 32, 64 or 128");
   DS_WGMMA("k32.f32.e4m3.e4m3", "");
 }
-// d[64 x 256] += a[64 x 16] * b[256 x 16]^T with a in registers (bf16, thread i of the
+// d[64 x 256] += a[64 x 16] * b[16 x 256] with a in registers (bf16, thread i of the
 // warpgroup holding an mma.sync m16n8k16 A fragment of rows 16 (i / 32)..+15: register r
 // at row g + 8 (r % 2), columns 2 t + 8 (r / 2) + {0, 1}, the lower column in the low half)
-// and b K-major in shared memory (wgmma_descriptor); fp32 accumulators laid out as above
+// and b N-major in shared memory (wgmma_descriptor_n_major); fp32 accumulators laid out as above
 // (d[4 j + 2 h + e] = row g + 8 h, column 8 j + 2 t + e). The registers of a are read while
 // the MMA runs: they must keep their values until wgmma_wait.
 __device__ __forceinline__ void wgmma_bf16_rs256(float (&d)[128], const uint32_t (&a)[4], uint64_t b) {
@@ -98,7 +108,7 @@ __device__ __forceinline__ void wgmma_bf16_rs256(float (&d)[128], const uint32_t
       "%74,%75,%76,%77,%78,%79,%80,%81,%82,%83,%84,%85,%86,%87,%88,%89,%90,%91,%92,%93,%94,%95,%96,%97,"
       "%98,%99,%100,%101,%102,%103,%104,%105,%106,%107,%108,%109,%110,%111,%112,%113,%114,%115,%116,"
       "%117,%118,%119,%120,%121,%122,%123,%124,%125,%126,%127"
-      "}, {%128,%129,%130,%131}, %132, p, 1, 1, 0;\n}\n"
+      "}, {%128,%129,%130,%131}, %132, p, 1, 1, 1;\n}\n"
       : DS_D16(0), DS_D16(16), DS_D16(32), DS_D16(48), DS_D16(64), DS_D16(80), DS_D16(96), DS_D16(112)
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(1));
 }
