@@ -403,14 +403,14 @@ __global__ void attention_merge_kernel(float* __restrict__ out, const float* __r
 }  // namespace
 
 int attention_mma_queries(int head_dim, bool round_bf16) {
-  if (attention_wgmma_serves(head_dim, round_bf16)) return attention_wgmma_queries();
+  if (attention_wgmma_serves(head_dim, round_bf16)) return attention_wgmma_queries(head_dim);
   int queries = 0;
   with_head_dim(head_dim, [&](auto dim) { queries = Shape<decltype(dim)::value>::kQueries; });
   return queries;
 }
 
 int attention_mma_resident_blocks(int head_dim, bool round_bf16) {
-  if (attention_wgmma_serves(head_dim, round_bf16)) return attention_wgmma_resident_blocks();
+  if (attention_wgmma_serves(head_dim, round_bf16)) return attention_wgmma_resident_blocks(head_dim);
   int blocks = 1;
   with_head_dim(head_dim, [&](auto dim) {
     using S = Shape<decltype(dim)::value>;

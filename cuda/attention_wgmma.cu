@@ -1,38 +1,40 @@
-// Attention on Hopper's warpgroup MMAs (wgmma.cuh) for head dim 256 with Q, K, V and the
-// probabilities rounded to bf16 (activations "bfloat16"): DiffusionGemma's sliding-window
-// layers. attention_mma.cu's mma.sync kernel serves every other case, and this one takes the
-// same plan (items, pieces, partial slots and merges; attention.cu), only with more query
-// vectors a block.
+// Attention on Hopper's warpgroup MMAs (wgmma.cuh) for head dims 256 and 512 with Q, K, V
+// and the probabilities rounded to bf16 (activations "bfloat16"): DiffusionGemma's sliding
+// and full layers. attention_mma.cu's mma.sync kernel serves every other case, and this one
+// takes the same plan (items, pieces, partial slots and merges; attention.cu), only with
+// more query vectors a block.
 //
 // A pre-pass writes the keys and values of every span (the KV cache's pages and the batch's
 // own rows, fp32) as bf16 rows, one span after the other, into the attention's scratch: the
 // kernel then stages each chunk with cp.async, no registers and no conversion in its way,
 // and the next chunk's copies run while the tensor cores work on this one.
 //
-// A block is two warpgroups, each with 64 query vectors (rows x the query heads of one KV
-// head, as in attention_mma.cu) and the whole head: its 64 x 256 output accumulators stay
-// in registers (128 a thread). Both walk the block's piece of the keys in chunks of 64 that
-// all threads stage together into shared memory: K and V alike as rows of keys ([key][dim],
-// K-major for the score product's B, N-major for P V's). A chunk's scores S = Q K^T are
-// one wgmma chain per warpgroup (Q and K from shared memory), read back into registers for
-// the online softmax (masking, running max and sum in fp32); the probabilities, rounded to
-// bf16, are already laid out as the A fragments of the next product, O += P V, which takes
-// them straight from registers. One barrier a chunk.
+// A block is two warpgroups. Each holds the outputs of 64 query vectors (rows x the query
+// heads of one KV head, as in attention_mma.cu) for 256 dims in registers (128 a thread):
+// at head dim 256 each warpgroup has 64 vectors of its own; at 512 both have the same 64,
+// each half the output dims, and both compute the same scores. They walk the block's
+// piece of the keys in chunks (64 keys at 256, 32 at 512) that all threads stage together
+// into shared memory: K and V alike as rows of keys ([key][dim], K-major for the score
+// product's B, N-major for P V's). A chunk's scores S = Q K^T are one wgmma chain per
+// warpgroup (Q and K from shared memory), read back into registers for the online softmax
+// (masking, running max and sum in fp32); the probabilities, rounded to bf16, are already
+// laid out as the A fragments of the next product, O += P V, which takes them straight
+// from registers. One barrier a chunk.
 //
 // Shared memory tiles are rows of 128 bytes (64 bf16 values) in 8-row, 1,024-byte swizzle
 // atoms (gemm_tile.cuh's swizzle, the layout wgmma_descriptor names), wider rows cut into
 // 64-value column blocks ("subtiles") one after the other.
 //
-// On the H200 (attention_bench, the 26B sliding layer at batch 1, 1K, same run), before the
-// pre-pass, with the chunks staged from fp32 by synchronous loads in the kernel: 57.8 us
-// against 68.6 us on mma.sync, bound by latency (ncu: one block of 8 warps a
-// multiprocessor, for its 192 KB of tiles and 246 registers a thread; 7 cycles between a
-// warp's instructions; the tensor cores 25% busy). Tried and not kept: the look-ups
-// walking a shared-memory copy of the piece's spans (60.9 us), and head dim 512 with both
-// warpgroups on the same 64 queries, each half the output dims (167.5 us against
-// mma.sync's 154).
+// On the H200 (attention_bench, the 26B layers at batch 1, 1K, pre-pass included): sliding
+// 49.1 us, full 97.0 us, against 69.5 and 155.3 us on mma.sync (DIFFUSERVE_WGMMA=0). Staged
+// from fp32 by synchronous loads in the kernel (eleventh session) the sliding layer took
+// 57.8 us, bound by latency (ncu: 7 cycles between a warp's instructions, the tensor cores
+// 25% busy), and head dim 512 167.5 us. Tried and not kept: the look-ups walking a
+// shared-memory copy of the piece's spans (60.9 us, fp32 staging).
 #include <cmath>
 #include <stdexcept>
+#include <string>
+#include <type_traits>
 
 #include "attention_keys.cuh"
 #include "gemm_tile.cuh"
@@ -44,20 +46,27 @@
 namespace diffuserve::cuda {
 namespace {
 
-constexpr int kDim = 256;               // head dim
-constexpr int kGroups = 2;              // warpgroups
-constexpr int kQueries = 64 * kGroups;  // query vectors per block
-constexpr int kThreads = 128 * kGroups;
-constexpr int kKeys = 64;             // keys per chunk
-constexpr int kSubtiles = kDim / 64;  // 64-value column blocks of Q, K and V rows
-// Shared memory: Q [subtile][query][64], K and V [buffer][subtile][key][64] (bf16), then for
-// three chunks (one softmaxed, one staged, one being looked up) each key's row in the bf16
-// copies (-1: no key there; its K and V are staged as zeros) and relative position.
-constexpr int kQTile = kSubtiles * kQueries * kRowBytes;  // 64 KB
-constexpr int kKVTile = kSubtiles * kKeys * kRowBytes;    // 32 KB
-constexpr int kKOffset = kQTile, kVOffset = kKOffset + 2 * kKVTile, kRowOffset = kVOffset + 2 * kKVTile;
-constexpr int kPositionOffset = kRowOffset + 3 * kKeys * int(sizeof(int));
-constexpr int kSharedBytes = kPositionOffset + 3 * kKeys * int(sizeof(int));
+// A block's shape for head dim kDim (256 or 512). Each warpgroup holds 64 query vectors'
+// outputs for 256 dims (128 fp32 registers a thread): at 256 the two warpgroups take 64
+// query vectors each, the whole head; at 512 they share the same 64 vectors, each taking
+// half the output dims, and both compute the chunk's scores (over all 512 dims: the same
+// scores and softmax in both), in chunks of 32 keys. The tiles take the same shared memory.
+template <int kDim>
+struct Shape {
+  static constexpr int kSplit = kDim / 256;            // warpgroups sharing a query vector
+  static constexpr int kQueries = 64 * (2 / kSplit);   // query vectors per block
+  static constexpr int kKeys = kDim == 256 ? 64 : 32;  // keys per chunk
+  static constexpr int kSubtiles = kDim / 64;          // 64-value column blocks of Q, K and V rows
+  // Shared memory: Q [subtile][query][64], K and V [buffer][subtile][key][64] (bf16), then
+  // for three chunks (one softmaxed, one staged, one being looked up) each key's row in the
+  // bf16 copies (-1: no key there; its K and V are staged as zeros) and relative position.
+  static constexpr int kQTile = kSubtiles * kQueries * kRowBytes;  // 64 KB
+  static constexpr int kKVTile = kSubtiles * kKeys * kRowBytes;    // 32 KB
+  static constexpr int kKOffset = kQTile, kVOffset = kKOffset + 2 * kKVTile, kRowOffset = kVOffset + 2 * kKVTile;
+  static constexpr int kPositionOffset = kRowOffset + 3 * kKeys * int(sizeof(int));
+  static constexpr int kSharedBytes = kPositionOffset + 3 * kKeys * int(sizeof(int));
+};
+constexpr int kThreads = 256;  // two warpgroups
 
 // The pre-pass: row r of the bf16 copies is row r - spans[s].packed of span s (the last
 // span whose packed row is at most r), 8 values a thread, keys and values alike.
@@ -101,6 +110,7 @@ __device__ __forceinline__ float4 load_or_zero(const float* src) {
 }
 #endif
 
+template <int kDim>
 __global__ void __launch_bounds__(kThreads, 1)
     attention_wgmma_kernel(const float* __restrict__ q, float* __restrict__ out, float* __restrict__ partial_out,
                            float2* __restrict__ partial_ml, const __nv_bfloat16* __restrict__ packed_keys,
@@ -109,11 +119,14 @@ __global__ void __launch_bounds__(kThreads, 1)
                            const AttentionItem* __restrict__ items, int num_heads, int num_kv_heads) {
   wait_for_earlier_kernels();
 #ifdef DIFFUSERVE_WGMMA_DEVICE
+  using S = Shape<kDim>;
+  constexpr int kQueries = S::kQueries, kKeys = S::kKeys, kKVTile = S::kKVTile;
+  constexpr int kPieces = kDim / 8;  // 16-byte pieces of a key's row
   extern __shared__ __align__(1024) uint8_t smem[];
-  auto packed_row = reinterpret_cast<int (*)[kKeys]>(smem + kRowOffset);
-  auto key_pos = reinterpret_cast<int (*)[kKeys]>(smem + kPositionOffset);  // relative_position, or kNoKey
+  auto packed_row = reinterpret_cast<int (*)[kKeys]>(smem + S::kRowOffset);
+  auto key_pos = reinterpret_cast<int (*)[kKeys]>(smem + S::kPositionOffset);  // relative_position, or kNoKey
   const uint32_t q_base = uint32_t(__cvta_generic_to_shared(smem));
-  const uint32_t k_base = q_base + kKOffset, v_base = q_base + kVOffset;
+  const uint32_t k_base = q_base + S::kKOffset, v_base = q_base + S::kVOffset;
 
   const AttentionItem item = items[blockIdx.x];
   const DeviceAttentionSegment seg = segments[item.segment];
@@ -121,7 +134,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int nq = queries.count;
   const int64_t kv_stride = int64_t(num_kv_heads) * kDim;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
-  const int wg = warp / 4;  // this thread's warpgroup: query vectors 64 wg..64 wg + 63
+  // This thread's warpgroup: query vectors 64 vectors..64 vectors + 63, output dims 256
+  // dims..256 dims + 255.
+  const int wg = warp / 4, vectors = wg / S::kSplit, dims = wg % S::kSplit;
 
   // The two query vectors whose scores and outputs this thread holds (accumulator rows g
   // and g + 8 of its warp's 16), the keys each sees, and their running max and this
@@ -131,7 +146,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   float m_run[2], l_run[2];
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
-    row[h] = 64 * wg + 16 * (warp % 4) + g + 8 * h;
+    row[h] = 64 * vectors + 16 * (warp % 4) + g + 8 * h;
     visible[h] = queries.visible(row[h]);
     m_run[h] = -INFINITY, l_run[h] = 0.0f;
   }
@@ -156,35 +171,36 @@ __global__ void __launch_bounds__(kThreads, 1)
     return valid;
   };
 
-  // Q's rows of fp32 as bf16 into its [subtile][row][64] tile: row r, float4 column c (of
-  // 64) from q (zeros past the item's vectors). A warp takes one row's 512 contiguous bytes.
+  // Q's rows of fp32 as bf16 into its [subtile][row][64] tile: row r, float4 column c from
+  // q (zeros past the item's vectors). Consecutive threads take a row's contiguous bytes.
   {
-    const int c = tid % 64;
-    for (int r0 = 0; r0 < kQueries; r0 += 8 * (kThreads / 64)) {
+    constexpr int kRowThreads = kDim / 4, kRowsAtOnce = kThreads / kRowThreads;
+    const int c = tid % kRowThreads;
+    for (int r0 = 0; r0 < kQueries; r0 += 8 * kRowsAtOnce) {
       float4 x[8];
 #pragma unroll
       for (int i = 0; i < 8; ++i) {
-        const int j = r0 + tid / 64 + (kThreads / 64) * i;
+        const int j = r0 + tid / kRowThreads + kRowsAtOnce * i;
         x[i] = load_or_zero(j < nq ? q + queries.offset(j) + 4 * c : nullptr);
       }
 #pragma unroll
       for (int i = 0; i < 8; ++i) {
-        const int r = r0 + tid / 64 + (kThreads / 64) * i;
+        const int r = r0 + tid / kRowThreads + kRowsAtOnce * i;
         store_bf16x4(smem + (c / 16) * kQueries * kRowBytes + swizzle(r, (c % 16) / 2) + 8 * (c % 2), x[i]);
       }
     }
   }
   // The keys and values of the chunk in table slot `slot` into buffer `buf`, by cp.async
-  // (this thread's part, one commit group): 16-byte piece p of a key's 512 bytes (this KV
-  // head's 256 values) to subtile p / 8, chunk p % 8 of the key's row; a warp copies one
-  // key's contiguous bytes.
+  // (this thread's part, one commit group): 16-byte piece p of a key's row (this KV head's
+  // kDim values) to subtile p / 8, chunk p % 8 of the key's tile row; consecutive threads
+  // copy a key's contiguous bytes.
   auto stage_chunk = [&](int slot, int buf) {
-    uint8_t* const k_tile = smem + kKOffset + buf * kKVTile;
-    uint8_t* const v_tile = smem + kVOffset + buf * kKVTile;
-    const int p = lane;
+    uint8_t* const k_tile = smem + S::kKOffset + buf * kKVTile;
+    uint8_t* const v_tile = smem + S::kVOffset + buf * kKVTile;
 #pragma unroll
-    for (int i = 0; i < kKeys / (kThreads / 32); ++i) {
-      const int key = warp + (kThreads / 32) * i, packed = packed_row[slot][key];
+    for (int i = 0; i < kKeys * kPieces / kThreads; ++i) {
+      const int key = (tid + kThreads * i) / kPieces, p = (tid + kThreads * i) % kPieces;
+      const int packed = packed_row[slot][key];
       const int64_t src = (packed < 0 ? 0 : int64_t(packed) * kv_stride) + int64_t(item.kv_head) * kDim + 8 * p;
       const int dst = (p / 8) * kKeys * kRowBytes + swizzle(key, p % 8);
       cp_async16(k_tile + dst, packed_keys + src, packed >= 0);
@@ -204,14 +220,14 @@ __global__ void __launch_bounds__(kThreads, 1)
   bool have_next = __syncthreads_or(next_mine);
 
   float o[128] = {};
-  const uint32_t q_rows = q_base + wg * 64 * kRowBytes;  // this warpgroup's Q rows in subtile 0
+  const uint32_t q_rows = q_base + vectors * 64 * kRowBytes;  // this warpgroup's Q rows in subtile 0
   for (int n = 0; have; ++n) {
     const int buf = n & 1;
     // The next chunk's copies run while this one is multiplied (its buffer was last read by
     // the previous chunk's products, finished before the barrier that ended it).
     if (have_next) stage_chunk((n + 1) % 3, buf ^ 1);
-    // S = Q K^T: 16 K steps of 16 dims (32 bytes of a subtile row).
-    float s[32];
+    // S = Q K^T: K steps of 16 dims (32 bytes of a subtile row).
+    float s[kKeys / 2];
     wgmma_fence();
 #pragma unroll
     for (int step = 0; step < kDim / 16; ++step) {
@@ -272,12 +288,14 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
       for (int r = 0; r < 4; ++r) p[ks][r] = round_bf16x2(s[8 * ks + 2 * r], s[8 * ks + 2 * r + 1]);
 
-    // O += P V: 4 K steps of 16 keys (16 rows of V, two atoms).
+    // O += P V for this warpgroup's 256 dims (subtiles 4 dims..): K steps of 16 keys (16 rows
+    // of V, two atoms).
     wgmma_fence();
 #pragma unroll
     for (int ks = 0; ks < kKeys / 16; ++ks)
       wgmma_bf16_rs256(o, p[ks],
-                       wgmma_descriptor_n_major(v_base + buf * kKVTile + 16 * kRowBytes * ks, kKeys * kRowBytes));
+                       wgmma_descriptor_n_major(v_base + buf * kKVTile + (4 * dims * kKeys + 16 * ks) * kRowBytes,
+                                                kKeys * kRowBytes));
     wgmma_commit();
     wgmma_wait<0>();
     wgmma_hold(o);
@@ -291,7 +309,8 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   // The output, normalised by this piece's softmax sum (zero where no key was visible): to
   // `out` when the piece is all the rows see, else to partial slot item.slot with the
-  // rows' max and sum, for the merge. o[4 j + 2 h + e] is row h's dim 8 j + 2 t + e.
+  // rows' max and sum (the first of the warpgroups sharing the rows), for the merge.
+  // o[4 j + 2 h + e] is row h's dim 256 dims + 8 j + 2 t + e.
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     float l = l_run[h];
@@ -300,11 +319,11 @@ __global__ void __launch_bounds__(kThreads, 1)
     const int j = row[h];
     if (j >= nq) continue;
     const float inv = l > 0.0f ? 1.0f / l : 0.0f;
-    float* dst = queries.output(out, partial_out, kQueries, j);
+    float* dst = queries.output(out, partial_out, kQueries, j) + 256 * dims;
 #pragma unroll
-    for (int c = 0; c < kDim / 8; ++c)
+    for (int c = 0; c < 256 / 8; ++c)
       *reinterpret_cast<float2*>(dst + 8 * c + 2 * t) = {o[4 * c + 2 * h] * inv, o[4 * c + 2 * h + 1] * inv};
-    if (item.slot >= 0 && t == 0) partial_ml[int64_t(item.slot) * kQueries + j] = {m_run[h], l};
+    if (item.slot >= 0 && t == 0 && dims == 0) partial_ml[int64_t(item.slot) * kQueries + j] = {m_run[h], l};
   }
 #else
   __trap();  // attention_wgmma_serves is false where the build has no sm_90a code
@@ -313,17 +332,38 @@ __global__ void __launch_bounds__(kThreads, 1)
 
 }  // namespace
 
-bool attention_wgmma_serves(int head_dim, bool round_bf16) { return head_dim == kDim && round_bf16 && wgmma_enabled(); }
+bool attention_wgmma_serves(int head_dim, bool round_bf16) {
+  return (head_dim == 256 || head_dim == 512) && round_bf16 && wgmma_enabled();
+}
 
-int attention_wgmma_queries() { return kQueries; }
+// f(std::integral_constant<int, kDim>) for the head dims served here.
+template <class F>
+void with_wgmma_head_dim(int head_dim, F&& f) {
+  if (head_dim == 256) f(std::integral_constant<int, 256>{});
+  else if (head_dim == 512) f(std::integral_constant<int, 512>{});
+  else throw std::invalid_argument("attention_wgmma: head dim " + std::to_string(head_dim) + " (256 or 512)");
+}
 
-int attention_wgmma_resident_blocks() { return resident_blocks(attention_wgmma_kernel, kThreads, kSharedBytes); }
+int attention_wgmma_queries(int head_dim) {
+  int queries = 0;
+  with_wgmma_head_dim(head_dim, [&](auto dim) { queries = Shape<decltype(dim)::value>::kQueries; });
+  return queries;
+}
+
+int attention_wgmma_resident_blocks(int head_dim) {
+  int blocks = 0;
+  with_wgmma_head_dim(head_dim, [&](auto dim) {
+    constexpr int kDim = decltype(dim)::value;
+    blocks = resident_blocks(attention_wgmma_kernel<kDim>, kThreads, Shape<kDim>::kSharedBytes);
+  });
+  return blocks;
+}
 
 void attention_wgmma(const float* q, float* out, float* partial_out, float2* partial_ml, __nv_bfloat16* packed_keys,
                      __nv_bfloat16* packed_values, const AttentionPlan& plan, const AttentionTables& tables,
                      int num_heads, int num_kv_heads, cudaStream_t stream) {
-  if (plan.packed_cols != int64_t(num_kv_heads) * kDim)
-    throw std::invalid_argument("attention_wgmma: the plan's bf16 rows are not num_kv_heads x 256 values");
+  if (plan.packed_cols != int64_t(num_kv_heads) * plan.head_dim)
+    throw std::invalid_argument("attention_wgmma: the plan's bf16 rows are not num_kv_heads x head_dim values");
   if (plan.packed_rows > INT32_MAX) throw std::invalid_argument("attention_wgmma: more than 2^31 keys");
   if (plan.packed_rows) {
     bool vector = true;  // whole aligned float4s in every span
@@ -335,9 +375,14 @@ void attention_wgmma(const float* q, float* out, float* partial_out, float2* par
            tables.spans, int(plan.spans.size()), plan.packed_rows, plan.packed_cols, vector, packed_keys,
            packed_values);
   }
-  cudaFuncSetAttribute(attention_wgmma_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSharedBytes);
-  launch(attention_wgmma_kernel, unsigned(plan.items.size()), kThreads, kSharedBytes, stream, q, out, partial_out,
-         partial_ml, packed_keys, packed_values, tables.segments, tables.spans, tables.items, num_heads, num_kv_heads);
+  with_wgmma_head_dim(plan.head_dim, [&](auto dim) {
+    constexpr int kDim = decltype(dim)::value;
+    constexpr int kBytes = Shape<kDim>::kSharedBytes;
+    cudaFuncSetAttribute(attention_wgmma_kernel<kDim>, cudaFuncAttributeMaxDynamicSharedMemorySize, kBytes);
+    launch(attention_wgmma_kernel<kDim>, unsigned(plan.items.size()), kThreads, kBytes, stream, q, out, partial_out,
+           partial_ml, packed_keys, packed_values, tables.segments, tables.spans, tables.items, num_heads,
+           num_kv_heads);
+  });
 }
 
 }  // namespace diffuserve::cuda

@@ -199,8 +199,8 @@ void attention(const float* q, float* out, const AttentionPlan& plan, const Atte
                int num_heads, int num_kv_heads, cudaStream_t stream);
 
 // The tensor-core kernels for head dims 64, 128, 256 and 512 (attention_mma.cu on mma.sync;
-// attention_wgmma.cu on Hopper's wgmma for head dim 256 with inputs rounded to bf16, where
-// attention_wgmma_serves); attention.cu has the generic one for every other head dim, which
+// attention_wgmma.cu on Hopper's wgmma for head dims 256 and 512 with inputs rounded to
+// bf16, where attention_wgmma_serves); attention.cu has the generic one for every other head dim, which
 // takes its items whole (no pieces). Query vectors one block covers; 0 where none serves.
 int attention_mma_queries(int head_dim, bool round_bf16);
 // Their blocks that run at once on the current device (multiprocessors x blocks per one); 1
@@ -209,8 +209,8 @@ int attention_mma_resident_blocks(int head_dim, bool round_bf16);
 void attention_mma(const float* q, float* out, const AttentionPlan& plan, const AttentionTables& tables,
                    void* scratch, int num_heads, int num_kv_heads, cudaStream_t stream);
 bool attention_wgmma_serves(int head_dim, bool round_bf16);
-int attention_wgmma_queries();
-int attention_wgmma_resident_blocks();
+int attention_wgmma_queries(int head_dim);
+int attention_wgmma_resident_blocks(int head_dim);
 // The blocks of attention_mma's plan (pieces to partial_out / partial_ml, as attention_mma
 // lays out its scratch; attention_mma merges them), after a pre-pass that writes the spans'
 // keys and values as bf16 into `packed_keys` and `packed_values` (plan.packed_rows x
