@@ -69,18 +69,25 @@ struct Shape {
 constexpr int kThreads = 256;  // two warpgroups
 
 // The pre-pass: row r of the bf16 copies is row r - spans[s].packed of span s (the last
-// span whose packed row is at most r), 8 values a thread, keys and values alike.
-constexpr int kPackThreads = 256;
+// span whose packed row is at most r), 8 values a thread, keys and values alike. The spans'
+// first rows are read into shared memory together (up to kPackSpans of them), so that the
+// search for a row's span is not a chain of dependent global loads.
+constexpr int kPackThreads = 256, kPackSpans = 2048;
 __global__ void pack_bf16_kernel(const DeviceKeySpan* __restrict__ spans, int span_count, int64_t rows, int64_t cols,
                                  bool vector, __nv_bfloat16* __restrict__ keys, __nv_bfloat16* __restrict__ values) {
   wait_for_earlier_kernels();
+  __shared__ int64_t first_row[kPackSpans];
+  const bool cached = span_count <= kPackSpans;
+  if (cached)
+    for (int s = threadIdx.x; s < span_count; s += blockDim.x) first_row[s] = spans[s].packed;
+  __syncthreads();
   const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x, per_row = cols / 8;
   if (i >= rows * per_row) return;
   const int64_t r = i / per_row, c = (i % per_row) * 8;
   int lo = 0, hi = span_count - 1;
   while (lo < hi) {
     const int mid = (lo + hi + 1) / 2;
-    if (spans[mid].packed <= r) lo = mid;
+    if ((cached ? first_row[mid] : spans[mid].packed) <= r) lo = mid;
     else hi = mid - 1;
   }
   const int64_t offset = (r - spans[lo].packed) * cols + c;
