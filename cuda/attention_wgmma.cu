@@ -301,8 +301,8 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
     for (int ks = 0; ks < kKeys / 16; ++ks)
       wgmma_bf16_rs256(o, p[ks],
-                       wgmma_descriptor_n_major(v_base + buf * kKVTile + (4 * dims * kKeys + 16 * ks) * kRowBytes,
-                                                kKeys * kRowBytes));
+                       wgmma_descriptor(v_base + buf * kKVTile + (4 * dims * kKeys + 16 * ks) * kRowBytes,
+                                        kKeys * kRowBytes));  // N-major: the next 64 dims a subtile on
     wgmma_commit();
     wgmma_wait<0>();
     wgmma_hold(o);

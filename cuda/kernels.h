@@ -200,8 +200,9 @@ void attention(const float* q, float* out, const AttentionPlan& plan, const Atte
 
 // The tensor-core kernels for head dims 64, 128, 256 and 512 (attention_mma.cu on mma.sync;
 // attention_wgmma.cu on Hopper's wgmma for head dims 256 and 512 with inputs rounded to
-// bf16, where attention_wgmma_serves); attention.cu has the generic one for every other head dim, which
-// takes its items whole (no pieces). Query vectors one block covers; 0 where none serves.
+// bf16, where attention_wgmma_serves); attention.cu has the generic one for every other
+// head dim, which takes its items whole (no pieces). Query vectors one block covers; 0
+// where none serves.
 int attention_mma_queries(int head_dim, bool round_bf16);
 // Their blocks that run at once on the current device (multiprocessors x blocks per one); 1
 // where none serves the head dim.

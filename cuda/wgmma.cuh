@@ -3,7 +3,7 @@
 // cores themselves (or the first from registers), so the warps issue no fragment loads and
 // wait on nothing until wgmma_wait. The GEMM (gemm.cu) uses it for bf16 and E4M3 products:
 // 128 weight rows as M, 32, 64 or 128 rows of X as N; the attention (attention_wgmma.cu) for
-// its scores (64 queries x 64 keys) and, with the probabilities in registers, P V.
+// its scores (64 queries x a chunk of keys) and, with the probabilities in registers, P V.
 //
 // Shared-memory operands are described by a 64-bit descriptor. gemm.cu's tiles (gemm_tile.cuh)
 // are exactly the layout the descriptor's 128-byte swizzle names, K-major: rows of 128
@@ -22,24 +22,18 @@ namespace diffuserve::cuda {
 #define DIFFUSERVE_WGMMA_DEVICE 1  // this device pass has wgmma
 #endif
 
-// The descriptor of a K-major, 128-byte-swizzled operand whose first row starts at shared
-// address `address` (plus the K offset within the row, a multiple of 32 bytes).
-__device__ __forceinline__ uint64_t wgmma_descriptor(uint32_t address) {
-  constexpr uint64_t kAtomStride = 1024 >> 4;  // bytes between 8-row atoms, in 16-byte units
-  constexpr uint64_t kSwizzle128 = 1;          // layout type: 128-byte swizzle
-  return uint64_t((address & 0x3ffff) >> 4)    // start address, 16-byte units
-         | uint64_t(1) << 16                   // leading byte offset: unused by swizzled K-major layouts
+// The descriptor of a 128-byte-swizzled operand whose first row starts at shared address
+// `address`. K-major (gemm.cu's tiles, the attention's Q and K): plus the K offset within
+// the row, a multiple of 32 bytes; `leading_bytes` is unused. N-major (the attention's V as
+// P V's B operand): rows of 128 bytes, each 64 consecutive N values of one k, in the same
+// swizzled rows and 8-row atoms, the atoms one after the other along K (a K step of 16
+// starts two atoms, 2,048 bytes, further), and the next 64 N values `leading_bytes` on.
+__device__ __forceinline__ uint64_t wgmma_descriptor(uint32_t address, uint32_t leading_bytes = 16) {
+  constexpr uint64_t kAtomStride = 1024 >> 4;             // bytes between 8-row atoms, in 16-byte units
+  constexpr uint64_t kSwizzle128 = 1;                     // layout type: 128-byte swizzle
+  return uint64_t((address & 0x3ffff) >> 4)               // start address, 16-byte units
+         | uint64_t((leading_bytes >> 4) & 0x3fff) << 16  // leading byte offset
          | kAtomStride << 32 | kSwizzle128 << 62;
-}
-
-// The descriptor of an N-major, 128-byte-swizzled B operand: rows of 128 bytes, each 64
-// consecutive N values of one k (the same swizzled rows and 8-row atoms as above, the atoms
-// one after the other along K), and the next 64 N values `column_block_bytes` further on.
-// A K step of 16 starts two atoms (2,048 bytes) further.
-__device__ __forceinline__ uint64_t wgmma_descriptor_n_major(uint32_t address, uint32_t column_block_bytes) {
-  constexpr uint64_t kAtomStride = 1024 >> 4, kSwizzle128 = 1;
-  return uint64_t((address & 0x3ffff) >> 4) | uint64_t(column_block_bytes >> 4) << 16 | kAtomStride << 32 |
-         kSwizzle128 << 62;
 }
 
 #ifdef DIFFUSERVE_WGMMA_DEVICE
@@ -95,7 +89,7 @@ __device__ __forceinline__ void wgmma_e4m3(float (&d)[kN / 2], uint64_t a, uint6
 // d[64 x 256] += a[64 x 16] * b[16 x 256] with a in registers (bf16, thread i of the
 // warpgroup holding an mma.sync m16n8k16 A fragment of rows 16 (i / 32)..+15: register r
 // at row g + 8 (r % 2), columns 2 t + 8 (r / 2) + {0, 1}, the lower column in the low half)
-// and b N-major in shared memory (wgmma_descriptor_n_major); fp32 accumulators laid out as above
+// and b N-major in shared memory (wgmma_descriptor with its leading bytes); fp32 accumulators laid out as above
 // (d[4 j + 2 h + e] = row g + 8 h, column 8 j + 2 t + e). The registers of a are read while
 // the MMA runs: they must keep their values until wgmma_wait.
 __device__ __forceinline__ void wgmma_bf16_rs256(float (&d)[128], const uint32_t (&a)[4], uint64_t b) {
