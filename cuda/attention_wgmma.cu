@@ -26,7 +26,7 @@
 // 64-value column blocks ("subtiles") one after the other.
 //
 // On the H200 (attention_bench, the 26B layers at batch 1, 1K, pre-pass included): sliding
-// 49.1 us, full 97.0 us, against 69.5 and 155.3 us on mma.sync (DIFFUSERVE_WGMMA=0). Staged
+// 48.4 us, full 96.7 us, against 69.6 and 156.8 us on mma.sync (DIFFUSERVE_WGMMA=0). Staged
 // from fp32 by synchronous loads in the kernel (eleventh session) the sliding layer took
 // 57.8 us, bound by latency (ncu: 7 cycles between a warp's instructions, the tensor cores
 // 25% busy), and head dim 512 167.5 us. Tried and not kept: the look-ups walking a
