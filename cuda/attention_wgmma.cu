@@ -40,6 +40,7 @@
 #include "gemm_tile.cuh"
 #include "kernels.h"
 #include "launch.cuh"
+#include "load8.cuh"
 #include "mma.cuh"
 #include "wgmma.cuh"
 
@@ -93,12 +94,8 @@ __global__ void pack_bf16_kernel(const DeviceKeySpan* __restrict__ spans, int sp
   const int64_t offset = (r - spans[lo].packed) * cols + c;
   auto convert = [&](const float* src, __nv_bfloat16* dst) {
     float v[8];
-    if (vector) {
-      const float4 a = *reinterpret_cast<const float4*>(src), b = *reinterpret_cast<const float4*>(src + 4);
-      v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
-    } else {
-      for (int j = 0; j < 8; ++j) v[j] = src[j];
-    }
+    if (vector) load8<true>(src, 0, 8, v);
+    else load8<false>(src, 0, 8, v);
     *reinterpret_cast<uint4*>(dst) = {round_bf16x2(v[0], v[1]), round_bf16x2(v[2], v[3]), round_bf16x2(v[4], v[5]),
                                       round_bf16x2(v[6], v[7])};
   };

@@ -87,6 +87,7 @@
 #include "block_reduce.cuh"
 #include "gemm_tile.cuh"
 #include "kernels.h"
+#include "load8.cuh"
 #include "mma.cuh"
 #include "packed_decode.cuh"
 #include "wgmma.cuh"
@@ -568,12 +569,10 @@ __device__ __forceinline__ float x_value(const float* row, int64_t k, int64_t c)
 template <bool kGated>
 __device__ __forceinline__ void x_values8(const float* row, int64_t k, int64_t c, bool vector, float (&v)[8]) {
   if (vector && c + 8 <= k) {
-    const float4 v0 = *reinterpret_cast<const float4*>(row + c), v1 = *reinterpret_cast<const float4*>(row + c + 4);
-    v[0] = v0.x, v[1] = v0.y, v[2] = v0.z, v[3] = v0.w, v[4] = v1.x, v[5] = v1.y, v[6] = v1.z, v[7] = v1.w;
+    load8<true>(row, c, k, v);
     if constexpr (kGated) {
-      const float4 u0 = *reinterpret_cast<const float4*>(row + k + c),
-                   u1 = *reinterpret_cast<const float4*>(row + k + c + 4);
-      const float u[8] = {u0.x, u0.y, u0.z, u0.w, u1.x, u1.y, u1.z, u1.w};
+      float u[8];
+      load8<true>(row + k, c, k, u);
 #pragma unroll
       for (int j = 0; j < 8; ++j) v[j] = gelu_glu_value(v[j], u[j]);
     }

@@ -24,6 +24,7 @@
 #include <string>
 
 #include "kernels.h"
+#include "load8.cuh"
 #include "mma.cuh"
 
 namespace diffuserve::cuda {
@@ -39,21 +40,10 @@ constexpr int kDepth = 4;                          // chunks of loads a warp has
 constexpr size_t kPartialBytes = sizeof(float) * (kKParts - 1) * kRouteTokens * kTileSlots * 8;
 constexpr size_t kMaxSharedBytes = 200 * 1024;
 
-// Values k .. k + 7 of a row of n: two float4s (kWhole: all inside, 16-byte aligned), or
-// one at a time, zero past n.
+// Values k .. k + 7 of a bf16 row of n, as load8 (load8.cuh) reads floats: as four packed
+// pairs (the lower k in the low half).
 template <bool kWhole>
-__device__ __forceinline__ void load8(const float* row, int64_t k, int64_t n, float (&v)[8]) {
-  if constexpr (kWhole) {
-    const float4 a = *reinterpret_cast<const float4*>(row + k), b = *reinterpret_cast<const float4*>(row + k + 4);
-    v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
-  } else {
-#pragma unroll
-    for (int j = 0; j < 8; ++j) v[j] = k + j < n ? row[k + j] : 0.0f;
-  }
-}
-// The same of a bf16 row, as four packed pairs (the lower k in the low half).
-template <bool kWhole>
-__device__ __forceinline__ uint4 load8(const __nv_bfloat16* row, int64_t k, int64_t n) {
+__device__ __forceinline__ uint4 load8_bf16(const __nv_bfloat16* row, int64_t k, int64_t n) {
   if constexpr (kWhole) {
     return *reinterpret_cast<const uint4*>(row + k);
   } else {
@@ -79,7 +69,7 @@ __device__ __forceinline__ void load_chunk(const float* const (&rows)[2], const 
                                            int64_t hidden, Chunk& c) {
 #pragma unroll
   for (int h = 0; h < 2; ++h) load8<kWhole>(rows[h], k, hidden, c.a[h]);
-  c.b = load8<kWhole>(w_row, k, hidden);
+  c.b = load8_bf16<kWhole>(w_row, k, hidden);
 }
 // acc += the chunk's products: two 16-wide steps, hi and lo parts each.
 __device__ __forceinline__ void multiply_chunk(const Chunk& c, float (&acc)[4]) {
