@@ -59,9 +59,11 @@ CublasLtGemm& cublaslt() {
 }
 #endif
 
-// The weights' format, and "fp8x8" for FP8 weights with FP8 per-token X.
+// The weights' format, "fp8x8" for FP8 weights with FP8 per-token X, and "bf16x" for bf16
+// weights with bf16 X.
 const char* format_name(WeightFormat f, GemmInput input = GemmInput::Split) {
   if (input == GemmInput::Fp8Token) return "fp8x8";
+  if (input == GemmInput::RoundBf16) return "bf16x";
   return f == WeightFormat::Plain ? "bf16" : f == WeightFormat::Fp8 ? "fp8" : "nvfp4";
 }
 
@@ -796,10 +798,11 @@ int main(int argc, char** argv) {
   check(cudaGetDeviceProperties(&prop, 0), "device");
   std::printf("%s, %d SMs, wgmma tile %s\n", prop.name, prop.multiProcessorCount,
               gemm_has_wgmma_tile(GemmInput::Split, WeightFormat::Plain) ? "on" : "off");
-  // Weights and X: bf16, FP8 and NVFP4 weights with hi/lo X (FP8_DYNAMIC today: plus a
-  // copy and quantize_input of X), FP8 weights with FP8 per-token X (fp8x8: the pre-pass
-  // quantizes X).
-  const std::pair<WeightFormat, GemmInput> kinds[] = {{WeightFormat::Plain, GemmInput::Split},
+  // Weights and X: bf16 weights with bf16 X (bf16 activations), bf16, FP8 and NVFP4 weights
+  // with hi/lo X (FP8_DYNAMIC today: plus a copy and quantize_input of X), FP8 weights with
+  // FP8 per-token X (fp8x8: the pre-pass quantizes X).
+  const std::pair<WeightFormat, GemmInput> kinds[] = {{WeightFormat::Plain, GemmInput::RoundBf16},
+                                                      {WeightFormat::Plain, GemmInput::Split},
                                                       {WeightFormat::Fp8, GemmInput::Split},
                                                       {WeightFormat::Fp8, GemmInput::Fp8Token},
                                                       {WeightFormat::Nvfp4, GemmInput::Split}};
