@@ -12,31 +12,23 @@
 //     benchmarks/step_latency.py's roofline divides by.
 // Nothing is computed on the bytes beyond what keeps the compiler from dropping the reads.
 // Build and run (any sm_80 or newer GPU; sm_90a for the H200):
-//   nvcc -std=c++20 -arch=sm_90a -O3 benchmarks/stream_bench.cu -o /tmp/stream_bench && /tmp/stream_bench
+//   nvcc -std=c++20 -arch=sm_90a -O3 -I cuda benchmarks/stream_bench.cu -o /tmp/stream_bench && /tmp/stream_bench
 #include <cuda_runtime.h>
 
 #include <cstdint>
 #include <cstdio>
 
 #include "bench_common.cuh"
+#include "cp_async.cuh"
 
 using namespace kernel_bench;
+using namespace diffuserve::cuda;
 
 namespace {
 
 // Keeps a read alive: never true for the buffers here (all bytes 1).
 __device__ __forceinline__ void keep(uint32_t v, uint32_t* sink) {
   if (v == 0x12345678u) *sink = v;
-}
-
-__device__ __forceinline__ void cp_async16(void* dst, const void* src) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(uint32_t(__cvta_generic_to_shared(dst))),
-               "l"(src));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int kPending>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory");
 }
 
 // n 16-byte words into registers, grid-stride, 8 loads in flight a thread.

@@ -1,13 +1,14 @@
 // What the two tensor-core attention kernels (attention_mma.cu on mma.sync, attention_wgmma.cu
 // on Hopper's wgmma) share: a block's query vectors (where they are, which keys they see),
 // walking its piece of a segment's keys across the KV cache's spans, keys' positions
-// relative to the segment, the online softmax's steps, and cp.async for their staging.
+// relative to the segment, and the online softmax's steps.
 #pragma once
 
 #include <climits>
 #include <cmath>
 #include <cstdint>
 
+#include "cp_async.cuh"  // their staging
 #include "kernels.h"
 
 namespace diffuserve::cuda {
@@ -18,18 +19,6 @@ __device__ __forceinline__ float exp_ftz(float x) {
   float y;
   asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x * 1.4426950408889634f));
   return y;
-}
-
-// 16 bytes global -> shared, asynchronously; zeros instead when !copy (src is then not read).
-__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool copy) {
-  const uint32_t d = static_cast<uint32_t>(__cvta_generic_to_shared(dst));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d), "l"(src), "r"(copy ? 16 : 0));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-// Waits until at most `kPending` of this thread's committed groups are still in flight.
-template <int kPending>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory");
 }
 
 // A place in a segment's keys: key `key` of span `span`.

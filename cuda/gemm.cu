@@ -90,6 +90,7 @@
 
 #include "activation_quant.h"
 #include "block_reduce.cuh"
+#include "cp_async.cuh"
 #include "gemm_tile.cuh"
 #include "kernels.h"
 #include "load8.cuh"
@@ -112,13 +113,6 @@ __host__ __device__ constexpr bool decodes(GemmInput input, WeightFormat format)
 
 int64_t padded_k(int64_t k, GemmInput input) { return (k + stage_k(input) - 1) / stage_k(input) * stage_k(input); }
 
-__device__ __forceinline__ uint32_t shared_address(const void* p) { return uint32_t(__cvta_generic_to_shared(p)); }
-
-// 16 bytes global -> shared, bypassing L1; zero-filled (nothing read) when !valid.
-__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool valid) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0));
-}
-
 // Of `most` bytes, those before an end `remaining` bytes away.
 __device__ __forceinline__ int bytes_before(int64_t remaining, int most) {
   return remaining <= 0 ? 0 : remaining >= most ? most : int(remaining);
@@ -137,11 +131,6 @@ __device__ __forceinline__ void copy_bytes(uint8_t* dst, const uint8_t* src, int
 #pragma unroll
     for (int e = 0; e < kBytes; ++e) dst[e] = e < valid ? src[e] : 0;
   }
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int kPending>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory");
 }
 
 // Four 8x8 bf16 matrices; lanes 8i..8i+7 give the row addresses of matrix i, and each
