@@ -152,7 +152,7 @@ bool CublasLtGemm::supports(GemmInput input, const GemmMatrix& w, int64_t n, int
 
 void CublasLtGemm::multiply(const float* x, int64_t m, int64_t ldx, bool gated, GemmInput input,
                             const std::vector<GemmMatrix>& ws, int64_t n, int64_t k, const std::vector<float*>& ys,
-                            int64_t ldy, void* scratch, cudaStream_t stream) {
+                            int64_t ldy, const PreparedX* prepared, void* scratch, cudaStream_t stream) {
   if (ws.size() != ys.size()) throw std::invalid_argument("CublasLtGemm::multiply: one output a weight");
   if (reinterpret_cast<uintptr_t>(scratch) % 16) throw std::invalid_argument("CublasLtGemm::multiply: unaligned scratch");
   std::vector<const Plan*> chosen;
@@ -168,14 +168,17 @@ void CublasLtGemm::multiply(const float* x, int64_t m, int64_t ldx, bool gated, 
     throw std::runtime_error("out of GPU memory allocating cuBLASLt's workspace");
   }
   const bool fp8 = input == GemmInput::Fp8Token;
-  const float* const token_scales = prepare_gemm_input(x, m, ldx, gated, k, input, /*permuted=*/false, scratch, stream);
-  const int64_t kp = gemm_padded_k(k, input);
+  if (prepared && (gated || prepared->input != input))
+    throw std::invalid_argument("CublasLtGemm::multiply: a prepared X is plain rows of the product's input kind");
+  const PreparedX x_rows =
+      prepared ? *prepared : prepare_gemm_input(x, m, ldx, gated, k, input, /*permuted=*/false, scratch, stream);
+  const int64_t kp = x_rows.kp;
   Product product(fp8, m, row_values(input, k), n, k, ldy);
   const float one = 1.0f, zero = 0.0f;
   for (size_t i = 0; i < ws.size(); ++i) {
-    if (fp8) product.set_scales(ws[i].row_scales, token_scales);
+    if (fp8) product.set_scales(ws[i].row_scales, x_rows.scales);
     for (int plane = 0; plane < planes(input); ++plane) {
-      const auto* a = static_cast<const uint8_t*>(scratch) + plane * kp * (fp8 ? 1 : 2);
+      const uint8_t* a = x_rows.rows + plane * kp * (fp8 ? 1 : 2);
       check(cublasLtMatmul(handle_, product.op, &one, ws[i].values, product.w, a, product.a, plane ? &one : &zero,
                            ys[i], product.y, ys[i], product.y, &chosen[i]->algo, workspace, kWorkspaceBytes, stream),
             "cublasLtMatmul");

@@ -15,6 +15,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -208,6 +209,8 @@ class CudaBackend final : public Backend {
     graphs_ = !cuda::switched_off("DIFFUSERVE_CUDA_GRAPHS") && !profile_.enabled();
     // DIFFUSERVE_CUDA_BRANCHES=0 queues concurrently's branches one after the other (to compare).
     branches_ = !cuda::switched_off("DIFFUSERVE_CUDA_BRANCHES");
+    // DIFFUSERVE_NORM_PRODUCT_INPUTS=0 leaves every product to convert its input itself (to compare).
+    product_inputs_ = !cuda::switched_off("DIFFUSERVE_NORM_PRODUCT_INPUTS");
 #ifdef DIFFUSERVE_WITH_CUBLASLT
     // DIFFUSERVE_CUBLASLT=0 keeps every product on gemm.cu (to compare the two).
     if (!cuda::switched_off("DIFFUSERVE_CUBLASLT")) cublaslt_ = std::make_unique<cuda::CublasLtGemm>();
@@ -237,6 +240,23 @@ class CudaBackend final : public Backend {
     a.cols = cols;
     a.storage = pool_->get(size_t(std::max<int64_t>(rows * cols, 1)) * sizeof(float));
     a.data = static_cast<float*>(a.storage.get());
+    return a;
+  }
+
+  // The form every reader's product takes its input in, where a norm can write it
+  // (preparable_input) and the readers agree: their pre-passes then find it written.
+  Activation alloc_product_input(int64_t rows, int64_t cols, const std::vector<const Weight*>& readers) override {
+    Activation a = alloc_output(rows, cols);
+    std::optional<cuda::GemmInput> input;
+    for (const Weight* w : readers) {
+      const std::optional<cuda::GemmInput> own = preparable_input(*w);
+      if (!own || w->shape.back() != cols || (input && *own != *input)) return a;
+      input = own;
+    }
+    if (!input || !product_inputs_) return a;
+    auto storage = pool_->get(cuda::prepared_x_bytes(rows, cols, *input));
+    const cuda::PreparedX layout = cuda::prepared_x(storage.get(), rows, cols, *input);
+    a.product_input = {1 + int(*input), layout.rows, layout.row_bytes(), layout.scales, std::move(storage)};
     return a;
   }
 
@@ -380,8 +400,10 @@ class CudaBackend final : public Backend {
     auto scratch = pool_->get(cuda::gemm_scratch_bytes(x.rows, first.n, first.k, input));
     // cuBLASLt's plan depends on each output's alignment: with rows of a multiple of 4
     // floats every block of y is 16-byte aligned, whatever x.rows (batch invariance).
-    if (y.cols % 4 == 0 &&
-        products_on_cublaslt(x, false, weights, first.format, first.n, first.k, input, outputs, y.cols, scratch.get()))
+    const std::optional<cuda::PreparedX> px = prepared(x, input, first.format);
+    const cuda::PreparedX* const x_prepared = px ? &*px : nullptr;
+    if (y.cols % 4 == 0 && products_on_cublaslt(x, false, x_prepared, weights, first.format, first.n, first.k, input,
+                                                outputs, y.cols, scratch.get()))
       return;
     const int tile = cuda::gemm_tile_rows(x.rows, int64_t(ws.size()), first.n, input, first.format);
     std::vector<cuda::GemmSegment> segments(ws.size());
@@ -394,7 +416,7 @@ class CudaBackend final : public Backend {
       for (int64_t m0 = 0; m0 < x.rows; m0 += tile) tiles.push_back({int(i), int(m0)});
     }
     cuda::gemm(x.data, x.rows, x.cols, false, nullptr, upload_table(segments), upload_table(tiles), int(tiles.size()),
-               tile, ws.front()->format, first.n, first.k, input, y.data, y.cols, scratch.get(), stream_);
+               tile, ws.front()->format, first.n, first.k, input, y.data, y.cols, x_prepared, scratch.get(), stream_);
   }
 
   void quantized_linear(const Activation& x, const Weight& w, Activation& y, int64_t encoder_rows) override {
@@ -438,7 +460,8 @@ class CudaBackend final : public Backend {
 
   void rms_norm(const Activation& x, const Weight* weight, int64_t group, float eps, Activation& y) override {
     auto timed = op("rms_norm");
-    cuda::rms_norms(x.data, written({weight}, {&y}), {}, x.size() / group, group, eps, stream_);
+    if (y.product_input.kind && group != y.cols) throw InvalidArgument("rms_norm: a product input takes whole rows");
+    cuda::rms_norms(x.data, written({weight}, {&y}), {}, {}, x.size() / group, group, eps, stream_);
   }
   void rms_norms(const Activation& x, const std::vector<const Weight*>& weights, float eps,
                  const std::vector<Activation*>& outputs) override {
@@ -447,12 +470,12 @@ class CudaBackend final : public Backend {
       const size_t last = std::min(weights.size(), first + cuda::kMaxNormOutputs);
       const std::vector<const Weight*> part_weights(weights.begin() + first, weights.begin() + last);
       const std::vector<Activation*> part_outputs(outputs.begin() + first, outputs.begin() + last);
-      cuda::rms_norms(x.data, written(part_weights, part_outputs), {}, x.rows, x.cols, eps, stream_);
+      cuda::rms_norms(x.data, written(part_weights, part_outputs), {}, {}, x.rows, x.cols, eps, stream_);
     }
   }
   void add_rms_norm(const Activation& x, const Weight* weight, float eps, Activation& y, float scale) override {
     auto timed = op("add_rms_norm");
-    cuda::rms_norms(x.data, added(weight, y, scale), {}, x.rows, x.cols, eps, stream_);
+    cuda::rms_norms(x.data, added(weight, y, scale), {}, {}, x.rows, x.cols, eps, stream_);
   }
   void add_rms_norm_then_norms(const Activation& x, const Weight* weight, float eps, Activation& y,
                                const std::vector<const Weight*>& weights,
@@ -460,12 +483,13 @@ class CudaBackend final : public Backend {
     if (weights.size() > size_t(cuda::kMaxNormOutputs))
       return Backend::add_rms_norm_then_norms(x, weight, eps, y, weights, outputs);
     auto timed = op("add_rms_norm");
-    cuda::rms_norms(x.data, added(weight, y, 1.0f), written(weights, outputs), x.rows, x.cols, eps, stream_);
+    cuda::rms_norms(x.data, added(weight, y, 1.0f), written(weights, outputs), {}, x.rows, x.cols, eps, stream_);
   }
   void add_rms_norm_twice(const Activation& x, const Weight* x_weight, Activation& y, const Weight* y_weight, float eps,
-                          Activation& h, float scale) override {
+                          Activation& h, float scale, const Weight* next_weight, Activation* next) override {
     auto timed = op("add_rms_norm");
-    cuda::rms_norms(x.data, added(x_weight, y, 1.0f), added(y_weight, h, scale), x.rows, x.cols, eps, stream_);
+    cuda::rms_norms(x.data, added(x_weight, y, 1.0f), added(y_weight, h, scale),
+                    next ? written({next_weight}, {next}) : cuda::NormOutputs{}, x.rows, x.cols, eps, stream_);
   }
 
   void rms_norm_rope(Activation& x, const Weight& weight, int64_t head_dim, float eps, const Weight& inv_freq,
@@ -566,9 +590,11 @@ class CudaBackend final : public Backend {
       quantize_input(input, gate_up.input_quant, routing.encoder_tokens, -1);
     }
     auto up_scratch = pool_->get(cuda::gemm_scratch_bytes(input.rows, inter2, hidden, up_input));
+    const std::optional<cuda::PreparedX> up_prepared = prepared(input, up_input, gate_up.format);
     cuda::gemm(input.data, input.rows, input.cols, false, up_rows,
                static_cast<const cuda::GemmSegment*>(up_segments.get()), device_tiles, max_tiles, tile_rows,
-               gate_up.format, inter2, hidden, up_input, gu.data, gu.cols, up_scratch.get(), stream_);
+               gate_up.format, inter2, hidden, up_input, gu.data, gu.cols, up_prepared ? &*up_prepared : nullptr,
+               up_scratch.get(), stream_);
     // The activation: in the down product's pre-pass where it can be (gated_input).
     const bool gated = gated_input(down);
     Activation act = gu;
@@ -580,7 +606,7 @@ class CudaBackend final : public Backend {
     }
     auto down_scratch = pool_->get(cuda::gemm_scratch_bytes(pairs, hidden, inter2 / 2, down_input));
     cuda::gemm(act.data, pairs, act.cols, gated, nullptr, static_cast<const cuda::GemmSegment*>(down_segments.get()),
-               device_tiles, max_tiles, tile_rows, down.format, hidden, inter2 / 2, down_input, y.data, y.cols,
+               device_tiles, max_tiles, tile_rows, down.format, hidden, inter2 / 2, down_input, y.data, y.cols, nullptr,
                down_scratch.get(), stream_);
     cuda::combine_experts(y.data, static_cast<const int64_t*>(inverse.get()), routing.weights.data, tokens,
                           routing.top_k, hidden, out.data, stream_);
@@ -790,11 +816,13 @@ class CudaBackend final : public Backend {
   void gemm_dense(const Activation& x, const cuda::GemmMatrix& w, WeightFormat format, int64_t n, int64_t k,
                   cuda::GemmInput input, Activation& y, bool gated = false) {
     auto scratch = pool_->get(cuda::gemm_scratch_bytes(x.rows, n, k, input));
-    if (products_on_cublaslt(x, gated, {w}, format, n, k, input, {y.data}, y.cols, scratch.get())) return;
+    const std::optional<cuda::PreparedX> px = gated ? std::nullopt : prepared(x, input, format);
+    const cuda::PreparedX* const x_prepared = px ? &*px : nullptr;
+    if (products_on_cublaslt(x, gated, x_prepared, {w}, format, n, k, input, {y.data}, y.cols, scratch.get())) return;
     const cuda::GemmSegment seg{0, 0, int(x.rows), w};
     const int tile = cuda::gemm_tile_rows(x.rows, 1, n, input, format);
     cuda::gemm(x.data, x.rows, x.cols, gated, nullptr, &seg, nullptr, int((x.rows + tile - 1) / tile), tile, format, n,
-               k, input, y.data, y.cols, scratch.get(), stream_);
+               k, input, y.data, y.cols, x_prepared, scratch.get(), stream_);
   }
 
   // Products of X (x's rows, or gated as gemm_dense says) with weights ws[i] ([n, k] each;
@@ -802,17 +830,18 @@ class CudaBackend final : public Backend {
   // apart) on cuBLASLt, where the build has it and it takes them all; false, having done
   // nothing, otherwise. The choice depends on the shapes alone, never on the rows (batch
   // invariance).
-  bool products_on_cublaslt(const Activation& x, bool gated, const std::vector<cuda::GemmMatrix>& ws,
-                            WeightFormat format, int64_t n, int64_t k, cuda::GemmInput input,
-                            const std::vector<float*>& ys, int64_t ldy, void* scratch) {
+  bool products_on_cublaslt(const Activation& x, bool gated, const cuda::PreparedX* x_prepared,
+                            const std::vector<cuda::GemmMatrix>& ws, WeightFormat format, int64_t n, int64_t k,
+                            cuda::GemmInput input, const std::vector<float*>& ys, int64_t ldy, void* scratch) {
 #ifdef DIFFUSERVE_WITH_CUBLASLT
     if (!cublaslt_ || !cuda::gemm_operands_alike(input, format)) return false;
     for (size_t i = 0; i < ws.size(); ++i)
       if (!cublaslt_->supports(input, ws[i], n, k, ys[i], ldy)) return false;
-    cublaslt_->multiply(x.data, x.rows, x.cols, gated, input, ws, n, k, ys, ldy, scratch, stream_);
+    cublaslt_->multiply(x.data, x.rows, x.cols, gated, input, ws, n, k, ys, ldy, x_prepared, scratch, stream_);
     return true;
 #else
-    (void)x, (void)gated, (void)ws, (void)format, (void)n, (void)k, (void)input, (void)ys, (void)ldy, (void)scratch;
+    (void)x, (void)gated, (void)x_prepared, (void)ws, (void)format, (void)n, (void)k, (void)input, (void)ys, (void)ldy,
+        (void)scratch;
     return false;
 #endif
   }
@@ -836,6 +865,30 @@ class CudaBackend final : public Backend {
     return w.input_quant.scheme == ActivationScheme::None || gemm_input(w) != cuda::GemmInput::Split;
   }
 
+  // The input a product of w takes as gemm()'s pre-pass writes it, where a norm may write it
+  // instead (alloc_product_input): not where the kernel decodes packed weights (K permuted)
+  // or the input is quantized beforehand (quantize_input).
+  static std::optional<cuda::GemmInput> preparable_input(const Weight& w) {
+    if (w.empty()) return std::nullopt;
+    const cuda::GemmInput input = gemm_input(w);
+    if (!cuda::gemm_operands_alike(input, w.format) ||
+        (input == cuda::GemmInput::Split && w.input_quant.scheme != ActivationScheme::None))
+      return std::nullopt;
+    return input;
+  }
+  // x's product input (alloc_product_input) as the GEMM reads it; rows null where x has none.
+  static cuda::PreparedX product_rows(const Activation& x) {
+    const ProductInput& p = x.product_input;
+    if (!p.kind) return {};
+    const auto input = cuda::GemmInput(p.kind - 1);
+    return {p.data, p.row_scales, cuda::gemm_padded_k(x.cols, input), input};
+  }
+  // ... where a product of `input` X with `format` weights takes it so.
+  static std::optional<cuda::PreparedX> prepared(const Activation& x, cuda::GemmInput input, WeightFormat format) {
+    if (x.product_input.kind != 1 + int(input) || !cuda::gemm_operands_alike(input, format)) return std::nullopt;
+    return product_rows(x);
+  }
+
   static const __nv_bfloat16* bf16(const Weight& w) {
     if (w.format != WeightFormat::Plain || w.dtype != DType::BF16)
       throw InvalidArgument("this CUDA op needs bf16 weights");
@@ -849,6 +902,7 @@ class CudaBackend final : public Backend {
     for (size_t i = 0; i < weights.size(); ++i) {
       outs.weight[i] = weights[i] ? static_cast<const float*>(weights[i]->data) : nullptr;
       outs.y[i] = outputs[i]->data;
+      outs.prepared[i] = product_rows(*outputs[i]);
     }
     outs.count = int(weights.size());
     return outs;
@@ -944,6 +998,7 @@ class CudaBackend final : public Backend {
   cudaStream_t branch_ = nullptr;  // concurrently's second branch (swapped with stream_ while it is queued)
   cudaEvent_t fork_ = nullptr, join_ = nullptr;
   bool branches_ = true;           // concurrently uses branch_
+  bool product_inputs_ = true;     // alloc_product_input keeps the products' form of a matrix
   bool branched_ = false;          // within concurrently
   bool graphs_ = true;             // repeat records a graph
   bool recording_ = false;         // repeat is recording its body

@@ -640,12 +640,7 @@ __global__ void __launch_bounds__(kCodesMaxThreads) fp8_codes_kernel(const float
   const float scale = fp8_token_scale(block_reduce(amax, [](float a, float b) { return fmaxf(a, b); }));
   if (threadIdx.x == 0) scales[row] = scale;
   uint8_t* const dst = codes + row * kp;
-  // The hardware's conversion of w / scale, two values an instruction: round to nearest
-  // even, saturating at +-448, which is activation_quant.h's e4m3_code(quantize_e4m3(w,
-  // scale)) bit for bit (gemm_bench checks every code) in a fraction of its instructions.
-  auto pair = [&](float a, float b) {
-    return uint32_t(__nv_cvt_float2_to_fp8x2(make_float2(a / scale, b / scale), __NV_SATFINITE, __NV_E4M3));
-  };
+  auto pair = [&](float a, float b) { return e4m3x2_codes(a, b, scale); };
   auto store = [&](int64_t c, const float (&w)[8]) {
     *reinterpret_cast<uint2*>(dst + c) =
         make_uint2(pair(w[0], w[1]) | pair(w[2], w[3]) << 16, pair(w[4], w[5]) | pair(w[6], w[7]) << 16);
@@ -733,15 +728,21 @@ SplitK split_k(int64_t n, int64_t k, GemmInput input) {
   return s;
 }
 
+}  // namespace
+
 // The pre-pass's bytes of X (the split copies of Y follow, 256-byte aligned).
-size_t input_bytes(int64_t x_rows, int64_t k, GemmInput input) {
+size_t prepared_x_bytes(int64_t x_rows, int64_t k, GemmInput input) {
   const size_t bytes = input == GemmInput::Fp8Token
                            ? codes_bytes(x_rows, k) + sizeof(float) * size_t(x_rows)
                            : sizeof(__nv_bfloat16) * size_t(x_rows) * planes(input) * size_t(padded_k(k, input));
   return (bytes + 255) / 256 * 256;
 }
 
-}  // namespace
+PreparedX prepared_x(void* data, int64_t rows, int64_t k, GemmInput input) {
+  auto* bytes = static_cast<uint8_t*>(data);
+  const bool fp8 = input == GemmInput::Fp8Token;
+  return {bytes, fp8 ? reinterpret_cast<float*>(bytes + codes_bytes(rows, k)) : nullptr, padded_k(k, input), input};
+}
 
 bool gemm_has_wgmma_tile(GemmInput input, WeightFormat format) {
   return gemm_operands_alike(input, format) && wgmma_enabled();
@@ -758,7 +759,8 @@ int gemm_tile_rows(int64_t rows_per_segment, int64_t segments, int64_t n, GemmIn
 
 size_t gemm_scratch_bytes(int64_t x_rows, int64_t n, int64_t k, GemmInput input) {
   const SplitK split = split_k(n, k, input);
-  return input_bytes(x_rows, k, input) + (split.splits > 1 ? sizeof(float) * size_t(split.splits * x_rows * n) : 0);
+  return prepared_x_bytes(x_rows, k, input) +
+         (split.splits > 1 ? sizeof(float) * size_t(split.splits * x_rows * n) : 0);
 }
 
 void fp8_token_codes(const float* x, int64_t rows, int64_t ldx, bool gated, int64_t k, int64_t ld_codes,
@@ -772,40 +774,43 @@ void fp8_token_codes(const float* x, int64_t rows, int64_t ldx, bool gated, int6
 
 int64_t gemm_padded_k(int64_t k, GemmInput input) { return padded_k(k, input); }
 
-const float* prepare_gemm_input(const float* x, int64_t rows, int64_t ldx, bool gated, int64_t k, GemmInput input,
-                                bool permuted, void* scratch, cudaStream_t stream) {
-  if (permuted && input != GemmInput::Split) throw std::invalid_argument("prepare_gemm_input: only Split is permuted");
-  const int64_t kp = padded_k(k, input);
-  if (input == GemmInput::Fp8Token) {
-    auto* codes = static_cast<uint8_t*>(scratch);
-    float* const scales = reinterpret_cast<float*>(codes + codes_bytes(rows, k));
-    fp8_token_codes(x, rows, ldx, gated, k, kp, codes, scales, stream);
-    return scales;
-  }
-  if (rows <= 0 || kp <= 0) return nullptr;
-  const unsigned blocks = unsigned((rows * (kp / 8) + 255) / 256);
-  const auto kernel = input == GemmInput::RoundBf16
+void write_gemm_input(const float* x, int64_t rows, int64_t ldx, bool gated, int64_t k, bool permuted,
+                      const PreparedX& to, cudaStream_t stream) {
+  if (permuted && to.input != GemmInput::Split) throw std::invalid_argument("write_gemm_input: only Split is permuted");
+  if (to.input == GemmInput::Fp8Token)
+    return fp8_token_codes(x, rows, ldx, gated, k, to.kp, to.rows, to.scales, stream);
+  if (rows <= 0 || to.kp <= 0) return;
+  const unsigned blocks = unsigned((rows * (to.kp / 8) + 255) / 256);
+  const auto kernel = to.input == GemmInput::RoundBf16
                           ? (gated ? split_kernel<1, false, true> : split_kernel<1, false, false>)
                       : permuted ? (gated ? split_kernel<2, true, true> : split_kernel<2, true, false>)
                                  : (gated ? split_kernel<2, false, true> : split_kernel<2, false, false>);
-  launch(kernel, blocks, 256, 0, stream, x, ldx, rows, k, kp, whole_float4s(x, ldx, gated, k),
-         static_cast<__nv_bfloat16*>(scratch));
-  return nullptr;
+  launch(kernel, blocks, 256, 0, stream, x, ldx, rows, k, to.kp, whole_float4s(x, ldx, gated, k),
+         reinterpret_cast<__nv_bfloat16*>(to.rows));
+}
+
+PreparedX prepare_gemm_input(const float* x, int64_t rows, int64_t ldx, bool gated, int64_t k, GemmInput input,
+                             bool permuted, void* scratch, cudaStream_t stream) {
+  const PreparedX out = prepared_x(scratch, rows, k, input);
+  write_gemm_input(x, rows, ldx, gated, k, permuted, out, stream);
+  return out;
 }
 
 void gemm(const float* x, int64_t x_rows, int64_t ldx, bool gated, const int64_t* row_map, const GemmSegment* segments,
           const GemmTile* tiles, int num_tiles, int tile_rows, WeightFormat format, int64_t n, int64_t k,
-          GemmInput input, float* y, int64_t ldy, void* scratch, cudaStream_t stream) {
+          GemmInput input, float* y, int64_t ldy, const PreparedX* prepared, void* scratch, cudaStream_t stream) {
   if (input == GemmInput::RoundBf16 && format != WeightFormat::Plain)
     throw std::invalid_argument("gemm: RoundBf16 takes bf16 weights");
   if (input == GemmInput::Fp8Token && format != WeightFormat::Fp8)
     throw std::invalid_argument("gemm: Fp8Token takes FP8 weights");
   if (format == WeightFormat::Nvfp4 && k % 16) throw std::invalid_argument("gemm: NVFP4 weights need K % 16 == 0");
   if (num_tiles <= 0 || n <= 0) return;
-  const int64_t kp = padded_k(k, input);
-  auto* a = static_cast<uint8_t*>(scratch);
-  const float* const a_scales =
-      prepare_gemm_input(x, x_rows, ldx, gated, k, input, decodes(input, format), scratch, stream);
+  if (prepared && (gated || decodes(input, format) || prepared->input != input))
+    throw std::invalid_argument("gemm: a prepared X is plain rows of the product's input kind");
+  const PreparedX a =
+      prepared ? *prepared
+               : prepare_gemm_input(x, x_rows, ldx, gated, k, input, decodes(input, format), scratch, stream);
+  const int64_t kp = a.kp;
 
   // With `tiles` null, `segments` is a host pointer to the single segment, passed by value.
   const GemmSegment single = tiles ? GemmSegment{} : *segments;
@@ -815,15 +820,15 @@ void gemm(const float* x, int64_t x_rows, int64_t ldx, bool gated, const int64_t
   float* out = y;
   const int64_t copy_stride = int64_t(single.rows) * ldy;
   if (splits > 1) {  // single segment, y_row 0: copy c of Y lives at partial + c * rows * ldy
-    out = reinterpret_cast<float*>(static_cast<uint8_t*>(scratch) + input_bytes(x_rows, k, input));
+    out = reinterpret_cast<float*>(static_cast<uint8_t*>(scratch) + prepared_x_bytes(x_rows, k, input));
     cudaMemsetAsync(out, 0, sizeof(float) * size_t(splits * copy_stride), stream);  // columns past n stay 0
   }
 
   Params p{};
-  p.a = a;
-  p.a_row_bytes = planes(input) * kp * x_value_bytes(input);
+  p.a = a.rows;
+  p.a_row_bytes = a.row_bytes();
   p.plane_bytes = kp * x_value_bytes(input);
-  p.a_scales = a_scales;
+  p.a_scales = a.scales;
   p.kp = kp;
   p.row_map = row_map;
   p.segments = tiles ? segments : nullptr;

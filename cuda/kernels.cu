@@ -7,6 +7,7 @@
 #include "activation_quant.h"
 #include "block_reduce.cuh"
 #include "kernels.h"
+#include "mma.cuh"
 #include "sampler.h"
 
 namespace diffuserve::cuda {
@@ -138,7 +139,12 @@ __global__ void rms_norm_kernel(const float* x, NormOutputs outs, NormOutputs th
 // the outputs accumulate onto are loaded together before the first sum, and each norm's
 // weights before its sum, so the kernel waits on one round trip a norm, not one an output.
 // `then` normalises the first output's values as they stay in registers.
-constexpr int kRowKernelThreads = 512;  // at most
+// Rows of up to 3,072 float4-aligned values (26B's 2,816: 352 threads) take blocks of at
+// most 384 threads with registers for two a multiprocessor, so that a canvas's 256 rows run
+// as one wave on the H200's 132 (unbounded, the kernel takes ~100 registers and one block
+// fits; bounded, it spills 16 bytes); wider rows take up to 512, and rows of single values
+// (which would spill 340 bytes) one block.
+constexpr int kRowKernelThreads = 512, kRowKernelPairThreads = 384;
 constexpr int kRowValues = 8;
 template <int kWidth>
 __device__ __forceinline__ void load_row(const float* row, int64_t group, float (&v)[kRowValues]) {
@@ -164,9 +170,62 @@ __device__ __forceinline__ void store_row(float* row, int64_t group, const float
   }
 }
 
+// A norm's output row g (this thread's values v, laid out as load_row's) as products take
+// it (PreparedX), K zero-padded: the bits of gemm()'s pre-pass, from the same roundings
+// (round_bf16x2, split_bf16; the FP8 token scale of the row's absolute maximum, e4m3x2_codes).
+// Every thread of the block calls it (FP8's maximum is a block reduction).
 template <int kWidth>
-__global__ void __launch_bounds__(kRowKernelThreads)
-    rms_norm_row_kernel(const float* x, NormOutputs outs, NormOutputs then, int64_t group, float eps) {
+__device__ __forceinline__ void write_prepared(const PreparedX& p, int64_t g, int64_t group,
+                                               const float (&v)[kRowValues]) {
+  constexpr int kChunks = kRowValues / kWidth;
+  // Value i of chunk c, zero past the row (its padding up to kp).
+  auto value = [&](int c, int i) {
+    return (threadIdx.x + int64_t(c) * blockDim.x) * kWidth + i < group ? v[c * kWidth + i] : 0.0f;
+  };
+  uint8_t* const row = p.rows + g * p.row_bytes();
+  if (p.input == GemmInput::Fp8Token) {
+    float amax = 0.0f;
+#pragma unroll
+    for (int c = 0; c < kChunks; ++c)
+#pragma unroll
+      for (int i = 0; i < kWidth; ++i) amax = fmaxf(amax, fabsf(value(c, i)));
+    const float scale = fp8_token_scale(block_reduce(amax, [](float a, float b) { return fmaxf(a, b); }));
+    if (threadIdx.x == 0) p.scales[g] = scale;
+#pragma unroll
+    for (int c = 0; c < kChunks; ++c) {
+      const int64_t j = (threadIdx.x + int64_t(c) * blockDim.x) * kWidth;
+      if (j >= p.kp) continue;
+      if constexpr (kWidth == 4)
+        *reinterpret_cast<uint32_t*>(row + j) =
+            e4m3x2_codes(value(c, 0), value(c, 1), scale) | e4m3x2_codes(value(c, 2), value(c, 3), scale) << 16;
+      else row[j] = uint8_t(e4m3x2_codes(value(c, 0), 0.0f, scale));
+    }
+    return;
+  }
+  auto* const hi = reinterpret_cast<__nv_bfloat16*>(row);
+  __nv_bfloat16* const lo = hi + p.kp;  // Split's
+#pragma unroll
+  for (int c = 0; c < kChunks; ++c) {
+    const int64_t j = (threadIdx.x + int64_t(c) * blockDim.x) * kWidth;
+    if (j >= p.kp) continue;
+    uint32_t h[2], l[2];
+#pragma unroll
+    for (int u = 0; u < (kWidth + 1) / 2; ++u)
+      split_bf16(value(c, 2 * u), kWidth > 1 ? value(c, 2 * u + 1) : 0.0f, h[u], l[u]);
+    if constexpr (kWidth == 4) {
+      *reinterpret_cast<uint2*>(hi + j) = make_uint2(h[0], h[1]);
+      if (p.input == GemmInput::Split) *reinterpret_cast<uint2*>(lo + j) = make_uint2(l[0], l[1]);
+    } else {
+      *reinterpret_cast<uint16_t*>(hi + j) = uint16_t(h[0]);
+      if (p.input == GemmInput::Split) *reinterpret_cast<uint16_t*>(lo + j) = uint16_t(l[0]);
+    }
+  }
+}
+
+template <int kWidth, int kMaxThreads>
+__global__ void __launch_bounds__(kMaxThreads, kMaxThreads == kRowKernelPairThreads ? 2 : 1)
+    rms_norm_row_kernel(const float* x, NormOutputs outs, NormOutputs then, NormOutputs after, int64_t group,
+                        float eps) {
   wait_for_earlier_kernels();
   const int64_t g = blockIdx.x;
   // `then`'s output may be the first output itself (accumulating into it in place): its
@@ -198,6 +257,7 @@ __global__ void __launch_bounds__(kRowKernelThreads)
 #pragma unroll
       for (int i = 0; i < kRowValues; ++i) out[i] = norm_output(v[i], inv, w[k][i], o.accumulate, old[i], o.scale);
       store_row<kWidth>(o.y[k] + g * group, group, out);
+      if (o.prepared[k].rows) write_prepared<kWidth>(o.prepared[k], g, group, out);
       if (k == 0)
 #pragma unroll
         for (int i = 0; i < kRowValues; ++i) v[i] = out[i];
@@ -209,6 +269,7 @@ __global__ void __launch_bounds__(kRowKernelThreads)
 #pragma unroll
     for (int i = 0; i < kRowValues; ++i) old[1][i] = v[i];
   normalise(then, old[1]);
+  if (after.count) normalise(after, old[1]);  // not accumulating: `old` unread
 }
 
 // (mean(x^2) + eps)^-0.5 of a group of x, summed by the warp (every lane gets it).
@@ -693,30 +754,40 @@ void embed(const __nv_bfloat16* table, int64_t hidden, const int32_t* ids, int64
   if (n) launch(embed_kernel, blocks_for(n * hidden), kThreads, 0, stream, table, hidden, ids, n, scale, out);
 }
 
-void rms_norms(const float* x, const NormOutputs& outs, const NormOutputs& then, int64_t groups, int64_t group,
-               float eps, cudaStream_t stream) {
+void rms_norms(const float* x, const NormOutputs& outs, const NormOutputs& then, const NormOutputs& after,
+               int64_t groups, int64_t group, float eps, cudaStream_t stream) {
   if (!groups || !outs.count) return;
-  for (const NormOutputs* o : {&outs, &then})
+  for (const NormOutputs* o : {&outs, &then, &after})
     if (o->count > kMaxNormOutputs || (o->accumulate && o->count > 1))
       throw std::invalid_argument("rms_norms: at most 4 outputs, one when accumulating");
   if (then.count && outs.count > 1) throw std::invalid_argument("rms_norms: `then` normalises one output");
+  if (after.count && (then.count != 1 || after.accumulate))
+    throw std::invalid_argument("rms_norms: `after` writes the norm of `then`'s one output");
   if (group >= 1024 && group <= kRowValues * kRowKernelThreads) {
     // float4s where every row the kernel touches is whole aligned ones
     bool vector = group % 4 == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0;
-    for (const NormOutputs* o : {&outs, &then})
+    for (const NormOutputs* o : {&outs, &then, &after})
       for (int k = 0; k < o->count; ++k)
         vector = vector && reinterpret_cast<uintptr_t>(o->y[k]) % 16 == 0 &&
                  reinterpret_cast<uintptr_t>(o->weight[k]) % 16 == 0;
     const int threads = int(((group + kRowValues - 1) / kRowValues + 31) / 32 * 32);
-    launch(vector ? rms_norm_row_kernel<4> : rms_norm_row_kernel<1>, unsigned(groups), threads, 0, stream, x, outs,
-           then, group, eps);
-  } else if (group >= 1024) {
+    const auto kernel = !vector                            ? rms_norm_row_kernel<1, kRowKernelThreads>
+                        : threads <= kRowKernelPairThreads ? rms_norm_row_kernel<4, kRowKernelPairThreads>
+                                                           : rms_norm_row_kernel<4, kRowKernelThreads>;
+    launch(kernel, unsigned(groups), threads, 0, stream, x, outs, then, after, group, eps);
+    return;
+  }
+  if (group >= 1024) {
     launch(rms_norm_kernel, unsigned(groups), kThreads, 0, stream, x, outs, then, group, eps);
   } else {
     constexpr int kWarps = kThreads / 32;
     launch(rms_norm_warp_kernel, unsigned((groups + kWarps - 1) / kWarps), kThreads, 0, stream, x, outs, then, groups,
            group, eps);
   }
+  for (const NormOutputs* o : {&outs, &then})
+    for (int k = 0; k < o->count; ++k)
+      if (o->prepared[k].rows) write_gemm_input(o->y[k], groups, group, false, group, false, o->prepared[k], stream);
+  if (after.count) rms_norms(then.y[0], after, {}, {}, groups, group, eps, stream);
 }
 
 void rms_norm_rope(float* x, const float* weight, int64_t rows, int64_t plain_rows, int64_t heads, int64_t head_dim,

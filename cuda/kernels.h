@@ -84,18 +84,34 @@ bool gemm_has_wgmma_tile(GemmInput input, WeightFormat format);
 size_t gemm_scratch_bytes(int64_t x_rows, int64_t n, int64_t k, GemmInput input);
 // K as gemm()'s pre-pass pads it for `input`.
 int64_t gemm_padded_k(int64_t k, GemmInput input);
-// gemm()'s pre-pass alone (for products computed elsewhere: cuBLASLt): X's rows (gated as
-// gemm() says) into `scratch` as the product takes them, K zero-padded to kp =
-// gemm_padded_k. bf16 inputs: row r at scratch + r * planes * kp values, hi (Split's high
-// part, or RoundBf16's rounding) then, for Split, lo at + kp (`permuted`, Split only: K in
-// the order decoded packed weights take, gemm_tile.cuh); returns null. Fp8Token: the E4M3
-// codes, row r at scratch + r * kp bytes (fp8_token_codes, below), then the rows' scales,
-// whose address it returns.
-const float* prepare_gemm_input(const float* x, int64_t rows, int64_t ldx, bool gated, int64_t k, GemmInput input,
-                                bool permuted, void* scratch, cudaStream_t stream);
+// X as the products read it, in the layout of gemm()'s pre-pass: row r's kp = gemm_padded_k
+// values (K zero-padded) at rows + r * row_bytes(), bf16 for Split (hi, then lo at + kp)
+// and RoundBf16 (the rounding), E4M3 codes for Fp8Token (fp8_token_codes, below), whose rows'
+// scales follow. Written by the pre-pass (prepare_gemm_input) or by the norm that computed X
+// (NormOutputs::prepared), so that several products of one X convert it once, or never.
+struct PreparedX {
+  uint8_t* rows = nullptr;
+  float* scales = nullptr;  // Fp8Token
+  int64_t kp = 0;
+  GemmInput input = GemmInput::Split;
+  DS_HOST_DEVICE int64_t row_bytes() const { return planes(input) * kp * (input == GemmInput::Fp8Token ? 1 : 2); }
+};
+// Bytes of `rows` rows of K values of X as `input` (a multiple of 256), and their layout at `data`.
+size_t prepared_x_bytes(int64_t rows, int64_t k, GemmInput input);
+PreparedX prepared_x(void* data, int64_t rows, int64_t k, GemmInput input);
+// gemm()'s pre-pass alone: X's rows (gated as gemm() says) into `to` as the product takes
+// them (`permuted`, Split only: each 64-value slice of K in the order decoded packed weights
+// take, gemm_tile.cuh).
+void write_gemm_input(const float* x, int64_t rows, int64_t ldx, bool gated, int64_t k, bool permuted,
+                      const PreparedX& to, cudaStream_t stream);
+// ... into `scratch` (for products computed elsewhere: cuBLASLt), laid out as prepared_x says.
+PreparedX prepare_gemm_input(const float* x, int64_t rows, int64_t ldx, bool gated, int64_t k, GemmInput input,
+                             bool permuted, void* scratch, cudaStream_t stream);
+// `prepared`: X already as the pre-pass would write it (not gated, not permuted: weights the
+// kernel does not decode), or null for the pre-pass into `scratch`.
 void gemm(const float* x, int64_t x_rows, int64_t ldx, bool gated, const int64_t* row_map, const GemmSegment* segments,
           const GemmTile* tiles, int num_tiles, int tile_rows, WeightFormat format, int64_t n, int64_t k,
-          GemmInput input, float* y, int64_t ldy, void* scratch, cudaStream_t stream);
+          GemmInput input, float* y, int64_t ldy, const PreparedX* prepared, void* scratch, cudaStream_t stream);
 // Fp8Token's codes and scales, for gemm() and its tests: per row of X (rows x k, ldx apart; gated
 // as gemm() says), the FP8 token scale into scales[row] and the E4M3 codes of x / scale
 // (activation_quant.h's quantize_e4m3) into codes + row * ld_codes, zero from k to ld_codes
@@ -231,19 +247,25 @@ void embed(const __nv_bfloat16* table, int64_t hidden, const int32_t* ids, int64
            cudaStream_t stream);
 // The outputs of a norm of groups of x, n = x * (mean(x^2) + eps)^-0.5: each output
 // y = n * its weight (null: none), or with `accumulate` (one output) y = (y + n * weight) * scale.
+// Where prepared[i].rows is set (whole rows as the groups), output i is also written there
+// as products take it (PreparedX, for K = the group): the bits gemm()'s pre-pass would write.
 constexpr int kMaxNormOutputs = 4;
 struct NormOutputs {
   const float* weight[kMaxNormOutputs];
   float* y[kMaxNormOutputs];
+  PreparedX prepared[kMaxNormOutputs];
   int count;
   bool accumulate;
   float scale;  // accumulate's
 };
 // The norm of x into `outs`, from one pass over x; then, where then.count > 0 (`outs` one
-// output), the norm of that output as it now is into `then`: two norms in one launch,
-// bitwise as two calls.
-void rms_norms(const float* x, const NormOutputs& outs, const NormOutputs& then, int64_t groups, int64_t group,
-               float eps, cudaStream_t stream);
+// output), the norm of that output as it now is into `then`; then, where after.count > 0
+// (`then` one output, `after` not accumulating), the norm of that into `after`: up to three
+// norms in one launch, bitwise as separate calls. The prepared outputs come from the same
+// pass where a row fits the block's registers (the hidden states' norms), else from
+// gemm()'s pre-pass after it.
+void rms_norms(const float* x, const NormOutputs& outs, const NormOutputs& then, const NormOutputs& after,
+               int64_t groups, int64_t group, float eps, cudaStream_t stream);
 // rms_norm of each head (weight [head_dim]), then rope, in place on rows [0, rows); then,
 // on the plain_rows rows after them, each head's unscaled norm (a layer's values after its
 // keys): a warp per (row, head).

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cuda_bf16.h>
+#include <cuda_fp8.h>
 
 #include <cstdint>
 
@@ -41,6 +42,13 @@ __device__ __forceinline__ uint32_t round_bf16x2(float x0, float x1) {
   uint32_t r;
   asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(x1), "f"(x0));  // x1 to the high half
   return r;
+}
+
+// The E4M3 codes of a / scale and b / scale (a in the low byte), by the hardware's
+// conversion: round to nearest even, saturating at +-448, which is activation_quant.h's
+// e4m3_code(quantize_e4m3(x, scale)) bit for bit (gemm_bench checks every code).
+__device__ __forceinline__ uint32_t e4m3x2_codes(float a, float b, float scale) {
+  return uint32_t(__nv_cvt_float2_to_fp8x2(make_float2(a / scale, b / scale), __NV_SATFINITE, __NV_E4M3));
 }
 
 // Two floats as packed bf16 hi parts and lo parts (x - hi), the lower column in the low half.

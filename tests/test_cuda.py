@@ -277,6 +277,27 @@ def test_branches_match_one_stream(path, monkeypatch):
     assert runs[0][1] == runs[1][1]
 
 
+# The hidden-state norms write their products' inputs (bf16 planes, or FP8 codes and a scale
+# a row) beside their fp32 outputs, the bits the products' own pre-passes would write: from
+# the norm's registers at widths past 1024 (float4s at 1096, one value at a time at 1030), by
+# the pre-pass after the norm below (256). With DIFFUSERVE_NORM_PRODUCT_INPUTS=0 every
+# product converts its input itself: the logits are the same bits.
+@pytest.mark.parametrize("mode", ["float32", "bfloat16", "fp8-dynamic"])
+@pytest.mark.parametrize("shape", ["wide_hidden", "wide_odd_hidden", "real_head_dims"])
+def test_norm_product_inputs_match_prepasses(tmp_path, monkeypatch, shape, mode):
+    path = write_random_checkpoint(tmp_path / "m", canvas_length=32, dtype="bfloat16", seed=7, **SHAPES[shape])
+    options = dict(load_format="dummy", quantization=mode) if mode == "fp8-dynamic" else dict(activations=mode)
+    logits = []
+    for setting in ("1", "0"):
+        monkeypatch.setenv("DIFFUSERVE_NORM_PRODUCT_INPUTS", setting)
+        seq = ds.Model.load(path, device="cuda", kv_cache_memory_bytes=256 << 20, **options).sequence()
+        vocab = seq.model.vocab_size
+        seq.prefill(np.arange(60) * 3 % vocab)
+        logits.append(seq.denoise(np.arange(32) * 7 % vocab))
+    assert np.isfinite(logits[0]).all()
+    assert np.array_equal(logits[0], logits[1])
+
+
 # The server's engine thread is not the one that loaded the model: the backend makes each
 # calling thread's current device its own before it queues anything.
 def test_generate_from_another_thread(path):

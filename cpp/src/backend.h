@@ -29,17 +29,37 @@ DS_HOST_DEVICE inline float random_weight_value(uint64_t seed, uint64_t i, float
 
 namespace diffuserve {
 
+// A matrix's values as a backend's products take them (the CUDA backend: rounded to bf16,
+// bf16 hi/lo parts, or FP8 codes with a scale per row), kept beside the fp32 values of a
+// matrix from Backend::alloc_product_input: row r at data + r * row_bytes, and its scale,
+// where the form has one, at row_scales[r]. `kind` (the backend's; 0: none) says the rest.
+struct ProductInput {
+  int kind = 0;
+  uint8_t* data = nullptr;
+  int64_t row_bytes = 0;
+  float* row_scales = nullptr;
+  std::shared_ptr<void> storage;
+
+  ProductInput rows_from(int64_t first) const {
+    return {kind, data ? data + first * row_bytes : nullptr, row_bytes, row_scales ? row_scales + first : nullptr,
+            storage};
+  }
+};
+
 // A matrix of fp32 activations owned by a backend: rows x cols, row-major.
 struct Activation {
   float* data = nullptr;
   int64_t rows = 0;
   int64_t cols = 0;
   std::shared_ptr<void> storage;
+  ProductInput product_input;  // see Backend::alloc_product_input
 
   int64_t size() const { return rows * cols; }
   float* row(int64_t r) const { return data + r * cols; }
-  // Rows [first, first + count) of this matrix, sharing its storage.
-  Activation view(int64_t first, int64_t count) const { return {row(first), count, cols, storage}; }
+  // Rows [first, first + count) of this matrix, sharing its storage (and product input).
+  Activation view(int64_t first, int64_t count) const {
+    return {row(first), count, cols, storage, product_input.rows_from(first)};
+  }
 };
 
 // How a linear quantizes its input, as the checkpoint's quantization_config says. Nvfp4
@@ -155,6 +175,17 @@ class Backend {
   // The CUDA backend skips alloc's zero fill (a kernel launch per matrix, ~500 a denoise
   // step at the 26B shapes); the CPU backend's alloc costs nothing more.
   virtual Activation alloc_output(int64_t rows, int64_t cols) { return alloc(rows, cols); }
+  // A matrix that norm ops (outputs of whole rows: rms_norm, rms_norms,
+  // add_rms_norm_then_norms, add_rms_norm_twice's `next`) are about to write whole, and whose
+  // products are by `readers` (linears, or an expert stack's first product): the backend
+  // may keep beside it the form in which those products take their input
+  // (Activation::product_input), which the norms then write with the values, so that no
+  // product converts them again. The graph writes such a matrix through those norms alone.
+  // By default alloc_output.
+  virtual Activation alloc_product_input(int64_t rows, int64_t cols, const std::vector<const Weight*>& readers) {
+    (void)readers;
+    return alloc_output(rows, cols);
+  }
   // Bytes the KV cache may take by default, asked once the weights are loaded.
   virtual int64_t default_kv_cache_bytes() = 0;
   // Whether upload_packed takes `w` as it is (format and group size): its linear and
@@ -251,13 +282,16 @@ class Backend {
     add_rms_norm(x, weight, eps, y);
     rms_norms(y, weights, eps, outputs);
   }
-  // add_rms_norm(x, x_weight, eps, y), then add_rms_norm(y, y_weight, eps, h, scale): two
-  // branches joined and added to the residual stream in one op, so that a backend may do
-  // both in one pass. By default the two ops.
+  // add_rms_norm(x, x_weight, eps, y), then add_rms_norm(y, y_weight, eps, h, scale), then,
+  // where `next` is given, rms_norm(h, next_weight) with whole rows into *next: two branches
+  // joined and added to the residual stream, and the stream's next norm (the next layer's
+  // input norm), in one op, so that a backend may do all in one pass. By default the ops.
   virtual void add_rms_norm_twice(const Activation& x, const Weight* x_weight, Activation& y, const Weight* y_weight,
-                                  float eps, Activation& h, float scale) {
+                                  float eps, Activation& h, float scale, const Weight* next_weight = nullptr,
+                                  Activation* next = nullptr) {
     add_rms_norm(x, x_weight, eps, y);
     add_rms_norm(y, y_weight, eps, h, scale);
+    if (next) rms_norm(h, next_weight, h.cols, eps, *next);
   }
   // In place on x viewed as [rows, heads, head_dim] (the query and key heads): rms_norm of
   // each head (weight: fp32 [head_dim]), then rotate_half RoPE at `positions` (inv_freq:

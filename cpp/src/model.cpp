@@ -474,17 +474,20 @@ void gated_mlp(Backend& be, const Activation& x, int64_t encoder_rows, const Wei
 }
 
 // The attention's output added to the residual stream, then the feed-forward half of a
-// layer and the layer scalar, in place on h:
+// layer and the layer scalar, in place on h, then the stream's next norm into `next`:
 //   h = h + post_attn(attn)
 //   h = (h + post_ff(post_ff_1(mlp(pre_ff(h))) + post_ff_2(experts(pre_ff_2(h), route(h))))) * scalar
+//   next = rms_norm(h) by next_norm
 // Rows of h below `encoder_rows` are the encoder's.
-void feed_forward(ModelState& m, int li, const Activation& attn, Activation& h, int64_t encoder_rows) {
+void feed_forward(ModelState& m, int li, const Activation& attn, Activation& h, int64_t encoder_rows,
+                  const Weight& next_norm, Activation& next) {
   Backend& be = *m.backend;
   const LayerWeights& W = m.weights.layers[li];
   const float eps = m.config.rms_norm_eps;
   const int64_t n = h.rows, H = h.cols;
-  Activation x = be.alloc_output(n, H), x2 = be.alloc_output(n, H), router_in = be.alloc_output(n, H);
-  Activation dense = be.alloc_output(n, H), moe = be.alloc_output(n, H);
+  Activation x = be.alloc_product_input(n, H, {&W.mlp_gate_up});
+  Activation x2 = be.alloc_product_input(n, H, {&W.experts_gate_up});
+  Activation router_in = be.alloc_output(n, H), dense = be.alloc_output(n, H), moe = be.alloc_output(n, H);
   // The new h's three norms (the MLP's input, the experts', the router's) in the same pass.
   be.add_rms_norm_then_norms(attn, &W.post_attention_layernorm, eps, h,
                              {&W.pre_feedforward_layernorm, &W.pre_feedforward_layernorm_2, &W.router_scale},
@@ -503,14 +506,16 @@ void feed_forward(ModelState& m, int li, const Activation& attn, Activation& h, 
       });
 
   // The two branches' sum, then its norm added to the residual and the layer scalar
-  // applied: the encoder's rows (first) and the decoder's each have their own.
+  // applied (the encoder's rows, first, and the decoder's each have their own), then the
+  // next norm of the stream.
   const int64_t decoder_rows = n - encoder_rows;
   for (const auto& [first, rows, scalar] : {std::tuple{int64_t(0), encoder_rows, W.encoder_layer_scalar},
                                             std::tuple{encoder_rows, decoder_rows, W.decoder_layer_scalar}}) {
     if (!rows) continue;
     Activation branch = moe.view(first, rows), sum = dense.view(first, rows), residual = h.view(first, rows);
+    Activation normed = next.view(first, rows);
     be.add_rms_norm_twice(branch, &W.post_feedforward_layernorm_2, sum, &W.post_feedforward_layernorm, eps, residual,
-                          scalar);
+                          scalar, &next_norm, &normed);
   }
 }
 
@@ -523,11 +528,22 @@ struct Placed {
   int64_t cache_length;    // cached tokens it reads (decoder: including this batch's encoder rows)
 };
 
-// One layer over every row of the batch. Encoder rows write their KV into the cache
-// before any row attends, so a decoder segment reads the encoder rows of the same
-// sequence from this very layer (the commit-fused denoise).
-void layer_forward(ModelState& m, KvCache& kv, int li, Activation& h, const std::vector<int64_t>& positions,
-                   const std::vector<Placed>& placed, int64_t encoder_rows) {
+// A layer's input norm's output: the queries', keys' and values' products read it.
+Activation alloc_layer_input(ModelState& m, int li, int64_t rows) {
+  const LayerWeights& W = m.weights.layers[li];
+  std::vector<const Weight*> projections = {&W.q_proj, &W.k_proj};
+  if (m.config.layers[li].has_v_proj) projections.push_back(&W.v_proj);
+  return m.backend->alloc_product_input(rows, m.config.hidden_size, projections);
+}
+
+// One layer over every row of the batch, from x = its input norm of h; its last op writes
+// `next` = h's next norm by next_norm (the next layer's input norm, or the final norm) for
+// the rows that go on. Encoder rows write their KV into the cache before any row attends, so
+// a decoder segment reads the encoder rows of the same sequence from this very layer (the
+// commit-fused denoise).
+void layer_forward(ModelState& m, KvCache& kv, int li, Activation& h, const Activation& x,
+                   const std::vector<int64_t>& positions, const std::vector<Placed>& placed, int64_t encoder_rows,
+                   const Weight& next_norm, Activation& next) {
   Backend& be = *m.backend;
   const ModelConfig& c = m.config;
   const LayerConfig& L = c.layers[li];
@@ -536,8 +552,6 @@ void layer_forward(ModelState& m, KvCache& kv, int li, Activation& h, const std:
   const int64_t q_cols = int64_t(c.num_heads) * L.head_dim;
   const int64_t window = L.sliding ? c.sliding_window : 0;
 
-  Activation x = be.alloc_output(n, H);
-  be.rms_norm(h, &W.input_layernorm, H, c.rms_norm_eps, x);
   Activation k, v;
   auto keys_and_values = [&] {
     project_kv(m, li, x, encoder_rows, positions, k, v);
@@ -552,7 +566,7 @@ void layer_forward(ModelState& m, KvCache& kv, int li, Activation& h, const std:
     }
   };
 
-  // Past its KV, the encoder's last layer feeds nothing: only decoder rows go on.
+  // Past its KV, the encoder's last layer feeds nothing: only decoder rows go on (`next`'s rows).
   const int64_t first = li == c.num_layers - 1 ? encoder_rows : 0;
   if (first == n) return keys_and_values();
   Activation rows_h = h.view(first, n - first), rows_x = x.view(first, n - first);
@@ -581,8 +595,9 @@ void layer_forward(ModelState& m, KvCache& kv, int li, Activation& h, const std:
   }
   be.attention(q, segments, c.num_heads, L.num_kv_heads, L.head_dim, attn, m.bf16_activations);
 
-  be.linear_with_input_quant(attn, W.o_proj, rows_x, rows_encoder);
-  feed_forward(m, li, rows_x, rows_h, rows_encoder);
+  Activation projected = be.alloc_output(n - first, H);
+  be.linear_with_input_quant(attn, W.o_proj, projected, rows_encoder);
+  feed_forward(m, li, projected, rows_h, rows_encoder, next_norm, next);
 }
 
 }  // namespace
@@ -651,7 +666,18 @@ Activation forward(ModelState& m, KvCache& kv, std::vector<Segment>& segments, c
     be.rms_norm(dec, nullptr, H, c.rms_norm_eps, dec);
   }
 
-  for (int li = 0; li < c.num_layers; ++li) layer_forward(m, kv, li, h, positions, placed, encoder_rows);
+  // Each layer's input norm comes from the layer before, whose last op writes it; the last
+  // layer's writes the final norm of the decoder rows, the lm_head's input.
+  const Weight& lm_head = W.lm_head.empty() ? W.embed_tokens : W.lm_head;
+  Activation x = alloc_layer_input(m, 0, n);
+  be.rms_norm(h, &W.layers[0].input_layernorm, H, c.rms_norm_eps, x);
+  for (int li = 0; li < c.num_layers; ++li) {
+    const bool last = li == c.num_layers - 1;
+    Activation next = last ? be.alloc_product_input(decoder_rows, H, {&lm_head}) : alloc_layer_input(m, li + 1, n);
+    layer_forward(m, kv, li, h, x, positions, placed, encoder_rows, last ? W.norm : W.layers[li + 1].input_layernorm,
+                  next);
+    x = next;
+  }
   for (Placed& p : placed)
     if (p.segment->encoder) kv.append(*p.segment->table, p.segment->tokens);
 
@@ -659,9 +685,7 @@ Activation forward(ModelState& m, KvCache& kv, std::vector<Segment>& segments, c
     throw InvalidArgument("forward: the logits matrix is not [denoise rows, vocab]");
   Activation logits = logits_out ? *logits_out : be.alloc_output(decoder_rows, c.vocab_size);
   if (decoder_rows) {
-    Activation dec = h.view(encoder_rows, decoder_rows);
-    be.rms_norm(dec, &W.norm, H, c.rms_norm_eps, dec);
-    be.linear_with_input_quant(dec, W.lm_head.empty() ? W.embed_tokens : W.lm_head, logits, 0);
+    be.linear_with_input_quant(x, lm_head, logits, 0);
     if (softcap && c.final_logit_softcapping > 0) be.softcap(logits, c.final_logit_softcapping);
   }
   return logits;
