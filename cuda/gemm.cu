@@ -83,8 +83,6 @@
 // Weights stream by 16-byte cp.async (4-byte for NVFP4's scales) where their rows allow
 // it (whole, aligned chunks); partial chunks are zero-filled past N and K. Otherwise (tiny
 // test models) the same bytes are copied one by one.
-#include <cuda_fp8.h>
-
 #include <algorithm>
 #include <stdexcept>
 

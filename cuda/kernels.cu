@@ -146,11 +146,16 @@ __global__ void rms_norm_kernel(const float* x, NormOutputs outs, NormOutputs th
 // (which would spill 340 bytes) one block.
 constexpr int kRowKernelThreads = 512, kRowKernelPairThreads = 384;
 constexpr int kRowValues = 8;
+// The first column of this thread's chunk c (kWidth values) of a row.
+template <int kWidth>
+__device__ __forceinline__ int64_t row_column(int c) {
+  return (threadIdx.x + int64_t(c) * blockDim.x) * kWidth;
+}
 template <int kWidth>
 __device__ __forceinline__ void load_row(const float* row, int64_t group, float (&v)[kRowValues]) {
 #pragma unroll
   for (int i = 0; i < kRowValues / kWidth; ++i) {
-    const int64_t j = (threadIdx.x + int64_t(i) * blockDim.x) * kWidth;
+    const int64_t j = row_column<kWidth>(i);
     if constexpr (kWidth == 4) {
       const float4 q = j < group ? *reinterpret_cast<const float4*>(row + j) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
       v[4 * i] = q.x, v[4 * i + 1] = q.y, v[4 * i + 2] = q.z, v[4 * i + 3] = q.w;
@@ -163,7 +168,7 @@ template <int kWidth>
 __device__ __forceinline__ void store_row(float* row, int64_t group, const float (&v)[kRowValues]) {
 #pragma unroll
   for (int i = 0; i < kRowValues / kWidth; ++i) {
-    const int64_t j = (threadIdx.x + int64_t(i) * blockDim.x) * kWidth;
+    const int64_t j = row_column<kWidth>(i);
     if (j >= group) continue;
     if constexpr (kWidth == 4) *reinterpret_cast<float4*>(row + j) = {v[4 * i], v[4 * i + 1], v[4 * i + 2], v[4 * i + 3]};
     else row[j] = v[i];
@@ -179,9 +184,7 @@ __device__ __forceinline__ void write_prepared(const PreparedX& p, int64_t g, in
                                                const float (&v)[kRowValues]) {
   constexpr int kChunks = kRowValues / kWidth;
   // Value i of chunk c, zero past the row (its padding up to kp).
-  auto value = [&](int c, int i) {
-    return (threadIdx.x + int64_t(c) * blockDim.x) * kWidth + i < group ? v[c * kWidth + i] : 0.0f;
-  };
+  auto value = [&](int c, int i) { return row_column<kWidth>(c) + i < group ? v[c * kWidth + i] : 0.0f; };
   uint8_t* const row = p.rows + g * p.row_bytes();
   if (p.input == GemmInput::Fp8Token) {
     float amax = 0.0f;
@@ -193,7 +196,7 @@ __device__ __forceinline__ void write_prepared(const PreparedX& p, int64_t g, in
     if (threadIdx.x == 0) p.scales[g] = scale;
 #pragma unroll
     for (int c = 0; c < kChunks; ++c) {
-      const int64_t j = (threadIdx.x + int64_t(c) * blockDim.x) * kWidth;
+      const int64_t j = row_column<kWidth>(c);
       if (j >= p.kp) continue;
       if constexpr (kWidth == 4)
         *reinterpret_cast<uint32_t*>(row + j) =
@@ -206,7 +209,7 @@ __device__ __forceinline__ void write_prepared(const PreparedX& p, int64_t g, in
   __nv_bfloat16* const lo = hi + p.kp;  // Split's
 #pragma unroll
   for (int c = 0; c < kChunks; ++c) {
-    const int64_t j = (threadIdx.x + int64_t(c) * blockDim.x) * kWidth;
+    const int64_t j = row_column<kWidth>(c);
     if (j >= p.kp) continue;
     uint32_t h[2], l[2];
 #pragma unroll
