@@ -161,6 +161,25 @@ void check_fragments() {
   report(!wrong, "ldmatrix + E4M3 halves + m16n8k16 emulation (host)", std::to_string(wrong) + " of 2304 outputs wrong");
 }
 
+// Weights stored tiled (gemm_tile.cuh): every 16-byte chunk of a matrix has one place, and
+// a (row block, slice)'s 128 rows are one contiguous 16 KB run, laid out as the swizzled
+// shared-memory tile, so that copying it in order fills the tile.
+void check_tiled_layout() {
+  const int64_t n = 384, slices = 5;
+  std::vector<int> seen(size_t(n * slices * kRowBytes / 16), 0);
+  int64_t misplaced = 0;
+  for (int64_t r = 0; r < n; ++r)
+    for (int64_t s = 0; s < slices; ++s)
+      for (int c = 0; c < kRowBytes / 16; ++c) {
+        const int64_t at = tiled_offset(r, s, c, slices), run = (r / 128 * slices + s) * 128 * kRowBytes;
+        ++seen[size_t(at / 16)];
+        if (at % 16 || at - run != swizzle(int(r % 128), c)) ++misplaced;
+      }
+  const int64_t twice = std::count_if(seen.begin(), seen.end(), [](int v) { return v != 1; });
+  report(!misplaced && !twice, "tiled weights: chunk places (host)",
+         std::to_string(misplaced) + " misplaced, " + std::to_string(twice) + " not once");
+}
+
 // The K order of decoded packed weights (gemm_tile.cuh): packed_k_source permutes each
 // 64-column slice, and the X column at each of lane l's A fragment positions (bf16
 // m16n8k16: columns 2t + 8j + e of K step ks, t = l % 4) is the W column its B fragment
@@ -227,7 +246,22 @@ struct Problem {
   std::vector<GemmSegment> segs;  // w.values as the index of the segment's matrix until uploaded
   GemmInput input = GemmInput::Split;
   bool gated = false;  // X's rows [gate | up], 2K values: the product takes gelu_glu of them
+  bool tiled = false;  // the matrices uploaded tiled (GemmMatrix::tiled)
 };
+
+// `matrices` [n, row_bytes] byte matrices one after the other, each stored tiled
+// (gemm_tile.cuh: n a multiple of 128, row_bytes of kRowBytes).
+std::vector<uint8_t> tiled_bytes(const std::vector<uint8_t>& rows, int64_t matrices, int64_t n, int64_t row_bytes) {
+  std::vector<uint8_t> out(rows.size());
+  const int64_t slices = row_bytes / kRowBytes, matrix_bytes = n * row_bytes;
+  for (int64_t m = 0; m < matrices; ++m)
+    for (int64_t r = 0; r < n; ++r)
+      for (int64_t s = 0; s < slices; ++s)
+        for (int c = 0; c < kRowBytes / 16; ++c)
+          std::memcpy(&out[size_t(m * matrix_bytes + tiled_offset(r, s, c, slices))],
+                      &rows[size_t(m * matrix_bytes + r * row_bytes + s * kRowBytes + 16 * c)], 16);
+  return out;
+}
 
 int matrix_of(const GemmSegment& s) { return int(reinterpret_cast<intptr_t>(s.w.values)); }
 
@@ -256,11 +290,12 @@ const int kTileHeights[] = {16, 32, 64, 128};
 // Runs `p` with the given tile height; returns Y (y_rows x ldy).
 std::vector<float> run(const Problem& p, int tile_rows) {
   float* x = upload(p.x);
-  uint8_t* w = upload(p.w);
+  const int64_t row_bytes = weight_row_bytes(p.format, p.k), matrices = int64_t(p.w.size()) / (p.n * row_bytes);
+  uint8_t* w = upload(p.tiled ? tiled_bytes(p.w, matrices, p.n, row_bytes) : p.w);
   const bool fp8 = p.format == WeightFormat::Fp8;
   float* row_scales = p.format == WeightFormat::Plain ? nullptr : upload(fp8 ? p.packed.scales : p.packed.global_scales);
   uint8_t* group_scales = p.format == WeightFormat::Nvfp4 ? upload(p.packed.group_scales) : nullptr;
-  const ExpertStack stack{{w, row_scales, group_scales}, p.format, p.n, p.k};
+  const ExpertStack stack{{w, row_scales, group_scales, p.tiled}, p.format, p.n, p.k};
   int64_t* row_map = p.row_map.empty() ? nullptr : upload(p.row_map);
   std::vector<GemmSegment> segs = p.segs;
   for (auto& s : segs) s.w = stack.expert(matrix_of(s));
@@ -277,7 +312,7 @@ std::vector<float> run(const Problem& p, int tile_rows) {
 #endif
   } else if (segs.size() == 1 && p.row_map.empty() && segs[0].x_row == 0 && segs[0].y_row == 0) {
     gemm(x, p.x_rows, p.ldx, p.gated, nullptr, &segs[0], nullptr, int((segs[0].rows + tile_rows - 1) / tile_rows),
-         tile_rows, p.format, p.n, p.k, p.input, y, p.ldy, nullptr, scratch, nullptr);
+         tile_rows, p.format, p.tiled, p.n, p.k, p.input, y, p.ldy, nullptr, scratch, nullptr);
   } else {  // device-planned style: tiles per segment, then unused slots
     std::vector<GemmTile> tiles;
     for (size_t s = 0; s < segs.size(); ++s)
@@ -285,8 +320,8 @@ std::vector<float> run(const Problem& p, int tile_rows) {
     for (int i = 0; i < 5; ++i) tiles.insert(tiles.begin() + (tiles.size() * i) / 5, GemmTile{-1, 0});
     GemmSegment* d_segs = upload(segs);
     GemmTile* d_tiles = upload(tiles);
-    gemm(x, p.x_rows, p.ldx, p.gated, row_map, d_segs, d_tiles, int(tiles.size()), tile_rows, p.format, p.n, p.k,
-         p.input, y, p.ldy, nullptr, scratch, nullptr);
+    gemm(x, p.x_rows, p.ldx, p.gated, row_map, d_segs, d_tiles, int(tiles.size()), tile_rows, p.format, p.tiled, p.n,
+         p.k, p.input, y, p.ldy, nullptr, scratch, nullptr);
     check(cudaDeviceSynchronize(), "gemm");
     cudaFree(d_segs);
     cudaFree(d_tiles);
@@ -440,6 +475,11 @@ Problem fp8_token(Problem p, bool zero_rows = false) {
   for (int64_t r = 0; zero_rows && r < p.x_rows; r += 7) std::fill_n(&p.x[size_t(r * p.ldx)], p.ldx, 0.0f);
   return p;
 }
+// p with its weights stored tiled.
+Problem tiled(Problem p) {
+  p.tiled = true;
+  return p;
+}
 
 // X's rows (x_values) fake-quantized by the CUDA backend's quantize_input.
 std::vector<float> fake_quantized(const Problem& p) {
@@ -491,6 +531,7 @@ void check_against_fake_quant(const Problem& p, const char* name, int tile_rows)
   Problem split = p;
   split.input = GemmInput::Split;
   split.gated = false;  // its rows: the fake-quantized activations
+  split.tiled = false;  // Split decodes FP8 weights, which it reads as rows
   const std::vector<float> fake = fake_quantized(p);
   for (int64_t r = 0; r < p.x_rows; ++r) std::copy_n(&fake[size_t(r * p.k)], p.k, &split.x[size_t(r * p.ldx)]);
   const std::vector<float> y8 = run(p, tile_rows), y_fake = run(split, tile_rows);
@@ -578,8 +619,24 @@ std::vector<Case> bf16_dense_cases() {
   return cases;
 }
 
+// Weights stored tiled (N % 128 == 0, K % 64 == 0 bf16, 128 E4M3): bf16 with hi/lo and
+// rounded X, a tile of 256 rows over two tiles, gathered X rows, FP8 x FP8.
+std::vector<Case> tiled_cases() {
+  std::vector<Case> cases;
+  cases.push_back({"dense 130x256x192 tiled", tiled(dense(130, 256, 192))});
+  cases.push_back({"dense 200x384x512 round tiled", tiled(dense(200, 384, 512, 0, 0, GemmInput::RoundBf16))});
+  cases.push_back({"moe up 300 tok, 16 exp top 4, 256x128 tiled", tiled(moe(300, 16, 4, 256, 128, true, 21))});
+  Problem round = tiled(moe(500, 8, 2, 384, 704, false, 22));
+  round.input = GemmInput::RoundBf16;
+  cases.push_back({"moe down 500 tok, 8 exp top 2, 384x704 round tiled", round});
+  cases.push_back({"moe up 300 tok, 16 exp top 4, 256x256 fp8x8 tiled",
+                   tiled(fp8_token(moe(300, 16, 4, 256, 256, true, 23, WeightFormat::Fp8)))});
+  return cases;
+}
+
 void correctness() {
   std::vector<Case> cases = bf16_dense_cases();
+  for (Case& c : tiled_cases()) cases.push_back(std::move(c));
   cases.push_back({"moe up 40 tok, 6 exp top 3, 48x72", moe(40, 6, 3, 48, 72, true, 1)});
   cases.push_back({"moe down 40 tok, 6 exp top 3, 72x24", moe(40, 6, 3, 72, 24, false, 2)});
   cases.push_back({"moe up 300 tok, 16 exp top 4, 264x136", moe(300, 16, 4, 264, 136, true, 3)});
@@ -644,6 +701,7 @@ void correctness() {
     // Bitwise across the heights, except E4M3 on wgmma against mma.sync (other sums).
     std::vector<float> first_on[2];
     for (int t : kTileHeights) {
+      if (c.p.tiled && !on_wgmma(c.p, t)) continue;  // tiled weights take the wgmma tiles alone
       const std::vector<float> y = run(c.p, t);
       verify(c.p, y, c.name, t);
       std::vector<float>& first = first_on[c.p.input == GemmInput::Fp8Token && on_wgmma(c.p, t)];
@@ -717,7 +775,7 @@ void check_cublaslt() {
 // the backend's (gemm_tile_rows) unless `tile` names one.
 void bench(const char* name, int64_t tokens, int64_t n, int64_t k, int experts, int top_k, bool gather,
            WeightFormat format = WeightFormat::Plain, GemmInput input = GemmInput::Split, bool on_cublaslt = false,
-           int tile = 0) {
+           int tile = 0, bool tiled = false) {
   // The backend picks one tile height for both expert GEMMs, from the narrower (gate_up's 1408).
   const bool moe_layer = experts > 0;
   const int64_t rows = moe_layer ? tokens * top_k : tokens;  // output rows
@@ -742,7 +800,7 @@ void bench(const char* name, int64_t tokens, int64_t n, int64_t k, int experts, 
   check(cudaMemset(group_scales, 0x38, std::max<size_t>(group_bytes, 1)), "group scales");  // E4M3 1.0
   check(cudaMalloc(&scratch, gemm_scratch_bytes(x_rows, n, k, input)), "scratch");
   random_fill(x, reinterpret_cast<__nv_bfloat16*>(w), x_rows * k, value_bytes / 2);
-  const ExpertStack stack{{w, row_scales, group_scales}, format, n, k};
+  const ExpertStack stack{{w, row_scales, group_scales, tiled}, format, n, k};  // random bytes: any layout
   std::vector<GemmSegment> segs;
   std::vector<GemmTile> tiles;
   std::vector<int64_t> row_map;
@@ -771,15 +829,15 @@ void bench(const char* name, int64_t tokens, int64_t n, int64_t k, int experts, 
       return cublaslt().multiply(x, x_rows, k, false, input, {stack.expert(0)}, n, k, {y}, n, nullptr, scratch,
                                  nullptr);
 #endif
-    gemm(x, x_rows, k, false, d_map, moe_layer ? d_segs : segs.data(), d_tiles, num_tiles, tile_rows, format, n, k,
-         input, y, n, nullptr, scratch, nullptr);
+    gemm(x, x_rows, k, false, d_map, moe_layer ? d_segs : segs.data(), d_tiles, num_tiles, tile_rows, format, tiled, n,
+         k, input, y, n, nullptr, scratch, nullptr);
   };
   const float ms = time_ms(call);
   const double flops = 2.0 * double(rows) * double(n) * double(k);
   const double w_bytes = double(value_bytes + group_bytes + row_scale_bytes);
-  std::printf("%-38s %-5s %-8s: %9.1f us  %6.1f TFLOP/s (useful)  %5.2f TB/s of weights\n", name,
-              format_name(format, input), engine_name(tile_rows).c_str(), ms * 1e3, flops / (ms * 1e-3) / 1e12,
-              w_bytes / (ms * 1e-3) / 1e12);
+  std::printf("%-38s %-5s %-8s%s: %9.1f us  %6.1f TFLOP/s (useful)  %5.2f TB/s of weights\n", name,
+              format_name(format, input), engine_name(tile_rows).c_str(), tiled ? " tiled" : "", ms * 1e3,
+              flops / (ms * 1e-3) / 1e12, w_bytes / (ms * 1e-3) / 1e12);
   cudaFree(x), cudaFree(y), cudaFree(w), cudaFree(row_scales), cudaFree(group_scales), cudaFree(scratch);
   cudaFree(d_segs), cudaFree(d_tiles), cudaFree(d_map);
 }
@@ -792,6 +850,7 @@ int main(int argc, char** argv) {
   check_e4m3_codes();
   check_fragments();
   check_packed_order();
+  check_tiled_layout();
   if (mode == "--host") {
     std::printf("%s\n", failures ? "HOST CHECK FAILURES" : "all host checks passed");
     return failures ? 1 : 0;
@@ -869,6 +928,10 @@ int main(int argc, char** argv) {
     for (const auto& [f, input] : kinds) {
       bench("experts up 2816->1408", tokens, 1408, 2816, 128, 8, true, f, input);
       bench("experts down 704->2816", tokens, 2816, 704, 128, 8, false, f, input);
+      if (f == WeightFormat::Plain || input == GemmInput::Fp8Token) {  // and with the weights stored tiled
+        bench("experts up 2816->1408", tokens, 1408, 2816, 128, 8, true, f, input, false, 0, true);
+        bench("experts down 704->2816", tokens, 2816, 704, 128, 8, false, f, input, false, 0, true);
+      }
     }
   }
   return failures ? 1 : 0;

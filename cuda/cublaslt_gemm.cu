@@ -147,7 +147,7 @@ const CublasLtGemm::Plan* CublasLtGemm::usable_plan(GemmInput input, const GemmM
 }
 
 bool CublasLtGemm::supports(GemmInput input, const GemmMatrix& w, int64_t n, int64_t k, const float* y, int64_t ldy) {
-  return usable_plan(input, w, n, k, y, ldy) != nullptr;
+  return !w.tiled && usable_plan(input, w, n, k, y, ldy) != nullptr;
 }
 
 void CublasLtGemm::multiply(const float* x, int64_t m, int64_t ldx, bool gated, GemmInput input,

@@ -305,6 +305,30 @@ class CudaBackend final : public Backend {
     return w;
   }
 
+  // Expert stacks whose products take the wgmma tiles with operands alike (bf16, or E4M3 with
+  // FP8 per-token inputs), [E, N, K] with N a multiple of 128 and rows of whole 128-byte
+  // slices, are stored tiled, in place: each stage's 128 rows one contiguous 16 KB run
+  // (gemm_tile.cuh), as the MoE's GEMM streams them best. The rows pass through a buffer of
+  // their own, not the pool's (which would keep it).
+  void lay_out_experts(Weight& w) override {
+    bind();
+    if (w.shape.size() != 3 || w.tiled) return;
+    const int64_t row_bytes = cuda::weight_row_bytes(w.format, w.shape[2]);
+    if (!cuda::gemm_has_wgmma_tile(gemm_input(w), w.format) || w.shape[1] % 128 || row_bytes % 128) return;
+    const size_t bytes = size_t(w.shape[0] * w.shape[1] * row_bytes);
+    void* rows = nullptr;
+    if (cudaMalloc(&rows, bytes) != cudaSuccess) {  // no room for the copy: the stack stays as rows
+      cudaGetLastError();
+      return;
+    }
+    auto* values = static_cast<uint8_t*>(const_cast<void*>(w.data));
+    check(cudaMemcpyAsync(rows, values, bytes, cudaMemcpyDeviceToDevice, stream_), "lay_out_experts");
+    cuda::tile_matrices(static_cast<const uint8_t*>(rows), w.shape[0], w.shape[1], row_bytes, values, stream_);
+    check(cudaStreamSynchronize(stream_), "lay_out_experts");
+    cudaFree(rows);
+    w.tiled = true;
+  }
+
   // FP8 with one scale per output row (per channel, or per tensor repeated), and NVFP4's
   // 16-value groups, are what the GEMM dequantizes in its main loop.
   bool keeps_packed(const PackedWeight& w) const override {
@@ -416,7 +440,8 @@ class CudaBackend final : public Backend {
       for (int64_t m0 = 0; m0 < x.rows; m0 += tile) tiles.push_back({int(i), int(m0)});
     }
     cuda::gemm(x.data, x.rows, x.cols, false, nullptr, upload_table(segments), upload_table(tiles), int(tiles.size()),
-               tile, ws.front()->format, first.n, first.k, input, y.data, y.cols, x_prepared, scratch.get(), stream_);
+               tile, ws.front()->format, weights.front().tiled, first.n, first.k, input, y.data, y.cols, x_prepared,
+               scratch.get(), stream_);
   }
 
   void quantized_linear(const Activation& x, const Weight& w, Activation& y, int64_t encoder_rows) override {
@@ -593,8 +618,8 @@ class CudaBackend final : public Backend {
     const std::optional<cuda::PreparedX> up_prepared = prepared(input, up_input, gate_up.format);
     cuda::gemm(input.data, input.rows, input.cols, false, up_rows,
                static_cast<const cuda::GemmSegment*>(up_segments.get()), device_tiles, max_tiles, tile_rows,
-               gate_up.format, inter2, hidden, up_input, gu.data, gu.cols, up_prepared ? &*up_prepared : nullptr,
-               up_scratch.get(), stream_);
+               gate_up.format, gate_up.tiled, inter2, hidden, up_input, gu.data, gu.cols,
+               up_prepared ? &*up_prepared : nullptr, up_scratch.get(), stream_);
     // The activation: in the down product's pre-pass where it can be (gated_input).
     const bool gated = gated_input(down);
     Activation act = gu;
@@ -606,8 +631,8 @@ class CudaBackend final : public Backend {
     }
     auto down_scratch = pool_->get(cuda::gemm_scratch_bytes(pairs, hidden, inter2 / 2, down_input));
     cuda::gemm(act.data, pairs, act.cols, gated, nullptr, static_cast<const cuda::GemmSegment*>(down_segments.get()),
-               device_tiles, max_tiles, tile_rows, down.format, hidden, inter2 / 2, down_input, y.data, y.cols, nullptr,
-               down_scratch.get(), stream_);
+               device_tiles, max_tiles, tile_rows, down.format, down.tiled, hidden, inter2 / 2, down_input, y.data,
+               y.cols, nullptr, down_scratch.get(), stream_);
     cuda::combine_experts(y.data, static_cast<const int64_t*>(inverse.get()), routing.weights.data, tokens,
                           routing.top_k, hidden, out.data, stream_);
   }
@@ -821,8 +846,8 @@ class CudaBackend final : public Backend {
     if (products_on_cublaslt(x, gated, x_prepared, {w}, format, n, k, input, {y.data}, y.cols, scratch.get())) return;
     const cuda::GemmSegment seg{0, 0, int(x.rows), w};
     const int tile = cuda::gemm_tile_rows(x.rows, 1, n, input, format);
-    cuda::gemm(x.data, x.rows, x.cols, gated, nullptr, &seg, nullptr, int((x.rows + tile - 1) / tile), tile, format, n,
-               k, input, y.data, y.cols, x_prepared, scratch.get(), stream_);
+    cuda::gemm(x.data, x.rows, x.cols, gated, nullptr, &seg, nullptr, int((x.rows + tile - 1) / tile), tile, format,
+               w.tiled, n, k, input, y.data, y.cols, x_prepared, scratch.get(), stream_);
   }
 
   // Products of X (x's rows, or gated as gemm_dense says) with weights ws[i] ([n, k] each;
@@ -917,7 +942,7 @@ class CudaBackend final : public Backend {
   // A linear's weight ([N, K]) or expert stack ([E, N, K]) as the GEMM reads it.
   static cuda::ExpertStack matrices(const Weight& w) {
     if (w.format == WeightFormat::Plain) bf16(w);  // checks the dtype
-    return {{w.data, w.row_scales, w.group_scales}, w.format, w.shape[w.shape.size() - 2], w.shape.back()};
+    return {{w.data, w.row_scales, w.group_scales, w.tiled}, w.format, w.shape[w.shape.size() - 2], w.shape.back()};
   }
 
   // Copies a small host table to the device for the next kernels, without waiting: the

@@ -83,6 +83,15 @@
 // Weights stream by 16-byte cp.async (4-byte for NVFP4's scales) where their rows allow
 // it (whole, aligned chunks); partial chunks are zero-filled past N and K. Otherwise (tiny
 // test models) the same bytes are copied one by one.
+//
+// Expert stacks the wgmma tiles read (bf16, or E4M3 with FP8 X) are stored tiled by the
+// backend (Backend::lay_out_experts; gemm_tile.cuh, tiled_offset): each stage's 128 weight
+// rows are one contiguous 16 KB run, already swizzled, so a stage is a plain copy and the
+// memory serves few long runs instead of 128 rows' 128-byte pieces (stream_bench: 4.36 ->
+// 4.53 TB/s for gate_up's pattern). The tiled load is a kernel of its own (kTiled): one
+// kernel with both loads kept both address sets live, 30-40 registers more. On the H200 at
+// batch 1 (gemm_bench --moe): bf16 gate_up / down 247.5 / 134.6 -> 236.4 / 131.9 us, FP8
+// 138.6 / 95.2 -> 135.7 / 90.8 us.
 #include <algorithm>
 #include <stdexcept>
 
@@ -151,6 +160,7 @@ struct Params {
   GemmSegment single;  // the segment when tiles is null (dense)
   int64_t n, k;
   bool w_vector;   // weights by cp.async (whole aligned chunks per row, see gemm())
+  bool w_tiled;    // the weights stored tiled (GemmMatrix::tiled), every segment's
   bool y_pairs;    // Y by float2 stores (ldy even, aligned)
   int64_t k_slice;  // split-K: K columns per blockIdx.z, a multiple of the stage's K
   float* y;
@@ -207,7 +217,8 @@ using Wgmma128 = Shape<128, 128, 1, 4, 3, 3, 1, true>;  // 144 KB; 96 KB
 // the W columns it multiplies and two warps over the same columns would decode them twice.
 using MediumDecoded = Shape<64, 128, 1, 4, 3, 3, 2>;  // 72 / 62 KB
 
-template <class S, GemmInput kInput, WeightFormat kFormat>
+// kTiled: the weights are stored tiled (GemmMatrix::tiled), each stage's 128 rows one run.
+template <class S, GemmInput kInput, WeightFormat kFormat, bool kTiled>
 __global__ void __launch_bounds__(S::kThreads, S::kBlocks) gemm_kernel(const Params p) {
   wait_for_earlier_kernels();
   constexpr int kBM = S::kBM, kBN = S::kBN, kStages = S::stages(kFormat), kThreads = S::kThreads;
@@ -219,6 +230,7 @@ __global__ void __launch_bounds__(S::kThreads, S::kBlocks) gemm_kernel(const Par
   constexpr int kRowStep = kThreads / 8;  // tile rows one pass of the block's 16-byte copies covers
   constexpr int kALoads = kBM / kRowStep;
   constexpr bool kDecode = decodes(kInput, kFormat);
+  static_assert(!kTiled || (!kDecode && S::kWgmma), "tiled weights: not decoded, on the wgmma tiles");
   // A stage's W row: 16-byte chunks of the MMA tile (swizzled) or of the packed slice (in order).
   constexpr int kWRowBytes = weight_row_stage_bytes(kInput, kFormat);
   constexpr int kWChunks = kBN * kWRowBytes / 16, kWLoads = kWChunks / kThreads;
@@ -283,7 +295,17 @@ __global__ void __launch_bounds__(S::kThreads, S::kBlocks) gemm_kernel(const Par
     uint8_t* const w_stage = base + kABytes;
     const int64_t slice_offset = weight_row_bytes(kFormat, k0);
     auto w_dst = [&](int r, int chunk) { return kDecode ? w_stage + r * kWRowBytes + 16 * chunk : w_stage + swizzle(r, chunk); };
-    if (p.w_vector) {  // whole chunks: each is all inside the row or all past it (one uniform branch)
+    if constexpr (kTiled) {
+      // Each 128 rows of the stage are one contiguous 16 KB run, stored as the tile itself
+      // (swizzled): a plain copy, byte `at` of the tile from byte `at` of its run (N % 128 == 0).
+      const int64_t slices = w_row_bytes / kRowBytes, slice = slice_offset / kRowBytes;
+#pragma unroll
+      for (int j = 0; j < kWLoads; ++j) {
+        const int at = 16 * (tid + j * kThreads);
+        const int64_t run = (n0 / 128 + at / kTiledRunBytes) * slices + slice;
+        cp_async16(shared_address(w_stage + at), w_values + run * kTiledRunBytes + at % kTiledRunBytes, true);
+      }
+    } else if (p.w_vector) {  // whole chunks: each is all inside the row or all past it (one uniform branch)
       const bool k_ok = slice_offset + 16 * w_chunk < w_row_bytes;
 #pragma unroll
       for (int j = 0; j < kWLoads; ++j) {
@@ -661,20 +683,29 @@ __global__ void sum_copies_kernel(const float* partial, int copies, int64_t n, f
   y[i] = acc;
 }
 
-template <class S, GemmInput kInput, WeightFormat kFormat>
+template <class S, GemmInput kInput, WeightFormat kFormat, bool kTiled = false>
 void launch_gemm(const Params& p, dim3 grid, cudaStream_t stream) {
   constexpr int bytes = S::smem_bytes(kInput, kFormat);
-  cudaFuncSetAttribute(gemm_kernel<S, kInput, kFormat>, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
-  launch(gemm_kernel<S, kInput, kFormat>, grid, S::kThreads, bytes, stream, p);
+  const auto kernel = gemm_kernel<S, kInput, kFormat, kTiled>;
+  cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+  launch(kernel, grid, S::kThreads, bytes, stream, p);
 }
 
-// A wgmma tile (bf16 weights with X split or rounded, or FP8 weights with FP8 X).
+// A wgmma tile (bf16 weights with X split or rounded, or FP8 weights with FP8 X), its
+// weights stored as rows or tiled (kernels of their own: both loads in one kernel kept the
+// addresses of both live, 30-40 registers more).
+template <class S, bool kTiled>
+void launch_wgmma(const Params& p, GemmInput input, dim3 grid, cudaStream_t stream) {
+  if (input == GemmInput::RoundBf16) launch_gemm<S, GemmInput::RoundBf16, WeightFormat::Plain, kTiled>(p, grid, stream);
+  else if (input == GemmInput::Fp8Token)
+    launch_gemm<S, GemmInput::Fp8Token, WeightFormat::Fp8, kTiled>(p, grid, stream);
+  else launch_gemm<S, GemmInput::Split, WeightFormat::Plain, kTiled>(p, grid, stream);
+}
 template <class S>
 void launch_wgmma(const Params& p, GemmInput input, int64_t num_tiles, int splits, cudaStream_t stream) {
   const dim3 grid{unsigned((p.n + S::kBN - 1) / S::kBN), unsigned(num_tiles), unsigned(splits)};
-  if (input == GemmInput::RoundBf16) launch_gemm<S, GemmInput::RoundBf16, WeightFormat::Plain>(p, grid, stream);
-  else if (input == GemmInput::Fp8Token) launch_gemm<S, GemmInput::Fp8Token, WeightFormat::Fp8>(p, grid, stream);
-  else launch_gemm<S, GemmInput::Split, WeightFormat::Plain>(p, grid, stream);
+  if (p.w_tiled) launch_wgmma<S, true>(p, input, grid, stream);
+  else launch_wgmma<S, false>(p, input, grid, stream);
 }
 
 // RoundBf16 (linear_nt's soft embedding) only ever multiplies plain weights, Fp8Token FP8 ones.
@@ -682,6 +713,7 @@ template <class S, class SDecoded = S>
 void launch_shape(const Params& p, GemmInput input, WeightFormat format, int64_t num_tiles, int splits,
                   cudaStream_t stream) {
   static_assert(S::kBN == SDecoded::kBN && S::kBM == SDecoded::kBM, "one tile, two warp layouts");
+  if (p.w_tiled) throw std::invalid_argument("gemm: weights stored tiled take the wgmma tiles (sm_90a)");
   const dim3 grid{unsigned((p.n + S::kBN - 1) / S::kBN), unsigned(num_tiles), unsigned(splits)};
   if (input == GemmInput::RoundBf16) launch_gemm<S, GemmInput::RoundBf16, WeightFormat::Plain>(p, grid, stream);
   else if (input == GemmInput::Fp8Token) launch_gemm<S, GemmInput::Fp8Token, WeightFormat::Fp8>(p, grid, stream);
@@ -795,7 +827,7 @@ PreparedX prepare_gemm_input(const float* x, int64_t rows, int64_t ldx, bool gat
 }
 
 void gemm(const float* x, int64_t x_rows, int64_t ldx, bool gated, const int64_t* row_map, const GemmSegment* segments,
-          const GemmTile* tiles, int num_tiles, int tile_rows, WeightFormat format, int64_t n, int64_t k,
+          const GemmTile* tiles, int num_tiles, int tile_rows, WeightFormat format, bool w_tiled, int64_t n, int64_t k,
           GemmInput input, float* y, int64_t ldy, const PreparedX* prepared, void* scratch, cudaStream_t stream) {
   if (input == GemmInput::RoundBf16 && format != WeightFormat::Plain)
     throw std::invalid_argument("gemm: RoundBf16 takes bf16 weights");
@@ -812,6 +844,7 @@ void gemm(const float* x, int64_t x_rows, int64_t ldx, bool gated, const int64_t
 
   // With `tiles` null, `segments` is a host pointer to the single segment, passed by value.
   const GemmSegment single = tiles ? GemmSegment{} : *segments;
+  if (!tiles && single.w.tiled != w_tiled) throw std::invalid_argument("gemm: w_tiled is not the segment's layout");
   static_assert(Small::kBN == Medium::kBN, "one block width below 128 rows");
   const SplitK split = !tiles && ldy == n ? split_k(n, k, input) : SplitK{1, kp};
   const int splits = split.splits;
@@ -839,6 +872,7 @@ void gemm(const float* x, int64_t x_rows, int64_t ldx, bool gated, const int64_t
   // allocations, so that aligns them all).
   const bool whole_chunks = weight_row_bytes(format, k) % 16 == 0 && (format != WeightFormat::Nvfp4 || k % 64 == 0);
   p.w_vector = whole_chunks && (tiles || reinterpret_cast<uintptr_t>(single.w.values) % 16 == 0);
+  p.w_tiled = w_tiled;
   p.y_pairs = ldy % 2 == 0 && reinterpret_cast<uintptr_t>(out) % 8 == 0;
   p.k_slice = split.k_slice;
   p.y = out;

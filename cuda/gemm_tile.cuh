@@ -30,6 +30,16 @@ constexpr int kRowBytes = 128;  // bytes of a tile row: one K slice
 // Byte offset of (row, 16-byte chunk) in a tile.
 DS_HOST_DEVICE constexpr int swizzle(int row, int chunk) { return row * kRowBytes + ((chunk ^ (row & 7)) << 4); }
 
+// Weights stored tiled (GemmMatrix::tiled): a matrix of N rows (a multiple of 128) of
+// `slices` K slices of kRowBytes bytes each, as tiles of 128 rows x one slice (16 KB), in the
+// order (block of 128 rows, slice), each laid out as the shared-memory tile it is copied
+// into: a stage's copies of those 128 rows read one contiguous run. The byte of (row, slice,
+// 16-byte chunk):
+constexpr int kTiledRunBytes = 128 * kRowBytes;
+DS_HOST_DEVICE constexpr int64_t tiled_offset(int64_t row, int64_t slice, int chunk, int64_t slices) {
+  return (row / 128 * slices + slice) * kTiledRunBytes + swizzle(int(row % 128), chunk);
+}
+
 // The tile row and chunk whose address lane `lane` gives to ldmatrix.x4 for the A
 // fragment of the 16 rows from `row0` at 32-byte K step `ks`: lanes 0-15 rows 0-15 at
 // bytes 0-15 of the step, lanes 16-31 the same rows at bytes 16-31, which makes

@@ -41,6 +41,9 @@ struct GemmMatrix {
   const void* values;           // bf16 or E4M3 [N, K]; NVFP4 [N, K / 2]
   const float* row_scales;      // packed: FP8's scale, NVFP4's global scale, per row (Weight::row_scales)
   const uint8_t* group_scales;  // NVFP4: E4M3 [N, K / 16]
+  // bf16, or E4M3 with Fp8Token X: the values stored tiled (gemm_tile.cuh, tiled_offset), N a
+  // multiple of 128 and K of 64 (bf16) or 128 (E4M3), the same bytes as [N, K].
+  bool tiled = false;
 };
 struct GemmSegment {
   int64_t x_row;
@@ -60,7 +63,7 @@ struct ExpertStack {
   DS_HOST_DEVICE GemmMatrix expert(int e) const {
     return {static_cast<const uint8_t*>(first.values) + e * n * weight_row_bytes(format, k),
             first.row_scales ? first.row_scales + e * n : nullptr,
-            first.group_scales ? first.group_scales + e * n * (k / 16) : nullptr};
+            first.group_scales ? first.group_scales + e * n * (k / 16) : nullptr, first.tiled};
   }
 };
 struct GemmTile {
@@ -109,8 +112,10 @@ PreparedX prepare_gemm_input(const float* x, int64_t rows, int64_t ldx, bool gat
                              bool permuted, void* scratch, cudaStream_t stream);
 // `prepared`: X already as the pre-pass would write it (not gated, not permuted: weights the
 // kernel does not decode), or null for the pre-pass into `scratch`.
+// `w_tiled`: every segment's weights are stored tiled (GemmMatrix::tiled; the wgmma tiles
+// alone read them).
 void gemm(const float* x, int64_t x_rows, int64_t ldx, bool gated, const int64_t* row_map, const GemmSegment* segments,
-          const GemmTile* tiles, int num_tiles, int tile_rows, WeightFormat format, int64_t n, int64_t k,
+          const GemmTile* tiles, int num_tiles, int tile_rows, WeightFormat format, bool w_tiled, int64_t n, int64_t k,
           GemmInput input, float* y, int64_t ldy, const PreparedX* prepared, void* scratch, cudaStream_t stream);
 // Fp8Token's codes and scales, for gemm() and its tests: per row of X (rows x k, ldx apart; gated
 // as gemm() says), the FP8 token scale into scales[row] and the E4M3 codes of x / scale
@@ -314,6 +319,10 @@ void quantize_nvfp4_expert_rows(const float* x, bool gather, const int64_t* row_
 
 // Fills n bf16 values with random_weight_value (backend.h's dummy weights).
 void random_bf16(__nv_bfloat16* out, int64_t n, uint64_t seed, float scale, cudaStream_t stream);
+// `matrices` [n, row_bytes] matrices one after the other (in), each stored tiled into out
+// (GemmMatrix::tiled: n a multiple of 128, row_bytes of 128).
+void tile_matrices(const uint8_t* in, int64_t matrices, int64_t n, int64_t row_bytes, uint8_t* out,
+                   cudaStream_t stream);
 
 struct DeviceRowSample {
   int32_t argmax;

@@ -89,6 +89,7 @@ struct Weight {
   // weight_scale per 16 inputs, [.., out, in / 16]. The CPU backend's data is the PackedWeight.
   const float* row_scales = nullptr;
   const uint8_t* group_scales = nullptr;
+  bool tiled = false;  // the values stored tiled (Backend::lay_out_experts; cuda/gemm_tile.cuh)
   std::shared_ptr<const void> storage;
   ActivationQuant input_quant;  // a linear's; scheme None for most weights
 
@@ -186,6 +187,9 @@ class Backend {
     (void)readers;
     return alloc_output(rows, cols);
   }
+  // An expert stack ([E, N, K]) as loaded, its input quantization known: a backend may lay
+  // it out again for its MoE products (the CUDA backend stores it tiled, Weight::tiled).
+  virtual void lay_out_experts(Weight& stack) { (void)stack; }
   // Bytes the KV cache may take by default, asked once the weights are loaded.
   virtual int64_t default_kv_cache_bytes() = 0;
   // Whether upload_packed takes `w` as it is (format and group size): its linear and

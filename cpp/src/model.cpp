@@ -437,6 +437,8 @@ void load_weights(ModelState& m, DType as) {
   }
   src.check_all_taken(c.tie_word_embeddings);
   if (m.bf16_activations) round_linear_inputs(w);
+  for (LayerWeights& l : w.layers)
+    for (Weight* stack : {&l.experts_gate_up, &l.experts_down}) m.backend->lay_out_experts(*stack);
   m.weight_dtype = as;
   m.embed_scale = round_to_dtype(std::sqrt(float(H)), as);
 }
