@@ -505,24 +505,34 @@ __global__ void random_bf16_kernel(__nv_bfloat16* out, int64_t n, uint64_t seed,
 // Softmax statistics kept online over a stream of values: the running max m, s = the sum
 // of e^(x - m) and t = the sum of e^(x - m) (x - m), for the entropy; -inf values (masked
 // ids) count for nothing. e^x on the special function unit (__expf), as the softmax op.
+// Values come four at a time: one max and at most one rescale a group, the four terms
+// summed as a tree before they join the running sums (fewer branches and a shorter chain of
+// dependent operations than value by value: the batch-1 sampler took 604 us on the H200,
+// against 614-617 us in three earlier traces).
 struct OnlineSoftmax {
   float m, s, t;
 
-  __device__ void add(float x) {
-    if (x == -INFINITY) return;
-    if (x > m) {  // a new max: what came before (nothing, the first time) is rescaled to it
+  __device__ void add(const float (&x)[4]) {
+    const float top = fmaxf(fmaxf(x[0], x[1]), fmaxf(x[2], x[3]));
+    if (top == -INFINITY) return;
+    if (top > m) {  // a new max: what came before (nothing, the first time) is rescaled to it
       if (s > 0.0f) {
-        const float c = __expf(m - x);
-        t = c * (t + (m - x) * s);
+        const float c = __expf(m - top);
+        t = c * (t + (m - top) * s);
         s *= c;
       }
-      m = x;
-      s += 1.0f;
-    } else {
-      const float e = __expf(x - m);
-      s += e;
-      t += e * (x - m);
+      m = top;
     }
+    float e[4], et[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const bool counts = x[j] != -INFINITY;
+      const float d = counts ? x[j] - m : 0.0f;
+      e[j] = counts ? __expf(d) : 0.0f;
+      et[j] = e[j] * d;
+    }
+    s += (e[0] + e[1]) + (e[2] + e[3]);
+    t += (et[0] + et[1]) + (et[2] + et[3]);
   }
   __device__ void merge(const OnlineSoftmax& o) {
     if (o.s == 0.0f) return;
@@ -601,15 +611,17 @@ __global__ void __launch_bounds__(kSampleThreads, 2)
   int best_i = INT_MAX;
   OnlineSoftmax dist{-INFINITY, 0.0f, 0.0f}, feedback = dist;
   for (int64_t v4 = first4; v4 < vocab; v4 += stride4) {
-    float x[4];
+    float x[4], f[4];
     load4(v4, x);
-    for (int j = 0; j < 4 && v4 + j < vocab; ++j) {
-      const int64_t v = v4 + j;
-      const float p = x[j] = processed(v, x[j]);
-      if (p > best || (p == best && v < best_i)) best = p, best_i = int(v);
-      dist.add(p);
-      feedback.add(fed_back(p));
+    // A thread's ids rise, so its running argmax keeps the first of equal values by `>`.
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const float p = x[j] = v4 + j < vocab ? processed(v4 + j, x[j]) : -INFINITY;
+      f[j] = fed_back(p);
+      if (p > best) best = p, best_i = int(v4 + j);
     }
+    dist.add(x);
+    feedback.add(f);
     store4(v4, x);
   }
   block_argmax(best, best_i);
