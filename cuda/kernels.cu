@@ -19,8 +19,10 @@ constexpr int kThreads = 256;
 // multiprocessors hold to keep the memory system busy.
 constexpr int kRowThreads = 1024;
 // The sampler's blocks: 512 threads, two a multiprocessor at its 64 registers, so a batch-1
-// canvas (256 rows) runs in one wave on 132 multiprocessors.
-constexpr int kSampleThreads = 512;
+// canvas (256 rows) runs in one wave on 132 multiprocessors. Each thread has two float4
+// loads of its row in flight (batch 1 on the H200: 594 us, against 605 us with one; 256
+// threads with eight each, at 100 registers, took 821 us).
+constexpr int kSampleThreads = 512, kSampleLoads = 2;
 
 unsigned blocks_for(int64_t n) { return unsigned((n + kThreads - 1) / kThreads); }
 
@@ -606,13 +608,25 @@ __global__ void __launch_bounds__(kSampleThreads, 2)
     else
       for (int j = 0; j < 4 && v4 + j < vocab; ++j) l[v4 + j] = x[j];
   };
+  // f(v4, x) on this thread's ids four at a time (x: the row's values from v4), in the same
+  // order in both passes, kSampleLoads loads issued before any value is used.
   const int64_t first4 = int64_t(threadIdx.x) * 4, stride4 = int64_t(blockDim.x) * 4;
+  auto for_each4 = [&](auto f) {
+    for (int64_t base = first4; base < vocab; base += kSampleLoads * stride4) {
+      float x[kSampleLoads][4];
+#pragma unroll
+      for (int u = 0; u < kSampleLoads; ++u)
+        if (base + u * stride4 < vocab) load4(base + u * stride4, x[u]);
+#pragma unroll
+      for (int u = 0; u < kSampleLoads; ++u)
+        if (base + u * stride4 < vocab) f(base + u * stride4, x[u]);
+    }
+  };
   float best = -INFINITY;
   int best_i = INT_MAX;
   OnlineSoftmax dist{-INFINITY, 0.0f, 0.0f}, feedback = dist;
-  for (int64_t v4 = first4; v4 < vocab; v4 += stride4) {
-    float x[4], f[4];
-    load4(v4, x);
+  for_each4([&](int64_t v4, float (&x)[4]) {
+    float f[4];
     // A thread's ids rise, so its running argmax keeps the first of equal values by `>`.
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
@@ -623,16 +637,15 @@ __global__ void __launch_bounds__(kSampleThreads, 2)
     dist.add(x);
     feedback.add(f);
     store4(v4, x);
-  }
+  });
   block_argmax(best, best_i);
   dist = block_merge(dist);
   feedback = block_merge(feedback);
   const float inv_sum = 1.0f / feedback.s, reach = best + kGumbelMin;
   float best_noisy = -INFINITY;
   int noisy_i = INT_MAX;
-  for (int64_t v4 = first4; v4 < vocab; v4 += stride4) {
-    float x[4], p[4];
-    load4(v4, p);
+  for_each4([&](int64_t v4, float (&p)[4]) {
+    float x[4];
     bool draw = false;
     for (int j = 0; j < 4 && v4 + j < vocab; ++j) {
       const float f = fed_back(p[j]);
@@ -640,14 +653,14 @@ __global__ void __launch_bounds__(kSampleThreads, 2)
       draw |= !(p[j] + kGumbelMax < reach);
     }
     store4(v4, x);
-    if (!draw) continue;
+    if (!draw) return;
     const Philox4 bits = key.draw(uint32_t(row), uint32_t(v4));
     for (int j = 0; j < 4 && v4 + j < vocab; ++j) {
       if (p[j] + kGumbelMax < reach) continue;
       const float noisy = p[j] + gumbel(bits[j]);
       if (noisy > best_noisy || (noisy == best_noisy && v4 + j < noisy_i)) best_noisy = noisy, noisy_i = int(v4 + j);
     }
-  }
+  });
   block_argmax(best_noisy, noisy_i);
   if (threadIdx.x == 0) out[row] = {best_i, noisy_i, dist.entropy()};
 }
