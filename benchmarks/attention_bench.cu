@@ -112,7 +112,8 @@ std::vector<AttentionSegment> segments(const Problem& p, const float* k, const f
 }
 
 // Runs the attention on the GPU (inputs rounded to bf16 or not); returns the output (rows x
-// heads x dim), NaN where nothing was written.
+// heads x dim), NaN where nothing was written. Its bf16 copy (AttentionOutput::bf16) must be
+// every written value rounded to bf16, bit for bit.
 std::vector<float> run(const Problem& p, bool round_bf16, AttentionPlan* plan_out = nullptr) {
   float* q = upload(p.q);
   float* k = upload(p.k);
@@ -126,11 +127,21 @@ std::vector<float> run(const Problem& p, bool round_bf16, AttentionPlan* plan_ou
   const size_t out_bytes = sizeof(float) * p.q.size();
   check(cudaMalloc(&out, out_bytes), "malloc out");
   check(cudaMemset(out, 0xff, out_bytes), "memset out");  // NaN
-  attention(q, out, plan, tables, scratch, p.heads, p.kv_heads, nullptr);
+  __nv_bfloat16* out_bf16 = nullptr;
+  check(cudaMalloc(&out_bf16, out_bytes / 2), "malloc out_bf16");
+  attention(q, {out, out_bf16}, plan, tables, scratch, p.heads, p.kv_heads, nullptr);
   check(cudaDeviceSynchronize(), "attention");
   std::vector<float> result(p.q.size());
+  std::vector<__nv_bfloat16> rounded(p.q.size());
   check(cudaMemcpy(result.data(), out, out_bytes, cudaMemcpyDeviceToHost), "download");
-  cudaFree(q), cudaFree(k), cudaFree(v), cudaFree(out), cudaFree(scratch);
+  check(cudaMemcpy(rounded.data(), out_bf16, out_bytes / 2, cudaMemcpyDeviceToHost), "download bf16");
+  size_t copies_differ = 0;
+  for (size_t i = 0; i < result.size(); ++i) {
+    const __nv_bfloat16 expected = __float2bfloat16(result[i]);
+    copies_differ += !std::isnan(result[i]) && std::memcmp(&expected, &rounded[i], sizeof expected) != 0;
+  }
+  if (copies_differ) report(false, "bf16 copy of the output", std::to_string(copies_differ) + " values differ");
+  cudaFree(q), cudaFree(k), cudaFree(v), cudaFree(out), cudaFree(out_bf16), cudaFree(scratch);
   cudaFree(const_cast<DeviceAttentionSegment*>(tables.segments)), cudaFree(const_cast<DeviceKeySpan*>(tables.spans));
   cudaFree(const_cast<AttentionItem*>(tables.items)), cudaFree(const_cast<AttentionMerge*>(tables.merges));
   if (plan_out) *plan_out = plan;
@@ -511,7 +522,7 @@ void bench(const char* name, int heads, int kv_heads, int dim, int64_t window, i
   const AttentionTables tables{upload(plan.segments), upload(plan.spans), upload(plan.items), upload(plan.merges)};
   void* scratch = nullptr;
   check(cudaMalloc(&scratch, std::max<size_t>(plan.scratch_bytes(), 1)), "scratch");
-  auto call = [&] { attention(q, out, plan, tables, scratch, heads, kv_heads, nullptr); };
+  auto call = [&] { attention(q, {out, nullptr}, plan, tables, scratch, heads, kv_heads, nullptr); };
   const double us = time_ms(call) * 1e3, keys = double(cached + kCanvas);
   // Useful work (QK and PV, no masking here) and the K/V bytes the blocks stream (each block its piece).
   const double flops = 4.0 * batch * kCanvas * heads * keys * dim;

@@ -20,11 +20,11 @@ namespace {
 
 constexpr int kQueries = 16, kChunk = 32, kThreads = 256;
 
-__global__ void __launch_bounds__(kThreads) attention_kernel(const float* __restrict__ q, float* __restrict__ out,
-                                                             const DeviceAttentionSegment* __restrict__ segments,
-                                                             const DeviceKeySpan* __restrict__ spans,
-                                                             const AttentionItem* __restrict__ items, int num_heads,
-                                                             int num_kv_heads, int head_dim, bool round_bf16) {
+__global__ void __launch_bounds__(kThreads)
+    attention_kernel(const float* __restrict__ q, const AttentionOutput out,
+                     const DeviceAttentionSegment* __restrict__ segments, const DeviceKeySpan* __restrict__ spans,
+                     const AttentionItem* __restrict__ items, int num_heads, int num_kv_heads, int head_dim,
+                     bool round_bf16) {
   wait_for_earlier_kernels();
   // With activations "bfloat16", Q, K, V and P rounded to bf16 before their products.
   auto input = [round_bf16](float x) { return round_bf16 ? __bfloat162float(__float2bfloat16(x)) : x; };
@@ -110,8 +110,10 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(const float* __rest
   for (int i = tid; i < nq * d; i += kThreads) {
     const int j = i / d, c = i % d;
     const int64_t row = seg.first_row + item.row0 + j / heads;
-    const float l = l_run[j];
-    out[row * q_stride + int64_t(item.kv_head * group + j % heads) * d + c] = l > 0.0f ? O[i] / l : 0.0f;
+    const float l = l_run[j], v = l > 0.0f ? O[i] / l : 0.0f;
+    const int64_t at = row * q_stride + int64_t(item.kv_head * group + j % heads) * d + c;
+    out.values[at] = v;
+    if (out.bf16) out.bf16[at] = __float2bfloat16(v);
   }
 }
 
@@ -244,8 +246,8 @@ AttentionPlan plan_attention(const std::vector<AttentionSegment>& segments, int 
   return plan;
 }
 
-void attention(const float* q, float* out, const AttentionPlan& plan, const AttentionTables& tables, void* scratch,
-               int num_heads, int num_kv_heads, cudaStream_t stream) {
+void attention(const float* q, const AttentionOutput& out, const AttentionPlan& plan, const AttentionTables& tables,
+               void* scratch, int num_heads, int num_kv_heads, cudaStream_t stream) {
   if (plan.items.empty()) return;
   if (plan.queries_per_slot)
     return attention_mma(q, out, plan, tables, scratch, num_heads, num_kv_heads, stream);

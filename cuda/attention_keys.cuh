@@ -1,7 +1,8 @@
 // What the two tensor-core attention kernels (attention_mma.cu on mma.sync, attention_wgmma.cu
 // on Hopper's wgmma) share: a block's query vectors (where they are, which keys they see),
 // walking its piece of a segment's keys across the KV cache's spans, keys' positions
-// relative to the segment, and the online softmax's steps.
+// relative to the segment, the online softmax's steps, and the output's stores (the merge
+// kernel's too).
 #pragma once
 
 #include <climits>
@@ -10,6 +11,7 @@
 
 #include "cp_async.cuh"  // their staging
 #include "kernels.h"
+#include "mma.cuh"
 
 namespace diffuserve::cuda {
 
@@ -59,6 +61,20 @@ struct KeyWalk {
   __device__ bool has(Cursor c) const { return c.span <= last_span; }
 };
 
+// Output values `at` .. at + kCount - 1 (an offset into the output's rows; kCount 2 or 4, `at`
+// a multiple of it), and their bf16 copies where the output has them.
+template <int kCount>
+__device__ __forceinline__ void store_output(const AttentionOutput& out, int64_t at, const float (&v)[kCount]) {
+  static_assert(kCount == 2 || kCount == 4, "float2 or float4 stores");
+  if constexpr (kCount == 2) {
+    *reinterpret_cast<float2*>(out.values + at) = {v[0], v[1]};
+    if (out.bf16) *reinterpret_cast<uint32_t*>(out.bf16 + at) = round_bf16x2(v[0], v[1]);
+  } else {
+    *reinterpret_cast<float4*>(out.values + at) = {v[0], v[1], v[2], v[3]};
+    if (out.bf16) *reinterpret_cast<uint2*>(out.bf16 + at) = {round_bf16x2(v[0], v[1]), round_bf16x2(v[2], v[3])};
+  }
+}
+
 // A key's position relative to the segment's first query, clamped into int (where a key
 // that far away is seen or not as at the clamp); kNoKey, below every bound, for no key.
 constexpr int kNoKey = INT_MIN;
@@ -90,10 +106,11 @@ struct ItemQueries {
     return (seg.first_row + item.row0 + j / group) * int64_t(num_heads) * head_dim +
            int64_t(item.kv_head * group + j % group) * head_dim;
   }
-  // Where vector j's output goes: to `out` when the item's piece is all its rows see, else
-  // to its row of the item's partial slot (queries_per_slot rows), for the merge.
-  __device__ float* output(float* out, float* partial_out, int queries_per_slot, int j) const {
-    return item.slot < 0 ? out + offset(j) : partial_out + (int64_t(item.slot) * queries_per_slot + j) * head_dim;
+  // Vector j's output goes to the output (at offset(j)) when the item's piece is all its rows
+  // see (item.slot < 0), else to its row of the item's partial slot (queries_per_slot rows),
+  // for the merge: there.
+  __device__ float* partial(float* partial_out, int queries_per_slot, int j) const {
+    return partial_out + (int64_t(item.slot) * queries_per_slot + j) * head_dim;
   }
   // The item's piece of the segment's keys, as its rows may see them.
   __device__ KeyWalk keys(const DeviceKeySpan* spans) const {

@@ -103,7 +103,7 @@ __device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* row) {
 
 template <int kDim, bool kRound>
 __global__ void __launch_bounds__(Shape<kDim>::kThreads, 1)
-    attention_mma_kernel(const float* __restrict__ q, float* __restrict__ out, float* __restrict__ partial_out,
+    attention_mma_kernel(const float* __restrict__ q, const AttentionOutput out, float* __restrict__ partial_out,
                          float2* __restrict__ partial_ml, const DeviceAttentionSegment* __restrict__ segments,
                          const DeviceKeySpan* __restrict__ spans, const AttentionItem* __restrict__ items,
                          int num_heads, int num_kv_heads) {
@@ -349,15 +349,15 @@ __global__ void __launch_bounds__(Shape<kDim>::kThreads, 1)
       if (j >= nq) continue;
       const float inv = denom[j] > 0.0f ? 1.0f / denom[j] : 0.0f;
       const auto scaled = [inv](float x) { return x * inv; };
-      float* dst = queries.output(out, partial_out, kQueries, j) + d0 + 8 * t;
 #pragma unroll
       for (int half = 0; half < 2; ++half)
 #pragma unroll
         for (int c = 0; c < 2; ++c) {
-          const int r = 2 * h + c, tile = half * 4;
-          const float4 y = {scaled(o[mt][tile][r]), scaled(o[mt][tile + 1][r]), scaled(o[mt][tile + 2][r]),
-                            scaled(o[mt][tile + 3][r])};
-          *reinterpret_cast<float4*>(dst + half * 32 + 4 * c) = y;
+          const int r = 2 * h + c, tile = half * 4, dim = d0 + 8 * t + half * 32 + 4 * c;
+          const float y[4] = {scaled(o[mt][tile][r]), scaled(o[mt][tile + 1][r]), scaled(o[mt][tile + 2][r]),
+                              scaled(o[mt][tile + 3][r])};
+          if (item.slot < 0) store_output(out, queries.offset(j) + dim, y);
+          else *reinterpret_cast<float4*>(queries.partial(partial_out, kQueries, j) + dim) = {y[0], y[1], y[2], y[3]};
         }
     }
 }
@@ -367,7 +367,7 @@ __global__ void __launch_bounds__(Shape<kDim>::kThreads, 1)
 // once): piece p weighs l_p e^(m_p - M) / sum over the pieces (M: their largest max; a
 // piece that saw no key weighs 0), and the weighted outputs are added in piece order.
 constexpr int kMergeWarps = 8;
-__global__ void attention_merge_kernel(float* __restrict__ out, const float* __restrict__ partial_out,
+__global__ void attention_merge_kernel(const AttentionOutput out, const float* __restrict__ partial_out,
                                        const float2* __restrict__ partial_ml,
                                        const DeviceAttentionSegment* __restrict__ segments,
                                        const AttentionMerge* __restrict__ merges, int num_heads, int num_kv_heads,
@@ -387,16 +387,16 @@ __global__ void attention_merge_kernel(float* __restrict__ out, const float* __r
   for (int s = 16; s > 0; s >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, s);
   const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
   const int64_t row = segments[merge.segment].first_row + merge.row0 + j / group;
-  float* dst = out + row * num_heads * int64_t(head_dim) + int64_t(merge.kv_head * group + j % group) * head_dim;
+  const int64_t at = row * num_heads * int64_t(head_dim) + int64_t(merge.kv_head * group + j % group) * head_dim;
   for (int d = 4 * lane; d < head_dim; d += 128) {
-    float4 acc = {0.0f, 0.0f, 0.0f, 0.0f};
+    float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
     for (int p = 0; p < merge.pieces; ++p) {
       const float w = weight(ml[p * queries_per_slot]) * inv;
       const float4 x = *reinterpret_cast<const float4*>(
           partial_out + ((int64_t(merge.slot) + p) * queries_per_slot + j) * head_dim + d);
-      acc.x += w * x.x, acc.y += w * x.y, acc.z += w * x.z, acc.w += w * x.w;
+      acc[0] += w * x.x, acc[1] += w * x.y, acc[2] += w * x.z, acc[3] += w * x.w;
     }
-    *reinterpret_cast<float4*>(dst + d) = acc;
+    store_output(out, at + d, acc);
   }
 }
 
@@ -420,7 +420,7 @@ int attention_mma_resident_blocks(int head_dim, bool round_bf16) {
   return blocks;
 }
 
-void attention_mma(const float* q, float* out, const AttentionPlan& plan, const AttentionTables& tables,
+void attention_mma(const float* q, const AttentionOutput& out, const AttentionPlan& plan, const AttentionTables& tables,
                    void* scratch, int num_heads, int num_kv_heads, cudaStream_t stream) {
   // Scratch: the slots' outputs ([slot][query][head_dim]), then their (max, sum) pairs, then
   // the wgmma kernel's bf16 keys and values.

@@ -116,7 +116,7 @@ __device__ __forceinline__ float4 load_or_zero(const float* src) {
 
 template <int kDim>
 __global__ void __launch_bounds__(kThreads, 1)
-    attention_wgmma_kernel(const float* __restrict__ q, float* __restrict__ out, float* __restrict__ partial_out,
+    attention_wgmma_kernel(const float* __restrict__ q, const AttentionOutput out, float* __restrict__ partial_out,
                            float2* __restrict__ partial_ml, const __nv_bfloat16* __restrict__ packed_keys,
                            const __nv_bfloat16* __restrict__ packed_values,
                            const DeviceAttentionSegment* __restrict__ segments, const DeviceKeySpan* __restrict__ spans,
@@ -323,10 +323,13 @@ __global__ void __launch_bounds__(kThreads, 1)
     const int j = row[h];
     if (j >= nq) continue;
     const float inv = l > 0.0f ? 1.0f / l : 0.0f;
-    float* dst = queries.output(out, partial_out, kQueries, j) + 256 * dims;
 #pragma unroll
-    for (int c = 0; c < 256 / 8; ++c)
-      *reinterpret_cast<float2*>(dst + 8 * c + 2 * t) = {o[4 * c + 2 * h] * inv, o[4 * c + 2 * h + 1] * inv};
+    for (int c = 0; c < 256 / 8; ++c) {
+      const int dim = 256 * dims + 8 * c + 2 * t;
+      const float v[2] = {o[4 * c + 2 * h] * inv, o[4 * c + 2 * h + 1] * inv};
+      if (item.slot < 0) store_output(out, queries.offset(j) + dim, v);
+      else *reinterpret_cast<float2*>(queries.partial(partial_out, kQueries, j) + dim) = {v[0], v[1]};
+    }
     if (item.slot >= 0 && t == 0 && dims == 0) partial_ml[int64_t(item.slot) * kQueries + j] = {m_run[h], l};
   }
 #else
@@ -363,9 +366,9 @@ int attention_wgmma_resident_blocks(int head_dim) {
   return blocks;
 }
 
-void attention_wgmma(const float* q, float* out, float* partial_out, float2* partial_ml, __nv_bfloat16* packed_keys,
-                     __nv_bfloat16* packed_values, const AttentionPlan& plan, const AttentionTables& tables,
-                     int num_heads, int num_kv_heads, cudaStream_t stream) {
+void attention_wgmma(const float* q, const AttentionOutput& out, float* partial_out, float2* partial_ml,
+                     __nv_bfloat16* packed_keys, __nv_bfloat16* packed_values, const AttentionPlan& plan,
+                     const AttentionTables& tables, int num_heads, int num_kv_heads, cudaStream_t stream) {
   if (plan.packed_cols != int64_t(num_kv_heads) * plan.head_dim)
     throw std::invalid_argument("attention_wgmma: the plan's bf16 rows are not num_kv_heads x head_dim values");
   if (plan.packed_rows > INT32_MAX) throw std::invalid_argument("attention_wgmma: more than 2^31 keys");

@@ -541,7 +541,15 @@ class CudaBackend final : public Backend {
     const cuda::AttentionTables tables{upload_table(plan.segments), upload_table(plan.spans), upload_table(plan.items),
                                        upload_table(plan.merges)};
     auto scratch = pool_->get(plan.scratch_bytes());
-    cuda::attention(q.data, out.data, plan, tables, scratch.get(), int(num_heads), int(num_kv_heads), stream_);
+    // out's product input (alloc_product_input): bf16-rounded rows with nothing padded the
+    // kernels write beside the values; any other form a pre-pass writes after them.
+    const cuda::PreparedX product = product_rows(out);
+    const bool rounded_rows = product.rows && product.input == cuda::GemmInput::RoundBf16 && product.kp == out.cols;
+    const cuda::AttentionOutput output{out.data,
+                                       rounded_rows ? reinterpret_cast<__nv_bfloat16*>(product.rows) : nullptr};
+    cuda::attention(q.data, output, plan, tables, scratch.get(), int(num_heads), int(num_kv_heads), stream_);
+    if (product.rows && !rounded_rows)
+      cuda::write_gemm_input(out.data, out.rows, out.cols, false, out.cols, false, product, stream_);
   }
 
   void gelu_glu(const Activation& x, Activation& out) override {

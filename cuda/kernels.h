@@ -216,8 +216,16 @@ struct AttentionTables {
   const AttentionItem* items;
   const AttentionMerge* merges;
 };
-void attention(const float* q, float* out, const AttentionPlan& plan, const AttentionTables& tables, void* scratch,
-               int num_heads, int num_kv_heads, cudaStream_t stream);
+// Where the attention writes its output: fp32 rows of num_heads x head_dim values, and,
+// where `bf16` is not null, the same values rounded to bf16 at the same places (the o
+// projection's input as gemm.cu's RoundBf16 pre-pass would write it, when no column is
+// padded), so that no pre-pass rounds them again.
+struct AttentionOutput {
+  float* values;
+  __nv_bfloat16* bf16;
+};
+void attention(const float* q, const AttentionOutput& out, const AttentionPlan& plan, const AttentionTables& tables,
+               void* scratch, int num_heads, int num_kv_heads, cudaStream_t stream);
 
 // The tensor-core kernels for head dims 64, 128, 256 and 512 (attention_mma.cu on mma.sync;
 // attention_wgmma.cu on Hopper's wgmma for head dims 256 and 512 with inputs rounded to
@@ -228,7 +236,7 @@ int attention_mma_queries(int head_dim, bool round_bf16);
 // Their blocks that run at once on the current device (multiprocessors x blocks per one); 1
 // where none serves the head dim.
 int attention_mma_resident_blocks(int head_dim, bool round_bf16);
-void attention_mma(const float* q, float* out, const AttentionPlan& plan, const AttentionTables& tables,
+void attention_mma(const float* q, const AttentionOutput& out, const AttentionPlan& plan, const AttentionTables& tables,
                    void* scratch, int num_heads, int num_kv_heads, cudaStream_t stream);
 bool attention_wgmma_serves(int head_dim, bool round_bf16);
 int attention_wgmma_queries(int head_dim);
@@ -237,9 +245,9 @@ int attention_wgmma_resident_blocks(int head_dim);
 // lays out its scratch; attention_mma merges them), after a pre-pass that writes the spans'
 // keys and values as bf16 into `packed_keys` and `packed_values` (plan.packed_rows x
 // plan.packed_cols each).
-void attention_wgmma(const float* q, float* out, float* partial_out, float2* partial_ml, __nv_bfloat16* packed_keys,
-                     __nv_bfloat16* packed_values, const AttentionPlan& plan, const AttentionTables& tables,
-                     int num_heads, int num_kv_heads, cudaStream_t stream);
+void attention_wgmma(const float* q, const AttentionOutput& out, float* partial_out, float2* partial_ml,
+                     __nv_bfloat16* packed_keys, __nv_bfloat16* packed_values, const AttentionPlan& plan,
+                     const AttentionTables& tables, int num_heads, int num_kv_heads, cudaStream_t stream);
 // attention's scratch: the partial results, then from this offset (256-byte aligned) the
 // bf16 keys, then the bf16 values, each of this many bytes.
 inline size_t attention_packed_offset(size_t partial_bytes) { return (partial_bytes + 255) / 256 * 256; }

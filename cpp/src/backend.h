@@ -177,11 +177,11 @@ class Backend {
   // step at the 26B shapes); the CPU backend's alloc costs nothing more.
   virtual Activation alloc_output(int64_t rows, int64_t cols) { return alloc(rows, cols); }
   // A matrix that norm ops (outputs of whole rows: rms_norm, rms_norms,
-  // add_rms_norm_then_norms, add_rms_norm_twice's `next`) are about to write whole, and whose
-  // products are by `readers` (linears, or an expert stack's first product): the backend
-  // may keep beside it the form in which those products take their input
-  // (Activation::product_input), which the norms then write with the values, so that no
-  // product converts them again. The graph writes such a matrix through those norms alone.
+  // add_rms_norm_then_norms, add_rms_norm_twice's `next`) or attention are about to write
+  // whole, and whose products are by `readers` (linears, or an expert stack's first product):
+  // the backend may keep beside it the form in which those products take their input
+  // (Activation::product_input), which those ops then write with the values, so that no
+  // product converts them again. The graph writes such a matrix through those ops alone.
   // By default alloc_output.
   virtual Activation alloc_product_input(int64_t rows, int64_t cols, const std::vector<const Weight*>& readers) {
     (void)readers;

@@ -575,7 +575,7 @@ void layer_forward(ModelState& m, KvCache& kv, int li, Activation& h, const Acti
   const int64_t rows_encoder = encoder_rows - first;
   // The queries, beside the keys and values (independent until the attention).
   const std::vector<int64_t> q_positions(positions.begin() + first, positions.end());
-  Activation q = be.alloc_output(n - first, q_cols), attn = be.alloc_output(n - first, q_cols);
+  Activation q = be.alloc_output(n - first, q_cols), attn = be.alloc_product_input(n - first, q_cols, {&W.o_proj});
   be.concurrently(keys_and_values, [&] {
     be.linear_with_input_quant(rows_x, W.q_proj, q, rows_encoder);
     be.rms_norm_rope(q, W.q_norm, L.head_dim, c.rms_norm_eps, W.rope_inv_freq, q_positions);
