@@ -627,12 +627,13 @@ __global__ void __launch_bounds__(kSampleThreads, 2)
   OnlineSoftmax dist{-INFINITY, 0.0f, 0.0f}, feedback = dist;
   for_each4([&](int64_t v4, float (&x)[4]) {
     float f[4];
-    // A thread's ids rise, so its running argmax keeps the first of equal values by `>`.
+    // A thread's ids rise, so its running argmax keeps the first of equal values by `>`
+    // (and takes the first id at all, even where every value is -inf).
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
       const float p = x[j] = v4 + j < vocab ? processed(v4 + j, x[j]) : -INFINITY;
       f[j] = fed_back(p);
-      if (p > best) best = p, best_i = int(v4 + j);
+      if (v4 + j < vocab && (p > best || (p == best && best_i == INT_MAX))) best = p, best_i = int(v4 + j);
     }
     dist.add(x);
     feedback.add(f);
