@@ -152,7 +152,7 @@ bool CublasLtGemm::supports(GemmInput input, const GemmMatrix& w, int64_t n, int
 
 void CublasLtGemm::multiply(const float* x, int64_t m, int64_t ldx, bool gated, GemmInput input,
                             const std::vector<GemmMatrix>& ws, int64_t n, int64_t k, const std::vector<float*>& ys,
-                            int64_t ldy, const PreparedX* prepared, void* scratch, cudaStream_t stream) {
+                            int64_t ldy, const PreparedX& prepared, void* scratch, cudaStream_t stream) {
   if (ws.size() != ys.size()) throw std::invalid_argument("CublasLtGemm::multiply: one output a weight");
   if (reinterpret_cast<uintptr_t>(scratch) % 16) throw std::invalid_argument("CublasLtGemm::multiply: unaligned scratch");
   std::vector<const Plan*> chosen;
@@ -168,10 +168,10 @@ void CublasLtGemm::multiply(const float* x, int64_t m, int64_t ldx, bool gated, 
     throw std::runtime_error("out of GPU memory allocating cuBLASLt's workspace");
   }
   const bool fp8 = input == GemmInput::Fp8Token;
-  if (prepared && (gated || prepared->input != input))
+  if (prepared.rows && (gated || prepared.input != input))
     throw std::invalid_argument("CublasLtGemm::multiply: a prepared X is plain rows of the product's input kind");
   const PreparedX x_rows =
-      prepared ? *prepared : prepare_gemm_input(x, m, ldx, gated, k, input, /*permuted=*/false, scratch, stream);
+      prepared.rows ? prepared : prepare_gemm_input(x, m, ldx, gated, k, input, /*permuted=*/false, scratch, stream);
   const int64_t kp = x_rows.kp;
   Product product(fp8, m, row_values(input, k), n, k, ldy);
   const float one = 1.0f, zero = 0.0f;

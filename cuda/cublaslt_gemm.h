@@ -39,9 +39,10 @@ class CublasLtGemm {
   // supported), X fp32 [m, k] (rows ldx apart; `gated`: gemm()'s gated rows) entering as
   // `input` says: gemm.cu's pre-pass writes its bf16 planes or E4M3 codes once into
   // `scratch` (gemm_scratch_bytes, 16-byte aligned), unless `prepared` holds them already
-  // (gemm()'s), then one product a plane and weight, Split's lo plane's added to its hi's.
+  // (rows not null, as gemm()'s), then one product a plane and weight, Split's lo plane's
+  // added to its hi's.
   void multiply(const float* x, int64_t m, int64_t ldx, bool gated, GemmInput input, const std::vector<GemmMatrix>& ws,
-                int64_t n, int64_t k, const std::vector<float*>& ys, int64_t ldy, const PreparedX* prepared,
+                int64_t n, int64_t k, const std::vector<float*>& ys, int64_t ldy, const PreparedX& prepared,
                 void* scratch, cudaStream_t stream);
 
  private:

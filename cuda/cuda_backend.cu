@@ -424,8 +424,7 @@ class CudaBackend final : public Backend {
     auto scratch = pool_->get(cuda::gemm_scratch_bytes(x.rows, first.n, first.k, input));
     // cuBLASLt's plan depends on each output's alignment: with rows of a multiple of 4
     // floats every block of y is 16-byte aligned, whatever x.rows (batch invariance).
-    const std::optional<cuda::PreparedX> px = prepared(x, input, first.format);
-    const cuda::PreparedX* const x_prepared = px ? &*px : nullptr;
+    const cuda::PreparedX x_prepared = prepared(x, input, first.format);
     if (y.cols % 4 == 0 && products_on_cublaslt(x, false, x_prepared, weights, first.format, first.n, first.k, input,
                                                 outputs, y.cols, scratch.get()))
       return;
@@ -623,11 +622,10 @@ class CudaBackend final : public Backend {
       quantize_input(input, gate_up.input_quant, routing.encoder_tokens, -1);
     }
     auto up_scratch = pool_->get(cuda::gemm_scratch_bytes(input.rows, inter2, hidden, up_input));
-    const std::optional<cuda::PreparedX> up_prepared = prepared(input, up_input, gate_up.format);
     cuda::gemm(input.data, input.rows, input.cols, false, up_rows,
                static_cast<const cuda::GemmSegment*>(up_segments.get()), device_tiles, max_tiles, tile_rows,
                gate_up.format, gate_up.tiled, inter2, hidden, up_input, gu.data, gu.cols,
-               up_prepared ? &*up_prepared : nullptr, up_scratch.get(), stream_);
+               prepared(input, up_input, gate_up.format), up_scratch.get(), stream_);
     // The activation: in the down product's pre-pass where it can be (gated_input).
     const bool gated = gated_input(down);
     Activation act = gu;
@@ -640,7 +638,7 @@ class CudaBackend final : public Backend {
     auto down_scratch = pool_->get(cuda::gemm_scratch_bytes(pairs, hidden, inter2 / 2, down_input));
     cuda::gemm(act.data, pairs, act.cols, gated, nullptr, static_cast<const cuda::GemmSegment*>(down_segments.get()),
                device_tiles, max_tiles, tile_rows, down.format, down.tiled, hidden, inter2 / 2, down_input, y.data,
-               y.cols, nullptr, down_scratch.get(), stream_);
+               y.cols, {}, down_scratch.get(), stream_);
     cuda::combine_experts(y.data, static_cast<const int64_t*>(inverse.get()), routing.weights.data, tokens,
                           routing.top_k, hidden, out.data, stream_);
   }
@@ -849,8 +847,7 @@ class CudaBackend final : public Backend {
   void gemm_dense(const Activation& x, const cuda::GemmMatrix& w, WeightFormat format, int64_t n, int64_t k,
                   cuda::GemmInput input, Activation& y, bool gated = false) {
     auto scratch = pool_->get(cuda::gemm_scratch_bytes(x.rows, n, k, input));
-    const std::optional<cuda::PreparedX> px = gated ? std::nullopt : prepared(x, input, format);
-    const cuda::PreparedX* const x_prepared = px ? &*px : nullptr;
+    const cuda::PreparedX x_prepared = gated ? cuda::PreparedX{} : prepared(x, input, format);
     if (products_on_cublaslt(x, gated, x_prepared, {w}, format, n, k, input, {y.data}, y.cols, scratch.get())) return;
     const cuda::GemmSegment seg{0, 0, int(x.rows), w};
     const int tile = cuda::gemm_tile_rows(x.rows, 1, n, input, format);
@@ -863,7 +860,7 @@ class CudaBackend final : public Backend {
   // apart) on cuBLASLt, where the build has it and it takes them all; false, having done
   // nothing, otherwise. The choice depends on the shapes alone, never on the rows (batch
   // invariance).
-  bool products_on_cublaslt(const Activation& x, bool gated, const cuda::PreparedX* x_prepared,
+  bool products_on_cublaslt(const Activation& x, bool gated, const cuda::PreparedX& x_prepared,
                             const std::vector<cuda::GemmMatrix>& ws, WeightFormat format, int64_t n, int64_t k,
                             cuda::GemmInput input, const std::vector<float*>& ys, int64_t ldy, void* scratch) {
 #ifdef DIFFUSERVE_WITH_CUBLASLT
@@ -916,9 +913,9 @@ class CudaBackend final : public Backend {
     const auto input = cuda::GemmInput(p.kind - 1);
     return {p.data, p.row_scales, cuda::gemm_padded_k(x.cols, input), input};
   }
-  // ... where a product of `input` X with `format` weights takes it so.
-  static std::optional<cuda::PreparedX> prepared(const Activation& x, cuda::GemmInput input, WeightFormat format) {
-    if (x.product_input.kind != 1 + int(input) || !cuda::gemm_operands_alike(input, format)) return std::nullopt;
+  // ... where a product of `input` X with `format` weights takes it so; rows null otherwise.
+  static cuda::PreparedX prepared(const Activation& x, cuda::GemmInput input, WeightFormat format) {
+    if (x.product_input.kind != 1 + int(input) || !cuda::gemm_operands_alike(input, format)) return {};
     return product_rows(x);
   }
 

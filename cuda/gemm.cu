@@ -828,18 +828,18 @@ PreparedX prepare_gemm_input(const float* x, int64_t rows, int64_t ldx, bool gat
 
 void gemm(const float* x, int64_t x_rows, int64_t ldx, bool gated, const int64_t* row_map, const GemmSegment* segments,
           const GemmTile* tiles, int num_tiles, int tile_rows, WeightFormat format, bool w_tiled, int64_t n, int64_t k,
-          GemmInput input, float* y, int64_t ldy, const PreparedX* prepared, void* scratch, cudaStream_t stream) {
+          GemmInput input, float* y, int64_t ldy, const PreparedX& prepared, void* scratch, cudaStream_t stream) {
   if (input == GemmInput::RoundBf16 && format != WeightFormat::Plain)
     throw std::invalid_argument("gemm: RoundBf16 takes bf16 weights");
   if (input == GemmInput::Fp8Token && format != WeightFormat::Fp8)
     throw std::invalid_argument("gemm: Fp8Token takes FP8 weights");
   if (format == WeightFormat::Nvfp4 && k % 16) throw std::invalid_argument("gemm: NVFP4 weights need K % 16 == 0");
   if (num_tiles <= 0 || n <= 0) return;
-  if (prepared && (gated || decodes(input, format) || prepared->input != input))
+  if (prepared.rows && (gated || decodes(input, format) || prepared.input != input))
     throw std::invalid_argument("gemm: a prepared X is plain rows of the product's input kind");
   const PreparedX a =
-      prepared ? *prepared
-               : prepare_gemm_input(x, x_rows, ldx, gated, k, input, decodes(input, format), scratch, stream);
+      prepared.rows ? prepared
+                    : prepare_gemm_input(x, x_rows, ldx, gated, k, input, decodes(input, format), scratch, stream);
   const int64_t kp = a.kp;
 
   // With `tiles` null, `segments` is a host pointer to the single segment, passed by value.

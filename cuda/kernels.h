@@ -93,7 +93,7 @@ int64_t gemm_padded_k(int64_t k, GemmInput input);
 // scales follow. Written by the pre-pass (prepare_gemm_input) or by the norm that computed X
 // (NormOutputs::prepared), so that several products of one X convert it once, or never.
 struct PreparedX {
-  uint8_t* rows = nullptr;
+  uint8_t* rows = nullptr;  // null: none
   float* scales = nullptr;  // Fp8Token
   int64_t kp = 0;
   GemmInput input = GemmInput::Split;
@@ -111,12 +111,12 @@ void write_gemm_input(const float* x, int64_t rows, int64_t ldx, bool gated, int
 PreparedX prepare_gemm_input(const float* x, int64_t rows, int64_t ldx, bool gated, int64_t k, GemmInput input,
                              bool permuted, void* scratch, cudaStream_t stream);
 // `prepared`: X already as the pre-pass would write it (not gated, not permuted: weights the
-// kernel does not decode), or null for the pre-pass into `scratch`.
+// kernel does not decode), or none (rows null) for the pre-pass into `scratch`.
 // `w_tiled`: every segment's weights are stored tiled (GemmMatrix::tiled; the wgmma tiles
 // alone read them).
 void gemm(const float* x, int64_t x_rows, int64_t ldx, bool gated, const int64_t* row_map, const GemmSegment* segments,
           const GemmTile* tiles, int num_tiles, int tile_rows, WeightFormat format, bool w_tiled, int64_t n, int64_t k,
-          GemmInput input, float* y, int64_t ldy, const PreparedX* prepared, void* scratch, cudaStream_t stream);
+          GemmInput input, float* y, int64_t ldy, const PreparedX& prepared, void* scratch, cudaStream_t stream);
 // Fp8Token's codes and scales, for gemm() and its tests: per row of X (rows x k, ldx apart; gated
 // as gemm() says), the FP8 token scale into scales[row] and the E4M3 codes of x / scale
 // (activation_quant.h's quantize_e4m3) into codes + row * ld_codes, zero from k to ld_codes
