@@ -372,8 +372,11 @@ __global__ void attention_merge_kernel(const AttentionOutput out, const float* _
                                        const DeviceAttentionSegment* __restrict__ segments,
                                        const AttentionMerge* __restrict__ merges, int num_heads, int num_kv_heads,
                                        int head_dim, int queries_per_slot) {
-  wait_for_earlier_kernels();
+  // The merge's place from the plan's tables (no kernel writes them), read before the wait
+  // for the kernels before, while their last blocks run.
   const AttentionMerge merge = merges[blockIdx.x];
+  const int64_t first_row = segments[merge.segment].first_row;
+  wait_for_earlier_kernels();
   const int group = num_heads / num_kv_heads, lane = threadIdx.x & 31;
   const int j = blockIdx.y * kMergeWarps + (threadIdx.x >> 5);
   if (j >= merge.rows * group) return;
@@ -386,7 +389,7 @@ __global__ void attention_merge_kernel(const AttentionOutput out, const float* _
   for (int p = lane; p < merge.pieces; p += 32) sum += weight(ml[p * queries_per_slot]);
   for (int s = 16; s > 0; s >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, s);
   const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
-  const int64_t row = segments[merge.segment].first_row + merge.row0 + j / group;
+  const int64_t row = first_row + merge.row0 + j / group;
   const int64_t at = row * num_heads * int64_t(head_dim) + int64_t(merge.kv_head * group + j % group) * head_dim;
   for (int d = 4 * lane; d < head_dim; d += 128) {
     float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};

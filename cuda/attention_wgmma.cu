@@ -76,14 +76,14 @@ constexpr int kThreads = 256;  // two warpgroups
 constexpr int kPackThreads = 256, kPackSpans = 2048;
 __global__ void pack_bf16_kernel(const DeviceKeySpan* __restrict__ spans, int span_count, int64_t rows, int64_t cols,
                                  bool vector, __nv_bfloat16* __restrict__ keys, __nv_bfloat16* __restrict__ values) {
-  wait_for_earlier_kernels();
+  // Where this thread's values are comes from the plan's spans alone (no kernel writes
+  // them): found before the wait for the kernels before, while their last blocks run.
   __shared__ int64_t first_row[kPackSpans];
   const bool cached = span_count <= kPackSpans;
   if (cached)
     for (int s = threadIdx.x; s < span_count; s += blockDim.x) first_row[s] = spans[s].packed;
   __syncthreads();
   const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x, per_row = cols / 8;
-  if (i >= rows * per_row) return;
   const int64_t r = i / per_row, c = (i % per_row) * 8;
   int lo = 0, hi = span_count - 1;
   while (lo < hi) {
@@ -91,7 +91,10 @@ __global__ void pack_bf16_kernel(const DeviceKeySpan* __restrict__ spans, int sp
     if ((cached ? first_row[mid] : spans[mid].packed) <= r) lo = mid;
     else hi = mid - 1;
   }
-  const int64_t offset = (r - spans[lo].packed) * cols + c;
+  const DeviceKeySpan span = spans[lo];
+  wait_for_earlier_kernels();
+  if (i >= rows * per_row) return;
+  const int64_t offset = (r - span.packed) * cols + c;
   auto convert = [&](const float* src, __nv_bfloat16* dst) {
     float v[8];
     if (vector) load8<true>(src, 0, 8, v);
@@ -99,8 +102,8 @@ __global__ void pack_bf16_kernel(const DeviceKeySpan* __restrict__ spans, int sp
     *reinterpret_cast<uint4*>(dst) = {round_bf16x2(v[0], v[1]), round_bf16x2(v[2], v[3]), round_bf16x2(v[4], v[5]),
                                       round_bf16x2(v[6], v[7])};
   };
-  convert(spans[lo].keys + offset, keys + r * cols + c);
-  convert(spans[lo].values + offset, values + r * cols + c);
+  convert(span.keys + offset, keys + r * cols + c);
+  convert(span.values + offset, values + r * cols + c);
 }
 
 #ifdef DIFFUSERVE_WGMMA_DEVICE
@@ -121,7 +124,6 @@ __global__ void __launch_bounds__(kThreads, 1)
                            const __nv_bfloat16* __restrict__ packed_values,
                            const DeviceAttentionSegment* __restrict__ segments, const DeviceKeySpan* __restrict__ spans,
                            const AttentionItem* __restrict__ items, int num_heads, int num_kv_heads) {
-  wait_for_earlier_kernels();
 #ifdef DIFFUSERVE_WGMMA_DEVICE
   using S = Shape<kDim>;
   constexpr int kQueries = S::kQueries, kKeys = S::kKeys, kKVTile = S::kKVTile;
@@ -175,25 +177,6 @@ __global__ void __launch_bounds__(kThreads, 1)
     return valid;
   };
 
-  // Q's rows of fp32 as bf16 into its [subtile][row][64] tile: row r, float4 column c from
-  // q (zeros past the item's vectors). Consecutive threads take a row's contiguous bytes.
-  {
-    constexpr int kRowThreads = kDim / 4, kRowsAtOnce = kThreads / kRowThreads;
-    const int c = tid % kRowThreads;
-    for (int r0 = 0; r0 < kQueries; r0 += 8 * kRowsAtOnce) {
-      float4 x[8];
-#pragma unroll
-      for (int i = 0; i < 8; ++i) {
-        const int j = r0 + tid / kRowThreads + kRowsAtOnce * i;
-        x[i] = load_or_zero(j < nq ? q + queries.offset(j) + 4 * c : nullptr);
-      }
-#pragma unroll
-      for (int i = 0; i < 8; ++i) {
-        const int r = r0 + tid / kRowThreads + kRowsAtOnce * i;
-        store_bf16x4(smem + (c / 16) * kQueries * kRowBytes + swizzle(r, (c % 16) / 2) + 8 * (c % 2), x[i]);
-      }
-    }
-  }
   // The keys and values of the chunk in table slot `slot` into buffer `buf`, by cp.async
   // (this thread's part, one commit group): 16-byte piece p of a key's row (this KV head's
   // kDim values) to subtile p / 8, chunk p % 8 of the key's tile row; consecutive threads
@@ -213,11 +196,33 @@ __global__ void __launch_bounds__(kThreads, 1)
     cp_async_commit();
   };
 
-  // Before the loop: the tables of chunks 0 and 1, Q, chunk 0's keys and values.
+  // Before the loop: the tables of chunks 0 and 1 (from the plan's tables, which no kernel
+  // writes: looked up before the wait for the kernels before, while their last blocks
+  // run), then chunk 0's keys and values in flight while Q is read.
   const bool first_mine = look_up(0);
   const bool next_mine = look_up(1);
+  wait_for_earlier_kernels();
   __syncthreads();  // the tables
   stage_chunk(0, 0);
+  // Q's rows of fp32 as bf16 into its [subtile][row][64] tile: row r, float4 column c from
+  // q (zeros past the item's vectors), every load of the thread issued before the first
+  // store (one round trip to memory, not one per few rows). Consecutive threads take a
+  // row's contiguous bytes.
+  {
+    constexpr int kRowThreads = kDim / 4, kRowsAtOnce = kThreads / kRowThreads, kLoads = kQueries / kRowsAtOnce;
+    const int c = tid % kRowThreads;
+    float4 x[kLoads];
+#pragma unroll
+    for (int i = 0; i < kLoads; ++i) {
+      const int j = tid / kRowThreads + kRowsAtOnce * i;
+      x[i] = load_or_zero(j < nq ? q + queries.offset(j) + 4 * c : nullptr);
+    }
+#pragma unroll
+    for (int i = 0; i < kLoads; ++i) {
+      const int r = tid / kRowThreads + kRowsAtOnce * i;
+      store_bf16x4(smem + (c / 16) * kQueries * kRowBytes + swizzle(r, (c % 16) / 2) + 8 * (c % 2), x[i]);
+    }
+  }
   cp_async_wait<0>();
   fence_proxy_async();                       // Q's stores and the copies, for the tensor cores
   bool have = __syncthreads_or(first_mine);  // chunk n has keys

@@ -6,10 +6,12 @@
 // block of the one before has started (and called launch_dependents), and then wait in
 // griddepcontrol.wait until it has finished and its writes are visible: the scheduling
 // overlaps the tail of the kernel before, the order of memory accesses stays the
-// stream's. The wait is the first statement of every kernel, before any load or store,
-// so no kernel reads or overwrites what an earlier one still uses; and as each kernel
-// finishes only after its own wait, the wait covers every kernel before it, not just the
-// last. Kernels of other libraries (cuBLASLt) and copies keep the plain stream order.
+// stream's. The wait comes before any global store and any load of what a kernel may
+// write, so no kernel reads or overwrites what an earlier one still uses; and as each
+// kernel finishes only after its own wait, the wait covers every kernel before it, not
+// just the last. (The attention's kernels read their launch's plan tables, which only
+// copies write, before it: their look-ups then overlap the tail of the kernel before.)
+// Kernels of other libraries (cuBLASLt) and copies keep the plain stream order.
 // DIFFUSERVE_PDL=0 launches plainly, to compare.
 #pragma once
 
