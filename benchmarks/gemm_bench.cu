@@ -59,12 +59,14 @@ CublasLtGemm& cublaslt() {
 }
 #endif
 
-// The weights' format, "fp8x8" for FP8 weights with FP8 per-token X, and "bf16x" for bf16
-// weights with bf16 X.
+// The weights' format, "fp8x8" for FP8 weights with FP8 per-token X, and with an "x" after
+// it ("bf16x", "fp8x", "nvfp4x") for X rounded to bf16.
 const char* format_name(WeightFormat f, GemmInput input = GemmInput::Split) {
   if (input == GemmInput::Fp8Token) return "fp8x8";
-  if (input == GemmInput::RoundBf16) return "bf16x";
-  return f == WeightFormat::Plain ? "bf16" : f == WeightFormat::Fp8 ? "fp8" : "nvfp4";
+  const bool rounded = input == GemmInput::RoundBf16;
+  if (f == WeightFormat::Plain) return rounded ? "bf16x" : "bf16";
+  if (f == WeightFormat::Fp8) return rounded ? "fp8x" : "fp8";
+  return rounded ? "nvfp4x" : "nvfp4";
 }
 
 // E4M3 codes (activation_quant.h): every finite code's value encodes back to the code, and
@@ -435,9 +437,9 @@ void verify(const Problem& p, const std::vector<float>& y, const char* name, int
       if (!written[e] && !std::isnan(y[e])) {
         if (bad++ < 5) std::printf("    %s: element %zu written outside the segments\n", name, e);
       }
-  std::printf("%-6s %-44s %-5s %-8s: %s (%ld checked, worst rel err %.2e)\n", bad ? "FAIL" : "ok", name,
-              format_name(p.format, p.input), engine_name(tile_rows).c_str(), bad ? "MISMATCH" : "match",
-              long(checked), worst);
+  std::printf("%-6s %-44s %-6s %-8s: %s (%ld checked, worst rel err %.2e)\n", bad ? "FAIL" : "ok", name,
+              format_name(p.format, p.input), engine_name(tile_rows).c_str(), bad ? "MISMATCH" : "match", long(checked),
+              worst);
   if (bad) ++failures;
 }
 
@@ -671,6 +673,19 @@ void correctness() {
   cases.push_back({"dense 129x300x2816 gated ldx+5 ldy+3", gated(dense(fp8, 129, 300, 2816, 5, 3))});
   cases.push_back({"moe down 500 tok, 8 exp top 2, 264x704 gated", gated(moe(500, 8, 2, 264, 704, false, 18, nvfp4))});
   cases.push_back({"moe down 500 tok, 8 exp top 2, 264x704 gated", gated(moe(500, 8, 2, 264, 704, false, 19))});
+  // Packed weights with X rounded to bf16 (activations "bfloat16", weight-only FP8 or
+  // NVFP4): one plane in the permuted K order, gated too.
+  const GemmInput round = GemmInput::RoundBf16;
+  cases.push_back({"dense 130x257x200 round", dense(130, 257, 200, 0, 0, round, fp8)});
+  cases.push_back({"dense 129x300x2816 round ldx+5 ldy+3", dense(129, 300, 2816, 5, 3, round, nvfp4)});
+  cases.push_back({"dense 33x333x96 round (K % 64 != 0)", dense(33, 333, 96, 0, 0, round, nvfp4)});
+  cases.push_back({"dense 300x512x704 round gated", gated(dense(300, 512, 704, 0, 0, round, fp8))});
+  for (Problem p : {moe(300, 16, 4, 264, 704, true, 24, nvfp4), gated(moe(500, 8, 2, 264, 704, false, 25, nvfp4))}) {
+    p.input = round;
+    cases.push_back({p.row_map.empty() ? "moe down 500 tok, 8 exp top 2, 264x704 round gated"
+                                       : "moe up 300 tok, 16 exp top 4, 264x704 round",
+                     p});
+  }
   // FP8 weights with FP8 per-token X: 128 K a stage, 32 per step; W byte by byte where
   // K % 16 != 0, the pre-pass's scalar loads where ldx % 4 != 0; zero rows.
   cases.push_back({"dense 7x100x64 (K < 128)", fp8_token(dense(fp8, 7, 100, 64))});
@@ -711,7 +726,7 @@ void correctness() {
         for (size_t e = 0; e < y.size(); ++e)
           if (std::memcmp(&y[e], &first[e], 4) != 0) ++differ;
         if (differ) {
-          std::printf("FAIL   %-44s %-5s tile %3d: %zu elements differ bitwise from the first tile on the same MMAs\n",
+          std::printf("FAIL   %-44s %-6s tile %3d: %zu elements differ bitwise from the first tile on the same MMAs\n",
                       c.name, format_name(c.p.format, c.p.input), t, differ);
           ++failures;
         }
@@ -833,7 +848,7 @@ void bench(const char* name, int64_t tokens, int64_t n, int64_t k, int experts, 
   const float ms = time_ms(call);
   const double flops = 2.0 * double(rows) * double(n) * double(k);
   const double w_bytes = double(value_bytes + group_bytes + row_scale_bytes);
-  std::printf("%-38s %-5s %-8s%s: %9.1f us  %6.1f TFLOP/s (useful)  %5.2f TB/s of weights\n", name,
+  std::printf("%-38s %-6s %-8s%s: %9.1f us  %6.1f TFLOP/s (useful)  %5.2f TB/s of weights\n", name,
               format_name(format, input), engine_name(tile_rows).c_str(), tiled ? " tiled" : "", ms * 1e3,
               flops / (ms * 1e-3) / 1e12, w_bytes / (ms * 1e-3) / 1e12);
   cudaFree(x), cudaFree(y), cudaFree(w), cudaFree(row_scales), cudaFree(group_scales), cudaFree(scratch);
@@ -857,14 +872,13 @@ int main(int argc, char** argv) {
   check(cudaGetDeviceProperties(&prop, 0), "device");
   std::printf("%s, %d SMs, wgmma tile %s\n", prop.name, prop.multiProcessorCount,
               gemm_has_wgmma_tile(GemmInput::Split, WeightFormat::Plain) ? "on" : "off");
-  // Weights and X: bf16 weights with bf16 X (bf16 activations), bf16, FP8 and NVFP4 weights
-  // with hi/lo X (FP8_DYNAMIC today: plus a copy and quantize_input of X), FP8 weights with
-  // FP8 per-token X (fp8x8: the pre-pass quantizes X).
-  const std::pair<WeightFormat, GemmInput> kinds[] = {{WeightFormat::Plain, GemmInput::RoundBf16},
-                                                      {WeightFormat::Plain, GemmInput::Split},
-                                                      {WeightFormat::Fp8, GemmInput::Split},
-                                                      {WeightFormat::Fp8, GemmInput::Fp8Token},
-                                                      {WeightFormat::Nvfp4, GemmInput::Split}};
+  // Weights and X: bf16 and NVFP4 weights with bf16 X (bf16 activations), bf16, FP8 and
+  // NVFP4 weights with hi/lo X (FP8_DYNAMIC today: plus a copy and quantize_input of X), FP8
+  // weights with FP8 per-token X (fp8x8: the pre-pass quantizes X).
+  const std::pair<WeightFormat, GemmInput> kinds[] = {
+      {WeightFormat::Plain, GemmInput::RoundBf16}, {WeightFormat::Plain, GemmInput::Split},
+      {WeightFormat::Fp8, GemmInput::Split},       {WeightFormat::Fp8, GemmInput::Fp8Token},
+      {WeightFormat::Nvfp4, GemmInput::Split},     {WeightFormat::Nvfp4, GemmInput::RoundBf16}};
   // The dense layers' products (name, N, K): q of sliding and of global layers, o, K and V
   // as one product (gemm.cu's linears), the MLP's.
   const std::tuple<const char*, int64_t, int64_t> layer_products[] = {

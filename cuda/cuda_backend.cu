@@ -877,14 +877,14 @@ class CudaBackend final : public Backend {
   }
 
   // How the GEMM takes a weight's input: FP8 weights with FP8 per-token inputs quantize it
-  // in the GEMM's pre-pass (to E4M3 codes: no fake-quantized copy of X), and plain weights
-  // with bf16 inputs round it there (one bf16 plane); everything else multiplies X as it is
-  // (quantized beforehand where input_quant says) in bf16 hi/lo.
+  // in the GEMM's pre-pass (to E4M3 codes: no fake-quantized copy of X), and weights with
+  // bf16 inputs (plain, or FP8 / NVFP4 decoded in the main loop) round it there (one bf16
+  // plane); everything else multiplies X as it is (quantized beforehand where input_quant
+  // says) in bf16 hi/lo.
   static cuda::GemmInput gemm_input(const Weight& w) {
     if (w.format == WeightFormat::Fp8 && w.input_quant.scheme == ActivationScheme::Fp8Token)
       return cuda::GemmInput::Fp8Token;
-    if (w.format == WeightFormat::Plain && w.input_quant.scheme == ActivationScheme::Bf16)
-      return cuda::GemmInput::RoundBf16;
+    if (w.input_quant.scheme == ActivationScheme::Bf16) return cuda::GemmInput::RoundBf16;
     return cuda::GemmInput::Split;
   }
 

@@ -11,8 +11,9 @@
 // hi and lo against the same weight tile, with nothing to convert per tile. The pre-pass
 // keeps X's row order and the main loop gathers A rows through row_map (the MoE's up
 // projection), so a token is converted once however many experts it goes to. With
-// RoundBf16 (linear_nt's round_bf16(x) @ w) only hi is written and multiplied: lo would be
-// zero.
+// RoundBf16 (activations "bfloat16", and linear_nt's round_bf16(x) @ w) only hi is written
+// and multiplied: lo would be zero. (Packed weights with bf16 X: one MMA per decoded
+// fragment instead of two.)
 //
 // FP8 per token (GemmInput::Fp8Token: a compressed-tensors FP8_DYNAMIC linear's input,
 // with FP8 weights) is multiplied in E4M3 instead: the pre-pass quantizes each X row as
@@ -708,18 +709,22 @@ void launch_wgmma(const Params& p, GemmInput input, int64_t num_tiles, int split
   else launch_wgmma<S, false>(p, input, grid, stream);
 }
 
-// RoundBf16 (linear_nt's soft embedding) only ever multiplies plain weights, Fp8Token FP8 ones.
+// Fp8Token only ever multiplies FP8 weights; X split or rounded multiplies any.
+template <class S, class SDecoded, GemmInput kInput>
+void launch_format(const Params& p, WeightFormat format, dim3 grid, cudaStream_t stream) {
+  if (format == WeightFormat::Fp8) launch_gemm<SDecoded, kInput, WeightFormat::Fp8>(p, grid, stream);
+  else if (format == WeightFormat::Nvfp4) launch_gemm<SDecoded, kInput, WeightFormat::Nvfp4>(p, grid, stream);
+  else launch_gemm<S, kInput, WeightFormat::Plain>(p, grid, stream);
+}
 template <class S, class SDecoded = S>
 void launch_shape(const Params& p, GemmInput input, WeightFormat format, int64_t num_tiles, int splits,
                   cudaStream_t stream) {
   static_assert(S::kBN == SDecoded::kBN && S::kBM == SDecoded::kBM, "one tile, two warp layouts");
   if (p.w_tiled) throw std::invalid_argument("gemm: weights stored tiled take the wgmma tiles (sm_90a)");
   const dim3 grid{unsigned((p.n + S::kBN - 1) / S::kBN), unsigned(num_tiles), unsigned(splits)};
-  if (input == GemmInput::RoundBf16) launch_gemm<S, GemmInput::RoundBf16, WeightFormat::Plain>(p, grid, stream);
-  else if (input == GemmInput::Fp8Token) launch_gemm<S, GemmInput::Fp8Token, WeightFormat::Fp8>(p, grid, stream);
-  else if (format == WeightFormat::Fp8) launch_gemm<SDecoded, GemmInput::Split, WeightFormat::Fp8>(p, grid, stream);
-  else if (format == WeightFormat::Nvfp4) launch_gemm<SDecoded, GemmInput::Split, WeightFormat::Nvfp4>(p, grid, stream);
-  else launch_gemm<S, GemmInput::Split, WeightFormat::Plain>(p, grid, stream);
+  if (input == GemmInput::Fp8Token) launch_gemm<S, GemmInput::Fp8Token, WeightFormat::Fp8>(p, grid, stream);
+  else if (input == GemmInput::RoundBf16) launch_format<S, SDecoded, GemmInput::RoundBf16>(p, format, grid, stream);
+  else launch_format<S, SDecoded, GemmInput::Split>(p, format, grid, stream);
 }
 
 // Whether the pre-passes may read X's rows (and, gated, their up halves) as whole float4s.
@@ -806,13 +811,15 @@ int64_t gemm_padded_k(int64_t k, GemmInput input) { return padded_k(k, input); }
 
 void write_gemm_input(const float* x, int64_t rows, int64_t ldx, bool gated, int64_t k, bool permuted,
                       const PreparedX& to, cudaStream_t stream) {
-  if (permuted && to.input != GemmInput::Split) throw std::invalid_argument("write_gemm_input: only Split is permuted");
+  if (permuted && to.input == GemmInput::Fp8Token)
+    throw std::invalid_argument("write_gemm_input: FP8 codes are never permuted");
   if (to.input == GemmInput::Fp8Token)
     return fp8_token_codes(x, rows, ldx, gated, k, to.kp, to.rows, to.scales, stream);
   if (rows <= 0 || to.kp <= 0) return;
   const unsigned blocks = unsigned((rows * (to.kp / 8) + 255) / 256);
   const auto kernel = to.input == GemmInput::RoundBf16
-                          ? (gated ? split_kernel<1, false, true> : split_kernel<1, false, false>)
+                          ? (permuted ? (gated ? split_kernel<1, true, true> : split_kernel<1, true, false>)
+                                      : (gated ? split_kernel<1, false, true> : split_kernel<1, false, false>))
                       : permuted ? (gated ? split_kernel<2, true, true> : split_kernel<2, true, false>)
                                  : (gated ? split_kernel<2, false, true> : split_kernel<2, false, false>);
   launch(kernel, blocks, 256, 0, stream, x, ldx, rows, k, to.kp, whole_float4s(x, ldx, gated, k),
@@ -829,8 +836,6 @@ PreparedX prepare_gemm_input(const float* x, int64_t rows, int64_t ldx, bool gat
 void gemm(const float* x, int64_t x_rows, int64_t ldx, bool gated, const int64_t* row_map, const GemmSegment* segments,
           const GemmTile* tiles, int num_tiles, int tile_rows, WeightFormat format, bool w_tiled, int64_t n, int64_t k,
           GemmInput input, float* y, int64_t ldy, const PreparedX& prepared, void* scratch, cudaStream_t stream) {
-  if (input == GemmInput::RoundBf16 && format != WeightFormat::Plain)
-    throw std::invalid_argument("gemm: RoundBf16 takes bf16 weights");
   if (input == GemmInput::Fp8Token && format != WeightFormat::Fp8)
     throw std::invalid_argument("gemm: Fp8Token takes FP8 weights");
   if (format == WeightFormat::Nvfp4 && k % 16) throw std::invalid_argument("gemm: NVFP4 weights need K % 16 == 0");

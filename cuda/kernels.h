@@ -30,7 +30,7 @@ namespace diffuserve::cuda {
 // matrix's size from an allocation.
 enum class GemmInput {
   Split,      // X as a bf16 hi/lo pair: fp32-like precision
-  RoundBf16,  // bf16(X) alone: Y = round_bf16(X) @ W^T (bf16 weights)
+  RoundBf16,  // bf16(X) alone: Y = round_bf16(X) @ W^T (bf16 weights, or FP8 / NVFP4 decoded to bf16)
   // FP8 per token (FP8 weights): Y = (fake-quantized X) @ W^T, the fp32 product of
   // quantize_input's FP8 values, computed from E4M3 codes on the FP8 tensor cores.
   Fp8Token,
@@ -103,8 +103,8 @@ struct PreparedX {
 size_t prepared_x_bytes(int64_t rows, int64_t k, GemmInput input);
 PreparedX prepared_x(void* data, int64_t rows, int64_t k, GemmInput input);
 // gemm()'s pre-pass alone: X's rows (gated as gemm() says) into `to` as the product takes
-// them (`permuted`, Split only: each 64-value slice of K in the order decoded packed weights
-// take, gemm_tile.cuh).
+// them (`permuted`, bf16 planes only: each 64-value slice of K in the order decoded packed
+// weights take, gemm_tile.cuh).
 void write_gemm_input(const float* x, int64_t rows, int64_t ldx, bool gated, int64_t k, bool permuted,
                       const PreparedX& to, cudaStream_t stream);
 // ... into `scratch` (for products computed elsewhere: cuBLASLt), laid out as prepared_x says.

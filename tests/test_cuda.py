@@ -317,12 +317,26 @@ def test_generate_from_another_thread(path):
 # gemm_bench). So: the GPU applies it (its logits move), stays within a few times that
 # spread of the CPU's, and keeps the argmax.
 def test_bf16_activations_match_cpu(path):
+    check_bf16_activations(path, "bf16 inputs")
+
+
+# Weight-only FP8 and NVFP4 linears round their inputs too: the CPU multiplies the
+# dequantized weights, the GPU decodes them in the GEMM's main loop (one bf16 plane).
+@pytest.mark.parametrize("quantization", ["fp8", "nvfp4"])
+@pytest.mark.parametrize("shape", ["real_head_dims", "head_dims_64_128"])
+def test_bf16_activations_with_packed_weights_match_cpu(tmp_path, quantization, shape):
+    path = write_random_checkpoint(tmp_path / "m", canvas_length=32, dtype="bfloat16", seed=7, **SHAPES[shape])
+    check_bf16_activations(path, f"bf16 inputs, {quantization} weights", load_format="dummy",
+                           quantization=quantization)
+
+
+def check_bf16_activations(path, label, **load):
     rng = np.random.default_rng(1)
     seqs = {}
     for device in ("cpu", "cuda"):
         for activations in ("float32", "bfloat16"):
             seqs[device, activations] = ds.Model.load(path, device=device, activations=activations,
-                                                      kv_cache_memory_bytes=256 << 20).sequence()
+                                                      kv_cache_memory_bytes=256 << 20, **load).sequence()
     vocab = seqs["cpu", "float32"].model.vocab_size
     prompt, canvas = rng.integers(0, vocab, 60), rng.integers(0, vocab, 32)
     logits = {}
@@ -333,7 +347,7 @@ def test_bf16_activations_match_cpu(path):
     rounding = spread(("cpu", "float32"), ("cpu", "bfloat16"))
     across = spread(("cpu", "bfloat16"), ("cuda", "bfloat16"))
     agree = (logits["cpu", "bfloat16"].argmax(-1) == logits["cuda", "bfloat16"].argmax(-1)).mean()
-    print(f"bf16 inputs: rounding moves the CPU's logits {rounding:.2e}, GPU against CPU {across:.2e}, "
+    print(f"{label}: rounding moves the CPU's logits {rounding:.2e}, GPU against CPU {across:.2e}, "
           f"argmax agreement {agree:.3f}")
     assert np.isfinite(logits["cuda", "bfloat16"]).all()
     assert spread(("cuda", "float32"), ("cuda", "bfloat16")) > 0

@@ -366,14 +366,14 @@ class TensorSource {
   uint64_t seed_ = 0;  // dummy weights: one stream per tensor
 };
 
-// Activations "bfloat16": every linear and expert stack whose weights are multiplied
-// plainly (not packed) takes its input rounded to bf16, the lm_head (the tied embedding)
-// included; the router stays fp32 (near-tied experts), as do the norms. (Attention rounds
-// its inputs too: layer_forward passes the mode.)
+// Activations "bfloat16": every linear and expert stack whose input the checkpoint leaves
+// unquantized (plain weights, and weight-only FP8 or NVFP4 ones, however a backend keeps
+// them) takes its input rounded to bf16, the lm_head (the tied embedding) included; the
+// router stays fp32 (near-tied experts), as do the norms. (Attention rounds its inputs
+// too: layer_forward passes the mode.)
 void round_linear_inputs(ModelWeights& w) {
   auto round_input = [](Weight& x) {
-    if (!x.empty() && x.format == WeightFormat::Plain && x.input_quant.scheme == ActivationScheme::None)
-      x.input_quant.scheme = ActivationScheme::Bf16;
+    if (!x.empty() && x.input_quant.scheme == ActivationScheme::None) x.input_quant.scheme = ActivationScheme::Bf16;
   };
   round_input(w.lm_head.empty() ? w.embed_tokens : w.lm_head);
   round_input(w.sc_gate_up);
