@@ -809,6 +809,15 @@ void fp8_token_codes(const float* x, int64_t rows, int64_t ldx, bool gated, int6
 
 int64_t gemm_padded_k(int64_t k, GemmInput input) { return padded_k(k, input); }
 
+namespace {
+// The bf16 pre-pass writing kPlanes planes, its K order permuted or not, X gated or not.
+template <int kPlanes>
+auto split_kernel_for(bool permuted, bool gated) {
+  return permuted ? (gated ? split_kernel<kPlanes, true, true> : split_kernel<kPlanes, true, false>)
+                  : (gated ? split_kernel<kPlanes, false, true> : split_kernel<kPlanes, false, false>);
+}
+}  // namespace
+
 void write_gemm_input(const float* x, int64_t rows, int64_t ldx, bool gated, int64_t k, bool permuted,
                       const PreparedX& to, cudaStream_t stream) {
   if (permuted && to.input == GemmInput::Fp8Token)
@@ -817,11 +826,8 @@ void write_gemm_input(const float* x, int64_t rows, int64_t ldx, bool gated, int
     return fp8_token_codes(x, rows, ldx, gated, k, to.kp, to.rows, to.scales, stream);
   if (rows <= 0 || to.kp <= 0) return;
   const unsigned blocks = unsigned((rows * (to.kp / 8) + 255) / 256);
-  const auto kernel = to.input == GemmInput::RoundBf16
-                          ? (permuted ? (gated ? split_kernel<1, true, true> : split_kernel<1, true, false>)
-                                      : (gated ? split_kernel<1, false, true> : split_kernel<1, false, false>))
-                      : permuted ? (gated ? split_kernel<2, true, true> : split_kernel<2, true, false>)
-                                 : (gated ? split_kernel<2, false, true> : split_kernel<2, false, false>);
+  const auto kernel =
+      to.input == GemmInput::RoundBf16 ? split_kernel_for<1>(permuted, gated) : split_kernel_for<2>(permuted, gated);
   launch(kernel, blocks, 256, 0, stream, x, ldx, rows, k, to.kp, whole_float4s(x, ldx, gated, k),
          reinterpret_cast<__nv_bfloat16*>(to.rows));
 }
