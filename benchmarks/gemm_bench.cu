@@ -222,6 +222,31 @@ void check_decode() {
   if (wrong || inexact) ++failures;
 }
 
+// decode_nvfp4 (the CUDA backend's load-time decode of dense NVFP4 linears) on the GPU:
+// every value bitwise e2m1 x its group's E4M3 scale (exact in bf16, above).
+void check_decode_nvfp4() {
+  const int64_t rows = 37, cols = 208;
+  const PackedWeight w = random_packed_weight(WeightFormat::Nvfp4, {rows, cols}, 3);
+  uint8_t* packed = upload(w.values);
+  uint8_t* group_scales = upload(w.group_scales);
+  __nv_bfloat16* out = nullptr;
+  check(cudaMalloc(&out, size_t(rows * cols) * 2), "malloc decoded");
+  decode_nvfp4(packed, group_scales, rows, cols, out, nullptr);
+  std::vector<uint16_t> got(size_t(rows * cols));
+  check(cudaMemcpy(got.data(), out, got.size() * 2, cudaMemcpyDeviceToHost), "download decoded");
+  cudaFree(packed), cudaFree(group_scales), cudaFree(out);
+  int64_t wrong = 0;
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < cols; ++c) {
+      const uint8_t byte = w.values[size_t(r * cols / 2 + c / 2)];
+      const float want = fp4_e2m1_to_f32(c % 2 ? byte >> 4 : byte & 0xf) *
+                         fp8_e4m3_to_f32(w.group_scales[size_t(r * cols / 16 + c / 16)]);
+      const float value = bf16_to_f32(got[size_t(r * cols + c)]);
+      wrong += value != want || std::signbit(value) != std::signbit(want);
+    }
+  report(!wrong, "decode_nvfp4 37x208 (GPU)", std::to_string(wrong) + " values differ from e2m1 x scale");
+}
+
 __global__ void random_fill_kernel(float* x, __nv_bfloat16* w, int64_t nx, int64_t nw) {
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < nx + nw; i += int64_t(gridDim.x) * blockDim.x) {
     uint32_t h = uint32_t(i) * 2654435761u ^ uint32_t(i >> 32);
@@ -249,6 +274,8 @@ struct Problem {
   GemmInput input = GemmInput::Split;
   bool gated = false;  // X's rows [gate | up], 2K values: the product takes gelu_glu of them
   bool tiled = false;  // the matrices uploaded tiled (GemmMatrix::tiled)
+  std::vector<float> row_factors;  // plain weights: a factor per matrix row (GemmMatrix::row_scales), or none
+  int64_t factor_rows = 0;         // ... in runs of this many rows (GemmMatrix::factor_rows)
 };
 
 // `matrices` [n, row_bytes] byte matrices one after the other, each stored tiled
@@ -295,9 +322,11 @@ std::vector<float> run(const Problem& p, int tile_rows) {
   const int64_t row_bytes = weight_row_bytes(p.format, p.k), matrices = int64_t(p.w.size()) / (p.n * row_bytes);
   uint8_t* w = upload(p.tiled ? tiled_bytes(p.w, matrices, p.n, row_bytes) : p.w);
   const bool fp8 = p.format == WeightFormat::Fp8;
-  float* row_scales = p.format == WeightFormat::Plain ? nullptr : upload(fp8 ? p.packed.scales : p.packed.global_scales);
+  float* row_scales = p.format != WeightFormat::Plain ? upload(fp8 ? p.packed.scales : p.packed.global_scales)
+                      : p.row_factors.empty()         ? nullptr
+                                                      : upload(p.row_factors);
   uint8_t* group_scales = p.format == WeightFormat::Nvfp4 ? upload(p.packed.group_scales) : nullptr;
-  const ExpertStack stack{{w, row_scales, group_scales, p.tiled}, p.format, p.n, p.k};
+  const ExpertStack stack{{w, row_scales, group_scales, p.tiled, p.factor_rows}, p.format, p.n, p.k};
   int64_t* row_map = p.row_map.empty() ? nullptr : upload(p.row_map);
   std::vector<GemmSegment> segs = p.segs;
   for (auto& s : segs) s.w = stack.expert(matrix_of(s));
@@ -380,7 +409,8 @@ Operands operands(const Problem& p) {
     o.w_scale = p.packed.scales;
   } else {
     o.w = p.w_values;
-    o.w_scale.assign(o.w.size() / size_t(p.k), 1.0f);
+    o.w_scale = p.row_factors;
+    o.w_scale.resize(o.w.size() / size_t(p.k), 1.0f);
   }
   return o;
 }
@@ -474,6 +504,18 @@ Problem gated(Problem p) {
 Problem fp8_token(Problem p, bool zero_rows = false) {
   p.input = GemmInput::Fp8Token;
   for (int64_t r = 0; zero_rows && r < p.x_rows; r += 7) std::fill_n(&p.x[size_t(r * p.ldx)], p.ldx, 0.0f);
+  return p;
+}
+// p (plain weights) with a random factor per weight row, as decoded NVFP4 linears have: one
+// factor per run of n / runs rows (a linear's global scale, gate and up stacked: two runs),
+// or (runs 0) each row its own.
+Problem row_factors(Problem p, int64_t runs) {
+  std::mt19937 rng(unsigned(p.n * 17 + p.k));
+  std::uniform_real_distribution<float> d(0.25f, 4.0f);
+  p.factor_rows = runs ? p.n / runs : 0;
+  p.row_factors.resize(p.w_values.size() / size_t(p.k));
+  for (size_t r = 0; r < p.row_factors.size(); ++r)
+    p.row_factors[r] = runs && r % size_t(p.factor_rows) ? p.row_factors[r - 1] : d(rng);
   return p;
 }
 // p with its weights stored tiled.
@@ -617,6 +659,11 @@ std::vector<Case> bf16_dense_cases() {
   cases.push_back({"dense 300x512x704 gated", gated(dense(300, 512, 704))});
   cases.push_back({"dense 65x40x333 gated ldx+5", gated(dense(65, 40, 333, 5))});
   cases.push_back({"dense 200x264x512 round gated", gated(dense(200, 264, 512, 0, 0, GemmInput::RoundBf16))});
+  // Row factors (decoded NVFP4 linears): hi/lo X (the lo plane's sum added after the
+  // factors) and rounded X.
+  cases.push_back({"dense 130x256x200 row factors, 2 runs", row_factors(dense(130, 256, 200), 2)});
+  cases.push_back({"dense 129x296x2816 round row factors ldx+5 ldy+4",
+                   row_factors(dense(129, 296, 2816, 5, 4, GemmInput::RoundBf16), 1)});
   return cases;
 }
 
@@ -636,8 +683,10 @@ std::vector<Case> tiled_cases() {
 }
 
 void correctness() {
+  check_decode_nvfp4();
   std::vector<Case> cases = bf16_dense_cases();
   for (Case& c : tiled_cases()) cases.push_back(std::move(c));
+  cases.push_back({"dense 65x40x333 row factors, each its own", row_factors(dense(65, 40, 333), 0)});
   cases.push_back({"moe up 40 tok, 6 exp top 3, 48x72", moe(40, 6, 3, 48, 72, true, 1)});
   cases.push_back({"moe down 40 tok, 6 exp top 3, 72x24", moe(40, 6, 3, 72, 24, false, 2)});
   cases.push_back({"moe up 300 tok, 16 exp top 4, 264x136", moe(300, 16, 4, 264, 136, true, 3)});
@@ -758,15 +807,19 @@ void check_cublaslt() {
   cases.push_back({"dense 300x512x704 gated", fp8_token(gated(dense(fp8, 300, 512, 704)))});
   for (const Case& c : cases) {
     const bool fp8_input = c.p.input == GemmInput::Fp8Token;
-    const GemmMatrix w{c.p.w.data(), fp8_input ? c.p.packed.scales.data() : nullptr, nullptr};  // addresses: alignment
-    if (fp8_input && !cublaslt().supports(c.p.input, w, c.p.n, c.p.k, nullptr, c.p.ldy))
+    const float* scales = fp8_input                 ? c.p.packed.scales.data()
+                          : c.p.row_factors.empty() ? nullptr
+                                                    : c.p.row_factors.data();
+    const GemmMatrix w{c.p.w.data(), scales, nullptr, false, c.p.factor_rows};  // host addresses: alignment
+    if ((fp8_input || scales) && !cublaslt().supports(c.p.input, w, c.p.n, c.p.k, nullptr, c.p.ldy))
       report(false, std::string("cuBLASLt ") + c.name, "no algorithm");
     else verify(c.p, run(c.p, kCublasLt), c.name, kCublasLt);
   }
   Problem big = dense(512, 4096, 2816);
   verify(big, run(big, kCublasLt), "dense 512x4096x2816 (sampled)", kCublasLt, 4000);
-  for (const Problem& full : {dense(300, 512, 704), dense(300, 2048, 2816, 0, 3), dense(256, 96, 30000, 0, 0, round),
-                              fp8_token(dense(fp8, 300, 2048, 2816))}) {
+  for (const Problem& full :
+       {dense(300, 512, 704), dense(300, 2048, 2816, 0, 3), dense(256, 96, 30000, 0, 0, round),
+        fp8_token(dense(fp8, 300, 2048, 2816)), row_factors(dense(300, 2048, 2816, 0, 0, round), 2)}) {
     const std::vector<float> all = run(full, kCublasLt);
     for (int64_t rows : {1, 7, 33, 200}) {
       Problem part = full;
@@ -789,7 +842,7 @@ void check_cublaslt() {
 // the backend's (gemm_tile_rows) unless `tile` names one.
 void bench(const char* name, int64_t tokens, int64_t n, int64_t k, int experts, int top_k, bool gather,
            WeightFormat format = WeightFormat::Plain, GemmInput input = GemmInput::Split, bool on_cublaslt = false,
-           int tile = 0, bool tiled = false) {
+           int tile = 0, bool tiled = false, int factor_runs = 0) {
   // The backend picks one tile height for both expert GEMMs, from the narrower (gate_up's 1408).
   const bool moe_layer = experts > 0;
   const int64_t rows = moe_layer ? tokens * top_k : tokens;  // output rows
@@ -804,7 +857,7 @@ void bench(const char* name, int64_t tokens, int64_t n, int64_t k, int experts, 
   const int64_t matrices = moe_layer ? experts : 1;
   const int64_t value_bytes = matrices * n * weight_row_bytes(format, k);
   const int64_t group_bytes = format == WeightFormat::Nvfp4 ? matrices * n * (k / 16) : 0;
-  const int64_t row_scale_bytes = format == WeightFormat::Plain ? 0 : matrices * n * 4;
+  const int64_t row_scale_bytes = format == WeightFormat::Plain && !factor_runs ? 0 : matrices * n * 4;
   check(cudaMalloc(&x, sizeof(float) * size_t(x_rows * k)), "x");
   check(cudaMalloc(&y, sizeof(float) * size_t(rows * n)), "y");
   check(cudaMalloc(&w, size_t(value_bytes)), "w");
@@ -814,7 +867,11 @@ void bench(const char* name, int64_t tokens, int64_t n, int64_t k, int experts, 
   check(cudaMemset(group_scales, 0x38, std::max<size_t>(group_bytes, 1)), "group scales");  // E4M3 1.0
   check(cudaMalloc(&scratch, gemm_scratch_bytes(x_rows, n, k, input)), "scratch");
   random_fill(x, reinterpret_cast<__nv_bfloat16*>(w), x_rows * k, value_bytes / 2);
-  const ExpertStack stack{{w, row_scales, group_scales, tiled}, format, n, k};  // random bytes: any layout
+  const ExpertStack stack{
+      {w, row_scale_bytes ? row_scales : nullptr, group_scales, tiled, factor_runs ? n / factor_runs : 0},
+      format,
+      n,
+      k};  // random bytes: any layout
   std::vector<GemmSegment> segs;
   std::vector<GemmTile> tiles;
   std::vector<int64_t> row_map;
@@ -848,8 +905,9 @@ void bench(const char* name, int64_t tokens, int64_t n, int64_t k, int experts, 
   const float ms = time_ms(call);
   const double flops = 2.0 * double(rows) * double(n) * double(k);
   const double w_bytes = double(value_bytes + group_bytes + row_scale_bytes);
-  std::printf("%-38s %-6s %-8s%s: %9.1f us  %6.1f TFLOP/s (useful)  %5.2f TB/s of weights\n", name,
-              format_name(format, input), engine_name(tile_rows).c_str(), tiled ? " tiled" : "", ms * 1e3,
+  std::printf("%-38s %-6s %-8s%s%s: %9.1f us  %6.1f TFLOP/s (useful)  %5.2f TB/s of weights\n", name,
+              format_name(format, input), engine_name(tile_rows).c_str(), tiled ? " tiled" : "",
+              factor_runs ? (" row factors, " + std::to_string(factor_runs) + " run(s)").c_str() : "", ms * 1e3,
               flops / (ms * 1e-3) / 1e12, w_bytes / (ms * 1e-3) / 1e12);
   cudaFree(x), cudaFree(y), cudaFree(w), cudaFree(row_scales), cudaFree(group_scales), cudaFree(scratch);
   cudaFree(d_segs), cudaFree(d_tiles), cudaFree(d_map);
@@ -904,6 +962,11 @@ int main(int argc, char** argv) {
     for (const auto& [name, n, k] : layer_products) {
       bench(name, m, n, k, 0, 0, false, WeightFormat::Plain, GemmInput::Split, true);
       bench(name, m, n, k, 0, 0, false, WeightFormat::Fp8, GemmInput::Fp8Token, true);
+      // decoded NVFP4 linears (bf16 with row factors, rounded X; gate and up stacked: two
+      // runs), against the rounded plain product
+      bench(name, m, n, k, 0, 0, false, WeightFormat::Plain, GemmInput::RoundBf16, true);
+      for (int runs : {1, 2})
+        bench(name, m, n, k, 0, 0, false, WeightFormat::Plain, GemmInput::RoundBf16, true, 0, false, runs);
     }
     bench("k_proj 2816->1024", m, 1024, 2816, 0, 0, false, WeightFormat::Plain, GemmInput::Split, true);
     bench("router 2816->128", m, 128, 2816, 0, 0, false, WeightFormat::Plain, GemmInput::Split, true);

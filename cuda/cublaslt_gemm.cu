@@ -5,6 +5,9 @@
 // its E4M3 products take. Their scales are outer vectors: y^T[i, j] times w's scale i
 // (a weight row's) and a's scale j (a token's), applied to the finished sums; with
 // fast accumulation off, the tensor cores' partial sums are added in fp32 as they go.
+// A bf16 weight with row factors (decoded NVFP4) is one product per run of rows sharing a
+// factor (GemmMatrix::factor_rows), the factor its alpha, read from device memory (as beta
+// then is): cuBLASLt has no bf16 kernel taking alpha as a vector, one per row.
 #include "cublaslt_gemm.h"
 
 #include <stdexcept>
@@ -35,16 +38,21 @@ int alignment(std::initializer_list<uint64_t> values) {
 int64_t row_values(GemmInput input, int64_t k) { return planes(input) * gemm_padded_k(k, input); }
 
 // The operation and matrix layouts of one product at m rows (destroyed with it); `fp8`:
-// E4M3 operands with outer-vector scales (set_scales gives their addresses).
+// E4M3 operands with outer-vector scales (set_scales gives their addresses); `device_scalars`:
+// alpha and beta in device memory.
 struct Product {
   cublasLtMatmulDesc_t op = nullptr;
   cublasLtMatrixLayout_t w = nullptr, a = nullptr, y = nullptr;
 
-  Product(bool fp8, int64_t m, int64_t lda, int64_t n, int64_t k, int64_t ldy) {
+  Product(bool fp8, bool device_scalars, int64_t m, int64_t lda, int64_t n, int64_t k, int64_t ldy) {
     check(cublasLtMatmulDescCreate(&op, CUBLAS_COMPUTE_32F, CUDA_R_32F), "matmul descriptor");
     const cublasOperation_t transpose = CUBLAS_OP_T, keep = CUBLAS_OP_N;
     check(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSA, &transpose, sizeof(transpose)), "transa");
     check(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSB, &keep, sizeof(keep)), "transb");
+    if (device_scalars) {
+      const cublasLtPointerMode_t mode = CUBLASLT_POINTER_MODE_DEVICE;
+      check(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_POINTER_MODE, &mode, sizeof(mode)), "pointer mode");
+    }
     if (fp8) {
       const cublasLtMatmulMatrixScale_t outer = CUBLASLT_MATMUL_MATRIX_SCALE_OUTER_VEC_32F;
       const int8_t fast_accumulation = 0;
@@ -77,15 +85,26 @@ struct Product {
 
 }  // namespace
 
-CublasLtGemm::CublasLtGemm() { check(cublasLtCreate(&handle_), "cublasLtCreate"); }
+CublasLtGemm::CublasLtGemm() {
+  check(cublasLtCreate(&handle_), "cublasLtCreate");
+  const float constants[2] = {0.0f, 1.0f};
+  if (cudaMalloc(&device_constants_, sizeof(constants)) != cudaSuccess ||
+      cudaMemcpy(device_constants_, constants, sizeof(constants), cudaMemcpyHostToDevice) != cudaSuccess) {
+    cudaGetLastError();
+    cudaFree(device_constants_);
+    cublasLtDestroy(handle_);
+    throw std::runtime_error("CublasLtGemm: cannot place its constants in GPU memory");
+  }
+}
 
 CublasLtGemm::~CublasLtGemm() {
   for (const auto& [stream, workspace] : workspaces_) cudaFree(workspace);
+  cudaFree(device_constants_);
   cublasLtDestroy(handle_);
 }
 
 CublasLtGemm::Plan CublasLtGemm::choose(const Key& key) {
-  const auto [fp8, n, k, lda, ldy, align_w, align_y] = key;
+  const auto [fp8, device_scalars, n, k, lda, ldy, align_w, align_y] = key;
   Plan plan;
   cublasLtMatmulPreference_t preference = nullptr;
   check(cublasLtMatmulPreferenceCreate(&preference), "preference");
@@ -105,8 +124,8 @@ CublasLtGemm::Plan CublasLtGemm::choose(const Key& key) {
       {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, uint32_t(align_y)}};
   for (const auto& [attribute, value] : preferences)
     check(cublasLtMatmulPreferenceSetAttribute(preference, attribute, &value, sizeof(value)), "preference");
-  Product reference(fp8, kReferenceRows, lda, n, k, ldy), one(fp8, 1, lda, n, k, ldy),
-      many(fp8, 64 * kReferenceRows, lda, n, k, ldy);
+  Product reference(fp8, device_scalars, kReferenceRows, lda, n, k, ldy), one(fp8, device_scalars, 1, lda, n, k, ldy),
+      many(fp8, device_scalars, 64 * kReferenceRows, lda, n, k, ldy);
   if (fp8) {  // the choice looks at the scales' modes, not their addresses: a placeholder, never read
     const float* const placeholder = reinterpret_cast<const float*>(uintptr_t(256));
     for (Product* product : {&reference, &one, &many}) product->set_scales(placeholder, placeholder);
@@ -130,24 +149,37 @@ CublasLtGemm::Plan CublasLtGemm::choose(const Key& key) {
   return plan;
 }
 
-const CublasLtGemm::Plan* CublasLtGemm::usable_plan(GemmInput input, const GemmMatrix& w, int64_t n, int64_t k,
-                                                    const float* y, int64_t ldy) {
+int64_t CublasLtGemm::part_rows(GemmInput input, const GemmMatrix& w, int64_t n) {
+  constexpr int64_t kMostParts = 4;  // a few linears stacked (gate and up: two); more stay on gemm.cu
+  if (input == GemmInput::Fp8Token || !w.row_scales) return n;
+  const int64_t rows = w.factor_rows;
+  return rows > 0 && n % rows == 0 && n / rows <= kMostParts ? rows : 0;
+}
+
+const CublasLtGemm::Plan* CublasLtGemm::usable_plan(GemmInput input, const GemmMatrix& w, int64_t first_row,
+                                                    int64_t rows, int64_t k, const float* y, int64_t ldy) {
   const bool fp8 = input == GemmInput::Fp8Token;
   if (fp8 && !w.row_scales) return nullptr;
+  const uint64_t row_bytes = uint64_t(k) * (fp8 ? 1 : 2);
   const Key key{fp8,
-                n,
+                !fp8 && w.row_scales,
+                rows,
                 k,
                 row_values(input, k),
                 ldy,
-                alignment({reinterpret_cast<uintptr_t>(w.values), uint64_t(k) * (fp8 ? 1 : 2)}),
-                alignment({reinterpret_cast<uintptr_t>(y), uint64_t(ldy) * 4})};
+                alignment({reinterpret_cast<uintptr_t>(w.values) + first_row * row_bytes, row_bytes}),
+                alignment({reinterpret_cast<uintptr_t>(y) + first_row * 4, uint64_t(ldy) * 4})};
   auto it = plans_.find(key);
   if (it == plans_.end()) it = plans_.emplace(key, choose(key)).first;
   return it->second.usable ? &it->second : nullptr;
 }
 
 bool CublasLtGemm::supports(GemmInput input, const GemmMatrix& w, int64_t n, int64_t k, const float* y, int64_t ldy) {
-  return !w.tiled && usable_plan(input, w, n, k, y, ldy) != nullptr;
+  const int64_t rows = part_rows(input, w, n);
+  if (w.tiled || !rows) return false;
+  for (int64_t first = 0; first < n; first += rows)
+    if (!usable_plan(input, w, first, rows, k, y, ldy)) return false;
+  return true;
 }
 
 void CublasLtGemm::multiply(const float* x, int64_t m, int64_t ldx, bool gated, GemmInput input,
@@ -155,11 +187,9 @@ void CublasLtGemm::multiply(const float* x, int64_t m, int64_t ldx, bool gated, 
                             int64_t ldy, const PreparedX& prepared, void* scratch, cudaStream_t stream) {
   if (ws.size() != ys.size()) throw std::invalid_argument("CublasLtGemm::multiply: one output a weight");
   if (reinterpret_cast<uintptr_t>(scratch) % 16) throw std::invalid_argument("CublasLtGemm::multiply: unaligned scratch");
-  std::vector<const Plan*> chosen;
-  for (size_t i = 0; i < ws.size(); ++i) {
-    chosen.push_back(usable_plan(input, ws[i], n, k, ys[i], ldy));
-    if (!chosen.back()) throw std::invalid_argument("CublasLtGemm::multiply: cuBLASLt has no algorithm for this product");
-  }
+  for (size_t i = 0; i < ws.size(); ++i)
+    if (!supports(input, ws[i], n, k, ys[i], ldy))
+      throw std::invalid_argument("CublasLtGemm::multiply: cuBLASLt has no algorithm for this product");
   if (m <= 0 || n <= 0) return;
   void*& workspace = workspaces_[stream];
   if (!workspace && cudaMalloc(&workspace, kWorkspaceBytes) != cudaSuccess) {
@@ -172,16 +202,26 @@ void CublasLtGemm::multiply(const float* x, int64_t m, int64_t ldx, bool gated, 
     throw std::invalid_argument("CublasLtGemm::multiply: a prepared X is plain rows of the product's input kind");
   const PreparedX x_rows =
       prepared.rows ? prepared : prepare_gemm_input(x, m, ldx, gated, k, input, /*permuted=*/false, scratch, stream);
-  const int64_t kp = x_rows.kp;
-  Product product(fp8, m, row_values(input, k), n, k, ldy);
-  const float one = 1.0f, zero = 0.0f;
+  const int64_t kp = x_rows.kp, row_bytes = k * (fp8 ? 1 : 2);
+  const float host_constants[2] = {0.0f, 1.0f};
   for (size_t i = 0; i < ws.size(); ++i) {
-    if (fp8) product.set_scales(ws[i].row_scales, x_rows.scales);
-    for (int plane = 0; plane < planes(input); ++plane) {
-      const uint8_t* a = x_rows.rows + plane * kp * (fp8 ? 1 : 2);
-      check(cublasLtMatmul(handle_, product.op, &one, ws[i].values, product.w, a, product.a, plane ? &one : &zero,
-                           ys[i], product.y, ys[i], product.y, &chosen[i]->algo, workspace, kWorkspaceBytes, stream),
-            "cublasLtMatmul");
+    const GemmMatrix& w = ws[i];
+    const bool device_scalars = !fp8 && w.row_scales;  // alpha: the part's row factor
+    const float* constants = device_scalars ? device_constants_ : host_constants;
+    const int64_t rows = part_rows(input, w, n);
+    Product product(fp8, device_scalars, m, row_values(input, k), rows, k, ldy);
+    if (fp8) product.set_scales(w.row_scales, x_rows.scales);
+    for (int64_t first = 0; first < n; first += rows) {
+      const Plan* plan = usable_plan(input, w, first, rows, k, ys[i], ldy);
+      const float* alpha = device_scalars ? w.row_scales + first : &constants[1];
+      const uint8_t* values = static_cast<const uint8_t*>(w.values) + first * row_bytes;
+      float* y = ys[i] + first;
+      for (int plane = 0; plane < planes(input); ++plane) {
+        const uint8_t* a = x_rows.rows + plane * kp * (fp8 ? 1 : 2);
+        check(cublasLtMatmul(handle_, product.op, alpha, values, product.w, a, product.a, &constants[plane ? 1 : 0], y,
+                             product.y, y, product.y, &plan->algo, workspace, kWorkspaceBytes, stream),
+              "cublasLtMatmul");
+      }
     }
   }
 }

@@ -27,8 +27,9 @@ class CublasLtGemm {
   CublasLtGemm& operator=(const CublasLtGemm&) = delete;
 
   // Whether cuBLASLt has an algorithm for products of X (entering as `input`) with the
-  // weight w ([n, k], K contiguous; bf16, or with Fp8Token E4M3 with a scale per row) into
-  // y (rows ldy apart): the same answer for every number of rows.
+  // weight w ([n, k], K contiguous; bf16, with row factors in runs (GemmMatrix::factor_rows)
+  // or none, or with Fp8Token E4M3 with a scale per row) into y (rows ldy apart): the same
+  // answer for every number of rows.
   //
   // A row's result must not depend on what it is batched with (DESIGN.md), while cuBLASLt
   // picks its kernel, tile and K split by the rows. So the algorithm is chosen once per
@@ -50,16 +51,22 @@ class CublasLtGemm {
     bool usable = false;
     cublasLtMatmulAlgo_t algo{};
   };
-  // (E4M3 or bf16 operands, n, k, lda, ldy, alignment of w and y in bytes); X's planes are
-  // always 16-byte aligned
-  using Key = std::tuple<bool, int64_t, int64_t, int64_t, int64_t, int, int>;
-  // The plan for this product, chosen on first use; null where none is usable.
-  const Plan* usable_plan(GemmInput input, const GemmMatrix& w, int64_t n, int64_t k, const float* y, int64_t ldy);
+  // (E4M3 or bf16 operands, alpha and beta in device memory (bf16 with row factors), n, k,
+  // lda, ldy, alignment of w and y in bytes); X's planes are always 16-byte aligned
+  using Key = std::tuple<bool, bool, int64_t, int64_t, int64_t, int64_t, int, int>;
+  // The rows of w each product takes: all n, or a run sharing one row factor; 0 where the
+  // factors have no such runs.
+  static int64_t part_rows(GemmInput input, const GemmMatrix& w, int64_t n);
+  // The plan for the product of w's rows [first_row, first_row + rows) into y's columns
+  // there, chosen on first use; null where none is usable.
+  const Plan* usable_plan(GemmInput input, const GemmMatrix& w, int64_t first_row, int64_t rows, int64_t k,
+                          const float* y, int64_t ldy);
   Plan choose(const Key& key);
 
   cublasLtHandle_t handle_ = nullptr;
   std::map<cudaStream_t, void*> workspaces_;  // one per stream: products on two streams may run at once
   std::map<Key, Plan> plans_;
+  float* device_constants_ = nullptr;  // 0 and 1, alpha and beta for products whose alpha is in device memory
 };
 
 }  // namespace diffuserve::cuda

@@ -338,6 +338,7 @@ class CudaBackend final : public Backend {
   Weight upload_packed(const PackedWeight& host) override {
     bind();
     if (!keeps_packed(host)) throw InvalidArgument("the CUDA backend does not keep this packed weight layout");
+    if (host.format == WeightFormat::Nvfp4 && host.shape.size() == 2) return upload_decoded_nvfp4(host);
     Weight w;
     w.format = host.format;
     w.dtype = host.format == WeightFormat::Fp8 ? DType::F8_E4M3 : DType::U8;
@@ -354,6 +355,49 @@ class CudaBackend final : public Backend {
     w.data = base;
     w.row_scales = reinterpret_cast<const float*>(base + values);
     w.group_scales = host.group_scales.empty() ? nullptr : base + values + scales;
+    w.storage = storage;
+    return w;
+  }
+
+  // A dense NVFP4 linear is decoded once, here, into a plain bf16 weight: the values times
+  // their group scales (exact in bf16: packed_decode.cuh), with the reciprocal of each row's
+  // global scale as its row factor (Weight::row_scales). At a canvas's rows these products
+  // are bound by latency, not by the weights' bytes, and cuBLASLt's kernels run them several
+  // times faster than gemm.cu's decoding main loop (README, "GPU"), for 3.5x the memory of
+  // the packed bytes. Expert stacks stay packed: their products stream the 4-bit bytes.
+  // The packed bytes pass through a buffer of their own, not the pool's (which would keep it).
+  Weight upload_decoded_nvfp4(const PackedWeight& host) {
+    const int64_t rows = host.rows(), cols = host.cols();
+    auto aligned = [](size_t bytes) { return (bytes + 255) / 256 * 256; };
+    const size_t values = aligned(size_t(rows * cols) * 2);
+    auto storage = pool_->get(values + size_t(rows) * sizeof(float));
+    auto* base = static_cast<uint8_t*>(storage.get());
+    std::vector<float> factors(host.global_scales.size());
+    for (size_t r = 0; r < factors.size(); ++r) factors[r] = 1.0f / host.global_scales[r];
+    copy_up(base + values, factors.data(), factors.size() * sizeof(float));
+    // A linear's rows share its global scale; gate and up stacked are two runs.
+    int64_t run = 1;
+    while (run < rows && factors[run] == factors[0]) ++run;
+    for (int64_t r = 0; r < rows && run; ++r)
+      if (rows % run || factors[r] != factors[r / run * run]) run = 0;
+    const size_t packed_bytes = aligned(host.values.size());
+    void* buffer = nullptr;
+    if (cudaMalloc(&buffer, packed_bytes + host.group_scales.size()) != cudaSuccess) {
+      cudaGetLastError();
+      throw std::runtime_error("out of GPU memory decoding an NVFP4 weight");
+    }
+    const std::unique_ptr<void, cudaError_t (*)(void*)> freed(buffer, cudaFree);
+    auto* packed = static_cast<uint8_t*>(buffer);
+    copy_up(packed, host.values.data(), host.values.size());
+    copy_up(packed + packed_bytes, host.group_scales.data(), host.group_scales.size());
+    cuda::decode_nvfp4(packed, packed + packed_bytes, rows, cols, reinterpret_cast<__nv_bfloat16*>(base), stream_);
+    check(cudaStreamSynchronize(stream_), "decoding an NVFP4 weight");
+    Weight w;
+    w.dtype = DType::BF16;
+    w.shape = host.shape;
+    w.data = base;
+    w.row_scales = reinterpret_cast<const float*>(base + values);
+    w.factor_rows = run;
     w.storage = storage;
     return w;
   }
@@ -947,7 +991,10 @@ class CudaBackend final : public Backend {
   // A linear's weight ([N, K]) or expert stack ([E, N, K]) as the GEMM reads it.
   static cuda::ExpertStack matrices(const Weight& w) {
     if (w.format == WeightFormat::Plain) bf16(w);  // checks the dtype
-    return {{w.data, w.row_scales, w.group_scales, w.tiled}, w.format, w.shape[w.shape.size() - 2], w.shape.back()};
+    return {{w.data, w.row_scales, w.group_scales, w.tiled, w.factor_rows},
+            w.format,
+            w.shape[w.shape.size() - 2],
+            w.shape.back()};
   }
 
   // Copies a small host table to the device for the next kernels, without waiting: the

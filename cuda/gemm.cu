@@ -217,6 +217,11 @@ using Wgmma128 = Shape<128, 128, 1, 4, 3, 3, 1, true>;  // 144 KB; 96 KB
 // Medium for decoded packed weights: warps side by side (64 x 32 each), as each warp decodes
 // the W columns it multiplies and two warps over the same columns would decode them twice.
 using MediumDecoded = Shape<64, 128, 1, 4, 3, 3, 2>;  // 72 / 62 KB
+// Small32 for decoded packed weights: four blocks a multiprocessor (128 registers: none
+// spilled with bf16-rounded X, 16 bytes with NVFP4's hi/lo) where three had fit at 142-159.
+// The decoding keeps the issue slots busy (ncu, H200, NVFP4 up projection at batch 1: 57%),
+// and the three blocks' 12 warps left none eligible 40% of the cycles.
+using Small32Decoded = Shape<32, 128, 1, 4, 3, 4, 4>;
 
 // kTiled: the weights are stored tiled (GemmMatrix::tiled), each stage's 128 rows one run.
 template <class S, GemmInput kInput, WeightFormat kFormat, bool kTiled>
@@ -525,12 +530,13 @@ __global__ void __launch_bounds__(S::kThreads, S::kBlocks) gemm_kernel(const Par
 
   // Accumulator (m16 x n8): registers 0-1 at row lane / 4, 2-3 at row lane / 4 + 8,
   // columns 2 * (lane % 4) + {0, 1}. Packed weights: times FP8's row scale, or over NVFP4's
-  // global scale, as packed_weight.h dequantizes; E4M3 X: first times its row's scale.
+  // global scale, as packed_weight.h dequantizes; E4M3 X: first times its row's scale;
+  // plain weights: times their row factors where they have them (GemmMatrix::row_scales).
   auto rescale = [&](float v, float x_scale, int64_t c) {
     if constexpr (kInput == GemmInput::Fp8Token) return v * x_scale * seg.w.row_scales[c];
     if constexpr (kFormat == WeightFormat::Fp8) return v * seg.w.row_scales[c];
     if constexpr (kFormat == WeightFormat::Nvfp4) return v / seg.w.row_scales[c];
-    return v;
+    return seg.w.row_scales ? v * seg.w.row_scales[c] : v;
   };
   auto x_scale = [&](int r) { return kInput == GemmInput::Fp8Token ? p.a_scales[x_row(r)] : 1.0f; };
   float* y = p.y + int64_t(blockIdx.z) * p.y_copy_stride;
@@ -893,7 +899,7 @@ void gemm(const float* x, int64_t x_rows, int64_t ldx, bool gated, const int64_t
   static_assert(Wgmma32::kBM == Small32::kBM, "one 32-row tile height");
   if (tile_rows == 32) {
     if (wgmma) launch_wgmma<Wgmma32>(p, input, num_tiles, splits, stream);
-    else launch_shape<Small32>(p, input, format, num_tiles, splits, stream);
+    else launch_shape<Small32, Small32Decoded>(p, input, format, num_tiles, splits, stream);
   } else if (tile_rows == 16) {
     launch_shape<Small>(p, input, format, num_tiles, splits, stream);
   } else if (tile_rows == 128) {

@@ -9,6 +9,7 @@
 #include "gemm_tile.cuh"
 #include "kernels.h"
 #include "mma.cuh"
+#include "packed_decode.cuh"
 #include "sampler.h"
 
 namespace diffuserve::cuda {
@@ -399,6 +400,21 @@ __global__ void tile_matrices_kernel(const uint8_t* in, int64_t n, int64_t row_b
   const int64_t per_row = row_bytes / 16, matrix = i / (n * per_row), row = i / per_row % n, c = i % per_row;
   const int64_t at = matrix * n * row_bytes + tiled_offset(row, c / 8, int(c % 8), row_bytes / kRowBytes);
   *reinterpret_cast<uint4*>(out + at) = reinterpret_cast<const uint4*>(in)[i];
+}
+
+// Thread i decodes 8 values: bytes 4i..4i+3 of the packed rows (rows of cols / 2 bytes, so
+// 8 | cols keeps each thread's bytes in one row and, as 16 | cols, in one group).
+__global__ void decode_nvfp4_kernel(const uint32_t* packed, const uint8_t* group_scales, int64_t cols, int64_t chunks,
+                                    uint4* out) {
+  wait_for_earlier_kernels();
+  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= chunks) return;
+  const int64_t row = i / (cols / 8), group = i % (cols / 8) / 2;
+  const uint32_t scale = nvfp4_scale_pair(group_scales[row * (cols / 16) + group]), nibbles = packed[i];
+  uint4 v;
+  nvfp4x4_to_bf16(nibbles & 0xffff, scale, v.x, v.y);
+  nvfp4x4_to_bf16(nibbles >> 16, scale, v.z, v.w);
+  out[i] = v;
 }
 
 __global__ void transpose_bf16_kernel(const __nv_bfloat16* in, int64_t k, int64_t n, __nv_bfloat16* out) {
@@ -903,6 +919,16 @@ void tile_matrices(const uint8_t* in, int64_t matrices, int64_t n, int64_t row_b
   if (n % 128 || row_bytes % kRowBytes) throw std::invalid_argument("tile_matrices: 128-row blocks of 128-byte slices");
   const int64_t chunks = matrices * n * row_bytes / 16;
   if (chunks) launch(tile_matrices_kernel, blocks_for(chunks), kThreads, 0, stream, in, n, row_bytes, chunks, out);
+}
+
+void decode_nvfp4(const uint8_t* packed, const uint8_t* group_scales, int64_t rows, int64_t cols, __nv_bfloat16* out,
+                  cudaStream_t stream) {
+  if (cols % 16 || reinterpret_cast<uintptr_t>(packed) % 4 || reinterpret_cast<uintptr_t>(out) % 16)
+    throw std::invalid_argument("decode_nvfp4: 16-value groups, packed rows 4-byte and out 16-byte aligned");
+  const int64_t chunks = rows * cols / 8;
+  if (chunks)
+    launch(decode_nvfp4_kernel, blocks_for(chunks), kThreads, 0, stream, reinterpret_cast<const uint32_t*>(packed),
+           group_scales, cols, chunks, reinterpret_cast<uint4*>(out));
 }
 
 void random_bf16(__nv_bfloat16* out, int64_t n, uint64_t seed, float scale, cudaStream_t stream) {

@@ -39,11 +39,16 @@ enum class GemmInput {
 DS_HOST_DEVICE constexpr int planes(GemmInput input) { return input == GemmInput::Split ? 2 : 1; }
 struct GemmMatrix {
   const void* values;           // bf16 or E4M3 [N, K]; NVFP4 [N, K / 2]
-  const float* row_scales;      // packed: FP8's scale, NVFP4's global scale, per row (Weight::row_scales)
+  // packed: FP8's scale, NVFP4's global scale, per row; plain: null, or a factor per row
+  // (Weight::row_scales)
+  const float* row_scales;
   const uint8_t* group_scales;  // NVFP4: E4M3 [N, K / 16]
   // bf16, or E4M3 with Fp8Token X: the values stored tiled (gemm_tile.cuh, tiled_offset), N a
   // multiple of 128 and K of 64 (bf16) or 128 (E4M3), the same bytes as [N, K].
   bool tiled = false;
+  // Plain weights with row factors: each run of this many rows shares one factor (a linear's,
+  // in a stack of linears), which cuBLASLt takes as a scalar; 0 where they vary otherwise.
+  int64_t factor_rows = 0;
 };
 struct GemmSegment {
   int64_t x_row;
@@ -63,7 +68,7 @@ struct ExpertStack {
   DS_HOST_DEVICE GemmMatrix expert(int e) const {
     return {static_cast<const uint8_t*>(first.values) + e * n * weight_row_bytes(format, k),
             first.row_scales ? first.row_scales + e * n : nullptr,
-            first.group_scales ? first.group_scales + e * n * (k / 16) : nullptr, first.tiled};
+            first.group_scales ? first.group_scales + e * n * (k / 16) : nullptr, first.tiled, first.factor_rows};
   }
 };
 struct GemmTile {
@@ -325,6 +330,11 @@ void quantize_nvfp4_expert_rows(const float* x, bool gather, const int64_t* row_
                                 const float* encoder_global, const float* decoder_global, float* out,
                                 cudaStream_t stream);
 
+// An NVFP4 matrix's values times their group scales, without the global scale, as bf16:
+// exact (packed_decode.cuh). packed [rows, cols / 2] (4-byte aligned), group_scales E4M3
+// [rows, cols / 16], out [rows, cols] (16-byte aligned); cols a multiple of 16.
+void decode_nvfp4(const uint8_t* packed, const uint8_t* group_scales, int64_t rows, int64_t cols, __nv_bfloat16* out,
+                  cudaStream_t stream);
 // Fills n bf16 values with random_weight_value (backend.h's dummy weights).
 void random_bf16(__nv_bfloat16* out, int64_t n, uint64_t seed, float scale, cudaStream_t stream);
 // `matrices` [n, row_bytes] matrices one after the other (in), each stored tiled into out

@@ -87,7 +87,11 @@ struct Weight {
   // the values, with (every output row of a stack has its own) Fp8's weight_scale per row,
   // multiplied; Nvfp4's weight_global_scale per row, divided by; and Nvfp4's E4M3
   // weight_scale per 16 inputs, [.., out, in / 16]. The CPU backend's data is the PackedWeight.
+  // A plain weight may have row_scales too, a factor per output row that multiplies its
+  // products: the CUDA backend's dense NVFP4 linears, decoded to bf16 at load (their
+  // global scales' reciprocals).
   const float* row_scales = nullptr;
+  int64_t factor_rows = 0;  // plain weights' row_scales: each run of this many rows shares one (0: they vary)
   const uint8_t* group_scales = nullptr;
   bool tiled = false;  // the values stored tiled (Backend::lay_out_experts; cuda/gemm_tile.cuh)
   std::shared_ptr<const void> storage;

@@ -355,7 +355,11 @@ class TensorSource {
     p.values.assign(packed.data, packed.data + packed.nbytes);
     p.group_scales.assign(scale.data, scale.data + scale.nbytes);
     if (!groups) p.group_scales.assign(size_t(rows), scale.data[0]);  // one per tensor: the same for every row
-    p.global_scales.assign(size_t(rows), scalar(prefix + ".weight_global_scale"));
+    const float global_scale = scalar(prefix + ".weight_global_scale");
+    if (!(std::isfinite(global_scale) && global_scale > 0))  // the values are divided by it
+      throw FormatError(m_.path + ": '" + prefix + ".weight_global_scale' is " + std::to_string(global_scale) +
+                        "; NVFP4 needs a positive, finite global scale");
+    p.global_scales.assign(size_t(rows), global_scale);
     return p;
   }
 

@@ -123,7 +123,9 @@ PackedWeight random_packed_weight(WeightFormat format, const std::vector<int64_t
   for (uint8_t& code : w.group_scales) code = uint8_t(kFirstGroupScale + (code & 0xf));
   const float rms = rms_of_codes(0, 16, fp4_e2m1_to_f32, all) *
                     rms_of_codes(kFirstGroupScale, 16, fp8_e4m3_to_f32, all);
-  for (int64_t r = 0; r < rows; ++r) w.global_scales.push_back(rms / unit * row_factor(seed, r));
+  // One global scale a matrix, as LLM Compressor writes one a linear (an expert's each).
+  const int64_t matrix_rows = shape.size() > 1 ? shape[shape.size() - 2] : 1;
+  for (int64_t r = 0; r < rows; ++r) w.global_scales.push_back(rms / unit * row_factor(seed, r / matrix_rows));
   return w;
 }
 

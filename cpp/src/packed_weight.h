@@ -45,7 +45,8 @@ std::vector<float> dequantize(const PackedWeight& w);
 // Random packed bytes and scales of `shape` for load_format "dummy", the same for a seed
 // on every backend: values from every code (FP8's two NaN codes excepted), group scales
 // around 1, and the row scales that give the values a variance of about 1 / cols, as the
-// plain dummy weights have. Nvfp4 needs cols % 16 == 0.
+// plain dummy weights have (FP8: a scale per row; NVFP4: a global scale per matrix, as a
+// checkpoint's). Nvfp4 needs cols % 16 == 0.
 PackedWeight random_packed_weight(WeightFormat format, const std::vector<int64_t>& shape, uint64_t seed);
 
 }  // namespace diffuserve
