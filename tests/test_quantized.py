@@ -163,6 +163,20 @@ def test_missing_scale_is_named(tmp_path, scheme, name):
         ds.Model.load(path)
 
 
+@pytest.mark.parametrize("value", [0.0, -2.0, float("nan"), float("inf")])
+def test_bad_global_scale_is_named(tmp_path, value):
+    """NVFP4's values are divided by the weight's global scale: one that is not positive and
+    finite would turn the linear's outputs into NaN or infinity."""
+    from safetensors.torch import save_file
+    name = "model.decoder.layers.1.mlp.up_proj.weight_global_scale"
+    path = copy_fixture(tmp_path, "NVFP4A16")
+    tensors = load_file(path / "model.safetensors")
+    tensors[name] = torch.full_like(tensors[name], value)
+    save_file(tensors, path / "model.safetensors")
+    with pytest.raises(ds.CheckpointError, match=re.escape(name) + ".*positive, finite"):
+        ds.Model.load(path)
+
+
 def activations(**args):
     """input_activations: FP8_DYNAMIC's, with `args` changed."""
     return dict(dict(num_bits=8, type="float", symmetric=True, strategy="token", dynamic=True, group_size=None), **args)
