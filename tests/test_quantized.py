@@ -7,6 +7,7 @@ activations (FP8 per token, NVFP4 W4A4 with calibrated input global scales) must
 logits LLM Compressor's own fake-quantized forward gave (reference_logits.safetensors,
 written by tests/fixtures/make_quantized.py)."""
 import json
+import math
 import os
 import re
 import shutil
@@ -164,16 +165,26 @@ def test_missing_scale_is_named(tmp_path, scheme, name):
 
 
 @pytest.mark.parametrize("value", [0.0, -2.0, float("nan"), float("inf")])
-def test_bad_global_scale_is_named(tmp_path, value):
-    """NVFP4's values are divided by the weight's global scale: one that is not positive and
-    finite would turn the linear's outputs into NaN or infinity."""
+@pytest.mark.parametrize("scheme, name, message", [
+    ("NVFP4A16", "model.decoder.layers.1.mlp.up_proj.weight_global_scale", "positive, finite"),
+    ("NVFP4", "model.decoder.layers.2.experts.3.down_proj.input_global_scale", "positive, finite"),
+    ("FP8_DYNAMIC", "model.decoder.layers.1.self_attn.q_proj.weight_scale", "must be finite"),
+])
+def test_bad_scale_is_named(tmp_path, value, scheme, name, message):
+    """NVFP4's weights and inputs are divided by their global scales, and FP8's weights are
+    multiplied by theirs: a scale that would turn a linear's outputs into NaN or infinity is
+    refused at load, named. (FP8 scales of 0 or below are numbers: they load.)"""
     from safetensors.torch import save_file
-    name = "model.decoder.layers.1.mlp.up_proj.weight_global_scale"
-    path = copy_fixture(tmp_path, "NVFP4A16")
+    path = copy_fixture(tmp_path, scheme)
     tensors = load_file(path / "model.safetensors")
-    tensors[name] = torch.full_like(tensors[name], value)
+    twin = name.replace("model.decoder.", "model.encoder.language_model.")  # the encoder's copy, if stored
+    for n in {name, twin} & tensors.keys():
+        tensors[n] = torch.full_like(tensors[n], value)
     save_file(tensors, path / "model.safetensors")
-    with pytest.raises(ds.CheckpointError, match=re.escape(name) + ".*positive, finite"):
+    if scheme == "FP8_DYNAMIC" and math.isfinite(value):
+        ds.Model.load(path)
+        return
+    with pytest.raises(ds.CheckpointError, match=re.escape(name) + ".*" + message):
         ds.Model.load(path)
 
 

@@ -258,6 +258,15 @@ class TensorSource {
     if (t.numel() != 1) throw FormatError(t.file + ": tensor '" + name + "' must hold one value");
     return widen(t)[0];
   }
+  // ... one that values are divided by (NVFP4's global scales): positive and finite, or
+  // every output of the linear would be NaN or infinite.
+  float divisor_scalar(const std::string& name) {
+    const float v = scalar(name);
+    if (!(std::isfinite(v) && v > 0))
+      throw FormatError(m_.path + ": '" + name + "' is " + std::to_string(v) + "; NVFP4 needs a positive, finite " +
+                        "global scale");
+    return v;
+  }
 
   static std::string module_of(const std::string& weight_name) {
     return weight_name.substr(0, weight_name.size() - std::string(".weight").size());
@@ -279,9 +288,9 @@ class TensorSource {
         // The encoder's copy of the linear has its own scale, where the checkpoint has one.
         const std::string decoder = "model.decoder.", encoder = "model.encoder.language_model.";
         const std::string twin = module.starts_with(decoder) ? encoder + module.substr(decoder.size()) : module;
-        const float decoder_scale = scalar(module + ".input_global_scale");
-        const float encoder_scale = has(twin + ".input_global_scale") ? scalar(twin + ".input_global_scale")
-                                                                      : decoder_scale;
+        const float decoder_scale = divisor_scalar(module + ".input_global_scale");
+        const float encoder_scale =
+            has(twin + ".input_global_scale") ? divisor_scalar(twin + ".input_global_scale") : decoder_scale;
         if (module == parts[0]) {
           q.decoder_global_scale.push_back(decoder_scale);
           q.encoder_global_scale.push_back(encoder_scale);
@@ -335,6 +344,10 @@ class TensorSource {
     p.group_size = groups ? cols / groups : cols;
     p.values.assign(w.data, w.data + w.nbytes);
     p.scales = widen(scale);
+    for (float s : p.scales)
+      if (!std::isfinite(s))
+        throw FormatError(scale.file + ": tensor '" + scale.name + "' holds " + std::to_string(s) +
+                          "; FP8 weight scales must be finite");
     if (!groups) p.scales.assign(size_t(rows), p.scales[0]);  // one per tensor: the same for every row
     return p;
   }
@@ -355,11 +368,7 @@ class TensorSource {
     p.values.assign(packed.data, packed.data + packed.nbytes);
     p.group_scales.assign(scale.data, scale.data + scale.nbytes);
     if (!groups) p.group_scales.assign(size_t(rows), scale.data[0]);  // one per tensor: the same for every row
-    const float global_scale = scalar(prefix + ".weight_global_scale");
-    if (!(std::isfinite(global_scale) && global_scale > 0))  // the values are divided by it
-      throw FormatError(m_.path + ": '" + prefix + ".weight_global_scale' is " + std::to_string(global_scale) +
-                        "; NVFP4 needs a positive, finite global scale");
-    p.global_scales.assign(size_t(rows), global_scale);
+    p.global_scales.assign(size_t(rows), divisor_scalar(prefix + ".weight_global_scale"));
     return p;
   }
 
