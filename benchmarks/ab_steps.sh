@@ -8,6 +8,9 @@
 #     git archive BASE_REV cpp cuda > .device/base.tar
 #     bash benchmarks/ab_steps.sh .device/base.tar --activations bfloat16 --grid 1x1024,16x1024
 #
+# With AB_TESTS set (test files, e.g. AB_TESTS=tests/test_cuda.py), pytest runs them on the
+# new build first, on the GPU (DIFFUSERVE_TEST_DEVICE=cuda), so one call's builds serve the
+# tests and the timings; a failure is reported and the timings still run.
 # Prints each run's table; logs go to $OUT (or ./gpu-logs).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -34,8 +37,16 @@ build "$PWD" "$work/new" "$out/ab_build_new.log" & new_build=$!
 build "$work/base_src" "$work/base" "$out/ab_build_base.log" & base_build=$!
 wait $new_build && wait $base_build || exit 1
 echo "builds: $(( $(date +%s) - start )) s"
-cd benchmarks
 status=0
+if [ -n "${AB_TESTS:-}" ]; then
+  tests=$(for t in $AB_TESTS; do realpath "$t"; done)
+  # from outside the tree, so that the package imported is the new build's
+  # shellcheck disable=SC2086  # the test files split into words
+  (cd "$work" && PYTHONPATH="$work/new${PYTHONPATH:+:$PYTHONPATH}" DIFFUSERVE_TEST_DEVICE=cuda \
+    python3 -m pytest -q -p no:cacheprovider $tests > "$out/ab_tests.log" 2>&1) || status=1
+  echo "tests ($AB_TESTS): $(tail -1 "$out/ab_tests.log")"
+fi
+cd benchmarks
 for run in 1 2; do
   for side in base new; do
     echo "== $side (run $run)"
