@@ -174,12 +174,21 @@ const CublasLtGemm::Plan* CublasLtGemm::usable_plan(GemmInput input, const GemmM
   return it->second.usable ? &it->second : nullptr;
 }
 
-bool CublasLtGemm::supports(GemmInput input, const GemmMatrix& w, int64_t n, int64_t k, const float* y, int64_t ldy) {
+std::vector<const CublasLtGemm::Plan*> CublasLtGemm::part_plans(GemmInput input, const GemmMatrix& w, int64_t n,
+                                                                int64_t k, const float* y, int64_t ldy) {
   const int64_t rows = part_rows(input, w, n);
-  if (w.tiled || !rows) return false;
-  for (int64_t first = 0; first < n; first += rows)
-    if (!usable_plan(input, w, first, rows, k, y, ldy)) return false;
-  return true;
+  std::vector<const Plan*> plans;
+  if (w.tiled || !rows) return plans;
+  for (int64_t first = 0; first < n; first += rows) {
+    const Plan* plan = usable_plan(input, w, first, rows, k, y, ldy);
+    if (!plan) return {};
+    plans.push_back(plan);
+  }
+  return plans;
+}
+
+bool CublasLtGemm::supports(GemmInput input, const GemmMatrix& w, int64_t n, int64_t k, const float* y, int64_t ldy) {
+  return !part_plans(input, w, n, k, y, ldy).empty();
 }
 
 void CublasLtGemm::multiply(const float* x, int64_t m, int64_t ldx, bool gated, GemmInput input,
@@ -187,9 +196,12 @@ void CublasLtGemm::multiply(const float* x, int64_t m, int64_t ldx, bool gated, 
                             int64_t ldy, const PreparedX& prepared, void* scratch, cudaStream_t stream) {
   if (ws.size() != ys.size()) throw std::invalid_argument("CublasLtGemm::multiply: one output a weight");
   if (reinterpret_cast<uintptr_t>(scratch) % 16) throw std::invalid_argument("CublasLtGemm::multiply: unaligned scratch");
-  for (size_t i = 0; i < ws.size(); ++i)
-    if (!supports(input, ws[i], n, k, ys[i], ldy))
+  std::vector<std::vector<const Plan*>> chosen;
+  for (size_t i = 0; i < ws.size(); ++i) {
+    chosen.push_back(part_plans(input, ws[i], n, k, ys[i], ldy));
+    if (chosen.back().empty())
       throw std::invalid_argument("CublasLtGemm::multiply: cuBLASLt has no algorithm for this product");
+  }
   if (m <= 0 || n <= 0) return;
   void*& workspace = workspaces_[stream];
   if (!workspace && cudaMalloc(&workspace, kWorkspaceBytes) != cudaSuccess) {
@@ -211,15 +223,15 @@ void CublasLtGemm::multiply(const float* x, int64_t m, int64_t ldx, bool gated, 
     const int64_t rows = part_rows(input, w, n);
     Product product(fp8, device_scalars, m, row_values(input, k), rows, k, ldy);
     if (fp8) product.set_scales(w.row_scales, x_rows.scales);
-    for (int64_t first = 0; first < n; first += rows) {
-      const Plan* plan = usable_plan(input, w, first, rows, k, ys[i], ldy);
+    for (size_t part = 0; part < chosen[i].size(); ++part) {
+      const int64_t first = int64_t(part) * rows;
       const float* alpha = device_scalars ? w.row_scales + first : &constants[1];
       const uint8_t* values = static_cast<const uint8_t*>(w.values) + first * row_bytes;
       float* y = ys[i] + first;
       for (int plane = 0; plane < planes(input); ++plane) {
         const uint8_t* a = x_rows.rows + plane * kp * (fp8 ? 1 : 2);
         check(cublasLtMatmul(handle_, product.op, alpha, values, product.w, a, product.a, &constants[plane ? 1 : 0], y,
-                             product.y, y, product.y, &plan->algo, workspace, kWorkspaceBytes, stream),
+                             product.y, y, product.y, &chosen[i][part]->algo, workspace, kWorkspaceBytes, stream),
               "cublasLtMatmul");
       }
     }

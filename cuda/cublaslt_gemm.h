@@ -61,6 +61,10 @@ class CublasLtGemm {
   // there, chosen on first use; null where none is usable.
   const Plan* usable_plan(GemmInput input, const GemmMatrix& w, int64_t first_row, int64_t rows, int64_t k,
                           const float* y, int64_t ldy);
+  // The plans of w's products, one a part (part_rows) in row order; empty where cuBLASLt
+  // cannot take one of them.
+  std::vector<const Plan*> part_plans(GemmInput input, const GemmMatrix& w, int64_t n, int64_t k, const float* y,
+                                      int64_t ldy);
   Plan choose(const Key& key);
 
   cublasLtHandle_t handle_ = nullptr;

@@ -35,6 +35,9 @@ void check(cudaError_t status, const char* what) {
     throw std::runtime_error(std::string("CUDA error in ") + what + ": " + cudaGetErrorString(status));
 }
 
+// `bytes` rounded up to a multiple of 256: the alignment of the pieces of one allocation.
+size_t aligned_256(size_t bytes) { return (bytes + 255) / 256 * 256; }
+
 // Device allocations are recycled by size: a forward pass allocates the same shapes over
 // and over, and cudaMalloc/cudaFree would synchronise the device each time.
 class DevicePool : public std::enable_shared_from_this<DevicePool> {
@@ -44,7 +47,7 @@ class DevicePool : public std::enable_shared_from_this<DevicePool> {
       for (void* p : ptrs) cudaFree(p);
   }
   std::shared_ptr<void> get(size_t bytes) {
-    bytes = std::max<size_t>(256, (bytes + 255) / 256 * 256);
+    bytes = std::max<size_t>(256, aligned_256(bytes));
     void* p = nullptr;
     {
       std::lock_guard<std::mutex> lock(mutex_);
@@ -121,7 +124,7 @@ class RecordingArena {
     for (void* chunk : chunks_) cudaFree(chunk);
   }
   void* get(size_t bytes) {
-    bytes = (std::max<size_t>(bytes, 1) + 255) / 256 * 256;
+    bytes = aligned_256(std::max<size_t>(bytes, 1));
     while (current_ < chunks_.size() && used_ + bytes > sizes_[current_]) ++current_, used_ = 0;
     if (current_ == chunks_.size()) {
       void* chunk = nullptr;
@@ -345,8 +348,7 @@ class CudaBackend final : public Backend {
     w.shape = host.shape;
     const std::vector<float>& row_scales = host.format == WeightFormat::Fp8 ? host.scales : host.global_scales;
     // One allocation: the values, the row scales, the group scales, each 256-byte aligned.
-    auto aligned = [](size_t bytes) { return (bytes + 255) / 256 * 256; };
-    const size_t values = aligned(host.values.size()), scales = aligned(row_scales.size() * sizeof(float));
+    const size_t values = aligned_256(host.values.size()), scales = aligned_256(row_scales.size() * sizeof(float));
     auto storage = pool_->get(values + scales + host.group_scales.size());
     auto* base = static_cast<uint8_t*>(storage.get());
     copy_up(base, host.values.data(), host.values.size());
@@ -368,8 +370,7 @@ class CudaBackend final : public Backend {
   // The packed bytes pass through a buffer of their own, not the pool's (which would keep it).
   Weight upload_decoded_nvfp4(const PackedWeight& host) {
     const int64_t rows = host.rows(), cols = host.cols();
-    auto aligned = [](size_t bytes) { return (bytes + 255) / 256 * 256; };
-    const size_t values = aligned(size_t(rows * cols) * 2);
+    const size_t values = aligned_256(size_t(rows * cols) * 2);
     auto storage = pool_->get(values + size_t(rows) * sizeof(float));
     auto* base = static_cast<uint8_t*>(storage.get());
     std::vector<float> factors(host.global_scales.size());
@@ -380,7 +381,7 @@ class CudaBackend final : public Backend {
     while (run < rows && factors[run] == factors[0]) ++run;
     for (int64_t r = 0; r < rows && run; ++r)
       if (rows % run || factors[r] != factors[r / run * run]) run = 0;
-    const size_t packed_bytes = aligned(host.values.size());
+    const size_t packed_bytes = aligned_256(host.values.size());
     void* buffer = nullptr;
     if (cudaMalloc(&buffer, packed_bytes + host.group_scales.size()) != cudaSuccess) {
       cudaGetLastError();
@@ -1032,7 +1033,7 @@ class CudaBackend final : public Backend {
   // `bytes` of host memory copied into the pinned staging ring, for an asynchronous copy
   // up from there.
   const void* stage(const void* src, size_t bytes) {
-    const size_t aligned = (bytes + 255) / 256 * 256;
+    const size_t aligned = aligned_256(bytes);
     if (aligned > kStagingBytes) throw InvalidArgument("table of " + std::to_string(bytes) + " bytes is too large");
     if (!staging_) {
       void* p = nullptr;
