@@ -198,35 +198,77 @@ void check_packed_order() {
   report(!wrong, "packed weights' K order, X against W (host)", std::to_string(wrong) + " wrong");
 }
 
-// Host checks of the exactness the packed GEMM relies on (packed_decode.cuh): the e2m1
-// decode gives dtype.h's values for every nibble in every position, and every product of
-// an E2M1 value and an E4M3 scale is a bf16 value.
+// The value the GEMM's NVFP4 decode gives for E2M1 `nibble` under E4M3 scale `code`
+// (dtype.h), before the main loop's kNvfp4Unscale: value x scale x 2^-8.
+float nvfp4_gemm_value(uint8_t nibble, uint8_t code) {
+  return fp4_e2m1_to_f32(nibble) * fp8_e4m3_to_f32(code) / kNvfp4Unscale;
+}
+
+// Host checks of the exactness the packed GEMM relies on (packed_decode.cuh): every product
+// of an E2M1 value and an E4M3 scale is a bf16 value; the NVFP4 GEMM layout is a permutation
+// of a word's bits; and its decode (the rotations, the scale byte, the bf16 product, here in
+// fp32, exact as the bf16 one) gives every value under every scale that is a number, in
+// every position, with its sign (the products that are zero: any sign).
 void check_decode() {
   int64_t wrong = 0, inexact = 0;
-  for (uint32_t nibbles = 0; nibbles < 65536; ++nibbles) {
-    uint32_t first, second;
-    e2m1x4_to_bf16(nibbles, first, second);
-    const uint16_t got[4] = {uint16_t(first), uint16_t(first >> 16), uint16_t(second), uint16_t(second >> 16)};
-    for (int i = 0; i < 4; ++i) {
-      const float want = fp4_e2m1_to_f32((nibbles >> (4 * i)) & 0xf), value = bf16_to_f32(got[i]);
-      if (value != want || std::signbit(value) != std::signbit(want)) ++wrong;
-    }
-  }
   for (int scale = 0; scale < 256; ++scale)
     for (int nibble = 0; nibble < 16; ++nibble) {
       const float product = fp4_e2m1_to_f32(uint8_t(nibble)) * fp8_e4m3_to_f32(uint8_t(scale));
       if (!std::isnan(product) && round_bf16(product) != product) ++inexact;
     }
+  uint32_t bits = 0;
+  for (int i = 0; i < 8; ++i)
+    for (int b = 0; b < 4; ++b) bits |= 1u << nvfp4_layout_bit(i, b);
+  wrong += bits != 0xffffffffu;
+  std::mt19937 rng(12);
+  for (int code = 0; code < 256; ++code) {
+    if ((code & 0x7f) == 0x7f) continue;  // NaN: refused at load
+    for (int trial = 0; trial < 64; ++trial) {
+      // every nibble in every position: trial t puts (t + i) % 16 at value i, then random words
+      uint32_t stored[2];
+      for (uint32_t& word : stored) {
+        word = 0;
+        for (int i = 0; i < 8; ++i) word |= uint32_t((trial + i + 8 * (&word - stored)) % 16) << (4 * i);
+        if (trial >= 16) word = uint32_t(rng());
+      }
+      uint32_t words[2] = {stored[0], stored[1]};
+      uint8_t gemm_scale = uint8_t(code);
+      nvfp4_gemm_group(words, gemm_scale);
+      const float scale = bf16_to_f32(uint16_t(nvfp4_scale_pair(gemm_scale)));
+      wrong += nvfp4_scale_pair(gemm_scale) >> 16 != (nvfp4_scale_pair(gemm_scale) & 0xffff);
+      for (int half = 0; half < 4; ++half) {
+        uint32_t pairs[2];
+        e2m1_pairs(words[half / 2], half % 2, pairs[0], pairs[1]);
+        for (int v = 0; v < 4; ++v) {
+          const int value = 4 * half + v;
+          const float got = bf16_to_f32(uint16_t(pairs[v / 2] >> (16 * (v % 2)))) * scale;
+          const float want = nvfp4_gemm_value(uint8_t(stored[value / 8] >> (4 * (value % 8)) & 0xf), uint8_t(code));
+          wrong += got != want || (want != 0 && std::signbit(got) != std::signbit(want)) || round_bf16(got) != got;
+        }
+      }
+    }
+  }
   std::printf("%-6s %-44s: %ld wrong decodes, %ld inexact products\n", wrong || inexact ? "FAIL" : "ok",
-              "e2m1 decode, e2m1 x e4m3 in bf16 (host)", long(wrong), long(inexact));
+              "NVFP4 GEMM layout decode, e2m1 x e4m3 (host)", long(wrong), long(inexact));
   if (wrong || inexact) ++failures;
 }
 
+// NVFP4 weights' group scales cycling through every E4M3 code that is a number (256 groups
+// or more: all of them), in place of the dummy weights' few positive normal ones.
+void every_group_scale(PackedWeight& w) {
+  for (size_t g = 0; g < w.group_scales.size(); ++g) {
+    const uint8_t code = uint8_t(g * 7 % 256);
+    w.group_scales[g] = (code & 0x7f) == 0x7f ? code ^ 1 : code;  // NaN -> 448
+  }
+}
+
 // decode_nvfp4 (the CUDA backend's load-time decode of dense NVFP4 linears) on the GPU:
-// every value bitwise e2m1 x its group's E4M3 scale (exact in bf16, above).
+// every value bitwise e2m1 x its group's E4M3 scale (exact in bf16, above), under every
+// scale that is a number (zero, subnormal and negative ones too: the layout's special cases).
 void check_decode_nvfp4() {
   const int64_t rows = 37, cols = 208;
-  const PackedWeight w = random_packed_weight(WeightFormat::Nvfp4, {rows, cols}, 3);
+  PackedWeight w = random_packed_weight(WeightFormat::Nvfp4, {rows, cols}, 3);
+  every_group_scale(w);
   uint8_t* packed = upload(w.values);
   uint8_t* group_scales = upload(w.group_scales);
   __nv_bfloat16* out = nullptr;
@@ -242,9 +284,9 @@ void check_decode_nvfp4() {
       const float want = fp4_e2m1_to_f32(c % 2 ? byte >> 4 : byte & 0xf) *
                          fp8_e4m3_to_f32(w.group_scales[size_t(r * cols / 16 + c / 16)]);
       const float value = bf16_to_f32(got[size_t(r * cols + c)]);
-      wrong += value != want || std::signbit(value) != std::signbit(want);
+      wrong += value != want || (want != 0 && std::signbit(value) != std::signbit(want));
     }
-  report(!wrong, "decode_nvfp4 37x208 (GPU)", std::to_string(wrong) + " values differ from e2m1 x scale");
+  report(!wrong, "decode_nvfp4 37x208, every scale (GPU)", std::to_string(wrong) + " values differ from e2m1 x scale");
 }
 
 __global__ void random_fill_kernel(float* x, __nv_bfloat16* w, int64_t nx, int64_t nw) {
@@ -326,6 +368,7 @@ std::vector<float> run(const Problem& p, int tile_rows) {
                       : p.row_factors.empty()         ? nullptr
                                                       : upload(p.row_factors);
   uint8_t* group_scales = p.format == WeightFormat::Nvfp4 ? upload(p.packed.group_scales) : nullptr;
+  if (group_scales) lay_out_nvfp4(w, group_scales, int64_t(p.packed.group_scales.size()), nullptr);
   const ExpertStack stack{{w, row_scales, group_scales, p.tiled, p.factor_rows}, p.format, p.n, p.k};
   int64_t* row_map = p.row_map.empty() ? nullptr : upload(p.row_map);
   std::vector<GemmSegment> segs = p.segs;
@@ -488,6 +531,12 @@ Problem dense(int64_t m, int64_t n, int64_t k, int64_t ldx_extra = 0, int64_t ld
 }
 Problem dense(WeightFormat format, int64_t m, int64_t n, int64_t k, int64_t ldx_extra = 0, int64_t ldy_extra = 0) {
   return dense(m, n, k, ldx_extra, ldy_extra, GemmInput::Split, format);
+}
+// p (NVFP4) under every group scale (every_group_scale): the GEMM layout's special cases.
+Problem every_scale(Problem p) {
+  every_group_scale(p.packed);
+  p.w_values = dequantize(p.packed);
+  return p;
 }
 // p with gated X: rows of [gate | up], 2K random values (ldx K more).
 Problem gated(Problem p) {
@@ -718,6 +767,8 @@ void correctness() {
   cases.push_back({"moe up 40 tok, 6 exp top 3, 48x80", moe(40, 6, 3, 48, 80, true, 9, nvfp4)});
   cases.push_back({"moe up 300 tok, 16 exp top 4, 264x704", moe(300, 16, 4, 264, 704, true, 10, nvfp4)});
   cases.push_back({"moe down 500 tok, 8 exp top 2, 264x32", moe(500, 8, 2, 264, 32, false, 11, nvfp4)});
+  cases.push_back(
+      {"moe up 40 tok, 6 exp top 3, 48x80 every scale", every_scale(moe(40, 6, 3, 48, 80, true, 9, nvfp4))});
   // Gated X with packed weights: the pre-pass's permuted K order.
   cases.push_back({"dense 129x300x2816 gated ldx+5 ldy+3", gated(dense(fp8, 129, 300, 2816, 5, 3))});
   cases.push_back({"moe down 500 tok, 8 exp top 2, 264x704 gated", gated(moe(500, 8, 2, 264, 704, false, 18, nvfp4))});

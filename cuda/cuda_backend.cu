@@ -354,6 +354,10 @@ class CudaBackend final : public Backend {
     copy_up(base, host.values.data(), host.values.size());
     copy_up(base + values, row_scales.data(), row_scales.size() * sizeof(float));
     copy_up(base + values + scales, host.group_scales.data(), host.group_scales.size());
+    if (host.format == WeightFormat::Nvfp4) {  // the layout the GEMM decodes (packed_decode.cuh)
+      cuda::lay_out_nvfp4(base, base + values + scales, int64_t(host.group_scales.size()), stream_);
+      check(cudaStreamSynchronize(stream_), "laying out an NVFP4 weight");
+    }
     w.data = base;
     w.row_scales = reinterpret_cast<const float*>(base + values);
     w.group_scales = host.group_scales.empty() ? nullptr : base + values + scales;

@@ -73,7 +73,9 @@
 // bitwise.
 //
 // Packed weights (FP8, NVFP4: packed_weight.h) with bf16 X stream as they are stored, 1 or
-// 1/2 byte per value (plus NVFP4's E4M3 scale per 16), into the ring, and each lane decodes
+// 1/2 byte per value (plus NVFP4's scale per 16; NVFP4 in the GEMM layout the backend writes
+// at upload, packed_decode.cuh: a pair of values decodes in a rotation, a mask and a
+// multiply by the scale), into the ring, and each lane decodes
 // its B fragments from there in registers (packed_decode.cuh: exact): 16 consecutive values
 // of a W row per lane and slice, read by one shared-memory load, so no pass through shared
 // memory and no extra barrier per slice (at batch 1 the MoE streams weights, and a
@@ -435,7 +437,7 @@ __global__ void __launch_bounds__(S::kThreads, S::kBlocks) gemm_kernel(const Par
         for (int i = 0; i < kPassTiles; ++i) {
           uint32_t b[2];
           if constexpr (kFormat == WeightFormat::Fp8) fp8x4_to_bf16(w[i][ks], b[0], b[1]);
-          else nvfp4x4_to_bf16((w[i][ks / 2] >> (16 * (ks % 2))) & 0xffff, scale[i], b[0], b[1]);
+          else nvfp4x4_to_bf16(w[i][ks / 2], ks % 2, scale[i], b[0], b[1]);
 #pragma unroll
           for (int mt = 0; mt < kTilesM; ++mt)
 #pragma unroll
@@ -530,12 +532,13 @@ __global__ void __launch_bounds__(S::kThreads, S::kBlocks) gemm_kernel(const Par
 
   // Accumulator (m16 x n8): registers 0-1 at row lane / 4, 2-3 at row lane / 4 + 8,
   // columns 2 * (lane % 4) + {0, 1}. Packed weights: times FP8's row scale, or over NVFP4's
-  // global scale, as packed_weight.h dequantizes; E4M3 X: first times its row's scale;
+  // global scale (times kNvfp4Unscale: its decode's values are 2^-8 of the products), as
+  // packed_weight.h dequantizes; E4M3 X: first times its row's scale;
   // plain weights: times their row factors where they have them (GemmMatrix::row_scales).
   auto rescale = [&](float v, float x_scale, int64_t c) {
     if constexpr (kInput == GemmInput::Fp8Token) return v * x_scale * seg.w.row_scales[c];
     if constexpr (kFormat == WeightFormat::Fp8) return v * seg.w.row_scales[c];
-    if constexpr (kFormat == WeightFormat::Nvfp4) return v / seg.w.row_scales[c];
+    if constexpr (kFormat == WeightFormat::Nvfp4) return v * kNvfp4Unscale / seg.w.row_scales[c];
     return seg.w.row_scales ? v * seg.w.row_scales[c] : v;
   };
   auto x_scale = [&](int r) { return kInput == GemmInput::Fp8Token ? p.a_scales[x_row(r)] : 1.0f; };

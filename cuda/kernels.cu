@@ -402,19 +402,35 @@ __global__ void tile_matrices_kernel(const uint8_t* in, int64_t n, int64_t row_b
   *reinterpret_cast<uint4*>(out + at) = reinterpret_cast<const uint4*>(in)[i];
 }
 
-// Thread i decodes 8 values: bytes 4i..4i+3 of the packed rows (rows of cols / 2 bytes, so
-// 8 | cols keeps each thread's bytes in one row and, as 16 | cols, in one group).
-__global__ void decode_nvfp4_kernel(const uint32_t* packed, const uint8_t* group_scales, int64_t cols, int64_t chunks,
-                                    uint4* out) {
+// Thread i decodes group i (16 values: rows of cols / 16 groups, 8 bytes each) through the
+// GEMM's decode (packed_decode.cuh), whose products are 2^-8 of the values: times 256, exact.
+__global__ void decode_nvfp4_kernel(const uint2* packed, const uint8_t* group_scales, int64_t groups, uint4* out) {
   wait_for_earlier_kernels();
   const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (i >= chunks) return;
-  const int64_t row = i / (cols / 8), group = i % (cols / 8) / 2;
-  const uint32_t scale = nvfp4_scale_pair(group_scales[row * (cols / 16) + group]), nibbles = packed[i];
-  uint4 v;
-  nvfp4x4_to_bf16(nibbles & 0xffff, scale, v.x, v.y);
-  nvfp4x4_to_bf16(nibbles >> 16, scale, v.z, v.w);
-  out[i] = v;
+  if (i >= groups) return;
+  uint32_t words[2] = {packed[i].x, packed[i].y}, v[8];
+  uint8_t scale = group_scales[i];
+  nvfp4_gemm_group(words, scale);
+  const uint32_t scale_pair = nvfp4_scale_pair(scale);
+  for (int half = 0; half < 4; ++half)
+    nvfp4x4_to_bf16(words[half / 2], half % 2, scale_pair, v[2 * half], v[2 * half + 1]);
+  const __nv_bfloat162 unscale = __float2bfloat162_rn(kNvfp4Unscale);
+  for (uint32_t& pair : v) {
+    const __nv_bfloat162 value = __hmul2(*reinterpret_cast<const __nv_bfloat162*>(&pair), unscale);
+    pair = *reinterpret_cast<const uint32_t*>(&value);
+  }
+  out[2 * i] = make_uint4(v[0], v[1], v[2], v[3]);
+  out[2 * i + 1] = make_uint4(v[4], v[5], v[6], v[7]);
+}
+
+// Thread i rewrites group i (8 bytes of values, one scale) into the GEMM layout, in place.
+__global__ void lay_out_nvfp4_kernel(uint2* packed, uint8_t* group_scales, int64_t groups) {
+  wait_for_earlier_kernels();
+  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= groups) return;
+  uint32_t words[2] = {packed[i].x, packed[i].y};
+  nvfp4_gemm_group(words, group_scales[i]);
+  packed[i] = make_uint2(words[0], words[1]);
 }
 
 __global__ void transpose_bf16_kernel(const __nv_bfloat16* in, int64_t k, int64_t n, __nv_bfloat16* out) {
@@ -923,12 +939,20 @@ void tile_matrices(const uint8_t* in, int64_t matrices, int64_t n, int64_t row_b
 
 void decode_nvfp4(const uint8_t* packed, const uint8_t* group_scales, int64_t rows, int64_t cols, __nv_bfloat16* out,
                   cudaStream_t stream) {
-  if (cols % 16 || reinterpret_cast<uintptr_t>(packed) % 4 || reinterpret_cast<uintptr_t>(out) % 16)
-    throw std::invalid_argument("decode_nvfp4: 16-value groups, packed rows 4-byte and out 16-byte aligned");
-  const int64_t chunks = rows * cols / 8;
-  if (chunks)
-    launch(decode_nvfp4_kernel, blocks_for(chunks), kThreads, 0, stream, reinterpret_cast<const uint32_t*>(packed),
-           group_scales, cols, chunks, reinterpret_cast<uint4*>(out));
+  if (cols % 16 || reinterpret_cast<uintptr_t>(packed) % 8 || reinterpret_cast<uintptr_t>(out) % 16)
+    throw std::invalid_argument("decode_nvfp4: 16-value groups, packed rows 8-byte and out 16-byte aligned");
+  const int64_t groups = rows * (cols / 16);
+  if (groups)
+    launch(decode_nvfp4_kernel, blocks_for(groups), kThreads, 0, stream, reinterpret_cast<const uint2*>(packed),
+           group_scales, groups, reinterpret_cast<uint4*>(out));
+}
+
+void lay_out_nvfp4(uint8_t* packed, uint8_t* group_scales, int64_t groups, cudaStream_t stream) {
+  if (reinterpret_cast<uintptr_t>(packed) % 8)
+    throw std::invalid_argument("lay_out_nvfp4: packed values 8-byte aligned");
+  if (groups)
+    launch(lay_out_nvfp4_kernel, blocks_for(groups), kThreads, 0, stream, reinterpret_cast<uint2*>(packed),
+           group_scales, groups);
 }
 
 void random_bf16(__nv_bfloat16* out, int64_t n, uint64_t seed, float scale, cudaStream_t stream) {

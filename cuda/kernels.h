@@ -42,7 +42,8 @@ struct GemmMatrix {
   // packed: FP8's scale, NVFP4's global scale, per row; plain: null, or a factor per row
   // (Weight::row_scales)
   const float* row_scales;
-  const uint8_t* group_scales;  // NVFP4: E4M3 [N, K / 16]
+  // NVFP4: [N, K / 16]; values and group scales in the GEMM layout (lay_out_nvfp4)
+  const uint8_t* group_scales;
   // bf16, or E4M3 with Fp8Token X: the values stored tiled (gemm_tile.cuh, tiled_offset), N a
   // multiple of 128 and K of 64 (bf16) or 128 (E4M3), the same bytes as [N, K].
   bool tiled = false;
@@ -331,10 +332,14 @@ void quantize_nvfp4_expert_rows(const float* x, bool gather, const int64_t* row_
                                 cudaStream_t stream);
 
 // An NVFP4 matrix's values times their group scales, without the global scale, as bf16:
-// exact (packed_decode.cuh). packed [rows, cols / 2] (4-byte aligned), group_scales E4M3
-// [rows, cols / 16], out [rows, cols] (16-byte aligned); cols a multiple of 16.
+// exact (packed_decode.cuh). packed [rows, cols / 2] (8-byte aligned), group_scales E4M3
+// [rows, cols / 16], both as stored; out [rows, cols] (16-byte aligned); cols a multiple of 16.
 void decode_nvfp4(const uint8_t* packed, const uint8_t* group_scales, int64_t rows, int64_t cols, __nv_bfloat16* out,
                   cudaStream_t stream);
+// NVFP4 values and group scales as stored (`groups` groups of 16 values, 8 bytes each, 8-byte
+// aligned, and their E4M3 scales) into the GEMM layout the main loop decodes (packed_decode.cuh,
+// nvfp4_gemm_group), in place. No scale may be NaN.
+void lay_out_nvfp4(uint8_t* packed, uint8_t* group_scales, int64_t groups, cudaStream_t stream);
 // Fills n bf16 values with random_weight_value (backend.h's dummy weights).
 void random_bf16(__nv_bfloat16* out, int64_t n, uint64_t seed, float scale, cudaStream_t stream);
 // `matrices` [n, row_bytes] matrices one after the other (in), each stored tiled into out

@@ -188,6 +188,27 @@ def test_bad_scale_is_named(tmp_path, value, scheme, name, message):
         ds.Model.load(path)
 
 
+@pytest.mark.parametrize("name", [
+    "model.decoder.layers.1.mlp.up_proj.weight_scale",
+    "model.decoder.layers.2.experts.3.down_proj.weight_scale",
+])
+@pytest.mark.parametrize("code", [0x7F, 0xFF])
+def test_nan_group_scale_is_named(tmp_path, name, code):
+    """An NVFP4 group scale that is E4M3's NaN (either sign) is refused at load, named: its
+    16 values would be NaN."""
+    from safetensors.torch import save_file
+    path = copy_fixture(tmp_path, "NVFP4A16")
+    tensors = load_file(path / "model.safetensors")
+    twin = name.replace("model.decoder.", "model.encoder.language_model.")
+    for n in {name, twin} & tensors.keys():
+        codes = tensors[n].view(torch.uint8).clone()
+        codes.view(-1)[codes.numel() // 2] = code
+        tensors[n] = codes.view(tensors[n].dtype)
+    save_file(tensors, path / "model.safetensors")
+    with pytest.raises(ds.CheckpointError, match=re.escape(name) + ".*holds NaN"):
+        ds.Model.load(path)
+
+
 def activations(**args):
     """input_activations: FP8_DYNAMIC's, with `args` changed."""
     return dict(dict(num_bits=8, type="float", symmetric=True, strategy="token", dynamic=True, group_size=None), **args)

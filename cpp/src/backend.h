@@ -85,8 +85,9 @@ struct Weight {
   const void* data = nullptr;
   // Packed formats, in the backend's layout (upload_packed): the CUDA backend's data is
   // the values, with (every output row of a stack has its own) Fp8's weight_scale per row,
-  // multiplied; Nvfp4's weight_global_scale per row, divided by; and Nvfp4's E4M3
-  // weight_scale per 16 inputs, [.., out, in / 16]. The CPU backend's data is the PackedWeight.
+  // multiplied; Nvfp4's weight_global_scale per row, divided by; and Nvfp4's weight_scale
+  // per 16 inputs, [.., out, in / 16], values and group scales both in the layout the GEMM
+  // decodes (cuda/packed_decode.cuh). The CPU backend's data is the PackedWeight.
   // A plain weight may have row_scales too, a factor per output row that multiplies its
   // products: the CUDA backend's dense NVFP4 linears, decoded to bf16 at load (their
   // global scales' reciprocals).
