@@ -748,6 +748,17 @@ class CudaBackend final : public Backend {
                         device_rows, scratch.get(), stream_);
   }
 
+  // Measured on the H200 at 1K (step_latency.py, branches on / off, eighteenth session): the
+  // dense MLP beside the experts saves 0.4 / 0.9 ms a batch-1 step with bf16 / FP8_DYNAMIC
+  // experts, whose products stream weights at memory bandwidth, and is within 0.3 ms at batch
+  // 4 (1,024 rows); at batch 16 it costs 0.7 / 1.5 ms, every product filling the machine. With
+  // NVFP4 experts it costs 0.8 / 0.9 / 14 ms at batch 1 / 4 / 16: their decoding products
+  // are bound by issue, and a branch beside them takes issue slots and multiprocessors from
+  // them (FP8 weights with bf16 X decode too).
+  bool experts_leave_room(const Weight& experts, int64_t rows) const override {
+    return rows <= 1024 && cuda::gemm_operands_alike(gemm_input(experts), experts.format);
+  }
+
   // The second branch on branch_, which waits for everything queued before it; the main
   // stream waits for it before anything after (also when a branch throws). Nested calls run
   // their branches in order.

@@ -367,6 +367,9 @@ class Backend {
     first();
     second();
   }
+  // Whether an MoE layer's experts (their gate/up stack `experts`, `rows` tokens) leave the
+  // device room for a branch beside them: whether the dense MLP goes concurrently with them.
+  virtual bool experts_leave_room(const Weight& /*experts*/, int64_t /*rows*/) const { return true; }
   // Runs body() up to max_times times (>= 1), stopping after a run that leaves any of
   // `canvases` stopped; returns the runs. The body must do the same work every run, its
   // changing inputs in backend memory (a steady batch of denoise steps), so that a backend

@@ -512,17 +512,23 @@ void feed_forward(ModelState& m, int li, const Activation& attn, Activation& h, 
                              {&W.pre_feedforward_layernorm, &W.pre_feedforward_layernorm_2, &W.router_scale},
                              {&x, &x2, &router_in});
   // The two branches are independent: the dense MLP's short products may run in the gaps
-  // of the experts' (the router's steps before them, the tails of their waves).
-  be.concurrently(
-      [&] {
-        Routing routing = be.route(router_in, W.router_proj, W.router_per_expert_scale, m.config.top_k_experts);
-        routing.encoder_tokens = encoder_rows;
-        be.experts(x2, routing, W.experts_gate_up, W.experts_down, moe);
-      },
-      [&] {
-        gated_mlp(be, x, encoder_rows, W.mlp_gate_up, W.mlp_down, dense);
-        be.rms_norm(dense, &W.post_feedforward_layernorm_1, H, eps, dense);
-      });
+  // of the experts' (the router's steps before them, the tails of their waves), where the
+  // experts leave room for them.
+  auto experts = [&] {
+    Routing routing = be.route(router_in, W.router_proj, W.router_per_expert_scale, m.config.top_k_experts);
+    routing.encoder_tokens = encoder_rows;
+    be.experts(x2, routing, W.experts_gate_up, W.experts_down, moe);
+  };
+  auto mlp = [&] {
+    gated_mlp(be, x, encoder_rows, W.mlp_gate_up, W.mlp_down, dense);
+    be.rms_norm(dense, &W.post_feedforward_layernorm_1, H, eps, dense);
+  };
+  if (be.experts_leave_room(W.experts_gate_up, n)) {
+    be.concurrently(experts, mlp);
+  } else {
+    experts();
+    mlp();
+  }
 
   // The two branches' sum, then its norm added to the residual and the layer scalar
   // applied (the encoder's rows, first, and the decoder's each have their own), then the
