@@ -219,10 +219,12 @@ using Wgmma128 = Shape<128, 128, 1, 4, 3, 3, 1, true>;  // 144 KB; 96 KB
 // Medium for decoded packed weights: warps side by side (64 x 32 each), as each warp decodes
 // the W columns it multiplies and two warps over the same columns would decode them twice.
 using MediumDecoded = Shape<64, 128, 1, 4, 3, 3, 2>;  // 72 / 62 KB
-// Small32 for decoded packed weights: four blocks a multiprocessor (128 registers: none
-// spilled with bf16-rounded X, 16 bytes with NVFP4's hi/lo) where three had fit at 142-159.
-// The decoding keeps the issue slots busy (ncu, H200, NVFP4 up projection at batch 1: 57%),
-// and the three blocks' 12 warps left none eligible 40% of the cycles.
+// Small32 for decoded packed weights: four blocks a multiprocessor (128 registers, none
+// spilled) where three had fit at 142-159. The decoding keeps the issue slots busy (ncu,
+// H200, NVFP4 up projection at batch 1: 57%), and the three blocks' 12 warps left none
+// eligible 40% of the cycles. Five blocks (96 registers, NVFP4 with its GEMM layout spilling
+// 4 bytes) measured slower (eighteenth session: NVFP4 up 159.1 -> 171.9 us at batch 1, FP8
+// weights with hi/lo X 217.5 -> 250.4 us, the batch-1 step 15.4 -> 15.8 ms).
 using Small32Decoded = Shape<32, 128, 1, 4, 3, 4, 4>;
 
 // kTiled: the weights are stored tiled (GemmMatrix::tiled), each stage's 128 rows one run.
