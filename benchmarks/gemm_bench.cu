@@ -1058,6 +1058,10 @@ int main(int argc, char** argv) {
         bench("experts up 2816->1408", tokens, 1408, 2816, 128, 8, true, f, input, false, 0, true);
         bench("experts down 704->2816", tokens, 2816, 704, 128, 8, false, f, input, false, 0, true);
       }
+      if (tokens == 256 && !gemm_operands_alike(input, f)) {  // decoding tiles of 16 rows (two for a 17th row)
+        bench("experts up 2816->1408", tokens, 1408, 2816, 128, 8, true, f, input, false, 16);
+        bench("experts down 704->2816", tokens, 2816, 704, 128, 8, false, f, input, false, 16);
+      }
     }
   }
   return failures ? 1 : 0;
