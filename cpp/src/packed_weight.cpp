@@ -81,9 +81,6 @@ float row_factor(uint64_t seed, int64_t r) {
   return 0.75f + 0.5f * float(random_bits(~seed, uint64_t(r)) >> 40) / float(1 << 24);
 }
 
-// E4M3's codes but its two NaNs.
-bool fp8_is_number(uint8_t code) { return (code & 0x7f) != 0x7f; }
-
 // Root mean square of `decode` over the codes [first, first + count) that `keep` admits.
 template <typename Decode, typename Keep>
 float rms_of_codes(int first, int count, Decode decode, Keep keep) {

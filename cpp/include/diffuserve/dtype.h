@@ -39,6 +39,8 @@ uint16_t f32_to_f16(float f);
 // nibble: sign, 2 exponent bits, 1 mantissa bit) to fp32.
 float fp8_e4m3_to_f32(uint8_t v);
 float fp4_e2m1_to_f32(uint8_t nibble);
+// Whether an E4M3 code is a number (0x7f and 0xff are its NaNs).
+inline bool fp8_is_number(uint8_t code) { return (code & 0x7f) != 0x7f; }
 
 // n F32, BF16 or F16 values from `src` (which need not be aligned) as fp32.
 std::vector<float> read_floats(const void* src, DType dtype, int64_t n);
