@@ -74,7 +74,7 @@ const char* format_name(WeightFormat f, GemmInput input = GemmInput::Split) {
 void check_e4m3_codes() {
   int64_t wrong = 0;
   for (int c = 0; c < 256; ++c)
-    if ((c & 0x7f) != 0x7f && e4m3_code(fp8_e4m3_to_f32(uint8_t(c))) != c) ++wrong;
+    if (fp8_is_number(uint8_t(c)) && e4m3_code(fp8_e4m3_to_f32(uint8_t(c))) != c) ++wrong;
   std::mt19937 rng(3);
   std::normal_distribution<float> d(0.0f, 1.0f);
   for (int i = 0; i < 200000; ++i) {
@@ -107,8 +107,8 @@ void check_fragments() {
   std::vector<uint8_t> value(kRows * kK);  // [row][k], as stored before swizzling
   for (int r = 0; r < kRows; ++r)
     for (int c = 0; c < kK; ++c) {
-      uint8_t code;
-      do code = uint8_t(rng()); while ((code & 0x7f) == 0x7f);  // no NaN
+      uint8_t code = uint8_t(rng());
+      while (!fp8_is_number(code)) code = uint8_t(rng());  // no NaN
       value[r * kK + c] = code;
       tile[swizzle(r, c / 16) + c % 16] = code;
     }
@@ -222,7 +222,7 @@ void check_decode() {
   wrong += bits != 0xffffffffu;
   std::mt19937 rng(12);
   for (int code = 0; code < 256; ++code) {
-    if ((code & 0x7f) == 0x7f) continue;  // NaN: refused at load
+    if (!fp8_is_number(uint8_t(code))) continue;  // NaN: refused at load
     for (int trial = 0; trial < 64; ++trial) {
       // every nibble in every position: trial t puts (t + i) % 16 at value i, then random words
       uint32_t stored[2];
@@ -258,7 +258,7 @@ void check_decode() {
 void every_group_scale(PackedWeight& w) {
   for (size_t g = 0; g < w.group_scales.size(); ++g) {
     const uint8_t code = uint8_t(g * 7 % 256);
-    w.group_scales[g] = (code & 0x7f) == 0x7f ? code ^ 1 : code;  // NaN -> 448
+    w.group_scales[g] = fp8_is_number(code) ? code : code ^ 1;  // NaN -> 448
   }
 }
 

@@ -140,6 +140,19 @@ def edit_quantization_config(tmp_path, scheme, edit):
     return path
 
 
+def edit_tensor(tmp_path, scheme, name, edit):
+    """A copy of the fixture whose tensor `name`, and its encoder copy where stored, are
+    replaced by edit(tensor)."""
+    from safetensors.torch import save_file
+    path = copy_fixture(tmp_path, scheme)
+    tensors = load_file(path / "model.safetensors")
+    twin = name.replace("model.decoder.", "model.encoder.language_model.")
+    for n in {name, twin} & tensors.keys():
+        tensors[n] = edit(tensors[n])
+    save_file(tensors, path / "model.safetensors")
+    return path
+
+
 @pytest.mark.parametrize("field, value, message", [
     ("quant_method", "gptq", "quant_method 'gptq' is not supported"),
     ("format", "int-quantized", "format 'int-quantized' is not supported"),
@@ -174,13 +187,7 @@ def test_bad_scale_is_named(tmp_path, value, scheme, name, message):
     """NVFP4's weights and inputs are divided by their global scales, and FP8's weights are
     multiplied by theirs: a scale that would turn a linear's outputs into NaN or infinity is
     refused at load, named. (FP8 scales of 0 or below are numbers: they load.)"""
-    from safetensors.torch import save_file
-    path = copy_fixture(tmp_path, scheme)
-    tensors = load_file(path / "model.safetensors")
-    twin = name.replace("model.decoder.", "model.encoder.language_model.")  # the encoder's copy, if stored
-    for n in {name, twin} & tensors.keys():
-        tensors[n] = torch.full_like(tensors[n], value)
-    save_file(tensors, path / "model.safetensors")
+    path = edit_tensor(tmp_path, scheme, name, lambda t: torch.full_like(t, value))
     if scheme == "FP8_DYNAMIC" and math.isfinite(value):
         ds.Model.load(path)
         return
@@ -196,15 +203,11 @@ def test_bad_scale_is_named(tmp_path, value, scheme, name, message):
 def test_nan_group_scale_is_named(tmp_path, name, code):
     """An NVFP4 group scale that is E4M3's NaN (either sign) is refused at load, named: its
     16 values would be NaN."""
-    from safetensors.torch import save_file
-    path = copy_fixture(tmp_path, "NVFP4A16")
-    tensors = load_file(path / "model.safetensors")
-    twin = name.replace("model.decoder.", "model.encoder.language_model.")
-    for n in {name, twin} & tensors.keys():
-        codes = tensors[n].view(torch.uint8).clone()
+    def one_nan(scales):
+        codes = scales.view(torch.uint8).clone()
         codes.view(-1)[codes.numel() // 2] = code
-        tensors[n] = codes.view(tensors[n].dtype)
-    save_file(tensors, path / "model.safetensors")
+        return codes.view(scales.dtype)
+    path = edit_tensor(tmp_path, "NVFP4A16", name, one_nan)
     with pytest.raises(ds.CheckpointError, match=re.escape(name) + ".*holds NaN"):
         ds.Model.load(path)
 
