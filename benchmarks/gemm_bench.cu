@@ -12,9 +12,11 @@
 // of ldmatrix and the MMA fragment layouts (PTX ISA) with gemm_tile.cuh's addressing and
 // E4M3 unpacking, and the K order of decoded packed weights. Build and run:
 //   nvcc -std=c++20 -arch=sm_90a -DDIFFUSERVE_SM90A -O3 -I cpp/src -I cpp/include -I cuda benchmarks/gemm_bench.cu \
-//       cuda/gemm.cu cuda/kernels.cu cpp/src/packed_weight.cpp cpp/src/sampler.cpp cpp/src/dtype.cpp -o /tmp/gemm_bench && /tmp/gemm_bench
+//       cuda/gemm.cu cuda/kernels.cu cpp/src/packed_weight.cpp cpp/src/sampler.cpp cpp/src/dtype.cpp -o /tmp/gemm_bench
+//       && /tmp/gemm_bench
 // (--check: the checks alone; --host: the host checks alone, on a machine without a GPU;
-// --moe, --dense: the MoE timings, the dense ones at 256 rows, alone).
+// --moe [TOKENS], --dense: the MoE timings (at TOKENS tokens), the dense ones at 256 rows,
+// alone).
 // Built with cuBLASLt as well (add -DDIFFUSERVE_WITH_CUBLASLT cuda/cublaslt_gemm.cu -lcublasLt
 // and its include and library paths), it checks the dense bf16 products the CUDA backend
 // sends there the same way ("cuBLASLt" in place of a tile height), that a row's result is
@@ -1049,7 +1051,14 @@ int main(int argc, char** argv) {
 
     for (int64_t m : {256, 4096}) time_dense(m);
   }
-  for (int64_t tokens : {256, 1024, 4096}) {  // batch 1, 4 and 16's canvases
+  // batch 1, 4 and 16's canvases, or (--moe TOKENS) one of them
+  const std::vector<int64_t> moe_tokens =
+      mode == "--moe" && argc > 2 ? std::vector<int64_t>{std::atoll(argv[2])} : std::vector<int64_t>{256, 1024, 4096};
+  if (moe_tokens[0] <= 0) {
+    std::fprintf(stderr, "gemm_bench: --moe takes a positive token count, not '%s'\n", argv[2]);
+    return 2;
+  }
+  for (int64_t tokens : moe_tokens) {
     std::printf("-- MoE, %ld tokens, 128 experts top 8 (~%ld rows per expert)\n", long(tokens), long(tokens / 16));
     for (const auto& [f, input] : kinds) {
       bench("experts up 2816->1408", tokens, 1408, 2816, 128, 8, true, f, input);
@@ -1058,7 +1067,7 @@ int main(int argc, char** argv) {
         bench("experts up 2816->1408", tokens, 1408, 2816, 128, 8, true, f, input, false, 0, true);
         bench("experts down 704->2816", tokens, 2816, 704, 128, 8, false, f, input, false, 0, true);
       }
-      if (tokens == 256 && !gemm_operands_alike(input, f)) {  // decoding tiles of 16 rows (two for a 17th row)
+      if (tokens <= 384 && !gemm_operands_alike(input, f)) {  // decoding tiles of 16 rows (two for a 17th row)
         bench("experts up 2816->1408", tokens, 1408, 2816, 128, 8, true, f, input, false, 16);
         bench("experts down 704->2816", tokens, 2816, 704, 128, 8, false, f, input, false, 16);
       }

@@ -19,6 +19,10 @@ __device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool c
 __device__ __forceinline__ void cp_async16(void* dst, const void* src, bool copy = true) {
   cp_async16(shared_address(dst), src, copy);
 }
+// 4 bytes the same way (src 4-byte aligned), through L1.
+__device__ __forceinline__ void cp_async4(uint32_t dst, const void* src, bool copy = true) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src), "r"(copy ? 4 : 0));
+}
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 // Waits until at most `kPending` of this thread's committed groups are still in flight.
 template <int kPending>

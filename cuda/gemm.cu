@@ -97,6 +97,7 @@
 // 138.6 / 95.2 -> 135.7 / 90.8 us.
 #include <algorithm>
 #include <stdexcept>
+#include <type_traits>
 
 #include "activation_quant.h"
 #include "block_reduce.cuh"
@@ -128,19 +129,13 @@ __device__ __forceinline__ int bytes_before(int64_t remaining, int most) {
   return remaining <= 0 ? 0 : remaining >= most ? most : int(remaining);
 }
 
-// kBytes (16 or 4) bytes global -> shared, of which the first `valid` are read and the rest
-// zero-filled: by cp.async when `async` (src aligned to kBytes), else byte by byte.
+// kBytes bytes global -> shared, of which the first `valid` are read and the rest
+// zero-filled, byte by byte: where the rows' bytes are not whole aligned chunks (tiny test
+// models), which cp.async needs.
 template <int kBytes>
-__device__ __forceinline__ void copy_bytes(uint8_t* dst, const uint8_t* src, int valid, bool async) {
-  if (async) {
-    if constexpr (kBytes == 16)
-      asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(shared_address(dst)), "l"(src), "r"(valid));
-    else
-      asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(shared_address(dst)), "l"(src), "r"(valid));
-  } else {
+__device__ __forceinline__ void copy_bytes(uint8_t* dst, const uint8_t* src, int valid) {
 #pragma unroll
-    for (int e = 0; e < kBytes; ++e) dst[e] = e < valid ? src[e] : 0;
-  }
+  for (int e = 0; e < kBytes; ++e) dst[e] = e < valid ? src[e] : 0;
 }
 
 // Four 8x8 bf16 matrices; lanes 8i..8i+7 give the row addresses of matrix i, and each
@@ -224,7 +219,8 @@ using MediumDecoded = Shape<64, 128, 1, 4, 3, 3, 2>;  // 72 / 62 KB
 // H200, NVFP4 up projection at batch 1: 57%), and the three blocks' 12 warps left none
 // eligible 40% of the cycles. Five blocks (96 registers, NVFP4 with its GEMM layout spilling
 // 4 bytes) measured slower (eighteenth session: NVFP4 up 159.1 -> 171.9 us at batch 1, FP8
-// weights with hi/lo X 217.5 -> 250.4 us, the batch-1 step 15.4 -> 15.8 ms).
+// weights with hi/lo X 217.5 -> 250.4 us, the batch-1 step 15.4 -> 15.8 ms); with the
+// nineteenth session's lean copies, NVFP4 with bf16 X up / down 144.0 / 86.3 -> 156.0 / 83.9 us.
 using Small32Decoded = Shape<32, 128, 1, 4, 3, 4, 4>;
 
 // kTiled: the weights are stored tiled (GemmMatrix::tiled), each stage's 128 rows one run.
@@ -271,75 +267,96 @@ __global__ void __launch_bounds__(S::kThreads, S::kBlocks) gemm_kernel(const Par
     return p.row_map ? p.row_map[i] : i;
   };
 
-  // This thread's copies: chunk tid % 8 of tile rows tid / 8 + j * kRowStep, A and W.
+  // This thread's copies: chunk tid % 8 of A's tile rows tid / 8 + j * kRowStep, W's chunks
+  // below, and (NVFP4) row tid's group scales. Whether each row exists and where in a stage
+  // each copy lands do not change from stage to stage, and the stages load the K slices in
+  // order, so each source is a pointer that moves on by one slice's bytes a stage (in the
+  // batch-1 MoE's decoding tile, which issues on 55% of its cycles, the 64-bit address and
+  // bounds arithmetic of each stage's copies had been 115 of the loop's 286 instructions).
+  // Split-K: the block's first slice is first_slice.
+  const int64_t k_begin = int64_t(blockIdx.z) * p.k_slice, k_end = min(p.kp, k_begin + p.k_slice);
+  const int k_tiles = int((k_end - k_begin) / kBK), first_slice = int(k_begin / kBK);
   const int copy_row = tid / 8, copy_chunk = tid % 8;
   const uint8_t* a_src[kALoads];
+  bool a_copy[kALoads];
 #pragma unroll
   for (int j = 0; j < kALoads; ++j) {
     const int r = copy_row + j * kRowStep;
-    // rows past the tile's end are zero-filled from a valid address
-    a_src[j] = p.a + (r < rows ? x_row(r) : 0) * p.a_row_bytes + copy_chunk * 16;
+    a_copy[j] = r < rows;  // rows past the tile's end are zero-filled from a valid address
+    a_src[j] = p.a + (a_copy[j] ? x_row(r) : 0) * p.a_row_bytes + copy_chunk * 16 + first_slice * kRowBytes;
   }
   const uint8_t* const w_values = static_cast<const uint8_t*>(seg.w.values);
   const int64_t w_row_bytes = weight_row_bytes(kFormat, k);
-  // This thread's W chunks: chunk w_chunk of slice rows w_row + j * kWRowStep.
+  const int w_row_bytes32 = int(w_row_bytes);  // gemm(): K <= 2^29
+  // W: as rows, this thread copies chunk w_chunk of slice rows w_row + j * kWRowStep (the
+  // chunk is 16 bytes of the slice's kWRowBytes of a row; a missing row reads row 0, which
+  // exists, zero-filled); stored tiled, bytes `at` of the stage's runs (each 128 rows of the
+  // stage one contiguous 16 KB run, stored as the tile itself, swizzled: N % 128 == 0).
   constexpr int kPerRow = kWRowBytes / 16, kWRowStep = kThreads / kPerRow;
   static_assert(kThreads % kPerRow == 0, "W chunk mapping");
   const int w_row = tid / kPerRow, w_chunk = tid % kPerRow;
-  const uint8_t* const w_src = w_values + (n0 + w_row) * w_row_bytes + 16 * w_chunk;
-  const int64_t w_step = int64_t(kWRowStep) * w_row_bytes;
-
-  // Stage `stage` <- K columns [k0, k0 + kBK) of the A rows and the W rows.
-  auto load_tile = [&](int stage, int64_t k0) {
-    uint8_t* const base = smem + stage * kStageBytes;
-    const int64_t a_offset = k0 * x_value_bytes(kInput);
+  constexpr int w_slice_step = kTiled ? kTiledRunBytes : kWRowBytes;
+  const uint8_t* w_src[kWLoads];
+  uint32_t w_dst[kWLoads];  // offset in the stage's W tile
+  bool w_copy[kWLoads];
 #pragma unroll
-    for (int plane = 0; plane < kPlanes; ++plane)
-#pragma unroll
-      for (int j = 0; j < kALoads; ++j) {
-        const int r = copy_row + j * kRowStep;
-        cp_async16(shared_address(base + swizzle(plane * kBM + r, copy_chunk)),
-                   a_src[j] + plane * p.plane_bytes + a_offset, r < rows);
-      }
-    // W: chunk c of the slice is row c / per_row's bytes [16 * (c % per_row), +16) of the slice.
-    uint8_t* const w_stage = base + kABytes;
-    const int64_t slice_offset = weight_row_bytes(kFormat, k0);
-    auto w_dst = [&](int r, int chunk) { return kDecode ? w_stage + r * kWRowBytes + 16 * chunk : w_stage + swizzle(r, chunk); };
+  for (int j = 0; j < kWLoads; ++j) {
+    const int r = w_row + j * kWRowStep, at = 16 * (tid + j * kThreads);
     if constexpr (kTiled) {
-      // Each 128 rows of the stage are one contiguous 16 KB run, stored as the tile itself
-      // (swizzled): a plain copy, byte `at` of the tile from byte `at` of its run (N % 128 == 0).
-      const int64_t slices = w_row_bytes / kRowBytes, slice = slice_offset / kRowBytes;
+      const int64_t slices = w_row_bytes / kRowBytes;
+      w_src[j] = w_values + (n0 / 128 + at / kTiledRunBytes) * slices * kTiledRunBytes + at % kTiledRunBytes;
+      w_dst[j] = at;
+      w_copy[j] = true;
+    } else {
+      w_copy[j] = n0 + r < n;
+      w_src[j] = w_values + (w_copy[j] ? n0 + r : 0) * w_row_bytes + 16 * w_chunk;
+      w_dst[j] = kDecode ? r * kWRowBytes + 16 * w_chunk : swizzle(r, w_chunk);
+    }
+    w_src[j] += int64_t(first_slice) * w_slice_step;
+  }
+  constexpr int kScales = kBK / 16;  // NVFP4: a stage's group scales of a row
+  const int64_t groups = k / 16;
+  const bool s_copy = tid < kBN && n0 + tid < n;
+  [[maybe_unused]] const uint8_t* s_src =
+      seg.w.group_scales + (s_copy ? (n0 + tid) * groups : 0) + first_slice * kScales;
+
+  // Stage `stage` <- K slice `slice` (columns [slice * kBK, +kBK)) of the A rows and the W
+  // rows; called for the block's slices in order.
+  auto load_tile = [&](int stage, int slice) {
+    uint8_t* const base = smem + stage * kStageBytes;
 #pragma unroll
-      for (int j = 0; j < kWLoads; ++j) {
-        const int at = 16 * (tid + j * kThreads);
-        const int64_t run = (n0 / 128 + at / kTiledRunBytes) * slices + slice;
-        cp_async16(shared_address(w_stage + at), w_values + run * kTiledRunBytes + at % kTiledRunBytes, true);
-      }
-    } else if (p.w_vector) {  // whole chunks: each is all inside the row or all past it (one uniform branch)
-      const bool k_ok = slice_offset + 16 * w_chunk < w_row_bytes;
+    for (int j = 0; j < kALoads; ++j) {
 #pragma unroll
-      for (int j = 0; j < kWLoads; ++j) {
-        const int r = w_row + j * kWRowStep;
-        const bool valid = k_ok && n0 + r < n;
-        cp_async16(shared_address(w_dst(r, w_chunk)), valid ? w_src + j * w_step + slice_offset : w_values, valid);
-      }
+      for (int plane = 0; plane < kPlanes; ++plane)
+        cp_async16(shared_address(base + swizzle(plane * kBM + copy_row + j * kRowStep, copy_chunk)),
+                   a_src[j] + plane * p.plane_bytes, a_copy[j]);
+      a_src[j] += kRowBytes;  // kBK values of x_value_bytes
+    }
+    uint8_t* const w_stage = base + kABytes;
+    if (kTiled || p.w_vector) {  // whole chunks: each is all inside the row or all past it (one uniform branch)
+      const bool k_ok = kTiled || slice * kWRowBytes + 16 * w_chunk < w_row_bytes32;
+#pragma unroll
+      for (int j = 0; j < kWLoads; ++j)  // a chunk past its row, zero-filled, names the matrix's start
+        cp_async16(shared_address(w_stage + w_dst[j]), k_ok ? w_src[j] : w_values, k_ok && w_copy[j]);
     } else {
 #pragma unroll
       for (int j = 0; j < kWLoads; ++j) {
-        const int r = w_row + j * kWRowStep;
-        const int64_t offset = slice_offset + 16 * w_chunk;
-        const int valid = n0 + r < n ? bytes_before(w_row_bytes - offset, 16) : 0;
-        copy_bytes<16>(w_dst(r, w_chunk), valid ? w_values + (n0 + r) * w_row_bytes + offset : w_values, valid, false);
+        const int valid = w_copy[j] ? bytes_before(w_row_bytes32 - slice * kWRowBytes - 16 * w_chunk, 16) : 0;
+        copy_bytes<16>(w_stage + w_dst[j], valid ? w_src[j] : w_values, valid);
       }
     }
-    if constexpr (kFormat == WeightFormat::Nvfp4) {  // this slice's 4 E4M3 scales of row tid
-      const int64_t groups = k / 16, first = k0 / 16;
-      const int valid = n0 + tid < n ? bytes_before(groups - first, kBK / 16) : 0;
-      uint8_t* const scales = w_stage + kBN * kWRowBytes;
-      if (tid < kBN)
-        copy_bytes<kBK / 16>(scales + tid * (kBK / 16),
-                             valid ? seg.w.group_scales + (n0 + tid) * groups + first : seg.w.group_scales, valid,
-                             p.w_vector);
+#pragma unroll
+    for (int j = 0; j < kWLoads; ++j) w_src[j] += w_slice_step;
+    if constexpr (kFormat == WeightFormat::Nvfp4) {  // this slice's scales of row tid
+      static_assert(kScales == 4, "a stage's scales of a row: one 4-byte copy");
+      uint8_t* const dst = w_stage + kBN * kWRowBytes + tid * kScales;
+      if (p.w_vector) {  // K % 64 == 0: every slice's scales are whole
+        if (tid < kBN) cp_async4(shared_address(dst), s_src, s_copy);
+      } else {
+        const int valid = s_copy ? bytes_before(groups - slice * kScales, kScales) : 0;
+        if (tid < kBN) copy_bytes<kScales>(dst, valid ? s_src : seg.w.group_scales, valid);
+      }
+      s_src += kScales;
     }
   };
 
@@ -402,9 +419,11 @@ __global__ void __launch_bounds__(S::kThreads, S::kBlocks) gemm_kernel(const Par
   // decodes values 16t + 4ks + {0..3} into that tile's B fragment (gemm_tile.cuh). Outputs
   // accumulate in the same order as compute(): K steps in order, hi then lo. The large tile
   // takes its n8 tiles in two passes (loading A's fragments twice), which keeps the packed
-  // words beside its 128 accumulators in registers.
+  // words beside its 128 accumulators in registers. Only the warp's first kLiveM m16 tiles
+  // are multiplied (live_m below): the others' rows are all past the tile's end.
   constexpr int kPasses = kTilesM * kTilesN >= 32 ? 2 : 1, kPassTiles = kTilesN / kPasses;
-  auto compute_decoded = [&](int stage) {
+  auto compute_decoded = [&](int stage, auto live_m) {
+    constexpr int kLiveM = decltype(live_m)::value;
     const uint8_t* const base = smem + stage * kStageBytes;
     const uint8_t* const w_stage = base + kABytes;
     const uint32_t a_base = shared_address(base);
@@ -428,11 +447,11 @@ __global__ void __launch_bounds__(S::kThreads, S::kBlocks) gemm_kernel(const Par
       }
 #pragma unroll
       for (int ks = 0; ks < kRowBytes / 32; ++ks) {
-        uint32_t a[kPlanes][kTilesM][4];
+        uint32_t a[kPlanes][kLiveM][4];
 #pragma unroll
         for (int plane = 0; plane < kPlanes; ++plane)
 #pragma unroll
-          for (int mt = 0; mt < kTilesM; ++mt)
+          for (int mt = 0; mt < kLiveM; ++mt)
             ldmatrix_x4(a[plane][mt], a_base + swizzle(a_fragment_row(plane * kBM + warp_m * kWM + mt * 16, lane),
                                                        a_fragment_chunk(ks, lane)));
 #pragma unroll
@@ -441,7 +460,7 @@ __global__ void __launch_bounds__(S::kThreads, S::kBlocks) gemm_kernel(const Par
           if constexpr (kFormat == WeightFormat::Fp8) fp8x4_to_bf16(w[i][ks], b[0], b[1]);
           else nvfp4x4_to_bf16(w[i][ks / 2], ks % 2, scale[i], b[0], b[1]);
 #pragma unroll
-          for (int mt = 0; mt < kTilesM; ++mt)
+          for (int mt = 0; mt < kLiveM; ++mt)
 #pragma unroll
             for (int plane = 0; plane < kPlanes; ++plane) mma_bf16(acc[mt][pass * kPassTiles + i], a[plane][mt], b);
         }
@@ -505,75 +524,107 @@ __global__ void __launch_bounds__(S::kThreads, S::kBlocks) gemm_kernel(const Par
     }
   };
 
-  // Split-K: blockIdx.z takes K-slice z of k_slice columns and writes its partial
-  // product into its own copy of Y (gemm() sums the copies in a fixed order).
-  const int64_t k_begin = int64_t(blockIdx.z) * p.k_slice, k_end = min(p.kp, k_begin + p.k_slice);
-  const int k_tiles = int((k_end - k_begin) / kBK);
+  // Split-K: blockIdx.z takes K-slice z of k_slice columns (k_begin, above) and writes its
+  // partial product into its own copy of Y (gemm() sums the copies in a fixed order).
   // The ring: slice t lives in stage t % kStages. Each iteration waits for its slice
   // (at most kStages - 2 younger groups pending), syncs (the slice is visible to all
   // warps, and all are done with the stage about to be refilled, read last iteration),
   // then queues slice t + kStages - 1 before multiplying slice t.
 #pragma unroll
   for (int s = 0; s < kStages - 1; ++s) {
-    if (s < k_tiles) load_tile(s, k_begin + s * kBK);
+    if (s < k_tiles) load_tile(s, first_slice + s);
     cp_async_commit();
   }
-  for (int t = 0; t < k_tiles; ++t) {
-    cp_async_wait<kStages - 2>();
+  auto main_loop = [&](auto live_m) {
+    for (int t = 0; t < k_tiles; ++t) {
+      cp_async_wait<kStages - 2>();
 #ifdef DIFFUSERVE_WGMMA_DEVICE
-    if constexpr (S::kWgmma) fence_proxy_async();
+      if constexpr (S::kWgmma) fence_proxy_async();
 #endif
-    __syncthreads();
-    const int next = t + kStages - 1;
-    if (next < k_tiles) load_tile(next % kStages, k_begin + int64_t(next) * kBK);
-    cp_async_commit();
-    if constexpr (S::kWgmma) compute_wgmma(t % kStages);
-    else if constexpr (kDecode) compute_decoded(t % kStages);
-    else compute(t % kStages);
+      __syncthreads();
+      const int next = t + kStages - 1;
+      if (next < k_tiles) load_tile(next % kStages, first_slice + next);
+      cp_async_commit();
+      if constexpr (S::kWgmma) compute_wgmma(t % kStages);
+      else if constexpr (kDecode) compute_decoded(t % kStages, live_m);
+      else compute(t % kStages);
+    }
+  };
+  // Decoding tiles whose rows for this warp all lie in its first half of m16 tiles multiply
+  // that half alone (the batch-1 MoE: an expert's 16 +- 4 rows fit the 32-row tile's first
+  // m16 tile about half the time, and 14% of the warps' stalls had waited on a busy math
+  // pipe; ncu, batch-1 NVFP4 up projection).
+  using AllM = std::integral_constant<int, kTilesM>;
+  if constexpr (kDecode && kTilesM % 2 == 0) {
+    if (rows - warp_m * kWM <= kWM / 2) main_loop(std::integral_constant<int, kTilesM / 2>{});
+    else main_loop(AllM{});
+  } else {
+    main_loop(AllM{});
   }
 
   // Accumulator (m16 x n8): registers 0-1 at row lane / 4, 2-3 at row lane / 4 + 8,
-  // columns 2 * (lane % 4) + {0, 1}. Packed weights: times FP8's row scale, or over NVFP4's
-  // global scale (times kNvfp4Unscale: its decode's values are 2^-8 of the products), as
-  // packed_weight.h dequantizes; E4M3 X: first times its row's scale;
-  // plain weights: times their row factors where they have them (GemmMatrix::row_scales).
-  auto rescale = [&](float v, float x_scale, int64_t c) {
-    if constexpr (kInput == GemmInput::Fp8Token) return v * x_scale * seg.w.row_scales[c];
-    if constexpr (kFormat == WeightFormat::Fp8) return v * seg.w.row_scales[c];
-    if constexpr (kFormat == WeightFormat::Nvfp4) return v * kNvfp4Unscale / seg.w.row_scales[c];
-    return seg.w.row_scales ? v * seg.w.row_scales[c] : v;
+  // columns 2 * (lane % 4) + {0, 1}. An output is its sum times its column's factor:
+  // FP8's row scale, or kNvfp4Unscale over NVFP4's global scale (its decode's values are
+  // 2^-8 of the products), as packed_weight.h dequantizes; plain weights' row factors where
+  // they have them (GemmMatrix::row_scales). E4M3 X: first times its row's scale. Each
+  // column's factor is read (NVFP4: divided) once and each row's scale once, not once an
+  // output: the per-output IEEE division had kept the epilogue at 13% of the batch-1 NVFP4
+  // up projection's instructions (ncu), and the wgmma tiles' per-output loads of both (322
+  // global loads in the E4M3 128-row tile's code, 130 now) had cost the FP8 x FP8 experts
+  // at 4,096 tokens 630 / 617 us up / down, 449 / 393 now (gemm_bench --moe, H200).
+  auto column_factor = [&](int64_t c) {
+    if constexpr (kFormat == WeightFormat::Nvfp4) return kNvfp4Unscale / seg.w.row_scales[c];
+    if constexpr (kFormat == WeightFormat::Fp8) return seg.w.row_scales[c];
+    return seg.w.row_scales ? seg.w.row_scales[c] : 1.0f;
+  };
+  auto rescale = [&](float v, float x_scale, float factor) {
+    return kInput == GemmInput::Fp8Token ? v * x_scale * factor : v * factor;
   };
   auto x_scale = [&](int r) { return kInput == GemmInput::Fp8Token ? p.a_scales[x_row(r)] : 1.0f; };
   float* y = p.y + int64_t(blockIdx.z) * p.y_copy_stride;
   if constexpr (S::kWgmma) {
     // wacc[h][4 j + 2 i + e]: W row 64 h + 16 warp + lane / 4 + 8 i, X row 8 j + 2 (lane % 4) + e
+    auto column = [&](int half, int i) { return n0 + 64 * half + 16 * warp + (lane >> 2) + 8 * i; };
+    float factor[2][2];
 #pragma unroll
     for (int half = 0; half < 2; ++half)
 #pragma unroll
-      for (int j = 0; j < kBM / 8; ++j)
+      for (int i = 0; i < 2; ++i) factor[half][i] = column(half, i) < n ? column_factor(column(half, i)) : 0.0f;
 #pragma unroll
-        for (int i = 0; i < 2; ++i)
+    for (int j = 0; j < kBM / 8; ++j)
 #pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            const int r = 8 * j + 2 * (lane & 3) + e;
-            const int64_t c = n0 + 64 * half + 16 * warp + (lane >> 2) + 8 * i;
-            if (r < rows && c < n)
-              y[(seg.y_row + m0 + r) * p.ldy + c] = rescale(wacc[half][4 * j + 2 * i + e], x_scale(r), c);
-          }
+      for (int e = 0; e < 2; ++e) {
+        const int r = 8 * j + 2 * (lane & 3) + e;
+        if (r >= rows) continue;
+        const float s = x_scale(r);
+        float* const y_row = y + (seg.y_row + m0 + r) * p.ldy;
+#pragma unroll
+        for (int half = 0; half < 2; ++half)
+#pragma unroll
+          for (int i = 0; i < 2; ++i)
+            if (column(half, i) < n)
+              y_row[column(half, i)] = rescale(wacc[half][4 * j + 2 * i + e], s, factor[half][i]);
+      }
   } else {
+    const int64_t c0 = n0 + warp_n * kWN + (lane & 3) * 2;  // the lane's first column
+    float factor[kTilesN][2];
+#pragma unroll
+    for (int nt = 0; nt < kTilesN; ++nt)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) factor[nt][e] = c0 + nt * 8 + e < n ? column_factor(c0 + nt * 8 + e) : 0.0f;
 #pragma unroll
     for (int mt = 0; mt < kTilesM; ++mt)
 #pragma unroll
-      for (int nt = 0; nt < kTilesN; ++nt)
+      for (int half = 0; half < 2; ++half) {
+        const int r = warp_m * kWM + mt * 16 + (lane >> 2) + half * 8;
+        if (r >= rows) continue;
+        const float s = x_scale(r);
 #pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          const int r = warp_m * kWM + mt * 16 + (lane >> 2) + half * 8;
-          const int64_t c = n0 + warp_n * kWN + nt * 8 + (lane & 3) * 2;
-          if (r >= rows) continue;
+        for (int nt = 0; nt < kTilesN; ++nt) {
+          const int64_t c = c0 + nt * 8;
           float* dst = y + (seg.y_row + m0 + r) * p.ldy + c;
-          const float s = x_scale(r);
-          const float v0 = c < n ? rescale(acc[mt][nt][half * 2], s, c) : 0.0f;
-          const float v1 = c + 1 < n ? rescale(acc[mt][nt][half * 2 + 1], s, c + 1) : 0.0f;
+          const float v0 = rescale(acc[mt][nt][half * 2], s, factor[nt][0]);
+          const float v1 = rescale(acc[mt][nt][half * 2 + 1], s, factor[nt][1]);
           if (p.y_pairs && c + 1 < n) {
             *reinterpret_cast<float2*>(dst) = make_float2(v0, v1);
           } else {
@@ -581,6 +632,7 @@ __global__ void __launch_bounds__(S::kThreads, S::kBlocks) gemm_kernel(const Par
             if (c + 1 < n) dst[1] = v1;
           }
         }
+      }
   }
 }
 
@@ -797,7 +849,12 @@ bool gemm_has_wgmma_tile(GemmInput input, WeightFormat format) {
 int gemm_tile_rows(int64_t rows_per_segment, int64_t segments, int64_t n, GemmInput input, WeightFormat format) {
   const bool wgmma = gemm_has_wgmma_tile(input, format);
   // 16 or 32 rows for the MoE at small batch (32 from 13 rows an expert: see the top).
-  if (rows_per_segment <= 24) return wgmma || rows_per_segment > 12 ? 32 : 16;
+  // Decoding packed weights for bf16 X, 32 always: where a tile's rows fit 16 it multiplies
+  // only its first m16 tile (gemm_kernel's main_loop), and an expert of 17-32 rows does not
+  // decode its weights twice (H200, 128 tokens, 8 rows an expert: NVFP4 up / down 127.5 /
+  // 77.7 us on 32 rows, 174.0 / 72.6 on 16). With hi/lo X, 16 stayed 4% faster there.
+  const bool decoding_bf16 = decodes(input, format) && input == GemmInput::RoundBf16;
+  if (rows_per_segment <= 24) return wgmma || decoding_bf16 || rows_per_segment > 12 ? 32 : 16;
   // 128 x 256 tiles where they are mostly full and still give two waves of blocks.
   const int64_t large_tiles = segments * ((rows_per_segment + 127) / 128) * ((n + 255) / 256);
   return rows_per_segment >= 192 && large_tiles >= 2 * multiprocessors() ? 128 : 64;
@@ -857,6 +914,8 @@ void gemm(const float* x, int64_t x_rows, int64_t ldx, bool gated, const int64_t
     throw std::invalid_argument("gemm: Fp8Token takes FP8 weights");
   if (format == WeightFormat::Nvfp4 && k % 16) throw std::invalid_argument("gemm: NVFP4 weights need K % 16 == 0");
   if (num_tiles <= 0 || n <= 0) return;
+  if (padded_k(k, input) > (int64_t(1) << 29))
+    throw std::invalid_argument("gemm: K over 2^29 (the kernel's offsets are 32-bit)");
   if (prepared.rows && (gated || decodes(input, format) || prepared.input != input))
     throw std::invalid_argument("gemm: a prepared X is plain rows of the product's input kind");
   const PreparedX a =
