@@ -318,7 +318,8 @@ __global__ void __launch_bounds__(S::kThreads, S::kBlocks) gemm_kernel(const Par
   const int64_t groups = k / 16;
   const bool s_copy = tid < kBN && n0 + tid < n;
   [[maybe_unused]] const uint8_t* s_src =
-      seg.w.group_scales + (s_copy ? (n0 + tid) * groups : 0) + first_slice * kScales;
+      kFormat == WeightFormat::Nvfp4 ? seg.w.group_scales + (s_copy ? (n0 + tid) * groups : 0) + first_slice * kScales
+                                     : nullptr;
 
   // Stage `stage` <- K slice `slice` (columns [slice * kBK, +kBK)) of the A rows and the W
   // rows; called for the block's slices in order.
