@@ -295,7 +295,7 @@ __global__ void __launch_bounds__(S::kThreads, S::kBlocks) gemm_kernel(const Par
   constexpr int kPerRow = kWRowBytes / 16, kWRowStep = kThreads / kPerRow;
   static_assert(kThreads % kPerRow == 0, "W chunk mapping");
   const int w_row = tid / kPerRow, w_chunk = tid % kPerRow;
-  constexpr int w_slice_step = kTiled ? kTiledRunBytes : kWRowBytes;
+  constexpr int kWSliceStep = kTiled ? kTiledRunBytes : kWRowBytes;
   const uint8_t* w_src[kWLoads];
   uint32_t w_dst[kWLoads];  // offset in the stage's W tile
   bool w_copy[kWLoads];
@@ -312,7 +312,7 @@ __global__ void __launch_bounds__(S::kThreads, S::kBlocks) gemm_kernel(const Par
       w_src[j] = w_values + (w_copy[j] ? n0 + r : 0) * w_row_bytes + 16 * w_chunk;
       w_dst[j] = kDecode ? r * kWRowBytes + 16 * w_chunk : swizzle(r, w_chunk);
     }
-    w_src[j] += int64_t(first_slice) * w_slice_step;
+    w_src[j] += int64_t(first_slice) * kWSliceStep;
   }
   constexpr int kScales = kBK / 16;  // NVFP4: a stage's group scales of a row
   const int64_t groups = k / 16;
@@ -347,7 +347,7 @@ __global__ void __launch_bounds__(S::kThreads, S::kBlocks) gemm_kernel(const Par
       }
     }
 #pragma unroll
-    for (int j = 0; j < kWLoads; ++j) w_src[j] += w_slice_step;
+    for (int j = 0; j < kWLoads; ++j) w_src[j] += kWSliceStep;
     if constexpr (kFormat == WeightFormat::Nvfp4) {  // this slice's scales of row tid
       static_assert(kScales == 4, "a stage's scales of a row: one 4-byte copy");
       uint8_t* const dst = w_stage + kBN * kWRowBytes + tid * kScales;
