@@ -970,6 +970,13 @@ void bench(const char* name, int64_t tokens, int64_t n, int64_t k, int experts, 
 
 int main(int argc, char** argv) {
   const std::string mode = argc > 1 ? argv[1] : "";
+  // The MoE's canvases: batch 1, 4 and 16's, or (--moe TOKENS) one.
+  const std::vector<int64_t> moe_tokens =
+      mode == "--moe" && argc > 2 ? std::vector<int64_t>{std::atoll(argv[2])} : std::vector<int64_t>{256, 1024, 4096};
+  if (moe_tokens[0] <= 0) {
+    std::fprintf(stderr, "gemm_bench: --moe takes a positive token count, not '%s'\n", argv[2]);
+    return 2;
+  }
   check_decode();
   check_e4m3_codes();
   check_fragments();
@@ -1050,13 +1057,6 @@ int main(int argc, char** argv) {
     if (mode == "--check") return failures ? 1 : 0;
 
     for (int64_t m : {256, 4096}) time_dense(m);
-  }
-  // batch 1, 4 and 16's canvases, or (--moe TOKENS) one of them
-  const std::vector<int64_t> moe_tokens =
-      mode == "--moe" && argc > 2 ? std::vector<int64_t>{std::atoll(argv[2])} : std::vector<int64_t>{256, 1024, 4096};
-  if (moe_tokens[0] <= 0) {
-    std::fprintf(stderr, "gemm_bench: --moe takes a positive token count, not '%s'\n", argv[2]);
-    return 2;
   }
   for (int64_t tokens : moe_tokens) {
     std::printf("-- MoE, %ld tokens, 128 experts top 8 (~%ld rows per expert)\n", long(tokens), long(tokens / 16));
