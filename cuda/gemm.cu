@@ -322,7 +322,9 @@ __global__ void __launch_bounds__(S::kThreads, S::kBlocks) gemm_kernel(const Par
                                      : nullptr;
 
   // Stage `stage` <- K slice `slice` (columns [slice * kBK, +kBK)) of the A rows and the W
-  // rows; called for the block's slices in order.
+  // rows; called for the block's slices in order. Only a row's last slice can hold chunks
+  // past its end, so the others copy without a check, in one branch with NVFP4's scales.
+  const int whole_slices = w_row_bytes32 / kWRowBytes;  // W slices whose chunks all lie inside the rows
   auto load_tile = [&](int stage, int slice) {
     uint8_t* const base = smem + stage * kStageBytes;
 #pragma unroll
@@ -334,8 +336,17 @@ __global__ void __launch_bounds__(S::kThreads, S::kBlocks) gemm_kernel(const Par
       a_src[j] += kRowBytes;  // kBK values of x_value_bytes
     }
     uint8_t* const w_stage = base + kABytes;
-    if (kTiled || p.w_vector) {  // whole chunks: each is all inside the row or all past it (one uniform branch)
-      const bool k_ok = kTiled || slice * kWRowBytes + 16 * w_chunk < w_row_bytes32;
+    // NVFP4: this slice's group scales of row tid.
+    static_assert(kFormat != WeightFormat::Nvfp4 || kScales == 4, "a stage's scales of a row: one 4-byte copy");
+    [[maybe_unused]] uint8_t* const s_dst = w_stage + kBN * kWRowBytes + tid * kScales;
+    [[maybe_unused]] const bool s_thread = kBN == kThreads || tid < kBN;
+    if (kTiled || (p.w_vector && slice < whole_slices)) {  // whole chunks and scales: one uniform branch
+#pragma unroll
+      for (int j = 0; j < kWLoads; ++j) cp_async16(shared_address(w_stage + w_dst[j]), w_src[j], w_copy[j]);
+      if constexpr (kFormat == WeightFormat::Nvfp4)  // w_vector: K % 64 == 0
+        if (s_thread) cp_async4(shared_address(s_dst), s_src, s_copy);
+    } else if (p.w_vector) {  // the rows' last slice (not NVFP4's): each chunk inside its row or past it
+      const bool k_ok = slice * kWRowBytes + 16 * w_chunk < w_row_bytes32;
 #pragma unroll
       for (int j = 0; j < kWLoads; ++j)  // a chunk past its row, zero-filled, names the matrix's start
         cp_async16(shared_address(w_stage + w_dst[j]), k_ok ? w_src[j] : w_values, k_ok && w_copy[j]);
@@ -345,20 +356,14 @@ __global__ void __launch_bounds__(S::kThreads, S::kBlocks) gemm_kernel(const Par
         const int valid = w_copy[j] ? bytes_before(w_row_bytes32 - slice * kWRowBytes - 16 * w_chunk, 16) : 0;
         copy_bytes<16>(w_stage + w_dst[j], valid ? w_src[j] : w_values, valid);
       }
+      if constexpr (kFormat == WeightFormat::Nvfp4) {
+        const int valid = s_copy ? bytes_before(groups - slice * kScales, kScales) : 0;
+        if (s_thread) copy_bytes<kScales>(s_dst, valid ? s_src : seg.w.group_scales, valid);
+      }
     }
 #pragma unroll
     for (int j = 0; j < kWLoads; ++j) w_src[j] += kWSliceStep;
-    if constexpr (kFormat == WeightFormat::Nvfp4) {  // this slice's scales of row tid
-      static_assert(kScales == 4, "a stage's scales of a row: one 4-byte copy");
-      uint8_t* const dst = w_stage + kBN * kWRowBytes + tid * kScales;
-      if (p.w_vector) {  // K % 64 == 0: every slice's scales are whole
-        if (tid < kBN) cp_async4(shared_address(dst), s_src, s_copy);
-      } else {
-        const int valid = s_copy ? bytes_before(groups - slice * kScales, kScales) : 0;
-        if (tid < kBN) copy_bytes<kScales>(dst, valid ? s_src : seg.w.group_scales, valid);
-      }
-      s_src += kScales;
-    }
+    if constexpr (kFormat == WeightFormat::Nvfp4) s_src += kScales;
   };
 
   // The warp's MMAs over one stage: 4 K steps of 32 bytes, each one bf16 MMA per plane (hi
