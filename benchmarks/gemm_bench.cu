@@ -357,7 +357,7 @@ void random_weights(Problem& p, WeightFormat format, int matrices, std::mt19937&
 }
 
 // The tile heights gemm() has, whose results must agree bitwise (on sm_90a, for bf16, those
-// of 32 rows and more are wgmma's, 16 is mma.sync's).
+// of 32 rows and more are wgmma's, 16 is mma.sync's; for NVFP4, 64 and 128 are wgmma's).
 const int kTileHeights[] = {16, 32, 64, 128};
 
 // Runs `p` with the given tile height; returns Y (y_rows x ldy).

@@ -81,7 +81,12 @@
 // memory and no extra barrier per slice (at batch 1 the MoE streams weights, and a
 // conversion pass had made FP8 and NVFP4 slower than bf16). The pre-pass stores X's K in
 // the order those fragments take (gemm_tile.cuh, packed_k_source). The per-row fp32 scale
-// (FP8's scale, NVFP4's global scale) is applied to the finished sums.
+// (FP8's scale, NVFP4's global scale) is applied to the finished sums. From 64 rows (the
+// MoE from batch 4) NVFP4 takes wgmma tiles instead, which decode each stage's slice once
+// into a bf16 tile in shared memory, in the same K order, for the wgmmas to read (a barrier
+// more a stage): the products and sums are those of the mma.sync tiles, bitwise (gemm_bench).
+// H200, NVFP4 with bf16 X, up / down at 4,096 tokens 1124 / 719 -> 743 / 476 us, at 1,024
+// 317 / 218 -> 316 / 184 (gemm_bench --moe).
 //
 // Weights stream by 16-byte cp.async (4-byte for NVFP4's scales) where their rows allow
 // it (whole, aligned chunks); partial chunks are zero-filled past N and K. Otherwise (tiny
@@ -187,11 +192,17 @@ struct Shape {
   __host__ __device__ static constexpr int stages(WeightFormat format) {
     return format == WeightFormat::Plain ? kStages_ : kPackedStages_;
   }
+  // A stage's bytes; on wgmma whole swizzle atoms (1 KB), as the MMAs read each stage's tiles.
   __host__ __device__ static constexpr int stage_bytes(GemmInput input, WeightFormat format) {
-    return planes(input) * kBM * kRowBytes + weight_stage_bytes(input, format, kBN);
+    const int bytes = planes(input) * kBM * kRowBytes + weight_stage_bytes(input, format, kBN);
+    return kWgmma ? (bytes + 1023) / 1024 * 1024 : bytes;
+  }
+  // The ring, and on wgmma with packed weights the bf16 W tile they are decoded into.
+  __host__ __device__ static constexpr int decoded_offset(GemmInput input, WeightFormat format) {
+    return stages(format) * stage_bytes(input, format);
   }
   static constexpr int smem_bytes(GemmInput input, WeightFormat format) {
-    return stages(format) * stage_bytes(input, format);
+    return decoded_offset(input, format) + (kWgmma && decodes(input, format) ? kBN * kRowBytes : 0);
   }
 };
 // Shared memory with hi and lo planes, bf16 / FP8 / NVFP4 weights; E4M3 X and weights:
@@ -211,6 +222,16 @@ using Large = Shape<128, 256, 2, 4, 3, 3, 1>;   // 192 / 144 / 123 KB; 144 KB
 using Wgmma32 = Shape<32, 128, 1, 4, 3, 3, 3, true>;    // 72 KB; 60 KB
 using Wgmma64 = Shape<64, 128, 1, 4, 3, 3, 2, true>;    // 96 KB; 72 KB
 using Wgmma128 = Shape<128, 128, 1, 4, 3, 3, 1, true>;  // 144 KB; 96 KB
+// The 64- and 128-row wgmma tiles for NVFP4 weights with bf16 X (the MoE from batch 4): each
+// stage's packed slice is decoded once into a bf16 W tile in shared memory, which the wgmmas
+// read as they read bf16 weights. Decoded in registers instead (the mma.sync tiles), each
+// value is decoded by every warp row that multiplies it, at mma.sync's rate: at 4,096 tokens
+// the 128 x 256 tile took twice Wgmma128's time on bf16 weights. More blocks a multiprocessor
+// than the bf16 tiles (bf16 X: 55 / 79 KB), so that one block's decoding overlaps another's
+// MMAs. (At 32 rows and less the decoding is the whole cost, and a pass through shared memory
+// only adds to it.)
+using Wgmma64Decoded = Shape<64, 128, 1, 4, 3, 3, 3, true>;
+using Wgmma128Decoded = Shape<128, 128, 1, 4, 3, 3, 2, true>;
 // Medium for decoded packed weights: warps side by side (64 x 32 each), as each warp decodes
 // the W columns it multiplies and two warps over the same columns would decode them twice.
 using MediumDecoded = Shape<64, 128, 1, 4, 3, 3, 2>;  // 72 / 62 KB
@@ -243,9 +264,10 @@ __global__ void __launch_bounds__(S::kThreads, S::kBlocks) gemm_kernel(const Par
   static_assert(kBM % kRowStep == 0 && kWChunks % kThreads == 0 && kTilesN % 2 == 0 &&
                     kBN <= kThreads,  // a thread per W row for NVFP4's scales
                 "tile shape");
-  static_assert(!S::kWgmma || (gemm_operands_alike(kInput, kFormat) && kBN == 128 && kThreads == 128 &&
-                               kABytes % 1024 == 0 && kStageBytes % 1024 == 0),
-                "wgmma: bf16 X and W or E4M3 X and W, one warpgroup, 128 W rows, operands on whole swizzle atoms");
+  static_assert(!S::kWgmma || ((gemm_operands_alike(kInput, kFormat) || kFormat == WeightFormat::Nvfp4) && kBN == 128 &&
+                               kThreads == 128 && kABytes % 1024 == 0 && kStageBytes % 1024 == 0),
+                "wgmma: bf16 X and W, E4M3 X and W, or NVFP4 W decoded for bf16 X; one warpgroup, 128 W rows, "
+                "operands on whole swizzle atoms");
   extern __shared__ __align__(1024) uint8_t smem[];
 
   GemmSegment seg = p.single;
@@ -474,6 +496,35 @@ __global__ void __launch_bounds__(S::kThreads, S::kBlocks) gemm_kernel(const Par
     }
   };
 
+  // NVFP4 on wgmma: the stage's packed slice decoded into the bf16 W tile after the ring,
+  // row tid's 64 values (four groups) by thread tid, in X's permuted K order: K step ks's
+  // position 2t (+ 8) of a row holds the first (second) pair compute_decoded's lane t gives
+  // the MMAs at that step (packed_k_source), so chunk 2 ks holds the first pairs of t = 0..3
+  // and chunk 2 ks + 1 the second ones, and the wgmmas sum the products those MMAs would.
+  constexpr int kDecodedOffset = S::decoded_offset(kInput, kFormat);
+  [[maybe_unused]] auto decode_stage = [&](int stage) {
+    if constexpr (S::kWgmma && kFormat == WeightFormat::Nvfp4) {
+      static_assert(kWRowBytes == 32 && kScales == 4 && kBN == kThreads, "a thread per row of 64 values");
+      const uint8_t* const w_stage = smem + stage * kStageBytes + kABytes;
+      const uint4 v0 = *reinterpret_cast<const uint4*>(w_stage + tid * kWRowBytes);
+      const uint4 v1 = *reinterpret_cast<const uint4*>(w_stage + tid * kWRowBytes + 16);
+      const uint32_t scales = *reinterpret_cast<const uint32_t*>(w_stage + kBN * kWRowBytes + tid * kScales);
+      const uint32_t words[8] = {v0.x, v0.y, v0.z, v0.w, v1.x, v1.y, v1.z, v1.w};  // lane t's: 2t, 2t + 1
+      uint8_t* const tile = smem + kDecodedOffset;
+#pragma unroll
+      for (int ks = 0; ks < kBK / 16; ++ks) {
+        uint32_t first[4], second[4];
+#pragma unroll
+        for (int t = 0; t < 4; ++t)
+          nvfp4x4_to_bf16(words[2 * t + ks / 2], ks % 2, nvfp4_scale_pair(uint8_t(scales >> 8 * t)), first[t],
+                          second[t]);
+        *reinterpret_cast<uint4*>(tile + swizzle(tid, 2 * ks)) = make_uint4(first[0], first[1], first[2], first[3]);
+        *reinterpret_cast<uint4*>(tile + swizzle(tid, 2 * ks + 1)) =
+            make_uint4(second[0], second[1], second[2], second[3]);
+      }
+    }
+  };
+
   // On wgmma: weight rows [64 h, 64 h + 64) of the tile are half h's M, the X tile's plane
   // rows its N. bf16: per accumulator, K steps in order, hi then lo, as compute() sums them.
   // E4M3: the tensor cores add E4M3 products with fewer bits than fp32 (errors near 2^-12 of
@@ -489,7 +540,8 @@ __global__ void __launch_bounds__(S::kThreads, S::kBlocks) gemm_kernel(const Par
   auto compute_wgmma = [&](int stage) {
     if constexpr (S::kWgmma) {
 #ifdef DIFFUSERVE_WGMMA_DEVICE
-      const uint32_t a_base = shared_address(smem + stage * kStageBytes), w_base = a_base + kABytes;
+      const uint32_t a_base = shared_address(smem + stage * kStageBytes);
+      const uint32_t w_base = kDecode ? shared_address(smem + kDecodedOffset) : a_base + kABytes;
       auto w_operand = [&](int half, int ks) { return wgmma_descriptor(w_base + half * 64 * kRowBytes + 32 * ks); };
       auto x_operand = [&](int plane, int ks) { return wgmma_descriptor(a_base + plane * kBM * kRowBytes + 32 * ks); };
       if constexpr (kInput == GemmInput::Fp8Token) {
@@ -551,9 +603,20 @@ __global__ void __launch_bounds__(S::kThreads, S::kBlocks) gemm_kernel(const Par
       const int next = t + kStages - 1;
       if (next < k_tiles) load_tile(next % kStages, first_slice + next);
       cp_async_commit();
-      if constexpr (S::kWgmma) compute_wgmma(t % kStages);
-      else if constexpr (kDecode) compute_decoded(t % kStages, live_m);
-      else compute(t % kStages);
+      if constexpr (S::kWgmma) {
+#ifdef DIFFUSERVE_WGMMA_DEVICE
+        if constexpr (kDecode) {  // the W tile is free: every warp waited for its wgmmas before the barrier above
+          decode_stage(t % kStages);
+          fence_proxy_async();  // the decoded tile, seen by the wgmmas
+          __syncthreads();
+        }
+#endif
+        compute_wgmma(t % kStages);
+      } else if constexpr (kDecode) {
+        compute_decoded(t % kStages, live_m);
+      } else {
+        compute(t % kStages);
+      }
     }
   };
   // Decoding tiles whose rows for this warp all lie in its first half of m16 tiles multiply
@@ -561,7 +624,7 @@ __global__ void __launch_bounds__(S::kThreads, S::kBlocks) gemm_kernel(const Par
   // m16 tile about half the time, and 14% of the warps' stalls had waited on a busy math
   // pipe; ncu, batch-1 NVFP4 up projection).
   using AllM = std::integral_constant<int, kTilesM>;
-  if constexpr (kDecode && kTilesM % 2 == 0) {
+  if constexpr (kDecode && !S::kWgmma && kTilesM % 2 == 0) {
     if (rows - warp_m * kWM <= kWM / 2) main_loop(std::integral_constant<int, kTilesM / 2>{});
     else main_loop(AllM{});
   } else {
@@ -761,6 +824,12 @@ void launch_gemm(const Params& p, dim3 grid, cudaStream_t stream) {
   launch(kernel, grid, S::kThreads, bytes, stream, p);
 }
 
+// The blocks of a launch: N's tiles, the segments' row tiles, the K splits.
+template <class S>
+dim3 block_grid(const Params& p, int64_t num_tiles, int splits) {
+  return {unsigned((p.n + S::kBN - 1) / S::kBN), unsigned(num_tiles), unsigned(splits)};
+}
+
 // A wgmma tile (bf16 weights with X split or rounded, or FP8 weights with FP8 X), its
 // weights stored as rows or tiled (kernels of their own: both loads in one kernel kept the
 // addresses of both live, 30-40 registers more).
@@ -773,9 +842,17 @@ void launch_wgmma(const Params& p, GemmInput input, dim3 grid, cudaStream_t stre
 }
 template <class S>
 void launch_wgmma(const Params& p, GemmInput input, int64_t num_tiles, int splits, cudaStream_t stream) {
-  const dim3 grid{unsigned((p.n + S::kBN - 1) / S::kBN), unsigned(num_tiles), unsigned(splits)};
+  const dim3 grid = block_grid<S>(p, num_tiles, splits);
   if (p.w_tiled) launch_wgmma<S, true>(p, input, grid, stream);
   else launch_wgmma<S, false>(p, input, grid, stream);
+}
+
+// NVFP4 weights with X split or rounded on a wgmma tile that decodes them in shared memory.
+template <class S>
+void launch_decoding_wgmma(const Params& p, GemmInput input, int64_t num_tiles, int splits, cudaStream_t stream) {
+  const dim3 grid = block_grid<S>(p, num_tiles, splits);
+  if (input == GemmInput::RoundBf16) launch_gemm<S, GemmInput::RoundBf16, WeightFormat::Nvfp4>(p, grid, stream);
+  else launch_gemm<S, GemmInput::Split, WeightFormat::Nvfp4>(p, grid, stream);
 }
 
 // Fp8Token only ever multiplies FP8 weights; X split or rounded multiplies any.
@@ -790,7 +867,7 @@ void launch_shape(const Params& p, GemmInput input, WeightFormat format, int64_t
                   cudaStream_t stream) {
   static_assert(S::kBN == SDecoded::kBN && S::kBM == SDecoded::kBM, "one tile, two warp layouts");
   if (p.w_tiled) throw std::invalid_argument("gemm: weights stored tiled take the wgmma tiles (sm_90a)");
-  const dim3 grid{unsigned((p.n + S::kBN - 1) / S::kBN), unsigned(num_tiles), unsigned(splits)};
+  const dim3 grid = block_grid<S>(p, num_tiles, splits);
   if (input == GemmInput::Fp8Token) launch_gemm<S, GemmInput::Fp8Token, WeightFormat::Fp8>(p, grid, stream);
   else if (input == GemmInput::RoundBf16) launch_format<S, SDecoded, GemmInput::RoundBf16>(p, format, grid, stream);
   else launch_format<S, SDecoded, GemmInput::Split>(p, format, grid, stream);
@@ -966,6 +1043,7 @@ void gemm(const float* x, int64_t x_rows, int64_t ldx, bool gated, const int64_t
   p.ldy = ldy;
   p.y_copy_stride = copy_stride;
   const bool wgmma = gemm_has_wgmma_tile(input, format);
+  const bool decoding_wgmma = format == WeightFormat::Nvfp4 && wgmma_enabled();  // 64 and 128 rows
   static_assert(Wgmma32::kBM == Small32::kBM, "one 32-row tile height");
   if (tile_rows == 32) {
     if (wgmma) launch_wgmma<Wgmma32>(p, input, num_tiles, splits, stream);
@@ -974,9 +1052,12 @@ void gemm(const float* x, int64_t x_rows, int64_t ldx, bool gated, const int64_t
     launch_shape<Small>(p, input, format, num_tiles, splits, stream);
   } else if (tile_rows == 128) {
     if (wgmma) launch_wgmma<Wgmma128>(p, input, num_tiles, splits, stream);
+    else if (decoding_wgmma) launch_decoding_wgmma<Wgmma128Decoded>(p, input, num_tiles, splits, stream);
     else launch_shape<Large>(p, input, format, num_tiles, splits, stream);
   } else if (wgmma) {
     launch_wgmma<Wgmma64>(p, input, num_tiles, splits, stream);
+  } else if (decoding_wgmma) {
+    launch_decoding_wgmma<Wgmma64Decoded>(p, input, num_tiles, splits, stream);
   } else if (int64_t(num_tiles) * ((n + Medium::kBN - 1) / Medium::kBN) * splits <= multiprocessors()) {
     launch_shape<MediumOneWave, MediumDecoded>(p, input, format, num_tiles, splits, stream);
   } else {
