@@ -87,8 +87,10 @@ DS_HOST_DEVICE constexpr bool gemm_operands_alike(GemmInput input, WeightFormat 
   return format == (input == GemmInput::Fp8Token ? WeightFormat::Fp8 : WeightFormat::Plain);
 }
 // Whether gemm() multiplies X as `input` with weights in `format` on wgmma tiles (32, 64 and
-// 128 rows): operands alike (above) and wgmma_enabled() (launch.cuh; DIFFUSERVE_WGMMA=0
-// keeps every tile on mma.sync, to compare).
+// 128 rows) as they are: operands alike (above) and wgmma_enabled() (launch.cuh;
+// DIFFUSERVE_WGMMA=0 keeps every tile on mma.sync, to compare). Such weights may be stored
+// tiled (Backend::lay_out_experts). NVFP4 weights, decoded, take wgmma tiles of 64 and 128
+// rows as well, bitwise equal to the mma.sync ones (gemm.cu).
 bool gemm_has_wgmma_tile(GemmInput input, WeightFormat format);
 size_t gemm_scratch_bytes(int64_t x_rows, int64_t n, int64_t k, GemmInput input);
 // K as gemm()'s pre-pass pads it for `input`.
