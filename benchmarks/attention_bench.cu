@@ -6,7 +6,9 @@
 // owns (they must stay untouched), spans of 16 keys cut at misaligned positions and spans of random lengths, and
 // segments whose keys the plan cuts into pieces (split-KV) as well as uncut ones; bitwise batch invariance (a segment
 // alone against the same segment among others, and a rerun); then timings at DiffusionGemma-26B shapes (a denoise pass:
-// 256 canvas rows per request over its context; inputs as they are and rounded to bf16). Before any of that, host
+// 256 canvas rows per request over its context; inputs as they are and rounded to bf16, the cache's pages fp32 or, as
+// the engine keeps them with bf16 inputs on Hopper, bf16: the wgmma kernel reads them in place, and must give the same
+// bits as from fp32 pages it converts). Before any of that, host
 // checks of the plan that need no GPU: every row group's pieces are disjoint, in key order, cover every key its rows
 // can see, and get consecutive slots and one merge where there are several; a segment's pieces are the same alone and
 // batched. Build and run:
@@ -98,27 +100,41 @@ Problem make_problem(int heads, int kv_heads, int dim, const std::vector<Segment
   return p;
 }
 
-// The problem's segments with spans pointing into K and V storage at `k` and `v`.
-std::vector<AttentionSegment> segments(const Problem& p, const float* k, const float* v) {
+// The problem's segments with spans pointing into K and V storage at `k` and `v`; where
+// bf16 copies of the storage are given (k16, v16), every span but a segment's last points
+// into those instead (a bf16 cache's pages; the last stands for the batch's own rows).
+std::vector<AttentionSegment> segments(const Problem& p, const float* k, const float* v,
+                                       const __nv_bfloat16* k16 = nullptr, const __nv_bfloat16* v16 = nullptr) {
   std::vector<AttentionSegment> segs = p.segs;
   const int64_t kv_cols = int64_t(p.kv_heads) * p.dim;
   size_t n = 0;
   for (auto& s : segs)
-    for (auto& span : s.spans) {
-      span.keys = k + p.span_rows[n] * kv_cols, span.values = v + p.span_rows[n] * kv_cols;
-      ++n;
+    for (size_t i = 0; i < s.spans.size(); ++i) {
+      KeySpan& span = s.spans[i];
+      const int64_t at = p.span_rows[n++] * kv_cols;
+      if (k16 && i + 1 < s.spans.size()) span.keys = k16 + at, span.values = v16 + at, span.dtype = DType::BF16;
+      else span.keys = k + at, span.values = v + at;
     }
   return segs;
 }
 
-// Runs the attention on the GPU (inputs rounded to bf16 or not); returns the output (rows x
-// heads x dim), NaN where nothing was written. Its bf16 copy (AttentionOutput::bf16) must be
-// every written value rounded to bf16, bit for bit.
-std::vector<float> run(const Problem& p, bool round_bf16, AttentionPlan* plan_out = nullptr) {
+std::vector<__nv_bfloat16> rounded_to_bf16(const std::vector<float>& x) {
+  std::vector<__nv_bfloat16> y(x.size());
+  for (size_t i = 0; i < x.size(); ++i) y[i] = __float2bfloat16(x[i]);
+  return y;
+}
+
+// Runs the attention on the GPU (inputs rounded to bf16 or not; bf16_cache: the spans but
+// each segment's last read from bf16 copies of K and V, as `segments` says); returns the
+// output (rows x heads x dim), NaN where nothing was written. Its bf16 copy
+// (AttentionOutput::bf16) must be every written value rounded to bf16, bit for bit.
+std::vector<float> run(const Problem& p, bool round_bf16, AttentionPlan* plan_out = nullptr, bool bf16_cache = false) {
   float* q = upload(p.q);
   float* k = upload(p.k);
   float* v = upload(p.v);
-  const AttentionPlan plan = plan_attention(segments(p, k, v), p.heads, p.kv_heads, p.dim,
+  __nv_bfloat16* k16 = bf16_cache ? upload(rounded_to_bf16(p.k)) : nullptr;
+  __nv_bfloat16* v16 = bf16_cache ? upload(rounded_to_bf16(p.v)) : nullptr;
+  const AttentionPlan plan = plan_attention(segments(p, k, v, k16, v16), p.heads, p.kv_heads, p.dim,
                                             attention_mma_resident_blocks(p.dim, round_bf16), round_bf16);
   const AttentionTables tables{upload(plan.segments), upload(plan.spans), upload(plan.items), upload(plan.merges)};
   void* scratch = nullptr;
@@ -141,11 +157,19 @@ std::vector<float> run(const Problem& p, bool round_bf16, AttentionPlan* plan_ou
     copies_differ += !std::isnan(result[i]) && std::memcmp(&expected, &rounded[i], sizeof expected) != 0;
   }
   if (copies_differ) report(false, "bf16 copy of the output", std::to_string(copies_differ) + " values differ");
-  cudaFree(q), cudaFree(k), cudaFree(v), cudaFree(out), cudaFree(out_bf16), cudaFree(scratch);
+  cudaFree(q), cudaFree(k), cudaFree(v), cudaFree(k16), cudaFree(v16), cudaFree(out), cudaFree(out_bf16),
+      cudaFree(scratch);
   cudaFree(const_cast<DeviceAttentionSegment*>(tables.segments)), cudaFree(const_cast<DeviceKeySpan*>(tables.spans));
   cudaFree(const_cast<AttentionItem*>(tables.items)), cudaFree(const_cast<AttentionMerge*>(tables.merges));
   if (plan_out) *plan_out = plan;
   return result;
+}
+
+// Whether two outputs are the same bits; a report line named `name` says so.
+void report_bitwise(const std::vector<float>& a, const std::vector<float>& b, const std::string& name) {
+  const size_t differ = size_t(std::inner_product(a.begin(), a.end(), b.begin(), int64_t(0), std::plus<>(),
+                                                  [](float x, float y) { return std::memcmp(&x, &y, sizeof x) != 0; }));
+  report(a.size() == b.size() && !differ, name, differ ? std::to_string(differ) + " values differ" : "bitwise");
 }
 
 // Row r, head h of segment s in double (Q, K and V rounded to bf16 first with round_bf16):
@@ -391,6 +415,20 @@ void host_checks() {
              same ? "same pieces" : "DIFFERENT pieces");
     }
   }
+  // bf16 keys (a bf16 cache's pages) only where the wgmma kernel runs: the plan of another
+  // kernel refuses them by name (here head dim 64; on a machine without the wgmma kernel, any).
+  {
+    std::vector<AttentionSegment> segs = make_problem(16, 4, 64, cases()[0].segs, 1).segs;
+    for (AttentionSegment& s : segs)
+      for (KeySpan& span : s.spans) span.dtype = DType::BF16;
+    std::string error;
+    try {
+      plan_attention(segs, 16, 4, 64, 132, true);
+    } catch (const std::invalid_argument& e) {
+      error = e.what();
+    }
+    report(error.find("wgmma") != std::string::npos, "plan d64: bf16 keys refused (host)", error);
+  }
   // How the 26B shapes are cut on an H200 (132 multiprocessors, one block each).
   for (int batch : {1, 4})
     for (int64_t context : {1024, 8192}) {
@@ -417,9 +455,15 @@ void correctness(bool bf16_only) {
     const std::string round = round_bf16 ? "bf16 " : "";
     const Problem sliding = make_problem(16, 8, 256, {decoder(256, 1024, 1024)}, 4);
     AttentionPlan plan;
-    verify(sliding, run(sliding, round_bf16, &plan), round + "26B sliding 256 rows, 1279 keys (sampled)", plan, 300);
+    const std::vector<float> sliding_out = run(sliding, round_bf16, &plan);
+    verify(sliding, sliding_out, round + "26B sliding 256 rows, 1279 keys (sampled)", plan, 300);
     const Problem full = make_problem(16, 2, 512, {decoder(256, 1024)}, 5);
-    verify(full, run(full, round_bf16, &plan), round + "26B full 256 rows, 1280 keys (sampled)", plan, 300);
+    const std::vector<float> full_out = run(full, round_bf16, &plan);
+    verify(full, full_out, round + "26B full 256 rows, 1280 keys (sampled)", plan, 300);
+    if (round_bf16 && attention_wgmma_serves(256, true)) {
+      report_bitwise(run(sliding, true, nullptr, true), sliding_out, "bf16 26B sliding: bf16 cache = fp32 cache");
+      report_bitwise(run(full, true, nullptr, true), full_out, "bf16 26B full: bf16 cache = fp32 cache");
+    }
   }
   // Batch invariance: each segment alone and among the others, bitwise; and a rerun.
   for (bool round_bf16 : {false, true})
@@ -429,16 +473,16 @@ void correctness(bool bf16_only) {
       const Problem p = make_problem(16, dim == 512 ? 2 : 8, dim,
                                      {decoder(40, 3000, 0, 0), encoder(100, 500, 300), decoder(256, 1024, 1024)}, 6);
       const std::vector<float> batched = run(p, round_bf16), again = run(p, round_bf16);
-      report(std::memcmp(batched.data(), again.data(), batched.size() * sizeof(float)) == 0, name + " rerun",
-             "bitwise");
+      report_bitwise(batched, again, name + " rerun");
+      if (round_bf16 && attention_wgmma_serves(dim, true))
+        report_bitwise(run(p, true, nullptr, true), batched, name + " bf16 cache = fp32 cache");
       const int64_t cols = int64_t(p.heads) * p.dim;
       for (int s = 0; s < int(p.segs.size()); ++s) {
         const std::vector<float> single = run(alone(p, s), round_bf16);
-        const size_t differ = size_t(std::inner_product(
-            single.begin(), single.end(), batched.begin() + p.segs[size_t(s)].first_row * cols, int64_t(0),
-            std::plus<>(), [](float a, float b) { return std::memcmp(&a, &b, sizeof a) != 0; }));
-        report(!differ, name + " segment " + std::to_string(s) + " alone = batched",
-               differ ? std::to_string(differ) + " values differ" : "bitwise");
+        const int64_t first = p.segs[size_t(s)].first_row * cols;
+        report_bitwise(single,
+                       std::vector<float>(batched.begin() + first, batched.begin() + first + int64_t(single.size())),
+                       name + " segment " + std::to_string(s) + " alone = batched");
       }
     }
   // Every (row, head) against the reference. bf16 inputs: every ratio at head dims 512 and
@@ -481,11 +525,18 @@ __global__ void random_fill_kernel(float* x, int64_t n, uint32_t seed) {
   }
 }
 
+__global__ void round_kernel(const float* x, int64_t n, __nv_bfloat16* y) {
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
+    y[i] = __float2bfloat16(x[i]);
+}
+
 // Times attention() (the main kernel and the merge) for `batch` requests of a denoise pass:
 // 256 canvas rows each over `context` cached keys (sliding layers: the last window - 1) in
 // 16-key blocks scattered over the cache, plus the canvas's own keys.
+// bf16_cache: the cache's pages in bf16 (the engine's with bf16 inputs on Hopper), the
+// batch's own rows fp32.
 void bench(const char* name, int heads, int kv_heads, int dim, int64_t window, int batch, int64_t context,
-           bool round_bf16) {
+           bool round_bf16, bool bf16_cache = false) {
   constexpr int64_t kCanvas = 256;
   const int64_t cached = window ? std::min(context, window - 1) : context, kv_cols = int64_t(kv_heads) * dim;
   const int64_t first_block = (context - cached) / 16, blocks_per_segment = (context + 15) / 16 - first_block;
@@ -498,6 +549,13 @@ void bench(const char* name, int heads, int kv_heads, int dim, int64_t window, i
   random_fill_kernel<<<4096, 256>>>(q, batch * kCanvas * heads * dim, 1);
   random_fill_kernel<<<4096, 256>>>(k, pool_rows * kv_cols, 2);
   random_fill_kernel<<<4096, 256>>>(v, pool_rows * kv_cols, 3);
+  __nv_bfloat16 *k16 = nullptr, *v16 = nullptr;
+  if (bf16_cache) {
+    check(cudaMalloc(&k16, sizeof(__nv_bfloat16) * size_t(pool_rows * kv_cols)), "k16");
+    check(cudaMalloc(&v16, sizeof(__nv_bfloat16) * size_t(pool_rows * kv_cols)), "v16");
+    round_kernel<<<4096, 256>>>(k, pool_rows * kv_cols, k16);
+    round_kernel<<<4096, 256>>>(v, pool_rows * kv_cols, v16);
+  }
   check(cudaDeviceSynchronize(), "fill");
   std::vector<int64_t> block_of(size_t(batch * blocks_per_segment));  // cache blocks in shuffled order
   std::iota(block_of.begin(), block_of.end(), 0);
@@ -508,7 +566,8 @@ void bench(const char* name, int heads, int kv_heads, int dim, int64_t window, i
     for (int64_t pos = context - cached; pos < context;) {
       const int64_t end = std::min(context, (pos / 16 + 1) * 16);
       const int64_t row = block_of[size_t(b * blocks_per_segment + pos / 16 - first_block)] * 16 + pos % 16;
-      s.spans.push_back({k + row * kv_cols, v + row * kv_cols, end - pos, pos});
+      if (bf16_cache) s.spans.push_back({k16 + row * kv_cols, v16 + row * kv_cols, end - pos, pos, DType::BF16});
+      else s.spans.push_back({k + row * kv_cols, v + row * kv_cols, end - pos, pos});
       pos = end;
     }
     const int64_t own = batch * blocks_per_segment * 16 + b * kCanvas;
@@ -533,11 +592,16 @@ void bench(const char* name, int heads, int kv_heads, int dim, int64_t window, i
       n += (i == it.last_span ? it.last_end : plan.spans[size_t(i)].count) - (i == it.span ? it.key : 0);
     streamed += double(n) * dim * 8;
   }
-  std::printf("%-8s %-4s batch %2d context %6ld: %9.1f us  %6.1f TFLOP/s (useful)  %5.2f TB/s K/V streamed  %6zu blocks "
-              "%5zu merges  plan %.0f us\n",
-              name, round_bf16 ? "bf16" : "fp32", batch, long(context), us, flops / (us * 1e-6) / 1e12, streamed / (us * 1e-6) / 1e12,
-              plan.items.size(), plan.merges.size(), plan_us);
-  cudaFree(q), cudaFree(out), cudaFree(k), cudaFree(v), cudaFree(scratch);
+  std::printf(
+      "%-8s %-10s batch %2d context %6ld: %9.1f us  %6.1f TFLOP/s (useful)  %5.2f TB/s K/V streamed  %6zu "
+      "blocks %5zu merges  plan %.0f us\n",
+      name,
+      !round_bf16  ? "fp32"
+      : bf16_cache ? "bf16 cache"
+                   : "bf16",
+      batch, long(context), us, flops / (us * 1e-6) / 1e12, streamed / (us * 1e-6) / 1e12, plan.items.size(),
+      plan.merges.size(), plan_us);
+  cudaFree(q), cudaFree(out), cudaFree(k), cudaFree(v), cudaFree(k16), cudaFree(v16), cudaFree(scratch);
   cudaFree(const_cast<DeviceAttentionSegment*>(tables.segments)), cudaFree(const_cast<DeviceKeySpan*>(tables.spans));
   cudaFree(const_cast<AttentionItem*>(tables.items)), cudaFree(const_cast<AttentionMerge*>(tables.merges));
 }
@@ -573,6 +637,10 @@ int main(int argc, char** argv) {
       for (bool round_bf16 : {false, true}) {
         bench("sliding", 16, 8, 256, 1024, batch, context, round_bf16);
         bench("full", 16, 2, 512, 0, batch, context, round_bf16);
+      }
+      if (attention_wgmma_serves(256, true)) {
+        bench("sliding", 16, 8, 256, 1024, batch, context, true, true);
+        bench("full", 16, 2, 512, 0, batch, context, true, true);
       }
     }
   return failures ? 1 : 0;

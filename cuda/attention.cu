@@ -12,6 +12,7 @@
 #include <algorithm>
 #include <cfloat>
 #include <cstdint>
+#include <stdexcept>
 
 #include "kernels.h"
 
@@ -202,8 +203,20 @@ AttentionPlan plan_attention(const std::vector<AttentionSegment>& segments, int 
     plan.segments.push_back({s.first_row, s.first_position, s.window, s.causal ? 1 : 0, span_begin, int(s.spans.size())});
     int64_t keys = 0;
     for (const KeySpan& k : s.spans) {
-      plan.spans.push_back({k.keys, k.values, k.count, k.first_position, plan.packed_rows});
-      if (packed) plan.packed_rows += k.count;
+      DeviceKeySpan d{nullptr, nullptr, k.count, k.first_position, nullptr, nullptr, plan.packed_rows};
+      if (k.dtype == DType::BF16 && packed) {
+        if (reinterpret_cast<uintptr_t>(k.keys) % 16 || reinterpret_cast<uintptr_t>(k.values) % 16)
+          throw std::invalid_argument("attention: bf16 keys and values need 16-byte aligned rows");
+        d.keys16 = static_cast<const __nv_bfloat16*>(k.keys), d.values16 = static_cast<const __nv_bfloat16*>(k.values);
+      } else if (k.dtype == DType::F32) {
+        d.keys = static_cast<const float*>(k.keys), d.values = static_cast<const float*>(k.values);
+        if (packed) plan.packed_rows += k.count;
+      } else {
+        throw std::invalid_argument(k.dtype == DType::BF16 ? "attention: bf16 keys need the wgmma kernel (head dims "
+                                                             "256 and 512 with inputs rounded to bf16, on Hopper)"
+                                                           : "attention: keys and values are fp32 or bf16");
+      }
+      plan.spans.push_back(d);
       keys += k.count;
     }
     const int groups = int((s.rows + rows_per_block - 1) / rows_per_block);

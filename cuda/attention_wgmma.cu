@@ -4,10 +4,11 @@
 // takes the same plan (items, pieces, partial slots and merges; attention.cu), only with
 // more query vectors a block.
 //
-// A pre-pass writes the keys and values of every span (the KV cache's pages and the batch's
-// own rows, fp32) as bf16 rows, one span after the other, into the attention's scratch: the
-// kernel then stages each chunk with cp.async, no registers and no conversion in its way,
-// and the next chunk's copies run while the tensor cores work on this one.
+// The kernel stages each chunk's keys and values from bf16 rows with cp.async, no registers
+// and no conversion in its way, and the next chunk's copies run while the tensor cores work
+// on this one. A bf16 KV cache's pages (Backend::kv_cache_dtype) it reads where they are;
+// fp32 spans (the batch's own rows, an fp32 cache's pages) a pre-pass writes as bf16 rows,
+// one span after the other, into the attention's scratch.
 //
 // A block is two warpgroups. Each holds the outputs of 64 query vectors (rows x the query
 // heads of one KV head, as in attention_mma.cu) for 256 dims in registers (128 a thread):
@@ -59,20 +60,22 @@ struct Shape {
   static constexpr int kKeys = kDim == 256 ? 64 : 32;  // keys per chunk
   static constexpr int kSubtiles = kDim / 64;          // 64-value column blocks of Q, K and V rows
   // Shared memory: Q [subtile][query][64], K and V [buffer][subtile][key][64] (bf16), then
-  // for three chunks (one softmaxed, one staged, one being looked up) each key's row in the
-  // bf16 copies (-1: no key there; its K and V are staged as zeros) and relative position.
+  // for three chunks (one softmaxed, one staged, one being looked up) where each key's K and
+  // V values of the block's KV head are (null: no key there; its K and V are staged as
+  // zeros), and its relative position.
   static constexpr int kQTile = kSubtiles * kQueries * kRowBytes;  // 64 KB
   static constexpr int kKVTile = kSubtiles * kKeys * kRowBytes;    // 32 KB
   static constexpr int kKOffset = kQTile, kVOffset = kKOffset + 2 * kKVTile, kRowOffset = kVOffset + 2 * kKVTile;
-  static constexpr int kPositionOffset = kRowOffset + 3 * kKeys * int(sizeof(int));
+  static constexpr int kPositionOffset = kRowOffset + 3 * 2 * kKeys * int(sizeof(void*));
   static constexpr int kSharedBytes = kPositionOffset + 3 * kKeys * int(sizeof(int));
 };
 constexpr int kThreads = 256;  // two warpgroups
 
 // The pre-pass: row r of the bf16 copies is row r - spans[s].packed of span s (the last
-// span whose packed row is at most r), 8 values a thread, keys and values alike. The spans'
-// first rows are read into shared memory together (up to kPackSpans of them), so that the
-// search for a row's span is not a chain of dependent global loads.
+// span whose packed row is at most r: an fp32 span, as a bf16 one shares its packed row
+// with the span after it), 8 values a thread, keys and values alike. The spans' first rows
+// are read into shared memory together (up to kPackSpans of them), so that the search for
+// a row's span is not a chain of dependent global loads.
 constexpr int kPackThreads = 256, kPackSpans = 2048;
 __global__ void pack_bf16_kernel(const DeviceKeySpan* __restrict__ spans, int span_count, int64_t rows, int64_t cols,
                                  bool vector, __nv_bfloat16* __restrict__ keys, __nv_bfloat16* __restrict__ values) {
@@ -129,7 +132,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   constexpr int kQueries = S::kQueries, kKeys = S::kKeys, kKVTile = S::kKVTile;
   constexpr int kPieces = kDim / 8;  // 16-byte pieces of a key's row
   extern __shared__ __align__(1024) uint8_t smem[];
-  auto packed_row = reinterpret_cast<int (*)[kKeys]>(smem + S::kRowOffset);
+  auto key_rows = reinterpret_cast<const __nv_bfloat16*(*)[2][kKeys]>(smem + S::kRowOffset);  // [chunk][K, V]
   auto key_pos = reinterpret_cast<int (*)[kKeys]>(smem + S::kPositionOffset);  // relative_position, or kNoKey
   const uint32_t q_base = uint32_t(__cvta_generic_to_shared(smem));
   const uint32_t k_base = q_base + S::kKOffset, v_base = q_base + S::kVOffset;
@@ -157,22 +160,30 @@ __global__ void __launch_bounds__(kThreads, 1)
     m_run[h] = -INFINITY, l_run[h] = 0.0f;
   }
 
-  // Threads 0..kKeys-1 look up key `tid` of each chunk: its row in the bf16 copies and its
-  // position (table slot `slot`); whether it exists.
+  // Threads 0..kKeys-1 look up key `tid` of each chunk: where its bf16 keys and values of
+  // the block's KV head are (the span's own rows, or its copies') and its position (table
+  // slot `slot`); whether it exists.
   const KeyWalk walk = queries.keys(spans);
   Cursor cursor{};
   if (tid < kKeys) cursor = walk.advance({item.span, item.key}, tid);
   auto look_up = [&](int slot) {
     if (tid >= kKeys) return false;
     const bool valid = walk.has(cursor);
-    int packed = -1, position = kNoKey;
+    const __nv_bfloat16 *k = nullptr, *v = nullptr;
+    int position = kNoKey;
     if (valid) {
-      const DeviceKeySpan s = spans[cursor.span];
-      packed = int(s.packed + cursor.key);
+      const DeviceKeySpan& s = spans[cursor.span];
+      const int64_t at = int64_t(item.kv_head) * kDim;
+      if (s.keys16) {
+        k = s.keys16 + cursor.key * kv_stride + at, v = s.values16 + cursor.key * kv_stride + at;
+      } else {
+        const int64_t row = s.packed + cursor.key;
+        k = packed_keys + row * kv_stride + at, v = packed_values + row * kv_stride + at;
+      }
       position = relative_position(s.first_position + cursor.key, seg.first_position);
       cursor = walk.advance(cursor, kKeys);
     }
-    packed_row[slot][tid] = packed;
+    key_rows[slot][0][tid] = k, key_rows[slot][1][tid] = v;
     key_pos[slot][tid] = position;
     return valid;
   };
@@ -180,18 +191,18 @@ __global__ void __launch_bounds__(kThreads, 1)
   // The keys and values of the chunk in table slot `slot` into buffer `buf`, by cp.async
   // (this thread's part, one commit group): 16-byte piece p of a key's row (this KV head's
   // kDim values) to subtile p / 8, chunk p % 8 of the key's tile row; consecutive threads
-  // copy a key's contiguous bytes.
+  // copy a key's contiguous bytes. (A missing key's zeros read nothing; the span table
+  // stands in for its address.)
   auto stage_chunk = [&](int slot, int buf) {
     uint8_t* const k_tile = smem + S::kKOffset + buf * kKVTile;
     uint8_t* const v_tile = smem + S::kVOffset + buf * kKVTile;
 #pragma unroll
     for (int i = 0; i < kKeys * kPieces / kThreads; ++i) {
       const int key = (tid + kThreads * i) / kPieces, p = (tid + kThreads * i) % kPieces;
-      const int packed = packed_row[slot][key];
-      const int64_t src = (packed < 0 ? 0 : int64_t(packed) * kv_stride) + int64_t(item.kv_head) * kDim + 8 * p;
+      const __nv_bfloat16 *k = key_rows[slot][0][key], *v = key_rows[slot][1][key];
       const int dst = (p / 8) * kKeys * kRowBytes + swizzle(key, p % 8);
-      cp_async16(k_tile + dst, packed_keys + src, packed >= 0);
-      cp_async16(v_tile + dst, packed_values + src, packed >= 0);
+      cp_async16(k_tile + dst, k ? static_cast<const void*>(k + 8 * p) : spans, k != nullptr);
+      cp_async16(v_tile + dst, v ? static_cast<const void*>(v + 8 * p) : spans, v != nullptr);
     }
     cp_async_commit();
   };

@@ -284,6 +284,14 @@ class CudaBackend final : public Backend {
     check(cudaStreamSynchronize(stream_), "read_bytes");
   }
 
+  // bf16 where every layer's attention is the wgmma kernel's (the only one reading bf16 keys):
+  // with activations "bfloat16", head dims 256 and 512, on Hopper.
+  DType kv_cache_dtype(const ModelConfig& config, bool round_bf16) const override {
+    for (const LayerConfig& L : config.layers)
+      if (!cuda::attention_wgmma_serves(L.head_dim, round_bf16)) return DType::F32;
+    return DType::BF16;
+  }
+
   int64_t default_kv_cache_bytes() override {  // most of what the weights left free
     bind();
     size_t free = 0, total = 0;
@@ -432,9 +440,13 @@ class CudaBackend final : public Backend {
                           stream_),
           "copy_rows");
   }
-  void scatter_rows(const Activation& src, const std::vector<int64_t>& dst_rows, Activation& dst) override {
+  void scatter_rows(const Activation& src, const std::vector<int64_t>& dst_rows, KvRows& dst) override {
     auto timed = op("scatter_rows");
-    cuda::scatter_rows(src.data, src.cols, upload_table(dst_rows), int64_t(dst_rows.size()), dst.data, stream_);
+    const int64_t* rows = upload_table(dst_rows);
+    if (dst.dtype == DType::BF16)
+      cuda::scatter_rows(src.data, src.cols, rows, int64_t(dst_rows.size()), static_cast<__nv_bfloat16*>(dst.data),
+                         stream_);
+    else cuda::scatter_rows(src.data, src.cols, rows, int64_t(dst_rows.size()), static_cast<float*>(dst.data), stream_);
   }
 
   void embed(const Weight& table, const int32_t* ids, float scale, Activation& out) override {

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <climits>
 #include <stdexcept>
+#include <type_traits>
 
 #include "activation_quant.h"
 #include "block_reduce.cuh"
@@ -385,11 +386,15 @@ __global__ void softmax_kernel(float* x, int64_t cols) {
   for_each_strided(r, cols, threadIdx.x, blockDim.x, [&](int64_t j, float v) { r[j] = __expf(v - m) * inv; });
 }
 
-__global__ void scatter_rows_kernel(const float* src, int64_t cols, const int64_t* dst_rows, int64_t n, float* dst) {
+// dst (fp32, or bf16: rounded) row dst_rows[r] = src row r.
+template <class T>
+__global__ void scatter_rows_kernel(const float* src, int64_t cols, const int64_t* dst_rows, int64_t n, T* dst) {
   wait_for_earlier_kernels();
   const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= n * cols) return;
-  dst[dst_rows[i / cols] * cols + i % cols] = src[i];
+  T& out = dst[dst_rows[i / cols] * cols + i % cols];
+  if constexpr (std::is_same_v<T, float>) out = src[i];
+  else out = __float2bfloat16(src[i]);
 }
 
 // A thread per 16-byte chunk of the rows, copied to its place in the tiled layout.
@@ -891,9 +896,12 @@ void softmax_rows(float* x, int64_t rows, int64_t cols, cudaStream_t stream) {
   if (rows) launch(softmax_kernel, unsigned(rows), kRowThreads, 0, stream, x, cols);
 }
 
-void scatter_rows(const float* src, int64_t cols, const int64_t* dst_rows, int64_t n, float* dst, cudaStream_t stream) {
-  if (n) launch(scatter_rows_kernel, blocks_for(n * cols), kThreads, 0, stream, src, cols, dst_rows, n, dst);
+template <class T>
+void scatter_rows(const float* src, int64_t cols, const int64_t* dst_rows, int64_t n, T* dst, cudaStream_t stream) {
+  if (n) launch(scatter_rows_kernel<T>, blocks_for(n * cols), kThreads, 0, stream, src, cols, dst_rows, n, dst);
 }
+template void scatter_rows(const float*, int64_t, const int64_t*, int64_t, float*, cudaStream_t);
+template void scatter_rows(const float*, int64_t, const int64_t*, int64_t, __nv_bfloat16*, cudaStream_t);
 
 void transpose_bf16(const __nv_bfloat16* in, int64_t k, int64_t n, __nv_bfloat16* out, cudaStream_t stream) {
   const dim3 grid(unsigned((n + 31) / 32), unsigned((k + 31) / 32)), block(32, 8);

@@ -153,11 +153,16 @@ void route(const float* x, int64_t tokens, int64_t hidden, const __nv_bfloat16* 
 // rows, its keys) and the GPU, never on the other segments of the launch, so a request
 // gets the same bits alone or batched.
 struct DeviceKeySpan {
-  const float* keys;
+  const float* keys;  // fp32 rows; null where they are bf16 (below)
   const float* values;
   int64_t count;
   int64_t first_position;
-  int64_t packed;  // its first row in the bf16 copies of K and V (AttentionPlan::packed_rows)
+  // The rows as the wgmma kernel reads them, bf16: the span's own (a bf16 KV cache's), or,
+  // where these are null, rows packed.. of the copies its pre-pass writes. A span of bf16
+  // rows owns no copies: its `packed` is the next span's.
+  const __nv_bfloat16* keys16;
+  const __nv_bfloat16* values16;
+  int64_t packed;
 };
 struct DeviceAttentionSegment {
   int64_t first_row;
@@ -202,9 +207,9 @@ struct AttentionPlan {
   int queries_per_slot = 0;            // query vectors per item (and per slot)
   int head_dim = 0;
   bool round_bf16 = false;
-  // The wgmma kernel's keys and values as bf16 (attention_wgmma_serves): every span's rows
-  // one after the other, `packed_cols` values a row, converted by a pre-pass so that the
-  // kernel stages them with cp.async. 0 rows for the other kernels.
+  // The wgmma kernel's keys and values as bf16 (attention_wgmma_serves): every fp32 span's
+  // rows one after the other, `packed_cols` values a row, converted by a pre-pass so that
+  // the kernel stages them with cp.async. 0 rows for the other kernels.
   int64_t packed_rows = 0;
   int64_t packed_cols = 0;
   // Device memory `attention` may use for the partial results and the bf16 copies until it
@@ -302,7 +307,9 @@ void add(const float* a, const float* b, float* y, int64_t n, cudaStream_t strea
 void scale(float* x, float s, int64_t n, cudaStream_t stream);
 void softcap(float* x, float cap, int64_t n, cudaStream_t stream);
 void softmax_rows(float* x, int64_t rows, int64_t cols, cudaStream_t stream);
-void scatter_rows(const float* src, int64_t cols, const int64_t* dst_rows, int64_t n, float* dst, cudaStream_t stream);
+// dst row dst_rows[r] = src row r for r < n (T float, or __nv_bfloat16: rounded).
+template <class T>
+void scatter_rows(const float* src, int64_t cols, const int64_t* dst_rows, int64_t n, T* dst, cudaStream_t stream);
 // Lays the MoE's (token, slot) pairs out by expert, on the device: row_map[row] = token
 // of each expert-ordered row, inverse[pair] = its row; one GEMM segment per expert for the
 // gate_up and the down weights (expert e's matrices of each stack); tiles of tile_rows

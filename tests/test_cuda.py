@@ -12,6 +12,7 @@ import pytest
 import diffuserve as ds
 from diffuserve import _core
 from diffuserve.random_checkpoint import write_random_checkpoint
+from test_kv_cache_dtype import rounded_to_bf16
 
 pytestmark = pytest.mark.skipif(not _core.cuda_available(), reason="no CUDA backend or no GPU")
 
@@ -352,3 +353,40 @@ def check_bf16_activations(path, label, **load):
     assert np.isfinite(logits["cuda", "bfloat16"]).all()
     assert spread(("cuda", "float32"), ("cuda", "bfloat16")) > 0
     assert across <= 4 * rounding + 1e-3 and agree >= 0.95
+
+
+# With activations="bfloat16" the KV cache is bf16 where every layer's attention is the
+# wgmma kernel (head dims 256 and 512, Hopper), which reads those pages in place where it
+# converts fp32 ones: the same logits and tokens bit for bit, the cache's values rounded.
+# Elsewhere (head dims 64 and 128) "auto" keeps fp32 and "bfloat16" is refused.
+@pytest.mark.parametrize("shape", ["real_head_dims", "head_dims_64_128"])
+def test_bf16_kv_cache_gives_the_fp32_cache_results(tmp_path, shape):
+    path = write_random_checkpoint(tmp_path / "m", canvas_length=32, dtype="bfloat16", seed=7, **SHAPES[shape])
+    load = dict(device="cuda", activations="bfloat16", kv_cache_memory_bytes=256 << 20)
+    models = {kv: ds.Model.load(path, kv_cache_dtype=kv, **load) for kv in ("auto", "float32")}
+    # (This suite runs on Hopper, where the wgmma kernels are on unless switched off.)
+    wgmma = SHAPES[shape]["head_dim"] == 256 and os.environ.get("DIFFUSERVE_WGMMA") != "0"
+    assert models["auto"].kv_cache_dtype == ("bfloat16" if wgmma else "float32")
+    if not wgmma:
+        with pytest.raises(ValueError, match="kv_cache_dtype 'bfloat16'"):
+            ds.Model.load(path, kv_cache_dtype="bfloat16", **load)
+        return
+    rng = np.random.default_rng(2)
+    vocab = SHAPES[shape]["vocab_size"]
+    prompt, canvas, block = rng.integers(0, vocab, 90), rng.integers(0, vocab, 32), rng.integers(0, vocab, 32)
+    results = {}
+    for kv, m in models.items():
+        s = m.sequence()
+        s.prefill(prompt)
+        first = s.denoise(canvas)
+        s.commit(block)
+        results[kv] = [first, s.denoise(canvas, first)] + [s.kv(layer)[i] for layer in range(3) for i in (0, 1)]
+    for a, b in zip(results["auto"][:2], results["float32"][:2]):
+        np.testing.assert_array_equal(a, b)
+    for a, b in zip(results["auto"][2:], results["float32"][2:]):
+        np.testing.assert_array_equal(a, rounded_to_bf16(b))
+    prompts = [rng.integers(0, vocab, n).tolist() for n in (7, 50, 130)]
+    params = ds.SamplingParams(max_new_tokens=64, seed=4)
+    outs = {kv: [o.token_ids for o in ds.LLM(path, kv_cache_dtype=kv, **load).generate(prompts, params)]
+            for kv in ("auto", "float32")}
+    assert outs["auto"] == outs["float32"]

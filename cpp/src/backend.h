@@ -102,12 +102,26 @@ struct Weight {
   bool empty() const { return data == nullptr; }
 };
 
-// Where a block of keys sits in the sequence, for the attention mask.
+// Where a block of keys sits in the sequence, for the attention mask, and its rows: fp32
+// (the batch's own keys), or as the KV cache stores them (Backend::kv_cache_dtype).
 struct KeySpan {
-  const float* keys = nullptr;    // [count, kv_heads * head_dim]
-  const float* values = nullptr;  // [count, kv_heads * head_dim]
+  const void* keys = nullptr;    // [count, kv_heads * head_dim]
+  const void* values = nullptr;  // [count, kv_heads * head_dim]
   int64_t count = 0;
-  int64_t first_position = 0;     // absolute position of row 0
+  int64_t first_position = 0;  // absolute position of row 0
+  DType dtype = DType::F32;    // of keys and values: F32 or BF16
+};
+
+// Rows of the KV cache in backend memory (one layer's keys or values): rows x cols values
+// of `dtype`, F32 or BF16.
+struct KvRows {
+  void* data = nullptr;
+  int64_t rows = 0;
+  int64_t cols = 0;
+  DType dtype = DType::F32;
+  std::shared_ptr<void> storage;
+
+  void* row(int64_t r) const { return static_cast<uint8_t*>(data) + r * cols * int64_t(dtype_size(dtype)); }
 };
 
 // One sequence's rows of a batched attention call: query rows [first_row, first_row +
@@ -197,6 +211,14 @@ class Backend {
   virtual void lay_out_experts(Weight& stack) { (void)stack; }
   // Bytes the KV cache may take by default, asked once the weights are loaded.
   virtual int64_t default_kv_cache_bytes() = 0;
+  // How the KV cache stores keys and values for `config`'s layers: F32, or BF16 where every
+  // layer's attention rounds them to bf16 as it reads them (activations "bfloat16":
+  // round_bf16) and the backend's attention reads bf16 rows, so that the cache takes half
+  // the memory and the attention reads the same values.
+  virtual DType kv_cache_dtype(const ModelConfig& config, bool round_bf16) const {
+    (void)config;
+    return round_bf16 ? DType::BF16 : DType::F32;
+  }
   // Whether upload_packed takes `w` as it is (format and group size): its linear and
   // experts then dequantize inside the product. Otherwise model.cpp dequantizes at load.
   virtual bool keeps_packed(const PackedWeight&) const { return false; }
@@ -221,8 +243,9 @@ class Backend {
   // dst rows [dst_row, dst_row + n) = src rows [src_row, src_row + n); the ranges may
   // overlap (memmove). Same column count.
   virtual void copy_rows(const Activation& src, int64_t src_row, Activation& dst, int64_t dst_row, int64_t n) = 0;
-  // dst row dst_rows[i] = src row i, for every row of src (writing KV into cache slots).
-  virtual void scatter_rows(const Activation& src, const std::vector<int64_t>& dst_rows, Activation& dst) = 0;
+  // dst row dst_rows[i] = src row i (rounded to dst's dtype), for every row of src (writing
+  // KV into cache slots).
+  virtual void scatter_rows(const Activation& src, const std::vector<int64_t>& dst_rows, KvRows& dst) = 0;
 
   // out[i] = table[ids[i]] * scale for i < out.rows; ids in backend memory.
   virtual void embed(const Weight& table, const int32_t* ids, float scale, Activation& out) = 0;

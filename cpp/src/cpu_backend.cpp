@@ -25,7 +25,7 @@ int64_t Weight::numel() const {
 
 namespace {
 
-// Widens n elements of a weight row to fp32.
+// Widens n elements of a row (a weight's, the KV cache's) to fp32.
 void widen(const void* src, DType dtype, int64_t n, float* dst) {
   switch (dtype) {
     case DType::F32:
@@ -142,8 +142,16 @@ class CpuBackend final : public Backend {
     std::memmove(dst.row(dst_row), src.row(src_row), n * src.cols * sizeof(float));
   }
 
-  void scatter_rows(const Activation& src, const std::vector<int64_t>& dst_rows, Activation& dst) override {
-    for (size_t i = 0; i < dst_rows.size(); ++i) std::memcpy(dst.row(dst_rows[i]), src.row(int64_t(i)), src.cols * sizeof(float));
+  void scatter_rows(const Activation& src, const std::vector<int64_t>& dst_rows, KvRows& dst) override {
+    for (size_t i = 0; i < dst_rows.size(); ++i) {
+      void* row = dst.row(dst_rows[i]);
+      if (dst.dtype == DType::F32) {
+        std::memcpy(row, src.row(int64_t(i)), src.cols * sizeof(float));
+      } else {
+        auto* bf16 = static_cast<uint16_t*>(row);
+        for (int64_t j = 0; j < src.cols; ++j) bf16[j] = f32_to_bf16(src.row(int64_t(i))[j]);
+      }
+    }
   }
 
   void embed(const Weight& table, const int32_t* ids, float scale, Activation& out) override {
@@ -249,7 +257,13 @@ class CpuBackend final : public Backend {
     for (const auto& seg : segments)
       for (int64_t r = 0; r < seg.rows; ++r) rows.push_back({&seg, r});
     pool_->parallel_for(int64_t(rows.size()) * num_heads, 1, [&](int64_t b, int64_t e) {
-      std::vector<float> scores, qi(head_dim), key(head_dim);
+      std::vector<float> scores, qi(head_dim), key(head_dim), value(head_dim);
+      // Row k of a span's keys or values, this task's kv head, as the products take it.
+      auto read = [&](const KeySpan& s, const void* rows, int64_t k, int64_t kvh, float* out) {
+        const size_t esz = dtype_size(s.dtype);
+        widen(static_cast<const uint8_t*>(rows) + (k * kv_stride + kvh * head_dim) * esz, s.dtype, head_dim, out);
+        for (int64_t d = 0; d < head_dim; ++d) out[d] = input(out[d]);
+      };
       for (int64_t task = b; task < e; ++task) {
         const auto [seg, r] = rows[task / num_heads];
         const int64_t h = task % num_heads, kvh = h / group, i = seg->first_row + r;
@@ -264,8 +278,7 @@ class CpuBackend final : public Backend {
           for (int64_t k = 0; k < s.count; ++k) {
             float score = -INFINITY;
             if (visible(s.first_position + k)) {
-              const float* kj = s.keys + k * kv_stride + kvh * head_dim;
-              for (int64_t d = 0; d < head_dim; ++d) key[d] = input(kj[d]);
+              read(s, s.keys, k, kvh, key.data());
               score = dot(qi.data(), key.data(), head_dim);
             }
             scores.push_back(score);
@@ -281,8 +294,8 @@ class CpuBackend final : public Backend {
           for (int64_t k = 0; k < s.count; ++k, ++idx) {
             const float pj = input(scores[idx] / sum);
             if (pj == 0.0f) continue;
-            const float* v = s.values + k * kv_stride + kvh * head_dim;
-            for (int64_t d = 0; d < head_dim; ++d) o[d] += pj * input(v[d]);
+            read(s, s.values, k, kvh, value.data());
+            for (int64_t d = 0; d < head_dim; ++d) o[d] += pj * value[d];
           }
       }
     });

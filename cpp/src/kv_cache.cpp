@@ -24,15 +24,18 @@ int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 }  // namespace
 
-KvCache::KvCache(Backend& backend, const ModelConfig& config, int64_t memory_bytes, int block_size, int max_seqs)
-    : config_(config), block_size_(block_size), window_(config.sliding_window) {
+KvCache::KvCache(Backend& backend, const ModelConfig& config, int64_t memory_bytes, int block_size, int max_seqs,
+                 DType dtype)
+    : config_(config), block_size_(block_size), window_(config.sliding_window), dtype_(dtype) {
   if (block_size < 1) throw InvalidArgument("kv block_size must be >= 1");
+  if (dtype != DType::F32 && dtype != DType::BF16) throw InvalidArgument("the KV cache stores fp32 or bf16");
   if (max_seqs < 1) throw InvalidArgument("max_num_seqs must be >= 1");
   for (const LayerConfig& L : config.layers) group_of_.push_back(L.sliding ? kSlidingGroup : kFullGroup);
 
   int64_t per_block[kNumGroups] = {0, 0};
   for (const LayerConfig& L : config.layers)
-    per_block[L.sliding ? kSlidingGroup : kFullGroup] += 2 * int64_t(L.num_kv_heads) * L.head_dim * block_size * 4;
+    per_block[L.sliding ? kSlidingGroup : kFullGroup] +=
+        2 * int64_t(L.num_kv_heads) * L.head_dim * block_size * int64_t(dtype_size(dtype));
   // A sequence's sliding layers hold its window plus a commit and a canvas in flight.
   const int64_t sliding_per_seq = ceil_div(window_ - 1 + 2 * int64_t(config.canvas_length), block_size) + 1;
   int64_t sliding_bytes = 0;
@@ -54,11 +57,18 @@ KvCache::KvCache(Backend& backend, const ModelConfig& config, int64_t memory_byt
     p.idle_pos.resize(blocks[g]);
     for (int64_t b = blocks[g] - 1; b >= 0; --b) p.free.push_back(int32_t(b));
   }
+  // Zero-filled rows (alloc's fp32 matrices are, and as one long row they hold any dtype's
+  // bytes): a slot is written before any attention reads it, but never garbage.
+  auto rows_of = [&](int64_t rows, int64_t cols) {
+    const int64_t bytes = rows * cols * int64_t(dtype_size(dtype));
+    Activation a = backend.alloc(1, (bytes + 3) / 4);
+    return KvRows{a.data, rows, cols, dtype, a.storage};
+  };
   for (size_t i = 0; i < config.layers.size(); ++i) {
     const LayerConfig& L = config.layers[i];
     const int64_t rows = pools_[group_of_[i]].num_blocks * block_size;
-    keys_.push_back(backend.alloc(rows, int64_t(L.num_kv_heads) * L.head_dim));
-    values_.push_back(backend.alloc(rows, int64_t(L.num_kv_heads) * L.head_dim));
+    keys_.push_back(rows_of(rows, int64_t(L.num_kv_heads) * L.head_dim));
+    values_.push_back(rows_of(rows, int64_t(L.num_kv_heads) * L.head_dim));
   }
 }
 
@@ -209,11 +219,11 @@ int64_t KvCache::slot(const KvTable& table, int layer, int64_t pos) const {
 
 std::vector<KeySpan> KvCache::spans(const KvTable& table, int layer, int64_t begin, int64_t end) const {
   std::vector<KeySpan> out;
-  const Activation &k = keys_[layer], &v = values_[layer];
+  const KvRows &k = keys_[layer], &v = values_[layer];
   for (int64_t pos = begin; pos < end;) {
     const int64_t block_end = std::min(end, (pos / block_size_ + 1) * block_size_);
     const int64_t row = slot(table, layer, pos);
-    out.push_back(KeySpan{k.row(row), v.row(row), block_end - pos, pos});
+    out.push_back(KeySpan{k.row(row), v.row(row), block_end - pos, pos, dtype_});
     pos = block_end;
   }
   return out;

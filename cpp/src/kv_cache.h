@@ -8,7 +8,8 @@
 //   at p sees keys > p - window; the decoder sees the last window - 1 committed tokens),
 //   so their blocks are released as the sequence moves past them.
 // For the real model that is ~205 KB of bf16 KV per token inside the window against
-// ~20 KB beyond it.
+// ~20 KB beyond it. Keys and values are stored as the backend's attention takes them
+// (Backend::kv_cache_dtype): fp32, or bf16 with activations "bfloat16".
 //
 // Full-attention layers have no v_proj: V = v_norm(k_proj(x)) while K =
 // rope(k_norm(k_proj(x))). V could be recovered from K (undo the rotation, divide by the
@@ -52,8 +53,9 @@ struct KvStats {
 class KvCache {
  public:
   // Splits `memory_bytes` between the groups: the sliding pool gets what `max_seqs`
-  // sequences' windows need (at most half the budget), the full pool the rest.
-  KvCache(Backend& backend, const ModelConfig& config, int64_t memory_bytes, int block_size, int max_seqs);
+  // sequences' windows need (at most half the budget), the full pool the rest. Keys and
+  // values are stored as `dtype` (F32 or BF16).
+  KvCache(Backend& backend, const ModelConfig& config, int64_t memory_bytes, int block_size, int max_seqs, DType dtype);
 
   int block_size() const { return block_size_; }
   KvStats stats() const;
@@ -79,8 +81,9 @@ class KvCache {
   int64_t slot(const KvTable& table, int layer, int64_t pos) const;
   // Key spans of `layer` covering positions [begin, end) of `table`, one per block.
   std::vector<KeySpan> spans(const KvTable& table, int layer, int64_t begin, int64_t end) const;
-  Activation& keys(int layer) { return keys_[layer]; }
-  Activation& values(int layer) { return values_[layer]; }
+  KvRows& keys(int layer) { return keys_[layer]; }
+  KvRows& values(int layer) { return values_[layer]; }
+  DType dtype() const { return dtype_; }
   KvGroup group_of(int layer) const { return group_of_[layer]; }
 
  private:
@@ -104,9 +107,10 @@ class KvCache {
   const ModelConfig& config_;
   int block_size_;
   int64_t window_;  // sliding window
+  DType dtype_;
   Pool pools_[kNumGroups];
   std::vector<KvGroup> group_of_;
-  std::vector<Activation> keys_, values_;  // per layer: [num_blocks * block_size, kv_cols]
+  std::vector<KvRows> keys_, values_;  // per layer: [num_blocks * block_size, kv_cols]
   int64_t prefix_queries_ = 0, prefix_hits_ = 0;
 };
 

@@ -110,13 +110,25 @@ std::shared_ptr<Model> Model::load(const std::string& path, const LoadOptions& o
   load_weights(*state, as);
   const int64_t kv_bytes =
       options.kv_cache_memory_bytes ? options.kv_cache_memory_bytes : state->backend->default_kv_cache_bytes();
-  state->kv = std::make_unique<KvCache>(*state->backend, state->config, kv_bytes, options.kv_block_size,
-                                        options.max_num_seqs);
+  const DType kv_auto = state->backend->kv_cache_dtype(state->config, state->bf16_activations);
+  if (options.kv_cache_dtype == "bfloat16" && kv_auto != DType::BF16)
+    throw InvalidArgument(
+        "kv_cache_dtype 'bfloat16' needs activations 'bfloat16' and an attention that reads bf16 keys "
+        "(on " +
+        options.device + ": " + (options.device == "cpu" ? "any head dim" : "head dims 256 and 512 on Hopper") +
+        "); 'auto' takes it where it can");
+  if (options.kv_cache_dtype != "auto" && options.kv_cache_dtype != "float32" && options.kv_cache_dtype != "bfloat16")
+    throw InvalidArgument("kv_cache_dtype '" + options.kv_cache_dtype +
+                          "' is not supported (use auto, float32 or bfloat16)");
+  state->kv =
+      std::make_unique<KvCache>(*state->backend, state->config, kv_bytes, options.kv_block_size, options.max_num_seqs,
+                                options.kv_cache_dtype == "float32" ? DType::F32 : kv_auto);
   return std::shared_ptr<Model>(new Model(std::move(state)));
 }
 
 const ModelConfig& Model::config() const { return state_->config; }
 DType Model::weight_dtype() const { return state_->weight_dtype; }
+DType Model::kv_cache_dtype() const { return state_->kv->dtype(); }
 const std::string& Model::device() const { return state_->device; }
 
 CacheStats Model::cache_stats() const {
@@ -243,11 +255,14 @@ LayerKV Sequence::kv(int layer) const {
   const int64_t cols = out.kv_heads * out.head_dim;
   out.keys.resize(out.rows * cols);
   out.values.resize(out.rows * cols);
-  std::vector<float> k(cols), v(cols);
+  std::vector<uint8_t> bytes(cols * dtype_size(kv.dtype()));
+  auto row = [&](const KvRows& rows, int64_t slot) {
+    be.read_bytes(bytes.data(), rows.row(slot), bytes.size());
+    return read_floats(bytes.data(), kv.dtype(), cols);
+  };
   for (int64_t r = 0; r < out.rows; ++r) {
     const int64_t slot = kv.slot(state_->table, layer, out.first_position + r);
-    be.to_host(kv.keys(layer).view(slot, 1), k.data());
-    be.to_host(kv.values(layer).view(slot, 1), v.data());
+    const std::vector<float> k = row(kv.keys(layer), slot), v = row(kv.values(layer), slot);
     // Token-major [rows, heads, dim] -> head-major [heads, rows, dim].
     for (int64_t h = 0; h < out.kv_heads; ++h)
       for (int64_t d = 0; d < out.head_dim; ++d) {

@@ -37,7 +37,8 @@ def _load(path: Optional[str], args):
             return LLM(path, device=args.device, dtype=args.dtype, num_threads=args.threads,
                        kv_cache_memory_bytes=kv_bytes, max_num_seqs=args.max_num_seqs,
                        max_num_batched_tokens=args.max_num_batched_tokens, load_format=args.load_format,
-                       slice_steps=getattr(args, "slice_steps", 8), activations=args.activations)
+                       slice_steps=getattr(args, "slice_steps", 8), activations=args.activations,
+                       kv_cache_dtype=args.kv_cache_dtype)
         except ValueError as e:
             sys.exit(f"error: {e}")
         finally:
@@ -166,6 +167,9 @@ def _engine_options(parser: argparse.ArgumentParser) -> None:
                        help="the linears' inputs: float32 (fp32 products, the reference's numbers) or bfloat16 "
                             "(rounded to bf16 first, as transformers in bf16: about half the GPU's tensor-core "
                             "work) (default: float32)")
+    group.add_argument("--kv-cache-dtype", choices=["auto", "float32", "bfloat16"], default="auto",
+                       help="how the KV cache stores keys and values (default: auto, bf16 with bfloat16 "
+                            "activations where the device's attention reads it: the same results in half the memory)")
     group.add_argument("--threads", type=int, default=0, help="CPU threads (default: every hardware thread)")
     group.add_argument("--kv-cache-gib", type=float, default=None, metavar="GIB",
                        help="paged KV cache size (default: a quarter of RAM, at most 4 GiB; on a GPU 80%% "

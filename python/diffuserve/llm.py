@@ -41,14 +41,15 @@ class LLM:
     (default max(4096, 4 canvases)); slice_steps: forward passes per engine step;
     fuse_commit: commit a block in the same forward as the next block's first step.
     load_format, quantization: as Model.load (random weights for benchmarks); activations: as
-    Model.load ("float32", or "bfloat16" for the faster, bf16-rounded linear inputs).
+    Model.load ("float32", or "bfloat16" for the faster, bf16-rounded linear inputs);
+    kv_cache_dtype: as Model.load ("auto": bf16 where activations are and the device allows).
     """
 
     def __init__(self, path=None, device: str = "cpu", dtype: Optional[str] = None, num_threads: int = 0,
                  kv_cache_memory_bytes: Optional[int] = None, max_num_seqs: int = 64,
                  max_num_batched_tokens: Optional[int] = None, kv_block_size: int = 16, slice_steps: int = 8,
                  fuse_commit: bool = True, load_format: str = "auto", quantization: Optional[str] = None,
-                 activations: str = "float32"):
+                 activations: str = "float32", kv_cache_dtype: str = "auto"):
         if path is None:  # the bundled Sudoku model
             from . import default_model
             path = default_model()
@@ -59,7 +60,7 @@ class LLM:
         self.model = Model.load(path, device=device, dtype=dtype, num_threads=num_threads,
                                 kv_cache_memory_bytes=kv_cache_memory_bytes, kv_block_size=kv_block_size,
                                 max_num_seqs=max_num_seqs, load_format=load_format, quantization=quantization,
-                                activations=activations)
+                                activations=activations, kv_cache_dtype=kv_cache_dtype)
         canvas = self.model.canvas_length
         if max_num_batched_tokens is None:
             max_num_batched_tokens = max(4096, 4 * canvas)

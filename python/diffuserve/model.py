@@ -42,7 +42,7 @@ class Model:
     def load(cls, path, device: str = "cpu", dtype: Optional[str] = None, num_threads: int = 0,
              kv_cache_memory_bytes: Optional[int] = None, kv_block_size: int = 16, max_num_seqs: int = 64,
              load_format: str = "auto", quantization: Optional[str] = None,
-             activations: str = "float32") -> "Model":
+             activations: str = "float32", kv_cache_dtype: str = "auto") -> "Model":
         """Loads a checkpoint directory (config.json + safetensors, single or sharded).
 
         dtype: None keeps the stored weight dtype; "float32", "bfloat16" or "float16" casts.
@@ -62,6 +62,11 @@ class Model:
         tensor-core work; logits then differ from fp32's by 1-18% of their range on small random
         test models (the argmax held). Attention's Q, K, V and probabilities are rounded too; the
         router, the softmax sums and the norms stay fp32.
+        kv_cache_dtype: "auto" (default): the KV cache in bf16 where activations are "bfloat16"
+        and the device's attention reads bf16 keys (the CPU; CUDA at head dims 256 and 512 on
+        Hopper), as the attention rounds them to bf16 anyway: the same results in half the
+        memory; else fp32. "float32" forces fp32; "bfloat16" is an error where "auto" would
+        not choose it. Model.kv_cache_dtype says which.
         """
         path = os.fspath(path)
         if dtype is not None and not isinstance(dtype, str):
@@ -77,8 +82,11 @@ class Model:
             raise ValueError(f"kv_cache_memory_bytes must be a positive integer, got {kv_cache_memory_bytes!r}")
         if activations not in ("float32", "bfloat16"):
             raise ValueError(f"activations must be 'float32' or 'bfloat16', got {activations!r}")
+        if kv_cache_dtype not in ("auto", "float32", "bfloat16"):
+            raise ValueError(f"kv_cache_dtype must be 'auto', 'float32' or 'bfloat16', got {kv_cache_dtype!r}")
         return cls(_core.Model.load(path, device, _DTYPES[dtype], num_threads, kv_cache_memory_bytes or 0,
-                                    kv_block_size, max_num_seqs, load_format, quantization or "", activations), path)
+                                    kv_block_size, max_num_seqs, load_format, quantization or "", activations,
+                                    kv_cache_dtype), path)
 
     @property
     def vocab_size(self) -> int:
@@ -91,6 +99,11 @@ class Model:
     @property
     def dtype(self) -> str:
         return {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}[self._native.dtype]
+
+    @property
+    def kv_cache_dtype(self) -> str:
+        """How the KV cache stores keys and values: "float32" or "bfloat16"."""
+        return {"F32": "float32", "BF16": "bfloat16"}[self._native.kv_cache_dtype]
 
     @property
     def device(self) -> str:
@@ -147,7 +160,8 @@ class Sequence:
         self._native.commit(_token_ids(canvas_ids, "commit", self.model.vocab_size))
 
     def kv(self, layer: int):
-        """(keys, values, first_position) of one layer: [kv_heads, rows, head_dim] fp32.
+        """(keys, values, first_position) of one layer: [kv_heads, rows, head_dim] fp32 (their
+        bf16 values where the model's kv_cache_dtype is "bfloat16").
 
         Sliding-window layers hold only the last sliding_window - 1 rows."""
         return self._native.kv(layer)

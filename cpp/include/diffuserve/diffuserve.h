@@ -47,6 +47,11 @@ struct LoadOptions {
   // are rounded too, one product instead of three; the router, the softmax sums and the
   // norms stay fp32).
   std::string activations = "float32";
+  // How the KV cache stores keys and values: "auto" (bf16 where the attention rounds them to
+  // bf16 as it reads them, activations "bfloat16", and the device's attention reads bf16 keys:
+  // the CPU, or on CUDA head dims 256 and 512 on Hopper; the same results in half the
+  // memory; else fp32), "float32", or "bfloat16" (an error where "auto" would not choose it).
+  std::string kv_cache_dtype = "auto";
 };
 
 // Occupancy of the KV cache (see kv_cache.h).
@@ -69,6 +74,7 @@ class Model : public std::enable_shared_from_this<Model> {
 
   const ModelConfig& config() const;
   DType weight_dtype() const;
+  DType kv_cache_dtype() const;
   const std::string& device() const;
   CacheStats cache_stats() const;
   // A new, empty sequence. canvas_length: 0 for the model's, or a narrower canvas.
@@ -83,7 +89,8 @@ class Model : public std::enable_shared_from_this<Model> {
 };
 
 // The keys and values one layer holds for a sequence, laid out [kv_heads, rows, head_dim]
-// like the reference cache. Sliding-window layers hold only the last window - 1 rows.
+// like the reference cache. Sliding-window layers hold only the last window - 1 rows. With
+// activations "bfloat16" the cache keeps them rounded to bf16 (as the attention reads them).
 struct LayerKV {
   std::vector<float> keys, values;
   int64_t kv_heads = 0, rows = 0, head_dim = 0;
