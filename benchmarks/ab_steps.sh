@@ -2,10 +2,10 @@
 # A/B of the denoise step within one GPU machine (between machines the same code's steps
 # move by up to 3%, more than most changes): the working tree against a base revision, each
 # built into a package of its own, then benchmarks/step_latency.py with the given options
-# for base, new, base, new. The base is the working tree with cpp/ and cuda/ taken from a
-# tarball, made where the history is (the device machine's copy has none):
+# for base, new, base, new. The base is the working tree with cpp/, cuda/ and python/ taken
+# from a tarball, made where the history is (the device machine's copy has none):
 #
-#     git archive BASE_REV cpp cuda > .device/base.tar
+#     git archive BASE_REV cpp cuda python > .device/base.tar
 #     bash benchmarks/ab_steps.sh .device/base.tar --activations bfloat16 --grid 1x1024,16x1024
 #
 # With AB_TESTS set (test files, e.g. AB_TESTS=tests/test_cuda.py), pytest runs them on the

@@ -15,9 +15,9 @@
 //   nvcc -std=c++20 -arch=sm_90a -DDIFFUSERVE_SM90A -O3 -I cpp/src -I cpp/include -I cuda \
 //       benchmarks/attention_bench.cu cuda/attention.cu cuda/attention_mma.cu cuda/attention_wgmma.cu \
 //       cuda/launch.cu -o /tmp/attention_bench && /tmp/attention_bench
-// (--check: the checks alone; --check-bf16: those with bf16 inputs alone; --time: the timings
-// alone; --time-1k: those of batch 1 at context 1K; --host: the plan checks alone, on a
-// machine without a GPU).
+// (--check: the checks alone; --check-bf16: those with bf16 inputs alone; --time [GRID]: the
+// timings alone, at BATCHxCONTEXT,... where given; --time-1k: those of batch 1 at context 1K;
+// --host: the plan checks alone, on a machine without a GPU).
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -532,15 +532,17 @@ __global__ void round_kernel(const float* x, int64_t n, __nv_bfloat16* y) {
 
 // Times attention() (the main kernel and the merge) for `batch` requests of a denoise pass:
 // 256 canvas rows each over `context` cached keys (sliding layers: the last window - 1) in
-// 16-key blocks scattered over the cache, plus the canvas's own keys.
+// 16-key blocks scattered over a cache pool of about kPoolBytes (as a serving engine's: the
+// pages' addresses far apart), plus the canvas's own keys.
 // bf16_cache: the cache's pages in bf16 (the engine's with bf16 inputs on Hopper), the
 // batch's own rows fp32.
 void bench(const char* name, int heads, int kv_heads, int dim, int64_t window, int batch, int64_t context,
            bool round_bf16, bool bf16_cache = false) {
-  constexpr int64_t kCanvas = 256;
+  constexpr int64_t kCanvas = 256, kPoolBytes = int64_t(4) << 30;
   const int64_t cached = window ? std::min(context, window - 1) : context, kv_cols = int64_t(kv_heads) * dim;
   const int64_t first_block = (context - cached) / 16, blocks_per_segment = (context + 15) / 16 - first_block;
-  const int64_t pool_rows = batch * (blocks_per_segment * 16 + kCanvas);
+  const int64_t pool_blocks = std::max(batch * blocks_per_segment, kPoolBytes / (16 * kv_cols * 4));
+  const int64_t pool_rows = pool_blocks * 16 + batch * kCanvas;
   float *q, *out, *k, *v;
   check(cudaMalloc(&q, sizeof(float) * size_t(batch * kCanvas * heads * dim)), "q");
   check(cudaMalloc(&out, sizeof(float) * size_t(batch * kCanvas * heads * dim)), "out");
@@ -557,7 +559,8 @@ void bench(const char* name, int heads, int kv_heads, int dim, int64_t window, i
     round_kernel<<<4096, 256>>>(v, pool_rows * kv_cols, v16);
   }
   check(cudaDeviceSynchronize(), "fill");
-  std::vector<int64_t> block_of(size_t(batch * blocks_per_segment));  // cache blocks in shuffled order
+  std::vector<int64_t> block_of(
+      static_cast<size_t>(pool_blocks));  // cache blocks in shuffled order (the first ones used)
   std::iota(block_of.begin(), block_of.end(), 0);
   std::shuffle(block_of.begin(), block_of.end(), std::mt19937(7));
   std::vector<AttentionSegment> segs;
@@ -570,7 +573,7 @@ void bench(const char* name, int heads, int kv_heads, int dim, int64_t window, i
       else s.spans.push_back({k + row * kv_cols, v + row * kv_cols, end - pos, pos});
       pos = end;
     }
-    const int64_t own = batch * blocks_per_segment * 16 + b * kCanvas;
+    const int64_t own = pool_blocks * 16 + b * kCanvas;
     s.spans.push_back({k + own * kv_cols, v + own * kv_cols, kCanvas, context});
     segs.push_back(s);
   }
@@ -629,19 +632,25 @@ int main(int argc, char** argv) {
   if (mode == "--check" || mode == "--check-bf16") return failures ? 1 : 0;
 
   // DiffusionGemma-26B, one layer call of a denoise pass: sliding layers (16 query heads,
-  // 8 KV heads, head_dim 256, window 1024) and full-attention layers (16 / 2 / 512).
-  const bool quick = mode == "--time-1k";  // batch 1 at context 1K alone
-  for (int batch : {1, 4, 16})
-    for (int64_t context : {1024, 8192, 32768}) {
-      if (quick && (batch != 1 || context != 1024)) continue;
-      for (bool round_bf16 : {false, true}) {
-        bench("sliding", 16, 8, 256, 1024, batch, context, round_bf16);
-        bench("full", 16, 2, 512, 0, batch, context, round_bf16);
-      }
-      if (attention_wgmma_serves(256, true)) {
-        bench("sliding", 16, 8, 256, 1024, batch, context, true, true);
-        bench("full", 16, 2, 512, 0, batch, context, true, true);
-      }
+  // 8 KV heads, head_dim 256, window 1024) and full-attention layers (16 / 2 / 512), at
+  // batch 1, 4, 16 x context 1K, 8K, 32K, or the grid given after --time (BATCHxCONTEXT,...).
+  std::vector<std::pair<int, int64_t>> grid;
+  if (mode == "--time-1k") grid = {{1, 1024}};
+  else if (mode == "--time" && argc > 2)
+    for (char* item = std::strtok(argv[2], ","); item; item = std::strtok(nullptr, ","))
+      grid.push_back({std::atoi(item), std::atoll(std::strchr(item, 'x') ? std::strchr(item, 'x') + 1 : "0")});
+  else
+    for (int batch : {1, 4, 16})
+      for (int64_t context : {1024, 8192, 32768}) grid.push_back({batch, context});
+  for (const auto& [batch, context] : grid) {
+    for (bool round_bf16 : {false, true}) {
+      bench("sliding", 16, 8, 256, 1024, batch, context, round_bf16);
+      bench("full", 16, 2, 512, 0, batch, context, round_bf16);
     }
+    if (attention_wgmma_serves(256, true)) {
+      bench("sliding", 16, 8, 256, 1024, batch, context, true, true);
+      bench("full", 16, 2, 512, 0, batch, context, true, true);
+    }
+  }
   return failures ? 1 : 0;
 }

@@ -4,6 +4,7 @@ context 1K unless told), recorded by torch's profiler (CUPTI sees every kernel o
 diffuserve's included). Needs a CUDA build and PyTorch.
 
     python benchmarks/kernel_trace.py [--batch 1] [--context 1024] [--steps 8] [--activations bfloat16]
+                                      [--kv-cache-dtype float32]
                                       [--quantization fp8-dynamic]
 
 Prints the GPU-busy share of the wall time, then one row per kernel name: time and launches
@@ -36,12 +37,14 @@ def main():
                     help="what the linears and attention take their inputs as (LoadOptions.activations)")
     ap.add_argument("--quantization", choices=list(LINEAR_BYTES), default="bf16",
                     help="the random linears' format, as step_latency.py's")
+    ap.add_argument("--kv-cache-dtype", choices=["auto", "float32", "bfloat16"], default="auto",
+                    help="how the KV cache stores keys and values (LoadOptions.kv_cache_dtype)")
     args = ap.parse_args()
     os.environ.setdefault("DIFFUSERVE_PDL", "0")  # read at the first launch, below
     with tempfile.TemporaryDirectory() as tmp:
         llm = ds.LLM(write_config(os.path.join(tmp, "dg26b")), device="cuda", load_format="dummy",
                      kv_cache_memory_bytes=20 << 30, max_num_batched_tokens=8192, slice_steps=64,
-                     activations=args.activations,
+                     activations=args.activations, kv_cache_dtype=args.kv_cache_dtype,
                      quantization=None if args.quantization == "bf16" else args.quantization)
         prompts = [((np.arange(args.context) + 7 * r) % 1000 + 3).tolist() for r in range(args.batch)]
         llm.generate(prompts, fixed_steps(CANVAS, 2, seed=0))  # prefill (the prefix cache keeps it) and warm-up

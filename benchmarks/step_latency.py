@@ -1,7 +1,7 @@
 """Denoise-step latency on a GPU at DiffusionGemma-26B-A4B's real text shapes (random weights).
 
     python benchmarks/step_latency.py [--quick] [--hf] [--quantization fp8|fp8-dynamic|nvfp4]
-                                      [--activations bfloat16]
+                                      [--activations bfloat16] [--kv-cache-dtype float32]
 
 Rows: ms per denoise step (one batched forward pass plus the sampler, through the
 engine) and per commit, at batch 1/4/16 and context 1K/8K/32K; output tokens/s at 16
@@ -163,6 +163,8 @@ def main():
                     help="the linears' random weights: bf16, or packed FP8 / NVFP4")
     ap.add_argument("--activations", choices=["float32", "bfloat16"], default="float32",
                     help="the linears' inputs as fp32 (two bf16 products) or rounded to bf16 (one)")
+    ap.add_argument("--kv-cache-dtype", choices=["auto", "float32", "bfloat16"], default="auto",
+                    help="how the KV cache stores keys and values (LoadOptions.kv_cache_dtype)")
     args = ap.parse_args()
 
     bandwidth = copy_bandwidth()
@@ -171,11 +173,14 @@ def main():
     with tempfile.TemporaryDirectory() as tmp:
         path = write_config(os.path.join(tmp, "dg26b"))
         t = time.perf_counter()
+        # (kv_cache_dtype only where given: ab_steps.sh's base revision may predate it)
+        kv = {} if args.kv_cache_dtype == "auto" else {"kv_cache_dtype": args.kv_cache_dtype}
         llm = ds.LLM(path, device="cuda", load_format="dummy", kv_cache_memory_bytes=int(args.kv_gb * 2**30),
                      max_num_batched_tokens=8192, slice_steps=64,
                      quantization=None if args.quantization == "bf16" else args.quantization,
-                     activations=args.activations)
+                     activations=args.activations, **kv)
         load_s = time.perf_counter() - t
+        llm_kv_dtype = getattr(llm.model, "kv_cache_dtype", "float32")
         rows = []
         for batch, context in grid:
             step, tps = measure(llm, batch, context)
@@ -187,7 +192,7 @@ def main():
         hf = hf_forward_ms(path, 1024) if args.hf else None
 
     print(f"diffuserve denoise step, DiffusionGemma-26B-A4B text shapes (random {args.quantization} weights, "
-          f"{args.activations} linear inputs), canvas {CANVAS}, {STEPS} steps/block")
+          f"{args.activations} linear inputs, {llm_kv_dtype} KV cache), canvas {CANVAS}, {STEPS} steps/block")
     print(f"weights read per step {weight_bytes(args.quantization) / 1e9:.1f} GB; copy bandwidth {bandwidth / 1e12:.2f} TB/s; "
           f"roofline {roofline_ms:.1f} ms/step; load {load_s:.0f} s")
     print("| batch | context | ms/step | % roofline | ms/commit | output tok/s |")

@@ -11,6 +11,7 @@
 // whole, as one piece.
 #include <algorithm>
 #include <cfloat>
+#include <climits>
 #include <cstdint>
 #include <stdexcept>
 
@@ -141,6 +142,24 @@ constexpr int64_t kPieceAlign = 32;     // a piece of whole chunks
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
+// The first row of the bf16 span `k` in the plan's pool (pool_keys, pool_values set): its
+// keys and values must both lie whole rows past the pools' starts, at the same row, and the
+// kernel's key rows are ints.
+int64_t pool_row_of(const AttentionPlan& plan, const KeySpan& k) {
+  const int64_t row_bytes = plan.packed_cols * int64_t(sizeof(__nv_bfloat16));
+  const int64_t key_bytes = static_cast<const uint8_t*>(k.keys) - reinterpret_cast<const uint8_t*>(plan.pool_keys);
+  const int64_t value_bytes =
+      static_cast<const uint8_t*>(k.values) - reinterpret_cast<const uint8_t*>(plan.pool_values);
+  if (key_bytes % row_bytes || value_bytes != key_bytes || reinterpret_cast<uintptr_t>(plan.pool_keys) % 16 ||
+      reinterpret_cast<uintptr_t>(plan.pool_values) % 16)
+    throw std::invalid_argument(
+        "attention: bf16 keys and values must be 16-byte aligned rows of one pool each, a "
+        "span's keys and values at the same rows");
+  if (key_bytes / row_bytes + k.count > INT32_MAX - 2)
+    throw std::invalid_argument("attention: a bf16 pool of more than 2^31 rows");
+  return key_bytes / row_bytes;
+}
+
 int64_t piece_keys(int64_t items, int64_t keys, int64_t resident) {
   int64_t best = keys, best_cost = ceil_div(items, resident) * (keys + kBlockCostKeys);
   for (int64_t pieces = 2;; ++pieces) {
@@ -198,16 +217,23 @@ AttentionPlan plan_attention(const std::vector<AttentionSegment>& segments, int 
   const bool packed = attention_wgmma_serves(head_dim, round_bf16);
   plan.packed_cols = packed ? int64_t(num_kv_heads) * head_dim : 0;
   const int rows_per_block = rows_per_item(num_heads / num_kv_heads, head_dim, round_bf16);
+  // The bf16 pool: where the lowest bf16 keys and values lie (pool_row_of checks the rest).
+  for (const AttentionSegment& s : segments)
+    for (const KeySpan& k : s.spans)
+      if (k.dtype == DType::BF16 && packed) {
+        const auto* keys = static_cast<const __nv_bfloat16*>(k.keys);
+        const auto* values = static_cast<const __nv_bfloat16*>(k.values);
+        if (!plan.pool_keys || keys < plan.pool_keys) plan.pool_keys = keys;
+        if (!plan.pool_values || values < plan.pool_values) plan.pool_values = values;
+      }
   for (const AttentionSegment& s : segments) {
     const int index = int(plan.segments.size()), span_begin = int(plan.spans.size());
     plan.segments.push_back({s.first_row, s.first_position, s.window, s.causal ? 1 : 0, span_begin, int(s.spans.size())});
     int64_t keys = 0;
     for (const KeySpan& k : s.spans) {
-      DeviceKeySpan d{nullptr, nullptr, k.count, k.first_position, nullptr, nullptr, plan.packed_rows};
+      DeviceKeySpan d{nullptr, nullptr, k.count, k.first_position, plan.packed_rows, -1};
       if (k.dtype == DType::BF16 && packed) {
-        if (reinterpret_cast<uintptr_t>(k.keys) % 16 || reinterpret_cast<uintptr_t>(k.values) % 16)
-          throw std::invalid_argument("attention: bf16 keys and values need 16-byte aligned rows");
-        d.keys16 = static_cast<const __nv_bfloat16*>(k.keys), d.values16 = static_cast<const __nv_bfloat16*>(k.values);
+        d.pool_row = pool_row_of(plan, k);
       } else if (k.dtype == DType::F32) {
         d.keys = static_cast<const float*>(k.keys), d.values = static_cast<const float*>(k.values);
         if (packed) plan.packed_rows += k.count;

@@ -6,9 +6,9 @@
 //
 // The kernel stages each chunk's keys and values from bf16 rows with cp.async, no registers
 // and no conversion in its way, and the next chunk's copies run while the tensor cores work
-// on this one. A bf16 KV cache's pages (Backend::kv_cache_dtype) it reads where they are;
-// fp32 spans (the batch's own rows, an fp32 cache's pages) a pre-pass writes as bf16 rows,
-// one span after the other, into the attention's scratch.
+// on this one. A bf16 KV cache's pages (Backend::kv_cache_dtype) it reads where they are,
+// rows of the plan's bf16 pool; fp32 spans (the batch's own rows, an fp32 cache's pages) a
+// pre-pass writes as bf16 rows, one span after the other, into the attention's scratch.
 //
 // A block is two warpgroups. Each holds the outputs of 64 query vectors (rows x the query
 // heads of one KV head, as in attention_mma.cu) for 256 dims in registers (128 a thread):
@@ -60,13 +60,12 @@ struct Shape {
   static constexpr int kKeys = kDim == 256 ? 64 : 32;  // keys per chunk
   static constexpr int kSubtiles = kDim / 64;          // 64-value column blocks of Q, K and V rows
   // Shared memory: Q [subtile][query][64], K and V [buffer][subtile][key][64] (bf16), then
-  // for three chunks (one softmaxed, one staged, one being looked up) where each key's K and
-  // V values of the block's KV head are (null: no key there; its K and V are staged as
-  // zeros), and its relative position.
+  // for three chunks (one softmaxed, one staged, one being looked up) each key's bf16 row
+  // (key_row) and relative position.
   static constexpr int kQTile = kSubtiles * kQueries * kRowBytes;  // 64 KB
   static constexpr int kKVTile = kSubtiles * kKeys * kRowBytes;    // 32 KB
   static constexpr int kKOffset = kQTile, kVOffset = kKOffset + 2 * kKVTile, kRowOffset = kVOffset + 2 * kKVTile;
-  static constexpr int kPositionOffset = kRowOffset + 3 * 2 * kKeys * int(sizeof(void*));
+  static constexpr int kPositionOffset = kRowOffset + 3 * kKeys * int(sizeof(int));
   static constexpr int kSharedBytes = kPositionOffset + 3 * kKeys * int(sizeof(int));
 };
 constexpr int kThreads = 256;  // two warpgroups
@@ -110,6 +109,12 @@ __global__ void pack_bf16_kernel(const DeviceKeySpan* __restrict__ spans, int sp
 }
 
 #ifdef DIFFUSERVE_WGMMA_DEVICE
+// A key's bf16 row, as the look-ups write it for the staging: r >= 0 row r of the pre-pass's
+// copies; kNoRow none (its K and V staged as zeros); pool_row(r), below kNoRow, row r of the
+// plan's bf16 pool (pool_row is its own inverse).
+constexpr int kNoRow = -1;
+__device__ __forceinline__ int pool_row(int64_t r) { return int(-2 - r); }
+
 // Four fp32 values as bf16 into a tile row at `dst` (8 bytes, aligned).
 __device__ __forceinline__ void store_bf16x4(uint8_t* dst, float4 x) {
   *reinterpret_cast<uint2*>(dst) = {round_bf16x2(x.x, x.y), round_bf16x2(x.z, x.w)};
@@ -124,7 +129,8 @@ template <int kDim>
 __global__ void __launch_bounds__(kThreads, 1)
     attention_wgmma_kernel(const float* __restrict__ q, const AttentionOutput out, float* __restrict__ partial_out,
                            float2* __restrict__ partial_ml, const __nv_bfloat16* __restrict__ packed_keys,
-                           const __nv_bfloat16* __restrict__ packed_values,
+                           const __nv_bfloat16* __restrict__ packed_values, const __nv_bfloat16* __restrict__ pool_keys,
+                           const __nv_bfloat16* __restrict__ pool_values,
                            const DeviceAttentionSegment* __restrict__ segments, const DeviceKeySpan* __restrict__ spans,
                            const AttentionItem* __restrict__ items, int num_heads, int num_kv_heads) {
 #ifdef DIFFUSERVE_WGMMA_DEVICE
@@ -132,7 +138,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   constexpr int kQueries = S::kQueries, kKeys = S::kKeys, kKVTile = S::kKVTile;
   constexpr int kPieces = kDim / 8;  // 16-byte pieces of a key's row
   extern __shared__ __align__(1024) uint8_t smem[];
-  auto key_rows = reinterpret_cast<const __nv_bfloat16*(*)[2][kKeys]>(smem + S::kRowOffset);  // [chunk][K, V]
+  auto key_rows = reinterpret_cast<int (*)[kKeys]>(smem + S::kRowOffset);      // key_row
   auto key_pos = reinterpret_cast<int (*)[kKeys]>(smem + S::kPositionOffset);  // relative_position, or kNoKey
   const uint32_t q_base = uint32_t(__cvta_generic_to_shared(smem));
   const uint32_t k_base = q_base + S::kKOffset, v_base = q_base + S::kVOffset;
@@ -160,30 +166,22 @@ __global__ void __launch_bounds__(kThreads, 1)
     m_run[h] = -INFINITY, l_run[h] = 0.0f;
   }
 
-  // Threads 0..kKeys-1 look up key `tid` of each chunk: where its bf16 keys and values of
-  // the block's KV head are (the span's own rows, or its copies') and its position (table
-  // slot `slot`); whether it exists.
+  // Threads 0..kKeys-1 look up key `tid` of each chunk: its bf16 row (key_row) and its
+  // position (table slot `slot`); whether it exists.
   const KeyWalk walk = queries.keys(spans);
   Cursor cursor{};
   if (tid < kKeys) cursor = walk.advance({item.span, item.key}, tid);
   auto look_up = [&](int slot) {
     if (tid >= kKeys) return false;
     const bool valid = walk.has(cursor);
-    const __nv_bfloat16 *k = nullptr, *v = nullptr;
-    int position = kNoKey;
+    int row = kNoRow, position = kNoKey;
     if (valid) {
-      const DeviceKeySpan& s = spans[cursor.span];
-      const int64_t at = int64_t(item.kv_head) * kDim;
-      if (s.keys16) {
-        k = s.keys16 + cursor.key * kv_stride + at, v = s.values16 + cursor.key * kv_stride + at;
-      } else {
-        const int64_t row = s.packed + cursor.key;
-        k = packed_keys + row * kv_stride + at, v = packed_values + row * kv_stride + at;
-      }
+      const DeviceKeySpan s = spans[cursor.span];
+      row = s.pool_row >= 0 ? pool_row(s.pool_row + cursor.key) : int(s.packed + cursor.key);
       position = relative_position(s.first_position + cursor.key, seg.first_position);
       cursor = walk.advance(cursor, kKeys);
     }
-    key_rows[slot][0][tid] = k, key_rows[slot][1][tid] = v;
+    key_rows[slot][tid] = row;
     key_pos[slot][tid] = position;
     return valid;
   };
@@ -191,18 +189,20 @@ __global__ void __launch_bounds__(kThreads, 1)
   // The keys and values of the chunk in table slot `slot` into buffer `buf`, by cp.async
   // (this thread's part, one commit group): 16-byte piece p of a key's row (this KV head's
   // kDim values) to subtile p / 8, chunk p % 8 of the key's tile row; consecutive threads
-  // copy a key's contiguous bytes. (A missing key's zeros read nothing; the span table
-  // stands in for its address.)
+  // copy a key's contiguous bytes. (A missing key's zeros read nothing.)
   auto stage_chunk = [&](int slot, int buf) {
     uint8_t* const k_tile = smem + S::kKOffset + buf * kKVTile;
     uint8_t* const v_tile = smem + S::kVOffset + buf * kKVTile;
 #pragma unroll
     for (int i = 0; i < kKeys * kPieces / kThreads; ++i) {
       const int key = (tid + kThreads * i) / kPieces, p = (tid + kThreads * i) % kPieces;
-      const __nv_bfloat16 *k = key_rows[slot][0][key], *v = key_rows[slot][1][key];
+      const int row = key_rows[slot][key];
+      const bool pooled = row < kNoRow;
+      const int64_t src =
+          int64_t(pooled ? pool_row(row) : max(row, 0)) * kv_stride + int64_t(item.kv_head) * kDim + 8 * p;
       const int dst = (p / 8) * kKeys * kRowBytes + swizzle(key, p % 8);
-      cp_async16(k_tile + dst, k ? static_cast<const void*>(k + 8 * p) : spans, k != nullptr);
-      cp_async16(v_tile + dst, v ? static_cast<const void*>(v + 8 * p) : spans, v != nullptr);
+      cp_async16(k_tile + dst, (pooled ? pool_keys : packed_keys) + src, row != kNoRow);
+      cp_async16(v_tile + dst, (pooled ? pool_values : packed_values) + src, row != kNoRow);
     }
     cp_async_commit();
   };
@@ -403,8 +403,8 @@ void attention_wgmma(const float* q, const AttentionOutput& out, float* partial_
     constexpr int kBytes = Shape<kDim>::kSharedBytes;
     cudaFuncSetAttribute(attention_wgmma_kernel<kDim>, cudaFuncAttributeMaxDynamicSharedMemorySize, kBytes);
     launch(attention_wgmma_kernel<kDim>, unsigned(plan.items.size()), kThreads, kBytes, stream, q, out, partial_out,
-           partial_ml, packed_keys, packed_values, tables.segments, tables.spans, tables.items, num_heads,
-           num_kv_heads);
+           partial_ml, packed_keys, packed_values, plan.pool_keys, plan.pool_values, tables.segments, tables.spans,
+           tables.items, num_heads, num_kv_heads);
   });
 }
 

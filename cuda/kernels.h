@@ -153,16 +153,15 @@ void route(const float* x, int64_t tokens, int64_t hidden, const __nv_bfloat16* 
 // rows, its keys) and the GPU, never on the other segments of the launch, so a request
 // gets the same bits alone or batched.
 struct DeviceKeySpan {
-  const float* keys;  // fp32 rows; null where they are bf16 (below)
+  const float* keys;  // fp32 rows; null where they are bf16 (pool_row)
   const float* values;
   int64_t count;
   int64_t first_position;
-  // The rows as the wgmma kernel reads them, bf16: the span's own (a bf16 KV cache's), or,
-  // where these are null, rows packed.. of the copies its pre-pass writes. A span of bf16
-  // rows owns no copies: its `packed` is the next span's.
-  const __nv_bfloat16* keys16;
-  const __nv_bfloat16* values16;
+  // The rows as the wgmma kernel reads them, bf16: rows packed.. of the copies its pre-pass
+  // writes, or, where pool_row >= 0, rows pool_row.. of the plan's bf16 pool (a bf16 KV
+  // cache's pages). A span in the pool owns no copies: its `packed` is the next span's.
   int64_t packed;
+  int64_t pool_row;
 };
 struct DeviceAttentionSegment {
   int64_t first_row;
@@ -212,6 +211,10 @@ struct AttentionPlan {
   // the kernel stages them with cp.async. 0 rows for the other kernels.
   int64_t packed_rows = 0;
   int64_t packed_cols = 0;
+  // The bf16 spans' rows (of packed_cols values): all in one pool of keys and one of values,
+  // a span's keys and values at the same rows of each (a layer of a bf16 KV cache).
+  const __nv_bfloat16* pool_keys = nullptr;
+  const __nv_bfloat16* pool_values = nullptr;
   // Device memory `attention` may use for the partial results and the bf16 copies until it
   // is done on its stream.
   size_t scratch_bytes() const;

@@ -100,6 +100,18 @@ std::shared_ptr<Model> Model::load(const std::string& path, const LoadOptions& o
     throw InvalidArgument("activations '" + options.activations + "' is not supported (use float32 or bfloat16)");
   state->bf16_activations = options.activations == "bfloat16";
   state->backend = make_backend(options.device, options.num_threads);
+  // The KV cache's dtype, refused before the weights load where it cannot be had.
+  const DType kv_auto = state->backend->kv_cache_dtype(state->config, state->bf16_activations);
+  if (options.kv_cache_dtype != "auto" && options.kv_cache_dtype != "float32" && options.kv_cache_dtype != "bfloat16")
+    throw InvalidArgument("kv_cache_dtype '" + options.kv_cache_dtype +
+                          "' is not supported (use auto, float32 or bfloat16)");
+  if (options.kv_cache_dtype == "bfloat16" && kv_auto != DType::BF16) {
+    const std::string where = options.device == "cpu" ? "any head dim" : "head dims 256 and 512 on Hopper";
+    throw InvalidArgument(
+        "kv_cache_dtype 'bfloat16' needs activations 'bfloat16' and an attention reading bf16 keys (" + options.device +
+        ": " + where + "); 'auto' takes it where it can");
+  }
+  const DType kv_dtype = options.kv_cache_dtype == "float32" ? DType::F32 : kv_auto;
   DType as = parse_dtype(options.dtype, stored);
   if (options.device != "cpu") {  // the GPU's GEMMs run on bf16 weights
     if (!options.dtype.empty() && as != DType::BF16)
@@ -110,19 +122,8 @@ std::shared_ptr<Model> Model::load(const std::string& path, const LoadOptions& o
   load_weights(*state, as);
   const int64_t kv_bytes =
       options.kv_cache_memory_bytes ? options.kv_cache_memory_bytes : state->backend->default_kv_cache_bytes();
-  const DType kv_auto = state->backend->kv_cache_dtype(state->config, state->bf16_activations);
-  if (options.kv_cache_dtype == "bfloat16" && kv_auto != DType::BF16)
-    throw InvalidArgument(
-        "kv_cache_dtype 'bfloat16' needs activations 'bfloat16' and an attention that reads bf16 keys "
-        "(on " +
-        options.device + ": " + (options.device == "cpu" ? "any head dim" : "head dims 256 and 512 on Hopper") +
-        "); 'auto' takes it where it can");
-  if (options.kv_cache_dtype != "auto" && options.kv_cache_dtype != "float32" && options.kv_cache_dtype != "bfloat16")
-    throw InvalidArgument("kv_cache_dtype '" + options.kv_cache_dtype +
-                          "' is not supported (use auto, float32 or bfloat16)");
-  state->kv =
-      std::make_unique<KvCache>(*state->backend, state->config, kv_bytes, options.kv_block_size, options.max_num_seqs,
-                                options.kv_cache_dtype == "float32" ? DType::F32 : kv_auto);
+  state->kv = std::make_unique<KvCache>(*state->backend, state->config, kv_bytes, options.kv_block_size,
+                                        options.max_num_seqs, kv_dtype);
   return std::shared_ptr<Model>(new Model(std::move(state)));
 }
 
