@@ -287,6 +287,7 @@ class CudaBackend final : public Backend {
   // bf16 where every layer's attention is the wgmma kernel's (the only one reading bf16 keys):
   // with activations "bfloat16", head dims 256 and 512, on Hopper.
   DType kv_cache_dtype(const ModelConfig& config, bool round_bf16) const override {
+    bind();
     for (const LayerConfig& L : config.layers)
       if (!cuda::attention_wgmma_serves(L.head_dim, round_bf16)) return DType::F32;
     return DType::BF16;
