@@ -12,7 +12,7 @@ import pytest
 import diffuserve as ds
 from diffuserve import _core
 from diffuserve.random_checkpoint import write_random_checkpoint
-from test_kv_cache_dtype import rounded_to_bf16
+from test_kv_cache_dtype import check_bf16_cache_gives_the_fp32_cache_results
 
 pytestmark = pytest.mark.skipif(not _core.cuda_available(), reason="no CUDA backend or no GPU")
 
@@ -371,23 +371,5 @@ def test_bf16_kv_cache_gives_the_fp32_cache_results(tmp_path, shape):
         with pytest.raises(ValueError, match="kv_cache_dtype 'bfloat16'"):
             ds.Model.load(path, kv_cache_dtype="bfloat16", **load)
         return
-    rng = np.random.default_rng(2)
-    vocab = SHAPES[shape]["vocab_size"]
-    prompt, canvas, block = rng.integers(0, vocab, 90), rng.integers(0, vocab, 32), rng.integers(0, vocab, 32)
-    results = {}
-    for kv, m in models.items():
-        s = m.sequence()
-        s.prefill(prompt)
-        first = s.denoise(canvas)
-        s.commit(block)
-        layers = range(SHAPES[shape]["num_hidden_layers"])
-        results[kv] = [first, s.denoise(canvas, first)] + [s.kv(layer)[i] for layer in layers for i in (0, 1)]
-    for a, b in zip(results["auto"][:2], results["float32"][:2]):
-        np.testing.assert_array_equal(a, b)
-    for a, b in zip(results["auto"][2:], results["float32"][2:]):
-        np.testing.assert_array_equal(a, rounded_to_bf16(b))
-    prompts = [rng.integers(0, vocab, n).tolist() for n in (7, 50, 130)]
-    params = ds.SamplingParams(max_new_tokens=64, seed=4)
-    outs = {kv: [o.token_ids for o in ds.LLM(path, kv_cache_dtype=kv, **load).generate(prompts, params)]
-            for kv in ("auto", "float32")}
-    assert outs["auto"] == outs["float32"]
+    check_bf16_cache_gives_the_fp32_cache_results(path, models, load, prompt_length=90, prompt_lengths=(7, 50, 130),
+                                                  new_tokens=64, seed=3)

@@ -27,39 +27,48 @@ def rounded_to_bf16(x):
     return bits.astype(np.uint32).view(np.float32)
 
 
-def test_bf16_cache_gives_the_fp32_cache_results(path):
-    models = {kv: ds.Model.load(path, activations="bfloat16", kv_cache_dtype=kv, kv_cache_memory_bytes=MEMORY)
-              for kv in ("auto", "float32")}
-    assert models["auto"].kv_cache_dtype == "bfloat16" and models["float32"].kv_cache_dtype == "float32"
-    # Half the bytes a block: at least twice the blocks (the sliding pool may keep its count).
-    blocks = {kv: m.cache_stats()["kv_blocks_total"] for kv, m in models.items()}
-    assert blocks["auto"] >= 2 * blocks["float32"] - 2, blocks
-
-    rng = np.random.default_rng(0)
-    prompt, canvas, block = rng.integers(0, 300, 40), rng.integers(0, 300, 16), rng.integers(0, 300, 16)
+def check_bf16_cache_gives_the_fp32_cache_results(path, models, load, prompt_length, prompt_lengths, new_tokens, seed):
+    """models["auto"] (a bf16 cache) against models["float32"], both loaded from `path` with
+    `load`: a prefill, a denoise, a commit and a self-conditioned denoise give the same logits
+    bit for bit and the fp32 cache's KV rounded (sliding and full layers); then the engine
+    (mixed-phase batches, commits fused with the next block's first step) over prompts of
+    `prompt_lengths` gives the same tokens."""
+    rng = np.random.default_rng(seed)
+    m = models["float32"]
+    vocab, canvas_length = m.vocab_size, m.canvas_length
+    prompt = rng.integers(0, vocab, prompt_length)
+    canvas, block = rng.integers(0, vocab, canvas_length), rng.integers(0, vocab, canvas_length)
     logits, kv = {}, {}
-    for name, m in models.items():
-        s = m.sequence()
+    for name, model in models.items():
+        s = model.sequence()
         s.prefill(prompt)
         first = s.denoise(canvas)
         s.commit(block)
         logits[name] = (first, s.denoise(canvas, first))
-        kv[name] = [s.kv(layer) for layer in range(SHAPE["num_hidden_layers"])]
+        kv[name] = [s.kv(layer) for layer in range(m.config["num_layers"])]
     for a, b in zip(logits["auto"], logits["float32"]):
         np.testing.assert_array_equal(a, b)
-    # The bf16 cache holds the fp32 cache's values rounded (sliding and full layers).
     for (k16, v16, first16), (k32, v32, first32) in zip(kv["auto"], kv["float32"]):
         assert first16 == first32
         np.testing.assert_array_equal(k16, rounded_to_bf16(k32))
         np.testing.assert_array_equal(v16, rounded_to_bf16(v32))
 
-    # The engine (mixed-phase batches, commits fused with the next block's first step).
-    prompts = [rng.integers(0, 300, n).tolist() for n in (5, 33, 70)]
-    params = ds.SamplingParams(max_new_tokens=40, seed=3)
-    outs = {kv: [o.token_ids for o in ds.LLM(path, activations="bfloat16", kv_cache_dtype=kv,
-                                             kv_cache_memory_bytes=MEMORY).generate(prompts, params)]
+    prompts = [rng.integers(0, vocab, n).tolist() for n in prompt_lengths]
+    params = ds.SamplingParams(max_new_tokens=new_tokens, seed=seed + 1)
+    outs = {kv: [o.token_ids for o in ds.LLM(path, kv_cache_dtype=kv, **load).generate(prompts, params)]
             for kv in ("auto", "float32")}
     assert outs["auto"] == outs["float32"]
+
+
+def test_bf16_cache_gives_the_fp32_cache_results(path):
+    load = dict(activations="bfloat16", kv_cache_memory_bytes=MEMORY)
+    models = {kv: ds.Model.load(path, kv_cache_dtype=kv, **load) for kv in ("auto", "float32")}
+    assert models["auto"].kv_cache_dtype == "bfloat16" and models["float32"].kv_cache_dtype == "float32"
+    # Half the bytes a block: at least twice the blocks (the sliding pool may keep its count).
+    blocks = {kv: m.cache_stats()["kv_blocks_total"] for kv, m in models.items()}
+    assert blocks["auto"] >= 2 * blocks["float32"] - 2, blocks
+    check_bf16_cache_gives_the_fp32_cache_results(path, models, load, prompt_length=40, prompt_lengths=(5, 33, 70),
+                                                  new_tokens=40, seed=2)
 
 
 def test_kv_cache_dtype_choices(path):
