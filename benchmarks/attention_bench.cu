@@ -135,7 +135,7 @@ std::vector<float> run(const Problem& p, bool round_bf16, AttentionPlan* plan_ou
   __nv_bfloat16* k16 = bf16_cache ? upload(rounded_to_bf16(p.k)) : nullptr;
   __nv_bfloat16* v16 = bf16_cache ? upload(rounded_to_bf16(p.v)) : nullptr;
   const AttentionPlan plan = plan_attention(segments(p, k, v, k16, v16), p.heads, p.kv_heads, p.dim,
-                                            attention_mma_resident_blocks(p.dim, round_bf16), round_bf16);
+                                            attention_mma_resident_items(p.dim, round_bf16), round_bf16);
   const AttentionTables tables{upload(plan.segments), upload(plan.spans), upload(plan.items), upload(plan.merges)};
   void* scratch = nullptr;
   check(cudaMalloc(&scratch, std::max<size_t>(plan.scratch_bytes(), 1)), "malloc scratch");
@@ -251,7 +251,7 @@ void verify(const Problem& p, const std::vector<float>& out, const std::string& 
       if (!std::isnan(out[size_t(r * p.heads * d + c)]) && bad++ < 5)
         std::printf("    %s: row %ld (no segment's) written\n", name.c_str(), long(r));
   char detail[160];
-  std::snprintf(detail, sizeof detail, "%s (%ld vectors, worst err / max|v| %.1e; %zu blocks, %zu merges, %ld slots)",
+  std::snprintf(detail, sizeof detail, "%s (%ld vectors, worst err / max|v| %.1e; %zu items, %zu merges, %ld slots)",
                 bad ? "MISMATCH" : "match", long(checked), worst, plan.items.size(), plan.merges.size(),
                 long(plan.slots));
   report(!bad, name, detail);
@@ -302,7 +302,7 @@ std::map<Output, std::vector<PieceOf>> pieces_by_output(const AttentionPlan& pla
   return by;
 }
 
-// The plan of `p` for `resident` concurrent blocks: outputs, pieces, slots and merges
+// The plan of `p` for `resident` concurrent items: outputs, pieces, slots and merges
 // consistent, every visible key in a piece; returns the pieces per output.
 std::map<Output, std::vector<PieceOf>> check_plan(const Problem& p, int resident, const std::string& name,
                                                   AttentionPlan* plan_out = nullptr) {
@@ -341,8 +341,8 @@ std::map<Output, std::vector<PieceOf>> check_plan(const Problem& p, int resident
   for (const AttentionMerge& m : plan.merges) slots += m.pieces;
   if (slots != plan.slots) error = "slots not all merged";
   char detail[160];
-  std::snprintf(detail, sizeof detail, "%s (%zu blocks, %zu merges, %ld slots)", error.empty() ? "consistent" : error.c_str(),
-                plan.items.size(), plan.merges.size(), long(plan.slots));
+  std::snprintf(detail, sizeof detail, "%s (%zu items, %zu merges, %ld slots)",
+                error.empty() ? "consistent" : error.c_str(), plan.items.size(), plan.merges.size(), long(plan.slots));
   report(error.empty(), "plan " + name + " (host, resident " + std::to_string(resident) + ")", detail);
   if (plan_out) *plan_out = plan;
   return by;
@@ -577,7 +577,7 @@ void bench(const char* name, int heads, int kv_heads, int dim, int64_t window, i
     s.spans.push_back({k + own * kv_cols, v + own * kv_cols, kCanvas, context});
     segs.push_back(s);
   }
-  const int resident = attention_mma_resident_blocks(dim, round_bf16);
+  const int resident = attention_mma_resident_items(dim, round_bf16);
   const auto t0 = std::chrono::steady_clock::now();
   const AttentionPlan plan = plan_attention(segs, heads, kv_heads, dim, resident, round_bf16);
   const double plan_us = std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count();
@@ -586,7 +586,7 @@ void bench(const char* name, int heads, int kv_heads, int dim, int64_t window, i
   check(cudaMalloc(&scratch, std::max<size_t>(plan.scratch_bytes(), 1)), "scratch");
   auto call = [&] { attention(q, {out, nullptr}, plan, tables, scratch, heads, kv_heads, nullptr); };
   const double us = time_ms(call) * 1e3, keys = double(cached + kCanvas);
-  // Useful work (QK and PV, no masking here) and the K/V bytes the blocks stream (each block its piece).
+  // Useful work (QK and PV, no masking here) and the K/V bytes (fp32) the items stream (each item its piece).
   const double flops = 4.0 * batch * kCanvas * heads * keys * dim;
   double streamed = 0;
   for (const AttentionItem& it : plan.items) {
@@ -597,7 +597,7 @@ void bench(const char* name, int heads, int kv_heads, int dim, int64_t window, i
   }
   std::printf(
       "%-8s %-10s batch %2d context %6ld: %9.1f us  %6.1f TFLOP/s (useful)  %5.2f TB/s K/V streamed  %6zu "
-      "blocks %5zu merges  plan %.0f us\n",
+      "items %5zu merges  plan %.0f us\n",
       name,
       !round_bf16  ? "fp32"
       : bf16_cache ? "bf16 cache"
@@ -620,10 +620,10 @@ int main(int argc, char** argv) {
   }
   cudaDeviceProp prop{};
   check(cudaGetDeviceProperties(&prop, 0), "device");
-  std::printf("%s, %d SMs; resident blocks: d256 %d (rounded inputs %d%s), d512 %d (rounded inputs %d%s)\n", prop.name,
-              prop.multiProcessorCount, attention_mma_resident_blocks(256, false),
-              attention_mma_resident_blocks(256, true), attention_wgmma_serves(256, true) ? ", wgmma" : "",
-              attention_mma_resident_blocks(512, false), attention_mma_resident_blocks(512, true),
+  std::printf("%s, %d SMs; resident items: d256 %d (rounded inputs %d%s), d512 %d (rounded inputs %d%s)\n", prop.name,
+              prop.multiProcessorCount, attention_mma_resident_items(256, false),
+              attention_mma_resident_items(256, true), attention_wgmma_serves(256, true) ? ", wgmma" : "",
+              attention_mma_resident_items(512, false), attention_mma_resident_items(512, true),
               attention_wgmma_serves(512, true) ? ", wgmma" : "");
   if (mode != "--time" && mode != "--time-1k") {
     correctness(mode == "--check-bf16");

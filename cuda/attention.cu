@@ -133,9 +133,10 @@ int rows_per_item(int group, int head_dim, bool round_bf16) {
 }
 
 // Split-KV: the size of a segment's pieces, in keys, is the one that would finish the
-// segment soonest if it ran alone on `resident` concurrent blocks, counting waves of
-// blocks each costing its piece plus kBlockCostKeys (loading Q, filling the pipeline,
-// writing the output and merging). It depends on the segment and the GPU only.
+// segment soonest if it ran alone on a GPU that runs `resident` items (blocks, or
+// clusters) at once, counting waves of items each costing its piece plus kBlockCostKeys
+// (loading Q, filling the pipeline, writing the output and merging). It depends on the
+// segment and the GPU only.
 constexpr int64_t kBlockCostKeys = 64;
 constexpr int64_t kMinPieceKeys = 128;  // a partial result (as large as 16 to 32 keys) stays small next to its piece
 constexpr int64_t kPieceAlign = 32;     // a piece of whole chunks
@@ -208,7 +209,7 @@ size_t AttentionPlan::scratch_bytes() const {
 }
 
 AttentionPlan plan_attention(const std::vector<AttentionSegment>& segments, int num_heads, int num_kv_heads,
-                             int head_dim, int resident_blocks, bool round_bf16) {
+                             int head_dim, int resident_items, bool round_bf16) {
   AttentionPlan plan;
   plan.head_dim = head_dim;
   plan.round_bf16 = round_bf16;
@@ -247,7 +248,7 @@ AttentionPlan plan_attention(const std::vector<AttentionSegment>& segments, int 
     }
     const int groups = int((s.rows + rows_per_block - 1) / rows_per_block);
     const std::vector<Piece> pieces =
-        cut(s.spans, span_begin, split ? piece_keys(int64_t(groups) * num_kv_heads, keys, resident_blocks) : keys);
+        cut(s.spans, span_begin, split ? piece_keys(int64_t(groups) * num_kv_heads, keys, resident_items) : keys);
     auto rows = [&](int g) { return int(std::min<int64_t>(rows_per_block, s.rows - int64_t(g) * rows_per_block)); };
     // Which pieces each row group sees (any key within the union of its rows' causal
     // windows), and the rank of each among them; the row groups that see several get

@@ -412,8 +412,8 @@ int attention_mma_queries(int head_dim, bool round_bf16) {
   return queries;
 }
 
-int attention_mma_resident_blocks(int head_dim, bool round_bf16) {
-  if (attention_wgmma_serves(head_dim, round_bf16)) return attention_wgmma_resident_blocks(head_dim);
+int attention_mma_resident_items(int head_dim, bool round_bf16) {
+  if (attention_wgmma_serves(head_dim, round_bf16)) return attention_wgmma_resident_items(head_dim);
   int blocks = 1;
   with_head_dim(head_dim, [&](auto dim) {
     using S = Shape<decltype(dim)::value>;

@@ -10,17 +10,28 @@
 // rows of the plan's bf16 pool; fp32 spans (the batch's own rows, an fp32 cache's pages) a
 // pre-pass writes as bf16 rows, one span after the other, into the attention's scratch.
 //
-// A block is two warpgroups. Each holds the outputs of 64 query vectors (rows x the query
-// heads of one KV head, as in attention_mma.cu) for 256 dims in registers (128 a thread):
-// at head dim 256 each warpgroup has 64 vectors of its own; at 512 both have the same 64,
-// each half the output dims, and both compute the same scores. They walk the block's
-// piece of the keys in chunks (64 keys at 256, 32 at 512) that all threads stage together
+// An item's 128 query vectors (rows x the query heads of one KV head, as in attention_mma.cu)
+// are two warpgroups' 64, each holding their outputs for 256 dims in registers (128 a
+// thread). At head dim 256 one block of two warpgroups takes the item. At 512 a cluster of
+// two blocks does, each block its half of every vector's dims: it stages only that half of
+// Q, K and V, so a chunk of keys costs each block half the copies and serves 128 vectors
+// (one block of 64 vectors over all 512 dims read all of every key for 64, and its two
+// warpgroups both computed the same scores). That gained only 3% (attention_bench, H200,
+// the full layer at batch 1, 32K: 1,618 -> 1,575 us): what bounds the kernel is each
+// chunk's chain of latencies, not L2 (ncu: 6% busy). The blocks walk the item's piece of
+// the keys in chunks (64 keys at 256, 32 at 512) that all threads of a block stage together
 // into shared memory: K and V alike as rows of keys ([key][dim], K-major for the score
 // product's B, N-major for P V's). A chunk's scores S = Q K^T are one wgmma chain per
-// warpgroup (Q and K from shared memory), read back into registers for the online softmax
-// (masking, running max and sum in fp32); the probabilities, rounded to bf16, are already
-// laid out as the A fragments of the next product, O += P V, which takes them straight
-// from registers. One barrier a chunk.
+// warpgroup (Q and K from shared memory); at 512 that is a half of each score, which the
+// two blocks swap through distributed shared memory and add (fp32 addition commutes, so
+// both hold the same scores bit for bit), then read back into registers for the online
+// softmax (masking, running max and sum in fp32), the same in both blocks; the
+// probabilities, rounded to bf16, are already laid out as the A fragments of the next
+// product, O += P V, which takes them straight from registers. One barrier a chunk. The
+// swap is st.async stores into the other block, which count their bytes on its mbarrier:
+// waiting on a cluster barrier a chunk instead (barrier.cluster, its release fence) made
+// the layer no faster than one block of 64 vectors (ncu, 1x32K: 2.10 against 2.04 ms, the
+// warps stalled on the barrier and its fence 4 cycles an instruction).
 //
 // Shared memory tiles are rows of 128 bytes (64 bf16 values) in 8-row, 1,024-byte swizzle
 // atoms (gemm_tile.cuh's swizzle, the layout wgmma_descriptor names), wider rows cut into
@@ -32,6 +43,8 @@
 // 57.8 us, bound by latency (ncu: 7 cycles between a warp's instructions, the tensor cores
 // 25% busy), and head dim 512 167.5 us. Tried and not kept: the look-ups walking a
 // shared-memory copy of the piece's spans (60.9 us, fp32 staging).
+#include <cooperative_groups.h>
+
 #include <cmath>
 #include <stdexcept>
 #include <string>
@@ -48,27 +61,32 @@
 namespace diffuserve::cuda {
 namespace {
 
-// A block's shape for head dim kDim (256 or 512). Each warpgroup holds 64 query vectors'
-// outputs for 256 dims (128 fp32 registers a thread): at 256 the two warpgroups take 64
-// query vectors each, the whole head; at 512 they share the same 64 vectors, each taking
-// half the output dims, and both compute the chunk's scores (over all 512 dims: the same
-// scores and softmax in both), in chunks of 32 keys. The tiles take the same shared memory.
+constexpr int kThreads = 256;  // two warpgroups
+
+// The shape of an item's blocks for head dim kDim (256 or 512): kSplit blocks (a cluster),
+// each staging and multiplying 256 of the dims (kSubtiles column blocks of 64) of the same
+// 128 query vectors, in chunks of kKeys keys.
 template <int kDim>
 struct Shape {
-  static constexpr int kSplit = kDim / 256;            // warpgroups sharing a query vector
-  static constexpr int kQueries = 64 * (2 / kSplit);   // query vectors per block
-  static constexpr int kKeys = kDim == 256 ? 64 : 32;  // keys per chunk
-  static constexpr int kSubtiles = kDim / 64;          // 64-value column blocks of Q, K and V rows
+  static constexpr int kSplit = kDim / 256;
+  static constexpr int kQueries = 128;
+  static constexpr int kKeys = kDim == 256 ? 64 : 32;
+  static constexpr int kSubtiles = 4;
   // Shared memory: Q [subtile][query][64], K and V [buffer][subtile][key][64] (bf16), then
   // for three chunks (one softmaxed, one staged, one being looked up) each key's bf16 row
-  // (key_row) and relative position.
+  // (key_row) and relative position; with kSplit 2, two buffers of the other block's
+  // shares of the scores ([buffer][float4 i][thread], a thread's kKeys / 2) and an mbarrier
+  // for each, which counts their bytes in.
   static constexpr int kQTile = kSubtiles * kQueries * kRowBytes;  // 64 KB
-  static constexpr int kKVTile = kSubtiles * kKeys * kRowBytes;    // 32 KB
+  static constexpr int kKVTile = kSubtiles * kKeys * kRowBytes;    // 32 KB at 256, 16 KB at 512
   static constexpr int kKOffset = kQTile, kVOffset = kKOffset + 2 * kKVTile, kRowOffset = kVOffset + 2 * kKVTile;
   static constexpr int kPositionOffset = kRowOffset + 3 * kKeys * int(sizeof(int));
-  static constexpr int kSharedBytes = kPositionOffset + 3 * kKeys * int(sizeof(int));
+  static constexpr int kSharesOffset = kPositionOffset + 3 * kKeys * int(sizeof(int));
+  static constexpr int kShareBytes = kThreads * (kKeys / 2) * int(sizeof(float));  // a buffer
+  static constexpr int kBarrierOffset = kSharesOffset + (kSplit > 1 ? 2 * kShareBytes : 0);
+  static constexpr int kSharedBytes = kBarrierOffset + (kSplit > 1 ? 2 * int(sizeof(uint64_t)) : 0);
+  static_assert(kSplit * kSubtiles * 64 == kDim && kSharesOffset % 16 == 0);
 };
-constexpr int kThreads = 256;  // two warpgroups
 
 // The pre-pass: row r of the bf16 copies is row r - spans[s].packed of span s (the last
 // span whose packed row is at most r: an fp32 span, as a bf16 one shares its packed row
@@ -123,6 +141,35 @@ __device__ __forceinline__ void store_bf16x4(uint8_t* dst, float4 x) {
 __device__ __forceinline__ float4 load_or_zero(const float* src) {
   return src ? *reinterpret_cast<const float4*>(src) : float4{0.0f, 0.0f, 0.0f, 0.0f};
 }
+
+// The two blocks' swap of score shares: block-local mbarriers that count the bytes the other
+// block's st.async stores write, one phase a chunk.
+__device__ __forceinline__ uint32_t shared_address(const void* p) { return uint32_t(__cvta_generic_to_shared(p)); }
+// The same place in shared memory of the cluster's block `rank`.
+__device__ __forceinline__ uint32_t cluster_address(uint32_t address, int rank) {
+  uint32_t remote;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(address), "r"(rank));
+  return remote;
+}
+// The barrier's current phase completes once `bytes` have come in (its one arrival).
+__device__ __forceinline__ void expect_bytes(uint32_t barrier, int bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(barrier), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void wait_phase(uint32_t barrier, int parity) {
+  asm volatile(
+      "{\n.reg .pred done;\nwait_%=:\n"
+      "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 done, [%0], %1;\n"
+      "@!done bra wait_%=;\n}\n" ::"r"(barrier),
+      "r"(parity)
+      : "memory");
+}
+// v to `remote` (a cluster address), its 16 bytes counted on the mbarrier at `remote_barrier`.
+__device__ __forceinline__ void store_counted(uint32_t remote, float4 v, uint32_t remote_barrier) {
+  asm volatile(
+      "st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.f32 [%0], {%1, %2, %3, %4}, [%5];" ::"r"(remote),
+      "f"(v.x), "f"(v.y), "f"(v.z), "f"(v.w), "r"(remote_barrier)
+      : "memory");
+}
 #endif
 
 template <int kDim>
@@ -136,22 +183,23 @@ __global__ void __launch_bounds__(kThreads, 1)
 #ifdef DIFFUSERVE_WGMMA_DEVICE
   using S = Shape<kDim>;
   constexpr int kQueries = S::kQueries, kKeys = S::kKeys, kKVTile = S::kKVTile;
-  constexpr int kPieces = kDim / 8;  // 16-byte pieces of a key's row
+  constexpr int kPieces = 256 / 8;  // 16-byte pieces of a key's row in the block's dims
   extern __shared__ __align__(1024) uint8_t smem[];
   auto key_rows = reinterpret_cast<int (*)[kKeys]>(smem + S::kRowOffset);      // key_row
   auto key_pos = reinterpret_cast<int (*)[kKeys]>(smem + S::kPositionOffset);  // relative_position, or kNoKey
   const uint32_t q_base = uint32_t(__cvta_generic_to_shared(smem));
   const uint32_t k_base = q_base + S::kKOffset, v_base = q_base + S::kVOffset;
 
-  const AttentionItem item = items[blockIdx.x];
+  // This block's dims of the head: 256 rank .. 256 rank + 255 (rank in the item's cluster).
+  const cooperative_groups::cluster_group cluster = cooperative_groups::this_cluster();
+  const int rank = S::kSplit > 1 ? int(cluster.block_rank()) : 0;
+  const AttentionItem item = items[blockIdx.x / S::kSplit];
   const DeviceAttentionSegment seg = segments[item.segment];
   const ItemQueries queries(seg, item, num_heads, num_kv_heads, kDim);
   const int nq = queries.count;
-  const int64_t kv_stride = int64_t(num_kv_heads) * kDim;
+  const int64_t kv_stride = int64_t(num_kv_heads) * kDim, dims = 256 * rank;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
-  // This thread's warpgroup: query vectors 64 vectors..64 vectors + 63, output dims 256
-  // dims..256 dims + 255.
-  const int wg = warp / 4, vectors = wg / S::kSplit, dims = wg % S::kSplit;
+  const int wg = warp / 4;  // this thread's warpgroup: query vectors 64 wg .. 64 wg + 63
 
   // The two query vectors whose scores and outputs this thread holds (accumulator rows g
   // and g + 8 of its warp's 16), the keys each sees, and their running max and this
@@ -161,7 +209,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   float m_run[2], l_run[2];
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
-    row[h] = 64 * vectors + 16 * (warp % 4) + g + 8 * h;
+    row[h] = 64 * wg + 16 * (warp % 4) + g + 8 * h;
     visible[h] = queries.visible(row[h]);
     m_run[h] = -INFINITY, l_run[h] = 0.0f;
   }
@@ -188,8 +236,8 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   // The keys and values of the chunk in table slot `slot` into buffer `buf`, by cp.async
   // (this thread's part, one commit group): 16-byte piece p of a key's row (this KV head's
-  // kDim values) to subtile p / 8, chunk p % 8 of the key's tile row; consecutive threads
-  // copy a key's contiguous bytes. (A missing key's zeros read nothing.)
+  // values in the block's dims) to subtile p / 8, chunk p % 8 of the key's tile row;
+  // consecutive threads copy a key's contiguous bytes. (A missing key's zeros read nothing.)
   auto stage_chunk = [&](int slot, int buf) {
     uint8_t* const k_tile = smem + S::kKOffset + buf * kKVTile;
     uint8_t* const v_tile = smem + S::kVOffset + buf * kKVTile;
@@ -199,7 +247,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       const int row = key_rows[slot][key];
       const bool pooled = row < kNoRow;
       const int64_t src =
-          int64_t(pooled ? pool_row(row) : max(row, 0)) * kv_stride + int64_t(item.kv_head) * kDim + 8 * p;
+          int64_t(pooled ? pool_row(row) : max(row, 0)) * kv_stride + int64_t(item.kv_head) * kDim + dims + 8 * p;
       const int dst = (p / 8) * kKeys * kRowBytes + swizzle(key, p % 8);
       cp_async16(k_tile + dst, (pooled ? pool_keys : packed_keys) + src, row != kNoRow);
       cp_async16(v_tile + dst, (pooled ? pool_values : packed_values) + src, row != kNoRow);
@@ -212,21 +260,33 @@ __global__ void __launch_bounds__(kThreads, 1)
   // run), then chunk 0's keys and values in flight while Q is read.
   const bool first_mine = look_up(0);
   const bool next_mine = look_up(1);
+  // The swap's mbarriers, each expecting the first chunk it takes (0 and 1).
+  const uint32_t shares = shared_address(smem + S::kSharesOffset), barriers = shared_address(smem + S::kBarrierOffset);
+  if (S::kSplit > 1 && tid == 0) {
+    for (int b = 0; b < 2; ++b) {
+      asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(barriers + 8 * b) : "memory");
+      expect_bytes(barriers + 8 * b, S::kShareBytes);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
   wait_for_earlier_kernels();
-  __syncthreads();  // the tables
+  // The tables; and every block of the cluster has started, its mbarriers ready for the
+  // other's stores.
+  if constexpr (S::kSplit > 1) cluster.sync();
+  else __syncthreads();
   stage_chunk(0, 0);
-  // Q's rows of fp32 as bf16 into its [subtile][row][64] tile: row r, float4 column c from
-  // q (zeros past the item's vectors), every load of the thread issued before the first
-  // store (one round trip to memory, not one per few rows). Consecutive threads take a
-  // row's contiguous bytes.
+  // Q's rows of fp32 (the block's dims) as bf16 into its [subtile][row][64] tile: row r,
+  // float4 column c from q (zeros past the item's vectors), every load of the thread issued
+  // before the first store (one round trip to memory, not one per few rows). Consecutive
+  // threads take a row's contiguous bytes.
   {
-    constexpr int kRowThreads = kDim / 4, kRowsAtOnce = kThreads / kRowThreads, kLoads = kQueries / kRowsAtOnce;
+    constexpr int kRowThreads = 256 / 4, kRowsAtOnce = kThreads / kRowThreads, kLoads = kQueries / kRowsAtOnce;
     const int c = tid % kRowThreads;
     float4 x[kLoads];
 #pragma unroll
     for (int i = 0; i < kLoads; ++i) {
       const int j = tid / kRowThreads + kRowsAtOnce * i;
-      x[i] = load_or_zero(j < nq ? q + queries.offset(j) + 4 * c : nullptr);
+      x[i] = load_or_zero(j < nq ? q + queries.offset(j) + dims + 4 * c : nullptr);
     }
 #pragma unroll
     for (int i = 0; i < kLoads; ++i) {
@@ -240,17 +300,17 @@ __global__ void __launch_bounds__(kThreads, 1)
   bool have_next = __syncthreads_or(next_mine);
 
   float o[128] = {};
-  const uint32_t q_rows = q_base + vectors * 64 * kRowBytes;  // this warpgroup's Q rows in subtile 0
+  const uint32_t q_rows = q_base + wg * 64 * kRowBytes;  // this warpgroup's Q rows in subtile 0
   for (int n = 0; have; ++n) {
     const int buf = n & 1;
     // The next chunk's copies run while this one is multiplied (its buffer was last read by
     // the previous chunk's products, finished before the barrier that ended it).
     if (have_next) stage_chunk((n + 1) % 3, buf ^ 1);
-    // S = Q K^T: K steps of 16 dims (32 bytes of a subtile row).
+    // S = Q K^T over the block's dims: K steps of 16 (32 bytes of a subtile row).
     float s[kKeys / 2];
     wgmma_fence();
 #pragma unroll
-    for (int step = 0; step < kDim / 16; ++step) {
+    for (int step = 0; step < 256 / 16; ++step) {
       const uint32_t column = 32 * (step % 4);
       wgmma_bf16<kKeys>(s, wgmma_descriptor(q_rows + (step / 4) * kQueries * kRowBytes + column),
                         wgmma_descriptor(k_base + buf * kKVTile + (step / 4) * kKeys * kRowBytes + column), step > 0);
@@ -262,6 +322,28 @@ __global__ void __launch_bounds__(kThreads, 1)
     __syncwarp();
     wgmma_wait<0>();
     wgmma_hold(s);
+    if constexpr (S::kSplit > 1) {
+      // The scores over the other block's dims: this thread's share to its twin thread's place
+      // in buffer n % 2 there, the twin's from this block's, added (both blocks then hold the
+      // same sums). Chunk n + 2 reuses the buffer: this block's thread 0 expects it once
+      // chunk n's shares are in, and the other block sends it only after this block's shares
+      // of chunk n + 1, which leave after every thread here has read chunk n's (the barrier
+      // that ends a chunk).
+      const int b = n & 1;
+      const uint32_t mine = shares + b * S::kShareBytes + 16 * tid, barrier = barriers + 8 * b;
+      const uint32_t theirs = cluster_address(mine, rank ^ 1), their_barrier = cluster_address(barrier, rank ^ 1);
+#pragma unroll
+      for (int i = 0; i < kKeys / 8; ++i)
+        store_counted(theirs + 16 * kThreads * i, {s[4 * i], s[4 * i + 1], s[4 * i + 2], s[4 * i + 3]}, their_barrier);
+      wait_phase(barrier, (n >> 1) & 1);
+      if (tid == 0) expect_bytes(barrier, S::kShareBytes);
+      const auto* in = reinterpret_cast<const float4*>(smem + S::kSharesOffset + b * S::kShareBytes) + tid;
+#pragma unroll
+      for (int i = 0; i < kKeys / 8; ++i) {
+        const float4 x = in[i * kThreads];
+        s[4 * i] += x.x, s[4 * i + 1] += x.y, s[4 * i + 2] += x.z, s[4 * i + 3] += x.w;
+      }
+    }
 
     // Mask and online softmax: s[4 j + 2 h + e] is row h's score of key 8 j + 2 t + e.
     const int* pos = key_pos[n % 3];
@@ -308,13 +390,12 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
       for (int r = 0; r < 4; ++r) p[ks][r] = round_bf16x2(s[8 * ks + 2 * r], s[8 * ks + 2 * r + 1]);
 
-    // O += P V for this warpgroup's 256 dims (subtiles 4 dims..): K steps of 16 keys (16 rows
-    // of V, two atoms).
+    // O += P V for the block's 256 dims: K steps of 16 keys (16 rows of V, two atoms).
     wgmma_fence();
 #pragma unroll
     for (int ks = 0; ks < kKeys / 16; ++ks)
       wgmma_bf16_rs256(o, p[ks],
-                       wgmma_descriptor(v_base + buf * kKVTile + (4 * dims * kKeys + 16 * ks) * kRowBytes,
+                       wgmma_descriptor(v_base + buf * kKVTile + 16 * ks * kRowBytes,
                                         kKeys * kRowBytes));  // N-major: the next 64 dims a subtile on
     wgmma_commit();
     wgmma_wait<0>();
@@ -329,8 +410,8 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   // The output, normalised by this piece's softmax sum (zero where no key was visible): to
   // `out` when the piece is all the rows see, else to partial slot item.slot with the
-  // rows' max and sum (the first of the warpgroups sharing the rows), for the merge.
-  // o[4 j + 2 h + e] is row h's dim 256 dims + 8 j + 2 t + e.
+  // rows' max and sum (the cluster's first block: both have the same), for the merge.
+  // o[4 j + 2 h + e] is row h's dim dims + 8 j + 2 t + e.
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     float l = l_run[h];
@@ -341,12 +422,12 @@ __global__ void __launch_bounds__(kThreads, 1)
     const float inv = l > 0.0f ? 1.0f / l : 0.0f;
 #pragma unroll
     for (int c = 0; c < 256 / 8; ++c) {
-      const int dim = 256 * dims + 8 * c + 2 * t;
+      const int64_t dim = dims + 8 * c + 2 * t;
       const float v[2] = {o[4 * c + 2 * h] * inv, o[4 * c + 2 * h + 1] * inv};
       if (item.slot < 0) store_output(out, queries.offset(j) + dim, v);
       else *reinterpret_cast<float2*>(queries.partial(partial_out, kQueries, j) + dim) = {v[0], v[1]};
     }
-    if (item.slot >= 0 && t == 0 && dims == 0) partial_ml[int64_t(item.slot) * kQueries + j] = {m_run[h], l};
+    if (item.slot >= 0 && t == 0 && rank == 0) partial_ml[int64_t(item.slot) * kQueries + j] = {m_run[h], l};
   }
 #else
   __trap();  // attention_wgmma_serves is false where the build has no sm_90a code
@@ -373,13 +454,13 @@ int attention_wgmma_queries(int head_dim) {
   return queries;
 }
 
-int attention_wgmma_resident_blocks(int head_dim) {
-  int blocks = 0;
+int attention_wgmma_resident_items(int head_dim) {
+  int items = 0;
   with_wgmma_head_dim(head_dim, [&](auto dim) {
     constexpr int kDim = decltype(dim)::value;
-    blocks = resident_blocks(attention_wgmma_kernel<kDim>, kThreads, Shape<kDim>::kSharedBytes);
+    items = resident_clusters(Shape<kDim>::kSplit, attention_wgmma_kernel<kDim>, kThreads, Shape<kDim>::kSharedBytes);
   });
-  return blocks;
+  return items;
 }
 
 void attention_wgmma(const float* q, const AttentionOutput& out, float* partial_out, float2* partial_ml,
@@ -402,9 +483,10 @@ void attention_wgmma(const float* q, const AttentionOutput& out, float* partial_
     constexpr int kDim = decltype(dim)::value;
     constexpr int kBytes = Shape<kDim>::kSharedBytes;
     cudaFuncSetAttribute(attention_wgmma_kernel<kDim>, cudaFuncAttributeMaxDynamicSharedMemorySize, kBytes);
-    launch(attention_wgmma_kernel<kDim>, unsigned(plan.items.size()), kThreads, kBytes, stream, q, out, partial_out,
-           partial_ml, packed_keys, packed_values, plan.pool_keys, plan.pool_values, tables.segments, tables.spans,
-           tables.items, num_heads, num_kv_heads);
+    constexpr int kSplit = Shape<kDim>::kSplit;
+    launch_clusters(kSplit, attention_wgmma_kernel<kDim>, unsigned(plan.items.size() * kSplit), kThreads, kBytes,
+                    stream, q, out, partial_out, partial_ml, packed_keys, packed_values, plan.pool_keys,
+                    plan.pool_values, tables.segments, tables.spans, tables.items, num_heads, num_kv_heads);
   });
 }
 

@@ -597,7 +597,7 @@ class CudaBackend final : public Backend {
     if (num_heads / num_kv_heads > 16) throw InvalidArgument("the CUDA attention supports up to 16 query heads per KV head");
     const cuda::AttentionPlan plan =
         cuda::plan_attention(segments, int(num_heads), int(num_kv_heads), int(head_dim),
-                             cuda::attention_mma_resident_blocks(int(head_dim), round_bf16), round_bf16);
+                             cuda::attention_mma_resident_items(int(head_dim), round_bf16), round_bf16);
     if (plan.items.empty()) return;
     const cuda::AttentionTables tables{upload_table(plan.segments), upload_table(plan.spans), upload_table(plan.items),
                                        upload_table(plan.merges)};

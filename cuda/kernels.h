@@ -171,7 +171,7 @@ struct DeviceAttentionSegment {
   int span_begin;  // into the span array
   int span_count;
 };
-// A block's work: `rows` query rows from row `row0` of segment `segment`, all query heads
+// An item's work (a block's, or a cluster's): `rows` query rows from row `row0` of segment `segment`, all query heads
 // of kv head `kv_head`, over one piece of the segment's keys (its spans one after the
 // other): from key `key` of span `span` to key `last_end` - 1 of span `last_span` (span
 // indices into the span array; last_span < span: no key). slot < 0: the piece is all the
@@ -200,7 +200,7 @@ struct AttentionMerge {
 struct AttentionPlan {
   std::vector<DeviceAttentionSegment> segments;
   std::vector<DeviceKeySpan> spans;
-  std::vector<AttentionItem> items;    // one block each
+  std::vector<AttentionItem> items;    // one block (or cluster) each
   std::vector<AttentionMerge> merges;  // empty when no row group was cut
   int64_t slots = 0;                   // partial results the pieces write
   int queries_per_slot = 0;            // query vectors per item (and per slot)
@@ -220,11 +220,11 @@ struct AttentionPlan {
   size_t scratch_bytes() const;
 };
 // The plan of one Backend::attention call (num_heads / num_kv_heads <= 16) for a GPU that
-// runs `resident_blocks` blocks of the kernel at once (attention_mma_resident_blocks).
+// runs `resident_items` items of the kernel at once (attention_mma_resident_items).
 // round_bf16: Q, K, V and the softmax's probabilities rounded to bf16 before their
 // products (activations "bfloat16"), one tensor-core product instead of three.
 AttentionPlan plan_attention(const std::vector<AttentionSegment>& segments, int num_heads, int num_kv_heads,
-                             int head_dim, int resident_blocks, bool round_bf16);
+                             int head_dim, int resident_items, bool round_bf16);
 // The plan's tables in device memory.
 struct AttentionTables {
   const DeviceAttentionSegment* segments;
@@ -246,17 +246,17 @@ void attention(const float* q, const AttentionOutput& out, const AttentionPlan& 
 // The tensor-core kernels for head dims 64, 128, 256 and 512 (attention_mma.cu on mma.sync;
 // attention_wgmma.cu on Hopper's wgmma for head dims 256 and 512 with inputs rounded to
 // bf16, where attention_wgmma_serves); attention.cu has the generic one for every other
-// head dim, which takes its items whole (no pieces). Query vectors one block covers; 0
-// where none serves.
+// head dim, which takes its items whole (no pieces). Query vectors one item covers (a
+// block, or at head dim 512 on wgmma a cluster of two); 0 where none serves.
 int attention_mma_queries(int head_dim, bool round_bf16);
-// Their blocks that run at once on the current device (multiprocessors x blocks per one); 1
-// where none serves the head dim.
-int attention_mma_resident_blocks(int head_dim, bool round_bf16);
+// Their items that run at once on the current device (multiprocessors x blocks per one, or
+// the clusters that fit); 1 where none serves the head dim.
+int attention_mma_resident_items(int head_dim, bool round_bf16);
 void attention_mma(const float* q, const AttentionOutput& out, const AttentionPlan& plan, const AttentionTables& tables,
                    void* scratch, int num_heads, int num_kv_heads, cudaStream_t stream);
 bool attention_wgmma_serves(int head_dim, bool round_bf16);
 int attention_wgmma_queries(int head_dim);
-int attention_wgmma_resident_blocks(int head_dim);
+int attention_wgmma_resident_items(int head_dim);
 // The blocks of attention_mma's plan (pieces to partial_out / partial_ml, as attention_mma
 // lays out its scratch; attention_mma merges them), after a pre-pass that writes the spans'
 // keys and values as bf16 into `packed_keys` and `packed_values` (plan.packed_rows x

@@ -52,6 +52,26 @@ int resident_blocks(void (*kernel)(Params...), int threads, int shared_bytes) {
   return (per_multiprocessor > 1 ? per_multiprocessor : 1) * multiprocessors();
 }
 
+// Clusters of `cluster_blocks` blocks of `kernel` along x that run at once on the current
+// device (resident_blocks where cluster_blocks is 1).
+template <class... Params>
+int resident_clusters(int cluster_blocks, void (*kernel)(Params...), int threads, int shared_bytes) {
+  if (cluster_blocks == 1) return resident_blocks(kernel, threads, shared_bytes);
+  cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, shared_bytes);
+  cudaLaunchAttribute cluster{};
+  cluster.id = cudaLaunchAttributeClusterDimension;
+  cluster.val.clusterDim = {unsigned(cluster_blocks), 1, 1};
+  cudaLaunchConfig_t config{};
+  config.gridDim = dim3(unsigned(cluster_blocks * multiprocessors()));
+  config.blockDim = dim3(unsigned(threads));
+  config.dynamicSmemBytes = size_t(shared_bytes);
+  config.attrs = &cluster;
+  config.numAttrs = 1;
+  int clusters = 0;
+  cudaOccupancyMaxActiveClusters(&clusters, kernel, &config);
+  return clusters > 1 ? clusters : 1;
+}
+
 // Whether launch() uses programmatic dependent launch: an sm_90 or newer GPU (the first
 // one asked about) and DIFFUSERVE_PDL not 0.
 bool programmatic_launch();
