@@ -338,6 +338,7 @@ __global__ void __launch_bounds__(S::kThreads, S::kBlocks) gemm_kernel(const Par
     w_src[j] += int64_t(first_slice) * kWSliceStep;
   }
   constexpr int kScales = kBK / 16;  // NVFP4: a stage's group scales of a row
+  constexpr int kScalesOffset = kBN * kWRowBytes;  // NVFP4: where in a stage's W part its scales lie
   const int64_t groups = k / 16;
   const bool s_copy = tid < kBN && n0 + tid < n;
   [[maybe_unused]] const uint8_t* s_src =
@@ -361,7 +362,7 @@ __global__ void __launch_bounds__(S::kThreads, S::kBlocks) gemm_kernel(const Par
     uint8_t* const w_stage = base + kABytes;
     // NVFP4: this slice's group scales of row tid.
     static_assert(kFormat != WeightFormat::Nvfp4 || kScales == 4, "a stage's scales of a row: one 4-byte copy");
-    [[maybe_unused]] uint8_t* const s_dst = w_stage + kBN * kWRowBytes + tid * kScales;
+    [[maybe_unused]] uint8_t* const s_dst = w_stage + kScalesOffset + tid * kScales;
     [[maybe_unused]] const bool s_thread = kBN == kThreads || tid < kBN;
     if (kTiled || (p.w_vector && slice < whole_slices)) {  // whole chunks and scales: one uniform branch
 #pragma unroll
@@ -471,7 +472,7 @@ __global__ void __launch_bounds__(S::kThreads, S::kBlocks) gemm_kernel(const Par
         } else {
           const uint2 v = *reinterpret_cast<const uint2*>(w_stage + r * kWRowBytes + 8 * t);
           w[i][0] = v.x, w[i][1] = v.y;
-          scale[i] = nvfp4_scale_pair(w_stage[kBN * kWRowBytes + r * (kBK / 16) + t]);
+          scale[i] = nvfp4_scale_pair(w_stage[kScalesOffset + r * kScales + t]);
         }
       }
 #pragma unroll
@@ -509,7 +510,7 @@ __global__ void __launch_bounds__(S::kThreads, S::kBlocks) gemm_kernel(const Par
       const uint8_t* const w_stage = smem + stage * kStageBytes + kABytes;
       const uint4 v0 = *reinterpret_cast<const uint4*>(w_stage + tid * kWRowBytes);
       const uint4 v1 = *reinterpret_cast<const uint4*>(w_stage + tid * kWRowBytes + 16);
-      const uint32_t scales = *reinterpret_cast<const uint32_t*>(w_stage + kBN * kWRowBytes + tid * kScales);
+      const uint32_t scales = *reinterpret_cast<const uint32_t*>(w_stage + kScalesOffset + tid * kScales);
       const uint32_t words[8] = {v0.x, v0.y, v0.z, v0.w, v1.x, v1.y, v1.z, v1.w};  // lane t's: 2t, 2t + 1
       uint8_t* const tile = smem + kDecodedOffset;
 #pragma unroll
