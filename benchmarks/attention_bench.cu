@@ -28,6 +28,7 @@
 #include <numeric>
 #include <random>
 #include <string>
+#include <thread>
 #include <tuple>
 #include <vector>
 
@@ -172,12 +173,17 @@ void report_bitwise(const std::vector<float>& a, const std::vector<float>& b, co
   report(a.size() == b.size() && !differ, name, differ ? std::to_string(differ) + " values differ" : "bitwise");
 }
 
-// Row r, head h of segment s in double (Q, K and V rounded to bf16 first with round_bf16):
-// the output and the largest |value| it weighs (the scale of the error); no visible key
-// gives zeros.
-std::vector<double> reference(const Problem& p, const AttentionSegment& s, int64_t r, int h, bool round_bf16,
-                              double& scale) {
-  auto in = [round_bf16](float x) { return double(round_bf16 ? __bfloat162float(__float2bfloat16(x)) : x); };
+// p with Q, K and V rounded to bf16, as the kernels multiply them with activations "bfloat16".
+Problem rounded_inputs(const Problem& p) {
+  Problem r = p;
+  for (std::vector<float>* x : {&r.q, &r.k, &r.v})
+    for (float& e : *x) e = __bfloat162float(__float2bfloat16(e));
+  return r;
+}
+
+// Row r, head h of segment s in double: the output and the largest |value| it weighs (the
+// scale of the error); no visible key gives zeros.
+std::vector<double> reference(const Problem& p, const AttentionSegment& s, int64_t r, int h, double& scale) {
   const int kvh = h / (p.heads / p.kv_heads), d = p.dim;
   const int64_t kv_cols = int64_t(p.kv_heads) * d, pos = s.first_position + r;
   const float* qi = &p.q[size_t((s.first_row + r) * p.heads * d + int64_t(h) * d)];
@@ -193,7 +199,7 @@ std::vector<double> reference(const Problem& p, const AttentionSegment& s, int64
       if (s.causal && (j > pos || (s.window && j <= pos - s.window))) continue;
       const float* kk = &p.k[size_t((row0 + key) * kv_cols + int64_t(kvh) * d)];
       double dot = 0;
-      for (int c = 0; c < d; ++c) dot += in(qi[c]) * in(kk[c]);
+      for (int c = 0; c < d; ++c) dot += double(qi[c]) * double(kk[c]);
       scores.push_back(dot);
       values.push_back(&p.v[size_t((row0 + key) * kv_cols + int64_t(kvh) * d)]);
     }
@@ -206,7 +212,7 @@ std::vector<double> reference(const Problem& p, const AttentionSegment& s, int64
   for (double& x : scores) sum += (x = std::exp(x - best));
   for (size_t i = 0; i < scores.size(); ++i)
     for (int c = 0; c < d; ++c) {
-      o[size_t(c)] += scores[i] / sum * in(values[i][c]);
+      o[size_t(c)] += scores[i] / sum * double(values[i][c]);
       scale = std::max(scale, double(std::fabs(values[i][c])));
     }
   return o;
@@ -215,44 +221,69 @@ std::vector<double> reference(const Problem& p, const AttentionSegment& s, int64
 // Checks `out` against the reference on every (row, head) of every segment (or `samples`
 // random ones), and that rows no segment owns were left alone. The tolerance, relative to
 // the largest |value|: 2e-4 for fp32-like inputs; 4e-3 for bf16 ones, as the kernel rounds
-// the probabilities too (each to 2^-9 of itself) and the reference does not.
+// the probabilities too (each to 2^-9 of itself) and the reference does not. The
+// references are computed on every core (those of the 26B shapes, whole, took minutes on one).
 void verify(const Problem& p, const std::vector<float>& out, const std::string& name, const AttentionPlan& plan,
             int samples = 0) {
   const double tolerance = plan.round_bf16 ? 4e-3 : 2e-4;
+  const Problem inputs = plan.round_bf16 ? rounded_inputs(p) : p;
   const int d = p.dim;
-  std::vector<char> owned(size_t(p.rows), 0);
-  double worst = 0;
-  int64_t bad = 0, checked = 0;
+  // The vectors checked, in order: (segment, row, head).
+  std::vector<std::tuple<size_t, int64_t, int>> vectors;
   std::mt19937_64 rng(1);
-  for (const AttentionSegment& s : p.segs) {
+  std::vector<char> owned(size_t(p.rows), 0);
+  for (size_t i = 0; i < p.segs.size(); ++i) {
+    const AttentionSegment& s = p.segs[i];
     std::fill_n(owned.begin() + s.first_row, s.rows, 1);
-    auto one = [&](int64_t r, int h) {
-      double scale;
-      const std::vector<double> want = reference(p, s, r, h, plan.round_bf16, scale);
-      const float* got = &out[size_t((s.first_row + r) * p.heads * d + int64_t(h) * d)];
-      for (int c = 0; c < d; ++c) {
-        const double err = std::fabs(double(got[c]) - want[size_t(c)]) / (scale + 1e-30);
-        worst = std::max(worst, std::isnan(err) ? INFINITY : err);
-        if (!(err <= tolerance) && bad++ < 5)
-          std::printf("    %s: row %ld head %d dim %d: got %.8g want %.8g\n", name.c_str(), long(s.first_row + r), h,
-                      c, got[c], want[size_t(c)]);
-      }
-      ++checked;
-    };
     if (samples) {
-      for (int i = 0; i < samples && s.rows; ++i) one(int64_t(rng() % s.rows), int(rng() % p.heads));
+      for (int k = 0; k < samples && s.rows; ++k) vectors.push_back({i, int64_t(rng() % s.rows), int(rng() % p.heads)});
     } else {
       for (int64_t r = 0; r < s.rows; ++r)
-        for (int h = 0; h < p.heads; ++h) one(r, h);
+        for (int h = 0; h < p.heads; ++h) vectors.push_back({i, r, h});
     }
+  }
+  // Each vector's worst error and its first failing dims (dim, got, want), over the threads.
+  struct Checked {
+    double worst = 0;
+    std::vector<std::tuple<int, float, double>> failing;
+  };
+  std::vector<Checked> checked(vectors.size());
+  const size_t threads = std::max(1u, std::thread::hardware_concurrency());
+  std::vector<std::thread> pool;
+  for (size_t t = 0; t < threads; ++t)
+    pool.emplace_back([&, t] {
+      for (size_t i = t; i < vectors.size(); i += threads) {
+        const auto [seg, r, h] = vectors[i];
+        const AttentionSegment& s = inputs.segs[seg];
+        double scale;
+        const std::vector<double> want = reference(inputs, s, r, h, scale);
+        const float* got = &out[size_t((s.first_row + r) * p.heads * d + int64_t(h) * d)];
+        for (int c = 0; c < d; ++c) {
+          const double err = std::fabs(double(got[c]) - want[size_t(c)]) / (scale + 1e-30);
+          checked[i].worst = std::max(checked[i].worst, std::isnan(err) ? INFINITY : err);
+          if (!(err <= tolerance) && checked[i].failing.size() < 5)
+            checked[i].failing.push_back({c, got[c], want[size_t(c)]});
+        }
+      }
+    });
+  for (std::thread& t : pool) t.join();
+  double worst = 0;
+  int64_t bad = 0;
+  for (size_t i = 0; i < vectors.size(); ++i) {
+    worst = std::max(worst, checked[i].worst);
+    const auto [seg, r, h] = vectors[i];
+    for (const auto& [c, got, want] : checked[i].failing)
+      if (bad++ < 5)
+        std::printf("    %s: row %ld head %d dim %d: got %.8g want %.8g\n", name.c_str(),
+                    long(p.segs[seg].first_row + r), h, c, got, want);
   }
   for (int64_t r = 0; r < p.rows; ++r)
     for (int64_t c = 0; !owned[size_t(r)] && c < int64_t(p.heads) * d; ++c)
       if (!std::isnan(out[size_t(r * p.heads * d + c)]) && bad++ < 5)
         std::printf("    %s: row %ld (no segment's) written\n", name.c_str(), long(r));
   char detail[160];
-  std::snprintf(detail, sizeof detail, "%s (%ld vectors, worst err / max|v| %.1e; %zu items, %zu merges, %ld slots)",
-                bad ? "MISMATCH" : "match", long(checked), worst, plan.items.size(), plan.merges.size(),
+  std::snprintf(detail, sizeof detail, "%s (%zu vectors, worst err / max|v| %.1e; %zu items, %zu merges, %ld slots)",
+                bad ? "MISMATCH" : "match", vectors.size(), worst, plan.items.size(), plan.merges.size(),
                 long(plan.slots));
   report(!bad, name, detail);
 }
