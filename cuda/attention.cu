@@ -268,7 +268,7 @@ AttentionPlan plan_attention(const std::vector<AttentionSegment>& segments, int 
         plan.slots += seen[g];
       }
     }
-    // One block per (piece, kv head, row group), the row groups innermost: the blocks that
+    // One item per (piece, kv head, row group), the row groups innermost: the items that
     // read the same keys run together, and the keys come from L2 after the first.
     for (size_t k = 0; k < pieces.size(); ++k)
       for (int h = 0; h < num_kv_heads; ++h)

@@ -171,11 +171,12 @@ struct DeviceAttentionSegment {
   int span_begin;  // into the span array
   int span_count;
 };
-// An item's work (a block's, or a cluster's): `rows` query rows from row `row0` of segment `segment`, all query heads
-// of kv head `kv_head`, over one piece of the segment's keys (its spans one after the
-// other): from key `key` of span `span` to key `last_end` - 1 of span `last_span` (span
-// indices into the span array; last_span < span: no key). slot < 0: the piece is all the
-// rows see and the block writes the output; else the block writes partial slot `slot`.
+// An item's work (a block's, or a cluster's): `rows` query rows from row `row0` of segment
+// `segment`, all query heads of kv head `kv_head`, over one piece of the segment's keys (its
+// spans one after the other): from key `key` of span `span` to key `last_end` - 1 of span
+// `last_span` (span indices into the span array; last_span < span: no key). slot < 0: the
+// piece is all the rows see and the item writes the output; else it writes partial slot
+// `slot`.
 struct AttentionItem {
   int segment;
   int row0;
