@@ -13,6 +13,8 @@ import numpy as np
 from . import _core
 
 _DTYPES = {None: "", "auto": "", "float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
+# The native side's dtype names (safetensors' spelling) as this API spells them.
+_DTYPE_NAMES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
 
 
 def _token_ids(ids, what: str, vocab_size: int) -> np.ndarray:
@@ -98,12 +100,12 @@ class Model:
 
     @property
     def dtype(self) -> str:
-        return {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}[self._native.dtype]
+        return _DTYPE_NAMES[self._native.dtype]
 
     @property
     def kv_cache_dtype(self) -> str:
         """How the KV cache stores keys and values: "float32" or "bfloat16"."""
-        return {"F32": "float32", "BF16": "bfloat16"}[self._native.kv_cache_dtype]
+        return _DTYPE_NAMES[self._native.kv_cache_dtype]
 
     @property
     def device(self) -> str:
