@@ -595,9 +595,12 @@ class CudaBackend final : public Backend {
                  int64_t num_kv_heads, int64_t head_dim, Activation& out, bool round_bf16) override {
     auto timed = op("attention");
     if (num_heads / num_kv_heads > 16) throw InvalidArgument("the CUDA attention supports up to 16 query heads per KV head");
+    // The kernel's occupancy on this device, asked once per kind (a few driver calls, which
+    // every eager pass's every layer had made).
+    int& resident_items = attention_resident_items_[{head_dim, round_bf16}];
+    if (!resident_items) resident_items = cuda::attention_mma_resident_items(int(head_dim), round_bf16);
     const cuda::AttentionPlan plan =
-        cuda::plan_attention(segments, int(num_heads), int(num_kv_heads), int(head_dim),
-                             cuda::attention_mma_resident_items(int(head_dim), round_bf16), round_bf16);
+        cuda::plan_attention(segments, int(num_heads), int(num_kv_heads), int(head_dim), resident_items, round_bf16);
     if (plan.items.empty()) return;
     const cuda::AttentionTables tables{upload_table(plan.segments), upload_table(plan.spans), upload_table(plan.items),
                                        upload_table(plan.merges)};
@@ -1099,6 +1102,7 @@ class CudaBackend final : public Backend {
   OpProfile profile_;
   std::shared_ptr<DevicePool> pool_;
   std::map<const void*, std::shared_ptr<void>> transposed_;  // linear_nt's weights, [N, K]
+  std::map<std::pair<int64_t, bool>, int> attention_resident_items_;  // by head dim and rounding
   cudaStream_t stream_ = nullptr;  // every op, in order (within concurrently's second branch: branch_'s)
   cudaStream_t side_ = nullptr;    // one-off copies while recording a graph
   cudaStream_t branch_ = nullptr;  // concurrently's second branch (swapped with stream_ while it is queued)
