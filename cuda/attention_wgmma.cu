@@ -143,8 +143,7 @@ __device__ __forceinline__ float4 load_or_zero(const float* src) {
 }
 
 // The two blocks' swap of score shares: block-local mbarriers that count the bytes the other
-// block's st.async stores write, one phase a chunk.
-__device__ __forceinline__ uint32_t shared_address(const void* p) { return uint32_t(__cvta_generic_to_shared(p)); }
+// block's st.async stores write, one phase a chunk (addresses: cp_async.cuh's shared_address).
 // The same place in shared memory of the cluster's block `rank`.
 __device__ __forceinline__ uint32_t cluster_address(uint32_t address, int rank) {
   uint32_t remote;
@@ -187,7 +186,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   extern __shared__ __align__(1024) uint8_t smem[];
   auto key_rows = reinterpret_cast<int (*)[kKeys]>(smem + S::kRowOffset);      // key_row
   auto key_pos = reinterpret_cast<int (*)[kKeys]>(smem + S::kPositionOffset);  // relative_position, or kNoKey
-  const uint32_t q_base = uint32_t(__cvta_generic_to_shared(smem));
+  const uint32_t q_base = shared_address(smem);
   const uint32_t k_base = q_base + S::kKOffset, v_base = q_base + S::kVOffset;
 
   // This block's dims of the head: 256 rank .. 256 rank + 255 (rank in the item's cluster).
