@@ -7,6 +7,7 @@ import pytest
 
 import diffuserve as ds
 from diffuserve.random_checkpoint import write_random_checkpoint
+from diffuserve.safetensors_io import as_float32, bf16_bits
 
 SHAPE = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
              num_key_value_heads=2, head_dim=32, global_head_dim=64, num_global_key_value_heads=1,
@@ -22,9 +23,7 @@ def path(tmp_path_factory):
 
 def rounded_to_bf16(x):
     """fp32 values rounded to the nearest bf16 (ties to even), as fp32."""
-    bits = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32).astype(np.uint64)
-    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-    return bits.astype(np.uint32).view(np.float32)
+    return as_float32("BF16", bf16_bits(x))
 
 
 def check_bf16_cache_gives_the_fp32_cache_results(path, models, load, prompt_length, prompt_lengths, new_tokens, seed):
