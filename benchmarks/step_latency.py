@@ -6,7 +6,8 @@
 Rows: ms per denoise step (one batched forward pass plus the sampler, through the
 engine) and per commit, at batch 1/4/16 and context 1K/8K/32K; output tokens/s at 16
 denoise steps per block; % of the weight-bandwidth roofline (weight bytes read per step
-over the measured device copy bandwidth). --quantization packs the linears' random weights
+over the measured device copy bandwidth); and a floor that counts the tensor cores' work as
+well as the bytes (floor_ms), with the step's % of it. --quantization packs the linears' random weights
 as an FP8 or NVFP4 checkpoint would (the embedding and the router stay bf16). With --hf, transformers' forward at the
 same shapes for the side-by-side ratio (run in a separate process: both models do not fit
 at once). Prints one table.
@@ -55,18 +56,65 @@ def write_config(path):
 LINEAR_BYTES = {"bf16": 2, "fp8": 1, "fp8-dynamic": 1, "nvfp4": 0.5 + 1 / 16}
 
 
+def attention_shapes(layer_type):
+    """A layer's (q/k/v parameters, o parameters, head dim, KV heads): full layers have head dim
+    512, 2 KV heads and no v_proj (values come from the keys' projection)."""
+    c = TEXT_CONFIG
+    h, heads, full = c["hidden_size"], c["num_attention_heads"], layer_type == "full_attention"
+    d, kv = (512, 2) if full else (c["head_dim"], c["num_key_value_heads"])
+    return h * heads * d + h * kv * d * (1 if full else 2), heads * d * h, d, kv
+
+
 def weight_bytes(quantization="bf16"):
     """Bytes of the text weights a denoise step reads (every expert: 2048 pairs over 128)."""
-    c, layers = TEXT_CONFIG, TEXT_CONFIG["layer_types"]
+    c = TEXT_CONFIG
     h = c["hidden_size"]
     linears = 3 * h * c["intermediate_size"]  # self-conditioning MLP
     plain = c["vocab_size"] * h  # embedding (= lm_head)
-    for t in layers:
-        d, kv = (512, 2) if t == "full_attention" else (256, 8)
-        attn = h * 16 * d * 2 + h * kv * d * (1 if t == "full_attention" else 2)
-        linears += attn + 3 * h * c["intermediate_size"] + 3 * c["num_experts"] * h * c["moe_intermediate_size"]
+    for t in c["layer_types"]:
+        qkv, o, _, _ = attention_shapes(t)
+        linears += qkv + o + 3 * h * c["intermediate_size"] + 3 * c["num_experts"] * h * c["moe_intermediate_size"]
         plain += c["num_experts"] * h  # the router
     return 2 * plain + LINEAR_BYTES[quantization] * linears
+
+
+def floor_ms(quantization, batch, context, kv_element_bytes, bandwidth, rates):
+    """A lower bound on a denoise step's time that counts arithmetic as well as bytes. At 256
+    canvas rows a product does 512 FLOPs a weight (1,024 at FP8's one byte), above the H200's
+    ratio of matmul rate to bandwidth, so the dense products, the lm_head and the soft
+    embedding are bound by the tensor cores, not by the weight stream the roofline counts.
+    Each group of products that can run at once costs the larger of its bytes over the copy
+    bandwidth and its FLOPs over the measured matmul rate (`rates`: FLOP/s for "bf16" and
+    "fp8" operands); the groups run one after another, each needing the one before. The
+    experts' bytes are those of the experts a canvas reaches, routing taken as uniform."""
+    c = TEXT_CONFIG
+    h, inter, vocab = c["hidden_size"], c["intermediate_size"], c["vocab_size"]
+    experts, top_k, moe, heads = c["num_experts"], c["top_k_experts"], c["moe_intermediate_size"], c["num_attention_heads"]
+    rows, weight = batch * CANVAS, LINEAR_BYTES[quantization]
+    # FP8_DYNAMIC quantizes the linears' inputs too, so their products run on E4M3 tensor cores.
+    linear_rate = rates["fp8"] if quantization == "fp8-dynamic" else rates["bf16"]
+
+    def group(*work):  # (bytes, FLOPs, FLOP/s) of products that may share the machine
+        return max(sum(b for b, _, _ in work) / bandwidth, sum(f / r for _, f, r in work))
+
+    def linear(params, bytes_per=weight, rate=linear_rate, flop_rows=rows):
+        return params * bytes_per, 2 * flop_rows * params, rate
+
+    reached = experts * (1 - (1 - top_k / experts) ** rows)
+    # The lm_head and the soft embedding (the previous step's distribution times the
+    # embedding: the same shape, on a transposed copy), then the self-conditioning MLP.
+    total = 2 * group(linear(vocab * h, 2, rates["bf16"])) + group(linear(3 * h * inter))
+    for t in c["layer_types"]:
+        qkv, o, d, kv = attention_shapes(t)
+        cached = context if t == "full_attention" else min(context, c["sliding_window"] - 1)
+        keys = batch * cached * kv * d * 2 * kv_element_bytes  # K and V from the cache
+        total += group(linear(qkv))
+        total += group((keys, 4 * rows * heads * d * (cached + CANVAS), rates["bf16"]))  # Q K^T and P V
+        total += group(linear(o))
+        total += group(linear(3 * h * inter),  # the dense MLP beside the router and the experts
+                       linear(experts * h, 2, rates["bf16"]),
+                       (reached / experts * 3 * experts * h * moe * weight, 2 * rows * top_k * 3 * h * moe, linear_rate))
+    return 1e3 * total
 
 
 def copy_bandwidth():
@@ -84,6 +132,31 @@ def copy_bandwidth():
     del x, y
     torch.cuda.empty_cache()
     return bandwidth
+
+
+def matmul_rate(operands):
+    """FLOP/s of a large square product on the tensor cores: torch's bf16 matmul, or ("fp8")
+    its E4M3 scaled product."""
+    import torch
+    n = 8192
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    if operands == "fp8":
+        a8, b8 = a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn).t()  # B column-major, as cuBLASLt takes it
+        one = torch.ones((), device="cuda")
+        product = lambda: torch._scaled_mm(a8, b8, one, one, out_dtype=torch.bfloat16)  # noqa: E731
+    else:
+        product = lambda: a @ b  # noqa: E731
+    for _ in range(3):
+        product()
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(20):
+        product()
+    torch.cuda.synchronize()
+    rate = 2 * n**3 * 20 / (time.perf_counter() - t)
+    torch.cuda.empty_cache()
+    return rate
 
 
 def fixed_steps(new_tokens, steps, seed):
@@ -168,6 +241,7 @@ def main():
     args = ap.parse_args()
 
     bandwidth = copy_bandwidth()
+    rates = {operands: matmul_rate(operands) for operands in ("bf16", "fp8")}
     roofline_ms = 1e3 * weight_bytes(args.quantization) / bandwidth
     grid = [(1, 1024)] if args.quick else [tuple(int(v) for v in row.split("x")) for row in args.grid.split(",")]
     with tempfile.TemporaryDirectory() as tmp:
@@ -182,10 +256,12 @@ def main():
         load_s = time.perf_counter() - t
         llm_kv_dtype = getattr(llm.model, "kv_cache_dtype", "float32")
         rows = []
+        kv_element_bytes = 2 if llm_kv_dtype == "bfloat16" else 4
         for batch, context in grid:
             step, tps = measure(llm, batch, context)
-            rows.append((batch, context, step, commit_ms(llm.model, context) if batch == 1 else None, tps))
-            commit = "-" if rows[-1][3] is None else f"{rows[-1][3]:.1f} ms"
+            floor = floor_ms(args.quantization, batch, context, kv_element_bytes, bandwidth, rates)
+            rows.append((batch, context, step, floor, commit_ms(llm.model, context) if batch == 1 else None, tps))
+            commit = "-" if rows[-1][4] is None else f"{rows[-1][4]:.1f} ms"
             print(f"  measured batch {batch} context {context}: {step:.1f} ms/step, commit {commit}, "
                   f"{tps:.0f} tok/s", file=sys.stderr, flush=True)  # seen even if a later row runs out of time
         del llm
@@ -195,12 +271,14 @@ def main():
           f"{args.activations} linear inputs, {llm_kv_dtype} KV cache), canvas {CANVAS}, {STEPS} steps/block")
     print(f"weights read per step {weight_bytes(args.quantization) / 1e9:.1f} GB; copy bandwidth {bandwidth / 1e12:.2f} TB/s; "
           f"roofline {roofline_ms:.1f} ms/step; load {load_s:.0f} s")
-    print("| batch | context | ms/step | % roofline | ms/commit | output tok/s |")
-    print("|------:|--------:|--------:|-----------:|----------:|-------------:|")
-    for batch, context, step, commit, tps in rows:
+    print(f"floor: each group of products at the slower of its bytes / copy bandwidth and its FLOPs / the measured "
+          f"matmul rate (bf16 {rates['bf16'] / 1e12:.0f}, E4M3 {rates['fp8'] / 1e12:.0f} TFLOP/s), KV reads included")
+    print("| batch | context | ms/step | % roofline | floor ms | % floor | ms/commit | output tok/s |")
+    print("|------:|--------:|--------:|-----------:|---------:|--------:|----------:|-------------:|")
+    for batch, context, step, floor, commit, tps in rows:
         commit_s = f"{commit:.1f}" if commit is not None else "-"
-        print(f"| {batch:>5} | {context:>7} | {step:>7.1f} | {100 * roofline_ms / step:>9.0f}% | {commit_s:>9} | "
-              f"{tps:>12.0f} |")
+        print(f"| {batch:>5} | {context:>7} | {step:>7.1f} | {100 * roofline_ms / step:>9.0f}% | {floor:>8.1f} | "
+              f"{100 * floor / step:>6.0f}% | {commit_s:>9} | {tps:>12.0f} |")
     if hf is not None:
         ours = rows[0][2]
         ratio = f"{hf / ours:.1f}x" if isinstance(hf, float) else "-"
