@@ -449,25 +449,33 @@ __global__ void transpose_bf16_kernel(const __nv_bfloat16* in, int64_t k, int64_
     if (n0 + i < n && k0 + threadIdx.x < k) out[(n0 + i) * k + k0 + threadIdx.x] = tile[threadIdx.x][i];
 }
 
-// Over the block: the sum of v over the threads before this one, and (total) over all.
-__device__ int64_t block_exclusive_sum(int64_t v, int64_t& total) {
-  __shared__ int64_t warp_totals[32];
+// Over the block, for two counts at once: the sums of v over the threads before this one,
+// and (total) over all. Each warp scans its lanes, then the first warp scans the warps'
+// totals, so that no thread walks the warps one by one (32 of them in moe_plan's block).
+__device__ int2 block_exclusive_sum(int2 v, int2& total) {
+  __shared__ int2 warp_before[32];  // each warp's total, then the totals of the warps before it
+  __shared__ int2 block_total;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = (blockDim.x + 31) >> 5;
-  int64_t inclusive = v;
-  for (int o = 1; o < 32; o <<= 1) {
-    const int64_t before = __shfl_up_sync(0xffffffffu, inclusive, o);
-    if (lane >= o) inclusive += before;
-  }
-  __syncthreads();  // a previous call's readers are done with warp_totals
-  if (lane == 31) warp_totals[warp] = inclusive;
+  auto warp_inclusive_sum = [&](int2 x) {
+    for (int o = 1; o < 32; o <<= 1) {
+      const int a = __shfl_up_sync(0xffffffffu, x.x, o), b = __shfl_up_sync(0xffffffffu, x.y, o);
+      if (lane >= o) x.x += a, x.y += b;
+    }
+    return x;
+  };
+  const int2 inclusive = warp_inclusive_sum(v);
+  __syncthreads();  // a previous call's readers are done with warp_before
+  if (lane == 31) warp_before[warp] = inclusive;
   __syncthreads();
-  int64_t before = 0;
-  total = 0;
-  for (int w = 0; w < warps; ++w) {
-    if (w < warp) before += warp_totals[w];
-    total += warp_totals[w];
+  if (warp == 0) {
+    const int2 own = lane < warps ? warp_before[lane] : make_int2(0, 0), upto = warp_inclusive_sum(own);
+    if (lane < warps) warp_before[lane] = make_int2(upto.x - own.x, upto.y - own.y);
+    if (lane == 31) block_total = upto;
   }
-  return before + inclusive - v;
+  __syncthreads();
+  total = block_total;
+  const int2 before = warp_before[warp];
+  return make_int2(before.x + inclusive.x - v.x, before.y + inclusive.y - v.y);
 }
 
 // One block (whole warps): count the pairs per expert; lay out segments and tiles, each
@@ -485,13 +493,16 @@ __global__ void moe_plan_kernel(const int32_t* ids, int64_t pairs, int top_k, in
   uint32_t* cursor = counts + experts;
   for (int e = threadIdx.x; e < experts; e += blockDim.x) counts[e] = 0;
   __syncthreads();
-  for (int64_t a = threadIdx.x; a < pairs; a += blockDim.x) atomicAdd(&counts[ids[a]], 1u);
+  const int n_pairs = int(pairs);  // moe_plan checks that they fit: 32-bit indices and divisions
+  for (int a = threadIdx.x; a < n_pairs; a += blockDim.x) atomicAdd(&counts[ids[a]], 1u);
   __syncthreads();
   const int per_thread = (experts + blockDim.x - 1) / blockDim.x;
   const int first = min(experts, int(threadIdx.x) * per_thread), last = min(experts, first + per_thread);
-  int64_t run_rows = 0, run_tiles = 0, total_rows, total_tiles;
-  for (int e = first; e < last; ++e) run_rows += counts[e], run_tiles += (counts[e] + tile_rows - 1) / tile_rows;
-  int64_t row = block_exclusive_sum(run_rows, total_rows), tile = block_exclusive_sum(run_tiles, total_tiles);
+  int2 run = make_int2(0, 0), total;  // rows, tiles
+  for (int e = first; e < last; ++e) run.x += int(counts[e]), run.y += int((counts[e] + tile_rows - 1) / tile_rows);
+  const int2 before = block_exclusive_sum(run, total);
+  int64_t row = before.x, tile = before.y;
+  const int64_t total_tiles = total.y;
   for (int e = first; e < last; ++e) {
     const int64_t n = counts[e];
     up_segments[e] = {row, row, int(n), gate_up.expert(e)};
@@ -502,7 +513,7 @@ __global__ void moe_plan_kernel(const int32_t* ids, int64_t pairs, int top_k, in
   }
   for (int64_t t = total_tiles + threadIdx.x; t < max_tiles; t += blockDim.x) tiles[t] = {-1, 0};
   __syncthreads();
-  for (int64_t a = threadIdx.x; a < pairs; a += blockDim.x) {
+  for (int a = threadIdx.x; a < n_pairs; a += blockDim.x) {
     const int64_t at = atomicAdd(&cursor[ids[a]], 1u);
     row_map[at] = a / top_k;
     inverse[a] = at;
