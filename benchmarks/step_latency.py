@@ -80,8 +80,8 @@ def weight_bytes(quantization="bf16"):
 
 def floor_ms(quantization, batch, context, kv_element_bytes, bandwidth, rates):
     """A lower bound on a denoise step's time that counts arithmetic as well as bytes. At 256
-    canvas rows a product does 512 FLOPs a weight (1,024 at FP8's one byte), above the H200's
-    ratio of matmul rate to bandwidth, so the dense products, the lm_head and the soft
+    canvas rows a product does 512 FLOPs a weight (256 a byte in bf16, 512 in FP8), above the
+    H200's ratio of matmul rate to bandwidth, so the dense products, the lm_head and the soft
     embedding are bound by the tensor cores, not by the weight stream the roofline counts.
     Each group of products that can run at once costs the larger of its bytes over the copy
     bandwidth and its FLOPs over the measured matmul rate (`rates`: FLOP/s for "bf16" and
@@ -97,8 +97,8 @@ def floor_ms(quantization, batch, context, kv_element_bytes, bandwidth, rates):
     def group(*work):  # (bytes, FLOPs, FLOP/s) of products that may share the machine
         return max(sum(b for b, _, _ in work) / bandwidth, sum(f / r for _, f, r in work))
 
-    def linear(params, bytes_per=weight, rate=linear_rate, flop_rows=rows):
-        return params * bytes_per, 2 * flop_rows * params, rate
+    def linear(params, bytes_per=weight, rate=linear_rate):
+        return params * bytes_per, 2 * rows * params, rate
 
     reached = experts * (1 - (1 - top_k / experts) ** rows)
     # The lm_head and the soft embedding (the previous step's distribution times the
@@ -113,7 +113,7 @@ def floor_ms(quantization, batch, context, kv_element_bytes, bandwidth, rates):
         total += group(linear(o))
         total += group(linear(3 * h * inter),  # the dense MLP beside the router and the experts
                        linear(experts * h, 2, rates["bf16"]),
-                       (reached / experts * 3 * experts * h * moe * weight, 2 * rows * top_k * 3 * h * moe, linear_rate))
+                       (reached * 3 * h * moe * weight, 2 * rows * top_k * 3 * h * moe, linear_rate))
     return 1e3 * total
 
 
