@@ -78,15 +78,16 @@ def weight_bytes(quantization="bf16"):
     return 2 * plain + LINEAR_BYTES[quantization] * linears
 
 
-def floor_ms(quantization, batch, context, kv_element_bytes, bandwidth, rates):
-    """A lower bound on a denoise step's time that counts arithmetic as well as bytes. At 256
-    canvas rows a product does 512 FLOPs a weight (256 a byte in bf16, 512 in FP8), above the
-    H200's ratio of matmul rate to bandwidth, so the dense products, the lm_head and the soft
-    embedding are bound by the tensor cores, not by the weight stream the roofline counts.
-    Each group of products that can run at once costs the larger of its bytes over the copy
-    bandwidth and its FLOPs over the measured matmul rate (`rates`: FLOP/s for "bf16" and
-    "fp8" operands); the groups run one after another, each needing the one before. The
-    experts' bytes are those of the experts a canvas reaches, routing taken as uniform."""
+def floor_parts(quantization, batch, context, kv_element_bytes, bandwidth, rates):
+    """A lower bound on a denoise step's time that counts arithmetic as well as bytes, as ms
+    per part of the model. At 256 canvas rows a product does 512 FLOPs a weight (256 a byte in
+    bf16, 512 in FP8), above the H200's ratio of matmul rate to bandwidth, so the dense
+    products, the lm_head and the soft embedding are bound by the tensor cores, not by the
+    weight stream the roofline counts. Each group of products that can run at once costs the
+    larger of its bytes over the copy bandwidth and its FLOPs over the measured matmul rate
+    (`rates`: FLOP/s for "bf16" and "fp8" operands); the groups run one after another, each
+    needing the one before. The experts' bytes are those of the experts a canvas reaches,
+    routing taken as uniform."""
     c = TEXT_CONFIG
     h, inter, vocab = c["hidden_size"], c["intermediate_size"], c["vocab_size"]
     experts, top_k, moe, heads = c["num_experts"], c["top_k_experts"], c["moe_intermediate_size"], c["num_attention_heads"]
@@ -94,27 +95,36 @@ def floor_ms(quantization, batch, context, kv_element_bytes, bandwidth, rates):
     # FP8_DYNAMIC quantizes the linears' inputs too, so their products run on E4M3 tensor cores.
     linear_rate = rates["fp8"] if quantization == "fp8-dynamic" else rates["bf16"]
 
-    def group(*work):  # (bytes, FLOPs, FLOP/s) of products that may share the machine
-        return max(sum(b for b, _, _ in work) / bandwidth, sum(f / r for _, f, r in work))
+    def group(*work):  # ms of (bytes, FLOPs, FLOP/s) products that may share the machine
+        return 1e3 * max(sum(b for b, _, _ in work) / bandwidth, sum(f / r for _, f, r in work))
 
     def linear(params, bytes_per=weight, rate=linear_rate):
         return params * bytes_per, 2 * rows * params, rate
 
     reached = experts * (1 - (1 - top_k / experts) ** rows)
-    # The lm_head and the soft embedding (the previous step's distribution times the
-    # embedding: the same shape, on a transposed copy), then the self-conditioning MLP.
-    total = 2 * group(linear(vocab * h, 2, rates["bf16"])) + group(linear(3 * h * inter))
+    parts = {
+        # The lm_head and the soft embedding (the previous step's distribution times the
+        # embedding: the same shape, on a transposed copy), then the self-conditioning MLP.
+        "lm_head and soft embedding": 2 * group(linear(vocab * h, 2, rates["bf16"])),
+        "attention projections": 0.0,
+        "attention": 0.0,
+        "MoE and MLPs": group(linear(3 * h * inter)),
+    }
     for t in c["layer_types"]:
         qkv, o, d, kv = attention_shapes(t)
         cached = context if t == "full_attention" else min(context, c["sliding_window"] - 1)
         keys = batch * cached * kv * d * 2 * kv_element_bytes  # K and V from the cache
-        total += group(linear(qkv))
-        total += group((keys, 4 * rows * heads * d * (cached + CANVAS), rates["bf16"]))  # Q K^T and P V
-        total += group(linear(o))
-        total += group(linear(3 * h * inter),  # the dense MLP beside the router and the experts
-                       linear(experts * h, 2, rates["bf16"]),
-                       (reached * 3 * h * moe * weight, 2 * rows * top_k * 3 * h * moe, linear_rate))
-    return 1e3 * total
+        parts["attention projections"] += group(linear(qkv)) + group(linear(o))
+        parts["attention"] += group((keys, 4 * rows * heads * d * (cached + CANVAS), rates["bf16"]))  # QK^T, PV
+        parts["MoE and MLPs"] += group(linear(3 * h * inter),  # the dense MLP beside the router and the experts
+                                       linear(experts * h, 2, rates["bf16"]),
+                                       (reached * 3 * h * moe * weight, 2 * rows * top_k * 3 * h * moe, linear_rate))
+    return parts
+
+
+def floor_ms(*args):
+    """floor_parts' sum: the whole step's floor."""
+    return sum(floor_parts(*args).values())
 
 
 def copy_bandwidth():
@@ -273,6 +283,9 @@ def main():
           f"roofline {roofline_ms:.1f} ms/step; load {load_s:.0f} s")
     print(f"floor: each group of products at the slower of its bytes / copy bandwidth and its FLOPs / the measured "
           f"matmul rate (bf16 {rates['bf16'] / 1e12:.0f}, E4M3 {rates['fp8'] / 1e12:.0f} TFLOP/s), KV reads included")
+    batch, context = grid[0]
+    parts = floor_parts(args.quantization, batch, context, kv_element_bytes, bandwidth, rates)
+    print(f"floor at batch {batch}, context {context}: " + ", ".join(f"{k} {v:.2f} ms" for k, v in parts.items()))
     print("| batch | context | ms/step | % roofline | floor ms | % floor | ms/commit | output tok/s |")
     print("|------:|--------:|--------:|-----------:|---------:|--------:|----------:|-------------:|")
     for batch, context, step, floor, commit, tps in rows:
