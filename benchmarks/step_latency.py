@@ -104,11 +104,11 @@ def floor_parts(quantization, batch, context, kv_element_bytes, bandwidth, rates
     reached = experts * (1 - (1 - top_k / experts) ** rows)
     parts = {
         # The lm_head and the soft embedding (the previous step's distribution times the
-        # embedding: the same shape, on a transposed copy), then the self-conditioning MLP.
+        # embedding: the same shape, on a transposed copy).
         "lm_head and soft embedding": 2 * group(linear(vocab * h, 2, rates["bf16"])),
         "attention projections": 0.0,
         "attention": 0.0,
-        "MoE and MLPs": group(linear(3 * h * inter)),
+        "MoE and MLPs": group(linear(3 * h * inter)),  # from the self-conditioning MLP
     }
     for t in c["layer_types"]:
         qkv, o, d, kv = attention_shapes(t)
