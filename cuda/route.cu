@@ -22,6 +22,8 @@
 // piece of a weight row. A token's scores depend on its row alone: batch-invariant.
 #include <cooperative_groups.h>
 
+#include <algorithm>
+#include <climits>
 #include <stdexcept>
 #include <string>
 
@@ -93,8 +95,24 @@ __device__ __forceinline__ void multiply_chunk(const Chunk& c, float (&acc)[kTil
   }
 }
 
+// A score as an unsigned integer in the same order (the larger score the larger integer;
+// -0 as +0, so that the two tie as floats do), for the warp's integer reductions.
+__device__ __forceinline__ uint32_t ordered_key(float v) {
+  const uint32_t u = __float_as_uint(v == 0.0f ? 0.0f : v);
+  return u >> 31 ? ~u : u | 0x80000000u;
+}
+
+// Experts a warp routes among: a lane keeps which of its experts (e = lane + 32 j) are taken
+// in one 64-bit mask.
+constexpr int kMaxRouteExperts = 32 * 64;
+
 // One token's routing from its scores s (in place): softmax of s * scale, the top k (the
-// lower expert id wins a tie) by warp-wide argmaxes, renormalised, times each expert's scale.
+// lower expert id wins a tie), renormalised, times each expert's scale. A lane keeps the
+// best of its experts not yet taken; a pick is the warp's best of those, found by two
+// single-instruction reductions (the largest key, then the lowest id holding it), and only
+// the lane whose expert was picked looks again among its own. Every score is a candidate
+// (infinities and NaNs have keys too), so every pick is an expert. The weights are
+// finished by the lanes together, each loading its picks' expert scales at once.
 __device__ void route_token(float* s, int experts, float scale, int top_k, const float* per_expert_scale,
                             int32_t* ids, float* wt, int lane) {
   float m = -INFINITY;
@@ -103,26 +121,31 @@ __device__ void route_token(float* s, int experts, float scale, int top_k, const
   float z = 0.0f;
   for (int e = lane; e < experts; e += 32) z += expf(s[e] - m);
   for (int o = 16; o > 0; o >>= 1) z += __shfl_xor_sync(0xffffffffu, z, o);
+  uint64_t taken = 0;
+  uint32_t best_key = 0;
+  int best = INT_MAX;  // this lane's best expert not taken (none: INT_MAX)
+  auto find_best = [&] {
+    best_key = 0, best = INT_MAX;
+    for (int e = lane, j = 0; e < experts; e += 32, ++j) {
+      const uint32_t key = ordered_key(s[e]);
+      if (!(taken >> j & 1) && (best == INT_MAX || key > best_key)) best_key = key, best = e;
+    }
+  };
+  find_best();
   float picked = 0.0f;
   for (int k = 0; k < top_k; ++k) {
-    float best = -INFINITY;
-    int index = -1;
-    for (int e = lane; e < experts; e += 32)
-      if (s[e] != -INFINITY && (index < 0 || s[e] > best)) best = s[e], index = e;
-    for (int o = 16; o > 0; o >>= 1) {
-      const float v = __shfl_xor_sync(0xffffffffu, best, o);
-      const int i = __shfl_xor_sync(0xffffffffu, index, o);
-      if (i >= 0 && (index < 0 || v > best || (v == best && i < index))) best = v, index = i;
-    }
-    const float p = expf(best - m) / z;
+    const uint32_t top = __reduce_max_sync(0xffffffffu, best == INT_MAX ? 0u : best_key);
+    const int index = __reduce_min_sync(0xffffffffu, best != INT_MAX && best_key == top ? best : INT_MAX);
+    const float p = expf(s[index] - m) / z;
     picked += p;
     if (lane == 0) ids[k] = index, wt[k] = p;
-    __syncwarp();
-    if (lane == (index & 31)) s[index] = -INFINITY;  // taken
-    __syncwarp();
+    if (index == best) {
+      taken |= uint64_t(1) << (index >> 5);
+      find_best();
+    }
   }
-  if (lane == 0)
-    for (int k = 0; k < top_k; ++k) wt[k] = wt[k] / picked * per_expert_scale[ids[k]];
+  __syncwarp();  // lane 0's picks are visible to the warp
+  for (int k = lane; k < top_k; k += 32) wt[k] = wt[k] / picked * per_expert_scale[ids[k]];
 }
 
 __global__ void __launch_bounds__(kRouteWarps * 32, 1)
@@ -207,7 +230,9 @@ __global__ void __launch_bounds__(kRouteWarps * 32, 1)
 
 }  // namespace
 
-int route_max_experts() { return int((kMaxSharedBytes - kPartialBytes) / (sizeof(float) * kRouteTokens)); }
+int route_max_experts() {
+  return std::min(kMaxRouteExperts, int((kMaxSharedBytes - kPartialBytes) / (sizeof(float) * kRouteTokens)));
+}
 
 void route(const float* x, int64_t tokens, int64_t hidden, const __nv_bfloat16* w, int experts, float scale,
            int top_k, const float* per_expert_scale, int32_t* expert_ids, float* weights, cudaStream_t stream) {

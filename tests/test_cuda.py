@@ -50,10 +50,11 @@ SHAPES = {
                         num_global_key_value_heads=1, sliding_window=40, num_experts=136, top_k_experts=4,
                         moe_intermediate_size=64),
     # A width past 1024 that is not a multiple of 4: the norms' row kernel one value at a
-    # time (float4s at 1096 above).
+    # time (float4s at 1096 above); more experts than a warp's lanes, and more picks (the
+    # router's lanes each keep several experts and finish several weights).
     "wide_odd_hidden": dict(vocab_size=256, hidden_size=1030, intermediate_size=128, num_hidden_layers=2,
                             num_attention_heads=2, num_key_value_heads=1, head_dim=64, global_head_dim=128,
-                            num_global_key_value_heads=1, sliding_window=40, num_experts=8, top_k_experts=2,
+                            num_global_key_value_heads=1, sliding_window=40, num_experts=40, top_k_experts=34,
                             moe_intermediate_size=32),
 }
 
