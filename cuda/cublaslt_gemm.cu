@@ -39,12 +39,14 @@ int64_t row_values(GemmInput input, int64_t k) { return planes(input) * gemm_pad
 
 // The operation and matrix layouts of one product at m rows (destroyed with it); `fp8`:
 // E4M3 operands with outer-vector scales (set_scales gives their addresses); `device_scalars`:
-// alpha and beta in device memory.
+// alpha and beta in device memory. `batches` > 1: that many weights stored back to back,
+// each multiplying the same X into its own output, y_stride values after the one before.
 struct Product {
   cublasLtMatmulDesc_t op = nullptr;
   cublasLtMatrixLayout_t w = nullptr, a = nullptr, y = nullptr;
 
-  Product(bool fp8, bool device_scalars, int64_t m, int64_t lda, int64_t n, int64_t k, int64_t ldy) {
+  Product(bool fp8, bool device_scalars, int64_t m, int64_t lda, int64_t n, int64_t k, int64_t ldy, int batches = 1,
+          int64_t y_stride = 0) {
     check(cublasLtMatmulDescCreate(&op, CUBLAS_COMPUTE_32F, CUDA_R_32F), "matmul descriptor");
     const cublasOperation_t transpose = CUBLAS_OP_T, keep = CUBLAS_OP_N;
     check(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSA, &transpose, sizeof(transpose)), "transa");
@@ -66,6 +68,14 @@ struct Product {
     check(cublasLtMatrixLayoutCreate(&w, type, uint64_t(k), uint64_t(n), k), "w layout");
     check(cublasLtMatrixLayoutCreate(&a, type, uint64_t(k), uint64_t(m), lda), "a layout");
     check(cublasLtMatrixLayoutCreate(&y, CUDA_R_32F, uint64_t(n), uint64_t(m), ldy), "y layout");
+    if (batches > 1)
+      for (const auto& [layout, stride] : {std::pair{w, n * k}, std::pair{a, int64_t(0)}, std::pair{y, y_stride}}) {
+        check(cublasLtMatrixLayoutSetAttribute(layout, CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, &batches, sizeof(batches)),
+              "batch count");
+        check(cublasLtMatrixLayoutSetAttribute(layout, CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET, &stride,
+                                               sizeof(stride)),
+              "batch stride");
+      }
   }
   void set_scales(const float* w_scales, const float* a_scales) {
     check(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &w_scales, sizeof(w_scales)),
@@ -104,7 +114,7 @@ CublasLtGemm::~CublasLtGemm() {
 }
 
 CublasLtGemm::Plan CublasLtGemm::choose(const Key& key) {
-  const auto [fp8, device_scalars, n, k, lda, ldy, align_w, align_y] = key;
+  const auto [fp8, device_scalars, n, k, lda, ldy, align_w, align_y, batches] = key;
   Plan plan;
   cublasLtMatmulPreference_t preference = nullptr;
   check(cublasLtMatmulPreferenceCreate(&preference), "preference");
@@ -124,8 +134,9 @@ CublasLtGemm::Plan CublasLtGemm::choose(const Key& key) {
       {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, uint32_t(align_y)}};
   for (const auto& [attribute, value] : preferences)
     check(cublasLtMatmulPreferenceSetAttribute(preference, attribute, &value, sizeof(value)), "preference");
-  Product reference(fp8, device_scalars, kReferenceRows, lda, n, k, ldy), one(fp8, device_scalars, 1, lda, n, k, ldy),
-      many(fp8, device_scalars, 64 * kReferenceRows, lda, n, k, ldy);
+  // Batched outputs lie one above the other, as Backend::linears keeps them.
+  auto product_at = [&](int64_t m) { return Product(fp8, device_scalars, m, lda, n, k, ldy, batches, m * ldy); };
+  Product reference = product_at(kReferenceRows), one = product_at(1), many = product_at(64 * kReferenceRows);
   if (fp8) {  // the choice looks at the scales' modes, not their addresses: a placeholder, never read
     const float* const placeholder = reinterpret_cast<const float*>(uintptr_t(256));
     for (Product* product : {&reference, &one, &many}) product->set_scales(placeholder, placeholder);
@@ -157,7 +168,7 @@ int64_t CublasLtGemm::part_rows(GemmInput input, const GemmMatrix& w, int64_t n)
 }
 
 const CublasLtGemm::Plan* CublasLtGemm::usable_plan(GemmInput input, const GemmMatrix& w, int64_t first_row,
-                                                    int64_t rows, int64_t k, const float* y, int64_t ldy) {
+                                                    int64_t rows, int64_t k, const float* y, int64_t ldy, int batches) {
   const bool fp8 = input == GemmInput::Fp8Token;
   if (fp8 && !w.row_scales) return nullptr;
   const uint64_t row_bytes = uint64_t(k) * (fp8 ? 1 : 2);
@@ -168,7 +179,8 @@ const CublasLtGemm::Plan* CublasLtGemm::usable_plan(GemmInput input, const GemmM
                 row_values(input, k),
                 ldy,
                 alignment({reinterpret_cast<uintptr_t>(w.values) + first_row * row_bytes, row_bytes}),
-                alignment({reinterpret_cast<uintptr_t>(y) + first_row * 4, uint64_t(ldy) * 4})};
+                alignment({reinterpret_cast<uintptr_t>(y) + first_row * 4, uint64_t(ldy) * 4}),
+                batches};
   auto it = plans_.find(key);
   if (it == plans_.end()) it = plans_.emplace(key, choose(key)).first;
   return it->second.usable ? &it->second : nullptr;
@@ -185,6 +197,18 @@ std::vector<const CublasLtGemm::Plan*> CublasLtGemm::part_plans(GemmInput input,
     plans.push_back(plan);
   }
   return plans;
+}
+
+const CublasLtGemm::Plan* CublasLtGemm::batch_plan(GemmInput input, const std::vector<GemmMatrix>& ws, int64_t n,
+                                                   int64_t k, const std::vector<float*>& ys, int64_t m, int64_t ldy) {
+  if (ws.size() < 2 || input == GemmInput::Fp8Token) return nullptr;
+  const int64_t bytes = n * k * 2;
+  for (size_t i = 0; i < ws.size(); ++i)
+    if (ws[i].row_scales || ws[i].tiled ||
+        static_cast<const uint8_t*>(ws[i].values) != static_cast<const uint8_t*>(ws[0].values) + int64_t(i) * bytes ||
+        ys[i] != ys[0] + int64_t(i) * m * ldy)
+      return nullptr;
+  return usable_plan(input, ws[0], 0, n, k, ys[0], ldy, int(ws.size()));
 }
 
 bool CublasLtGemm::supports(GemmInput input, const GemmMatrix& w, int64_t n, int64_t k, const float* y, int64_t ldy) {
@@ -216,6 +240,16 @@ void CublasLtGemm::multiply(const float* x, int64_t m, int64_t ldx, bool gated, 
       prepared.rows ? prepared : prepare_gemm_input(x, m, ldx, gated, k, input, /*permuted=*/false, scratch, stream);
   const int64_t kp = x_rows.kp, row_bytes = k * (fp8 ? 1 : 2);
   const float host_constants[2] = {0.0f, 1.0f};
+  auto x_plane = [&](int plane) { return x_rows.rows + plane * kp * (fp8 ? 1 : 2); };
+  if (const Plan* batched = batch_plan(input, ws, n, k, ys, m, ldy)) {
+    Product product(false, false, m, row_values(input, k), n, k, ldy, int(ws.size()), m * ldy);
+    for (int plane = 0; plane < planes(input); ++plane)
+      check(cublasLtMatmul(handle_, product.op, &host_constants[1], ws[0].values, product.w, x_plane(plane), product.a,
+                           &host_constants[plane ? 1 : 0], ys[0], product.y, ys[0], product.y, &batched->algo,
+                           workspace, kWorkspaceBytes, stream),
+            "cublasLtMatmul");
+    return;
+  }
   for (size_t i = 0; i < ws.size(); ++i) {
     const GemmMatrix& w = ws[i];
     const bool device_scalars = !fp8 && w.row_scales;  // alpha: the part's row factor
@@ -229,9 +263,9 @@ void CublasLtGemm::multiply(const float* x, int64_t m, int64_t ldx, bool gated, 
       const uint8_t* values = static_cast<const uint8_t*>(w.values) + first * row_bytes;
       float* y = ys[i] + first;
       for (int plane = 0; plane < planes(input); ++plane) {
-        const uint8_t* a = x_rows.rows + plane * kp * (fp8 ? 1 : 2);
-        check(cublasLtMatmul(handle_, product.op, alpha, values, product.w, a, product.a, &constants[plane ? 1 : 0], y,
-                             product.y, y, product.y, &chosen[i][part]->algo, workspace, kWorkspaceBytes, stream),
+        check(cublasLtMatmul(handle_, product.op, alpha, values, product.w, x_plane(plane), product.a,
+                             &constants[plane ? 1 : 0], y, product.y, y, product.y, &chosen[i][part]->algo, workspace,
+                             kWorkspaceBytes, stream),
               "cublasLtMatmul");
       }
     }

@@ -41,7 +41,9 @@ class CublasLtGemm {
   // `input` says: gemm.cu's pre-pass writes its bf16 planes or E4M3 codes once into
   // `scratch` (gemm_scratch_bytes, 16-byte aligned), unless `prepared` holds them already
   // (rows not null, as gemm()'s), then one product a plane and weight, Split's lo plane's
-  // added to its hi's.
+  // added to its hi's. Plain bf16 weights stored back to back (Backend::place_together)
+  // whose outputs lie one above the other (ys[i] = ys[0] + i m ldy) are one batched product
+  // a plane, where cuBLASLt has an algorithm for it.
   void multiply(const float* x, int64_t m, int64_t ldx, bool gated, GemmInput input, const std::vector<GemmMatrix>& ws,
                 int64_t n, int64_t k, const std::vector<float*>& ys, int64_t ldy, const PreparedX& prepared,
                 void* scratch, cudaStream_t stream);
@@ -52,15 +54,21 @@ class CublasLtGemm {
     cublasLtMatmulAlgo_t algo{};
   };
   // (E4M3 or bf16 operands, alpha and beta in device memory (bf16 with row factors), n, k,
-  // lda, ldy, alignment of w and y in bytes); X's planes are always 16-byte aligned
-  using Key = std::tuple<bool, bool, int64_t, int64_t, int64_t, int64_t, int, int>;
+  // lda, ldy, alignment of w and y in bytes, weights batched); X's planes are always 16-byte
+  // aligned
+  using Key = std::tuple<bool, bool, int64_t, int64_t, int64_t, int64_t, int, int, int>;
   // The rows of w each product takes: all n, or a run sharing one row factor; 0 where the
   // factors have no such runs.
   static int64_t part_rows(GemmInput input, const GemmMatrix& w, int64_t n);
   // The plan for the product of w's rows [first_row, first_row + rows) into y's columns
-  // there, chosen on first use; null where none is usable.
+  // there (`batches` weights of those rows back to back from w, into outputs as many rows
+  // apart as X has), chosen on first use; null where none is usable.
   const Plan* usable_plan(GemmInput input, const GemmMatrix& w, int64_t first_row, int64_t rows, int64_t k,
-                          const float* y, int64_t ldy);
+                          const float* y, int64_t ldy, int batches = 1);
+  // The plan for ws as one batched product at m rows (multiply); null where they are not
+  // stored and written as it takes them, or cuBLASLt has no algorithm for it.
+  const Plan* batch_plan(GemmInput input, const std::vector<GemmMatrix>& ws, int64_t n, int64_t k,
+                         const std::vector<float*>& ys, int64_t m, int64_t ldy);
   // The plans of w's products, one a part (part_rows) in row order; empty where cuBLASLt
   // cannot take one of them.
   std::vector<const Plan*> part_plans(GemmInput input, const GemmMatrix& w, int64_t n, int64_t k, const float* y,

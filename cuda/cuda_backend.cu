@@ -98,7 +98,7 @@ class DevicePool : public std::enable_shared_from_this<DevicePool> {
     DevicePool& pool_;
   };
 
- private:
+  // The blocks given back, back to the driver.
   void release_cached() {
     cudaDeviceSynchronize();  // no queued kernel may still use a block about to be freed
     std::lock_guard<std::mutex> lock(mutex_);
@@ -108,6 +108,7 @@ class DevicePool : public std::enable_shared_from_this<DevicePool> {
     cudaGetLastError();
   }
 
+ private:
   std::mutex mutex_;
   std::map<size_t, std::vector<void*>> free_;
   int deferring_ = 0;                                // live Deferrals
@@ -339,6 +340,25 @@ class CudaBackend final : public Backend {
     check(cudaStreamSynchronize(stream_), "lay_out_experts");
     cudaFree(rows);
     w.tiled = true;
+  }
+
+  // Plain bf16 linears of one shape into one allocation, one after another, for cuBLASLt's
+  // batched product (CublasLtGemm::multiply): at batch 1 a layer's K or V product alone
+  // fills half the GPU.
+  void place_together(const std::vector<Weight*>& ws) override {
+    bind();
+    for (const Weight* w : ws)
+      if (w->format != WeightFormat::Plain || w->dtype != DType::BF16 || w->row_scales || w->tiled ||
+          w->shape != ws.front()->shape)
+        return;
+    const size_t bytes = size_t(ws.front()->numel()) * dtype_size(DType::BF16);
+    auto storage = pool_->get(bytes * ws.size());
+    auto* base = static_cast<uint8_t*>(storage.get());
+    for (size_t i = 0; i < ws.size(); ++i)
+      check(cudaMemcpyAsync(base + i * bytes, ws[i]->data, bytes, cudaMemcpyDeviceToDevice, stream_), "place_together");
+    check(cudaStreamSynchronize(stream_), "place_together");
+    for (size_t i = 0; i < ws.size(); ++i) ws[i]->data = base + i * bytes, ws[i]->storage = storage;
+    pool_->release_cached();  // the weights' old blocks: the KV cache's default size counts the memory free
   }
 
   // FP8 with one scale per output row (per channel, or per tensor repeated), and NVFP4's

@@ -209,6 +209,9 @@ class Backend {
   // An expert stack ([E, N, K]) as loaded, its input quantization known: a backend may lay
   // it out again for its MoE products (the CUDA backend stores it tiled, Weight::tiled).
   virtual void lay_out_experts(Weight& stack) { (void)stack; }
+  // Linears of one shape that `linears` multiplies by the same input (a layer's K and V): a
+  // backend may store them back to back, to multiply them as one batched product.
+  virtual void place_together(const std::vector<Weight*>& linears) { (void)linears; }
   // Bytes the KV cache may take by default, asked once the weights are loaded.
   virtual int64_t default_kv_cache_bytes() = 0;
   // How the KV cache stores keys and values for `config`'s layers: F32, or BF16 where every

@@ -457,8 +457,10 @@ void load_weights(ModelState& m, DType as) {
   }
   src.check_all_taken(c.tie_word_embeddings);
   if (m.bf16_activations) round_linear_inputs(w);
-  for (LayerWeights& l : w.layers)
+  for (LayerWeights& l : w.layers) {
+    if (!l.v_proj.empty()) m.backend->place_together({&l.k_proj, &l.v_proj});
     for (Weight* stack : {&l.experts_gate_up, &l.experts_down}) m.backend->lay_out_experts(*stack);
+  }
   m.weight_dtype = as;
   m.embed_scale = round_to_dtype(std::sqrt(float(H)), as);
 }
