@@ -321,9 +321,21 @@ class CudaBackend final : public Backend {
   // Expert stacks whose products take the wgmma tiles with operands alike (bf16, or E4M3 with
   // FP8 per-token inputs), [E, N, K] with N a multiple of 128 and rows of whole 128-byte
   // slices, are stored tiled, in place: each stage's 128 rows one contiguous 16 KB run
-  // (gemm_tile.cuh), as the MoE's GEMM streams them best. The rows pass through a buffer of
-  // their own, not the pool's (which would keep it).
-  void lay_out_experts(Weight& w) override {
+  // (gemm_tile.cuh), as the MoE's GEMM streams them best. A bf16 gate_up stack whose down
+  // product takes its input as bf16 planes it may be handed (preparable_input) is also
+  // paired (Weight::paired): its product then writes the activation itself, as the down
+  // product takes it, where the down product's pre-pass had computed it from gate_up's fp32
+  // outputs (one launch a layer fewer, and no fp32 outputs).
+  void lay_out_experts(Weight& gate_up, Weight& down) override {
+    const std::optional<cuda::GemmInput> down_input = preparable_input(down);
+    lay_out(gate_up, gate_up.format == WeightFormat::Plain && !gate_up.row_scales && down_input &&
+                         *down_input != cuda::GemmInput::Fp8Token);
+    lay_out(down, false);
+  }
+  // One stack stored tiled, if its products take the wgmma tiles (`paired`: its rows paired,
+  // tile_matrices). The rows pass through a buffer of their own, not the pool's (which would
+  // keep it).
+  void lay_out(Weight& w, bool paired) {
     bind();
     if (w.shape.size() != 3 || w.tiled) return;
     const int64_t row_bytes = cuda::weight_row_bytes(w.format, w.shape[2]);
@@ -336,10 +348,11 @@ class CudaBackend final : public Backend {
     }
     auto* values = static_cast<uint8_t*>(const_cast<void*>(w.data));
     check(cudaMemcpyAsync(rows, values, bytes, cudaMemcpyDeviceToDevice, stream_), "lay_out_experts");
-    cuda::tile_matrices(static_cast<const uint8_t*>(rows), w.shape[0], w.shape[1], row_bytes, values, stream_);
+    cuda::tile_matrices(static_cast<const uint8_t*>(rows), w.shape[0], w.shape[1], row_bytes, paired, values, stream_);
     check(cudaStreamSynchronize(stream_), "lay_out_experts");
     cudaFree(rows);
     w.tiled = true;
+    w.paired = paired;
   }
 
   // Plain bf16 linears of one shape into one allocation, one after another, for cuBLASLt's
@@ -521,7 +534,7 @@ class CudaBackend final : public Backend {
       for (int64_t m0 = 0; m0 < x.rows; m0 += tile) tiles.push_back({int(i), int(m0)});
     }
     cuda::gemm(x.data, x.rows, x.cols, false, nullptr, upload_table(segments), upload_table(tiles), int(tiles.size()),
-               tile, ws.front()->format, weights.front().tiled, first.n, first.k, input, y.data, y.cols, x_prepared,
+               tile, ws.front()->format, weights.front().tiled, first.n, first.k, input, y.data, y.cols, x_prepared, {},
                scratch.get(), stream_);
   }
 
@@ -683,7 +696,7 @@ class CudaBackend final : public Backend {
                    matrices(down), static_cast<int64_t*>(row_map.get()), static_cast<int64_t*>(inverse.get()),
                    static_cast<cuda::GemmSegment*>(up_segments.get()),
                    static_cast<cuda::GemmSegment*>(down_segments.get()), device_tiles, max_tiles, stream_);
-    Activation gu = alloc_output(pairs, inter2), y = alloc_output(pairs, hidden);
+    Activation y = alloc_output(pairs, hidden);
     // Quantized inputs. FP8 per token: the scales are per token, so the token rows are
     // quantized once for all experts, by the GEMM itself or beforehand on a copy. NVFP4:
     // each expert has its own global scales, so each (token, expert) pair gets a row of its
@@ -707,10 +720,29 @@ class CudaBackend final : public Backend {
       quantize_input(input, gate_up.input_quant, routing.encoder_tokens, -1);
     }
     auto up_scratch = pool_->get(cuda::gemm_scratch_bytes(input.rows, inter2, hidden, up_input));
-    cuda::gemm(input.data, input.rows, input.cols, false, up_rows,
-               static_cast<const cuda::GemmSegment*>(up_segments.get()), device_tiles, max_tiles, tile_rows,
-               gate_up.format, gate_up.tiled, inter2, hidden, up_input, gu.data, gu.cols,
-               prepared(input, up_input, gate_up.format), up_scratch.get(), stream_);
+    auto up_product = [&](float* y_up, const cuda::PreparedX& act) {
+      cuda::gemm(input.data, input.rows, input.cols, false, up_rows,
+                 static_cast<const cuda::GemmSegment*>(up_segments.get()), device_tiles, max_tiles, tile_rows,
+                 gate_up.format, gate_up.tiled, inter2, hidden, up_input, y_up, inter2,
+                 prepared(input, up_input, gate_up.format), act, up_scratch.get(), stream_);
+    };
+    auto down_scratch = pool_->get(cuda::gemm_scratch_bytes(pairs, hidden, inter2 / 2, down_input));
+    auto down_product = [&](const float* x_down, bool gated, const cuda::PreparedX& x_prepared) {
+      cuda::gemm(x_down, pairs, gated ? inter2 : inter2 / 2, gated, nullptr,
+                 static_cast<const cuda::GemmSegment*>(down_segments.get()), device_tiles, max_tiles, tile_rows,
+                 down.format, down.tiled, hidden, inter2 / 2, down_input, y.data, y.cols, x_prepared, {},
+                 down_scratch.get(), stream_);
+    };
+    if (gate_up.paired) {  // the up product writes the activation as the down product takes it
+      auto act = pool_->get(cuda::prepared_x_bytes(pairs, inter2 / 2, down_input));
+      const cuda::PreparedX act_rows = cuda::prepared_x(act.get(), pairs, inter2 / 2, down_input);
+      up_product(nullptr, act_rows);
+      down_product(nullptr, false, act_rows);
+      return cuda::combine_experts(y.data, static_cast<const int64_t*>(inverse.get()), routing.weights.data, tokens,
+                                   routing.top_k, hidden, out.data, stream_);
+    }
+    Activation gu = alloc_output(pairs, inter2);
+    up_product(gu.data, {});
     // The activation: in the down product's pre-pass where it can be (gated_input).
     const bool gated = gated_input(down);
     Activation act = gu;
@@ -720,10 +752,7 @@ class CudaBackend final : public Backend {
       if (down.input_quant.scheme == ActivationScheme::Nvfp4) quantize_nvfp4_rows(act, false, down.input_quant, act);
       else if (down_input == cuda::GemmInput::Split) quantize_input(act, down.input_quant, 0, -1);
     }
-    auto down_scratch = pool_->get(cuda::gemm_scratch_bytes(pairs, hidden, inter2 / 2, down_input));
-    cuda::gemm(act.data, pairs, act.cols, gated, nullptr, static_cast<const cuda::GemmSegment*>(down_segments.get()),
-               device_tiles, max_tiles, tile_rows, down.format, down.tiled, hidden, inter2 / 2, down_input, y.data,
-               y.cols, {}, down_scratch.get(), stream_);
+    down_product(act.data, gated, {});
     cuda::combine_experts(y.data, static_cast<const int64_t*>(inverse.get()), routing.weights.data, tokens,
                           routing.top_k, hidden, out.data, stream_);
   }
@@ -948,7 +977,7 @@ class CudaBackend final : public Backend {
     const cuda::GemmSegment seg{0, 0, int(x.rows), w};
     const int tile = cuda::gemm_tile_rows(x.rows, 1, n, input, format);
     cuda::gemm(x.data, x.rows, x.cols, gated, nullptr, &seg, nullptr, int((x.rows + tile - 1) / tile), tile, format,
-               w.tiled, n, k, input, y.data, y.cols, x_prepared, scratch.get(), stream_);
+               w.tiled, n, k, input, y.data, y.cols, x_prepared, {}, scratch.get(), stream_);
   }
 
   // Products of X (x's rows, or gated as gemm_dense says) with weights ws[i] ([n, k] each;

@@ -168,6 +168,7 @@ struct Params {
   int64_t k_slice;  // split-K: K columns per blockIdx.z, a multiple of the stage's K
   float* y;
   int64_t ldy, y_copy_stride;
+  PreparedX act;  // rows not null: the MLP's activation instead of y (gemm()'s `act`)
 };
 
 // Bytes of a stage's W row: the MMA tile's 128 (bf16, or E4M3 with E4M3 X), or the packed
@@ -656,6 +657,29 @@ __global__ void __launch_bounds__(S::kThreads, S::kBlocks) gemm_kernel(const Par
   if constexpr (S::kWgmma) {
     // wacc[h][4 j + 2 i + e]: W row 64 h + 16 warp + lane / 4 + 8 i, X row 8 j + 2 (lane % 4) + e
     auto column = [&](int half, int i) { return n0 + 64 * half + 16 * warp + (lane >> 2) + 8 * i; };
+    if (p.act.rows) {
+      // Paired rows (paired_row): i = 0 a gate output, i = 1 its up output, of the
+      // activation's column (64 h + 16 warp + n0) / 2 + lane / 4; plain bf16 weights, so the
+      // outputs are the sums themselves, and the activation's bf16 planes are the down
+      // product's pre-pass's, bit for bit.
+#pragma unroll
+      for (int j = 0; j < kBM / 8; ++j)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int r = 8 * j + 2 * (lane & 3) + e;
+          if (r >= rows) continue;
+          auto* const hi = reinterpret_cast<uint16_t*>(p.act.rows + (seg.y_row + m0 + r) * p.act.row_bytes());
+#pragma unroll
+          for (int half = 0; half < 2; ++half) {
+            const int64_t c = column(half, 0) / 16 * 8 + (lane >> 2);
+            uint32_t h, l;
+            split_bf16(gelu_glu_value(wacc[half][4 * j + e], wacc[half][4 * j + 2 + e]), 0.0f, h, l);
+            hi[c] = uint16_t(h);
+            if (p.act.input == GemmInput::Split) hi[p.act.kp + c] = uint16_t(l);
+          }
+        }
+      return;
+    }
     float factor[2][2];
 #pragma unroll
     for (int half = 0; half < 2; ++half)
@@ -994,9 +1018,13 @@ PreparedX prepare_gemm_input(const float* x, int64_t rows, int64_t ldx, bool gat
 
 void gemm(const float* x, int64_t x_rows, int64_t ldx, bool gated, const int64_t* row_map, const GemmSegment* segments,
           const GemmTile* tiles, int num_tiles, int tile_rows, WeightFormat format, bool w_tiled, int64_t n, int64_t k,
-          GemmInput input, float* y, int64_t ldy, const PreparedX& prepared, void* scratch, cudaStream_t stream) {
+          GemmInput input, float* y, int64_t ldy, const PreparedX& prepared, const PreparedX& act, void* scratch,
+          cudaStream_t stream) {
   if (input == GemmInput::Fp8Token && format != WeightFormat::Fp8)
     throw std::invalid_argument("gemm: Fp8Token takes FP8 weights");
+  if (act.rows && (format != WeightFormat::Plain || !w_tiled || !gemm_has_wgmma_tile(input, format) ||
+                   tile_rows == 16 || n % 128 || act.kp != n / 2 || act.input == GemmInput::Fp8Token))
+    throw std::invalid_argument("gemm: the activation output takes paired, tiled bf16 weights on the wgmma tiles");
   if (format == WeightFormat::Nvfp4 && k % 16) throw std::invalid_argument("gemm: NVFP4 weights need K % 16 == 0");
   if (num_tiles <= 0 || n <= 0) return;
   if (padded_k(k, input) > (int64_t(1) << 29))
@@ -1044,6 +1072,7 @@ void gemm(const float* x, int64_t x_rows, int64_t ldx, bool gated, const int64_t
   p.y = out;
   p.ldy = ldy;
   p.y_copy_stride = copy_stride;
+  p.act = act;
   const bool wgmma = gemm_has_wgmma_tile(input, format);
   const bool decoding_wgmma = format == WeightFormat::Nvfp4 && wgmma_enabled();  // 64 and 128 rows
   static_assert(Wgmma32::kBM == Small32::kBM, "one 32-row tile height");

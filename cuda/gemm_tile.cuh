@@ -40,6 +40,15 @@ DS_HOST_DEVICE constexpr int64_t tiled_offset(int64_t row, int64_t slice, int ch
   return (row / 128 * slices + slice) * kTiledRunBytes + swizzle(int(row % 128), chunk);
 }
 
+// A [gate; up] stack's rows paired for the MLP's activation in the wgmma tiles' epilogue
+// (gemm()'s `act`): of n rows, gate row i and up row i (row n / 2 + i) go to 16 (i / 8) +
+// i % 8 and 8 rows after, so that a warp's accumulators, rows lane / 4 and lane / 4 + 8 of
+// its 16, hold each gate output beside its up output. n a multiple of 16.
+DS_HOST_DEVICE constexpr int64_t paired_row(int64_t row, int64_t n) {
+  const int64_t half = n / 2, i = row % half;
+  return i / 8 * 16 + row / half * 8 + i % 8;
+}
+
 // The tile row and chunk whose address lane `lane` gives to ldmatrix.x4 for the A
 // fragment of the 16 rows from `row0` at 32-byte K step `ks`: lanes 0-15 rows 0-15 at
 // bytes 0-15 of the step, lanes 16-31 the same rows at bytes 16-31, which makes

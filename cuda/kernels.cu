@@ -410,12 +410,14 @@ __global__ void scatter_rows_kernel(const float* src, int64_t cols, const int64_
 }
 
 // A thread per 16-byte chunk of the rows, copied to its place in the tiled layout.
-__global__ void tile_matrices_kernel(const uint8_t* in, int64_t n, int64_t row_bytes, int64_t chunks, uint8_t* out) {
+__global__ void tile_matrices_kernel(const uint8_t* in, int64_t n, int64_t row_bytes, bool paired, int64_t chunks,
+                                     uint8_t* out) {
   wait_for_earlier_kernels();
   const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= chunks) return;
   const int64_t per_row = row_bytes / 16, matrix = i / (n * per_row), row = i / per_row % n, c = i % per_row;
-  const int64_t at = matrix * n * row_bytes + tiled_offset(row, c / 8, int(c % 8), row_bytes / kRowBytes);
+  const int64_t at = matrix * n * row_bytes +
+                     tiled_offset(paired ? paired_row(row, n) : row, c / 8, int(c % 8), row_bytes / kRowBytes);
   *reinterpret_cast<uint4*>(out + at) = reinterpret_cast<const uint4*>(in)[i];
 }
 
@@ -974,11 +976,12 @@ void quantize_nvfp4_expert_rows(const float* x, bool gather, const int64_t* row_
            row_map, segments, experts, rows, cols, encoder_tokens, encoder_global, decoder_global, out);
 }
 
-void tile_matrices(const uint8_t* in, int64_t matrices, int64_t n, int64_t row_bytes, uint8_t* out,
+void tile_matrices(const uint8_t* in, int64_t matrices, int64_t n, int64_t row_bytes, bool paired, uint8_t* out,
                    cudaStream_t stream) {
   if (n % 128 || row_bytes % kRowBytes) throw std::invalid_argument("tile_matrices: 128-row blocks of 128-byte slices");
   const int64_t chunks = matrices * n * row_bytes / 16;
-  if (chunks) launch(tile_matrices_kernel, blocks_for(chunks), kThreads, 0, stream, in, n, row_bytes, chunks, out);
+  if (chunks)
+    launch(tile_matrices_kernel, blocks_for(chunks), kThreads, 0, stream, in, n, row_bytes, paired, chunks, out);
 }
 
 void decode_nvfp4(const uint8_t* packed, const uint8_t* group_scales, int64_t rows, int64_t cols, __nv_bfloat16* out,

@@ -122,9 +122,14 @@ PreparedX prepare_gemm_input(const float* x, int64_t rows, int64_t ldx, bool gat
 // kernel does not decode), or none (rows null) for the pre-pass into `scratch`.
 // `w_tiled`: every segment's weights are stored tiled (GemmMatrix::tiled; the wgmma tiles
 // alone read them).
+// `act` (rows not null): instead of Y, the MLP's activation of each (gate, up) pair of
+// outputs, gelu_glu_value, as the next product takes it (its bf16 planes, act.kp = n / 2,
+// row r of Y its row r): the weights are tiled [gate; up] stacks paired (tile_matrices), plain
+// bf16 on the wgmma tiles.
 void gemm(const float* x, int64_t x_rows, int64_t ldx, bool gated, const int64_t* row_map, const GemmSegment* segments,
           const GemmTile* tiles, int num_tiles, int tile_rows, WeightFormat format, bool w_tiled, int64_t n, int64_t k,
-          GemmInput input, float* y, int64_t ldy, const PreparedX& prepared, void* scratch, cudaStream_t stream);
+          GemmInput input, float* y, int64_t ldy, const PreparedX& prepared, const PreparedX& act, void* scratch,
+          cudaStream_t stream);
 // Fp8Token's codes and scales, for gemm() and its tests: per row of X (rows x k, ldx apart; gated
 // as gemm() says), the FP8 token scale into scales[row] and the E4M3 codes of x / scale
 // (activation_quant.h's quantize_e4m3) into codes + row * ld_codes, zero from k to ld_codes
@@ -356,8 +361,9 @@ void lay_out_nvfp4(uint8_t* packed, uint8_t* group_scales, int64_t groups, cudaS
 // Fills n bf16 values with random_weight_value (backend.h's dummy weights).
 void random_bf16(__nv_bfloat16* out, int64_t n, uint64_t seed, float scale, cudaStream_t stream);
 // `matrices` [n, row_bytes] matrices one after the other (in), each stored tiled into out
-// (GemmMatrix::tiled: n a multiple of 128, row_bytes of 128).
-void tile_matrices(const uint8_t* in, int64_t matrices, int64_t n, int64_t row_bytes, uint8_t* out,
+// (GemmMatrix::tiled: n a multiple of 128, row_bytes of 128); `paired`: [gate; up] stacks
+// whose rows go to gemm_tile.cuh's paired_row (gemm()'s `act`).
+void tile_matrices(const uint8_t* in, int64_t matrices, int64_t n, int64_t row_bytes, bool paired, uint8_t* out,
                    cudaStream_t stream);
 
 struct DeviceRowSample {

@@ -95,6 +95,9 @@ struct Weight {
   int64_t factor_rows = 0;  // plain weights' row_scales: each run of this many rows shares one (0: they vary)
   const uint8_t* group_scales = nullptr;
   bool tiled = false;  // the values stored tiled (Backend::lay_out_experts; cuda/gemm_tile.cuh)
+  // A tiled [gate; up] stack's rows paired, each gate row's products beside its up row's
+  // (cuda/gemm_tile.cuh, paired_row): its MoE product writes the activation itself.
+  bool paired = false;
   std::shared_ptr<const void> storage;
   ActivationQuant input_quant;  // a linear's; scheme None for most weights
 
@@ -206,9 +209,10 @@ class Backend {
     (void)readers;
     return alloc_output(rows, cols);
   }
-  // An expert stack ([E, N, K]) as loaded, its input quantization known: a backend may lay
-  // it out again for its MoE products (the CUDA backend stores it tiled, Weight::tiled).
-  virtual void lay_out_experts(Weight& stack) { (void)stack; }
+  // A layer's expert stacks ([E, N, K]) as loaded, their input quantization known: a backend
+  // may lay them out again for its MoE products (the CUDA backend stores them tiled,
+  // Weight::tiled, and gate_up's rows paired, Weight::paired).
+  virtual void lay_out_experts(Weight& gate_up, Weight& down) { (void)gate_up, (void)down; }
   // Linears of one shape that `linears` multiplies by the same input (a layer's K and V): a
   // backend may store them back to back, to multiply them as one batched product.
   virtual void place_together(const std::vector<Weight*>& linears) { (void)linears; }

@@ -459,7 +459,7 @@ void load_weights(ModelState& m, DType as) {
   if (m.bf16_activations) round_linear_inputs(w);
   for (LayerWeights& l : w.layers) {
     if (!l.v_proj.empty()) m.backend->place_together({&l.k_proj, &l.v_proj});
-    for (Weight* stack : {&l.experts_gate_up, &l.experts_down}) m.backend->lay_out_experts(*stack);
+    m.backend->lay_out_experts(l.experts_gate_up, l.experts_down);
   }
   m.weight_dtype = as;
   m.embed_scale = round_to_dtype(std::sqrt(float(H)), as);
