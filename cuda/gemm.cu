@@ -657,27 +657,30 @@ __global__ void __launch_bounds__(S::kThreads, S::kBlocks) gemm_kernel(const Par
   if constexpr (S::kWgmma) {
     // wacc[h][4 j + 2 i + e]: W row 64 h + 16 warp + lane / 4 + 8 i, X row 8 j + 2 (lane % 4) + e
     auto column = [&](int half, int i) { return n0 + 64 * half + 16 * warp + (lane >> 2) + 8 * i; };
-    if (p.act.rows) {
-      // Paired rows (paired_row): i = 0 a gate output, i = 1 its up output, of the
-      // activation's column (64 h + 16 warp + n0) / 2 + lane / 4; plain bf16 weights, so the
-      // outputs are the sums themselves, and the activation's bf16 planes are the down
-      // product's pre-pass's, bit for bit.
+    // f(j, e, r) for each of this thread's X rows r = 8 j + 2 (lane % 4) + e of the tile.
+    auto for_each_row = [&](auto f) {
 #pragma unroll
       for (int j = 0; j < kBM / 8; ++j)
 #pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const int r = 8 * j + 2 * (lane & 3) + e;
-          if (r >= rows) continue;
-          auto* const hi = reinterpret_cast<uint16_t*>(p.act.rows + (seg.y_row + m0 + r) * p.act.row_bytes());
+        for (int e = 0; e < 2; ++e)
+          if (8 * j + 2 * (lane & 3) + e < rows) f(j, e, 8 * j + 2 * (lane & 3) + e);
+    };
+    if (p.act.rows) {
+      // Paired rows (paired_row): i = 0 a gate output, i = 1 its up output, of the
+      // activation's column (64 h + 16 warp + n0) / 2 + lane / 4; plain bf16 weights, so the
+      // outputs are the sums themselves, and the activation and its bf16 planes are the
+      // down product's pre-pass's function and roundings of them.
+      for_each_row([&](int j, int e, int r) {
+        auto* const hi = reinterpret_cast<uint16_t*>(p.act.rows + (seg.y_row + m0 + r) * p.act.row_bytes());
 #pragma unroll
-          for (int half = 0; half < 2; ++half) {
-            const int64_t c = column(half, 0) / 16 * 8 + (lane >> 2);
-            uint32_t h, l;
-            split_bf16(gelu_glu_value(wacc[half][4 * j + e], wacc[half][4 * j + 2 + e]), 0.0f, h, l);
-            hi[c] = uint16_t(h);
-            if (p.act.input == GemmInput::Split) hi[p.act.kp + c] = uint16_t(l);
-          }
+        for (int half = 0; half < 2; ++half) {
+          const int64_t c = column(half, 0) / 16 * 8 + (lane >> 2);
+          uint32_t h, l;
+          split_bf16(gelu_glu_value(wacc[half][4 * j + e], wacc[half][4 * j + 2 + e]), 0.0f, h, l);
+          hi[c] = uint16_t(h);
+          if (p.act.input == GemmInput::Split) hi[p.act.kp + c] = uint16_t(l);
         }
+      });
       return;
     }
     float factor[2][2];
@@ -685,21 +688,15 @@ __global__ void __launch_bounds__(S::kThreads, S::kBlocks) gemm_kernel(const Par
     for (int half = 0; half < 2; ++half)
 #pragma unroll
       for (int i = 0; i < 2; ++i) factor[half][i] = column(half, i) < n ? column_factor(column(half, i)) : 0.0f;
+    for_each_row([&](int j, int e, int r) {
+      const float s = x_scale(r);
+      float* const y_row = y + (seg.y_row + m0 + r) * p.ldy;
 #pragma unroll
-    for (int j = 0; j < kBM / 8; ++j)
+      for (int half = 0; half < 2; ++half)
 #pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const int r = 8 * j + 2 * (lane & 3) + e;
-        if (r >= rows) continue;
-        const float s = x_scale(r);
-        float* const y_row = y + (seg.y_row + m0 + r) * p.ldy;
-#pragma unroll
-        for (int half = 0; half < 2; ++half)
-#pragma unroll
-          for (int i = 0; i < 2; ++i)
-            if (column(half, i) < n)
-              y_row[column(half, i)] = rescale(wacc[half][4 * j + 2 * i + e], s, factor[half][i]);
-      }
+        for (int i = 0; i < 2; ++i)
+          if (column(half, i) < n) y_row[column(half, i)] = rescale(wacc[half][4 * j + 2 * i + e], s, factor[half][i]);
+    });
   } else {
     const int64_t c0 = n0 + warp_n * kWN + (lane & 3) * 2;  // the lane's first column
     float factor[kTilesN][2];
