@@ -738,21 +738,20 @@ class CudaBackend final : public Backend {
       const cuda::PreparedX act_rows = cuda::prepared_x(act.get(), pairs, inter2 / 2, down_input);
       up_product(nullptr, act_rows);
       down_product(nullptr, false, act_rows);
-      return cuda::combine_experts(y.data, static_cast<const int64_t*>(inverse.get()), routing.weights.data, tokens,
-                                   routing.top_k, hidden, out.data, stream_);
+    } else {
+      Activation gu = alloc_output(pairs, inter2);
+      up_product(gu.data, {});
+      // The activation: in the down product's pre-pass where it can be (gated_input).
+      const bool gated = gated_input(down);
+      Activation act = gu;
+      if (!gated) {
+        act = alloc_output(pairs, inter2 / 2);
+        cuda::gelu_glu(gu.data, pairs, inter2 / 2, act.data, stream_);
+        if (down.input_quant.scheme == ActivationScheme::Nvfp4) quantize_nvfp4_rows(act, false, down.input_quant, act);
+        else if (down_input == cuda::GemmInput::Split) quantize_input(act, down.input_quant, 0, -1);
+      }
+      down_product(act.data, gated, {});
     }
-    Activation gu = alloc_output(pairs, inter2);
-    up_product(gu.data, {});
-    // The activation: in the down product's pre-pass where it can be (gated_input).
-    const bool gated = gated_input(down);
-    Activation act = gu;
-    if (!gated) {
-      act = alloc_output(pairs, inter2 / 2);
-      cuda::gelu_glu(gu.data, pairs, inter2 / 2, act.data, stream_);
-      if (down.input_quant.scheme == ActivationScheme::Nvfp4) quantize_nvfp4_rows(act, false, down.input_quant, act);
-      else if (down_input == cuda::GemmInput::Split) quantize_input(act, down.input_quant, 0, -1);
-    }
-    down_product(act.data, gated, {});
     cuda::combine_experts(y.data, static_cast<const int64_t*>(inverse.get()), routing.weights.data, tokens,
                           routing.top_k, hidden, out.data, stream_);
   }
