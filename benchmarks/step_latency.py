@@ -34,12 +34,14 @@ TEXT_CONFIG = dict(
                      "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
                                         "rope_theta": 1000000.0}},
     model_type="diffusion_gemma_text", tie_word_embeddings=True)
+# The full-attention layers' own attention shape (the checkpoint's per_layer_config).
+FULL_ATTENTION = {"head_dim": 512, "num_key_value_heads": 2}
 CANVAS, STEPS = 256, 16
 
 
 def write_config(path):
     text = dict(TEXT_CONFIG)
-    text["per_layer_config"] = {str(i): {"head_dim": 512, "num_key_value_heads": 2}
+    text["per_layer_config"] = {str(i): dict(FULL_ATTENTION)
                                 for i, t in enumerate(text["layer_types"]) if t == "full_attention"}
     os.makedirs(path, exist_ok=True)
     with open(os.path.join(path, "config.json"), "w") as f:
@@ -57,11 +59,12 @@ LINEAR_BYTES = {"bf16": 2, "fp8": 1, "fp8-dynamic": 1, "nvfp4": 0.5 + 1 / 16}
 
 
 def attention_shapes(layer_type):
-    """A layer's (q/k/v parameters, o parameters, head dim, KV heads): full layers have head dim
-    512, 2 KV heads and no v_proj (values come from the keys' projection)."""
+    """A layer's (q/k/v parameters, o parameters, head dim, KV heads): full layers have their own
+    head dim and KV heads (FULL_ATTENTION) and no v_proj (values come from the keys' projection)."""
     c = TEXT_CONFIG
     h, heads, full = c["hidden_size"], c["num_attention_heads"], layer_type == "full_attention"
-    d, kv = (512, 2) if full else (c["head_dim"], c["num_key_value_heads"])
+    shape = FULL_ATTENTION if full else c
+    d, kv = shape["head_dim"], shape["num_key_value_heads"]
     return h * heads * d + h * kv * d * (1 if full else 2), heads * d * h, d, kv
 
 
