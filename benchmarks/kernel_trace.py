@@ -8,13 +8,15 @@ diffuserve's included). Needs a CUDA build and PyTorch.
                                       [--quantization fp8-dynamic]
 
 Prints the GPU-busy share of the wall time, then one row per kernel name: time and launches
-per forward pass, mean time per launch; then the gaps between GPU work, by length.
+per forward pass, mean time per launch; then each kernel's share of the busy time (each
+instant goes to the earliest-started kernel running); then the gaps between GPU work, by length.
 (DIFFUSERVE_PROFILE=1 instead times each op with a synchronisation around it.)
 Programmatic dependent launch is off here unless DIFFUSERVE_PDL is set: with it a kernel's
 blocks start while the kernel before is still running and wait for it, so each kernel's time
 would include that wait.
 """
 import argparse
+import heapq
 import os
 import tempfile
 import time
@@ -73,6 +75,34 @@ def main():
     for name, (ms, n) in sorted(by_name.items(), key=lambda kv: -kv[1][0])[:args.rows]:
         short = name.replace("diffuserve::cuda::(anonymous namespace)::", "").split("(")[0][:70]
         print(f"| {ms / passes:9.3f} | {n / passes:15.1f} | {1e3 * ms / n:11.1f} | {short} |")
+    # What each kernel costs the pass: every instant of the GPU's busy time goes to the
+    # kernel running then that started first. With programmatic dependent launch
+    # (DIFFUSERVE_PDL=1) a kernel's own time includes its wait for the one before, which
+    # goes to that one; of two branches side by side, the one that started first is charged
+    # while both run. The shares add up to the busy time.
+    exposed = {}
+    running = []  # (start, end, name) of the kernels started so far, earliest start on top
+    times = sorted({t for e in gpu for t in (e.time_range.start, e.time_range.end)})
+    upcoming = iter(gpu)
+    following = next(upcoming, None)
+    for t0, t1 in zip(times, times[1:]):
+        while following is not None and following.time_range.start <= t0:
+            heapq.heappush(running, (following.time_range.start, following.time_range.end, following.name))
+            following = next(upcoming, None)
+        while running and running[0][1] <= t0:
+            heapq.heappop(running)  # the earliest-started kernel has ended
+        if running:
+            share = exposed.setdefault(running[0][2], [0.0, 0])
+            share[0] += (t1 - t0) / 1e3
+    for e in gpu:
+        exposed.setdefault(e.name, [0.0, 0])[1] += 1
+    print(f"each kernel's share of the busy time, {sum(ms for ms, _ in exposed.values()) / passes:.1f} ms a pass "
+          f"(programmatic dependent launch {'on' if os.environ['DIFFUSERVE_PDL'] != '0' else 'off'}):")
+    print("| share ms a pass | launches a pass | share us a launch | kernel |")
+    print("|----------------:|----------------:|------------------:|:-------|")
+    for name, (ms, n) in sorted(exposed.items(), key=lambda kv: -kv[1][0])[:args.rows]:
+        short = name.replace("diffuserve::cuda::(anonymous namespace)::", "").split("(")[0][:70]
+        print(f"| {ms / passes:15.3f} | {n / passes:15.1f} | {1e3 * ms / n:17.1f} | {short} |")
     gaps = [max(b.time_range.start - a.time_range.end, 0) for a, b in zip(gpu, gpu[1:])]
     long_gaps = sorted(g for g in gaps if g > 20)
     longest = ", ".join(f"{g:.0f}" for g in long_gaps[-3:])
