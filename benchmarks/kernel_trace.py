@@ -29,6 +29,28 @@ import diffuserve as ds
 from step_latency import CANVAS, LINEAR_BYTES, fixed_steps, write_config  # beside this script
 
 
+def busy_shares(kernels):
+    """What each kernel costs: of (start, end, name) intervals, every instant of the GPU's busy
+    time goes to the kernel running then that started first. With programmatic dependent
+    launch (DIFFUSERVE_PDL=1) a kernel's own time includes its wait for the one before, which
+    goes to that one; of two branches side by side, the one that started first is charged
+    while both run. Returns {name: time}; the times add up to the busy time."""
+    shares = {name: 0.0 for _, _, name in kernels}
+    running = []  # (start, end, name) of the kernels started so far, earliest start on top
+    upcoming = iter(sorted(kernels))
+    following = next(upcoming, None)
+    times = sorted({t for start, end, _ in kernels for t in (start, end)})
+    for t0, t1 in zip(times, times[1:]):
+        while following is not None and following[0] <= t0:
+            heapq.heappush(running, following)
+            following = next(upcoming, None)
+        while running and running[0][1] <= t0:
+            heapq.heappop(running)  # the earliest-started kernel has ended
+        if running:
+            shares[running[0][2]] += t1 - t0
+    return shares
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--context", type=int, default=1024)
@@ -75,27 +97,8 @@ def main():
     for name, (ms, n) in sorted(by_name.items(), key=lambda kv: -kv[1][0])[:args.rows]:
         short = name.replace("diffuserve::cuda::(anonymous namespace)::", "").split("(")[0][:70]
         print(f"| {ms / passes:9.3f} | {n / passes:15.1f} | {1e3 * ms / n:11.1f} | {short} |")
-    # What each kernel costs the pass: every instant of the GPU's busy time goes to the
-    # kernel running then that started first. With programmatic dependent launch
-    # (DIFFUSERVE_PDL=1) a kernel's own time includes its wait for the one before, which
-    # goes to that one; of two branches side by side, the one that started first is charged
-    # while both run. The shares add up to the busy time.
-    exposed = {}
-    running = []  # (start, end, name) of the kernels started so far, earliest start on top
-    times = sorted({t for e in gpu for t in (e.time_range.start, e.time_range.end)})
-    upcoming = iter(gpu)
-    following = next(upcoming, None)
-    for t0, t1 in zip(times, times[1:]):
-        while following is not None and following.time_range.start <= t0:
-            heapq.heappush(running, (following.time_range.start, following.time_range.end, following.name))
-            following = next(upcoming, None)
-        while running and running[0][1] <= t0:
-            heapq.heappop(running)  # the earliest-started kernel has ended
-        if running:
-            share = exposed.setdefault(running[0][2], [0.0, 0])
-            share[0] += (t1 - t0) / 1e3
-    for e in gpu:
-        exposed.setdefault(e.name, [0.0, 0])[1] += 1
+    exposed = busy_shares([(e.time_range.start, e.time_range.end, e.name) for e in gpu])
+    exposed = {name: [us / 1e3, by_name[name][1]] for name, us in exposed.items()}
     print(f"each kernel's share of the busy time, {sum(ms for ms, _ in exposed.values()) / passes:.1f} ms a pass "
           f"(programmatic dependent launch {'on' if os.environ['DIFFUSERVE_PDL'] != '0' else 'off'}):")
     print("| share ms a pass | launches a pass | share us a launch | kernel |")

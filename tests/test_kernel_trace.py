@@ -1,0 +1,42 @@
+"""benchmarks/kernel_trace.py's busy-time shares, on made-up kernel timelines (no GPU)."""
+import os
+import sys
+
+import pytest
+
+pytest.importorskip("torch")
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+from kernel_trace import busy_shares  # noqa: E402
+
+
+def test_a_chain_with_early_starts_charges_each_kernel_from_the_end_of_the_one_before():
+    # b and c start early (programmatic dependent launch) and wait for the kernel before
+    shares = busy_shares([(0, 10, "a"), (4, 25, "b"), (20, 31, "c")])
+    assert shares == {"a": 10, "b": 15, "c": 6}
+
+
+def test_a_branch_beside_a_longer_kernel_is_charged_only_while_it_started_first():
+    # "mlp" runs on another stream beside the long "experts" kernel, which started first
+    shares = busy_shares([(0, 100, "experts"), (5, 20, "mlp"), (90, 120, "combine")])
+    assert shares == {"experts": 100, "mlp": 0, "combine": 20}
+
+
+def test_idle_time_is_no_kernels_and_launches_of_one_name_add_up():
+    shares = busy_shares([(0, 5, "norm"), (30, 40, "gemm"), (40, 47, "norm"), (47, 47, "empty")])
+    assert shares == {"norm": 12, "gemm": 10, "empty": 0}
+    assert sum(shares.values()) == 5 + 10 + 7  # the busy time: the gap of 25 is nobody's
+
+
+def test_the_shares_add_up_to_the_busy_time_of_an_arbitrary_timeline():
+    import random
+
+    rng = random.Random(7)
+    kernels = []
+    for i in range(300):
+        start = rng.uniform(0, 1000)
+        kernels.append((start, start + rng.expovariate(1 / 20), f"k{i % 13}"))
+    busy, reach = 0.0, float("-inf")
+    for start, end, _ in sorted(kernels):
+        busy += max(0.0, end - max(start, reach))
+        reach = max(reach, end)
+    assert sum(busy_shares(kernels).values()) == pytest.approx(busy)
