@@ -51,6 +51,18 @@ def busy_shares(kernels):
     return shares
 
 
+def print_by_kernel(times, passes, rows, label=""):
+    """A table of the `rows` largest of {kernel name: [ms, launches]}: a pass's ms and launches,
+    us a launch."""
+    head = [f"{label}ms a pass", "launches a pass", f"{label}us a launch"]
+    print("| " + " | ".join(head) + " | kernel |")
+    print("|" + "|".join("-" * (len(h) + 1) + ":" for h in head) + "|:-------|")
+    for name, (ms, n) in sorted(times.items(), key=lambda kv: -kv[1][0])[:rows]:
+        short = name.replace("diffuserve::cuda::(anonymous namespace)::", "").split("(")[0][:70]
+        cells = [f"{ms / passes:.3f}", f"{n / passes:.1f}", f"{1e3 * ms / n:.1f}"]
+        print("| " + " | ".join(c.rjust(len(h)) for c, h in zip(cells, head)) + f" | {short} |")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--context", type=int, default=1024)
@@ -92,20 +104,12 @@ def main():
           f"context {args.context}, {passes} forward passes")
     print(f"wall {wall_ms / passes:.1f} ms a pass, GPU busy {busy_ms / passes:.1f} ms "
           f"({100 * busy_ms / wall_ms:.0f}%), {len(gpu) / passes:.0f} kernels and copies a pass")
-    print("| ms a pass | launches a pass | us a launch | kernel |")
-    print("|----------:|----------------:|------------:|:-------|")
-    for name, (ms, n) in sorted(by_name.items(), key=lambda kv: -kv[1][0])[:args.rows]:
-        short = name.replace("diffuserve::cuda::(anonymous namespace)::", "").split("(")[0][:70]
-        print(f"| {ms / passes:9.3f} | {n / passes:15.1f} | {1e3 * ms / n:11.1f} | {short} |")
+    print_by_kernel(by_name, passes, args.rows)
     exposed = busy_shares([(e.time_range.start, e.time_range.end, e.name) for e in gpu])
     exposed = {name: [us / 1e3, by_name[name][1]] for name, us in exposed.items()}
     print(f"each kernel's share of the busy time, {sum(ms for ms, _ in exposed.values()) / passes:.1f} ms a pass "
           f"(programmatic dependent launch {'on' if os.environ['DIFFUSERVE_PDL'] != '0' else 'off'}):")
-    print("| share ms a pass | launches a pass | share us a launch | kernel |")
-    print("|----------------:|----------------:|------------------:|:-------|")
-    for name, (ms, n) in sorted(exposed.items(), key=lambda kv: -kv[1][0])[:args.rows]:
-        short = name.replace("diffuserve::cuda::(anonymous namespace)::", "").split("(")[0][:70]
-        print(f"| {ms / passes:15.3f} | {n / passes:15.1f} | {1e3 * ms / n:17.1f} | {short} |")
+    print_by_kernel(exposed, passes, args.rows, "share ")
     gaps = [max(b.time_range.start - a.time_range.end, 0) for a, b in zip(gpu, gpu[1:])]
     long_gaps = sorted(g for g in gaps if g > 20)
     longest = ", ".join(f"{g:.0f}" for g in long_gaps[-3:])
