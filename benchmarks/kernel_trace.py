@@ -13,7 +13,8 @@ instant goes to the earliest-started kernel running); then the gaps between GPU 
 (DIFFUSERVE_PROFILE=1 instead times each op with a synchronisation around it.)
 Programmatic dependent launch is off here unless DIFFUSERVE_PDL is set: with it a kernel's
 blocks start while the kernel before is still running and wait for it, so each kernel's time
-would include that wait.
+would include that wait (its share of the busy time does not: with DIFFUSERVE_PDL=1 that
+table says where a step's time goes).
 """
 import argparse
 import heapq
@@ -105,11 +106,11 @@ def main():
     print(f"wall {wall_ms / passes:.1f} ms a pass, GPU busy {busy_ms / passes:.1f} ms "
           f"({100 * busy_ms / wall_ms:.0f}%), {len(gpu) / passes:.0f} kernels and copies a pass")
     print_by_kernel(by_name, passes, args.rows)
-    exposed = busy_shares([(e.time_range.start, e.time_range.end, e.name) for e in gpu])
-    exposed = {name: [us / 1e3, by_name[name][1]] for name, us in exposed.items()}
-    print(f"each kernel's share of the busy time, {sum(ms for ms, _ in exposed.values()) / passes:.1f} ms a pass "
+    shares = busy_shares([(e.time_range.start, e.time_range.end, e.name) for e in gpu])
+    shares = {name: [us / 1e3, by_name[name][1]] for name, us in shares.items()}
+    print(f"each kernel's share of the busy time, {sum(ms for ms, _ in shares.values()) / passes:.1f} ms a pass "
           f"(programmatic dependent launch {'on' if os.environ['DIFFUSERVE_PDL'] != '0' else 'off'}):")
-    print_by_kernel(exposed, passes, args.rows, "share ")
+    print_by_kernel(shares, passes, args.rows, "share ")
     gaps = [max(b.time_range.start - a.time_range.end, 0) for a, b in zip(gpu, gpu[1:])]
     long_gaps = sorted(g for g in gaps if g > 20)
     longest = ", ".join(f"{g:.0f}" for g in long_gaps[-3:])

@@ -1,5 +1,6 @@
 """benchmarks/kernel_trace.py's busy-time shares, on made-up kernel timelines (no GPU)."""
 import os
+import random
 import sys
 
 import pytest
@@ -28,8 +29,6 @@ def test_idle_time_is_no_kernels_and_launches_of_one_name_add_up():
 
 
 def test_the_shares_add_up_to_the_busy_time_of_an_arbitrary_timeline():
-    import random
-
     rng = random.Random(7)
     kernels = []
     for i in range(300):
