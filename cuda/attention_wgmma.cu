@@ -27,7 +27,10 @@
 // both hold the same scores bit for bit), then read back into registers for the online
 // softmax (masking, running max and sum in fp32), the same in both blocks; the
 // probabilities, rounded to bf16, are already laid out as the A fragments of the next
-// product, O += P V, which takes them straight from registers. One barrier a chunk. The
+// product, O += P V, which takes them straight from registers, in the next chunk: its
+// scores and this chunk's P V go to the tensor cores together, and its softmax runs while P V
+// does (each chunk's products waiting on their own left the tensor cores idle through every
+// softmax). One barrier a chunk. The
 // swap is st.async stores into the other block, which count their bytes on its mbarrier:
 // waiting on a cluster barrier a chunk instead (barrier.cluster, its release fence) made
 // the layer no faster than one block of 64 vectors (ncu, 1x32K: 2.10 against 2.04 ms, the
@@ -72,20 +75,25 @@ struct Shape {
   static constexpr int kQueries = 128;
   static constexpr int kKeys = kDim == 256 ? 64 : 32;
   static constexpr int kSubtiles = 4;
-  // Shared memory: Q [subtile][query][64], K and V [buffer][subtile][key][64] (bf16), then
+  // Shared memory: Q [subtile][query][64], K (two buffers) and V (three: a chunk's values
+  // are read a chunk after its keys) [buffer][subtile][key][64] (bf16), then
   // for three chunks (one softmaxed, one staged, one being looked up) each key's bf16 row
   // (key_row) and relative position; with kSplit 2, two buffers of the other block's
   // shares of the scores ([buffer][float4 i][thread], a thread's kKeys / 2) and an mbarrier
-  // for each, which counts their bytes in.
+  // for each, which counts their bytes in; then each query vector's offset in Q.
   static constexpr int kQTile = kSubtiles * kQueries * kRowBytes;  // 64 KB
   static constexpr int kKVTile = kSubtiles * kKeys * kRowBytes;    // 32 KB at 256, 16 KB at 512
-  static constexpr int kKOffset = kQTile, kVOffset = kKOffset + 2 * kKVTile, kRowOffset = kVOffset + 2 * kKVTile;
+  static constexpr int kKOffset = kQTile, kVOffset = kKOffset + 2 * kKVTile, kRowOffset = kVOffset + 3 * kKVTile;
   static constexpr int kPositionOffset = kRowOffset + 3 * kKeys * int(sizeof(int));
   static constexpr int kSharesOffset = kPositionOffset + 3 * kKeys * int(sizeof(int));
   static constexpr int kShareBytes = kThreads * (kKeys / 2) * int(sizeof(float));  // a buffer
   static constexpr int kBarrierOffset = kSharesOffset + (kSplit > 1 ? 2 * kShareBytes : 0);
-  static constexpr int kSharedBytes = kBarrierOffset + (kSplit > 1 ? 2 * int(sizeof(uint64_t)) : 0);
-  static_assert(kSplit * kSubtiles * 64 == kDim && kSharesOffset % 16 == 0);
+  static constexpr int kOffsetsOffset = kBarrierOffset + (kSplit > 1 ? 2 * int(sizeof(uint64_t)) : 0);
+  static constexpr int kSharedBytes = kOffsetsOffset + kQueries * int(sizeof(int64_t));
+  // The output's staging (the block's 256 dims of every vector, fp32) reuses Q, K and V.
+  static constexpr int kOutRowBytes = 256 * int(sizeof(float));
+  static_assert(kSplit * kSubtiles * 64 == kDim && kSharesOffset % 16 == 0 && kOffsetsOffset % 8 == 0);
+  static_assert(kQueries * kOutRowBytes <= kRowOffset && kSharedBytes <= 227 * 1024);
 };
 
 // The pre-pass: row r of the bf16 copies is row r - spans[s].packed of span s (the last
@@ -154,10 +162,13 @@ __device__ __forceinline__ uint32_t cluster_address(uint32_t address, int rank) 
 __device__ __forceinline__ void expect_bytes(uint32_t barrier, int bytes) {
   asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(barrier), "r"(bytes) : "memory");
 }
+// The wait acquires at the block's scope, as for bulk copies' bytes: the shares land in this
+// block's shared memory, counted on its own mbarrier. (At the cluster's scope the wait also
+// invalidated L1 each chunk, CCTL.IVALL in the SASS.)
 __device__ __forceinline__ void wait_phase(uint32_t barrier, int parity) {
   asm volatile(
       "{\n.reg .pred done;\nwait_%=:\n"
-      "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 done, [%0], %1;\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
       "@!done bra wait_%=;\n}\n" ::"r"(barrier),
       "r"(parity)
       : "memory");
@@ -199,6 +210,10 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int64_t kv_stride = int64_t(num_kv_heads) * kDim, dims = 256 * rank;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
   const int wg = warp / 4;  // this thread's warpgroup: query vectors 64 wg .. 64 wg + 63
+  // Where each vector is in Q and the output (-1: none), worked out once (the division by
+  // the GQA group is dozens of instructions, and each thread reads 32 rows of Q).
+  int64_t* const at = reinterpret_cast<int64_t*>(smem + S::kOffsetsOffset);
+  if (tid < kQueries) at[tid] = tid < nq ? queries.offset(tid) : -1;
 
   // The two query vectors whose scores and outputs this thread holds (accumulator rows g
   // and g + 8 of its warp's 16), the keys each sees, and their running max and this
@@ -233,13 +248,14 @@ __global__ void __launch_bounds__(kThreads, 1)
     return valid;
   };
 
-  // The keys and values of the chunk in table slot `slot` into buffer `buf`, by cp.async
+  // The keys and values of chunk c (table slot c % 3) into K's buffer c % 2 and V's c % 3, by cp.async
   // (this thread's part, one commit group): 16-byte piece p of a key's row (this KV head's
   // values in the block's dims) to subtile p / 8, chunk p % 8 of the key's tile row;
   // consecutive threads copy a key's contiguous bytes. (A missing key's zeros read nothing.)
-  auto stage_chunk = [&](int slot, int buf) {
-    uint8_t* const k_tile = smem + S::kKOffset + buf * kKVTile;
-    uint8_t* const v_tile = smem + S::kVOffset + buf * kKVTile;
+  auto stage_chunk = [&](int c) {
+    const int slot = c % 3;
+    uint8_t* const k_tile = smem + S::kKOffset + (c % 2) * kKVTile;
+    uint8_t* const v_tile = smem + S::kVOffset + (c % 3) * kKVTile;
 #pragma unroll
     for (int i = 0; i < kKeys * kPieces / kThreads; ++i) {
       const int key = (tid + kThreads * i) / kPieces, p = (tid + kThreads * i) % kPieces;
@@ -269,11 +285,11 @@ __global__ void __launch_bounds__(kThreads, 1)
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   wait_for_earlier_kernels();
-  // The tables; and every block of the cluster has started, its mbarriers ready for the
-  // other's stores.
+  // The tables and the vectors' offsets; and every block of the cluster has started, its
+  // mbarriers ready for the other's stores.
   if constexpr (S::kSplit > 1) cluster.sync();
   else __syncthreads();
-  stage_chunk(0, 0);
+  stage_chunk(0);
   // Q's rows of fp32 (the block's dims) as bf16 into its [subtile][row][64] tile: row r,
   // float4 column c from q (zeros past the item's vectors), every load of the thread issued
   // before the first store (one round trip to memory, not one per few rows). Consecutive
@@ -285,7 +301,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
     for (int i = 0; i < kLoads; ++i) {
       const int j = tid / kRowThreads + kRowsAtOnce * i;
-      x[i] = load_or_zero(j < nq ? q + queries.offset(j) + dims + 4 * c : nullptr);
+      x[i] = load_or_zero(j < nq ? q + at[j] + dims + 4 * c : nullptr);
     }
 #pragma unroll
     for (int i = 0; i < kLoads; ++i) {
@@ -293,33 +309,59 @@ __global__ void __launch_bounds__(kThreads, 1)
       store_bf16x4(smem + (c / 16) * kQueries * kRowBytes + swizzle(r, (c % 16) / 2) + 8 * (c % 2), x[i]);
     }
   }
+  // V's buffer 2, which chunk 0's empty P V reads, as zeros (not NaNs that 0 x NaN would keep).
+  for (int i = tid; i < kKVTile / 16; i += kThreads)
+    reinterpret_cast<uint4*>(smem + S::kVOffset + 2 * kKVTile)[i] = uint4{0, 0, 0, 0};
   cp_async_wait<0>();
   fence_proxy_async();                       // Q's stores and the copies, for the tensor cores
   bool have = __syncthreads_or(first_mine);  // chunk n has keys
   bool have_next = __syncthreads_or(next_mine);
 
+  // The loop overlaps each chunk's softmax with the previous chunk's P V product: chunk n's
+  // scores and chunk n - 1's P V go to the tensor cores together, the softmax of chunk n
+  // runs once its scores are in while P V still runs, and only then is the output rescaled
+  // to the new max (the tensor cores idled through the softmax when each chunk's products
+  // waited on its own). A chunk's V is read one chunk later than its K, so V has three
+  // buffers to K's two.
   float o[128] = {};
+  // The previous chunk's probabilities, P V's A fragments; before chunk 0, zeros, whose
+  // product with V's buffer 2 (zeros too, for this) adds nothing. (Leaving that product out
+  // of chunk 0 with a branch made ptxas serialize every wgmma of the loop.)
+  uint32_t p[kKeys / 16][4] = {};
+  // P V of the previous chunk (its V in buffer (n + 2) % 3).
+  auto multiply_values = [&](int n) {
+#pragma unroll
+    for (int ks = 0; ks < kKeys / 16; ++ks)
+      wgmma_bf16_rs256(o, p[ks],
+                       wgmma_descriptor(v_base + ((n + 2) % 3) * kKVTile + 16 * ks * kRowBytes,
+                                        kKeys * kRowBytes));  // N-major: the next 64 dims a subtile on
+  };
   const uint32_t q_rows = q_base + wg * 64 * kRowBytes;  // this warpgroup's Q rows in subtile 0
-  for (int n = 0; have; ++n) {
-    const int buf = n & 1;
-    // The next chunk's copies run while this one is multiplied (its buffer was last read by
-    // the previous chunk's products, finished before the barrier that ended it).
-    if (have_next) stage_chunk((n + 1) % 3, buf ^ 1);
-    // S = Q K^T over the block's dims: K steps of 16 (32 bytes of a subtile row).
+  int n = 0;
+  for (; have; ++n) {
+    // The next chunk's copies run while this one is multiplied: K's buffer was last read by
+    // chunk n - 1's scores, V's by chunk n - 2's P V, both finished before the barrier that
+    // ended the last chunk.
+    if (have_next) stage_chunk(n + 1);
+    // S = Q K^T over the block's dims: K steps of 16 (32 bytes of a subtile row); then the
+    // previous chunk's P V, a commit group of its own.
     float s[kKeys / 2];
     wgmma_fence();
 #pragma unroll
     for (int step = 0; step < 256 / 16; ++step) {
       const uint32_t column = 32 * (step % 4);
       wgmma_bf16<kKeys>(s, wgmma_descriptor(q_rows + (step / 4) * kQueries * kRowBytes + column),
-                        wgmma_descriptor(k_base + buf * kKVTile + (step / 4) * kKeys * kRowBytes + column), step > 0);
+                        wgmma_descriptor(k_base + (n % 2) * kKVTile + (step / 4) * kKeys * kRowBytes + column),
+                        step > 0);
     }
+    wgmma_commit();
+    multiply_values(n);
     wgmma_commit();
     const bool after_mine = look_up((n + 2) % 3);
     // The look-ups' lanes may have parted (loops and loads of their own): wgmma's
     // instructions are .aligned, for whole warps only.
     __syncwarp();
-    wgmma_wait<0>();
+    wgmma_wait<1>();  // the scores (P V may still run)
     wgmma_hold(s);
     if constexpr (S::kSplit > 1) {
       // The scores over the other block's dims: this thread's share to its twin thread's place
@@ -376,29 +418,28 @@ __global__ void __launch_bounds__(kThreads, 1)
         }
       l_run[h] = l_run[h] * alpha[h] + sum;
     }
+    // P as A fragments: K step ks (keys 16 ks..16 ks + 15) is s[8 ks..8 ks + 7], register r
+    // the pair s[8 ks + 2 r], s[8 ks + 2 r + 1] (rows g, g + 8, g, g + 8; keys 2t, 2t, 2t + 8,
+    // 2t + 8). The previous chunk's P V reads the old ones until it is done.
+    uint32_t p_next[kKeys / 16][4];
+#pragma unroll
+    for (int ks = 0; ks < kKeys / 16; ++ks)
+#pragma unroll
+      for (int r = 0; r < 4; ++r) p_next[ks][r] = round_bf16x2(s[8 * ks + 2 * r], s[8 * ks + 2 * r + 1]);
+    // p is live until P V is done, so p_next's conversions do not write its registers (where
+    // they could, ptxas serialized every wgmma of the loop).
+    wgmma_hold(p);
+    wgmma_wait<0>();
+    wgmma_hold(o);
     // Rescaling by 1 changes nothing: skipped while no row of the warp has a new max.
     if (__any_sync(0xffffffffu, alpha[0] != 1.0f || alpha[1] != 1.0f)) {
 #pragma unroll
       for (int i = 0; i < 128; ++i) o[i] *= alpha[(i / 2) % 2];
     }
-    // P as A fragments: K step ks (keys 16 ks..16 ks + 15) is s[8 ks..8 ks + 7], register r
-    // the pair s[8 ks + 2 r], s[8 ks + 2 r + 1] (rows g, g + 8, g, g + 8; keys 2t, 2t, 2t + 8, 2t + 8).
-    uint32_t p[kKeys / 16][4];
 #pragma unroll
     for (int ks = 0; ks < kKeys / 16; ++ks)
 #pragma unroll
-      for (int r = 0; r < 4; ++r) p[ks][r] = round_bf16x2(s[8 * ks + 2 * r], s[8 * ks + 2 * r + 1]);
-
-    // O += P V for the block's 256 dims: K steps of 16 keys (16 rows of V, two atoms).
-    wgmma_fence();
-#pragma unroll
-    for (int ks = 0; ks < kKeys / 16; ++ks)
-      wgmma_bf16_rs256(o, p[ks],
-                       wgmma_descriptor(v_base + buf * kKVTile + 16 * ks * kRowBytes,
-                                        kKeys * kRowBytes));  // N-major: the next 64 dims a subtile on
-    wgmma_commit();
-    wgmma_wait<0>();
-    wgmma_hold(o);
+      for (int r = 0; r < 4; ++r) p[ks][r] = p_next[ks][r];
     // The next chunk's copies landed (this thread's), visible to the tensor cores; both
     // warpgroups done with this one.
     cp_async_wait<0>();
@@ -406,27 +447,48 @@ __global__ void __launch_bounds__(kThreads, 1)
     const bool have_after = __syncthreads_or(after_mine);
     have = have_next, have_next = have_after;
   }
+  // The last chunk's P V (none without keys: a branch the whole block takes alike).
+  if (n > 0) {
+    wgmma_fence();
+    multiply_values(n);
+    wgmma_commit();
+    wgmma_wait<0>();
+    wgmma_hold(o);
+  }
 
   // The output, normalised by this piece's softmax sum (zero where no key was visible): to
   // `out` when the piece is all the rows see, else to partial slot item.slot with the
   // rows' max and sum (the cluster's first block: both have the same), for the merge.
-  // o[4 j + 2 h + e] is row h's dim dims + 8 j + 2 t + e.
+  // o[4 j + 2 h + e] is row h's dim dims + 8 j + 2 t + e. The rows go through shared memory
+  // (Q's, K's and V's tiles, read by no one now: the last products are done, and the loop
+  // ended on a barrier), so that a warp's stores are 512 contiguous bytes of one row, not 32 bytes of
+  // each of 8 rows: in the fragments' order the stores took an eighth of the kernel's time
+  // (ncu, the sliding layer at batch 1, 1K), throttled by the memory pipeline's queue. A row
+  // is kOutRowBytes, its 16-byte chunk u at u ^ 2 (row % 8) (a warp's fragment stores, 8
+  // rows of 32 bytes, then fill every bank twice, the least for 256 bytes).
+  auto staged = [&](int r, int u) { return smem + r * S::kOutRowBytes + 16 * (u ^ ((r & 7) << 1)); };
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     float l = l_run[h];
     l += __shfl_xor_sync(0xffffffffu, l, 1);
     l += __shfl_xor_sync(0xffffffffu, l, 2);
     const int j = row[h];
-    if (j >= nq) continue;
     const float inv = l > 0.0f ? 1.0f / l : 0.0f;
 #pragma unroll
-    for (int c = 0; c < 256 / 8; ++c) {
-      const int64_t dim = dims + 8 * c + 2 * t;
-      const float v[2] = {o[4 * c + 2 * h] * inv, o[4 * c + 2 * h + 1] * inv};
-      if (item.slot < 0) store_output(out, queries.offset(j) + dim, v);
-      else *reinterpret_cast<float2*>(queries.partial(partial_out, kQueries, j) + dim) = {v[0], v[1]};
-    }
-    if (item.slot >= 0 && t == 0 && rank == 0) partial_ml[int64_t(item.slot) * kQueries + j] = {m_run[h], l};
+    for (int c = 0; c < 256 / 8; ++c)  // dims 8 c + 2 t, + 1: chunk 2 c + t / 2, its half t % 2
+      *reinterpret_cast<float2*>(staged(j, 2 * c + t / 2) + 8 * (t % 2)) = {o[4 * c + 2 * h] * inv,
+                                                                            o[4 * c + 2 * h + 1] * inv};
+    if (item.slot >= 0 && t == 0 && rank == 0 && j < nq) partial_ml[int64_t(item.slot) * kQueries + j] = {m_run[h], l};
+  }
+  __syncthreads();
+  constexpr int kChunks = S::kOutRowBytes / 16;
+  for (int i = tid; i < nq * kChunks; i += kThreads) {
+    const int j = i / kChunks, u = i % kChunks;
+    const float4 x = *reinterpret_cast<const float4*>(staged(j, u));
+    const float v[4] = {x.x, x.y, x.z, x.w};
+    const int64_t dim = dims + 4 * u;
+    if (item.slot < 0) store_output(out, at[j] + dim, v);
+    else *reinterpret_cast<float4*>(queries.partial(partial_out, kQueries, j) + dim) = x;
   }
 #else
   __trap();  // attention_wgmma_serves is false where the build has no sm_90a code

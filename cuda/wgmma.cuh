@@ -125,6 +125,14 @@ __device__ __forceinline__ void wgmma_hold(float (&d)[kN]) {
 #pragma unroll
   for (int i = 0; i < kN; ++i) asm volatile("" : "+f"(d[i])::"memory");
 }
+// The same for A fragments held in registers (wgmma_bf16_rs256's).
+template <int kSteps>
+__device__ __forceinline__ void wgmma_hold(uint32_t (&a)[kSteps][4]) {
+#pragma unroll
+  for (int i = 0; i < kSteps; ++i)
+#pragma unroll
+    for (int r = 0; r < 4; ++r) asm volatile("" : "+r"(a[i][r])::"memory");
+}
 // Shared memory written by this thread's cp.async (the generic proxy), made visible to the
 // tensor cores' reads (the async proxy); a barrier then makes everyone's visible.
 __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
