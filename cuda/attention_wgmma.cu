@@ -329,14 +329,15 @@ __global__ void __launch_bounds__(kThreads, 1)
   // of chunk 0 with a branch made ptxas serialize every wgmma of the loop.)
   uint32_t p[kKeys / 16][4] = {};
   // P V of the previous chunk (its V in buffer (n + 2) % 3).
+  const uint64_t v_desc = wgmma_descriptor(v_base, kKeys * kRowBytes);
   auto multiply_values = [&](int n) {
 #pragma unroll
     for (int ks = 0; ks < kKeys / 16; ++ks)
-      wgmma_bf16_rs256(o, p[ks],
-                       wgmma_descriptor(v_base + ((n + 2) % 3) * kKVTile + 16 * ks * kRowBytes,
-                                        kKeys * kRowBytes));  // N-major: the next 64 dims a subtile on
+      wgmma_bf16_rs256(o, p[ks], wgmma_advance(v_desc, ((n + 2) % 3) * kKVTile + 16 * ks * kRowBytes));
   };
-  const uint32_t q_rows = q_base + wg * 64 * kRowBytes;  // this warpgroup's Q rows in subtile 0
+  // This warpgroup's Q rows in subtile 0, K's first buffer and V's (N-major: the next 64 dims
+  // a subtile on).
+  const uint64_t q_desc = wgmma_descriptor(q_base + wg * 64 * kRowBytes), k_desc = wgmma_descriptor(k_base);
   int n = 0;
   for (; have; ++n) {
     // The next chunk's copies run while this one is multiplied: K's buffer was last read by
@@ -350,9 +351,8 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
     for (int step = 0; step < 256 / 16; ++step) {
       const uint32_t column = 32 * (step % 4);
-      wgmma_bf16<kKeys>(s, wgmma_descriptor(q_rows + (step / 4) * kQueries * kRowBytes + column),
-                        wgmma_descriptor(k_base + (n % 2) * kKVTile + (step / 4) * kKeys * kRowBytes + column),
-                        step > 0);
+      wgmma_bf16<kKeys>(s, wgmma_advance(q_desc, (step / 4) * kQueries * kRowBytes + column),
+                        wgmma_advance(k_desc, (n % 2) * kKVTile + (step / 4) * kKeys * kRowBytes + column), step > 0);
     }
     wgmma_commit();
     multiply_values(n);
@@ -488,7 +488,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     const float v[4] = {x.x, x.y, x.z, x.w};
     const int64_t dim = dims + 4 * u;
     if (item.slot < 0) store_output(out, at[j] + dim, v);
-    else *reinterpret_cast<float4*>(queries.partial(partial_out, kQueries, j) + dim) = x;
+    else __stcg(reinterpret_cast<float4*>(queries.partial(partial_out, kQueries, j) + dim), x);  // one v4 store
   }
 #else
   __trap();  // attention_wgmma_serves is false where the build has no sm_90a code

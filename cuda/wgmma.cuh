@@ -36,6 +36,14 @@ __device__ __forceinline__ uint64_t wgmma_descriptor(uint32_t address, uint32_t 
          | kAtomStride << 32 | kSwizzle128 << 62;
 }
 
+// The descriptor of the operand `bytes` (a multiple of 16) past the one `d` describes: its
+// start address field plus bytes / 16. Shared memory's addresses (under 256 KB) fit the
+// field's 14 bits of 16-byte units, so the sum never carries into the next field: the loops
+// step descriptors worked out once by additions, not by each address's masks and shifts.
+__device__ __forceinline__ uint64_t wgmma_advance(uint64_t d, uint32_t bytes) {
+  return (d >> 32 << 32) | uint32_t(uint32_t(d) + (bytes >> 4));  // the upper word as it is
+}
+
 #ifdef DIFFUSERVE_WGMMA_DEVICE
 // d[64 x kN] (+)= a[64 x k] * b[kN x k]^T, fp32 accumulators (kN = 32, 64 or 128), a and b
 // K-major in shared memory, 32 bytes of K each: wgmma_bf16's 16 bf16 values, wgmma_e4m3's 32
