@@ -41,7 +41,10 @@
 // 64-value column blocks ("subtiles") one after the other.
 //
 // On the H200 (attention_bench, the 26B layers at batch 1, 1K, pre-pass included): sliding
-// 48.4 us, full 96.7 us, against 69.6 and 156.8 us on mma.sync (DIFFUSERVE_WGMMA=0). Staged
+// 48.4 us, full 96.7 us, against 69.6 and 156.8 us on mma.sync (DIFFUSERVE_WGMMA=0), in the
+// twelfth session; with the bf16 cache read in place, the softmax overlapping P V and the
+// output staged (twenty-seventh session) 34.9 and 72.7 us, still bound by each chunk's chain
+// of latencies and each item's fixed costs (ncu: the tensor pipe 20% busy). Staged
 // from fp32 by synchronous loads in the kernel (eleventh session) the sliding layer took
 // 57.8 us, bound by latency (ncu: 7 cycles between a warp's instructions, the tensor cores
 // 25% busy), and head dim 512 167.5 us. Tried and not kept: the look-ups walking a
@@ -342,7 +345,10 @@ __global__ void __launch_bounds__(kThreads, 1)
   for (; have; ++n) {
     // The next chunk's copies run while this one is multiplied: K's buffer was last read by
     // chunk n - 1's scores, V's by chunk n - 2's P V, both finished before the barrier that
-    // ended the last chunk.
+    // ended the last chunk. (Issued after this chunk's products instead, so that the tensor
+    // cores start sooner, they made the layer slower: attention_bench at batch 1, 1K, sliding
+    // 34.9 -> 36.9 us, full 72.7 -> 77.8 us. The copies' latency is what the next chunk
+    // waits on, not their issue.)
     if (have_next) stage_chunk(n + 1);
     // S = Q K^T over the block's dims: K steps of 16 (32 bytes of a subtile row); then the
     // previous chunk's P V, a commit group of its own.
