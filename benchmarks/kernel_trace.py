@@ -5,11 +5,14 @@ diffuserve's included). Needs a CUDA build and PyTorch.
 
     python benchmarks/kernel_trace.py [--batch 1] [--context 1024] [--steps 8] [--activations bfloat16]
                                       [--kv-cache-dtype float32]
-                                      [--quantization fp8-dynamic]
+                                      [--quantization fp8-dynamic] [--timeline moe_plan]
 
 Prints the GPU-busy share of the wall time, then one row per kernel name: time and launches
 per forward pass, mean time per launch; then each kernel's share of the busy time (each
-instant goes to the earliest-started kernel running); then the gaps between GPU work, by length.
+instant goes to the earliest-started kernel running); then the gaps between GPU work, by length;
+with --timeline NAME, one period of the trace from the middle launch of the kernel whose name
+holds NAME to the next (a layer, for a kernel launched once a layer): each kernel's start and
+end from the period's start, and its stream.
 (DIFFUSERVE_PROFILE=1 instead times each op with a synchronisation around it.)
 Programmatic dependent launch is off here unless DIFFUSERVE_PDL is set: with it a kernel's
 blocks start while the kernel before is still running and wait for it, so each kernel's time
@@ -52,6 +55,25 @@ def busy_shares(kernels):
     return shares
 
 
+def period(kernels, anchor):
+    """One period of a trace: of (start, end, stream, name) kernels, those that start from the
+    middle launch of the kernel whose name holds `anchor` up to the launch after it, as (start,
+    end, stream, name) with times from that launch's start, in order of their starts. Empty
+    where the anchor kernel runs fewer than twice."""
+    kernels = sorted(kernels)
+    starts = [start for start, _, _, name in kernels if anchor in name]
+    if len(starts) < 2:
+        return []
+    middle = (len(starts) - 1) // 2
+    t0, t1 = starts[middle], starts[middle + 1]
+    return [(start - t0, end - t0, stream, name) for start, end, stream, name in kernels if t0 <= start < t1]
+
+
+def short_name(name):
+    """A kernel's name without diffuserve's namespaces and its parameters, at most 70 characters."""
+    return name.replace("diffuserve::cuda::(anonymous namespace)::", "").split("(")[0][:70]
+
+
 def print_by_kernel(times, passes, rows, label=""):
     """A table of the `rows` largest of {kernel name: [ms, launches]}: a pass's ms and launches,
     us a launch."""
@@ -59,9 +81,8 @@ def print_by_kernel(times, passes, rows, label=""):
     print("| " + " | ".join(head) + " | kernel |")
     print("|" + "|".join("-" * (len(h) + 1) + ":" for h in head) + "|:-------|")
     for name, (ms, n) in sorted(times.items(), key=lambda kv: -kv[1][0])[:rows]:
-        short = name.replace("diffuserve::cuda::(anonymous namespace)::", "").split("(")[0][:70]
         cells = [f"{ms / passes:.3f}", f"{n / passes:.1f}", f"{1e3 * ms / n:.1f}"]
-        print("| " + " | ".join(c.rjust(len(h)) for c, h in zip(cells, head)) + f" | {short} |")
+        print("| " + " | ".join(c.rjust(len(h)) for c, h in zip(cells, head)) + f" | {short_name(name)} |")
 
 
 def main():
@@ -76,6 +97,8 @@ def main():
                     help="the random linears' format, as step_latency.py's")
     ap.add_argument("--kv-cache-dtype", choices=["auto", "float32", "bfloat16"], default="auto",
                     help="how the KV cache stores keys and values (LoadOptions.kv_cache_dtype)")
+    ap.add_argument("--timeline", metavar="NAME",
+                    help="also print one period of the trace from a launch of the kernel whose name holds NAME")
     args = ap.parse_args()
     os.environ.setdefault("DIFFUSERVE_PDL", "0")  # read at the first launch, below
     with tempfile.TemporaryDirectory() as tmp:
@@ -124,6 +147,14 @@ def main():
     for lo, hi in zip(bounds, bounds[1:]):
         inside = [g for g in gaps if lo <= g < hi]
         print(f"| {lo:g}-{hi:g} | {len(inside) / passes:11.1f} | {sum(inside) / 1e3 / passes:14.2f} |")
+    if args.timeline:
+        # The stream a kernel ran on: the profiler's resource id of a device event.
+        kernels = [(e.time_range.start, e.time_range.end, e.device_resource_id, e.name) for e in gpu]
+        print(f"one period from the middle launch of a kernel named *{args.timeline}* (us from its start):")
+        print("| start us | end us | stream | kernel |")
+        print("|---------:|-------:|-------:|:-------|")
+        for start, end, stream, name in period(kernels, args.timeline):
+            print(f"| {start:8.1f} | {end:6.1f} | {stream!s:>6} | {short_name(name)} |")
     # The host's side: time in the CUDA runtime calls (launches, waits, graph recording and
     # instantiation), which the long gaps above are waiting for.
     host = {}

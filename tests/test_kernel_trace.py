@@ -1,4 +1,4 @@
-"""benchmarks/kernel_trace.py's busy-time shares, on made-up kernel timelines (no GPU)."""
+"""benchmarks/kernel_trace.py's busy-time shares and timeline periods, on made-up kernel timelines (no GPU)."""
 import os
 import random
 import sys
@@ -7,7 +7,7 @@ import pytest
 
 pytest.importorskip("torch")
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
-from kernel_trace import busy_shares  # noqa: E402
+from kernel_trace import busy_shares, period  # noqa: E402
 
 
 def test_a_chain_with_early_starts_charges_each_kernel_from_the_end_of_the_one_before():
@@ -39,3 +39,20 @@ def test_the_shares_add_up_to_the_busy_time_of_an_arbitrary_timeline():
         busy += max(0.0, end - max(start, reach))
         reach = max(reach, end)
     assert sum(busy_shares(kernels).values()) == pytest.approx(busy)
+
+
+def test_a_period_runs_from_the_middle_launch_of_the_anchor_to_the_next_with_times_from_its_start():
+    # three "layers", each a norm, a plan and an experts kernel, the MLP beside the experts on stream 2
+    kernels = []
+    for layer in range(3):
+        t = 100.0 * layer
+        kernels += [(t, t + 10, 1, "norm"), (t + 10, t + 20, 1, "moe_plan_kernel"), (t + 20, t + 90, 1, "experts"),
+                    (t + 30, t + 50, 2, "mlp")]
+    random.Random(3).shuffle(kernels)
+    assert period(kernels, "moe_plan") == [(0, 10, 1, "moe_plan_kernel"), (10, 80, 1, "experts"),
+                                           (20, 40, 2, "mlp"), (90, 100, 1, "norm")]
+
+
+def test_no_period_where_the_anchor_runs_fewer_than_twice():
+    assert period([(0, 5, 1, "moe_plan"), (5, 9, 1, "norm")], "moe_plan") == []
+    assert period([(0, 5, 1, "norm")], "moe_plan") == []
