@@ -255,21 +255,30 @@ class CudaBackend final : public Backend {
     return a;
   }
 
-  // The form every reader's product takes its input in, where a norm can write it
-  // (preparable_input) and the readers agree: their pre-passes then find it written.
-  Activation alloc_product_input(int64_t rows, int64_t cols, const std::vector<const Weight*>& readers) override {
+  // An output matrix with its product input in the form `input` (none: without).
+  Activation alloc_with_product_input(int64_t rows, int64_t cols, std::optional<cuda::GemmInput> input) {
     Activation a = alloc_output(rows, cols);
-    std::optional<cuda::GemmInput> input;
-    for (const Weight* w : readers) {
-      const std::optional<cuda::GemmInput> own = preparable_input(*w);
-      if (!own || w->shape.back() != cols || (input && *own != *input)) return a;
-      input = own;
-    }
     if (!input || !product_inputs_) return a;
     auto storage = pool_->get(cuda::prepared_x_bytes(rows, cols, *input));
     const cuda::PreparedX layout = cuda::prepared_x(storage.get(), rows, cols, *input);
     a.product_input = {1 + int(*input), layout.rows, layout.row_bytes(), layout.scales, std::move(storage)};
     return a;
+  }
+
+  // The form every reader's product takes its input in, where a norm can write it
+  // (preparable_input) and the readers agree: their pre-passes then find it written.
+  Activation alloc_product_input(int64_t rows, int64_t cols, const std::vector<const Weight*>& readers) override {
+    std::optional<cuda::GemmInput> input;
+    for (const Weight* w : readers) {
+      const std::optional<cuda::GemmInput> own = preparable_input(*w);
+      if (!own || w->shape.back() != cols || (input && *own != *input)) return alloc_output(rows, cols);
+      input = own;
+    }
+    return alloc_with_product_input(rows, cols, input);
+  }
+  // The soft embedding's product (linear_nt) takes the feedback rounded to bf16.
+  Activation alloc_logits(int64_t rows, int64_t cols) override {
+    return alloc_with_product_input(rows, cols, cuda::GemmInput::RoundBf16);
   }
 
   std::shared_ptr<void> alloc_bytes(size_t bytes) override {
@@ -481,6 +490,16 @@ class CudaBackend final : public Backend {
     check(cudaMemcpyAsync(dst.row(dst_row), src.row(src_row), n * src.cols * sizeof(float), cudaMemcpyDeviceToDevice,
                           stream_),
           "copy_rows");
+    const ProductInput &from = src.product_input, &to = dst.product_input;
+    if (from.kind && from.kind == to.kind && from.row_bytes == to.row_bytes) {
+      check(cudaMemcpyAsync(to.data + dst_row * to.row_bytes, from.data + src_row * from.row_bytes, n * from.row_bytes,
+                            cudaMemcpyDeviceToDevice, stream_),
+            "copy_rows");
+      if (from.row_scales)
+        check(cudaMemcpyAsync(to.row_scales + dst_row, from.row_scales + src_row, n * sizeof(float),
+                              cudaMemcpyDeviceToDevice, stream_),
+              "copy_rows");
+    }
   }
   void scatter_rows(const Activation& src, const std::vector<int64_t>& dst_rows, KvRows& dst) override {
     auto timed = op("scatter_rows");
@@ -646,15 +665,12 @@ class CudaBackend final : public Backend {
     const cuda::AttentionTables tables{upload_table(plan.segments), upload_table(plan.spans), upload_table(plan.items),
                                        upload_table(plan.merges)};
     auto scratch = pool_->get(plan.scratch_bytes());
-    // out's product input (alloc_product_input): bf16-rounded rows with nothing padded the
-    // kernels write beside the values; any other form a pre-pass writes after them.
-    const cuda::PreparedX product = product_rows(out);
-    const bool rounded_rows = product.rows && product.input == cuda::GemmInput::RoundBf16 && product.kp == out.cols;
-    const cuda::AttentionOutput output{out.data,
-                                       rounded_rows ? reinterpret_cast<__nv_bfloat16*>(product.rows) : nullptr};
-    cuda::attention(q.data, output, plan, tables, scratch.get(), int(num_heads), int(num_kv_heads), stream_);
-    if (product.rows && !rounded_rows)
-      cuda::write_gemm_input(out.data, out.rows, out.cols, false, out.cols, false, product, stream_);
+    // out's product input (alloc_product_input): the kernels write it beside the values
+    // where it is bf16-rounded rows with nothing padded; any other form a pass after them.
+    __nv_bfloat16* const rounded = rounded_rows(out);
+    cuda::attention(q.data, {out.data, rounded}, plan, tables, scratch.get(), int(num_heads), int(num_kv_heads),
+                    stream_);
+    if (!rounded) write_product_input(out);
   }
 
   void gelu_glu(const Activation& x, Activation& out) override {
@@ -794,8 +810,8 @@ class CudaBackend final : public Backend {
     auto timed = op("sample");
     auto out = pool_->get(size_t(logits.rows) * sizeof(cuda::DeviceRowSample));
     auto* device_out = static_cast<cuda::DeviceRowSample*>(out.get());
-    cuda::sample_rows(logits.data, logits.rows, logits.cols, cap, temperature, allowed, key, {},
-                      feedback_dtype == DType::BF16, softmax_feedback, device_out, stream_);
+    sample_rows(logits, cap, temperature, allowed, key, {}, feedback_dtype == DType::BF16, softmax_feedback,
+                device_out);
     std::vector<cuda::DeviceRowSample> host(logits.rows);
     read_bytes(host.data(), device_out, host.size() * sizeof(host[0]));
     std::vector<RowSample> rows(logits.rows);
@@ -811,13 +827,24 @@ class CudaBackend final : public Backend {
     auto rows = pool_->get(size_t(logits.rows) * sizeof(cuda::DeviceRowSample));
     auto* device_rows = static_cast<cuda::DeviceRowSample*>(rows.get());
     const cuda::DeviceSchedule schedule{canvas.counters, p.t_min, p.t_max, p.max_steps};
-    cuda::sample_rows(logits.data, logits.rows, logits.cols, p.softcap, 0.0f, canvas.allowed,
-                      RandomKey{p.seed, p.block, 0, RandomStream::Candidate}, schedule,
-                      p.feedback_dtype == DType::BF16, p.self_conditioning, device_rows, stream_);
+    sample_rows(logits, p.softcap, 0.0f, canvas.allowed, RandomKey{p.seed, p.block, 0, RandomStream::Candidate},
+                schedule, p.feedback_dtype == DType::BF16, p.self_conditioning, device_rows);
     auto scratch = pool_->get(size_t(p.canvas) * (sizeof(int32_t) + 1));
     cuda::update_canvas({p, canvas.tokens, canvas.argmax, canvas.history, canvas.counters, canvas.allowed_ids,
                          canvas.free_position},
                         device_rows, scratch.get(), stream_);
+  }
+
+  // The sampler's kernel on `logits`. A softmax feedback goes into the logits' product input
+  // (alloc_logits) where the kernel can write it there, as attention does its output; else
+  // over the logits, then from there into the product input, where there is one.
+  void sample_rows(Activation& logits, float cap, float temperature, const uint8_t* allowed, const RandomKey& key,
+                   const cuda::DeviceSchedule& schedule, bool round_bf16, bool softmax_feedback,
+                   cuda::DeviceRowSample* out) {
+    __nv_bfloat16* const rounded = softmax_feedback ? rounded_rows(logits) : nullptr;
+    cuda::sample_rows(logits.data, logits.rows, logits.cols, cap, temperature, allowed, key, schedule, round_bf16,
+                      softmax_feedback, rounded, out, stream_);
+    if (softmax_feedback && !rounded) write_product_input(logits);
   }
 
   // Measured on the H200 at 1K (step_latency.py, branches on / off, eighteenth session): the
@@ -1049,6 +1076,18 @@ class CudaBackend final : public Backend {
   static cuda::PreparedX prepared(const Activation& x, cuda::GemmInput input, WeightFormat format) {
     if (x.product_input.kind != 1 + int(input) || !cuda::gemm_operands_alike(input, format)) return {};
     return product_rows(x);
+  }
+  // x's product input where it is bf16-rounded rows of exactly x's columns, which kernels
+  // write beside their fp32 outputs; null otherwise.
+  static __nv_bfloat16* rounded_rows(const Activation& x) {
+    const cuda::PreparedX p = product_rows(x);
+    return p.rows && p.input == cuda::GemmInput::RoundBf16 && p.kp == x.cols ? reinterpret_cast<__nv_bfloat16*>(p.rows)
+                                                                             : nullptr;
+  }
+  // x's product input (if any) written from its values by the products' pre-pass.
+  void write_product_input(const Activation& x) {
+    const cuda::PreparedX p = product_rows(x);
+    if (p.rows) cuda::write_gemm_input(x.data, x.rows, x.cols, false, x.cols, false, p, stream_);
   }
 
   static const __nv_bfloat16* bf16(const Weight& w) {

@@ -646,7 +646,9 @@ __device__ __forceinline__ bool gumbel_certainly_below(uint32_t bits, float boun
 // it back costs less than computing the softcap's tanh and the two divisions again.) The
 // second reads p back and writes f, or with
 // softmax_feedback its softmax (the next step's soft embedding input; the forward's
-// softmax op, copy and their passes are then left out), and draws the Gumbel-max
+// softmax op, copy and their passes are then left out: into `feedback_rows` where given,
+// rounded to bf16 as that product takes it, so that its pre-pass over the vocabulary goes
+// too, and half the bytes are written), and draws the Gumbel-max
 // candidate: only for ids whose p is within the noise's range of the row's max, since
 // the winner's noisy value is at least max + the least noise and no other id can reach
 // it. With a peaked distribution that skips the Philox draws and the two logarithms of
@@ -654,9 +656,11 @@ __device__ __forceinline__ bool gumbel_certainly_below(uint32_t bits, float boun
 // noise certainly leaves them below the thread's best noisy value so far skip the exact
 // noise (gumbel_certainly_below): with near-uniform rows (the random-weight benchmark's)
 // that is nearly all of them.
+template <bool kBf16Feedback>  // feedback_rows given (a variant of its own: the loop is at 64 registers)
 __global__ void __launch_bounds__(kSampleThreads, 2)
     sample_kernel(float* logits, int64_t vocab, float cap, float temperature, const uint8_t* allowed, RandomKey key,
-                  DeviceSchedule schedule, bool round_bf16, bool softmax_feedback, bool vector, DeviceRowSample* out) {
+                  DeviceSchedule schedule, bool round_bf16, bool softmax_feedback, __nv_bfloat16* feedback_rows,
+                  bool vector, DeviceRowSample* out) {
   wait_for_earlier_kernels();
   const int64_t row = blockIdx.x;
   if (schedule.steps_done) {
@@ -728,7 +732,14 @@ __global__ void __launch_bounds__(kSampleThreads, 2)
       x[j] = softmax_feedback ? __expf(f - feedback.m) * inv_sum : f;
       draw |= !(p[j] + kGumbelMax < reach);
     }
-    store4(v4, x);
+    if (!kBf16Feedback) {
+      store4(v4, x);
+    } else {
+      __nv_bfloat16* to = feedback_rows + row * vocab + v4;
+      if (vector) *reinterpret_cast<uint2*>(to) = make_uint2(round_bf16x2(x[0], x[1]), round_bf16x2(x[2], x[3]));
+      else
+        for (int j = 0; j < 4 && v4 + j < vocab; ++j) to[j] = __float2bfloat16(x[j]);
+    }
     if (!draw) return;
     const Philox4 bits = key.draw(uint32_t(row), uint32_t(v4));
     for (int j = 0; j < 4 && v4 + j < vocab; ++j) {
@@ -1010,11 +1021,13 @@ void random_bf16(__nv_bfloat16* out, int64_t n, uint64_t seed, float scale, cuda
 
 void sample_rows(float* logits, int64_t rows, int64_t vocab, float cap, float temperature, const uint8_t* allowed,
                  RandomKey key, const DeviceSchedule& schedule, bool round_bf16, bool softmax_feedback,
-                 DeviceRowSample* out, cudaStream_t stream) {
-  const bool vector = vocab % 4 == 0 && reinterpret_cast<uintptr_t>(logits) % 16 == 0;
+                 __nv_bfloat16* feedback_rows, DeviceRowSample* out, cudaStream_t stream) {
+  const bool vector = vocab % 4 == 0 && reinterpret_cast<uintptr_t>(logits) % 16 == 0 &&
+                      reinterpret_cast<uintptr_t>(feedback_rows) % 8 == 0;
   if (rows)
-    launch(sample_kernel, unsigned(rows), kSampleThreads, 0, stream, logits, vocab, cap, temperature, allowed, key,
-           schedule, round_bf16, softmax_feedback, vector, out);
+    launch(softmax_feedback && feedback_rows ? sample_kernel<true> : sample_kernel<false>, unsigned(rows),
+           kSampleThreads, 0, stream, logits, vocab, cap, temperature, allowed, key, schedule, round_bf16,
+           softmax_feedback, feedback_rows, vector, out);
 }
 
 void update_canvas(const DeviceCanvas& canvas, const DeviceRowSample* rows, void* scratch, cudaStream_t stream) {

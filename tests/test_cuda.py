@@ -300,6 +300,23 @@ def test_norm_product_inputs_match_prepasses(tmp_path, monkeypatch, shape, mode)
     assert np.array_equal(logits[0], logits[1])
 
 
+# The sampler writes a step's softmax feedback into the logits' bf16 product input
+# (alloc_logits), or, where those rows are padded (vocabularies of 1000 and 333), over the
+# logits and then into it; copy_rows carries it when the batch changes (requests of
+# different lengths, one joining late). The soft embedding's product then converts nothing,
+# and the tokens are those of its own conversion (DIFFUSERVE_NORM_PRODUCT_INPUTS=0).
+def test_feedback_product_input_matches_prepass(path, monkeypatch):
+    prompts = [[1, 2, 3, 4], list(range(5, 70)), [9] * 17]
+    params = [ds.SamplingParams(max_new_tokens=32 * (i + 2), seed=i, eos_token_id=[], max_denoising_steps=5)
+              for i in range(3)]
+    runs = []
+    for setting in ("1", "0"):
+        monkeypatch.setenv("DIFFUSERVE_NORM_PRODUCT_INPUTS", setting)
+        runs.append([o.token_ids for o in ds.LLM(path, device="cuda", max_num_batched_tokens=96).generate(prompts,
+                                                                                                          params)])
+    assert runs[0] == runs[1]
+
+
 # The server's engine thread is not the one that loaded the model: the backend makes each
 # calling thread's current device its own before it queues anything.
 def test_generate_from_another_thread(path):

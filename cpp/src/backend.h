@@ -209,6 +209,12 @@ class Backend {
     (void)readers;
     return alloc_output(rows, cols);
   }
+  // A denoise pass's logits matrix, which the sampler overwrites with the next step's
+  // feedback (sample): where the soft embedding's product (linear_nt) takes its input in a
+  // form of its own, the backend may keep that form beside the matrix (as
+  // alloc_product_input), which the sampler then writes with a softmax feedback, and
+  // copy_rows copies. By default alloc_output.
+  virtual Activation alloc_logits(int64_t rows, int64_t cols) { return alloc_output(rows, cols); }
   // A layer's expert stacks ([E, N, K]) as loaded, their input quantization known: a backend
   // may lay them out again for its MoE products (the CUDA backend stores them tiled,
   // Weight::tiled, and gate_up's rows paired, Weight::paired).
@@ -248,7 +254,8 @@ class Backend {
   // Backend bytes to the host, after every op queued so far.
   virtual void read_bytes(void* dst, const void* src, size_t bytes) = 0;
   // dst rows [dst_row, dst_row + n) = src rows [src_row, src_row + n); the ranges may
-  // overlap (memmove). Same column count.
+  // overlap (memmove). Same column count. Where both matrices keep a product input of the
+  // same form (alloc_product_input, alloc_logits), its rows are copied too.
   virtual void copy_rows(const Activation& src, int64_t src_row, Activation& dst, int64_t dst_row, int64_t n) = 0;
   // dst row dst_rows[i] = src row i (rounded to dst's dtype), for every row of src (writing
   // KV into cache slots).

@@ -248,7 +248,7 @@ std::vector<std::pair<uint64_t, GenerationOutput>> Engine::step(const std::vecto
                           std::all_of(denoisers.begin(), denoisers.end(), [&](const Denoiser& d) {
                             return !d.r->feedback.data || d.r->feedback.data == last_logits.row(d.first_row);
                           });
-    Activation logits = in_place ? last_logits : be.alloc_output(denoise_rows, c.vocab_size);
+    Activation logits = in_place ? last_logits : be.alloc_logits(denoise_rows, c.vocab_size);
     std::vector<Activation> feedback(denoisers.size());
     std::vector<const CanvasState*> states;
     for (size_t i = 0; i < denoisers.size(); ++i) {
