@@ -12,6 +12,7 @@
 
 #include <cstdint>
 #include <map>
+#include <span>
 #include <tuple>
 #include <vector>
 
@@ -34,8 +35,12 @@ class CublasLtGemm {
   // A row's result must not depend on what it is batched with (DESIGN.md), while cuBLASLt
   // picks its kernel, tile and K split by the rows. So the algorithm is chosen once per
   // shape, at a reference row count, among those that sum over K in one sequence or reduce
-  // fixed K slices from a workspace (never in place, whose order is not fixed), and kept.
-  bool supports(GemmInput input, const GemmMatrix& w, int64_t n, int64_t k, const float* y, int64_t ldy);
+  // fixed K slices from a workspace (never in place, whose order is not fixed), and kept:
+  // the heuristic's first, or for weights too large for the L2 the fastest of its candidates
+  // whose output is its first's bit for bit (fastest_alike), timed on `stream` once the work
+  // queued there is done (unless it is recording a graph).
+  bool supports(GemmInput input, const GemmMatrix& w, int64_t n, int64_t k, const float* y, int64_t ldy,
+                cudaStream_t stream);
   // ys[i][m, n] (fp32, rows ldy apart) = X @ ws[i]^T for each weight (all [n, k] and
   // supported), X fp32 [m, k] (rows ldx apart; `gated`: gemm()'s gated rows) entering as
   // `input` says: gemm.cu's pre-pass writes its bf16 planes or E4M3 codes once into
@@ -64,16 +69,22 @@ class CublasLtGemm {
   // there (`batches` weights of those rows back to back from w, into outputs as many rows
   // apart as X has), chosen on first use; null where none is usable.
   const Plan* usable_plan(GemmInput input, const GemmMatrix& w, int64_t first_row, int64_t rows, int64_t k,
-                          const float* y, int64_t ldy, int batches = 1);
+                          const float* y, int64_t ldy, cudaStream_t stream, int batches = 1);
   // The plan for ws as one batched product at m rows (multiply); null where they are not
   // stored and written as it takes them, or cuBLASLt has no algorithm for it.
   const Plan* batch_plan(GemmInput input, const std::vector<GemmMatrix>& ws, int64_t n, int64_t k,
-                         const std::vector<float*>& ys, int64_t m, int64_t ldy);
+                         const std::vector<float*>& ys, int64_t m, int64_t ldy, cudaStream_t stream);
   // The plans of w's products, one a part (part_rows) in row order; empty where cuBLASLt
   // cannot take one of them.
   std::vector<const Plan*> part_plans(GemmInput input, const GemmMatrix& w, int64_t n, int64_t k, const float* y,
-                                      int64_t ldy);
-  Plan choose(const Key& key);
+                                      int64_t ldy, cudaStream_t stream);
+  // The plan for key's product of `weights` (the first product met of that key's).
+  Plan choose(const Key& key, const void* weights, cudaStream_t stream);
+  // Of `candidates` for key's product of `weights` (bf16, alpha and beta on the host), the
+  // index of the fastest at the reference rows whose output is candidate 0's bit for bit; 0
+  // where the timing's operands do not fit in memory.
+  size_t fastest_alike(const Key& key, std::span<const cublasLtMatmulAlgo_t> candidates, const void* weights,
+                       cudaStream_t stream);
 
   cublasLtHandle_t handle_ = nullptr;
   std::map<cudaStream_t, void*> workspaces_;  // one per stream: products on two streams may run at once

@@ -1025,7 +1025,7 @@ class CudaBackend final : public Backend {
 #ifdef DIFFUSERVE_WITH_CUBLASLT
     if (!cublaslt_ || !cuda::gemm_operands_alike(input, format)) return false;
     for (size_t i = 0; i < ws.size(); ++i)
-      if (!cublaslt_->supports(input, ws[i], n, k, ys[i], ldy)) return false;
+      if (!cublaslt_->supports(input, ws[i], n, k, ys[i], ldy, stream_)) return false;
     cublaslt_->multiply(x.data, x.rows, x.cols, gated, input, ws, n, k, ys, ldy, x_prepared, scratch, stream_);
     return true;
 #else

@@ -286,7 +286,7 @@ __global__ void __launch_bounds__(kMaxThreads, kMaxThreads == kRowKernelPairThre
 #pragma unroll
       for (int i = 0; i < kRowValues; ++i) {
         if (k == 0) v[i] = out[i];
-        w[i] = w_next[i];
+        else w[i] = w_next[i];
       }
     }
   }
