@@ -209,12 +209,15 @@ CublasLtGemm::Plan CublasLtGemm::choose(const Key& key, const void* weights, cud
   // them), the step no faster.
   int device = 0, l2_bytes = 0;
   cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-  const bool timed = !fp8 && !device_scalars && count > 1 && cudaGetDevice(&device) == cudaSuccess &&
-                     cudaDeviceGetAttribute(&l2_bytes, cudaDevAttrL2CacheSize, device) == cudaSuccess &&
-                     int64_t(batches) * n * k * 2 >= 2 * int64_t(l2_bytes) &&
-                     cudaStreamIsCapturing(stream, &capture) == cudaSuccess && capture == cudaStreamCaptureStatusNone;
-  cudaGetLastError();
-  if (timed) plan.algo = candidates[fastest_alike(key, {candidates, count}, weights, stream)];
+  if (cudaGetDevice(&device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&l2_bytes, cudaDevAttrL2CacheSize, device) != cudaSuccess ||
+      cudaStreamIsCapturing(stream, &capture) != cudaSuccess) {
+    cudaGetLastError();  // not to be had: the heuristic's first
+    return plan;
+  }
+  if (!fp8 && !device_scalars && count > 1 && int64_t(batches) * n * k * 2 >= 2 * int64_t(l2_bytes) &&
+      capture == cudaStreamCaptureStatusNone)
+    plan.algo = candidates[fastest_alike(key, {candidates, count}, weights, stream)];
   return plan;
 }
 
@@ -246,10 +249,10 @@ size_t CublasLtGemm::fastest_alike(const Key& key, std::span<const cublasLtMatmu
   };
   auto output_hash = [&] {
     unsigned long long h = 0;
-    const bool ok = cudaMemsetAsync(hash.p, 0, sizeof(h), stream) == cudaSuccess &&
-                    (hash_words_kernel<<<1024, 256, 0, stream>>>(static_cast<const uint32_t*>(y.p), y_values,
-                                                                 static_cast<unsigned long long*>(hash.p)),
-                     cudaMemcpyAsync(&h, hash.p, sizeof(h), cudaMemcpyDeviceToHost, stream) == cudaSuccess) &&
+    if (cudaMemsetAsync(hash.p, 0, sizeof(h), stream) != cudaSuccess) return std::pair{false, h};
+    hash_words_kernel<<<1024, 256, 0, stream>>>(static_cast<const uint32_t*>(y.p), y_values,
+                                                static_cast<unsigned long long*>(hash.p));
+    const bool ok = cudaMemcpyAsync(&h, hash.p, sizeof(h), cudaMemcpyDeviceToHost, stream) == cudaSuccess &&
                     cudaStreamSynchronize(stream) == cudaSuccess;
     return std::pair{ok, h};
   };
