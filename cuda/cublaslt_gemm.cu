@@ -8,7 +8,7 @@
 // A bf16 weight with row factors (decoded NVFP4) is one product per run of rows sharing a
 // factor (GemmMatrix::factor_rows), the factor its alpha, read from device memory (as beta
 // then is): cuBLASLt has no bf16 kernel taking alpha as a vector, one per row.
-#include <algorithm>
+#include <span>
 #include <stdexcept>
 #include <string>
 #include <utility>
@@ -129,6 +129,67 @@ struct Timer {
   Timer& operator=(const Timer&) = delete;
 };
 
+// The heuristic ranks candidates by a model of the machine: at the 26B shapes its first for
+// the lm_head (n 262144, k 2816) took 581 us on the H200 where another with the same bits
+// took 533. Of `candidates` for `product` (bf16 operands, alpha and beta on the host, at
+// kReferenceRows rows: X x_values values, its output y_values), the index of the fastest
+// whose output is candidate 0's bit for bit; 0 where the timing's operands do not fit in
+// memory. Each runs on random X and the product's own weights; only those whose output
+// hashes as candidate 0's are timed, so that the choice changes no result, whatever the
+// timings say (tiles of other shapes summing over K in the same order give the same bits;
+// another K split does not, and drops out).
+size_t fastest_alike(cublasLtHandle_t handle, const Product& product, int64_t x_values, int64_t y_values,
+                     std::span<const cublasLtMatmulAlgo_t> candidates, const void* weights, cudaStream_t stream) {
+  if (cudaStreamSynchronize(stream) != cudaSuccess) {  // the work queued before would share the machine
+    cudaGetLastError();
+    return 0;
+  }
+  DeviceBuffer x(size_t(x_values) * 2), y(size_t(y_values) * sizeof(float)), hash(sizeof(unsigned long long)),
+      workspace(kWorkspaceBytes);
+  Timer timer;
+  if (!x.p || !y.p || !hash.p || !workspace.p || !timer.stop) return 0;
+  random_bf16(static_cast<__nv_bfloat16*>(x.p), x_values, 1, 1.0f, stream);
+  const float constants[2] = {0.0f, 1.0f};
+  auto run = [&](const cublasLtMatmulAlgo_t& algo) {
+    return cublasLtMatmul(handle, product.op, &constants[1], weights, product.w, x.p, product.a, &constants[0], y.p,
+                          product.y, y.p, product.y, &algo, workspace.p, kWorkspaceBytes,
+                          stream) == CUBLAS_STATUS_SUCCESS;
+  };
+  auto output_hash = [&] {
+    unsigned long long h = 0;
+    if (cudaMemsetAsync(hash.p, 0, sizeof(h), stream) != cudaSuccess) return std::pair{false, h};
+    hash_words_kernel<<<1024, 256, 0, stream>>>(static_cast<const uint32_t*>(y.p), y_values,
+                                                static_cast<unsigned long long*>(hash.p));
+    const bool ok = cudaMemcpyAsync(&h, hash.p, sizeof(h), cudaMemcpyDeviceToHost, stream) == cudaSuccess &&
+                    cudaStreamSynchronize(stream) == cudaSuccess;
+    return std::pair{ok, h};
+  };
+  constexpr int kRuns = 4;
+  size_t best = 0;
+  float best_ms = 0.0f;
+  unsigned long long reference = 0;
+  for (size_t i = 0; i < candidates.size(); ++i) {
+    if (!run(candidates[i])) {  // the warm-up, whose output is hashed
+      if (i == 0) break;
+      continue;
+    }
+    const auto [ok, h] = output_hash();
+    if (!ok) break;
+    if (i == 0) reference = h;
+    if (h != reference) continue;
+    float ms = 0.0f;
+    bool ran = cudaEventRecord(timer.start, stream) == cudaSuccess;
+    for (int r = 0; r < kRuns && ran; ++r) ran = run(candidates[i]);
+    if (!ran || cudaEventRecord(timer.stop, stream) != cudaSuccess || cudaEventSynchronize(timer.stop) != cudaSuccess ||
+        cudaEventElapsedTime(&ms, timer.start, timer.stop) != cudaSuccess)
+      break;
+    if (i == 0 || ms < best_ms) best = i, best_ms = ms;
+  }
+  cudaGetLastError();
+  cudaStreamSynchronize(stream);
+  return best;
+}
+
 }  // namespace
 
 CublasLtGemm::CublasLtGemm() {
@@ -217,69 +278,9 @@ CublasLtGemm::Plan CublasLtGemm::choose(const Key& key, const void* weights, cud
   }
   if (!fp8 && !device_scalars && count > 1 && int64_t(batches) * n * k * 2 >= 2 * int64_t(l2_bytes) &&
       capture == cudaStreamCaptureStatusNone)
-    plan.algo = candidates[fastest_alike(key, {candidates, count}, weights, stream)];
+    plan.algo = candidates[fastest_alike(handle_, reference, kReferenceRows * lda, batches * kReferenceRows * ldy,
+                                         {candidates, count}, weights, stream)];
   return plan;
-}
-
-// The heuristic ranks candidates by a model of the machine: at the 26B shapes its first for
-// the lm_head (n 262144, k 2816) took 581 us on the H200 where another with the same bits
-// took 533. Each candidate runs on random X and the product's own weights; only those whose
-// output hashes as candidate 0's are timed, so that the choice changes no result, whatever
-// the timings say (tiles of other shapes summing over K in the same order give the same
-// bits; another K split does not, and drops out).
-size_t CublasLtGemm::fastest_alike(const Key& key, std::span<const cublasLtMatmulAlgo_t> candidates,
-                                   const void* weights, cudaStream_t stream) {
-  const auto [fp8, device_scalars, n, k, lda, ldy, align_w, align_y, batches] = key;
-  const int64_t m = kReferenceRows, y_values = int64_t(batches) * m * ldy;
-  if (cudaStreamSynchronize(stream) != cudaSuccess) {  // the work queued before would share the machine
-    cudaGetLastError();
-    return 0;
-  }
-  DeviceBuffer x(size_t(m * lda) * 2), y(size_t(y_values) * sizeof(float)), hash(sizeof(unsigned long long)),
-      workspace(kWorkspaceBytes);
-  Timer timer;
-  if (!x.p || !y.p || !hash.p || !workspace.p || !timer.stop) return 0;
-  random_bf16(static_cast<__nv_bfloat16*>(x.p), m * lda, 1, 1.0f, stream);
-  Product product(false, false, m, lda, n, k, ldy, batches, m * ldy);
-  const float constants[2] = {0.0f, 1.0f};
-  auto run = [&](const cublasLtMatmulAlgo_t& algo) {
-    return cublasLtMatmul(handle_, product.op, &constants[1], weights, product.w, x.p, product.a, &constants[0], y.p,
-                          product.y, y.p, product.y, &algo, workspace.p, kWorkspaceBytes,
-                          stream) == CUBLAS_STATUS_SUCCESS;
-  };
-  auto output_hash = [&] {
-    unsigned long long h = 0;
-    if (cudaMemsetAsync(hash.p, 0, sizeof(h), stream) != cudaSuccess) return std::pair{false, h};
-    hash_words_kernel<<<1024, 256, 0, stream>>>(static_cast<const uint32_t*>(y.p), y_values,
-                                                static_cast<unsigned long long*>(hash.p));
-    const bool ok = cudaMemcpyAsync(&h, hash.p, sizeof(h), cudaMemcpyDeviceToHost, stream) == cudaSuccess &&
-                    cudaStreamSynchronize(stream) == cudaSuccess;
-    return std::pair{ok, h};
-  };
-  constexpr int kRuns = 4;
-  size_t best = 0;
-  float best_ms = 0.0f;
-  unsigned long long reference = 0;
-  for (size_t i = 0; i < candidates.size(); ++i) {
-    if (!run(candidates[i])) {  // the warm-up, whose output is hashed
-      if (i == 0) break;
-      continue;
-    }
-    const auto [ok, h] = output_hash();
-    if (!ok) break;
-    if (i == 0) reference = h;
-    if (h != reference) continue;
-    float ms = 0.0f;
-    bool ran = cudaEventRecord(timer.start, stream) == cudaSuccess;
-    for (int r = 0; r < kRuns && ran; ++r) ran = run(candidates[i]);
-    if (!ran || cudaEventRecord(timer.stop, stream) != cudaSuccess || cudaEventSynchronize(timer.stop) != cudaSuccess ||
-        cudaEventElapsedTime(&ms, timer.start, timer.stop) != cudaSuccess)
-      break;
-    if (i == 0 || ms < best_ms) best = i, best_ms = ms;
-  }
-  cudaGetLastError();
-  cudaStreamSynchronize(stream);
-  return best;
 }
 
 int64_t CublasLtGemm::part_rows(GemmInput input, const GemmMatrix& w, int64_t n) {

@@ -12,7 +12,6 @@
 
 #include <cstdint>
 #include <map>
-#include <span>
 #include <tuple>
 #include <vector>
 
@@ -80,11 +79,6 @@ class CublasLtGemm {
                                       int64_t ldy, cudaStream_t stream);
   // The plan for key's product of `weights` (the first product met of that key's).
   Plan choose(const Key& key, const void* weights, cudaStream_t stream);
-  // Of `candidates` for key's product of `weights` (bf16, alpha and beta on the host), the
-  // index of the fastest at the reference rows whose output is candidate 0's bit for bit; 0
-  // where the timing's operands do not fit in memory.
-  size_t fastest_alike(const Key& key, std::span<const cublasLtMatmulAlgo_t> candidates, const void* weights,
-                       cudaStream_t stream);
 
   cublasLtHandle_t handle_ = nullptr;
   std::map<cudaStream_t, void*> workspaces_;  // one per stream: products on two streams may run at once
