@@ -11,8 +11,9 @@ Prints the GPU-busy share of the wall time, then one row per kernel name: time a
 per forward pass, mean time per launch; then each kernel's share of the busy time (each
 instant goes to the earliest-started kernel running); then the gaps between GPU work, by length;
 with --timeline NAME, one period of the trace from the middle launch of the kernel whose name
-holds NAME to the next (a layer, for a kernel launched once a layer): each kernel's start and
-end from the period's start, and its stream.
+holds NAME to the next (for a kernel launched once a layer, a layer, or, from the last layer's
+launch, the step's end and the next step's start): each kernel's start and end from the
+period's start, and its stream.
 (DIFFUSERVE_PROFILE=1 instead times each op with a synchronisation around it.)
 Programmatic dependent launch is off here unless DIFFUSERVE_PDL is set: with it a kernel's
 blocks start while the kernel before is still running and wait for it, so each kernel's time
