@@ -641,14 +641,38 @@ class CudaBackend final : public Backend {
   void rms_norm_rope(Activation& x, const Weight& weight, int64_t head_dim, float eps, const Weight& inv_freq,
                      const std::vector<int64_t>& positions) override {
     auto timed = op("rms_norm_rope");
-    cuda::rms_norm_rope(x.data, static_cast<const float*>(weight.data), x.rows, 0, x.cols / head_dim, head_dim, eps,
-                        static_cast<const float*>(inv_freq.data), upload_table(positions), stream_);
+    const int64_t* at = upload_table(positions);
+    cuda::rms_norm_rope({{heads(x, 0, x, weight, head_dim, at)}, 1}, head_dim, eps,
+                        static_cast<const float*>(inv_freq.data), stream_);
   }
   void key_value_norms(Activation& kv, const Weight& k_weight, int64_t head_dim, float eps, const Weight& inv_freq,
                        const std::vector<int64_t>& positions) override {
     auto timed = op("rms_norm_rope");
-    cuda::rms_norm_rope(kv.data, static_cast<const float*>(k_weight.data), kv.rows / 2, kv.rows / 2, kv.cols / head_dim,
-                        head_dim, eps, static_cast<const float*>(inv_freq.data), upload_table(positions), stream_);
+    const int64_t n = kv.rows / 2;
+    Activation k = kv.view(0, n), v = kv.view(n, n);
+    const int64_t* at = upload_table(positions);
+    cuda::rms_norm_rope({{heads(k, 0, k, k_weight, head_dim, at), heads(v, 0, v, {}, head_dim, nullptr)}, 2}, head_dim,
+                        eps, static_cast<const float*>(inv_freq.data), stream_);
+  }
+  void split_qkv_norms(const Activation& qkv, int64_t q_first, const Weight& q_weight, const Weight& k_weight,
+                       int64_t head_dim, float eps, const Weight& inv_freq, const std::vector<int64_t>& positions,
+                       Activation& q, Activation& kv) override {
+    auto timed = op("rms_norm_rope");
+    const int64_t n = qkv.rows, v_col = qkv_value_column(qkv, q_first, q, kv);
+    Activation k = kv.view(0, n), v = kv.view(n, n);
+    const int64_t* at = upload_table(positions);
+    cuda::rms_norm_rope({{heads(qkv.view(q_first, q.rows), 0, q, q_weight, head_dim, at + q_first),
+                          heads(qkv, q.cols, k, k_weight, head_dim, at), heads(qkv, v_col, v, {}, head_dim, nullptr)},
+                         3},
+                        head_dim, eps, static_cast<const float*>(inv_freq.data), stream_);
+  }
+
+  // rms_norm_rope's part for dst's heads, read from src's columns from `col` on (weight empty:
+  // the unscaled norm).
+  static cuda::HeadNorms heads(const Activation& src, int64_t col, const Activation& dst, const Weight& weight,
+                               int64_t head_dim, const int64_t* positions) {
+    return {src.data + col, src.cols, dst.data, dst.rows, dst.cols / head_dim, static_cast<const float*>(weight.data),
+            positions};
   }
 
   void attention(const Activation& q, const std::vector<AttentionSegment>& segments, int64_t num_heads,

@@ -314,20 +314,27 @@ __global__ void rms_norm_warp_kernel(const float* x, NormOutputs outs, NormOutpu
   write_norms(yi, then, g, warp_inv_rms(yi, group, eps, lane), group, lane, 32);
 }
 
-// A warp per (row, head): the head's norm as rms_norm_warp_kernel computes it, then rotate_half
-// RoPE on each lane's pairs (f, f + half); past the first `groups` heads, the plain_groups
-// heads after them get the unscaled norm alone.
-__global__ void rms_norm_rope_kernel(float* __restrict__ x, const float* __restrict__ weight, int64_t groups,
-                                     int64_t plain_groups, int64_t heads, int64_t head_dim, float eps,
-                                     const float* __restrict__ inv_freq, const int64_t* __restrict__ positions) {
+// A warp per (row, head) of the parts in turn: the head's norm as rms_norm_warp_kernel
+// computes it, then rotate_half RoPE on each lane's pairs (f, f + half), or the unscaled
+// norm alone for a part without a weight.
+__global__ void rms_norm_rope_kernel(const __grid_constant__ HeadNormParts parts, int64_t head_dim, float eps,
+                                     const float* __restrict__ inv_freq) {
   wait_for_earlier_kernels();
-  const int64_t g = int64_t(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5);
-  if (g >= groups + plain_groups) return;  // whole warps: blocks are whole warps
+  int64_t g = int64_t(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5);
+  int p = 0;
+  for (; p < parts.count && g >= parts.part[p].rows * parts.part[p].heads; ++p)
+    g -= parts.part[p].rows * parts.part[p].heads;
+  if (p == parts.count) return;  // whole warps: blocks are whole warps
+  const HeadNorms& part = parts.part[p];
   const int lane = threadIdx.x & 31;
-  float* v = x + g * head_dim;
-  const float inv = warp_inv_rms(v, head_dim, eps, lane);
-  if (g >= groups) return write_norm<false>(v, nullptr, inv, head_dim, lane, 32, 1.0f, v);
-  const float position = float(positions[g / heads]);
+  const int64_t r = g / part.heads;
+  // Each lane reads its values before it writes them, so that dst may be src.
+  const float* in = part.src + r * part.src_stride + (g % part.heads) * head_dim;
+  float* out = part.dst + g * head_dim;
+  const float inv = warp_inv_rms(in, head_dim, eps, lane);
+  if (!part.weight) return write_norm<false>(in, nullptr, inv, head_dim, lane, 32, 1.0f, out);
+  const float* weight = part.weight;
+  const float position = float(part.positions[r]);
   const int64_t half = head_dim / 2;
   // A lane's pairs (f, f + half) kPairs at a time, every load before any store: one round
   // trip a group, not one a pair (sincosf's branches keep the compiler from moving loads
@@ -339,7 +346,7 @@ __global__ void rms_norm_rope_kernel(float* __restrict__ x, const float* __restr
     for (int i = 0; i < kPairs; ++i) {
       const int64_t f = f0 + 32 * i;
       const bool inside = f < half;
-      x1[i] = inside ? v[f] : 0.0f, x2[i] = inside ? v[f + half] : 0.0f;
+      x1[i] = inside ? in[f] : 0.0f, x2[i] = inside ? in[f + half] : 0.0f;
       w1[i] = inside ? weight[f] : 0.0f, w2[i] = inside ? weight[f + half] : 0.0f;
       freq[i] = inside ? inv_freq[f] : 0.0f;
     }
@@ -350,8 +357,8 @@ __global__ void rms_norm_rope_kernel(float* __restrict__ x, const float* __restr
       const float a = x1[i] * inv * w1[i], b = x2[i] * inv * w2[i];
       float sn, cs;
       sincosf(position * freq[i], &sn, &cs);
-      v[f] = a * cs - b * sn;
-      v[f + half] = b * cs + a * sn;
+      out[f] = a * cs - b * sn;
+      out[f + half] = b * cs + a * sn;
     }
   }
 }
@@ -916,13 +923,14 @@ void rms_norms(const float* x, const NormOutputs& outs, const NormOutputs& then,
   if (after.count) rms_norms(then.y[0], after, {}, {}, groups, group, eps, stream);
 }
 
-void rms_norm_rope(float* x, const float* weight, int64_t rows, int64_t plain_rows, int64_t heads, int64_t head_dim,
-                   float eps, const float* inv_freq, const int64_t* positions, cudaStream_t stream) {
+void rms_norm_rope(const HeadNormParts& parts, int64_t head_dim, float eps, const float* inv_freq,
+                   cudaStream_t stream) {
   constexpr int kWarps = kThreads / 32;
-  const int64_t groups = rows * heads, plain_groups = plain_rows * heads;
-  if (groups + plain_groups)
-    launch(rms_norm_rope_kernel, unsigned((groups + plain_groups + kWarps - 1) / kWarps), kThreads, 0, stream, x,
-           weight, groups, plain_groups, heads, head_dim, eps, inv_freq, positions);
+  int64_t groups = 0;
+  for (int p = 0; p < parts.count; ++p) groups += parts.part[p].rows * parts.part[p].heads;
+  if (groups)
+    launch(rms_norm_rope_kernel, unsigned((groups + kWarps - 1) / kWarps), kThreads, 0, stream, parts, head_dim, eps,
+           inv_freq);
 }
 
 void gelu_glu(const float* x, int64_t rows, int64_t inter, float* out, cudaStream_t stream) {

@@ -301,11 +301,26 @@ struct NormOutputs {
 // gemm()'s pre-pass after it.
 void rms_norms(const float* x, const NormOutputs& outs, const NormOutputs& then, const NormOutputs& after,
                int64_t groups, int64_t group, float eps, cudaStream_t stream);
-// rms_norm of each head (weight [head_dim]), then rope, in place on rows [0, rows); then,
-// on the plain_rows rows after them, each head's unscaled norm (a layer's values after its
-// keys): a warp per (row, head).
-void rms_norm_rope(float* x, const float* weight, int64_t rows, int64_t plain_rows, int64_t heads, int64_t head_dim,
-                   float eps, const float* inv_freq, const int64_t* positions, cudaStream_t stream);
+// Heads that rms_norm_rope normalises: `rows` rows of `heads` heads, row r's at src + r *
+// src_stride (a column block of a wider matrix, such as one product's [Q K V]), written to
+// dst as whole rows of heads (dst may be src, where src_stride is heads * head_dim). With a
+// weight ([head_dim]): each head's rms_norm by it, then rotate_half RoPE at positions[r];
+// without: the unscaled norm alone (a layer's values).
+struct HeadNorms {
+  const float* src;
+  int64_t src_stride;
+  float* dst;
+  int64_t rows, heads;
+  const float* weight;
+  const int64_t* positions;
+};
+constexpr int kMaxHeadNorms = 3;  // a layer's queries, keys and values
+struct HeadNormParts {
+  HeadNorms part[kMaxHeadNorms];
+  int count;
+};
+// Every part's heads in one launch, a warp per (row, head); inv_freq [head_dim / 2].
+void rms_norm_rope(const HeadNormParts& parts, int64_t head_dim, float eps, const float* inv_freq, cudaStream_t stream);
 // The MLP's activation of one (gate, up) pair: gelu (tanh approximation) of the gate, times up.
 DS_HOST_DEVICE inline float gelu_glu_value(float gate, float up) {
   return 0.5f * gate * (1.0f + tanhf(0.7978845608028654f * (gate + 0.044715f * gate * gate * gate))) * up;

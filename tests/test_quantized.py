@@ -70,11 +70,11 @@ def reference(path):
     return model
 
 
-def test_weight_only_nvfp4_matches_the_dequantized_model():
-    path = os.path.join(FIXTURES, "NVFP4A16")
-    model = ds.Model.load(path)
-    assert model.config["quantization"] == "nvfp4-pack-quantized"
-    seq, ref = model.sequence(), ReferenceSequence(reference(path))
+def assert_matches_the_dequantized_model(path):
+    """Over a prompt past the window and three blocks (each denoised without, then with
+    self-conditioning, then committed): the logits of transformers on the dequantized
+    weights to within 1e-4, and the same argmax everywhere."""
+    seq, ref = ds.Model.load(path).sequence(), ReferenceSequence(reference(path))
     rng = np.random.default_rng(0)
     prompt = rng.integers(0, 96, 13)  # past the window of 8
     for s in (seq, ref):
@@ -89,6 +89,32 @@ def test_weight_only_nvfp4_matches_the_dequantized_model():
             previous = expected / 0.7
         for s in (seq, ref):
             s.commit(canvas)
+
+
+def test_weight_only_nvfp4_matches_the_dequantized_model():
+    path = os.path.join(FIXTURES, "NVFP4A16")
+    assert ds.Model.load(path).config["quantization"] == "nvfp4-pack-quantized"
+    assert_matches_the_dequantized_model(path)
+
+
+def test_partly_plain_attention_projections_match_the_dequantized_model(tmp_path):
+    """A layer's query, key and value linears are one product where all three are stored
+    plainly (layer 1 here, in a quantized checkpoint), and three where they are stored
+    differently (layer 0: q_proj plain beside quantized k_proj and v_proj); the logits match
+    either way."""
+    from safetensors.torch import save_file
+    path = copy_fixture(tmp_path, "NVFP4A16")
+    tensors, plain = load_file(path / "model.safetensors"), dequantized_state(path)
+    modules = ["model.decoder.layers.0.self_attn.q_proj"] + [f"model.decoder.layers.1.self_attn.{p}_proj" for p in "qkv"]
+    for module in modules:
+        for copy in {module, module.replace("model.decoder.", "model.encoder.language_model.")}:
+            if copy + ".weight_packed" not in tensors:
+                continue
+            for suffix in (".weight_packed", ".weight_scale", ".weight_global_scale"):
+                del tensors[copy + suffix]
+            tensors[copy + ".weight"] = plain[module + ".weight"].clone()
+    save_file(tensors, path / "model.safetensors")
+    assert_matches_the_dequantized_model(path)
 
 
 @pytest.mark.parametrize("scheme", ["FP8_DYNAMIC", "NVFP4"])

@@ -16,6 +16,7 @@
 
 #include "diffuserve/config.h"
 #include "diffuserve/dtype.h"
+#include "diffuserve/errors.h"
 #include "packed_weight.h"
 #include "philox.h"
 
@@ -188,6 +189,19 @@ struct CanvasState {
   std::shared_ptr<void> storage;
 };
 
+// Backend::split_qkv_norms' shapes checked (InvalidArgument where they disagree): the column
+// of qkv where the values begin (the keys' own, where V is K's raw output).
+inline int64_t qkv_value_column(const Activation& qkv, int64_t q_first, const Activation& q, const Activation& kv) {
+  const bool own_values = qkv.cols == q.cols + 2 * kv.cols;
+  if (!(own_values || qkv.cols == q.cols + kv.cols) || kv.rows != 2 * qkv.rows || q_first < 0 ||
+      q.rows != qkv.rows - q_first)
+    throw InvalidArgument("split_qkv_norms: a [" + std::to_string(qkv.rows) + ", " + std::to_string(qkv.cols) +
+                          "] product does not split into queries [" + std::to_string(q.rows) + ", " +
+                          std::to_string(q.cols) + "] from row " + std::to_string(q_first) + " and [K; V] [" +
+                          std::to_string(kv.rows) + ", " + std::to_string(kv.cols) + "]");
+  return q.cols + (own_values ? kv.cols : 0);
+}
+
 class Backend {
  public:
   virtual ~Backend() = default;
@@ -353,6 +367,15 @@ class Backend {
     rms_norm_rope(k, k_weight, head_dim, eps, inv_freq, positions);
     rms_norm(v, nullptr, head_dim, eps, v);
   }
+  // A layer's queries, keys and values from one product's output qkv = x @ [Wq; Wk; Wv]^T,
+  // [rows, q.cols + 2 * kv.cols] ([rows, q.cols + kv.cols] where V is K's raw output, on
+  // full-attention layers): q = rms_norm_rope by q_weight of the query columns of rows
+  // [q_first, rows) (q.rows of them, at positions[q_first + r]); kv = [K; V] of every row, as
+  // key_value_norms makes them from the key and value columns. One op, so that a backend
+  // may split and norm in one pass.
+  virtual void split_qkv_norms(const Activation& qkv, int64_t q_first, const Weight& q_weight, const Weight& k_weight,
+                               int64_t head_dim, float eps, const Weight& inv_freq,
+                               const std::vector<int64_t>& positions, Activation& q, Activation& kv) = 0;
   // out = softmax(q k^T) v per head (scale 1), GQA, for every segment of the batch (each
   // with its own keys, positions, causal flag and window) in one call. round_bf16: q, k, v
   // and the probabilities rounded to bf16 before their products (activations "bfloat16";

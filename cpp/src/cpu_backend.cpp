@@ -248,6 +248,20 @@ class CpuBackend final : public Backend {
     });
   }
 
+  void split_qkv_norms(const Activation& qkv, int64_t q_first, const Weight& q_weight, const Weight& k_weight,
+                       int64_t head_dim, float eps, const Weight& inv_freq, const std::vector<int64_t>& positions,
+                       Activation& q, Activation& kv) override {
+    const int64_t n = qkv.rows, v_col = qkv_value_column(qkv, q_first, q, kv), kv_cols = kv.cols;
+    for (int64_t r = 0; r < n; ++r) {
+      const float* row = qkv.row(r);
+      if (r >= q_first) std::copy(row, row + q.cols, q.row(r - q_first));
+      std::copy(row + q.cols, row + q.cols + kv_cols, kv.row(r));
+      std::copy(row + v_col, row + v_col + kv_cols, kv.row(n + r));
+    }
+    rms_norm_rope(q, q_weight, head_dim, eps, inv_freq, {positions.begin() + q_first, positions.begin() + n});
+    key_value_norms(kv, k_weight, head_dim, eps, inv_freq, positions);
+  }
+
   void attention(const Activation& q, const std::vector<AttentionSegment>& segments, int64_t num_heads,
                  int64_t num_kv_heads, int64_t head_dim, Activation& out, bool round_bf16) override {
     auto input = [round_bf16](float x) { return round_bf16 ? round_to_dtype(x, DType::BF16) : x; };

@@ -8,14 +8,15 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <numeric>
 #include <optional>
 #include <regex>
 #include <set>
 #include <tuple>
 
 #include "activation_quant.h"
-#include "packed_weight.h"
 #include "diffuserve/errors.h"
+#include "packed_weight.h"
 
 namespace diffuserve {
 namespace {
@@ -113,16 +114,30 @@ class TensorSource {
     return w;
   }
 
-  // Several [n_i, K] linears stacked along rows into one weight (gate and up in one GEMM).
-  Weight stacked(const std::vector<std::string>& names, const std::vector<int64_t>& part_shape) {
-    std::vector<int64_t> stacked_shape = part_shape;
-    stacked_shape[0] *= int64_t(names.size());
-    if (dummy()) return dummy_linear(stacked_shape);
+  // Several [rows[i], cols] linears stacked along rows into one weight (gate and up in one GEMM).
+  Weight stacked(const std::vector<std::string>& names, const std::vector<int64_t>& rows, int64_t cols) {
+    const int64_t total = std::accumulate(rows.begin(), rows.end(), int64_t(0));
+    if (dummy()) return dummy_linear({total, cols});
     std::vector<std::string> modules;
     for (const auto& name : names) modules.push_back(module_of(name));
-    Weight w = concatenated(names, part_shape, stacked_shape);
-    w.input_quant = input_quant({modules}, part_shape[1]);
+    Weight w = concatenated(names, rows, {total, cols});
+    w.input_quant = input_quant({modules}, cols);
     return w;
+  }
+
+  // Whether the linears `names` may be stacked into one weight although the checkpoint may
+  // store them differently (a layer's queries, keys and values): stored plainly, their
+  // inputs quantized alike. (Quantized parts may differ in format, group size and scales.)
+  bool stackable(const std::vector<std::string>& names, int64_t cols) {
+    if (dummy()) return m_.dummy_quantization == WeightFormat::Plain;
+    const ActivationQuant first = input_quant({{module_of(names[0])}}, cols);
+    for (const std::string& name : names) {
+      const ActivationQuant q = input_quant({{module_of(name)}}, cols);
+      if (is_packed(name) || q.scheme != first.scheme || q.decoder_global_scale != first.decoder_global_scale ||
+          q.encoder_global_scale != first.encoder_global_scale)
+        return false;
+    }
+    return true;
   }
 
   // An MoE layer's experts as one [E, rows, K] stack: stored fused (`fused`, which is not
@@ -140,7 +155,7 @@ class TensorSource {
         modules[e].push_back(prefix + "." + std::to_string(e) + "." + part);
         names.push_back(modules[e].back() + ".weight");
       }
-    Weight w = concatenated(names, part_shape, shape);
+    Weight w = concatenated(names, std::vector<int64_t>(names.size(), part_shape[0]), shape);
     w.input_quant = input_quant(modules, part_shape[1]);
     return w;
   }
@@ -213,19 +228,22 @@ class TensorSource {
     return m_.backend->upload(host->data(), DType::F32, w.shape, as_, host);
   }
 
-  // The [n_i, K] weights `names` stacked along rows into one weight of `shape`: packed when
-  // the first is stored quantized, else in the weight dtype.
-  Weight concatenated(const std::vector<std::string>& names, const std::vector<int64_t>& part_shape,
+  // The [rows[i], K] weights `names` stacked along rows into one weight of `shape` (their
+  // rows' total, then K; or an expert stack's [E, rows, K]): packed when the first is stored
+  // quantized, else in the weight dtype.
+  Weight concatenated(const std::vector<std::string>& names, const std::vector<int64_t>& rows,
                       const std::vector<int64_t>& shape) {
+    const int64_t cols = shape.back();
     if (is_packed(names[0])) {
-      PackedWeight w = packed(names[0], part_shape);
-      for (size_t i = 1; i < names.size(); ++i) w.append(packed(names[i], part_shape), m_.path + ": '" + names[i] + "'");
+      PackedWeight w = packed(names[0], {rows[0], cols});
+      for (size_t i = 1; i < names.size(); ++i)
+        w.append(packed(names[i], {rows[i], cols}), m_.path + ": '" + names[i] + "'");
       w.shape = shape;
       return upload(w);
     }
     auto host = std::make_shared<std::vector<float>>();
-    for (const auto& name : names) {
-      const std::vector<float> part = floats(name, part_shape);
+    for (size_t i = 0; i < names.size(); ++i) {
+      const std::vector<float> part = floats(names[i], {rows[i], cols});
       host->insert(host->end(), part.begin(), part.end());
     }
     return m_.backend->upload(host->data(), DType::F32, shape, as_, host);
@@ -399,8 +417,8 @@ void round_linear_inputs(ModelWeights& w) {
   round_input(w.sc_gate_up);
   round_input(w.sc_down);
   for (LayerWeights& l : w.layers)
-    for (Weight* x : {&l.q_proj, &l.k_proj, &l.v_proj, &l.o_proj, &l.mlp_gate_up, &l.mlp_down, &l.experts_gate_up,
-                      &l.experts_down})
+    for (Weight* x : {&l.q_proj, &l.k_proj, &l.v_proj, &l.qkv_proj, &l.o_proj, &l.mlp_gate_up, &l.mlp_down,
+                      &l.experts_gate_up, &l.experts_down})
       round_input(*x);
 }
 
@@ -418,7 +436,7 @@ void load_weights(ModelState& m, DType as) {
   w.norm = src.small(d + "norm.weight", {H});
   const std::string sc = d + "self_conditioning.";
   w.sc_pre_norm = src.small(sc + "pre_norm.weight", {H});
-  w.sc_gate_up = src.stacked({sc + "gate_proj.weight", sc + "up_proj.weight"}, {I, H});
+  w.sc_gate_up = src.stacked({sc + "gate_proj.weight", sc + "up_proj.weight"}, {I, I}, H);
   w.sc_down = src.linear(sc + "down_proj.weight", {H, I});
 
   for (int i = 0; i < c.num_layers; ++i) {
@@ -426,9 +444,16 @@ void load_weights(ModelState& m, DType as) {
     const std::string p = d + "layers." + std::to_string(i) + ".";
     const int64_t q_out = int64_t(c.num_heads) * L.head_dim, kv_out = int64_t(L.num_kv_heads) * L.head_dim;
     LayerWeights lw;
-    lw.q_proj = src.linear(p + "self_attn.q_proj.weight", {q_out, H});
-    lw.k_proj = src.linear(p + "self_attn.k_proj.weight", {kv_out, H});
-    if (L.has_v_proj) lw.v_proj = src.linear(p + "self_attn.v_proj.weight", {kv_out, H});
+    std::vector<std::string> qkv = {p + "self_attn.q_proj.weight", p + "self_attn.k_proj.weight"};
+    std::vector<int64_t> qkv_rows = {q_out, kv_out};
+    if (L.has_v_proj) qkv.push_back(p + "self_attn.v_proj.weight"), qkv_rows.push_back(kv_out);
+    if (src.stackable(qkv, H)) {
+      lw.qkv_proj = src.stacked(qkv, qkv_rows, H);
+    } else {
+      lw.q_proj = src.linear(qkv[0], {q_out, H});
+      lw.k_proj = src.linear(qkv[1], {kv_out, H});
+      if (L.has_v_proj) lw.v_proj = src.linear(qkv[2], {kv_out, H});
+    }
     lw.o_proj = src.linear(p + "self_attn.o_proj.weight", {H, q_out});
     lw.q_norm = src.small(p + "self_attn.q_norm.weight", {L.head_dim});
     lw.k_norm = src.small(p + "self_attn.k_norm.weight", {L.head_dim});
@@ -439,7 +464,7 @@ void load_weights(ModelState& m, DType as) {
     lw.post_feedforward_layernorm_1 = src.small(p + "post_feedforward_layernorm_1.weight", {H});
     lw.post_feedforward_layernorm_2 = src.small(p + "post_feedforward_layernorm_2.weight", {H});
     lw.pre_feedforward_layernorm_2 = src.small(p + "pre_feedforward_layernorm_2.weight", {H});
-    lw.mlp_gate_up = src.stacked({p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"}, {I, H});
+    lw.mlp_gate_up = src.stacked({p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"}, {I, I}, H);
     lw.mlp_down = src.linear(p + "mlp.down_proj.weight", {H, I});
     lw.router_proj = src.weight(p + "router.proj.weight", {E, H});
     if (src.input_scheme(p + "router.proj") != ActivationScheme::None)
@@ -467,26 +492,41 @@ void load_weights(ModelState& m, DType as) {
 
 namespace {
 
-// K and V of `x` for one layer: k_norm + RoPE on K; V is v_proj(x) (or, on full-attention
-// layers, the raw k_proj output) through an unscaled norm. Both come as rows of one matrix,
-// [K; V], from one Backend::linears, which the GPU makes one product where it can: a K or
-// V projection alone fills half of it at batch 1.
-void project_kv(ModelState& m, int li, const Activation& x, int64_t encoder_rows,
-                const std::vector<int64_t>& positions, Activation& k, Activation& v) {
+// A layer's queries (of x's rows from q_first on, q.rows of them) and keys and values (of
+// every row) from its input x: q_norm + RoPE on Q, k_norm + RoPE on K, and V = v_proj(x) (or,
+// on full-attention layers, the raw k_proj output) through an unscaled norm. K and V come as
+// rows of one matrix, [K; V]. One product where the loader stacked the three weights
+// (qkv_proj), else three: K and V as one Backend::linears (which the GPU makes one product
+// where it can: a K or V projection alone fills half of it at batch 1), beside Q's.
+void project_qkv(ModelState& m, int li, const Activation& x, int64_t encoder_rows,
+                 const std::vector<int64_t>& positions, int64_t q_first, Activation& q, Activation& k, Activation& v) {
   Backend& be = *m.backend;
   const LayerConfig& L = m.config.layers[li];
   const LayerWeights& W = m.weights.layers[li];
+  const float eps = m.config.rms_norm_eps;
   const int64_t n = x.rows;
   Activation kv = be.alloc_output(2 * n, int64_t(L.num_kv_heads) * L.head_dim);
   k = kv.view(0, n), v = kv.view(n, n);
-  if (L.has_v_proj && W.k_proj.format == W.v_proj.format && W.k_proj.dtype == W.v_proj.dtype) {
-    be.linears(x, {&W.k_proj, &W.v_proj}, kv, encoder_rows);
-  } else {
-    be.linear_with_input_quant(x, W.k_proj, k, encoder_rows);
-    if (L.has_v_proj) be.linear_with_input_quant(x, W.v_proj, v, encoder_rows);
-    else be.copy_rows(k, 0, v, 0, k.rows);
+  if (!W.qkv_proj.empty()) {
+    Activation qkv = be.alloc_output(n, W.qkv_proj.shape[0]);
+    be.linear_with_input_quant(x, W.qkv_proj, qkv, encoder_rows);
+    return be.split_qkv_norms(qkv, q_first, W.q_norm, W.k_norm, L.head_dim, eps, W.rope_inv_freq, positions, q, kv);
   }
-  be.key_value_norms(kv, W.k_norm, L.head_dim, m.config.rms_norm_eps, W.rope_inv_freq, positions);
+  auto keys_and_values = [&] {
+    if (L.has_v_proj && W.k_proj.format == W.v_proj.format && W.k_proj.dtype == W.v_proj.dtype) {
+      be.linears(x, {&W.k_proj, &W.v_proj}, kv, encoder_rows);
+    } else {
+      be.linear_with_input_quant(x, W.k_proj, k, encoder_rows);
+      if (L.has_v_proj) be.linear_with_input_quant(x, W.v_proj, v, encoder_rows);
+      else be.copy_rows(k, 0, v, 0, k.rows);
+    }
+    be.key_value_norms(kv, W.k_norm, L.head_dim, eps, W.rope_inv_freq, positions);
+  };
+  if (!q.rows) return keys_and_values();
+  be.concurrently(keys_and_values, [&] {
+    be.linear_with_input_quant(x.view(q_first, q.rows), W.q_proj, q, encoder_rows - q_first);
+    be.rms_norm_rope(q, W.q_norm, L.head_dim, eps, W.rope_inv_freq, {positions.begin() + q_first, positions.end()});
+  });
 }
 
 // out = gated GELU MLP of x with stacked [gate; up] weights.
@@ -562,7 +602,8 @@ struct Placed {
 Activation alloc_layer_input(ModelState& m, int li, int64_t rows) {
   const LayerWeights& W = m.weights.layers[li];
   std::vector<const Weight*> projections = {&W.q_proj, &W.k_proj};
-  if (m.config.layers[li].has_v_proj) projections.push_back(&W.v_proj);
+  if (!W.qkv_proj.empty()) projections = {&W.qkv_proj};
+  else if (m.config.layers[li].has_v_proj) projections.push_back(&W.v_proj);
   return m.backend->alloc_product_input(rows, m.config.hidden_size, projections);
 }
 
@@ -582,32 +623,23 @@ void layer_forward(ModelState& m, KvCache& kv, int li, Activation& h, const Acti
   const int64_t q_cols = int64_t(c.num_heads) * L.head_dim;
   const int64_t window = L.sliding ? c.sliding_window : 0;
 
-  Activation k, v;
-  auto keys_and_values = [&] {
-    project_kv(m, li, x, encoder_rows, positions, k, v);
-    // Encoder rows come first in the batch: rows [0, encoder_rows) go to their cache slots.
-    if (encoder_rows) {
-      std::vector<int64_t> slots;
-      for (const Placed& p : placed)
-        if (p.segment->encoder)
-          for (int64_t r = 0; r < p.rows; ++r) slots.push_back(kv.slot(*p.segment->table, li, p.first_position + r));
-      be.scatter_rows(k.view(0, encoder_rows), slots, kv.keys(li));
-      be.scatter_rows(v.view(0, encoder_rows), slots, kv.values(li));
-    }
-  };
-
   // Past its KV, the encoder's last layer feeds nothing: only decoder rows go on (`next`'s rows).
   const int64_t first = li == c.num_layers - 1 ? encoder_rows : 0;
-  if (first == n) return keys_and_values();
-  Activation rows_h = h.view(first, n - first), rows_x = x.view(first, n - first);
+  Activation q = be.alloc_output(n - first, q_cols), k, v;
+  project_qkv(m, li, x, encoder_rows, positions, first, q, k, v);
+  // Encoder rows come first in the batch: rows [0, encoder_rows) go to their cache slots.
+  if (encoder_rows) {
+    std::vector<int64_t> slots;
+    for (const Placed& p : placed)
+      if (p.segment->encoder)
+        for (int64_t r = 0; r < p.rows; ++r) slots.push_back(kv.slot(*p.segment->table, li, p.first_position + r));
+    be.scatter_rows(k.view(0, encoder_rows), slots, kv.keys(li));
+    be.scatter_rows(v.view(0, encoder_rows), slots, kv.values(li));
+  }
+  if (first == n) return;
+  Activation rows_h = h.view(first, n - first);
   const int64_t rows_encoder = encoder_rows - first;
-  // The queries, beside the keys and values (independent until the attention).
-  const std::vector<int64_t> q_positions(positions.begin() + first, positions.end());
-  Activation q = be.alloc_output(n - first, q_cols), attn = be.alloc_product_input(n - first, q_cols, {&W.o_proj});
-  be.concurrently(keys_and_values, [&] {
-    be.linear_with_input_quant(rows_x, W.q_proj, q, rows_encoder);
-    be.rms_norm_rope(q, W.q_norm, L.head_dim, c.rms_norm_eps, W.rope_inv_freq, q_positions);
-  });
+  Activation attn = be.alloc_product_input(n - first, q_cols, {&W.o_proj});
 
   std::vector<AttentionSegment> segments;
   for (const Placed& p : placed) {

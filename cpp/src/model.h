@@ -15,7 +15,10 @@
 namespace diffuserve {
 
 struct LayerWeights {
-  Weight q_proj, k_proj, v_proj, o_proj;  // v_proj is empty on full-attention layers
+  // v_proj is empty on full-attention layers. Where the checkpoint lets q_proj, k_proj and
+  // v_proj be one product (stored plainly, inputs quantized alike), they are stacked into
+  // qkv_proj ([Wq; Wk; Wv] or [Wq; Wk]) and are themselves empty; else qkv_proj is.
+  Weight q_proj, k_proj, v_proj, qkv_proj, o_proj;
   // Norm weights, scales and the RoPE frequencies are small fp32 weights.
   Weight q_norm, k_norm;
   Weight input_layernorm, post_attention_layernorm;
