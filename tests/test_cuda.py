@@ -191,6 +191,17 @@ def test_quantized_checkpoint_matches_cpu(scheme):
     run_blocks(cpu.sequence(), gpu.sequence(), cpu.vocab_size, cpu.canvas_length, scheme, later_tol)
 
 
+def test_partly_plain_attention_projections_match_cpu(tmp_path):
+    """A quantized checkpoint whose layers multiply their query, key and value linears each
+    way (test_quantized.partly_plain_attention_checkpoint): one stacked product, K and V as
+    one batched cuBLASLt product beside the query's, three apart."""
+    from test_quantized import partly_plain_attention_checkpoint
+    path = partly_plain_attention_checkpoint(tmp_path)
+    cpu = ds.Model.load(path, dtype="bfloat16")
+    gpu = ds.Model.load(path, device="cuda")
+    run_blocks(cpu.sequence(), gpu.sequence(), cpu.vocab_size, cpu.canvas_length, "partly plain attention")
+
+
 def check_fp8_inputs(cpu, gpu, canvas_length, label):
     """FP8 inputs round each value of a linear's input to 3 mantissa bits, so a value the two
     backends hold a few bits apart can round the other way, which moves its token's whole

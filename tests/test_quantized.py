@@ -97,15 +97,17 @@ def test_weight_only_nvfp4_matches_the_dequantized_model():
     assert_matches_the_dequantized_model(path)
 
 
-def test_partly_plain_attention_projections_match_the_dequantized_model(tmp_path):
-    """A layer's query, key and value linears are one product where all three are stored
-    plainly (layer 1 here, in a quantized checkpoint), and three where they are stored
-    differently (layer 0: q_proj plain beside quantized k_proj and v_proj); the logits match
-    either way."""
+def partly_plain_attention_checkpoint(tmp_path):
+    """The weight-only NVFP4 fixture with some of its attention projections stored plainly
+    (their dequantized values, fp32), so that each way the runtime multiplies a layer's
+    query, key and value linears serves a layer: layer 1 all three plain (one stacked
+    product), layer 0 its key and value (one product for the two where the backend can, the
+    query's apart), layer 2 (full attention, no v_proj) its query alone (three products)."""
     from safetensors.torch import save_file
     path = copy_fixture(tmp_path, "NVFP4A16")
     tensors, plain = load_file(path / "model.safetensors"), dequantized_state(path)
-    modules = ["model.decoder.layers.0.self_attn.q_proj"] + [f"model.decoder.layers.1.self_attn.{p}_proj" for p in "qkv"]
+    attention = "model.decoder.layers.{}.self_attn.{}_proj"
+    modules = [attention.format(0, p) for p in "kv"] + [attention.format(1, p) for p in "qkv"] + [attention.format(2, "q")]
     for module in modules:
         for copy in {module, module.replace("model.decoder.", "model.encoder.language_model.")}:
             if copy + ".weight_packed" not in tensors:
@@ -114,7 +116,11 @@ def test_partly_plain_attention_projections_match_the_dequantized_model(tmp_path
                 del tensors[copy + suffix]
             tensors[copy + ".weight"] = plain[module + ".weight"].clone()
     save_file(tensors, path / "model.safetensors")
-    assert_matches_the_dequantized_model(path)
+    return path
+
+
+def test_partly_plain_attention_projections_match_the_dequantized_model(tmp_path):
+    assert_matches_the_dequantized_model(partly_plain_attention_checkpoint(tmp_path))
 
 
 @pytest.mark.parametrize("scheme", ["FP8_DYNAMIC", "NVFP4"])

@@ -125,9 +125,9 @@ class TensorSource {
     return w;
   }
 
-  // Whether the linears `names` may be stacked into one weight although the checkpoint may
-  // store them differently (a layer's queries, keys and values): stored plainly, their
-  // inputs quantized alike. (Quantized parts may differ in format, group size and scales.)
+  // Whether the linears `names`, which a checkpoint may store each its own way (a layer's
+  // queries, keys and values), can be stacked into one weight: all stored plainly, their
+  // inputs quantized alike. (Quantized ones may differ in format, group size and scales.)
   bool stackable(const std::vector<std::string>& names, int64_t cols) {
     if (dummy()) return m_.dummy_quantization == WeightFormat::Plain;
     const ActivationQuant first = input_quant({{module_of(names[0])}}, cols);
