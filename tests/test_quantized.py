@@ -107,7 +107,8 @@ def partly_plain_attention_checkpoint(tmp_path):
     path = copy_fixture(tmp_path, "NVFP4A16")
     tensors, plain = load_file(path / "model.safetensors"), dequantized_state(path)
     attention = "model.decoder.layers.{}.self_attn.{}_proj"
-    modules = [attention.format(0, p) for p in "kv"] + [attention.format(1, p) for p in "qkv"] + [attention.format(2, "q")]
+    modules = [attention.format(0, p) for p in "kv"] + [attention.format(1, p) for p in "qkv"]
+    modules.append(attention.format(2, "q"))
     for module in modules:
         for copy in {module, module.replace("model.decoder.", "model.encoder.language_model.")}:
             if copy + ".weight_packed" not in tensors:
