@@ -6,13 +6,16 @@ diffuserve's included). Needs a CUDA build and PyTorch.
     python benchmarks/kernel_trace.py [--batch 1] [--context 1024] [--steps 8] [--activations bfloat16]
                                       [--kv-cache-dtype float32]
                                       [--quantization fp8-dynamic] [--timeline moe_plan]
+                                      [--timeline-shift -15]
 
 Prints the GPU-busy share of the wall time, then one row per kernel name: time and launches
 per forward pass, mean time per launch; then each kernel's share of the busy time (each
 instant goes to the earliest-started kernel running); then the gaps between GPU work, by length;
 with --timeline NAME, one period of the trace from the middle launch of the kernel whose name
 holds NAME to the next (for a kernel launched once a layer, a layer, or, from the last layer's
-launch, the step's end and the next step's start): each kernel's start and end from the
+launch, the step's end and the next step's start), or from the launch --timeline-shift launches
+after it (before, where negative: the router's middle launch has been a step's last layer's,
+and -15 then gives a layer halfway through that step): each kernel's start and end from the
 period's start, and its stream.
 (DIFFUSERVE_PROFILE=1 instead times each op with a synchronisation around it.)
 Programmatic dependent launch is off here unless DIFFUSERVE_PDL is set: with it a kernel's
@@ -56,17 +59,17 @@ def busy_shares(kernels):
     return shares
 
 
-def period(kernels, anchor):
+def period(kernels, anchor, shift=0):
     """One period of a trace: of (start, end, stream, name) kernels, those that start from the
-    middle launch of the kernel whose name holds `anchor` up to the launch after it, as (start,
-    end, stream, name) with times from that launch's start, in order of their starts. Empty
-    where the anchor kernel runs fewer than twice."""
+    middle launch of the kernel whose name holds `anchor`, or the launch `shift` launches after
+    it, up to the launch after that, as (start, end, stream, name) with times from that
+    launch's start, in order of their starts. Empty where no such launch has one after it."""
     kernels = sorted(kernels)
     starts = [start for start, _, _, name in kernels if anchor in name]
-    if len(starts) < 2:
+    first = (len(starts) - 1) // 2 + shift
+    if not 0 <= first < len(starts) - 1:
         return []
-    middle = (len(starts) - 1) // 2
-    t0, t1 = starts[middle], starts[middle + 1]
+    t0, t1 = starts[first], starts[first + 1]
     return [(start - t0, end - t0, stream, name) for start, end, stream, name in kernels if t0 <= start < t1]
 
 
@@ -100,6 +103,8 @@ def main():
                     help="how the KV cache stores keys and values (LoadOptions.kv_cache_dtype)")
     ap.add_argument("--timeline", metavar="NAME",
                     help="also print one period of the trace from a launch of the kernel whose name holds NAME")
+    ap.add_argument("--timeline-shift", type=int, default=0, metavar="N",
+                    help="the period from the launch N launches after the middle one (before, where negative)")
     args = ap.parse_args()
     os.environ.setdefault("DIFFUSERVE_PDL", "0")  # read at the first launch, below
     with tempfile.TemporaryDirectory() as tmp:
@@ -151,10 +156,11 @@ def main():
     if args.timeline:
         # The stream a kernel ran on: the profiler's resource id of a device event.
         kernels = [(e.time_range.start, e.time_range.end, e.device_resource_id, e.name) for e in gpu]
-        print(f"one period from the middle launch of a kernel named *{args.timeline}* (us from its start):")
+        shifted = f", shifted by {args.timeline_shift} launches" if args.timeline_shift else ""
+        print(f"one period from the middle launch of a kernel named *{args.timeline}*{shifted} (us from its start):")
         print("| start us | end us | stream | kernel |")
         print("|---------:|-------:|-------:|:-------|")
-        for start, end, stream, name in period(kernels, args.timeline):
+        for start, end, stream, name in period(kernels, args.timeline, args.timeline_shift):
             print(f"| {start:8.1f} | {end:6.1f} | {stream!s:>6} | {short_name(name)} |")
     # The host's side: time in the CUDA runtime calls (launches, waits, graph recording and
     # instantiation), which the long gaps above are waiting for.

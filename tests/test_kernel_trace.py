@@ -53,6 +53,19 @@ def test_a_period_runs_from_the_middle_launch_of_the_anchor_to_the_next_with_tim
                                            (20, 40, 2, "mlp"), (90, 100, 1, "norm")]
 
 
+def test_a_shifted_period_starts_that_many_launches_from_the_middle_one():
+    kernels = [(100.0 * layer + t, 100.0 * layer + t + 10, 1, name) for layer in range(5)
+               for t, name in ((0, f"norm {layer}"), (10, "moe_plan_kernel"))]
+    assert period(kernels, "moe_plan", -2) == [(0, 10, 1, "moe_plan_kernel"), (90, 100, 1, "norm 1")]
+    assert period(kernels, "moe_plan", 1) == [(0, 10, 1, "moe_plan_kernel"), (90, 100, 1, "norm 4")]
+
+
 def test_no_period_where_the_anchor_runs_fewer_than_twice():
     assert period([(0, 5, 1, "moe_plan"), (5, 9, 1, "norm")], "moe_plan") == []
     assert period([(0, 5, 1, "norm")], "moe_plan") == []
+
+
+def test_no_period_shifted_past_the_launches():
+    kernels = [(10.0 * i, 10.0 * i + 5, 1, "moe_plan") for i in range(4)]
+    assert period(kernels, "moe_plan", 2) == []  # the last launch has none after it
+    assert period(kernels, "moe_plan", -2) == []
