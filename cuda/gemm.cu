@@ -69,7 +69,14 @@
 //       1 TB/s per warp (a warp's cp.async copies in flight are few). Nor did the first
 //       wave's blocks gain from prefetching their first K slices into L2 (bulk prefetch)
 //       before the programmatic wait, the router and the plan letting the up product start
-//       early (twenty-sixth session: the batch-1 step 17.3 ms with it and without).
+//       early (twenty-sixth session: the batch-1 step 17.3 ms with it and without). An
+//       L2 evict_first policy on the tiled weights' copies (cp.async's L2::cache_hint, so
+//       that the weights streamed once leave L2 before the down product's 23 MB of outputs
+//       the combine reads next) could not be measured: with it the tiled kernels stopped
+//       on an illegal instruction on the H200 (CUDA 13.0's ptxas; the disassembly shows
+//       those copies alone with an odd descriptor register, desc[UR1], beside an address
+//       in [R + UR0]; the policy made once a thread; made beside each copy, it compiled
+//       to the same and was not run) (thirtieth session).
 // Every shape accumulates each output in the same order (K steps of 32 bytes in order, hi
 // then lo; E4M3 on wgmma, a stage's tensor-core sum added in order), so a row's result does
 // not depend on the tile shape its batch size picked: batched and single-sequence runs agree

@@ -504,7 +504,9 @@ __device__ int2 block_exclusive_sum(int2 v, int2& total) {
 // and of tiles); then place each pair at its expert's next row. The order of rows within
 // an expert does not matter: every row's product is computed on its own. The counters are
 // 32-bit (moe_plan checks that the pairs fit): shared memory adds those natively, 64-bit
-// ones in compare-and-swap loops that the experts' pairs contend for.
+// ones in compare-and-swap loops that the experts' pairs contend for. (Keeping a thread's
+// first ids in registers for the placing pass, one round trip less, measured 7.9 -> 7.8 us
+// a launch at batch 1 on the H200, the steps no faster: not kept, thirtieth session.)
 __global__ void moe_plan_kernel(const int32_t* ids, int64_t pairs, int top_k, int experts, int tile_rows,
                                 const ExpertStack gate_up, const ExpertStack down, int64_t* row_map,
                                 int64_t* inverse, GemmSegment* up_segments, GemmSegment* down_segments,

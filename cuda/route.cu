@@ -11,8 +11,15 @@
 // the first block's shared memory, which then routes the tokens, a warp each. At batch 1 on
 // the H200: 14.3 us a launch; four warps a tile, each a quarter of the hidden size (the
 // token rows read once a tile), took 19.1 us, and clusters of 8 blocks of 2 tiles 17.6 us.
-// Code for GPUs before Hopper (no clusters) runs with clusters of one block: a block takes
-// every tile.
+// Nor did splitting the hidden size among the cluster's blocks instead (each block all the
+// tiles over its share, a token's parts added from every block's shared memory by the block
+// that routes it) gain: 14.3 against 14.8 us with 4 blocks, the steps no faster, and 25.6
+// us with 8 (thirtieth session). The bytes a block reads are not what bounds it: ncu's
+// warp samples (1x1K, layer 0, 14.3 us) fall 47% on the loads' first uses and the MMAs,
+// 23% on the barrier after them (warps waiting for the slowest one's loads), 7% on the
+// cluster barrier and its memory fence, 20% on the routing: each warp's chain of round
+// trips, two chunks of loads in flight at a time at 126 registers. Code for GPUs before
+// Hopper (no clusters) runs with clusters of one block: a block takes every tile.
 //
 // Each lane reads its fragments straight from global memory: the tokens' rows (fp32, split
 // into bf16 hi/lo as they are read: two products) and the experts' weight rows (bf16).
