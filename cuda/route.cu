@@ -15,11 +15,14 @@
 // tiles over its share, a token's parts added from every block's shared memory by the block
 // that routes it) gain: 14.3 against 14.8 us with 4 blocks, the steps no faster, and 25.6
 // us with 8 (thirtieth session). The bytes a block reads are not what bounds it: ncu's
-// warp samples (1x1K, layer 0, 14.3 us) fall 47% on the loads' first uses and the MMAs,
-// 23% on the barrier after them (warps waiting for the slowest one's loads), 7% on the
-// cluster barrier and its memory fence, 20% on the routing: each warp's chain of round
-// trips, two chunks of loads in flight at a time at 126 registers. Code for GPUs before
-// Hopper (no clusters) runs with clusters of one block: a block takes every tile.
+// warp samples (1x1K, layer 0, 14.3 us) fall 11% on its start, 46% on the loads' first uses
+// and the MMAs, 16% on the barrier after them (warps waiting for the slowest one's loads)
+// and the parts' sums, 7% on the cluster barrier and its memory fence, 19% on the routing:
+// each warp's chain of round trips, two chunks of loads in flight at a time at 126
+// registers. Nor did asking each warp's share of the weight rows into L2 at once
+// (cp.async.bulk.prefetch.L2, a row a lane) before the programmatic wait, as they come from
+// memory each layer: 15.7 us a launch. Code for GPUs before Hopper (no clusters) runs with
+// clusters of one block: a block takes every tile.
 //
 // Each lane reads its fragments straight from global memory: the tokens' rows (fp32, split
 // into bf16 hi/lo as they are read: two products) and the experts' weight rows (bf16).
