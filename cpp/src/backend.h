@@ -75,6 +75,7 @@ struct ActivationQuant {
   float global_scale(bool encoder, int expert) const {
     return (encoder ? encoder_global_scale : decoder_global_scale)[expert < 0 ? 0 : expert];
   }
+  bool operator==(const ActivationQuant&) const = default;
 };
 
 // A weight in backend memory. Shape: the values' ([out, in] for a linear layer, [experts,

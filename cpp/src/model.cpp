@@ -130,14 +130,10 @@ class TensorSource {
   // inputs quantized alike. (Quantized ones may differ in format, group size and scales.)
   bool stackable(const std::vector<std::string>& names, int64_t cols) {
     if (dummy()) return m_.dummy_quantization == WeightFormat::Plain;
+    if (std::any_of(names.begin(), names.end(), [&](const std::string& name) { return is_packed(name); })) return false;
     const ActivationQuant first = input_quant({{module_of(names[0])}}, cols);
-    for (const std::string& name : names) {
-      const ActivationQuant q = input_quant({{module_of(name)}}, cols);
-      if (is_packed(name) || q.scheme != first.scheme || q.decoder_global_scale != first.decoder_global_scale ||
-          q.encoder_global_scale != first.encoder_global_scale)
-        return false;
-    }
-    return true;
+    return std::all_of(names.begin() + 1, names.end(),
+                       [&](const std::string& name) { return input_quant({{module_of(name)}}, cols) == first; });
   }
 
   // An MoE layer's experts as one [E, rows, K] stack: stored fused (`fused`, which is not
