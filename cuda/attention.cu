@@ -13,6 +13,7 @@
 #include <cfloat>
 #include <climits>
 #include <cstdint>
+#include <optional>
 #include <stdexcept>
 
 #include "kernels.h"
@@ -143,22 +144,53 @@ constexpr int64_t kPieceAlign = 32;     // a piece of whole chunks
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
-// The first row of the bf16 span `k` in the plan's pool (pool_keys, pool_values set): its
-// keys and values must both lie whole rows past the pools' starts, at the same row, and the
-// kernel's key rows are ints.
-int64_t pool_row_of(const AttentionPlan& plan, const KeySpan& k) {
-  const int64_t row_bytes = plan.packed_cols * int64_t(sizeof(__nv_bfloat16));
-  const int64_t key_bytes = static_cast<const uint8_t*>(k.keys) - reinterpret_cast<const uint8_t*>(plan.pool_keys);
-  const int64_t value_bytes =
-      static_cast<const uint8_t*>(k.values) - reinterpret_cast<const uint8_t*>(plan.pool_values);
-  if (key_bytes % row_bytes || value_bytes != key_bytes || reinterpret_cast<uintptr_t>(plan.pool_keys) % 16 ||
-      reinterpret_cast<uintptr_t>(plan.pool_values) % 16)
-    throw std::invalid_argument(
-        "attention: bf16 keys and values must be 16-byte aligned rows of one pool each, a "
-        "span's keys and values at the same rows");
-  if (key_bytes / row_bytes + k.count > INT32_MAX - 2)
-    throw std::invalid_argument("attention: a bf16 pool of more than 2^31 rows");
+// The row at which `count` rows of keys and values start in two buffers of bf16 rows of
+// `row_bytes`, keys at keys_base and values at values_base: none unless both lie whole rows
+// past their buffer's start, at the same row, the buffers 16-byte aligned, and the rows
+// ints for the kernel.
+std::optional<int64_t> common_row(const void* keys_base, const void* values_base, int64_t row_bytes, const void* keys,
+                                  const void* values, int64_t count) {
+  const int64_t key_bytes = static_cast<const uint8_t*>(keys) - static_cast<const uint8_t*>(keys_base);
+  const int64_t value_bytes = static_cast<const uint8_t*>(values) - static_cast<const uint8_t*>(values_base);
+  if (key_bytes < 0 || key_bytes % row_bytes || value_bytes != key_bytes ||
+      reinterpret_cast<uintptr_t>(keys_base) % 16 || reinterpret_cast<uintptr_t>(values_base) % 16 ||
+      key_bytes / row_bytes + count > INT32_MAX - 2)
+    return std::nullopt;
   return key_bytes / row_bytes;
+}
+
+// The first row of the bf16 span `k` in the plan's pool (pool_keys, pool_values set).
+int64_t pool_row_of(const AttentionPlan& plan, const KeySpan& k) {
+  const std::optional<int64_t> row = common_row(
+      plan.pool_keys, plan.pool_values, plan.packed_cols * int64_t(sizeof(__nv_bfloat16)), k.keys, k.values, k.count);
+  if (!row)
+    throw std::invalid_argument(
+        "attention: bf16 keys and values must be 16-byte aligned rows of one pool each (fewer than 2^31), a "
+        "span's keys and values at the same rows");
+  return *row;
+}
+
+// Where every fp32 span of the segments has its rows rounded already (KeySpan::rounded_keys)
+// in one buffer of keys and one of values, sets the plan's rounded_keys and rounded_values
+// to them (the lowest of the spans' rows; common_row checks the rest): the kernel reads those
+// rows, and no pre-pass runs.
+void find_rounded_rows(const std::vector<AttentionSegment>& segments, AttentionPlan& plan) {
+  const __nv_bfloat16 *keys = nullptr, *values = nullptr;
+  for (const AttentionSegment& s : segments)
+    for (const KeySpan& k : s.spans) {
+      if (k.dtype != DType::F32) continue;
+      if (!k.rounded_keys || !k.rounded_values) return;
+      const auto* span_keys = static_cast<const __nv_bfloat16*>(k.rounded_keys);
+      const auto* span_values = static_cast<const __nv_bfloat16*>(k.rounded_values);
+      if (!keys || span_keys < keys) keys = span_keys;
+      if (!values || span_values < values) values = span_values;
+    }
+  const int64_t row_bytes = plan.packed_cols * int64_t(sizeof(__nv_bfloat16));
+  for (const AttentionSegment& s : segments)
+    for (const KeySpan& k : s.spans)
+      if (k.dtype == DType::F32 && !common_row(keys, values, row_bytes, k.rounded_keys, k.rounded_values, k.count))
+        return;
+  plan.rounded_keys = keys, plan.rounded_values = values;
 }
 
 int64_t piece_keys(int64_t items, int64_t keys, int64_t resident) {
@@ -227,6 +259,8 @@ AttentionPlan plan_attention(const std::vector<AttentionSegment>& segments, int 
         if (!plan.pool_keys || keys < plan.pool_keys) plan.pool_keys = keys;
         if (!plan.pool_values || values < plan.pool_values) plan.pool_values = values;
       }
+  if (packed) find_rounded_rows(segments, plan);
+  const int64_t row_bytes = plan.packed_cols * int64_t(sizeof(__nv_bfloat16));
   for (const AttentionSegment& s : segments) {
     const int index = int(plan.segments.size()), span_begin = int(plan.spans.size());
     plan.segments.push_back({s.first_row, s.first_position, s.window, s.causal ? 1 : 0, span_begin, int(s.spans.size())});
@@ -237,7 +271,10 @@ AttentionPlan plan_attention(const std::vector<AttentionSegment>& segments, int 
         d.pool_row = pool_row_of(plan, k);
       } else if (k.dtype == DType::F32) {
         d.keys = static_cast<const float*>(k.keys), d.values = static_cast<const float*>(k.values);
-        if (packed) plan.packed_rows += k.count;
+        if (plan.rounded_keys)
+          d.packed =
+              *common_row(plan.rounded_keys, plan.rounded_values, row_bytes, k.rounded_keys, k.rounded_values, k.count);
+        else if (packed) plan.packed_rows += k.count;
       } else {
         throw std::invalid_argument(k.dtype == DType::BF16 ? "attention: bf16 keys need the wgmma kernel (head dims "
                                                              "256 and 512 with inputs rounded to bf16, on Hopper)"

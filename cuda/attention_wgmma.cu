@@ -552,8 +552,9 @@ void attention_wgmma(const float* q, const AttentionOutput& out, float* partial_
     cudaFuncSetAttribute(attention_wgmma_kernel<kDim>, cudaFuncAttributeMaxDynamicSharedMemorySize, kBytes);
     constexpr int kSplit = Shape<kDim>::kSplit;
     launch_clusters(kSplit, attention_wgmma_kernel<kDim>, unsigned(plan.items.size() * kSplit), kThreads, kBytes,
-                    stream, q, out, partial_out, partial_ml, packed_keys, packed_values, plan.pool_keys,
-                    plan.pool_values, tables.segments, tables.spans, tables.items, num_heads, num_kv_heads);
+                    stream, q, out, partial_out, partial_ml, plan.rounded_keys ? plan.rounded_keys : packed_keys,
+                    plan.rounded_values ? plan.rounded_values : packed_values, plan.pool_keys, plan.pool_values,
+                    tables.segments, tables.spans, tables.items, num_heads, num_kv_heads);
   });
 }
 

@@ -280,6 +280,14 @@ class CudaBackend final : public Backend {
   Activation alloc_logits(int64_t rows, int64_t cols) override {
     return alloc_with_product_input(rows, cols, cuda::GemmInput::RoundBf16);
   }
+  // The wgmma attention reads keys and values as bf16 rows: the norms that make them write
+  // those rows beside them, and the attention's pre-pass has none to convert.
+  Activation alloc_keys_values(int64_t rows, int64_t cols, int64_t head_dim, bool round_bf16) override {
+    if (!cuda::attention_wgmma_serves(int(head_dim), round_bf16) ||
+        cuda::gemm_padded_k(cols, cuda::GemmInput::RoundBf16) != cols)
+      return alloc_output(rows, cols);
+    return alloc_with_product_input(rows, cols, cuda::GemmInput::RoundBf16);
+  }
 
   std::shared_ptr<void> alloc_bytes(size_t bytes) override {
     bind();
@@ -668,11 +676,14 @@ class CudaBackend final : public Backend {
   }
 
   // rms_norm_rope's part for dst's heads, read from src's columns from `col` on (weight empty:
-  // the unscaled norm).
+  // the unscaled norm), also rounded into dst's bf16 rows where it keeps them (alloc_keys_values).
   static cuda::HeadNorms heads(const Activation& src, int64_t col, const Activation& dst, const Weight& weight,
                                int64_t head_dim, const int64_t* positions) {
-    return {src.data + col, src.cols, dst.data, dst.rows, dst.cols / head_dim, static_cast<const float*>(weight.data),
-            positions};
+    cuda::HeadNorms part{
+        src.data + col, src.cols, dst.data, dst.rows, dst.cols / head_dim, static_cast<const float*>(weight.data),
+        positions};
+    part.rounded = rounded_rows(dst);
+    return part;
   }
 
   void attention(const Activation& q, const std::vector<AttentionSegment>& segments, int64_t num_heads,

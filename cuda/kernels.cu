@@ -84,13 +84,13 @@ __device__ __forceinline__ float norm_output(float v, float inv, float w, bool a
 }
 
 // The write pass of the streaming norm kernels below: this thread's elements j of a group
-// get norm_output of x[j] * inv [* weight[j]], stored in y[j] or (kAccumulate) added to it.
-// x, the weights and y are all loaded kUnroll at a time before any is used (as
-// for_each_strided does). x may be y: each element is read and written by one thread,
-// loads first.
+// get norm_output of x[j] * inv [* weight[j]], stored in y[j] or (kAccumulate) added to it,
+// and rounded to bf16 in rounded[j] where that is given. x, the weights and y are all
+// loaded kUnroll at a time before any is used (as for_each_strided does). x may be y: each
+// element is read and written by one thread, loads first.
 template <bool kAccumulate>
-__device__ __forceinline__ void write_norm(const float* x, const float* weight, float inv, int64_t group,
-                                           int64_t first, int64_t stride, float scale, float* y) {
+__device__ __forceinline__ void write_norm(const float* x, const float* weight, float inv, int64_t group, int64_t first,
+                                           int64_t stride, float scale, float* y, __nv_bfloat16* rounded = nullptr) {
   for (int64_t base = first; base < group; base += kUnroll * stride) {
     float v[kUnroll], w[kUnroll], old[kUnroll];
 #pragma unroll
@@ -105,7 +105,9 @@ __device__ __forceinline__ void write_norm(const float* x, const float* weight, 
     for (int u = 0; u < kUnroll; ++u) {
       const int64_t j = base + u * stride;
       if (j >= group) continue;
-      y[j] = norm_output(v[u], inv, w[u], kAccumulate, old[u], scale);
+      const float out = norm_output(v[u], inv, w[u], kAccumulate, old[u], scale);
+      y[j] = out;
+      if (rounded) rounded[j] = __float2bfloat16(out);
     }
   }
 }
@@ -331,8 +333,9 @@ __global__ void rms_norm_rope_kernel(const __grid_constant__ HeadNormParts parts
   // Each lane reads its values before it writes them, so that dst may be src.
   const float* in = part.src + r * part.src_stride + (g % part.heads) * head_dim;
   float* out = part.dst + g * head_dim;
+  __nv_bfloat16* rounded = part.rounded ? part.rounded + g * head_dim : nullptr;
   const float inv = warp_inv_rms(in, head_dim, eps, lane);
-  if (!part.weight) return write_norm<false>(in, nullptr, inv, head_dim, lane, 32, 1.0f, out);
+  if (!part.weight) return write_norm<false>(in, nullptr, inv, head_dim, lane, 32, 1.0f, out, rounded);
   const float* weight = part.weight;
   const float position = float(part.positions[r]);
   const int64_t half = head_dim / 2;
@@ -357,8 +360,9 @@ __global__ void rms_norm_rope_kernel(const __grid_constant__ HeadNormParts parts
       const float a = x1[i] * inv * w1[i], b = x2[i] * inv * w2[i];
       float sn, cs;
       sincosf(position * freq[i], &sn, &cs);
-      out[f] = a * cs - b * sn;
-      out[f + half] = b * cs + a * sn;
+      const float y1 = a * cs - b * sn, y2 = b * cs + a * sn;
+      out[f] = y1, out[f + half] = y2;
+      if (rounded) rounded[f] = __float2bfloat16(y1), rounded[f + half] = __float2bfloat16(y2);
     }
   }
 }

@@ -163,8 +163,9 @@ struct DeviceKeySpan {
   int64_t count;
   int64_t first_position;
   // The rows as the wgmma kernel reads them, bf16: rows packed.. of the copies its pre-pass
-  // writes, or, where pool_row >= 0, rows pool_row.. of the plan's bf16 pool (a bf16 KV
-  // cache's pages). A span in the pool owns no copies: its `packed` is the next span's.
+  // writes (or of the plan's rounded rows), or, where pool_row >= 0, rows pool_row.. of the
+  // plan's bf16 pool (a bf16 KV cache's pages). A span in the pool owns no copies: its
+  // `packed` is the next span's.
   int64_t packed;
   int64_t pool_row;
 };
@@ -214,9 +215,14 @@ struct AttentionPlan {
   bool round_bf16 = false;
   // The wgmma kernel's keys and values as bf16 (attention_wgmma_serves): every fp32 span's
   // rows one after the other, `packed_cols` values a row, converted by a pre-pass so that
-  // the kernel stages them with cp.async. 0 rows for the other kernels.
+  // the kernel stages them with cp.async. 0 rows for the other kernels, and where every fp32
+  // span has its rows rounded already (KeySpan::rounded_keys), in one buffer of keys and
+  // one of values, a span's keys and values at the same rows of each: the kernel then reads
+  // those (rounded_keys, rounded_values), the spans' `packed` rows of them.
   int64_t packed_rows = 0;
   int64_t packed_cols = 0;
+  const __nv_bfloat16* rounded_keys = nullptr;
+  const __nv_bfloat16* rounded_values = nullptr;
   // The bf16 spans' rows (of packed_cols values): all in one pool of keys and one of values,
   // a span's keys and values at the same rows of each (a layer of a bf16 KV cache).
   const __nv_bfloat16* pool_keys = nullptr;
@@ -266,7 +272,7 @@ int attention_wgmma_resident_items(int head_dim);
 // The blocks of attention_mma's plan (pieces to partial_out / partial_ml, as attention_mma
 // lays out its scratch; attention_mma merges them), after a pre-pass that writes the spans'
 // keys and values as bf16 into `packed_keys` and `packed_values` (plan.packed_rows x
-// plan.packed_cols each).
+// plan.packed_cols each; none where the plan found them rounded already, rounded_keys).
 void attention_wgmma(const float* q, const AttentionOutput& out, float* partial_out, float2* partial_ml,
                      __nv_bfloat16* packed_keys, __nv_bfloat16* packed_values, const AttentionPlan& plan,
                      const AttentionTables& tables, int num_heads, int num_kv_heads, cudaStream_t stream);
@@ -305,7 +311,8 @@ void rms_norms(const float* x, const NormOutputs& outs, const NormOutputs& then,
 // src_stride (a column block of a wider matrix, such as one product's [Q K V]), written to
 // dst as whole rows of heads (dst may be src, where src_stride is heads * head_dim). With a
 // weight ([head_dim]): each head's rms_norm by it, then rotate_half RoPE at positions[r];
-// without: the unscaled norm alone (a layer's values).
+// without: the unscaled norm alone (a layer's values). Where `rounded` is given, dst's rows
+// are written there too, rounded to bf16 (the attention's copy of a layer's keys or values).
 struct HeadNorms {
   const float* src;
   int64_t src_stride;
@@ -313,6 +320,7 @@ struct HeadNorms {
   int64_t rows, heads;
   const float* weight;
   const int64_t* positions;
+  __nv_bfloat16* rounded = nullptr;
 };
 constexpr int kMaxHeadNorms = 3;  // a layer's queries, keys and values
 struct HeadNormParts {

@@ -306,13 +306,18 @@ def test_branches_match_one_stream(path, monkeypatch):
 # The hidden-state norms write their products' inputs (bf16 planes, or FP8 codes and a scale
 # a row) beside their fp32 outputs, the bits the products' own pre-passes would write: from
 # the norm's registers at widths past 1024 (float4s at 1096, one value at a time at 1030), by
-# the pre-pass after the norm below (256). With DIFFUSERVE_NORM_PRODUCT_INPUTS=0 every
-# product converts its input itself: the logits are the same bits.
-@pytest.mark.parametrize("mode", ["float32", "bfloat16", "fp8-dynamic"])
+# the pre-pass after the norm below (256). Likewise the key and value norms write the rows
+# the wgmma attention reads (head dims 256 and 512, bf16 activations), whose pre-pass then
+# converts nothing, unless an fp32 cache's pages are among the keys (the pre-pass converts
+# them all). With DIFFUSERVE_NORM_PRODUCT_INPUTS=0 every product and the attention convert
+# their inputs themselves: the logits are the same bits.
+@pytest.mark.parametrize("mode", ["float32", "bfloat16", "bfloat16 fp32-cache", "fp8-dynamic"])
 @pytest.mark.parametrize("shape", ["wide_hidden", "wide_odd_hidden", "real_head_dims"])
 def test_norm_product_inputs_match_prepasses(tmp_path, monkeypatch, shape, mode):
     path = write_random_checkpoint(tmp_path / "m", canvas_length=32, dtype="bfloat16", seed=7, **SHAPES[shape])
-    options = dict(load_format="dummy", quantization=mode) if mode == "fp8-dynamic" else dict(activations=mode)
+    options = {"float32": dict(activations="float32"), "bfloat16": dict(activations="bfloat16"),
+               "bfloat16 fp32-cache": dict(activations="bfloat16", kv_cache_dtype="float32"),
+               "fp8-dynamic": dict(load_format="dummy", quantization="fp8-dynamic")}[mode]
     logits = []
     for setting in ("1", "0"):
         monkeypatch.setenv("DIFFUSERVE_NORM_PRODUCT_INPUTS", setting)

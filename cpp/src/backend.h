@@ -41,6 +41,8 @@ struct ProductInput {
   float* row_scales = nullptr;
   std::shared_ptr<void> storage;
 
+  // Row r's bytes, null where there is no product input.
+  uint8_t* row(int64_t r) const { return data ? data + r * row_bytes : nullptr; }
   ProductInput rows_from(int64_t first) const {
     return {kind, data ? data + first * row_bytes : nullptr, row_bytes, row_scales ? row_scales + first : nullptr,
             storage};
@@ -115,6 +117,10 @@ struct KeySpan {
   int64_t count = 0;
   int64_t first_position = 0;  // absolute position of row 0
   DType dtype = DType::F32;    // of keys and values: F32 or BF16
+  // F32 rows that a backend keeps rounded to bf16 beside them (alloc_keys_values): the same
+  // rows, bf16, which its attention may read instead of rounding them itself; else null.
+  const void* rounded_keys = nullptr;
+  const void* rounded_values = nullptr;
 };
 
 // Rows of the KV cache in backend memory (one layer's keys or values): rows x cols values
@@ -230,6 +236,15 @@ class Backend {
   // alloc_product_input), which the sampler then writes with a softmax feedback, and
   // copy_rows copies. By default alloc_output.
   virtual Activation alloc_logits(int64_t rows, int64_t cols) { return alloc_output(rows, cols); }
+  // A layer's new keys and values, [K; V], which key_value_norms or split_qkv_norms write and
+  // the attention reads (round_bf16: as the attention's argument). Where its attention
+  // rounds them to bf16 itself, a backend may keep them rounded beside them, as the product
+  // input of the bf16-rounded form (alloc_logits), which those norms then write: the model
+  // names those rows in KeySpan::rounded_keys. By default alloc_output.
+  virtual Activation alloc_keys_values(int64_t rows, int64_t cols, int64_t head_dim, bool round_bf16) {
+    (void)head_dim, (void)round_bf16;
+    return alloc_output(rows, cols);
+  }
   // A layer's expert stacks ([E, N, K]) as loaded, their input quantization known: a backend
   // may lay them out again for its MoE products (the CUDA backend stores them tiled,
   // Weight::tiled, and gate_up's rows paired, Weight::paired).

@@ -501,7 +501,7 @@ void project_qkv(ModelState& m, int li, const Activation& x, int64_t encoder_row
   const LayerWeights& W = m.weights.layers[li];
   const float eps = m.config.rms_norm_eps;
   const int64_t n = x.rows;
-  Activation kv = be.alloc_output(2 * n, int64_t(L.num_kv_heads) * L.head_dim);
+  Activation kv = be.alloc_keys_values(2 * n, int64_t(L.num_kv_heads) * L.head_dim, L.head_dim, m.bf16_activations);
   k = kv.view(0, n), v = kv.view(n, n);
   if (!W.qkv_proj.empty()) {
     Activation qkv = be.alloc_output(n, W.qkv_proj.shape[0]);
@@ -648,7 +648,9 @@ void layer_forward(ModelState& m, KvCache& kv, int li, Activation& h, const Acti
                                                                   (window - 1))
                                        : 0;
     a.spans = kv.spans(*p.segment->table, li, cache_begin, cache_end);
-    if (!p.segment->encoder) a.spans.push_back(KeySpan{k.row(p.first_row), v.row(p.first_row), p.rows, p.first_position});
+    if (!p.segment->encoder)
+      a.spans.push_back(KeySpan{k.row(p.first_row), v.row(p.first_row), p.rows, p.first_position, DType::F32,
+                                k.product_input.row(p.first_row), v.product_input.row(p.first_row)});
     segments.push_back(std::move(a));
   }
   be.attention(q, segments, c.num_heads, L.num_kv_heads, L.head_dim, attn, m.bf16_activations);
