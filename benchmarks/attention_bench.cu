@@ -103,9 +103,11 @@ Problem make_problem(int heads, int kv_heads, int dim, const std::vector<Segment
 
 // The problem's segments with spans pointing into K and V storage at `k` and `v`; where
 // bf16 copies of the storage are given (k16, v16), every span but a segment's last points
-// into those instead (a bf16 cache's pages; the last stands for the batch's own rows).
-std::vector<AttentionSegment> segments(const Problem& p, const float* k, const float* v,
-                                       const __nv_bfloat16* k16 = nullptr, const __nv_bfloat16* v16 = nullptr) {
+// into those instead (bf16_cache: a bf16 cache's pages; the last stands for the batch's own
+// rows), and (rounded) the fp32 spans name their rows there as already rounded
+// (KeySpan::rounded_keys, as the key and value norms write them).
+std::vector<AttentionSegment> segments(const Problem& p, const float* k, const float* v, const __nv_bfloat16* k16,
+                                       const __nv_bfloat16* v16, bool bf16_cache, bool rounded) {
   std::vector<AttentionSegment> segs = p.segs;
   const int64_t kv_cols = int64_t(p.kv_heads) * p.dim;
   size_t n = 0;
@@ -113,8 +115,12 @@ std::vector<AttentionSegment> segments(const Problem& p, const float* k, const f
     for (size_t i = 0; i < s.spans.size(); ++i) {
       KeySpan& span = s.spans[i];
       const int64_t at = p.span_rows[n++] * kv_cols;
-      if (k16 && i + 1 < s.spans.size()) span.keys = k16 + at, span.values = v16 + at, span.dtype = DType::BF16;
-      else span.keys = k + at, span.values = v + at;
+      if (k16 && bf16_cache && i + 1 < s.spans.size()) {
+        span.keys = k16 + at, span.values = v16 + at, span.dtype = DType::BF16;
+      } else {
+        span.keys = k + at, span.values = v + at;
+        if (k16 && rounded) span.rounded_keys = k16 + at, span.rounded_values = v16 + at;
+      }
     }
   return segs;
 }
@@ -126,17 +132,19 @@ std::vector<__nv_bfloat16> rounded_to_bf16(const std::vector<float>& x) {
 }
 
 // Runs the attention on the GPU (inputs rounded to bf16 or not; bf16_cache: the spans but
-// each segment's last read from bf16 copies of K and V, as `segments` says); returns the
-// output (rows x heads x dim), NaN where nothing was written. Its bf16 copy
-// (AttentionOutput::bf16) must be every written value rounded to bf16, bit for bit.
-std::vector<float> run(const Problem& p, bool round_bf16, AttentionPlan* plan_out = nullptr, bool bf16_cache = false) {
+// each segment's last read from bf16 copies of K and V; rows_rounded: the fp32 spans' rows
+// rounded already, in those copies; as `segments` says); returns the output (rows x heads x
+// dim), NaN where nothing was written. Its bf16 copy (AttentionOutput::bf16) must be every
+// written value rounded to bf16, bit for bit.
+std::vector<float> run(const Problem& p, bool round_bf16, AttentionPlan* plan_out = nullptr, bool bf16_cache = false,
+                       bool rows_rounded = false) {
   float* q = upload(p.q);
   float* k = upload(p.k);
   float* v = upload(p.v);
-  __nv_bfloat16* k16 = bf16_cache ? upload(rounded_to_bf16(p.k)) : nullptr;
-  __nv_bfloat16* v16 = bf16_cache ? upload(rounded_to_bf16(p.v)) : nullptr;
-  const AttentionPlan plan = plan_attention(segments(p, k, v, k16, v16), p.heads, p.kv_heads, p.dim,
-                                            attention_mma_resident_items(p.dim, round_bf16), round_bf16);
+  __nv_bfloat16* k16 = bf16_cache || rows_rounded ? upload(rounded_to_bf16(p.k)) : nullptr;
+  __nv_bfloat16* v16 = bf16_cache || rows_rounded ? upload(rounded_to_bf16(p.v)) : nullptr;
+  const AttentionPlan plan = plan_attention(segments(p, k, v, k16, v16, bf16_cache, rows_rounded), p.heads, p.kv_heads,
+                                            p.dim, attention_mma_resident_items(p.dim, round_bf16), round_bf16);
   const AttentionTables tables{upload(plan.segments), upload(plan.spans), upload(plan.items), upload(plan.merges)};
   void* scratch = nullptr;
   check(cudaMalloc(&scratch, std::max<size_t>(plan.scratch_bytes(), 1)), "malloc scratch");
@@ -505,8 +513,18 @@ void correctness(bool bf16_only) {
                                      {decoder(40, 3000, 0, 0), encoder(100, 500, 300), decoder(256, 1024, 1024)}, 6);
       const std::vector<float> batched = run(p, round_bf16), again = run(p, round_bf16);
       report_bitwise(batched, again, name + " rerun");
-      if (round_bf16 && attention_wgmma_serves(dim, true))
+      if (round_bf16 && attention_wgmma_serves(dim, true)) {
         report_bitwise(run(p, true, nullptr, true), batched, name + " bf16 cache = fp32 cache");
+        // The fp32 spans' rows rounded already: the plan reads them and converts nothing.
+        for (bool bf16_cache : {false, true}) {
+          AttentionPlan plan;
+          const std::vector<float> out = run(p, true, &plan, bf16_cache, true);
+          const std::string which = name + (bf16_cache ? " bf16 cache" : " fp32 cache") + ", rows rounded";
+          report(plan.rounded_keys && plan.rounded_values && plan.packed_rows == 0, which + ": no pre-pass",
+                 std::to_string(plan.packed_rows) + " rows converted");
+          report_bitwise(out, batched, which + " = fp32 cache");
+        }
+      }
       const int64_t cols = int64_t(p.heads) * p.dim;
       for (int s = 0; s < int(p.segs.size()); ++s) {
         const std::vector<float> single = run(alone(p, s), round_bf16);
@@ -566,9 +584,10 @@ __global__ void round_kernel(const float* x, int64_t n, __nv_bfloat16* y) {
 // 16-key blocks scattered over a cache pool of about kPoolBytes (as a serving engine's: the
 // pages' addresses far apart), plus the canvas's own keys.
 // bf16_cache: the cache's pages in bf16 (the engine's with bf16 inputs on Hopper), the
-// batch's own rows fp32.
+// batch's own rows fp32, and (rounded_rows) rounded already beside them, as the engine's key
+// and value norms write them: no pre-pass.
 void bench(const char* name, int heads, int kv_heads, int dim, int64_t window, int batch, int64_t context,
-           bool round_bf16, bool bf16_cache = false) {
+           bool round_bf16, bool bf16_cache = false, bool rounded_rows = false) {
   constexpr int64_t kCanvas = 256, kPoolBytes = int64_t(4) << 30;
   const int64_t cached = window ? std::min(context, window - 1) : context, kv_cols = int64_t(kv_heads) * dim;
   const int64_t first_block = (context - cached) / 16, blocks_per_segment = (context + 15) / 16 - first_block;
@@ -606,6 +625,8 @@ void bench(const char* name, int heads, int kv_heads, int dim, int64_t window, i
     }
     const int64_t own = pool_blocks * 16 + b * kCanvas;
     s.spans.push_back({k + own * kv_cols, v + own * kv_cols, kCanvas, context});
+    if (rounded_rows)
+      s.spans.back().rounded_keys = k16 + own * kv_cols, s.spans.back().rounded_values = v16 + own * kv_cols;
     segs.push_back(s);
   }
   const int resident = attention_mma_resident_items(dim, round_bf16);
@@ -630,9 +651,10 @@ void bench(const char* name, int heads, int kv_heads, int dim, int64_t window, i
       "%-8s %-10s batch %2d context %6ld: %9.1f us  %6.1f TFLOP/s (useful)  %5.2f TB/s K/V streamed  %6zu "
       "items %5zu merges  plan %.0f us\n",
       name,
-      !round_bf16  ? "fp32"
-      : bf16_cache ? "bf16 cache"
-                   : "bf16",
+      !round_bf16    ? "fp32"
+      : rounded_rows ? "bf16 rows"
+      : bf16_cache   ? "bf16 cache"
+                     : "bf16",
       batch, long(context), us, flops / (us * 1e-6) / 1e12, streamed / (us * 1e-6) / 1e12, plan.items.size(),
       plan.merges.size(), plan_us);
   cudaFree(q), cudaFree(out), cudaFree(k), cudaFree(v), cudaFree(k16), cudaFree(v16), cudaFree(scratch);
@@ -679,8 +701,10 @@ int main(int argc, char** argv) {
       bench("full", 16, 2, 512, 0, batch, context, round_bf16);
     }
     if (attention_wgmma_serves(256, true)) {
-      bench("sliding", 16, 8, 256, 1024, batch, context, true, true);
-      bench("full", 16, 2, 512, 0, batch, context, true, true);
+      for (bool rounded_rows : {false, true}) {
+        bench("sliding", 16, 8, 256, 1024, batch, context, true, true, rounded_rows);
+        bench("full", 16, 2, 512, 0, batch, context, true, true, rounded_rows);
+      }
     }
   }
   return failures ? 1 : 0;
