@@ -339,6 +339,10 @@ __global__ void rms_norm_rope_kernel(const __grid_constant__ HeadNormParts parts
   const float* weight = part.weight;
   const float position = float(part.positions[r]);
   const int64_t half = head_dim / 2;
+  // Tried and not kept (thirty-first session, H200, batch 1, 1K): the position and the
+  // first pairs' values, weights and frequencies loaded before the sum, with its loads (one
+  // round trip where this takes three): 7.9 -> 8.4 us a layer in the step's trace. With
+  // 8,192 warps of short chains, the load round trips are not what this kernel waits on.
   // A lane's pairs (f, f + half) kPairs at a time, every load before any store: one round
   // trip a group, not one a pair (sincosf's branches keep the compiler from moving loads
   // past the stores itself).
@@ -550,6 +554,9 @@ __global__ void moe_plan_kernel(const int32_t* ids, int64_t pairs, int top_k, in
 // A thread per (token, 4 columns) where rows are whole aligned float4s, else per column:
 // blockIdx.x is the token (the grid's long side), whose pairs' rows and weights every
 // thread of it reads (from cache after the first).
+// Tried and not kept (thirty-first session, H200, batch 1, 1K): eight pairs' row indices
+// and weights loaded together, then their eight rows' values (two round trips at top-k 8,
+// where unroll 4 takes four): 8.1 -> 8.7 us a layer in the step's trace.
 __global__ void combine_experts_kernel(const float* y, const int64_t* inverse, const float* weights, int top_k,
                                        int64_t hidden, bool vector, float* out) {
   wait_for_earlier_kernels();
