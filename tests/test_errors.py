@@ -5,6 +5,7 @@ its sequences untouched and usable.
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import struct
@@ -242,6 +243,9 @@ BAD_CONFIGS = {
     "hidden_activation": ("text_config.hidden_activation", "relu", ["hidden_activation", "'relu' is not supported"]),
     "per-layer override": ("text_config.per_layer_config.1.sliding_window", 4,
                            ["per_layer_config.1.sliding_window", "not a supported per-layer override"]),
+    "eos outside the vocabulary": ("text_config.eos_token_id", [1, 64],
+                                   ["text_config.eos_token_id = 64 is out of range [0, 63]"]),
+    "pad outside the vocabulary": ("text_config.pad_token_id", 999, ["text_config.pad_token_id = 999 is out of range"]),
 }
 
 
@@ -260,6 +264,25 @@ def test_config_invalid_json(ckpt):
     path = ckpt / "config.json"
     path.write_text(path.read_text()[:-10])
     load_fails(ckpt, str(path), "invalid JSON")
+
+
+def test_generation_config_eos_outside_the_vocabulary(ckpt):
+    """Refused at load, naming the file, rather than failing every later request."""
+    path = ckpt / "generation_config.json"
+    path.write_text(json.dumps({"eos_token_id": [1, 500]}))
+    load_fails(ckpt, str(path), "eos_token_id = 500 is out of range [0, 63]")
+
+
+@pytest.mark.parametrize("name", ["model.safetensors", "config.json"])
+def test_fifo_in_place_of_a_file(ckpt, name):
+    """A named pipe is refused as not a regular file (opening it for reading had blocked the
+    load until some writer came), in a subprocess so that a regression fails, not hangs."""
+    (ckpt / name).unlink()
+    os.mkfifo(ckpt / name)
+    code = ("import diffuserve as ds\ntry:\n    ds.Model.load(%r)\nexcept ds.CheckpointError as e:\n    print(e)"
+            % str(ckpt))
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert f"{ckpt / name}: not a regular file" in result.stdout, result.stdout + result.stderr
 
 
 def test_config_missing(ckpt):
@@ -449,3 +472,19 @@ def test_self_conditioning_row_all_neg_inf(seq):
     with pytest.raises(ValueError, match="self_conditioning_logits row 3 is all -inf"):
         seq.denoise(np.arange(CANVAS), sc)
     assert_intact(seq, before)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["serve", "--port", "70000"], "--port: 70000 is outside [0, 65535]"),
+    (["serve", "--kv-cache-gib", "nan"], "--kv-cache-gib: nan is outside"),
+    (["serve", "--shutdown-timeout", "-5"], "--shutdown-timeout: -5 is outside"),
+    (["generate", "hi", "--max-tokens", "2147483648"], "--max-tokens: 2147483648 is outside [1, 2147483647]"),
+    (["bench", "--concurrency", "1,0"], "--concurrency: 0 is outside"),
+    (["bench", "--concurrency", "a"], "--concurrency: 'a' is not an integer"),
+    (["bench", "--steps", "0"], "--steps: 0 is outside"),
+])
+def test_cli_bad_values_are_usage_errors(args, message):
+    """A bad option value is argparse's usage error naming the option (exit 2), before any
+    model loads, not a traceback from deeper down."""
+    result = subprocess.run([sys.executable, "-m", "diffuserve", *args], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and message in result.stderr and "Traceback" not in result.stderr, result.stderr

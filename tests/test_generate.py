@@ -1,4 +1,6 @@
 """Generation end to end: against transformers' generate, and the sampler's behaviour."""
+import threading
+
 import numpy as np
 import pytest
 import torch
@@ -189,6 +191,12 @@ def test_defaults_come_from_generation_config(checkpoints, tmp_path):
     (dict(seed_canvas=[]), "seed_canvas"), (dict(pinned_positions=[1]), "pinned_positions"),
     (dict(seed_canvas=[1] * 8, pinned_positions=[2, 2]), "pinned_positions"),
     (dict(allowed_token_ids=[]), "allowed_token_ids"), (dict(allowed_token_ids=[1.5]), "allowed_token_ids"),
+    # Past the runtime's int32 and float32 (1e-300 is 0 there, 1e300 infinite).
+    (dict(max_new_tokens=2**31), "max_new_tokens"), (dict(canvas_length=2**31), "canvas_length"),
+    (dict(stability_threshold=2**40), "stability_threshold"), (dict(eos_token_id=[2**70]), "eos_token_id"),
+    (dict(seed_canvas=[2**40] * 8), "seed_canvas"), (dict(allowed_token_ids=[2**31]), "allowed_token_ids"),
+    (dict(t_max=1e300), "t_max"), (dict(entropy_bound=1e-300), "entropy_bound"),
+    (dict(confidence_threshold=1e-320), "confidence_threshold"), (dict(t_min=1e-301, t_max=1e-300), "t_max"),
 ])
 def test_invalid_params_name_the_parameter(kwargs, name):
     with pytest.raises(ValueError, match=name):
@@ -218,3 +226,64 @@ def test_params_checked_against_the_model(checkpoints, kwargs, name):
 def test_bad_generate_calls(checkpoints, prompts, params, match):
     with pytest.raises(ValueError, match=match):
         ds.LLM(checkpoints["small"]).generate(prompts, params)
+
+
+@pytest.mark.parametrize("kwargs, name", [
+    (dict(max_num_seqs=2**40), "max_num_seqs"), (dict(slice_steps=2**40), "slice_steps"),
+    (dict(kv_block_size=2**31), "kv_block_size"), (dict(fuse_commit="no"), "fuse_commit"),
+    (dict(kv_cache_memory_bytes=2**70), "kv_cache_memory_bytes"), (dict(num_threads=True), "num_threads"),
+])
+def test_invalid_llm_limits_name_the_argument(checkpoints, kwargs, name):
+    with pytest.raises(ValueError, match=name):
+        ds.LLM(checkpoints["small"], **kwargs)
+
+
+def test_numpy_integers_are_integers(checkpoints):
+    llm = ds.LLM(checkpoints["small"], kv_cache_memory_bytes=np.int64(8 << 20), max_num_seqs=np.int32(4))
+    out = llm.generate([[3, 4]], ds.SamplingParams(max_new_tokens=np.int64(8), seed=np.uint64(1)))[0]
+    assert len(out.token_ids) == 8
+
+
+def test_threads_share_an_llm(checkpoints):
+    """generate from several threads at once: each gets its own outputs, as if run alone (the
+    calls take turns; unguarded, the runtime crashed)."""
+    llm = ds.LLM(checkpoints["small"])
+    params = [ds.SamplingParams(max_new_tokens=16, max_denoising_steps=3, seed=i) for i in range(4)]
+    prompts = [[3, 4, 5 + i] for i in range(4)]
+    alone = [llm.generate([p], q)[0].token_ids for p, q in zip(prompts, params)]
+    together = [None] * 4
+
+    def run(i):
+        for _ in range(3):
+            together[i] = llm.generate([prompts[i]], params[i])[0].token_ids
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert together == alone and not llm.has_unfinished()
+
+
+def test_threads_share_a_model(checkpoints):
+    """Sequences of one model used from several threads at once give the logits each gives alone."""
+    model = ds.Model.load(checkpoints["small"])
+
+    def logits(i):
+        s = model.sequence()
+        s.prefill([3, 4, 5 + i])
+        return s.denoise(np.arange(model.canvas_length) % 7 + 2)
+
+    alone = [logits(i) for i in range(4)]
+    together = [None] * 4
+
+    def run(i):
+        for _ in range(3):
+            together[i] = logits(i)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert all(np.array_equal(a, b) for a, b in zip(alone, together))

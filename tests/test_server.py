@@ -161,6 +161,20 @@ def test_draft_streaming(base_url):
     ("chat/completions", {"model": MODEL, "messages": [{"role": "tool", "content": "x"}]}, 400, "messages", None),
     ("chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "tools": []}, 400,
      "tools", "unsupported_parameter"),
+    # Past the runtime's int32 (had hung the request and stopped the engine), or its positions.
+    ("completions", {"model": MODEL, "prompt": "x", "max_tokens": 2**31}, 400, "max_tokens", "invalid_value"),
+    ("completions", {"model": MODEL, "prompt": "x", "max_tokens": 10**9}, 400, "max_tokens", "invalid_value"),
+    ("chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+                          "max_completion_tokens": 2**31}, 400, "max_completion_tokens", "invalid_value"),
+    ("completions", {"model": MODEL, "prompt": "x", "allowed_token_ids": [2**40]}, 400, "allowed_token_ids",
+     "invalid_value"),
+    # Text that is not valid Unicode (a JSON escape of a lone surrogate), JSON nested past the parser.
+    ("completions", '{"model": "%s", "prompt": "a\\ud800b"}' % MODEL, 400, "prompt", None),
+    ("chat/completions", '{"model": "%s", "messages": [{"role": "user", "content": "a\\ud800b"}]}' % MODEL, 400,
+     "messages", None),
+    ("completions", "[" * 100_000 + "]" * 100_000, 400, None, None),
+    ("chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "text"}]}]}, 400,
+     "messages[0].content[0]", None),
 ])
 def test_error_bodies(base_url, path, body, status, param, code):
     content = body if isinstance(body, str) else json.dumps(body)

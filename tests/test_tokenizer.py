@@ -1,5 +1,7 @@
 """Tokenizer, chat template and incremental detokenization against transformers, on a BPE
 trained in the fixture; text prompts through LLM."""
+import re
+
 import pytest
 from transformers import AutoTokenizer
 
@@ -91,3 +93,23 @@ def test_llm_text_prompts_and_output_text(checkpoint):
                                                pinned_positions=[4]))[0]
     assert out.finish_reason == "stop" and out.token_ids[-1] == 1
     assert out.text == llm.tokenizer.decode(out.token_ids[:-1])
+
+
+def test_text_that_is_not_unicode_is_refused(checkpoint):
+    """A lone surrogate (Python strings may hold one; UTF-8 cannot) is a ValueError naming the
+    prompt, not the tokenizers library's TypeError; the LLM goes on."""
+    llm = ds.LLM(checkpoint)
+    with pytest.raises(ValueError, match=r"prompt 0: text is not valid Unicode: .* at character 1"):
+        llm.generate(["a\ud800b"])
+    assert llm.generate(["ab"], ds.SamplingParams(max_new_tokens=8, seed=0))[0].token_ids
+
+
+@pytest.mark.parametrize("name, content", [("tokenizer.json", "{garbage"), ("tokenizer.json", "{}"),
+                                           ("tokenizer_config.json", "{'a': 1}"), ("tokenizer_config.json", "[1]"),
+                                           ("chat_template.jinja", b"\xff\xfe{{ x }}")])
+def test_unreadable_tokenizer_files_name_the_file(tmp_path, name, content):
+    path = write_chat_checkpoint(tmp_path / "m")
+    with open(f"{path}/{name}", "wb" if isinstance(content, bytes) else "w") as f:
+        f.write(content)
+    with pytest.raises(ds.CheckpointError, match=re.escape(f"{path}/{name}")):
+        Tokenizer.from_checkpoint(path)

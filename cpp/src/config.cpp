@@ -8,23 +8,14 @@
 #include <cctype>
 #include <cmath>
 #include <filesystem>
-#include <fstream>
 #include <set>
-#include <sstream>
 
 #include "diffuserve/errors.h"
 #include "json.h"
+#include "safetensors.h"
 
 namespace diffuserve {
 namespace {
-
-std::string read_file(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) throw FormatError(path + ": cannot open");
-  std::ostringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
 
 // Typed field access with errors that name the file and the dotted field path.
 struct Fields {
@@ -84,15 +75,15 @@ struct Fields {
     }
     return out;
   }
-  // An int or a list of ints (eos_token_id is either).
-  std::vector<int32_t> int_list_or_empty(const std::string& key) const {
+  // An int or a list of ints, each in [0, hi] (eos_token_id is either, hi the last token id).
+  std::vector<int32_t> int_list_or_empty(const std::string& key, int64_t hi) const {
     const json::Value* v = get(key);
     std::vector<int32_t> out;
     if (!v) return out;
     if (v->is_array()) {
-      for (const auto& e : v->array) out.push_back(int32_t(checked_integer(key, e, 0, INT32_MAX)));
+      for (const auto& e : v->array) out.push_back(int32_t(checked_integer(key, e, 0, hi)));
     } else {
-      out.push_back(int32_t(checked_integer(key, *v, 0, INT32_MAX)));
+      out.push_back(int32_t(checked_integer(key, *v, 0, hi)));
     }
     return out;
   }
@@ -189,11 +180,11 @@ void load_quantization(const Fields& f, ModelConfig& c) {
   }
 }
 
-GenerationDefaults load_generation(const std::string& path, const std::vector<int32_t>& model_eos) {
+GenerationDefaults load_generation(const std::string& path, const std::vector<int32_t>& model_eos, int vocab_size) {
   GenerationDefaults g;
   g.eos_token_ids = model_eos;
   if (!std::filesystem::exists(path)) return g;
-  const json::Value doc = json::parse(read_file(path), path);
+  const json::Value doc = json::parse(read_text_file(path), path);
   if (!doc.is_object()) throw FormatError(path + ": top level must be a JSON object");
   Fields f{doc, path, ""};
   g.max_new_tokens = int(f.integer_or("max_new_tokens", g.max_new_tokens, 1, INT32_MAX));
@@ -206,7 +197,7 @@ GenerationDefaults load_generation(const std::string& path, const std::vector<in
     if (!s->is_object()) f.fail("sampler_config", "must be an object");
     g.entropy_bound = float(Fields{*s, path, "sampler_config."}.number_or("entropy_bound", g.entropy_bound));
   }
-  std::vector<int32_t> eos = f.int_list_or_empty("eos_token_id");
+  std::vector<int32_t> eos = f.int_list_or_empty("eos_token_id", vocab_size - 1);
   if (!eos.empty()) g.eos_token_ids = eos;
   if (g.t_min < 0) f.fail("t_min", "must be >= 0");
   if (g.t_max <= g.t_min) f.fail("t_max", "must be > t_min");
@@ -219,7 +210,7 @@ GenerationDefaults load_generation(const std::string& path, const std::vector<in
 
 ModelConfig load_config(const std::string& dir) {
   const std::string path = (std::filesystem::path(dir) / "config.json").string();
-  const json::Value doc = json::parse(read_file(path), path);
+  const json::Value doc = json::parse(read_text_file(path), path);
   if (!doc.is_object()) throw FormatError(path + ": top level must be a JSON object");
   Fields top{doc, path, ""};
   const std::string model_type = top.string_or("model_type", "");
@@ -242,8 +233,8 @@ ModelConfig load_config(const std::string& dir) {
   c.max_position_embeddings = t.integer_or("max_position_embeddings", 131072, 1, INT64_C(1) << 40);
   c.rms_norm_eps = float(t.number_or("rms_norm_eps", 1e-6));
   c.final_logit_softcapping = float(t.number_or("final_logit_softcapping", 30.0));
-  c.pad_token_id = int(t.integer_or("pad_token_id", -1, -1, INT32_MAX));
-  c.bos_token_id = int(t.integer_or("bos_token_id", -1, -1, INT32_MAX));
+  c.pad_token_id = int(t.integer_or("pad_token_id", -1, -1, c.vocab_size - 1));
+  c.bos_token_id = int(t.integer_or("bos_token_id", -1, -1, c.vocab_size - 1));
   c.canvas_length = int(top.integer_or("canvas_length", 256, 1, 1 << 20));
   c.tie_word_embeddings = top.bool_or("tie_word_embeddings", t.bool_or("tie_word_embeddings", true));
   if (c.final_logit_softcapping < 0) t.fail("final_logit_softcapping", "must be >= 0");
@@ -305,10 +296,8 @@ ModelConfig load_config(const std::string& dir) {
     load_quantization(Fields{*q, path, "quantization_config."}, c);
   }
 
-  std::vector<int32_t> eos = t.int_list_or_empty("eos_token_id");
-  for (int32_t id : eos)
-    if (id >= c.vocab_size) t.fail("eos_token_id", "= " + std::to_string(id) + " is not below vocab_size");
-  c.generation = load_generation((std::filesystem::path(dir) / "generation_config.json").string(), eos);
+  const std::vector<int32_t> eos = t.int_list_or_empty("eos_token_id", c.vocab_size - 1);
+  c.generation = load_generation((std::filesystem::path(dir) / "generation_config.json").string(), eos, c.vocab_size);
   return c;
 }
 

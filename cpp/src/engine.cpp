@@ -105,6 +105,7 @@ bool finish_block(RequestState& r, Backend& be, int pad_token_id) {
 Engine::Engine(std::shared_ptr<Model> model, bool fuse_commit) : model_(std::move(model)), fuse_commit_(fuse_commit) {}
 
 Engine::~Engine() {
+  const auto lock = model_->state().lock();
   for (auto& [id, r] : requests_) model_->state().kv->release(r->table);
 }
 
@@ -115,6 +116,7 @@ RequestState& Engine::get(uint64_t id) const {
 }
 
 void Engine::add(uint64_t id, std::vector<int32_t> prompt, const SamplingParams& params) {
+  const auto lock = model_->state().lock();
   const ModelConfig& c = model_->config();
   if (requests_.count(id)) throw InvalidArgument("a request with id " + std::to_string(id) + " already exists");
   if (prompt.empty()) throw InvalidArgument("the prompt is empty");
@@ -126,11 +128,12 @@ void Engine::add(uint64_t id, std::vector<int32_t> prompt, const SamplingParams&
   const int64_t blocks = (int64_t(params.max_new_tokens) + r->canvas - 1) / r->canvas;
   const int64_t total = int64_t(prompt.size()) + blocks * r->canvas;
   if (total > c.max_position_embeddings)
-    throw InvalidArgument("the prompt (" + std::to_string(prompt.size()) + " tokens) plus max_new_tokens " +
-                          std::to_string(params.max_new_tokens) + " in blocks of " + std::to_string(r->canvas) +
-                          " exceeds max_position_embeddings (" + std::to_string(c.max_position_embeddings) + ")");
+    throw InvalidArgument("max_new_tokens " + std::to_string(params.max_new_tokens) + ": the prompt (" +
+                          std::to_string(prompt.size()) + " tokens) plus that many new tokens in blocks of " +
+                          std::to_string(r->canvas) + " exceeds max_position_embeddings (" +
+                          std::to_string(c.max_position_embeddings) + ")");
   if (!model_->state().kv->could_hold(total, r->canvas))
-    throw InvalidArgument("the request needs KV for " + std::to_string(total) +
+    throw InvalidArgument("prompt: the request needs KV for " + std::to_string(total) +
                           " tokens, more than the whole cache holds (raise kv_cache_memory_bytes)");
   r->prompt = std::move(prompt);
   r->params = params;
@@ -147,6 +150,7 @@ void Engine::add(uint64_t id, std::vector<int32_t> prompt, const SamplingParams&
 }
 
 bool Engine::admit(uint64_t id, int64_t encode_tokens) {
+  const auto lock = model_->state().lock();
   RequestState& r = get(id);
   if (!r.waiting) throw InvalidArgument("request " + std::to_string(id) + " is already running");
   KvCache& kv = *model_->state().kv;
@@ -162,12 +166,14 @@ bool Engine::admit(uint64_t id, int64_t encode_tokens) {
 }
 
 bool Engine::reserve(uint64_t id, int64_t encode_tokens) {
+  const auto lock = model_->state().lock();
   RequestState& r = get(id);
   if (r.waiting) throw InvalidArgument("request " + std::to_string(id) + " is not admitted");
   return model_->state().kv->reserve(r.table, std::min(encode_tokens, r.pending()));
 }
 
 void Engine::preempt(uint64_t id) {
+  const auto lock = model_->state().lock();
   RequestState& r = get(id);
   model_->state().kv->release(r.table);
   r.waiting = true;
@@ -175,15 +181,26 @@ void Engine::preempt(uint64_t id) {
 }
 
 void Engine::abort(uint64_t id) {
+  const auto lock = model_->state().lock();
   RequestState& r = get(id);
   model_->state().kv->release(r.table);
   requests_.erase(id);
 }
 
-int64_t Engine::pending_tokens(uint64_t id) const { return get(id).pending(); }
-int Engine::canvas_length(uint64_t id) const { return get(id).canvas; }
-std::vector<int32_t> Engine::generated(uint64_t id) const { return get(id).out.token_ids; }
+int64_t Engine::pending_tokens(uint64_t id) const {
+  const auto lock = model_->state().lock();
+  return get(id).pending();
+}
+int Engine::canvas_length(uint64_t id) const {
+  const auto lock = model_->state().lock();
+  return get(id).canvas;
+}
+std::vector<int32_t> Engine::generated(uint64_t id) const {
+  const auto lock = model_->state().lock();
+  return get(id).out.token_ids;
+}
 std::vector<int32_t> Engine::draft(uint64_t id) const {
+  const auto lock = model_->state().lock();
   const RequestState& r = get(id);
   if (!r.in_block() || !r.steps) return {};
   return read_canvas(*model_->state().backend, *r.block_state).argmax;
@@ -191,6 +208,7 @@ std::vector<int32_t> Engine::draft(uint64_t id) const {
 
 std::vector<std::pair<uint64_t, GenerationOutput>> Engine::step(const std::vector<StepPlan>& plan, int max_steps,
                                                                 int64_t max_batched_tokens) {
+  const auto lock = model_->state().lock();
   ModelState& m = model_->state();
   Backend& be = *m.backend;
   const ModelConfig& c = m.config;

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <memory>
+#include <mutex>
 #include <span>
 #include <string>
 #include <vector>
@@ -71,6 +72,11 @@ struct ModelState {
   bool bf16_activations = false;  // LoadOptions::activations "bfloat16"
   float embed_scale = 1.0f;  // sqrt(hidden) rounded to the weight dtype, as the reference does
   std::unique_ptr<KvCache> kv;
+  // One caller at a time: every public call on the model (Sequence's, Engine's, cache_stats)
+  // holds this while it uses the backend's buffers and the KV cache, so that threads may
+  // share a model. Recursive: a call may make another (an Engine step's preemptions).
+  std::recursive_mutex calls;
+  std::unique_lock<std::recursive_mutex> lock() { return std::unique_lock(calls); }
 };
 
 // Throws InvalidArgument "<what>: token id X at index i is out of range [0, vocab)" for

@@ -120,9 +120,45 @@ void check_no_overlap(const std::string& path, const std::map<std::string, Tenso
   }
 }
 
-std::string read_text_file(const std::string& path) {
-  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+// The file at `path` opened for reading, with its size: a regular file, else FormatError
+// naming it. O_NONBLOCK keeps a FIFO from blocking the open until some writer comes (on a
+// regular file it changes nothing).
+struct OpenFile {
+  int fd;
+  uint64_t size;
+};
+OpenFile open_regular_file(const std::string& path) {
+  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
   if (fd < 0) throw FormatError(path + ": cannot open: " + std::strerror(errno));
+  struct stat st;
+  if (::fstat(fd, &st) != 0) {
+    int err = errno;
+    ::close(fd);
+    throw FormatError(path + ": cannot stat: " + std::strerror(err));
+  }
+  if (!S_ISREG(st.st_mode)) {
+    ::close(fd);
+    throw FormatError(path + ": not a regular file");
+  }
+  return {fd, uint64_t(st.st_size)};
+}
+
+// weight_map values name files next to the index; anything else could escape the directory.
+bool is_plain_filename(const std::string& name) {
+  return !name.empty() && name != "." && name != ".." && name.find('/') == std::string::npos &&
+         name.find('\0') == std::string::npos;
+}
+
+}  // namespace
+
+int64_t TensorView::numel() const {
+  int64_t n = 1;
+  for (int64_t d : shape) n *= d;
+  return n;
+}
+
+std::string read_text_file(const std::string& path) {
+  const int fd = open_regular_file(path).fd;
   std::string text;
   char buf[65536];
   while (true) {
@@ -140,34 +176,8 @@ std::string read_text_file(const std::string& path) {
   return text;
 }
 
-// weight_map values name files next to the index; anything else could escape the directory.
-bool is_plain_filename(const std::string& name) {
-  return !name.empty() && name != "." && name != ".." && name.find('/') == std::string::npos &&
-         name.find('\0') == std::string::npos;
-}
-
-}  // namespace
-
-int64_t TensorView::numel() const {
-  int64_t n = 1;
-  for (int64_t d : shape) n *= d;
-  return n;
-}
-
 SafetensorsFile::SafetensorsFile(const std::string& path) : path_(path) {
-  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) throw FormatError(path + ": cannot open: " + std::strerror(errno));
-  struct stat st;
-  if (::fstat(fd, &st) != 0) {
-    int err = errno;
-    ::close(fd);
-    throw FormatError(path + ": cannot stat: " + std::strerror(err));
-  }
-  if (!S_ISREG(st.st_mode)) {
-    ::close(fd);
-    throw FormatError(path + ": not a regular file");
-  }
-  auto size = uint64_t(st.st_size);
+  const auto [fd, size] = open_regular_file(path);
   // Also keeps an empty file away from mmap, which rejects a length of 0.
   if (size < 8) {
     ::close(fd);

@@ -17,6 +17,10 @@ namespace diffuserve {
 // "[2, 3]": how error messages spell a shape.
 std::string shape_string(const std::vector<int64_t>& shape);
 
+// The whole of the regular file at `path` (config.json, an index): FormatError naming it
+// when it cannot be opened or read, or is not a regular file (a FIFO, a directory).
+std::string read_text_file(const std::string& path);
+
 // A tensor inside a mapped file: no copy, valid while its SafetensorsFile lives.
 struct TensorView {
   std::string name;

@@ -133,6 +133,7 @@ DType Model::kv_cache_dtype() const { return state_->kv->dtype(); }
 const std::string& Model::device() const { return state_->device; }
 
 CacheStats Model::cache_stats() const {
+  const auto lock = state_->lock();
   const KvStats s = state_->kv->stats();
   return {s.blocks_total, s.blocks_free, s.prefix_cache_queries, s.prefix_cache_hits};
 }
@@ -150,9 +151,15 @@ Sequence::Sequence(std::shared_ptr<Model> model, int canvas_length)
   state_->canvas_length = canvas_length;
 }
 
-Sequence::~Sequence() { model_->state().kv->release(state_->table); }
+Sequence::~Sequence() {
+  const auto lock = model_->state().lock();
+  model_->state().kv->release(state_->table);
+}
 
-int64_t Sequence::length() const { return state_->table.length(); }
+int64_t Sequence::length() const {
+  const auto lock = model_->state().lock();
+  return state_->table.length();
+}
 const ModelConfig& Sequence::config() const { return model_->config(); }
 int Sequence::canvas_length() const { return state_->canvas_length; }
 
@@ -170,6 +177,7 @@ void Sequence::encode(std::span<const int32_t> ids, const char* what) {
 }
 
 void Sequence::prefill(std::span<const int32_t> ids) {
+  const auto lock = model_->state().lock();
   if (length() > 0 || ids.empty()) return encode(ids, "prefill");
   check_token_ids(ids, config(), "prefill");
   KvCache& kv = *model_->state().kv;
@@ -185,6 +193,7 @@ void Sequence::prefill(std::span<const int32_t> ids) {
 }
 
 std::pair<int64_t, int64_t> Sequence::kv_blocks() const {
+  const auto lock = model_->state().lock();
   auto held = [](const std::vector<int32_t>& blocks) {
     return int64_t(std::count_if(blocks.begin(), blocks.end(), [](int32_t b) { return b >= 0; }));
   };
@@ -192,6 +201,7 @@ std::pair<int64_t, int64_t> Sequence::kv_blocks() const {
 }
 
 void Sequence::commit(std::span<const int32_t> block) {
+  const auto lock = model_->state().lock();
   const int canvas = state_->canvas_length;
   if (block.size() > size_t(canvas))
     throw InvalidArgument("commit: block of " + std::to_string(block.size()) + " tokens is longer than canvas_length " +
@@ -211,6 +221,7 @@ void Sequence::check_canvas(std::span<const int32_t> canvas) const {
 }
 
 std::vector<float> Sequence::denoise(std::span<const int32_t> canvas, const float* self_conditioning_logits) {
+  const auto lock = model_->state().lock();
   check_canvas(canvas);
   const int64_t vocab = config().vocab_size, n = int64_t(canvas.size());
   ModelState& m = model_->state();
@@ -240,6 +251,7 @@ std::vector<float> Sequence::denoise(std::span<const int32_t> canvas, const floa
 }
 
 LayerKV Sequence::kv(int layer) const {
+  const auto lock = model_->state().lock();
   const ModelConfig& c = model_->config();
   if (layer < 0 || layer >= c.num_layers)
     throw InvalidArgument("kv: layer " + std::to_string(layer) + " is out of range [0, " +

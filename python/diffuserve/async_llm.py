@@ -143,7 +143,7 @@ class AsyncLLM:
     def _add(self, requests: dict, key: int, request: _Request) -> None:
         try:
             request.engine_id = self.llm.add_request(request.prompt, request.params)
-        except ValueError as e:
+        except Exception as e:  # refused (ValueError), or a failure of this request alone: the engine goes on
             request.post(e)
             return
         requests[key] = request

@@ -10,11 +10,14 @@ For serving, add_request / step / abort drive the same machinery one step at a t
 """
 from __future__ import annotations
 
+import functools
 import itertools
+import threading
 from dataclasses import dataclass, field
 from typing import List, Optional, Sequence, Union
 
 from . import _core
+from ._checks import INT64_MAX, check_bool, check_int
 from .model import Model, _token_ids
 from .sampling import SamplingParams
 from .scheduler import Scheduler
@@ -33,6 +36,15 @@ class RequestOutput:
     text: Optional[str] = field(default=None)  # the tokens decoded, EOS excluded; None without a tokenizer
 
 
+def _locked(method):
+    """The method, run holding the LLM's lock (LLM.__init__ says why)."""
+    @functools.wraps(method)
+    def run(self, *args, **kwargs):
+        with self._lock:
+            return method(self, *args, **kwargs)
+    return run
+
+
 class LLM:
     """A model with a KV cache and a scheduler. Limits are constructor arguments:
 
@@ -43,6 +55,8 @@ class LLM:
     load_format, quantization: as Model.load (random weights for benchmarks); activations: as
     Model.load ("float32", or "bfloat16" for the faster, bf16-rounded linear inputs);
     kv_cache_dtype: as Model.load ("auto": bf16 where activations are and the device allows).
+    Threads may share an LLM: its calls run one at a time, and generate calls made at once
+    run one after the other.
     """
 
     def __init__(self, path=None, device: str = "cpu", dtype: Optional[str] = None, num_threads: int = 0,
@@ -53,10 +67,8 @@ class LLM:
         if path is None:  # the bundled Sudoku model
             from . import default_model
             path = default_model()
-        for name, value, lo in [("max_num_seqs", max_num_seqs, 1), ("kv_block_size", kv_block_size, 1),
-                                ("slice_steps", slice_steps, 1)]:
-            if not isinstance(value, int) or isinstance(value, bool) or value < lo:
-                raise ValueError(f"{name} must be an integer >= {lo}, got {value!r}")
+        max_num_seqs, kv_block_size = check_int("max_num_seqs", max_num_seqs, 1), check_int("kv_block_size", kv_block_size, 1)
+        slice_steps, fuse_commit = check_int("slice_steps", slice_steps, 1), check_bool("fuse_commit", fuse_commit)
         self.model = Model.load(path, device=device, dtype=dtype, num_threads=num_threads,
                                 kv_cache_memory_bytes=kv_cache_memory_bytes, kv_block_size=kv_block_size,
                                 max_num_seqs=max_num_seqs, load_format=load_format, quantization=quantization,
@@ -64,15 +76,19 @@ class LLM:
         canvas = self.model.canvas_length
         if max_num_batched_tokens is None:
             max_num_batched_tokens = max(4096, 4 * canvas)
-        if not isinstance(max_num_batched_tokens, int) or max_num_batched_tokens < canvas:
-            raise ValueError(f"max_num_batched_tokens must be an integer >= canvas_length ({canvas}), "
-                             f"got {max_num_batched_tokens!r}")
-        self._engine = _core.Engine(self.model._native, bool(fuse_commit))
+        max_num_batched_tokens = check_int(f"max_num_batched_tokens (at least canvas_length, {canvas})",
+                                           max_num_batched_tokens, canvas, INT64_MAX)
+        self._engine = _core.Engine(self.model._native, fuse_commit)
+        # The engine is used by one thread at a time: every call below holds this lock, and
+        # generate holds it until its outputs are done (a step returns whichever requests
+        # finished, so two generate loops must not share steps).
+        self._lock = threading.RLock()
         self.scheduler = Scheduler(self._engine, max_num_seqs, max_num_batched_tokens, slice_steps)
         self.tokenizer = Tokenizer.from_checkpoint(path)  # None when the checkpoint has no tokenizer.json
         self._ids = itertools.count()
         self._prompts = {}
 
+    @_locked
     def add_request(self, prompt, params: Optional[SamplingParams] = None) -> int:
         """Queues one request (token ids, or text when the checkpoint has a tokenizer); returns its id."""
         if isinstance(prompt, str):
@@ -91,26 +107,33 @@ class LLM:
         self._prompts[request_id] = ids
         return request_id
 
+    @_locked
     def abort(self, request_id: int) -> None:
-        """Cancels a request; its KV is freed at once."""
+        """Cancels a request; its KV is freed at once (an id that is not running: nothing to do)."""
+        check_int("request_id", request_id, 0, INT64_MAX)
         self.scheduler.abort(request_id)
         self._prompts.pop(request_id, None)
 
+    @_locked
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    @_locked
     def generated(self, request_id: int) -> List[int]:
         """Tokens of the blocks a running request has finished so far (for streaming)."""
         return list(self._engine.generated(request_id))
 
+    @_locked
     def draft(self, request_id: int) -> List[int]:
         """The argmax canvas of the block a request is refining ([] between blocks)."""
         return list(self._engine.draft(request_id))
 
+    @_locked
     def step(self) -> List[RequestOutput]:
         """Runs one scheduler step; returns the requests that finished in it."""
         return [self._output(request_id, out) for request_id, out in self.scheduler.step()]
 
+    @_locked
     def generate(self, prompts, params: Union[SamplingParams, Sequence[SamplingParams], None] = None
                  ) -> List[RequestOutput]:
         """prompts: a list of prompts, each token ids or text (or one such prompt); params: one
@@ -133,11 +156,18 @@ class LLM:
                 self.abort(request_id)
             raise
         done = {}
-        while len(done) < len(ids):
-            for out in self.step():
-                done[out.request_id] = out
+        try:
+            while len(done) < len(ids):
+                for out in self.step():
+                    done[out.request_id] = out
+        except BaseException:  # a step refused, or an interrupt: none of this call's requests stays queued
+            for request_id in ids:
+                if request_id not in done:
+                    self.abort(request_id)
+            raise
         return [done[request_id] for request_id in ids]
 
+    @_locked
     def stats(self) -> dict:
         """Scheduler and KV-cache occupancy."""
         return {"running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),

@@ -11,6 +11,7 @@ from typing import Optional
 import numpy as np
 
 from . import _core
+from ._checks import INT64_MAX, check_int
 
 _DTYPES = {None: "", "auto": "", "float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
 # The native side's dtype names (safetensors' spelling) as this API spells them.
@@ -77,18 +78,23 @@ class Model:
             raise ValueError(f"dtype {dtype!r} is not supported (use None, 'float32', 'bfloat16' or 'float16')")
         if not isinstance(device, str):
             raise ValueError(f"device must be a string such as 'cpu', got {device!r}")
-        if not isinstance(num_threads, int) or not 0 <= num_threads <= 1024:
-            raise ValueError(f"num_threads must be an integer in [0, 1024], got {num_threads!r}")
-        if kv_cache_memory_bytes is not None and (not isinstance(kv_cache_memory_bytes, int)
-                                                  or kv_cache_memory_bytes < 1):
-            raise ValueError(f"kv_cache_memory_bytes must be a positive integer, got {kv_cache_memory_bytes!r}")
+        num_threads = check_int("num_threads", num_threads, 0, 1024)
+        if kv_cache_memory_bytes is not None:
+            kv_cache_memory_bytes = check_int("kv_cache_memory_bytes", kv_cache_memory_bytes, 1, INT64_MAX)
+        kv_block_size, max_num_seqs = check_int("kv_block_size", kv_block_size, 1), check_int("max_num_seqs", max_num_seqs, 1)
         if activations not in ("float32", "bfloat16"):
             raise ValueError(f"activations must be 'float32' or 'bfloat16', got {activations!r}")
         if kv_cache_dtype not in ("auto", "float32", "bfloat16"):
             raise ValueError(f"kv_cache_dtype must be 'auto', 'float32' or 'bfloat16', got {kv_cache_dtype!r}")
-        return cls(_core.Model.load(path, device, _DTYPES[dtype], num_threads, kv_cache_memory_bytes or 0,
-                                    kv_block_size, max_num_seqs, load_format, quantization or "", activations,
-                                    kv_cache_dtype), path)
+        try:
+            native = _core.Model.load(path, device, _DTYPES[dtype], num_threads, kv_cache_memory_bytes or 0,
+                                      kv_block_size, max_num_seqs, load_format, quantization or "", activations,
+                                      kv_cache_dtype)
+        except MemoryError as e:  # the runtime's std::bad_alloc: say what was being allocated
+            kv = "its default" if kv_cache_memory_bytes is None else f"{kv_cache_memory_bytes} bytes"
+            raise MemoryError(f"loading {path}: out of memory for the weights or the KV cache "
+                              f"(kv_cache_memory_bytes: {kv}): {e}") from None
+        return cls(native, path)
 
     @property
     def vocab_size(self) -> int:
@@ -127,8 +133,8 @@ class Sequence:
     """One sequence's KV cache and the three passes over it."""
 
     def __init__(self, model: Model, canvas_length: Optional[int] = None):
-        if canvas_length is not None and (not isinstance(canvas_length, int) or canvas_length < 1):
-            raise ValueError(f"canvas_length must be an integer >= 1, got {canvas_length!r}")
+        if canvas_length is not None:
+            canvas_length = check_int("canvas_length", canvas_length, 1)
         self.model = model
         self._native = model._native.sequence(canvas_length or 0)
 
@@ -166,7 +172,7 @@ class Sequence:
         bf16 values where the model's kv_cache_dtype is "bfloat16").
 
         Sliding-window layers hold only the last sliding_window - 1 rows."""
-        return self._native.kv(layer)
+        return self._native.kv(check_int("layer", layer, 0, self.model.config["num_layers"] - 1))
 
     def kv_blocks(self) -> dict:
         """KV blocks this sequence holds: {"full": ..., "sliding": ...}."""

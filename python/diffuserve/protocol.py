@@ -97,8 +97,12 @@ class _GenerationRequest(_Strict):
                     seed_canvas=self.seed_canvas, pinned_positions=self.pinned_positions,
                     allowed_token_ids=self.allowed_token_ids, self_conditioning=self.self_conditioning))
             except ValueError as e:
-                raise invalid_value(e) from None
+                raise invalid_value(e, self.parameter_names()) from None
         return params
+
+    def parameter_names(self) -> Dict[str, str]:
+        """This request's names for what SamplingParams and the engine call otherwise."""
+        return {"max_new_tokens": "max_tokens"}
 
 
 class CompletionRequest(_GenerationRequest):
@@ -130,6 +134,10 @@ class ChatCompletionRequest(_GenerationRequest):
             raise ApiError(400, "give max_completion_tokens or max_tokens, not both", param="max_tokens")
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
+    def parameter_names(self) -> Dict[str, str]:
+        return {"max_new_tokens": "max_tokens" if self.max_completion_tokens is None else "max_completion_tokens",
+                "prompt": "messages"}
+
     def conversation(self) -> List[dict]:
         """The messages as the chat template sees them: content as one string (text parts
         joined by newlines, as vLLM does for text models)."""
@@ -139,9 +147,12 @@ class ChatCompletionRequest(_GenerationRequest):
             if isinstance(content, list):
                 texts = []
                 for j, part in enumerate(content):
-                    if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    if part.get("type") != "text":
                         raise ApiError(400, f"content part of type {part.get('type')!r} is not supported: this "
                                        "server takes text only", param=f"messages[{i}].content[{j}]")
+                    if not isinstance(part.get("text"), str):
+                        raise ApiError(400, "a content part of type 'text' needs a string 'text' field",
+                                       param=f"messages[{i}].content[{j}]")
                     texts.append(part["text"])
                 content = "\n".join(texts)
             out.append({**message.model_dump(), "content": content})
@@ -186,12 +197,17 @@ def _param_path(loc) -> str:
     return path
 
 
-def invalid_value(error: ValueError) -> ApiError:
+def invalid_value(error: ValueError, renames: Optional[Dict[str, str]] = None) -> ApiError:
     """A ValueError from SamplingParams or the engine, whose message starts with the name of
     the offending parameter ("seed_canvas has ...", "SamplingParams.canvas_length must ...",
-    "prompt: ..."), as a 400 naming that parameter."""
+    "prompt: ..."), as a 400 naming that parameter; `renames` (the request's
+    parameter_names) gives the request's name for a SamplingParams one."""
     message = str(error)
-    name = re.match(r"(?:SamplingParams\.)?(\w*)", message).group(1)
+    match = re.match(r"(?:SamplingParams\.)?(\w*)", message)
+    name = match.group(1)
+    if renames and name in renames:
+        name = renames[name]
+        message = name + message[match.end():]
     return ApiError(400, message, param=name if name in _PARAMS else None, code="invalid_value")
 
 

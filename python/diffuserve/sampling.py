@@ -6,33 +6,27 @@ so that a bad one is a ValueError naming the parameter.
 """
 from __future__ import annotations
 
-import math
-import numbers
 from dataclasses import dataclass
 from typing import Optional, Sequence, Union
 
 from . import _core
-
-
-def _is_int(x) -> bool:
-    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+from ._checks import INT32_MAX, check_bool, check_float32, check_int, is_int
 
 
 def _int_list(name: str, value, allow_empty: bool = False) -> list:
     if value is None:
         return []
-    if _is_int(value):
+    if is_int(value):
         value = [value]
+    if isinstance(value, (str, bytes)):
+        raise ValueError(f"{name} must be a list of integers, got {value!r}")
     try:
         items = list(value)
     except TypeError:
         raise ValueError(f"{name} must be a list of integers, got {value!r}") from None
     if not items and not allow_empty:
         raise ValueError(f"{name} must not be empty")
-    for i, x in enumerate(items):
-        if not _is_int(x) or int(x) < 0:
-            raise ValueError(f"{name}[{i}] must be a non-negative integer, got {x!r}")
-    return [int(x) for x in items]
+    return [check_int(f"{name}[{i}]", x, 0) for i, x in enumerate(items)]
 
 
 @dataclass
@@ -54,39 +48,26 @@ class SamplingParams:
     self_conditioning: bool = True  # False: no step sees the previous step's logits (an ablation)
 
     def __post_init__(self):
-        def integer(name, lo):
-            v = getattr(self, name)
-            if v is not None and (not _is_int(v) or int(v) < lo):
-                raise ValueError(f"{name} must be an integer >= {lo}, got {v!r}")
-
-        def number(name, lo, strict):
-            v = getattr(self, name)
-            if v is None:
-                return
-            if _is_int(v) or isinstance(v, float):
-                v = float(v)
-                if math.isfinite(v) and (v > lo if strict else v >= lo):
-                    return
-            raise ValueError(f"{name} must be a finite number {'>' if strict else '>='} {lo}, got {getattr(self, name)!r}")
-
-        integer("max_new_tokens", 1)
-        integer("max_denoising_steps", 1)
-        integer("stability_threshold", 0)
-        integer("canvas_length", 1)
-        number("t_min", 0.0, strict=False)
-        number("t_max", 0.0, strict=True)
-        number("entropy_bound", 0.0, strict=True)
-        number("confidence_threshold", 0.0, strict=True)
-        if self.t_min is not None and self.t_max is not None and self.t_max <= self.t_min:
-            raise ValueError(f"t_max must be > t_min, got t_max={self.t_max} <= t_min={self.t_min}")
-        if self.seed is not None and (not _is_int(self.seed) or not 0 <= int(self.seed) < 2**64):
+        for name, lo in (("max_new_tokens", 1), ("max_denoising_steps", 1), ("stability_threshold", 0),
+                         ("canvas_length", 1)):
+            if getattr(self, name) is not None:
+                check_int(name, getattr(self, name), lo, INT32_MAX)
+        # The runtime keeps these in float32: judged as it will see them.
+        for name, lo, strict in (("t_min", 0.0, False), ("t_max", 0.0, True), ("entropy_bound", 0.0, True),
+                                 ("confidence_threshold", 0.0, True)):
+            if getattr(self, name) is not None:
+                check_float32(name, getattr(self, name), lo, strict)
+        if self.t_min is not None and self.t_max is not None:
+            t_min, t_max = check_float32("t_min", self.t_min, 0.0, False), check_float32("t_max", self.t_max, 0.0, True)
+            if t_max <= t_min:
+                raise ValueError(f"t_max must be > t_min (as float32), got t_max={self.t_max!r} <= t_min={self.t_min!r}")
+        if self.seed is not None and (not is_int(self.seed) or not 0 <= int(self.seed) < 2**64):
             raise ValueError(f"seed must be an integer in [0, 2**64), got {self.seed!r}")
         _int_list("eos_token_id", self.eos_token_id, allow_empty=True)
         seed_canvas = _int_list("seed_canvas", self.seed_canvas)
         pinned = _int_list("pinned_positions", self.pinned_positions, allow_empty=True)
         _int_list("allowed_token_ids", self.allowed_token_ids)
-        if not isinstance(self.self_conditioning, bool):
-            raise ValueError(f"self_conditioning must be True or False, got {self.self_conditioning!r}")
+        check_bool("self_conditioning", self.self_conditioning)
         if pinned and not seed_canvas:
             raise ValueError("pinned_positions needs a seed_canvas to take the pinned tokens from")
         if len(set(pinned)) != len(pinned):
@@ -97,10 +78,12 @@ class SamplingParams:
     def _native(self, defaults: "_core.SamplingParams") -> "_core.SamplingParams":
         """The runtime's parameters: these values over the model's defaults."""
         p = defaults
-        for f in ("max_new_tokens", "max_denoising_steps", "t_min", "t_max", "entropy_bound",
-                  "stability_threshold", "confidence_threshold"):
+        for f in ("max_new_tokens", "max_denoising_steps", "stability_threshold"):
             if getattr(self, f) is not None:
-                setattr(p, f, getattr(self, f))
+                setattr(p, f, int(getattr(self, f)))
+        for f in ("t_min", "t_max", "entropy_bound", "confidence_threshold"):
+            if getattr(self, f) is not None:
+                setattr(p, f, float(getattr(self, f)))
         if self.eos_token_id is not None:
             p.eos_token_ids = _int_list("eos_token_id", self.eos_token_id, allow_empty=True)
         p.seed = None if self.seed is None else int(self.seed)
@@ -108,6 +91,6 @@ class SamplingParams:
         p.seed_canvas = _int_list("seed_canvas", self.seed_canvas)
         p.pinned_positions = _int_list("pinned_positions", self.pinned_positions, allow_empty=True)
         p.allowed_token_ids = _int_list("allowed_token_ids", self.allowed_token_ids)
-        p.self_conditioning = self.self_conditioning
+        p.self_conditioning = bool(self.self_conditioning)
         return p
 

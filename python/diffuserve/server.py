@@ -16,7 +16,7 @@ import time
 import uuid
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import AsyncIterator, List, Optional
+from typing import AsyncIterator, Dict, List, Optional
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -55,8 +55,9 @@ class _Choice:
     """One engine request and the text it produces."""
 
     def __init__(self, server: "_Server", index: int, prompt: List[int], params: SamplingParams,
-                 stop: List[str], drafts: bool, usage: Usage, counts_prompt: bool):
+                 stop: List[str], drafts: bool, usage: Usage, counts_prompt: bool, names: Dict[str, str]):
         self.server, self.index, self.prompt, self.usage = server, index, prompt, usage
+        self.names = names  # the request's names for the engine's parameters (invalid_value)
         self.counts_prompt = counts_prompt  # OpenAI counts a prompt once however many choices it has
         self.eos = server.eos_token_ids  # the server never overrides the checkpoint's EOS
         self._updates = server.engine.generate(prompt, params, drafts)
@@ -69,7 +70,7 @@ class _Choice:
         try:
             await self._updates.__anext__()
         except ValueError as e:
-            raise invalid_value(e) from None
+            raise invalid_value(e, self.names) from None
 
     async def close(self) -> None:
         await self._updates.aclose()  # aborts the request when it has not finished
@@ -121,8 +122,14 @@ class _Server:
             raise ApiError(404, f"the model {name!r} does not exist; this server serves {self.model_name!r}",
                            param="model", code="model_not_found")
 
-    def prompt_ids(self, prompt) -> List[int]:
-        return self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+    def prompt_ids(self, prompt, param: str = "prompt", add_special_tokens: bool = True) -> List[int]:
+        """A prompt's token ids: given, or its text encoded (text that is not valid Unicode: a 400)."""
+        if not isinstance(prompt, str):
+            return list(prompt)
+        try:
+            return self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+        except ValueError as e:
+            raise ApiError(400, str(e), param=param) from None
 
     async def run(self, request: Request, body, prompts: List[List[int]], max_tokens: Optional[int], fmt):
         params = body.sampling_params(self.defaults, max_tokens)
@@ -132,7 +139,7 @@ class _Server:
         for p, prompt in enumerate(prompts):
             for i, choice_params in enumerate(params):
                 choices.append(_Choice(self, p * len(params) + i, prompt, choice_params, stop, body.stream_drafts,
-                                       usage, counts_prompt=i == 0))
+                                       usage, counts_prompt=i == 0, names=body.parameter_names()))
         try:
             for choice in choices:
                 await choice.start()
@@ -275,6 +282,8 @@ async def _json_body(request: Request):
         return json.loads(raw)
     except ValueError as e:
         raise ApiError(400, f"the request body is not valid JSON: {e}") from None
+    except RecursionError:
+        raise ApiError(400, "the request body's JSON is nested too deeply") from None
 
 
 def build_app(engine: AsyncLLM, model_name: str, api_key: Optional[str] = None) -> FastAPI:
@@ -343,7 +352,7 @@ def build_app(engine: AsyncLLM, model_name: str, api_key: Optional[str] = None) 
             raise ApiError(400, str(e), param="messages") from None
         except ValueError as e:  # no chat template
             raise ApiError(400, str(e), param="messages", code="no_chat_template") from None
-        prompt = server.tokenizer.encode(text, add_special_tokens=False)  # the template wrote them
+        prompt = server.prompt_ids(text, "messages", add_special_tokens=False)  # the template wrote them
         return await server.run(request, body, [prompt], body.max_new_tokens(), _Format(model_name, chat=True))
 
     app.include_router(v1)

@@ -14,6 +14,7 @@ from typing import List, Optional
 
 from tokenizers import Tokenizer as _HFTokenizer
 
+from . import _core
 from .chat_template import ChatTemplate
 
 _SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
@@ -29,8 +30,11 @@ def _token_text(value) -> Optional[str]:
 def _read_chat_template(path: str, config: dict) -> Optional[str]:
     jinja_file = os.path.join(path, "chat_template.jinja")
     if os.path.exists(jinja_file):
-        with open(jinja_file, encoding="utf-8") as f:
-            return f.read()
+        try:
+            with open(jinja_file, encoding="utf-8") as f:
+                return f.read()
+        except (OSError, ValueError) as e:
+            raise _core.CheckpointError(f"{jinja_file}: not a readable UTF-8 file: {e}") from None
     template = config.get("chat_template")
     if isinstance(template, list):  # named templates: transformers uses "default"
         named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
@@ -40,13 +44,23 @@ def _read_chat_template(path: str, config: dict) -> Optional[str]:
 
 class Tokenizer:
     def __init__(self, path: str):
-        """Reads the tokenizer files of checkpoint directory `path` (tokenizer.json must exist)."""
-        self._tokenizer = _HFTokenizer.from_file(os.path.join(path, "tokenizer.json"))
+        """Reads the tokenizer files of checkpoint directory `path` (tokenizer.json must exist);
+        a file that cannot be read is a CheckpointError naming it."""
+        tokenizer_file = os.path.join(path, "tokenizer.json")
+        try:
+            self._tokenizer = _HFTokenizer.from_file(tokenizer_file)
+        except Exception as e:  # the tokenizers library raises plain Exceptions
+            raise _core.CheckpointError(f"{tokenizer_file}: not a tokenizer the tokenizers library reads: {e}") from None
         config = {}
         config_file = os.path.join(path, "tokenizer_config.json")
         if os.path.exists(config_file):
-            with open(config_file, encoding="utf-8") as f:
-                config = json.load(f)
+            try:
+                with open(config_file, encoding="utf-8") as f:
+                    config = json.load(f)
+            except (OSError, ValueError) as e:
+                raise _core.CheckpointError(f"{config_file}: not a readable JSON file: {e}") from None
+            if not isinstance(config, dict):
+                raise _core.CheckpointError(f"{config_file}: expected a JSON object, got {type(config).__name__}")
         self.special_tokens = {key: text for key in _SPECIAL_TOKEN_KEYS
                                if (text := _token_text(config.get(key))) is not None}
         template = _read_chat_template(path, config)
@@ -73,7 +87,14 @@ class Tokenizer:
 
     def encode(self, text: str, add_special_tokens: bool = True) -> List[int]:
         """Token ids of `text`; add_special_tokens applies the tokenizer's post-processor
-        (e.g. a leading <bos>), as transformers' encode does."""
+        (e.g. a leading <bos>), as transformers' encode does. Text that is not a valid Unicode
+        string (a lone surrogate, say) is a ValueError."""
+        if not isinstance(text, str):
+            raise ValueError(f"text must be a string, got {type(text).__name__}")
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise ValueError(f"text is not valid Unicode: {e.reason} at character {e.start}") from None
         return self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids, skip_special_tokens: bool = True) -> str:

@@ -1,0 +1,52 @@
+"""Argument checks shared by the Python surface: each error names the argument and what it
+may be. The runtime takes 32-bit ints and float32 values, so the checks bound ints to its
+types and judge floats as float32 rounds them (1e-300 is 0 there, 1e300 infinite)."""
+from __future__ import annotations
+
+import math
+import numbers
+
+import numpy as np
+
+INT32_MAX = 2**31 - 1
+INT64_MAX = 2**63 - 1
+_BOUND_TEXT = {INT32_MAX: "2**31 - 1", INT64_MAX: "2**63 - 1"}
+
+
+def is_int(x) -> bool:
+    """An integer (Python's or numpy's), not a bool."""
+    return isinstance(x, numbers.Integral) and not isinstance(x, (bool, np.bool_))
+
+
+def check_int(name: str, value, lo: int, hi: int = INT32_MAX) -> int:
+    """value as an int in [lo, hi], else ValueError naming `name`."""
+    if not is_int(value) or not lo <= int(value) <= hi:
+        raise ValueError(f"{name} must be an integer in [{lo}, {_BOUND_TEXT.get(hi, hi)}], got {value!r}")
+    return int(value)
+
+
+def check_bool(name: str, value) -> bool:
+    if not isinstance(value, (bool, np.bool_)):
+        raise ValueError(f"{name} must be True or False, got {value!r}")
+    return bool(value)
+
+
+def float32_value(name: str, value) -> float:
+    """value as float32 rounds it, finite, else ValueError naming `name`."""
+    if not (is_int(value) or isinstance(value, (float, np.floating))) or not math.isfinite(float(value)):
+        raise ValueError(f"{name} must be a finite number, got {value!r}")
+    with np.errstate(over="ignore"):
+        rounded = float(np.float32(value))
+    if not math.isfinite(rounded):
+        raise ValueError(f"{name} must be a finite float32 (magnitude below 3.4e38), got {value!r}")
+    return rounded
+
+
+def check_float32(name: str, value, lo: float, strict: bool) -> float:
+    """A finite value above lo (strict) or at least lo, as float32 rounds it."""
+    rounded = float32_value(name, value)
+    if not (rounded > lo if strict else rounded >= lo):
+        relation = ">" if strict else ">="
+        as_f32 = f" (float32 rounds it to {rounded!r})" if rounded != float(value) else ""
+        raise ValueError(f"{name} must be a finite number {relation} {lo}, got {value!r}{as_f32}")
+    return rounded
