@@ -798,12 +798,13 @@ __global__ void __launch_bounds__(kCanvasThreads)
     order[rank] = i;
   }
   __shared__ float mean_entropy;
+  bool non_finite = false;  // thread 0's: a NaN entropy, from logits that held NaN or infinity
   __syncthreads();
   if (threadIdx.x == 0) {
     int free = 0;
     double sum = 0;
     for (int i = 0; i < canvas; ++i)
-      if (s.free_position[i]) sum += rows[i].entropy, ++free;
+      if (s.free_position[i]) sum += rows[i].entropy, ++free, non_finite |= rows[i].entropy != rows[i].entropy;
     double running = 0;
     for (int r = 0; r < free; ++r) {
       const int i = order[r];
@@ -829,7 +830,8 @@ __global__ void __launch_bounds__(kCanvasThreads)
       s.history[int64_t(step % p.stability) * canvas + i] = s.argmax[i];
   if (threadIdx.x == 0) {
     s.counters[kCanvasSteps] = step + 1;
-    s.counters[kCanvasStopped] = (stable && mean_entropy < p.confidence) || step + 1 == p.max_steps;
+    s.counters[kCanvasStopped] = (stable && mean_entropy < p.confidence) || step + 1 == p.max_steps || non_finite;
+    s.counters[kCanvasNonFinite] |= non_finite;
   }
 }
 

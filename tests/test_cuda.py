@@ -420,3 +420,23 @@ def test_bf16_kv_cache_gives_the_fp32_cache_results(tmp_path, shape):
         return
     check_bf16_cache_gives_the_fp32_cache_results(path, models, load, prompt_length=90, prompt_lengths=(7, 50, 130),
                                                   new_tokens=64, seed=3)
+
+
+@pytest.mark.parametrize("graphs", ["1", "0"], ids=["graph loop", "host loop"])
+def test_non_finite_logits_fail_the_request(tmp_path, monkeypatch, graphs):
+    """A NaN weight makes every logit NaN: the device's canvas update flags it and stops the
+    block, and generate raises naming the prompt, as on the CPU (test_errors.py)."""
+    from safetensors.numpy import load_file
+    from diffuserve.safetensors_io import write_safetensors
+    monkeypatch.setenv("DIFFUSERVE_CUDA_GRAPHS", graphs)
+    path = write_random_checkpoint(tmp_path / "m", canvas_length=32, seed=7, **SHAPES["ragged"])  # fp32
+    tensors = load_file(f"{path}/model.safetensors")
+    norm = tensors["model.decoder.norm.weight"].copy()
+    norm[1] = np.nan
+    tensors["model.decoder.norm.weight"] = norm
+    write_safetensors(f"{path}/model.safetensors", tensors)
+    llm = ds.LLM(path, device="cuda:0", dtype="bfloat16")
+    for _ in range(2):
+        with pytest.raises(ds.CheckpointError, match=r"prompt 0: the model's logits held NaN or infinity"):
+            llm.generate([[3, 1, 4]], ds.SamplingParams(max_new_tokens=40, seed=5, max_denoising_steps=4))
+        assert not llm.has_unfinished()

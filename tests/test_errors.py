@@ -488,3 +488,48 @@ def test_cli_bad_values_are_usage_errors(args, message):
     model loads, not a traceback from deeper down."""
     result = subprocess.run([sys.executable, "-m", "diffuserve", *args], capture_output=True, text=True, timeout=120)
     assert result.returncode == 2 and message in result.stderr and "Traceback" not in result.stderr, result.stderr
+
+
+# --- weights that are not finite ----------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def nan_dir(tmp_path_factory, valid_dir):
+    """The valid checkpoint with a NaN in its final norm's weight: every logit is NaN."""
+    path = shutil.copytree(valid_dir, tmp_path_factory.mktemp("nan") / "m")
+    rewrite(path, lambda t: t[NORM].__setitem__(3, np.nan))
+    return path
+
+
+def test_non_finite_logits_are_refused_by_denoise(nan_dir):
+    s = ds.Model.load(nan_dir).sequence()
+    s.prefill(PROMPT)
+    with pytest.raises(ValueError, match=r"denoise: the model's logits hold NaN at row 0, column 0: .* not finite"):
+        s.denoise(np.arange(CANVAS) + 2)
+
+
+def test_non_finite_logits_fail_the_request(nan_dir):
+    """generate raises naming the prompt, where it had returned pad tokens; the LLM goes on."""
+    llm = ds.LLM(nan_dir, kv_cache_memory_bytes=8 << 20)
+    for _ in range(2):
+        with pytest.raises(ds.CheckpointError, match=r"prompt 0: the model's logits held NaN or infinity at denoise "
+                                                     r"step \d+ of block 0"):
+            llm.generate([[2, 3, 4], [5, 6]], ds.SamplingParams(max_new_tokens=16, seed=0))
+        assert not llm.has_unfinished()
+
+
+def test_non_finite_logits_fail_the_server_request(nan_dir):
+    import asyncio
+    from diffuserve.async_llm import AsyncLLM, RequestFailed
+
+    engine = AsyncLLM(ds.LLM(nan_dir, kv_cache_memory_bytes=8 << 20))
+
+    async def run():
+        async for _ in engine.generate([2, 3, 4], ds.SamplingParams(max_new_tokens=8, seed=0)):
+            pass
+
+    try:
+        for _ in range(2):  # the engine thread goes on after the first
+            with pytest.raises(RequestFailed, match="NaN or infinity"):
+                asyncio.run(run())
+    finally:
+        engine.shutdown()

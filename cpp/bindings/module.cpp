@@ -188,6 +188,7 @@ void bind_generate(nb::module_& m) {
   nb::class_<GenerationOutput>(m, "GenerationOutput")
       .def_ro("token_ids", &GenerationOutput::token_ids)
       .def_ro("finish_reason", &GenerationOutput::finish_reason)
+      .def_ro("error", &GenerationOutput::error)
       .def_ro("denoise_steps", &GenerationOutput::denoise_steps)
       .def_ro("tokens_per_forward", &GenerationOutput::tokens_per_forward)
       .def_ro("seed", &GenerationOutput::seed);

@@ -183,13 +183,15 @@ struct CanvasParams {
 // A block's sampler state in backend memory (one allocation, laid out by sampler.h's
 // new_canvas): what a denoise step reads and writes, so that the steps of a block need
 // nothing from the host in between.
-enum CanvasCounter { kCanvasSteps = 0, kCanvasStopped = 1, kCanvasCounters = 2 };
+// kCanvasNonFinite: 1 once a step's logits held NaN or infinity (its entropy is NaN); the
+// block stops there, and the request fails naming it (engine.cpp, finish_block).
+enum CanvasCounter { kCanvasSteps = 0, kCanvasStopped = 1, kCanvasNonFinite = 2, kCanvasCounters = 3 };
 struct CanvasState {
   CanvasParams params;
   int32_t* tokens = nullptr;       // [canvas] the next step's input ids
   int32_t* argmax = nullptr;       // [canvas] the argmax canvas of the last step
   int32_t* history = nullptr;      // [stability, canvas] stable_argmax's ring
-  int32_t* counters = nullptr;     // [kCanvasCounters]: steps done; 1 once the block stopped
+  int32_t* counters = nullptr;     // [kCanvasCounters]: steps done; 1 once the block stopped; non-finite
   int32_t* allowed_ids = nullptr;  // [allowed_count], sorted
   uint8_t* free_position = nullptr;  // [canvas]; 0: pinned to its seed token
   uint8_t* allowed = nullptr;        // [vocab] flags; null: every id

@@ -69,10 +69,20 @@ void start_block(RequestState& r, Backend& be, const ModelConfig& config, DType 
 }
 
 // The block's argmax canvas joins the output; true when the request is finished (EOS or
-// max_new_tokens). Otherwise the block becomes pending tokens to commit.
+// max_new_tokens, or an error: logits that held NaN or infinity, which no token can come
+// from). Otherwise the block becomes pending tokens to commit.
 bool finish_block(RequestState& r, Backend& be, int pad_token_id) {
   const SamplingParams& p = r.params;
   const CanvasReadout block = read_canvas(be, *r.block_state);
+  if (block.non_finite) {
+    r.out.finish_reason = "error";
+    r.out.error = "the model's logits held NaN or infinity at denoise step " + std::to_string(block.steps) +
+                  " of block " + std::to_string(r.block()) +
+                  ": the checkpoint's weights (or the activations they produce) are not finite";
+    r.out.seed = r.seed;
+    r.end_block();
+    return true;
+  }
   const std::vector<int32_t>& argmax = block.argmax;
   std::vector<int32_t>& tokens = r.out.token_ids;
   auto eos = std::find_first_of(argmax.begin(), argmax.end(), p.eos_token_ids.begin(), p.eos_token_ids.end());

@@ -1,6 +1,7 @@
 #include "sampler.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <numeric>
 
@@ -110,6 +111,7 @@ CanvasReadout read_canvas(Backend& be, const CanvasState& s) {
   be.read_bytes(r.argmax.data(), s.argmax, r.argmax.size() * sizeof(int32_t));
   r.steps = counters[kCanvasSteps];
   r.stopped = counters[kCanvasStopped] != 0;
+  r.non_finite = counters[kCanvasNonFinite] != 0;
   return r;
 }
 
@@ -124,9 +126,10 @@ void update_canvas(const CanvasParams& p, const std::vector<RowSample>& rows, Ca
   std::vector<float> entropy(p.canvas);
   double entropy_sum = 0;
   int counted = 0;
+  bool non_finite = false;
   for (int i = 0; i < p.canvas; ++i) {
     entropy[i] = rows[i].entropy;
-    if (s.free_position[i]) entropy_sum += entropy[i], ++counted;
+    if (s.free_position[i]) entropy_sum += entropy[i], ++counted, non_finite |= std::isnan(entropy[i]);
   }
   const std::vector<uint8_t> accepted = accept_by_entropy(entropy, p.entropy_bound, s.free_position);
   const RandomKey renoise{p.seed, p.block, uint32_t(step), RandomStream::Renoise};
@@ -139,7 +142,8 @@ void update_canvas(const CanvasParams& p, const std::vector<RowSample>& rows, Ca
   const float mean_entropy = counted ? float(entropy_sum / counted) : 0.0f;
   const bool stable = stable_argmax(s.history.data(), step, s.argmax.data(), p.canvas, p.stability);
   s.counters[kCanvasSteps] = step + 1;
-  s.counters[kCanvasStopped] = (stable && mean_entropy < p.confidence) || step + 1 == p.max_steps;
+  s.counters[kCanvasStopped] = (stable && mean_entropy < p.confidence) || step + 1 == p.max_steps || non_finite;
+  s.counters[kCanvasNonFinite] |= non_finite;
 }
 
 void Backend::denoise_step(Activation& logits, CanvasState& canvas) {

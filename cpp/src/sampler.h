@@ -63,6 +63,7 @@ struct CanvasReadout {
   std::vector<int32_t> argmax;
   int steps = 0;
   bool stopped = false;
+  bool non_finite = false;  // a step's logits held NaN or infinity (kCanvasNonFinite)
 };
 CanvasReadout read_canvas(Backend& be, const CanvasState& canvas);
 // Whether the block stopped (one counter read).

@@ -247,6 +247,15 @@ std::vector<float> Sequence::denoise(std::span<const int32_t> canvas, const floa
   Activation logits = forward(m, *m.kv, batch);
   std::vector<float> out(logits.size());
   m.backend->to_host(logits, out.data());
+  // NaN or infinity comes only from weights (or activations they produce) that are not
+  // finite: refused here rather than passed on.
+  const auto bad = std::find_if(out.begin(), out.end(), [](float x) { return !std::isfinite(x); });
+  if (bad != out.end()) {
+    const int64_t at = bad - out.begin();
+    throw InvalidArgument("denoise: the model's logits hold " + std::string(std::isnan(*bad) ? "NaN" : "infinity") +
+                          " at row " + std::to_string(at / vocab) + ", column " + std::to_string(at % vocab) +
+                          ": the checkpoint's weights (or the activations they produce) are not finite");
+  }
   return out;
 }
 

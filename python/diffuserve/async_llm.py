@@ -37,6 +37,11 @@ class EngineDead(EngineError):
     """The engine thread stopped (shutdown, or an internal error) before the request finished."""
 
 
+class RequestFailed(EngineError):
+    """The model could not finish the request (its logits were NaN or infinite); the engine
+    goes on with the others."""
+
+
 class StepFailed(EngineError):
     """A step holding the request could not run (out of GPU memory, say): every request in
     it was aborted, their KV freed, and the engine goes on with the next ones."""
@@ -155,7 +160,8 @@ class AsyncLLM:
             output = finished.get(request.engine_id)
             if output is not None:
                 del requests[key]
-                request.post(Progress(output.token_ids, output=output))
+                failed = output.finish_reason == "error"
+                request.post(RequestFailed(output.error) if failed else Progress(output.token_ids, output=output))
                 continue
             tokens = self.llm.generated(request.engine_id)
             draft = self.llm.draft(request.engine_id) if request.drafts else []

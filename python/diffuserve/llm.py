@@ -29,11 +29,12 @@ class RequestOutput:
     request_id: int
     prompt_token_ids: List[int]
     token_ids: List[int]             # generated tokens, up to and including an EOS
-    finish_reason: str               # "stop" (EOS) or "length" (max_new_tokens)
+    finish_reason: str               # "stop" (EOS), "length" (max_new_tokens) or "error" (from step(); see error)
     denoise_steps: List[int]         # decoder passes of each block
     tokens_per_forward: float        # generated tokens (pad ids excluded) per decoder pass
     seed: int                        # the seed used (drawn fresh when none was given)
     text: Optional[str] = field(default=None)  # the tokens decoded, EOS excluded; None without a tokenizer
+    error: Optional[str] = field(default=None)  # with finish_reason "error": why (its logits were not finite)
 
 
 def _locked(method):
@@ -160,6 +161,8 @@ class LLM:
             while len(done) < len(ids):
                 for out in self.step():
                     done[out.request_id] = out
+                    if out.finish_reason == "error":
+                        raise _core.CheckpointError(f"prompt {ids.index(out.request_id)}: {out.error}")
         except BaseException:  # a step refused, or an interrupt: none of this call's requests stays queued
             for request_id in ids:
                 if request_id not in done:
@@ -178,7 +181,8 @@ class LLM:
         return RequestOutput(request_id=request_id, prompt_token_ids=self._prompts.pop(request_id),
                              token_ids=list(out.token_ids), finish_reason=out.finish_reason,
                              denoise_steps=list(out.denoise_steps), tokens_per_forward=out.tokens_per_forward,
-                             seed=out.seed, text=self._text(list(out.token_ids), out.finish_reason))
+                             seed=out.seed, text=self._text(list(out.token_ids), out.finish_reason),
+                             error=out.error or None)
 
     def _text(self, token_ids: List[int], finish_reason: str) -> Optional[str]:
         if self.tokenizer is None:
