@@ -533,3 +533,14 @@ def test_non_finite_logits_fail_the_server_request(nan_dir):
                 asyncio.run(run())
     finally:
         engine.shutdown()
+
+
+@pytest.mark.parametrize("ids", [[2**63, 1], [2, 2**70]], ids=["past int64 beside a small id", "past int64"])
+def test_token_ids_past_int64_are_out_of_range(seq, ids):
+    with pytest.raises(ValueError, match=r"prefill: token id \d+ at index \d is out of range \[0, 64\)"):
+        seq.prefill(ids)
+
+
+def test_path_with_nul(valid_dir):
+    with pytest.raises(ValueError, match="NUL"):
+        ds.Model.load(str(valid_dir) + "\0x")

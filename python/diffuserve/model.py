@@ -11,7 +11,7 @@ from typing import Optional
 import numpy as np
 
 from . import _core
-from ._checks import INT64_MAX, check_int
+from ._checks import INT64_MAX, check_int, is_int
 
 _DTYPES = {None: "", "auto": "", "float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
 # The native side's dtype names (safetensors' spelling) as this API spells them.
@@ -21,6 +21,12 @@ _DTYPE_NAMES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
 def _token_ids(ids, what: str, vocab_size: int) -> np.ndarray:
     """1-D integer token ids as a contiguous int32 array, each in [0, vocab_size)."""
     arr = np.asarray(ids)
+    if arr.dtype.kind in "fO" and arr.ndim == 1 and not isinstance(ids, np.ndarray):
+        # Python ints past int64 (numpy keeps them as objects, or floats beside smaller ones).
+        items = list(ids)
+        for i, x in enumerate(items if all(is_int(x) for x in items) else []):
+            if not 0 <= int(x) < vocab_size:
+                raise ValueError(f"{what}: token id {int(x)} at index {i} is out of range [0, {vocab_size})")
     if arr.dtype == np.bool_ or not (np.issubdtype(arr.dtype, np.integer) or arr.size == 0):
         raise ValueError(f"{what}: token ids must be integers, got dtype {arr.dtype}")
     if arr.ndim != 1:
@@ -72,6 +78,8 @@ class Model:
         not choose it. Model.kv_cache_dtype says which.
         """
         path = os.fspath(path)
+        if not isinstance(path, str) or "\0" in path:
+            raise ValueError(f"path must be a string without NUL characters, got {path!r}")
         if dtype is not None and not isinstance(dtype, str):
             dtype = str(dtype).replace("torch.", "")
         if dtype not in _DTYPES:
