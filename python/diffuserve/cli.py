@@ -14,35 +14,26 @@ from tqdm import tqdm
 from ._checks import INT32_MAX
 
 
-def _int_in(lo: int, hi: int):
-    """An argparse type: an integer in [lo, hi] (a usage error naming the option otherwise)."""
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-        if not lo <= value <= hi:
-            raise argparse.ArgumentTypeError(f"{value} is outside [{lo}, {hi}]")
-        return value
-    return parse
+def _in_range(kind, lo, hi):
+    """An argparse type: an int (kind int) or a finite number (kind float) in [lo, hi]; argparse
+    turns its error into a usage error naming the option."""
+    bound = (lambda x: f"{x:g}") if kind is float else str
 
-
-def _number_in(lo: float, hi: float):
-    """An argparse type: a finite number in [lo, hi]."""
-    def parse(text: str) -> float:
+    def parse(text: str):
         try:
-            value = float(text)
+            value = kind(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+            expected = "a number" if kind is float else "an integer"
+            raise argparse.ArgumentTypeError(f"{text!r} is not {expected}") from None
         if not lo <= value <= hi:  # NaN fails too
-            raise argparse.ArgumentTypeError(f"{text} is outside [{lo:g}, {hi:g}]")
+            raise argparse.ArgumentTypeError(f"{text} is outside [{bound(lo)}, {bound(hi)}]")
         return value
     return parse
 
 
 def _int_list(text: str) -> list:
     """An argparse type: comma-separated integers >= 1."""
-    return [_int_in(1, INT32_MAX)(item) for item in text.split(",")]
+    return [_in_range(int, 1, INT32_MAX)(item) for item in text.split(",")]
 
 
 def _load(path: Optional[str], args):
@@ -205,13 +196,14 @@ def _engine_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--kv-cache-dtype", choices=["auto", "float32", "bfloat16"], default="auto",
                        help="how the KV cache stores keys and values (default: auto, bf16 with bfloat16 "
                             "activations where the device's attention reads it: the same results in half the memory)")
-    group.add_argument("--threads", type=_int_in(0, 1024), default=0, help="CPU threads (default: every hardware thread)")
-    group.add_argument("--kv-cache-gib", type=_number_in(2**-30, 2**32), default=None, metavar="GIB",
+    group.add_argument("--threads", type=_in_range(int, 0, 1024), default=0,
+                       help="CPU threads (default: every hardware thread)")
+    group.add_argument("--kv-cache-gib", type=_in_range(float, 2**-30, 2**32), default=None, metavar="GIB",
                        help="paged KV cache size (default: a quarter of RAM, at most 4 GiB; on a GPU 80%% "
                             "of the memory the weights leave)")
-    group.add_argument("--max-num-seqs", type=_int_in(1, INT32_MAX), default=64, metavar="N",
+    group.add_argument("--max-num-seqs", type=_in_range(int, 1, INT32_MAX), default=64, metavar="N",
                        help="requests computed at once (default: 64)")
-    group.add_argument("--max-num-batched-tokens", type=_int_in(1, 2**62), default=None, metavar="N",
+    group.add_argument("--max-num-batched-tokens", type=_in_range(int, 1, 2**62), default=None, metavar="N",
                        help="rows per forward pass (default: max(4096, 4 canvases))")
     group.add_argument("--load-format", choices=["auto", "dummy"], default="auto",
                        help="dummy: random weights at config.json's shapes, for benchmarks (default: auto)")
@@ -228,11 +220,11 @@ def parser() -> argparse.ArgumentParser:
                                         "/v1/completions, /v1/chat/completions, /health, /metrics.")
     p.add_argument("model", nargs="?", metavar="MODEL", help="checkpoint directory (default: the bundled Sudoku model)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
-    p.add_argument("--port", type=_int_in(0, 65535), default=8000, help="port (default: 8000)")
+    p.add_argument("--port", type=_in_range(int, 0, 65535), default=8000, help="port (default: 8000)")
     p.add_argument("--api-key", default=os.environ.get("DIFFUSERVE_API_KEY"),
                    help="require `Authorization: Bearer KEY` on /v1 (default: $DIFFUSERVE_API_KEY, else none)")
     p.add_argument("--served-model-name", metavar="NAME", help="the model's name in the API (default: MODEL)")
-    p.add_argument("--shutdown-timeout", type=_number_in(0, 1e6), default=30, metavar="SECONDS",
+    p.add_argument("--shutdown-timeout", type=_in_range(float, 0, 1e6), default=30, metavar="SECONDS",
                    help="on Ctrl-C / SIGTERM, how long running requests may finish before they are aborted "
                         "(default: 30)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
@@ -244,9 +236,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("prompt", metavar="PROMPT", help="the text (sent as a user message when the model has a chat "
                                                     "template)")
     p.add_argument("--model", "-m", help="checkpoint directory (default: the bundled Sudoku model)")
-    p.add_argument("--max-tokens", type=_int_in(1, INT32_MAX), default=None, help="output length cap (default: the checkpoint's)")
-    p.add_argument("--max-denoising-steps", type=_int_in(1, INT32_MAX), default=None, help="decoder passes per block at most")
-    p.add_argument("--seed", type=_int_in(0, 2**64 - 1), default=None, help="seed for a reproducible answer")
+    p.add_argument("--max-tokens", type=_in_range(int, 1, INT32_MAX), default=None,
+                   help="output length cap (default: the checkpoint's)")
+    p.add_argument("--max-denoising-steps", type=_in_range(int, 1, INT32_MAX), default=None,
+                   help="decoder passes per block at most")
+    p.add_argument("--seed", type=_in_range(int, 0, 2**64 - 1), default=None, help="seed for a reproducible answer")
     p.add_argument("--raw", action="store_true", help="send PROMPT as it is, without the chat template")
     _engine_options(p)
     p.set_defaults(run=generate)
@@ -256,10 +250,14 @@ def parser() -> argparse.ArgumentParser:
                                         "with 1, 4 and 16 concurrent requests, at a fixed number of denoise steps "
                                         "per block.")
     p.add_argument("model", nargs="?", metavar="MODEL", help="checkpoint directory (default: a small random one)")
-    p.add_argument("--concurrency", type=_int_list, default=[1, 4, 16], help="comma-separated request counts (default: 1,4,16)")
-    p.add_argument("--prompt-tokens", type=_int_in(1, INT32_MAX), default=128, help="prompt length (default: 128)")
-    p.add_argument("--max-tokens", type=_int_in(1, INT32_MAX), default=256, help="tokens generated per request (default: 256)")
-    p.add_argument("--steps", type=_int_in(1, INT32_MAX), default=16, help="denoise steps per block (default: 16)")
+    p.add_argument("--concurrency", type=_int_list, default=[1, 4, 16],
+                   help="comma-separated request counts (default: 1,4,16)")
+    p.add_argument("--prompt-tokens", type=_in_range(int, 1, INT32_MAX), default=128,
+                   help="prompt length (default: 128)")
+    p.add_argument("--max-tokens", type=_in_range(int, 1, INT32_MAX), default=256,
+                   help="tokens generated per request (default: 256)")
+    p.add_argument("--steps", type=_in_range(int, 1, INT32_MAX), default=16,
+                   help="denoise steps per block (default: 16)")
     _engine_options(p)
     p.set_defaults(run=bench)
 
@@ -270,9 +268,12 @@ def parser() -> argparse.ArgumentParser:
                                         "and print solved=<fraction> mean_steps=<mean> n=<count>.")
     p.add_argument("puzzle", nargs="?", metavar="PUZZLE")
     p.add_argument("--model", "-m", help="a Sudoku checkpoint directory (default: the bundled one)")
-    p.add_argument("--givens", type=_int_in(17, 81), default=30, help="givens of a generated puzzle (default: 30)")
-    p.add_argument("--seed", type=_int_in(0, 2**64 - 1), default=0, help="seed of the puzzle and of the sampler (default: 0)")
-    p.add_argument("--max-denoising-steps", type=_int_in(1, INT32_MAX), default=None, help="default: the checkpoint's")
+    p.add_argument("--givens", type=_in_range(int, 17, 81), default=30,
+                   help="givens of a generated puzzle (default: 30)")
+    p.add_argument("--seed", type=_in_range(int, 0, 2**64 - 1), default=0,
+                   help="seed of the puzzle and of the sampler (default: 0)")
+    p.add_argument("--max-denoising-steps", type=_in_range(int, 1, INT32_MAX), default=None,
+                   help="default: the checkpoint's")
     p.add_argument("--eval", metavar="FILE", help="solve every puzzle in FILE, one per line")
     p.add_argument("--output", metavar="OUT", help="with --eval: write each answer grid to OUT, one per line")
     _engine_options(p)

@@ -68,7 +68,8 @@ class LLM:
         if path is None:  # the bundled Sudoku model
             from . import default_model
             path = default_model()
-        max_num_seqs, kv_block_size = check_int("max_num_seqs", max_num_seqs, 1), check_int("kv_block_size", kv_block_size, 1)
+        max_num_seqs = check_int("max_num_seqs", max_num_seqs, 1)
+        kv_block_size = check_int("kv_block_size", kv_block_size, 1)
         slice_steps, fuse_commit = check_int("slice_steps", slice_steps, 1), check_bool("fuse_commit", fuse_commit)
         self.model = Model.load(path, device=device, dtype=dtype, num_threads=num_threads,
                                 kv_cache_memory_bytes=kv_cache_memory_bytes, kv_block_size=kv_block_size,

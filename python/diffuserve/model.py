@@ -89,7 +89,8 @@ class Model:
         num_threads = check_int("num_threads", num_threads, 0, 1024)
         if kv_cache_memory_bytes is not None:
             kv_cache_memory_bytes = check_int("kv_cache_memory_bytes", kv_cache_memory_bytes, 1, INT64_MAX)
-        kv_block_size, max_num_seqs = check_int("kv_block_size", kv_block_size, 1), check_int("max_num_seqs", max_num_seqs, 1)
+        kv_block_size = check_int("kv_block_size", kv_block_size, 1)
+        max_num_seqs = check_int("max_num_seqs", max_num_seqs, 1)
         if activations not in ("float32", "bfloat16"):
             raise ValueError(f"activations must be 'float32' or 'bfloat16', got {activations!r}")
         if kv_cache_dtype not in ("auto", "float32", "bfloat16"):

@@ -58,9 +58,11 @@ class SamplingParams:
             if getattr(self, name) is not None:
                 check_float32(name, getattr(self, name), lo, strict)
         if self.t_min is not None and self.t_max is not None:
-            t_min, t_max = check_float32("t_min", self.t_min, 0.0, False), check_float32("t_max", self.t_max, 0.0, True)
+            t_min = check_float32("t_min", self.t_min, 0.0, False)
+            t_max = check_float32("t_max", self.t_max, 0.0, True)
             if t_max <= t_min:
-                raise ValueError(f"t_max must be > t_min (as float32), got t_max={self.t_max!r} <= t_min={self.t_min!r}")
+                raise ValueError(f"t_max must be > t_min (as float32), got t_max={self.t_max!r} <= "
+                                 f"t_min={self.t_min!r}")
         if self.seed is not None and (not is_int(self.seed) or not 0 <= int(self.seed) < 2**64):
             raise ValueError(f"seed must be an integer in [0, 2**64), got {self.seed!r}")
         _int_list("eos_token_id", self.eos_token_id, allow_empty=True)

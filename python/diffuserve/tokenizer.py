@@ -50,7 +50,8 @@ class Tokenizer:
         try:
             self._tokenizer = _HFTokenizer.from_file(tokenizer_file)
         except Exception as e:  # the tokenizers library raises plain Exceptions
-            raise _core.CheckpointError(f"{tokenizer_file}: not a tokenizer the tokenizers library reads: {e}") from None
+            raise _core.CheckpointError(f"{tokenizer_file}: not a tokenizer the tokenizers library reads: {e}") \
+                from None
         config = {}
         config_file = os.path.join(path, "tokenizer_config.json")
         if os.path.exists(config_file):
