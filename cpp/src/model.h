@@ -74,7 +74,7 @@ struct ModelState {
   std::unique_ptr<KvCache> kv;
   // One caller at a time: every public call on the model (Sequence's, Engine's, cache_stats)
   // holds this while it uses the backend's buffers and the KV cache, so that threads may
-  // share a model. Recursive: a call may make another (an Engine step's preemptions).
+  // share a model. Recursive: a call may make another (Sequence::prefill asks length()).
   std::recursive_mutex calls;
   std::unique_lock<std::recursive_mutex> lock() { return std::unique_lock(calls); }
 };

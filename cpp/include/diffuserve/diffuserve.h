@@ -66,6 +66,8 @@ struct ModelState;
 // Whether this build has the CUDA backend and the machine a GPU for it.
 bool cuda_available();
 
+// Threads may share a model: the calls of its sequences and engines take turns (one at a
+// time uses its backend and KV cache).
 class Model : public std::enable_shared_from_this<Model> {
  public:
   // `path` is a checkpoint directory (config.json + safetensors).
