@@ -161,6 +161,8 @@ class LLM:
         try:
             while len(done) < len(ids):
                 for out in self.step():
+                    if out.request_id not in ids:  # one queued by add_request before this call
+                        continue
                     done[out.request_id] = out
                     if out.finish_reason == "error":
                         raise _core.CheckpointError(f"prompt {ids.index(out.request_id)}: {out.error}")
