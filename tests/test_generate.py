@@ -197,6 +197,7 @@ def test_defaults_come_from_generation_config(checkpoints, tmp_path):
     (dict(seed_canvas=[2**40] * 8), "seed_canvas"), (dict(allowed_token_ids=[2**31]), "allowed_token_ids"),
     (dict(t_max=1e300), "t_max"), (dict(entropy_bound=1e-300), "entropy_bound"),
     (dict(confidence_threshold=1e-320), "confidence_threshold"), (dict(t_min=1e-301, t_max=1e-300), "t_max"),
+    (dict(t_max=10**400), "t_max"),
 ])
 def test_invalid_params_name_the_parameter(kwargs, name):
     with pytest.raises(ValueError, match=name):

@@ -33,7 +33,11 @@ def check_bool(name: str, value) -> bool:
 
 def float32_value(name: str, value) -> float:
     """value as float32 rounds it, finite, else ValueError naming `name`."""
-    if not (is_int(value) or isinstance(value, (float, np.floating))) or not math.isfinite(float(value)):
+    try:  # an int past float's range overflows
+        finite = (is_int(value) or isinstance(value, (float, np.floating))) and math.isfinite(float(value))
+    except OverflowError:
+        finite = False
+    if not finite:
         raise ValueError(f"{name} must be a finite number, got {value!r}")
     with np.errstate(over="ignore"):
         rounded = float(np.float32(value))
