@@ -544,3 +544,16 @@ def test_token_ids_past_int64_are_out_of_range(seq, ids):
 def test_path_with_nul(valid_dir):
     with pytest.raises(ValueError, match="NUL"):
         ds.Model.load(str(valid_dir) + "\0x")
+
+
+@pytest.mark.parametrize("kwargs, name", [(dict(load_format=None), "load_format"),
+                                          (dict(quantization=5), "quantization")])
+def test_load_option_types(valid_dir, kwargs, name):
+    with pytest.raises(ValueError, match=name):
+        ds.Model.load(valid_dir, **kwargs)
+
+
+def test_cli_bench_request_too_long_is_an_error_line(valid_dir):
+    result = subprocess.run([sys.executable, "-m", "diffuserve", "bench", str(valid_dir), "--prompt-tokens", "10000000",
+                             "--concurrency", "1"], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 1 and "error: " in result.stderr and "Traceback" not in result.stderr, result.stderr

@@ -288,3 +288,22 @@ def test_threads_share_a_model(checkpoints):
     for t in threads:
         t.join()
     assert all(np.array_equal(a, b) for a, b in zip(alone, together))
+
+
+def test_params_set_after_construction_are_checked(checkpoints):
+    """A field set on a SamplingParams after construction is checked when the request is
+    added, by name, as the constructor checks it."""
+    llm = ds.LLM(checkpoints["small"])
+    for name, value in [("max_new_tokens", 2**31), ("max_new_tokens", 8.5), ("seed", -1), ("t_max", "0.8"),
+                        ("self_conditioning", None)]:
+        params = ds.SamplingParams(max_new_tokens=8, seed=0)
+        setattr(params, name, value)
+        with pytest.raises(ValueError, match=name):
+            llm.generate([[3, 4]], params)
+    assert not llm.has_unfinished()
+
+
+@pytest.mark.parametrize("prompts", [None, 5, (p for p in [[3, 4]])], ids=["None", "int", "generator"])
+def test_generate_needs_a_list_of_prompts(checkpoints, prompts):
+    with pytest.raises(ValueError, match="prompts must be a list of prompts"):
+        ds.LLM(checkpoints["small"]).generate(prompts)

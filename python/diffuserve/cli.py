@@ -125,8 +125,11 @@ def generate(args) -> None:
 def bench(args) -> None:
     from . import bench as benchmark
 
-    benchmark.main(args.model, args.concurrency, args.prompt_tokens, args.max_tokens, args.steps,
-                   load=lambda path: _load(path, args))
+    try:
+        benchmark.main(args.model, args.concurrency, args.prompt_tokens, args.max_tokens, args.steps,
+                       load=lambda path: _load(path, args))
+    except ValueError as e:  # a request the model cannot take (too long a prompt for its positions or cache)
+        sys.exit(f"error: {e}")
 
 
 def sudoku(args) -> None:

@@ -16,6 +16,8 @@ import threading
 from dataclasses import dataclass, field
 from typing import List, Optional, Sequence, Union
 
+import numpy as np
+
 from . import _core
 from ._checks import INT64_MAX, check_bool, check_int
 from .model import Model, _token_ids
@@ -140,6 +142,8 @@ class LLM:
                  ) -> List[RequestOutput]:
         """prompts: a list of prompts, each token ids or text (or one such prompt); params: one
         SamplingParams for all, or one per prompt. Returns the outputs in prompt order."""
+        if not isinstance(prompts, (str, list, tuple, np.ndarray)):
+            raise ValueError(f"prompts must be a list of prompts (token ids or text), got {type(prompts).__name__}")
         if isinstance(prompts, str) or (len(prompts) and not hasattr(prompts[0], "__len__")):
             prompts = [prompts]  # a single prompt: one text, or one list of ids
         plist = [params if params is not None else SamplingParams()] if not isinstance(params, (list, tuple)) \

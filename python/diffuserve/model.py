@@ -91,6 +91,10 @@ class Model:
             kv_cache_memory_bytes = check_int("kv_cache_memory_bytes", kv_cache_memory_bytes, 1, INT64_MAX)
         kv_block_size = check_int("kv_block_size", kv_block_size, 1)
         max_num_seqs = check_int("max_num_seqs", max_num_seqs, 1)
+        if not isinstance(load_format, str):  # other strings: the runtime names what it takes
+            raise ValueError(f"load_format must be 'auto' or 'dummy', got {load_format!r}")
+        if quantization is not None and not isinstance(quantization, str):
+            raise ValueError(f"quantization must be None or a string such as 'fp8', got {quantization!r}")
         if activations not in ("float32", "bfloat16"):
             raise ValueError(f"activations must be 'float32' or 'bfloat16', got {activations!r}")
         if kv_cache_dtype not in ("auto", "float32", "bfloat16"):

@@ -48,6 +48,10 @@ class SamplingParams:
     self_conditioning: bool = True  # False: no step sees the previous step's logits (an ablation)
 
     def __post_init__(self):
+        self._check()
+
+    def _check(self) -> None:
+        """Every field's value, as the runtime will take it (also when set after construction)."""
         for name, lo in (("max_new_tokens", 1), ("max_denoising_steps", 1), ("stability_threshold", 0),
                          ("canvas_length", 1)):
             if getattr(self, name) is not None:
@@ -79,6 +83,7 @@ class SamplingParams:
 
     def _native(self, defaults: "_core.SamplingParams") -> "_core.SamplingParams":
         """The runtime's parameters: these values over the model's defaults."""
+        self._check()  # fields may have been set since construction
         p = defaults
         for f in ("max_new_tokens", "max_denoising_steps", "stability_threshold"):
             if getattr(self, f) is not None:
