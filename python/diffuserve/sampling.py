@@ -48,56 +48,53 @@ class SamplingParams:
     self_conditioning: bool = True  # False: no step sees the previous step's logits (an ablation)
 
     def __post_init__(self):
-        self._check()
+        self._checked()
 
-    def _check(self) -> None:
-        """Every field's value, as the runtime will take it (also when set after construction)."""
+    def _checked(self) -> dict:
+        """The fields given (not None), checked by name and converted as the runtime takes them:
+        ints, floats as float32 rounds them, int lists. (Also on every use: fields may have
+        been set since construction.)"""
+        v = {}
         for name, lo in (("max_new_tokens", 1), ("max_denoising_steps", 1), ("stability_threshold", 0),
                          ("canvas_length", 1)):
             if getattr(self, name) is not None:
-                check_int(name, getattr(self, name), lo, INT32_MAX)
-        # The runtime keeps these in float32: judged as it will see them.
+                v[name] = check_int(name, getattr(self, name), lo, INT32_MAX)
         for name, lo, strict in (("t_min", 0.0, False), ("t_max", 0.0, True), ("entropy_bound", 0.0, True),
                                  ("confidence_threshold", 0.0, True)):
             if getattr(self, name) is not None:
-                check_float32(name, getattr(self, name), lo, strict)
-        if self.t_min is not None and self.t_max is not None:
-            t_min = check_float32("t_min", self.t_min, 0.0, False)
-            t_max = check_float32("t_max", self.t_max, 0.0, True)
-            if t_max <= t_min:
-                raise ValueError(f"t_max must be > t_min (as float32), got t_max={self.t_max!r} <= "
-                                 f"t_min={self.t_min!r}")
-        if self.seed is not None and (not is_int(self.seed) or not 0 <= int(self.seed) < 2**64):
-            raise ValueError(f"seed must be an integer in [0, 2**64), got {self.seed!r}")
-        _int_list("eos_token_id", self.eos_token_id, allow_empty=True)
-        seed_canvas = _int_list("seed_canvas", self.seed_canvas)
-        pinned = _int_list("pinned_positions", self.pinned_positions, allow_empty=True)
-        _int_list("allowed_token_ids", self.allowed_token_ids)
-        check_bool("self_conditioning", self.self_conditioning)
+                v[name] = check_float32(name, getattr(self, name), lo, strict)
+        if "t_min" in v and "t_max" in v and v["t_max"] <= v["t_min"]:
+            raise ValueError(f"t_max must be > t_min (as float32), got t_max={self.t_max!r} <= t_min={self.t_min!r}")
+        if self.seed is not None:
+            if not is_int(self.seed) or not 0 <= int(self.seed) < 2**64:
+                raise ValueError(f"seed must be an integer in [0, 2**64), got {self.seed!r}")
+            v["seed"] = int(self.seed)
+        if self.eos_token_id is not None:
+            v["eos_token_id"] = _int_list("eos_token_id", self.eos_token_id, allow_empty=True)
+        seed_canvas = v["seed_canvas"] = _int_list("seed_canvas", self.seed_canvas)
+        pinned = v["pinned_positions"] = _int_list("pinned_positions", self.pinned_positions, allow_empty=True)
+        v["allowed_token_ids"] = _int_list("allowed_token_ids", self.allowed_token_ids)
+        v["self_conditioning"] = check_bool("self_conditioning", self.self_conditioning)
         if pinned and not seed_canvas:
             raise ValueError("pinned_positions needs a seed_canvas to take the pinned tokens from")
         if len(set(pinned)) != len(pinned):
             raise ValueError("pinned_positions must not repeat a position")
         if seed_canvas and self.canvas_length is not None and len(seed_canvas) != self.canvas_length:
             raise ValueError(f"seed_canvas has {len(seed_canvas)} tokens but canvas_length is {self.canvas_length}")
+        return v
 
     def _native(self, defaults: "_core.SamplingParams") -> "_core.SamplingParams":
         """The runtime's parameters: these values over the model's defaults."""
-        self._check()  # fields may have been set since construction
+        v = self._checked()
         p = defaults
-        for f in ("max_new_tokens", "max_denoising_steps", "stability_threshold"):
-            if getattr(self, f) is not None:
-                setattr(p, f, int(getattr(self, f)))
-        for f in ("t_min", "t_max", "entropy_bound", "confidence_threshold"):
-            if getattr(self, f) is not None:
-                setattr(p, f, float(getattr(self, f)))
-        if self.eos_token_id is not None:
-            p.eos_token_ids = _int_list("eos_token_id", self.eos_token_id, allow_empty=True)
-        p.seed = None if self.seed is None else int(self.seed)
-        p.canvas_length = int(self.canvas_length or 0)
-        p.seed_canvas = _int_list("seed_canvas", self.seed_canvas)
-        p.pinned_positions = _int_list("pinned_positions", self.pinned_positions, allow_empty=True)
-        p.allowed_token_ids = _int_list("allowed_token_ids", self.allowed_token_ids)
-        p.self_conditioning = bool(self.self_conditioning)
+        for f in ("max_new_tokens", "max_denoising_steps", "stability_threshold", "t_min", "t_max", "entropy_bound",
+                  "confidence_threshold"):
+            if f in v:
+                setattr(p, f, v[f])
+        if "eos_token_id" in v:
+            p.eos_token_ids = v["eos_token_id"]
+        p.seed = v.get("seed")
+        p.canvas_length = v.get("canvas_length", 0)
+        p.seed_canvas, p.pinned_positions = v["seed_canvas"], v["pinned_positions"]
+        p.allowed_token_ids, p.self_conditioning = v["allowed_token_ids"], v["self_conditioning"]
         return p
-
