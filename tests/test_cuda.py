@@ -4,6 +4,7 @@ Skipped where this build has no CUDA backend or the machine no GPU; benchmarks/r
 runs it on the device machine together with the HF parity tests on CUDA.
 """
 import os
+import pathlib
 import threading
 
 import numpy as np
@@ -12,6 +13,7 @@ import pytest
 import diffuserve as ds
 from diffuserve import _core
 from diffuserve.random_checkpoint import write_random_checkpoint
+from test_errors import NORM, rewrite
 from test_kv_cache_dtype import check_bf16_cache_gives_the_fp32_cache_results
 
 pytestmark = pytest.mark.skipif(not _core.cuda_available(), reason="no CUDA backend or no GPU")
@@ -426,15 +428,9 @@ def test_bf16_kv_cache_gives_the_fp32_cache_results(tmp_path, shape):
 def test_non_finite_logits_fail_the_request(tmp_path, monkeypatch, graphs):
     """A NaN weight makes every logit NaN: the device's canvas update flags it and stops the
     block, and generate raises naming the prompt, as on the CPU (test_errors.py)."""
-    from safetensors.numpy import load_file
-    from diffuserve.safetensors_io import write_safetensors
     monkeypatch.setenv("DIFFUSERVE_CUDA_GRAPHS", graphs)
     path = write_random_checkpoint(tmp_path / "m", canvas_length=32, seed=7, **SHAPES["ragged"])  # fp32
-    tensors = load_file(f"{path}/model.safetensors")
-    norm = tensors["model.decoder.norm.weight"].copy()
-    norm[1] = np.nan
-    tensors["model.decoder.norm.weight"] = norm
-    write_safetensors(f"{path}/model.safetensors", tensors)
+    rewrite(pathlib.Path(path), lambda tensors: tensors[NORM].__setitem__(1, np.nan))
     llm = ds.LLM(path, device="cuda:0", dtype="bfloat16")
     for _ in range(2):
         with pytest.raises(ds.CheckpointError, match=r"prompt 0: the model's logits held NaN or infinity"):

@@ -70,8 +70,7 @@ class LLM:
         if path is None:  # the bundled Sudoku model
             from . import default_model
             path = default_model()
-        max_num_seqs = check_int("max_num_seqs", max_num_seqs, 1)
-        kv_block_size = check_int("kv_block_size", kv_block_size, 1)
+        # (Model.load checks the model's own arguments: kv_block_size, max_num_seqs, ...)
         slice_steps, fuse_commit = check_int("slice_steps", slice_steps, 1), check_bool("fuse_commit", fuse_commit)
         self.model = Model.load(path, device=device, dtype=dtype, num_threads=num_threads,
                                 kv_cache_memory_bytes=kv_cache_memory_bytes, kv_block_size=kv_block_size,
@@ -87,7 +86,7 @@ class LLM:
         # generate holds it until its outputs are done (a step returns whichever requests
         # finished, so two generate loops must not share steps).
         self._lock = threading.RLock()
-        self.scheduler = Scheduler(self._engine, max_num_seqs, max_num_batched_tokens, slice_steps)
+        self.scheduler = Scheduler(self._engine, int(max_num_seqs), max_num_batched_tokens, slice_steps)
         self.tokenizer = Tokenizer.from_checkpoint(path)  # None when the checkpoint has no tokenizer.json
         self._ids = itertools.count()
         self._prompts = {}
