@@ -233,6 +233,16 @@ using Large = Shape<128, 256, 2, 4, 3, 3, 1>;   // 192 / 144 / 123 KB; 144 KB
 using Wgmma32 = Shape<32, 128, 1, 4, 3, 3, 3, true>;    // 72 KB; 60 KB
 using Wgmma64 = Shape<64, 128, 1, 4, 3, 3, 2, true>;    // 96 KB; 72 KB
 using Wgmma128 = Shape<128, 128, 1, 4, 3, 3, 1, true>;  // 144 KB; 96 KB
+// At 4,096 tokens (batch 16) the 128-row tile's bf16 experts run at 466 / 358 TFLOP/s up /
+// down (559 / 358 us), of the 794 the tensor cores give a dense product. Tried and not kept
+// (thirty-second session, H200, gemm_bench --moe, bf16 X, tiled weights): two warpgroups side
+// by side over 256 weight rows, so that each X tile staged serves twice the weight rows (one
+// block a multiprocessor, four stages at 64 rows): up / down 560 / 360 -> 690 / 438 us at
+// 4,096 tokens, 290 / 171 -> 307 / 186 at 1,024, the 16x1K step 116.5 -> 122.1 ms; and four
+// stages whose wgmmas stay in flight through the next stage's barrier and copies
+// (wgmma_wait<1>, the ring refilling the stage two behind): 559 / 358 -> 720 / 492 us, 290 /
+// 171 -> 298 / 179, the 16x1K step 120.5 -> 125.0 ms. gemm_bench's checks and the GPU tests
+// passed on both.
 // The 64- and 128-row wgmma tiles for NVFP4 weights with bf16 X (the MoE from batch 4): each
 // stage's packed slice is decoded once into a bf16 W tile in shared memory, which the wgmmas
 // read as they read bf16 weights. Decoded in registers instead (the mma.sync tiles), each

@@ -209,6 +209,14 @@ std::vector<int32_t> Engine::generated(uint64_t id) const {
   const auto lock = model_->state().lock();
   return get(id).out.token_ids;
 }
+size_t Engine::size() const {
+  const auto lock = model_->state().lock();
+  return requests_.size();
+}
+int64_t Engine::passes() const {
+  const auto lock = model_->state().lock();
+  return passes_;
+}
 std::vector<int32_t> Engine::draft(uint64_t id) const {
   const auto lock = model_->state().lock();
   const RequestState& r = get(id);

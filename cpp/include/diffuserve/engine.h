@@ -65,9 +65,10 @@ class Engine {
   std::vector<int32_t> generated(uint64_t id) const;
   // The argmax canvas of the block in progress (empty between blocks): a draft to stream.
   std::vector<int32_t> draft(uint64_t id) const;
-  size_t size() const { return requests_.size(); }
+  // Requests held: added, and neither finished nor aborted.
+  size_t size() const;
   // Forward passes run so far.
-  int64_t passes() const { return passes_; }
+  int64_t passes() const;
 
  private:
   RequestState& get(uint64_t id) const;
