@@ -646,6 +646,21 @@ class CudaBackend final : public Backend {
                     next ? written({next_weight}, {next}) : cuda::NormOutputs{}, x.rows, x.cols, eps, stream_);
   }
 
+  void add_experts_rms_norm_twice(const ExpertOutput& x, const Weight* x_weight, Activation& y, const Weight* y_weight,
+                                  float eps, Activation& h, float scale, const Weight* next_weight,
+                                  Activation* next) override {
+    const int64_t tokens = x.tokens(), hidden = y.cols;
+    if (!x.top_k || !cuda::rms_norms_take_sums(hidden)) {
+      Activation summed = x.summed;
+      if (x.top_k) sum_experts(x, summed = alloc_output(tokens, hidden));
+      return add_rms_norm_twice(summed, x_weight, y, y_weight, eps, h, scale, next_weight, next);
+    }
+    auto timed = op("add_rms_norm");
+    cuda::rms_norms(nullptr, added(x_weight, y, 1.0f), added(y_weight, h, scale),
+                    next ? written({next_weight}, {next}) : cuda::NormOutputs{}, tokens, hidden, eps, stream_,
+                    {x.rows.data, x.pair_rows.get(), x.weights.data, x.top_k});
+  }
+
   void rms_norm_rope(Activation& x, const Weight& weight, int64_t head_dim, float eps, const Weight& inv_freq,
                      const std::vector<int64_t>& positions) override {
     auto timed = op("rms_norm_rope");
@@ -732,11 +747,13 @@ class CudaBackend final : public Backend {
 
   // The expert layout is planned on the device from the routing, so nothing here waits
   // for the GPU: tiles are launched for the most the plan can need, the unused ones exit.
-  void experts(const Activation& x, const Routing& routing, const Weight& gate_up, const Weight& down,
-               Activation& out) override {
+  // The sum of each token's experts' rows is left to the norm pass that reads them
+  // (add_experts_rms_norm_twice): a launch fewer a layer on the step's chain of kernels.
+  ExpertOutput experts_unsummed(const Activation& x, const Routing& routing, const Weight& gate_up,
+                                const Weight& down) override {
     auto timed = op("experts");
     const int64_t num_experts = gate_up.shape[0], inter2 = gate_up.shape[1], hidden = x.cols;
-    const int64_t pairs = routing.weights.size(), tokens = routing.weights.rows;
+    const int64_t pairs = routing.weights.size();
     const int64_t segments = std::max<int64_t>(1, std::min(num_experts, pairs));
     const cuda::GemmInput up_input = gemm_input(gate_up), down_input = gemm_input(down);
     // One tile plan serves both products; where their kinds would take different heights,
@@ -811,8 +828,16 @@ class CudaBackend final : public Backend {
       }
       down_product(act.data, gated, {});
     }
-    cuda::combine_experts(y.data, static_cast<const int64_t*>(inverse.get()), routing.weights.data, tokens,
-                          routing.top_k, hidden, out.data, stream_);
+    return {{}, y, {inverse, static_cast<const int64_t*>(inverse.get())}, routing.weights, routing.top_k};
+  }
+  void experts(const Activation& x, const Routing& routing, const Weight& gate_up, const Weight& down,
+               Activation& out) override {
+    sum_experts(experts_unsummed(x, routing, gate_up, down), out);
+  }
+  // out = the weighted sums of an unsummed experts' output.
+  void sum_experts(const ExpertOutput& e, Activation& out) {
+    cuda::combine_experts(e.rows.data, e.pair_rows.get(), e.weights.data, e.weights.rows, e.top_k, e.rows.cols,
+                          out.data, stream_);
   }
 
   void add(const Activation& a, const Activation& b, Activation& y) override {

@@ -145,7 +145,9 @@ __global__ void rms_norm_kernel(const float* x, NormOutputs outs, NormOutputs th
 // hundred rows, so each round trip to memory is paid in full: the row and the old values
 // the outputs accumulate onto are loaded together before the first sum, and each norm's
 // weights before its sum, so the kernel waits on one round trip a norm, not one an output.
-// `then` normalises the first output's values as they stay in registers.
+// `then` normalises the first output's values as they stay in registers. With `sums` a row
+// is the MoE's weighted sum of its experts' rows, added up as they are loaded
+// (load_expert_sum): a layer's combine pass and launch fold into its last norm.
 // Rows of up to 3,072 float4-aligned values (26B's 2,816: 352 threads) take blocks of at
 // most 384 threads with registers for two a multiprocessor, so that a canvas's 256 rows run
 // as one wave on the H200's 132 (unbounded, the kernel takes ~100 registers and one block
@@ -179,6 +181,28 @@ __device__ __forceinline__ void store_row(float* row, int64_t group, const float
     if (j >= group) continue;
     if constexpr (kWidth == 4) *reinterpret_cast<float4*>(row + j) = {v[4 * i], v[4 * i + 1], v[4 * i + 2], v[4 * i + 3]};
     else row[j] = v[i];
+  }
+}
+
+// acc += w x as one fused multiply-add: combine_experts and the norms that add up expert
+// rows (ExpertSums) round alike.
+__device__ __forceinline__ void add_weighted(float& acc, float w, float x) { acc = fmaf(w, x, acc); }
+
+// Row t of `sums` in load_row's layout: its experts' rows, each times its weight, added in k
+// order (combine_experts_kernel's sum), four rows' loads in flight at a time.
+template <int kWidth>
+__device__ __forceinline__ void load_expert_sum(const ExpertSums& sums, int64_t t, int64_t group,
+                                                float (&v)[kRowValues]) {
+  const int64_t* rows = sums.inverse + t * sums.top_k;
+  const float* w = sums.weights + t * sums.top_k;
+#pragma unroll
+  for (int i = 0; i < kRowValues; ++i) v[i] = 0.0f;
+#pragma unroll 4
+  for (int k = 0; k < sums.top_k; ++k) {
+    float u[kRowValues];
+    load_row<kWidth>(sums.y + rows[k] * group, group, u);
+#pragma unroll
+    for (int i = 0; i < kRowValues; ++i) add_weighted(v[i], w[k], u[i]);
   }
 }
 
@@ -250,7 +274,8 @@ struct NormStages {
 
 template <int kWidth, int kMaxThreads>
 __global__ void __launch_bounds__(kMaxThreads, kMaxThreads == kRowKernelPairThreads ? 2 : 1)
-    rms_norm_row_kernel(const float* x, const __grid_constant__ NormStages norms, int64_t group, float eps) {
+    rms_norm_row_kernel(const float* x, const __grid_constant__ NormStages norms, int64_t group, float eps,
+                        const ExpertSums sums) {
   wait_for_earlier_kernels();
   const int64_t g = blockIdx.x;
   const NormOutputs &outs = norms.stage[0], &then = norms.stage[1];
@@ -258,7 +283,8 @@ __global__ void __launch_bounds__(kMaxThreads, kMaxThreads == kRowKernelPairThre
   // old values are then the first norm's, known only after it.
   const bool then_in_place = then.count && then.y[0] == outs.y[0];
   float v[kRowValues], old[kRowValues], then_old[kRowValues];
-  load_row<kWidth>(x + g * group, group, v);
+  if (sums.y) load_expert_sum<kWidth>(sums, g, group, v);
+  else load_row<kWidth>(x + g * group, group, v);
   if (outs.accumulate) load_row<kWidth>(outs.y[0] + g * group, group, old);
   if (then.count && then.accumulate && !then_in_place) load_row<kWidth>(then.y[0] + g * group, group, then_old);
   // Each norm of v into its outputs, the first one last; v becomes its values. The weights
@@ -570,12 +596,13 @@ __global__ void combine_experts_kernel(const float* y, const int64_t* inverse, c
 #pragma unroll 4
     for (int k = 0; k < top_k; ++k) {
       const float4 v = *reinterpret_cast<const float4*>(y + rows[k] * hidden + c);
-      acc.x += w[k] * v.x, acc.y += w[k] * v.y, acc.z += w[k] * v.z, acc.w += w[k] * v.w;
+      add_weighted(acc.x, w[k], v.x), add_weighted(acc.y, w[k], v.y), add_weighted(acc.z, w[k], v.z),
+          add_weighted(acc.w, w[k], v.w);
     }
     *reinterpret_cast<float4*>(out + t * hidden + c) = acc;
   } else {
     float acc = 0.0f;
-    for (int k = 0; k < top_k; ++k) acc += w[k] * y[rows[k] * hidden + c];
+    for (int k = 0; k < top_k; ++k) add_weighted(acc, w[k], y[rows[k] * hidden + c]);
     out[t * hidden + c] = acc;
   }
 }
@@ -902,9 +929,12 @@ void embed(const __nv_bfloat16* table, int64_t hidden, const int32_t* ids, int64
   if (n) launch(embed_kernel, blocks_for(n * hidden), kThreads, 0, stream, table, hidden, ids, n, scale, out);
 }
 
+bool rms_norms_take_sums(int64_t group) { return group >= 1024 && group <= kRowValues * kRowKernelThreads; }
+
 void rms_norms(const float* x, const NormOutputs& outs, const NormOutputs& then, const NormOutputs& after,
-               int64_t groups, int64_t group, float eps, cudaStream_t stream) {
+               int64_t groups, int64_t group, float eps, cudaStream_t stream, const ExpertSums& sums) {
   if (!groups || !outs.count) return;
+  if (sums.y && !rms_norms_take_sums(group)) throw std::invalid_argument("rms_norms: expert sums of rows this wide");
   for (const NormOutputs* o : {&outs, &then, &after})
     if (o->count > kMaxNormOutputs || (o->accumulate && o->count > 1))
       throw std::invalid_argument("rms_norms: at most 4 outputs, one when accumulating");
@@ -913,7 +943,7 @@ void rms_norms(const float* x, const NormOutputs& outs, const NormOutputs& then,
     throw std::invalid_argument("rms_norms: `after` writes the norm of `then`'s one output");
   if (group >= 1024 && group <= kRowValues * kRowKernelThreads) {
     // float4s where every row the kernel touches is whole aligned ones
-    bool vector = group % 4 == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0;
+    bool vector = group % 4 == 0 && reinterpret_cast<uintptr_t>(sums.y ? sums.y : x) % 16 == 0;
     for (const NormOutputs* o : {&outs, &then, &after})
       for (int k = 0; k < o->count; ++k)
         vector = vector && reinterpret_cast<uintptr_t>(o->y[k]) % 16 == 0 &&
@@ -922,7 +952,7 @@ void rms_norms(const float* x, const NormOutputs& outs, const NormOutputs& then,
     const auto kernel = !vector                            ? rms_norm_row_kernel<1, kRowKernelThreads>
                         : threads <= kRowKernelPairThreads ? rms_norm_row_kernel<4, kRowKernelPairThreads>
                                                            : rms_norm_row_kernel<4, kRowKernelThreads>;
-    launch(kernel, unsigned(groups), threads, 0, stream, x, NormStages{{outs, then, after}}, group, eps);
+    launch(kernel, unsigned(groups), threads, 0, stream, x, NormStages{{outs, then, after}}, group, eps, sums);
     return;
   }
   if (group >= 1024) {

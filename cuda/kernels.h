@@ -299,14 +299,26 @@ struct NormOutputs {
   bool accumulate;
   float scale;  // accumulate's
 };
+// A MoE layer's rows before the experts' weighted sum: row t is sum_k weights[t, k] *
+// y[inverse[t, k]], in k order (combine_experts' sum, bit for bit).
+struct ExpertSums {
+  const float* y = nullptr;  // null: none
+  const int64_t* inverse = nullptr;
+  const float* weights = nullptr;
+  int top_k = 0;
+};
 // The norm of x into `outs`, from one pass over x; then, where then.count > 0 (`outs` one
 // output), the norm of that output as it now is into `then`; then, where after.count > 0
 // (`then` one output, `after` not accumulating), the norm of that into `after`: up to three
 // norms in one launch, bitwise as separate calls. The prepared outputs come from the same
 // pass where a row fits the block's registers (the hidden states' norms), else from
-// gemm()'s pre-pass after it.
+// gemm()'s pre-pass after it. Where `sums` has rows (rms_norms_take_sums), x is their sums
+// (x itself unused), added up as the pass reads them.
 void rms_norms(const float* x, const NormOutputs& outs, const NormOutputs& then, const NormOutputs& after,
-               int64_t groups, int64_t group, float eps, cudaStream_t stream);
+               int64_t groups, int64_t group, float eps, cudaStream_t stream, const ExpertSums& sums = {});
+// Whether rms_norms takes ExpertSums for rows of `group` values: rows that fit a block's
+// registers (the hidden states' norms).
+bool rms_norms_take_sums(int64_t group);
 // Heads that rms_norm_rope normalises: `rows` rows of `heads` heads, row r's at src + r *
 // src_stride (a column block of a wider matrix, such as one product's [Q K V]), written to
 // dst as whole rows of heads (dst may be src, where src_stride is heads * head_dim). With a

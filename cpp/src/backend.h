@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -154,6 +155,25 @@ struct Routing {
   Activation weights;                // [tokens, top_k]
   int top_k = 0;
   int64_t encoder_tokens = 0;  // tokens [0, encoder_tokens) are the encoder's (see experts); set by the caller
+};
+
+// A MoE layer's experts' output (Backend::experts_unsummed): `summed`, each token's row as
+// experts() writes it; or, where a backend leaves the weighted sum to the op that reads it
+// (add_experts_rms_norm_twice, whose pass over the rows then adds them up), token t's k-th
+// expert's output as row pair_rows[t * top_k + k] of `rows`, weighted by weights[t, k].
+struct ExpertOutput {
+  Activation summed;                         // [tokens, hidden]; unused where top_k > 0
+  Activation rows;                           // [pairs, hidden], the backend's order
+  std::shared_ptr<const int64_t> pair_rows;  // backend memory, from this output's first token
+  Activation weights;                        // [tokens, top_k]
+  int top_k = 0;                             // 0: summed
+
+  int64_t tokens() const { return top_k ? weights.rows : summed.rows; }
+  // Tokens [first, first + count).
+  ExpertOutput view(int64_t first, int64_t count) const {
+    if (!top_k) return {summed.view(first, count)};
+    return {{}, rows, {pair_rows, pair_rows.get() + first * top_k}, weights.view(first, count), top_k};
+  }
 };
 
 // What the sampler needs of one canvas row of processed logits.
@@ -371,6 +391,14 @@ class Backend {
     add_rms_norm(y, y_weight, eps, h, scale);
     if (next) rms_norm(h, next_weight, h.cols, eps, *next);
   }
+  // add_rms_norm_twice with an experts' output as x. By default on experts_unsummed's own
+  // (summed) output; a backend whose experts_unsummed leaves the sum takes it here.
+  virtual void add_experts_rms_norm_twice(const ExpertOutput& x, const Weight* x_weight, Activation& y,
+                                          const Weight* y_weight, float eps, Activation& h, float scale,
+                                          const Weight* next_weight = nullptr, Activation* next = nullptr) {
+    if (x.top_k) throw std::logic_error("add_experts_rms_norm_twice: the backend left an expert sum it cannot take");
+    add_rms_norm_twice(x.summed, x_weight, y, y_weight, eps, h, scale, next_weight, next);
+  }
   // In place on x viewed as [rows, heads, head_dim] (the query and key heads): rms_norm of
   // each head (weight: fp32 [head_dim]), then rotate_half RoPE at `positions` (inv_freq:
   // fp32 [head_dim / 2]). One op, so that a backend may do both in one pass.
@@ -410,6 +438,15 @@ class Backend {
   // encoder's tokens with the encoder's scales: Routing::encoder_tokens).
   virtual void experts(const Activation& x, const Routing& routing, const Weight& gate_up, const Weight& down,
                        Activation& out) = 0;
+  // experts() into an output of its own, or (a backend's choice) its rows before the weighted
+  // sum, which add_experts_rms_norm_twice then adds up as it reads them (one pass fewer over
+  // the rows; a launch fewer on a GPU).
+  virtual ExpertOutput experts_unsummed(const Activation& x, const Routing& routing, const Weight& gate_up,
+                                        const Weight& down) {
+    ExpertOutput out{alloc_output(x.rows, x.cols)};
+    experts(x, routing, gate_up, down, out.summed);
+    return out;
+  }
   // In place on x, the input of a linear whose weight carries `quant` (not None):
   // quantized as the checkpoint says and dequantized again (activation_quant.h), so that
   // an fp32 product multiplies exactly what a quantized kernel would. Rows below

@@ -547,7 +547,8 @@ void feed_forward(ModelState& m, int li, const Activation& attn, Activation& h, 
   const int64_t n = h.rows, H = h.cols;
   Activation x = be.alloc_product_input(n, H, {&W.mlp_gate_up});
   Activation x2 = be.alloc_product_input(n, H, {&W.experts_gate_up});
-  Activation router_in = be.alloc_output(n, H), dense = be.alloc_output(n, H), moe = be.alloc_output(n, H);
+  Activation router_in = be.alloc_output(n, H), dense = be.alloc_output(n, H);
+  ExpertOutput moe;
   // The new h's three norms (the MLP's input, the experts', the router's) in the same pass.
   be.add_rms_norm_then_norms(attn, &W.post_attention_layernorm, eps, h,
                              {&W.pre_feedforward_layernorm, &W.pre_feedforward_layernorm_2, &W.router_scale},
@@ -558,7 +559,7 @@ void feed_forward(ModelState& m, int li, const Activation& attn, Activation& h, 
   auto experts = [&] {
     Routing routing = be.route(router_in, W.router_proj, W.router_per_expert_scale, m.config.top_k_experts);
     routing.encoder_tokens = encoder_rows;
-    be.experts(x2, routing, W.experts_gate_up, W.experts_down, moe);
+    moe = be.experts_unsummed(x2, routing, W.experts_gate_up, W.experts_down);
   };
   auto mlp = [&] {
     gated_mlp(be, x, encoder_rows, W.mlp_gate_up, W.mlp_down, dense);
@@ -578,10 +579,9 @@ void feed_forward(ModelState& m, int li, const Activation& attn, Activation& h, 
   for (const auto& [first, rows, scalar] : {std::tuple{int64_t(0), encoder_rows, W.encoder_layer_scalar},
                                             std::tuple{encoder_rows, decoder_rows, W.decoder_layer_scalar}}) {
     if (!rows) continue;
-    Activation branch = moe.view(first, rows), sum = dense.view(first, rows), residual = h.view(first, rows);
-    Activation normed = next.view(first, rows);
-    be.add_rms_norm_twice(branch, &W.post_feedforward_layernorm_2, sum, &W.post_feedforward_layernorm, eps, residual,
-                          scalar, &next_norm, &normed);
+    Activation sum = dense.view(first, rows), residual = h.view(first, rows), normed = next.view(first, rows);
+    be.add_experts_rms_norm_twice(moe.view(first, rows), &W.post_feedforward_layernorm_2, sum,
+                                  &W.post_feedforward_layernorm, eps, residual, scalar, &next_norm, &normed);
   }
 }
 
