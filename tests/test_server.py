@@ -171,7 +171,10 @@ def test_draft_streaming(base_url):
     # Text that is not valid Unicode (a JSON escape of a lone surrogate), JSON nested past the parser.
     ("completions", '{"model": "%s", "prompt": "a\\ud800b"}' % MODEL, 400, "prompt", None),
     ("chat/completions", '{"model": "%s", "messages": [{"role": "user", "content": "a\\ud800b"}]}' % MODEL, 400,
-     "messages", None),
+     "messages[0].content", None),
+    ("chat/completions", '{"model": "%s", "messages": [{"role": "system", "content": "x"}, {"role": "user", '
+     '"content": [{"type": "text", "text": "y"}, {"type": "text", "text": "\\udc00"}]}]}' % MODEL, 400,
+     "messages[1].content[1]", None),
     ("completions", "[" * 100_000 + "]" * 100_000, 400, None, None),
     ("chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "text"}]}]}, 400,
      "messages[0].content[0]", None),

@@ -31,6 +31,16 @@ def check_bool(name: str, value) -> bool:
     return bool(value)
 
 
+def check_unicode(name: str, text: str) -> str:
+    """text, if it is valid Unicode (UTF-8 holds no lone surrogate, which a Python string
+    may), else ValueError naming `name` and the character."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"{name} is not valid Unicode: {e.reason} at character {e.start}") from None
+    return text
+
+
 def float32_value(name: str, value) -> float:
     """value as float32 rounds it, finite, else ValueError naming `name`."""
     try:  # an int past float's range overflows

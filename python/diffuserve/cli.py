@@ -11,7 +11,7 @@ from typing import Optional
 
 from tqdm import tqdm
 
-from ._checks import INT32_MAX
+from ._checks import INT32_MAX, check_unicode
 
 
 def _in_range(kind, lo, hi):
@@ -97,6 +97,7 @@ def generate(args) -> None:
         sys.exit(f"error: {args.model} has no tokenizer.json, so it cannot read text")
     try:  # the prompt's text (not valid Unicode: an error) and the parameters
         if tokenizer.chat_template is not None and not args.raw:
+            check_unicode("the prompt", args.prompt)  # named in its own characters, not the templated text's
             text = tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}],
                                                  add_generation_prompt=True)
             prompt = tokenizer.encode(text, add_special_tokens=False)

@@ -13,6 +13,7 @@ from typing import Any, Dict, List, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from ._checks import check_unicode
 from .sampling import SamplingParams
 
 # Value at which an OpenAI parameter we do not implement changes nothing.
@@ -144,6 +145,8 @@ class ChatCompletionRequest(_GenerationRequest):
         out = []
         for i, message in enumerate(self.messages):
             content = message.content
+            if isinstance(content, str):
+                _check_unicode(content, f"messages[{i}].content")
             if isinstance(content, list):
                 texts = []
                 for j, part in enumerate(content):
@@ -153,10 +156,20 @@ class ChatCompletionRequest(_GenerationRequest):
                     if not isinstance(part.get("text"), str):
                         raise ApiError(400, "a content part of type 'text' needs a string 'text' field",
                                        param=f"messages[{i}].content[{j}]")
+                    _check_unicode(part["text"], f"messages[{i}].content[{j}]")
                     texts.append(part["text"])
                 content = "\n".join(texts)
             out.append({**message.model_dump(), "content": content})
         return out
+
+
+def _check_unicode(text: str, param: str):
+    """A message's text as valid Unicode: the error names the message and the character
+    within it, not a place in the templated prompt."""
+    try:
+        check_unicode(param, text)
+    except ValueError as e:
+        raise ApiError(400, str(e), param=param) from None
 
 
 def parse(model: type, body: Any):

@@ -15,6 +15,7 @@ from typing import List, Optional
 from tokenizers import Tokenizer as _HFTokenizer
 
 from . import _core
+from ._checks import check_unicode
 from .chat_template import ChatTemplate
 
 _SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
@@ -92,10 +93,7 @@ class Tokenizer:
         string (a lone surrogate, say) is a ValueError."""
         if not isinstance(text, str):
             raise ValueError(f"text must be a string, got {type(text).__name__}")
-        try:
-            text.encode("utf-8")
-        except UnicodeEncodeError as e:
-            raise ValueError(f"text is not valid Unicode: {e.reason} at character {e.start}") from None
+        check_unicode("text", text)
         return self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
