@@ -490,12 +490,13 @@ def test_cli_bad_values_are_usage_errors(args, message):
     assert result.returncode == 2 and message in result.stderr and "Traceback" not in result.stderr, result.stderr
 
 
-def test_cli_prompt_not_unicode():
+@pytest.mark.parametrize("raw", [[], ["--raw"]], ids=["chat template", "raw"])
+def test_cli_prompt_not_unicode(raw):
     """A prompt from bytes that are not UTF-8 (argv keeps them as lone surrogates) is an
     error naming the character in the prompt itself, not in the chat-templated text."""
     prompt = os.fsdecode(b"a\xffb")
-    result = subprocess.run([sys.executable, "-m", "diffuserve", "generate", prompt], capture_output=True, text=True,
-                            timeout=120)
+    result = subprocess.run([sys.executable, "-m", "diffuserve", "generate", prompt, *raw], capture_output=True,
+                            text=True, timeout=120)
     assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
     assert "error: the prompt is not valid Unicode: surrogates not allowed at character 1" in result.stderr
 

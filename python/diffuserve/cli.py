@@ -95,9 +95,9 @@ def generate(args) -> None:
     tokenizer = llm.tokenizer
     if tokenizer is None:
         sys.exit(f"error: {args.model} has no tokenizer.json, so it cannot read text")
-    try:  # the prompt's text (not valid Unicode: an error) and the parameters
+    try:  # the prompt's text (not valid Unicode: an error naming its own character) and the parameters
+        check_unicode("the prompt", args.prompt)
         if tokenizer.chat_template is not None and not args.raw:
-            check_unicode("the prompt", args.prompt)  # named in its own characters, not the templated text's
             text = tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}],
                                                  add_generation_prompt=True)
             prompt = tokenizer.encode(text, add_special_tokens=False)
