@@ -245,25 +245,35 @@ def test_numpy_integers_are_integers(checkpoints):
     assert len(out.token_ids) == 8
 
 
+def _in_threads(f, n=4, repeats=3) -> list:
+    """f(i) for i < n, each i in a thread of its own, all at once, `repeats` times over: the
+    last result of each."""
+    results = [None] * n
+
+    def run(i):
+        for _ in range(repeats):
+            results[i] = f(i)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return results
+
+
 def test_threads_share_an_llm(checkpoints):
     """generate from several threads at once: each gets its own outputs, as if run alone (the
     calls take turns; unguarded, the runtime crashed)."""
     llm = ds.LLM(checkpoints["small"])
     params = [ds.SamplingParams(max_new_tokens=16, max_denoising_steps=3, seed=i) for i in range(4)]
     prompts = [[3, 4, 5 + i] for i in range(4)]
-    alone = [llm.generate([p], q)[0].token_ids for p, q in zip(prompts, params)]
-    together = [None] * 4
 
-    def run(i):
-        for _ in range(3):
-            together[i] = llm.generate([prompts[i]], params[i])[0].token_ids
+    def generate(i):
+        return llm.generate([prompts[i]], params[i])[0].token_ids
 
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert together == alone and not llm.has_unfinished()
+    alone = [generate(i) for i in range(4)]
+    assert _in_threads(generate) == alone and not llm.has_unfinished()
 
 
 def test_threads_share_a_model(checkpoints):
@@ -276,18 +286,7 @@ def test_threads_share_a_model(checkpoints):
         return s.denoise(np.arange(model.canvas_length) % 7 + 2)
 
     alone = [logits(i) for i in range(4)]
-    together = [None] * 4
-
-    def run(i):
-        for _ in range(3):
-            together[i] = logits(i)
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert all(np.array_equal(a, b) for a, b in zip(alone, together))
+    assert all(np.array_equal(a, b) for a, b in zip(alone, _in_threads(logits)))
 
 
 def test_params_set_after_construction_are_checked(checkpoints):

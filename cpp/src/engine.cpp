@@ -77,8 +77,7 @@ bool finish_block(RequestState& r, Backend& be, int pad_token_id) {
   if (block.non_finite) {
     r.out.finish_reason = "error";
     r.out.error = "the model's logits held NaN or infinity at denoise step " + std::to_string(block.steps) +
-                  " of block " + std::to_string(r.block()) +
-                  ": the checkpoint's weights (or the activations they produce) are not finite";
+                  " of block " + std::to_string(r.block()) + ": " + kNotFiniteCause;
     r.out.seed = r.seed;
     r.end_block();
     return true;

@@ -79,6 +79,11 @@ struct ModelState {
   std::unique_lock<std::recursive_mutex> lock() { return std::unique_lock(calls); }
 };
 
+// What logits holding NaN or infinity say of the model, as the errors that refuse them end
+// (Sequence::denoise, and a request's error in the engine).
+inline constexpr const char* kNotFiniteCause =
+    "the checkpoint's weights (or the activations they produce) are not finite";
+
 // Throws InvalidArgument "<what>: token id X at index i is out of range [0, vocab)" for
 // the first id outside the vocabulary.
 void check_token_ids(std::span<const int32_t> ids, const ModelConfig& config, const std::string& what);

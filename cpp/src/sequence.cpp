@@ -253,8 +253,8 @@ std::vector<float> Sequence::denoise(std::span<const int32_t> canvas, const floa
   if (bad != out.end()) {
     const int64_t at = bad - out.begin();
     throw InvalidArgument("denoise: the model's logits hold " + std::string(std::isnan(*bad) ? "NaN" : "infinity") +
-                          " at row " + std::to_string(at / vocab) + ", column " + std::to_string(at % vocab) +
-                          ": the checkpoint's weights (or the activations they produce) are not finite");
+                          " at row " + std::to_string(at / vocab) + ", column " + std::to_string(at % vocab) + ": " +
+                          kNotFiniteCause);
   }
   return out;
 }

@@ -149,19 +149,13 @@ class LLM:
             else list(params)
         if len(plist) not in (1, len(prompts)):
             raise ValueError(f"{len(plist)} SamplingParams for {len(prompts)} prompts (give one, or one per prompt)")
-        ids = []
+        ids, done = [], {}
         try:
             for i, prompt in enumerate(prompts):
                 try:
                     ids.append(self.add_request(prompt, plist[0] if len(plist) == 1 else plist[i]))
                 except ValueError as e:
                     raise ValueError(f"prompt {i}: {e}") from None
-        except ValueError:
-            for request_id in ids:  # nothing of a rejected call stays queued
-                self.abort(request_id)
-            raise
-        done = {}
-        try:
             while len(done) < len(ids):
                 for out in self.step():
                     if out.request_id not in ids:  # one queued by add_request before this call
@@ -169,7 +163,7 @@ class LLM:
                     done[out.request_id] = out
                     if out.finish_reason == "error":
                         raise _core.CheckpointError(f"prompt {ids.index(out.request_id)}: {out.error}")
-        except BaseException:  # a step refused, or an interrupt: none of this call's requests stays queued
+        except BaseException:  # a prompt or a step refused, or an interrupt: none of this call's requests stays queued
             for request_id in ids:
                 if request_id not in done:
                     self.abort(request_id)
