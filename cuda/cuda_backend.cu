@@ -641,9 +641,7 @@ class CudaBackend final : public Backend {
   }
   void add_rms_norm_twice(const Activation& x, const Weight* x_weight, Activation& y, const Weight* y_weight, float eps,
                           Activation& h, float scale, const Weight* next_weight, Activation* next) override {
-    auto timed = op("add_rms_norm");
-    cuda::rms_norms(x.data, added(x_weight, y, 1.0f), added(y_weight, h, scale),
-                    next ? written({next_weight}, {next}) : cuda::NormOutputs{}, x.rows, x.cols, eps, stream_);
+    norms_twice(x.data, {}, x_weight, y, y_weight, eps, h, scale, next_weight, next);
   }
 
   void add_experts_rms_norm_twice(const ExpertOutput& x, const Weight* x_weight, Activation& y, const Weight* y_weight,
@@ -655,10 +653,16 @@ class CudaBackend final : public Backend {
       if (x.top_k) sum_experts(x, summed = alloc_output(tokens, hidden));
       return add_rms_norm_twice(summed, x_weight, y, y_weight, eps, h, scale, next_weight, next);
     }
+    norms_twice(nullptr, {x.rows.data, x.pair_rows.get(), x.weights.data, x.top_k}, x_weight, y, y_weight, eps, h,
+                scale, next_weight, next);
+  }
+  // add_rms_norm_twice's pass over x's rows, or over the sums of `sums` (x null).
+  void norms_twice(const float* x, const cuda::ExpertSums& sums, const Weight* x_weight, Activation& y,
+                   const Weight* y_weight, float eps, Activation& h, float scale, const Weight* next_weight,
+                   Activation* next) {
     auto timed = op("add_rms_norm");
-    cuda::rms_norms(nullptr, added(x_weight, y, 1.0f), added(y_weight, h, scale),
-                    next ? written({next_weight}, {next}) : cuda::NormOutputs{}, tokens, hidden, eps, stream_,
-                    {x.rows.data, x.pair_rows.get(), x.weights.data, x.top_k});
+    cuda::rms_norms(x, added(x_weight, y, 1.0f), added(y_weight, h, scale),
+                    next ? written({next_weight}, {next}) : cuda::NormOutputs{}, y.rows, y.cols, eps, stream_, sums);
   }
 
   void rms_norm_rope(Activation& x, const Weight& weight, int64_t head_dim, float eps, const Weight& inv_freq,

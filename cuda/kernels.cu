@@ -941,7 +941,7 @@ void rms_norms(const float* x, const NormOutputs& outs, const NormOutputs& then,
   if (then.count && outs.count > 1) throw std::invalid_argument("rms_norms: `then` normalises one output");
   if (after.count && (then.count != 1 || after.accumulate))
     throw std::invalid_argument("rms_norms: `after` writes the norm of `then`'s one output");
-  if (group >= 1024 && group <= kRowValues * kRowKernelThreads) {
+  if (rms_norms_take_sums(group)) {  // rows that fit the row kernel's registers
     // float4s where every row the kernel touches is whole aligned ones
     bool vector = group % 4 == 0 && reinterpret_cast<uintptr_t>(sums.y ? sums.y : x) % 16 == 0;
     for (const NormOutputs* o : {&outs, &then, &after})

@@ -14,10 +14,9 @@ namespace diffuserve {
 struct RequestState {
   std::vector<int32_t> prompt;
   SamplingParams params;
-  uint64_t seed = 0;
   int canvas = 0;                     // this request's canvas length
   std::vector<int32_t> allowed_ids;   // sorted, unique; empty: every id
-  GenerationOutput out;
+  GenerationOutput out;               // out.seed: the seed used, from the start
   bool waiting = true;
   KvTable table;
 
@@ -54,14 +53,14 @@ void start_block(RequestState& r, Backend& be, const ModelConfig& config, DType 
   const SamplingParams& p = r.params;
   std::vector<uint8_t> free_position(r.canvas, 1);
   std::vector<int32_t> tokens(r.canvas);
-  const RandomKey init{r.seed, r.block(), 0, RandomStream::InitialCanvas};
+  const RandomKey init{r.out.seed, r.block(), 0, RandomStream::InitialCanvas};
   for (int i = 0; i < r.canvas; ++i)
     tokens[i] = random_allowed_token(init, uint32_t(i), vocab, r.allowed_ids.data(), int(r.allowed_ids.size()));
   if (r.block() == 0 && !p.seed_canvas.empty()) {
     tokens = p.seed_canvas;
     for (int32_t pos : p.pinned_positions) free_position[pos] = 0;
   }
-  const CanvasParams c = canvas_params(p, r.canvas, vocab, config.final_logit_softcapping, r.seed, r.block(),
+  const CanvasParams c = canvas_params(p, r.canvas, vocab, config.final_logit_softcapping, r.out.seed, r.block(),
                                        weight_dtype, int(r.allowed_ids.size()));
   r.block_state = new_canvas(be, c, tokens, free_position, r.allowed_ids);
   r.feedback = Activation{};
@@ -78,7 +77,6 @@ bool finish_block(RequestState& r, Backend& be, int pad_token_id) {
     r.out.finish_reason = "error";
     r.out.error = "the model's logits held NaN or infinity at denoise step " + std::to_string(block.steps) +
                   " of block " + std::to_string(r.block()) + ": " + kNotFiniteCause;
-    r.out.seed = r.seed;
     r.end_block();
     return true;
   }
@@ -104,7 +102,6 @@ bool finish_block(RequestState& r, Backend& be, int pad_token_id) {
     int passes = 0;
     for (int s : r.out.denoise_steps) passes += s;
     r.out.tokens_per_forward = double(valid) / passes;
-    r.out.seed = r.seed;
   }
   return finished;
 }
@@ -147,10 +144,10 @@ void Engine::add(uint64_t id, std::vector<int32_t> prompt, const SamplingParams&
   r->prompt = std::move(prompt);
   r->params = params;
   if (params.seed) {
-    r->seed = *params.seed;
+    r->out.seed = *params.seed;
   } else {
     std::random_device entropy;
-    r->seed = uint64_t(entropy()) << 32 | entropy();
+    r->out.seed = uint64_t(entropy()) << 32 | entropy();
   }
   r->allowed_ids = params.allowed_token_ids;
   std::sort(r->allowed_ids.begin(), r->allowed_ids.end());
