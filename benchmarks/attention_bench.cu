@@ -133,7 +133,7 @@ std::vector<__nv_bfloat16> rounded_to_bf16(const std::vector<float>& x) {
 
 // Runs the attention on the GPU (inputs rounded to bf16 or not; bf16_cache: the spans but
 // each segment's last read from bf16 copies of K and V; rows_rounded: the fp32 spans' rows
-// rounded already, in those copies; as `segments` says); returns the output (rows x heads x
+// rounded already, in those copies, as `segments` says, and Q's rows too); returns the output (rows x heads x
 // dim), NaN where nothing was written. Its bf16 copy (AttentionOutput::bf16) must be every
 // written value rounded to bf16, bit for bit.
 std::vector<float> run(const Problem& p, bool round_bf16, AttentionPlan* plan_out = nullptr, bool bf16_cache = false,
@@ -143,6 +143,7 @@ std::vector<float> run(const Problem& p, bool round_bf16, AttentionPlan* plan_ou
   float* v = upload(p.v);
   __nv_bfloat16* k16 = bf16_cache || rows_rounded ? upload(rounded_to_bf16(p.k)) : nullptr;
   __nv_bfloat16* v16 = bf16_cache || rows_rounded ? upload(rounded_to_bf16(p.v)) : nullptr;
+  __nv_bfloat16* q16 = rows_rounded ? upload(rounded_to_bf16(p.q)) : nullptr;
   const AttentionPlan plan = plan_attention(segments(p, k, v, k16, v16, bf16_cache, rows_rounded), p.heads, p.kv_heads,
                                             p.dim, attention_mma_resident_items(p.dim, round_bf16), round_bf16);
   const AttentionTables tables{upload(plan.segments), upload(plan.spans), upload(plan.items), upload(plan.merges)};
@@ -154,7 +155,7 @@ std::vector<float> run(const Problem& p, bool round_bf16, AttentionPlan* plan_ou
   check(cudaMemset(out, 0xff, out_bytes), "memset out");  // NaN
   __nv_bfloat16* out_bf16 = nullptr;
   check(cudaMalloc(&out_bf16, out_bytes / 2), "malloc out_bf16");
-  attention(q, {out, out_bf16}, plan, tables, scratch, p.heads, p.kv_heads, nullptr);
+  attention({q, q16}, {out, out_bf16}, plan, tables, scratch, p.heads, p.kv_heads, nullptr);
   check(cudaDeviceSynchronize(), "attention");
   std::vector<float> result(p.q.size());
   std::vector<__nv_bfloat16> rounded(p.q.size());
@@ -166,7 +167,7 @@ std::vector<float> run(const Problem& p, bool round_bf16, AttentionPlan* plan_ou
     copies_differ += !std::isnan(result[i]) && std::memcmp(&expected, &rounded[i], sizeof expected) != 0;
   }
   if (copies_differ) report(false, "bf16 copy of the output", std::to_string(copies_differ) + " values differ");
-  cudaFree(q), cudaFree(k), cudaFree(v), cudaFree(k16), cudaFree(v16), cudaFree(out), cudaFree(out_bf16),
+  cudaFree(q), cudaFree(k), cudaFree(v), cudaFree(q16), cudaFree(k16), cudaFree(v16), cudaFree(out), cudaFree(out_bf16),
       cudaFree(scratch);
   cudaFree(const_cast<DeviceAttentionSegment*>(tables.segments)), cudaFree(const_cast<DeviceKeySpan*>(tables.spans));
   cudaFree(const_cast<AttentionItem*>(tables.items)), cudaFree(const_cast<AttentionMerge*>(tables.merges));
@@ -585,7 +586,7 @@ __global__ void round_kernel(const float* x, int64_t n, __nv_bfloat16* y) {
 // pages' addresses far apart), plus the canvas's own keys.
 // bf16_cache: the cache's pages in bf16 (the engine's with bf16 inputs on Hopper), the
 // batch's own rows fp32, and (rounded_rows) rounded already beside them, as the engine's key
-// and value norms write them: no pre-pass.
+// and value norms write them (no pre-pass), and Q's rows too, as its query norms do.
 void bench(const char* name, int heads, int kv_heads, int dim, int64_t window, int batch, int64_t context,
            bool round_bf16, bool bf16_cache = false, bool rounded_rows = false) {
   constexpr int64_t kCanvas = 256, kPoolBytes = int64_t(4) << 30;
@@ -601,7 +602,11 @@ void bench(const char* name, int heads, int kv_heads, int dim, int64_t window, i
   random_fill_kernel<<<4096, 256>>>(q, batch * kCanvas * heads * dim, 1);
   random_fill_kernel<<<4096, 256>>>(k, pool_rows * kv_cols, 2);
   random_fill_kernel<<<4096, 256>>>(v, pool_rows * kv_cols, 3);
-  __nv_bfloat16 *k16 = nullptr, *v16 = nullptr;
+  __nv_bfloat16 *k16 = nullptr, *v16 = nullptr, *q16 = nullptr;
+  if (rounded_rows) {
+    check(cudaMalloc(&q16, sizeof(__nv_bfloat16) * size_t(batch * kCanvas * heads * dim)), "q16");
+    round_kernel<<<4096, 256>>>(q, batch * kCanvas * heads * dim, q16);
+  }
   if (bf16_cache) {
     check(cudaMalloc(&k16, sizeof(__nv_bfloat16) * size_t(pool_rows * kv_cols)), "k16");
     check(cudaMalloc(&v16, sizeof(__nv_bfloat16) * size_t(pool_rows * kv_cols)), "v16");
@@ -636,7 +641,7 @@ void bench(const char* name, int heads, int kv_heads, int dim, int64_t window, i
   const AttentionTables tables{upload(plan.segments), upload(plan.spans), upload(plan.items), upload(plan.merges)};
   void* scratch = nullptr;
   check(cudaMalloc(&scratch, std::max<size_t>(plan.scratch_bytes(), 1)), "scratch");
-  auto call = [&] { attention(q, {out, nullptr}, plan, tables, scratch, heads, kv_heads, nullptr); };
+  auto call = [&] { attention({q, q16}, {out, nullptr}, plan, tables, scratch, heads, kv_heads, nullptr); };
   const double us = time_ms(call) * 1e3, keys = double(cached + kCanvas);
   // Useful work (QK and PV, no masking here) and the K/V bytes (fp32) the items stream (each item its piece).
   const double flops = 4.0 * batch * kCanvas * heads * keys * dim;
@@ -657,7 +662,7 @@ void bench(const char* name, int heads, int kv_heads, int dim, int64_t window, i
                      : "bf16",
       batch, long(context), us, flops / (us * 1e-6) / 1e12, streamed / (us * 1e-6) / 1e12, plan.items.size(),
       plan.merges.size(), plan_us);
-  cudaFree(q), cudaFree(out), cudaFree(k), cudaFree(v), cudaFree(k16), cudaFree(v16), cudaFree(scratch);
+  cudaFree(q), cudaFree(out), cudaFree(k), cudaFree(v), cudaFree(q16), cudaFree(k16), cudaFree(v16), cudaFree(scratch);
   cudaFree(const_cast<DeviceAttentionSegment*>(tables.segments)), cudaFree(const_cast<DeviceKeySpan*>(tables.spans));
   cudaFree(const_cast<AttentionItem*>(tables.items)), cudaFree(const_cast<AttentionMerge*>(tables.merges));
 }

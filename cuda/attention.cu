@@ -323,15 +323,15 @@ AttentionPlan plan_attention(const std::vector<AttentionSegment>& segments, int 
   return plan;
 }
 
-void attention(const float* q, const AttentionOutput& out, const AttentionPlan& plan, const AttentionTables& tables,
-               void* scratch, int num_heads, int num_kv_heads, cudaStream_t stream) {
+void attention(const AttentionQueries& q, const AttentionOutput& out, const AttentionPlan& plan,
+               const AttentionTables& tables, void* scratch, int num_heads, int num_kv_heads, cudaStream_t stream) {
   if (plan.items.empty()) return;
   if (plan.queries_per_slot)
     return attention_mma(q, out, plan, tables, scratch, num_heads, num_kv_heads, stream);
   const size_t bytes = shared_bytes(plan.head_dim);
   cudaFuncSetAttribute(attention_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes));
-  launch(attention_kernel, unsigned(plan.items.size()), kThreads, bytes, stream, q, out, tables.segments, tables.spans,
-         tables.items, num_heads, num_kv_heads, plan.head_dim, plan.round_bf16);
+  launch(attention_kernel, unsigned(plan.items.size()), kThreads, bytes, stream, q.values, out, tables.segments,
+         tables.spans, tables.items, num_heads, num_kv_heads, plan.head_dim, plan.round_bf16);
 }
 
 }  // namespace diffuserve::cuda

@@ -427,8 +427,8 @@ int attention_mma_resident_items(int head_dim, bool round_bf16) {
   return blocks;
 }
 
-void attention_mma(const float* q, const AttentionOutput& out, const AttentionPlan& plan, const AttentionTables& tables,
-                   void* scratch, int num_heads, int num_kv_heads, cudaStream_t stream) {
+void attention_mma(const AttentionQueries& q, const AttentionOutput& out, const AttentionPlan& plan,
+                   const AttentionTables& tables, void* scratch, int num_heads, int num_kv_heads, cudaStream_t stream) {
   // Scratch: the slots' outputs ([slot][query][head_dim]), then their (max, sum) pairs, then
   // the wgmma kernel's bf16 keys and values.
   float* partial_out = static_cast<float*>(scratch);
@@ -448,8 +448,8 @@ void attention_mma(const float* q, const AttentionOutput& out, const AttentionPl
       using S = Shape<kDim>;
       const auto kernel = plan.round_bf16 ? attention_mma_kernel<kDim, true> : attention_mma_kernel<kDim, false>;
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(S::kBytes));
-      launch(kernel, unsigned(plan.items.size()), S::kThreads, S::kBytes, stream, q, out, partial_out, partial_ml,
-             tables.segments, tables.spans, tables.items, num_heads, num_kv_heads);
+      launch(kernel, unsigned(plan.items.size()), S::kThreads, S::kBytes, stream, q.values, out, partial_out,
+             partial_ml, tables.segments, tables.spans, tables.items, num_heads, num_kv_heads);
     });
   }
   if (!plan.merges.empty())

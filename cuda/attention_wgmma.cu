@@ -15,6 +15,12 @@
 // 7.0 -> 7.9 us, attention_bench's sliding layer 35.1 -> 31.9 us and full 74.4 -> 71.9 us
 // with pre-pass and merge; the steps 16.9-17.0 / 36.3-36.5 / 118.9-119.2 -> 16.9 / 36.5 /
 // 118.7-119.4 ms at 1x1K / 4x1K / 16x1K, A/B twice in one call.)
+// So do the query norms for Q (Backend::alloc_attention_rows, AttentionQueries::bf16), which
+// the kernel then copies as it copies K and V, half the bytes of the fp32 rows it had loaded
+// and rounded (thirty-third session, H200, attention_bench twice: sliding 31.3-33.1 ->
+// 29.9-30.1 us at 1x1K, 134 -> 127 at 4x1K, 511 -> 486 at 16x1K; full 70-71 -> 69-70,
+// 283 -> 281-282, 1084-1093 -> 1074-1076; the steps 17.1 / 37.0-37.2 / 119.6-119.7 -> 17.1 /
+// 36.7-36.9 / 118.9-119.4 ms).
 //
 // An item's 128 query vectors (rows x the query heads of one KV head, as in attention_mma.cu)
 // are two warpgroups' 64, each holding their outputs for 256 dims in registers (128 a
@@ -54,7 +60,15 @@
 // from fp32 by synchronous loads in the kernel (eleventh session) the sliding layer took
 // 57.8 us, bound by latency (ncu: 7 cycles between a warp's instructions, the tensor cores
 // 25% busy), and head dim 512 167.5 us. Tried and not kept: the look-ups walking a
-// shared-memory copy of the piece's spans (60.9 us, fp32 staging).
+// shared-memory copy of the piece's spans (60.9 us, fp32 staging). Thirty-third session
+// (attention_bench, H200, sliding layer at 1x1K / 16x1K, base 31.5-32.1 / 511-513 us): the
+// keys and the values of a chunk as two commit groups, the chunk's end waiting for the keys
+// alone (the values get a chunk more): 32.5-33.7 / 533 us; and blocks of one warpgroup (64
+// vectors, chunks of 32 keys, two blocks a multiprocessor, so that one block's softmax and
+// barrier would overlap the other's products): 36.3-37.3 / 577-578 us, every key read for
+// half the vectors. At 16x1K (ncu) the sliding layer keeps L2 33% and DRAM 20% busy (its
+// DRAM reads are the keys', values' and queries' own bytes), the SM 35%: each item's ~32 us
+// is latency, at every batch (one wave of 128 items at 1x1K, 15.5 waves at 16x1K).
 #include <cooperative_groups.h>
 
 #include <cmath>
@@ -193,8 +207,9 @@ __device__ __forceinline__ void store_counted(uint32_t remote, float4 v, uint32_
 
 template <int kDim>
 __global__ void __launch_bounds__(kThreads, 1)
-    attention_wgmma_kernel(const float* __restrict__ q, const AttentionOutput out, float* __restrict__ partial_out,
-                           float2* __restrict__ partial_ml, const __nv_bfloat16* __restrict__ packed_keys,
+    attention_wgmma_kernel(const float* __restrict__ q, const __nv_bfloat16* __restrict__ q_bf16,
+                           const AttentionOutput out, float* __restrict__ partial_out, float2* __restrict__ partial_ml,
+                           const __nv_bfloat16* __restrict__ packed_keys,
                            const __nv_bfloat16* __restrict__ packed_values, const __nv_bfloat16* __restrict__ pool_keys,
                            const __nv_bfloat16* __restrict__ pool_values,
                            const DeviceAttentionSegment* __restrict__ segments, const DeviceKeySpan* __restrict__ spans,
@@ -299,11 +314,21 @@ __global__ void __launch_bounds__(kThreads, 1)
   if constexpr (S::kSplit > 1) cluster.sync();
   else __syncthreads();
   stage_chunk(0);
-  // Q's rows of fp32 (the block's dims) as bf16 into its [subtile][row][64] tile: row r,
-  // float4 column c from q (zeros past the item's vectors), every load of the thread issued
-  // before the first store (one round trip to memory, not one per few rows). Consecutive
-  // threads take a row's contiguous bytes.
-  {
+  // Q's rows (the block's dims) as bf16 into its [subtile][row][64] tile, zeros past the
+  // item's vectors. Where the query norms wrote them rounded already (q_bf16), by cp.async
+  // as K and V are staged: 16-byte piece p of row r to subtile p / 8, chunk p % 8 of the
+  // row. Else from the fp32 rows: row r, float4 column c from q, every load of the thread
+  // issued before the first store (one round trip to memory, not one per few rows).
+  // Consecutive threads take a row's contiguous bytes.
+  if (q_bf16) {
+#pragma unroll
+    for (int i = 0; i < kQueries * kPieces / kThreads; ++i) {
+      const int r = (tid + kThreads * i) / kPieces, p = (tid + kThreads * i) % kPieces;
+      cp_async16(q_base + (p / 8) * kQueries * kRowBytes + swizzle(r, p % 8),
+                 q_bf16 + (r < nq ? at[r] : 0) + dims + 8 * p, r < nq);
+    }
+    cp_async_commit();
+  } else {
     constexpr int kRowThreads = 256 / 4, kRowsAtOnce = kThreads / kRowThreads, kLoads = kQueries / kRowsAtOnce;
     const int c = tid % kRowThreads;
     float4 x[kLoads];
@@ -322,7 +347,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   for (int i = tid; i < kKVTile / 16; i += kThreads)
     reinterpret_cast<uint4*>(smem + S::kVOffset + 2 * kKVTile)[i] = uint4{0, 0, 0, 0};
   cp_async_wait<0>();
-  fence_proxy_async();                       // Q's stores and the copies, for the tensor cores
+  fence_proxy_async();                       // Q's stores or copies and chunk 0's, for the tensor cores
   bool have = __syncthreads_or(first_mine);  // chunk n has keys
   bool have_next = __syncthreads_or(next_mine);
 
@@ -536,7 +561,7 @@ int attention_wgmma_resident_items(int head_dim) {
   return items;
 }
 
-void attention_wgmma(const float* q, const AttentionOutput& out, float* partial_out, float2* partial_ml,
+void attention_wgmma(const AttentionQueries& q, const AttentionOutput& out, float* partial_out, float2* partial_ml,
                      __nv_bfloat16* packed_keys, __nv_bfloat16* packed_values, const AttentionPlan& plan,
                      const AttentionTables& tables, int num_heads, int num_kv_heads, cudaStream_t stream) {
   if (plan.packed_cols != int64_t(num_kv_heads) * plan.head_dim)
@@ -558,7 +583,8 @@ void attention_wgmma(const float* q, const AttentionOutput& out, float* partial_
     cudaFuncSetAttribute(attention_wgmma_kernel<kDim>, cudaFuncAttributeMaxDynamicSharedMemorySize, kBytes);
     constexpr int kSplit = Shape<kDim>::kSplit;
     launch_clusters(kSplit, attention_wgmma_kernel<kDim>, unsigned(plan.items.size() * kSplit), kThreads, kBytes,
-                    stream, q, out, partial_out, partial_ml, plan.rounded_keys ? plan.rounded_keys : packed_keys,
+                    stream, q.values, q.bf16, out, partial_out, partial_ml,
+                    plan.rounded_keys ? plan.rounded_keys : packed_keys,
                     plan.rounded_values ? plan.rounded_values : packed_values, plan.pool_keys, plan.pool_values,
                     tables.segments, tables.spans, tables.items, num_heads, num_kv_heads);
   });

@@ -280,9 +280,9 @@ class CudaBackend final : public Backend {
   Activation alloc_logits(int64_t rows, int64_t cols) override {
     return alloc_with_product_input(rows, cols, cuda::GemmInput::RoundBf16);
   }
-  // The wgmma attention reads keys and values as bf16 rows: the norms that make them write
-  // those rows beside them, and the attention's pre-pass has none to convert.
-  Activation alloc_keys_values(int64_t rows, int64_t cols, int64_t head_dim, bool round_bf16) override {
+  // The wgmma attention reads queries, keys and values as bf16 rows: the norms that make them
+  // write those rows beside them, and the attention rounds (or its pre-pass converts) none.
+  Activation alloc_attention_rows(int64_t rows, int64_t cols, int64_t head_dim, bool round_bf16) override {
     if (!cuda::attention_wgmma_serves(int(head_dim), round_bf16) ||
         cuda::gemm_padded_k(cols, cuda::GemmInput::RoundBf16) != cols)
       return alloc_output(rows, cols);
@@ -695,7 +695,7 @@ class CudaBackend final : public Backend {
   }
 
   // rms_norm_rope's part for dst's heads, read from src's columns from `col` on (weight empty:
-  // the unscaled norm), also rounded into dst's bf16 rows where it keeps them (alloc_keys_values).
+  // the unscaled norm), also rounded into dst's bf16 rows where it keeps them (alloc_attention_rows).
   static cuda::HeadNorms heads(const Activation& src, int64_t col, const Activation& dst, const Weight& weight,
                                int64_t head_dim, const int64_t* positions) {
     cuda::HeadNorms part{
@@ -722,8 +722,8 @@ class CudaBackend final : public Backend {
     // out's product input (alloc_product_input): the kernels write it beside the values
     // where it is bf16-rounded rows with nothing padded; any other form a pass after them.
     __nv_bfloat16* const rounded = rounded_rows(out);
-    cuda::attention(q.data, {out.data, rounded}, plan, tables, scratch.get(), int(num_heads), int(num_kv_heads),
-                    stream_);
+    cuda::attention({q.data, rounded_rows(q)}, {out.data, rounded}, plan, tables, scratch.get(), int(num_heads),
+                    int(num_kv_heads), stream_);
     if (!rounded) write_product_input(out);
   }
 

@@ -244,6 +244,14 @@ struct AttentionTables {
   const AttentionItem* items;
   const AttentionMerge* merges;
 };
+// The attention's queries: fp32 rows of num_heads x head_dim values and, where `bf16` is not
+// null, the same values rounded to bf16 at the same places (as the query norms write them
+// beside their outputs, Backend::alloc_attention_rows), which the wgmma kernel copies as
+// they are where it would round the fp32 ones itself; the other kernels read the fp32 rows.
+struct AttentionQueries {
+  const float* values;
+  const __nv_bfloat16* bf16;
+};
 // Where the attention writes its output: fp32 rows of num_heads x head_dim values, and,
 // where `bf16` is not null, the same values rounded to bf16 at the same places (the o
 // projection's input as gemm.cu's RoundBf16 pre-pass would write it, when no column is
@@ -252,8 +260,8 @@ struct AttentionOutput {
   float* values;
   __nv_bfloat16* bf16;
 };
-void attention(const float* q, const AttentionOutput& out, const AttentionPlan& plan, const AttentionTables& tables,
-               void* scratch, int num_heads, int num_kv_heads, cudaStream_t stream);
+void attention(const AttentionQueries& q, const AttentionOutput& out, const AttentionPlan& plan,
+               const AttentionTables& tables, void* scratch, int num_heads, int num_kv_heads, cudaStream_t stream);
 
 // The tensor-core kernels for head dims 64, 128, 256 and 512 (attention_mma.cu on mma.sync;
 // attention_wgmma.cu on Hopper's wgmma for head dims 256 and 512 with inputs rounded to
@@ -264,8 +272,8 @@ int attention_mma_queries(int head_dim, bool round_bf16);
 // Their items that run at once on the current device (multiprocessors x blocks per one, or
 // the clusters that fit); 1 where none serves the head dim.
 int attention_mma_resident_items(int head_dim, bool round_bf16);
-void attention_mma(const float* q, const AttentionOutput& out, const AttentionPlan& plan, const AttentionTables& tables,
-                   void* scratch, int num_heads, int num_kv_heads, cudaStream_t stream);
+void attention_mma(const AttentionQueries& q, const AttentionOutput& out, const AttentionPlan& plan,
+                   const AttentionTables& tables, void* scratch, int num_heads, int num_kv_heads, cudaStream_t stream);
 bool attention_wgmma_serves(int head_dim, bool round_bf16);
 int attention_wgmma_queries(int head_dim);
 int attention_wgmma_resident_items(int head_dim);
@@ -273,7 +281,7 @@ int attention_wgmma_resident_items(int head_dim);
 // lays out its scratch; attention_mma merges them), after a pre-pass that writes the spans'
 // keys and values as bf16 into `packed_keys` and `packed_values` (plan.packed_rows x
 // plan.packed_cols each; none where the plan found them rounded already, rounded_keys).
-void attention_wgmma(const float* q, const AttentionOutput& out, float* partial_out, float2* partial_ml,
+void attention_wgmma(const AttentionQueries& q, const AttentionOutput& out, float* partial_out, float2* partial_ml,
                      __nv_bfloat16* packed_keys, __nv_bfloat16* packed_values, const AttentionPlan& plan,
                      const AttentionTables& tables, int num_heads, int num_kv_heads, cudaStream_t stream);
 // attention's scratch: the partial results, then from this offset (256-byte aligned) the

@@ -118,7 +118,7 @@ struct KeySpan {
   int64_t count = 0;
   int64_t first_position = 0;  // absolute position of row 0
   DType dtype = DType::F32;    // of keys and values: F32 or BF16
-  // F32 rows that a backend keeps rounded to bf16 beside them (alloc_keys_values): the same
+  // F32 rows that a backend keeps rounded to bf16 beside them (alloc_attention_rows): the same
   // rows, bf16, which its attention may read instead of rounding them itself; else null.
   const void* rounded_keys = nullptr;
   const void* rounded_values = nullptr;
@@ -258,12 +258,13 @@ class Backend {
   // alloc_product_input), which the sampler then writes with a softmax feedback, and
   // copy_rows copies. By default alloc_output.
   virtual Activation alloc_logits(int64_t rows, int64_t cols) { return alloc_output(rows, cols); }
-  // A layer's new keys and values, [K; V], which key_value_norms or split_qkv_norms write and
-  // the attention reads (round_bf16: as the attention's argument). Where its attention
-  // rounds them to bf16 itself, a backend may keep them rounded beside them, as the product
-  // input of the bf16-rounded form (alloc_logits), which those norms then write: the model
-  // names those rows in KeySpan::rounded_keys. By default alloc_output.
-  virtual Activation alloc_keys_values(int64_t rows, int64_t cols, int64_t head_dim, bool round_bf16) {
+  // Rows the attention reads: a layer's queries, or its new keys and values ([K; V]), which
+  // rms_norm_rope, key_value_norms or split_qkv_norms write (round_bf16: as the attention's
+  // argument). Where its attention rounds them to bf16 itself, a backend may keep them
+  // rounded beside them, as the product input of the bf16-rounded form (alloc_logits), which
+  // those norms then write: the attention reads the queries' there, and the model names the
+  // keys' and values' in KeySpan::rounded_keys. By default alloc_output.
+  virtual Activation alloc_attention_rows(int64_t rows, int64_t cols, int64_t head_dim, bool round_bf16) {
     (void)head_dim, (void)round_bf16;
     return alloc_output(rows, cols);
   }

@@ -501,7 +501,7 @@ void project_qkv(ModelState& m, int li, const Activation& x, int64_t encoder_row
   const LayerWeights& W = m.weights.layers[li];
   const float eps = m.config.rms_norm_eps;
   const int64_t n = x.rows;
-  Activation kv = be.alloc_keys_values(2 * n, int64_t(L.num_kv_heads) * L.head_dim, L.head_dim, m.bf16_activations);
+  Activation kv = be.alloc_attention_rows(2 * n, int64_t(L.num_kv_heads) * L.head_dim, L.head_dim, m.bf16_activations);
   k = kv.view(0, n), v = kv.view(n, n);
   if (!W.qkv_proj.empty()) {
     Activation qkv = be.alloc_output(n, W.qkv_proj.shape[0]);
@@ -621,7 +621,7 @@ void layer_forward(ModelState& m, KvCache& kv, int li, Activation& h, const Acti
 
   // Past its KV, the encoder's last layer feeds nothing: only decoder rows go on (`next`'s rows).
   const int64_t first = li == c.num_layers - 1 ? encoder_rows : 0;
-  Activation q = be.alloc_output(n - first, q_cols), k, v;
+  Activation q = be.alloc_attention_rows(n - first, q_cols, L.head_dim, m.bf16_activations), k, v;
   project_qkv(m, li, x, encoder_rows, positions, first, q, k, v);
   // Encoder rows come first in the batch: rows [0, encoder_rows) go to their cache slots.
   if (encoder_rows) {
