@@ -16,6 +16,7 @@
 #include <optional>
 #include <stdexcept>
 
+#include "attention_keys.cuh"
 #include "kernels.h"
 
 namespace diffuserve::cuda {
@@ -92,8 +93,8 @@ __global__ void __launch_bounds__(kThreads)
       if (tid < nq) {
         float* row = P + tid * kChunk;
         float chunk_max = -INFINITY;
-        for (int r = 0; r < kChunk; ++r) chunk_max = fmaxf(chunk_max, row[r]);
-        const float m_new = fmaxf(m_run[tid], chunk_max);
+        for (int r = 0; r < kChunk; ++r) chunk_max = max_nan(chunk_max, row[r]);
+        const float m_new = max_nan(m_run[tid], chunk_max);
         float sum = 0.0f;
         for (int r = 0; r < kChunk; ++r) sum += (row[r] = row[r] == -INFINITY ? 0.0f : __expf(row[r] - m_new));
         alpha[tid] = __expf(m_run[tid] - m_new);

@@ -128,11 +128,25 @@ struct ItemQueries {
   }
 };
 
+// The larger of a and b, NaN where either is NaN (fmaxf keeps the other): the row maxima use
+// it, so that a NaN score (a NaN weight upstream) makes its row's output NaN, as the
+// reference's softmax does, for the model's check of the logits to refuse, rather than a row
+// of zeros where every score is NaN.
+__device__ __forceinline__ float max_nan(float a, float b) {
+#if __CUDA_ARCH__ >= 800
+  float m;
+  asm("max.NaN.f32 %0, %1, %2;" : "=f"(m) : "f"(a), "f"(b));
+  return m;
+#else
+  return a != a || b != b ? a + b : fmaxf(a, b);
+#endif
+}
+
 // The online softmax, given a chunk's largest visible score of a row (-inf: none): the row's
 // new running max, and the factor its sum and output so far are rescaled by, exactly 1
 // while the max holds.
 __device__ __forceinline__ float raise_max(float& m_run, float row_max) {
-  const float m_new = fmaxf(m_run, row_max);
+  const float m_new = max_nan(m_run, row_max);
   const float alpha = m_new == m_run ? 1.0f : exp_ftz(m_run - m_new);
   m_run = m_new;
   return alpha;

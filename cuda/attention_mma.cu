@@ -217,10 +217,10 @@ __global__ void __launch_bounds__(Shape<kDim>::kThreads, 1)
       const int2 kp = *reinterpret_cast<const int2*>(&key_pos[pos][key]);
       p[i][0] = visible.sees(kp.x) ? v.x : -INFINITY;
       p[i][1] = visible.sees(kp.y) ? v.y : -INFINITY;
-      row_max = fmaxf(row_max, fmaxf(p[i][0], p[i][1]));
+      row_max = max_nan(row_max, max_nan(p[i][0], p[i][1]));
     }
 #pragma unroll
-    for (int m = 1; m < kLanes; m <<= 1) row_max = fmaxf(row_max, __shfl_xor_sync(0xffffffffu, row_max, m));
+    for (int m = 1; m < kLanes; m <<= 1) row_max = max_nan(row_max, __shfl_xor_sync(0xffffffffu, row_max, m));
     const float a = raise_max(m_run, row_max);
     float row_sum = 0.0f;
 #pragma unroll
@@ -386,9 +386,10 @@ __global__ void attention_merge_kernel(const AttentionOutput out, const float* _
   if (j >= merge.rows * group) return;
   const float2* ml = partial_ml + int64_t(merge.slot) * queries_per_slot + j;  // piece p: ml[p * queries_per_slot]
   float m = -INFINITY;
-  for (int p = lane; p < merge.pieces; p += 32) m = fmaxf(m, ml[p * queries_per_slot].x);
-  for (int s = 16; s > 0; s >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, s));
-  const auto weight = [m](float2 piece) { return piece.y > 0.0f ? piece.y * __expf(piece.x - m) : 0.0f; };
+  for (int p = lane; p < merge.pieces; p += 32) m = max_nan(m, ml[p * queries_per_slot].x);
+  for (int s = 16; s > 0; s >>= 1) m = max_nan(m, __shfl_xor_sync(0xffffffffu, m, s));
+  // (A piece's sum is 0 where it saw no key, NaN where a score was: that one weighs NaN.)
+  const auto weight = [m](float2 piece) { return piece.y != 0.0f ? piece.y * __expf(piece.x - m) : 0.0f; };
   float sum = 0.0f;
   for (int p = lane; p < merge.pieces; p += 32) sum += weight(ml[p * queries_per_slot]);
   for (int s = 16; s > 0; s >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, s);

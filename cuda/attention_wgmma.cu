@@ -435,14 +435,14 @@ __global__ void __launch_bounds__(kThreads, 1)
         float& s1 = s[4 * j + 2 * h + 1];
         s0 = visible[h].sees(kp.x) ? s0 : -INFINITY;
         s1 = visible[h].sees(kp.y) ? s1 : -INFINITY;
-        row_max[h] = fmaxf(row_max[h], fmaxf(s0, s1));
+        row_max[h] = max_nan(row_max[h], max_nan(s0, s1));
       }
     }
     float alpha[2];
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      row_max[h] = fmaxf(row_max[h], __shfl_xor_sync(0xffffffffu, row_max[h], 1));
-      row_max[h] = fmaxf(row_max[h], __shfl_xor_sync(0xffffffffu, row_max[h], 2));
+      row_max[h] = max_nan(row_max[h], __shfl_xor_sync(0xffffffffu, row_max[h], 1));
+      row_max[h] = max_nan(row_max[h], __shfl_xor_sync(0xffffffffu, row_max[h], 2));
       alpha[h] = raise_max(m_run[h], row_max[h]);
       float sum = 0.0f;
 #pragma unroll

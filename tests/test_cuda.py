@@ -425,13 +425,20 @@ def test_bf16_kv_cache_gives_the_fp32_cache_results(tmp_path, shape):
 
 
 @pytest.mark.parametrize("graphs", ["1", "0"], ids=["graph loop", "host loop"])
-def test_non_finite_logits_fail_the_request(tmp_path, monkeypatch, graphs):
+@pytest.mark.parametrize("shape,weight,at", [("ragged", NORM, 1),
+                                             ("ragged", "model.decoder.layers.0.self_attn.q_proj.weight", (5, 7)),
+                                             ("real_head_dims", "model.decoder.layers.0.self_attn.q_proj.weight",
+                                              (5, 7))], ids=["final norm", "query weight", "query weight, wgmma"])
+@pytest.mark.parametrize("activations", ["float32", "bfloat16"])
+def test_non_finite_logits_fail_the_request(tmp_path, monkeypatch, graphs, shape, weight, at, activations):
     """A NaN weight makes every logit NaN: the device's canvas update flags it and stops the
-    block, and generate raises naming the prompt, as on the CPU (test_errors.py)."""
+    block, and generate raises naming the prompt, as on the CPU (test_errors.py). A NaN in a
+    query projection makes every score of its heads NaN, which each attention kernel (the
+    wgmma one where the head dim is 256 with bf16 activations) passes on as NaN."""
     monkeypatch.setenv("DIFFUSERVE_CUDA_GRAPHS", graphs)
-    path = write_random_checkpoint(tmp_path / "m", canvas_length=32, seed=7, **SHAPES["ragged"])  # fp32
-    rewrite(pathlib.Path(path), lambda tensors: tensors[NORM].__setitem__(1, np.nan))
-    llm = ds.LLM(path, device="cuda:0", dtype="bfloat16")
+    path = write_random_checkpoint(tmp_path / "m", canvas_length=32, seed=7, **SHAPES[shape])  # fp32
+    rewrite(pathlib.Path(path), lambda tensors: tensors[weight].__setitem__(at, np.nan))
+    llm = ds.LLM(path, device="cuda:0", dtype="bfloat16", activations=activations)
     for _ in range(2):
         with pytest.raises(ds.CheckpointError, match=r"prompt 0: the model's logits held NaN or infinity"):
             llm.generate([[3, 1, 4]], ds.SamplingParams(max_new_tokens=40, seed=5, max_denoising_steps=4))

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import pathlib
 import re
 import shutil
 import struct
@@ -246,6 +247,9 @@ BAD_CONFIGS = {
     "eos outside the vocabulary": ("text_config.eos_token_id", [1, 64],
                                    ["text_config.eos_token_id = 64 is out of range [0, 63]"]),
     "pad outside the vocabulary": ("text_config.pad_token_id", 999, ["text_config.pad_token_id = 999 is out of range"]),
+    # A double that is infinite as the float32 the runtime keeps (the logits had come out NaN).
+    "softcap past float32": ("text_config.final_logit_softcapping", 1e300,
+                             ["text_config.final_logit_softcapping = 1e+300 does not fit a 32-bit float"]),
 }
 
 
@@ -266,11 +270,13 @@ def test_config_invalid_json(ckpt):
     load_fails(ckpt, str(path), "invalid JSON")
 
 
-def test_generation_config_eos_outside_the_vocabulary(ckpt):
+@pytest.mark.parametrize("fields, message", [({"eos_token_id": [1, 500]}, "eos_token_id = 500 is out of range [0, 63]"),
+                                             ({"t_max": 1e300}, "t_max = 1e+300 does not fit a 32-bit float")])
+def test_bad_generation_config(ckpt, fields, message):
     """Refused at load, naming the file, rather than failing every later request."""
     path = ckpt / "generation_config.json"
-    path.write_text(json.dumps({"eos_token_id": [1, 500]}))
-    load_fails(ckpt, str(path), "eos_token_id = 500 is out of range [0, 63]")
+    path.write_text(json.dumps(fields))
+    load_fails(ckpt, str(path), message)
 
 
 @pytest.mark.parametrize("name", ["model.safetensors", "config.json"])
@@ -281,6 +287,19 @@ def test_fifo_in_place_of_a_file(ckpt, name):
     os.mkfifo(ckpt / name)
     code = ("import diffuserve as ds\ntry:\n    ds.Model.load(%r)\nexcept ds.CheckpointError as e:\n    print(e)"
             % str(ckpt))
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert f"{ckpt / name}: not a regular file" in result.stdout, result.stdout + result.stderr
+
+
+@pytest.mark.parametrize("name", ["tokenizer.json", "tokenizer_config.json", "chat_template.jinja"])
+def test_fifo_in_place_of_a_tokenizer_file(ckpt, name):
+    """So are the tokenizer's files, which LLM reads (a FIFO there had blocked it)."""
+    for file in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(pathlib.Path(ds.__file__).parent / "sudoku_model" / file, ckpt / file)
+    if (ckpt / name).exists():
+        (ckpt / name).unlink()
+    os.mkfifo(ckpt / name)
+    code = ("import diffuserve as ds\ntry:\n    ds.LLM(%r)\nexcept ds.CheckpointError as e:\n    print(e)" % str(ckpt))
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert f"{ckpt / name}: not a regular file" in result.stdout, result.stdout + result.stderr
 
@@ -516,6 +535,16 @@ def test_non_finite_logits_are_refused_by_denoise(nan_dir):
     s.prefill(PROMPT)
     with pytest.raises(ValueError, match=r"denoise: the model's logits hold NaN at row 0, column 0: .* not finite"):
         s.denoise(np.arange(CANVAS) + 2)
+
+
+def test_nan_query_weight_fails_the_request(ckpt):
+    """One NaN in a query projection makes every score of its heads NaN: the attention's output
+    there is NaN, as the reference's softmax makes it, so the logits are refused (it had
+    written zeros for rows whose scores were all NaN, and the logits came out finite)."""
+    rewrite(ckpt, lambda t: t["model.decoder.layers.0.self_attn.q_proj.weight"].__setitem__((5, 7), np.nan))
+    llm = ds.LLM(ckpt, kv_cache_memory_bytes=8 << 20)
+    with pytest.raises(ds.CheckpointError, match=r"prompt 0: the model's logits held NaN or infinity"):
+        llm.generate([[2, 3, 4]], ds.SamplingParams(max_new_tokens=16, seed=0))
 
 
 def test_non_finite_logits_fail_the_request(nan_dir):

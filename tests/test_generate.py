@@ -123,6 +123,17 @@ def test_stops_at_once_when_confident(checkpoints):
     assert all(s >= 2 for s in out.denoise_steps)
 
 
+def test_stability_thresholds_past_the_step_limit_are_one(checkpoints):
+    """A block runs max_denoising_steps steps at most, so no stability threshold from there on
+    can hold: each gives the same tokens and steps, and the largest costs nothing (the ring of
+    argmax canvases it had asked for, 2^31 of them, failed the request)."""
+    llm = ds.LLM(checkpoints["small"])
+    common = dict(max_new_tokens=24, max_denoising_steps=3, eos_token_id=[], seed=3, **GREEDY)
+    outs = [llm.generate([[3, 4, 5]], ds.SamplingParams(stability_threshold=s, **common))[0]
+            for s in (3, 4, 2**31 - 1)]
+    assert all(o.token_ids == outs[0].token_ids and o.denoise_steps == [3, 3, 3] for o in outs)
+
+
 def test_max_new_tokens_cuts_the_last_block(checkpoints):
     llm = ds.LLM(checkpoints["small"])
     out = llm.generate([[3, 4]], ds.SamplingParams(max_new_tokens=11, eos_token_id=[], max_denoising_steps=3, seed=0))[0]
@@ -210,6 +221,9 @@ def test_invalid_params_name_the_parameter(kwargs, name):
     (dict(seed_canvas=[1] * 7), "seed_canvas"), (dict(seed_canvas=[1] * 7 + [96]), "seed_canvas"),
     (dict(seed_canvas=[1] * 8, pinned_positions=[8]), "pinned_positions"),
     (dict(allowed_token_ids=[3, 200]), "allowed_token_ids"),
+    # a pinned token is output as it is: one that allowed_token_ids excludes could not be
+    (dict(seed_canvas=[5] + [11] * 7, pinned_positions=[0, 1], allowed_token_ids=[5, 6]),
+     "pinned_positions pins position 1 to token 11, which allowed_token_ids excludes"),
 ])
 def test_params_checked_against_the_model(checkpoints, kwargs, name):
     llm = ds.LLM(checkpoints["small"])

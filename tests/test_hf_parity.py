@@ -5,6 +5,7 @@ runs prefill, then several blocks of (denoise without self-conditioning, denoise
 commit) through both, comparing the logits of every denoise and every layer's KV cache
 after every encoder pass.
 """
+import json
 import os
 
 import numpy as np
@@ -135,6 +136,22 @@ def test_sliding_layers_keep_window_minus_one(tmp_path):
     assert k.shape[1] == 5 and first == 15
     k, _, first = seq.kv(1)
     assert k.shape[1] == 20 and first == 0
+
+
+def test_last_layer_is_full_whatever_layer_types_says(tmp_path):
+    """transformers runs the last layer with full attention even where config.json's
+    layer_types calls it sliding (its config forces it, with a warning): so does diffuserve,
+    to compute the same model (it had kept that layer sliding, logits off by ~3)."""
+    path = save(build_model(text([S, F], sliding_window=4), 8), tmp_path / "m")
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["text_config"]["layer_types"][-1] = S
+    (path / "config.json").write_text(json.dumps(cfg))
+    seq, ref = ds.Model.load(path).sequence(), ReferenceSequence(load(path, torch.float32))
+    for s in (seq, ref):
+        s.prefill(np.arange(3, 23))
+    assert seq.kv(1)[0].shape[1] == 20  # every row: a full layer's cache
+    canvas = np.arange(30, 38)
+    check_logits(seq.denoise(canvas), ref.denoise(canvas), where="last layer", atol=FP32_ATOL)
 
 
 def test_chunked_prefill_equals_one_prefill(tmp_path):

@@ -228,6 +228,47 @@ def test_bad_scale_is_named(tmp_path, value, scheme, name, message):
         ds.Model.load(path)
 
 
+@pytest.mark.parametrize("scheme, name, edit", [
+    ("FP8_DYNAMIC", "model.decoder.layers.1.self_attn.q_proj.weight_scale", lambda t: t.reshape(-1)[:0]),
+    ("NVFP4A16", "model.decoder.layers.1.mlp.up_proj.weight_scale", lambda t: t[:, :0]),
+    ("NVFP4A16", "model.decoder.layers.1.mlp.up_proj.weight_scale", lambda t: t.T.contiguous()),
+], ids=["FP8 empty", "NVFP4 empty rows", "NVFP4 transposed"])
+def test_misshapen_scale_is_named(tmp_path, scheme, name, edit):
+    """Scales are one value, or [rows] or [rows, groups] values: an empty scale (whose group
+    count had been divided by, killing the process) or a transposed one (read as rows) is
+    refused at load, named."""
+    path = edit_tensor(tmp_path, scheme, name, edit)
+    with pytest.raises(ds.CheckpointError, match=re.escape(name) + ".* is not one scale, nor"):
+        ds.Model.load(path)
+
+
+def test_quantized_fused_experts_are_refused(tmp_path):
+    """A fused [E, 2I, H] expert stack is no Linear, so compressed-tensors never quantizes it:
+    stored as E4M3 with a scale it is refused, named (it had been read as a [E, 2I] weight,
+    past the end of its scales)."""
+    from diffuserve.random_checkpoint import write_random_checkpoint
+    from diffuserve.safetensors_io import read_safetensors, write_safetensors
+    path = write_random_checkpoint(tmp_path / "m", canvas_length=8, seed=3)
+    name = "model.decoder.layers.0.experts.gate_up_proj"
+    tensors = read_safetensors(os.path.join(path, "model.safetensors"))
+    shape = tensors[name][1].shape
+    tensors[name] = ("F8_E4M3", np.full(shape, 0x38, np.uint8))
+    tensors[name + ".weight_scale"] = np.full((shape[0], shape[1], 1), 0.01, np.float32)
+    write_safetensors(os.path.join(path, "model.safetensors"), tensors)
+    with pytest.raises(ds.CheckpointError, match=re.escape(name) + ".* is stored quantized; only a linear's"):
+        ds.Model.load(path)
+
+
+def test_stacked_linears_quantized_differently_are_a_checkpoint_error(tmp_path):
+    """Gate and up become one weight: scales of different group sizes are the checkpoint's
+    fault, a CheckpointError naming the tensor (it had been a plain ValueError)."""
+    name = "model.decoder.layers.1.mlp.up_proj.weight_scale"
+    path = edit_tensor(tmp_path, "FP8_DYNAMIC", name, lambda t: t.expand(t.shape[0], 2).contiguous())
+    with pytest.raises(ds.CheckpointError, match=r"up_proj.weight': the linears stacked into one weight are quantized "
+                                                 r"differently"):
+        ds.Model.load(path)
+
+
 @pytest.mark.parametrize("name", [
     "model.decoder.layers.1.mlp.up_proj.weight_scale",
     "model.decoder.layers.2.experts.3.down_proj.weight_scale",
@@ -329,6 +370,26 @@ def test_quantize_refuses_a_quantized_source(tmp_path):
         quantize(os.path.join(FIXTURES, "FP8_DYNAMIC"), str(tmp_path / "x"))
     with pytest.raises(ValueError, match="scheme 'int8'"):
         quantize(os.path.join(FIXTURES, "base"), str(tmp_path / "y"), "int8")
+
+
+def test_quantize_writes_into_a_new_or_empty_directory_only(tmp_path):
+    """Over its source, or into a directory holding another checkpoint's shards and index
+    (which a load prefers to the model.safetensors written beside them), a quantized copy
+    would load as neither model: both are refused before anything is written."""
+    from diffuserve.quantize import quantize
+    from diffuserve.random_checkpoint import write_random_checkpoint
+    src = write_random_checkpoint(tmp_path / "src", canvas_length=8, seed=3, hidden_size=64)
+    before = sorted(os.listdir(src))
+    with pytest.raises(ValueError, match="the output directory is the source"):
+        quantize(src, src)
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "model.safetensors.index.json").write_text("{}")
+    with pytest.raises(ValueError, match=r"already holds a checkpoint \(model.safetensors.index.json\)"):
+        quantize(src, str(tmp_path / "other"))
+    assert sorted(os.listdir(src)) == before and os.listdir(tmp_path / "other") == ["model.safetensors.index.json"]
+    (tmp_path / "empty").mkdir()
+    quantize(src, str(tmp_path / "empty"))  # an empty directory is fine
+    ds.Model.load(str(tmp_path / "empty"))
 
 
 @pytest.mark.parametrize("scheme", ["fp8-dynamic", "nvfp4"])

@@ -7,7 +7,9 @@
 #include <algorithm>
 #include <cctype>
 #include <cmath>
+#include <cstdio>
 #include <filesystem>
+#include <limits>
 #include <set>
 
 #include "diffuserve/errors.h"
@@ -51,6 +53,16 @@ struct Fields {
     if (!v) return fallback;
     if (!v->is_number() || !std::isfinite(v->number)) fail(key, "must be a finite number");
     return v->number;
+  }
+  // A number the runtime keeps as a float32, which it must fit (1e300 would be infinite).
+  float float_or(const std::string& key, float fallback) const {
+    const double v = number_or(key, fallback);
+    if (std::fabs(v) > double(std::numeric_limits<float>::max())) {
+      char text[32];
+      std::snprintf(text, sizeof text, "%g", v);
+      fail(key, std::string("= ") + text + " does not fit a 32-bit float");
+    }
+    return float(v);
   }
   std::string string_or(const std::string& key, const std::string& fallback) const {
     const json::Value* v = get(key);
@@ -122,6 +134,8 @@ std::vector<float> rope_inv_freq(const Fields& rope, int head_dim) {
   } else {
     rope.fail("rope_type", "'" + type + "' is not supported (supported: default, proportional)");
   }
+  if (!std::all_of(inv.begin(), inv.end(), [](float x) { return std::isfinite(x); }))
+    rope.fail(type == "default" ? "rope_theta" : "factor", "gives rotary frequencies that are not finite as float32");
   return inv;
 }
 
@@ -189,13 +203,13 @@ GenerationDefaults load_generation(const std::string& path, const std::vector<in
   Fields f{doc, path, ""};
   g.max_new_tokens = int(f.integer_or("max_new_tokens", g.max_new_tokens, 1, INT32_MAX));
   g.max_denoising_steps = int(f.integer_or("max_denoising_steps", g.max_denoising_steps, 1, INT32_MAX));
-  g.t_min = float(f.number_or("t_min", g.t_min));
-  g.t_max = float(f.number_or("t_max", g.t_max));
+  g.t_min = f.float_or("t_min", g.t_min);
+  g.t_max = f.float_or("t_max", g.t_max);
   g.stability_threshold = int(f.integer_or("stability_threshold", g.stability_threshold, 0, INT32_MAX));
-  g.confidence_threshold = float(f.number_or("confidence_threshold", g.confidence_threshold));
+  g.confidence_threshold = f.float_or("confidence_threshold", g.confidence_threshold);
   if (const json::Value* s = f.get("sampler_config")) {
     if (!s->is_object()) f.fail("sampler_config", "must be an object");
-    g.entropy_bound = float(Fields{*s, path, "sampler_config."}.number_or("entropy_bound", g.entropy_bound));
+    g.entropy_bound = Fields{*s, path, "sampler_config."}.float_or("entropy_bound", g.entropy_bound);
   }
   std::vector<int32_t> eos = f.int_list_or_empty("eos_token_id", vocab_size - 1);
   if (!eos.empty()) g.eos_token_ids = eos;
@@ -231,8 +245,8 @@ ModelConfig load_config(const std::string& dir) {
   c.moe_intermediate_size = int(t.integer("moe_intermediate_size", 1, kMaxDim));
   c.sliding_window = int(t.integer("sliding_window", 2, INT32_MAX));
   c.max_position_embeddings = t.integer_or("max_position_embeddings", 131072, 1, INT64_C(1) << 40);
-  c.rms_norm_eps = float(t.number_or("rms_norm_eps", 1e-6));
-  c.final_logit_softcapping = float(t.number_or("final_logit_softcapping", 30.0));
+  c.rms_norm_eps = t.float_or("rms_norm_eps", 1e-6f);
+  c.final_logit_softcapping = t.float_or("final_logit_softcapping", 30.0f);
   c.pad_token_id = int(t.integer_or("pad_token_id", -1, -1, c.vocab_size - 1));
   c.bos_token_id = int(t.integer_or("bos_token_id", -1, -1, c.vocab_size - 1));
   c.canvas_length = int(top.integer_or("canvas_length", 256, 1, 1 << 20));
@@ -269,7 +283,10 @@ ModelConfig load_config(const std::string& dir) {
     LayerConfig L;
     if (!type.is_string() || (type.string != "sliding_attention" && type.string != "full_attention"))
       t.fail("layer_types[" + std::to_string(i) + "]", "must be 'sliding_attention' or 'full_attention'");
-    L.sliding = type.string == "sliding_attention";
+    // transformers runs the last layer with full attention whatever layer_types says (its
+    // config forces it, with a warning): so does this, to compute the same model.
+    const std::string kind = i == c.num_layers - 1 ? "full_attention" : type.string;
+    L.sliding = kind == "sliding_attention";
     L.has_v_proj = L.sliding;
     L.head_dim = head_dim;
     L.num_kv_heads = kv_heads;
@@ -285,9 +302,9 @@ ModelConfig load_config(const std::string& dir) {
     if (L.head_dim % 2) t.fail("head_dim", "must be even for RoPE (layer " + std::to_string(i) + ")");
     if (c.num_heads % L.num_kv_heads)
       t.fail("num_key_value_heads", "must divide num_attention_heads (layer " + std::to_string(i) + ")");
-    const json::Value* rp = rope->find(type.string);
-    if (!rp || !rp->is_object()) t.fail("rope_parameters." + type.string, "is missing or not an object");
-    L.rope_inv_freq = rope_inv_freq(Fields{*rp, path, "text_config.rope_parameters." + type.string + "."}, L.head_dim);
+    const json::Value* rp = rope->find(kind);
+    if (!rp || !rp->is_object()) t.fail("rope_parameters." + kind, "is missing or not an object");
+    L.rope_inv_freq = rope_inv_freq(Fields{*rp, path, "text_config.rope_parameters." + kind + "."}, L.head_dim);
     c.layers.push_back(std::move(L));
   }
 

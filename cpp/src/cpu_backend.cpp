@@ -288,6 +288,7 @@ class CpuBackend final : public Backend {
         };
         scores.clear();
         float best = -INFINITY;
+        bool nan = false;  // a NaN score makes the row's output NaN, as the reference's softmax does
         for (const auto& s : seg->spans)
           for (int64_t k = 0; k < s.count; ++k) {
             float score = -INFINITY;
@@ -296,11 +297,12 @@ class CpuBackend final : public Backend {
               score = dot(qi.data(), key.data(), head_dim);
             }
             scores.push_back(score);
-            best = std::max(best, scores.back());
+            best = std::max(best, scores.back());  // (std::max keeps `best` where the score is NaN)
+            nan = nan || std::isnan(score);
           }
         float* o = out.row(i) + h * head_dim;
-        std::fill(o, o + head_dim, 0.0f);
-        if (best == -INFINITY) continue;  // no visible key (cannot happen for a well-formed batch)
+        std::fill(o, o + head_dim, nan ? NAN : 0.0f);
+        if (nan || best == -INFINITY) continue;  // no visible key: zeros (cannot happen for a well-formed batch)
         float sum = 0;
         for (float& sc : scores) sum += (sc = std::exp(sc - best));
         size_t idx = 0;

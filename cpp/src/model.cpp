@@ -204,8 +204,6 @@ class TensorSource {
   }
 
  private:
-  static bool is_float(DType t) { return t == DType::F32 || t == DType::BF16 || t == DType::F16; }
-
   // A linear's random weight of `shape`, packed as the load option says.
   Weight dummy_linear(const std::vector<int64_t>& shape) {
     if (m_.dummy_quantization == WeightFormat::Plain)
@@ -232,8 +230,13 @@ class TensorSource {
     const int64_t cols = shape.back();
     if (is_packed(names[0])) {
       PackedWeight w = packed(names[0], {rows[0], cols});
-      for (size_t i = 1; i < names.size(); ++i)
-        w.append(packed(names[i], {rows[i], cols}), m_.path + ": '" + names[i] + "'");
+      for (size_t i = 1; i < names.size(); ++i) {
+        try {
+          w.append(packed(names[i], {rows[i], cols}), m_.path + ": '" + names[i] + "'");
+        } catch (const InvalidArgument& e) {  // the checkpoint's fault: its stacked parts are quantized differently
+          throw FormatError(e.what());
+        }
+      }
       w.shape = shape;
       return upload(w);
     }
@@ -320,12 +323,17 @@ class TensorSource {
   }
 
   // Groups of `cols / groups` inputs share a scale: scales[row * groups + col / (cols / groups)].
+  // The scale is one value (0 groups: one for the tensor), or [rows] or [rows, groups] values
+  // with `groups` dividing cols (a transposed [groups, rows] is refused, not read as rows).
   static int64_t groups_of(const TensorView& scale, int64_t rows, int64_t cols) {
     const int64_t n = scale.numel();
     if (n == 1) return 0;  // one scale for the tensor
-    if (n % rows || cols % (n / rows))
+    const std::vector<int64_t>& s = scale.shape;
+    const bool per_row = !s.empty() && s.size() <= 2 && s[0] == rows && n > 0;
+    if (!per_row || cols % (n / rows))
       throw FormatError(scale.file + ": tensor '" + scale.name + "' of shape " + shape_string(scale.shape) +
-                        " does not divide a [" + std::to_string(rows) + ", " + std::to_string(cols) + "] weight");
+                        " is not one scale, nor [rows] or [rows, groups] scales of a [" + std::to_string(rows) + ", " +
+                        std::to_string(cols) + "] weight");
     return n / rows;
   }
 
@@ -342,6 +350,12 @@ class TensorSource {
   // The quantized weight `name` ([rows, cols]) as stored, its scales per row or group.
   PackedWeight packed(const std::string& name, const std::vector<int64_t>& shape) {
     const std::string prefix = prefix_of(name);
+    if (shape.size() != 2)  // a fused expert stack: no Linear, so never quantized by compressed-tensors
+      throw FormatError(m_.path + ": '" + name + "' of shape " + shape_string(shape) +
+                        " is stored quantized; only a linear's [rows, cols] weight may be");
+    if (!is_packed(name) && !m_.checkpoint->find(name))
+      throw FormatError(m_.path + ": missing tensor '" + name + "' (nor is it stored as NVFP4's '" + prefix +
+                        ".weight_packed'), which is stacked with quantized linears");
     if (!is_packed(name))
       throw FormatError(m_.path + ": '" + name + "' is stored plainly, but the linears stacked with it are "
                         "quantized; the runtime runs them as one weight");

@@ -82,7 +82,8 @@ struct ModelState {
 // What logits holding NaN or infinity say of the model, as the errors that refuse them end
 // (Sequence::denoise, and a request's error in the engine).
 inline constexpr const char* kNotFiniteCause =
-    "the checkpoint's weights (or the activations they produce) are not finite";
+    "the checkpoint's weights (or the activations they produce) are not finite, or the sampling temperature is "
+    "so small that the logits divided by it overflow";
 
 // Throws InvalidArgument "<what>: token id X at index i is out of range [0, vocab)" for
 // the first id outside the vocabulary.

@@ -84,7 +84,8 @@ std::shared_ptr<Model> Model::load(const std::string& path, const LoadOptions& o
     state->checkpoint = std::make_shared<Checkpoint>(path);
     const TensorView* embed = state->checkpoint->find("model.decoder.embed_tokens.weight");
     if (!embed) throw FormatError(path + ": missing tensor 'model.decoder.embed_tokens.weight'");
-    stored = embed->dtype;
+    // The weights' default dtype is the embedding's: bf16 where it is stored quantized.
+    stored = is_float(embed->dtype) ? embed->dtype : DType::BF16;
   } else if (options.load_format != "dummy") {
     throw InvalidArgument("load_format '" + options.load_format + "' is not supported (use auto or dummy)");
   }

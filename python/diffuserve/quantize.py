@@ -151,6 +151,17 @@ def _quantize_linears(linears: dict, scheme: str) -> dict:
 def quantize(src: str, dst: str, scheme: str = "fp8-dynamic") -> None:
     if scheme not in SCHEMES:
         raise ValueError(f"scheme {scheme!r} is not supported (supported: {', '.join(SCHEMES)})")
+    # Into a new or empty directory only: over its source, or beside another checkpoint's
+    # shards and index (which a load prefers to model.safetensors), the copy would leave a
+    # directory that loads as neither model.
+    if os.path.isdir(dst):
+        if os.path.isdir(src) and os.path.samefile(src, dst):
+            raise ValueError(f"{dst}: the output directory is the source; write the quantized copy elsewhere")
+        held = sorted(n for n in os.listdir(dst) if n == "config.json" or n.endswith((".safetensors",
+                                                                                       ".safetensors.index.json")))
+        if held:
+            raise ValueError(f"{dst} already holds a checkpoint ({', '.join(held)}): write the quantized copy to a "
+                             f"new or empty directory")
     with open(os.path.join(src, "config.json")) as f:
         config = json.load(f)
     if config.get("quantization_config"):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 from typing import List, Optional
 
 from tokenizers import Tokenizer as _HFTokenizer
@@ -28,9 +29,24 @@ def _token_text(value) -> Optional[str]:
     return value if isinstance(value, str) else None
 
 
+def _present(file: str) -> bool:
+    """Whether the checkpoint file `file` is there to read: a regular file (or a link to one)
+    is, nothing is not; anything else (a FIFO, whose open would block until a writer came, a
+    directory, a device, a broken link) is a CheckpointError naming it."""
+    if not os.path.lexists(file):
+        return False
+    try:
+        mode = os.stat(file).st_mode
+    except OSError as e:
+        raise _core.CheckpointError(f"{file}: cannot be read: {e}") from None
+    if not stat.S_ISREG(mode):
+        raise _core.CheckpointError(f"{file}: not a regular file")
+    return True
+
+
 def _read_chat_template(path: str, config: dict) -> Optional[str]:
     jinja_file = os.path.join(path, "chat_template.jinja")
-    if os.path.exists(jinja_file):
+    if _present(jinja_file):
         try:
             with open(jinja_file, encoding="utf-8") as f:
                 return f.read()
@@ -48,6 +64,8 @@ class Tokenizer:
         """Reads the tokenizer files of checkpoint directory `path` (tokenizer.json must exist);
         a file that cannot be read is a CheckpointError naming it."""
         tokenizer_file = os.path.join(path, "tokenizer.json")
+        if not _present(tokenizer_file):
+            raise _core.CheckpointError(f"{tokenizer_file}: no such file")
         try:
             self._tokenizer = _HFTokenizer.from_file(tokenizer_file)
         except Exception as e:  # the tokenizers library raises plain Exceptions
@@ -55,7 +73,7 @@ class Tokenizer:
                 from None
         config = {}
         config_file = os.path.join(path, "tokenizer_config.json")
-        if os.path.exists(config_file):
+        if _present(config_file):
             try:
                 with open(config_file, encoding="utf-8") as f:
                     config = json.load(f)
@@ -72,7 +90,7 @@ class Tokenizer:
     def from_checkpoint(cls, path) -> Optional["Tokenizer"]:
         """The tokenizer of a checkpoint directory, or None when it has no tokenizer.json."""
         path = os.fspath(path)
-        return cls(path) if os.path.exists(os.path.join(path, "tokenizer.json")) else None
+        return cls(path) if _present(os.path.join(path, "tokenizer.json")) else None
 
     @property
     def vocab_size(self) -> int:

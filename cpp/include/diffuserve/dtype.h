@@ -13,6 +13,8 @@ enum class DType { F32, F16, BF16, F64, I64, I32, I16, I8, U8, U16, U32, U64, BO
 
 size_t dtype_size(DType t);
 const char* dtype_name(DType t);  // the safetensors spelling: "F32", "BF16", ...
+// The float types weights are stored (and widened from) as they are: F32, BF16, F16.
+inline bool is_float(DType t) { return t == DType::F32 || t == DType::BF16 || t == DType::F16; }
 // Parses a safetensors dtype string; returns false when it is not one we know.
 bool dtype_from_name(const std::string& name, DType* out);
 
