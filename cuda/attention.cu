@@ -114,7 +114,7 @@ __global__ void __launch_bounds__(kThreads)
   for (int i = tid; i < nq * d; i += kThreads) {
     const int j = i / d, c = i % d;
     const int64_t row = seg.first_row + item.row0 + j / heads;
-    const float l = l_run[j], v = l > 0.0f ? O[i] / l : 0.0f;
+    const float l = l_run[j], v = l != 0.0f ? O[i] / l : 0.0f;  // 0: no key seen; NaN stays NaN
     const int64_t at = row * q_stride + int64_t(item.kv_head * group + j % heads) * d + c;
     out.values[at] = v;
     if (out.bf16) out.bf16[at] = __float2bfloat16(v);

@@ -347,7 +347,7 @@ __global__ void __launch_bounds__(Shape<kDim>::kThreads, 1)
     for (int h = 0; h < 2; ++h) {
       const int j = row0 + mt * 16 + g + 8 * h;
       if (j >= nq) continue;
-      const float inv = denom[j] > 0.0f ? 1.0f / denom[j] : 0.0f;
+      const float inv = denom[j] != 0.0f ? 1.0f / denom[j] : 0.0f;  // 0: no key seen; NaN stays NaN
       const auto scaled = [inv](float x) { return x * inv; };
 #pragma unroll
       for (int half = 0; half < 2; ++half)
@@ -393,7 +393,7 @@ __global__ void attention_merge_kernel(const AttentionOutput out, const float* _
   float sum = 0.0f;
   for (int p = lane; p < merge.pieces; p += 32) sum += weight(ml[p * queries_per_slot]);
   for (int s = 16; s > 0; s >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, s);
-  const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
+  const float inv = sum != 0.0f ? 1.0f / sum : 0.0f;
   const int64_t row = first_row + merge.row0 + j / group;
   const int64_t at = row * num_heads * int64_t(head_dim) + int64_t(merge.kv_head * group + j % group) * head_dim;
   for (int d = 4 * lane; d < head_dim; d += 128) {

@@ -510,7 +510,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     l += __shfl_xor_sync(0xffffffffu, l, 1);
     l += __shfl_xor_sync(0xffffffffu, l, 2);
     const int j = row[h];
-    const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+    const float inv = l != 0.0f ? 1.0f / l : 0.0f;  // 0: no key seen; NaN stays NaN
 #pragma unroll
     for (int c = 0; c < 256 / 8; ++c)  // dims 8 c + 2 t, + 1: chunk 2 c + t / 2, its half t % 2
       *reinterpret_cast<float2*>(staged(j, 2 * c + t / 2) + 8 * (t % 2)) = {o[4 * c + 2 * h] * inv,
