@@ -276,6 +276,20 @@ def _in_threads(f, n=4, repeats=3) -> list:
     return results
 
 
+def test_generate_leaves_queued_requests_to_step(checkpoints):
+    """A request queued by add_request that a generate call runs to its end is returned by
+    the next step, not dropped (generate had discarded its output)."""
+    llm = ds.LLM(checkpoints["small"])
+    params = ds.SamplingParams(max_new_tokens=8, max_denoising_steps=2, seed=1)
+    queued = llm.add_request([3, 4, 5], params)
+    mine = llm.generate([[6, 7]], ds.SamplingParams(max_new_tokens=40, max_denoising_steps=4, seed=2))[0]
+    assert mine.token_ids and llm.has_unfinished()
+    outs = []
+    while llm.has_unfinished():
+        outs += llm.step()
+    assert [o.request_id for o in outs] == [queued] and outs[0].token_ids
+
+
 def test_threads_share_an_llm(checkpoints):
     """generate from several threads at once: each gets its own outputs, as if run alone (the
     calls take turns; unguarded, the runtime crashed)."""

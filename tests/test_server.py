@@ -112,6 +112,7 @@ def test_stop_strings(client):
     cut = full[:full.index(stop)]
     out = client.completions.create(model=MODEL, prompt="Hello", max_tokens=48, seed=2, stop=[stop, "never"])
     assert (out.choices[0].text, out.choices[0].finish_reason) == (cut, "stop")
+    assert out.usage.model_extra["denoise_steps"] > 0  # the blocks' steps count, a stop string ending it or not
     stream = client.completions.create(model=MODEL, prompt="Hello", max_tokens=48, seed=2, stop=stop, stream=True)
     assert "".join(c.choices[0].text for c in stream) == cut
 
@@ -194,6 +195,31 @@ def test_openai_client_raises_on_errors(client):
     with pytest.raises(openai.BadRequestError, match="presence_penalty"):
         client.completions.create(model=MODEL, prompt="x", presence_penalty=1.0)
     client.completions.create(model=MODEL, prompt="x", max_tokens=4, presence_penalty=0, top_p=1)  # no-op values
+
+
+def test_health_fails_once_the_engine_has(offline):
+    """/health answers 503 once the engine thread has failed (it had kept answering 200 while
+    every request got a 503)."""
+    from fastapi.testclient import TestClient
+
+    class FailingLLM:  # an engine whose step fails as a bug in it would
+        tokenizer, model = offline.tokenizer, offline.model
+
+        def stats(self):
+            return offline.stats()
+
+        def has_unfinished(self):
+            return True
+
+        def step(self):
+            raise RuntimeError("a bug in the engine")
+
+    engine = AsyncLLM(FailingLLM())
+    deadline = time.monotonic() + 30
+    while engine.alive and time.monotonic() < deadline:
+        time.sleep(0.01)
+    with TestClient(build_app(engine, MODEL)) as http:
+        assert http.get("/health").status_code == 503
 
 
 def test_api_key(offline):

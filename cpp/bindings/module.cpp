@@ -206,6 +206,7 @@ void bind_generate(nb::module_& m) {
       .def("canvas_length", &Engine::canvas_length, nb::arg("id"))
       .def("generated", &Engine::generated, nb::arg("id"))
       .def("draft", &Engine::draft, nb::arg("id"))
+      .def("denoise_steps", &Engine::denoise_steps, nb::arg("id"))
       .def("step",
            [](Engine& self, const std::vector<StepPlan>& plan, int max_steps, int64_t max_batched_tokens) {
              nb::gil_scoped_release release;

@@ -213,6 +213,10 @@ int64_t Engine::passes() const {
   const auto lock = model_->state().lock();
   return passes_;
 }
+std::vector<int> Engine::denoise_steps(uint64_t id) const {
+  const auto lock = model_->state().lock();
+  return get(id).out.denoise_steps;
+}
 std::vector<int32_t> Engine::draft(uint64_t id) const {
   const auto lock = model_->state().lock();
   const RequestState& r = get(id);

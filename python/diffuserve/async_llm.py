@@ -27,6 +27,7 @@ class Progress:
     token_ids: List[int]
     draft: List[int] = field(default_factory=list)
     output: Optional[RequestOutput] = None
+    denoise_steps: List[int] = field(default_factory=list)  # of the finished blocks
 
 
 class EngineError(RuntimeError):
@@ -53,6 +54,7 @@ class _Request:
         self.updates: asyncio.Queue = asyncio.Queue()
         self.engine_id: Optional[int] = None
         self.sent = (0, ())  # (finished tokens, draft) last posted, to post only changes
+        self.steps: List[int] = []  # denoise steps of the finished blocks last posted
 
     def post(self, item) -> None:
         try:
@@ -100,6 +102,11 @@ class AsyncLLM:
             if not finished:
                 self._commands.put(("abort", key, None))
 
+    @property
+    def alive(self) -> bool:
+        """Whether the engine thread still takes requests (not failed, not shut down)."""
+        return self._error is None and not self._stopping and self._thread.is_alive()
+
     def shutdown(self) -> None:
         """Aborts what is still running and stops the engine thread."""
         with self._lock:
@@ -132,7 +139,7 @@ class AsyncLLM:
                 if self.llm.has_unfinished():
                     try:
                         self._step(requests)
-                    except ValueError as e:  # the runtime refused this step (InvalidArgument): not fatal
+                    except (ValueError, MemoryError) as e:  # refused (InvalidArgument), or out of memory: not fatal
                         self._abort_all(requests, StepFailed(f"the engine could not run this request: {e}"))
                     self.stats = self.llm.stats()
         except BaseException as e:  # a bug in the engine: fail every request instead of hanging them
@@ -166,8 +173,9 @@ class AsyncLLM:
             tokens = self.llm.generated(request.engine_id)
             draft = self.llm.draft(request.engine_id) if request.drafts else []
             if (len(tokens), tuple(draft)) != request.sent:
-                request.sent = (len(tokens), tuple(draft))
-                request.post(Progress(tokens, draft))
+                steps = self.llm.denoise_steps(request.engine_id) if len(tokens) != request.sent[0] else request.steps
+                request.sent, request.steps = (len(tokens), tuple(draft)), steps
+                request.post(Progress(tokens, draft, denoise_steps=steps))
 
     def _abort_all(self, requests: dict, error: BaseException) -> None:
         for request in requests.values():

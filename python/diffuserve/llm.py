@@ -90,6 +90,7 @@ class LLM:
         self.tokenizer = Tokenizer.from_checkpoint(path)  # None when the checkpoint has no tokenizer.json
         self._ids = itertools.count()
         self._prompts = {}
+        self._held: List[RequestOutput] = []  # add_request's outputs that a generate call saw finish
 
     @_locked
     def add_request(self, prompt, params: Optional[SamplingParams] = None) -> int:
@@ -119,12 +120,17 @@ class LLM:
 
     @_locked
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return bool(self._held) or self.scheduler.has_unfinished()
 
     @_locked
     def generated(self, request_id: int) -> List[int]:
         """Tokens of the blocks a running request has finished so far (for streaming)."""
         return list(self._engine.generated(request_id))
+
+    @_locked
+    def denoise_steps(self, request_id: int) -> List[int]:
+        """Denoise steps of each block a running request has finished so far."""
+        return list(self._engine.denoise_steps(request_id))
 
     @_locked
     def draft(self, request_id: int) -> List[int]:
@@ -133,8 +139,10 @@ class LLM:
 
     @_locked
     def step(self) -> List[RequestOutput]:
-        """Runs one scheduler step; returns the requests that finished in it."""
-        return [self._output(request_id, out) for request_id, out in self.scheduler.step()]
+        """Runs one scheduler step; returns the requests that finished in it (and those of
+        add_request that a generate call saw finish)."""
+        held, self._held = self._held, []
+        return held + [self._output(request_id, out) for request_id, out in self.scheduler.step()]
 
     @_locked
     def generate(self, prompts, params: Union[SamplingParams, Sequence[SamplingParams], None] = None
@@ -158,7 +166,8 @@ class LLM:
                     raise ValueError(f"prompt {i}: {e}") from None
             while len(done) < len(ids):
                 for out in self.step():
-                    if out.request_id not in ids:  # one queued by add_request before this call
+                    if out.request_id not in ids:  # one queued by add_request: the next step returns it
+                        self._held.append(out)
                         continue
                     done[out.request_id] = out
                     if out.finish_reason == "error":

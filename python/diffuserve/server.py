@@ -88,10 +88,11 @@ class _Choice:
                 event = ChoiceEvent(self.index, stops.push(piece, final=output is not None))
                 if progress.draft:
                     event.draft = self.server.tokenizer.decode(until_eos(progress.draft, self.eos))
+                denoise_steps = output.denoise_steps if output is not None else progress.denoise_steps
                 if stops.stopped:
                     event.finish_reason = "stop"  # leaving the loop closes the request: it is aborted
                 elif output is not None:
-                    event.finish_reason, denoise_steps = output.finish_reason, output.denoise_steps
+                    event.finish_reason = output.finish_reason
                 self.text += event.text
                 yield event
                 if event.finish_reason:
@@ -140,13 +141,15 @@ class _Server:
             for i, choice_params in enumerate(params):
                 choices.append(_Choice(self, p * len(params) + i, prompt, choice_params, stop, body.stream_drafts,
                                        usage, counts_prompt=i == 0, names=body.parameter_names()))
-        try:
-            for choice in choices:
-                await choice.start()
-        except BaseException:
+        # Every choice asks the engine at once, so that it takes them all in one turn (one by
+        # one, a request of hundreds of prompts took a step each to be admitted, deaf to the
+        # client leaving); each start ends before any choice is closed.
+        started = await asyncio.gather(*(choice.start() for choice in choices), return_exceptions=True)
+        failed = next((r for r in started if isinstance(r, BaseException)), None)
+        if failed is not None:
             for choice in choices:
                 await choice.close()
-            raise
+            raise failed
         if body.stream:
             include_usage = body.stream_options is not None and body.stream_options.include_usage
             return StreamingResponse(self._sse(choices, fmt, usage, include_usage), media_type="text/event-stream")
@@ -226,9 +229,10 @@ async def _unless_disconnected(request: Request, work) -> None:
         for t in (task, listener):
             if not t.done():
                 t.cancel()
-        await asyncio.gather(listener, return_exceptions=True)
+        # (A cancelled task is done only once it has run its cancellation: with several
+        # choices that takes a turn of the loop, and result() had raised InvalidStateError.)
+        await asyncio.gather(task, listener, return_exceptions=True)
     if task.cancelled():
-        await asyncio.gather(task, return_exceptions=True)
         raise ApiError(499, "the client closed the request", code="client_closed_request")
     task.result()
 
@@ -323,8 +327,8 @@ def build_app(engine: AsyncLLM, model_name: str, api_key: Optional[str] = None) 
         return _error(ApiError(500, f"internal error: {e!r}", type="server_error"))
 
     @app.get("/health")
-    async def health():
-        return Response(status_code=200)
+    async def health():  # 503 once the engine has failed: no request could be served
+        return Response(status_code=200 if server.engine.alive else 503)
 
     @app.get("/metrics")
     async def metrics():
