@@ -221,9 +221,6 @@ def test_invalid_params_name_the_parameter(kwargs, name):
     (dict(seed_canvas=[1] * 7), "seed_canvas"), (dict(seed_canvas=[1] * 7 + [96]), "seed_canvas"),
     (dict(seed_canvas=[1] * 8, pinned_positions=[8]), "pinned_positions"),
     (dict(allowed_token_ids=[3, 200]), "allowed_token_ids"),
-    # a pinned token is output as it is: one that allowed_token_ids excludes could not be
-    (dict(seed_canvas=[5] + [11] * 7, pinned_positions=[0, 1], allowed_token_ids=[5, 6]),
-     "pinned_positions pins position 1 to token 11, which allowed_token_ids excludes"),
 ])
 def test_params_checked_against_the_model(checkpoints, kwargs, name):
     llm = ds.LLM(checkpoints["small"])

@@ -1,7 +1,6 @@
 // Sampling parameters (defaults, validation) and generate(): whole requests through the Engine.
 #include "diffuserve/generate.h"
 
-#include <algorithm>
 #include <climits>
 #include <cmath>
 
@@ -65,13 +64,6 @@ void validate(const SamplingParams& p, const ModelConfig& c) {
     if (seen[pos]++) bad("pinned_positions", "holds " + std::to_string(pos) + " twice");
   }
   check_token_list(p.allowed_token_ids, "allowed_token_ids", c.vocab_size);
-  // Only allowed ids are output: a pinned token (output as it is) must be one.
-  if (!p.allowed_token_ids.empty())
-    for (int32_t pos : p.pinned_positions)
-      if (std::find(p.allowed_token_ids.begin(), p.allowed_token_ids.end(), p.seed_canvas[pos]) ==
-          p.allowed_token_ids.end())
-        bad("pinned_positions", "pins position " + std::to_string(pos) + " to token " +
-                                    std::to_string(p.seed_canvas[pos]) + ", which allowed_token_ids excludes");
 }
 
 std::vector<GenerationOutput> generate(Model& model, const std::vector<std::vector<int32_t>>& prompts,
