@@ -250,6 +250,8 @@ BAD_CONFIGS = {
     # A double that is infinite as the float32 the runtime keeps (the logits had come out NaN).
     "softcap past float32": ("text_config.final_logit_softcapping", 1e300,
                              ["text_config.final_logit_softcapping = 1e+300 does not fit a 32-bit float"]),
+    "softcap null": ("text_config.final_logit_softcapping", None,
+                     ["text_config.final_logit_softcapping is null; give a number (0 turns softcapping off)"]),
 }
 
 

@@ -246,6 +246,10 @@ ModelConfig load_config(const std::string& dir) {
   c.sliding_window = int(t.integer("sliding_window", 2, INT32_MAX));
   c.max_position_embeddings = t.integer_or("max_position_embeddings", 131072, 1, INT64_C(1) << 40);
   c.rms_norm_eps = t.float_or("rms_norm_eps", 1e-6f);
+  // (null, which other Gemma configs read as "no softcapping" and transformers' DiffusionGemma
+  // fails on, would otherwise take the default, 30.)
+  if (const json::Value* v = t.obj.find("final_logit_softcapping"); v && v->is_null())
+    t.fail("final_logit_softcapping", "is null; give a number (0 turns softcapping off)");
   c.final_logit_softcapping = t.float_or("final_logit_softcapping", 30.0f);
   c.pad_token_id = int(t.integer_or("pad_token_id", -1, -1, c.vocab_size - 1));
   c.bos_token_id = int(t.integer_or("bos_token_id", -1, -1, c.vocab_size - 1));
