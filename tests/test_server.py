@@ -162,6 +162,12 @@ def test_draft_streaming(base_url):
     ("chat/completions", {"model": MODEL, "messages": [{"role": "tool", "content": "x"}]}, 400, "messages", None),
     ("chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "tools": []}, 400,
      "tools", "unsupported_parameter"),
+    # A neutral value of another type is not neutral (they had been taken as 1, 0 and false).
+    ("completions", {"model": MODEL, "prompt": "x", "top_p": True}, 400, "top_p", "unsupported_parameter"),
+    ("completions", {"model": MODEL, "prompt": "x", "presence_penalty": False}, 400, "presence_penalty",
+     "unsupported_parameter"),
+    ("completions", {"model": MODEL, "prompt": "x", "logprobs": 0}, 400, "logprobs", "unsupported_parameter"),
+    ("completions", {"model": MODEL, "prompt": "x", "echo": 0}, 400, "echo", "invalid_value"),
     # Past the runtime's int32 (had hung the request and stopped the engine), or its positions.
     ("completions", {"model": MODEL, "prompt": "x", "max_tokens": 2**31}, 400, "max_tokens", "invalid_value"),
     ("completions", {"model": MODEL, "prompt": "x", "max_tokens": 10**9}, 400, "max_tokens", "invalid_value"),

@@ -11,13 +11,24 @@ from __future__ import annotations
 import re
 from typing import Any, Dict, List, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from ._checks import check_unicode
 from .sampling import SamplingParams
 
 # Value at which an OpenAI parameter we do not implement changes nothing.
 _NEUTRAL = {"top_p": 1, "frequency_penalty": 0, "presence_penalty": 0, "logprobs": False}
+
+
+def _is_neutral(value, neutral) -> bool:
+    """Whether `value` is the field's neutral one, of its own type: a bool is no number here
+    (top_p true), nor a number a bool (legacy completions' logprobs 0 still asks for the
+    sampled token's log-probability)."""
+    if isinstance(neutral, bool) or isinstance(value, bool):
+        return value is neutral
+    return isinstance(value, (int, float)) and value == neutral
+
+
 # Sent by clients to identify their end users; it does not affect generation.
 _INFORMATIONAL = ("user",)
 
@@ -110,6 +121,13 @@ class CompletionRequest(_GenerationRequest):
     prompt: Union[str, List[int], List[Union[str, List[int]]]]  # one prompt, or a batch
     echo: Literal[False] = False
 
+    @field_validator("echo", mode="before")
+    @classmethod
+    def _echo_is_false_itself(cls, value):  # (0, which equals False, would pass the Literal)
+        if value is not False:
+            raise ValueError("only false is supported")
+        return value
+
     def prompts(self) -> List[Union[str, List[int]]]:
         """The prompts of this request: one text or token-id list, or a batch of them."""
         if isinstance(self.prompt, str) or (self.prompt and isinstance(self.prompt[0], int)):
@@ -177,7 +195,7 @@ def parse(model: type, body: Any):
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
     for name, neutral in _NEUTRAL.items():
-        if name in body and (body[name] is None or body[name] == neutral):
+        if name in body and (body[name] is None or _is_neutral(body[name], neutral)):
             del body[name]  # the value that changes nothing
     for name in _INFORMATIONAL:
         body.pop(name, None)
