@@ -353,12 +353,13 @@ class TensorSource {
     if (shape.size() != 2)  // a fused expert stack: no Linear, so never quantized by compressed-tensors
       throw FormatError(m_.path + ": '" + name + "' of shape " + shape_string(shape) +
                         " is stored quantized; only a linear's [rows, cols] weight may be");
-    if (!is_packed(name) && !m_.checkpoint->find(name))
-      throw FormatError(m_.path + ": missing tensor '" + name + "' (nor is it stored as NVFP4's '" + prefix +
-                        ".weight_packed'), which is stacked with quantized linears");
-    if (!is_packed(name))
+    if (!is_packed(name)) {
+      if (!m_.checkpoint->find(name))
+        throw FormatError(m_.path + ": missing tensor '" + name + "' (nor is it stored as NVFP4's '" + prefix +
+                          ".weight_packed'), which is stacked with quantized linears");
       throw FormatError(m_.path + ": '" + name + "' is stored plainly, but the linears stacked with it are "
                         "quantized; the runtime runs them as one weight");
+    }
     return has(prefix + ".weight_packed") ? nvfp4(prefix, shape) : fp8(name, prefix, shape);
   }
 

@@ -54,7 +54,6 @@ class _Request:
         self.updates: asyncio.Queue = asyncio.Queue()
         self.engine_id: Optional[int] = None
         self.sent = (0, ())  # (finished tokens, draft) last posted, to post only changes
-        self.steps: List[int] = []  # denoise steps of the finished blocks last posted
 
     def post(self, item) -> None:
         try:
@@ -173,9 +172,8 @@ class AsyncLLM:
             tokens = self.llm.generated(request.engine_id)
             draft = self.llm.draft(request.engine_id) if request.drafts else []
             if (len(tokens), tuple(draft)) != request.sent:
-                steps = self.llm.denoise_steps(request.engine_id) if len(tokens) != request.sent[0] else request.steps
-                request.sent, request.steps = (len(tokens), tuple(draft)), steps
-                request.post(Progress(tokens, draft, denoise_steps=steps))
+                request.sent = (len(tokens), tuple(draft))
+                request.post(Progress(tokens, draft, denoise_steps=self.llm.denoise_steps(request.engine_id)))
 
     def _abort_all(self, requests: dict, error: BaseException) -> None:
         for request in requests.values():

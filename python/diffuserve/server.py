@@ -142,8 +142,8 @@ class _Server:
                 choices.append(_Choice(self, p * len(params) + i, prompt, choice_params, stop, body.stream_drafts,
                                        usage, counts_prompt=i == 0, names=body.parameter_names()))
         # Every choice asks the engine at once, so that it takes them all in one turn (one by
-        # one, a request of hundreds of prompts took a step each to be admitted, deaf to the
-        # client leaving); each start ends before any choice is closed.
+        # one, a request of hundreds of prompts took a step each to be admitted); each start
+        # ends before any choice is closed.
         started = await asyncio.gather(*(choice.start() for choice in choices), return_exceptions=True)
         failed = next((r for r in started if isinstance(r, BaseException)), None)
         if failed is not None:
