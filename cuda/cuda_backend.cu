@@ -210,7 +210,9 @@ class CudaBackend final : public Backend {
     // ran at once, but the experts' products, whose blocks it displaced, lost more than the
     // layer's end gained (twenty-sixth session, H200, batch 1 / 4 / 16 at 1K, two runs each:
     // 17.7 / 39.1 / 127.1 and 17.6 / 39.3 / 126.7 ms a step, against 17.5 / 38.7 / 126.9 and
-    // 17.5 / 39.1 / 127.2 without): graphs keep the launch stream's priority.
+    // 17.5 / 39.1 / 127.2 without); nor did they gain with the MLP's branch joined before the
+    // experts' products (17.3 / 36.9-37.0 / 118.7 against 17.3 / 36.8-36.9 / 118.4-118.5,
+    // thirty-fourth session): graphs keep the launch stream's priority.
     int least = 0, greatest = 0;
     check(cudaDeviceGetStreamPriorityRange(&least, &greatest), "cudaDeviceGetStreamPriorityRange");
     check(cudaStreamCreateWithPriority(&branch_, cudaStreamNonBlocking, greatest), "cudaStreamCreate");

@@ -76,7 +76,13 @@
 //       on an illegal instruction on the H200 (CUDA 13.0's ptxas; the disassembly shows
 //       those copies alone with an odd descriptor register, desc[UR1], beside an address
 //       in [R + UR0]; the policy made once a thread; made beside each copy, it compiled
-//       to the same and was not run) (thirtieth session).
+//       to the same and was not run) (thirtieth session). Nor did tiles that carry their
+//       segment by value (a block's copies one look-up from its start, not two): batch-1
+//       up / down 240.7-240.8 / 133.1-134.0 -> 240.4-240.6 / 133.2-133.5 us, the steps
+//       alike (thirty-fourth session). At batch 1 the tiles stream the bf16 experts at 4.22
+//       / 3.78 TB/s, where stream_bench reads the same tiled bytes, three stages and three
+//       blocks a multiprocessor as here, at 4.43 / 4.44 (229.3 / 114.3 us): 11 and 20 us a
+//       layer that the ring's refills alone do not cost.
 // Every shape accumulates each output in the same order (K steps of 32 bytes in order, hi
 // then lo; E4M3 on wgmma, a stage's tensor-core sum added in order), so a row's result does
 // not depend on the tile shape its batch size picked: batched and single-sequence runs agree
