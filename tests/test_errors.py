@@ -112,6 +112,11 @@ def entry(header, name, **fields):
     return {**header, name: {**header[name], **fields}}
 
 
+def repeated(header, name):
+    """The header's JSON with tensor `name`'s entry written a second time, last."""
+    return (json.dumps(header)[:-1] + f", {json.dumps(name)}: {json.dumps(header[name])}}}").encode()
+
+
 BAD_FILES = {
     "header length past end of file": (lambda h, d: struct.pack("<Q", len(pack(h, d))) + pack(h, d)[8:],
                                        ["bad header length"]),
@@ -130,6 +135,7 @@ BAD_FILES = {
     "negative shape": (lambda h, d: pack(entry(h, NORM, shape=[-32]), d), ["non-negative integers", NORM]),
     "fractional shape": (lambda h, d: pack(entry(h, NORM, shape=[32.5]), d), ["non-negative integers", NORM]),
     "string shape": (lambda h, d: pack(entry(h, NORM, shape=["32"]), d), ["non-negative integers", NORM]),
+    "repeated tensor name": (lambda h, d: pack(repeated(h, NORM), d), [f'"{NORM}" appears twice']),
     "data_offsets begin > end": (lambda h, d: pack(entry(h, NORM, data_offsets=h[NORM]["data_offsets"][::-1]), d),
                                  ["end before they begin", NORM]),
     **{f"missing {key}": (lambda h, d, key=key: pack({**h, NORM: {k: v for k, v in h[NORM].items() if k != key}}, d),

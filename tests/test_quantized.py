@@ -11,6 +11,7 @@ import math
 import os
 import re
 import shutil
+import struct
 
 import numpy as np
 import pytest
@@ -370,6 +371,26 @@ def test_quantize_refuses_a_quantized_source(tmp_path):
         quantize(os.path.join(FIXTURES, "FP8_DYNAMIC"), str(tmp_path / "x"))
     with pytest.raises(ValueError, match="scheme 'int8'"):
         quantize(os.path.join(FIXTURES, "base"), str(tmp_path / "y"), "int8")
+
+
+def test_quantize_refuses_a_repeated_tensor_name(tmp_path):
+    """A safetensors header that names a tensor twice (its second entry would hide the first)
+    is refused naming it, as the loader refuses it (test_errors.py)."""
+    from diffuserve.quantize import quantize
+    from diffuserve.random_checkpoint import write_random_checkpoint
+    src = write_random_checkpoint(tmp_path / "src", canvas_length=8, seed=3, hidden_size=64)
+    path = os.path.join(src, "model.safetensors")
+    with open(path, "rb") as f:
+        raw = f.read()
+    (length,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8:8 + length])
+    name = next(n for n in header if n != "__metadata__")
+    head = (json.dumps(header)[:-1] + f", {json.dumps(name)}: {json.dumps(header[name])}}}").encode()
+    head += b" " * (-len(head) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(head)) + head + raw[8 + length:])
+    with pytest.raises(ValueError, match=f'"{re.escape(name)}" appears twice'):
+        quantize(src, str(tmp_path / "out"))
 
 
 def test_quantize_writes_into_a_new_or_empty_directory_only(tmp_path):

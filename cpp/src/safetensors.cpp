@@ -205,9 +205,8 @@ SafetensorsFile::SafetensorsFile(const std::string& path) : path_(path) {
       throw FormatError(path + ": bad header length " + std::to_string(header_len) +
                         ": over the limit of " + std::to_string(kMaxHeaderBytes) + " bytes");
     }
-    json::Value header = json::parse(
-        std::string_view(reinterpret_cast<const char*>(bytes + 8), size_t(header_len)),
-        path + ": header");
+    json::Value header = json::parse(std::string_view(reinterpret_cast<const char*>(bytes + 8), size_t(header_len)),
+                                     path + ": header", /*unique_keys=*/true);
     if (!header.is_object()) throw FormatError(path + ": header is not a JSON object");
 
     const uint8_t* data = bytes + 8 + header_len;

@@ -30,12 +30,22 @@ def write_safetensors(path: str, tensors: dict) -> None:
             f.write(blob)
 
 
+def _unique(path: str, pairs: list) -> dict:
+    """A header object's pairs as a dict, refusing a repeated name (which would hide a tensor)."""
+    out = {}
+    for key, value in pairs:
+        if key in out:
+            raise ValueError(f'{path}: header: "{key}" appears twice')
+        out[key] = value
+    return out
+
+
 def read_safetensors(path: str) -> dict:
     """name -> (safetensors dtype name, np.ndarray of the stored values or raw bits)."""
     with open(path, "rb") as f:
         data = f.read()
     (length,) = struct.unpack("<Q", data[:8])
-    header = json.loads(data[8:8 + length])
+    header = json.loads(data[8:8 + length], object_pairs_hook=lambda pairs: _unique(path, pairs))
     out = {}
     for name, entry in header.items():
         if name == "__metadata__":
