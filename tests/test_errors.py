@@ -112,9 +112,9 @@ def entry(header, name, **fields):
     return {**header, name: {**header[name], **fields}}
 
 
-def repeated(header, name):
-    """The header's JSON with tensor `name`'s entry written a second time, last."""
-    return (json.dumps(header)[:-1] + f", {json.dumps(name)}: {json.dumps(header[name])}}}").encode()
+def repeated(header, name, entry_of):
+    """The header's JSON with `name` written a second time, last, with tensor `entry_of`'s entry."""
+    return (json.dumps(header)[:-1] + f", {json.dumps(name)}: {json.dumps(header[entry_of])}}}").encode()
 
 
 BAD_FILES = {
@@ -135,7 +135,10 @@ BAD_FILES = {
     "negative shape": (lambda h, d: pack(entry(h, NORM, shape=[-32]), d), ["non-negative integers", NORM]),
     "fractional shape": (lambda h, d: pack(entry(h, NORM, shape=[32.5]), d), ["non-negative integers", NORM]),
     "string shape": (lambda h, d: pack(entry(h, NORM, shape=["32"]), d), ["non-negative integers", NORM]),
-    "repeated tensor name": (lambda h, d: pack(repeated(h, NORM), d), [f'"{NORM}" appears twice']),
+    "a tensor's entry missing": (lambda h, d: pack({k: v for k, v in h.items() if k != NORM}, d),
+                                 ["belong to no tensor", "a header entry missing"]),
+    "bytes after the last tensor": (lambda h, d: pack(h, d + bytes(8)), ["at its end belong to no tensor"]),
+    "a tensor named twice": (lambda h, d: pack(repeated(h, NORM, SC_NORM), d), ["overlap", NORM, SC_NORM]),
     "data_offsets begin > end": (lambda h, d: pack(entry(h, NORM, data_offsets=h[NORM]["data_offsets"][::-1]), d),
                                  ["end before they begin", NORM]),
     **{f"missing {key}": (lambda h, d, key=key: pack({**h, NORM: {k: v for k, v in h[NORM].items() if k != key}}, d),
@@ -151,6 +154,15 @@ def test_corrupt_safetensors(ckpt, case):
     path = ckpt / "model.safetensors"
     path.write_bytes(corrupt(*read_safetensors(path)))
     load_fails(ckpt, str(path), *fragments)
+
+
+def test_a_repeated_identical_entry_loads(ckpt):
+    """A header naming a tensor twice with the same entry leaves no byte unclaimed: it loads,
+    as safetensors' own reader loads it."""
+    path = ckpt / "model.safetensors"
+    header, data = read_safetensors(path)
+    path.write_bytes(pack(repeated(header, NORM, NORM), data))
+    ds.Model.load(str(ckpt))
 
 
 def test_truncated_data_section(ckpt):

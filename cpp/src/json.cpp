@@ -43,8 +43,7 @@ void append_utf8(std::string& out, uint32_t cp) {
 
 class Parser {
  public:
-  Parser(std::string_view text, const std::string& what, bool unique_keys)
-      : text_(text), what_(what), unique_keys_(unique_keys) {}
+  Parser(std::string_view text, const std::string& what) : text_(text), what_(what) {}
 
   Value document() {
     Value v = value(0);
@@ -56,7 +55,6 @@ class Parser {
  private:
   std::string_view text_;
   const std::string& what_;
-  bool unique_keys_;
   size_t pos_ = 0;
 
   [[noreturn]] void fail(const std::string& msg) const {
@@ -138,8 +136,7 @@ class Parser {
       std::string key = string();
       skip_ws();
       if (!consume(':')) fail("expected ':'");
-      if (unique_keys_ && v.object.count(key)) throw FormatError(what_ + ": \"" + key + "\" appears twice");
-      v.object.insert_or_assign(std::move(key), value(depth));
+      v.object.insert_or_assign(std::move(key), value(depth));  // duplicate keys: last wins
       skip_ws();
       if (consume('}')) return;
       if (!consume(',')) fail("expected ',' or '}'");
@@ -346,8 +343,6 @@ class Parser {
 
 }  // namespace
 
-Value parse(std::string_view text, const std::string& what, bool unique_keys) {
-  return Parser(text, what, unique_keys).document();
-}
+Value parse(std::string_view text, const std::string& what) { return Parser(text, what).document(); }
 
 }  // namespace diffuserve::json

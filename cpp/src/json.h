@@ -36,9 +36,7 @@ class Value {
 };
 
 // Parses a whole document; trailing non-whitespace is an error. `what` names the
-// source (a file path) in error messages. An object's repeated key: the last value wins, as
-// Python's json reads it (config files), or with `unique_keys` an error naming the key (a
-// safetensors header, where a repeated tensor name would hide a tensor).
-Value parse(std::string_view text, const std::string& what, bool unique_keys = false);
+// source (a file path) in error messages.
+Value parse(std::string_view text, const std::string& what);
 
 }  // namespace diffuserve::json

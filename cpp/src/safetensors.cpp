@@ -96,28 +96,38 @@ TensorView parse_entry(const std::string& path, const std::string& name, const j
   return t;
 }
 
-// Rejects two tensors sharing bytes: a writer bug that would silently alias weights.
-void check_no_overlap(const std::string& path, const std::map<std::string, TensorView>& tensors,
-                      const uint8_t* data) {
+// The tensors' bytes, in order, tile the data section exactly, as safetensors' own reader
+// requires: two tensors sharing bytes would alias weights (a writer's bug), and bytes that
+// no tensor claims mean a header entry is missing (a tensor named twice keeps one of its
+// entries; a repeat of the same entry leaves nothing unclaimed and loads, as there).
+void check_coverage(const std::string& path, const std::map<std::string, TensorView>& tensors, const uint8_t* data,
+                    uint64_t data_size) {
   std::vector<const TensorView*> spans;
-  for (const auto& [name, t] : tensors) {
-    if (t.nbytes > 0) spans.push_back(&t);  // an empty range overlaps nothing
-  }
-  std::sort(spans.begin(), spans.end(),
-            [](const TensorView* a, const TensorView* b) { return a->data < b->data; });
-  // Sorted by start, any overlap shows up between neighbours.
+  for (const auto& [name, t] : tensors) spans.push_back(&t);
+  std::sort(spans.begin(), spans.end(), [](const TensorView* a, const TensorView* b) {
+    return a->data != b->data ? a->data < b->data : a->nbytes < b->nbytes;
+  });
+  auto begin = [data](const TensorView& t) { return uint64_t(t.data - data); };
+  auto range = [&](const TensorView& t) { return range_string(begin(t), begin(t) + t.nbytes); };
+  // Sorted by start, any overlap shows up between neighbours (an empty range inside another
+  // counts, as safetensors counts it; at another's start or end it does not).
   for (size_t i = 1; i < spans.size(); ++i) {
     const TensorView& a = *spans[i - 1];
     const TensorView& b = *spans[i];
-    if (b.data < a.data + a.nbytes) {
-      auto range = [data](const TensorView& t) {
-        auto begin = uint64_t(t.data - data);
-        return range_string(begin, begin + t.nbytes);
-      };
-      throw FormatError(path + ": tensors '" + a.name + "' " + range(a) + " and '" + b.name + "' " +
-                        range(b) + " have overlapping data_offsets");
-    }
+    if (b.data < a.data + a.nbytes)
+      throw FormatError(path + ": tensors '" + a.name + "' " + range(a) + " and '" + b.name + "' " + range(b) +
+                        " have overlapping data_offsets");
   }
+  uint64_t at = 0;  // the end of the bytes claimed so far
+  for (const TensorView* t : spans) {
+    if (begin(*t) > at)
+      throw FormatError(path + ": data section bytes " + range_string(at, begin(*t)) + " before tensor '" + t->name +
+                        "' belong to no tensor (a header entry missing, or a tensor named twice)");
+    at = begin(*t) + t->nbytes;
+  }
+  if (at != data_size)
+    throw FormatError(path + ": data section bytes " + range_string(at, data_size) +
+                      " at its end belong to no tensor (a header entry missing, or a tensor named twice)");
 }
 
 // The file at `path` opened for reading, with its size: a regular file, else FormatError
@@ -205,8 +215,8 @@ SafetensorsFile::SafetensorsFile(const std::string& path) : path_(path) {
       throw FormatError(path + ": bad header length " + std::to_string(header_len) +
                         ": over the limit of " + std::to_string(kMaxHeaderBytes) + " bytes");
     }
-    json::Value header = json::parse(std::string_view(reinterpret_cast<const char*>(bytes + 8), size_t(header_len)),
-                                     path + ": header", /*unique_keys=*/true);
+    json::Value header =
+        json::parse(std::string_view(reinterpret_cast<const char*>(bytes + 8), size_t(header_len)), path + ": header");
     if (!header.is_object()) throw FormatError(path + ": header is not a JSON object");
 
     const uint8_t* data = bytes + 8 + header_len;
@@ -224,7 +234,7 @@ SafetensorsFile::SafetensorsFile(const std::string& path) : path_(path) {
       }
       tensors_.emplace(name, parse_entry(path, name, entry, data, data_size));
     }
-    check_no_overlap(path, tensors_, data);
+    check_coverage(path, tensors_, data, data_size);
   } catch (...) {
     ::munmap(map_, map_size_);
     throw;

@@ -30,14 +30,22 @@ def write_safetensors(path: str, tensors: dict) -> None:
             f.write(blob)
 
 
-def _unique(path: str, pairs: list) -> dict:
-    """A header object's pairs as a dict, refusing a repeated name (which would hide a tensor)."""
-    out = {}
-    for key, value in pairs:
-        if key in out:
-            raise ValueError(f'{path}: header: "{key}" appears twice')
-        out[key] = value
-    return out
+def _check_coverage(path: str, header: dict, data_bytes: int) -> None:
+    """The tensors' byte ranges, in order, tile the data section exactly, as safetensors' own
+    reader (and the C++ loader) requires: shared bytes would alias weights, and bytes no tensor
+    claims mean a header entry is missing (a tensor named twice keeps one of its entries)."""
+    spans = sorted((tuple(e["data_offsets"]), name) for name, e in header.items() if name != "__metadata__")
+    at = 0
+    for (begin, end), name in spans:
+        if begin < at:
+            raise ValueError(f"{path}: tensor '{name}' [{begin}, {end}) overlaps the tensor before it")
+        if begin > at:
+            raise ValueError(f"{path}: data section bytes [{at}, {begin}) before tensor '{name}' belong to no "
+                             f"tensor (a header entry missing, or a tensor named twice)")
+        at = end
+    if at != data_bytes:
+        raise ValueError(f"{path}: data section bytes [{at}, {data_bytes}) at its end belong to no tensor (a "
+                         f"header entry missing, or a tensor named twice)")
 
 
 def read_safetensors(path: str) -> dict:
@@ -45,7 +53,8 @@ def read_safetensors(path: str) -> dict:
     with open(path, "rb") as f:
         data = f.read()
     (length,) = struct.unpack("<Q", data[:8])
-    header = json.loads(data[8:8 + length], object_pairs_hook=lambda pairs: _unique(path, pairs))
+    header = json.loads(data[8:8 + length])
+    _check_coverage(path, header, len(data) - 8 - length)
     out = {}
     for name, entry in header.items():
         if name == "__metadata__":
