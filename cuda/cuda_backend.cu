@@ -956,10 +956,10 @@ class CudaBackend final : public Backend {
   // Recording takes the host a while (a forward's launches, then instantiation: ~16 ms at
   // the 26B shapes); where the device would sit idle through it, it runs the first step
   // meanwhile.
-  int repeat(const std::function<void()>& body, const std::vector<const CanvasState*>& canvases,
-             int max_times) override {
+  int repeat(const std::function<void()>& body, const std::vector<const CanvasState*>& canvases, int max_times,
+             const std::atomic<bool>& interrupted) override {
     bind();
-    if (max_times <= 2 || !graphs_) return Backend::repeat(body, canvases, max_times);
+    if (max_times <= 2 || !graphs_) return Backend::repeat(body, canvases, max_times, interrupted);
     int done = 0;
     if (cudaStreamQuery(stream_) == cudaSuccess) {
       body();
@@ -971,7 +971,7 @@ class CudaBackend final : public Backend {
     if (done)
       for (const CanvasState* c : canvases)
         if (canvas_stopped(*this, *c)) return done;
-    if (!graph.exec) return done + Backend::repeat(body, canvases, max_times - done);
+    if (!graph.exec) return done + Backend::repeat(body, canvases, max_times - done, interrupted);
     check(cudaGraphLaunch(graph.exec, stream_), "cudaGraphLaunch");
     int32_t runs = 0;
     read_bytes(&runs, graph.runs.get(), sizeof(runs));

@@ -211,3 +211,32 @@ def test_stats_and_limits(make_llm, path):
         ds.LLM(path, kv_cache_memory_bytes=100)
     with pytest.raises(ValueError, match="KV"):  # a request bigger than the whole cache
         make_llm(kv_cache_memory_bytes=20_000).generate([[1] * 400], params(0, n=8))
+
+
+def test_interrupt_ends_a_step_after_its_pass(make_llm):
+    """LLM.interrupt (the server's aborts call it from the event loop) ends the step in
+    progress after its pass instead of its slice, and the outputs do not change."""
+    llm = make_llm(slice_steps=8)
+    long = ds.SamplingParams(max_new_tokens=8, seed=0, max_denoising_steps=40, confidence_threshold=1e-30)
+    request = llm.add_request([5, 6, 7], long)
+    llm.step()  # the prompt, and the first steps of its block
+    passes = llm.stats()["forward_passes"]
+    llm.interrupt()
+    llm.step()
+    assert llm.stats()["forward_passes"] == passes + 1
+    llm.step()  # the interrupt was for that step only
+    assert llm.stats()["forward_passes"] > passes + 2
+    llm.abort(request)
+
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(0, 64, n).tolist() for n in (3, 17, 40)]
+    ps = [params(i, n=8 * (i + 1)) for i in range(3)]
+    expected = make_llm().generate(prompts, ps)
+    llm = make_llm(max_num_batched_tokens=24)
+    ids = [llm.add_request(prompt, p) for prompt, p in zip(prompts, ps)]
+    done = {}
+    while llm.has_unfinished():
+        llm.interrupt()  # every step one pass
+        done.update((out.request_id, out) for out in llm.step())
+    assert [done[i].token_ids for i in ids] == [e.token_ids for e in expected]
+    assert [done[i].denoise_steps for i in ids] == [e.denoise_steps for e in expected]

@@ -48,6 +48,16 @@ def test_encode_decode_match_transformers(checkpoint):
         assert ours.decode(ours.encode(text)) == theirs.decode(theirs.encode(text), skip_special_tokens=True) == text
 
 
+def test_long_text_encodes_as_transformers_does(checkpoint):
+    """A text past the length from which encoding lets go of the GIL gives the same ids."""
+    from diffuserve.tokenizer import _LONG_TEXT
+    ours, theirs = Tokenizer(checkpoint), AutoTokenizer.from_pretrained(checkpoint)
+    text = " ".join(TEXTS) * (_LONG_TEXT // len(" ".join(TEXTS)) + 1)
+    assert len(text) >= _LONG_TEXT
+    for special in (True, False):
+        assert ours.encode(text, add_special_tokens=special) == theirs.encode(text, add_special_tokens=special)
+
+
 def test_template_raise_exception(checkpoint):
     with pytest.raises(ChatTemplateError, match="unknown role: tool"):
         Tokenizer(checkpoint).apply_chat_template([{"role": "tool", "content": "x"}])

@@ -8,6 +8,7 @@
 // experts.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -490,8 +491,10 @@ class Backend {
   // `canvases` stopped; returns the runs. The body must do the same work every run, its
   // changing inputs in backend memory (a steady batch of denoise steps), so that a backend
   // may record it once and loop on the device (the CUDA backend: a graph with a while node).
-  virtual int repeat(const std::function<void()>& body, const std::vector<const CanvasState*>& canvases,
-                     int max_times);
+  // A loop on the host also stops once `interrupted` is set (Engine::interrupt); one on the
+  // device runs on, its runs being milliseconds.
+  virtual int repeat(const std::function<void()>& body, const std::vector<const CanvasState*>& canvases, int max_times,
+                     const std::atomic<bool>& interrupted);
 };
 
 std::unique_ptr<Backend> make_cpu_backend(int num_threads);

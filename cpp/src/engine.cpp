@@ -241,7 +241,7 @@ std::vector<std::pair<uint64_t, GenerationOutput>> Engine::step(const std::vecto
 
   std::vector<std::pair<uint64_t, GenerationOutput>> finished;
   Activation last_logits;  // the previous pass's
-  for (int pass = 0; pass < max_steps && !active.empty();) {
+  for (int pass = 0; pass < max_steps && !active.empty() && !(pass > 0 && interrupted_);) {
     // A denoising request's segment and its rows of the pass's logits.
     struct Denoiser {
       RequestState* r;
@@ -306,7 +306,7 @@ std::vector<std::pair<uint64_t, GenerationOutput>> Engine::step(const std::vecto
       }
     };
     int runs = 1;
-    if (steady) runs = be.repeat(run, states, max_steps - pass);
+    if (steady) runs = be.repeat(run, states, max_steps - pass, interrupted_);
     else run();
     pass += runs;
     passes_ += runs;
@@ -332,6 +332,9 @@ std::vector<std::pair<uint64_t, GenerationOutput>> Engine::step(const std::vecto
     // A request whose prompt is still incomplete waits for its next planned chunk.
     std::erase_if(active, [](const auto& a) { return a.second->table.length() < int64_t(a.second->prompt.size()); });
   }
+  // (Cleared only here: an interrupt that came during the step has ended it, and one that
+  // comes after this is for the next.)
+  interrupted_ = false;
   return finished;
 }
 

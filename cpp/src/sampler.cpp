@@ -179,11 +179,11 @@ void Backend::denoise_step(Activation& logits, CanvasState& canvas) {
   write_bytes(canvas.tokens, back.data(), at.allowed_ids - at.tokens);
 }
 
-int Backend::repeat(const std::function<void()>& body, const std::vector<const CanvasState*>& canvases,
-                    int max_times) {
+int Backend::repeat(const std::function<void()>& body, const std::vector<const CanvasState*>& canvases, int max_times,
+                    const std::atomic<bool>& interrupted) {
   for (int runs = 1;; ++runs) {
     body();
-    if (runs >= max_times) return runs;
+    if (runs >= max_times || interrupted) return runs;
     for (const CanvasState* c : canvases)
       if (canvas_stopped(*this, *c)) return runs;
   }

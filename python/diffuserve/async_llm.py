@@ -100,6 +100,11 @@ class AsyncLLM:
         finally:
             if not finished:
                 self._commands.put(("abort", key, None))
+                # The engine thread reads commands only between steps, and a step of
+                # slice_steps passes over a large batch takes tens of seconds on a CPU: end
+                # it after its current pass. (After the put: the step clears the interrupt
+                # as it returns, and the thread then reads the abort.)
+                self.llm.interrupt()
 
     @property
     def alive(self) -> bool:

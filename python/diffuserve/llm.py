@@ -137,6 +137,12 @@ class LLM:
         """The argmax canvas of the block a request is refining ([] between blocks)."""
         return list(self._engine.draft(request_id))
 
+    def interrupt(self) -> None:
+        """Ends the step in progress after its current pass (or the next step after its
+        first), so that another thread waiting to abort a request need not wait for the whole
+        slice. Takes no lock: meant to be called while step() runs."""
+        self._engine.interrupt()
+
     @_locked
     def step(self) -> List[RequestOutput]:
         """Runs one scheduler step; returns the requests that finished in it (and those of

@@ -123,12 +123,14 @@ class _Server:
             raise ApiError(404, f"the model {name!r} does not exist; this server serves {self.model_name!r}",
                            param="model", code="model_not_found")
 
-    def prompt_ids(self, prompt, param: str = "prompt", add_special_tokens: bool = True) -> List[int]:
-        """A prompt's token ids: given, or its text encoded (text that is not valid Unicode: a 400)."""
+    async def prompt_ids(self, prompt, param: str = "prompt", add_special_tokens: bool = True) -> List[int]:
+        """A prompt's token ids: given, or its text encoded (text that is not valid Unicode: a 400).
+        The encoding runs in a worker thread: a text of megabytes takes seconds, which the
+        event loop spends serving the others."""
         if not isinstance(prompt, str):
             return list(prompt)
         try:
-            return self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+            return await asyncio.to_thread(self.tokenizer.encode, prompt, add_special_tokens=add_special_tokens)
         except ValueError as e:
             raise ApiError(400, str(e), param=param) from None
 
@@ -343,7 +345,7 @@ def build_app(engine: AsyncLLM, model_name: str, api_key: Optional[str] = None) 
     async def completions(request: Request):
         body = parse(CompletionRequest, await _json_body(request))
         server.check_model(body.model)
-        prompts = [server.prompt_ids(p) for p in body.prompts()]
+        prompts = [await server.prompt_ids(p) for p in body.prompts()]
         return await server.run(request, body, prompts, body.max_tokens, _Format(model_name, chat=False))
 
     @v1.post("/chat/completions")
@@ -356,7 +358,7 @@ def build_app(engine: AsyncLLM, model_name: str, api_key: Optional[str] = None) 
             raise ApiError(400, str(e), param="messages") from None
         except ValueError as e:  # no chat template
             raise ApiError(400, str(e), param="messages", code="no_chat_template") from None
-        prompt = server.prompt_ids(text, "messages", add_special_tokens=False)  # the template wrote them
+        prompt = await server.prompt_ids(text, "messages", add_special_tokens=False)  # the template wrote them
         return await server.run(request, body, [prompt], body.max_new_tokens(), _Format(model_name, chat=True))
 
     app.include_router(v1)

@@ -19,6 +19,9 @@ from . import _core
 from ._checks import check_unicode
 from .chat_template import ChatTemplate
 
+# Characters from which a text is encoded without holding the GIL (Tokenizer.encode): about
+# 30 ms of encoding at a few MB/s.
+_LONG_TEXT = 100_000
 _SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
 
 
@@ -108,11 +111,17 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> List[int]:
         """Token ids of `text`; add_special_tokens applies the tokenizer's post-processor
         (e.g. a leading <bos>), as transformers' encode does. Text that is not a valid Unicode
-        string (a lone surrogate, say) is a ValueError."""
+        string (a lone surrogate, say) is a ValueError. Other threads run meanwhile."""
         if not isinstance(text, str):
             raise ValueError(f"text must be a string, got {type(text).__name__}")
         check_unicode("text", text)
-        return self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+        # The tokenizers library's encode holds the GIL throughout (a 5 MB text, ~15 s, stopped
+        # every other thread, the server's event loop too); encode_batch lets go of it, the
+        # same ids. Only for long texts: encode_batch marks the library's thread pool used, and
+        # a process that forks after that gets its warning (and loses its parallelism).
+        if len(text) < _LONG_TEXT:
+            return self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+        return self._tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
         return self._tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)

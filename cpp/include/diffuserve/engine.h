@@ -11,6 +11,7 @@
 // cost one forward instead of two.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -56,6 +57,11 @@ class Engine {
   // `max_batched_tokens` rows. Returns the requests that finished.
   std::vector<std::pair<uint64_t, GenerationOutput>> step(const std::vector<StepPlan>& plan, int max_steps,
                                                           int64_t max_batched_tokens);
+  // Ends the step in progress after its current pass (or the next step after its first):
+  // a step of many passes over a large batch takes tens of seconds on a CPU, and a caller
+  // with a request to abort should not wait for all of them. Any thread may call it, also
+  // while step() runs (it takes no lock).
+  void interrupt() { interrupted_ = true; }
 
   // Tokens a request must encode before its next denoise step (prompt or committed blocks).
   int64_t pending_tokens(uint64_t id) const;
@@ -77,6 +83,7 @@ class Engine {
   std::shared_ptr<Model> model_;
   bool fuse_commit_;
   int64_t passes_ = 0;
+  std::atomic<bool> interrupted_ = false;
   std::map<uint64_t, std::unique_ptr<RequestState>> requests_;
 };
 
