@@ -207,13 +207,12 @@ void bind_generate(nb::module_& m) {
       .def("generated", &Engine::generated, nb::arg("id"))
       .def("draft", &Engine::draft, nb::arg("id"))
       .def("denoise_steps", &Engine::denoise_steps, nb::arg("id"))
-      .def(
-          "step",
-          [](Engine& self, const std::vector<StepPlan>& plan, int max_steps, int64_t max_batched_tokens) {
-            nb::gil_scoped_release release;
-            return self.step(plan, max_steps, max_batched_tokens);
-          },
-          nb::arg("plan"), nb::arg("max_steps"), nb::arg("max_batched_tokens"))
+      .def("step",
+           [](Engine& self, const std::vector<StepPlan>& plan, int max_steps, int64_t max_batched_tokens) {
+             nb::gil_scoped_release release;
+             return self.step(plan, max_steps, max_batched_tokens);
+           },
+           nb::arg("plan"), nb::arg("max_steps"), nb::arg("max_batched_tokens"))
       .def("interrupt", &Engine::interrupt)
       .def("__len__", &Engine::size);
 }

@@ -343,6 +343,8 @@ class Parser {
 
 }  // namespace
 
-Value parse(std::string_view text, const std::string& what) { return Parser(text, what).document(); }
+Value parse(std::string_view text, const std::string& what) {
+  return Parser(text, what).document();
+}
 
 }  // namespace diffuserve::json
