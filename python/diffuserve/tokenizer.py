@@ -93,7 +93,8 @@ class Tokenizer:
     def from_checkpoint(cls, path) -> Optional["Tokenizer"]:
         """The tokenizer of a checkpoint directory, or None when it has no tokenizer.json."""
         path = os.fspath(path)
-        return cls(path) if _present(os.path.join(path, "tokenizer.json")) else None
+        # (Anything there, a broken link too, is for the constructor's _present to judge.)
+        return cls(path) if os.path.lexists(os.path.join(path, "tokenizer.json")) else None
 
     @property
     def vocab_size(self) -> int:
@@ -111,7 +112,8 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> List[int]:
         """Token ids of `text`; add_special_tokens applies the tokenizer's post-processor
         (e.g. a leading <bos>), as transformers' encode does. Text that is not a valid Unicode
-        string (a lone surrogate, say) is a ValueError. Other threads run meanwhile."""
+        string (a lone surrogate, say) is a ValueError. A text of _LONG_TEXT characters or more
+        is encoded without holding the GIL: other threads run meanwhile."""
         if not isinstance(text, str):
             raise ValueError(f"text must be a string, got {type(text).__name__}")
         check_unicode("text", text)
