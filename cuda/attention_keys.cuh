@@ -59,6 +59,59 @@ struct KeyWalk {
     return {last_span + 1, 0};
   }
   __device__ bool has(Cursor c) const { return c.span <= last_span; }
+
+  // The next kKeys visible keys from cursor c on (fewer where the piece ends first), found by
+  // kKeys / 32 warps together: every lane calls it with the same c, `warp` its warp's place
+  // among them. found(i, span, key) is called for the i-th of them (key `key` of span
+  // `span`) by lane i % 32 of warp i / 32, where there is one; returns how many there are
+  // and moves c past them. The lanes read 32 spans at once and add up their visible keys
+  // (every warp alike, and each works out the same c), so that a chunk's keys cost one round
+  // trip to the span table, where advance() walks it a span after the other (pages of 16
+  // keys: a round trip for every 16 keys).
+  template <int kKeys, class Found>
+  __device__ int gather(Cursor& c, int warp, int lane, Found&& found) const {
+    static_assert(kKeys % 32 == 0, "whole warps");
+    constexpr unsigned kAll = 0xffffffffu;
+    int filled = 0;
+    while (filled < kKeys && c.span <= last_span) {
+      const int span = c.span + lane;
+      int64_t lo = 0, hi = 0;
+      if (span <= last_span) range(span, lo, hi);
+      if (lane == 0 && c.key > lo) lo = c.key;
+      // This lane's visible keys (no more than a chunk takes) and the sum up to its own.
+      const int count = int(hi > lo ? (hi - lo < kKeys ? hi - lo : kKeys) : 0);
+      int upto = count;
+#pragma unroll
+      for (int o = 1; o < 32; o <<= 1) {
+        const int v = __shfl_up_sync(kAll, upto, o);
+        if (lane >= o) upto += v;
+      }
+      const int total = __shfl_sync(kAll, upto, 31);
+      // The warp's 32 keys of the chunk (one pass; a single warp's start is known at compile
+      // time, which made the full layers' kernel faster on the H200).
+#pragma unroll
+      for (int base = kKeys > 32 ? 32 * warp : 0; base < kKeys; base += kKeys) {
+        const int wanted = base + lane - filled;  // this lane's key, counted in this round
+        // The lane whose span holds it: the first whose running sum passes it.
+        int holder = 0;
+#pragma unroll
+        for (int step = 16; step > 0; step >>= 1)
+          if (__shfl_sync(kAll, upto, holder + step - 1) <= wanted) holder += step;
+        const int before = __shfl_sync(kAll, upto - count, holder), first = __shfl_sync(kAll, int(lo), holder);
+        if (wanted >= 0 && wanted < total && base + lane < kKeys)
+          found(base + lane, c.span + holder, first + wanted - before);
+      }
+      if (filled + total >= kKeys) {  // the chunk ends in this round's spans
+        const int holder = __ffs(__ballot_sync(kAll, filled + upto >= kKeys)) - 1;
+        const int before = __shfl_sync(kAll, upto - count, holder), first = __shfl_sync(kAll, int(lo), holder);
+        c = {c.span + holder, first + kKeys - filled - before};
+        return kKeys;
+      }
+      filled += total;
+      c = {c.span + 32, 0};
+    }
+    return filled;
+  }
 };
 
 // Output values `at` .. at + kCount - 1 (an offset into the output's rows; kCount 2 or 4, `at`

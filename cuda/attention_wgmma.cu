@@ -69,6 +69,12 @@
 // half the vectors. At 16x1K (ncu) the sliding layer keeps L2 33% and DRAM 20% busy (its
 // DRAM reads are the keys', values' and queries' own bytes), the SM 35%: each item's ~32 us
 // is latency, at every batch (one wave of 128 items at 1x1K, 15.5 waves at 16x1K).
+// Thirty-fifth session: ncu's samples (sliding layer, 1x1K, caches flushed) fell 30% before
+// the chunk loop, much of it on the first barrier, waiting for the look-ups of chunks 0 and
+// 1, which each thread made by walking the span table a page of 16 keys at a time; they are
+// a warp's together now (KeyWalk::gather, one round trip a chunk): attention_bench, full
+// layer 69 -> 67.5 us at 1x1K, 279 -> 269 at 4x1K, 390 -> 361 at 1x8K (chunks of 32 keys),
+// sliding layer 30.0 -> 29.8-30.1 and 127 -> 125 at 4x1K.
 #include <cooperative_groups.h>
 
 #include <cmath>
@@ -252,24 +258,20 @@ __global__ void __launch_bounds__(kThreads, 1)
     m_run[h] = -INFINITY, l_run[h] = 0.0f;
   }
 
-  // Threads 0..kKeys-1 look up key `tid` of each chunk: its bf16 row (key_row) and its
-  // position (table slot `slot`); whether it exists.
+  // Threads 0..kKeys-1 look up each chunk's keys together (KeyWalk::gather), thread `tid`
+  // the chunk's key `tid`: its bf16 row (key_row) and position, into table slot `slot`;
+  // whether the chunk has keys. `cursor`: the next chunk's first key.
   const KeyWalk walk = queries.keys(spans);
-  Cursor cursor{};
-  if (tid < kKeys) cursor = walk.advance({item.span, item.key}, tid);
+  Cursor cursor{item.span, item.key};
   auto look_up = [&](int slot) {
     if (tid >= kKeys) return false;
-    const bool valid = walk.has(cursor);
-    int row = kNoRow, position = kNoKey;
-    if (valid) {
-      const DeviceKeySpan s = spans[cursor.span];
-      row = s.pool_row >= 0 ? pool_row(s.pool_row + cursor.key) : int(s.packed + cursor.key);
-      position = relative_position(s.first_position + cursor.key, seg.first_position);
-      cursor = walk.advance(cursor, kKeys);
-    }
-    key_rows[slot][tid] = row;
-    key_pos[slot][tid] = position;
-    return valid;
+    const int count = walk.gather<kKeys>(cursor, warp, lane, [&](int i, int span, int key) {
+      const DeviceKeySpan s = spans[span];
+      key_rows[slot][i] = s.pool_row >= 0 ? pool_row(s.pool_row + key) : int(s.packed + key);
+      key_pos[slot][i] = relative_position(s.first_position + key, seg.first_position);
+    });
+    if (tid >= count) key_rows[slot][tid] = kNoRow, key_pos[slot][tid] = kNoKey;
+    return count > 0;
   };
 
   // The keys and values of chunk c (table slot c % 3) into K's buffer c % 2 and V's c % 3, by cp.async

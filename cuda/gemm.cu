@@ -76,7 +76,11 @@
 //       on an illegal instruction on the H200 (CUDA 13.0's ptxas; the disassembly shows
 //       those copies alone with an odd descriptor register, desc[UR1], beside an address
 //       in [R + UR0]; the policy made once a thread; made beside each copy, it compiled
-//       to the same and was not run) (thirtieth session). Nor did tiles that carry their
+//       to the same and was not run) (thirtieth session). Keeping those outputs in L2 as
+//       persisting lines instead (an access-policy window on the down product's launch,
+//       the L2 set aside for persisting lines at its most, 37.5 of the H200's 60 MB, the
+//       lines made normal again by the norm that sums them) made the steps 28-34% slower
+//       (16.9 -> 21.7 ms at batch 1, 1K; thirty-fifth session). Nor did tiles that carry their
 //       segment by value (a block's copies one look-up from its start, not two): batch-1
 //       up / down 240.7-240.8 / 133.1-134.0 -> 240.4-240.6 / 133.2-133.5 us, the steps
 //       alike (thirty-fourth session). At batch 1 the tiles stream the bf16 experts at 4.22
