@@ -262,6 +262,8 @@ BAD_CONFIGS = {
     "hidden_activation": ("text_config.hidden_activation", "relu", ["hidden_activation", "'relu' is not supported"]),
     "per-layer override": ("text_config.per_layer_config.1.sliding_window", 4,
                            ["per_layer_config.1.sliding_window", "not a supported per-layer override"]),
+    "one layer overridden twice": ("text_config.per_layer_config.01", {"head_dim": 16},
+                                   ["per_layer_config.1 names the same layer as per_layer_config.01"]),
     "eos outside the vocabulary": ("text_config.eos_token_id", [1, 64],
                                    ["text_config.eos_token_id = 64 is out of range [0, 63]"]),
     "pad outside the vocabulary": ("text_config.pad_token_id", 999, ["text_config.pad_token_id = 999 is out of range"]),

@@ -154,6 +154,22 @@ def test_last_layer_is_full_whatever_layer_types_says(tmp_path):
     check_logits(seq.denoise(canvas), ref.denoise(canvas), where="last layer", atol=FP32_ATOL)
 
 
+def test_per_layer_keys_as_transformers_writes_them(tmp_path):
+    """From ten layers on transformers writes per_layer_config's keys zero-padded ("05", "10")
+    and reads them as layer indices: so does diffuserve (it had looked "5" up, given the full
+    layers the sliding layers' head_dim and refused their weights)."""
+    text_cfg = text([S] * 5 + [F] + [S] * 4 + [F], hidden_size=16, intermediate_size=16, num_attention_heads=2,
+                    num_key_value_heads=1, moe_intermediate_size=8, num_experts=2, top_k_experts=1)
+    path = save(build_model(text_cfg, 8), tmp_path / "m")
+    assert sorted(json.loads((path / "config.json").read_text())["text_config"]["per_layer_config"]) == ["05", "10"]
+    seq, ref = ds.Model.load(path).sequence(), ReferenceSequence(load(path, torch.float32))
+    for s in (seq, ref):
+        s.prefill(np.arange(3, 15))
+    assert seq.kv(5)[0].shape[-1] == 16  # the full layers' global head_dim
+    canvas = np.arange(30, 38)
+    check_logits(seq.denoise(canvas), ref.denoise(canvas), where="eleven layers", atol=FP32_ATOL)
+
+
 def test_chunked_prefill_equals_one_prefill(tmp_path):
     """Prefill in pieces gives the same cache and logits as one prefill (causal encoder)."""
     text_cfg = text([S, F, F])

@@ -10,6 +10,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <limits>
+#include <map>
 #include <set>
 
 #include "diffuserve/errors.h"
@@ -273,13 +274,18 @@ ModelConfig load_config(const std::string& dir) {
     t.fail("layer_types", "must list one type per layer (" + std::to_string(c.num_layers) + ")");
   const json::Value* rope = t.get("rope_parameters");
   if (!rope || !rope->is_object()) t.fail("rope_parameters", "is missing or not an object");
+  // Overrides by layer index. transformers writes the keys zero-padded to the widest index
+  // ("05", "11" where a layer index has two digits) and reads them as integers: so does this.
   const json::Value* per_layer = t.get("per_layer_config");
   if (per_layer && !per_layer->is_object()) t.fail("per_layer_config", "must be an object");
+  std::map<int, std::pair<std::string, const json::Value*>> overrides;  // layer -> (key, override)
   if (per_layer)
     for (const auto& [key, value] : per_layer->object) {
       const bool is_layer = !key.empty() && key.size() < 6 && std::all_of(key.begin(), key.end(), ::isdigit) &&
                             std::stoi(key) < c.num_layers;
       if (!is_layer) t.fail("per_layer_config." + key, "does not name a layer index below num_hidden_layers");
+      const auto [at, added] = overrides.emplace(std::stoi(key), std::pair{key, &value});
+      if (!added) t.fail("per_layer_config." + key, "names the same layer as per_layer_config." + at->second.first);
     }
 
   for (int i = 0; i < c.num_layers; ++i) {
@@ -294,8 +300,9 @@ ModelConfig load_config(const std::string& dir) {
     L.has_v_proj = L.sliding;
     L.head_dim = head_dim;
     L.num_kv_heads = kv_heads;
-    if (const json::Value* o = per_layer ? per_layer->find(std::to_string(i)) : nullptr) {
-      const std::string where = "per_layer_config." + std::to_string(i) + ".";
+    if (const auto found = overrides.find(i); found != overrides.end()) {
+      const json::Value* o = found->second.second;
+      const std::string where = "per_layer_config." + found->second.first + ".";
       if (!o->is_object()) t.fail(where, "must be an object");
       Fields f{*o, path, "text_config." + where};
       for (const auto& [key, value] : o->object)
