@@ -170,6 +170,29 @@ def test_per_layer_keys_as_transformers_writes_them(tmp_path):
     check_logits(seq.denoise(canvas), ref.denoise(canvas), where="eleven layers", atol=FP32_ATOL)
 
 
+@pytest.mark.parametrize("global_fields", [{"global_head_dim": 16, "num_global_key_value_heads": 1}, {}])
+def test_full_layers_shaped_without_per_layer_config(tmp_path, global_fields):
+    """A config.json without per_layer_config (Gemma-4 style: global_head_dim and
+    num_global_key_value_heads, or neither) gets the overrides transformers makes for it: the
+    full layers take global_head_dim, 512 where it is not given, and num_global_key_value_heads
+    where given (diffuserve had given them head_dim and refused their weights)."""
+    head_dim = global_fields.get("global_head_dim", 512)
+    text_cfg = text([S, F, S, F], global_head_dim=head_dim, num_global_key_value_heads=1 if global_fields else 2)
+    path = save(build_model(text_cfg, 8), tmp_path / "m")
+    cfg = json.loads((path / "config.json").read_text())
+    for key in ("per_layer_config", "global_head_dim", "num_global_key_value_heads"):
+        cfg["text_config"].pop(key, None)
+    cfg["text_config"].update(global_fields)
+    (path / "config.json").write_text(json.dumps(cfg))
+    seq, ref = ds.Model.load(path).sequence(), ReferenceSequence(load(path, torch.float32))
+    for s in (seq, ref):
+        s.prefill(np.arange(3, 15))
+    assert seq.kv(1)[0].shape[-1] == head_dim and seq.kv(3)[0].shape[-1] == head_dim
+    check_kv(seq, ref, 4, FP32_ATOL, "after prefill")
+    canvas = np.arange(30, 38)
+    check_logits(seq.denoise(canvas), ref.denoise(canvas), where="no per_layer_config", atol=FP32_ATOL)
+
+
 def test_chunked_prefill_equals_one_prefill(tmp_path):
     """Prefill in pieces gives the same cache and logits as one prefill (causal encoder)."""
     text_cfg = text([S, F, F])

@@ -276,6 +276,13 @@ ModelConfig load_config(const std::string& dir) {
   if (!rope || !rope->is_object()) t.fail("rope_parameters", "is missing or not an object");
   // Overrides by layer index. transformers writes the keys zero-padded to the widest index
   // ("05", "11" where a layer index has two digits) and reads them as integers: so does this.
+  // Where config.json has no per_layer_config at all, transformers makes one (its text
+  // config's __post_init__): every full-attention layer takes global_head_dim (512 where that
+  // is not given either) and num_global_key_value_heads where given. So does this.
+  const bool derived_overrides = !t.obj.find("per_layer_config");
+  const int global_head_dim = derived_overrides ? int(t.integer_or("global_head_dim", 512, 1, kMaxDim)) : 0;
+  const int global_kv_heads =
+      derived_overrides ? int(t.integer_or("num_global_key_value_heads", kv_heads, 1, c.num_heads)) : 0;
   const json::Value* per_layer = t.get("per_layer_config");
   if (per_layer && !per_layer->is_object()) t.fail("per_layer_config", "must be an object");
   std::map<int, std::pair<std::string, const json::Value*>> overrides;  // layer -> (key, override)
@@ -298,8 +305,8 @@ ModelConfig load_config(const std::string& dir) {
     const std::string kind = i == c.num_layers - 1 ? "full_attention" : type.string;
     L.sliding = kind == "sliding_attention";
     L.has_v_proj = L.sliding;
-    L.head_dim = head_dim;
-    L.num_kv_heads = kv_heads;
+    L.head_dim = derived_overrides && !L.sliding ? global_head_dim : head_dim;
+    L.num_kv_heads = derived_overrides && !L.sliding ? global_kv_heads : kv_heads;
     if (const auto found = overrides.find(i); found != overrides.end()) {
       const json::Value* o = found->second.second;
       const std::string where = "per_layer_config." + found->second.first + ".";
