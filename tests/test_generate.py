@@ -1,4 +1,5 @@
 """Generation end to end: against transformers' generate, and the sampler's behaviour."""
+import json
 import threading
 
 import numpy as np
@@ -134,6 +135,19 @@ def test_stability_thresholds_past_the_step_limit_are_one(checkpoints):
     assert all(o.token_ids == outs[0].token_ids and o.denoise_steps == [3, 3, 3] for o in outs)
 
 
+def test_a_stability_window_of_gigabytes_is_refused(checkpoints):
+    """Thresholds past 1,024 steps that max_denoising_steps leaves in force are refused up front
+    (a block keeps that many canvases: 2^24 of them had taken 4 GB, 2^31 failed the step of
+    every request batched with it); the largest allowed runs."""
+    llm = ds.LLM(checkpoints["small"])
+    for steps, threshold in ((2**24, 2**24), (2**31 - 1, 1025)):
+        with pytest.raises(ValueError, match="stability_threshold .* at most 1024"):
+            llm.generate([[3, 4]], ds.SamplingParams(max_denoising_steps=steps, stability_threshold=threshold))
+    out = llm.generate([[3, 4]], ds.SamplingParams(max_new_tokens=4, max_denoising_steps=2**31 - 1,
+                                                   stability_threshold=1024, eos_token_id=[], seed=0, **GREEDY))[0]
+    assert len(out.token_ids) == 4
+
+
 def test_max_new_tokens_cuts_the_last_block(checkpoints):
     llm = ds.LLM(checkpoints["small"])
     out = llm.generate([[3, 4]], ds.SamplingParams(max_new_tokens=11, eos_token_id=[], max_denoising_steps=3, seed=0))[0]
@@ -221,6 +235,9 @@ def test_invalid_params_name_the_parameter(kwargs, name):
     (dict(seed_canvas=[1] * 7), "seed_canvas"), (dict(seed_canvas=[1] * 7 + [96]), "seed_canvas"),
     (dict(seed_canvas=[1] * 8, pinned_positions=[8]), "pinned_positions"),
     (dict(allowed_token_ids=[3, 200]), "allowed_token_ids"),
+    # Logits over so cold a temperature overflow (had failed the step as the model's NaN).
+    (dict(t_min=0.0, t_max=1e-38), "t_max and t_min give a smallest temperature of"),
+    (dict(t_min=0.0, t_max=1e-18, max_denoising_steps=1000), "smallest temperature of 1e-21"),
 ])
 def test_params_checked_against_the_model(checkpoints, kwargs, name):
     llm = ds.LLM(checkpoints["small"])
@@ -238,6 +255,17 @@ def test_params_checked_against_the_model(checkpoints, kwargs, name):
 def test_bad_generate_calls(checkpoints, prompts, params, match):
     with pytest.raises(ValueError, match=match):
         ds.LLM(checkpoints["small"]).generate(prompts, params)
+
+
+def test_a_prompt_too_long_for_any_block_is_blamed_on_the_prompt(checkpoints):
+    """Not on max_new_tokens, which no value would have helped (the server then names
+    `prompt`, or `messages` for a chat)."""
+    cfg = json.loads((checkpoints["small"] / "config.json").read_text())["text_config"]
+    llm = ds.LLM(checkpoints["small"])
+    with pytest.raises(ValueError, match=r"prompt 0: prompt: \d+ tokens leave no room for a block of 8 new tokens"):
+        llm.generate([[3] * (cfg["max_position_embeddings"] - 7)], ds.SamplingParams(max_new_tokens=1))
+    with pytest.raises(ValueError, match="max_new_tokens 9: the prompt"):
+        llm.generate([[3] * (cfg["max_position_embeddings"] - 8)], ds.SamplingParams(max_new_tokens=9))
 
 
 @pytest.mark.parametrize("kwargs, name", [

@@ -185,6 +185,16 @@ def test_draft_streaming(base_url):
     ("completions", "[" * 100_000 + "]" * 100_000, 400, None, None),
     ("chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "text"}]}]}, 400,
      "messages[0].content[0]", None),
+    # No content: the template had printed "None" into the prompt (an assistant turn may have none).
+    ("chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": None}]}, 400,
+     "messages[0].content", None),
+    ("chat/completions", {"model": MODEL, "messages": [{"role": "user"}]}, 400, "messages[0].content", None),
+    # Python's NaN literal is not JSON (it had reached the checks as a number: "must be <= 2").
+    ("completions", '{"model": "%s", "prompt": "x", "temperature": NaN}' % MODEL, 400, None, None),
+    # A prompt no block fits after is the prompt's fault, not max_tokens'.
+    ("completions", {"model": MODEL, "prompt": [5] * 200_000}, 400, "prompt", "invalid_value"),
+    ("chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x " * 200_000}]}, 400,
+     "messages", "invalid_value"),
 ])
 def test_error_bodies(base_url, path, body, status, param, code):
     content = body if isinstance(body, str) else json.dumps(body)
@@ -236,6 +246,13 @@ def test_api_key(offline):
             "invalid_api_key"
         assert http.get("/v1/models", headers={"Authorization": "Bearer secret"}).status_code == 200
         assert http.get("/health").status_code == 200
+
+
+@pytest.mark.parametrize("key", ["", " secret", "clé", "a\nb"])
+def test_api_keys_no_client_could_send_are_refused(offline, key):
+    """An empty key (KEY= in an environment file) had locked every client out unannounced."""
+    with pytest.raises(ValueError, match="API key must be printable ASCII"):
+        build_app(None, MODEL, api_key=key)
 
 
 async def _stream(base_url, i, leave_early):

@@ -133,6 +133,10 @@ void Engine::add(uint64_t id, std::vector<int32_t> prompt, const SamplingParams&
   // Every block is denoised at full canvas width, so the last one may reach past max_new_tokens.
   const int64_t blocks = (int64_t(params.max_new_tokens) + r->canvas - 1) / r->canvas;
   const int64_t total = int64_t(prompt.size()) + blocks * r->canvas;
+  if (int64_t(prompt.size()) + r->canvas > c.max_position_embeddings)  // the prompt's fault, whatever max_new_tokens
+    throw InvalidArgument("prompt: " + std::to_string(prompt.size()) + " tokens leave no room for a block of " +
+                          std::to_string(r->canvas) + " new tokens within max_position_embeddings (" +
+                          std::to_string(c.max_position_embeddings) + ")");
   if (total > c.max_position_embeddings)
     throw InvalidArgument("max_new_tokens " + std::to_string(params.max_new_tokens) + ": the prompt (" +
                           std::to_string(prompt.size()) + " tokens) plus that many new tokens in blocks of " +

@@ -3,8 +3,10 @@
 
 #include <climits>
 #include <cmath>
+#include <cstdio>
 
 #include "diffuserve/engine.h"
+#include "sampler.h"
 
 namespace diffuserve {
 namespace {
@@ -36,6 +38,11 @@ SamplingParams sampling_defaults(const ModelConfig& c) {
   return p;
 }
 
+// The most argmax canvases a block keeps to judge its stability (stability_threshold).
+constexpr int kMaxStabilityThreshold = 1024;
+// The smallest temperature a step may take.
+constexpr float kMinTemperature = 1e-20f;
+
 void validate(const SamplingParams& p, const ModelConfig& c) {
   if (p.max_new_tokens < 1) bad("max_new_tokens", "must be >= 1, got " + std::to_string(p.max_new_tokens));
   if (p.max_denoising_steps < 1)
@@ -43,8 +50,28 @@ void validate(const SamplingParams& p, const ModelConfig& c) {
   // As transformers: t_min >= 0 and t_max > t_min, so every step's temperature is > 0.
   if (!std::isfinite(p.t_min) || p.t_min < 0) bad("t_min", "must be a finite number >= 0");
   if (!std::isfinite(p.t_max) || p.t_max <= p.t_min) bad("t_max", "must be a finite number > t_min");
+  // The logits are divided by each step's temperature: below kMinTemperature they could
+  // overflow to infinity, which the step would then refuse as the model's own NaN.
+  if (const float coldest = schedule_temperature(p.t_min, p.t_max, 1, p.max_denoising_steps);
+      coldest < kMinTemperature) {
+    char text[160];
+    std::snprintf(text, sizeof text,
+                  "and t_min give a smallest temperature of %g (t_min + (t_max - t_min) / "
+                  "max_denoising_steps), below %g",
+                  coldest, kMinTemperature);
+    bad("t_max", std::string(text) + ", where the scaled logits may overflow (1e-6 makes sampling greedy already)");
+  }
   if (!(p.entropy_bound > 0) || std::isnan(p.entropy_bound)) bad("entropy_bound", "must be > 0");
   if (p.stability_threshold < 0) bad("stability_threshold", "must be >= 0");
+  // A block compares its argmax canvas with the last min(stability_threshold,
+  // max_denoising_steps) ones, which it keeps (on the host and on the device): bounded, so
+  // that one request cannot ask for gigabytes of them (and fail the step of every other).
+  if (std::min(p.stability_threshold, p.max_denoising_steps) > kMaxStabilityThreshold)
+    bad("stability_threshold", std::to_string(p.stability_threshold) + " with max_denoising_steps " +
+                                   std::to_string(p.max_denoising_steps) + ": a block would keep " +
+                                   std::to_string(std::min(p.stability_threshold, p.max_denoising_steps)) +
+                                   " canvases to compare; at most " + std::to_string(kMaxStabilityThreshold) +
+                                   " (a threshold from max_denoising_steps on never holds)");
   if (!(p.confidence_threshold > 0) || std::isnan(p.confidence_threshold)) bad("confidence_threshold", "must be > 0");
   check_token_list(p.eos_token_ids, "eos_token_ids", c.vocab_size);
   if (p.canvas_length < 0 || p.canvas_length > c.canvas_length)

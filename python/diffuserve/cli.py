@@ -74,8 +74,12 @@ def serve(args) -> None:
     import uvicorn
 
     from .async_llm import AsyncLLM
-    from .server import build_app
+    from .server import build_app, check_api_key
 
+    try:
+        check_api_key(args.api_key)
+    except ValueError as e:
+        sys.exit(f"error: --api-key (or DIFFUSERVE_API_KEY): {e}")
     llm = _load(args.model, args)
     if llm.tokenizer is None:
         sys.exit(f"error: {args.model} has no tokenizer.json; the server needs one to read and write text")

@@ -163,6 +163,10 @@ class ChatCompletionRequest(_GenerationRequest):
         out = []
         for i, message in enumerate(self.messages):
             content = message.content
+            if content is None:  # the template would print it as "None"
+                if message.role != "assistant":  # an assistant's turn of tool calls alone may have none
+                    raise ApiError(400, f"a {message.role} message needs content", param=f"messages[{i}].content")
+                content = ""
             if isinstance(content, str):
                 _check_unicode(content, f"messages[{i}].content")
             if isinstance(content, list):

@@ -21,6 +21,7 @@ from typing import AsyncIterator, Dict, List, Optional
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 
 from .async_llm import AsyncLLM, EngineError
 from .chat_template import ChatTemplateError
@@ -282,19 +283,36 @@ class _Format:
         return body
 
 
+def _refuse_constant(name: str):
+    raise ValueError(f"{name} is not a JSON value")
+
+
 async def _json_body(request: Request):
-    raw = await request.body()
     try:
-        return json.loads(raw)
+        raw = await request.body()
+    except ClientDisconnect:  # gone before its body was in: nothing to answer, nothing to log
+        raise ApiError(400, "the client disconnected while sending the request body") from None
+    try:
+        return json.loads(raw, parse_constant=_refuse_constant)  # NaN and Infinity are Python's, not JSON's
     except ValueError as e:
         raise ApiError(400, f"the request body is not valid JSON: {e}") from None
     except RecursionError:
         raise ApiError(400, "the request body's JSON is nested too deeply") from None
 
 
+def check_api_key(api_key: Optional[str]) -> None:
+    """Refuses a key no client could send in its Authorization header, or an empty one (KEY= in
+    an environment file), which would lock every client out unannounced."""
+    if api_key is not None and not (api_key and api_key.isascii() and api_key.isprintable() and
+                                    api_key == api_key.strip()):
+        raise ValueError("the API key must be printable ASCII, not empty and without surrounding spaces: an HTTP "
+                         "header carries it")
+
+
 def build_app(engine: AsyncLLM, model_name: str, api_key: Optional[str] = None) -> FastAPI:
     """The FastAPI app serving `engine` under `model_name`. The app owns the engine: its
     shutdown aborts what is still running and stops the engine thread."""
+    check_api_key(api_key)
     server = _Server(engine, model_name)
 
     @asynccontextmanager
