@@ -327,6 +327,12 @@ class CudaBackend final : public Backend {
     check(cudaMemGetInfo(&free, &total), "cudaMemGetInfo");
     return int64_t(double(free) * 0.8);
   }
+  int64_t memory_bytes() override {
+    bind();
+    size_t free = 0, total = 0;
+    check(cudaMemGetInfo(&free, &total), "cudaMemGetInfo");
+    return int64_t(total);
+  }
 
   Weight upload(const void* host, DType dtype, const std::vector<int64_t>& shape, DType as,
                 std::shared_ptr<const void>) override {

@@ -1,5 +1,6 @@
 """Generation end to end: against transformers' generate, and the sampler's behaviour."""
 import json
+import os
 import threading
 
 import numpy as np
@@ -276,6 +277,16 @@ def test_a_prompt_too_long_for_any_block_is_blamed_on_the_prompt(checkpoints):
 def test_invalid_llm_limits_name_the_argument(checkpoints, kwargs, name):
     with pytest.raises(ValueError, match=name):
         ds.LLM(checkpoints["small"], **kwargs)
+
+
+def test_a_kv_cache_larger_than_memory_is_refused_before_loading(checkpoints):
+    """A budget past the machine's memory (a typo: 4096 GiB for 4) had filled tens of GB of
+    block tables before failing; one too small names the layers it starves."""
+    physical = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    with pytest.raises(ValueError, match=f"kv_cache_memory_bytes {physical + 1} is more than cpu has in all"):
+        ds.LLM(checkpoints["small"], kv_cache_memory_bytes=physical + 1)
+    with pytest.raises(ValueError, match="leaves .* bytes to the .*-attention layers, too few for one KV block"):
+        ds.LLM(checkpoints["small"], kv_cache_memory_bytes=64)
 
 
 def test_numpy_integers_are_integers(checkpoints):

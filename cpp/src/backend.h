@@ -278,6 +278,8 @@ class Backend {
   virtual void place_together(const std::vector<Weight*>& linears) { (void)linears; }
   // Bytes the KV cache may take by default, asked once the weights are loaded.
   virtual int64_t default_kv_cache_bytes() = 0;
+  // The backend's memory in all (the CPU's: physical memory), more than any KV cache can take.
+  virtual int64_t memory_bytes() = 0;
   // How the KV cache stores keys and values for `config`'s layers: F32, or BF16 where every
   // layer's attention rounds them to bf16 as it reads them (activations "bfloat16":
   // round_bf16) and the backend's attention reads bf16 rows, so that the cache takes half

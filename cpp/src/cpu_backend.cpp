@@ -81,9 +81,9 @@ class CpuBackend final : public Backend {
   }
 
   int64_t default_kv_cache_bytes() override {  // a quarter of physical memory, at most 4 GiB
-    const int64_t physical = int64_t(sysconf(_SC_PHYS_PAGES)) * sysconf(_SC_PAGE_SIZE);
-    return std::min<int64_t>(physical / 4, int64_t(4) << 30);
+    return std::min<int64_t>(memory_bytes() / 4, int64_t(4) << 30);
   }
+  int64_t memory_bytes() override { return int64_t(sysconf(_SC_PHYS_PAGES)) * sysconf(_SC_PAGE_SIZE); }
 
   Weight upload(const void* host, DType dtype, const std::vector<int64_t>& shape, DType as,
                 std::shared_ptr<const void> keep_alive) override {

@@ -48,8 +48,14 @@ KvCache::KvCache(Backend& backend, const ModelConfig& config, int64_t memory_byt
       per_block[kSlidingGroup] ? sliding_bytes / per_block[kSlidingGroup] : 0};
   for (int g = 0; g < kNumGroups; ++g) {
     if (per_block[g] && blocks[g] < 1)
+      throw InvalidArgument("kv_cache_memory_bytes " + std::to_string(memory_bytes) + " leaves " +
+                            std::to_string(g == kSlidingGroup ? sliding_bytes : memory_bytes - sliding_bytes) +
+                            " bytes to the " + (g == kSlidingGroup ? "sliding" : "full") +
+                            "-attention layers, too few for one KV block of theirs (" + std::to_string(per_block[g]) +
+                            " bytes)");
+    if (blocks[g] > INT32_MAX)
       throw InvalidArgument("kv_cache_memory_bytes " + std::to_string(memory_bytes) +
-                            " is too small for one KV block (" + std::to_string(per_block[g]) + " bytes)");
+                            " makes more than 2^31 KV blocks");
     Pool& p = pools_[g];
     p.num_blocks = blocks[g];
     p.refcount.assign(blocks[g], 0);

@@ -120,6 +120,12 @@ std::shared_ptr<Model> Model::load(const std::string& path, const LoadOptions& o
                             ": its GEMMs take bfloat16 weights");
     as = DType::BF16;
   }
+  // Before the weights, which take long to load: a budget past the memory there is (a typo,
+  // 4096 GiB for 4) had filled tens of GB of block tables before failing.
+  if (options.kv_cache_memory_bytes > state->backend->memory_bytes())
+    throw InvalidArgument("kv_cache_memory_bytes " + std::to_string(options.kv_cache_memory_bytes) + " is more than " +
+                          options.device + " has in all (" + std::to_string(state->backend->memory_bytes()) +
+                          " bytes)");
   load_weights(*state, as);
   const int64_t kv_bytes =
       options.kv_cache_memory_bytes ? options.kv_cache_memory_bytes : state->backend->default_kv_cache_bytes();
