@@ -66,6 +66,9 @@ def metrics(base_url) -> dict:
 
 def test_models_and_health(client, base_url):
     assert [m.id for m in client.models.list()] == [MODEL]
+    assert client.models.retrieve(MODEL).id == MODEL  # had been a 404
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        client.models.retrieve("other")
     assert httpx.get(base_url + "/health").status_code == 200
 
 

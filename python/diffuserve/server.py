@@ -1,4 +1,4 @@
-"""The OpenAI-compatible HTTP server: /v1/models, /v1/completions, /v1/chat/completions
+"""The OpenAI-compatible HTTP server: /v1/models (and /v1/models/{name}), /v1/completions, /v1/chat/completions
 (plain JSON or server-sent events), /health and /metrics.
 
 A request becomes one engine request per choice (n choices per prompt). Each choice turns
@@ -354,10 +354,16 @@ def build_app(engine: AsyncLLM, model_name: str, api_key: Optional[str] = None) 
     async def metrics():
         return Response(server.metrics.exposition(), media_type=CONTENT_TYPE)
 
+    card = {"id": model_name, "object": "model", "created": 0, "owned_by": "diffuserve"}
+
     @v1.get("/models")
     async def models():
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0,
-                                            "owned_by": "diffuserve"}]}
+        return {"object": "list", "data": [card]}
+
+    @v1.get("/models/{model:path}")  # a served name may hold slashes ("google/...")
+    async def model(model: str):
+        server.check_model(model)
+        return card
 
     @v1.post("/completions")
     async def completions(request: Request):
