@@ -63,15 +63,14 @@ void validate(const SamplingParams& p, const ModelConfig& c) {
   }
   if (!(p.entropy_bound > 0) || std::isnan(p.entropy_bound)) bad("entropy_bound", "must be > 0");
   if (p.stability_threshold < 0) bad("stability_threshold", "must be >= 0");
-  // A block compares its argmax canvas with the last min(stability_threshold,
-  // max_denoising_steps) ones, which it keeps (on the host and on the device): bounded, so
-  // that one request cannot ask for gigabytes of them (and fail the step of every other).
-  if (std::min(p.stability_threshold, p.max_denoising_steps) > kMaxStabilityThreshold)
-    bad("stability_threshold", std::to_string(p.stability_threshold) + " with max_denoising_steps " +
-                                   std::to_string(p.max_denoising_steps) + ": a block would keep " +
-                                   std::to_string(std::min(p.stability_threshold, p.max_denoising_steps)) +
-                                   " canvases to compare; at most " + std::to_string(kMaxStabilityThreshold) +
-                                   " (a threshold from max_denoising_steps on never holds)");
+  // A block compares its argmax canvas with the ones it keeps (stability_window, on the host
+  // and on the device): bounded, so that one request cannot ask for gigabytes of them (and
+  // fail the step of every other).
+  if (stability_window(p) > kMaxStabilityThreshold)
+    bad("stability_threshold",
+        std::to_string(p.stability_threshold) + " with max_denoising_steps " + std::to_string(p.max_denoising_steps) +
+            ": a block would keep " + std::to_string(stability_window(p)) + " canvases to compare; at most " +
+            std::to_string(kMaxStabilityThreshold) + " (a threshold from max_denoising_steps on never holds)");
   if (!(p.confidence_threshold > 0) || std::isnan(p.confidence_threshold)) bad("confidence_threshold", "must be > 0");
   check_token_list(p.eos_token_ids, "eos_token_ids", c.vocab_size);
   if (p.canvas_length < 0 || p.canvas_length > c.canvas_length)

@@ -67,10 +67,7 @@ CanvasParams canvas_params(const SamplingParams& p, int canvas, int vocab, float
   c.t_max = p.t_max;
   c.max_steps = p.max_denoising_steps;
   c.entropy_bound = p.entropy_bound;
-  // A block runs max_steps steps at most, and its canvas is stable only once `stability`
-  // steps came before: any threshold from max_steps on never holds, as max_steps does not,
-  // and the ring of canvases needs no more slots (a threshold of 2^31 had asked for that many).
-  c.stability = std::min(p.stability_threshold, p.max_denoising_steps);
+  c.stability = stability_window(p);
   c.confidence = p.confidence_threshold;
   c.seed = seed;
   c.block = block;

@@ -6,6 +6,7 @@
 // reference that a backend's own denoise_step (the CUDA one's kernels) matches bit for bit.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <vector>
 
@@ -51,6 +52,12 @@ bool stable_argmax(int32_t* history, int step, const int32_t* argmax, int canvas
 // A block's parameters: its request's sampling parameters, where it is (seed, block), the
 // model's vocabulary and final softcap, the dtype the feedback is rounded to, and how many
 // ids are allowed (0: every id).
+// The argmax canvases a block keeps (its ring) to judge whether its canvas is stable. A block
+// runs max_denoising_steps steps at most, and its canvas is stable only once `stability`
+// steps came before: any threshold from max_denoising_steps on never holds, as that one does
+// not, and the ring needs no more slots (a threshold of 2^31 had asked for that many).
+inline int stability_window(const SamplingParams& p) { return std::min(p.stability_threshold, p.max_denoising_steps); }
+
 CanvasParams canvas_params(const SamplingParams& p, int canvas, int vocab, float softcap, uint64_t seed,
                            uint32_t block, DType feedback_dtype, int allowed_count);
 

@@ -122,10 +122,9 @@ std::shared_ptr<Model> Model::load(const std::string& path, const LoadOptions& o
   }
   // Before the weights, which take long to load: a budget past the memory there is (a typo,
   // 4096 GiB for 4) had filled tens of GB of block tables before failing.
-  if (options.kv_cache_memory_bytes > state->backend->memory_bytes())
+  if (const int64_t memory = state->backend->memory_bytes(); options.kv_cache_memory_bytes > memory)
     throw InvalidArgument("kv_cache_memory_bytes " + std::to_string(options.kv_cache_memory_bytes) + " is more than " +
-                          options.device + " has in all (" + std::to_string(state->backend->memory_bytes()) +
-                          " bytes)");
+                          options.device + " has in all (" + std::to_string(memory) + " bytes)");
   load_weights(*state, as);
   const int64_t kv_bytes =
       options.kv_cache_memory_bytes ? options.kv_cache_memory_bytes : state->backend->default_kv_cache_bytes();
