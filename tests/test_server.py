@@ -17,7 +17,9 @@ import pytest
 import uvicorn
 
 import diffuserve as ds
+from diffuserve import server as server_module
 from diffuserve.async_llm import AsyncLLM, StepFailed
+from diffuserve.protocol import MAX_CHOICES, CompletionRequest, parse
 from diffuserve.server import build_app
 
 from chat_checkpoint import write_chat_checkpoint
@@ -196,6 +198,9 @@ def test_draft_streaming(base_url):
     ("completions", '{"model": "%s", "prompt": "x", "temperature": NaN}' % MODEL, 400, None, None),
     # A prompt no block fits after is the prompt's fault, not max_tokens' (a chat's: messages').
     ("completions", {"model": MODEL, "prompt": [5] * 200_000}, 400, "prompt", "invalid_value"),
+    # More choices (prompts times n) than MAX_CHOICES: 128,000 had kept /health waiting 21 s.
+    ("completions", {"model": MODEL, "prompt": [[5]] * (MAX_CHOICES // 128 + 1), "n": 128}, 400, "prompt",
+     "invalid_value"),
 ])
 def test_error_bodies(base_url, path, body, status, param, code):
     content = body if isinstance(body, str) else json.dumps(body)
@@ -212,6 +217,47 @@ def test_openai_client_raises_on_errors(client):
     with pytest.raises(openai.BadRequestError, match="presence_penalty"):
         client.completions.create(model=MODEL, prompt="x", presence_penalty=1.0)
     client.completions.create(model=MODEL, prompt="x", max_tokens=4, presence_penalty=0, top_p=1)  # no-op values
+
+
+def test_many_choices_are_started_in_turns_of_the_event_loop(checkpoint, monkeypatch):
+    """A request's choices ask the engine a group at a time, the event loop serving other
+    requests between: all in one turn, 128,000 choices had kept /health waiting 21 s. Its
+    stream closed, every choice is aborted and the KV freed."""
+    engine = AsyncLLM(ds.LLM(checkpoint, kv_cache_memory_bytes=32 << 20))
+    server = server_module._Server(engine, MODEL)
+    turns, ticks = [], [0]
+    real_start = server_module._Choice.start
+
+    async def start(choice):
+        turns.append(ticks[0])  # the turn of the loop in which the choice asks the engine
+        await real_start(choice)
+
+    monkeypatch.setattr(server_module._Choice, "start", start)
+
+    async def main():
+        async def ticker():  # counts the turns of the event loop
+            while True:
+                await asyncio.sleep(0)
+                ticks[0] += 1
+
+        counting = asyncio.create_task(ticker())
+        body = parse(CompletionRequest, {"model": MODEL, "prompt": [[5, 6]] * 8, "n": 128, "max_tokens": 16,
+                                         "stream": True})
+        response = await server.run(None, body, [[5, 6]] * 8, 16, server_module._Format(MODEL, chat=False))
+        await response.body_iterator.__anext__()  # a block has finished
+        await response.body_iterator.aclose()  # the client leaves: every choice is cancelled
+        counting.cancel()
+
+    try:
+        asyncio.run(main())
+        assert len(turns) == 8 * 128 and len(set(turns)) > 1, set(turns)
+        deadline = time.time() + 30
+        while engine.stats["kv_blocks_free"] != engine.stats["kv_blocks_total"] or engine.stats["running"] \
+                or engine.stats["waiting"]:
+            assert time.time() < deadline, engine.stats
+            time.sleep(0.02)
+    finally:
+        engine.shutdown()
 
 
 def test_health_fails_once_the_engine_has(offline):
