@@ -1,6 +1,7 @@
 """The OpenAI-compatible server on loopback, driven by the official openai client and raw
 HTTP: models, completions, chat, streaming, usage, error bodies, disconnects, shutdown."""
 import asyncio
+import gzip
 import json
 import os
 import re
@@ -201,6 +202,10 @@ def test_draft_streaming(base_url):
     # More choices (prompts times n) than MAX_CHOICES: 128,000 had kept /health waiting 21 s.
     ("completions", {"model": MODEL, "prompt": [[5]] * (MAX_CHOICES // 128 + 1), "n": 128}, 400, "prompt",
      "invalid_value"),
+    # user is OpenAI's string (a dict or a number had been accepted).
+    ("completions", {"model": MODEL, "prompt": "x", "user": {"id": 1}}, 400, "user", "invalid_value"),
+    ("chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "user": 5}, 400, "user",
+     "invalid_value"),
 ])
 def test_error_bodies(base_url, path, body, status, param, code):
     content = body if isinstance(body, str) else json.dumps(body)
@@ -216,7 +221,24 @@ def test_openai_client_raises_on_errors(client):
         client.completions.create(model="other", prompt="x")
     with pytest.raises(openai.BadRequestError, match="presence_penalty"):
         client.completions.create(model=MODEL, prompt="x", presence_penalty=1.0)
-    client.completions.create(model=MODEL, prompt="x", max_tokens=4, presence_penalty=0, top_p=1)  # no-op values
+    client.completions.create(model=MODEL, prompt="x", max_tokens=4, presence_penalty=0, top_p=1,  # no-op values
+                              user="someone")
+
+
+@pytest.mark.parametrize("encoding", ["gzip", "deflate, gzip"])
+def test_compressed_bodies_are_refused(base_url, encoding):
+    """A body with a Content-Encoding is refused naming it: a gzip body had been parsed as it
+    came ("not valid JSON: 'utf-8' codec can't decode byte 0x8b"), a plain one labelled gzip
+    taken as it was."""
+    plain = json.dumps({"model": MODEL, "prompt": "x", "max_tokens": 4}).encode()
+    for content in (gzip.compress(plain), plain):
+        r = httpx.post(base_url + "/v1/completions", content=content,
+                       headers={"content-type": "application/json", "content-encoding": encoding})
+        assert r.status_code == 415, r.text
+        assert repr(encoding) in r.json()["error"]["message"]
+    r = httpx.post(base_url + "/v1/completions", content=plain,
+                   headers={"content-type": "application/json", "content-encoding": "identity"})
+    assert r.status_code == 200, r.text
 
 
 def test_many_choices_are_started_in_turns_of_the_event_loop(checkpoint, monkeypatch):

@@ -35,9 +35,6 @@ def _is_neutral(value, neutral) -> bool:
 # kept /health waiting 21 s while they were admitted, and each garbage collection 1.6 s.)
 MAX_CHOICES = 4096
 
-# Sent by clients to identify their end users; it does not affect generation.
-_INFORMATIONAL = ("user",)
-
 
 class ApiError(Exception):
     """An error answered with OpenAI's error body: {"error": {message, type, param, code}}."""
@@ -70,6 +67,9 @@ class _GenerationRequest(_Strict):
     n: int = Field(1, ge=1, le=128)
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
+    # Sent by clients to identify their end users: it does not affect generation, but is a
+    # string, as OpenAI's (a dict or a number had been accepted).
+    user: Optional[str] = None
     # Diffusion extensions (SamplingParams' names).
     canvas_length: Optional[int] = Field(None, ge=1)
     max_denoising_steps: Optional[int] = Field(None, ge=1)
@@ -211,8 +211,6 @@ def parse(model: type, body: Any):
     for name, neutral in _NEUTRAL.items():
         if name in body and (body[name] is None or _is_neutral(body[name], neutral)):
             del body[name]  # the value that changes nothing
-    for name in _INFORMATIONAL:
-        body.pop(name, None)
     try:
         return model.model_validate(body)
     except ValidationError as e:

@@ -318,6 +318,12 @@ def _refuse_constant(name: str):
 
 
 async def _json_body(request: Request):
+    # A compressed body had been parsed as it came ("not valid JSON: 'utf-8' codec can't decode
+    # byte 0x8b"), and an uncompressed one labelled gzip taken as it was.
+    encoding = request.headers.get("content-encoding", "identity")
+    if encoding.strip().lower() != "identity":
+        raise ApiError(415, f"the request body's Content-Encoding {encoding!r} is not supported: send the body "
+                       "uncompressed, without a Content-Encoding header")
     try:
         raw = await request.body()
     except ClientDisconnect:  # gone before its body was in: nothing to answer, nothing to log
