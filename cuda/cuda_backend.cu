@@ -190,14 +190,15 @@ class OpProfile {
 
 class CudaBackend final : public Backend {
  public:
-  explicit CudaBackend(int device) : device_(device), pool_(std::make_shared<DevicePool>()) {
+  // name: the device as the caller wrote it ("cuda", "cuda:1"), for the errors.
+  CudaBackend(int device, const std::string& name) : device_(device), pool_(std::make_shared<DevicePool>()) {
     int count = 0;
     if (cudaGetDeviceCount(&count) != cudaSuccess || count == 0) {
       cudaGetLastError();
-      throw InvalidArgument("device 'cuda' is not available: no CUDA GPU was found");
+      throw InvalidArgument("device '" + name + "' is not available: no CUDA GPU was found");
     }
     if (device < 0 || device >= count)
-      throw InvalidArgument("device 'cuda:" + std::to_string(device) + "': only " + std::to_string(count) + " GPU(s)");
+      throw InvalidArgument("device '" + name + "' is not available: only " + std::to_string(count) + " GPU(s)");
     check(cudaSetDevice(device), "cudaSetDevice");
     check(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "cudaStreamCreate");
     check(cudaStreamCreateWithFlags(&side_, cudaStreamNonBlocking), "cudaStreamCreate");
@@ -1291,6 +1292,8 @@ class CudaBackend final : public Backend {
 
 }  // namespace
 
-std::unique_ptr<Backend> make_cuda_backend(int device) { return std::make_unique<CudaBackend>(device); }
+std::unique_ptr<Backend> make_cuda_backend(int device, const std::string& name) {
+  return std::make_unique<CudaBackend>(device, name);
+}
 
 }  // namespace diffuserve

@@ -386,8 +386,9 @@ def test_load_bad_dtype(valid_dir):
         ds.Model.load(valid_dir, dtype="int8")
 
 
-@pytest.mark.parametrize("device", ["tpu", "cuda"])
+@pytest.mark.parametrize("device", ["tpu", "cuda", "cuda:99"])
 def test_load_unavailable_device(valid_dir, device):
+    """The message names the device as given (cuda:99 had been called 'cuda')."""
     if device == "cuda":
         try:
             ds.Model.load(valid_dir, device="cuda")
@@ -523,6 +524,10 @@ def test_self_conditioning_row_all_neg_inf(seq):
     (["bench", "--concurrency", "1,0"], "--concurrency: 0 is outside"),
     (["bench", "--concurrency", "a"], "--concurrency: 'a' is not an integer"),
     (["bench", "--steps", "0"], "--steps: 0 is outside"),
+    # Sudoku options that the way of solving chosen would leave unused (they had been ignored).
+    (["sudoku", "--output", "out.txt"], "--output needs --eval"),
+    (["sudoku", "0" * 81, "--eval", "in.txt"], "give PUZZLE or --eval FILE, not both"),
+    (["sudoku", "0" * 81, "--givens", "30"], "--givens is for a generated puzzle, not for PUZZLE or --eval FILE"),
 ])
 def test_cli_bad_values_are_usage_errors(args, message):
     """A bad option value is argparse's usage error naming the option (exit 2), before any
@@ -540,6 +545,37 @@ def test_cli_prompt_not_unicode(raw):
                             text=True, timeout=120)
     assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
     assert "error: the prompt is not valid Unicode: surrogates not allowed at character 1" in result.stderr
+
+
+def test_cli_names_the_device_as_given():
+    """An unavailable device is an error line naming it as given ('cuda:99' had read 'cuda')."""
+    result = subprocess.run([sys.executable, "-m", "diffuserve", "generate", "hi", "--device", "cuda:99"],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
+    assert "error: device 'cuda:99' is not available" in result.stderr
+
+
+def test_cli_ctrl_c_is_a_line_and_exit_130(tmp_path):
+    """Ctrl-C (SIGINT) while a command runs ends it with a line and the shell's code 130,
+    not a KeyboardInterrupt traceback."""
+    import random
+    import signal
+    from diffuserve import sudoku as sd
+
+    rng = random.Random(0)
+    puzzles = tmp_path / "puzzles.txt"  # enough to take minutes
+    puzzles.write_text("".join(sd.generate(30, rng, unique=False)[0] + "\n" for _ in range(200)))
+    proc = subprocess.Popen([sys.executable, "-m", "diffuserve", "sudoku", "--eval", str(puzzles)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    stderr = b""
+    while b"loading" not in stderr:  # the command has begun (its model loads, then it solves)
+        chunk = proc.stderr.read1(4096)
+        assert chunk, stderr.decode()
+        stderr += chunk
+    proc.send_signal(signal.SIGINT)
+    stderr += proc.communicate(timeout=120)[1]
+    assert proc.returncode == 130 and b"Traceback" not in stderr, stderr.decode()
+    assert stderr.endswith(b"interrupted\n")
 
 
 # --- weights that are not finite ----------------------------------------------------------------
@@ -601,6 +637,40 @@ def test_non_finite_logits_fail_the_server_request(nan_dir):
 def test_token_ids_past_int64_are_out_of_range(seq, ids):
     with pytest.raises(ValueError, match=r"prefill: token id \d+ at index \d is out of range \[0, 64\)"):
         seq.prefill(ids)
+
+
+@pytest.fixture(scope="module")
+def llm(valid_dir):
+    return ds.LLM(valid_dir, kv_cache_memory_bytes=8 << 20)
+
+
+NOT_A_PATH = r"path \(a checkpoint directory\) must be a str or os.PathLike without NUL characters, got 5"
+BAD_LLM_CALLS = {
+    # (had been the TypeError "len() of unsized object")
+    "0-d array as prompts": (lambda llm: llm.generate(np.array(5)),
+                             r"prompts must be a list of prompts \(token ids or text\), got a 0-d array, array\(5\)"),
+    "token id past uint64": (lambda llm: llm.generate([[2, 2**64]]),
+                             r"prompt 0: prompt: token id 18446744073709551616 at index 1 is out of range \[0, 64\)"),
+    # (these had been nanobind's TypeError "incompatible function arguments")
+    "request id past uint64": (lambda llm: llm.generated(2**64),
+                               r"request_id must be an integer in \[0, 2\*\*63 - 1\], got 18446744073709551616"),
+    "negative request id": (lambda llm: llm.draft(-1), r"request_id must be an integer in \[0, 2\*\*63 - 1\], got -1"),
+    "request id a string": (lambda llm: llm.denoise_steps("0"), r"request_id must be an integer .*, got '0'"),
+    # (these had been os.fspath's TypeError "expected str, bytes or os.PathLike object, not int")
+    "LLM path an int": (lambda llm: ds.LLM(5), NOT_A_PATH),
+    "Model path an int": (lambda llm: ds.Model.load(5), NOT_A_PATH),
+    "Tokenizer path an int": (lambda llm: ds.Tokenizer(5), NOT_A_PATH),
+    "tokenizer lookup path an int": (lambda llm: ds.Tokenizer.from_checkpoint(5), NOT_A_PATH),
+}
+
+
+@pytest.mark.parametrize("case", BAD_LLM_CALLS)
+def test_llm_bad_arguments(llm, case):
+    """A ValueError naming the argument and what it may be; nothing stays queued."""
+    call, message = BAD_LLM_CALLS[case]
+    with pytest.raises(ValueError, match=message):
+        call(llm)
+    assert not llm.has_unfinished()
 
 
 def test_path_with_nul(valid_dir):

@@ -48,6 +48,24 @@ def test_checks_and_parsing():
         sd.generate(10)
 
 
+@pytest.mark.parametrize("edits, message", [
+    ({0: 5, 4: 5}, "r1c1 and r1c5 are both 5, in one row"),
+    ({3: 7, 75: 7}, "r1c4 and r9c4 are both 7, in one column"),
+    ({30: 2, 50: 2}, "r4c4 and r6c6 are both 2, in one box"),
+])
+def test_contradictory_givens_are_refused(edits, message):
+    """A puzzle whose givens contradict each other has no solution: refused naming the two
+    cells (it had been 'solved'); an answer grid still parses."""
+    cells = [0] * 81
+    for i, v in edits.items():
+        cells[i] = v
+    assert sd.parse(sd.to_string(cells)) == cells
+    with pytest.raises(ValueError, match=f"the givens contradict each other: {message}"):
+        sd.check_puzzle(cells)
+    with pytest.raises(ValueError, match="a puzzle's cells are 0 .blank. to 9, got 10 at r1c2"):
+        sd.check_puzzle([0, 10] + [0] * 79)
+
+
 TRAINER = os.path.join(os.path.dirname(__file__), "..", "training", "sudoku", "train.py")
 
 
@@ -117,6 +135,18 @@ def test_clear_errors(model, tmp_path):
                                     num_experts=4, top_k_experts=2, moe_intermediate_size=16)
     Tokenizer(models.WordLevel({"a": 0}, unk_token="a")).save(os.path.join(plain, "tokenizer.json"))
     assert "not a Sudoku model" in run("0" * 81, "--model", plain).stderr
+    conflict = "55" + "0" * 79
+    out = run(conflict, "--model", model)
+    assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr
+    assert "error: the givens contradict each other: r1c1 and r1c2 are both 5, in one row" in out.stderr
+    (tmp_path / "in.txt").write_text("0" * 81 + "\n\n" + conflict + "\n")
+    out = run("--eval", str(tmp_path / "in.txt"), "--model", model)
+    assert f"error: {tmp_path / 'in.txt'}, line 3: the givens contradict each other: r1c1 and r1c2" in out.stderr
+    llm = ds.LLM(model, kv_cache_memory_bytes=8 << 20)
+    with pytest.raises(ValueError, match="puzzle 1: the givens contradict each other: r1c1 and r1c2"):
+        sd.solve_all(llm, [[0] * 81, sd.parse(conflict)], plain=True)
+    with pytest.raises(ValueError, match="the givens contradict each other: r1c1 and r1c2"):
+        sd.request(llm, sd.parse(conflict))
 
 
 def test_training_script_runs_and_its_checkpoint_solves_through_diffuserve(tmp_path):

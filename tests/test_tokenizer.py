@@ -11,7 +11,7 @@ from diffuserve.detokenizer import IncrementalDetokenizer, until_eos
 from diffuserve.stop_strings import StopStringFilter
 from diffuserve.tokenizer import Tokenizer
 
-from chat_checkpoint import write_chat_checkpoint
+from chat_checkpoint import CHAT_TEMPLATE, write_chat_checkpoint
 
 CONVERSATIONS = [
     [{"role": "user", "content": "Hello!"}],
@@ -58,6 +58,47 @@ def test_long_text_encodes_as_transformers_does(checkpoint):
         assert ours.encode(text, add_special_tokens=special) == theirs.encode(text, add_special_tokens=special)
 
 
+def test_chat_template_argument_as_transformers(checkpoint, tmp_path):
+    """chat_template, as in transformers: a template to use instead of the checkpoint's, or
+    the name of one of its named templates; anything else is refused (it had reached the
+    template as a variable and been ignored, a string too). tokenize must be False."""
+    import json
+    import shutil
+    path = shutil.copytree(checkpoint, tmp_path / "m")
+    config = json.loads((path / "tokenizer_config.json").read_text())
+    own = CHAT_TEMPLATE if (path / "chat_template.jinja").exists() else config["chat_template"]
+    short = "{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}"
+    (path / "chat_template.jinja").unlink(missing_ok=True)
+    config["chat_template"] = [{"name": "default", "template": own}, {"name": "short", "template": short}]
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
+    ours, theirs = Tokenizer(path), AutoTokenizer.from_pretrained(path)
+    conversation = CONVERSATIONS[1]
+    for template in (None, "short", "<{{ bos_token }}{{ messages | length }}>", short):
+        assert ours.apply_chat_template(conversation, chat_template=template) == \
+            theirs.apply_chat_template(conversation, chat_template=template, tokenize=False, add_generation_prompt=True)
+    assert ours.apply_chat_template(conversation, chat_template="short", tokenize=False).startswith("[system]")
+    with pytest.raises(ValueError, match=r"chat_template must be a Jinja template or a template's name \(a string\), "
+                                         r"got 5"):
+        ours.apply_chat_template(conversation, chat_template=5)
+    with pytest.raises(ValueError, match="tokenize must be False .* got True"):
+        ours.apply_chat_template(conversation, tokenize=True)
+
+
+@pytest.mark.parametrize("bad", [-1, "vocab_size", 2**31, 2**64])
+def test_decode_refuses_ids_outside_the_vocabulary(checkpoint, bad):
+    """decode names an id outside the vocabulary (the tokenizers library writes nothing for
+    one past it); a model's output, whose embedding may have rows past the vocabulary, is
+    decoded without them (decode_output: LLM's text, the server's stream)."""
+    tokenizer = Tokenizer(checkpoint)
+    vocab = tokenizer.vocab_size
+    bad = vocab if bad == "vocab_size" else bad
+    with pytest.raises(ValueError, match=rf"decode: token id {bad} at index 1 is out of range \[0, {vocab}\)"):
+        tokenizer.decode([40, bad, 41])
+    with pytest.raises(ValueError, match="decode: token ids must be integers"):
+        tokenizer.decode(["a"])
+    assert tokenizer.decode_output([40, vocab, vocab + 100, 41]) == tokenizer.decode([40, 41])
+
+
 def test_template_raise_exception(checkpoint):
     with pytest.raises(ChatTemplateError, match="unknown role: tool"):
         Tokenizer(checkpoint).apply_chat_template([{"role": "tool", "content": "x"}])
@@ -97,12 +138,12 @@ def test_llm_text_prompts_and_output_text(checkpoint):
     by_ids = llm.generate([llm.tokenizer.encode("Hello world"), llm.tokenizer.encode("東京")], params)
     for a, b in zip(by_text, by_ids):
         assert a.token_ids == b.token_ids and a.prompt_token_ids == b.prompt_token_ids
-        assert a.text == llm.tokenizer.decode(until_eos(a.token_ids, [1]))
+        assert a.text == llm.tokenizer.decode_output(until_eos(a.token_ids, [1]))
     # An EOS ending the output is not part of its text.
     out = llm.generate("Hi", ds.SamplingParams(max_new_tokens=16, seed=0, seed_canvas=[7] * 4 + [1] + [7] * 11,
                                                pinned_positions=[4]))[0]
     assert out.finish_reason == "stop" and out.token_ids[-1] == 1
-    assert out.text == llm.tokenizer.decode(out.token_ids[:-1])
+    assert out.text == llm.tokenizer.decode_output(out.token_ids[:-1])
 
 
 def test_text_that_is_not_unicode_is_refused(checkpoint):

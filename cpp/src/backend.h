@@ -504,7 +504,8 @@ std::unique_ptr<Backend> make_cpu_backend(int num_threads);
 // build without the CUDA backend.
 std::unique_ptr<Backend> make_backend(const std::string& device, int num_threads);
 #ifdef DIFFUSERVE_WITH_CUDA
-std::unique_ptr<Backend> make_cuda_backend(int device);
+// GPU `device`; `name`, the device as the caller wrote it, is what its errors call it.
+std::unique_ptr<Backend> make_cuda_backend(int device, const std::string& name);
 #endif
 
 }  // namespace diffuserve

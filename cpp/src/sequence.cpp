@@ -41,7 +41,7 @@ std::unique_ptr<Backend> make_backend(const std::string& device, int num_threads
     const std::string index = device.size() > 5 ? device.substr(5) : "0";
     if (index.empty() || index.size() > 3 || !std::all_of(index.begin(), index.end(), ::isdigit))
       throw InvalidArgument("device '" + device + "': expected cuda or cuda:N");
-    return make_cuda_backend(std::stoi(index));
+    return make_cuda_backend(std::stoi(index), device);
 #else
     throw InvalidArgument("device '" + device + "' is not available: this build has no CUDA backend");
 #endif
@@ -52,7 +52,7 @@ std::unique_ptr<Backend> make_backend(const std::string& device, int num_threads
 bool cuda_available() {
 #ifdef DIFFUSERVE_WITH_CUDA
   try {
-    make_cuda_backend(0);
+    make_cuda_backend(0, "cuda");
     return true;
   } catch (const InvalidArgument&) {
     return false;

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import os
 
 import numpy as np
 
@@ -64,3 +65,36 @@ def check_float32(name: str, value, lo: float, strict: bool) -> float:
         as_f32 = f" (float32 rounds it to {rounded!r})" if rounded != float(value) else ""
         raise ValueError(f"{name} must be a finite number {relation} {lo}, got {value!r}{as_f32}")
     return rounded
+
+
+def check_path(name: str, value) -> str:
+    """value (a str or os.PathLike) as a str without NUL characters, else ValueError naming `name`."""
+    try:
+        path = os.fspath(value)
+    except TypeError:
+        path = None
+    if not isinstance(path, str) or "\0" in path:
+        raise ValueError(f"{name} must be a str or os.PathLike without NUL characters, got {value!r}")
+    return path
+
+
+def check_token_ids(ids, what: str, vocab_size: int) -> np.ndarray:
+    """1-D integer token ids as a contiguous int32 array, each in [0, vocab_size), else
+    ValueError naming `what` (and the id and its index)."""
+    arr = np.asarray(ids)
+    if arr.dtype.kind in "fO" and arr.ndim == 1 and not isinstance(ids, np.ndarray):
+        # Python ints past int64 (numpy keeps them as objects, or floats beside smaller ones).
+        items = list(ids)
+        for i, x in enumerate(items if all(is_int(x) for x in items) else []):
+            if not 0 <= int(x) < vocab_size:
+                raise ValueError(f"{what}: token id {int(x)} at index {i} is out of range [0, {vocab_size})")
+    if arr.dtype == np.bool_ or not (np.issubdtype(arr.dtype, np.integer) or arr.size == 0):
+        raise ValueError(f"{what}: token ids must be integers, got dtype {arr.dtype}")
+    if arr.ndim != 1:
+        raise ValueError(f"{what}: token ids must be a 1-D sequence, got shape {tuple(arr.shape)}")
+    if arr.size:
+        bad = np.flatnonzero((arr < 0) | (arr >= vocab_size))
+        if bad.size:
+            i = int(bad[0])
+            raise ValueError(f"{what}: token id {int(arr[i])} at index {i} is out of range [0, {vocab_size})")
+    return np.ascontiguousarray(arr, dtype=np.int32)

@@ -140,24 +140,37 @@ def bench(args) -> None:
 def sudoku(args) -> None:
     from . import sudoku as sd
 
+    # Options that the way of solving chosen would leave unused: a usage error, before the model loads.
+    if args.eval is not None and args.puzzle is not None:
+        args.parser.error("give PUZZLE or --eval FILE, not both")
+    if args.output is not None and args.eval is None:
+        args.parser.error("--output needs --eval (it writes the answers to the puzzles of --eval FILE)")
+    if args.givens is not None and (args.eval is not None or args.puzzle is not None):
+        args.parser.error("--givens is for a generated puzzle, not for PUZZLE or --eval FILE")
     args.slice_steps = 1  # the live view redraws after every denoise step
     llm = _load(args.model, args)
     try:
         digits = sd.digit_token_ids(llm.tokenizer)
-        if args.eval:
+        if args.eval is not None:
+            puzzles = []
             with open(args.eval) as f:
-                puzzles = [sd.parse(line) for line in f if line.strip()]
+                for number, line in enumerate(f, 1):
+                    try:
+                        if line.strip():
+                            puzzles.append(sd.check_puzzle(sd.parse(line)))
+                    except ValueError as e:
+                        raise ValueError(f"{args.eval}, line {number}: {e}") from None
             grids, solved, steps = sd.solve_all(llm, puzzles, args.seed, max_denoising_steps=args.max_denoising_steps)
-            if args.output:
+            if args.output is not None:
                 with open(args.output, "w") as f:
                     f.writelines(sd.to_string(g) + "\n" for g in grids)
             n = max(len(puzzles), 1)
             print(f"solved={sum(solved) / n:.4f} mean_steps={sum(steps) / n:.2f} n={len(puzzles)}")
             return
-        if args.puzzle:
+        if args.puzzle is not None:
             cells = sd.parse(args.puzzle)
         else:
-            cells = sd.parse(sd.generate(args.givens, random.Random(args.seed))[0])
+            cells = sd.parse(sd.generate(30 if args.givens is None else args.givens, random.Random(args.seed))[0])
         prompt, params = sd.request(llm, cells, args.seed, max_denoising_steps=args.max_denoising_steps)
     except (OSError, ValueError) as e:
         sys.exit(f"error: {e}")
@@ -276,7 +289,7 @@ def parser() -> argparse.ArgumentParser:
                                         "and print solved=<fraction> mean_steps=<mean> n=<count>.")
     p.add_argument("puzzle", nargs="?", metavar="PUZZLE")
     p.add_argument("--model", "-m", help="a Sudoku checkpoint directory (default: the bundled one)")
-    p.add_argument("--givens", type=_in_range(int, 17, 81), default=30,
+    p.add_argument("--givens", type=_in_range(int, 17, 81), default=None,
                    help="givens of a generated puzzle (default: 30)")
     p.add_argument("--seed", type=_in_range(int, 0, 2**64 - 1), default=0,
                    help="seed of the puzzle and of the sampler (default: 0)")
@@ -285,7 +298,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--eval", metavar="FILE", help="solve every puzzle in FILE, one per line")
     p.add_argument("--output", metavar="OUT", help="with --eval: write each answer grid to OUT, one per line")
     _engine_options(p)
-    p.set_defaults(run=sudoku)
+    p.set_defaults(run=sudoku, parser=p)
 
     p = commands.add_parser("quantize", help="write an FP8 or NVFP4 copy of a checkpoint",
                             description="Quantize SRC's linear weights to DST in the compressed-tensors format "
@@ -300,7 +313,11 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> None:
     args = parser().parse_args(argv)
-    args.run(args)
+    try:
+        args.run(args)
+    except KeyboardInterrupt:  # Ctrl-C: a line, not a traceback, and the shell's code for SIGINT
+        print("\ninterrupted", file=sys.stderr)
+        sys.exit(130)
 
 
 if __name__ == "__main__":

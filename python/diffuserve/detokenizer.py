@@ -23,7 +23,7 @@ class IncrementalDetokenizer:
         self._read = 0          # tokens whose text has been emitted
 
     def _decode(self, start: int, end: int) -> str:
-        return self._tokenizer.decode(self._ids[start:end], skip_special_tokens=self._skip_special)
+        return self._tokenizer.decode_output(self._ids[start:end], skip_special_tokens=self._skip_special)
 
     def push(self, ids) -> str:
         """Adds tokens; returns the text they complete (possibly "")."""

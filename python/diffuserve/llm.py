@@ -19,8 +19,8 @@ from typing import List, Optional, Sequence, Union
 import numpy as np
 
 from . import _core
-from ._checks import INT64_MAX, check_bool, check_int
-from .model import Model, _token_ids
+from ._checks import INT64_MAX, check_bool, check_int, check_token_ids
+from .model import Model
 from .sampling import SamplingParams
 from .scheduler import Scheduler
 from .tokenizer import Tokenizer
@@ -100,7 +100,7 @@ class LLM:
                 raise ValueError("text prompts need a tokenizer, and this checkpoint has no tokenizer.json: "
                                  "pass token ids")
             prompt = self.tokenizer.encode(prompt)
-        ids = _token_ids(prompt, "prompt", self.model.vocab_size).tolist()
+        ids = check_token_ids(prompt, "prompt", self.model.vocab_size).tolist()
         if not ids:
             raise ValueError("prompt is empty")
         params = SamplingParams() if params is None else params
@@ -125,17 +125,17 @@ class LLM:
     @_locked
     def generated(self, request_id: int) -> List[int]:
         """Tokens of the blocks a running request has finished so far (for streaming)."""
-        return list(self._engine.generated(request_id))
+        return list(self._engine.generated(check_int("request_id", request_id, 0, INT64_MAX)))
 
     @_locked
     def denoise_steps(self, request_id: int) -> List[int]:
         """Denoise steps of each block a running request has finished so far."""
-        return list(self._engine.denoise_steps(request_id))
+        return list(self._engine.denoise_steps(check_int("request_id", request_id, 0, INT64_MAX)))
 
     @_locked
     def draft(self, request_id: int) -> List[int]:
         """The argmax canvas of the block a request is refining ([] between blocks)."""
-        return list(self._engine.draft(request_id))
+        return list(self._engine.draft(check_int("request_id", request_id, 0, INT64_MAX)))
 
     def interrupt(self) -> None:
         """Ends the step in progress after its current pass (or the next step after its
@@ -155,8 +155,9 @@ class LLM:
                  ) -> List[RequestOutput]:
         """prompts: a list of prompts, each token ids or text (or one such prompt); params: one
         SamplingParams for all, or one per prompt. Returns the outputs in prompt order."""
-        if not isinstance(prompts, (str, list, tuple, np.ndarray)):
-            raise ValueError(f"prompts must be a list of prompts (token ids or text), got {type(prompts).__name__}")
+        if not isinstance(prompts, (str, list, tuple, np.ndarray)) or getattr(prompts, "ndim", 1) == 0:
+            got = f"a 0-d array, {prompts!r}" if isinstance(prompts, np.ndarray) else type(prompts).__name__
+            raise ValueError(f"prompts must be a list of prompts (token ids or text), got {got}")
         if isinstance(prompts, str) or (len(prompts) and not hasattr(prompts[0], "__len__")):
             prompts = [prompts]  # a single prompt: one text, or one list of ids
         plist = [params if params is not None else SamplingParams()] if not isinstance(params, (list, tuple)) \
@@ -204,4 +205,4 @@ class LLM:
             return None
         if finish_reason == "stop":
             token_ids = token_ids[:-1]  # the EOS that ended the output
-        return self.tokenizer.decode(token_ids)
+        return self.tokenizer.decode_output(token_ids)

@@ -5,38 +5,16 @@ mistake is a ValueError naming the argument; the work itself runs in C++ without
 """
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import numpy as np
 
 from . import _core
-from ._checks import INT64_MAX, check_int, is_int
+from ._checks import INT64_MAX, check_int, check_path, check_token_ids
 
 _DTYPES = {None: "", "auto": "", "float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
 # The native side's dtype names (safetensors' spelling) as this API spells them.
 _DTYPE_NAMES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
-
-
-def _token_ids(ids, what: str, vocab_size: int) -> np.ndarray:
-    """1-D integer token ids as a contiguous int32 array, each in [0, vocab_size)."""
-    arr = np.asarray(ids)
-    if arr.dtype.kind in "fO" and arr.ndim == 1 and not isinstance(ids, np.ndarray):
-        # Python ints past int64 (numpy keeps them as objects, or floats beside smaller ones).
-        items = list(ids)
-        for i, x in enumerate(items if all(is_int(x) for x in items) else []):
-            if not 0 <= int(x) < vocab_size:
-                raise ValueError(f"{what}: token id {int(x)} at index {i} is out of range [0, {vocab_size})")
-    if arr.dtype == np.bool_ or not (np.issubdtype(arr.dtype, np.integer) or arr.size == 0):
-        raise ValueError(f"{what}: token ids must be integers, got dtype {arr.dtype}")
-    if arr.ndim != 1:
-        raise ValueError(f"{what}: token ids must be a 1-D sequence, got shape {tuple(arr.shape)}")
-    if arr.size:
-        bad = np.flatnonzero((arr < 0) | (arr >= vocab_size))
-        if bad.size:
-            i = int(bad[0])
-            raise ValueError(f"{what}: token id {int(arr[i])} at index {i} is out of range [0, {vocab_size})")
-    return np.ascontiguousarray(arr, dtype=np.int32)
 
 
 class Model:
@@ -77,9 +55,7 @@ class Model:
         memory; else fp32. "float32" forces fp32; "bfloat16" is an error where "auto" would
         not choose it. Model.kv_cache_dtype says which.
         """
-        path = os.fspath(path)
-        if not isinstance(path, str) or "\0" in path:
-            raise ValueError(f"path must be a string without NUL characters, got {path!r}")
+        path = check_path("path (a checkpoint directory)", path)
         if dtype is not None and not isinstance(dtype, str):
             dtype = str(dtype).replace("torch.", "")
         if dtype not in _DTYPES:
@@ -157,7 +133,7 @@ class Sequence:
 
     def prefill(self, prompt_ids) -> None:
         """Causal encoder pass over the prompt (or a further chunk of it); appends KV."""
-        self._native.prefill(_token_ids(prompt_ids, "prefill", self.model.vocab_size))
+        self._native.prefill(check_token_ids(prompt_ids, "prefill", self.model.vocab_size))
 
     def denoise(self, canvas_ids, self_conditioning_logits=None) -> np.ndarray:
         """Bidirectional decoder pass over a canvas; returns softcapped fp32 logits [canvas, vocab].
@@ -165,7 +141,7 @@ class Sequence:
         self_conditioning_logits: None on a block's first step, else the previous step's
         (temperature-processed) logits, [canvas, vocab].
         """
-        canvas = _token_ids(canvas_ids, "denoise", self.model.vocab_size)
+        canvas = check_token_ids(canvas_ids, "denoise", self.model.vocab_size)
         sc = None
         if self_conditioning_logits is not None:
             sc = np.ascontiguousarray(np.asarray(self_conditioning_logits, dtype=np.float32))
@@ -178,7 +154,7 @@ class Sequence:
 
     def commit(self, canvas_ids) -> None:
         """Causal encoder pass over a finished block; appends its KV."""
-        self._native.commit(_token_ids(canvas_ids, "commit", self.model.vocab_size))
+        self._native.commit(check_token_ids(canvas_ids, "commit", self.model.vocab_size))
 
     def kv(self, layer: int):
         """(keys, values, first_position) of one layer: [kv_heads, rows, head_dim] fp32 (their

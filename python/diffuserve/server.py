@@ -88,7 +88,7 @@ class _Choice:
                 done, generated = len(token_ids), len(progress.token_ids)
                 event = ChoiceEvent(self.index, stops.push(piece, final=output is not None))
                 if progress.draft:
-                    event.draft = self.server.tokenizer.decode(until_eos(progress.draft, self.eos))
+                    event.draft = self.server.tokenizer.decode_output(until_eos(progress.draft, self.eos))
                 denoise_steps = output.denoise_steps if output is not None else progress.denoise_steps
                 if stops.stopped:
                     event.finish_reason = "stop"  # leaving the loop closes the request: it is aborted

@@ -10,6 +10,7 @@ from __future__ import annotations
 import random
 from typing import List, Optional, Tuple
 
+from ._checks import is_int
 from .sampling import SamplingParams
 
 CELLS = 81
@@ -27,7 +28,8 @@ PEERS = [sorted({p for unit in UNITS if i in unit for p in unit} - {i}) for i in
 
 
 def parse(puzzle: str) -> List[int]:
-    """81 cells, 0 for a blank; ValueError naming what is wrong."""
+    """81 cells, 0 for a blank; ValueError naming what is wrong. (Any grid: an answer may
+    repeat a digit; check_puzzle judges a puzzle's givens.)"""
     text = "".join(puzzle.split())
     if len(text) != CELLS:
         raise ValueError(f"a puzzle has 81 cells, got {len(text)} characters")
@@ -35,6 +37,32 @@ def parse(puzzle: str) -> List[int]:
     if bad:
         raise ValueError(f"a puzzle holds only digits and '.', got {bad[0]!r}")
     return [0 if ch == "." else int(ch) for ch in text]
+
+
+def _cell(i: int) -> str:
+    return f"r{i // 9 + 1}c{i % 9 + 1}"
+
+
+def check_puzzle(cells: List[int]) -> List[int]:
+    """cells, if they are a puzzle to solve: 81 values 0-9 (0 a blank) whose givens do not
+    contradict each other; else ValueError naming the first conflict (the cells as row and
+    column, r1c1 to r9c9)."""
+    cells = list(cells)
+    if len(cells) != CELLS:
+        raise ValueError(f"a puzzle has 81 cells, got {len(cells)}")
+    for i, v in enumerate(cells):
+        if not is_int(v) or not 0 <= v <= 9:
+            raise ValueError(f"a puzzle's cells are 0 (blank) to 9, got {v!r} at {_cell(i)}")
+    for kind, units in (("row", UNITS[:9]), ("column", UNITS[9:18]), ("box", UNITS[18:])):
+        for unit in units:
+            seen = {}
+            for i in unit:
+                if cells[i] in seen:
+                    raise ValueError(f"the givens contradict each other: {_cell(seen[cells[i]])} and {_cell(i)} "
+                                     f"are both {cells[i]}, in one {kind}")
+                if cells[i]:
+                    seen[cells[i]] = i
+    return [int(v) for v in cells]
 
 
 def to_string(cells: List[int]) -> str:
@@ -150,6 +178,7 @@ def request(llm, cells: List[int], seed: int = 0, **options):
     blanks started from random digits, only digits allowed. The canvas is the 81 cells, or
     the 81 cells and an end token (pinned too) where the model's canvas has 82 tokens.
     `options`: further SamplingParams fields (max_denoising_steps, self_conditioning, ...)."""
+    cells = check_puzzle(cells)
     canvas_length = llm.model.canvas_length
     if canvas_length not in (CELLS, CELLS + 1):
         raise ValueError(f"not a Sudoku model: its canvas has {canvas_length} tokens, not 81 or 82")
@@ -175,6 +204,11 @@ def solve_all(llm, puzzles: List[List[int]], seed: int = 0, plain: bool = False,
     denoise steps of each). By infilling (`request`), or with plain=True by plain generation
     from the puzzle as the prompt, as a chat request would; `options` are further
     SamplingParams fields. Puzzle i is seeded seed + i."""
+    for i, cells in enumerate(puzzles):
+        try:
+            check_puzzle(cells)
+        except ValueError as e:
+            raise ValueError(f"puzzle {i}: {e}") from None
     if plain:
         prompts = [llm.tokenizer.encode(to_string(cells)) for cells in puzzles]
         params = [SamplingParams(seed=seed + i, **options) for i in range(len(puzzles))]

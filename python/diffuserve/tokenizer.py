@@ -11,12 +11,12 @@ from __future__ import annotations
 import json
 import os
 import stat
-from typing import List, Optional
+from typing import Dict, List, Optional, Tuple
 
 from tokenizers import Tokenizer as _HFTokenizer
 
 from . import _core
-from ._checks import check_unicode
+from ._checks import check_path, check_token_ids, check_unicode
 from .chat_template import ChatTemplate
 
 # Characters from which a text is encoded without holding the GIL (Tokenizer.encode): about
@@ -47,26 +47,29 @@ def _present(file: str) -> bool:
     return True
 
 
-def _read_chat_template(path: str, config: dict) -> Optional[str]:
+def _read_chat_template(path: str, config: dict) -> Tuple[Optional[str], Dict[str, str]]:
+    """The checkpoint's chat template, and its named ones (tokenizer_config.json's list form)."""
+    template = config.get("chat_template")
+    named = {}
+    if isinstance(template, list):  # named templates: transformers uses "default"
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        named = {name: source for name, source in named.items() if isinstance(name, str) and isinstance(source, str)}
+        template = named.get("default")
     jinja_file = os.path.join(path, "chat_template.jinja")
     if _present(jinja_file):
         try:
             with open(jinja_file, encoding="utf-8") as f:
-                return f.read()
+                return f.read(), named
         except (OSError, ValueError) as e:
             raise _core.CheckpointError(f"{jinja_file}: not a readable UTF-8 file: {e}") from None
-    template = config.get("chat_template")
-    if isinstance(template, list):  # named templates: transformers uses "default"
-        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
-        template = named.get("default")
-    return template if isinstance(template, str) else None
+    return (template if isinstance(template, str) else None), named
 
 
 class Tokenizer:
     def __init__(self, path: str):
         """Reads the tokenizer files of checkpoint directory `path` (tokenizer.json must exist);
         a file that cannot be read is a CheckpointError naming it."""
-        tokenizer_file = os.path.join(path, "tokenizer.json")
+        tokenizer_file = os.path.join(check_path("path (a checkpoint directory)", path), "tokenizer.json")
         if not _present(tokenizer_file):
             raise _core.CheckpointError(f"{tokenizer_file}: no such file")
         try:
@@ -86,13 +89,13 @@ class Tokenizer:
                 raise _core.CheckpointError(f"{config_file}: expected a JSON object, got {type(config).__name__}")
         self.special_tokens = {key: text for key in _SPECIAL_TOKEN_KEYS
                                if (text := _token_text(config.get(key))) is not None}
-        template = _read_chat_template(path, config)
+        template, self._named_templates = _read_chat_template(path, config)
         self.chat_template = ChatTemplate(template, self.special_tokens) if template else None
 
     @classmethod
     def from_checkpoint(cls, path) -> Optional["Tokenizer"]:
         """The tokenizer of a checkpoint directory, or None when it has no tokenizer.json."""
-        path = os.fspath(path)
+        path = check_path("path (a checkpoint directory)", path)
         # (Anything there, a broken link too, is for the constructor's _present to judge.)
         return cls(path) if os.path.lexists(os.path.join(path, "tokenizer.json")) else None
 
@@ -126,11 +129,36 @@ class Tokenizer:
         return self._tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
-        return self._tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        """The text of token ids. An id outside the vocabulary is a ValueError naming it (the
+        tokenizers library writes nothing for one past it, and fails on a negative one)."""
+        ids = check_token_ids(ids, "decode", self.vocab_size).tolist()
+        return self._tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: List[dict], add_generation_prompt: bool = True, **variables) -> str:
+    def decode_output(self, ids, skip_special_tokens: bool = True) -> str:
+        """The text of a model's output tokens. A checkpoint's embedding may have rows past
+        the tokenizer's vocabulary (its vocab_size rounded up), which a model can sample: they
+        have no text."""
+        vocab_size = self.vocab_size
+        ids = [int(i) for i in ids if i < vocab_size]
+        return self._tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: List[dict], add_generation_prompt: bool = True,
+                            chat_template: Optional[str] = None, tokenize: bool = False, **variables) -> str:
         """The prompt text of a conversation. Encode it with add_special_tokens=False: the
-        template writes the special tokens itself."""
+        template writes the special tokens itself. As in transformers, chat_template is a Jinja
+        template, or the name of one of the checkpoint's named templates, to use instead of
+        its own; tokenize must be False (this returns the text); other variables reach the
+        template."""
+        if tokenize is not False:
+            raise ValueError(f"tokenize must be False (apply_chat_template returns the text; encode it with "
+                             f"add_special_tokens=False), got {tokenize!r}")
+        if chat_template is not None:
+            if not isinstance(chat_template, str):
+                raise ValueError(f"chat_template must be a Jinja template or a template's name (a string), "
+                                 f"got {chat_template!r}")
+            source = self._named_templates.get(chat_template, chat_template)
+            return ChatTemplate(source, self.special_tokens).render(
+                messages, add_generation_prompt=add_generation_prompt, **variables)
         if self.chat_template is None:
             raise ValueError("this checkpoint has no chat template (tokenizer_config.json 'chat_template' "
                              "or chat_template.jinja)")
