@@ -215,20 +215,24 @@ def commit_ms(model, context):
 def hf_forward_ms(path, context):
     """transformers' decoder forward (sdpa, bf16) over one canvas at `context`, in a child process."""
     code = f"""
-import time, torch, json
+import inspect, time, torch, json
 from transformers import DiffusionGemmaConfig, DiffusionGemmaForBlockDiffusion, DynamicCache
 cfg = DiffusionGemmaConfig.from_pretrained({path!r})
 torch.set_default_dtype(torch.bfloat16)
 with torch.device("cuda"):
     m = DiffusionGemmaForBlockDiffusion(cfg).eval()
 cache = DynamicCache(config=cfg.text_config)
+# past_key_values up to transformers 5.23, cache from 5.24
+parameters = inspect.signature(DiffusionGemmaForBlockDiffusion.forward).parameters
+name = "cache" if "cache" in parameters else "past_key_values"
+with_cache = {{name: cache}}
 with torch.no_grad():
     for chunk in torch.arange({context}, device="cuda").remainder(1000).add(3).split(4096):
-        m.model.encoder(input_ids=chunk[None], past_key_values=cache)
+        m.model.encoder(input_ids=chunk[None], **with_cache)
     canvas = torch.arange({CANVAS}, device="cuda")[None] + 5
-    for _ in range(2): m(decoder_input_ids=canvas, past_key_values=cache)
+    for _ in range(2): m(decoder_input_ids=canvas, **with_cache)
     torch.cuda.synchronize(); t = time.perf_counter()
-    for _ in range(5): m(decoder_input_ids=canvas, past_key_values=cache)
+    for _ in range(5): m(decoder_input_ids=canvas, **with_cache)
     torch.cuda.synchronize()
 print(json.dumps({{"ms": 1e3 * (time.perf_counter() - t) / 5}}))
 """

@@ -5,6 +5,8 @@ included), so a mistake in any of them shows in the logits.
 """
 from __future__ import annotations
 
+import inspect
+
 import numpy as np
 import torch
 import transformers
@@ -74,18 +76,22 @@ class ReferenceSequence:
     def __init__(self, model):
         self.model = model
         self.cache = DynamicCache(config=model.config.text_config)
+        # The cache's keyword: past_key_values up to transformers 5.23, cache from 5.24 (which
+        # warns at the old name, to be removed in 5.40).
+        name = "cache" if "cache" in inspect.signature(type(model).forward).parameters else "past_key_values"
+        self.with_cache = {name: self.cache}
 
     @torch.no_grad()
     def prefill(self, ids):
-        self.model.model.encoder(input_ids=torch.tensor([list(ids)]), past_key_values=self.cache)
+        self.model.model.encoder(input_ids=torch.tensor([list(ids)]), **self.with_cache)
 
     commit = prefill
 
     @torch.no_grad()
     def denoise(self, canvas, self_conditioning_logits=None):
         sc = None if self_conditioning_logits is None else torch.as_tensor(self_conditioning_logits)[None]
-        out = self.model(decoder_input_ids=torch.tensor([list(canvas)]), past_key_values=self.cache,
-                         self_conditioning_logits=sc)
+        out = self.model(decoder_input_ids=torch.tensor([list(canvas)]), self_conditioning_logits=sc,
+                         **self.with_cache)
         return out.logits[0].float().numpy()
 
     def kv(self, layer):

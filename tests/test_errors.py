@@ -403,8 +403,11 @@ def test_load_unavailable_device(valid_dir, device):
 def test_load_more_threads_than_the_system_allows(valid_dir, tmp_path, threads):
     """num_threads beyond what the process can start must raise ValueError (or load), never hang or abort."""
     script = (
-        "import resource, diffuserve as ds\n"
-        "resource.setrlimit(resource.RLIMIT_AS, (1 << 30, 1 << 30))  # ~100 thread stacks, then EAGAIN\n"
+        "import os, resource, diffuserve as ds\n"
+        "# 1 GiB past what the process has mapped (a CUDA build maps more at import): ~100 thread\n"
+        "# stacks, then EAGAIN.\n"
+        "mapped = int(open('/proc/self/statm').read().split()[0]) * os.sysconf('SC_PAGE_SIZE')\n"
+        "resource.setrlimit(resource.RLIMIT_AS, (mapped + (1 << 30), mapped + (1 << 30)))\n"
         "try:\n"
         f"    ds.Model.load({str(valid_dir)!r}, num_threads={threads})\n"
         "except ValueError as e:\n"
@@ -565,7 +568,11 @@ def test_cli_ctrl_c_is_a_line_and_exit_130(tmp_path):
     rng = random.Random(0)
     puzzles = tmp_path / "puzzles.txt"  # enough to take minutes
     puzzles.write_text("".join(sd.generate(30, rng, unique=False)[0] + "\n" for _ in range(200)))
-    proc = subprocess.Popen([sys.executable, "-m", "diffuserve", "sudoku", "--eval", str(puzzles)],
+    # SIGINT handled as in a terminal's foreground job, even where this process was started
+    # with it ignored (a shell's background job, which its children inherit).
+    main = ("import signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
+            "from diffuserve.cli import main; main(sys.argv[1:])")
+    proc = subprocess.Popen([sys.executable, "-c", main, "sudoku", "--eval", str(puzzles)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     stderr = b""
     while b"loading" not in stderr:  # the command has begun (its model loads, then it solves)
