@@ -639,6 +639,13 @@ void layer_forward(ModelState& m, KvCache& kv, int li, Activation& h, const Acti
   const int64_t q_cols = int64_t(c.num_heads) * L.head_dim;
   const int64_t window = L.sliding ? c.sliding_window : 0;
 
+  // Tried and not kept (thirty-seventh session, H200, steps at 1x1K / 4x1K, A/B twice): a
+  // kernel between ops that asks L2 to prefetch the next product's weights (cp.async.bulk
+  // .prefetch.L2, 24 MB) while a latency-bound op leaves DRAM idle: o_proj's before the
+  // attention 17.1 / 36.7-36.8 -> 17.2 / 36.9 ms, the experts' first up rows before the router
+  // 18.4 / 37.1-37.3, the next layer's q/k/v before its last norm 18.9-19.0 / 37.8-38.0, all
+  // three 18.6 / 37.3-37.4: the prefetch's launch sits in the chain of launches, and its lines
+  // evict the ones the next kernels were about to read.
   // Past its KV, the encoder's last layer feeds nothing: only decoder rows go on (`next`'s rows).
   const int64_t first = li == c.num_layers - 1 ? encoder_rows : 0;
   Activation q = be.alloc_attention_rows(n - first, q_cols, L.head_dim, m.bf16_activations), k, v;
