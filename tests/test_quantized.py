@@ -11,6 +11,7 @@ import math
 import os
 import re
 import shutil
+import struct
 
 import numpy as np
 import pytest
@@ -385,10 +386,46 @@ def test_quantize_refuses_bytes_no_tensor_claims(tmp_path):
         quantize(src, str(tmp_path / "out"))
 
 
+def _header_entry(raw, **fields):
+    """safetensors bytes `raw` with fields of its first tensor's header entry replaced."""
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8:8 + n])
+    first = min(name for name in header if name != "__metadata__")
+    header[first] = {**header[first], **fields}
+    head = json.dumps(header).encode()
+    head += b" " * (-len(head) % 8)
+    return struct.pack("<Q", len(head)) + head + raw[8 + n:]
+
+
+@pytest.mark.parametrize("corrupt, message", [
+    (lambda raw: b"", "file is 0 bytes, too short for a safetensors header"),
+    (lambda raw: struct.pack("<Q", len(raw)) + raw[8:], "bad header length"),
+    (lambda raw: raw[:8] + b"[" + raw[9:], "header is not valid JSON"),
+    (lambda raw: _header_entry(raw, dtype="F99"), "unknown dtype 'F99'"),
+    (lambda raw: _header_entry(raw, shape=[3, 3]), "needs 36 bytes but data_offsets give"),
+    (lambda raw: raw[:-4], "run past the end of the data section"),
+], ids=["empty", "header length past the end", "header not JSON", "unknown dtype", "shape vs bytes", "truncated"])
+def test_quantize_names_a_malformed_source(tmp_path, corrupt, message):
+    """A malformed safetensors source is a ValueError naming the file and what is wrong, which the
+    CLI prints as one line (these had been a struct.error, a KeyError, an AttributeError or a
+    nonsense byte range, some of them tracebacks from `diffuserve quantize`)."""
+    from diffuserve.quantize import quantize
+    from diffuserve.random_checkpoint import write_random_checkpoint
+    src = write_random_checkpoint(tmp_path / "src", canvas_length=8, seed=3, hidden_size=64)
+    path = os.path.join(src, "model.safetensors")
+    with open(path, "rb") as f:
+        raw = f.read()
+    with open(path, "wb") as f:
+        f.write(corrupt(raw))
+    with pytest.raises(ValueError, match=re.escape(path) + ".*" + re.escape(message)):
+        quantize(src, str(tmp_path / "out"))
+
+
 def test_quantize_writes_into_a_new_or_empty_directory_only(tmp_path):
     """Over its source, or into a directory holding another checkpoint's shards and index
-    (which a load prefers to the model.safetensors written beside them), a quantized copy
-    would load as neither model: both are refused before anything is written."""
+    (which a load would pass over for the model.safetensors written beside them), a quantized
+    copy would leave a directory holding two models: both are refused before anything is
+    written."""
     from diffuserve.quantize import quantize
     from diffuserve.random_checkpoint import write_random_checkpoint
     src = write_random_checkpoint(tmp_path / "src", canvas_length=8, seed=3, hidden_size=64)

@@ -3,13 +3,14 @@ such tensors travel as their raw bits, with the dtype name beside them)."""
 from __future__ import annotations
 
 import json
+import math
 import struct
 
 import numpy as np
 
 _NUMPY = {"F32": np.float32, "F16": np.float16, "F64": np.float64, "I64": np.int64, "I32": np.int32,
-          "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_, "BF16": np.uint16,
-          "F8_E4M3": np.uint8, "F8_E5M2": np.uint8}
+          "I16": np.int16, "I8": np.int8, "U64": np.uint64, "U32": np.uint32, "U16": np.uint16, "U8": np.uint8,
+          "BOOL": np.bool_, "BF16": np.uint16, "F8_E4M3": np.uint8, "F8_E5M2": np.uint8}
 
 
 def write_safetensors(path: str, tensors: dict) -> None:
@@ -48,13 +49,57 @@ def _check_coverage(path: str, header: dict, data_bytes: int) -> None:
                          f"header entry missing, or a tensor named twice)")
 
 
+def _is_size(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+
+
+def _check_entry(path: str, name: str, entry, data_bytes: int) -> None:
+    """One header entry names a known dtype, a shape and byte offsets inside the data section
+    that hold exactly that many elements, as the C++ loader checks it."""
+    where = f"{path}: tensor '{name}': "
+    if not isinstance(entry, dict):
+        raise ValueError(where + "header entry is not a JSON object")
+    dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
+    if dtype not in _NUMPY:
+        raise ValueError(where + f"unknown dtype {dtype!r}")
+    if not isinstance(shape, list) or not all(_is_size(d) for d in shape):
+        raise ValueError(where + '"shape" must be a list of non-negative integers')
+    if not isinstance(offsets, list) or len(offsets) != 2 or not all(_is_size(o) for o in offsets):
+        raise ValueError(where + '"data_offsets" must be two non-negative integers [begin, end]')
+    begin, end = offsets
+    if begin > end:
+        raise ValueError(where + f"data_offsets [{begin}, {end}) end before they begin")
+    if end > data_bytes:
+        raise ValueError(where + f"data_offsets [{begin}, {end}) run past the end of the data section ({data_bytes} "
+                         "bytes): the file is truncated or the offsets are out of range")
+    needed = math.prod(shape) * np.dtype(_NUMPY[dtype]).itemsize
+    if needed != end - begin:
+        raise ValueError(where + f"shape {shape} of dtype {dtype} needs {needed} bytes but data_offsets give "
+                         f"{end - begin}")
+
+
 def read_safetensors(path: str) -> dict:
-    """name -> (safetensors dtype name, np.ndarray of the stored values or raw bits)."""
+    """name -> (safetensors dtype name, np.ndarray of the stored values or raw bits). A
+    malformed file is a ValueError naming it (and the tensor at fault)."""
     with open(path, "rb") as f:
         data = f.read()
+    if len(data) < 8:
+        raise ValueError(f"{path}: file is {len(data)} bytes, too short for a safetensors header")
     (length,) = struct.unpack("<Q", data[:8])
-    header = json.loads(data[8:8 + length])
-    _check_coverage(path, header, len(data) - 8 - length)
+    if length > len(data) - 8:
+        raise ValueError(f"{path}: bad header length {length}: only {len(data) - 8} bytes follow it (truncated, or "
+                         "not a safetensors file)")
+    try:
+        header = json.loads(data[8:8 + length])
+    except ValueError as e:  # also bytes that are not UTF-8
+        raise ValueError(f"{path}: header is not valid JSON: {e}") from None
+    if not isinstance(header, dict):
+        raise ValueError(f"{path}: header is not a JSON object")
+    data_bytes = len(data) - 8 - length
+    for name, entry in header.items():
+        if name != "__metadata__":
+            _check_entry(path, name, entry, data_bytes)
+    _check_coverage(path, header, data_bytes)
     out = {}
     for name, entry in header.items():
         if name == "__metadata__":
