@@ -219,3 +219,76 @@ def test_dtype_cast_at_load(tmp_path):
         seq.prefill([5, 6, 7])
         outs.append(seq.denoise(np.arange(8)))
     np.testing.assert_array_equal(outs[0], outs[1])
+
+
+def logits_both(path, canvas=np.arange(8)):
+    """(diffuserve's, transformers') logits of one denoise after a short prefill of checkpoint `path`."""
+    seq, ref = ds.Model.load(path).sequence(), ReferenceSequence(load(path, torch.float32))
+    for s in (seq, ref):
+        s.prefill(np.arange(3, 12))
+    return seq.denoise(canvas), ref.denoise(canvas)
+
+
+def test_single_file_wins_over_an_index_beside_it(tmp_path):
+    """A directory holding model.safetensors and, beside it, an index with shards of other
+    weights (left from an earlier save) loads the single file, as transformers does
+    (diffuserve had loaded the index's shards: logits off by ~0.5)."""
+    from safetensors.torch import load_file, save_file
+    path = save(build_model(text([S, F]), 8), tmp_path / "m")
+    other = {name: t * 1.1 for name, t in load_file(path / "model.safetensors").items()}
+    save_file(other, path / "model-00001-of-00001.safetensors", metadata={"format": "pt"})
+    (path / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {}, "weight_map": {name: "model-00001-of-00001.safetensors" for name in other}}))
+    ours, exact = logits_both(path)
+    check_logits(ours, exact, where="single file beside an index", atol=FP32_ATOL)
+
+
+def test_stored_lm_head_unties_a_tied_config(tmp_path):
+    """A config that ties the head to the embedding, over a checkpoint that stores an
+    lm_head.weight of other values: transformers then leaves them untied (warning that the config
+    is wrong) and runs the stored head, and so does diffuserve (it had ignored the stored head:
+    logits off by ~2)."""
+    from safetensors.torch import load_file, save_file
+    path = save(build_model(text([S, F]), 8), tmp_path / "m")
+    tensors = load_file(path / "model.safetensors")
+    tensors["lm_head.weight"] = 0.08 * torch.randn(tensors["model.decoder.embed_tokens.weight"].shape,
+                                                   generator=torch.Generator().manual_seed(5))
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    assert json.loads((path / "config.json").read_text())["tie_word_embeddings"] is True
+    ours, exact = logits_both(path)
+    check_logits(ours, exact, where="stored lm_head under a tied config", atol=FP32_ATOL)
+
+
+def test_text_config_tie_word_embeddings_unties_nothing(tmp_path):
+    """transformers reads tie_word_embeddings at config.json's top level only (true where it is
+    absent); text_config's false unties nothing (diffuserve had read it, and asked the tied
+    checkpoint for an lm_head.weight)."""
+    path = save(build_model(text([S, F]), 8), tmp_path / "m")
+    cfg = json.loads((path / "config.json").read_text())
+    del cfg["tie_word_embeddings"]
+    cfg["text_config"]["tie_word_embeddings"] = False
+    (path / "config.json").write_text(json.dumps(cfg))
+    ours, exact = logits_both(path)
+    check_logits(ours, exact, where="text_config's tie_word_embeddings", atol=FP32_ATOL)
+
+
+def test_untied_head(tmp_path):
+    """tie_word_embeddings false: the stored lm_head.weight is the head. (transformers then
+    unties the encoder's weights from the decoder's too and saves both; here they are equal
+    copies, which diffuserve accepts: encoder weights of their own it refuses, named.)"""
+    from transformers import DiffusionGemmaForBlockDiffusion
+    tied = build_model(text([S, F]), 8)
+    tied.config.tie_word_embeddings = False
+    untied = DiffusionGemmaForBlockDiffusion(tied.config).eval()
+    weights = tied.state_dict()
+    weights["lm_head.weight"] = 0.08 * torch.randn(weights["lm_head.weight"].shape,
+                                                   generator=torch.Generator().manual_seed(5))
+    encoder = "model.encoder.language_model."
+    for name in untied.state_dict():
+        if name.startswith(encoder) and "model.decoder." + name[len(encoder):] in weights:
+            weights[name] = weights["model.decoder." + name[len(encoder):]].clone()
+    untied.load_state_dict(weights)
+    path = tmp_path / "m"
+    untied.save_pretrained(path)
+    ours, exact = logits_both(path)
+    check_logits(ours, exact, where="untied head", atol=FP32_ATOL)

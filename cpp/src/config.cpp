@@ -255,7 +255,9 @@ ModelConfig load_config(const std::string& dir) {
   c.pad_token_id = int(t.integer_or("pad_token_id", -1, -1, c.vocab_size - 1));
   c.bos_token_id = int(t.integer_or("bos_token_id", -1, -1, c.vocab_size - 1));
   c.canvas_length = int(top.integer_or("canvas_length", 256, 1, 1 << 20));
-  c.tie_word_embeddings = top.bool_or("tie_word_embeddings", t.bool_or("tie_word_embeddings", true));
+  // The top level's alone, as transformers reads it (DiffusionGemmaConfig's own field, true where
+  // absent): text_config's does not untie the head (save_pretrained leaves it true there on an untied model).
+  c.tie_word_embeddings = top.bool_or("tie_word_embeddings", true);
   if (c.final_logit_softcapping < 0) t.fail("final_logit_softcapping", "must be >= 0");
   if (c.rms_norm_eps <= 0) t.fail("rms_norm_eps", "must be > 0");
 

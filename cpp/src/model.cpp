@@ -83,6 +83,12 @@ class TensorSource {
   TensorSource(ModelState& m, DType as) : m_(m), as_(as), targets_(m.config, m.path) {}
   bool dummy() const { return !m_.checkpoint; }
   bool has(const std::string& name) const { return m_.checkpoint && m_.checkpoint->find(name); }
+  // Whether the checkpoint stores both `name` and `twin`, with different dtypes, shapes or bytes.
+  bool stored_apart(const std::string& name, const std::string& twin) const {
+    const TensorView* a = m_.checkpoint ? m_.checkpoint->find(name) : nullptr;
+    const TensorView* b = m_.checkpoint ? m_.checkpoint->find(twin) : nullptr;
+    return a && b && !same_tensor(*a, *b);
+  }
   // How the config quantizes the input of linear `module` (random weights: not at all).
   ActivationScheme input_scheme(const std::string& module) const {
     return dummy() ? ActivationScheme::None : targets_.input_scheme(module);
@@ -192,9 +198,7 @@ class TensorSource {
       // when it was written (LLM Compressor does this) holds byte-equal copies.
       if (name.rfind(encoder, 0) == 0) {
         const TensorView* twin = m_.checkpoint->find("model.decoder." + name.substr(encoder.size()));
-        if (twin && twin->dtype == view.dtype && twin->shape == view.shape &&
-            std::memcmp(twin->data, view.data, view.nbytes) == 0)
-          continue;
+        if (twin && same_tensor(*twin, view)) continue;
         if (twin)
           throw FormatError(view.file + ": tensor '" + name + "' differs from its decoder twin '" + twin->name +
                             "': untied encoder weights are not supported");
@@ -246,6 +250,10 @@ class TensorSource {
       host->insert(host->end(), part.begin(), part.end());
     }
     return m_.backend->upload(host->data(), DType::F32, shape, as_, host);
+  }
+
+  static bool same_tensor(const TensorView& a, const TensorView& b) {
+    return a.dtype == b.dtype && a.shape == b.shape && std::memcmp(a.data, b.data, a.nbytes) == 0;
   }
 
   static const TensorView& expect_float(const TensorView& t) {
@@ -443,7 +451,10 @@ void load_weights(ModelState& m, DType as) {
   const std::string d = "model.decoder.";
 
   w.embed_tokens = src.weight(d + "embed_tokens.weight", {c.vocab_size, H});
-  if (!c.tie_word_embeddings) w.lm_head = src.linear("lm_head.weight", {c.vocab_size, H});
+  // A tied config whose checkpoint stores an lm_head.weight other than the embedding: transformers
+  // then leaves the two untied (warning that the config is wrong) and runs the stored head. So does this.
+  const bool tied = c.tie_word_embeddings && !src.stored_apart("lm_head.weight", d + "embed_tokens.weight");
+  if (!tied) w.lm_head = src.linear("lm_head.weight", {c.vocab_size, H});
   w.norm = src.small(d + "norm.weight", {H});
   const std::string sc = d + "self_conditioning.";
   w.sc_pre_norm = src.small(sc + "pre_norm.weight", {H});
@@ -491,7 +502,7 @@ void load_weights(ModelState& m, DType as) {
         src.floats("model.encoder.language_model.layers." + std::to_string(i) + ".layer_scalar", {1})[0];
     w.layers.push_back(std::move(lw));
   }
-  src.check_all_taken(c.tie_word_embeddings);
+  src.check_all_taken(tied);
   if (m.bf16_activations) round_linear_inputs(w);
   for (LayerWeights& l : w.layers) {
     if (!l.v_proj.empty()) m.backend->place_together({&l.k_proj, &l.v_proj});

@@ -254,14 +254,15 @@ Checkpoint::Checkpoint(const std::string& dir) {
 
   const std::string index_path = (fs::path(dir) / "model.safetensors.index.json").string();
   const std::string single_path = (fs::path(dir) / "model.safetensors").string();
-  if (!fs::exists(index_path, ec)) {
-    if (!fs::exists(single_path, ec)) {
-      throw FormatError(dir + ": no model.safetensors or model.safetensors.index.json");
-    }
+  // A single file wins over an index beside it, as transformers' from_pretrained chooses: the
+  // two may hold different weights (shards left from an earlier save), and this loads the ones
+  // the reference runs.
+  if (fs::exists(single_path, ec)) {
     files_.push_back(std::make_unique<SafetensorsFile>(single_path));
     tensors_ = files_.back()->tensors();
     return;
   }
+  if (!fs::exists(index_path, ec)) throw FormatError(dir + ": no model.safetensors or model.safetensors.index.json");
 
   json::Value index = json::parse(read_text_file(index_path), index_path);
   const json::Value* weight_map = index.find("weight_map");

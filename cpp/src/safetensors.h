@@ -55,7 +55,7 @@ class SafetensorsFile {
 // All tensors of a checkpoint directory, across shards.
 class Checkpoint {
  public:
-  // `dir` holds model.safetensors or model.safetensors.index.json (the index wins).
+  // `dir` holds model.safetensors or model.safetensors.index.json (the single file wins, as in transformers).
   explicit Checkpoint(const std::string& dir);
 
   const std::map<std::string, TensorView>& tensors() const { return tensors_; }

@@ -152,8 +152,8 @@ def quantize(src: str, dst: str, scheme: str = "fp8-dynamic") -> None:
     if scheme not in SCHEMES:
         raise ValueError(f"scheme {scheme!r} is not supported (supported: {', '.join(SCHEMES)})")
     # Into a new or empty directory only: over its source, or beside another checkpoint's
-    # shards and index (which a load prefers to model.safetensors), the copy would leave a
-    # directory that loads as neither model.
+    # shards and index (which transformers, and so a load, would pass over for the new
+    # model.safetensors), the copy would leave a directory holding two models.
     if os.path.isdir(dst):
         if os.path.isdir(src) and os.path.samefile(src, dst):
             raise ValueError(f"{dst}: the output directory is the source; write the quantized copy elsewhere")
