@@ -363,6 +363,21 @@ def test_integer_dtype_tensor(ckpt, name):
     load_fails(ckpt, f"tensor '{name}' has dtype I32", "expected F32, BF16 or F16", str(ckpt / "model.safetensors"))
 
 
+@pytest.mark.parametrize("with_scale", [True, False], ids=["with its scale", "alone"])
+def test_quantized_weight_without_quantization_config(ckpt, with_scale):
+    """An E4M3 weight in a checkpoint whose config.json has no quantization_config contradicts
+    itself (transformers would read its values unscaled): refused, named (with its scale it had
+    loaded, dequantized; alone it was asked for a scale)."""
+    name = "model.decoder.layers.0.self_attn.o_proj.weight"
+
+    def quantize(t):
+        t[name] = ("F8_E4M3", np.full(t[name].shape, 0x38, np.uint8))
+        if with_scale:
+            t[name + "_scale"] = np.full((t[name][1].shape[0], 1), 0.5, np.float32)
+    rewrite(ckpt, quantize)
+    load_fails(ckpt, f"'{name}' is stored quantized", "config.json has no quantization_config")
+
+
 def test_vision_tower_tensors_ignored(ckpt, model):
     """Vision-tower tensors are accepted and change nothing."""
     rewrite(ckpt, lambda t: t.update({

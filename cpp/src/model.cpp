@@ -368,6 +368,11 @@ class TensorSource {
       throw FormatError(m_.path + ": '" + name + "' is stored plainly, but the linears stacked with it are "
                         "quantized; the runtime runs them as one weight");
     }
+    // Without the config's say, transformers would read the stored values as plain weights,
+    // their scales unused: the checkpoint contradicts itself.
+    if (m_.config.quantization.empty())
+      throw FormatError(m_.path + ": '" + name + "' is stored quantized (F8_E4M3, or NVFP4's weight_packed), but " +
+                        "config.json has no quantization_config");
     return has(prefix + ".weight_packed") ? nvfp4(prefix, shape) : fp8(name, prefix, shape);
   }
 
