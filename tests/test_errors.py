@@ -270,6 +270,9 @@ BAD_CONFIGS = {
     # A double that is infinite as the float32 the runtime keeps (the logits had come out NaN).
     "softcap past float32": ("text_config.final_logit_softcapping", 1e300,
                              ["text_config.final_logit_softcapping = 1e+300 does not fit a 32-bit float"]),
+    # transformers' config takes null, "vision" or "all" (this had been accepted).
+    "bidirectional attention": ("text_config.use_bidirectional_attention", "text",
+                                ["use_bidirectional_attention 'text' is not one of null, 'vision' or 'all'"]),
     "softcap null": ("text_config.final_logit_softcapping", None,
                      ["text_config.final_logit_softcapping is null; give a number (0 turns softcapping off)"]),
 }

@@ -265,8 +265,12 @@ ModelConfig load_config(const std::string& dir) {
     t.fail("hidden_activation", "'" + t.string_or("hidden_activation", "") + "' is not supported");
   if (t.bool_or("attention_bias", false)) t.fail("attention_bias", "= true is not supported");
   // "all" makes the encoder bidirectional and halves the window; no DiffusionGemma uses it.
-  if (t.string_or("use_bidirectional_attention", "") == "all")
-    t.fail("use_bidirectional_attention", "= 'all' is not supported");
+  const std::string bidirectional = t.string_or("use_bidirectional_attention", "");
+  if (bidirectional == "all") t.fail("use_bidirectional_attention", "= 'all' is not supported");
+  // "vision" concerns image tokens only, which a text engine never sees; transformers' config
+  // refuses any other value.
+  if (!bidirectional.empty() && bidirectional != "vision")
+    t.fail("use_bidirectional_attention", "'" + bidirectional + "' is not one of null, 'vision' or 'all'");
 
   const int head_dim = int(t.integer("head_dim", 1, kMaxDim));
   const int kv_heads = int(t.integer("num_key_value_heads", 1, c.num_heads));
