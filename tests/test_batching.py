@@ -143,6 +143,19 @@ def test_sliding_layers_stay_within_the_window(path):
     assert all_free(model.cache_stats())
 
 
+def test_window_far_past_the_sequence(tmp_path):
+    """A sliding window longer than any sequence (2**31 - 1, which a config may give) asks no more
+    KV than full attention: requests run, with the tokens of a window just past the sequence (every
+    request had been refused as needing more KV than the whole cache holds)."""
+    outs = []
+    for window in (64, 2**31 - 1):
+        path = write_random_checkpoint(tmp_path / str(window), canvas_length=CANVAS, seed=3,
+                                       **{**SMALL, "sliding_window": window})
+        llm = ds.LLM(path, kv_block_size=BLOCK, kv_cache_memory_bytes=1 << 20)
+        outs.append(alone(llm, [5, 6, 7], params(0)).token_ids)
+    assert outs[0] == outs[1] and len(outs[0]) == 24
+
+
 def test_preempted_requests_give_the_same_output(make_llm):
     rng = np.random.default_rng(1)
     prompts = [rng.integers(0, 64, int(n)).tolist() for n in rng.integers(4, 30, 8)]

@@ -40,8 +40,12 @@ KvCache::KvCache(Backend& backend, const ModelConfig& config, int64_t memory_byt
   const int64_t sliding_per_seq = ceil_div(window_ - 1 + 2 * int64_t(config.canvas_length), block_size) + 1;
   int64_t sliding_bytes = 0;
   if (per_block[kSlidingGroup]) {
-    sliding_bytes = per_block[kFullGroup] ? std::min(max_seqs * sliding_per_seq * per_block[kSlidingGroup], memory_bytes / 2)
-                                          : memory_bytes;
+    // (A window of billions of tokens, which a config may give, overflows the product: then half.)
+    int64_t wanted;
+    const bool overflow =
+        __builtin_mul_overflow(int64_t(max_seqs) * sliding_per_seq, per_block[kSlidingGroup], &wanted);
+    sliding_bytes =
+        per_block[kFullGroup] ? (overflow ? memory_bytes / 2 : std::min(wanted, memory_bytes / 2)) : memory_bytes;
   }
   const int64_t blocks[kNumGroups] = {
       per_block[kFullGroup] ? (memory_bytes - sliding_bytes) / per_block[kFullGroup] : 0,
@@ -166,8 +170,11 @@ void KvCache::append(KvTable& table, std::span<const int32_t> tokens) {
 
 bool KvCache::could_hold(int64_t total_tokens, int64_t chunk) const {
   const Pool &full = pools_[kFullGroup], &sliding = pools_[kSlidingGroup];
+  // The sliding layers hold the window and a chunk, or the whole sequence where that is shorter (a
+  // window far past the sequence, which a config may give, asks no more than full attention).
+  const int64_t sliding_tokens = std::min(total_tokens, window_ - 1 + chunk);
   return (!full.num_blocks || ceil_div(total_tokens, block_size_) <= full.num_blocks) &&
-         (!sliding.num_blocks || ceil_div(window_ - 1 + chunk, block_size_) + 1 <= sliding.num_blocks);
+         (!sliding.num_blocks || ceil_div(sliding_tokens, block_size_) + 1 <= sliding.num_blocks);
 }
 
 int64_t KvCache::match_prefix(KvTable& table, std::span<const int32_t> prompt) {
