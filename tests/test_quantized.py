@@ -421,6 +421,18 @@ def test_quantize_names_a_malformed_source(tmp_path, corrupt, message):
         quantize(src, str(tmp_path / "out"))
 
 
+@pytest.mark.parametrize("text, message", [("{", "not valid JSON"), ("[1]", "top level must be a JSON object")])
+def test_quantize_names_a_malformed_config(tmp_path, text, message):
+    """json's own error names no file, and a list had no .get (a traceback from the CLI)."""
+    from diffuserve.quantize import quantize
+    from diffuserve.random_checkpoint import write_random_checkpoint
+    src = write_random_checkpoint(tmp_path / "src", canvas_length=8, seed=3, hidden_size=64)
+    with open(os.path.join(src, "config.json"), "w") as f:
+        f.write(text)
+    with pytest.raises(ValueError, match=re.escape(os.path.join(src, "config.json") + ": " + message)):
+        quantize(src, str(tmp_path / "out"))
+
+
 def test_quantize_writes_into_a_new_or_empty_directory_only(tmp_path):
     """Over its source, or into a directory holding another checkpoint's shards and index
     (which a load would pass over for the model.safetensors written beside them), a quantized

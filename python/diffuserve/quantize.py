@@ -162,8 +162,14 @@ def quantize(src: str, dst: str, scheme: str = "fp8-dynamic") -> None:
         if held:
             raise ValueError(f"{dst} already holds a checkpoint ({', '.join(held)}): write the quantized copy to a "
                              f"new or empty directory")
-    with open(os.path.join(src, "config.json")) as f:
-        config = json.load(f)
+    config_file = os.path.join(src, "config.json")
+    with open(config_file) as f:
+        try:
+            config = json.load(f)
+        except ValueError as e:  # json's message names no file
+            raise ValueError(f"{config_file}: not valid JSON: {e}") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{config_file}: top level must be a JSON object")
     if config.get("quantization_config"):
         raise ValueError(f"{src} is already quantized")
     files = sorted(n for n in os.listdir(src) if n.endswith(".safetensors"))
