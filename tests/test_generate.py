@@ -58,6 +58,64 @@ def test_matches_hf_generate(checkpoints, name, prompt_len):
     assert out.tokens_per_forward == pytest.approx(expected_tpf)
 
 
+def philox_initial_canvas(seed, block, canvas, vocab):
+    """Block `block`'s initial canvas as the runtime draws it (cpp/src/philox.h, engine.cpp's
+    start_block): Philox4x32-10 at counter (0, position, 0, block | InitialCanvas << 30), key
+    seed, the first word times vocab >> 32."""
+    m32 = 0xFFFFFFFF
+    out = []
+    for position in range(canvas):
+        c, k = [0, position, 0, (block & 0x3FFFFFFF) | (2 << 30)], [seed & m32, seed >> 32]
+        for _ in range(10):
+            p0, p1 = 0xD2511F53 * c[0], 0xCD9E8D57 * c[2]
+            c = [((p1 >> 32) ^ c[1] ^ k[0]) & m32, p1 & m32, ((p0 >> 32) ^ c[3] ^ k[1]) & m32, p0 & m32]
+            k = [(k[0] + 0x9E3779B9) & m32, (k[1] + 0xBB67AE85) & m32]
+        out.append((c[0] * vocab) >> 32)
+    return out
+
+
+def hf_generate_blocks(model, prompt, seed_canvas, eos, max_new_tokens, seed):
+    """transformers' generate over several blocks, each later block starting from the canvas
+    diffuserve draws for it (transformers draws its own with torch.randint), greedy."""
+    canvas, vocab = model.config.canvas_length, model.config.text_config.vocab_size
+    blocks = iter(range(1 << 30))
+    prepare = type(model)._prepare_denoiser_inputs
+
+    def prepare_with_our_canvas(self, **kwargs):
+        block = next(blocks)
+        if block:
+            kwargs["model_kwargs"]["decoder_input_ids"] = torch.tensor([philox_initial_canvas(seed, block, canvas,
+                                                                                             vocab)])
+        return prepare(self, **kwargs)
+
+    model._prepare_denoiser_inputs = prepare_with_our_canvas.__get__(model)
+    out = model.generate(input_ids=torch.tensor([prompt]), decoder_input_ids=torch.tensor([seed_canvas]),
+                         max_new_tokens=max_new_tokens, eos_token_id=eos, pad_token_id=0,
+                         sampler_config=EntropyBoundSamplerConfig(entropy_bound=HUGE_BOUND), **GREEDY)
+    return out.sequences[0, len(prompt):].tolist(), float(out.tokens_per_forward[0])
+
+
+@pytest.mark.parametrize("name", ["small", "gqa4"])
+@pytest.mark.parametrize("blocks", [1.5, 3])
+def test_several_blocks_match_hf_generate(checkpoints, name, blocks):
+    """Several blocks, each committed and the next denoised after it, against transformers'
+    generate started from the same canvases; max_new_tokens of 1.5 blocks cuts the last one,
+    where transformers generates (and counts in tokens_per_forward) the whole block: diffuserve
+    had counted only the tokens it returns (0.211 where transformers gave 0.256)."""
+    path, canvas = checkpoints[name], MODELS[name][1]
+    hf, llm = load(path), ds.LLM(path)
+    rng = np.random.default_rng(3)
+    prompt, seed_canvas = rng.integers(3, 96, 9).tolist(), rng.integers(3, 96, canvas).tolist()
+    max_new_tokens = int(blocks * canvas)
+    expected, expected_tpf = hf_generate_blocks(hf, prompt, seed_canvas, [1], max_new_tokens, seed=5)
+    assert len(expected) == -(-max_new_tokens // canvas) * canvas  # whole blocks
+    out = llm.generate([prompt], ds.SamplingParams(max_new_tokens=max_new_tokens, seed_canvas=seed_canvas, seed=5,
+                                                   entropy_bound=HUGE_BOUND, eos_token_id=[1], **GREEDY))[0]
+    eos_at = expected.index(1) + 1 if 1 in expected else len(expected)
+    assert out.token_ids == expected[:min(eos_at, max_new_tokens)]
+    assert out.tokens_per_forward == pytest.approx(expected_tpf)
+
+
 @pytest.mark.parametrize("name", ["small", "wide_canvas"])
 def test_eos_mid_canvas_matches_hf(checkpoints, name):
     """Pick as EOS a token that first appears mid-canvas: both stop there, HF pads the rest."""
