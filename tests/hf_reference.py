@@ -64,10 +64,12 @@ def save(model, path, dtype=torch.float32, max_shard_size=None):
     return path
 
 
-def load(path, dtype=torch.float32):
+def load(path, dtype=torch.float32, **kwargs):
     """The reference as a user gets it: from_pretrained in `dtype`. (Casting a live model
-    with .to(bf16) would also round its RoPE inv_freq buffers, which loading does not.)"""
-    return DiffusionGemmaForBlockDiffusion.from_pretrained(path, dtype=dtype).eval()
+    with .to(bf16) would also round its RoPE inv_freq buffers, which loading does not.)
+    kwargs go to from_pretrained: experts_implementation="eager" for odd hidden sizes, whose
+    rows the default grouped_mm refuses ("strides should be multiple of 16 bytes")."""
+    return DiffusionGemmaForBlockDiffusion.from_pretrained(path, dtype=dtype, **kwargs).eval()
 
 
 class ReferenceSequence:

@@ -38,7 +38,32 @@ CASES = {
                            sliding_window=6), 10, 9, 4, torch.float32, None),
     # A bfloat16 checkpoint, compared with HF running in bfloat16.
     "bf16": (text([S, F, F], sliding_window=24, num_experts=5), 32, 20, 3, torch.bfloat16, None),
+    # The scaled RoPE types transformers offers that only change the frequencies: linear on the
+    # sliding layers, llama3 on the full ones (its three wavelength bands all present at
+    # head_dim 16), a prompt past llama3's original context. (Both had been refused.)
+    "rope_linear_llama3": (text([S, F, S], rope_parameters={
+        "sliding_attention": {"rope_type": "linear", "factor": 2.5, "rope_theta": 100.0},
+        "full_attention": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                           "original_max_position_embeddings": 64, "rope_theta": 10000.0}}), 8, 70, 2,
+                           torch.float32, None),
+    # Dynamic NTK, which equals default below max_position_embeddings (had been refused).
+    "rope_dynamic": (text([S, F], rope_parameters={
+        "sliding_attention": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 100.0},
+        "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1e6}}),
+                     8, 13, 2, torch.float32, None),
+    # Odd sizes everywhere: hidden 35, head_dim 10 / 14, 3 heads, vocab 77, top-3 of 5 experts,
+    # a canvas of 7 wider than the window of 5 (the reference's experts run eagerly here).
+    "odd_sizes": (text([S, F, S], hidden_size=35, intermediate_size=19, moe_intermediate_size=7, vocab_size=77,
+                       head_dim=10, global_head_dim=14, num_attention_heads=3, num_key_value_heads=3,
+                       num_global_key_value_heads=1, num_experts=5, top_k_experts=3, sliding_window=5),
+                  7, 9, 4, torch.float32, None),
+    # The smallest window (2) under a canvas of 16, one expert; and a canvas of one token.
+    "window2_canvas16": (text([S, S, F], sliding_window=2, num_experts=1, top_k_experts=1), 16, 3, 2,
+                         torch.float32, None),
+    "canvas1": (text([S, F]), 1, 1, 5, torch.float32, None),
 }
+# Cases whose hidden size the reference's default (grouped_mm) experts refuse.
+EAGER_EXPERTS = {"odd_sizes"}
 
 # Tolerances. fp32 checkpoints: both sides compute in fp32 on the same weights; what
 # remains is summation order (observed ~1e-5 on logits of magnitude ~2).
@@ -98,8 +123,9 @@ def test_matches_reference(case, tmp_path):
     assert model.dtype == {torch.float32: "float32", torch.bfloat16: "bfloat16"}[dtype]
     bf16 = dtype == torch.bfloat16
     atol = BF16_EXACT_ATOL if bf16 else FP32_ATOL
-    seq, exact = model.sequence(), ReferenceSequence(load(path, torch.float32))
-    native = ReferenceSequence(load(path, dtype)) if bf16 else None
+    experts = {"experts_implementation": "eager"} if case in EAGER_EXPERTS else {}
+    seq, exact = model.sequence(), ReferenceSequence(load(path, torch.float32, **experts))
+    native = ReferenceSequence(load(path, dtype, **experts)) if bf16 else None
     refs = [r for r in (exact, native) if r is not None]
     rng = np.random.default_rng(len(case))
     vocab, n_layers = text_cfg["vocab_size"], text_cfg["num_hidden_layers"]

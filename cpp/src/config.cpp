@@ -113,6 +113,8 @@ float inv_freq_fp32(double theta, int k, int dim) {
 }
 
 // Inverse frequencies as HF's rope init functions compute them, always head_dim/2 long.
+// rope_types whose frequencies depend on the sequence length (longrope) or that scale cos
+// and sin (yarn's attention factor) are refused by name.
 std::vector<float> rope_inv_freq(const Fields& rope, int head_dim) {
   const std::string type = rope.string_or("rope_type", "default");
   const double theta = rope.number_or("rope_theta", 10000.0);
@@ -121,11 +123,46 @@ std::vector<float> rope_inv_freq(const Fields& rope, int head_dim) {
   if (theta <= 0) rope.fail("rope_theta", "must be > 0");
   if (partial <= 0 || partial > 1) rope.fail("partial_rotary_factor", "must be in (0, 1]");
   std::vector<float> inv(head_dim / 2, 0.0f);
-  if (type == "default") {
-    // HF rotates only int(head_dim * partial) dims here but still applies the embedding to
-    // the whole head, which only works for partial == 1.
-    if (partial != 1.0) rope.fail("partial_rotary_factor", "must be 1.0 for rope_type 'default'");
+  // default, linear, dynamic and llama3 rotate int(head_dim * partial) dims but transformers
+  // still applies the embedding to the whole head, which only works for partial == 1.
+  auto whole_head = [&] {
+    if (partial != 1.0) rope.fail("partial_rotary_factor", "must be 1.0 for rope_type '" + type + "'");
     for (int i = 0; i < head_dim / 2; ++i) inv[i] = inv_freq_fp32(theta, 2 * i, head_dim);
+  };
+  auto positive = [&](const std::string& key, double v) {
+    if (!(v > 0)) rope.fail(key, "must be > 0");
+    return v;
+  };
+  if (type == "default") {
+    whole_head();
+  } else if (type == "dynamic") {
+    // Dynamic NTK changes theta only past max_position_embeddings, where no position of this
+    // engine goes (the runtime refuses longer sequences): below it transformers' frequencies
+    // are default's.
+    whole_head();
+  } else if (type == "linear") {
+    whole_head();
+    const float f = float(positive("factor", rope.number_or("factor", 0.0)));
+    for (float& x : inv) x /= f;
+  } else if (type == "llama3") {
+    whole_head();
+    // transformers' _compute_llama3_parameters, in its fp32 tensor arithmetic (a scalar over a
+    // tensor is the tensor's reciprocal times the scalar there).
+    constexpr double kPi = 3.141592653589793;
+    const float f = float(positive("factor", rope.number_or("factor", 0.0)));
+    const double low = positive("low_freq_factor", rope.number_or("low_freq_factor", 0.0));
+    const double high = positive("high_freq_factor", rope.number_or("high_freq_factor", 0.0));
+    const double old_len =
+        positive("original_max_position_embeddings", rope.number_or("original_max_position_embeddings", 0.0));
+    if (high == low) rope.fail("high_freq_factor", "must differ from low_freq_factor");
+    const float low_wavelen = float(old_len / low), high_wavelen = float(old_len / high);
+    for (float& x : inv) {
+      const float wavelen = (1.0f / x) * float(2 * kPi);
+      const float scaled = wavelen > low_wavelen ? x / f : x;
+      const float smooth = ((1.0f / wavelen) * float(old_len) - float(low)) / float(high - low);
+      const float smoothed = (1.0f - smooth) * scaled / f + smooth * scaled;
+      x = !(wavelen < high_wavelen) && !(wavelen > low_wavelen) ? smoothed : scaled;
+    }
   } else if (type == "proportional") {
     // The first `angles` frequencies rotate with exponents over the whole head_dim; the
     // rest are 0 (no rotation), so the encoding still spans head_dim.
@@ -133,7 +170,8 @@ std::vector<float> rope_inv_freq(const Fields& rope, int head_dim) {
     if (factor <= 0) rope.fail("factor", "must be > 0");
     for (int i = 0; i < angles && i < head_dim / 2; ++i) inv[i] = inv_freq_fp32(theta, 2 * i, head_dim) / float(factor);
   } else {
-    rope.fail("rope_type", "'" + type + "' is not supported (supported: default, proportional)");
+    rope.fail("rope_type",
+              "'" + type + "' is not supported (supported: default, proportional, linear, dynamic, llama3)");
   }
   if (!std::all_of(inv.begin(), inv.end(), [](float x) { return std::isfinite(x); }))
     rope.fail(type == "default" ? "rope_theta" : "factor", "gives rotary frequencies that are not finite as float32");
