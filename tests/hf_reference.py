@@ -72,6 +72,19 @@ def load(path, dtype=torch.float32, **kwargs):
     return DiffusionGemmaForBlockDiffusion.from_pretrained(path, dtype=dtype, **kwargs).eval()
 
 
+def load_exact(path, checkpoint_dtype, **kwargs):
+    """The reference in fp32 on the parameters a `checkpoint_dtype` model holds: its weights as
+    stored, and sqrt(hidden_size), which transformers computes as the embeddings' scale and
+    rounds to the model's dtype, rounded so (a bf16 model scales by bf16(sqrt(35)) = 5.906 for
+    5.916, which a hidden size of 32 hardly shows: 5.65625 for 5.65685)."""
+    model = load(path, torch.float32, **kwargs)
+    with torch.no_grad():
+        for name, buffer in model.named_buffers():
+            if name.endswith("embed_tokens.embed_scale"):
+                buffer.copy_(buffer.to(checkpoint_dtype).float())
+    return model
+
+
 class ReferenceSequence:
     """prefill / denoise / commit through the HF modules, mirroring diffuserve.Sequence."""
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import diffuserve as ds
-from hf_reference import F, S, ReferenceSequence, build_model, load, save, text
+from hf_reference import F, S, ReferenceSequence, build_model, load, load_exact, save, text
 
 
 # name: (text config, canvas_length, prompt_length, blocks, checkpoint dtype, max_shard_size)
@@ -69,10 +69,11 @@ EAGER_EXPERTS = {"odd_sizes"}
 # remains is summation order (observed ~1e-5 on logits of magnitude ~2).
 FP32_ATOL = 1e-4
 # bf16 checkpoints are checked twice:
-# 1. against "exact" arithmetic: HF run in fp32 on the same bf16 weights. diffuserve keeps
-#    activations in fp32 too, and differs only where it deliberately follows the bf16
-#    reference: sqrt(hidden) rounded to bf16 and self-conditioning probabilities cast to
-#    bf16 (observed <= 5e-4 without self-conditioning, <= 5e-3 with it), and the argmax
+# 1. against "exact" arithmetic: HF run in fp32 on the bf16 model's parameters (its weights,
+#    and sqrt(hidden) rounded to bf16 as the bf16 model holds it: hf_reference.load_exact).
+#    diffuserve keeps activations in fp32 too, and differs only where it deliberately follows
+#    the bf16 reference: self-conditioning probabilities cast to bf16 (observed <= 5e-4
+#    without self-conditioning, <= 5e-3 with it), and the argmax
 #    agrees with exact at nearly every position (observed >= 0.97: one position in 32
 #    where the bf16 cast of the self-conditioning probabilities moves a near tie).
 BF16_EXACT_ATOL = 1e-2
@@ -124,7 +125,7 @@ def test_matches_reference(case, tmp_path):
     bf16 = dtype == torch.bfloat16
     atol = BF16_EXACT_ATOL if bf16 else FP32_ATOL
     experts = {"experts_implementation": "eager"} if case in EAGER_EXPERTS else {}
-    seq, exact = model.sequence(), ReferenceSequence(load(path, torch.float32, **experts))
+    seq, exact = model.sequence(), ReferenceSequence(load_exact(path, dtype, **experts))
     native = ReferenceSequence(load(path, dtype, **experts)) if bf16 else None
     refs = [r for r in (exact, native) if r is not None]
     rng = np.random.default_rng(len(case))
