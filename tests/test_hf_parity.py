@@ -7,6 +7,7 @@ after every encoder pass.
 """
 import json
 import os
+import pathlib
 
 import numpy as np
 import pytest
@@ -319,3 +320,16 @@ def test_untied_head(tmp_path):
     untied.save_pretrained(path)
     ours, exact = logits_both(path)
     check_logits(ours, exact, where="untied head", atol=FP32_ATOL)
+
+
+def test_random_checkpoint_is_what_transformers_loads(tmp_path):
+    """diffuserve.random_checkpoint writes a checkpoint transformers loads and agrees on, with
+    a layer_types whose last layer is sliding too: transformers makes it full attention, so
+    its weights take the full layers' shapes (they had taken the sliding ones, with a v_proj
+    that both loaders refused)."""
+    from diffuserve.random_checkpoint import write_random_checkpoint
+    path = pathlib.Path(write_random_checkpoint(tmp_path / "m", canvas_length=8, seed=4, num_hidden_layers=3,
+                                                layer_types=[S, F, S], hidden_size=48, vocab_size=100))
+    assert json.loads((path / "config.json").read_text())["text_config"]["layer_types"] == [S, F, F]
+    ours, exact = logits_both(path)
+    check_logits(ours, exact, where="random checkpoint", atol=FP32_ATOL)

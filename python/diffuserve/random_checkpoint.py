@@ -30,6 +30,10 @@ def write_random_checkpoint(path, canvas_length: int = 64, dtype: str = "float32
     n_layers = cfg["num_hidden_layers"]
     cfg.setdefault("layer_types", ["full_attention" if (i + 1) % 4 == 0 or i == n_layers - 1 else "sliding_attention"
                                    for i in range(n_layers)])
+    # transformers' config makes the last layer full attention whatever layer_types says (and
+    # writes it so): its weights then take the full layers' shapes.
+    if cfg["layer_types"]:
+        cfg["layer_types"] = [*cfg["layer_types"][:-1], "full_attention"]
     global_head_dim = cfg.pop("global_head_dim")
     global_kv = cfg.pop("num_global_key_value_heads")
     cfg["per_layer_config"] = {str(i): {"head_dim": global_head_dim, "num_key_value_heads": global_kv}
