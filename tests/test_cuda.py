@@ -76,25 +76,53 @@ def compare(cpu, gpu, where, rel_tol=REL_TOL, min_agreement=MIN_AGREEMENT):
     assert rel <= rel_tol and agree >= min_agreement, where
 
 
-def test_passes_match_cpu(path):
+def check_passes_match_cpu(path, prompt_length, canvas_length, blocks=3, seed=0):
+    """Prefill, then per block a denoise step without and with self-conditioning and a
+    commit, on both backends: logits and every layer's keys and values agree."""
     cpu, gpu = ds.Model.load(path).sequence(), ds.Model.load(path, device="cuda").sequence()
-    vocab = cpu.model.vocab_size
-    rng = np.random.default_rng(0)
-    prompt = rng.integers(0, vocab, 100)  # past the window
+    vocab, layers = cpu.model.vocab_size, cpu.model.config["num_layers"]
+    rng = np.random.default_rng(seed)
+    prompt = rng.integers(0, vocab, prompt_length)
     for s in (cpu, gpu):
         s.prefill(prompt)
-    for block in range(3):
-        canvas = rng.integers(0, vocab, 32)
+    for block in range(blocks):
+        canvas = rng.integers(0, vocab, canvas_length)
         a, b = cpu.denoise(canvas), gpu.denoise(canvas)
         compare(a, b, f"block {block}, first step")
         compare(cpu.denoise(canvas, a / 0.7), gpu.denoise(canvas, a / 0.7), f"block {block}, self-conditioned")
         for s in (cpu, gpu):
             s.commit(canvas)
-        for layer in range(2):
+        for layer in range(layers):
             k_cpu, v_cpu, _ = cpu.kv(layer)
             k_gpu, v_gpu, _ = gpu.kv(layer)
-            assert np.abs(k_cpu - k_gpu).max() <= REL_TOL * np.abs(k_cpu).max()
-            assert np.abs(v_cpu - v_gpu).max() <= REL_TOL * np.abs(v_cpu).max()
+            assert np.abs(k_cpu - k_gpu).max() <= REL_TOL * np.abs(k_cpu).max(), f"block {block}, layer {layer}"
+            assert np.abs(v_cpu - v_gpu).max() <= REL_TOL * np.abs(v_cpu).max(), f"block {block}, layer {layer}"
+
+
+def test_passes_match_cpu(path):
+    check_passes_match_cpu(path, prompt_length=100, canvas_length=32)  # the prompt past the window
+
+
+# Random small configurations in odd sizes (every kernel's scalar edges and generic paths):
+# hidden widths and head dims that are no multiples of 8, any GQA ratio, one to eight experts,
+# windows of 2 to 23 under canvases of 1 to 23, layer types in any order.
+@pytest.mark.parametrize("seed", range(12))
+def test_random_odd_configurations_match_cpu(tmp_path, seed):
+    rng = np.random.default_rng(1000 + seed)
+    heads = int(rng.integers(1, 6))
+    divisors = [d for d in range(1, heads + 1) if heads % d == 0]
+    layers, experts = int(rng.integers(1, 5)), int(rng.integers(1, 9))
+    shape = dict(vocab_size=int(rng.integers(16, 300)), hidden_size=int(rng.integers(8, 80)),
+                 intermediate_size=int(rng.integers(4, 64)), num_hidden_layers=layers, num_attention_heads=heads,
+                 num_key_value_heads=int(rng.choice(divisors)), num_global_key_value_heads=int(rng.choice(divisors)),
+                 head_dim=2 * int(rng.integers(1, 17)), global_head_dim=2 * int(rng.integers(1, 17)),
+                 sliding_window=int(rng.integers(2, 24)), num_experts=experts,
+                 top_k_experts=int(rng.integers(1, experts + 1)), moe_intermediate_size=int(rng.integers(2, 40)),
+                 layer_types=[str(rng.choice(["sliding_attention", "full_attention"])) for _ in range(layers)])
+    canvas = int(rng.integers(1, 24))
+    print(shape, "canvas", canvas)
+    path = write_random_checkpoint(tmp_path / "m", canvas_length=canvas, dtype="bfloat16", seed=seed, **shape)
+    check_passes_match_cpu(path, prompt_length=int(rng.integers(1, 50)), canvas_length=canvas, blocks=2, seed=seed)
 
 
 def test_generate_agrees_with_cpu_and_is_batch_invariant(path):
