@@ -1,0 +1,152 @@
+// Drives diffuserve's C++ API with bad and edge input, one case per command-line argument:
+//
+//   api_edges CHECKPOINT_DIR CASE...
+//
+// Each case prints "CASE: ok ..." or "CASE: <exception type>: <message>"; tests/test_cpp_api.py
+// checks that every bad input is an exception naming what is wrong (never a crash or a hang).
+#include <cstdio>
+#include <functional>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "diffuserve/diffuserve.h"
+#include "diffuserve/engine.h"
+#include "diffuserve/generate.h"
+
+using namespace diffuserve;
+
+namespace {
+
+std::shared_ptr<Model> load(const std::string& dir, int64_t kv_bytes = 0) {
+  LoadOptions options;
+  options.num_threads = 1;
+  options.kv_cache_memory_bytes = kv_bytes;
+  return Model::load(dir, options);
+}
+
+SamplingParams params(const Model& model, int max_new_tokens) {
+  SamplingParams p = sampling_defaults(model.config());
+  p.max_new_tokens = max_new_tokens;
+  p.seed = 1;
+  return p;
+}
+
+// Prefills `seq` until the cache takes no more tokens; returns how many it holds.
+int64_t fill(Sequence& seq) {
+  for (int chunk = 4096; chunk >= 1; chunk /= 2) {
+    const std::vector<int32_t> ids(chunk, 3);
+    for (;;) {
+      try {
+        seq.prefill(ids);
+      } catch (const InvalidArgument&) {
+        break;
+      }
+    }
+  }
+  return seq.length();
+}
+
+const std::map<std::string, std::function<std::string(const std::string&)>> kCases = {
+    {"negative_num_threads",
+     [](const std::string& dir) {
+       LoadOptions options;
+       options.num_threads = -1;
+       Model::load(dir, options);
+       return std::string("loaded");
+     }},
+    // generate() with the rest of the cache held by another sequence of the model: its
+    // prompt fits, its first block's commit does not.
+    {"generate_with_the_cache_held",
+     [](const std::string& dir) {
+       auto model = load(dir, 1 << 20);
+       const int64_t capacity = fill(*model->new_sequence());  // every token the full-attention pool holds
+       auto held = model->new_sequence();
+       held->prefill(std::vector<int32_t>(capacity - 16, 5));  // all but one KV block of 16 tokens
+       generate(*model, {{2, 3}}, {params(*model, 2 * model->config().canvas_length)});
+       return std::string("generated");
+     }},
+    {"kv_too_small_for_max_new_tokens",
+     [](const std::string& dir) {
+       auto model = load(dir, 1 << 20);
+       generate(*model, {{2, 3}}, {params(*model, 100000)});
+       return std::string("generated");
+     }},
+    {"step_plans_a_request_twice",
+     [](const std::string& dir) {
+       auto model = load(dir);
+       Engine engine(model);
+       engine.add(1, {2, 3}, params(*model, 16));
+       engine.admit(1, 100);
+       for (int i = 0; i < 50 && engine.size(); ++i) engine.step({{1, 100}, {1, 100}}, 100, 1000);
+       return std::string("stepped");
+     }},
+    {"admit_negative_tokens",
+     [](const std::string& dir) {
+       auto model = load(dir);
+       Engine engine(model);
+       engine.add(1, {2, 3}, params(*model, 16));
+       return std::string(engine.admit(1, -5) ? "admitted" : "refused");
+     }},
+    {"reserve_negative_tokens",
+     [](const std::string& dir) {
+       auto model = load(dir);
+       Engine engine(model);
+       engine.add(1, {2, 3}, params(*model, 16));
+       engine.admit(1, 2);
+       return std::string(engine.reserve(1, -1) ? "reserved" : "refused");
+     }},
+    {"step_zero_max_steps",
+     [](const std::string& dir) {
+       auto model = load(dir);
+       Engine engine(model);
+       engine.add(1, {2, 3}, params(*model, 16));
+       engine.admit(1, 2);
+       return "finished " + std::to_string(engine.step({{1, 2}}, 0, 100).size());
+     }},
+    {"step_zero_max_batched_tokens",
+     [](const std::string& dir) {
+       auto model = load(dir);
+       Engine engine(model);
+       engine.add(1, {2, 3}, params(*model, 16));
+       engine.admit(1, 2);
+       return "finished " + std::to_string(engine.step({{1, 2}}, 4, 0).size());
+     }},
+    {"step_negative_max_encode_tokens",
+     [](const std::string& dir) {
+       auto model = load(dir);
+       Engine engine(model);
+       engine.add(1, {2, 3}, params(*model, 16));
+       engine.admit(1, 2);
+       return "finished " + std::to_string(engine.step({{1, -1}}, 4, 100).size());
+     }},
+};
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc < 3) {
+    std::fprintf(stderr, "usage: %s CHECKPOINT_DIR CASE...\n", argv[0]);
+    return 2;
+  }
+  for (int i = 2; i < argc; ++i) {
+    const auto it = kCases.find(argv[i]);
+    if (it == kCases.end()) {
+      std::fprintf(stderr, "unknown case %s\n", argv[i]);
+      return 2;
+    }
+    std::string result;
+    try {
+      result = "ok " + it->second(argv[1]);
+    } catch (const InvalidArgument& e) {
+      result = std::string("InvalidArgument: ") + e.what();
+    } catch (const FormatError& e) {
+      result = std::string("FormatError: ") + e.what();
+    } catch (const std::exception& e) {
+      result = std::string("std::exception: ") + e.what();
+    }
+    std::printf("%s: %s\n", argv[i], result.c_str());
+    std::fflush(stdout);
+  }
+  return 0;
+}

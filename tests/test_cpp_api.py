@@ -1,0 +1,56 @@
+"""The C++ API under bad and edge input, as a native service drives it: tests/cpp_api is a
+program built against the installed CMake package (like examples/embed), one case per
+argument; each bad input must be a C++ exception naming what is wrong, never a crash or a hang."""
+import os
+import shutil
+import subprocess
+
+import pytest
+
+import diffuserve as ds
+from diffuserve.random_checkpoint import write_random_checkpoint
+
+SOURCE = os.path.join(os.path.dirname(__file__), "cpp_api")
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return write_random_checkpoint(tmp_path_factory.mktemp("cpp_api") / "ckpt", canvas_length=16, vocab_size=64,
+                                   hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=2,
+                                   num_key_value_heads=1, head_dim=16, global_head_dim=32, sliding_window=8,
+                                   num_experts=4, top_k_experts=2, moe_intermediate_size=16)
+
+
+@pytest.fixture(scope="module")
+def program(tmp_path_factory):
+    cmake = shutil.which("cmake")
+    assert cmake, "cmake is needed to build tests/cpp_api (pip install cmake)"
+    build = tmp_path_factory.mktemp("cpp_api_build")
+    # C++17 as the project's own standard (what GCC 12 defaults to): the package's target
+    # must raise it to the C++20 its headers use.
+    configure = subprocess.run([cmake, "-S", SOURCE, "-B", str(build), f"-Ddiffuserve_DIR={ds.cmake_dir()}",
+                                "-DCMAKE_BUILD_TYPE=Release", "-DCMAKE_CXX_STANDARD=17"],
+                               capture_output=True, text=True)
+    assert configure.returncode == 0, configure.stdout + configure.stderr
+    compile_ = subprocess.run([cmake, "--build", str(build)], capture_output=True, text=True)
+    assert compile_.returncode == 0, compile_.stdout + compile_.stderr
+    return str(build / "api_edges")
+
+
+def run_case(program, ckpt, case, timeout=120):
+    try:
+        proc = subprocess.run([program, str(ckpt), case], capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"{case} hung")
+    assert proc.returncode == 0, f"{case} crashed (rc {proc.returncode}): {proc.stderr}"
+    prefix = f"{case}: "
+    assert proc.stdout.startswith(prefix), proc.stdout
+    return proc.stdout[len(prefix):].strip()
+
+
+def test_a_project_without_cxx20_of_its_own_builds(program):
+    """find_package + target_link_libraries is all a user's CMake project needs: the headers
+    use std::span, and the exported target had not asked for C++20 (a project on GCC's
+    default C++17 failed to compile diffuserve.h)."""
+    assert os.access(program, os.X_OK)
+
