@@ -54,3 +54,19 @@ def test_a_project_without_cxx20_of_its_own_builds(program):
     default C++17 failed to compile diffuserve.h)."""
     assert os.access(program, os.X_OK)
 
+
+@pytest.mark.parametrize("case, message", [
+    # Planned twice, a request's second segment was read after the first had finished it and
+    # freed its state: the same output came back twice, from freed memory.
+    ("step_plans_a_request_twice", r"step: request 1 is planned twice"),
+    # These had been taken silently (a step that could do nothing, or a negative count).
+    ("admit_negative_tokens", r"admit: encode_tokens must be >= 0, got -5"),
+    ("reserve_negative_tokens", r"reserve: encode_tokens must be >= 0, got -1"),
+    ("step_zero_max_steps", r"step: max_steps must be >= 1, got 0"),
+    ("step_zero_max_batched_tokens", r"step: max_batched_tokens must be >= 1, got 0"),
+    ("step_negative_max_encode_tokens", r"step: request 1: max_encode_tokens must be >= 0, got -1"),
+])
+def test_engine_refuses_bad_plans(program, ckpt, case, message):
+    result = run_case(program, ckpt, case)
+    assert result.startswith("InvalidArgument: ") and message in result, result
+

@@ -165,8 +165,18 @@ void Engine::add(uint64_t id, std::vector<int32_t> prompt, const SamplingParams&
   requests_[id] = std::move(r);
 }
 
+namespace {
+
+void check_encode_tokens(const char* what, int64_t encode_tokens) {
+  if (encode_tokens < 0)
+    throw InvalidArgument(std::string(what) + ": encode_tokens must be >= 0, got " + std::to_string(encode_tokens));
+}
+
+}  // namespace
+
 bool Engine::admit(uint64_t id, int64_t encode_tokens) {
   const auto lock = model_->state().lock();
+  check_encode_tokens("admit", encode_tokens);
   RequestState& r = get(id);
   if (!r.waiting) throw InvalidArgument("request " + std::to_string(id) + " is already running");
   KvCache& kv = *model_->state().kv;
@@ -183,6 +193,7 @@ bool Engine::admit(uint64_t id, int64_t encode_tokens) {
 
 bool Engine::reserve(uint64_t id, int64_t encode_tokens) {
   const auto lock = model_->state().lock();
+  check_encode_tokens("reserve", encode_tokens);
   RequestState& r = get(id);
   if (r.waiting) throw InvalidArgument("request " + std::to_string(id) + " is not admitted");
   return model_->state().kv->reserve(r.table, std::min(encode_tokens, r.pending()));
@@ -240,11 +251,20 @@ std::vector<std::pair<uint64_t, GenerationOutput>> Engine::step(const std::vecto
   ModelState& m = model_->state();
   Backend& be = *m.backend;
   const ModelConfig& c = m.config;
+  if (max_steps < 1) throw InvalidArgument("step: max_steps must be >= 1, got " + std::to_string(max_steps));
+  if (max_batched_tokens < 1)
+    throw InvalidArgument("step: max_batched_tokens must be >= 1, got " + std::to_string(max_batched_tokens));
   std::vector<std::pair<uint64_t, RequestState*>> active;
   std::map<uint64_t, int64_t> allowance;
   for (const StepPlan& p : plan) {
     RequestState& r = get(p.id);
     if (r.waiting) throw InvalidArgument("request " + std::to_string(p.id) + " is not admitted");
+    // A request planned twice would run two segments on one block state, and the second
+    // would be read after the first finished the request and freed it.
+    if (allowance.count(p.id)) throw InvalidArgument("step: request " + std::to_string(p.id) + " is planned twice");
+    if (p.max_encode_tokens < 0)
+      throw InvalidArgument("step: request " + std::to_string(p.id) + ": max_encode_tokens must be >= 0, got " +
+                            std::to_string(p.max_encode_tokens));
     active.push_back({p.id, &r});
     allowance[p.id] = p.max_encode_tokens;
   }

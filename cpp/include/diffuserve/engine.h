@@ -30,6 +30,9 @@ struct StepPlan {
   int64_t max_encode_tokens = 0;  // pending prompt/commit tokens it may encode in the first pass
 };
 
+// Every method taking an id throws InvalidArgument when the engine holds no such request
+// (never added, finished, or aborted). Its calls take the model's turn (diffuserve.h), so
+// threads may share an engine; interrupt() is meant for another thread.
 class Engine {
  public:
   // fuse_commit: a request denoises in the same pass that encodes its last pending
@@ -43,7 +46,7 @@ class Engine {
   // InvalidArgument for bad parameters, or a request the KV cache could never hold.
   void add(uint64_t id, std::vector<int32_t> prompt, const SamplingParams& params);
   // Takes a waiting request in: adopts its cached prefix and reserves KV for its first
-  // `encode_tokens`. False (and it stays waiting, holding nothing) if the KV is short.
+  // `encode_tokens` (>= 0). False (and it stays waiting, holding nothing) if the KV is short.
   bool admit(uint64_t id, int64_t encode_tokens);
   // Reserves KV for a running request's next `encode_tokens`; false if the KV is short.
   bool reserve(uint64_t id, int64_t encode_tokens);
@@ -53,8 +56,9 @@ class Engine {
   // Drops a request wherever it is; its KV is freed at once.
   void abort(uint64_t id);
 
-  // Runs up to `max_steps` passes over the planned requests, each pass at most
-  // `max_batched_tokens` rows. Returns the requests that finished.
+  // Runs up to `max_steps` (>= 1) passes over the planned requests (each admitted, each
+  // once), each pass at most `max_batched_tokens` (>= 1) rows. Returns the requests that
+  // finished; none when it could run no pass (the KV cache had no room for their tokens).
   std::vector<std::pair<uint64_t, GenerationOutput>> step(const std::vector<StepPlan>& plan, int max_steps,
                                                           int64_t max_batched_tokens);
   // Ends the step in progress after its current pass (or the next step after its first):
