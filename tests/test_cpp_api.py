@@ -70,3 +70,13 @@ def test_engine_refuses_bad_plans(program, ckpt, case, message):
     result = run_case(program, ckpt, case)
     assert result.startswith("InvalidArgument: ") and message in result, result
 
+
+def test_generate_with_the_cache_held_elsewhere_is_an_error_not_a_hang(program, ckpt):
+    """generate() while another sequence of the model holds all of the cache but one block: the
+    prompt was admitted, its first block's commit found no room, and generate() stepped the
+    engine forever (each step running no pass)."""
+    result = run_case(program, ckpt, "generate_with_the_cache_held", timeout=60)
+    assert result.startswith("InvalidArgument: generate: prompt 0: the KV cache has no room for its next 16 tokens"), \
+        result
+    assert "other sequences of this model hold the rest" in result
+

@@ -114,10 +114,19 @@ std::vector<GenerationOutput> generate(Model& model, const std::vector<std::vect
     if (!engine.admit(i, unlimited))
       throw InvalidArgument("generate: prompt " + std::to_string(i) + " does not fit in the KV cache");
     for (bool done = false; !done;) {
+      const int64_t passes = engine.passes();
       for (auto& [id, out] : engine.step({StepPlan{i, unlimited}}, INT32_MAX, unlimited)) {
         outputs[id] = std::move(out);
         done = true;
       }
+      // A step that ran no pass could not reserve KV for the request's next tokens: the
+      // model's other sequences (or another thread's) hold the rest of the cache, and the
+      // same step would fail again forever.
+      if (!done && engine.passes() == passes)
+        throw InvalidArgument("generate: prompt " + std::to_string(i) + ": the KV cache has no room for its next " +
+                              std::to_string(engine.pending_tokens(i)) +
+                              " tokens while other sequences of this model hold the rest (release them, or raise "
+                              "kv_cache_memory_bytes)");
     }
   }
   return outputs;

@@ -13,7 +13,7 @@
 namespace diffuserve {
 
 // Per-request parameters, named as in transformers' DiffusionGemmaGenerationConfig.
-// Model::sampling_defaults() fills them from the checkpoint's generation_config.json.
+// sampling_defaults(model.config()) fills them from the checkpoint's generation_config.json.
 struct SamplingParams {
   int max_new_tokens = 256;
   int max_denoising_steps = 48;
@@ -48,7 +48,9 @@ SamplingParams sampling_defaults(const ModelConfig& config);
 void validate(const SamplingParams& params, const ModelConfig& config);
 
 // Generates for each prompt with its parameters (one set for all, or one per prompt).
-// A seeded request's output depends only on its prompt, parameters and seed.
+// A seeded request's output depends only on its prompt, parameters and seed. Throws
+// InvalidArgument naming the prompt for a bad prompt or parameter (before any work), and for
+// a request the KV cache cannot take because the model's other sequences hold it.
 std::vector<GenerationOutput> generate(Model& model, const std::vector<std::vector<int32_t>>& prompts,
                                        const std::vector<SamplingParams>& params);
 
