@@ -148,8 +148,17 @@ void Engine::add(uint64_t id, std::vector<int32_t> prompt, const SamplingParams&
                           std::to_string(prompt.size()) + " tokens) plus that many new tokens in blocks of " +
                           std::to_string(r->canvas) + " exceeds max_position_embeddings (" +
                           std::to_string(c.max_position_embeddings) + ")");
-  if (!model_->state().kv->could_hold(total, r->canvas))
-    throw InvalidArgument("prompt: the request needs KV for " + std::to_string(total) +
+  // As for the positions: the prompt is at fault where it leaves no room for one block, else
+  // max_new_tokens (a short prompt with many new tokens had been blamed on the prompt).
+  const KvCache& kv = *model_->state().kv;
+  if (!kv.could_hold(int64_t(prompt.size()) + r->canvas, r->canvas))
+    throw InvalidArgument("prompt: " + std::to_string(prompt.size()) + " tokens and a block of " +
+                          std::to_string(r->canvas) +
+                          " new tokens need more KV than the whole cache holds (raise kv_cache_memory_bytes)");
+  if (!kv.could_hold(total, r->canvas))
+    throw InvalidArgument("max_new_tokens " + std::to_string(params.max_new_tokens) + ": the prompt (" +
+                          std::to_string(prompt.size()) + " tokens) plus that many new tokens in blocks of " +
+                          std::to_string(r->canvas) + " need KV for " + std::to_string(total) +
                           " tokens, more than the whole cache holds (raise kv_cache_memory_bytes)");
   r->prompt = std::move(prompt);
   r->params = params;
