@@ -87,3 +87,8 @@ def test_a_cache_too_small_for_max_new_tokens_blames_max_new_tokens(program, ckp
     assert result.startswith("InvalidArgument: generate: prompt 0: max_new_tokens 100000: "), result
     assert "more than the whole cache holds (raise kv_cache_memory_bytes)" in result
 
+
+def test_negative_num_threads_is_refused(program, ckpt):
+    """LoadOptions::num_threads -1 had loaded silently, as if 0 (Python refuses it by name)."""
+    assert run_case(program, ckpt, "negative_num_threads") == \
+        "InvalidArgument: num_threads must be >= 0 (0: the default), got -1"

@@ -74,6 +74,14 @@ Model::~Model() = default;
 
 std::shared_ptr<Model> Model::load(const std::string& path, const LoadOptions& options) {
   if (options.kv_cache_memory_bytes < 0) throw InvalidArgument("kv_cache_memory_bytes must be >= 0");
+  // Checked before the weights load, which takes long (a negative num_threads had been taken
+  // silently as 0).
+  if (options.num_threads < 0)
+    throw InvalidArgument("num_threads must be >= 0 (0: the default), got " + std::to_string(options.num_threads));
+  if (options.kv_block_size < 1)
+    throw InvalidArgument("kv_block_size must be >= 1, got " + std::to_string(options.kv_block_size));
+  if (options.max_num_seqs < 1)
+    throw InvalidArgument("max_num_seqs must be >= 1, got " + std::to_string(options.max_num_seqs));
   if (!std::filesystem::is_directory(path)) throw FormatError(path + ": not a checkpoint directory");
   auto state = std::make_unique<ModelState>();
   state->path = path;
