@@ -253,3 +253,36 @@ def test_interrupt_ends_a_step_after_its_pass(make_llm):
         done.update((out.request_id, out) for out in llm.step())
     assert [done[i].token_ids for i in ids] == [e.token_ids for e in expected]
     assert [done[i].denoise_steps for i in ids] == [e.denoise_steps for e in expected]
+
+
+
+def test_a_cache_held_by_other_sequences_is_an_error_not_a_hang(make_llm):
+    """A Sequence of the LLM's own model holding the cache: the request is never admitted (or
+    is preempted), nothing of the engine's runs, and step() had returned nothing forever
+    (generate hung). Now step() says why, the request stays queued, and it runs once the KV
+    is released."""
+    llm = make_llm(kv_cache_memory_bytes=40_000)
+    seq = llm.model.sequence()
+    for chunk in (256, 64, 16, 4, 1):  # hold every KV block there is
+        while True:
+            try:
+                seq.prefill([3] * chunk)
+            except ValueError:
+                break
+    request = llm.add_request([1, 2], params(0, n=8))
+    message = (rf"request {request}: the KV cache has no room for its next 2 tokens while other sequences of this "
+               "model hold the rest")
+    with pytest.raises(ValueError, match=message):
+        llm.step()
+    assert llm.stats()["waiting"] == 1  # still queued
+    llm.abort(request)
+    with pytest.raises(ValueError, match="other sequences of this model hold the rest"):
+        llm.generate([[1, 2]], params(0, n=8))
+    assert not llm.has_unfinished()  # generate dropped its request
+    request = llm.add_request([1, 2], params(0, n=8))
+    del seq
+    done = []
+    while llm.has_unfinished():
+        done += llm.step()
+    assert [o.request_id for o in done] == [request]
+    assert done[0].token_ids == alone(make_llm(), [1, 2], params(0, n=8)).token_ids

@@ -109,6 +109,13 @@ class Scheduler:
             plan.append(_core.StepPlan(request_id, encode))
             budget -= self._rows(request_id, encode, pending, budget)
 
+        if not plan and not self.running and self.waiting:
+            # Nothing of ours holds KV, yet the head of the queue does not fit: the model's other
+            # sequences (Model.sequence()) hold the cache, and every step would wait on them again.
+            request_id = self.waiting[0]
+            raise ValueError(f"request {request_id}: the KV cache has no room for its next "
+                             f"{self.engine.pending_tokens(request_id)} tokens while other sequences of this model "
+                             "hold the rest (release them, or raise kv_cache_memory_bytes)")
         finished = self.engine.step(plan, self.slice_steps, self.max_num_batched_tokens) if plan else []
         for request_id, _ in finished:
             self.running.remove(request_id)
