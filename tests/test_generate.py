@@ -290,6 +290,9 @@ def test_invalid_params_name_the_parameter(kwargs, name):
 
 @pytest.mark.parametrize("kwargs, name", [
     (dict(t_max=0.3), "t_max"),  # below the checkpoint's t_min default (0.4)
+    # Which end is the checkpoint's: the message had named only t_max, even where t_min was the one given.
+    (dict(t_max=0.3), r"t_max must be > t_min, got t_max=0.3 <= t_min=0.4 \(the checkpoint's default\)"),
+    (dict(t_min=1.5), r"got t_max=0.8 \(the checkpoint's default\) <= t_min=1.5$"),
     (dict(eos_token_id=[96]), "eos_token_ids"), (dict(canvas_length=9), "canvas_length"),
     (dict(seed_canvas=[1] * 7), "seed_canvas"), (dict(seed_canvas=[1] * 7 + [96]), "seed_canvas"),
     (dict(seed_canvas=[1] * 8, pinned_positions=[8]), "pinned_positions"),

@@ -91,6 +91,10 @@ class SamplingParams:
                   "confidence_threshold"):
             if f in v:
                 setattr(p, f, v[f])
+        if not p.t_max > p.t_min:  # one end given, the other the checkpoint's: say which is which
+            ends = [f"{name}={getattr(p, name):g}" + ("" if name in v else " (the checkpoint's default)")
+                    for name in ("t_max", "t_min")]
+            raise ValueError(f"t_max must be > t_min, got {ends[0]} <= {ends[1]}")
         if "eos_token_id" in v:
             p.eos_token_ids = v["eos_token_id"]
         p.seed = v.get("seed")
