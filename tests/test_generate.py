@@ -263,6 +263,38 @@ def test_defaults_come_from_generation_config(checkpoints, tmp_path):
     assert len(out.token_ids) == 12 and out.denoise_steps == [3, 3]
 
 
+def test_an_empty_eos_list_in_generation_config_means_no_eos(checkpoints, tmp_path):
+    """generation_config.json's "eos_token_id": [] leaves transformers no EOS to stop at, whatever
+    config.json names; diffuserve had taken config.json's EOS instead (as it rightly does where
+    generation_config.json has none), and stopped where transformers runs on."""
+    import shutil
+    path, canvas = tmp_path / "m", MODELS["small"][1]
+    shutil.copytree(checkpoints["small"], path)
+    rng = np.random.default_rng(11)
+    prompt, seed_canvas = rng.integers(3, 96, 5).tolist(), rng.integers(3, 96, canvas).tolist()
+    free_run, _ = hf_generate(load(path), prompt, seed_canvas, eos=[])
+    config = json.loads((path / "config.json").read_text())
+    config["text_config"]["eos_token_id"] = free_run[2]  # config.json's EOS comes up mid-canvas
+    (path / "config.json").write_text(json.dumps(config))
+    generation = json.loads((path / "generation_config.json").read_text())
+    (path / "generation_config.json").write_text(json.dumps({**generation, "eos_token_id": []}))
+    hf = load(path)
+    assert hf.generation_config.eos_token_id == []
+    out = hf.generate(input_ids=torch.tensor([prompt]), decoder_input_ids=torch.tensor([seed_canvas]),
+                      max_new_tokens=canvas, sampler_config=EntropyBoundSamplerConfig(entropy_bound=HUGE_BOUND),
+                      **GREEDY)
+    expected = out.sequences[0, len(prompt):].tolist()
+    assert expected == free_run  # transformers ran on past config.json's EOS
+    llm = ds.LLM(path)
+    assert llm.model.config["generation"]["eos_token_ids"] == []
+    got = llm.generate([prompt], ds.SamplingParams(max_new_tokens=canvas, seed_canvas=seed_canvas,
+                                                   entropy_bound=HUGE_BOUND, seed=0, **GREEDY))[0]
+    assert got.token_ids == expected and got.finish_reason == "length"
+    # Absent (or null) there, config.json's EOS stands.
+    (path / "generation_config.json").write_text(json.dumps({**generation, "eos_token_id": None}))
+    assert ds.LLM(path).model.config["generation"]["eos_token_ids"] == [free_run[2]]
+
+
 @pytest.mark.parametrize("kwargs, name", [
     (dict(self_conditioning=1), "self_conditioning"),
     (dict(max_new_tokens=0), "max_new_tokens"), (dict(max_new_tokens=2.5), "max_new_tokens"),

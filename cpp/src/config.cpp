@@ -250,8 +250,9 @@ GenerationDefaults load_generation(const std::string& path, const std::vector<in
     if (!s->is_object()) f.fail("sampler_config", "must be an object");
     g.entropy_bound = Fields{*s, path, "sampler_config."}.float_or("entropy_bound", g.entropy_bound);
   }
-  std::vector<int32_t> eos = f.int_list_or_empty("eos_token_id", vocab_size - 1);
-  if (!eos.empty()) g.eos_token_ids = eos;
+  // Present, even as [] (no EOS: transformers then never stops early), it wins over config.json's;
+  // absent or null, config.json's stands.
+  if (f.get("eos_token_id")) g.eos_token_ids = f.int_list_or_empty("eos_token_id", vocab_size - 1);
   if (g.t_min < 0) f.fail("t_min", "must be >= 0");
   if (g.t_max <= g.t_min) f.fail("t_max", "must be > t_min");
   if (g.entropy_bound <= 0) f.fail("sampler_config.entropy_bound", "must be > 0");
