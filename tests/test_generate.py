@@ -58,20 +58,103 @@ def test_matches_hf_generate(checkpoints, name, prompt_len):
     assert out.tokens_per_forward == pytest.approx(expected_tpf)
 
 
-def philox_initial_canvas(seed, block, canvas, vocab):
-    """Block `block`'s initial canvas as the runtime draws it (cpp/src/philox.h, engine.cpp's
-    start_block): Philox4x32-10 at counter (0, position, 0, block | InitialCanvas << 30), key
-    seed, the first word times vocab >> 32."""
+def philox(seed, block, step, stream, position, index4=0):
+    """The runtime's Philox4x32-10 words (cpp/src/philox.h) at counter (index4, position, step,
+    block | stream << 30), key seed. Streams: 0 candidates, 1 renoising, 2 initial canvases."""
     m32 = 0xFFFFFFFF
-    out = []
-    for position in range(canvas):
-        c, k = [0, position, 0, (block & 0x3FFFFFFF) | (2 << 30)], [seed & m32, seed >> 32]
-        for _ in range(10):
-            p0, p1 = 0xD2511F53 * c[0], 0xCD9E8D57 * c[2]
-            c = [((p1 >> 32) ^ c[1] ^ k[0]) & m32, p1 & m32, ((p0 >> 32) ^ c[3] ^ k[1]) & m32, p0 & m32]
-            k = [(k[0] + 0x9E3779B9) & m32, (k[1] + 0xBB67AE85) & m32]
-        out.append((c[0] * vocab) >> 32)
-    return out
+    c, k = [index4, position, step, (block & 0x3FFFFFFF) | (stream << 30)], [seed & m32, seed >> 32]
+    for _ in range(10):
+        p0, p1 = 0xD2511F53 * c[0], 0xCD9E8D57 * c[2]
+        c = [((p1 >> 32) ^ c[1] ^ k[0]) & m32, p1 & m32, ((p0 >> 32) ^ c[3] ^ k[1]) & m32, p0 & m32]
+        k = [(k[0] + 0x9E3779B9) & m32, (k[1] + 0xBB67AE85) & m32]
+    return c
+
+
+def uniform_tokens(seed, block, step, stream, canvas, vocab):
+    """One uniformly random token per position, as the runtime draws them: the first word times vocab >> 32."""
+    return [(philox(seed, block, step, stream, position)[0] * vocab) >> 32 for position in range(canvas)]
+
+
+def philox_initial_canvas(seed, block, canvas, vocab):
+    """Block `block`'s initial canvas as the runtime draws it (engine.cpp's start_block)."""
+    return uniform_tokens(seed, block, 0, 2, canvas, vocab)
+
+
+def gumbel_noise(seed, block, step, canvas, vocab):
+    """The Gumbel noise the runtime adds to a step's processed logits to draw its candidates
+    (philox.h's uniform_open and gumbel), [canvas, vocab]."""
+    words = np.array([[w for i in range(0, vocab, 4) for w in philox(seed, block, step, 0, position, i // 4)][:vocab]
+                      for position in range(canvas)], dtype=np.uint64)
+    u = ((words >> 9).astype(np.float32) + np.float32(0.5)) * np.float32(2.0**-23)
+    return -np.log(-np.log(u))
+
+
+def hf_generate_with_our_draws(model, prompt, seed, **kwargs):
+    """transformers' generate with diffuserve's random numbers in place of torch's: each block's
+    initial canvas, each step's candidates (Gumbel-max over the processed logits, for
+    torch.multinomial) and its renoised tokens, all addressed by (seed, block, step, position)
+    as the runtime addresses them. Everything else (temperatures, acceptance, stop rule,
+    self-conditioning, EOS, tokens_per_forward) is transformers' own.
+
+    Returns (generated tokens, tokens_per_forward, closest), closest being how near any of the
+    run's decisions came to a tie: an accepted candidate's or an argmax's lead over the runner-up,
+    the acceptance sums' distance from entropy_bound, the mean entropy's from
+    confidence_threshold. Two engines whose logits differ by float rounding can decide a near
+    tie differently, and from there go different ways."""
+    canvas, vocab = model.config.canvas_length, model.config.text_config.vocab_size
+    at = {"block": -1, "step": 0, "closest": np.inf}
+
+    def near(margin):
+        at["closest"] = min(at["closest"], float(np.min(np.abs(margin))))
+
+    def prepare_denoiser(self, **kw):  # a new block: its initial canvas
+        at["block"], at["step"] = at["block"] + 1, 0
+        kw["model_kwargs"]["decoder_input_ids"] = torch.tensor([philox_initial_canvas(seed, at["block"], canvas,
+                                                                                      vocab)])
+        return type(self)._prepare_denoiser_inputs(self, **kw)
+
+    def prepare_sampler(self, config):
+        sampler = type(self)._prepare_sampler(self, config)
+
+        def renoise(accepted, cur_step):
+            mask = sampler.accepted_token_mask[0].numpy()
+            near(at["lead"][mask])  # only accepted candidates count
+            noise = torch.tensor([uniform_tokens(seed, at["block"], at["step"], 1, canvas, vocab)])
+            at["step"] += 1
+            return torch.where(~sampler.accepted_token_mask, noise, accepted)
+
+        sampler.renoise_canvas = renoise
+        at["bound"] = sampler.entropy_bound
+        return sampler
+
+    def prepare_stopping(self, config):
+        criteria = type(self)._prepare_diffusion_stopping_criteria(self, config)
+        at["confidence"] = criteria.confidence_threshold
+        return criteria
+
+    def multinomial(probs, num_samples):
+        probs = probs.double().numpy()
+        log_p = np.log(np.maximum(probs, 1e-300))
+        noisy = log_p + gumbel_noise(seed, at["block"], at["step"], canvas, vocab)
+        at["lead"] = np.diff(np.sort(noisy, axis=1)[:, -2:], axis=1)[:, 0]
+        near(np.diff(np.sort(log_p, axis=1)[:, -2:], axis=1))
+        entropy = np.sort(-(probs * log_p).sum(axis=1))
+        near(np.cumsum(entropy) - entropy - at["bound"])
+        near(entropy.mean() - at["confidence"])
+        return torch.from_numpy(noisy.argmax(axis=1))[:, None]
+
+    patches = {"_prepare_denoiser_inputs": prepare_denoiser, "_prepare_sampler": prepare_sampler,
+               "_prepare_diffusion_stopping_criteria": prepare_stopping}
+    for name, f in patches.items():
+        setattr(model, name, f.__get__(model))
+    real_multinomial, torch.multinomial = torch.multinomial, multinomial
+    try:
+        out = model.generate(input_ids=torch.tensor([prompt]), **kwargs)
+    finally:
+        torch.multinomial = real_multinomial
+        for name in patches:
+            delattr(model, name)
+    return out.sequences[0, len(prompt):].tolist(), float(out.tokens_per_forward[0]), at["closest"]
 
 
 def hf_generate_blocks(model, prompt, seed_canvas, eos, max_new_tokens, seed):
@@ -134,6 +217,73 @@ def test_eos_mid_canvas_matches_hf(checkpoints, name):
     assert out.token_ids == expected[:mid + 1]
     assert out.finish_reason == "stop"
     assert out.tokens_per_forward == pytest.approx(expected_tpf)
+
+
+# The decisions of a run fed the same draws come out the same in both engines unless one came
+# within float rounding of a tie; a case that does proves nothing either way, and is skipped.
+# (The engines' processed logits differ by up to ~2e-4 here, mostly far less; every case below
+# keeps its decisions at least 2e-4 from a tie.)
+NEAR_TIE = 1e-4
+
+
+def expect_our_draws(hf, prompt, seed, max_new_tokens, eos, **kwargs):
+    """transformers' generate fed diffuserve's draws: the tokens diffuserve must return (to the first
+    EOS, cut at max_new_tokens) and the tokens_per_forward it must report."""
+    hf_kwargs = dict(kwargs, max_new_tokens=max_new_tokens, eos_token_id=eos, pad_token_id=0)
+    if "entropy_bound" in kwargs:
+        hf_kwargs["sampler_config"] = EntropyBoundSamplerConfig(entropy_bound=hf_kwargs.pop("entropy_bound"))
+    tokens, tpf, closest = hf_generate_with_our_draws(hf, prompt, seed, **hf_kwargs)
+    if closest < NEAR_TIE:
+        pytest.skip(f"a decision came within {closest:.1e} of a tie, where float rounding may decide it")
+    ends = [tokens.index(e) + 1 for e in eos if e in tokens]
+    return tokens[:min(ends + [max_new_tokens])], tpf
+
+
+@pytest.mark.parametrize("seed, kwargs", [
+    (2, dict()),  # the checkpoint's generation_config.json: t 1.5 -> 0.5, at most 24 steps, stability 1
+    (11, dict(stability_threshold=3, confidence_threshold=0.05)),
+    (11, dict(stability_threshold=0, t_min=0.1, t_max=0.3, max_denoising_steps=7)),
+], ids=["checkpoint_defaults", "stability_3", "stability_0_cold"])
+def test_matches_hf_generate_at_real_temperatures_with_early_stops(seed, kwargs):
+    """The sampler at the temperatures it is meant for, end to end against transformers' generate
+    given diffuserve's random draws (the greedy comparisons above accept every position and
+    leave the entropy-bound acceptance, the renoising, the temperature schedule's effect on
+    the draws and the stop rule's confidence half untested together). The bundled model is
+    trained, so its blocks stop early, by the stop rule, and end at its EOS; both engines read
+    the defaults from its generation_config.json."""
+    path = ds.default_model()
+    hf, llm = load(path), ds.LLM(path, dtype="float32")
+    prompt = llm.tokenizer.encode("002500146300270500000046307067008400409000002020300005780000050000400700001000080")
+    expected, expected_tpf = expect_our_draws(hf, prompt, seed, 82, [1], **kwargs)
+    out = llm.generate([prompt], ds.SamplingParams(seed=seed, **kwargs))[0]
+    assert out.token_ids == expected and out.finish_reason == "stop"
+    assert out.tokens_per_forward == pytest.approx(expected_tpf)
+    assert out.denoise_steps[0] < kwargs.get("max_denoising_steps", 24)  # the stop rule ended the block
+
+
+def test_matches_hf_generate_at_real_temperatures_in_odd_shapes(tmp_path):
+    """As above on a random model of odd sizes (a 13-token canvas, a sliding window of 5),
+    prompts shorter than, equal to and past the window, several blocks and max_new_tokens
+    that cuts the last, two EOS ids, non-default temperatures and entropy bound; and a
+    request's narrower canvas (5) against transformers running the same weights with a
+    5-token canvas."""
+    path = save(build_model(text([S, F, S, F], sliding_window=5, vocab_size=61), 13, seed=4), tmp_path / "c13")
+    narrow = tmp_path / "c5"
+    narrow.mkdir()
+    for f in path.iterdir():
+        (narrow / f.name).write_bytes(f.read_bytes())
+    config = json.loads((narrow / "config.json").read_text())
+    (narrow / "config.json").write_text(json.dumps({**config, "canvas_length": 5}))
+    llm, rng = ds.LLM(path), np.random.default_rng(1)
+    common = dict(max_new_tokens=30, t_min=0.2, t_max=2.5, max_denoising_steps=6, entropy_bound=0.7)
+    for hf, canvas_length in ((load(path), None), (load(narrow), 5)):
+        for prompt_len in (1, 5, 17):
+            prompt = rng.integers(2, 61, prompt_len).tolist()
+            expected, expected_tpf = expect_our_draws(hf, prompt, 3, eos=[1, 7], **common)
+            out = llm.generate([prompt], ds.SamplingParams(seed=3, eos_token_id=[1, 7], canvas_length=canvas_length,
+                                                           **common))[0]
+            assert out.token_ids == expected, (canvas_length, prompt_len)
+            assert out.tokens_per_forward == pytest.approx(expected_tpf)
 
 
 def test_seeded_request_is_the_same_alone_and_in_a_batch(checkpoints):
