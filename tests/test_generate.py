@@ -445,6 +445,36 @@ def test_an_empty_eos_list_in_generation_config_means_no_eos(checkpoints, tmp_pa
     assert ds.LLM(path).model.config["generation"]["eos_token_ids"] == [free_run[2]]
 
 
+def test_tokens_per_forward_leaves_out_generation_configs_pad_id(checkpoints, tmp_path):
+    """transformers counts tokens_per_forward without its generation config's pad_token_id (the
+    one generation_config.json names); diffuserve had left out config.json's instead, and
+    counted a pad id of the generation config's as a token."""
+    import shutil
+    path, canvas = tmp_path / "m", MODELS["small"][1]
+    shutil.copytree(checkpoints["small"], path)
+    rng = np.random.default_rng(11)
+    prompt, seed_canvas = rng.integers(3, 96, 5).tolist(), rng.integers(3, 96, canvas).tolist()
+    free_run, _ = hf_generate(load(path), prompt, seed_canvas, eos=[])
+    pad, eos = free_run[1], free_run[-2]  # a pad id the output holds, and an EOS past it
+    assert pad not in (0, eos) and eos not in free_run[:-2]
+    generation = json.loads((path / "generation_config.json").read_text())
+    (path / "generation_config.json").write_text(json.dumps({**generation, "eos_token_id": eos, "pad_token_id": pad}))
+    hf = load(path)
+    assert json.loads((path / "config.json").read_text())["text_config"]["pad_token_id"] == 0
+    out = hf.generate(input_ids=torch.tensor([prompt]), decoder_input_ids=torch.tensor([seed_canvas]),
+                      max_new_tokens=canvas, sampler_config=EntropyBoundSamplerConfig(entropy_bound=HUGE_BOUND),
+                      **GREEDY)
+    expected = out.sequences[0, len(prompt):].tolist()
+    assert expected[:-1] == free_run[:-1] and expected[-1] == pad  # transformers pads after the EOS
+    llm = ds.LLM(path)
+    assert llm.model.config["generation"]["pad_token_id"] == pad
+    got = llm.generate([prompt], ds.SamplingParams(max_new_tokens=canvas, seed_canvas=seed_canvas,
+                                                   entropy_bound=HUGE_BOUND, seed=0, **GREEDY))[0]
+    assert got.token_ids == expected[:-1] and got.finish_reason == "stop"
+    assert got.tokens_per_forward == pytest.approx(float(out.tokens_per_forward[0]))
+    assert got.tokens_per_forward == pytest.approx(sum(t != pad for t in got.token_ids) / sum(got.denoise_steps))
+
+
 @pytest.mark.parametrize("kwargs, name", [
     (dict(self_conditioning=1), "self_conditioning"),
     (dict(max_new_tokens=0), "max_new_tokens"), (dict(max_new_tokens=2.5), "max_new_tokens"),

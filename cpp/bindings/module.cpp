@@ -63,6 +63,7 @@ nb::dict config_dict(const ModelConfig& c) {
   gen["stability_threshold"] = g.stability_threshold;
   gen["confidence_threshold"] = g.confidence_threshold;
   gen["eos_token_ids"] = g.eos_token_ids;
+  gen["pad_token_id"] = g.pad_token_id;
   d["generation"] = gen;
   return d;
 }

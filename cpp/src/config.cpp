@@ -233,9 +233,11 @@ void load_quantization(const Fields& f, ModelConfig& c) {
   }
 }
 
-GenerationDefaults load_generation(const std::string& path, const std::vector<int32_t>& model_eos, int vocab_size) {
+GenerationDefaults load_generation(const std::string& path, const std::vector<int32_t>& model_eos, int model_pad,
+                                   int vocab_size) {
   GenerationDefaults g;
   g.eos_token_ids = model_eos;
+  g.pad_token_id = model_pad;
   if (!std::filesystem::exists(path)) return g;
   const json::Value doc = json::parse(read_text_file(path), path);
   if (!doc.is_object()) throw FormatError(path + ": top level must be a JSON object");
@@ -253,6 +255,7 @@ GenerationDefaults load_generation(const std::string& path, const std::vector<in
   // Present, even as [] (no EOS: transformers then never stops early), it wins over config.json's;
   // absent or null, config.json's stands.
   if (f.get("eos_token_id")) g.eos_token_ids = f.int_list_or_empty("eos_token_id", vocab_size - 1);
+  g.pad_token_id = int(f.integer_or("pad_token_id", g.pad_token_id, 0, vocab_size - 1));
   if (g.t_min < 0) f.fail("t_min", "must be >= 0");
   if (g.t_max <= g.t_min) f.fail("t_max", "must be > t_min");
   if (g.entropy_bound <= 0) f.fail("sampler_config.entropy_bound", "must be > 0");
@@ -377,7 +380,8 @@ ModelConfig load_config(const std::string& dir) {
   }
 
   const std::vector<int32_t> eos = t.int_list_or_empty("eos_token_id", c.vocab_size - 1);
-  c.generation = load_generation((std::filesystem::path(dir) / "generation_config.json").string(), eos, c.vocab_size);
+  c.generation = load_generation((std::filesystem::path(dir) / "generation_config.json").string(), eos, c.pad_token_id,
+                                 c.vocab_size);
   return c;
 }
 

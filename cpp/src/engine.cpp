@@ -359,7 +359,7 @@ std::vector<std::pair<uint64_t, GenerationOutput>> Engine::step(const std::vecto
       // last step: then nothing is read (the host goes on queueing work, or recording the
       // next steps' graph, while the device runs this pass).
       const bool may_stop = r->steps > r->params.stability_threshold || r->steps >= r->params.max_denoising_steps;
-      if (may_stop && canvas_stopped(be, *r->block_state) && finish_block(*r, be, c.pad_token_id)) {
+      if (may_stop && canvas_stopped(be, *r->block_state) && finish_block(*r, be, c.generation.pad_token_id)) {
         auto it = std::find_if(active.begin(), active.end(), [&](const auto& a) { return a.second == r; });
         const uint64_t id = it->first;
         active.erase(it);

@@ -34,7 +34,8 @@ class RequestOutput:
     finish_reason: str               # "stop" (EOS), "length" (max_new_tokens) or "error" (from step(); see error)
     denoise_steps: List[int]         # decoder passes of each block
     tokens_per_forward: float        # generated tokens (pad ids excluded) per decoder pass, as transformers
-                                     # counts them: the last block whole, past a max_new_tokens cut
+                                     # counts them: the last block whole, past a max_new_tokens cut; the pad
+                                     # id is generation_config.json's, else config.json's
     seed: int                        # the seed used (drawn fresh when none was given)
     text: Optional[str] = field(default=None)  # the tokens decoded, EOS excluded; None without a tokenizer
     error: Optional[str] = field(default=None)  # with finish_reason "error": why (its logits were not finite)

@@ -29,6 +29,9 @@ struct GenerationDefaults {
   int stability_threshold = 1;
   float confidence_threshold = 0.005f;
   std::vector<int32_t> eos_token_ids;
+  // The id tokens_per_forward leaves uncounted, as transformers' generate counts it (-1: none):
+  // generation_config.json's, where it names one, else config.json's.
+  int pad_token_id = -1;
 };
 
 // How a quantized linear's input is quantized (compressed-tensors' input_activations),
