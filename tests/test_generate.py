@@ -221,8 +221,9 @@ def test_eos_mid_canvas_matches_hf(checkpoints, name):
 
 # The decisions of a run fed the same draws come out the same in both engines unless one came
 # within float rounding of a tie; a case that does proves nothing either way, and is skipped.
-# (The engines' processed logits differ by up to ~2e-4 here, mostly far less; every case below
-# keeps its decisions at least 2e-4 from a tie.)
+# (The engines' processed logits differ by up to ~2e-4 on the bundled model, mostly far less,
+# and by far less on the random ones; the bundled model's cases below keep their decisions at
+# least 1e-3 from a tie, the random model's 1.5e-4.)
 NEAR_TIE = 1e-4
 
 
@@ -241,7 +242,7 @@ def expect_our_draws(hf, prompt, seed, max_new_tokens, eos, **kwargs):
 
 @pytest.mark.parametrize("seed, kwargs", [
     (2, dict()),  # the checkpoint's generation_config.json: t 1.5 -> 0.5, at most 24 steps, stability 1
-    (11, dict(stability_threshold=3, confidence_threshold=0.05)),
+    (2, dict(stability_threshold=3, confidence_threshold=0.05)),
     (11, dict(stability_threshold=0, t_min=0.1, t_max=0.3, max_denoising_steps=7)),
 ], ids=["checkpoint_defaults", "stability_3", "stability_0_cold"])
 def test_matches_hf_generate_at_real_temperatures_with_early_stops(seed, kwargs):
