@@ -93,7 +93,8 @@ def floor_parts(quantization, batch, context, kv_element_bytes, bandwidth, rates
     routing taken as uniform."""
     c = TEXT_CONFIG
     h, inter, vocab = c["hidden_size"], c["intermediate_size"], c["vocab_size"]
-    experts, top_k, moe, heads = c["num_experts"], c["top_k_experts"], c["moe_intermediate_size"], c["num_attention_heads"]
+    experts, top_k, moe = c["num_experts"], c["top_k_experts"], c["moe_intermediate_size"]
+    heads = c["num_attention_heads"]
     rows, weight = batch * CANVAS, LINEAR_BYTES[quantization]
     # FP8_DYNAMIC quantizes the linears' inputs too, so their products run on E4M3 tensor cores.
     linear_rate = rates["fp8"] if quantization == "fp8-dynamic" else rates["bf16"]
@@ -286,8 +287,8 @@ def main():
 
     print(f"diffuserve denoise step, DiffusionGemma-26B-A4B text shapes (random {args.quantization} weights, "
           f"{args.activations} linear inputs, {llm_kv_dtype} KV cache), canvas {CANVAS}, {STEPS} steps/block")
-    print(f"weights read per step {weight_bytes(args.quantization) / 1e9:.1f} GB; copy bandwidth {bandwidth / 1e12:.2f} TB/s; "
-          f"roofline {roofline_ms:.1f} ms/step; load {load_s:.0f} s")
+    print(f"weights read per step {weight_bytes(args.quantization) / 1e9:.1f} GB; "
+          f"copy bandwidth {bandwidth / 1e12:.2f} TB/s; roofline {roofline_ms:.1f} ms/step; load {load_s:.0f} s")
     print(f"floor: each group of products at the slower of its bytes / copy bandwidth and its FLOPs / the measured "
           f"matmul rate (bf16 {rates['bf16'] / 1e12:.0f}, E4M3 {rates['fp8'] / 1e12:.0f} TFLOP/s), KV reads included")
     batch, context = grid[0]

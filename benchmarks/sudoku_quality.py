@@ -74,7 +74,8 @@ def main():
         cells = []
         for how in ways:
             ok, steps = results[how]
-            cells.append(f"{100 * sum(ok[i] for i in idx) / len(idx):.1f}% / {sum(steps[i] for i in idx) / len(idx):.1f}")
+            solved, mean_steps = 100 * sum(ok[i] for i in idx) / len(idx), sum(steps[i] for i in idx) / len(idx)
+            cells.append(f"{solved:.1f}% / {mean_steps:.1f}")
         label = "all" if lo is None else f"{lo}-{hi}"
         print(f"| {label:>6} | {len(idx)} | " + " | ".join(cells) + " |")
     print("seconds per puzzle (batched): " + ", ".join(f"{how} {seconds[how] / args.n * 1e3:.1f} ms" for how in ways))

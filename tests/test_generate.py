@@ -35,7 +35,8 @@ HUGE_BOUND = 1e9
 
 def hf_generate(model, prompt, seed_canvas, eos):
     out = model.generate(input_ids=torch.tensor([prompt]), decoder_input_ids=torch.tensor([seed_canvas]),
-                         max_new_tokens=len(seed_canvas), sampler_config=EntropyBoundSamplerConfig(entropy_bound=HUGE_BOUND),
+                         max_new_tokens=len(seed_canvas),
+                         sampler_config=EntropyBoundSamplerConfig(entropy_bound=HUGE_BOUND),
                          eos_token_id=eos, pad_token_id=0, **GREEDY)
     return out.sequences[0, len(prompt):].tolist(), float(out.tokens_per_forward[0])
 
@@ -360,7 +361,8 @@ def test_a_stability_window_of_gigabytes_is_refused(checkpoints):
 
 def test_max_new_tokens_cuts_the_last_block(checkpoints):
     llm = ds.LLM(checkpoints["small"])
-    out = llm.generate([[3, 4]], ds.SamplingParams(max_new_tokens=11, eos_token_id=[], max_denoising_steps=3, seed=0))[0]
+    params = ds.SamplingParams(max_new_tokens=11, eos_token_id=[], max_denoising_steps=3, seed=0)
+    out = llm.generate([[3, 4]], params)[0]
     assert len(out.token_ids) == 11 and out.finish_reason == "length" and len(out.denoise_steps) == 2
 
 

@@ -507,7 +507,8 @@ def test_dummy_fp8_dynamic_quantizes_the_inputs():
 
 @pytest.mark.parametrize("args, message", [
     (dict(quantization="fp8"), "quantization 'fp8' is for load_format 'dummy'"),
-    (dict(load_format="dummy", quantization="int4"), "quantization 'int4' is not supported (use fp8, fp8-dynamic or nvfp4)"),
+    (dict(load_format="dummy", quantization="int4"),
+     "quantization 'int4' is not supported (use fp8, fp8-dynamic or nvfp4)"),
 ])
 def test_dummy_quantization_errors(args, message):
     with pytest.raises(ValueError, match=re.escape(message)):

@@ -66,12 +66,13 @@ def write_random_checkpoint(path, canvas_length: int = 64, dtype: str = "float32
                         ("down_proj.weight", (H, I))]:
         add(d + "self_conditioning." + part, shape, "norm" if "norm" in part else "linear")
     for i, layer_type in enumerate(cfg["layer_types"]):
-        hd, kv = (global_head_dim, global_kv) if layer_type == "full_attention" else (cfg["head_dim"], cfg["num_key_value_heads"])
+        full = layer_type == "full_attention"
+        hd, kv = (global_head_dim, global_kv) if full else (cfg["head_dim"], cfg["num_key_value_heads"])
         p = f"{d}layers.{i}."
         q_out = cfg["num_attention_heads"] * hd
         add(p + "self_attn.q_proj.weight", (q_out, H))
         add(p + "self_attn.k_proj.weight", (kv * hd, H))
-        if layer_type == "sliding_attention":
+        if not full:
             add(p + "self_attn.v_proj.weight", (kv * hd, H))
         add(p + "self_attn.o_proj.weight", (H, q_out))
         add(p + "self_attn.q_norm.weight", (hd,), "norm")
@@ -102,6 +103,7 @@ def write_random_checkpoint(path, canvas_length: int = 64, dtype: str = "float32
         json.dump(config, f, indent=2)
     with open(os.path.join(path, "generation_config.json"), "w") as f:
         json.dump({"max_denoising_steps": 48, "t_min": 0.4, "t_max": 0.8, "stability_threshold": 1,
-                   "confidence_threshold": 0.005, "sampler_config": {"entropy_bound": 0.1, "_cls_name": "EntropyBoundSamplerConfig"}}, f, indent=2)
+                   "confidence_threshold": 0.005,
+                   "sampler_config": {"entropy_bound": 0.1, "_cls_name": "EntropyBoundSamplerConfig"}}, f, indent=2)
     write_safetensors(os.path.join(path, "model.safetensors"), tensors)
     return str(path)

@@ -17,7 +17,8 @@ def write_safetensors(path: str, tensors: dict) -> None:
     """tensors: name -> np.ndarray, or a (safetensors dtype name, array of its raw bits) pair."""
     header, blobs, offset = {}, [], 0
     for name, value in tensors.items():
-        dtype, arr = value if isinstance(value, tuple) else ({np.float32: "F32", np.float16: "F16"}[value.dtype.type], value)
+        plain = {np.float32: "F32", np.float16: "F16"}
+        dtype, arr = value if isinstance(value, tuple) else (plain[value.dtype.type], value)
         data = np.ascontiguousarray(arr).tobytes()
         header[name] = {"dtype": dtype, "shape": list(arr.shape), "data_offsets": [offset, offset + len(data)]}
         blobs.append(data)
@@ -105,8 +106,8 @@ def read_safetensors(path: str) -> dict:
         if name == "__metadata__":
             continue
         begin, end = entry["data_offsets"]
-        raw = np.frombuffer(data, dtype=_NUMPY[entry["dtype"]], count=(end - begin) // np.dtype(_NUMPY[entry["dtype"]]).itemsize,
-                            offset=8 + length + begin)
+        dtype = np.dtype(_NUMPY[entry["dtype"]])
+        raw = np.frombuffer(data, dtype=dtype, count=(end - begin) // dtype.itemsize, offset=8 + length + begin)
         out[name] = (entry["dtype"], raw.reshape(entry["shape"]))
     return out
 
