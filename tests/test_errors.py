@@ -295,8 +295,16 @@ def test_config_invalid_json(ckpt):
     load_fails(ckpt, str(path), "invalid JSON")
 
 
-@pytest.mark.parametrize("fields, message", [({"eos_token_id": [1, 500]}, "eos_token_id = 500 is out of range [0, 63]"),
-                                             ({"t_max": 1e300}, "t_max = 1e+300 does not fit a 32-bit float")])
+@pytest.mark.parametrize("fields, message", [
+    ({"eos_token_id": [1, 500]}, "eos_token_id = 500 is out of range [0, 63]"),
+    ({"t_max": 1e300}, "t_max = 1e+300 does not fit a 32-bit float"),
+    # Defaults no request could run with (each request had been refused, naming a SamplingParams
+    # field its caller never set).
+    ({"stability_threshold": 5000, "max_denoising_steps": 5000},
+     "its defaults fail a request's checks: SamplingParams.stability_threshold 5000 with max_denoising_steps 5000"),
+    ({"t_min": 0.0, "t_max": 1e-19}, "its defaults fail a request's checks: SamplingParams.t_max and t_min give a "
+                                     "smallest temperature"),
+])
 def test_bad_generation_config(ckpt, fields, message):
     """Refused at load, naming the file, rather than failing every later request."""
     path = ckpt / "generation_config.json"

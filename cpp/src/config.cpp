@@ -14,6 +14,7 @@
 #include <set>
 
 #include "diffuserve/errors.h"
+#include "diffuserve/generate.h"
 #include "json.h"
 #include "safetensors.h"
 
@@ -380,8 +381,16 @@ ModelConfig load_config(const std::string& dir) {
   }
 
   const std::vector<int32_t> eos = t.int_list_or_empty("eos_token_id", c.vocab_size - 1);
-  c.generation = load_generation((std::filesystem::path(dir) / "generation_config.json").string(), eos, c.pad_token_id,
-                                 c.vocab_size);
+  const std::string generation_path = (std::filesystem::path(dir) / "generation_config.json").string();
+  c.generation = load_generation(generation_path, eos, c.pad_token_id, c.vocab_size);
+  // The defaults must pass a request's own checks too (the coldest step's temperature, the
+  // canvases a block keeps): else every request that leaves them alone would fail, naming a
+  // parameter it never set.
+  try {
+    validate(sampling_defaults(c), c);
+  } catch (const InvalidArgument& e) {
+    throw FormatError(generation_path + ": its defaults fail a request's checks: " + e.what());
+  }
   return c;
 }
 
