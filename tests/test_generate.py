@@ -33,11 +33,13 @@ GREEDY = dict(t_min=1e-6, t_max=2e-6)
 HUGE_BOUND = 1e9
 
 
-def hf_generate(model, prompt, seed_canvas, eos):
+def hf_generate(model, prompt, seed_canvas, eos=None):
+    """transformers' greedy generate of one block from `seed_canvas`: (tokens, tokens_per_forward).
+    eos None: the EOS and pad ids of the checkpoint's generation config; else these EOS ids, pad 0."""
+    ids = {} if eos is None else dict(eos_token_id=eos, pad_token_id=0)
     out = model.generate(input_ids=torch.tensor([prompt]), decoder_input_ids=torch.tensor([seed_canvas]),
                          max_new_tokens=len(seed_canvas),
-                         sampler_config=EntropyBoundSamplerConfig(entropy_bound=HUGE_BOUND),
-                         eos_token_id=eos, pad_token_id=0, **GREEDY)
+                         sampler_config=EntropyBoundSamplerConfig(entropy_bound=HUGE_BOUND), **ids, **GREEDY)
     return out.sequences[0, len(prompt):].tolist(), float(out.tokens_per_forward[0])
 
 
@@ -416,16 +418,23 @@ def test_defaults_come_from_generation_config(checkpoints, tmp_path):
     assert len(out.token_ids) == 12 and out.denoise_steps == [3, 3]
 
 
+def free_run_of_a_copy(checkpoints, tmp_path):
+    """A copy of the small checkpoint to edit, a prompt and seed canvas, and transformers' greedy
+    block from them with no EOS: (path, prompt, seed_canvas, free_run)."""
+    import shutil
+    path = tmp_path / "m"
+    shutil.copytree(checkpoints["small"], path)
+    rng = np.random.default_rng(11)
+    prompt, seed_canvas = rng.integers(3, 96, 5).tolist(), rng.integers(3, 96, MODELS["small"][1]).tolist()
+    return path, prompt, seed_canvas, hf_generate(load(path), prompt, seed_canvas, eos=[])[0]
+
+
 def test_an_empty_eos_list_in_generation_config_means_no_eos(checkpoints, tmp_path):
     """generation_config.json's "eos_token_id": [] leaves transformers no EOS to stop at, whatever
     config.json names; diffuserve had taken config.json's EOS instead (as it rightly does where
     generation_config.json has none), and stopped where transformers runs on."""
-    import shutil
-    path, canvas = tmp_path / "m", MODELS["small"][1]
-    shutil.copytree(checkpoints["small"], path)
-    rng = np.random.default_rng(11)
-    prompt, seed_canvas = rng.integers(3, 96, 5).tolist(), rng.integers(3, 96, canvas).tolist()
-    free_run, _ = hf_generate(load(path), prompt, seed_canvas, eos=[])
+    path, prompt, seed_canvas, free_run = free_run_of_a_copy(checkpoints, tmp_path)
+    canvas = len(seed_canvas)
     config = json.loads((path / "config.json").read_text())
     config["text_config"]["eos_token_id"] = free_run[2]  # config.json's EOS comes up mid-canvas
     (path / "config.json").write_text(json.dumps(config))
@@ -433,10 +442,7 @@ def test_an_empty_eos_list_in_generation_config_means_no_eos(checkpoints, tmp_pa
     (path / "generation_config.json").write_text(json.dumps({**generation, "eos_token_id": []}))
     hf = load(path)
     assert hf.generation_config.eos_token_id == []
-    out = hf.generate(input_ids=torch.tensor([prompt]), decoder_input_ids=torch.tensor([seed_canvas]),
-                      max_new_tokens=canvas, sampler_config=EntropyBoundSamplerConfig(entropy_bound=HUGE_BOUND),
-                      **GREEDY)
-    expected = out.sequences[0, len(prompt):].tolist()
+    expected, _ = hf_generate(hf, prompt, seed_canvas)
     assert expected == free_run  # transformers ran on past config.json's EOS
     llm = ds.LLM(path)
     assert llm.model.config["generation"]["eos_token_ids"] == []
@@ -452,29 +458,22 @@ def test_tokens_per_forward_leaves_out_generation_configs_pad_id(checkpoints, tm
     """transformers counts tokens_per_forward without its generation config's pad_token_id (the
     one generation_config.json names); diffuserve had left out config.json's instead, and
     counted a pad id of the generation config's as a token."""
-    import shutil
-    path, canvas = tmp_path / "m", MODELS["small"][1]
-    shutil.copytree(checkpoints["small"], path)
-    rng = np.random.default_rng(11)
-    prompt, seed_canvas = rng.integers(3, 96, 5).tolist(), rng.integers(3, 96, canvas).tolist()
-    free_run, _ = hf_generate(load(path), prompt, seed_canvas, eos=[])
+    path, prompt, seed_canvas, free_run = free_run_of_a_copy(checkpoints, tmp_path)
+    canvas = len(seed_canvas)
     pad, eos = free_run[1], free_run[-2]  # a pad id the output holds, and an EOS past it
     assert pad not in (0, eos) and eos not in free_run[:-2]
     generation = json.loads((path / "generation_config.json").read_text())
     (path / "generation_config.json").write_text(json.dumps({**generation, "eos_token_id": eos, "pad_token_id": pad}))
     hf = load(path)
     assert json.loads((path / "config.json").read_text())["text_config"]["pad_token_id"] == 0
-    out = hf.generate(input_ids=torch.tensor([prompt]), decoder_input_ids=torch.tensor([seed_canvas]),
-                      max_new_tokens=canvas, sampler_config=EntropyBoundSamplerConfig(entropy_bound=HUGE_BOUND),
-                      **GREEDY)
-    expected = out.sequences[0, len(prompt):].tolist()
+    expected, expected_tpf = hf_generate(hf, prompt, seed_canvas)
     assert expected[:-1] == free_run[:-1] and expected[-1] == pad  # transformers pads after the EOS
     llm = ds.LLM(path)
     assert llm.model.config["generation"]["pad_token_id"] == pad
     got = llm.generate([prompt], ds.SamplingParams(max_new_tokens=canvas, seed_canvas=seed_canvas,
                                                    entropy_bound=HUGE_BOUND, seed=0, **GREEDY))[0]
     assert got.token_ids == expected[:-1] and got.finish_reason == "stop"
-    assert got.tokens_per_forward == pytest.approx(float(out.tokens_per_forward[0]))
+    assert got.tokens_per_forward == pytest.approx(expected_tpf)
     assert got.tokens_per_forward == pytest.approx(sum(t != pad for t in got.token_ids) / sum(got.denoise_steps))
 
 

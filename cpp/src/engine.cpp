@@ -86,30 +86,18 @@ bool finish_block(RequestState& r, Backend& be, int pad_token_id) {
   tokens.insert(tokens.end(), argmax.begin(), eos == argmax.end() ? eos : eos + 1);
   r.out.denoise_steps.push_back(block.steps);
   r.end_block();
+  if (eos == argmax.end() && int(tokens.size()) < p.max_new_tokens) return false;
   // As transformers counts it: generated tokens other than the pad id, per decoder pass. It
-  // generates whole blocks and counts the last one's tokens past max_new_tokens too (up to EOS).
-  auto valid_tokens = [&] {
-    return std::count_if(tokens.begin(), tokens.end(), [&](int32_t t) { return t != pad_token_id; });
-  };
-  bool finished = false;
-  int64_t valid = 0;
-  if (int(tokens.size()) >= p.max_new_tokens) {  // max_new_tokens cuts the last block
-    const bool eos_kept = eos != argmax.end() && int(tokens.size()) <= p.max_new_tokens;
-    valid = valid_tokens();
-    tokens.resize(std::min<size_t>(tokens.size(), size_t(p.max_new_tokens)));
-    r.out.finish_reason = eos_kept ? "stop" : "length";
-    finished = true;
-  } else if (eos != argmax.end()) {
-    valid = valid_tokens();
-    r.out.finish_reason = "stop";
-    finished = true;
-  }
-  if (finished) {
-    int passes = 0;
-    for (int s : r.out.denoise_steps) passes += s;
-    r.out.tokens_per_forward = double(valid) / passes;
-  }
-  return finished;
+  // generates whole blocks and counts the last one's tokens past max_new_tokens too (up to
+  // EOS): counted before the cut.
+  const auto valid = std::count_if(tokens.begin(), tokens.end(), [&](int32_t t) { return t != pad_token_id; });
+  int passes = 0;
+  for (int s : r.out.denoise_steps) passes += s;
+  r.out.tokens_per_forward = double(valid) / passes;
+  const bool eos_kept = eos != argmax.end() && int(tokens.size()) <= p.max_new_tokens;
+  r.out.finish_reason = eos_kept ? "stop" : "length";
+  tokens.resize(std::min<size_t>(tokens.size(), size_t(p.max_new_tokens)));  // max_new_tokens cuts the last block
+  return true;
 }
 
 }  // namespace

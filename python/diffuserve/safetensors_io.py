@@ -16,8 +16,8 @@ _NUMPY = {"F32": np.float32, "F16": np.float16, "F64": np.float64, "I64": np.int
 def write_safetensors(path: str, tensors: dict) -> None:
     """tensors: name -> np.ndarray, or a (safetensors dtype name, array of its raw bits) pair."""
     header, blobs, offset = {}, [], 0
+    plain = {np.float32: "F32", np.float16: "F16"}
     for name, value in tensors.items():
-        plain = {np.float32: "F32", np.float16: "F16"}
         dtype, arr = value if isinstance(value, tuple) else (plain[value.dtype.type], value)
         data = np.ascontiguousarray(arr).tobytes()
         header[name] = {"dtype": dtype, "shape": list(arr.shape), "data_offsets": [offset, offset + len(data)]}

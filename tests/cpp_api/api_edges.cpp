@@ -7,6 +7,7 @@
 #include <cstdio>
 #include <functional>
 #include <map>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -30,6 +31,15 @@ SamplingParams params(const Model& model, int max_new_tokens) {
   p.max_new_tokens = max_new_tokens;
   p.seed = 1;
   return p;
+}
+
+// An engine holding request 1 (prompt {2, 3}, 16 new tokens), admitted with KV for its prompt.
+std::unique_ptr<Engine> admitted_engine(const std::string& dir) {
+  auto model = load(dir);
+  auto engine = std::make_unique<Engine>(model);
+  engine->add(1, {2, 3}, params(*model, 16));
+  engine->admit(1, 2);
+  return engine;
 }
 
 // Prefills `seq` until the cache takes no more tokens; returns how many it holds.
@@ -89,36 +99,18 @@ const std::map<std::string, std::function<std::string(const std::string&)>> kCas
        return std::string(engine.admit(1, -5) ? "admitted" : "refused");
      }},
     {"reserve_negative_tokens",
-     [](const std::string& dir) {
-       auto model = load(dir);
-       Engine engine(model);
-       engine.add(1, {2, 3}, params(*model, 16));
-       engine.admit(1, 2);
-       return std::string(engine.reserve(1, -1) ? "reserved" : "refused");
-     }},
+     [](const std::string& dir) { return std::string(admitted_engine(dir)->reserve(1, -1) ? "reserved" : "refused"); }},
     {"step_zero_max_steps",
      [](const std::string& dir) {
-       auto model = load(dir);
-       Engine engine(model);
-       engine.add(1, {2, 3}, params(*model, 16));
-       engine.admit(1, 2);
-       return "finished " + std::to_string(engine.step({{1, 2}}, 0, 100).size());
+       return "finished " + std::to_string(admitted_engine(dir)->step({{1, 2}}, 0, 100).size());
      }},
     {"step_zero_max_batched_tokens",
      [](const std::string& dir) {
-       auto model = load(dir);
-       Engine engine(model);
-       engine.add(1, {2, 3}, params(*model, 16));
-       engine.admit(1, 2);
-       return "finished " + std::to_string(engine.step({{1, 2}}, 4, 0).size());
+       return "finished " + std::to_string(admitted_engine(dir)->step({{1, 2}}, 4, 0).size());
      }},
     {"step_negative_max_encode_tokens",
      [](const std::string& dir) {
-       auto model = load(dir);
-       Engine engine(model);
-       engine.add(1, {2, 3}, params(*model, 16));
-       engine.admit(1, 2);
-       return "finished " + std::to_string(engine.step({{1, -1}}, 4, 100).size());
+       return "finished " + std::to_string(admitted_engine(dir)->step({{1, -1}}, 4, 100).size());
      }},
 };
 
