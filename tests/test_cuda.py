@@ -105,24 +105,48 @@ def test_passes_match_cpu(path):
 
 # Random small configurations in odd sizes (every kernel's scalar edges and generic paths):
 # hidden widths and head dims that are no multiples of 8, any GQA ratio, one to eight experts,
-# windows of 2 to 23 under canvases of 1 to 23, layer types in any order.
-@pytest.mark.parametrize("seed", range(12))
-def test_random_odd_configurations_match_cpu(tmp_path, seed):
-    rng = np.random.default_rng(1000 + seed)
+# windows of 2 to 23 under canvases of 1 to 23, layer types in any order. `k_multiple`: every
+# width a linear reads (its K) a multiple of it, as NVFP4's 16-value groups need.
+def random_odd_shape(rng, k_multiple=1):
     heads = int(rng.integers(1, 6))
     divisors = [d for d in range(1, heads + 1) if heads % d == 0]
     layers, experts = int(rng.integers(1, 5)), int(rng.integers(1, 9))
-    shape = dict(vocab_size=int(rng.integers(16, 300)), hidden_size=int(rng.integers(8, 80)),
-                 intermediate_size=int(rng.integers(4, 64)), num_hidden_layers=layers, num_attention_heads=heads,
-                 num_key_value_heads=int(rng.choice(divisors)), num_global_key_value_heads=int(rng.choice(divisors)),
-                 head_dim=2 * int(rng.integers(1, 17)), global_head_dim=2 * int(rng.integers(1, 17)),
-                 sliding_window=int(rng.integers(2, 24)), num_experts=experts,
-                 top_k_experts=int(rng.integers(1, experts + 1)), moe_intermediate_size=int(rng.integers(2, 40)),
-                 layer_types=[str(rng.choice(["sliding_attention", "full_attention"])) for _ in range(layers)])
+    width = lambda lo, hi: k_multiple * int(rng.integers(-(-lo // k_multiple), hi // k_multiple + (k_multiple > 1)))
+    head_dim = lambda: k_multiple * int(rng.integers(1, 3)) if k_multiple > 1 else 2 * int(rng.integers(1, 17))
+    return dict(vocab_size=int(rng.integers(16, 300)), hidden_size=width(8, 80), intermediate_size=width(4, 64),
+                num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=int(rng.choice(divisors)),
+                num_global_key_value_heads=int(rng.choice(divisors)), head_dim=head_dim(), global_head_dim=head_dim(),
+                sliding_window=int(rng.integers(2, 24)), num_experts=experts,
+                top_k_experts=int(rng.integers(1, experts + 1)), moe_intermediate_size=width(2, 40),
+                layer_types=[str(rng.choice(["sliding_attention", "full_attention"])) for _ in range(layers)])
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_random_odd_configurations_match_cpu(tmp_path, seed):
+    rng = np.random.default_rng(1000 + seed)
+    shape = random_odd_shape(rng)
     canvas = int(rng.integers(1, 24))
     print(shape, "canvas", canvas)
     path = write_random_checkpoint(tmp_path / "m", canvas_length=canvas, dtype="bfloat16", seed=seed, **shape)
     check_passes_match_cpu(path, prompt_length=int(rng.integers(1, 50)), canvas_length=canvas, blocks=2, seed=seed)
+
+
+# The same with packed weights (load_format="dummy": the same random draws on both backends):
+# the FP8 and NVFP4 products' edges at odd N and K.
+@pytest.mark.parametrize("quantization", ["fp8", "fp8-dynamic", "nvfp4"])
+@pytest.mark.parametrize("seed", range(4))
+def test_random_odd_quantized_configurations_match_cpu(tmp_path, quantization, seed):
+    rng = np.random.default_rng(2000 + seed)
+    shape = random_odd_shape(rng, k_multiple=16 if quantization == "nvfp4" else 1)
+    canvas = int(rng.integers(1, 24))
+    print(quantization, shape, "canvas", canvas)
+    path = write_random_checkpoint(tmp_path / "m", canvas_length=canvas, dtype="bfloat16", seed=seed, **shape)
+    cpu = ds.Model.load(path, load_format="dummy", quantization=quantization)
+    gpu = ds.Model.load(path, device="cuda", load_format="dummy", quantization=quantization)
+    label = f"odd {quantization} {seed}"
+    if quantization == "fp8-dynamic":
+        return check_fp8_inputs(cpu, gpu, canvas, label)
+    run_blocks(cpu.sequence(), gpu.sequence(), cpu.vocab_size, canvas, label)
 
 
 def test_generate_agrees_with_cpu_and_is_batch_invariant(path):
