@@ -298,6 +298,9 @@ def test_config_invalid_json(ckpt):
 @pytest.mark.parametrize("fields, message", [
     ({"eos_token_id": [1, 500]}, "eos_token_id = 500 is out of range [0, 63]"),
     ({"t_max": 1e300}, "t_max = 1e+300 does not fit a 32-bit float"),
+    # Checked as the other integers (transformers too refuses 0; max_length had been ignored).
+    ({"max_length": 0}, "max_length = 0 is out of range [1, 2147483647]"),
+    ({"max_length": 64.5}, "max_length must be an integer"), ({"max_length": "64"}, "max_length must be an integer"),
     # Defaults no request could run with (each request had been refused, naming a SamplingParams
     # field its caller never set).
     ({"stability_threshold": 5000, "max_denoising_steps": 5000},

@@ -1,6 +1,7 @@
 """Generation end to end: against transformers' generate, and the sampler's behaviour."""
 import json
 import os
+import shutil
 import threading
 
 import numpy as np
@@ -160,9 +161,10 @@ def hf_generate_with_our_draws(model, prompt, seed, **kwargs):
     return out.sequences[0, len(prompt):].tolist(), float(out.tokens_per_forward[0]), at["closest"]
 
 
-def hf_generate_blocks(model, prompt, seed_canvas, eos, max_new_tokens, seed):
+def hf_generate_blocks(model, prompt, seed_canvas, eos, seed, **length):
     """transformers' generate over several blocks, each later block starting from the canvas
-    diffuserve draws for it (transformers draws its own with torch.randint), greedy."""
+    diffuserve draws for it (transformers draws its own with torch.randint), greedy. length:
+    max_new_tokens and max_length as generate takes them (none: the checkpoint's)."""
     canvas, vocab = model.config.canvas_length, model.config.text_config.vocab_size
     blocks = iter(range(1 << 30))
     prepare = type(model)._prepare_denoiser_inputs
@@ -176,7 +178,7 @@ def hf_generate_blocks(model, prompt, seed_canvas, eos, max_new_tokens, seed):
 
     model._prepare_denoiser_inputs = prepare_with_our_canvas.__get__(model)
     out = model.generate(input_ids=torch.tensor([prompt]), decoder_input_ids=torch.tensor([seed_canvas]),
-                         max_new_tokens=max_new_tokens, eos_token_id=eos, pad_token_id=0,
+                         **length, eos_token_id=eos, pad_token_id=0,
                          sampler_config=EntropyBoundSamplerConfig(entropy_bound=HUGE_BOUND), **GREEDY)
     return out.sequences[0, len(prompt):].tolist(), float(out.tokens_per_forward[0])
 
@@ -193,7 +195,7 @@ def test_several_blocks_match_hf_generate(checkpoints, name, blocks):
     rng = np.random.default_rng(3)
     prompt, seed_canvas = rng.integers(3, 96, 9).tolist(), rng.integers(3, 96, canvas).tolist()
     max_new_tokens = int(blocks * canvas)
-    expected, expected_tpf = hf_generate_blocks(hf, prompt, seed_canvas, [1], max_new_tokens, seed=5)
+    expected, expected_tpf = hf_generate_blocks(hf, prompt, seed_canvas, [1], 5, max_new_tokens=max_new_tokens)
     assert len(expected) == -(-max_new_tokens // canvas) * canvas  # whole blocks
     out = llm.generate([prompt], ds.SamplingParams(max_new_tokens=max_new_tokens, seed_canvas=seed_canvas, seed=5,
                                                    entropy_bound=HUGE_BOUND, eos_token_id=[1], **GREEDY))[0]
@@ -406,24 +408,90 @@ def test_self_conditioning_off_feeds_no_logits(checkpoints):
     assert on.token_ids != expected
 
 
-def test_defaults_come_from_generation_config(checkpoints, tmp_path):
-    import json
-    import shutil
+def copy_of_small(checkpoints, tmp_path, **generation):
+    """A copy of the small checkpoint, with these fields set in its generation_config.json."""
     path = tmp_path / "m"
     shutil.copytree(checkpoints["small"], path)
-    (path / "generation_config.json").write_text(json.dumps(
-        {"max_new_tokens": 12, "max_denoising_steps": 3, "eos_token_id": [], "t_min": 0.5, "t_max": 0.6,
-         "confidence_threshold": 1e-9, "sampler_config": {"entropy_bound": 0.2}}))
+    file = path / "generation_config.json"
+    file.write_text(json.dumps({**json.loads(file.read_text()), **generation}))
+    return path
+
+
+def test_defaults_come_from_generation_config(checkpoints, tmp_path):
+    path = copy_of_small(checkpoints, tmp_path, max_new_tokens=12, max_denoising_steps=3, eos_token_id=[], t_min=0.5,
+                         t_max=0.6, confidence_threshold=1e-9, sampler_config={"entropy_bound": 0.2})
     out = ds.LLM(path).generate([[3, 4]], ds.SamplingParams(seed=0))[0]
     assert len(out.token_ids) == 12 and out.denoise_steps == [3, 3]
+
+
+# transformers' generate with a max_length: where max_new_tokens is at its default of 256,
+# max_new_tokens = max_length - prompt length, in whole blocks (a last one past max_length
+# included, which diffuserve cuts at that max_new_tokens); any other max_new_tokens stands, and
+# the MaxLengthCriteria ends the run after the first block that reaches max_length. The
+# prompt has 9 tokens, the canvas 8.
+@pytest.mark.parametrize("generation, request_length, new_tokens", [
+    (dict(max_length=9 + 16), {}, 16),
+    (dict(max_length=9 + 13), {}, 13),  # transformers generates 2 blocks
+    (dict(max_length=9 + 13, max_new_tokens=256), {}, 13),  # 256 given is 256 all the same
+    (dict(max_length=9 + 13, max_new_tokens=40), {}, 16),  # the MaxLengthCriteria ends it after 2 blocks, not 5
+    (dict(max_length=3, max_new_tokens=40), {}, 8),  # ... after the first, even where the prompt is past it
+    (dict(max_length=9 + 30, max_new_tokens=12), {}, 12),  # a longer max_length leaves max_new_tokens alone
+    ({}, dict(max_length=9 + 13), 13),  # a request's own max_length
+    (dict(max_length=9 + 100), dict(max_length=9 + 13, max_new_tokens=40), 16),  # a request's own pair
+], ids=["whole_blocks", "cut_block", "256_given", "criteria_ends", "criteria_one_block", "longer", "request",
+        "request_pair"])
+def test_max_length_matches_hf_generate(checkpoints, tmp_path, generation, request_length, new_tokens):
+    """As transformers applies max_length (generation_config.json's or the request's); diffuserve
+    had ignored it, generating the checkpoint's max_new_tokens."""
+    path = copy_of_small(checkpoints, tmp_path, eos_token_id=[], **generation)
+    canvas = MODELS["small"][1]
+    rng = np.random.default_rng(3)
+    prompt, seed_canvas = rng.integers(3, 96, 9).tolist(), rng.integers(3, 96, canvas).tolist()
+    expected, expected_tpf = hf_generate_blocks(load(path), prompt, seed_canvas, [], 5, **request_length)
+    assert len(expected) == -(-new_tokens // canvas) * canvas  # whole blocks
+    out = ds.LLM(path).generate([prompt], ds.SamplingParams(seed_canvas=seed_canvas, seed=5, entropy_bound=HUGE_BOUND,
+                                                            **request_length, **GREEDY))[0]
+    assert out.token_ids == expected[:new_tokens] and out.finish_reason == "length"
+    assert out.tokens_per_forward == pytest.approx(expected_tpf)
+
+
+def test_a_requests_max_new_tokens_wins_over_the_checkpoints_max_length(checkpoints, tmp_path):
+    """max_new_tokens given, the checkpoint's max_length is left out (an OpenAI max_tokens means
+    as many tokens), even at 256, which the max_length would have replaced."""
+    path = copy_of_small(checkpoints, tmp_path, max_length=2 + 13, eos_token_id=[], max_denoising_steps=2)
+    llm = ds.LLM(path)
+    assert llm.model.config["generation"]["max_length"] == 15
+    for max_new_tokens, length in ((None, 13), (40, 40), (256, 256), (5, 5)):
+        out = llm.generate([[3, 4]], ds.SamplingParams(max_new_tokens=max_new_tokens, seed=0))[0]
+        assert len(out.token_ids) == length, max_new_tokens
+
+
+def test_a_prompt_that_leaves_max_length_no_room_is_refused(checkpoints, tmp_path):
+    """transformers' DiffusionGemma generate returns no tokens there (and a tokens_per_forward of
+    NaN); its autoregressive generate refuses it, as diffuserve does, naming max_length and the
+    prompt's length. diffuserve had generated the checkpoint's max_new_tokens."""
+    llm = ds.LLM(copy_of_small(checkpoints, tmp_path, max_length=5))
+    for prompt in ([3] * 5, [3] * 9):
+        with pytest.raises(ValueError, match=rf"prompt 0: max_length 5: the prompt \({len(prompt)} tokens\) leaves "
+                                             "no room for new tokens"):
+            llm.generate([prompt], ds.SamplingParams(seed=0))
+    assert len(llm.generate([[3] * 9], ds.SamplingParams(max_new_tokens=3, seed=0))[0].token_ids) == 3
+    assert len(llm.generate([[3] * 4], ds.SamplingParams(seed=0))[0].token_ids) == 1
+
+
+def test_a_negative_max_length_is_refused_by_the_runtime(checkpoints):
+    model = ds.LLM(checkpoints["small"]).model._native
+    params = model.sampling_defaults()
+    assert params.max_length == 0  # the checkpoint has none
+    params.max_length = -1
+    with pytest.raises(ValueError, match=r"SamplingParams.max_length must be >= 0 \(0: no cap\), got -1"):
+        ds._core.Engine(model).add(0, [3, 4], params)
 
 
 def free_run_of_a_copy(checkpoints, tmp_path):
     """A copy of the small checkpoint to edit, a prompt and seed canvas, and transformers' greedy
     block from them with no EOS: (path, prompt, seed_canvas, free_run)."""
-    import shutil
-    path = tmp_path / "m"
-    shutil.copytree(checkpoints["small"], path)
+    path = copy_of_small(checkpoints, tmp_path)
     rng = np.random.default_rng(11)
     prompt, seed_canvas = rng.integers(3, 96, 5).tolist(), rng.integers(3, 96, MODELS["small"][1]).tolist()
     return path, prompt, seed_canvas, hf_generate(load(path), prompt, seed_canvas, eos=[])[0]
@@ -495,7 +563,8 @@ def test_tokens_per_forward_leaves_out_generation_configs_pad_id(checkpoints, tm
     (dict(seed_canvas=[2**40] * 8), "seed_canvas"), (dict(allowed_token_ids=[2**31]), "allowed_token_ids"),
     (dict(t_max=1e300), "t_max"), (dict(entropy_bound=1e-300), "entropy_bound"),
     (dict(confidence_threshold=1e-320), "confidence_threshold"), (dict(t_min=1e-301, t_max=1e-300), "t_max"),
-    (dict(t_max=10**400), "t_max"),
+    (dict(t_max=10**400), "t_max"), (dict(max_length=0), "max_length"), (dict(max_length=2**31), "max_length"),
+    (dict(max_length=7.5), "max_length"),
 ])
 def test_invalid_params_name_the_parameter(kwargs, name):
     with pytest.raises(ValueError, match=name):

@@ -56,6 +56,7 @@ nb::dict config_dict(const ModelConfig& c) {
   const GenerationDefaults& g = c.generation;
   nb::dict gen;
   gen["max_new_tokens"] = g.max_new_tokens;
+  gen["max_length"] = g.max_length;  // 0: none
   gen["max_denoising_steps"] = g.max_denoising_steps;
   gen["t_min"] = g.t_min;
   gen["t_max"] = g.t_max;
@@ -173,6 +174,7 @@ void bind_generate(nb::module_& m) {
   nb::class_<SamplingParams>(m, "SamplingParams")
       .def(nb::init<>())
       .def_rw("max_new_tokens", &SamplingParams::max_new_tokens)
+      .def_rw("max_length", &SamplingParams::max_length)
       .def_rw("max_denoising_steps", &SamplingParams::max_denoising_steps)
       .def_rw("t_min", &SamplingParams::t_min)
       .def_rw("t_max", &SamplingParams::t_max)

@@ -244,6 +244,7 @@ GenerationDefaults load_generation(const std::string& path, const std::vector<in
   if (!doc.is_object()) throw FormatError(path + ": top level must be a JSON object");
   Fields f{doc, path, ""};
   g.max_new_tokens = int(f.integer_or("max_new_tokens", g.max_new_tokens, 1, INT32_MAX));
+  g.max_length = int(f.integer_or("max_length", g.max_length, 1, INT32_MAX));  // transformers refuses 0 too
   g.max_denoising_steps = int(f.integer_or("max_denoising_steps", g.max_denoising_steps, 1, INT32_MAX));
   g.t_min = f.float_or("t_min", g.t_min);
   g.t_max = f.float_or("t_max", g.t_max);

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <optional>
 #include <random>
+#include <string>
 
 #include "model.h"
 #include "sampler.h"
@@ -15,6 +16,7 @@ struct RequestState {
   std::vector<int32_t> prompt;
   SamplingParams params;
   int canvas = 0;                     // this request's canvas length
+  int64_t blocks = 0;                 // the most blocks it generates (max_new_tokens, max_length)
   std::vector<int32_t> allowed_ids;   // sorted, unique; empty: every id
   GenerationOutput out;               // out.seed: the seed used, from the start
   bool waiting = true;
@@ -68,7 +70,7 @@ void start_block(RequestState& r, Backend& be, const ModelConfig& config, DType 
 }
 
 // The block's argmax canvas joins the output; true when the request is finished (EOS or
-// max_new_tokens, or an error: logits that held NaN or infinity, which no token can come
+// its last block, or an error: logits that held NaN or infinity, which no token can come
 // from). Otherwise the block becomes pending tokens to commit.
 bool finish_block(RequestState& r, Backend& be, int pad_token_id) {
   const SamplingParams& p = r.params;
@@ -86,7 +88,7 @@ bool finish_block(RequestState& r, Backend& be, int pad_token_id) {
   tokens.insert(tokens.end(), argmax.begin(), eos == argmax.end() ? eos : eos + 1);
   r.out.denoise_steps.push_back(block.steps);
   r.end_block();
-  if (eos == argmax.end() && int(tokens.size()) < p.max_new_tokens) return false;
+  if (eos == argmax.end() && r.block() < r.blocks) return false;
   // As transformers counts it: generated tokens other than the pad id, per decoder pass. It
   // generates whole blocks and counts the last one's tokens past max_new_tokens too (up to
   // EOS): counted before the cut.
@@ -98,6 +100,36 @@ bool finish_block(RequestState& r, Backend& be, int pad_token_id) {
   r.out.finish_reason = eos_kept ? "stop" : "length";
   tokens.resize(std::min<size_t>(tokens.size(), size_t(p.max_new_tokens)));  // max_new_tokens cuts the last block
   return true;
+}
+
+// transformers' default max_new_tokens, which a max_length overrides (_prepare_generated_length).
+constexpr int kTransformersMaxNewTokens = 256;
+
+struct GenerationLength {
+  int64_t blocks;     // the most blocks the request generates
+  std::string limit;  // what sets them, for messages: "max_new_tokens 300" or "max_length 4096"
+};
+
+// transformers' rule: a max_length with max_new_tokens at its default sets max_new_tokens to
+// what the prompt leaves (refused where it leaves none, as its autoregressive generate refuses
+// it: DiffusionGemma's returns no tokens and a tokens_per_forward of NaN); any other
+// max_new_tokens stands, and max_length's MaxLengthCriteria ends the request after the first
+// block that reaches it (however short). Sets p.max_new_tokens, which cuts the last block.
+GenerationLength generation_length(SamplingParams& p, int64_t prompt, int canvas) {
+  const auto blocks_for = [canvas](int64_t tokens) { return (tokens + canvas - 1) / canvas; };
+  const std::string by_max_length = "max_length " + std::to_string(p.max_length);
+  if (p.max_length && p.max_new_tokens == kTransformersMaxNewTokens) {
+    if (p.max_length <= prompt)
+      throw InvalidArgument(by_max_length + ": the prompt (" + std::to_string(prompt) +
+                            " tokens) leaves no room for new tokens within it (max_length caps the prompt plus its "
+                            "new tokens)");
+    p.max_new_tokens = int(p.max_length - prompt);
+    return {blocks_for(p.max_new_tokens), by_max_length};
+  }
+  const int64_t blocks = blocks_for(p.max_new_tokens);
+  if (p.max_length && blocks_for(p.max_length - prompt) < blocks)
+    return {std::max<int64_t>(1, blocks_for(p.max_length - prompt)), by_max_length};
+  return {blocks, "max_new_tokens " + std::to_string(p.max_new_tokens)};
 }
 
 }  // namespace
@@ -123,33 +155,34 @@ void Engine::add(uint64_t id, std::vector<int32_t> prompt, const SamplingParams&
   check_token_ids(prompt, c, "prompt");
   validate(params, c);
   auto r = std::make_unique<RequestState>();
+  r->params = params;
   r->canvas = params.canvas_length ? params.canvas_length : c.canvas_length;
+  const GenerationLength length = generation_length(r->params, int64_t(prompt.size()), r->canvas);
+  r->blocks = length.blocks;
   // Every block is denoised at full canvas width, so the last one may reach past max_new_tokens.
-  const int64_t blocks = (int64_t(params.max_new_tokens) + r->canvas - 1) / r->canvas;
-  const int64_t total = int64_t(prompt.size()) + blocks * r->canvas;
+  const int64_t total = int64_t(prompt.size()) + length.blocks * r->canvas;
   if (int64_t(prompt.size()) + r->canvas > c.max_position_embeddings)  // the prompt's fault, whatever max_new_tokens
     throw InvalidArgument("prompt: " + std::to_string(prompt.size()) + " tokens leave no room for a block of " +
                           std::to_string(r->canvas) + " new tokens within max_position_embeddings (" +
                           std::to_string(c.max_position_embeddings) + ")");
   if (total > c.max_position_embeddings)
-    throw InvalidArgument("max_new_tokens " + std::to_string(params.max_new_tokens) + ": the prompt (" +
-                          std::to_string(prompt.size()) + " tokens) plus that many new tokens in blocks of " +
-                          std::to_string(r->canvas) + " exceeds max_position_embeddings (" +
-                          std::to_string(c.max_position_embeddings) + ")");
+    throw InvalidArgument(length.limit + ": the prompt (" + std::to_string(prompt.size()) + " tokens) plus " +
+                          std::to_string(length.blocks) + " blocks of " + std::to_string(r->canvas) +
+                          " new tokens exceeds max_position_embeddings (" + std::to_string(c.max_position_embeddings) +
+                          ")");
   // As for the positions: the prompt is at fault where it leaves no room for one block, else
-  // max_new_tokens (a short prompt with many new tokens had been blamed on the prompt).
+  // the length limit (a short prompt with many new tokens had been blamed on the prompt).
   const KvCache& kv = *model_->state().kv;
   if (!kv.could_hold(int64_t(prompt.size()) + r->canvas, r->canvas))
     throw InvalidArgument("prompt: " + std::to_string(prompt.size()) + " tokens and a block of " +
                           std::to_string(r->canvas) +
                           " new tokens need more KV than the whole cache holds (raise kv_cache_memory_bytes)");
   if (!kv.could_hold(total, r->canvas))
-    throw InvalidArgument("max_new_tokens " + std::to_string(params.max_new_tokens) + ": the prompt (" +
-                          std::to_string(prompt.size()) + " tokens) plus that many new tokens in blocks of " +
-                          std::to_string(r->canvas) + " need KV for " + std::to_string(total) +
+    throw InvalidArgument(length.limit + ": the prompt (" + std::to_string(prompt.size()) + " tokens) plus " +
+                          std::to_string(length.blocks) + " blocks of " + std::to_string(r->canvas) +
+                          " new tokens need KV for " + std::to_string(total) +
                           " tokens, more than the whole cache holds (raise kv_cache_memory_bytes)");
   r->prompt = std::move(prompt);
-  r->params = params;
   if (params.seed) {
     r->out.seed = *params.seed;
   } else {

@@ -28,6 +28,7 @@ SamplingParams sampling_defaults(const ModelConfig& c) {
   const GenerationDefaults& g = c.generation;
   SamplingParams p;
   p.max_new_tokens = g.max_new_tokens;
+  p.max_length = g.max_length;
   p.max_denoising_steps = g.max_denoising_steps;
   p.t_min = g.t_min;
   p.t_max = g.t_max;
@@ -45,6 +46,7 @@ constexpr float kMinTemperature = 1e-20f;
 
 void validate(const SamplingParams& p, const ModelConfig& c) {
   if (p.max_new_tokens < 1) bad("max_new_tokens", "must be >= 1, got " + std::to_string(p.max_new_tokens));
+  if (p.max_length < 0) bad("max_length", "must be >= 0 (0: no cap), got " + std::to_string(p.max_length));
   if (p.max_denoising_steps < 1)
     bad("max_denoising_steps", "must be >= 1, got " + std::to_string(p.max_denoising_steps));
   // As transformers: t_min >= 0 and t_max > t_min, so every step's temperature is > 0.

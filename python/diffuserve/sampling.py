@@ -32,6 +32,9 @@ def _int_list(name: str, value, allow_empty: bool = False) -> list:
 @dataclass
 class SamplingParams:
     max_new_tokens: Optional[int] = None
+    # A cap on prompt + new tokens, applied by transformers' rule (the runtime's SamplingParams.max_length).
+    # None: the checkpoint's, unless max_new_tokens is given: a request's own max_new_tokens wins.
+    max_length: Optional[int] = None
     max_denoising_steps: Optional[int] = None
     t_min: Optional[float] = None
     t_max: Optional[float] = None
@@ -55,8 +58,8 @@ class SamplingParams:
         ints, floats as float32 rounds them, int lists. (Also on every use: fields may have
         been set since construction.)"""
         v = {}
-        for name, lo in (("max_new_tokens", 1), ("max_denoising_steps", 1), ("stability_threshold", 0),
-                         ("canvas_length", 1)):
+        for name, lo in (("max_new_tokens", 1), ("max_length", 1), ("max_denoising_steps", 1),
+                         ("stability_threshold", 0), ("canvas_length", 1)):
             if getattr(self, name) is not None:
                 v[name] = check_int(name, getattr(self, name), lo, INT32_MAX)
         for name, lo, strict in (("t_min", 0.0, False), ("t_max", 0.0, True), ("entropy_bound", 0.0, True),
@@ -87,10 +90,12 @@ class SamplingParams:
         """The runtime's parameters: these values over the model's defaults."""
         v = self._checked()
         p = defaults
-        for f in ("max_new_tokens", "max_denoising_steps", "stability_threshold", "t_min", "t_max", "entropy_bound",
-                  "confidence_threshold"):
+        for f in ("max_new_tokens", "max_length", "max_denoising_steps", "stability_threshold", "t_min", "t_max",
+                  "entropy_bound", "confidence_threshold"):
             if f in v:
                 setattr(p, f, v[f])
+        if "max_new_tokens" in v and "max_length" not in v:
+            p.max_length = 0  # the checkpoint's max_length would override a max_new_tokens of 256, or cut it short
         if not p.t_max > p.t_min:  # one end given, the other the checkpoint's: say which is which
             ends = [f"{name}={getattr(p, name):g}" + ("" if name in v else " (the checkpoint's default)")
                     for name in ("t_max", "t_min")]

@@ -22,6 +22,7 @@ struct LayerConfig {
 // Sampler defaults (generation_config.json); fields the file leaves null keep these.
 struct GenerationDefaults {
   int max_new_tokens = 256;
+  int max_length = 0;  // a cap on prompt + new tokens (SamplingParams::max_length); 0: none
   int max_denoising_steps = 48;
   float t_min = 0.4f;
   float t_max = 0.8f;

@@ -16,6 +16,11 @@ namespace diffuserve {
 // sampling_defaults(model.config()) fills them from the checkpoint's generation_config.json.
 struct SamplingParams {
   int max_new_tokens = 256;
+  // transformers' max_length, a cap on prompt + new tokens (0: none), applied by its rule: with
+  // max_new_tokens at 256 (transformers' default) it sets max_new_tokens to max_length - prompt
+  // length (a prompt that leaves no room is refused); with any other max_new_tokens, that one
+  // stands and max_length only ends the request after the first block that reaches it.
+  int max_length = 0;
   int max_denoising_steps = 48;
   float t_min = 0.4f;  // temperature at the last step
   float t_max = 0.8f;  // temperature at the first step
