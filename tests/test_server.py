@@ -435,3 +435,32 @@ def test_a_failed_step_fails_its_requests_and_the_engine_goes_on(checkpoint):
         assert len(asyncio.run(run()).token_ids) == 8
     finally:
         engine.shutdown()
+
+
+def test_max_tokens_wins_over_the_checkpoints_max_length(tmp_path):
+    """A request without max_tokens takes the checkpoint's defaults, generation_config.json's
+    max_length included, as transformers' generate does (it had been ignored); with max_tokens
+    (or max_completion_tokens) the request gets that many tokens, as OpenAI means them."""
+    from fastapi.testclient import TestClient
+    path = write_chat_checkpoint(tmp_path)
+    file = os.path.join(path, "generation_config.json")
+    with open(file) as f:
+        generation = json.load(f)
+    with open(file, "w") as f:
+        json.dump({**generation, "max_length": 20, "eos_token_id": [], "max_denoising_steps": 2}, f)
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "seed": 0}
+    with TestClient(build_app(AsyncLLM(ds.LLM(path)), MODEL)) as http:
+        def usage(endpoint, body):
+            r = http.post(f"/v1/{endpoint}", json=body)
+            assert r.status_code == 200, r.text
+            return r.json()["usage"]
+
+        for endpoint, body in (("completions", {"model": MODEL, "prompt": [5, 6, 7]}), ("chat/completions", chat)):
+            assert usage(endpoint, body)["total_tokens"] == 20, endpoint
+        assert usage("completions", {"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 24})["completion_tokens"] == 24
+        assert usage("chat/completions", {**chat, "max_completion_tokens": 40})["completion_tokens"] == 40
+        # A prompt that leaves max_length no room: refused, naming both, unless max_tokens is given.
+        r = http.post("/v1/completions", json={"model": MODEL, "prompt": [5] * 25})
+        assert r.status_code == 400 and r.json()["error"]["message"].startswith(
+            "max_length 20: the prompt (25 tokens) leaves no room for new tokens"), r.text
+        assert usage("completions", {"model": MODEL, "prompt": [5] * 25, "max_tokens": 4})["completion_tokens"] == 4
