@@ -435,11 +435,11 @@ def test_defaults_come_from_generation_config(checkpoints, tmp_path):
     (dict(max_length=9 + 13, max_new_tokens=256), {}, 13),  # 256 given is 256 all the same
     (dict(max_length=9 + 13, max_new_tokens=40), {}, 16),  # the MaxLengthCriteria ends it after 2 blocks, not 5
     (dict(max_length=3, max_new_tokens=40), {}, 8),  # ... after the first, even where the prompt is past it
-    (dict(max_length=9 + 30, max_new_tokens=12), {}, 12),  # a longer max_length leaves max_new_tokens alone
     ({}, dict(max_length=9 + 13), 13),  # a request's own max_length
     (dict(max_length=9 + 100), dict(max_length=9 + 13, max_new_tokens=40), 16),  # a request's own pair
-], ids=["whole_blocks", "cut_block", "256_given", "criteria_ends", "criteria_one_block", "longer", "request",
-        "request_pair"])
+    ({}, dict(max_length=9 + 30, max_new_tokens=12), 12),  # a longer max_length leaves max_new_tokens alone
+], ids=["whole_blocks", "cut_block", "256_given", "criteria_ends", "criteria_one_block", "request", "request_pair",
+        "request_longer"])
 def test_max_length_matches_hf_generate(checkpoints, tmp_path, generation, request_length, new_tokens):
     """As transformers applies max_length (generation_config.json's or the request's); diffuserve
     had ignored it, generating the checkpoint's max_new_tokens."""
