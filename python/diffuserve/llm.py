@@ -31,7 +31,7 @@ class RequestOutput:
     request_id: int
     prompt_token_ids: List[int]
     token_ids: List[int]             # generated tokens, up to and including an EOS
-    finish_reason: str               # "stop" (EOS), "length" (max_new_tokens) or "error" (from step(); see error)
+    finish_reason: str               # "stop" (EOS), "length" (max_new_tokens, max_length) or "error" (see error)
     denoise_steps: List[int]         # decoder passes of each block
     tokens_per_forward: float        # generated tokens (pad ids excluded) per decoder pass, as transformers
                                      # counts them: the last block whole, past a max_new_tokens cut; the pad

@@ -40,7 +40,7 @@ struct SamplingParams {
 
 struct GenerationOutput {
   std::vector<int32_t> token_ids;  // generated tokens, up to and including an EOS
-  std::string finish_reason;       // "stop" (EOS), "length" (max_new_tokens) or "error" (below)
+  std::string finish_reason;       // "stop" (EOS), "length" (max_new_tokens, max_length) or "error" (below)
   std::string error;               // with "error": why the request failed (its logits were not finite)
   std::vector<int> denoise_steps;  // decoder passes of each block
   double tokens_per_forward = 0;   // generated tokens (pad ids excluded) / decoder passes
