@@ -92,3 +92,11 @@ def test_negative_num_threads_is_refused(program, ckpt):
     """LoadOptions::num_threads -1 had loaded silently, as if 0 (Python refuses it by name)."""
     assert run_case(program, ckpt, "negative_num_threads") == \
         "InvalidArgument: num_threads must be >= 0 (0: the default), got -1"
+
+
+def test_max_length_caps_prompt_and_new_tokens(program, ckpt):
+    """SamplingParams::max_length as transformers applies it: with max_new_tokens at 256, the
+    prompt (2 tokens) plus the new ones capped at 7; a prompt that fills it refused by name."""
+    assert run_case(program, ckpt, "max_length_caps_new_tokens") == "ok 5 tokens, length"
+    assert run_case(program, ckpt, "max_length_leaves_no_room").startswith(
+        "InvalidArgument: generate: prompt 0: max_length 2: the prompt (2 tokens) leaves no room for new tokens")

@@ -82,6 +82,25 @@ const std::map<std::string, std::function<std::string(const std::string&)>> kCas
        generate(*model, {{2, 3}}, {params(*model, 100000)});
        return std::string("generated");
      }},
+    // transformers' max_length with max_new_tokens at its default (256): prompt + new tokens
+    // capped at it, the last block cut.
+    {"max_length_caps_new_tokens",
+     [](const std::string& dir) {
+       auto model = load(dir);
+       SamplingParams p = params(*model, 256);
+       p.max_length = 2 + 5;
+       p.eos_token_ids.clear();
+       const GenerationOutput out = generate(*model, {{2, 3}}, {p}).front();
+       return std::to_string(out.token_ids.size()) + " tokens, " + out.finish_reason;
+     }},
+    {"max_length_leaves_no_room",
+     [](const std::string& dir) {
+       auto model = load(dir);
+       SamplingParams p = params(*model, 256);
+       p.max_length = 2;
+       generate(*model, {{2, 3}}, {p});
+       return std::string("generated");
+     }},
     {"step_plans_a_request_twice",
      [](const std::string& dir) {
        auto model = load(dir);
