@@ -225,6 +225,25 @@ def test_openai_client_raises_on_errors(client):
                               user="someone")
 
 
+def test_null_and_no_op_parameters_are_accepted(client):
+    """A parameter given as null is not given, as OpenAI takes it (the openai client sends an
+    explicit None as null: n, stream, logit_bias or suffix had been refused); logit_bias {},
+    best_of 1 and response_format text, which change nothing, are accepted as top_p 1 is."""
+    messages = [{"role": "user", "content": "Hi"}]
+    expected = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, seed=5)
+    out = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, seed=5, n=None, stream=None,
+                                         logit_bias=None, tools=None, temperature=None,
+                                         response_format={"type": "text"})
+    assert out.choices[0].message.content == expected.choices[0].message.content
+    assert client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, seed=5, logit_bias={}) \
+        .choices[0].message.content == expected.choices[0].message.content
+    client.completions.create(model=MODEL, prompt="x", max_tokens=4, suffix=None, best_of=1, logit_bias={}, echo=None)
+    with pytest.raises(openai.BadRequestError, match='only {"type": "text"} is accepted'):
+        client.chat.completions.create(model=MODEL, messages=messages, response_format={"type": "json_object"})
+    with pytest.raises(openai.BadRequestError, match="best_of"):
+        client.completions.create(model=MODEL, prompt="x", best_of=2)
+
+
 @pytest.mark.parametrize("encoding", ["gzip", "deflate, gzip"])
 def test_compressed_bodies_are_refused(base_url, encoding):
     """A body with a Content-Encoding is refused naming it: a gzip body had been parsed as it

@@ -3,11 +3,13 @@ into SamplingParams.
 
 Every field is declared; anything else is refused with a 400 that names it, so a client
 never believes a parameter took effect when it did not. A few OpenAI parameters are
-accepted only at the value that means "off" (top_p 1, penalties 0, logprobs false),
-because common clients send those defaults explicitly.
+accepted only at the value that means "off" (top_p 1, penalties 0, logprobs false, ...),
+because common clients send those defaults explicitly; and any parameter given as null is
+taken as not given, as OpenAI takes it.
 """
 from __future__ import annotations
 
+import json
 import re
 from typing import Any, Dict, List, Literal, Optional, Union
 
@@ -16,8 +18,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from ._checks import check_unicode
 from .sampling import SamplingParams
 
-# Value at which an OpenAI parameter we do not implement changes nothing.
-_NEUTRAL = {"top_p": 1, "frequency_penalty": 0, "presence_penalty": 0, "logprobs": False}
+# Value at which an OpenAI parameter we do not implement changes nothing (older LangChain sent
+# logit_bias {} and best_of 1 with every request).
+_NEUTRAL = {"top_p": 1, "frequency_penalty": 0, "presence_penalty": 0, "logprobs": False, "logit_bias": {},
+            "best_of": 1, "response_format": {"type": "text"}}
 
 
 def _is_neutral(value, neutral) -> bool:
@@ -26,6 +30,8 @@ def _is_neutral(value, neutral) -> bool:
     sampled token's log-probability)."""
     if isinstance(neutral, bool) or isinstance(value, bool):
         return value is neutral
+    if isinstance(neutral, dict):
+        return value == neutral
     return isinstance(value, (int, float)) and value == neutral
 
 
@@ -208,8 +214,11 @@ def parse(model: type, body: Any):
     """Validates a decoded JSON body into `model`, or raises the ApiError naming the field."""
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
+    # OpenAI's parameters are nullable, null meaning the default (the openai client sends an explicit
+    # None as null): n or stream as null, or logit_bias, had been refused.
+    body = {name: value for name, value in body.items() if value is not None}
     for name, neutral in _NEUTRAL.items():
-        if name in body and (body[name] is None or _is_neutral(body[name], neutral)):
+        if name in body and _is_neutral(body[name], neutral):
             del body[name]  # the value that changes nothing
     try:
         return model.model_validate(body)
@@ -217,7 +226,7 @@ def parse(model: type, body: Any):
         error = e.errors()[0]
         param = _param_path(error["loc"])
         if error["type"] == "extra_forbidden":
-            hint = f" (only {_NEUTRAL[param]!r} is accepted)" if param in _NEUTRAL else ""
+            hint = f" (only {json.dumps(_NEUTRAL[param])} is accepted)" if param in _NEUTRAL else ""
             raise ApiError(400, f"unsupported parameter: {param!r}{hint}", param=param,
                            code="unsupported_parameter") from None
         if error["type"] == "missing":
