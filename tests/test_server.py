@@ -20,7 +20,7 @@ import uvicorn
 import diffuserve as ds
 from diffuserve import server as server_module
 from diffuserve.async_llm import AsyncLLM, StepFailed
-from diffuserve.protocol import MAX_CHOICES, CompletionRequest, parse
+from diffuserve.protocol import MAX_CHOICES, ChatCompletionRequest, CompletionRequest, parse
 from diffuserve.server import build_app
 
 from chat_checkpoint import write_chat_checkpoint
@@ -242,6 +242,21 @@ def test_null_and_no_op_parameters_are_accepted(client):
         client.chat.completions.create(model=MODEL, messages=messages, response_format={"type": "json_object"})
     with pytest.raises(openai.BadRequestError, match="best_of"):
         client.completions.create(model=MODEL, prompt="x", best_of=2)
+
+
+def test_developer_messages(client):
+    """A developer message (OpenAI's newer name for system, which coding agents send) is a system
+    one for a template that does not name the role: the test checkpoint's template, as Gemma's,
+    had refused it. A template that names it gets it as it is."""
+    def reply(role):
+        return client.chat.completions.create(model=MODEL, max_tokens=8, seed=6, messages=[
+            {"role": role, "content": "Be brief."}, {"role": "user", "content": "Hi"}])
+
+    developer, system = reply("developer"), reply("system")
+    assert developer.choices[0].message.content == system.choices[0].message.content
+    assert developer.usage.prompt_tokens == system.usage.prompt_tokens
+    body = parse(ChatCompletionRequest, {"model": MODEL, "messages": [{"role": "developer", "content": "x"}]})
+    assert body.conversation(template_names_developer=True)[0]["role"] == "developer"
 
 
 @pytest.mark.parametrize("encoding", ["gzip", "deflate, gzip"])

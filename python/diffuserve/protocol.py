@@ -173,9 +173,10 @@ class ChatCompletionRequest(_GenerationRequest):
         return {"max_new_tokens": "max_tokens" if self.max_completion_tokens is None else "max_completion_tokens",
                 "prompt": "messages"}
 
-    def conversation(self) -> List[dict]:
+    def conversation(self, template_names_developer: bool = True) -> List[dict]:
         """The messages as the chat template sees them: content as one string (text parts
-        joined by newlines, as vLLM does for text models)."""
+        joined by newlines, as vLLM does for text models); a developer message is a system one
+        for a template that does not name the developer role (as llama.cpp does)."""
         out = []
         for i, message in enumerate(self.messages):
             content = message.content
@@ -197,7 +198,9 @@ class ChatCompletionRequest(_GenerationRequest):
                     _check_unicode(part["text"], f"messages[{i}].content[{j}]")
                     texts.append(part["text"])
                 content = "\n".join(texts)
-            out.append({**message.model_dump(), "content": content})
+            # (OpenAI's newer name for system, which coding agents send: Gemma-style templates refuse it.)
+            role = "system" if message.role == "developer" and not template_names_developer else message.role
+            out.append({**message.model_dump(), "role": role, "content": content})
         return out
 
 

@@ -117,6 +117,8 @@ class _Server:
         generation = engine.llm.model.config["generation"]
         self.defaults = {"t_min": generation["t_min"], "t_max": generation["t_max"]}
         self.eos_token_ids = list(generation["eos_token_ids"])
+        template = self.tokenizer.chat_template
+        self.template_names_developer = template is not None and "developer" in template.source
         self.metrics = Metrics(lambda: self.engine.stats)
 
     def check_model(self, name: str) -> None:
@@ -413,7 +415,8 @@ def build_app(engine: AsyncLLM, model_name: str, api_key: Optional[str] = None) 
         body = parse(ChatCompletionRequest, await _json_body(request))
         server.check_model(body.model)
         try:
-            text = server.tokenizer.apply_chat_template(body.conversation(), add_generation_prompt=True)
+            text = server.tokenizer.apply_chat_template(body.conversation(server.template_names_developer),
+                                                      add_generation_prompt=True)
         except ChatTemplateError as e:
             raise ApiError(400, str(e), param="messages") from None
         except ValueError as e:  # no chat template
