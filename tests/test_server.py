@@ -216,6 +216,15 @@ def test_error_bodies(base_url, path, body, status, param, code):
     assert (error["param"], error["code"]) == (param, code)
 
 
+@pytest.mark.parametrize("method,path,allow", [("GET", "/v1/chat/completions", "POST"),
+                                               ("POST", "/v1/models", "GET"), ("DELETE", "/v1/completions", "POST")])
+def test_wrong_method(base_url, method, path, allow):
+    """A 405 in OpenAI's error body, with the Allow header HTTP asks of it (it had been dropped)."""
+    r = httpx.request(method, base_url + path)
+    assert (r.status_code, r.headers.get("allow")) == (405, allow)
+    assert r.json()["error"]["type"] == "invalid_request_error"
+
+
 def test_openai_client_raises_on_errors(client):
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="other", prompt="x")

@@ -373,8 +373,8 @@ def build_app(engine: AsyncLLM, model_name: str, api_key: Optional[str] = None) 
         return _error(e)
 
     @app.exception_handler(HTTPException)
-    async def http_error(request, e: HTTPException):
-        return _error(ApiError(e.status_code, str(e.detail), code=None))
+    async def http_error(request, e: HTTPException):  # its headers kept: a 405's Allow had been dropped
+        return _error(ApiError(e.status_code, str(e.detail), code=None), e.headers)
 
     @app.exception_handler(EngineError)
     async def engine_error(request, e: EngineError):
@@ -428,5 +428,5 @@ def build_app(engine: AsyncLLM, model_name: str, api_key: Optional[str] = None) 
     return app
 
 
-def _error(e: ApiError) -> JSONResponse:
-    return JSONResponse(e.body(), status_code=e.status)
+def _error(e: ApiError, headers: Optional[Dict[str, str]] = None) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status, headers=headers)
