@@ -1,9 +1,10 @@
-"""A tiny random-weight checkpoint with a real tokenizer: a byte-level BPE trained here (no
-download), Gemma-style special tokens and chat template, in the files transformers writes."""
+"""A tiny random-weight checkpoint with a real tokenizer: a BPE trained here (no download),
+byte-level or, as Gemma's, with byte-fallback tokens; Gemma-style special tokens and chat
+template, in the files transformers writes."""
 import json
 import os
 
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 
 from diffuserve.random_checkpoint import write_random_checkpoint
 
@@ -29,23 +30,37 @@ MODEL_CONFIG = dict(vocab_size=512, hidden_size=64, intermediate_size=64, num_hi
                     moe_intermediate_size=32, sliding_window=32)
 
 
-def train_tokenizer(vocab_size: int = 400) -> Tokenizer:
+def train_tokenizer(vocab_size: int = 400, byte_fallback: bool = False) -> Tokenizer:
+    """A byte-level BPE (GPT-2's scheme), or with byte_fallback one like Gemma's: spaces as
+    "▁", and a character outside the vocabulary as its UTF-8 bytes, tokens <0x00>..<0xFF>."""
     tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    if byte_fallback:
+        tokenizer.normalizer = normalizers.Replace(" ", "▁")
+        trainer = trainers.BpeTrainer(vocab_size=vocab_size - 256, special_tokens=SPECIAL_TOKENS, show_progress=False)
+    else:
+        tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tokenizer.decoder = decoders.ByteLevel()
+        trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
+                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tokenizer.train_from_iterator(CORPUS, trainer)
+    if byte_fallback:  # the trainer cannot add the byte tokens to the model's vocabulary: edit its JSON
+        spec = json.loads(tokenizer.to_str())
+        vocab = spec["model"]["vocab"]
+        vocab.update({f"<0x{b:02X}>": len(vocab) + b for b in range(256)})
+        spec["model"]["byte_fallback"] = True
+        tokenizer = Tokenizer.from_str(json.dumps(spec))
+        tokenizer.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()])
     tokenizer.post_processor = processors.TemplateProcessing(single="<bos> $A", pair="<bos> $A $B",
                                                              special_tokens=[("<bos>", 2)])
     return tokenizer
 
 
-def write_chat_checkpoint(path, canvas_length: int = 16, template_file: bool = False) -> str:
+def write_chat_checkpoint(path, canvas_length: int = 16, template_file: bool = False,
+                          byte_fallback: bool = False) -> str:
     """The checkpoint directory; the chat template goes in tokenizer_config.json, or in
-    chat_template.jinja when template_file is set."""
+    chat_template.jinja when template_file is set; byte_fallback: a Gemma-style tokenizer."""
     write_random_checkpoint(path, canvas_length=canvas_length, **MODEL_CONFIG)
-    train_tokenizer().save(os.path.join(path, "tokenizer.json"))
+    train_tokenizer(byte_fallback=byte_fallback).save(os.path.join(path, "tokenizer.json"))
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<bos>", "eos_token": "<eos>",
               "pad_token": "<pad>", "model_max_length": 4096}
     if template_file:

@@ -1,5 +1,6 @@
 """Tokenizer, chat template and incremental detokenization against transformers, on a BPE
 trained in the fixture; text prompts through LLM."""
+import random
 import re
 
 import pytest
@@ -22,9 +23,10 @@ TEXTS = ["Hello world", "café naïve Zürich", "東京は大きな都市です�
          "unseen, so byte by byte: 🦄鯨∑"]
 
 
-@pytest.fixture(scope="module", params=["tokenizer_config", "jinja_file"])
+@pytest.fixture(scope="module", params=["tokenizer_config", "jinja_file", "byte_fallback"])
 def checkpoint(request, tmp_path_factory):
-    return write_chat_checkpoint(tmp_path_factory.mktemp("chat"), template_file=request.param == "jinja_file")
+    return write_chat_checkpoint(tmp_path_factory.mktemp("chat"), template_file=request.param == "jinja_file",
+                                 byte_fallback=request.param == "byte_fallback")
 
 
 @pytest.mark.parametrize("conversation", CONVERSATIONS)
@@ -115,6 +117,28 @@ def test_incremental_detokenization_never_splits_a_character(checkpoint, chunk):
         pieces = [detokenizer.push(ids[i:i + chunk]) for i in range(0, len(ids), chunk)] + [detokenizer.finish()]
         assert all("\ufffd" not in p for p in pieces)
         assert "".join(pieces) == tokenizer.decode(ids) == text
+
+
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+def test_incremental_detokenization_of_random_tokens(checkpoint, skip_special_tokens):
+    """Any tokens, in any pieces, stream as the decode of them all: byte tokens that are no
+    valid UTF-8 (a byte-fallback run then decodes to one U+FFFD per byte, the valid characters
+    before the bad byte too), special tokens, ids past the vocabulary."""
+    tokenizer = Tokenizer(checkpoint)
+    vocab = tokenizer.vocab_size
+    byte_tokens = [i for i in range(vocab) if "\ufffd" in tokenizer.decode([i])]
+    pool = byte_tokens * 3 + list(range(vocab + 2))
+    rng = random.Random(0)
+    for _ in range(300):
+        ids = [rng.choice(pool) for _ in range(rng.randrange(1, 16))]
+        detokenizer = IncrementalDetokenizer(tokenizer, skip_special_tokens)
+        pieces, done = [], 0
+        while done < len(ids):
+            step = rng.randrange(1, 4)
+            pieces.append(detokenizer.push(ids[done:done + step]))
+            done += step
+        text = "".join(pieces) + detokenizer.finish()
+        assert text == tokenizer.decode_output(ids, skip_special_tokens=skip_special_tokens), ids
 
 
 def test_until_eos():

@@ -5,7 +5,9 @@ tokens (an emoji is four bytes), and some decoders treat a sequence's first toke
 specially (SentencePiece drops its leading space). So each step decodes a short window
 that starts a little before the new tokens, and emits only what the new tokens add to
 it; text whose last character is still incomplete (U+FFFD at the end) waits for the next
-tokens. The deltas concatenate to the decode of all the tokens.
+tokens, and so does text that ends in byte-fallback tokens (an invalid byte still to come
+makes the whole run U+FFFDs: Tokenizer.ends_in_byte_run). The deltas concatenate to the
+decode of all the tokens.
 """
 from __future__ import annotations
 
@@ -39,7 +41,8 @@ class IncrementalDetokenizer:
             return ""
         before = self._decode(self._prefix_start, self._read)
         after = self._decode(self._prefix_start, len(self._ids))
-        if not final and (len(after) <= len(before) or after.endswith(_INCOMPLETE)):
+        if not final and (len(after) <= len(before) or after.endswith(_INCOMPLETE)
+                          or self._tokenizer.ends_in_byte_run(self._ids, self._skip_special)):
             return ""
         self._prefix_start, self._read = self._read, len(self._ids)
         return after[len(before):]

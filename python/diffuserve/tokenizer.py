@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import stat
 from typing import Dict, List, Optional, Tuple
 
@@ -22,6 +23,8 @@ from .chat_template import ChatTemplate
 # Characters from which a text is encoded without holding the GIL (Tokenizer.encode): about
 # 30 ms of encoding at a few MB/s.
 _LONG_TEXT = 100_000
+# A byte-fallback token, as the ByteFallback decoder (SentencePiece-style tokenizers, Gemma's) recognises one.
+_BYTE_TOKEN = re.compile(r"<0x[0-9A-Fa-f]{2}>")
 _SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
 
 
@@ -89,6 +92,9 @@ class Tokenizer:
                 raise _core.CheckpointError(f"{config_file}: expected a JSON object, got {type(config).__name__}")
         self.special_tokens = {key: text for key in _SPECIAL_TOKEN_KEYS
                                if (text := _token_text(config.get(key))) is not None}
+        self._byte_ids = frozenset(i for token, i in self._tokenizer.get_vocab(with_added_tokens=False).items()
+                                   if _BYTE_TOKEN.fullmatch(token))
+        self._special_ids = frozenset(i for i, t in self._tokenizer.get_added_tokens_decoder().items() if t.special)
         template, self._named_templates = _read_chat_template(path, config)
         self.chat_template = ChatTemplate(template, self.special_tokens) if template else None
 
@@ -141,6 +147,17 @@ class Tokenizer:
         vocab_size = self.vocab_size
         ids = [int(i) for i in ids if i < vocab_size]
         return self._tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def ends_in_byte_run(self, ids, skip_special_tokens: bool = True) -> bool:
+        """Whether the last of `ids` that has text (skipped special tokens and ids past the
+        vocabulary have none) is a byte-fallback token. The decoder writes a run of those as
+        UTF-8 only when the whole run is valid, else one U+FFFD per byte: a token still to come
+        may turn the run's text, complete characters and all, into U+FFFDs."""
+        vocab_size = self.vocab_size
+        for i in reversed(ids):
+            if i < vocab_size and not (skip_special_tokens and i in self._special_ids):
+                return i in self._byte_ids
+        return False
 
     def apply_chat_template(self, messages: List[dict], add_generation_prompt: bool = True,
                             chat_template: Optional[str] = None, tokenize: bool = False, **variables) -> str:
