@@ -155,6 +155,29 @@ def test_stop_strings_across_pieces():
     assert not stops.stopped
 
 
+def test_stop_strings_cut_where_the_text_would_however_it_arrives(checkpoint):
+    """The cut is where text arriving character by character would stop (the stop string that
+    ends first, the longer of two ending together), whatever the pieces; it had depended on
+    them. A stop string whose characters arrive as byte tokens cuts exactly too."""
+    stops, text = ["abc", "b", "cab", "ca"], "xxabcab"
+    def stream(pieces):
+        stop_filter = StopStringFilter(stops)
+        return "".join(stop_filter.push(p) for p in pieces) + stop_filter.push("", final=True)
+    one_by_one = stream(text)
+    assert one_by_one == "xxa"  # "b" ends first ("abc", which starts before it, ends later)
+    rng = random.Random(0)
+    for _ in range(200):
+        cuts = sorted(rng.sample(range(1, len(text)), rng.randrange(len(text) - 1)))
+        assert stream([text[i:j] for i, j in zip([0] + cuts, cuts + [len(text)])]) == one_by_one
+    tokenizer = Tokenizer(checkpoint)
+    ids = tokenizer.encode(TEXTS[-1], add_special_tokens=False)  # 🦄 and 鯨 in byte tokens
+    for chunk in (1, 2, 3):
+        detokenizer, stop_filter = IncrementalDetokenizer(tokenizer), StopStringFilter(["鯨∑", "x"])
+        out = "".join(stop_filter.push(detokenizer.push(ids[i:i + chunk])) for i in range(0, len(ids), chunk))
+        out += stop_filter.push(detokenizer.finish(), final=True)
+        assert out == "unseen, so byte by byte: 🦄" and stop_filter.stopped
+
+
 def test_llm_text_prompts_and_output_text(checkpoint):
     llm = ds.LLM(checkpoint)
     params = ds.SamplingParams(max_new_tokens=24, seed=5)

@@ -4,6 +4,11 @@ Text arrives in pieces, and a stop string may straddle two pieces, so the last
 len(longest stop) - 1 characters are held back until the next piece shows whether they
 begin a stop string. A stop string never starts inside text already released, so the
 search starts where the released text ends.
+
+The text is cut before the stop string that ends first (of two ending together, the longer),
+where generation token by token would stop, however the text is split into pieces (cutting
+before the one that starts first did depend on it: of stops "abc" and "b", "ab" then "c"
+found "b", "abc" at once found "abc").
 """
 from __future__ import annotations
 
@@ -23,8 +28,9 @@ class StopStringFilter:
         if self.stopped:
             return ""
         self._text += piece
-        cut = min((i for s in self._stop if (i := self._text.find(s, self._released)) >= 0), default=-1)
-        if cut >= 0:
+        found = [(i + len(s), i) for s in self._stop if (i := self._text.find(s, self._released)) >= 0]
+        if found:
+            cut = min(found)[1]
             self._text = self._text[:cut]
             self.stopped = True
             end = cut
