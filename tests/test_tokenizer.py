@@ -86,6 +86,47 @@ def test_chat_template_argument_as_transformers(checkpoint, tmp_path):
         ours.apply_chat_template(conversation, tokenize=True)
 
 
+FIELDS_TEMPLATE = ("{% for m in messages %}[{{ m.role }} {{ m.name is defined }} {{ 'tool_calls' in m }} "
+                   "{{ m.reasoning_content }} {{ m.thinking }}]{% generation %}{{ m.content }}{% endgeneration %}"
+                   "{% endfor %}")
+
+
+@pytest.mark.parametrize("kwargs", [{"add_generation_prompt": False}, {"continue_final_message": True}])
+@pytest.mark.parametrize("template", [None, FIELDS_TEMPLATE])
+def test_chat_template_messages_as_transformers_passes_them(checkpoint, template, kwargs):
+    """As transformers: keys whose value is None are not there, reasoning reaches the template
+    as reasoning_content and thinking, {% generation %} renders its body, and
+    continue_final_message ends the text inside the final message (no end of turn); had
+    been: None values defined, reasoning under its own name only, a template that did not
+    compile, and continue_final_message a variable the template ignored."""
+    ours, theirs = Tokenizer(checkpoint), AutoTokenizer.from_pretrained(checkpoint)
+    conversation = [{"role": "user", "content": "Hi <start_of_turn>", "name": None, "tool_calls": None},
+                    {"role": "assistant", "content": "Partly ", "thinking": "hmm"}]
+    text = ours.apply_chat_template(conversation, chat_template=template, **kwargs)
+    assert text == theirs.apply_chat_template(conversation, chat_template=template, tokenize=False, **kwargs)
+    ids = theirs.apply_chat_template(conversation, chat_template=template, return_dict=False, **kwargs)
+    assert ours.encode(text, add_special_tokens=False) == list(ids)
+    if kwargs.get("continue_final_message"):
+        assert text.endswith("Partly" if template is None else "Partly ")
+        parts = [{**conversation[0], "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]
+        assert ours.apply_chat_template(parts, chat_template=template, **kwargs) == \
+            theirs.apply_chat_template(parts, chat_template=template, tokenize=False, **kwargs)
+
+
+def test_chat_template_arguments_refused(checkpoint):
+    tokenizer = Tokenizer(checkpoint)
+    with pytest.raises(ChatTemplateError, match="the conversation is empty"):
+        tokenizer.apply_chat_template([])
+    with pytest.raises(ChatTemplateError, match="continue_final_message and add_generation_prompt exclude each other"):
+        tokenizer.apply_chat_template(CONVERSATIONS[0], add_generation_prompt=True, continue_final_message=True)
+    with pytest.raises(ValueError, match="continue_final_message must be True or False, got 'content'"):
+        tokenizer.apply_chat_template(CONVERSATIONS[0], continue_final_message="content")
+    with pytest.raises(ChatTemplateError, match="the final message has no text to continue"):
+        tokenizer.apply_chat_template([{"role": "user", "content": [{"type": "image"}]}], continue_final_message=True)
+    with pytest.raises(ChatTemplateError, match="message 1 must be a dict, got str"):
+        tokenizer.apply_chat_template([CONVERSATIONS[0][0], "hi"])
+
+
 @pytest.mark.parametrize("bad", [-1, "vocab_size", 2**31, 2**64])
 def test_decode_refuses_ids_outside_the_vocabulary(checkpoint, bad):
     """decode names an id outside the vocabulary (the tokenizers library writes nothing for

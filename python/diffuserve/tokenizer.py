@@ -159,13 +159,14 @@ class Tokenizer:
                 return i in self._byte_ids
         return False
 
-    def apply_chat_template(self, messages: List[dict], add_generation_prompt: bool = True,
+    def apply_chat_template(self, messages: List[dict], add_generation_prompt: Optional[bool] = None,
                             chat_template: Optional[str] = None, tokenize: bool = False, **variables) -> str:
         """The prompt text of a conversation. Encode it with add_special_tokens=False: the
-        template writes the special tokens itself. As in transformers, chat_template is a Jinja
-        template, or the name of one of the checkpoint's named templates, to use instead of
-        its own; tokenize must be False (this returns the text); other variables reach the
-        template."""
+        template writes the special tokens itself. add_generation_prompt defaults to True (unless
+        continue_final_message=True, which ends the text inside the final message, as in
+        transformers). As in transformers, chat_template is a Jinja template, or the name of one
+        of the checkpoint's named templates, to use instead of its own; tokenize must be False
+        (this returns the text); other variables reach the template."""
         if tokenize is not False:
             raise ValueError(f"tokenize must be False (apply_chat_template returns the text; encode it with "
                              f"add_special_tokens=False), got {tokenize!r}")
