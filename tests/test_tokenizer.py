@@ -127,6 +127,24 @@ def test_chat_template_arguments_refused(checkpoint):
         tokenizer.apply_chat_template([CONVERSATIONS[0][0], "hi"])
 
 
+def test_chat_template_sees_the_named_special_tokens_transformers_passes(checkpoint, tmp_path):
+    """A model's own "..._token" keys (Gemma 3's boi_token) and the named extra_special_tokens
+    (which win) reach the template, as in transformers 5; only the standard seven had."""
+    import json
+    import shutil
+    path = shutil.copytree(checkpoint, tmp_path / "m")
+    (path / "chat_template.jinja").unlink(missing_ok=True)
+    config = json.loads((path / "tokenizer_config.json").read_text())
+    config.update(boi_token="<start_of_turn>", eoi_token={"__type": "AddedToken", "content": "<end_of_turn>"},
+                  extra_special_tokens={"image_token": "<pad>", "boi_token": "<eos>"},
+                  chat_template="{{ boi_token }}{{ eoi_token }}{{ image_token }}{{ messages[0].content }}")
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
+    ours, theirs = Tokenizer(path), AutoTokenizer.from_pretrained(path)
+    text = ours.apply_chat_template(CONVERSATIONS[0])
+    assert text == theirs.apply_chat_template(CONVERSATIONS[0], tokenize=False, add_generation_prompt=True)
+    assert text == "<eos><end_of_turn><pad>Hello!"
+
+
 @pytest.mark.parametrize("bad", [-1, "vocab_size", 2**31, 2**64])
 def test_decode_refuses_ids_outside_the_vocabulary(checkpoint, bad):
     """decode names an id outside the vocabulary (the tokenizers library writes nothing for

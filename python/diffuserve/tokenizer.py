@@ -25,7 +25,6 @@ from .chat_template import ChatTemplate
 _LONG_TEXT = 100_000
 # A byte-fallback token, as the ByteFallback decoder (SentencePiece-style tokenizers, Gemma's) recognises one.
 _BYTE_TOKEN = re.compile(r"<0x[0-9A-Fa-f]{2}>")
-_SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
 
 
 def _token_text(value) -> Optional[str]:
@@ -33,6 +32,16 @@ def _token_text(value) -> Optional[str]:
     if isinstance(value, dict):
         return value.get("content")
     return value if isinstance(value, str) else None
+
+
+def _named_special_tokens(config: dict) -> Dict[str, str]:
+    """The named special tokens of tokenizer_config.json, as transformers (5) reads them and its
+    chat templates see them: bos_token, eos_token, ..., a model's own "..._token" keys (Gemma 3's
+    boi_token, say), and the named ones of extra_special_tokens (which win over those keys)."""
+    named = {key: value for key, value in config.items() if key.endswith("_token")}
+    extra = config.get("extra_special_tokens")
+    named.update(extra if isinstance(extra, dict) else {})
+    return {key: text for key, value in named.items() if (text := _token_text(value)) is not None}
 
 
 def _present(file: str) -> bool:
@@ -90,8 +99,7 @@ class Tokenizer:
                 raise _core.CheckpointError(f"{config_file}: not a readable JSON file: {e}") from None
             if not isinstance(config, dict):
                 raise _core.CheckpointError(f"{config_file}: expected a JSON object, got {type(config).__name__}")
-        self.special_tokens = {key: text for key in _SPECIAL_TOKEN_KEYS
-                               if (text := _token_text(config.get(key))) is not None}
+        self.special_tokens = _named_special_tokens(config)
         self._byte_ids = frozenset(i for token, i in self._tokenizer.get_vocab(with_added_tokens=False).items()
                                    if _BYTE_TOKEN.fullmatch(token))
         self._special_ids = frozenset(i for i, t in self._tokenizer.get_added_tokens_decoder().items() if t.special)
