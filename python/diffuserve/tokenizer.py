@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import stat
 from typing import Dict, List, Optional, Tuple
 
@@ -23,8 +22,6 @@ from .chat_template import ChatTemplate
 # Characters from which a text is encoded without holding the GIL (Tokenizer.encode): about
 # 30 ms of encoding at a few MB/s.
 _LONG_TEXT = 100_000
-# A byte-fallback token, as the ByteFallback decoder (SentencePiece-style tokenizers, Gemma's) recognises one.
-_BYTE_TOKEN = re.compile(r"<0x[0-9A-Fa-f]{2}>")
 
 
 def _token_text(value) -> Optional[str]:
@@ -100,8 +97,9 @@ class Tokenizer:
             if not isinstance(config, dict):
                 raise _core.CheckpointError(f"{config_file}: expected a JSON object, got {type(config).__name__}")
         self.special_tokens = _named_special_tokens(config)
-        self._byte_ids = frozenset(i for token, i in self._tokenizer.get_vocab(with_added_tokens=False).items()
-                                   if _BYTE_TOKEN.fullmatch(token))
+        # Byte-fallback tokens (SentencePiece-style tokenizers, Gemma's): <0x00> ... <0xFF>.
+        byte_ids = (self._tokenizer.token_to_id(f"<0x{b:02X}>") for b in range(256))
+        self._byte_ids = frozenset(i for i in byte_ids if i is not None)
         self._special_ids = frozenset(i for i, t in self._tokenizer.get_added_tokens_decoder().items() if t.special)
         template, self._named_templates = _read_chat_template(path, config)
         self.chat_template = ChatTemplate(template, self.special_tokens) if template else None
