@@ -12,6 +12,7 @@ SPECIAL_TOKENS = ["<pad>", "<eos>", "<bos>", "<start_of_turn>", "<end_of_turn>"]
                                                                                   # the model config
 CHAT_TEMPLATE = (
     "{{ bos_token }}"
+    "{% if enable_thinking %}<start_of_turn>system\nThink first.<end_of_turn>\n{% endif %}"
     "{% for message in messages %}"
     "{% if message['role'] == 'assistant' %}{% set role = 'model' %}{% else %}{% set role = message['role'] %}{% endif %}"
     "{% if role not in ['system', 'user', 'model'] %}{{ raise_exception('unknown role: ' + message['role']) }}{% endif %}"

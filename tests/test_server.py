@@ -202,6 +202,13 @@ def test_draft_streaming(base_url):
     # More choices (prompts times n) than MAX_CHOICES: 128,000 had kept /health waiting 21 s.
     ("completions", {"model": MODEL, "prompt": [[5]] * (MAX_CHOICES // 128 + 1), "n": 128}, 400, "prompt",
      "invalid_value"),
+    # The chat template's controls: exclusive, and not to be set through the template's variables.
+    ("chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+                          "continue_final_message": True, "add_generation_prompt": True}, 400,
+     "continue_final_message", None),
+    ("chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+                          "chat_template_kwargs": {"messages": []}}, 400, "chat_template_kwargs", "invalid_value"),
+    ("completions", {"model": MODEL, "prompt": "x", "seed": -2**63 - 1}, 400, "seed", "invalid_value"),
     # user is OpenAI's string (a dict or a number had been accepted).
     ("completions", {"model": MODEL, "prompt": "x", "user": {"id": 1}}, 400, "user", "invalid_value"),
     ("chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "user": 5}, 400, "user",
@@ -251,6 +258,40 @@ def test_null_and_no_op_parameters_are_accepted(client):
         client.chat.completions.create(model=MODEL, messages=messages, response_format={"type": "json_object"})
     with pytest.raises(openai.BadRequestError, match="best_of"):
         client.completions.create(model=MODEL, prompt="x", best_of=2)
+
+
+def test_chat_template_controls(client, offline):
+    """vLLM's chat template parameters: continue_final_message (the prompt ends inside the final
+    message, which the model goes on with), add_generation_prompt, and chat_template_kwargs (the
+    template's own variables: this one's enable_thinking)."""
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello, I"}]
+
+    def expected(**options):  # offline generation from the prompt transformers' options make
+        text = offline.tokenizer.apply_chat_template(messages, **options)
+        ids = offline.tokenizer.encode(text, add_special_tokens=False)
+        return offline.generate([ids], ds.SamplingParams(max_new_tokens=8, seed=3))[0]
+
+    for options in ({"continue_final_message": True}, {"add_generation_prompt": False},
+                    {"chat_template_kwargs": {"enable_thinking": True}}, {}):
+        out = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, seed=3, extra_body=options)
+        want = expected(**options.get("chat_template_kwargs", options))
+        assert out.choices[0].message.content == want.text, options
+        assert out.usage.prompt_tokens == len(want.prompt_token_ids), options
+    lengths = {len(expected(**options).prompt_token_ids) for options in (
+        {"continue_final_message": True}, {"add_generation_prompt": False}, {"enable_thinking": True}, {})}
+    assert len(lengths) == 4  # each option changed the prompt
+
+
+def test_negative_seed_and_null_stream_options(client):
+    """OpenAI's seed is a signed 64-bit integer: -1 is 2**64 - 1 (it had been refused); and
+    stream_options' include_usage as null is not given, as at the top level."""
+    def text(seed):
+        return client.completions.create(model=MODEL, prompt="Hi", max_tokens=8, seed=seed).choices[0].text
+
+    assert text(-1) == text(2**64 - 1)
+    chunks = list(client.completions.create(model=MODEL, prompt="Hi", max_tokens=8, seed=1, stream=True,
+                                            stream_options={"include_usage": None}))
+    assert all(c.usage is None for c in chunks)
 
 
 def test_developer_messages(client):

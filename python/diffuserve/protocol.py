@@ -59,7 +59,7 @@ class _Strict(BaseModel):
 
 
 class StreamOptions(_Strict):
-    include_usage: bool = False
+    include_usage: Optional[bool] = None  # null: not given, as at the top level
 
 
 class _GenerationRequest(_Strict):
@@ -68,7 +68,8 @@ class _GenerationRequest(_Strict):
     model: str
     max_tokens: Optional[int] = Field(None, ge=1)
     temperature: Optional[float] = Field(None, ge=0, le=2)
-    seed: Optional[int] = Field(None, ge=0, lt=2**64)
+    # OpenAI's seed is a signed 64-bit integer: a negative one is taken modulo 2**64.
+    seed: Optional[int] = Field(None, ge=-2**63, lt=2**64)
     stop: Union[str, List[str], None] = Field(None)
     n: int = Field(1, ge=1, le=128)
     stream: bool = False
@@ -163,6 +164,13 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(_GenerationRequest):
     messages: List[ChatMessage] = Field(min_length=1)
     max_completion_tokens: Optional[int] = Field(None, ge=1)
+    # vLLM's chat template controls: the prompt ends with a new assistant turn's header (the
+    # default), or with continue_final_message inside the final message, for the model to go on
+    # with it (a prefilled answer); chat_template_kwargs reach the template as variables (a
+    # Gemma template's enable_thinking).
+    add_generation_prompt: Optional[bool] = None
+    continue_final_message: bool = False
+    chat_template_kwargs: Optional[Dict[str, Any]] = None
 
     def max_new_tokens(self) -> Optional[int]:
         if self.max_tokens is not None and self.max_completion_tokens is not None:
@@ -172,6 +180,20 @@ class ChatCompletionRequest(_GenerationRequest):
     def parameter_names(self) -> Dict[str, str]:
         return {"max_new_tokens": "max_tokens" if self.max_completion_tokens is None else "max_completion_tokens",
                 "prompt": "messages"}
+
+    def template_options(self) -> Dict[str, Any]:
+        """apply_chat_template's keyword arguments beside the conversation."""
+        if self.continue_final_message and self.add_generation_prompt:
+            raise ApiError(400, "continue_final_message and add_generation_prompt exclude each other: the one "
+                           "continues the final message, the other starts a new one", param="continue_final_message")
+        variables = self.chat_template_kwargs or {}
+        taken = sorted(set(variables) & _TEMPLATE_ARGUMENTS)
+        if taken:
+            raise ApiError(400, f"chat_template_kwargs may not set {', '.join(taken)}: give "
+                           "add_generation_prompt and continue_final_message as parameters of their own",
+                           param="chat_template_kwargs", code="invalid_value")
+        return {**variables, "add_generation_prompt": self.add_generation_prompt,
+                "continue_final_message": self.continue_final_message}
 
     def conversation(self, template_names_developer: bool = True) -> List[dict]:
         """The messages as the chat template sees them: content as one string (text parts
@@ -202,6 +224,11 @@ class ChatCompletionRequest(_GenerationRequest):
             role = "system" if message.role == "developer" and not template_names_developer else message.role
             out.append({**message.model_dump(), "role": role, "content": content})
         return out
+
+
+# apply_chat_template's own parameters, which chat_template_kwargs may not set (the template
+# could otherwise be swapped, or the messages replaced).
+_TEMPLATE_ARGUMENTS = {"messages", "add_generation_prompt", "continue_final_message", "chat_template", "tokenize"}
 
 
 def _check_unicode(text: str, param: str):

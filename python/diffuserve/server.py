@@ -168,7 +168,7 @@ class _Server:
                 await choice.close()
             raise failed
         if body.stream:
-            include_usage = body.stream_options is not None and body.stream_options.include_usage
+            include_usage = body.stream_options is not None and bool(body.stream_options.include_usage)
             return StreamingResponse(self._sse(choices, fmt, usage, include_usage), media_type="text/event-stream")
         await _unless_disconnected(request, _drain(_merged(choices)))
         return fmt.response([(c.index, c.text, c.finish_reason) for c in choices], usage.body())
@@ -416,7 +416,7 @@ def build_app(engine: AsyncLLM, model_name: str, api_key: Optional[str] = None) 
         server.check_model(body.model)
         try:
             text = server.tokenizer.apply_chat_template(body.conversation(server.template_names_developer),
-                                                      add_generation_prompt=True)
+                                                      **body.template_options())
         except ChatTemplateError as e:
             raise ApiError(400, str(e), param="messages") from None
         except ValueError as e:  # no chat template
