@@ -208,6 +208,9 @@ def test_draft_streaming(base_url):
      "continue_final_message", None),
     ("chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
                           "chat_template_kwargs": {"messages": []}}, 400, "chat_template_kwargs", "invalid_value"),
+    # Tools that are no list of JSON schemas: the template's inputs, refused as it renders (not a 500).
+    ("chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+                          "chat_template_kwargs": {"tools": "x"}}, 400, "messages", None),
     ("completions", {"model": MODEL, "prompt": "x", "seed": -2**63 - 1}, 400, "seed", "invalid_value"),
     # user is OpenAI's string (a dict or a number had been accepted).
     ("completions", {"model": MODEL, "prompt": "x", "user": {"id": 1}}, 400, "user", "invalid_value"),

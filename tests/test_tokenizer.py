@@ -119,8 +119,9 @@ def test_chat_template_arguments_refused(checkpoint):
         tokenizer.apply_chat_template([])
     with pytest.raises(ChatTemplateError, match="continue_final_message and add_generation_prompt exclude each other"):
         tokenizer.apply_chat_template(CONVERSATIONS[0], add_generation_prompt=True, continue_final_message=True)
-    with pytest.raises(ValueError, match="continue_final_message must be True or False, got 'content'"):
-        tokenizer.apply_chat_template(CONVERSATIONS[0], continue_final_message="content")
+    with pytest.raises(ChatTemplateError, match="continue_final_message must be True, False or the name of the final "
+                                                "message's field to continue, got 1"):
+        tokenizer.apply_chat_template(CONVERSATIONS[0], continue_final_message=1)
     with pytest.raises(ChatTemplateError, match="the final message has no text to continue"):
         tokenizer.apply_chat_template([{"role": "user", "content": [{"type": "image"}]}], continue_final_message=True)
     with pytest.raises(ChatTemplateError, match="message 1 must be a dict, got str"):
@@ -270,3 +271,185 @@ def test_unreadable_tokenizer_files_name_the_file(tmp_path, name, content):
         f.write(content)
     with pytest.raises(ds.CheckpointError, match=re.escape(f"{path}/{name}")):
         Tokenizer.from_checkpoint(path)
+
+
+def _edited_copy(checkpoint, tmp_path, **config_changes):
+    """A copy of the checkpoint without chat_template.jinja, its tokenizer_config.json updated."""
+    import json
+    import shutil
+    path = shutil.copytree(checkpoint, tmp_path / "m")
+    own = (path / "chat_template.jinja").read_text() if (path / "chat_template.jinja").exists() else None
+    (path / "chat_template.jinja").unlink(missing_ok=True)
+    config = json.loads((path / "tokenizer_config.json").read_text())
+    config.setdefault("chat_template", own)
+    config.update(config_changes)
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
+    return path
+
+
+def test_chat_templates_chosen_as_transformers_chooses(checkpoint, tmp_path):
+    """The named templates of tokenizer_config.json and of additional_chat_templates/*.jinja:
+    "tool_use" where tools are given, else "default"; files win over the config; an empty
+    template renders "" and a template given as a dict by name is read (both had been "no
+    chat template"; the tool_use template and the folder had not been read)."""
+    path = _edited_copy(checkpoint, tmp_path, chat_template=[
+        {"name": "default", "template": "D{{ messages | length }}"},
+        {"name": "tool_use", "template": "T{{ tools | tojson }}"}])
+    conversation = CONVERSATIONS[0]
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
+
+    def same(**kwargs):
+        ours, theirs = Tokenizer(path), AutoTokenizer.from_pretrained(path)
+        text = ours.apply_chat_template(conversation, **kwargs)
+        assert text == theirs.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True, **kwargs)
+        return text
+
+    assert same() == "D1" and same(tools=tools) == 'T[{"type": "function", "function": {"name": "f", "parameters": {}}}]'
+    assert same(tools=[]) == "T[]" and same(chat_template="default", tools=tools) == "D1"
+    (path / "chat_template.jinja").write_text("J{{ messages[0].content }}")
+    (path / "additional_chat_templates").mkdir()
+    (path / "additional_chat_templates" / "rag.jinja").write_text("R{{ documents | length }}")
+    assert same() == "JHello!" and same(chat_template="rag", documents=[{"title": "a", "text": "b"}]) == "R1"
+    assert same(tools=tools) == "JHello!" and same(chat_template="tool_use") == "tool_use"  # the config's are gone
+    (path / "chat_template.jinja").write_text("")
+    assert same() == ""
+    (path / "chat_template.jinja").unlink()
+    assert same(chat_template="rag", documents=[]) == "R0"
+    with pytest.raises(ValueError, match=r"several chat templates and none named 'default'.*\['rag'\]"):
+        Tokenizer(path).apply_chat_template(conversation)
+
+
+def test_chat_template_that_does_not_compile_fails_where_it_is_used(checkpoint, tmp_path):
+    """The tokenizer loads and encodes (completions work); apply_chat_template names the fault."""
+    path = _edited_copy(checkpoint, tmp_path, chat_template="{% for m in messages %}{{ m.content }")
+    tokenizer = Tokenizer(path)
+    assert tokenizer.encode("Hello") == AutoTokenizer.from_pretrained(path).encode("Hello")
+    with pytest.raises(ChatTemplateError, match="the chat template does not compile"):
+        tokenizer.apply_chat_template(CONVERSATIONS[0])
+
+
+def test_chat_template_sees_plain_data_as_transformers_passes_it(checkpoint):
+    """A Python object reaches the template as "<TypeName>" (its attributes had been readable),
+    a dataclass message as a dict; namespace refuses underscore names; a Python error inside
+    the template (a number added to a string) is a ChatTemplateError, as its own refusals are;
+    tools and documents are lists of dicts."""
+    import dataclasses
+
+    class Secret:
+        key = "S"
+
+    @dataclasses.dataclass
+    class Message:
+        role: str
+        content: str
+
+    ours, theirs = Tokenizer(checkpoint), AutoTokenizer.from_pretrained(checkpoint)
+    for template, kwargs in [("{{ o.key }}|{{ o }}", {"o": Secret()}), ("{{ d }}", {"d": {"k": (1, 2.5)}}),
+                             ("{% set ns = namespace(x=1) %}{% set ns.x = 2 %}{{ ns.x }}{{ dict(a=1) }}", {})]:
+        assert ours.apply_chat_template(CONVERSATIONS[0], chat_template=template, **kwargs) == \
+            theirs.apply_chat_template(CONVERSATIONS[0], chat_template=template, tokenize=False, **kwargs)
+    assert ours.apply_chat_template([Message("user", "Hello!")]) == ours.apply_chat_template(CONVERSATIONS[0])
+    with pytest.raises(ChatTemplateError, match="may not store the underscore name '_x' on a namespace"):
+        ours.apply_chat_template(CONVERSATIONS[0], chat_template="{% set ns = namespace(_x=1) %}")
+    with pytest.raises(ChatTemplateError, match=r"the chat template failed: TypeError: can only concatenate str"):
+        ours.apply_chat_template(CONVERSATIONS[0], chat_template="{{ 'a' + n }}", n=5)
+    with pytest.raises(ChatTemplateError, match=r"tools\[0\] must be a JSON schema \(a dict\), got function \(a "
+                                                r"Python function is not turned into its schema here"):
+        ours.apply_chat_template(CONVERSATIONS[0], tools=[test_until_eos])
+    with pytest.raises(ChatTemplateError, match=r"documents must be a list of dicts \(each a document\), got str"):
+        ours.apply_chat_template(CONVERSATIONS[0], documents="text")
+
+
+def test_continue_final_message_checked_as_transformers_checks_it(checkpoint):
+    """The final message must appear in the text as given (a template that changes it cannot
+    have the prompt end inside it: had ended wherever the tag was), and the template must read
+    the field continued; a field's name continues that field."""
+    ours, theirs = Tokenizer(checkpoint), AutoTokenizer.from_pretrained(checkpoint)
+    conversation = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Go", "reasoning": "th"}]
+    for template in ("{{ messages[-1].content | upper }}", "{{ messages | length }}"):
+        with pytest.raises(ValueError):
+            theirs.apply_chat_template(conversation, chat_template=template, continue_final_message=True, tokenize=False)
+        with pytest.raises(ChatTemplateError, match="continue_final_message: the chat template"):
+            ours.apply_chat_template(conversation, chat_template=template, continue_final_message=True)
+    template = "{% for m in messages %}<{{ m.reasoning_content }}|{{ m.content }}>{% endfor %}"
+    for field in (True, "reasoning_content", "reasoning"):
+        assert ours.apply_chat_template(conversation, chat_template=template, continue_final_message=field) == \
+            theirs.apply_chat_template(conversation, chat_template=template, continue_final_message=field,
+                                       tokenize=False)
+
+
+def test_special_tokens_that_tokenizer_json_lacks_are_added(checkpoint, tmp_path):
+    """Special tokens named in tokenizer_config.json (an eos_token, extra_special_tokens) and its
+    added_tokens_decoder entries that tokenizer.json lacks are added after its vocabulary, as
+    transformers adds them (they had been no tokens at all: the eos id None, the text split)."""
+    path = _edited_copy(checkpoint, tmp_path, eos_token="<EOS_NEW>", extra_special_tokens=["<image>"],
+                        added_tokens_decoder={"9000": {"content": "<tool>", "special": False}})
+    ours, theirs = Tokenizer(path), AutoTokenizer.from_pretrained(path)
+    assert ours.vocab_size == len(theirs) and ours.eos_token_id == theirs.eos_token_id is not None
+    text = "a<EOS_NEW> b<image><tool>c <eos>"
+    for special in (True, False):
+        assert ours.encode(text, add_special_tokens=special) == theirs.encode(text, add_special_tokens=special)
+    ids = theirs.encode(text)
+    for skip in (True, False):
+        assert ours.decode(ids, skip_special_tokens=skip) == theirs.decode(ids, skip_special_tokens=skip)
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"eos_token": 5}, "eos_token must be a string or an AddedToken object"),
+    ({"extra_special_tokens": "oops"}, "extra_special_tokens must be a list of tokens or an object of named ones"),
+    ({"chat_template": 5}, "chat_template must be a template"),
+    ({"chat_template": [{"name": "default"}]}, r"chat_template\[0\] must be an object with a string 'name' and "
+                                               "'template'"),
+    ({"added_tokens_decoder": {"x": "<a>"}}, "added_tokens_decoder: 'x' is not a token id")])
+def test_malformed_tokenizer_config_values_name_the_file(checkpoint, tmp_path, changes, message):
+    path = _edited_copy(checkpoint, tmp_path, **changes)
+    with pytest.raises(ds.CheckpointError, match=re.escape(str(path / "tokenizer_config.json")) + ": " + message):
+        Tokenizer(path)
+
+
+def test_tokenizer_json_that_fails_to_run_is_a_checkpoint_error(checkpoint, tmp_path):
+    """A post-processor naming a token it does not list panics inside the tokenizers library on
+    every encode (a BaseException that `except Exception` misses): a CheckpointError at load."""
+    import json
+    import shutil
+    path = shutil.copytree(checkpoint, tmp_path / "m")
+    spec = json.loads((path / "tokenizer.json").read_text())
+    spec["post_processor"] = {"type": "TemplateProcessing", "single": [{"SpecialToken": {"id": "<x>", "type_id": 0}},
+                                                                      {"Sequence": {"id": "A", "type_id": 0}}],
+                              "pair": [{"Sequence": {"id": "A", "type_id": 0}}], "special_tokens": {}}
+    (path / "tokenizer.json").write_text(json.dumps(spec))
+    with pytest.raises(ds.CheckpointError, match=re.escape(str(path / "tokenizer.json")) + ": the tokenizer fails"):
+        Tokenizer(path)
+
+
+def test_clean_up_tokenization_spaces_as_transformers(tmp_path):
+    """A WordPiece checkpoint with clean_up_tokenization_spaces: decoding drops the spaces before
+    punctuation and contractions as transformers does (BPE checkpoints are left alone, as
+    there), in whole decodes and in streams, however the tokens arrive."""
+    import json
+    from tokenizers import Tokenizer as HFTokenizer, decoders, models, pre_tokenizers, trainers
+    tokenizer = HFTokenizer(models.WordPiece(unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tokenizer.decoder = decoders.WordPiece()
+    corpus = ["hello , world . don't you ' re fine ? yes ! we 've it 's i 'm n't"] * 10
+    tokenizer.train_from_iterator(corpus, trainers.WordPieceTrainer(vocab_size=200, special_tokens=["[UNK]"],
+                                                                    show_progress=False))
+    tokenizer.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"clean_up_tokenization_spaces": True,
+                                                                "unk_token": "[UNK]"}))
+    ours, theirs = Tokenizer(tmp_path), AutoTokenizer.from_pretrained(tmp_path)
+    assert ours.clean_up_tokenization_spaces
+    rng = random.Random(0)
+    words = corpus[0].split() + ["a"]
+    for _ in range(100):
+        ids = ours.encode(" ".join(rng.choice(words) for _ in range(rng.randrange(1, 30))))
+        text = theirs.decode(ids, skip_special_tokens=True)
+        assert ours.decode(ids) == ours.decode_output(ids) == text
+        detokenizer, pieces, done = IncrementalDetokenizer(ours), [], 0
+        while done < len(ids):
+            step = rng.randrange(1, 4)
+            pieces.append(detokenizer.push(ids[done:done + step]))
+            done += step
+        assert "".join(pieces) + detokenizer.finish() == text
+    assert ours.decode(ids, clean_up_tokenization_spaces=False) == \
+        theirs.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)

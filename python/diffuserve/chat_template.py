@@ -4,21 +4,25 @@ model was trained on.
 
 Like transformers: a sandboxed environment with trim_blocks and lstrip_blocks, the
 loopcontrols extension, the `{% generation %}` tag, a `tojson` filter that does not escape
-HTML, and the globals `raise_exception` and `strftime_now`. The template sees `messages`
-(as transformers passes them: keys whose value is None dropped, reasoning under all its
-names), `add_generation_prompt` and the tokenizer's special tokens (`bos_token`, ...).
+HTML, the globals `raise_exception` and `strftime_now`, and `namespace` and `dict` that
+cannot reach Python's internals. The template sees `messages` (as transformers passes them:
+keys whose value is None dropped, reasoning under all its names), `tools`, `documents`,
+`add_generation_prompt` and the tokenizer's special tokens (`bos_token`, ...); everything it
+sees is rebuilt from plain JSON-like data first (a Python object's attributes stay out of
+its reach: it sees "<TypeName>").
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 from datetime import datetime
-from typing import List, Mapping, Optional
+from typing import Any, List, Mapping, Optional, Union
 
 import jinja2
 import jinja2.ext
+import jinja2.utils
+import numpy as np
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-from ._checks import check_bool
 
 
 class ChatTemplateError(ValueError):
@@ -51,20 +55,79 @@ class _GenerationTag(jinja2.ext.Extension):
         return caller()
 
 
+class _Dict:
+    """The template's `dict`: builds dicts, and is not the dict type (whose attributes lead out)."""
+
+    def __call__(self, *args, **kwargs):
+        return dict(*args, **kwargs)
+
+    def fromkeys(self, *args, **kwargs):
+        return dict.fromkeys(*args, **kwargs)
+
+
+class _Namespace(jinja2.utils.Namespace):
+    """The template's `namespace`, refusing underscore names (a way to CPython's internals)."""
+
+    def __init__(*args, **kwargs):  # (jinja2's signature: `namespace(self=...)` stays a field)
+        self, args = args[0], args[1:]
+        attrs = dict(*args, **kwargs)
+        for name in attrs:
+            _Namespace._check_name(name)
+        jinja2.utils.Namespace.__init__(self, attrs)
+
+    def __setitem__(self, name, value):
+        _Namespace._check_name(name)
+        jinja2.utils.Namespace.__setitem__(self, name, value)
+
+    @staticmethod
+    def _check_name(name):
+        if isinstance(name, str) and name.startswith("_"):
+            raise ChatTemplateError(f"the chat template may not store the underscore name {name!r} on a namespace")
+
+
+def _plain(value: Any) -> Any:
+    """`value` rebuilt from JSON-like types, as transformers does before the template sees it:
+    dataclasses and pydantic models as dicts, subclasses of str / int / float as the base
+    type, numpy scalars as Python ones, anything else as the placeholder "<TypeName>"."""
+    if value is None or type(value) in (str, int, float, bool):
+        return value
+    if isinstance(value, str):
+        return str.__str__(value)
+    if isinstance(value, int):
+        return int.__int__(value)
+    if isinstance(value, float):
+        return float.__float__(value)
+    if isinstance(value, Mapping):
+        return {_plain(key): _plain(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_plain(item) for item in value]
+    if isinstance(value, tuple):
+        return tuple(_plain(item) for item in value)
+    if isinstance(value, np.generic):
+        return _plain(value.item())
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {field.name: _plain(getattr(value, field.name)) for field in dataclasses.fields(value)}
+    if callable(getattr(value, "model_dump", None)):  # pydantic models (the openai client's messages)
+        return _plain(value.model_dump())
+    return f"<{type(value).__name__}>"
+
+
 # Names a message's reasoning goes by: transformers passes it under the first two whichever was given.
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 # What transformers appends to the final message's content to find where it ends in the text.
 _CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
 
 
-def _template_messages(messages: List[dict]) -> List[dict]:
-    """Copies of the messages as transformers passes them: without the keys whose value is None
-    (templates test whether a key is there: {"tool_calls": None} is none), and reasoning under
-    any of its names also as reasoning_content and thinking."""
+def _template_messages(messages) -> List[dict]:
+    """The messages as transformers passes them: plain data (_plain), without the keys whose
+    value is None (templates test whether a key is there: {"tool_calls": None} is none), and
+    reasoning under any of its names also as reasoning_content and thinking."""
+    if not isinstance(messages, (list, tuple)):
+        raise ChatTemplateError(f"messages must be a list of dicts, got {type(messages).__name__}")
     out = []
-    for i, message in enumerate(messages):
-        if not isinstance(message, Mapping):
-            raise ChatTemplateError(f"message {i} must be a dict, got {type(message).__name__}")
+    for i, message in enumerate(_plain(list(messages))):
+        if not isinstance(message, dict):
+            raise ChatTemplateError(f"message {i} must be a dict, got {type(messages[i]).__name__}")
         message = {key: value for key, value in message.items() if value is not None}
         reasoning = next((message[key] for key in _REASONING_FIELDS if key in message), None)
         if reasoning is not None:
@@ -73,17 +136,45 @@ def _template_messages(messages: List[dict]) -> List[dict]:
     return out
 
 
-def _tagged(content):
-    """A final message's content with _CONTINUE_TAG after its text (a list's last text part),
-    as transformers marks it; None when it has no text."""
-    if isinstance(content, str):
-        return content + _CONTINUE_TAG
-    if isinstance(content, list):
-        for i in reversed(range(len(content))):
-            part = content[i]
-            if isinstance(part, Mapping) and isinstance(part.get("text"), str):
-                return content[:i] + [{**part, "text": part["text"] + _CONTINUE_TAG}] + content[i + 1:]
-    return None
+def _list_of_dicts(name: str, value, what: str) -> Optional[list]:
+    """tools or documents: None, or a list of dicts (plain data); `what` names one."""
+    if value is None:
+        return None
+    if not isinstance(value, (list, tuple)):
+        raise ChatTemplateError(f"{name} must be a list of dicts (each {what}), got {type(value).__name__}")
+    for i, item in enumerate(value):
+        if not isinstance(item, Mapping):
+            hint = " (a Python function is not turned into its schema here: pass the schema)" if callable(item) else ""
+            raise ChatTemplateError(f"{name}[{i}] must be {what} (a dict), got {type(item).__name__}{hint}")
+    return _plain(list(value))
+
+
+def _tag_final_message(message: dict, field: str, source: str) -> str:
+    """Appends _CONTINUE_TAG to the final message's text in `field` (a list's last text part),
+    as transformers marks it, and returns that text."""
+    text = message.get(field)
+    if text is None:
+        raise ChatTemplateError(f"continue_final_message: the final message has no {field!r} to continue")
+    fields = [field]
+    if field in _REASONING_FIELDS:  # reasoning goes under several names: tag each, whichever the template reads
+        fields = [f for f in _REASONING_FIELDS if message.get(f) == text]
+    if not any(f in source for f in fields):
+        raise ChatTemplateError(f"continue_final_message: the chat template does not read the final message's "
+                                f"{field!r}")
+    if isinstance(text, (list, tuple)):
+        parts = list(text)
+        for i in reversed(range(len(parts))):
+            if isinstance(parts[i], dict) and isinstance(parts[i].get("text"), str):
+                text = parts[i]["text"]
+                parts[i] = {**parts[i], "text": text + _CONTINUE_TAG}
+                message[field] = parts
+                return text
+        raise ChatTemplateError("continue_final_message: the final message has no text to continue")
+    if not isinstance(text, str):
+        raise ChatTemplateError(f"continue_final_message: the final message's {field!r} is not text")
+    for f in fields:
+        message[f] = text + _CONTINUE_TAG
+    return text
 
 
 class ChatTemplate:
@@ -91,8 +182,8 @@ class ChatTemplate:
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
                                             extensions=[_GenerationTag, jinja2.ext.loopcontrols])
         env.filters["tojson"] = _tojson
-        env.globals["raise_exception"] = _raise_exception
-        env.globals["strftime_now"] = _strftime_now
+        env.globals.update(raise_exception=_raise_exception, strftime_now=_strftime_now, dict=_Dict(),
+                           namespace=_Namespace)
         try:
             self._template = env.from_string(source)
         except jinja2.TemplateError as e:
@@ -101,38 +192,47 @@ class ChatTemplate:
         self._special_tokens = dict(special_tokens)
 
     def render(self, messages: List[dict], add_generation_prompt: Optional[bool] = None,
-               continue_final_message: bool = False, **variables) -> str:
+               continue_final_message: Union[bool, str] = False, tools=None, documents=None,
+               **variables) -> str:
         """The prompt text for a conversation; `variables` reach the template as globals
-        (e.g. tools=..., or a template's own switches). add_generation_prompt (default: True
-        unless continue_final_message) ends the text with the header of a new assistant turn;
-        continue_final_message, as in transformers, ends it where the final message's content
-        does (no end of turn after it), for the model to continue that message."""
+        (a template's own switches). tools (JSON schemas) and documents are lists of dicts.
+        add_generation_prompt (default: True unless continue_final_message) ends the text with
+        the header of a new assistant turn; continue_final_message, as in transformers, ends it
+        where the final message's content does (no end of turn after it), for the model to
+        continue that message; a field's name instead of True continues that field (a
+        message's "reasoning_content", say)."""
         messages = _template_messages(messages)
         if not messages:
             raise ChatTemplateError("the conversation is empty: give at least one message")
-        continue_final_message = check_bool("continue_final_message", continue_final_message)
+        if not isinstance(continue_final_message, (bool, str)):
+            raise ChatTemplateError(f"continue_final_message must be True, False or the name of the final message's "
+                                    f"field to continue, got {continue_final_message!r}")
         if add_generation_prompt is None:
             add_generation_prompt = not continue_final_message
+        final_text = None
         if continue_final_message:
             if add_generation_prompt:
                 raise ChatTemplateError("continue_final_message and add_generation_prompt exclude each other: "
                                         "the one continues the final message, the other starts a new one")
-            messages[-1]["content"] = _tagged(messages[-1].get("content"))
-            if messages[-1]["content"] is None:
-                raise ChatTemplateError("continue_final_message: the final message has no text to continue")
+            field = continue_final_message if isinstance(continue_final_message, str) else "content"
+            final_text = _tag_final_message(messages[-1], field, self.source)
+        tools = _list_of_dicts("tools", tools, "a JSON schema")
+        documents = _list_of_dicts("documents", documents, "a document")
         try:
-            # tools and documents default to None (defined), as transformers passes them.
             text = self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                         **{"tools": None, "documents": None, **self._special_tokens, **variables})
+                                         tools=tools, documents=documents,
+                                         **{**self._special_tokens, **_plain(variables)})
         except ChatTemplateError:
             raise
         except jinja2.TemplateError as e:
             raise ChatTemplateError(f"the chat template failed: {e}") from None
-        if continue_final_message:
+        except Exception as e:  # the template's own Python errors (a number where it adds strings, ...)
+            raise ChatTemplateError(f"the chat template failed: {type(e).__name__}: {e}") from None
+        if final_text is not None:
             end = text.rfind(_CONTINUE_TAG.strip())
-            if end < 0:
+            if end < 0 or final_text.strip() not in text:
                 raise ChatTemplateError("continue_final_message: the chat template does not write the final "
-                                        "message's content")
+                                        "message's text as it is, so the prompt cannot end inside it")
             # As transformers: a template that trims the content trimmed the tag's space, and the content's.
             text = text[:end] if text.startswith(_CONTINUE_TAG, end) else text[:end].rstrip()
         return text

@@ -8,12 +8,20 @@ it; text whose last character is still incomplete (U+FFFD at the end) waits for 
 tokens, and so does text that ends in byte-fallback tokens (an invalid byte still to come
 makes the whole run U+FFFDs: Tokenizer.ends_in_byte_run). The deltas concatenate to the
 decode of all the tokens.
+
+A checkpoint whose decoding cleans up spaces (Tokenizer.clean_up_tokenization_spaces: " ."
+to ".", ...) has that done over the whole text so far, and its last _CLEAN_UP_HOLD characters
+wait: text still to come can only change the clean-up's last few characters (each of its ten
+replacements matches at most 4 characters, scanning left to right).
 """
 from __future__ import annotations
 
 from typing import Iterable, List
 
+from .tokenizer import clean_up_tokenization
+
 _INCOMPLETE = "\ufffd"  # what a decoder writes for bytes that are not (yet) a whole character
+_CLEAN_UP_HOLD = 32  # > 10 replacements x 3 characters each may reach back
 
 
 class IncrementalDetokenizer:
@@ -23,9 +31,21 @@ class IncrementalDetokenizer:
         self._ids: List[int] = []
         self._prefix_start = 0  # window start: the tokens before the ones last emitted
         self._read = 0          # tokens whose text has been emitted
+        self._clean_up = tokenizer.clean_up_tokenization_spaces
+        self._raw = ""   # with clean-up: the text so far before it (what the windows gave)
+        self._sent = 0   # and how much of its cleaned text has been returned
+
+    def _cleaned(self, delta: str, final: bool) -> str:
+        """The next piece of the cleaned-up text, given the next raw `delta`."""
+        self._raw += delta
+        text = clean_up_tokenization(self._raw)
+        end = len(text) if final else max(self._sent, len(text) - _CLEAN_UP_HOLD)
+        piece, self._sent = text[self._sent:end], end
+        return piece
 
     def _decode(self, start: int, end: int) -> str:
-        return self._tokenizer.decode_output(self._ids[start:end], skip_special_tokens=self._skip_special)
+        return self._tokenizer.decode_output(self._ids[start:end], skip_special_tokens=self._skip_special,
+                                             clean_up_tokenization_spaces=False)
 
     def push(self, ids) -> str:
         """Adds tokens; returns the text they complete (possibly "")."""
@@ -37,6 +57,10 @@ class IncrementalDetokenizer:
         return self._emit(final=True)
 
     def _emit(self, final: bool) -> str:
+        delta = self._raw_delta(final)
+        return self._cleaned(delta, final) if self._clean_up else delta
+
+    def _raw_delta(self, final: bool) -> str:
         if self._read == len(self._ids):
             return ""
         before = self._decode(self._prefix_start, self._read)

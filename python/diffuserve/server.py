@@ -24,7 +24,6 @@ from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
 from .async_llm import AsyncLLM, EngineError
-from .chat_template import ChatTemplateError
 from .detokenizer import IncrementalDetokenizer, until_eos
 from .protocol import ApiError, ChatCompletionRequest, CompletionRequest, invalid_value, parse
 from .metrics import CONTENT_TYPE, Metrics
@@ -117,8 +116,6 @@ class _Server:
         generation = engine.llm.model.config["generation"]
         self.defaults = {"t_min": generation["t_min"], "t_max": generation["t_max"]}
         self.eos_token_ids = list(generation["eos_token_ids"])
-        template = self.tokenizer.chat_template
-        self.template_names_developer = template is not None and "developer" in template.source
         self.metrics = Metrics(lambda: self.engine.stats)
 
     def check_model(self, name: str) -> None:
@@ -414,13 +411,15 @@ def build_app(engine: AsyncLLM, model_name: str, api_key: Optional[str] = None) 
     async def chat_completions(request: Request):
         body = parse(ChatCompletionRequest, await _json_body(request))
         server.check_model(body.model)
+        options = body.template_options()
         try:
-            text = server.tokenizer.apply_chat_template(body.conversation(server.template_names_developer),
-                                                      **body.template_options())
-        except ChatTemplateError as e:
-            raise ApiError(400, str(e), param="messages") from None
+            source = server.tokenizer.get_chat_template(tools=options.get("tools"))
         except ValueError as e:  # no chat template
             raise ApiError(400, str(e), param="messages", code="no_chat_template") from None
+        try:
+            text = server.tokenizer.apply_chat_template(body.conversation("developer" in source), **options)
+        except ValueError as e:  # the template's own refusal or failure, or a bad template variable
+            raise ApiError(400, str(e), param="messages") from None
         prompt = await server.prompt_ids(text, "messages", add_special_tokens=False)  # the template wrote them
         return await server.run(request, body, [prompt], body.max_new_tokens(), _Format(model_name, chat=True))
 

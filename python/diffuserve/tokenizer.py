@@ -1,18 +1,22 @@
 """Tokenizer: a checkpoint's tokenizer.json (through the `tokenizers` library), its special
-tokens and its chat template, read from the files transformers writes:
+tokens and its chat templates, read from the files transformers writes, as transformers reads
+them:
 
     tokenizer.json           the tokenizer itself (required)
-    tokenizer_config.json    special tokens (bos_token, eos_token, ...) and, in older
+    tokenizer_config.json    special tokens (bos_token, eos_token, ..., extra_special_tokens),
+                             added_tokens_decoder, clean_up_tokenization_spaces and, in older
                              checkpoints, "chat_template" (a string or a list of named ones)
-    chat_template.jinja      the chat template, in newer checkpoints (wins over the above)
+    chat_template.jinja      the chat template, in newer checkpoints (wins over the above),
+    additional_chat_templates/NAME.jinja   beside it, named ones
 """
 from __future__ import annotations
 
 import json
 import os
 import stat
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple, Union
 
+from tokenizers import AddedToken
 from tokenizers import Tokenizer as _HFTokenizer
 
 from . import _core
@@ -24,21 +28,62 @@ from .chat_template import ChatTemplate
 _LONG_TEXT = 100_000
 
 
-def _token_text(value) -> Optional[str]:
-    """A special token as tokenizer_config.json stores it: a string, or an AddedToken dict."""
-    if isinstance(value, dict):
-        return value.get("content")
-    return value if isinstance(value, str) else None
+# The named special tokens transformers knows by name; a checkpoint may name more ("..._token").
+_STANDARD_SPECIAL = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 
 
-def _named_special_tokens(config: dict) -> Dict[str, str]:
-    """The named special tokens of tokenizer_config.json, as transformers (5) reads them and its
-    chat templates see them: bos_token, eos_token, ..., a model's own "..._token" keys (Gemma 3's
-    boi_token, say), and the named ones of extra_special_tokens (which win over those keys)."""
-    named = {key: value for key, value in config.items() if key.endswith("_token")}
-    extra = config.get("extra_special_tokens")
-    named.update(extra if isinstance(extra, dict) else {})
-    return {key: text for key, value in named.items() if (text := _token_text(value)) is not None}
+def _added_token(value, file: str, where: str, special: bool) -> AddedToken:
+    """A token as tokenizer_config.json stores it: a string, or an AddedToken dict (content, lstrip,
+    rstrip, single_word, normalized, special); a named special token is special whatever it says."""
+    if isinstance(value, str):
+        return AddedToken(value, special=special, normalized=not special)
+    if isinstance(value, dict) and isinstance(value.get("content"), str):
+        flags = {k: value[k] for k in ("lstrip", "rstrip", "single_word", "normalized", "special") if k in value}
+        if not all(isinstance(v, bool) for v in flags.values()):
+            raise _core.CheckpointError(f"{file}: {where}: the AddedToken flags must be true or false: {value!r}")
+        if special:
+            flags["special"] = True
+        return AddedToken(value["content"], **flags)
+    raise _core.CheckpointError(f"{file}: {where} must be a string or an AddedToken object with a string "
+                                f"'content', got {value!r}")
+
+
+def _special_tokens(config: dict, file: str) -> Tuple[Dict[str, AddedToken], List[AddedToken]]:
+    """The special tokens of tokenizer_config.json, as transformers (5) reads them: the named ones
+    (bos_token, eos_token, ..., a model's own "..._token" keys such as Gemma 3's boi_token, and
+    extra_special_tokens given as a dict, which win over those keys), and the unnamed ones
+    (extra_special_tokens given as a list)."""
+    named, extra = {}, []
+    for key, value in config.items():
+        if key in _STANDARD_SPECIAL and value is not None:
+            named[key] = _added_token(value, file, key, special=True)
+        elif key.endswith("_token") and isinstance(value, (str, dict)):
+            named[key] = _added_token(value, file, key, special=True)
+    listed = config.get("extra_special_tokens")
+    if isinstance(listed, dict):
+        named.update({key: _added_token(value, file, f"extra_special_tokens.{key}", special=True)
+                      for key, value in listed.items()})
+    elif isinstance(listed, list):
+        extra = [_added_token(value, file, f"extra_special_tokens[{i}]", special=True) for i, value in enumerate(listed)]
+    elif listed is not None:
+        raise _core.CheckpointError(f"{file}: extra_special_tokens must be a list of tokens or an object of named "
+                                    f"ones, got {listed!r}")
+    return named, extra
+
+
+def _listed_added_tokens(config: dict, file: str) -> List[AddedToken]:
+    """tokenizer_config.json's added_tokens_decoder ({id: AddedToken}), in the order of the ids."""
+    listed = config.get("added_tokens_decoder")
+    if listed is None:
+        return []
+    if not isinstance(listed, dict):
+        raise _core.CheckpointError(f"{file}: added_tokens_decoder must be an object of id: token, got {listed!r}")
+    tokens = []
+    for key, value in listed.items():
+        if not (isinstance(key, str) and key.isdigit()):
+            raise _core.CheckpointError(f"{file}: added_tokens_decoder: {key!r} is not a token id")
+        tokens.append((int(key), _added_token(value, file, f"added_tokens_decoder.{key}", special=False)))
+    return [token for _, token in sorted(tokens, key=lambda t: t[0])]
 
 
 def _present(file: str) -> bool:
@@ -56,36 +101,72 @@ def _present(file: str) -> bool:
     return True
 
 
-def _read_chat_template(path: str, config: dict) -> Tuple[Optional[str], Dict[str, str]]:
-    """The checkpoint's chat template, and its named ones (tokenizer_config.json's list form)."""
-    template = config.get("chat_template")
-    named = {}
-    if isinstance(template, list):  # named templates: transformers uses "default"
-        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
-        named = {name: source for name, source in named.items() if isinstance(name, str) and isinstance(source, str)}
-        template = named.get("default")
+def _read_text(file: str) -> str:
+    try:
+        with open(file, encoding="utf-8") as f:
+            return f.read()
+    except (OSError, ValueError) as e:
+        raise _core.CheckpointError(f"{file}: not a readable UTF-8 file: {e}") from None
+
+
+def _read_chat_templates(path: str, config: dict, config_file: str) -> Union[None, str, Dict[str, str]]:
+    """The checkpoint's chat template(s), as transformers reads them: the files
+    chat_template.jinja (the default) and additional_chat_templates/NAME.jinja, which win over
+    tokenizer_config.json's "chat_template" (a template, or a list of {name, template}); one
+    template as a string, several as a dict by name."""
+    templates = {}
     jinja_file = os.path.join(path, "chat_template.jinja")
     if _present(jinja_file):
-        try:
-            with open(jinja_file, encoding="utf-8") as f:
-                return f.read(), named
-        except (OSError, ValueError) as e:
-            raise _core.CheckpointError(f"{jinja_file}: not a readable UTF-8 file: {e}") from None
-    return (template if isinstance(template, str) else None), named
+        templates["default"] = _read_text(jinja_file)
+    folder = os.path.join(path, "additional_chat_templates")
+    if os.path.isdir(folder):
+        for name in sorted(os.listdir(folder)):
+            file = os.path.join(folder, name)
+            if name.endswith(".jinja") and _present(file):
+                templates[name[:-len(".jinja")]] = _read_text(file)
+    if templates:
+        return templates["default"] if list(templates) == ["default"] else templates
+    template = config.get("chat_template")
+    if isinstance(template, list):
+        named = {}
+        for i, entry in enumerate(template):
+            if not (isinstance(entry, dict) and isinstance(entry.get("name"), str)
+                    and isinstance(entry.get("template"), str)):
+                raise _core.CheckpointError(f"{config_file}: chat_template[{i}] must be an object with a string "
+                                            f"'name' and 'template'")
+            named[entry["name"]] = entry["template"]
+        return named
+    if isinstance(template, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in template.items()):
+        return template
+    if template is not None and not isinstance(template, str):
+        raise _core.CheckpointError(f"{config_file}: chat_template must be a template (a string) or a list of named "
+                                    f"ones, got {type(template).__name__}")
+    return template
+
+
+# transformers' clean_up_tokenization: the spaces a WordPiece-style decoder leaves before
+# punctuation and contractions, replaced in this order.
+_CLEAN_UPS = ((" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"), (" n't", "n't"), (" 'm", "'m"),
+              (" 's", "'s"), (" 've", "'ve"), (" 're", "'re"))
+
+
+def clean_up_tokenization(text: str) -> str:
+    for before, after in _CLEAN_UPS:
+        text = text.replace(before, after)
+    return text
 
 
 class Tokenizer:
     def __init__(self, path: str):
         """Reads the tokenizer files of checkpoint directory `path` (tokenizer.json must exist);
         a file that cannot be read is a CheckpointError naming it."""
-        tokenizer_file = os.path.join(check_path("path (a checkpoint directory)", path), "tokenizer.json")
-        if not _present(tokenizer_file):
-            raise _core.CheckpointError(f"{tokenizer_file}: no such file")
+        self._file = os.path.join(check_path("path (a checkpoint directory)", path), "tokenizer.json")
+        if not _present(self._file):
+            raise _core.CheckpointError(f"{self._file}: no such file")
         try:
-            self._tokenizer = _HFTokenizer.from_file(tokenizer_file)
+            self._tokenizer = _HFTokenizer.from_file(self._file)
         except Exception as e:  # the tokenizers library raises plain Exceptions
-            raise _core.CheckpointError(f"{tokenizer_file}: not a tokenizer the tokenizers library reads: {e}") \
-                from None
+            raise _core.CheckpointError(f"{self._file}: not a tokenizer the tokenizers library reads: {e}") from None
         config = {}
         config_file = os.path.join(path, "tokenizer_config.json")
         if _present(config_file):
@@ -96,13 +177,43 @@ class Tokenizer:
                 raise _core.CheckpointError(f"{config_file}: not a readable JSON file: {e}") from None
             if not isinstance(config, dict):
                 raise _core.CheckpointError(f"{config_file}: expected a JSON object, got {type(config).__name__}")
-        self.special_tokens = _named_special_tokens(config)
+        named, extra = _special_tokens(config, config_file)
+        # As transformers: the config's added tokens that tokenizer.json lacks are added after its
+        # vocabulary, and every special token is one of the tokenizer's special added tokens
+        # (added too where tokenizer.json lacks it), matched whole in text and skipped in decoding.
+        present = {token.content for token in self._tokenizer.get_added_tokens_decoder().values()}
+        self._library(self._tokenizer.add_tokens,
+                      [t for t in _listed_added_tokens(config, config_file) if t.content not in present])
+        self._library(self._tokenizer.add_special_tokens, list(named.values()) + extra)
+        self.special_tokens = {key: token.content for key, token in named.items()}
         # Byte-fallback tokens (SentencePiece-style tokenizers, Gemma's): <0x00> ... <0xFF>.
         byte_ids = (self._tokenizer.token_to_id(f"<0x{b:02X}>") for b in range(256))
         self._byte_ids = frozenset(i for i in byte_ids if i is not None)
         self._special_ids = frozenset(i for i, t in self._tokenizer.get_added_tokens_decoder().items() if t.special)
-        template, self._named_templates = _read_chat_template(path, config)
-        self.chat_template = ChatTemplate(template, self.special_tokens) if template else None
+        # transformers leaves BPE's text alone unless told it may corrupt it.
+        clean_up = config.get("clean_up_tokenization_spaces", False)
+        forced = config.get("clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output", False)
+        self.clean_up_tokenization_spaces = bool(clean_up) and (
+            type(self._tokenizer.model).__name__ != "BPE" or bool(forced))
+        # The chat template(s): compiled when first used, so that a checkpoint whose template does
+        # not compile still encodes and decodes (transformers fails in apply_chat_template alone).
+        self.chat_template = _read_chat_templates(path, config, config_file)
+        self._compiled: Dict[str, ChatTemplate] = {}
+        self._library(self._tokenizer.encode, "a", add_special_tokens=True)  # a post-processor that cannot run
+
+    def _library(self, method, *args, **kwargs):
+        """A call into the tokenizers library, whose failures on well-formed input are the
+        checkpoint's (a post-processor naming a token it lacks panics in Rust, a BaseException):
+        a CheckpointError naming tokenizer.json."""
+        try:
+            return method(*args, **kwargs)
+        except Exception as e:
+            failure = e
+        except BaseException as e:
+            if type(e).__name__ != "PanicException":
+                raise
+            failure = e
+        raise _core.CheckpointError(f"{self._file}: the tokenizer fails: {type(failure).__name__}: {failure}")
 
     @classmethod
     def from_checkpoint(cls, path) -> Optional["Tokenizer"]:
@@ -137,22 +248,30 @@ class Tokenizer:
         # same ids. Only for long texts: encode_batch marks the library's thread pool used, and
         # a process that forks after that gets its warning (and loses its parallelism).
         if len(text) < _LONG_TEXT:
-            return self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
-        return self._tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+            return self._library(self._tokenizer.encode, text, add_special_tokens=add_special_tokens).ids
+        return self._library(self._tokenizer.encode_batch, [text], add_special_tokens=add_special_tokens)[0].ids
 
-    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+    def decode(self, ids, skip_special_tokens: bool = True, clean_up_tokenization_spaces: Optional[bool] = None) -> str:
         """The text of token ids. An id outside the vocabulary is a ValueError naming it (the
-        tokenizers library writes nothing for one past it, and fails on a negative one)."""
+        tokenizers library writes nothing for one past it, and fails on a negative one).
+        clean_up_tokenization_spaces (default: the checkpoint's, as transformers reads it) drops
+        the spaces a WordPiece-style decoder leaves before punctuation."""
         ids = check_token_ids(ids, "decode", self.vocab_size).tolist()
-        return self._tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+        return self._decode(ids, skip_special_tokens, clean_up_tokenization_spaces)
 
-    def decode_output(self, ids, skip_special_tokens: bool = True) -> str:
+    def decode_output(self, ids, skip_special_tokens: bool = True,
+                      clean_up_tokenization_spaces: Optional[bool] = None) -> str:
         """The text of a model's output tokens. A checkpoint's embedding may have rows past
         the tokenizer's vocabulary (its vocab_size rounded up), which a model can sample: they
         have no text."""
+        ids = check_token_ids(ids, "decode_output", 2**31 - 1).tolist()
         vocab_size = self.vocab_size
-        ids = [int(i) for i in ids if i < vocab_size]
-        return self._tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+        return self._decode([i for i in ids if i < vocab_size], skip_special_tokens, clean_up_tokenization_spaces)
+
+    def _decode(self, ids: List[int], skip_special_tokens: bool, clean_up: Optional[bool]) -> str:
+        text = self._library(self._tokenizer.decode, ids, skip_special_tokens=skip_special_tokens)
+        clean_up = self.clean_up_tokenization_spaces if clean_up is None else clean_up
+        return clean_up_tokenization(text) if clean_up else text
 
     def ends_in_byte_run(self, ids, skip_special_tokens: bool = True) -> bool:
         """Whether the last of `ids` that has text (skipped special tokens and ids past the
@@ -165,25 +284,48 @@ class Tokenizer:
                 return i in self._byte_ids
         return False
 
+    def get_chat_template(self, chat_template: Optional[str] = None, tools=None) -> str:
+        """The template apply_chat_template renders, chosen as transformers chooses it: the
+        given one (a template, or the name of one of the checkpoint's named templates), else
+        the checkpoint's ("tool_use" among named ones when there are tools, else "default").
+        A ValueError when there is none."""
+        if chat_template is not None and not isinstance(chat_template, str):
+            raise ValueError(f"chat_template must be a Jinja template or a template's name (a string), "
+                             f"got {chat_template!r}")
+        templates = self.chat_template
+        if isinstance(templates, dict):
+            if chat_template is not None:
+                return templates.get(chat_template, chat_template)
+            if tools is not None and "tool_use" in templates:
+                return templates["tool_use"]
+            if "default" in templates:
+                return templates["default"]
+            raise ValueError(f"this checkpoint has several chat templates and none named 'default': name one "
+                             f"(chat_template=...) of {sorted(templates)}")
+        if chat_template is not None:
+            return chat_template
+        if templates is None:
+            raise ValueError("this checkpoint has no chat template (tokenizer_config.json 'chat_template' "
+                             "or chat_template.jinja)")
+        return templates
+
     def apply_chat_template(self, messages: List[dict], add_generation_prompt: Optional[bool] = None,
-                            chat_template: Optional[str] = None, tokenize: bool = False, **variables) -> str:
+                            chat_template: Optional[str] = None, tokenize: bool = False, tools=None,
+                            **variables) -> str:
         """The prompt text of a conversation. Encode it with add_special_tokens=False: the
         template writes the special tokens itself. add_generation_prompt defaults to True (unless
-        continue_final_message=True, which ends the text inside the final message, as in
+        continue_final_message, which ends the text inside the final message, as in
         transformers). As in transformers, chat_template is a Jinja template, or the name of one
-        of the checkpoint's named templates, to use instead of its own; tokenize must be False
-        (this returns the text); other variables reach the template."""
+        of the checkpoint's named templates, to use instead of its own (get_chat_template);
+        tools are JSON schemas; tokenize must be False (this returns the text); other variables
+        (documents=..., a template's own switches) reach the template."""
         if tokenize is not False:
             raise ValueError(f"tokenize must be False (apply_chat_template returns the text; encode it with "
                              f"add_special_tokens=False), got {tokenize!r}")
-        if chat_template is not None:
-            if not isinstance(chat_template, str):
-                raise ValueError(f"chat_template must be a Jinja template or a template's name (a string), "
-                                 f"got {chat_template!r}")
-            source = self._named_templates.get(chat_template, chat_template)
-            return ChatTemplate(source, self.special_tokens).render(
-                messages, add_generation_prompt=add_generation_prompt, **variables)
-        if self.chat_template is None:
-            raise ValueError("this checkpoint has no chat template (tokenizer_config.json 'chat_template' "
-                             "or chat_template.jinja)")
-        return self.chat_template.render(messages, add_generation_prompt=add_generation_prompt, **variables)
+        source = self.get_chat_template(chat_template, tools)
+        template = self._compiled.get(source)
+        if template is None:
+            template = ChatTemplate(source, self.special_tokens)
+            if len(self._compiled) < 64:  # (a client's own templates are not kept without bound)
+                self._compiled[source] = template
+        return template.render(messages, add_generation_prompt=add_generation_prompt, tools=tools, **variables)
