@@ -62,6 +62,9 @@ CASES = {
     "window2_canvas16": (text([S, S, F], sliding_window=2, num_experts=1, top_k_experts=1), 16, 3, 2,
                          torch.float32, None),
     "canvas1": (text([S, F]), 1, 1, 5, torch.float32, None),
+    # transformers' other names for GELU's tanh approximation (had been refused).
+    "gelu_new": (text([S, F], hidden_activation="gelu_new"), 8, 9, 2, torch.float32, None),
+    "gelu_fast": (text([F, S], hidden_activation="gelu_fast"), 8, 9, 2, torch.float32, None),
 }
 # Cases whose hidden size the reference's default (grouped_mm) experts refuse.
 EAGER_EXPERTS = {"odd_sizes"}

@@ -305,8 +305,11 @@ ModelConfig load_config(const std::string& dir) {
   if (c.final_logit_softcapping < 0) t.fail("final_logit_softcapping", "must be >= 0");
   if (c.rms_norm_eps <= 0) t.fail("rms_norm_eps", "must be > 0");
 
-  if (t.string_or("hidden_activation", "gelu_pytorch_tanh") != "gelu_pytorch_tanh")
-    t.fail("hidden_activation", "'" + t.string_or("hidden_activation", "") + "' is not supported");
+  // transformers' three names for GELU's tanh approximation (one function, written three ways).
+  if (const std::string act = t.string_or("hidden_activation", "gelu_pytorch_tanh");
+      act != "gelu_pytorch_tanh" && act != "gelu_new" && act != "gelu_fast")
+    t.fail("hidden_activation", "'" + act + "' is not supported (GELU's tanh approximation is: gelu_pytorch_tanh, "
+                                "gelu_new, gelu_fast)");
   if (t.bool_or("attention_bias", false)) t.fail("attention_bias", "= true is not supported");
   // "all" makes the encoder bidirectional and halves the window; no DiffusionGemma uses it.
   const std::string bidirectional = t.string_or("use_bidirectional_attention", "");
