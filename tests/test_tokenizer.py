@@ -453,3 +453,18 @@ def test_clean_up_tokenization_spaces_as_transformers(tmp_path):
         assert "".join(pieces) + detokenizer.finish() == text
     assert ours.decode(ids, clean_up_tokenization_spaces=False) == \
         theirs.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+
+def test_gemma_tokenizer_class_names_its_default_special_tokens(tmp_path):
+    """tokenizer_class GemmaTokenizer names <unk>, <bos>, <eos>, <pad> and <mask> where the config
+    does not, and transformers adds the ones tokenizer.json lacks (this one has no <mask>)."""
+    import json
+    path = write_chat_checkpoint(tmp_path / "m", byte_fallback=True)
+    config = json.loads(open(f"{path}/tokenizer_config.json").read())
+    config["tokenizer_class"] = "GemmaTokenizer"
+    open(f"{path}/tokenizer_config.json", "w").write(json.dumps(config))
+    ours, theirs = Tokenizer(path), AutoTokenizer.from_pretrained(path)
+    assert ours.vocab_size == len(theirs) and ours.token_id("<mask>") is not None
+    assert ours.special_tokens == {key: str(value) for key, value in theirs.special_tokens_map.items()}
+    for text in ["a<mask>b <unk>", *TEXTS]:
+        assert ours.encode(text) == theirs.encode(text)

@@ -48,12 +48,20 @@ def _added_token(value, file: str, where: str, special: bool) -> AddedToken:
                                 f"'content', got {value!r}")
 
 
+# The special tokens a tokenizer class of transformers names by default, where
+# tokenizer_config.json does not name them (Gemma's adds a "<mask>" its tokenizer.json may lack).
+_GEMMA_DEFAULTS = {"unk_token": "<unk>", "bos_token": "<bos>", "eos_token": "<eos>", "pad_token": "<pad>",
+                   "mask_token": "<mask>"}
+_CLASS_DEFAULTS = {"GemmaTokenizer": _GEMMA_DEFAULTS, "GemmaTokenizerFast": _GEMMA_DEFAULTS}
+
+
 def _special_tokens(config: dict, file: str) -> Tuple[Dict[str, AddedToken], List[AddedToken]]:
     """The special tokens of tokenizer_config.json, as transformers (5) reads them: the named ones
     (bos_token, eos_token, ..., a model's own "..._token" keys such as Gemma 3's boi_token, and
-    extra_special_tokens given as a dict, which win over those keys), and the unnamed ones
-    (extra_special_tokens given as a list)."""
+    extra_special_tokens given as a dict, which win over those keys; a Gemma tokenizer's
+    defaults where it names none), and the unnamed ones (extra_special_tokens given as a list)."""
     named, extra = {}, []
+    config = {**_CLASS_DEFAULTS.get(config.get("tokenizer_class"), {}), **config}
     for key, value in config.items():
         if key in _STANDARD_SPECIAL and value is not None:
             named[key] = _added_token(value, file, key, special=True)
