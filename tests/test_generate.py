@@ -613,6 +613,32 @@ def test_a_prompt_too_long_for_any_block_is_blamed_on_the_prompt(checkpoints):
         llm.generate([[3] * (cfg["max_position_embeddings"] - 8)], ds.SamplingParams(max_new_tokens=9))
 
 
+def test_fit_to_context_generates_the_blocks_that_fit(tmp_path):
+    """fit_to_context (the server's rule without max_tokens, as vLLM's): a length limit past the
+    positions or the whole KV cache shrinks to the whole blocks that fit; a prompt that leaves no
+    block is still refused; a limit that fits is kept."""
+    path = save(build_model(text([S, F, F], max_position_embeddings=64), 8), tmp_path / "short")
+    params = dict(max_new_tokens=10**6, seed=0, eos_token_id=[])
+
+    def generated(llm, prompt_length, **kwargs):
+        out = llm.generate([[3] * prompt_length], ds.SamplingParams(**{**params, **kwargs}))[0]
+        return len(out.token_ids), out.finish_reason
+
+    llm = ds.LLM(path)
+    with pytest.raises(ValueError, match="exceeds max_position_embeddings"):
+        generated(llm, 10)
+    assert generated(llm, 10, fit_to_context=True) == (48, "length")  # 10 + 6 blocks of 8 <= 64
+    assert generated(llm, 56, fit_to_context=True) == (8, "length")
+    assert generated(llm, 10, fit_to_context=True, max_new_tokens=13) == (13, "length")
+    with pytest.raises(ValueError, match="leave no room for a block"):
+        generated(llm, 57, fit_to_context=True)
+    # Two KV blocks of 16 tokens for the full-attention layers: 10 + 2 blocks of 8 fit, not 3.
+    small = ds.LLM(path, kv_cache_memory_bytes=16 << 10)
+    with pytest.raises(ValueError, match="more than the whole cache holds"):
+        generated(small, 10, max_new_tokens=24)
+    assert generated(small, 10, fit_to_context=True) == (16, "length")
+
+
 @pytest.mark.parametrize("kwargs, name", [
     (dict(max_num_seqs=2**40), "max_num_seqs"), (dict(slice_steps=2**40), "slice_steps"),
     (dict(kv_block_size=2**31), "kv_block_size"), (dict(fuse_commit="no"), "fuse_commit"),

@@ -112,13 +112,19 @@ def test_chat_stream_equals_chat(client):
     assert all(c.usage is None for c in chunks[:-1])
 
 
-def test_stop_strings(client):
+def test_stop_strings(client, offline):
     full = client.completions.create(model=MODEL, prompt="Hello", max_tokens=48, seed=2).choices[0].text
     stop = full[20:23]
     cut = full[:full.index(stop)]
     out = client.completions.create(model=MODEL, prompt="Hello", max_tokens=48, seed=2, stop=[stop, "never"])
     assert (out.choices[0].text, out.choices[0].finish_reason) == (cut, "stop")
     assert out.usage.model_extra["denoise_steps"] > 0  # the blocks' steps count, a stop string ending it or not
+    # The tokens generated count up to the one that ends the stop string (they had counted whole blocks).
+    ids = offline.generate([offline.tokenizer.encode("Hello")], ds.SamplingParams(max_new_tokens=48, seed=2))[0] \
+        .token_ids
+    through = len(cut) + len(stop)
+    expected = next(k for k in range(1, len(ids) + 1) if len(offline.tokenizer.decode_output(ids[:k])) >= through)
+    assert out.usage.completion_tokens == expected < len(ids)
     stream = client.completions.create(model=MODEL, prompt="Hello", max_tokens=48, seed=2, stop=stop, stream=True)
     assert "".join(c.choices[0].text for c in stream) == cut
 
@@ -127,6 +133,12 @@ def test_temperature_and_diffusion_extensions(client, offline):
     body = dict(model=MODEL, prompt="Hello", max_tokens=16, seed=1)
     cold = client.completions.create(**body, temperature=0)  # near-greedy, still reproducible by its seed
     assert cold.choices[0].text == client.completions.create(**body, temperature=0).choices[0].text
+    # Without a seed, 0 is deterministic too, as OpenAI's greedy 0 is: every choice alike (the
+    # canvas's noise had still varied the text).
+    unseeded = {**body, "seed": None}
+    greedy = client.completions.create(**unseeded, temperature=0, n=3)
+    assert len({c.text for c in greedy.choices}) == 1
+    assert client.completions.create(**unseeded, temperature=0).choices[0].text == greedy.choices[0].text
     out = client.completions.create(**body, extra_body=dict(canvas_length=8, max_denoising_steps=3,
                                                             entropy_bound=0.5, t_min=0.1, t_max=0.3))
     assert out.usage.model_extra["denoise_steps"] <= 2 * 3  # two blocks of 8, at most 3 steps each
@@ -212,6 +224,17 @@ def test_draft_streaming(base_url):
     ("chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
                           "chat_template_kwargs": {"tools": "x"}}, 400, "messages", None),
     ("completions", {"model": MODEL, "prompt": "x", "seed": -2**63 - 1}, 400, "seed", "invalid_value"),
+    # Apply_chat_template's own argument "self" (a 500), and messages nested deeper than Python's
+    # stack, short of the JSON parser's limit (a 500: RecursionError).
+    ("chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+                          "chat_template_kwargs": {"self": 1}}, 400, "chat_template_kwargs", "invalid_value"),
+    ("chat/completions", '{"model": "%s", "messages": [{"role": "user", "content": "x", "deep": %s}]}'
+     % (MODEL, "[" * 900 + "]" * 900), 400, "messages", None),
+    # Beyond the server's denoise steps a block (--max-denoising-steps-limit): one request of 2^31
+    # steps had held its slots for as long as its client waited.
+    ("completions", {"model": MODEL, "prompt": "x", "max_denoising_steps": 2**31 - 1}, 400, "max_denoising_steps",
+     "invalid_value"),
+    ("completions", {"model": MODEL, "prompt": "x", "stream_drafts": True}, 400, "stream_drafts", None),
     # user is OpenAI's string (a dict or a number had been accepted).
     ("completions", {"model": MODEL, "prompt": "x", "user": {"id": 1}}, 400, "user", "invalid_value"),
     ("chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "user": 5}, 400, "user",
@@ -312,6 +335,18 @@ def test_developer_messages(client):
     assert body.conversation(template_names_developer=True)[0]["role"] == "developer"
 
 
+def test_request_translation_into_sampling_params():
+    """Without max_tokens a request takes the checkpoint's length cut to the whole blocks the
+    context has room for (vLLM's rule: a long prompt had been refused for a max_tokens its client
+    never sent); allowed_token_ids go once each (a million copies times n had taken minutes)."""
+    defaults = {"t_min": 0.4, "t_max": 0.8}
+    body = parse(CompletionRequest, {"model": MODEL, "prompt": "x", "n": 2, "allowed_token_ids": [7, 5, 7] * 1000})
+    for max_tokens, fit in ((None, True), (16, False)):
+        params = body.sampling_params(defaults, max_tokens, 1024)
+        assert [(p.max_new_tokens, p.fit_to_context, p.allowed_token_ids) for p in params] == \
+            [(max_tokens, fit, [5, 7])] * 2
+
+
 @pytest.mark.parametrize("encoding", ["gzip", "deflate, gzip"])
 def test_compressed_bodies_are_refused(base_url, encoding):
     """A body with a Content-Encoding is refused naming it: a gzip body had been parsed as it
@@ -401,6 +436,10 @@ def test_api_key(offline):
         assert http.get("/v1/models", headers={"Authorization": "Bearer wrong"}).json()["error"]["code"] == \
             "invalid_api_key"
         assert http.get("/v1/models", headers={"Authorization": "Bearer secret"}).status_code == 200
+        # The scheme is case-insensitive (RFC 7235); a refusal says which scheme it wants.
+        assert http.get("/v1/models", headers={"Authorization": "bearer  secret"}).status_code == 200
+        assert http.get("/v1/models", headers={"Authorization": "Basic secret"}).headers["www-authenticate"] == \
+            "Bearer"
         assert http.get("/health").status_code == 200
 
 
@@ -415,7 +454,7 @@ async def _stream(base_url, i, leave_early):
     body = {"model": MODEL, "prompt": f"client {i}", "max_tokens": 96, "seed": i, "stream": True,
             "stream_drafts": True}
     if leave_early:  # far more work than the client waits for, at any machine speed
-        body.update(max_tokens=2048, max_denoising_steps=20000, confidence_threshold=1e-30)
+        body.update(max_tokens=2048, max_denoising_steps=1024, confidence_threshold=1e-30)
     async with httpx.AsyncClient(timeout=60) as http:
         async with http.stream("POST", base_url + "/v1/completions", json=body) as r:
             lines = []
@@ -480,7 +519,7 @@ def test_plain_request_aborted_when_client_leaves(base_url):
     before = metrics(base_url).get('diffuserve_requests_total{finish_reason="abort"}', 0)
     # Tens of seconds of work at any machine speed: the client gives up long before.
     body = {"model": MODEL, "prompt": "long", "max_tokens": 2048, "confidence_threshold": 1e-30,
-            "max_denoising_steps": 20000}
+            "max_denoising_steps": 1024}
     with pytest.raises(httpx.TimeoutException):
         httpx.post(base_url + "/v1/completions", json=body, timeout=httpx.Timeout(5, read=0.5))
     deadline = time.time() + 20

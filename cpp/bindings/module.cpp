@@ -187,7 +187,8 @@ void bind_generate(nb::module_& m) {
       .def_rw("seed_canvas", &SamplingParams::seed_canvas)
       .def_rw("pinned_positions", &SamplingParams::pinned_positions)
       .def_rw("allowed_token_ids", &SamplingParams::allowed_token_ids)
-      .def_rw("self_conditioning", &SamplingParams::self_conditioning);
+      .def_rw("self_conditioning", &SamplingParams::self_conditioning)
+      .def_rw("fit_to_context", &SamplingParams::fit_to_context);
   nb::class_<GenerationOutput>(m, "GenerationOutput")
       .def_ro("token_ids", &GenerationOutput::token_ids)
       .def_ro("finish_reason", &GenerationOutput::finish_reason)

@@ -132,6 +132,21 @@ GenerationLength generation_length(SamplingParams& p, int64_t prompt, int canvas
   return {blocks, "max_new_tokens " + std::to_string(p.max_new_tokens)};
 }
 
+// What a message about the whole cache's size advises.
+constexpr const char* kRaiseKv = " (raise kv_cache_memory_bytes, the CLI's --kv-cache-gib)";
+
+// The most blocks of `canvas` tokens after a prompt of `prompt` tokens that the positions and
+// the whole KV cache admit (0: none). could_hold only grows harder with the total: bisection.
+int64_t blocks_that_fit(const ModelConfig& c, const KvCache& kv, int64_t prompt, int canvas) {
+  int64_t lo = 0, hi = std::max<int64_t>(0, (c.max_position_embeddings - prompt) / canvas);
+  while (lo < hi) {
+    const int64_t mid = lo + (hi - lo + 1) / 2;
+    if (kv.could_hold(prompt + mid * canvas, canvas)) lo = mid;
+    else hi = mid - 1;
+  }
+  return lo;
+}
+
 }  // namespace
 
 Engine::Engine(std::shared_ptr<Model> model, bool fuse_commit) : model_(std::move(model)), fuse_commit_(fuse_commit) {}
@@ -157,7 +172,15 @@ void Engine::add(uint64_t id, std::vector<int32_t> prompt, const SamplingParams&
   auto r = std::make_unique<RequestState>();
   r->params = params;
   r->canvas = params.canvas_length ? params.canvas_length : c.canvas_length;
-  const GenerationLength length = generation_length(r->params, int64_t(prompt.size()), r->canvas);
+  GenerationLength length = generation_length(r->params, int64_t(prompt.size()), r->canvas);
+  const KvCache& kv = *model_->state().kv;
+  if (params.fit_to_context) {
+    const int64_t fit = blocks_that_fit(c, kv, int64_t(prompt.size()), r->canvas);
+    if (fit >= 1 && fit < length.blocks) {
+      length.blocks = fit;
+      r->params.max_new_tokens = int(fit * r->canvas);
+    }
+  }
   r->blocks = length.blocks;
   // Every block is denoised at full canvas width, so the last one may reach past max_new_tokens.
   const int64_t total = int64_t(prompt.size()) + length.blocks * r->canvas;
@@ -172,16 +195,15 @@ void Engine::add(uint64_t id, std::vector<int32_t> prompt, const SamplingParams&
                           ")");
   // As for the positions: the prompt is at fault where it leaves no room for one block, else
   // the length limit (a short prompt with many new tokens had been blamed on the prompt).
-  const KvCache& kv = *model_->state().kv;
   if (!kv.could_hold(int64_t(prompt.size()) + r->canvas, r->canvas))
     throw InvalidArgument("prompt: " + std::to_string(prompt.size()) + " tokens and a block of " +
-                          std::to_string(r->canvas) +
-                          " new tokens need more KV than the whole cache holds (raise kv_cache_memory_bytes)");
+                          std::to_string(r->canvas) + " new tokens need more KV than the whole cache holds" +
+                          kRaiseKv);
   if (!kv.could_hold(total, r->canvas))
     throw InvalidArgument(length.limit + ": the prompt (" + std::to_string(prompt.size()) + " tokens) plus " +
                           std::to_string(length.blocks) + " blocks of " + std::to_string(r->canvas) +
                           " new tokens need KV for " + std::to_string(total) +
-                          " tokens, more than the whole cache holds (raise kv_cache_memory_bytes)");
+                          " tokens, more than the whole cache holds" + kRaiseKv);
   r->prompt = std::move(prompt);
   if (params.seed) {
     r->out.seed = *params.seed;

@@ -201,6 +201,12 @@ class ChatTemplate:
         where the final message's content does (no end of turn after it), for the model to
         continue that message; a field's name instead of True continues that field (a
         message's "reasoning_content", say)."""
+        try:
+            return self._render(messages, add_generation_prompt, continue_final_message, tools, documents, variables)
+        except RecursionError:  # data nested deeper than Python's stack (the server's JSON parser takes more)
+            raise ChatTemplateError("the messages, tools, documents or template variables nest too deeply") from None
+
+    def _render(self, messages, add_generation_prompt, continue_final_message, tools, documents, variables) -> str:
         messages = _template_messages(messages)
         if not messages:
             raise ChatTemplateError("the conversation is empty: give at least one message")

@@ -84,7 +84,8 @@ def serve(args) -> None:
     if llm.tokenizer is None:
         sys.exit(f"error: {args.model} has no tokenizer.json; the server needs one to read and write text")
     name = args.served_model_name or args.model or "diffuserve-sudoku"  # no model: the bundled one
-    app = build_app(AsyncLLM(llm), name, api_key=args.api_key)
+    app = build_app(AsyncLLM(llm), name, api_key=args.api_key,
+                    max_denoising_steps_limit=args.max_denoising_steps_limit)
     print(f"serving {name} at http://{args.host}:{args.port}/v1"
           + (" (API key required)" if args.api_key else ""), file=sys.stderr)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
@@ -245,6 +246,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--api-key", default=os.environ.get("DIFFUSERVE_API_KEY"),
                    help="require `Authorization: Bearer KEY` on /v1 (default: $DIFFUSERVE_API_KEY, else none)")
     p.add_argument("--served-model-name", metavar="NAME", help="the model's name in the API (default: MODEL)")
+    p.add_argument("--max-denoising-steps-limit", type=_in_range(int, 1, INT32_MAX), default=1024, metavar="N",
+                   help="the most denoise steps a request may ask of each block (default: 1024)")
     p.add_argument("--shutdown-timeout", type=_in_range(float, 0, 1e6), default=30, metavar="SECONDS",
                    help="on Ctrl-C / SIGTERM, how long running requests may finish before they are aborted "
                         "(default: 30)")

@@ -97,13 +97,17 @@ class _GenerationRequest(_Strict):
             raise ApiError(400, "stop may hold at most 4 strings", param="stop")
         return stop
 
-    def sampling_params(self, defaults: dict, max_tokens: Optional[int]) -> List[SamplingParams]:
+    def sampling_params(self, defaults: dict, max_tokens: Optional[int], max_steps: int) -> List[SamplingParams]:
         """One SamplingParams per choice (n). With a seed, choice i uses seed + i, so the
         choices differ and the whole response is reproducible.
 
         temperature scales both ends of the checkpoint's temperature schedule (t_max at the
         first step, t_min at the last): 1 keeps it, 0 makes it near-greedy (a 1e-3 scale; the
-        sampler needs T > 0). An explicit t_min / t_max sets that end directly instead."""
+        sampler needs T > 0) and deterministic, as OpenAI's 0 is: every choice takes the seed
+        (0 where none is given), since the canvas's noise would otherwise still vary the text.
+        An explicit t_min / t_max sets that end directly instead. Without max_tokens, the
+        checkpoint's length is cut to the whole blocks that fit the context (as vLLM does).
+        max_steps: the server's limit on max_denoising_steps."""
         if self.temperature is not None and (self.t_min is not None or self.t_max is not None):
             raise ApiError(400, "give either temperature or t_min/t_max, not both", param="temperature")
         scale = None if self.temperature is None else max(self.temperature, 1e-3)
@@ -111,16 +115,29 @@ class _GenerationRequest(_Strict):
         t_max = self.t_max if scale is None else defaults["t_max"] * scale
         if self.stream_options is not None and not self.stream:
             raise ApiError(400, "stream_options is only allowed when stream is true", param="stream_options")
+        if self.stream_drafts and not self.stream:
+            raise ApiError(400, "stream_drafts is only allowed when stream is true", param="stream_drafts")
+        if self.max_denoising_steps is not None and self.max_denoising_steps > max_steps:
+            raise ApiError(400, f"max_denoising_steps {self.max_denoising_steps} exceeds this server's limit of "
+                           f"{max_steps} a block (diffuserve serve --max-denoising-steps-limit)",
+                           param="max_denoising_steps", code="invalid_value")
+        # Each id once: the runtime takes them as a set (a list of a million copies, checked for each
+        # of n choices, had taken minutes).
+        allowed = None if self.allowed_token_ids is None else sorted(set(self.allowed_token_ids))
+        greedy = self.temperature == 0
         params = []
         for i in range(self.n):
-            seed = None if self.seed is None else (self.seed + i) % 2**64
+            seed = None if self.seed is None else (self.seed + (0 if greedy else i)) % 2**64
+            if greedy and seed is None:
+                seed = 0
             try:
                 params.append(SamplingParams(
                     max_new_tokens=max_tokens, max_denoising_steps=self.max_denoising_steps, t_min=t_min,
                     t_max=t_max, entropy_bound=self.entropy_bound, stability_threshold=self.stability_threshold,
                     confidence_threshold=self.confidence_threshold, seed=seed, canvas_length=self.canvas_length,
                     seed_canvas=self.seed_canvas, pinned_positions=self.pinned_positions,
-                    allowed_token_ids=self.allowed_token_ids, self_conditioning=self.self_conditioning))
+                    allowed_token_ids=allowed, self_conditioning=self.self_conditioning,
+                    fit_to_context=max_tokens is None))
             except ValueError as e:
                 raise invalid_value(e, self.parameter_names()) from None
         return params
@@ -189,8 +206,8 @@ class ChatCompletionRequest(_GenerationRequest):
         variables = self.chat_template_kwargs or {}
         taken = sorted(set(variables) & _TEMPLATE_ARGUMENTS)
         if taken:
-            raise ApiError(400, f"chat_template_kwargs may not set {', '.join(taken)}: give "
-                           "add_generation_prompt and continue_final_message as parameters of their own",
+            raise ApiError(400, f"chat_template_kwargs may not set {', '.join(taken)}: apply_chat_template's own "
+                           "arguments (add_generation_prompt and continue_final_message are parameters of their own)",
                            param="chat_template_kwargs", code="invalid_value")
         return {**variables, "add_generation_prompt": self.add_generation_prompt,
                 "continue_final_message": self.continue_final_message}
@@ -227,8 +244,9 @@ class ChatCompletionRequest(_GenerationRequest):
 
 
 # apply_chat_template's own parameters, which chat_template_kwargs may not set (the template
-# could otherwise be swapped, or the messages replaced).
-_TEMPLATE_ARGUMENTS = {"messages", "add_generation_prompt", "continue_final_message", "chat_template", "tokenize"}
+# could otherwise be swapped, or the messages replaced; "self" would fail the call).
+_TEMPLATE_ARGUMENTS = {"messages", "add_generation_prompt", "continue_final_message", "chat_template", "tokenize",
+                       "self"}
 
 
 def _check_unicode(text: str, param: str):

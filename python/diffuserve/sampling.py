@@ -26,6 +26,10 @@ def _int_list(name: str, value, allow_empty: bool = False) -> list:
         raise ValueError(f"{name} must be a list of integers, got {value!r}") from None
     if not items and not allow_empty:
         raise ValueError(f"{name} must not be empty")
+    # Plain ints in range, checked in a few passes of C loops (a request's 262,144 allowed ids,
+    # checked one by one for each of its choices, took seconds); else item by item, for the message.
+    if all(type(x) is int for x in items) and (not items or (min(items) >= 0 and max(items) <= INT32_MAX)):
+        return items
     return [check_int(f"{name}[{i}]", x, 0) for i, x in enumerate(items)]
 
 
@@ -49,6 +53,9 @@ class SamplingParams:
     pinned_positions: Optional[Sequence[int]] = None  # first-block positions held at their seed_canvas token
     allowed_token_ids: Optional[Sequence[int]] = None  # only these may be sampled, accepted or output
     self_conditioning: bool = True  # False: no step sees the previous step's logits (an ablation)
+    # True: where the length limit would reach past max_position_embeddings or the whole KV
+    # cache, generate the whole blocks that fit instead (vLLM's rule without max_tokens).
+    fit_to_context: bool = False
 
     def __post_init__(self):
         self._checked()
@@ -78,6 +85,7 @@ class SamplingParams:
         pinned = v["pinned_positions"] = _int_list("pinned_positions", self.pinned_positions, allow_empty=True)
         v["allowed_token_ids"] = _int_list("allowed_token_ids", self.allowed_token_ids)
         v["self_conditioning"] = check_bool("self_conditioning", self.self_conditioning)
+        v["fit_to_context"] = check_bool("fit_to_context", self.fit_to_context)
         if pinned and not seed_canvas:
             raise ValueError("pinned_positions needs a seed_canvas to take the pinned tokens from")
         if len(set(pinned)) != len(pinned):
@@ -106,4 +114,5 @@ class SamplingParams:
         p.canvas_length = v.get("canvas_length", 0)
         p.seed_canvas, p.pinned_positions = v["seed_canvas"], v["pinned_positions"]
         p.allowed_token_ids, p.self_conditioning = v["allowed_token_ids"], v["self_conditioning"]
+        p.fit_to_context = v["fit_to_context"]
         return p

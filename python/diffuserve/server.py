@@ -31,6 +31,12 @@ from .sampling import SamplingParams
 from .stop_strings import StopStringFilter
 
 
+# The most denoise steps a request may ask of each block, unless the server is told otherwise: a
+# block of a model that never converges runs all its steps, and one request of 2^31 steps had
+# held its engine slots for as long as its client waited.
+MAX_DENOISING_STEPS_LIMIT = 1024
+
+
 @dataclass
 class ChoiceEvent:
     """What one choice adds to the response: new text, the current draft, or its end."""
@@ -75,6 +81,18 @@ class _Choice:
     async def close(self) -> None:
         await self._updates.aclose()  # aborts the request when it has not finished
 
+    def _tokens_through(self, token_ids: List[int], end: int) -> int:
+        """How many of token_ids the output's text takes through character `end`: the fewest
+        whose text is that long (a binary search: a few decodes, once a request)."""
+        lo, hi = 1, len(token_ids)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if len(self.server.tokenizer.decode_output(token_ids[:mid])) >= end:
+                hi = mid
+            else:
+                lo = mid + 1
+        return hi
+
     async def events(self) -> AsyncIterator[ChoiceEvent]:
         detokenizer = IncrementalDetokenizer(self.server.tokenizer)
         stops = StopStringFilter(self._stop)
@@ -91,6 +109,8 @@ class _Choice:
                 denoise_steps = output.denoise_steps if output is not None else progress.denoise_steps
                 if stops.stopped:
                     event.finish_reason = "stop"  # leaving the loop closes the request: it is aborted
+                    # The output, and its usage, end with the token that ends the stop string.
+                    generated = await asyncio.to_thread(self._tokens_through, token_ids, stops.stop_end)
                 elif output is not None:
                     event.finish_reason = output.finish_reason
                 self.text += event.text
@@ -107,12 +127,14 @@ class _Choice:
 
 
 class _Server:
-    def __init__(self, engine: AsyncLLM, model_name: str):
+    def __init__(self, engine: AsyncLLM, model_name: str,
+                 max_denoising_steps_limit: int = MAX_DENOISING_STEPS_LIMIT):
         if engine.tokenizer is None:
             raise ValueError("the server needs a tokenizer: the checkpoint has no tokenizer.json")
         self.engine = engine
         self.tokenizer = engine.tokenizer
         self.model_name = model_name
+        self.max_denoising_steps_limit = max_denoising_steps_limit
         generation = engine.llm.model.config["generation"]
         self.defaults = {"t_min": generation["t_min"], "t_max": generation["t_max"]}
         self.eos_token_ids = list(generation["eos_token_ids"])
@@ -137,7 +159,8 @@ class _Server:
     async def run(self, request: Request, body, prompts: List[List[int]], max_tokens: Optional[int], fmt):
         # In a worker thread, as the prompts' encoding: n choices each check the request's lists
         # (200,000 allowed ids and n = 128 had kept /health waiting 50 s).
-        params = await asyncio.to_thread(body.sampling_params, self.defaults, max_tokens)
+        params = await asyncio.to_thread(body.sampling_params, self.defaults, max_tokens,
+                                         self.max_denoising_steps_limit)
         stop = body.stop_strings()
         usage = Usage()
         choices = []
@@ -344,11 +367,12 @@ def check_api_key(api_key: Optional[str]) -> None:
                          "header carries it")
 
 
-def build_app(engine: AsyncLLM, model_name: str, api_key: Optional[str] = None) -> FastAPI:
+def build_app(engine: AsyncLLM, model_name: str, api_key: Optional[str] = None,
+              max_denoising_steps_limit: int = MAX_DENOISING_STEPS_LIMIT) -> FastAPI:
     """The FastAPI app serving `engine` under `model_name`. The app owns the engine: its
     shutdown aborts what is still running and stops the engine thread."""
     check_api_key(api_key)
-    server = _Server(engine, model_name)
+    server = _Server(engine, model_name, max_denoising_steps_limit)
 
     @asynccontextmanager
     async def lifespan(app):
@@ -358,8 +382,10 @@ def build_app(engine: AsyncLLM, model_name: str, api_key: Optional[str] = None) 
     app = FastAPI(title="diffuserve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
 
     def authenticate(request: Request):
-        given = request.headers.get("authorization", "")
-        if api_key is not None and not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
+        if api_key is None:
+            return
+        scheme, _, key = request.headers.get("authorization", "").strip().partition(" ")
+        if not (scheme.lower() == "bearer" and hmac.compare_digest(key.strip().encode(), api_key.encode())):
             raise ApiError(401, "invalid or missing API key (send Authorization: Bearer <key>)",
                            code="invalid_api_key")
 
@@ -367,7 +393,7 @@ def build_app(engine: AsyncLLM, model_name: str, api_key: Optional[str] = None) 
 
     @app.exception_handler(ApiError)
     async def api_error(request, e: ApiError):
-        return _error(e)
+        return _error(e, {"WWW-Authenticate": "Bearer"} if e.status == 401 else None)
 
     @app.exception_handler(HTTPException)
     async def http_error(request, e: HTTPException):  # its headers kept: a 405's Allow had been dropped

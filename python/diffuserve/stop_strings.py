@@ -22,6 +22,7 @@ class StopStringFilter:
         self._text = ""       # everything received, up to a stop string
         self._released = 0    # characters of it handed out
         self.stopped = False  # a stop string was found; the rest of the output is dropped
+        self.stop_end = 0     # once stopped: where in the text received that stop string ends
 
     def push(self, piece: str, final: bool = False) -> str:
         """Adds text; returns what is now safe to release. final: no more text follows."""
@@ -30,7 +31,7 @@ class StopStringFilter:
         self._text += piece
         found = [(i + len(s), i) for s in self._stop if (i := self._text.find(s, self._released)) >= 0]
         if found:
-            cut = min(found)[1]
+            self.stop_end, cut = min(found)
             self._text = self._text[:cut]
             self.stopped = True
             end = cut

@@ -29,6 +29,11 @@ struct SamplingParams {
   float confidence_threshold = 0.005f;
   std::vector<int32_t> eos_token_ids;
   std::optional<uint64_t> seed;  // unset: a fresh random seed (reported in the output)
+  // true: where the length limit (max_new_tokens, max_length) would reach past
+  // max_position_embeddings or the whole KV cache, generate the whole blocks that fit instead
+  // (at least one: a prompt that leaves none is still refused). vLLM's rule for a request that
+  // gives no max_tokens: the server sets it then.
+  bool fit_to_context = false;
 
   // Diffusion options (as vLLM offers them):
   int canvas_length = 0;                   // 0: the model's; else a narrower canvas
