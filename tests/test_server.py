@@ -235,6 +235,7 @@ def test_draft_streaming(base_url):
     ("completions", {"model": MODEL, "prompt": "x", "max_denoising_steps": 2**31 - 1}, 400, "max_denoising_steps",
      "invalid_value"),
     ("completions", {"model": MODEL, "prompt": "x", "stream_drafts": True}, 400, "stream_drafts", None),
+    ("completions", '{"model": "%s", "prompt": "x", "seed": 1%s}' % (MODEL, "0" * 5000), 400, None, None),
     # user is OpenAI's string (a dict or a number had been accepted).
     ("completions", {"model": MODEL, "prompt": "x", "user": {"id": 1}}, 400, "user", "invalid_value"),
     ("chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "user": 5}, 400, "user",
@@ -247,6 +248,16 @@ def test_error_bodies(base_url, path, body, status, param, code):
     error = r.json()["error"]
     assert set(error) == {"message", "type", "param", "code"} and error["message"]
     assert (error["param"], error["code"]) == (param, code)
+
+
+@pytest.mark.parametrize("body, says", [
+    ('{"model": "%s", "prompt": "a\\ud800b"}' % MODEL, "prompt is not valid Unicode"),
+    ('{"model": "%s", "prompt": "x", "seed": 1%s}' % (MODEL, "0" * 5000), "a number of 5001 digits"),
+])
+def test_error_messages_name_what_the_client_sent(base_url, body, says):
+    """Not the tokenizer's "text", nor Python's advice to raise sys.set_int_max_str_digits."""
+    r = httpx.post(f"{base_url}/v1/completions", content=body, headers={"content-type": "application/json"})
+    assert r.status_code == 400 and says in r.json()["error"]["message"], r.text
 
 
 @pytest.mark.parametrize("method,path,allow", [("GET", "/v1/chat/completions", "POST"),

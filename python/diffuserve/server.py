@@ -23,6 +23,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
+from ._checks import check_unicode
 from .async_llm import AsyncLLM, EngineError
 from .detokenizer import IncrementalDetokenizer, until_eos
 from .protocol import ApiError, ChatCompletionRequest, CompletionRequest, invalid_value, parse
@@ -152,6 +153,7 @@ class _Server:
         if not isinstance(prompt, str):
             return list(prompt)
         try:
+            check_unicode(param, prompt)  # (the tokenizer's own message would name "text")
             return await asyncio.to_thread(self.tokenizer.encode, prompt, add_special_tokens=add_special_tokens)
         except ValueError as e:
             raise ApiError(400, str(e), param=param) from None
@@ -339,6 +341,13 @@ def _refuse_constant(name: str):
     raise ValueError(f"{name} is not a JSON value")
 
 
+def _parse_int(digits: str) -> int:
+    # Python's own refusal of longer ones names an interpreter setting the client cannot change.
+    if len(digits.lstrip("-")) > 4300:
+        raise ValueError(f"a number of {len(digits.lstrip('-'))} digits is past any parameter's range")
+    return int(digits)
+
+
 async def _json_body(request: Request):
     # A compressed body had been parsed as it came ("not valid JSON: 'utf-8' codec can't decode
     # byte 0x8b"), and an uncompressed one labelled gzip taken as it was.
@@ -351,7 +360,8 @@ async def _json_body(request: Request):
     except ClientDisconnect:  # gone before its body was in: nothing to answer, nothing to log
         raise ApiError(400, "the client disconnected while sending the request body") from None
     try:
-        return json.loads(raw, parse_constant=_refuse_constant)  # NaN and Infinity are Python's, not JSON's
+        return json.loads(raw, parse_constant=_refuse_constant,  # NaN and Infinity are Python's, not JSON's
+                          parse_int=_parse_int)
     except ValueError as e:
         raise ApiError(400, f"the request body is not valid JSON: {e}") from None
     except RecursionError:
