@@ -73,6 +73,7 @@ def test_models_and_health(client, base_url):
     with pytest.raises(openai.NotFoundError, match="does not exist"):
         client.models.retrieve("other")
     assert httpx.get(base_url + "/health").status_code == 200
+    assert httpx.head(base_url + "/health").status_code == 200  # as load balancers' checks ask (had been a 405)
 
 
 def test_completion_matches_offline_generation(client, offline):

@@ -417,7 +417,7 @@ def build_app(engine: AsyncLLM, model_name: str, api_key: Optional[str] = None,
     async def internal_error(request, e: Exception):
         return _error(ApiError(500, f"internal error: {e!r}", type="server_error"))
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])  # (load balancers' checks may send HEAD)
     async def health():  # 503 once the engine has failed: no request could be served
         return Response(status_code=200 if server.engine.alive else 503)
 
