@@ -500,28 +500,56 @@ def test_concurrent_streams_with_disconnects(base_url):
     assert m["diffuserve_denoise_steps_per_block_count"] > 0 and m["diffuserve_generation_tokens_total"] > 0
 
 
-def test_graceful_shutdown_finishes_running_requests(checkpoint):
+def _serve_process(checkpoint, *options):
+    """`diffuserve serve` in a process of its own, once it answers /health: (process, port)."""
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "diffuserve", "serve", checkpoint, "--port", str(port),
-                             "--served-model-name", MODEL, "--log-level", "warning"], stderr=subprocess.PIPE)
+                             "--served-model-name", MODEL, "--log-level", "warning", *options],
+                            stderr=subprocess.PIPE)
+    deadline = time.time() + 60
+    while True:
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
+                return proc, port
+        except httpx.TransportError:
+            assert time.time() < deadline and proc.poll() is None, proc.stderr.read().decode()
+            time.sleep(0.1)
+
+
+def _stream_through_sigint(proc, port, body) -> list:
+    """The data lines of a streamed completion, SIGINT sent to the server after the first."""
+    with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/completions", json={**body, "stream": True},
+                      timeout=60) as r:
+        lines = r.iter_lines()
+        first = next(line for line in lines if line.startswith("data: "))
+        proc.send_signal(signal.SIGINT)
+        return [first] + [line for line in lines if line.startswith("data: ")]
+
+
+def test_graceful_shutdown_finishes_running_requests(checkpoint):
+    proc, port = _serve_process(checkpoint)
     try:
-        deadline = time.time() + 60
-        while True:
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                assert time.time() < deadline and proc.poll() is None, proc.stderr.read().decode()
-                time.sleep(0.1)
-        body = {"model": MODEL, "prompt": "bye", "max_tokens": 128, "seed": 0, "stream": True,
-                "max_denoising_steps": 48, "confidence_threshold": 1e-30}
-        with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=60) as r:
-            lines = r.iter_lines()
-            first = next(line for line in lines if line.startswith("data: "))
-            proc.send_signal(signal.SIGINT)  # the running request still completes
-            rest = [line for line in lines if line.startswith("data: ")]
-        assert json.loads(first[6:])["choices"][0]["finish_reason"] is None
-        assert rest[-1] == "data: [DONE]" and json.loads(rest[-2][6:])["choices"][0]["finish_reason"] == "length"
+        body = {"model": MODEL, "prompt": "bye", "max_tokens": 128, "seed": 0, "max_denoising_steps": 48,
+                "confidence_threshold": 1e-30}
+        lines = _stream_through_sigint(proc, port, body)  # the running request still completes
+        assert json.loads(lines[0][6:])["choices"][0]["finish_reason"] is None
+        assert lines[-1] == "data: [DONE]" and json.loads(lines[-2][6:])["choices"][0]["finish_reason"] == "length"
+        assert proc.wait(timeout=30) == 0
+    finally:
+        proc.kill()
+
+
+def test_shutdown_timeout_ends_streams_with_an_error(checkpoint):
+    """A request still running a second before --shutdown-timeout runs out is ended by the
+    engine: its stream gets an error event and [DONE] (the connection had been dropped
+    mid-response, which a client cannot tell from a network fault)."""
+    proc, port = _serve_process(checkpoint, "--shutdown-timeout", "2")
+    try:
+        body = {"model": MODEL, "prompt": "long", "max_tokens": 2048, "seed": 0, "max_denoising_steps": 1024,
+                "confidence_threshold": 1e-30}
+        lines = _stream_through_sigint(proc, port, body)
+        assert lines[-1] == "data: [DONE]"
+        assert "shutting down" in json.loads(lines[-2][6:])["error"]["message"]
         assert proc.wait(timeout=30) == 0
     finally:
         proc.kill()

@@ -112,10 +112,12 @@ class AsyncLLM:
         return self._error is None and not self._stopping and self._thread.is_alive()
 
     def shutdown(self) -> None:
-        """Aborts what is still running and stops the engine thread."""
+        """Aborts what is still running and stops the engine thread (after the current pass of
+        a step in progress). Calls after the first wait for the thread to have stopped."""
         with self._lock:
             self._stopping = True
             self._commands.put(("stop", None, None))
+        self.llm.interrupt()
         self._thread.join()
 
     # The engine thread.

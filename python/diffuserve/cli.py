@@ -71,25 +71,23 @@ def _load(path: Optional[str], args):
 
 
 def serve(args) -> None:
-    import uvicorn
-
+    from . import server
     from .async_llm import AsyncLLM
-    from .server import build_app, check_api_key
 
     try:
-        check_api_key(args.api_key)
+        server.check_api_key(args.api_key)
     except ValueError as e:
         sys.exit(f"error: --api-key (or DIFFUSERVE_API_KEY): {e}")
     llm = _load(args.model, args)
     if llm.tokenizer is None:
         sys.exit(f"error: {args.model} has no tokenizer.json; the server needs one to read and write text")
     name = args.served_model_name or args.model or "diffuserve-sudoku"  # no model: the bundled one
-    app = build_app(AsyncLLM(llm), name, api_key=args.api_key,
-                    max_denoising_steps_limit=args.max_denoising_steps_limit)
+    engine = AsyncLLM(llm)
+    app = server.build_app(engine, name, api_key=args.api_key,
+                           max_denoising_steps_limit=args.max_denoising_steps_limit)
     print(f"serving {name} at http://{args.host}:{args.port}/v1"
           + (" (API key required)" if args.api_key else ""), file=sys.stderr)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
-                timeout_graceful_shutdown=args.shutdown_timeout)
+    server.serve(app, engine, args.host, args.port, args.log_level, args.shutdown_timeout)
 
 
 def generate(args) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import threading
 import time
 import uuid
 from contextlib import asynccontextmanager
@@ -461,6 +462,29 @@ def build_app(engine: AsyncLLM, model_name: str, api_key: Optional[str] = None,
 
     app.include_router(v1)
     return app
+
+
+def serve(app: FastAPI, engine: AsyncLLM, host: str, port: int, log_level: str, shutdown_timeout: float) -> None:
+    """Runs `app` (serving `engine`) with uvicorn until Ctrl-C / SIGTERM, then lets running
+    requests finish for shutdown_timeout seconds. A second before that runs out, the engine ends
+    what still runs: its clients get an error event and [DONE] (a stream) or a 503, where the
+    end of uvicorn's grace period alone would drop their connections mid-response."""
+    import uvicorn
+
+    ending = threading.Timer(max(0.0, shutdown_timeout - 1.0), engine.shutdown)
+    ending.daemon = True  # (a server whose requests all finish in time exits without waiting for it)
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame) -> None:
+            super().handle_exit(sig, frame)
+            if ending.ident is None:  # the first signal starts it; a second one forces the exit
+                ending.start()
+
+    try:
+        Server(uvicorn.Config(app, host=host, port=port, log_level=log_level,
+                              timeout_graceful_shutdown=shutdown_timeout)).run()
+    except KeyboardInterrupt:  # uvicorn raises the Ctrl-C it held back once it has shut down (as uvicorn.run)
+        pass
 
 
 def _error(e: ApiError, headers: Optional[Dict[str, str]] = None) -> JSONResponse:
