@@ -433,6 +433,9 @@ def test_health_fails_once_the_engine_has(offline):
         def step(self):
             raise RuntimeError("a bug in the engine")
 
+        def interrupt(self):
+            pass
+
     engine = AsyncLLM(FailingLLM())
     deadline = time.monotonic() + 30
     while engine.alive and time.monotonic() < deadline:
