@@ -107,7 +107,8 @@ def generate(args) -> None:
         else:
             prompt = tokenizer.encode(args.prompt)
         params = SamplingParams(max_new_tokens=args.max_tokens, seed=args.seed,
-                                max_denoising_steps=args.max_denoising_steps)
+                                max_denoising_steps=args.max_denoising_steps,
+                                fit_to_context=args.max_tokens is None)  # (as the server without max_tokens)
         request_id = llm.add_request(prompt, params)
     except ValueError as e:
         sys.exit(f"error: {e}")
@@ -259,7 +260,7 @@ def parser() -> argparse.ArgumentParser:
                                                     "template)")
     p.add_argument("--model", "-m", help="checkpoint directory (default: the bundled Sudoku model)")
     p.add_argument("--max-tokens", type=_in_range(int, 1, INT32_MAX), default=None,
-                   help="output length cap (default: the checkpoint's)")
+                   help="output length cap (default: the checkpoint's, cut to the blocks the context has room for)")
     p.add_argument("--max-denoising-steps", type=_in_range(int, 1, INT32_MAX), default=None,
                    help="decoder passes per block at most")
     p.add_argument("--seed", type=_in_range(int, 0, 2**64 - 1), default=None, help="seed for a reproducible answer")
