@@ -254,6 +254,7 @@ def test_error_bodies(base_url, path, body, status, param, code):
 @pytest.mark.parametrize("body, says", [
     ('{"model": "%s", "prompt": "a\\ud800b"}' % MODEL, "prompt is not valid Unicode"),
     ('{"model": "%s", "prompt": "x", "seed": 1%s}' % (MODEL, "0" * 5000), "a number of 5001 digits"),
+    ('{"model": "%s", "prompt": "x", "\\ud800": 1}' % MODEL, "a parameter's name is not valid Unicode"),
 ])
 def test_error_messages_name_what_the_client_sent(base_url, body, says):
     """Not the tokenizer's "text", nor Python's advice to raise sys.set_int_max_str_digits."""

@@ -265,6 +265,11 @@ def parse(model: type, body: Any):
     # OpenAI's parameters are nullable, null meaning the default (the openai client sends an explicit
     # None as null): n or stream as null, or logit_bias, had been refused.
     body = {name: value for name, value in body.items() if value is not None}
+    for name in body:  # (pydantic names no field for a name it cannot read: "invalid value for ''")
+        try:
+            check_unicode("a parameter's name", name)
+        except ValueError as e:
+            raise ApiError(400, f"{e}: {name!r}") from None
     for name, neutral in _NEUTRAL.items():
         if name in body and _is_neutral(body[name], neutral):
             del body[name]  # the value that changes nothing
