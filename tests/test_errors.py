@@ -9,6 +9,7 @@ import os
 import pathlib
 import re
 import shutil
+import socket
 import struct
 import subprocess
 import sys
@@ -560,6 +561,7 @@ def test_self_conditioning_row_all_neg_inf(seq):
     (["sudoku", "--output", "out.txt"], "--output needs --eval"),
     (["sudoku", "0" * 81, "--eval", "in.txt"], "give PUZZLE or --eval FILE, not both"),
     (["sudoku", "0" * 81, "--givens", "30"], "--givens is for a generated puzzle, not for PUZZLE or --eval FILE"),
+    (["sudoku", "--eval", "in.txt", "--output", "./in.txt"], "--output is the --eval file itself"),
 ])
 def test_cli_bad_values_are_usage_errors(args, message):
     """A bad option value is argparse's usage error naming the option (exit 2), before any
@@ -576,7 +578,26 @@ def test_cli_prompt_not_unicode(raw):
     result = subprocess.run([sys.executable, "-m", "diffuserve", "generate", prompt, *raw], capture_output=True,
                             text=True, timeout=120)
     assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
-    assert "error: the prompt is not valid Unicode: surrogates not allowed at character 1" in result.stderr
+    assert "error: the prompt is not valid UTF-8: byte 0xff at character 1" in result.stderr
+
+
+def test_cli_refuses_an_address_it_cannot_listen_on():
+    """A port in use is an error line before the model loads (uvicorn's had come among its log
+    lines, after "serving ... at")."""
+    with socket.create_server(("127.0.0.1", 0)) as busy:
+        port = busy.getsockname()[1]
+        result = subprocess.run([sys.executable, "-m", "diffuserve", "serve", "--port", str(port)],
+                                capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
+    assert f"error: cannot listen on 127.0.0.1:{port}" in result.stderr and "serving" not in result.stderr
+
+
+def test_cli_eval_file_that_is_not_utf8(tmp_path):
+    puzzles = tmp_path / "puzzles.txt"
+    puzzles.write_bytes(b"\xff\xfe\n")
+    result = subprocess.run([sys.executable, "-m", "diffuserve", "sudoku", "--eval", str(puzzles)],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1 and f"error: {puzzles} is not UTF-8 text" in result.stderr, result.stderr
 
 
 def test_cli_names_the_device_as_given():
@@ -649,6 +670,15 @@ def test_non_finite_logits_fail_the_request(nan_dir):
                                                      r"step \d+ of block 0"):
             llm.generate([[2, 3, 4], [5, 6]], ds.SamplingParams(max_new_tokens=16, seed=0))
         assert not llm.has_unfinished()
+
+
+def test_cli_bench_fails_on_failed_requests(nan_dir):
+    """No throughput table for requests that failed (it had printed ~16,000 tok/s and exit 0)."""
+    result = subprocess.run([sys.executable, "-m", "diffuserve", "bench", str(nan_dir), "--concurrency", "1",
+                             "--prompt-tokens", "4", "--max-tokens", "8", "--steps", "1"],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1 and "error: a request failed: the model's logits held NaN" in result.stderr
+    assert "tok/s |" not in result.stdout, result.stdout
 
 
 def test_non_finite_logits_fail_the_server_request(nan_dir):

@@ -596,6 +596,8 @@ def test_params_checked_against_the_model(checkpoints, kwargs, name):
     ([[3], [4]], [ds.SamplingParams()] * 3, "3 SamplingParams for 2 prompts"),
     ([[3]], [{"seed": 1}], "SamplingParams"),
     ([[3]], ds.SamplingParams(max_new_tokens=10**9), "max_position_embeddings"),
+    # True beside ints (numpy had made it the id 1), and one empty array prompt (it had returned []).
+    ([[True, 5]], None, "must be integers, got True at index 0"), (np.array([], np.int32), None, "empty"),
 ])
 def test_bad_generate_calls(checkpoints, prompts, params, match):
     with pytest.raises(ValueError, match=match):
@@ -611,6 +613,20 @@ def test_a_prompt_too_long_for_any_block_is_blamed_on_the_prompt(checkpoints):
         llm.generate([[3] * (cfg["max_position_embeddings"] - 7)], ds.SamplingParams(max_new_tokens=1))
     with pytest.raises(ValueError, match="max_new_tokens 9: the prompt"):
         llm.generate([[3] * (cfg["max_position_embeddings"] - 8)], ds.SamplingParams(max_new_tokens=9))
+
+
+def test_id_lists_may_be_iterators(checkpoints):
+    """A generator of ids is read once: its check had used it up, so that EOS ids given so were
+    none (the output ran to max_new_tokens), and a seed canvas or allowed ids "empty"."""
+    llm = ds.LLM(checkpoints["small"])
+
+    def out(make):
+        params = ds.SamplingParams(max_new_tokens=16, seed=0, eos_token_id=make([5]), allowed_token_ids=make([5, 6]),
+                                   seed_canvas=make([6] * 8))
+        return llm.generate([[3, 4]], params)[0]
+
+    assert (out(iter).token_ids, out(iter).finish_reason) == (out(list).token_ids, out(list).finish_reason)
+    assert out(list).finish_reason == "stop"
 
 
 def test_fit_to_context_generates_the_blocks_that_fit(tmp_path):

@@ -29,6 +29,10 @@ def run(llm: LLM, concurrency: List[int], prompt_tokens: int, max_tokens: int, s
     vocab = llm.model.vocab_size
     params = SamplingParams(max_new_tokens=max_tokens, max_denoising_steps=steps, confidence_threshold=1e-30,
                             eos_token_id=[], seed=0)
+    positions = llm.model.config["max_position_embeddings"]
+    if prompt_tokens + llm.model.canvas_length > positions:  # before the prompts are drawn (2^31 tokens each)
+        raise ValueError(f"--prompt-tokens {prompt_tokens} leaves no room for a block within max_position_embeddings "
+                         f"({positions})")
     rows = []
     for n in concurrency:
         prompts = [rng.integers(0, vocab, prompt_tokens).tolist() for _ in range(n)]  # fresh: no prefix-cache hits
@@ -38,7 +42,10 @@ def run(llm: LLM, concurrency: List[int], prompt_tokens: int, max_tokens: int, s
             ids = [llm.add_request(p, params) for p in prompts]
             finished = {}  # request id -> tokens
             while llm.has_unfinished():
-                finished.update((out.request_id, len(out.token_ids)) for out in llm.step())
+                for out in llm.step():
+                    if out.finish_reason == "error":  # no throughput to report (it had been counted)
+                        raise ValueError(f"a request failed: {out.error}")
+                    finished[out.request_id] = len(out.token_ids)
                 made = sum(finished[r] if r in finished else len(llm.generated(r)) for r in ids)
                 bar.update(made - bar.n)
             seconds = time.perf_counter() - start

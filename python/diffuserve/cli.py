@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import os
 import random
+import socket
 import sys
 import threading
 import time
@@ -70,6 +71,33 @@ def _load(path: Optional[str], args):
             loaded.set()
 
 
+def _check_utf8_argument(name: str, text: str) -> None:
+    """A command-line argument's bytes that are not UTF-8 reach Python as the surrogates
+    U+DC80..U+DCFF (surrogateescape): say so, naming the first byte, not "surrogates"."""
+    at = next((i for i, c in enumerate(text) if "\udc80" <= c <= "\udcff"), None)
+    if at is not None:
+        raise ValueError(f"{name} is not valid UTF-8: byte 0x{ord(text[at]) - 0xDC00:02x} at character {at}")
+
+
+def _utf8_lines(f, path: str):
+    """The lines of a text file opened as UTF-8; bytes that are not UTF-8 are an error naming the file."""
+    try:
+        yield from f
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path} is not UTF-8 text: {e.reason} (byte 0x{e.object[e.start]:02x})") from None
+
+
+def _check_listening(host: str, port: int) -> None:
+    """Refuses, before the model loads, an address the server could not listen on (a port in use,
+    a host that is no address of this machine): uvicorn's own refusal comes among its log lines."""
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+        with socket.create_server((host, port), family=family):
+            pass
+    except OSError as e:
+        sys.exit(f"error: cannot listen on {host}:{port}: {e.strerror or e}")
+
+
 def serve(args) -> None:
     from . import server
     from .async_llm import AsyncLLM
@@ -78,6 +106,7 @@ def serve(args) -> None:
         server.check_api_key(args.api_key)
     except ValueError as e:
         sys.exit(f"error: --api-key (or DIFFUSERVE_API_KEY): {e}")
+    _check_listening(args.host, args.port)
     llm = _load(args.model, args)
     if llm.tokenizer is None:
         sys.exit(f"error: {args.model} has no tokenizer.json; the server needs one to read and write text")
@@ -99,6 +128,7 @@ def generate(args) -> None:
     if tokenizer is None:
         sys.exit(f"error: {args.model} has no tokenizer.json, so it cannot read text")
     try:  # the prompt's text (not valid Unicode: an error naming its own character) and the parameters
+        _check_utf8_argument("the prompt", args.prompt)
         check_unicode("the prompt", args.prompt)
         if tokenizer.chat_template is not None and not args.raw:
             text = tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}],
@@ -125,6 +155,8 @@ def generate(args) -> None:
     seconds = time.perf_counter() - start
     print(f"[{len(output.token_ids)} tokens in {len(output.denoise_steps)} blocks, {sum(output.denoise_steps)} "
           f"denoise steps, {seconds:.2f} s, finish: {output.finish_reason}, seed {output.seed}]", file=sys.stderr)
+    if output.finish_reason == "error":  # (it had exited 0, the reason unsaid)
+        sys.exit(f"error: {output.error}")
 
 
 def bench(args) -> None:
@@ -147,14 +179,16 @@ def sudoku(args) -> None:
         args.parser.error("--output needs --eval (it writes the answers to the puzzles of --eval FILE)")
     if args.givens is not None and (args.eval is not None or args.puzzle is not None):
         args.parser.error("--givens is for a generated puzzle, not for PUZZLE or --eval FILE")
+    if args.output is not None and os.path.realpath(args.output) == os.path.realpath(args.eval):
+        args.parser.error("--output is the --eval file itself: its puzzles would be overwritten by the answers")
     args.slice_steps = 1  # the live view redraws after every denoise step
     llm = _load(args.model, args)
     try:
         digits = sd.digit_token_ids(llm.tokenizer)
         if args.eval is not None:
             puzzles = []
-            with open(args.eval) as f:
-                for number, line in enumerate(f, 1):
+            with open(args.eval, encoding="utf-8-sig") as f:  # (a byte-order mark is no cell)
+                for number, line in enumerate(_utf8_lines(f, args.eval), 1):
                     try:
                         if line.strip():
                             puzzles.append(sd.check_puzzle(sd.parse(line)))
@@ -188,6 +222,8 @@ def sudoku(args) -> None:
                 print("\033[11F", end="")  # back to the top of the grid: redraw in place
             print(sd.format_grid(sd.grid_of(draft, digits), givens), flush=True)
             drawn = True
+    if output.finish_reason == "error":  # no grid to show (it had failed drawing one)
+        sys.exit(f"error: {output.error}")
     grid = sd.grid_of(output.token_ids, digits)
     if not live:
         print(sd.format_grid(grid))

@@ -160,7 +160,8 @@ class LLM:
         if not isinstance(prompts, (str, list, tuple, np.ndarray)) or getattr(prompts, "ndim", 1) == 0:
             got = f"a 0-d array, {prompts!r}" if isinstance(prompts, np.ndarray) else type(prompts).__name__
             raise ValueError(f"prompts must be a list of prompts (token ids or text), got {got}")
-        if isinstance(prompts, str) or (len(prompts) and not hasattr(prompts[0], "__len__")):
+        if isinstance(prompts, str) or (len(prompts) and not hasattr(prompts[0], "__len__")) or \
+                (isinstance(prompts, np.ndarray) and prompts.ndim == 1):  # (an empty one too: had returned [])
             prompts = [prompts]  # a single prompt: one text, or one list of ids
         plist = [params if params is not None else SamplingParams()] if not isinstance(params, (list, tuple)) \
             else list(params)

@@ -33,6 +33,14 @@ def _int_list(name: str, value, allow_empty: bool = False) -> list:
     return [check_int(f"{name}[{i}]", x, 0) for i, x in enumerate(items)]
 
 
+def _iter_once(value) -> bool:
+    """Whether value is an iterator (a generator, say): iterating it uses it up."""
+    try:
+        return iter(value) is value
+    except TypeError:
+        return False
+
+
 @dataclass
 class SamplingParams:
     max_new_tokens: Optional[int] = None
@@ -58,6 +66,12 @@ class SamplingParams:
     fit_to_context: bool = False
 
     def __post_init__(self):
+        # An iterator of ids is read once, here: its check would otherwise use it up, and the
+        # runtime get none (a generator of EOS ids had switched EOS off).
+        for name in ("eos_token_id", "seed_canvas", "pinned_positions", "allowed_token_ids"):
+            value = getattr(self, name)
+            if value is not None and not is_int(value) and _iter_once(value):
+                setattr(self, name, list(value))
         self._checked()
 
     def _checked(self) -> dict:
