@@ -562,6 +562,7 @@ def test_self_conditioning_row_all_neg_inf(seq):
     (["sudoku", "0" * 81, "--eval", "in.txt"], "give PUZZLE or --eval FILE, not both"),
     (["sudoku", "0" * 81, "--givens", "30"], "--givens is for a generated puzzle, not for PUZZLE or --eval FILE"),
     (["sudoku", "--eval", "in.txt", "--output", "./in.txt"], "--output is the --eval file itself"),
+    (["sudoku", "--eval", "in.txt", "--output", "/nonexistent/out.txt"], "not a file in an existing folder"),
 ])
 def test_cli_bad_values_are_usage_errors(args, message):
     """A bad option value is argparse's usage error naming the option (exit 2), before any
@@ -648,7 +649,8 @@ def nan_dir(tmp_path_factory, valid_dir):
 def test_non_finite_logits_are_refused_by_denoise(nan_dir):
     s = ds.Model.load(nan_dir).sequence()
     s.prefill(PROMPT)
-    with pytest.raises(ValueError, match=r"denoise: the model's logits hold NaN at row 0, column 0: .* not finite"):
+    with pytest.raises(ds.CheckpointError,  # (as generate's: the weights' fault, not the caller's)
+                       match=r"denoise: the model's logits hold NaN at row 0, column 0: .* not finite"):
         s.denoise(np.arange(CANVAS) + 2)
 
 

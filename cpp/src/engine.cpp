@@ -149,7 +149,9 @@ int64_t blocks_that_fit(const ModelConfig& c, const KvCache& kv, int64_t prompt,
 
 }  // namespace
 
-Engine::Engine(std::shared_ptr<Model> model, bool fuse_commit) : model_(std::move(model)), fuse_commit_(fuse_commit) {}
+Engine::Engine(std::shared_ptr<Model> model, bool fuse_commit) : model_(std::move(model)), fuse_commit_(fuse_commit) {
+  if (!model_) throw InvalidArgument("Engine: the model is null");
+}
 
 Engine::~Engine() {
   const auto lock = model_->state().lock();

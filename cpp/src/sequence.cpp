@@ -82,7 +82,7 @@ std::shared_ptr<Model> Model::load(const std::string& path, const LoadOptions& o
     throw InvalidArgument("kv_block_size must be >= 1, got " + std::to_string(options.kv_block_size));
   if (options.max_num_seqs < 1)
     throw InvalidArgument("max_num_seqs must be >= 1, got " + std::to_string(options.max_num_seqs));
-  if (!std::filesystem::is_directory(path)) throw FormatError(path + ": not a checkpoint directory");
+  if (!std::filesystem::is_directory(path)) throw FormatError("'" + path + "' is not a checkpoint directory");
   auto state = std::make_unique<ModelState>();
   state->path = path;
   state->device = options.device;
@@ -266,7 +266,7 @@ std::vector<float> Sequence::denoise(std::span<const int32_t> canvas, const floa
   const auto bad = std::find_if(out.begin(), out.end(), [](float x) { return !std::isfinite(x); });
   if (bad != out.end()) {
     const int64_t at = bad - out.begin();
-    throw InvalidArgument("denoise: the model's logits hold " + std::string(std::isnan(*bad) ? "NaN" : "infinity") +
+    throw FormatError("denoise: the model's logits hold " + std::string(std::isnan(*bad) ? "NaN" : "infinity") +
                           " at row " + std::to_string(at / vocab) + ", column " + std::to_string(at % vocab) + ": " +
                           kNotFiniteCause);
   }

@@ -181,6 +181,9 @@ def sudoku(args) -> None:
         args.parser.error("--givens is for a generated puzzle, not for PUZZLE or --eval FILE")
     if args.output is not None and os.path.realpath(args.output) == os.path.realpath(args.eval):
         args.parser.error("--output is the --eval file itself: its puzzles would be overwritten by the answers")
+    if args.output is not None and (os.path.isdir(args.output) or
+                                    not os.path.isdir(os.path.dirname(os.path.abspath(args.output)))):
+        args.parser.error(f"--output {args.output}: not a file in an existing folder (checked before any solving)")
     args.slice_steps = 1  # the live view redraws after every denoise step
     llm = _load(args.model, args)
     try:

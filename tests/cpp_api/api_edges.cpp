@@ -110,6 +110,11 @@ const std::map<std::string, std::function<std::string(const std::string&)>> kCas
        for (int i = 0; i < 50 && engine.size(); ++i) engine.step({{1, 100}, {1, 100}}, 100, 1000);
        return std::string("stepped");
      }},
+    {"engine_of_no_model",
+     [](const std::string&) {
+       Engine engine(nullptr);  // (it had crashed)
+       return std::string("constructed");
+     }},
     {"admit_negative_tokens",
      [](const std::string& dir) {
        auto model = load(dir);
