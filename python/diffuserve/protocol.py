@@ -127,9 +127,10 @@ class _GenerationRequest(_Strict):
         greedy = self.temperature == 0
         params = []
         for i in range(self.n):
-            seed = None if self.seed is None else (self.seed + (0 if greedy else i)) % 2**64
-            if greedy and seed is None:
-                seed = 0
+            if greedy:  # every choice the same seed
+                seed = (self.seed or 0) % 2**64
+            else:
+                seed = None if self.seed is None else (self.seed + i) % 2**64
             try:
                 params.append(SamplingParams(
                     max_new_tokens=max_tokens, max_denoising_steps=self.max_denoising_steps, t_min=t_min,
