@@ -66,6 +66,9 @@ def test_a_project_without_cxx20_of_its_own_builds(program):
     ("step_zero_max_batched_tokens", r"step: max_batched_tokens must be >= 1, got 0"),
     ("step_negative_max_encode_tokens", r"step: request 1: max_encode_tokens must be >= 0, got -1"),
     ("engine_of_no_model", r"Engine: the model is null"),  # (it had crashed)
+    # Taken before (Python's SamplingParams refused them): infinite bounds.
+    ("infinite_entropy_bound", r"entropy_bound must be a finite number > 0"),
+    ("infinite_confidence_threshold", r"confidence_threshold must be a finite number > 0"),
 ])
 def test_engine_refuses_bad_plans(program, ckpt, case, message):
     result = run_case(program, ckpt, case)

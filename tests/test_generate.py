@@ -543,6 +543,9 @@ def test_tokens_per_forward_leaves_out_generation_configs_pad_id(checkpoints, tm
     assert got.token_ids == expected[:-1] and got.finish_reason == "stop"
     assert got.tokens_per_forward == pytest.approx(expected_tpf)
     assert got.tokens_per_forward == pytest.approx(sum(t != pad for t in got.token_ids) / sum(got.denoise_steps))
+    # -1 there says "no pad id", as config.json may say it (it had been refused as out of range).
+    (path / "generation_config.json").write_text(json.dumps({**generation, "pad_token_id": -1}))
+    assert ds.LLM(path).model.config["generation"]["pad_token_id"] == -1
 
 
 @pytest.mark.parametrize("kwargs, name", [

@@ -257,7 +257,7 @@ GenerationDefaults load_generation(const std::string& path, const std::vector<in
   // Present, even as [] (no EOS: transformers then never stops early), it wins over config.json's;
   // absent or null, config.json's stands.
   if (f.get("eos_token_id")) g.eos_token_ids = f.int_list_or_empty("eos_token_id", vocab_size - 1);
-  g.pad_token_id = int(f.integer_or("pad_token_id", g.pad_token_id, 0, vocab_size - 1));
+  g.pad_token_id = int(f.integer_or("pad_token_id", g.pad_token_id, -1, vocab_size - 1));
   if (g.t_min < 0) f.fail("t_min", "must be >= 0");
   if (g.t_max <= g.t_min) f.fail("t_max", "must be > t_min");
   if (g.entropy_bound <= 0) f.fail("sampler_config.entropy_bound", "must be > 0");

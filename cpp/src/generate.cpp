@@ -63,7 +63,7 @@ void validate(const SamplingParams& p, const ModelConfig& c) {
                   coldest, kMinTemperature);
     bad("t_max", std::string(text) + ", where the scaled logits may overflow (1e-6 makes sampling greedy already)");
   }
-  if (!(p.entropy_bound > 0) || std::isnan(p.entropy_bound)) bad("entropy_bound", "must be > 0");
+  if (!std::isfinite(p.entropy_bound) || p.entropy_bound <= 0) bad("entropy_bound", "must be a finite number > 0");
   if (p.stability_threshold < 0) bad("stability_threshold", "must be >= 0");
   // A block compares its argmax canvas with the ones it keeps (stability_window, on the host
   // and on the device): bounded, so that one request cannot ask for gigabytes of them (and
@@ -73,7 +73,8 @@ void validate(const SamplingParams& p, const ModelConfig& c) {
         std::to_string(p.stability_threshold) + " with max_denoising_steps " + std::to_string(p.max_denoising_steps) +
             ": a block would keep " + std::to_string(stability_window(p)) + " canvases to compare; at most " +
             std::to_string(kMaxStabilityThreshold) + " (a threshold from max_denoising_steps on never holds)");
-  if (!(p.confidence_threshold > 0) || std::isnan(p.confidence_threshold)) bad("confidence_threshold", "must be > 0");
+  if (!std::isfinite(p.confidence_threshold) || p.confidence_threshold <= 0)
+    bad("confidence_threshold", "must be a finite number > 0");
   check_token_list(p.eos_token_ids, "eos_token_ids", c.vocab_size);
   if (p.canvas_length < 0 || p.canvas_length > c.canvas_length)
     bad("canvas_length", "must be in [1, " + std::to_string(c.canvas_length) + "] (0: the model's), got " +

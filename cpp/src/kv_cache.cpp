@@ -56,7 +56,7 @@ KvCache::KvCache(Backend& backend, const ModelConfig& config, int64_t memory_byt
                             std::to_string(g == kSlidingGroup ? sliding_bytes : memory_bytes - sliding_bytes) +
                             " bytes to the " + (g == kSlidingGroup ? "sliding" : "full") +
                             "-attention layers, too few for one KV block of theirs (" + std::to_string(per_block[g]) +
-                            " bytes)");
+                            " bytes at kv_block_size " + std::to_string(block_size) + ")");
     if (blocks[g] > INT32_MAX)
       throw InvalidArgument("kv_cache_memory_bytes " + std::to_string(memory_bytes) +
                             " makes more than 2^31 KV blocks");

@@ -6,6 +6,7 @@
 // checks that every bad input is an exception naming what is wrong (never a crash or a hang).
 #include <cstdio>
 #include <functional>
+#include <limits>
 #include <map>
 #include <memory>
 #include <string>
@@ -109,6 +110,23 @@ const std::map<std::string, std::function<std::string(const std::string&)>> kCas
        engine.admit(1, 100);
        for (int i = 0; i < 50 && engine.size(); ++i) engine.step({{1, 100}, {1, 100}}, 100, 1000);
        return std::string("stepped");
+     }},
+    // Infinite bounds had been taken (Python's SamplingParams refuses them).
+    {"infinite_entropy_bound",
+     [](const std::string& dir) {
+       auto model = load(dir);
+       SamplingParams p = params(*model, 16);
+       p.entropy_bound = std::numeric_limits<float>::infinity();
+       generate(*model, {{2, 3}}, {p});
+       return std::string("generated");
+     }},
+    {"infinite_confidence_threshold",
+     [](const std::string& dir) {
+       auto model = load(dir);
+       SamplingParams p = params(*model, 16);
+       p.confidence_threshold = std::numeric_limits<float>::infinity();
+       generate(*model, {{2, 3}}, {p});
+       return std::string("generated");
      }},
     {"engine_of_no_model",
      [](const std::string&) {
