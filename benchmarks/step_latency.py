@@ -280,7 +280,7 @@ def main():
             floor = floor_ms(args.quantization, batch, context, kv_element_bytes, bandwidth, rates)
             rows.append((batch, context, step, floor, commit_ms(llm.model, context) if batch == 1 else None, tps))
             commit = "-" if rows[-1][4] is None else f"{rows[-1][4]:.1f} ms"
-            print(f"  measured batch {batch} context {context}: {step:.1f} ms/step, commit {commit}, "
+            print(f"  measured batch {batch} context {context}: {step:.2f} ms/step, commit {commit}, "
                   f"{tps:.0f} tok/s", file=sys.stderr, flush=True)  # seen even if a later row runs out of time
         del llm
         hf = hf_forward_ms(path, 1024) if args.hf else None
@@ -298,7 +298,7 @@ def main():
     print("|------:|--------:|--------:|-----------:|---------:|--------:|----------:|-------------:|")
     for batch, context, step, floor, commit, tps in rows:
         commit_s = f"{commit:.1f}" if commit is not None else "-"
-        print(f"| {batch:>5} | {context:>7} | {step:>7.1f} | {100 * roofline_ms / step:>9.0f}% | {floor:>8.1f} | "
+        print(f"| {batch:>5} | {context:>7} | {step:>7.2f} | {100 * roofline_ms / step:>9.0f}% | {floor:>8.1f} | "
               f"{100 * floor / step:>6.0f}% | {commit_s:>9} | {tps:>12.0f} |")
     if hf is not None:
         ours = rows[0][2]

@@ -648,29 +648,38 @@ class CudaBackend final : public Backend {
     auto timed = op("add_rms_norm");
     cuda::rms_norms(x.data, added(weight, y, 1.0f), written(weights, outputs), {}, x.rows, x.cols, eps, stream_);
   }
-  void add_rms_norm_twice(const Activation& x, const Weight* x_weight, Activation& y, const Weight* y_weight, float eps,
-                          Activation& h, float scale, const Weight* next_weight, Activation* next) override {
-    norms_twice(x.data, {}, x_weight, y, y_weight, eps, h, scale, next_weight, next);
+  void add_rms_norm_twice(const Activation& x, const Weight* x_weight, Activation& y, const Weight* y_first_weight,
+                          const Weight* y_weight, float eps, Activation& h, float scale, const Weight* next_weight,
+                          Activation* next) override {
+    norms_twice(x.data, {}, x_weight, y, y_first_weight, y_weight, eps, h, scale, next_weight, next);
   }
 
-  void add_experts_rms_norm_twice(const ExpertOutput& x, const Weight* x_weight, Activation& y, const Weight* y_weight,
-                                  float eps, Activation& h, float scale, const Weight* next_weight,
-                                  Activation* next) override {
+  void add_experts_rms_norm_twice(const ExpertOutput& x, const Weight* x_weight, Activation& y,
+                                  const Weight* y_first_weight, const Weight* y_weight, float eps, Activation& h,
+                                  float scale, const Weight* next_weight, Activation* next) override {
     const int64_t tokens = x.tokens(), hidden = y.cols;
     if (!x.top_k || !cuda::rms_norms_take_sums(hidden)) {
       Activation summed = x.summed;
       if (x.top_k) sum_experts(x, summed = alloc_output(tokens, hidden));
-      return add_rms_norm_twice(summed, x_weight, y, y_weight, eps, h, scale, next_weight, next);
+      return add_rms_norm_twice(summed, x_weight, y, y_first_weight, y_weight, eps, h, scale, next_weight, next);
     }
-    norms_twice(nullptr, {x.rows.data, x.pair_rows.get(), x.weights.data, x.top_k}, x_weight, y, y_weight, eps, h,
-                scale, next_weight, next);
+    norms_twice(nullptr, {x.rows.data, x.pair_rows.get(), x.weights.data, x.top_k}, x_weight, y, y_first_weight,
+                y_weight, eps, h, scale, next_weight, next);
   }
-  // add_rms_norm_twice's pass over x's rows, or over the sums of `sums` (x null).
+  // add_rms_norm_twice's pass over x's rows, or over the sums of `sums` (x null). Rows the
+  // row kernel takes norm y's old values in the same pass; others in a pass before.
   void norms_twice(const float* x, const cuda::ExpertSums& sums, const Weight* x_weight, Activation& y,
-                   const Weight* y_weight, float eps, Activation& h, float scale, const Weight* next_weight,
-                   Activation* next) {
+                   const Weight* y_first_weight, const Weight* y_weight, float eps, Activation& h, float scale,
+                   const Weight* next_weight, Activation* next) {
+    cuda::NormOutputs first = added(x_weight, y, 1.0f);
+    if (cuda::rms_norms_take_sums(y.cols)) {
+      first.norm_old = true;
+      first.old_weight = y_first_weight ? static_cast<const float*>(y_first_weight->data) : nullptr;
+    } else {
+      rms_norm(y, y_first_weight, y.cols, eps, y);
+    }
     auto timed = op("add_rms_norm");
-    cuda::rms_norms(x, added(x_weight, y, 1.0f), added(y_weight, h, scale),
+    cuda::rms_norms(x, first, added(y_weight, h, scale),
                     next ? written({next_weight}, {next}) : cuda::NormOutputs{}, y.rows, y.cols, eps, stream_, sums);
   }
 

@@ -265,6 +265,19 @@ __device__ __forceinline__ void load_weights(const float* weight, int64_t group,
     for (int i = 0; i < kRowValues; ++i) w[i] = 1.0f;
 }
 
+// v = rms_norm(v) by weight, in place: a row of the row kernel (every thread of the block).
+template <int kWidth>
+__device__ __forceinline__ void rms_norm_row(float (&v)[kRowValues], const float* weight, int64_t group, float eps) {
+  float w[kRowValues];
+  load_weights<kWidth>(weight, group, w);
+  float ss = 0.0f;
+#pragma unroll
+  for (int i = 0; i < kRowValues; ++i) ss += v[i] * v[i];
+  const float inv = powf(block_sum(ss) / float(group) + eps, -0.5f);
+#pragma unroll
+  for (int i = 0; i < kRowValues; ++i) v[i] = norm_output(v[i], inv, w[i], false, 0.0f, 1.0f);
+}
+
 // rms_norms' three norms (outs, then, after) as one parameter, so that one loop body serves
 // all three: with each norm and each of its outputs unrolled the kernel was 7,400 SASS
 // instructions, and ncu found a third of its warps' stalls waiting on instruction fetch.
@@ -286,6 +299,7 @@ __global__ void __launch_bounds__(kMaxThreads, kMaxThreads == kRowKernelPairThre
   if (sums.y) load_expert_sum<kWidth>(sums, g, group, v);
   else load_row<kWidth>(x + g * group, group, v);
   if (outs.accumulate) load_row<kWidth>(outs.y[0] + g * group, group, old);
+  if (outs.norm_old) rms_norm_row<kWidth>(old, outs.old_weight, group, eps);
   if (then.count && then.accumulate && !then_in_place) load_row<kWidth>(then.y[0] + g * group, group, then_old);
   // Each norm of v into its outputs, the first one last; v becomes its values. The weights
   // of the output written first are loaded before the sum, so that their round trip
@@ -941,6 +955,9 @@ void rms_norms(const float* x, const NormOutputs& outs, const NormOutputs& then,
   if (then.count && outs.count > 1) throw std::invalid_argument("rms_norms: `then` normalises one output");
   if (after.count && (then.count != 1 || after.accumulate))
     throw std::invalid_argument("rms_norms: `after` writes the norm of `then`'s one output");
+  if (then.norm_old || after.norm_old || (outs.norm_old && !(outs.accumulate && rms_norms_take_sums(group))))
+    throw std::invalid_argument("rms_norms: only the first norm, accumulating into rows the row kernel takes, norms "
+                                "its old rows");
   if (rms_norms_take_sums(group)) {  // rows that fit the row kernel's registers
     // float4s where every row the kernel touches is whole aligned ones
     bool vector = group % 4 == 0 && reinterpret_cast<uintptr_t>(sums.y ? sums.y : x) % 16 == 0;
@@ -948,6 +965,7 @@ void rms_norms(const float* x, const NormOutputs& outs, const NormOutputs& then,
       for (int k = 0; k < o->count; ++k)
         vector = vector && reinterpret_cast<uintptr_t>(o->y[k]) % 16 == 0 &&
                  reinterpret_cast<uintptr_t>(o->weight[k]) % 16 == 0;
+    vector = vector && reinterpret_cast<uintptr_t>(outs.old_weight) % 16 == 0;
     const int threads = int(((group + kRowValues - 1) / kRowValues + 31) / 32 * 32);
     const auto kernel = !vector                            ? rms_norm_row_kernel<1, kRowKernelThreads>
                         : threads <= kRowKernelPairThreads ? rms_norm_row_kernel<4, kRowKernelPairThreads>

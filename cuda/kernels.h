@@ -306,6 +306,11 @@ struct NormOutputs {
   int count;
   bool accumulate;
   float scale;  // accumulate's
+  // With `accumulate` (rms_norms' first norm, rows that fit the row kernel): y's old rows
+  // normed first by old_weight (null: none), as an rms_norm of y in place would, a launch
+  // fewer (the dense MLP's output norm, folded into the layer's last norm).
+  bool norm_old;
+  const float* old_weight;
 };
 // A MoE layer's rows before the experts' weighted sum: row t is sum_k weights[t, k] *
 // y[inverse[t, k]], in k order (combine_experts' sum, bit for bit).

@@ -384,13 +384,15 @@ class Backend {
     add_rms_norm(x, weight, eps, y);
     rms_norms(y, weights, eps, outputs);
   }
-  // add_rms_norm(x, x_weight, eps, y), then add_rms_norm(y, y_weight, eps, h, scale), then,
-  // where `next` is given, rms_norm(h, next_weight) with whole rows into *next: two branches
-  // joined and added to the residual stream, and the stream's next norm (the next layer's
-  // input norm), in one op, so that a backend may do all in one pass. By default the ops.
-  virtual void add_rms_norm_twice(const Activation& x, const Weight* x_weight, Activation& y, const Weight* y_weight,
-                                  float eps, Activation& h, float scale, const Weight* next_weight = nullptr,
-                                  Activation* next = nullptr) {
+  // rms_norm(y, y_first_weight) in place with whole rows, add_rms_norm(x, x_weight, eps, y),
+  // then add_rms_norm(y, y_weight, eps, h, scale), then, where `next` is given, rms_norm(h,
+  // next_weight) into *next: two branches, each through its norm, joined and added to the
+  // residual stream, and the stream's next norm (the next layer's input norm), in one op,
+  // so that a backend may do all in one pass. By default the ops.
+  virtual void add_rms_norm_twice(const Activation& x, const Weight* x_weight, Activation& y,
+                                  const Weight* y_first_weight, const Weight* y_weight, float eps, Activation& h,
+                                  float scale, const Weight* next_weight = nullptr, Activation* next = nullptr) {
+    rms_norm(y, y_first_weight, y.cols, eps, y);
     add_rms_norm(x, x_weight, eps, y);
     add_rms_norm(y, y_weight, eps, h, scale);
     if (next) rms_norm(h, next_weight, h.cols, eps, *next);
@@ -398,10 +400,11 @@ class Backend {
   // add_rms_norm_twice with an experts' output as x. By default on experts_unsummed's own
   // (summed) output; a backend whose experts_unsummed leaves the sum takes it here.
   virtual void add_experts_rms_norm_twice(const ExpertOutput& x, const Weight* x_weight, Activation& y,
-                                          const Weight* y_weight, float eps, Activation& h, float scale,
-                                          const Weight* next_weight = nullptr, Activation* next = nullptr) {
+                                          const Weight* y_first_weight, const Weight* y_weight, float eps,
+                                          Activation& h, float scale, const Weight* next_weight = nullptr,
+                                          Activation* next = nullptr) {
     if (x.top_k) throw std::logic_error("add_experts_rms_norm_twice: the backend left an expert sum it cannot take");
-    add_rms_norm_twice(x.summed, x_weight, y, y_weight, eps, h, scale, next_weight, next);
+    add_rms_norm_twice(x.summed, x_weight, y, y_first_weight, y_weight, eps, h, scale, next_weight, next);
   }
   // In place on x viewed as [rows, heads, head_dim] (the query and key heads): rms_norm of
   // each head (weight: fp32 [head_dim]), then rotate_half RoPE at `positions` (inv_freq:

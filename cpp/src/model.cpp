@@ -586,21 +586,23 @@ void feed_forward(ModelState& m, int li, const Activation& attn, Activation& h, 
                              {&x, &x2, &router_in});
   // The two branches are independent: the dense MLP's short products may run in the gaps
   // of the experts' (the router's steps before them, the tails of their waves), where the
-  // experts leave room for them. (Its down product and norm then wait for the experts' down
-  // product's last blocks, and the layer's last norm for them: 23 us from the experts' end to
-  // the norm's end at batch 1. Joining the MLP's branch before the experts' products instead,
-  // beside the router alone, measured slower, 17.0-17.1 -> 17.3 ms a batch-1 step (H200,
-  // thirty-fourth session): the experts then started 20 us later, and the norm, which sums
-  // their rows, still ended 13 us after them.)
+  // experts leave room for them. (Its down product then waits for the experts' down
+  // product's last blocks, and the layer's last norm for it: 23 us from the experts' end to
+  // the norm's end at batch 1 while the MLP's own norm was a launch between them. Joining the
+  // MLP's branch before the experts' products instead, beside the router alone, measured
+  // slower, 17.0-17.1 -> 17.3 ms a batch-1 step (H200, thirty-fourth session): the experts
+  // then started 20 us later, and the norm, which sums their rows, still ended 13 us after
+  // them.)
   auto experts = [&] {
     Routing routing = be.route(router_in, W.router_proj, W.router_per_expert_scale, m.config.top_k_experts);
     routing.encoder_tokens = encoder_rows;
     moe = be.experts_unsummed(x2, routing, W.experts_gate_up, W.experts_down);
   };
-  auto mlp = [&] {
-    gated_mlp(be, x, encoder_rows, W.mlp_gate_up, W.mlp_down, dense);
-    be.rms_norm(dense, &W.post_feedforward_layernorm_1, H, eps, dense);
-  };
+  // The MLP's output norm (post_feedforward_layernorm_1) is the layer's last norm's first
+  // step, a launch fewer on the chain after the experts (forty-third session, H200, A/B
+  // twice: 16.89 / 16.93 -> 16.84 / 16.88 ms a step at 1x1K, 36.18 / 36.16 -> 36.04 / 36.14
+  // at 4x1K).
+  auto mlp = [&] { gated_mlp(be, x, encoder_rows, W.mlp_gate_up, W.mlp_down, dense); };
   if (be.experts_leave_room(W.experts_gate_up, n)) {
     be.concurrently(experts, mlp);
   } else {
@@ -617,7 +619,8 @@ void feed_forward(ModelState& m, int li, const Activation& attn, Activation& h, 
     if (!rows) continue;
     Activation sum = dense.view(first, rows), residual = h.view(first, rows), normed = next.view(first, rows);
     be.add_experts_rms_norm_twice(moe.view(first, rows), &W.post_feedforward_layernorm_2, sum,
-                                  &W.post_feedforward_layernorm, eps, residual, scalar, &next_norm, &normed);
+                                  &W.post_feedforward_layernorm_1, &W.post_feedforward_layernorm, eps, residual, scalar,
+                                  &next_norm, &normed);
   }
 }
 
