@@ -275,7 +275,18 @@ BAD_CONFIGS = {
     "bidirectional attention": ("text_config.use_bidirectional_attention", "text",
                                 ["use_bidirectional_attention 'text' is not one of null, 'vision' or 'all'"]),
     "softcap null": ("text_config.final_logit_softcapping", None,
-                     ["text_config.final_logit_softcapping is null; give a number (0 turns softcapping off)"]),
+                     ["text_config.final_logit_softcapping is null; give a number > 0"]),
+    # transformers divides the logits by it: every logit 0 or NaN (0 had turned softcapping off).
+    "softcap zero": ("text_config.final_logit_softcapping", 0,
+                     ["text_config.final_logit_softcapping must be > 0 (transformers divides the logits by it)"]),
+    # transformers fails on a RoPE dict without rope_theta when text_config has none to fill it
+    # from (10000 had been assumed).
+    "no rope_theta": ("text_config.rope_parameters.sliding_attention.rope_theta", _DELETE,
+                      ["text_config.rope_parameters.sliding_attention.rope_theta is missing (and text_config gives "
+                       "no rope_theta"]),
+    # The field that gave the odd value is named (it had been text_config.head_dim).
+    "odd per-layer head_dim": ("text_config.per_layer_config.1", {"head_dim": 7},
+                               ["text_config.per_layer_config.1.head_dim = 7 must be even for RoPE (layer 1)"]),
 }
 
 

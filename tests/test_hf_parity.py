@@ -224,6 +224,46 @@ def test_full_layers_shaped_without_per_layer_config(tmp_path, global_fields):
     check_logits(seq.denoise(canvas), ref.denoise(canvas), where="no per_layer_config", atol=FP32_ATOL)
 
 
+def _rope_legacy_type(t):
+    t["rope_parameters"]["sliding_attention"] = {"type": "linear", "factor": 4.0, "rope_theta": 100.0}
+
+
+def _rope_scaling(t):
+    t["rope_scaling"] = {"sliding_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 100.0},
+                         "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.5,
+                                            "rope_theta": 1e4}}
+
+
+def _rope_theta_of_text_config(t):
+    del t["rope_parameters"]["sliding_attention"]["rope_theta"]  # (transformers refuses a proportional one without)
+    t["rope_theta"] = 100.0
+
+
+def _partial_rotary_factor_of_text_config(t):
+    t["rope_parameters"] = {"sliding_attention": {"rope_type": "proportional", "rope_theta": 1e4},
+                            "full_attention": {"rope_type": "proportional", "rope_theta": 1e6}}
+    t["partial_rotary_factor"] = 0.5
+
+
+@pytest.mark.parametrize("edit", [_rope_legacy_type, _rope_scaling, _rope_theta_of_text_config,
+                                  _partial_rotary_factor_of_text_config])
+def test_rope_fields_transformers_fills_in(tmp_path, edit):
+    """RoPE as config.json may spell it and transformers reads it: a dict's "type" (rope_type's
+    older name), rope_scaling in place of rope_parameters, and text_config's own rope_theta and
+    partial_rotary_factor filling dicts that lack them. Each had been ignored (logits off by
+    0.7-1.5)."""
+    path = save(build_model(text([S, F]), 8), tmp_path / "m")
+    cfg = json.loads((path / "config.json").read_text())
+    edit(cfg["text_config"])
+    (path / "config.json").write_text(json.dumps(cfg))
+    seq, ref = ds.Model.load(path).sequence(), ReferenceSequence(load(path, torch.float32))
+    for s in (seq, ref):
+        s.prefill(np.arange(3, 16))
+    check_kv(seq, ref, 2, FP32_ATOL, "after prefill")
+    canvas = np.arange(20, 28)
+    check_logits(seq.denoise(canvas), ref.denoise(canvas), where=edit.__name__, atol=FP32_ATOL)
+
+
 def test_chunked_prefill_equals_one_prefill(tmp_path):
     """Prefill in pieces gives the same cache and logits as one prefill (causal encoder)."""
     text_cfg = text([S, F, F])

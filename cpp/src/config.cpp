@@ -11,6 +11,7 @@
 #include <filesystem>
 #include <limits>
 #include <map>
+#include <optional>
 #include <set>
 
 #include "diffuserve/errors.h"
@@ -113,13 +114,23 @@ float inv_freq_fp32(double theta, int k, int dim) {
   return 1.0f / power;
 }
 
+// What transformers fills a layer type's RoPE dict with where the dict lacks it
+// (standardize_rope_params): text_config's own rope_theta and partial_rotary_factor.
+struct RopeDefaults {
+  std::optional<double> theta;  // none: a dict without rope_theta is an error (transformers fails on it)
+  double partial = 1.0;
+};
+
 // Inverse frequencies as HF's rope init functions compute them, always head_dim/2 long.
 // rope_types whose frequencies depend on the sequence length (longrope) or that scale cos
 // and sin (yarn's attention factor) are refused by name.
-std::vector<float> rope_inv_freq(const Fields& rope, int head_dim) {
-  const std::string type = rope.string_or("rope_type", "default");
-  const double theta = rope.number_or("rope_theta", 10000.0);
-  const double partial = rope.number_or("partial_rotary_factor", 1.0);
+std::vector<float> rope_inv_freq(const Fields& rope, int head_dim, const RopeDefaults& defaults) {
+  // "type": the key's older name, which transformers still reads where rope_type is absent.
+  const std::string type = rope.get("rope_type") ? rope.string_or("rope_type", "") : rope.string_or("type", "default");
+  if (!rope.get("rope_theta") && !defaults.theta)
+    rope.fail("rope_theta", "is missing (and text_config gives no rope_theta to fill it from)");
+  const double theta = rope.number_or("rope_theta", defaults.theta.value_or(0.0));
+  const double partial = rope.number_or("partial_rotary_factor", defaults.partial);
   const double factor = rope.number_or("factor", 1.0);
   if (theta <= 0) rope.fail("rope_theta", "must be > 0");
   if (partial <= 0 || partial > 1) rope.fail("partial_rotary_factor", "must be in (0, 1]");
@@ -291,10 +302,11 @@ ModelConfig load_config(const std::string& dir) {
   c.sliding_window = int(t.integer("sliding_window", 2, INT32_MAX));
   c.max_position_embeddings = t.integer_or("max_position_embeddings", 131072, 1, INT64_C(1) << 40);
   c.rms_norm_eps = t.float_or("rms_norm_eps", 1e-6f);
-  // (null, which other Gemma configs read as "no softcapping" and transformers' DiffusionGemma
-  // fails on, would otherwise take the default, 30.)
+  // transformers' DiffusionGemma divides the logits by it whatever it is: null (which other
+  // Gemma configs read as "no softcapping", and which would otherwise take the default, 30)
+  // fails there, and 0 makes every logit 0 or NaN.
   if (const json::Value* v = t.obj.find("final_logit_softcapping"); v && v->is_null())
-    t.fail("final_logit_softcapping", "is null; give a number (0 turns softcapping off)");
+    t.fail("final_logit_softcapping", "is null; give a number > 0 (transformers divides the logits by it)");
   c.final_logit_softcapping = t.float_or("final_logit_softcapping", 30.0f);
   c.pad_token_id = int(t.integer_or("pad_token_id", -1, -1, c.vocab_size - 1));
   c.bos_token_id = int(t.integer_or("bos_token_id", -1, -1, c.vocab_size - 1));
@@ -302,7 +314,8 @@ ModelConfig load_config(const std::string& dir) {
   // The top level's alone, as transformers reads it (DiffusionGemmaConfig's own field, true where
   // absent): text_config's does not untie the head (save_pretrained leaves it true there on an untied model).
   c.tie_word_embeddings = top.bool_or("tie_word_embeddings", true);
-  if (c.final_logit_softcapping < 0) t.fail("final_logit_softcapping", "must be >= 0");
+  if (!(c.final_logit_softcapping > 0))
+    t.fail("final_logit_softcapping", "must be > 0 (transformers divides the logits by it)");
   if (c.rms_norm_eps <= 0) t.fail("rms_norm_eps", "must be > 0");
 
   // transformers' three names for GELU's tanh approximation (one function, written three ways).
@@ -325,8 +338,18 @@ ModelConfig load_config(const std::string& dir) {
   const json::Value* types = t.get("layer_types");
   if (!types || !types->is_array() || int(types->array.size()) != c.num_layers)
     t.fail("layer_types", "must list one type per layer (" + std::to_string(c.num_layers) + ")");
-  const json::Value* rope = t.get("rope_parameters");
-  if (!rope || !rope->is_object()) t.fail("rope_parameters", "is missing or not an object");
+  // rope_scaling, the field's deprecated name, replaces rope_parameters where given (as its
+  // setter does in transformers).
+  const std::string rope_field = t.get("rope_scaling") ? "rope_scaling" : "rope_parameters";
+  const json::Value* rope = t.get(rope_field);
+  if (!rope || !rope->is_object()) t.fail(rope_field, "is missing or not an object");
+  RopeDefaults rope_defaults;
+  if (t.get("rope_theta")) {
+    rope_defaults.theta = t.number_or("rope_theta", 0.0);
+    if (!(*rope_defaults.theta > 0)) t.fail("rope_theta", "must be > 0");
+  }
+  rope_defaults.partial = t.number_or("partial_rotary_factor", 1.0);
+  if (!(rope_defaults.partial > 0 && rope_defaults.partial <= 1)) t.fail("partial_rotary_factor", "must be in (0, 1]");
   // Overrides by layer index. transformers writes the keys zero-padded to the widest index
   // ("05", "11" where a layer index has two digits) and reads them as integers: so does this.
   // Where config.json has no per_layer_config at all, transformers makes one (its text
@@ -358,8 +381,13 @@ ModelConfig load_config(const std::string& dir) {
     const std::string kind = i == c.num_layers - 1 ? "full_attention" : type.string;
     L.sliding = kind == "sliding_attention";
     L.has_v_proj = L.sliding;
-    L.head_dim = derived_overrides && !L.sliding ? global_head_dim : head_dim;
-    L.num_kv_heads = derived_overrides && !L.sliding ? global_kv_heads : kv_heads;
+    const bool global = derived_overrides && !L.sliding;
+    L.head_dim = global ? global_head_dim : head_dim;
+    L.num_kv_heads = global ? global_kv_heads : kv_heads;
+    // The fields the two came from, for the errors below.
+    std::string head_dim_field = global ? "global_head_dim" : "head_dim";
+    std::string kv_heads_field = global && t.get("num_global_key_value_heads") ? "num_global_key_value_heads"
+                                                                                : "num_key_value_heads";
     if (const auto found = overrides.find(i); found != overrides.end()) {
       const json::Value* o = found->second.second;
       const std::string where = "per_layer_config." + found->second.first + ".";
@@ -369,13 +397,18 @@ ModelConfig load_config(const std::string& dir) {
         if (key != "head_dim" && key != "num_key_value_heads") f.fail(key, "is not a supported per-layer override");
       L.head_dim = int(f.integer_or("head_dim", L.head_dim, 1, kMaxDim));
       L.num_kv_heads = int(f.integer_or("num_key_value_heads", L.num_kv_heads, 1, c.num_heads));
+      if (f.get("head_dim")) head_dim_field = where + "head_dim";
+      if (f.get("num_key_value_heads")) kv_heads_field = where + "num_key_value_heads";
     }
-    if (L.head_dim % 2) t.fail("head_dim", "must be even for RoPE (layer " + std::to_string(i) + ")");
+    if (L.head_dim % 2)
+      t.fail(head_dim_field, "= " + std::to_string(L.head_dim) + " must be even for RoPE (layer " + std::to_string(i) + ")");
     if (c.num_heads % L.num_kv_heads)
-      t.fail("num_key_value_heads", "must divide num_attention_heads (layer " + std::to_string(i) + ")");
+      t.fail(kv_heads_field, "= " + std::to_string(L.num_kv_heads) + " must divide num_attention_heads (layer " +
+                                 std::to_string(i) + ")");
     const json::Value* rp = rope->find(kind);
-    if (!rp || !rp->is_object()) t.fail("rope_parameters." + kind, "is missing or not an object");
-    L.rope_inv_freq = rope_inv_freq(Fields{*rp, path, "text_config.rope_parameters." + kind + "."}, L.head_dim);
+    if (!rp || !rp->is_object()) t.fail(rope_field + "." + kind, "is missing or not an object");
+    L.rope_inv_freq =
+        rope_inv_freq(Fields{*rp, path, "text_config." + rope_field + "." + kind + "."}, L.head_dim, rope_defaults);
     c.layers.push_back(std::move(L));
   }
 
