@@ -20,10 +20,19 @@ MODELS = {
 }
 
 
+def save_with_pad(model, path):
+    """save() with pad_token_id 0 in generation_config.json (save_pretrained writes none), the
+    pad id the comparisons below give transformers: it pads past an EOS, uncounted."""
+    save(model, path)
+    file = path / "generation_config.json"
+    file.write_text(json.dumps({**json.loads(file.read_text()), "pad_token_id": 0}))
+    return path
+
+
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     root = tmp_path_factory.mktemp("generate")
-    return {name: save(build_model(cfg, canvas, seed=i), root / name) for i, (name, (cfg, canvas)) in
+    return {name: save_with_pad(build_model(cfg, canvas, seed=i), root / name) for i, (name, (cfg, canvas)) in
             enumerate(MODELS.items())}
 
 
@@ -36,8 +45,9 @@ HUGE_BOUND = 1e9
 
 def hf_generate(model, prompt, seed_canvas, eos=None):
     """transformers' greedy generate of one block from `seed_canvas`: (tokens, tokens_per_forward).
-    eos None: the EOS and pad ids of the checkpoint's generation config; else these EOS ids, pad 0."""
-    ids = {} if eos is None else dict(eos_token_id=eos, pad_token_id=0)
+    eos None: the EOS id of the checkpoint's generation config; else these EOS ids. The pad id is
+    the generation config's (save_with_pad's 0)."""
+    ids = {} if eos is None else dict(eos_token_id=eos)
     out = model.generate(input_ids=torch.tensor([prompt]), decoder_input_ids=torch.tensor([seed_canvas]),
                          max_new_tokens=len(seed_canvas),
                          sampler_config=EntropyBoundSamplerConfig(entropy_bound=HUGE_BOUND), **ids, **GREEDY)
@@ -273,7 +283,7 @@ def test_matches_hf_generate_at_real_temperatures_in_odd_shapes(tmp_path):
     that cuts the last, two EOS ids, non-default temperatures and entropy bound; and a
     request's narrower canvas (5) against transformers running the same weights with a
     5-token canvas."""
-    path = save(build_model(text([S, F, S, F], sliding_window=5, vocab_size=61), 13, seed=4), tmp_path / "c13")
+    path = save_with_pad(build_model(text([S, F, S, F], sliding_window=5, vocab_size=61), 13, seed=4), tmp_path / "c13")
     narrow = tmp_path / "c5"
     narrow.mkdir()
     for f in path.iterdir():
@@ -517,9 +527,56 @@ def test_an_empty_eos_list_in_generation_config_means_no_eos(checkpoints, tmp_pa
     got = llm.generate([prompt], ds.SamplingParams(max_new_tokens=canvas, seed_canvas=seed_canvas,
                                                    entropy_bound=HUGE_BOUND, seed=0, **GREEDY))[0]
     assert got.token_ids == expected and got.finish_reason == "length"
-    # Absent (or null) there, config.json's EOS stands.
-    (path / "generation_config.json").write_text(json.dumps({**generation, "eos_token_id": None}))
-    assert ds.LLM(path).model.config["generation"]["eos_token_ids"] == [free_run[2]]
+
+
+@pytest.mark.parametrize("eos_field", ["absent", "null", "no file"])
+def test_no_eos_in_generation_config_means_no_eos_whatever_config_json_says(checkpoints, tmp_path, eos_field):
+    """transformers' DiffusionGemma generate takes its EOS and pad ids from the generation config
+    alone: where generation_config.json names none (or is missing), it runs on past the EOS that
+    config.json names, and counts the whole block in tokens_per_forward. diffuserve had taken
+    config.json's EOS (and pad) as the defaults, stopped early and counted less."""
+    path, prompt, seed_canvas, free_run = free_run_of_a_copy(checkpoints, tmp_path)
+    canvas = len(seed_canvas)
+    config = json.loads((path / "config.json").read_text())
+    config["text_config"]["eos_token_id"] = free_run[2]  # config.json's EOS comes up mid-canvas
+    (path / "config.json").write_text(json.dumps(config))
+    generation = json.loads((path / "generation_config.json").read_text())
+    generation.pop("eos_token_id", None), generation.pop("pad_token_id", None)
+    if eos_field == "no file":
+        (path / "generation_config.json").unlink()
+    else:
+        (path / "generation_config.json").write_text(json.dumps(
+            {**generation, **({"eos_token_id": None} if eos_field == "null" else {})}))
+    hf = load(path)
+    assert hf.generation_config.eos_token_id is None and hf.generation_config.pad_token_id is None
+    expected, expected_tpf = hf_generate(hf, prompt, seed_canvas)
+    assert expected == free_run  # transformers ran on past config.json's EOS
+    llm = ds.LLM(path)
+    assert llm.model.config["generation"]["eos_token_ids"] == [] and llm.model.config["generation"]["pad_token_id"] == -1
+    got = llm.generate([prompt], ds.SamplingParams(max_new_tokens=canvas, seed_canvas=seed_canvas,
+                                                   entropy_bound=HUGE_BOUND, seed=0, **GREEDY))[0]
+    assert got.token_ids == expected and got.finish_reason == "length"
+    assert got.tokens_per_forward == pytest.approx(expected_tpf)
+
+
+def test_without_a_pad_id_the_block_past_the_eos_counts(checkpoints, tmp_path):
+    """An EOS but no pad id in the generation config: transformers leaves the block past the EOS
+    as generated and counts every token of it in tokens_per_forward (it pads, and leaves the
+    padding out, only where it has a pad id); diffuserve had counted the tokens up to the EOS."""
+    path, prompt, seed_canvas, free_run = free_run_of_a_copy(checkpoints, tmp_path)
+    canvas = len(seed_canvas)
+    at = next(i for i in range(1, canvas) if free_run[i] not in free_run[:i])  # the EOS's first place
+    eos = free_run[at]
+    generation = json.loads((path / "generation_config.json").read_text())
+    generation.pop("pad_token_id", None)
+    (path / "generation_config.json").write_text(json.dumps({**generation, "eos_token_id": eos}))
+    hf = load(path)
+    expected, expected_tpf = hf_generate(hf, prompt, seed_canvas)
+    assert expected == free_run  # nothing padded past the EOS
+    got = ds.LLM(path).generate([prompt], ds.SamplingParams(max_new_tokens=canvas, seed_canvas=seed_canvas,
+                                                            entropy_bound=HUGE_BOUND, seed=0, **GREEDY))[0]
+    assert got.token_ids == expected[:at + 1] and got.finish_reason == "stop"
+    assert got.tokens_per_forward == pytest.approx(expected_tpf) == pytest.approx(canvas / sum(got.denoise_steps))
 
 
 def test_tokens_per_forward_leaves_out_generation_configs_pad_id(checkpoints, tmp_path):

@@ -245,11 +245,8 @@ void load_quantization(const Fields& f, ModelConfig& c) {
   }
 }
 
-GenerationDefaults load_generation(const std::string& path, const std::vector<int32_t>& model_eos, int model_pad,
-                                   int vocab_size) {
+GenerationDefaults load_generation(const std::string& path, int vocab_size) {
   GenerationDefaults g;
-  g.eos_token_ids = model_eos;
-  g.pad_token_id = model_pad;
   if (!std::filesystem::exists(path)) return g;
   const json::Value doc = json::parse(read_text_file(path), path);
   if (!doc.is_object()) throw FormatError(path + ": top level must be a JSON object");
@@ -265,9 +262,8 @@ GenerationDefaults load_generation(const std::string& path, const std::vector<in
     if (!s->is_object()) f.fail("sampler_config", "must be an object");
     g.entropy_bound = Fields{*s, path, "sampler_config."}.float_or("entropy_bound", g.entropy_bound);
   }
-  // Present, even as [] (no EOS: transformers then never stops early), it wins over config.json's;
-  // absent or null, config.json's stands.
-  if (f.get("eos_token_id")) g.eos_token_ids = f.int_list_or_empty("eos_token_id", vocab_size - 1);
+  // Absent, null or [], no EOS: transformers then never stops early, whatever config.json names.
+  g.eos_token_ids = f.int_list_or_empty("eos_token_id", vocab_size - 1);
   g.pad_token_id = int(f.integer_or("pad_token_id", g.pad_token_id, -1, vocab_size - 1));
   if (g.t_min < 0) f.fail("t_min", "must be >= 0");
   if (g.t_max <= g.t_min) f.fail("t_max", "must be > t_min");
@@ -417,9 +413,9 @@ ModelConfig load_config(const std::string& dir) {
     load_quantization(Fields{*q, path, "quantization_config."}, c);
   }
 
-  const std::vector<int32_t> eos = t.int_list_or_empty("eos_token_id", c.vocab_size - 1);
+  t.int_list_or_empty("eos_token_id", c.vocab_size - 1);  // checked, though generation takes generation_config.json's
   const std::string generation_path = (std::filesystem::path(dir) / "generation_config.json").string();
-  c.generation = load_generation(generation_path, eos, c.pad_token_id, c.vocab_size);
+  c.generation = load_generation(generation_path, c.vocab_size);
   // The defaults must pass a request's own checks too (the coldest step's temperature, the
   // canvases a block keeps): else every request that leaves them alone would fail, naming a
   // parameter it never set.

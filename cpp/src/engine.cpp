@@ -90,9 +90,12 @@ bool finish_block(RequestState& r, Backend& be, int pad_token_id) {
   r.end_block();
   if (eos == argmax.end() && r.block() < r.blocks) return false;
   // As transformers counts it: generated tokens other than the pad id, per decoder pass. It
-  // generates whole blocks and counts the last one's tokens past max_new_tokens too (up to
-  // EOS): counted before the cut.
-  const auto valid = std::count_if(tokens.begin(), tokens.end(), [&](int32_t t) { return t != pad_token_id; });
+  // generates whole blocks and counts the last one's tokens past max_new_tokens too: counted
+  // before the cut. With a pad id it pads the last block past its EOS (uncounted); without one
+  // it keeps the block as generated, every token counted.
+  const int64_t valid =
+      pad_token_id < 0 ? int64_t(r.out.denoise_steps.size()) * int64_t(argmax.size())
+                       : std::count_if(tokens.begin(), tokens.end(), [&](int32_t t) { return t != pad_token_id; });
   int passes = 0;
   for (int s : r.out.denoise_steps) passes += s;
   r.out.tokens_per_forward = double(valid) / passes;

@@ -101,9 +101,13 @@ def write_random_checkpoint(path, canvas_length: int = 64, dtype: str = "float32
                                 "head_dim": 8}}
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(config, f, indent=2)
+    # The special ids there too, as a released checkpoint's (generation takes its EOS and pad
+    # ids from this file alone, as transformers does).
     with open(os.path.join(path, "generation_config.json"), "w") as f:
         json.dump({"max_denoising_steps": 48, "t_min": 0.4, "t_max": 0.8, "stability_threshold": 1,
                    "confidence_threshold": 0.005,
-                   "sampler_config": {"entropy_bound": 0.1, "_cls_name": "EntropyBoundSamplerConfig"}}, f, indent=2)
+                   "sampler_config": {"entropy_bound": 0.1, "_cls_name": "EntropyBoundSamplerConfig"},
+                   **{key: cfg[key] for key in ("eos_token_id", "pad_token_id", "bos_token_id") if key in cfg}},
+                  f, indent=2)
     write_safetensors(os.path.join(path, "model.safetensors"), tensors)
     return str(path)

@@ -29,9 +29,10 @@ struct GenerationDefaults {
   float entropy_bound = 0.1f;
   int stability_threshold = 1;
   float confidence_threshold = 0.005f;
+  // As transformers' DiffusionGemma generate takes them: generation_config.json's alone
+  // (config.json's are not its defaults; none: no EOS, and no pad id).
   std::vector<int32_t> eos_token_ids;
-  // The id tokens_per_forward leaves uncounted, as transformers' generate counts it (-1: none):
-  // generation_config.json's, where it names one, else config.json's.
+  // The id tokens_per_forward leaves uncounted, as transformers' generate counts it (-1: none).
   int pad_token_id = -1;
 };
 
