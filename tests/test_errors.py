@@ -319,6 +319,15 @@ def test_config_invalid_json(ckpt):
      "its defaults fail a request's checks: SamplingParams.stability_threshold 5000 with max_denoising_steps 5000"),
     ({"t_min": 0.0, "t_max": 1e-19}, "its defaults fail a request's checks: SamplingParams.t_max and t_min give a "
                                      "smallest temperature"),
+    # Fields and samplers transformers refuses to load (they had been ignored: min_new_tokens did nothing).
+    ({"min_new_tokens": 8}, "min_new_tokens is not a DiffusionGemma generation setting (transformers refuses it too)"),
+    ({"temperature": 0.7}, "temperature is not a DiffusionGemma generation setting"),
+    ({"sampler_config": {"entropy_bound": 0.1}}, "sampler_config._cls_name must be 'EntropyBoundSamplerConfig'"),
+    ({"sampler_config": {"entropy_bound": 0.1, "_cls_name": "FooSamplerConfig"}},
+     "sampler_config._cls_name must be 'EntropyBoundSamplerConfig' (the one sampler), got 'FooSamplerConfig'"),
+    ({"sampler_config": {"_cls_name": "EntropyBoundSamplerConfig"}}, "sampler_config.entropy_bound is missing"),
+    ({"sampler_config": {"entropy_bound": 0.1, "_cls_name": "EntropyBoundSamplerConfig", "foo": 1}},
+     "sampler_config.foo is not a field of EntropyBoundSamplerConfig"),
 ])
 def test_bad_generation_config(ckpt, fields, message):
     """Refused at load, naming the file, rather than failing every later request."""

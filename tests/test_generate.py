@@ -429,7 +429,8 @@ def copy_of_small(checkpoints, tmp_path, **generation):
 
 def test_defaults_come_from_generation_config(checkpoints, tmp_path):
     path = copy_of_small(checkpoints, tmp_path, max_new_tokens=12, max_denoising_steps=3, eos_token_id=[], t_min=0.5,
-                         t_max=0.6, confidence_threshold=1e-9, sampler_config={"entropy_bound": 0.2})
+                         t_max=0.6, confidence_threshold=1e-9,
+                         sampler_config={"entropy_bound": 0.2, "_cls_name": "EntropyBoundSamplerConfig"})
     out = ds.LLM(path).generate([[3, 4]], ds.SamplingParams(seed=0))[0]
     assert len(out.token_ids) == 12 and out.denoise_steps == [3, 3]
 

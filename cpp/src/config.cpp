@@ -245,12 +245,24 @@ void load_quantization(const Fields& f, ModelConfig& c) {
   }
 }
 
+// The fields transformers' DiffusionGemmaGenerationConfig takes, which refuses any other (a
+// min_new_tokens or a temperature there had been ignored): those that generation reads, the
+// cache's (transformers' own choice of KV cache, not this engine's) and metadata.
+const std::set<std::string> kGenerationFields = {
+    "max_new_tokens", "max_length",  "max_denoising_steps", "sampler_config", "t_min",
+    "t_max",          "stability_threshold", "confidence_threshold", "eos_token_id", "pad_token_id",
+    "bos_token_id",   "cache_implementation", "cache_config", "disable_compile", "return_dict_in_generate",
+    "transformers_version", "_from_model_config", "_commit_hash"};
+
 GenerationDefaults load_generation(const std::string& path, int vocab_size) {
   GenerationDefaults g;
   if (!std::filesystem::exists(path)) return g;
   const json::Value doc = json::parse(read_text_file(path), path);
   if (!doc.is_object()) throw FormatError(path + ": top level must be a JSON object");
   Fields f{doc, path, ""};
+  for (const auto& [key, value] : doc.object)
+    if (!kGenerationFields.count(key))
+      f.fail(key, "is not a DiffusionGemma generation setting (transformers refuses it too)");
   g.max_new_tokens = int(f.integer_or("max_new_tokens", g.max_new_tokens, 1, INT32_MAX));
   g.max_length = int(f.integer_or("max_length", g.max_length, 1, INT32_MAX));  // transformers refuses 0 too
   g.max_denoising_steps = int(f.integer_or("max_denoising_steps", g.max_denoising_steps, 1, INT32_MAX));
@@ -258,9 +270,17 @@ GenerationDefaults load_generation(const std::string& path, int vocab_size) {
   g.t_max = f.float_or("t_max", g.t_max);
   g.stability_threshold = int(f.integer_or("stability_threshold", g.stability_threshold, 0, INT32_MAX));
   g.confidence_threshold = f.float_or("confidence_threshold", g.confidence_threshold);
+  // As transformers writes it: {"entropy_bound": x, "_cls_name": "EntropyBoundSamplerConfig"},
+  // the one sampler it has (it fails on any other name, field or a missing bound).
   if (const json::Value* s = f.get("sampler_config")) {
     if (!s->is_object()) f.fail("sampler_config", "must be an object");
-    g.entropy_bound = Fields{*s, path, "sampler_config."}.float_or("entropy_bound", g.entropy_bound);
+    const Fields sampler{*s, path, "sampler_config."};
+    for (const auto& [key, value] : s->object)
+      if (key != "entropy_bound" && key != "_cls_name") sampler.fail(key, "is not a field of EntropyBoundSamplerConfig");
+    if (const std::string name = sampler.string_or("_cls_name", ""); name != "EntropyBoundSamplerConfig")
+      sampler.fail("_cls_name", "must be 'EntropyBoundSamplerConfig' (the one sampler), got '" + name + "'");
+    if (!sampler.get("entropy_bound")) sampler.fail("entropy_bound", "is missing");
+    g.entropy_bound = sampler.float_or("entropy_bound", g.entropy_bound);
   }
   // Absent, null or [], no EOS: transformers then never stops early, whatever config.json names.
   g.eos_token_ids = f.int_list_or_empty("eos_token_id", vocab_size - 1);
