@@ -1,4 +1,6 @@
 """Paged KV cache, prefix caching, mixed-phase batches and continuous batching (CPU)."""
+import signal
+
 import numpy as np
 import pytest
 
@@ -286,3 +288,54 @@ def test_a_cache_held_by_other_sequences_is_an_error_not_a_hang(make_llm):
         done += llm.step()
     assert [o.request_id for o in done] == [request]
     assert done[0].token_ids == alone(make_llm(), [1, 2], params(0, n=8)).token_ids
+
+
+class _SigintAfterAStepThatFinishes:
+    """The LLM's engine, sending SIGINT to this process as the first step that finishes a request
+    returns: what a Ctrl-C during the C++ step does (Python raises it once the call is back)."""
+
+    def __init__(self, engine):
+        self.engine, self.armed = engine, True
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+    def step(self, *args):
+        finished = self.engine.step(*args)
+        if finished and self.armed:
+            self.armed = False
+            signal.raise_signal(signal.SIGINT)
+        return finished
+
+
+@pytest.mark.parametrize("own_finishes", [False, True])
+def test_ctrl_c_during_a_step_loses_no_output_and_leaves_the_llm_usable(make_llm, own_finishes):
+    """A Ctrl-C during generate's step surfaces as KeyboardInterrupt, generate's requests are
+    aborted, and another request's output that finished in that step still comes from a later
+    step. It had surfaced mid-bookkeeping: the finished ids stayed `running` (every later step
+    raised "no request with id N"), their outputs were lost, and generate's clean-up raised that
+    ValueError in place of the interrupt, leaving a request holding KV."""
+    llm = make_llm(slice_steps=1)
+    side = llm.add_request([9, 9, 9], params(77, n=8))  # one block: the first to finish
+    # own_finishes: one of generate's own requests finishes in that step as well.
+    ps = [params(1, n=8 if own_finishes else 24), params(2, n=40)]
+    llm.scheduler.engine = _SigintAfterAStepThatFinishes(llm.scheduler.engine)
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate([[1, 2, 3], [4, 5]], ps)
+    outs = []
+    while llm.has_unfinished():
+        outs += llm.step()
+    assert [out.request_id for out in outs] == [side] and outs[0].token_ids == alone(
+        make_llm(), [9, 9, 9], params(77, n=8)).token_ids
+    assert llm.generate([[1, 2]], params(3, n=8))[0].finish_reason == "length"
+
+
+def test_abort_drops_an_output_generate_held(make_llm):
+    """A request of add_request that a generate call ran to its end is held for the next step;
+    aborting it drops that output (the step had still returned it)."""
+    llm = make_llm()
+    side = llm.add_request([9, 9, 9], params(77, n=8))
+    llm.generate([[1, 2, 3]], params(1, n=24))
+    assert llm.has_unfinished()
+    llm.abort(side)
+    assert not llm.has_unfinished() and llm.step() == []

@@ -10,8 +10,10 @@ For serving, add_request / step / abort drive the same machinery one step at a t
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
+import signal
 import threading
 from dataclasses import dataclass, field
 from typing import List, Optional, Sequence, Union
@@ -26,6 +28,27 @@ from .scheduler import Scheduler
 from .tokenizer import Tokenizer
 
 
+@contextlib.contextmanager
+def _interrupts_held():
+    """SIGINT's handler (KeyboardInterrupt) run at the block's end rather than within it, on the
+    main thread (where Python runs it): a Ctrl-C during the engine's step surfaces as the step
+    returns, and had cut the scheduler's bookkeeping of the requests that finished in it
+    halfway, losing their outputs and leaving ids the engine had dropped. (The step itself
+    does not look at signals, so nothing waits longer.)"""
+    handler = signal.getsignal(signal.SIGINT)
+    if threading.current_thread() is not threading.main_thread() or not callable(handler):
+        yield
+        return
+    frames = []
+    signal.signal(signal.SIGINT, lambda signum, frame: frames.append(frame))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, handler)
+        if frames:
+            handler(signal.SIGINT, frames[-1])
+
+
 @dataclass
 class RequestOutput:
     request_id: int
@@ -35,7 +58,7 @@ class RequestOutput:
     denoise_steps: List[int]         # decoder passes of each block
     tokens_per_forward: float        # generated tokens (pad ids excluded) per decoder pass, as transformers
                                      # counts them: the last block whole, past a max_new_tokens cut; the pad
-                                     # id is generation_config.json's, else config.json's
+                                     # id is generation_config.json's (none: past the EOS too)
     seed: int                        # the seed used (drawn fresh when none was given)
     text: Optional[str] = field(default=None)  # the tokens decoded, EOS excluded; None without a tokenizer
     error: Optional[str] = field(default=None)  # with finish_reason "error": why (its logits were not finite)
@@ -119,6 +142,8 @@ class LLM:
         check_int("request_id", request_id, 0, INT64_MAX)
         self.scheduler.abort(request_id)
         self._prompts.pop(request_id, None)
+        # One that a generate call saw finish is dropped too (a later step had still returned it).
+        self._held = [out for out in self._held if out.request_id != request_id]
 
     @_locked
     def has_unfinished(self) -> bool:
@@ -149,8 +174,9 @@ class LLM:
     def step(self) -> List[RequestOutput]:
         """Runs one scheduler step; returns the requests that finished in it (and those of
         add_request that a generate call saw finish)."""
-        held, self._held = self._held, []
-        return held + [self._output(request_id, out) for request_id, out in self.scheduler.step()]
+        with _interrupts_held():
+            held, self._held = self._held, []
+            return held + [self._output(request_id, out) for request_id, out in self.scheduler.step()]
 
     @_locked
     def generate(self, prompts, params: Union[SamplingParams, Sequence[SamplingParams], None] = None
@@ -175,13 +201,16 @@ class LLM:
                 except ValueError as e:
                     raise ValueError(f"prompt {i}: {e}") from None
             while len(done) < len(ids):
-                for out in self.step():
-                    if out.request_id not in ids:  # one queued by add_request: the next step returns it
-                        self._held.append(out)
-                        continue
-                    done[out.request_id] = out
-                    if out.finish_reason == "error":
-                        raise _core.CheckpointError(f"prompt {ids.index(out.request_id)}: {out.error}")
+                with _interrupts_held():  # every output of the step filed before an interrupt surfaces
+                    outs = self.step()
+                    for out in outs:
+                        if out.request_id not in ids:  # one queued by add_request: the next step returns it
+                            self._held.append(out)
+                        else:
+                            done[out.request_id] = out
+                failed = [out for out in outs if out.request_id in ids and out.finish_reason == "error"]
+                if failed:
+                    raise _core.CheckpointError(f"prompt {ids.index(failed[0].request_id)}: {failed[0].error}")
         except BaseException:  # a prompt or a step refused, or an interrupt: none of this call's requests stays queued
             for request_id in ids:
                 if request_id not in done:
