@@ -634,3 +634,21 @@ def test_max_tokens_wins_over_the_checkpoints_max_length(tmp_path):
         assert r.status_code == 400 and r.json()["error"]["message"].startswith(
             "max_length 20: the prompt (25 tokens) leaves no room for new tokens"), r.text
         assert usage("completions", {"model": MODEL, "prompt": [5] * 25, "max_tokens": 4})["completion_tokens"] == 4
+
+
+def test_usage_counts_through_a_stop_string_that_ends_in_byte_tokens(tmp_path):
+    """A stop string whose last character is byte-fallback tokens (an emoji the vocabulary lacks:
+    four of them): completion_tokens counts through the token that ends it. A prefix that ends
+    inside the character decodes to a U+FFFD a byte, longer than the character, and the binary
+    search on those lengths had counted 2 of 5 tokens."""
+    import types
+    from diffuserve.detokenizer import IncrementalDetokenizer
+    from diffuserve.stop_strings import StopStringFilter
+    from diffuserve.tokenizer import Tokenizer
+    tokenizer = Tokenizer(write_chat_checkpoint(tmp_path / "m", byte_fallback=True))
+    ids = tokenizer.encode("x🐍 tail", add_special_tokens=False)
+    assert len(ids) > 5 and all(tokenizer.ends_in_byte_run(ids[:k]) for k in (2, 3, 4, 5))  # x, then 4 bytes
+    detokenizer, stops = IncrementalDetokenizer(tokenizer), StopStringFilter(["🐍"])
+    assert "".join(stops.push(detokenizer.push([i])) for i in ids) == "x" and stops.stop_end == 2
+    choice = types.SimpleNamespace(server=types.SimpleNamespace(tokenizer=tokenizer))
+    assert server_module._Choice._tokens_through(choice, ids, stops.stop_end) == 5

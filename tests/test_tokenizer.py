@@ -468,3 +468,60 @@ def test_gemma_tokenizer_class_names_its_default_special_tokens(tmp_path):
     assert ours.special_tokens == {key: str(value) for key, value in theirs.special_tokens_map.items()}
     for text in ["a<mask>b <unk>", *TEXTS]:
         assert ours.encode(text) == theirs.encode(text)
+
+
+def _edited_checkpoint(tmp_path, config_changes=(), tokenizer_json_changes=None, drop=()):
+    """A byte-fallback chat checkpoint whose tokenizer_config.json has `config_changes` set (and
+    the keys in `drop` removed), and whose tokenizer.json `tokenizer_json_changes(dict)` edits."""
+    import json
+    path = write_chat_checkpoint(tmp_path / "m", byte_fallback=True)
+    config = json.loads(open(f"{path}/tokenizer_config.json").read())
+    config.update(dict(config_changes))
+    for key in drop:
+        config.pop(key, None)
+    open(f"{path}/tokenizer_config.json", "w").write(json.dumps(config))
+    if tokenizer_json_changes:
+        data = json.loads(open(f"{path}/tokenizer.json").read())
+        tokenizer_json_changes(data)
+        open(f"{path}/tokenizer.json", "w").write(json.dumps(data))
+    return path
+
+
+def _truncate_and_pad(data):
+    data["truncation"] = {"direction": "Right", "max_length": 5, "strategy": "LongestFirst", "stride": 0}
+    data["padding"] = {"strategy": {"Fixed": 8}, "direction": "Right", "pad_to_multiple_of": None, "pad_id": 0,
+                       "pad_type_id": 0, "pad_token": "<pad>"}
+
+
+def _end_of_turn_not_special(data):
+    for token in data["added_tokens"]:
+        if token["content"] == "<end_of_turn>":
+            token["special"] = False
+
+
+@pytest.mark.parametrize("config_changes, tokenizer_json_changes, drop", [
+    # tokenizer.json's saved truncation and padding: transformers' encode applies neither (every
+    # prompt had been cut to 5 tokens, short ones padded to 8).
+    ((), _truncate_and_pad, ()),
+    # transformers 4's name for the unnamed special tokens (had been ignored: their text split into bytes).
+    ({"additional_special_tokens": ["<tool_call>", "</tool_call>"]}, None, ()),
+    # No tokenizer_class: AutoTokenizer takes the model type's, Gemma's, with its <unk> and <mask>.
+    ((), None, ("tokenizer_class",)),
+    # Special in added_tokens_decoder, not in tokenizer.json: special (its text had stayed in decodes).
+    ({"added_tokens_decoder": {"4": {"content": "<end_of_turn>", "special": True, "lstrip": False, "rstrip": False,
+                                     "normalized": False, "single_word": False}}}, _end_of_turn_not_special, ()),
+    # split_special_tokens: special tokens in text are text (had been matched as the tokens).
+    ({"split_special_tokens": True}, None, ()),
+], ids=["truncation_padding", "additional_special_tokens", "no_tokenizer_class", "added_tokens_decoder_special",
+        "split_special_tokens"])
+def test_tokenizer_settings_read_as_transformers_reads_them(tmp_path, config_changes, tokenizer_json_changes, drop):
+    path = _edited_checkpoint(tmp_path, config_changes, tokenizer_json_changes, drop)
+    ours, theirs = Tokenizer(path), AutoTokenizer.from_pretrained(path)
+    assert ours.vocab_size == len(theirs)
+    for text in ["x", "Hi <eos> a<tool_call>b</tool_call> <mask>", "Hi<end_of_turn>there", *TEXTS]:
+        ids = theirs.encode(text)
+        assert ours.encode(text) == ids, text
+        assert ours.decode(ids) == theirs.decode(ids, skip_special_tokens=True), text
+    conversation = CONVERSATIONS[1]
+    assert ours.encode(ours.apply_chat_template(conversation), add_special_tokens=False) == \
+        theirs.apply_chat_template(conversation, tokenize=True, add_generation_prompt=True, return_dict=False)

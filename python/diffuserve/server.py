@@ -85,15 +85,25 @@ class _Choice:
 
     def _tokens_through(self, token_ids: List[int], end: int) -> int:
         """How many of token_ids the output's text takes through character `end`: the fewest
-        whose text is that long (a binary search: a few decodes, once a request)."""
-        lo, hi = 1, len(token_ids)
-        while lo < hi:
-            mid = (lo + hi) // 2
-            if len(self.server.tokenizer.decode_output(token_ids[:mid])) >= end:
-                hi = mid
-            else:
-                lo = mid + 1
-        return hi
+        whose text begins with the output's first `end` characters, a token at a time, once a
+        request. (The length of a prefix's text is no measure: one that ends inside a
+        character's byte tokens decodes to a U+FFFD a byte, longer than the character, and a
+        binary search on those lengths had stopped short.) The stream's detokenizer finds where
+        its text reaches `end`; as it holds a byte run's text back until the run ends, the
+        tokens since it last gave text out are tried first."""
+        tokenizer = self.server.tokenizer
+        detokenizer = IncrementalDetokenizer(tokenizer)
+        text, settled = "", 0  # the text given out so far, and the tokens of its last piece's end
+        for n, token in enumerate(token_ids, 1):
+            piece = detokenizer.push([token])
+            text += piece
+            if len(text) >= end:
+                for m in range(settled + 1, n):
+                    if tokenizer.decode_output(token_ids[:m]).startswith(text[:end]):
+                        return m
+                return n
+            settled = n if piece else settled
+        return len(token_ids)
 
     async def events(self) -> AsyncIterator[ChoiceEvent]:
         detokenizer = IncrementalDetokenizer(self.server.tokenizer)

@@ -3,8 +3,9 @@ tokens and its chat templates, read from the files transformers writes, as trans
 them:
 
     tokenizer.json           the tokenizer itself (required)
-    tokenizer_config.json    special tokens (bos_token, eos_token, ..., extra_special_tokens),
-                             added_tokens_decoder, clean_up_tokenization_spaces and, in older
+    tokenizer_config.json    special tokens (bos_token, eos_token, ..., extra_special_tokens or
+                             additional_special_tokens), added_tokens_decoder,
+                             split_special_tokens, clean_up_tokenization_spaces and, in older
                              checkpoints, "chat_template" (a string or a list of named ones)
     chat_template.jinja      the chat template, in newer checkpoints (wins over the above),
     additional_chat_templates/NAME.jinja   beside it, named ones
@@ -53,6 +54,9 @@ def _added_token(value, file: str, where: str, special: bool) -> AddedToken:
 _GEMMA_DEFAULTS = {"unk_token": "<unk>", "bos_token": "<bos>", "eos_token": "<eos>", "pad_token": "<pad>",
                    "mask_token": "<mask>"}
 _CLASS_DEFAULTS = {"GemmaTokenizer": _GEMMA_DEFAULTS, "GemmaTokenizerFast": _GEMMA_DEFAULTS}
+# The class where tokenizer_config.json names none: AutoTokenizer takes the model type's
+# (config.json's "diffusion_gemma", the one model type the runtime loads).
+_MODEL_TOKENIZER_CLASS = "GemmaTokenizer"
 
 
 def _special_tokens(config: dict, file: str) -> Tuple[Dict[str, AddedToken], List[AddedToken]]:
@@ -61,13 +65,14 @@ def _special_tokens(config: dict, file: str) -> Tuple[Dict[str, AddedToken], Lis
     extra_special_tokens given as a dict, which win over those keys; a Gemma tokenizer's
     defaults where it names none), and the unnamed ones (extra_special_tokens given as a list)."""
     named, extra = {}, []
-    config = {**_CLASS_DEFAULTS.get(config.get("tokenizer_class"), {}), **config}
+    config = {**_CLASS_DEFAULTS.get(config.get("tokenizer_class") or _MODEL_TOKENIZER_CLASS, {}), **config}
     for key, value in config.items():
         if key in _STANDARD_SPECIAL and value is not None:
             named[key] = _added_token(value, file, key, special=True)
         elif key.endswith("_token") and isinstance(value, (str, dict)):
             named[key] = _added_token(value, file, key, special=True)
-    listed = config.get("extra_special_tokens")
+    # (additional_special_tokens: transformers 4's name for them, which 5 still reads.)
+    listed = config.get("extra_special_tokens", config.get("additional_special_tokens"))
     if isinstance(listed, dict):
         named.update({key: _added_token(value, file, f"extra_special_tokens.{key}", special=True)
                       for key, value in listed.items()})
@@ -185,14 +190,22 @@ class Tokenizer:
                 raise _core.CheckpointError(f"{config_file}: not a readable JSON file: {e}") from None
             if not isinstance(config, dict):
                 raise _core.CheckpointError(f"{config_file}: expected a JSON object, got {type(config).__name__}")
+        # transformers' encode neither truncates nor pads unless asked to: settings saved in
+        # tokenizer.json had cut every prompt (chat prompts too) or padded it.
+        self._tokenizer.no_truncation()
+        self._tokenizer.no_padding()
         named, extra = _special_tokens(config, config_file)
         # As transformers: the config's added tokens that tokenizer.json lacks are added after its
-        # vocabulary, and every special token is one of the tokenizer's special added tokens
-        # (added too where tokenizer.json lacks it), matched whole in text and skipped in decoding.
+        # vocabulary, those it marks special are special whatever tokenizer.json says, and every
+        # special token is one of the tokenizer's special added tokens (added too where
+        # tokenizer.json lacks it), matched whole in text and skipped in decoding.
         present = {token.content for token in self._tokenizer.get_added_tokens_decoder().values()}
-        self._library(self._tokenizer.add_tokens,
-                      [t for t in _listed_added_tokens(config, config_file) if t.content not in present])
-        self._library(self._tokenizer.add_special_tokens, list(named.values()) + extra)
+        listed = _listed_added_tokens(config, config_file)
+        self._library(self._tokenizer.add_tokens, [t for t in listed if t.content not in present])
+        self._library(self._tokenizer.add_special_tokens,
+                      list(named.values()) + extra + [t for t in listed if t.content in present and t.special])
+        # split_special_tokens: special tokens written in text are text, not the tokens.
+        self._tokenizer.encode_special_tokens = config.get("split_special_tokens", False) is True
         self.special_tokens = {key: token.content for key, token in named.items()}
         # Byte-fallback tokens (SentencePiece-style tokenizers, Gemma's): <0x00> ... <0xFF>.
         byte_ids = (self._tokenizer.token_to_id(f"<0x{b:02X}>") for b in range(256))
