@@ -315,12 +315,42 @@ def test_unsupported_activation_scheme_is_named(tmp_path, args, named):
      "quantization_config.kv_cache_scheme is not supported"),
     ("FP8_DYNAMIC", lambda q: q.update(ignore=[n for n in q["ignore"] if "decoder.layers.1.router" not in n]),
      "quantizes the input of 'model.decoder.layers.1.router.proj'"),
-    # A regex target outranks the class "Linear": up_proj would be left unquantized, gate_proj not.
-    ("NVFP4", lambda q: q["config_groups"].update(group_1=dict(targets=["re:.*decoder.layers.0.mlp.up_proj$"])),
+    # A regex target outranks the class "Linear": up_proj's input would be left unquantized, gate_proj's not.
+    ("NVFP4", lambda q: q["config_groups"].update(group_1=dict(targets=["re:.*decoder.layers.0.mlp.up_proj$"],
+                                                               weights=q["config_groups"]["group_0"]["weights"])),
      "quantizes the inputs of 'model.decoder.layers.0.mlp.gate_proj' and 'model.decoder.layers.0.mlp.up_proj' "
      "differently"),
     ("NVFP4", lambda q: q["config_groups"].update(group_1=dict(targets=["Linear"])),
      "names 'Linear', which another config group also targets"),
+    # Settings that change what the stored weights mean, which had been ignored (the logits those
+    # of the plain reading).
+    ("NVFP4", lambda q: q.update(transform_config={"config_groups": {"u": {"type": "hadamard"}}}),
+     "quantization_config.transform_config is not supported"),
+    ("NVFP4", lambda q: q.update(sparsity_config={"format": "sparse-24-bitmask"}),
+     "quantization_config.sparsity_config is not supported"),
+    ("NVFP4", lambda q: q.update(quantization_status="frozen"), "quantization_status 'frozen' is not supported"),
+    ("NVFP4", lambda q: q["config_groups"]["group_0"].update(format="float-quantized"),
+     "config_groups.group_0.format 'float-quantized' differs from quantization_config.format"),
+    ("FP8_DYNAMIC", lambda q: q["config_groups"]["group_0"]["weights"].update(type="int", num_bits=4, group_size=128,
+                                                                              strategy="group", symmetric=False),
+     "config_groups.group_0.weights = asymmetric group of 128 4-bit int does not go with format 'float-quantized'"),
+    ("NVFP4", lambda q: q["config_groups"]["group_0"]["weights"].update(group_size=32),
+     "weights = tensor_group of 32 4-bit float does not go with format 'nvfp4-pack-quantized'"),
+    ("FP8_DYNAMIC", lambda q: q.update(format="nvfp4-pack-quantized") or q["config_groups"]["group_0"].update(
+        format="nvfp4-pack-quantized", weights={"num_bits": 4, "type": "float", "strategy": "tensor_group",
+                                                "group_size": 16, "symmetric": True}, input_activations=None),
+     "is stored as FP8 (F8_E4M3), but quantization_config.format is 'nvfp4-pack-quantized'"),
+    # A linear stored quantized that the config leaves plain (had loaded, dequantized).
+    ("FP8_DYNAMIC", lambda q: q["ignore"].append("re:.*decoder\.layers\.0\.mlp\.down_proj\Z"),
+     "'model.decoder.layers.0.mlp.down_proj.weight' is stored quantized (F8_E4M3, or NVFP4's weight_packed), but "
+     "quantization_config leaves 'model.decoder.layers.0.mlp.down_proj' unquantized"),
+    # The encoder's copies matched by their own names (they had taken the decoder's scheme).
+    ("FP8_DYNAMIC", lambda q: q["ignore"].append("re:model\.encoder\.language_model\..*mlp\.down_proj"),
+     "quantizes 'model.decoder.layers.0.mlp.down_proj' and its encoder copy "
+     "'model.encoder.language_model.layers.0.mlp.down_proj' differently"),
+    # The tied head quantized (lm_head taken out of ignore): its input had silently stayed plain.
+    ("FP8_DYNAMIC", lambda q: q["ignore"].remove("lm_head"),
+     "quantization_config quantizes 'lm_head' (not in its ignore), but the head is tied to the embedding"),
 ])
 def test_unsupported_quantization_config_is_refused(tmp_path, scheme, edit, message):
     path = edit_quantization_config(tmp_path, scheme, edit)

@@ -219,6 +219,34 @@ ActivationScheme activation_scheme(const Fields& group) {
                                       "local dynamic tensor_group of 16 4-bit float as in NVFP4)");
 }
 
+// A config group's weights (QuantizationArgs, defaults filling what the file leaves out;
+// null: the group quantizes its targets' inputs alone): what `format` stores, the one kind
+// of weights the loader reads for it. The tensors'
+// scales are checked against their shapes as they load; settings the format's weights
+// never have (integers, zero points, blocks) are refused here, by name.
+void check_weights(const Fields& group, const std::string& format) {
+  const json::Value* v = group.get("weights");
+  if (!v) return;  // the group quantizes inputs alone
+  if (!v->is_object()) group.fail("weights", "must be an object or null");
+  const Fields w{*v, group.file, group.prefix + "weights."};
+  const std::string type = w.string_or("type", "int"), strategy = w.string_or("strategy", "tensor");
+  const int64_t bits = w.integer_or("num_bits", 8, 1, 64), group_size = w.integer_or("group_size", 0, -1, kMaxDim);
+  if (w.get("block_structure")) w.fail("block_structure", "is not supported (block-quantized weights)");
+  const bool symmetric = w.bool_or("symmetric", true);
+  const json::Value* d = w.get("dynamic");
+  const bool dynamic = d && !(d->is_bool() && !d->boolean);  // scales computed at run time: not stored ones
+  const bool fp8 = format == "float-quantized" && type == "float" && bits == 8 &&
+                   (strategy == "tensor" || strategy == "channel" || strategy == "group");
+  const bool nvfp4 = format == "nvfp4-pack-quantized" && type == "float" && bits == 4 && strategy == "tensor_group" &&
+                     group_size == 16;
+  if (!(fp8 || nvfp4) || !symmetric || dynamic)
+    group.fail("weights", "= " + std::string(symmetric ? "" : "asymmetric ") + (dynamic ? "dynamic " : "") + strategy +
+                              (group_size > 0 ? " of " + std::to_string(group_size) : "") + " " +
+                              std::to_string(bits) + "-bit " + type + " does not go with format '" + format +
+                              "' (float-quantized: 8-bit float by tensor, channel or group; nvfp4-pack-quantized: "
+                              "tensor_group of 16 4-bit float)");
+}
+
 // quantization_config (compressed-tensors) into `c`: the weights' format, and which linears
 // quantize their inputs how. The KV cache and outputs are never quantized here.
 void load_quantization(const Fields& f, ModelConfig& c) {
@@ -229,6 +257,16 @@ void load_quantization(const Fields& f, ModelConfig& c) {
   if (c.quantization != "float-quantized" && c.quantization != "nvfp4-pack-quantized")
     f.fail("format", "'" + c.quantization + "' is not supported (supported: float-quantized, nvfp4-pack-quantized)");
   if (f.get("kv_cache_scheme")) f.fail("kv_cache_scheme", "is not supported (the KV cache is not quantized)");
+  // Settings that change what the stored weights mean, which the loader does not apply.
+  // (LLM Compressor writes both as {} where there are none.)
+  for (const auto& [key, why] : {std::pair<std::string, std::string>{"transform_config", "no transforms are applied"},
+                                 {"sparsity_config", "the weights are read dense"}})
+    if (const json::Value* v = f.get(key); v && !(v->is_object() && v->object.empty()))
+      f.fail(key, "is not supported (" + why + ")");
+  // "compressed": the quantized form the loader reads (frozen and earlier ones store the
+  // weights unpacked beside their scales).
+  if (const std::string status = f.string_or("quantization_status", "compressed"); status != "compressed")
+    f.fail("quantization_status", "'" + status + "' is not supported (supported: compressed)");
   c.quantization_ignore = f.string_list("ignore");
   const json::Value* groups = f.get("config_groups");
   if (!groups) return;
@@ -238,7 +276,11 @@ void load_quantization(const Fields& f, ModelConfig& c) {
     if (!value.is_object()) f.fail("config_groups." + name, "must be an object");
     const Fields g{value, f.file, f.prefix + "config_groups." + name + "."};
     if (g.get("output_activations")) g.fail("output_activations", "is not supported (outputs are not quantized)");
-    QuantizationGroup group{g.string_list("targets"), activation_scheme(g)};
+    if (const std::string format = g.string_or("format", c.quantization); format != c.quantization)
+      g.fail("format", "'" + format + "' differs from quantization_config.format '" + c.quantization +
+                           "' (mixed formats are not supported)");
+    check_weights(g, c.quantization);
+    QuantizationGroup group{g.string_list("targets"), activation_scheme(g), g.get("weights") != nullptr};
     for (const std::string& t : group.targets)
       if (!targets.insert(t).second) g.fail("targets", "names '" + t + "', which another config group also targets");
     c.quantization_groups.push_back(std::move(group));

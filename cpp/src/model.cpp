@@ -30,24 +30,33 @@ class QuantizationTargets {
  public:
   QuantizationTargets(const ModelConfig& c, const std::string& path) {
     for (const QuantizationGroup& g : c.quantization_groups)
-      for (const std::string& t : g.targets) targets_.push_back({pattern(t, path), g.input});
+      for (const std::string& t : g.targets) targets_.push_back({pattern(t, path), {g.input, g.weights}});
     std::sort(targets_.begin(), targets_.end(), [](const auto& a, const auto& b) {
       return std::pair(a.first.regex.has_value(), a.first.text) < std::pair(b.first.regex.has_value(), b.first.text);
     });
     for (const std::string& t : c.quantization_ignore) ignore_.push_back(pattern(t, path));
   }
 
-  ActivationScheme input_scheme(const std::string& module) const {
-    for (const Pattern& p : ignore_)
-      if (p.names(module) || p.text == "Linear") return ActivationScheme::None;
-    for (const auto& [p, scheme] : targets_)
-      if (p.names(module)) return scheme;
-    for (const auto& [p, scheme] : targets_)
-      if (p.text == "Linear") return scheme;
-    return ActivationScheme::None;
-  }
+  // Whether the config quantizes `module`'s weights, and how it quantizes its input.
+  bool quantizes(const std::string& module) const { return group_of(module).weights; }
+  ActivationScheme input_scheme(const std::string& module) const { return group_of(module).input; }
 
  private:
+  // What the group that takes `module` quantizes (nothing where none does).
+  struct Quantized {
+    ActivationScheme input = ActivationScheme::None;
+    bool weights = false;
+  };
+  Quantized group_of(const std::string& module) const {
+    for (const Pattern& p : ignore_)
+      if (p.names(module) || p.text == "Linear") return {};
+    for (const auto& [p, quantized] : targets_)
+      if (p.names(module)) return quantized;
+    for (const auto& [p, quantized] : targets_)
+      if (p.text == "Linear") return quantized;
+    return {};
+  }
+
   struct Pattern {
     std::string text;
     std::optional<std::regex> regex;  // of a "re:" target
@@ -58,12 +67,27 @@ class QuantizationTargets {
   static Pattern pattern(const std::string& text, const std::string& path) {
     if (!text.starts_with("re:")) return {text, std::nullopt};
     try {
-      return {text, std::regex(text.substr(3))};
+      return {text, std::regex(ecmascript(text.substr(3)))};
     } catch (const std::regex_error&) {
       throw FormatError(path + ": quantization_config: '" + text + "' is not a regular expression this runtime reads");
     }
   }
-  std::vector<std::pair<Pattern, ActivationScheme>> targets_;
+  // Python's \A and \Z (the start and the end of the name) as ECMAScript's ^ and $, which
+  // read them as the letters A and Z (a target ending in \Z had matched nothing). Names hold
+  // no newlines, where the two would differ.
+  static std::string ecmascript(const std::string& python) {
+    std::string out;
+    for (size_t i = 0; i < python.size(); ++i) {
+      if (python[i] == '\\' && i + 1 < python.size()) {
+        const char next = python[++i];
+        out += next == 'A' ? std::string("^") : next == 'Z' ? std::string("$") : std::string{'\\', next};
+      } else {
+        out += python[i];
+      }
+    }
+    return out;
+  }
+  std::vector<std::pair<Pattern, Quantized>> targets_;
   std::vector<Pattern> ignore_;
 };
 
@@ -89,6 +113,8 @@ class TensorSource {
     const TensorView* b = m_.checkpoint ? m_.checkpoint->find(twin) : nullptr;
     return a && b && !same_tensor(*a, *b);
   }
+  // Whether the config quantizes linear `module`'s weights (random weights: as dummy_quantization says).
+  bool quantizes(const std::string& module) const { return !dummy() && targets_.quantizes(module); }
   // How the config quantizes the input of linear `module` (random weights: not at all).
   ActivationScheme input_scheme(const std::string& module) const {
     return dummy() ? ActivationScheme::None : targets_.input_scheme(module);
@@ -309,10 +335,14 @@ class TensorSource {
           throw FormatError(m_.path + ": quantization_config quantizes the inputs of '" + modules[0][0] + "' and '" +
                             module + "' differently, but the runtime runs them as one (stacked gate and up, or one "
                             "MoE layer's experts)");
-        if (q.scheme != ActivationScheme::Nvfp4) continue;
-        // The encoder's copy of the linear has its own scale, where the checkpoint has one.
+        // The encoder's copy of the linear (the same weights) is matched by its own name.
         const std::string decoder = "model.decoder.", encoder = "model.encoder.language_model.";
         const std::string twin = module.starts_with(decoder) ? encoder + module.substr(decoder.size()) : module;
+        if (input_scheme(twin) != q.scheme || quantizes(twin) != quantizes(module))
+          throw FormatError(m_.path + ": quantization_config quantizes '" + module + "' and its encoder copy '" + twin +
+                            "' differently, but they are one weight, run alike");
+        if (q.scheme != ActivationScheme::Nvfp4) continue;
+        // The encoder's copy of the linear has its own scale, where the checkpoint has one.
         const float decoder_scale = divisor_scalar(module + ".input_global_scale");
         const float encoder_scale =
             has(twin + ".input_global_scale") ? divisor_scalar(twin + ".input_global_scale") : decoder_scale;
@@ -369,10 +399,19 @@ class TensorSource {
                         "quantized; the runtime runs them as one weight");
     }
     // Without the config's say, transformers would read the stored values as plain weights,
-    // their scales unused: the checkpoint contradicts itself.
+    // their scales unused: the checkpoint contradicts itself. So it does where the config
+    // leaves the module unquantized (in `ignore`, or no group's target).
     if (m_.config.quantization.empty())
       throw FormatError(m_.path + ": '" + name + "' is stored quantized (F8_E4M3, or NVFP4's weight_packed), but " +
                         "config.json has no quantization_config");
+    if (!quantizes(prefix))
+      throw FormatError(m_.path + ": '" + name + "' is stored quantized (F8_E4M3, or NVFP4's weight_packed), but " +
+                        "quantization_config leaves '" + prefix + "' unquantized (in ignore, or no group's target)");
+    // The format says how: an FP8 tensor in an NVFP4 checkpoint, or the other way, is not what it says.
+    if (has(prefix + ".weight_packed") != (m_.config.quantization == "nvfp4-pack-quantized"))
+      throw FormatError(m_.path + ": '" + name + "' is stored as " +
+                        (has(prefix + ".weight_packed") ? "NVFP4 (weight_packed)" : "FP8 (F8_E4M3)") +
+                        ", but quantization_config.format is '" + m_.config.quantization + "'");
     return has(prefix + ".weight_packed") ? nvfp4(prefix, shape) : fp8(name, prefix, shape);
   }
 
@@ -460,6 +499,9 @@ void load_weights(ModelState& m, DType as) {
   // then leaves the two untied (warning that the config is wrong) and runs the stored head. So does this.
   const bool tied = c.tie_word_embeddings && !src.stored_apart("lm_head.weight", d + "embed_tokens.weight");
   if (!tied) w.lm_head = src.linear("lm_head.weight", {c.vocab_size, H});
+  else if (src.quantizes("lm_head"))
+    throw FormatError(m.path + ": quantization_config quantizes 'lm_head' (not in its ignore), but the head is tied " +
+                      "to the embedding, which is stored unquantized");
   w.norm = src.small(d + "norm.weight", {H});
   const std::string sc = d + "self_conditioning.";
   w.sc_pre_norm = src.small(sc + "pre_norm.weight", {H});

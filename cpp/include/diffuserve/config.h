@@ -50,6 +50,7 @@ enum class ActivationScheme { None, Fp8Token, Nvfp4, Bf16 };
 struct QuantizationGroup {
   std::vector<std::string> targets;
   ActivationScheme input = ActivationScheme::None;
+  bool weights = true;  // whether it quantizes its targets' weights (it may quantize their inputs alone)
 };
 
 struct ModelConfig {
