@@ -339,3 +339,43 @@ def test_abort_drops_an_output_generate_held(make_llm):
     assert llm.has_unfinished()
     llm.abort(side)
     assert not llm.has_unfinished() and llm.step() == []
+
+
+def test_a_long_prompt_prefills_in_chunks_the_sliding_pool_takes(path):
+    """Sequence.prefill of a prompt longer than the sliding-window layers' pool takes at once
+    (a window and a chunk a sequence) encodes it in chunks, as the engine does: the same KV and
+    logits as a chunked prefill by hand. It had been refused, advising more memory that did not
+    help, with nearly every block free."""
+    model = ds.Model.load(path, kv_cache_memory_bytes=64 << 20, kv_block_size=BLOCK, max_num_seqs=2)
+    prompt = (np.arange(3000) * 7 % 64).tolist()
+    whole, by_hand = model.sequence(), model.sequence()
+    whole.prefill(prompt)
+    for start in range(0, len(prompt), 10):
+        by_hand.prefill(prompt[start:start + 10])
+    assert len(whole) == len(by_hand) == 3000
+    for layer in range(3):
+        np.testing.assert_allclose(whole.kv(layer)[0], by_hand.kv(layer)[0], atol=1e-5)
+    canvas = np.arange(CANVAS)
+    np.testing.assert_allclose(whole.denoise(canvas), by_hand.denoise(canvas), atol=1e-4)
+
+
+def test_more_live_sequences_than_max_num_seqs_name_it(path):
+    """The sliding-window layers keep room for max_num_seqs sequences' windows: a sequence past
+    them is refused naming max_num_seqs (the message had advised only more memory)."""
+    model = ds.Model.load(path, kv_cache_memory_bytes=64 << 20, kv_block_size=BLOCK, max_num_seqs=1)
+    live = []
+    with pytest.raises(ValueError, match=r"prefill: the KV cache has no room for 10 more tokens .*max_num_seqs"):
+        for i in range(64):
+            live.append(model.sequence())
+            live[-1].prefill([(10 * i + j) % 64 for j in range(10)])  # no prefix shared
+
+
+def test_ids_are_read_from_a_copy_checked_once(path):
+    """The ids (and self-conditioning logits) a sequence reads are a copy, checked once: another
+    thread writing into the caller's array after the check had sent an out-of-range id past the
+    embedding (a segfault)."""
+    from diffuserve._checks import check_token_ids
+    ids = np.arange(5, dtype=np.int32)
+    checked = check_token_ids(ids, "prefill", 64)
+    ids[0] = 2**30
+    assert checked[0] == 0 and not np.shares_memory(ids, checked)

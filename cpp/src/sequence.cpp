@@ -185,7 +185,8 @@ void Sequence::encode(std::span<const int32_t> ids, const char* what) {
   ModelState& m = model_->state();
   if (!m.kv->reserve(state_->table, int64_t(ids.size())))
     throw InvalidArgument(std::string(what) + ": the KV cache has no room for " + std::to_string(ids.size()) +
-                          " more tokens (raise kv_cache_memory_bytes)");
+                          " more tokens (raise kv_cache_memory_bytes; or max_num_seqs where more sequences are "
+                          "live: the sliding-window layers keep room for that many sequences' windows)");
   std::vector<Segment> batch{Segment{&state_->table, true, {ids.begin(), ids.end()}, nullptr}};
   forward(m, *m.kv, batch);
 }
@@ -198,7 +199,14 @@ void Sequence::prefill(std::span<const int32_t> ids) {
   const int64_t hit = kv.match_prefix(state_->table, ids);
   if (hit == int64_t(ids.size())) return kv.record_prefix_query(hit, hit);  // every token's KV was cached
   try {
-    encode(ids.subspan(hit), "prefill");
+    // The sliding-window layers keep a window and a chunk a sequence (KvCache), not a whole
+    // long prompt at once: a prompt that could not fit in one pass even in an otherwise empty
+    // cache is encoded in the largest chunks that could, as the engine's chunked prefill does
+    // (the same KV). A 3,200-token prompt had been refused with half a million blocks free.
+    size_t chunk = ids.size() - hit;
+    while (chunk > 1 && !kv.could_hold(int64_t(ids.size()), int64_t(chunk))) chunk = (chunk + 1) / 2;
+    for (size_t done = hit; done < ids.size(); done += chunk)
+      encode(ids.subspan(done, std::min(chunk, ids.size() - done)), "prefill");
   } catch (...) {
     kv.release(state_->table);  // a failed prefill leaves the sequence empty
     throw;

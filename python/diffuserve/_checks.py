@@ -79,13 +79,15 @@ def check_path(name: str, value) -> str:
 
 
 def check_token_ids(ids, what: str, vocab_size: int) -> np.ndarray:
-    """1-D integer token ids as a contiguous int32 array, each in [0, vocab_size), else
-    ValueError naming `what` (and the id and its index)."""
+    """1-D integer token ids as a contiguous int32 array of their own, each in [0, vocab_size),
+    else ValueError naming `what` (and the id and its index). The array is a copy, checked
+    after copying: the runtime reads it later without the GIL, and an id another thread
+    wrote into the caller's array after the check had been read past the embedding."""
     if isinstance(ids, (list, tuple)):  # numpy takes True beside ints as the id 1
         at = next((i for i, x in enumerate(ids) if isinstance(x, (bool, np.bool_))), None)
         if at is not None:
             raise ValueError(f"{what}: token ids must be integers, got {ids[at]!r} at index {at}")
-    arr = np.asarray(ids)
+    arr = np.array(ids)  # a copy
     if arr.dtype.kind in "fO" and arr.ndim == 1 and not isinstance(ids, np.ndarray):
         # Python ints past int64 (numpy keeps them as objects, or floats beside smaller ones).
         items = list(ids)

@@ -144,7 +144,7 @@ class Sequence:
         canvas = check_token_ids(canvas_ids, "denoise", self.model.vocab_size)
         sc = None
         if self_conditioning_logits is not None:
-            sc = np.ascontiguousarray(np.asarray(self_conditioning_logits, dtype=np.float32))
+            sc = np.array(self_conditioning_logits, dtype=np.float32, order="C")  # a copy: checked, then read without the GIL
             if sc.ndim == 3 and sc.shape[0] == 1:
                 sc = sc[0]
             expected = (self.canvas_length, self.model.vocab_size)
