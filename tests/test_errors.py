@@ -552,6 +552,30 @@ def test_self_conditioning_non_finite(seq, value):
     assert_intact(seq, before)
 
 
+@pytest.mark.parametrize("make, message", [
+    (lambda sc: sc.astype(np.float64) * 1e300, r"holds np.float64\(1e\+300\) at \(0, 0\), past float32's range"),
+    (lambda sc: sc.astype(np.complex64), "must be real numbers, got dtype complex64"),
+    (lambda sc: np.full(sc.shape, None), "must be real numbers, got dtype object"),
+    (lambda sc: "logits", "must be real numbers, got dtype <U6"),
+])
+def test_self_conditioning_that_is_not_float32_numbers_is_named(seq, make, message):
+    """A value float32 cannot hold, complex numbers (whose imaginary part had been dropped with
+    numpy's warning alone) and non-numbers are ValueErrors naming the argument and the cause."""
+    before = state_of(seq)
+    with pytest.raises(ValueError, match="denoise: self_conditioning_logits " + message):
+        seq.denoise(np.arange(CANVAS), make(np.ones((CANVAS, VOCAB), np.float32)))
+    assert_intact(seq, before)
+
+
+def test_self_conditioning_as_a_torch_bf16_tensor(seq):
+    """A torch tensor of any float dtype is taken (bf16, which numpy lacks, had been a TypeError)."""
+    torch = pytest.importorskip("torch")
+    sc = np.random.default_rng(0).standard_normal((CANVAS, VOCAB)).astype(np.float32)
+    rounded = torch.from_numpy(sc).to(torch.bfloat16)
+    np.testing.assert_array_equal(seq.denoise(np.arange(CANVAS), rounded),
+                                  seq.denoise(np.arange(CANVAS), rounded.float().numpy()))
+
+
 def test_self_conditioning_neg_inf_entries_accepted(seq):
     """-inf marks a token the sampler ruled out: it is valid input and the logits stay finite."""
     sc = np.zeros((CANVAS, VOCAB), np.float32)

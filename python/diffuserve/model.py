@@ -12,6 +12,27 @@ import numpy as np
 from . import _core
 from ._checks import INT64_MAX, check_int, check_path, check_token_ids
 
+
+def _float32_logits(logits) -> np.ndarray:
+    """Self-conditioning logits as a C-ordered float32 array of their own (checked, then read
+    without the GIL: another thread's writes must not reach the runtime), else a ValueError
+    naming the argument: real numbers only, each finite as float32 or -inf (a masked id)."""
+    if hasattr(logits, "float") and hasattr(logits, "numpy"):  # a torch tensor (bf16 too, which numpy lacks)
+        logits = logits.detach().float().cpu().numpy()
+    try:
+        arr = np.array(logits)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"denoise: self_conditioning_logits must be an array of numbers: {e}") from None
+    if arr.dtype == np.bool_ or not (np.issubdtype(arr.dtype, np.integer) or np.issubdtype(arr.dtype, np.floating)):
+        raise ValueError(f"denoise: self_conditioning_logits must be real numbers, got dtype {arr.dtype}")
+    with np.errstate(over="ignore"):
+        out = np.array(arr, dtype=np.float32, order="C")
+    overflow = np.isinf(out) & np.isfinite(arr)
+    if overflow.any():
+        at = tuple(int(i) for i in np.argwhere(overflow)[0])
+        raise ValueError(f"denoise: self_conditioning_logits holds {arr[at]!r} at {at}, past float32's range")
+    return out
+
 _DTYPES = {None: "", "auto": "", "float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
 # The native side's dtype names (safetensors' spelling) as this API spells them.
 _DTYPE_NAMES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
@@ -144,7 +165,7 @@ class Sequence:
         canvas = check_token_ids(canvas_ids, "denoise", self.model.vocab_size)
         sc = None
         if self_conditioning_logits is not None:
-            sc = np.array(self_conditioning_logits, dtype=np.float32, order="C")  # a copy: checked, then read without the GIL
+            sc = _float32_logits(self_conditioning_logits)
             if sc.ndim == 3 and sc.shape[0] == 1:
                 sc = sc[0]
             expected = (self.canvas_length, self.model.vocab_size)
