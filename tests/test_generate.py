@@ -508,15 +508,25 @@ def free_run_of_a_copy(checkpoints, tmp_path):
     return path, prompt, seed_canvas, hf_generate(load(path), prompt, seed_canvas, eos=[])[0]
 
 
+def name_eos_in_config_json(path, eos):
+    """config.json's text_config names `eos` as its EOS id."""
+    config = json.loads((path / "config.json").read_text())
+    config["text_config"]["eos_token_id"] = eos
+    (path / "config.json").write_text(json.dumps(config))
+
+
+def greedy_block(llm, prompt, seed_canvas):
+    """diffuserve's greedy block from `seed_canvas`, as hf_generate runs transformers'."""
+    return llm.generate([prompt], ds.SamplingParams(max_new_tokens=len(seed_canvas), seed_canvas=seed_canvas,
+                                                    entropy_bound=HUGE_BOUND, seed=0, **GREEDY))[0]
+
+
 def test_an_empty_eos_list_in_generation_config_means_no_eos(checkpoints, tmp_path):
     """generation_config.json's "eos_token_id": [] leaves transformers no EOS to stop at, whatever
-    config.json names; diffuserve had taken config.json's EOS instead (as it rightly does where
-    generation_config.json has none), and stopped where transformers runs on."""
+    config.json names; diffuserve had taken config.json's EOS instead, and stopped where
+    transformers runs on."""
     path, prompt, seed_canvas, free_run = free_run_of_a_copy(checkpoints, tmp_path)
-    canvas = len(seed_canvas)
-    config = json.loads((path / "config.json").read_text())
-    config["text_config"]["eos_token_id"] = free_run[2]  # config.json's EOS comes up mid-canvas
-    (path / "config.json").write_text(json.dumps(config))
+    name_eos_in_config_json(path, free_run[2])  # config.json's EOS comes up mid-canvas
     generation = json.loads((path / "generation_config.json").read_text())
     (path / "generation_config.json").write_text(json.dumps({**generation, "eos_token_id": []}))
     hf = load(path)
@@ -525,8 +535,7 @@ def test_an_empty_eos_list_in_generation_config_means_no_eos(checkpoints, tmp_pa
     assert expected == free_run  # transformers ran on past config.json's EOS
     llm = ds.LLM(path)
     assert llm.model.config["generation"]["eos_token_ids"] == []
-    got = llm.generate([prompt], ds.SamplingParams(max_new_tokens=canvas, seed_canvas=seed_canvas,
-                                                   entropy_bound=HUGE_BOUND, seed=0, **GREEDY))[0]
+    got = greedy_block(llm, prompt, seed_canvas)
     assert got.token_ids == expected and got.finish_reason == "length"
 
 
@@ -537,10 +546,7 @@ def test_no_eos_in_generation_config_means_no_eos_whatever_config_json_says(chec
     config.json names, and counts the whole block in tokens_per_forward. diffuserve had taken
     config.json's EOS (and pad) as the defaults, stopped early and counted less."""
     path, prompt, seed_canvas, free_run = free_run_of_a_copy(checkpoints, tmp_path)
-    canvas = len(seed_canvas)
-    config = json.loads((path / "config.json").read_text())
-    config["text_config"]["eos_token_id"] = free_run[2]  # config.json's EOS comes up mid-canvas
-    (path / "config.json").write_text(json.dumps(config))
+    name_eos_in_config_json(path, free_run[2])  # config.json's EOS comes up mid-canvas
     generation = json.loads((path / "generation_config.json").read_text())
     generation.pop("eos_token_id", None), generation.pop("pad_token_id", None)
     if eos_field == "no file":
@@ -554,8 +560,7 @@ def test_no_eos_in_generation_config_means_no_eos_whatever_config_json_says(chec
     assert expected == free_run  # transformers ran on past config.json's EOS
     llm = ds.LLM(path)
     assert llm.model.config["generation"]["eos_token_ids"] == [] and llm.model.config["generation"]["pad_token_id"] == -1
-    got = llm.generate([prompt], ds.SamplingParams(max_new_tokens=canvas, seed_canvas=seed_canvas,
-                                                   entropy_bound=HUGE_BOUND, seed=0, **GREEDY))[0]
+    got = greedy_block(llm, prompt, seed_canvas)
     assert got.token_ids == expected and got.finish_reason == "length"
     assert got.tokens_per_forward == pytest.approx(expected_tpf)
 
@@ -574,8 +579,7 @@ def test_without_a_pad_id_the_block_past_the_eos_counts(checkpoints, tmp_path):
     hf = load(path)
     expected, expected_tpf = hf_generate(hf, prompt, seed_canvas)
     assert expected == free_run  # nothing padded past the EOS
-    got = ds.LLM(path).generate([prompt], ds.SamplingParams(max_new_tokens=canvas, seed_canvas=seed_canvas,
-                                                            entropy_bound=HUGE_BOUND, seed=0, **GREEDY))[0]
+    got = greedy_block(ds.LLM(path), prompt, seed_canvas)
     assert got.token_ids == expected[:at + 1] and got.finish_reason == "stop"
     assert got.tokens_per_forward == pytest.approx(expected_tpf) == pytest.approx(canvas / sum(got.denoise_steps))
 
@@ -585,7 +589,6 @@ def test_tokens_per_forward_leaves_out_generation_configs_pad_id(checkpoints, tm
     one generation_config.json names); diffuserve had left out config.json's instead, and
     counted a pad id of the generation config's as a token."""
     path, prompt, seed_canvas, free_run = free_run_of_a_copy(checkpoints, tmp_path)
-    canvas = len(seed_canvas)
     pad, eos = free_run[1], free_run[-2]  # a pad id the output holds, and an EOS past it
     assert pad not in (0, eos) and eos not in free_run[:-2]
     generation = json.loads((path / "generation_config.json").read_text())
@@ -596,8 +599,7 @@ def test_tokens_per_forward_leaves_out_generation_configs_pad_id(checkpoints, tm
     assert expected[:-1] == free_run[:-1] and expected[-1] == pad  # transformers pads after the EOS
     llm = ds.LLM(path)
     assert llm.model.config["generation"]["pad_token_id"] == pad
-    got = llm.generate([prompt], ds.SamplingParams(max_new_tokens=canvas, seed_canvas=seed_canvas,
-                                                   entropy_bound=HUGE_BOUND, seed=0, **GREEDY))[0]
+    got = greedy_block(llm, prompt, seed_canvas)
     assert got.token_ids == expected[:-1] and got.finish_reason == "stop"
     assert got.tokens_per_forward == pytest.approx(expected_tpf)
     assert got.tokens_per_forward == pytest.approx(sum(t != pad for t in got.token_ids) / sum(got.denoise_steps))

@@ -219,14 +219,14 @@ ActivationScheme activation_scheme(const Fields& group) {
                                       "local dynamic tensor_group of 16 4-bit float as in NVFP4)");
 }
 
-// A config group's weights (QuantizationArgs, defaults filling what the file leaves out;
-// null: the group quantizes its targets' inputs alone): what `format` stores, the one kind
-// of weights the loader reads for it. The tensors'
-// scales are checked against their shapes as they load; settings the format's weights
-// never have (integers, zero points, blocks) are refused here, by name.
-void check_weights(const Fields& group, const std::string& format) {
+// Whether a config group quantizes its targets' weights (QuantizationArgs, defaults filling
+// what the file leaves out; null: it quantizes their inputs alone), which must then be what
+// `format` stores, the one kind of weights the loader reads for it. The tensors' scales are
+// checked against their shapes as they load; settings the format's weights never have
+// (integers, zero points, blocks) are refused here, by name.
+bool quantizes_weights(const Fields& group, const std::string& format) {
   const json::Value* v = group.get("weights");
-  if (!v) return;  // the group quantizes inputs alone
+  if (!v) return false;
   if (!v->is_object()) group.fail("weights", "must be an object or null");
   const Fields w{*v, group.file, group.prefix + "weights."};
   const std::string type = w.string_or("type", "int"), strategy = w.string_or("strategy", "tensor");
@@ -245,6 +245,7 @@ void check_weights(const Fields& group, const std::string& format) {
                               std::to_string(bits) + "-bit " + type + " does not go with format '" + format +
                               "' (float-quantized: 8-bit float by tensor, channel or group; nvfp4-pack-quantized: "
                               "tensor_group of 16 4-bit float)");
+  return true;
 }
 
 // quantization_config (compressed-tensors) into `c`: the weights' format, and which linears
@@ -279,8 +280,7 @@ void load_quantization(const Fields& f, ModelConfig& c) {
     if (const std::string format = g.string_or("format", c.quantization); format != c.quantization)
       g.fail("format", "'" + format + "' differs from quantization_config.format '" + c.quantization +
                            "' (mixed formats are not supported)");
-    check_weights(g, c.quantization);
-    QuantizationGroup group{g.string_list("targets"), activation_scheme(g), g.get("weights") != nullptr};
+    QuantizationGroup group{g.string_list("targets"), activation_scheme(g), quantizes_weights(g, c.quantization)};
     for (const std::string& t : group.targets)
       if (!targets.insert(t).second) g.fail("targets", "names '" + t + "', which another config group also targets");
     c.quantization_groups.push_back(std::move(group));
@@ -291,9 +291,11 @@ void load_quantization(const Fields& f, ModelConfig& c) {
 // min_new_tokens or a temperature there had been ignored): those that generation reads, the
 // cache's (transformers' own choice of KV cache, not this engine's) and metadata.
 const std::set<std::string> kGenerationFields = {
-    "max_new_tokens", "max_length",  "max_denoising_steps", "sampler_config", "t_min",
-    "t_max",          "stability_threshold", "confidence_threshold", "eos_token_id", "pad_token_id",
-    "bos_token_id",   "cache_implementation", "cache_config", "disable_compile", "return_dict_in_generate",
+    // read here
+    "max_new_tokens", "max_length", "max_denoising_steps", "sampler_config", "t_min", "t_max", "stability_threshold",
+    "confidence_threshold", "eos_token_id", "pad_token_id",
+    // transformers' own (its BOS, its KV cache, its return type) and metadata
+    "bos_token_id", "cache_implementation", "cache_config", "disable_compile", "return_dict_in_generate",
     "transformers_version", "_from_model_config", "_commit_hash"};
 
 GenerationDefaults load_generation(const std::string& path, int vocab_size) {

@@ -20,7 +20,7 @@ def _float32_logits(logits) -> np.ndarray:
     if hasattr(logits, "float") and hasattr(logits, "numpy"):  # a torch tensor (bf16 too, which numpy lacks)
         logits = logits.detach().float().cpu().numpy()
     try:
-        arr = np.array(logits)
+        arr = np.asarray(logits)  # (the copy is the float32 one below)
     except (TypeError, ValueError) as e:
         raise ValueError(f"denoise: self_conditioning_logits must be an array of numbers: {e}") from None
     if arr.dtype == np.bool_ or not (np.issubdtype(arr.dtype, np.integer) or np.issubdtype(arr.dtype, np.floating)):

@@ -43,6 +43,17 @@ std::unique_ptr<Engine> admitted_engine(const std::string& dir) {
   return engine;
 }
 
+// A case: generate() with one of SamplingParams' float fields set to +inf.
+std::function<std::string(const std::string&)> generate_with_infinite(float SamplingParams::*field) {
+  return [field](const std::string& dir) {
+    auto model = load(dir);
+    SamplingParams p = params(*model, 16);
+    p.*field = std::numeric_limits<float>::infinity();
+    generate(*model, {{2, 3}}, {p});
+    return std::string("generated");
+  };
+}
+
 // Prefills `seq` until the cache takes no more tokens; returns how many it holds.
 int64_t fill(Sequence& seq) {
   for (int chunk = 4096; chunk >= 1; chunk /= 2) {
@@ -112,22 +123,8 @@ const std::map<std::string, std::function<std::string(const std::string&)>> kCas
        return std::string("stepped");
      }},
     // Infinite bounds had been taken (Python's SamplingParams refuses them).
-    {"infinite_entropy_bound",
-     [](const std::string& dir) {
-       auto model = load(dir);
-       SamplingParams p = params(*model, 16);
-       p.entropy_bound = std::numeric_limits<float>::infinity();
-       generate(*model, {{2, 3}}, {p});
-       return std::string("generated");
-     }},
-    {"infinite_confidence_threshold",
-     [](const std::string& dir) {
-       auto model = load(dir);
-       SamplingParams p = params(*model, 16);
-       p.confidence_threshold = std::numeric_limits<float>::infinity();
-       generate(*model, {{2, 3}}, {p});
-       return std::string("generated");
-     }},
+    {"infinite_entropy_bound", generate_with_infinite(&SamplingParams::entropy_bound)},
+    {"infinite_confidence_threshold", generate_with_infinite(&SamplingParams::confidence_threshold)},
     {"engine_of_no_model",
      [](const std::string&) {
        Engine engine(nullptr);  // (it had crashed)
