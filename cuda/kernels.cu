@@ -265,15 +265,20 @@ __device__ __forceinline__ void load_weights(const float* weight, int64_t group,
     for (int i = 0; i < kRowValues; ++i) w[i] = 1.0f;
 }
 
+// (mean(v^2) + eps)^-0.5 of a row of the row kernel (every thread of the block, its values v).
+__device__ __forceinline__ float row_inv_rms(const float (&v)[kRowValues], int64_t group, float eps) {
+  float ss = 0.0f;
+#pragma unroll
+  for (int i = 0; i < kRowValues; ++i) ss += v[i] * v[i];
+  return powf(block_sum(ss) / float(group) + eps, -0.5f);
+}
+
 // v = rms_norm(v) by weight, in place: a row of the row kernel (every thread of the block).
 template <int kWidth>
 __device__ __forceinline__ void rms_norm_row(float (&v)[kRowValues], const float* weight, int64_t group, float eps) {
   float w[kRowValues];
   load_weights<kWidth>(weight, group, w);
-  float ss = 0.0f;
-#pragma unroll
-  for (int i = 0; i < kRowValues; ++i) ss += v[i] * v[i];
-  const float inv = powf(block_sum(ss) / float(group) + eps, -0.5f);
+  const float inv = row_inv_rms(v, group, eps);
 #pragma unroll
   for (int i = 0; i < kRowValues; ++i) v[i] = norm_output(v[i], inv, w[i], false, 0.0f, 1.0f);
 }
@@ -313,10 +318,7 @@ __global__ void __launch_bounds__(kMaxThreads, kMaxThreads == kRowKernelPairThre
       for (int i = 0; i < kRowValues; ++i) old[i] = then_in_place ? v[i] : then_old[i];
     float w[kRowValues], w_next[kRowValues];
     load_weights<kWidth>(o.weight[o.count - 1], group, w);
-    float ss = 0.0f;
-#pragma unroll
-    for (int i = 0; i < kRowValues; ++i) ss += v[i] * v[i];
-    const float inv = powf(block_sum(ss) / float(group) + eps, -0.5f);
+    const float inv = row_inv_rms(v, group, eps);
 #pragma unroll 1
     for (int k = o.count - 1; k >= 0; --k) {
       if (k > 0) load_weights<kWidth>(o.weight[k - 1], group, w_next);
