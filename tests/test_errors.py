@@ -284,6 +284,9 @@ BAD_CONFIGS = {
     "no rope_theta": ("text_config.rope_parameters.sliding_attention.rope_theta", _DELETE,
                       ["text_config.rope_parameters.sliding_attention.rope_theta is missing (and text_config gives "
                        "no rope_theta"]),
+    # 0 is proportional RoPE without rotation; past 1 there is no such share of the head.
+    "partial rotary past 1": ("text_config.rope_parameters.full_attention.partial_rotary_factor", 1.5,
+                              ["rope_parameters.full_attention.partial_rotary_factor must be in [0, 1]"]),
     # The field that gave the odd value is named (it had been text_config.head_dim).
     "odd per-layer head_dim": ("text_config.per_layer_config.1", {"head_dim": 7},
                                ["text_config.per_layer_config.1.head_dim = 7 must be even for RoPE (layer 1)"]),

@@ -47,10 +47,11 @@ CASES = {
         "full_attention": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                            "original_max_position_embeddings": 64, "rope_theta": 10000.0}}), 8, 70, 2,
                            torch.float32, None),
-    # Dynamic NTK, which equals default below max_position_embeddings (had been refused).
+    # Dynamic NTK, which equals default below max_position_embeddings (had been refused); and
+    # proportional with partial_rotary_factor 0, no rotation at all (had been refused too).
     "rope_dynamic": (text([S, F], rope_parameters={
         "sliding_attention": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 100.0},
-        "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1e6}}),
+        "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.0, "rope_theta": 1e6}}),
                      8, 13, 2, torch.float32, None),
     # Odd sizes everywhere: hidden 35, head_dim 10 / 14, 3 heads, vocab 77, top-3 of 5 experts,
     # a canvas of 7 wider than the window of 5 (the reference's experts run eagerly here).

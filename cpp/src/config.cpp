@@ -133,7 +133,8 @@ std::vector<float> rope_inv_freq(const Fields& rope, int head_dim, const RopeDef
   const double partial = rope.number_or("partial_rotary_factor", defaults.partial);
   const double factor = rope.number_or("factor", 1.0);
   if (theta <= 0) rope.fail("rope_theta", "must be > 0");
-  if (partial <= 0 || partial > 1) rope.fail("partial_rotary_factor", "must be in (0, 1]");
+  // 0 is proportional RoPE without rotation (transformers' NoPE layers).
+  if (!(partial >= 0 && partial <= 1)) rope.fail("partial_rotary_factor", "must be in [0, 1]");
   std::vector<float> inv(head_dim / 2, 0.0f);
   // default, linear, dynamic and llama3 rotate int(head_dim * partial) dims but transformers
   // still applies the embedding to the whole head, which only works for partial == 1.
@@ -409,7 +410,7 @@ ModelConfig load_config(const std::string& dir) {
     if (!(*rope_defaults.theta > 0)) t.fail("rope_theta", "must be > 0");
   }
   rope_defaults.partial = t.number_or("partial_rotary_factor", 1.0);
-  if (!(rope_defaults.partial > 0 && rope_defaults.partial <= 1)) t.fail("partial_rotary_factor", "must be in (0, 1]");
+  if (!(rope_defaults.partial >= 0 && rope_defaults.partial <= 1)) t.fail("partial_rotary_factor", "must be in [0, 1]");
   // Overrides by layer index. transformers writes the keys zero-padded to the widest index
   // ("05", "11" where a layer index has two digits) and reads them as integers: so does this.
   // Where config.json has no per_layer_config at all, transformers makes one (its text
