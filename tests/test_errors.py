@@ -255,7 +255,9 @@ def _set(cfg, dotted, value):
 BAD_CONFIGS = {
     "model_type": ("model_type", "gemma3", ["model_type 'gemma3' is not supported"]),
     "no text_config": ("text_config", _DELETE, ["text_config is missing"]),
-    "no hidden_size": ("text_config.hidden_size", _DELETE, ["text_config.hidden_size is missing"]),
+    # (transformers has no default for the experts' sizes; for hidden_size and the like it has,
+    # and so does this: test_config_defaults.)
+    "no num_experts": ("text_config.num_experts", _DELETE, ["text_config.num_experts is missing"]),
     "string hidden_size": ("text_config.hidden_size", "32", ["text_config.hidden_size must be an integer"]),
     "layer_types length": ("text_config.layer_types", ["sliding_attention"] * 3, ["text_config.layer_types", "(2)"]),
     "rope_type": ("text_config.rope_parameters.full_attention.rope_type", "yarn",
@@ -287,6 +289,8 @@ BAD_CONFIGS = {
     # 0 is proportional RoPE without rotation; past 1 there is no such share of the head.
     "partial rotary past 1": ("text_config.rope_parameters.full_attention.partial_rotary_factor", 1.5,
                               ["rope_parameters.full_attention.partial_rotary_factor must be in [0, 1]"]),
+    # The dtype transformers would load the weights in, where this engine has no such weights.
+    "dtype float64": ("dtype", "float64", ["config.json: dtype 'float64' is not one this engine loads weights in"]),
     # The field that gave the odd value is named (it had been text_config.head_dim).
     "odd per-layer head_dim": ("text_config.per_layer_config.1", {"head_dim": 7},
                                ["text_config.per_layer_config.1.head_dim = 7 must be even for RoPE (layer 1)"]),

@@ -202,6 +202,50 @@ def test_per_layer_keys_as_transformers_writes_them(tmp_path):
     check_logits(seq.denoise(canvas), ref.denoise(canvas), where="eleven layers", atol=FP32_ATOL)
 
 
+def test_config_defaults_as_transformers_fills_them(tmp_path):
+    """A config.json without layer_types, rope_parameters, sliding_window or
+    num_key_value_heads takes transformers' defaults for them (every sixth layer full, the last
+    full too; default RoPE at 1e4 on sliding layers, proportional 0.25 at 1e6 on full ones; a
+    window of 512; 4 KV heads): it had been refused."""
+    rope = {S: {"rope_type": "default", "rope_theta": 10000.0},
+            F: {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1e6}}
+    text_cfg = text([S] * 5 + [F, F], hidden_size=16, intermediate_size=16, num_key_value_heads=4,
+                    moe_intermediate_size=8, num_experts=2, top_k_experts=1, sliding_window=512, rope_parameters=rope)
+    path = save(build_model(text_cfg, 8), tmp_path / "m")
+    cfg = json.loads((path / "config.json").read_text())
+    for key in ("layer_types", "rope_parameters", "sliding_window", "num_key_value_heads"):
+        del cfg["text_config"][key]
+    (path / "config.json").write_text(json.dumps(cfg))
+    seq, ref = ds.Model.load(path).sequence(), ReferenceSequence(load(path, torch.float32))
+    for s in (seq, ref):
+        s.prefill(np.arange(3, 15))
+    check_kv(seq, ref, 7, FP32_ATOL, "after prefill")
+    canvas = np.arange(30, 38)
+    check_logits(seq.denoise(canvas), ref.denoise(canvas), where="config defaults", atol=FP32_ATOL)
+
+
+def test_default_dtype_is_config_jsons(tmp_path):
+    """Without dtype=, the weights load in config.json's dtype (torch_dtype in older files), as
+    transformers' from_pretrained does: a bf16 checkpoint whose config says float32 computes
+    as transformers does in fp32 (its fp32 norms had been rounded to bf16, logits off by 1e-2);
+    where config.json names none, the embedding's stored dtype."""
+    path = save(build_model(text([S, F]), 8), tmp_path / "m", dtype=torch.bfloat16)
+    cfg_path = path / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    assert cfg["dtype"] == "bfloat16"
+    for fields, expected in [({"dtype": "float32"}, "float32"), ({"torch_dtype": "float16"}, "float16"), ({}, "bfloat16")]:
+        cfg.pop("dtype", None)
+        cfg_path.write_text(json.dumps({**cfg, **fields}))
+        assert ds.Model.load(path).dtype == expected, fields
+    cfg_path.write_text(json.dumps({**cfg, "dtype": "float32"}))
+    seq, ref = ds.Model.load(path).sequence(), ReferenceSequence(load(path, None))
+    assert next(ref.model.parameters()).dtype == torch.float32
+    for s in (seq, ref):
+        s.prefill(np.arange(3, 15))
+    canvas = np.arange(30, 38)
+    check_logits(seq.denoise(canvas), ref.denoise(canvas), where="config dtype", atol=FP32_ATOL)
+
+
 @pytest.mark.parametrize("global_fields", [{"global_head_dim": 16, "num_global_key_value_heads": 1}, {}])
 def test_full_layers_shaped_without_per_layer_config(tmp_path, global_fields):
     """A config.json without per_layer_config (Gemma-4 style: global_head_dim and

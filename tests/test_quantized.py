@@ -341,11 +341,11 @@ def test_unsupported_activation_scheme_is_named(tmp_path, args, named):
                                                 "group_size": 16, "symmetric": True}, input_activations=None),
      "is stored as FP8 (F8_E4M3), but quantization_config.format is 'nvfp4-pack-quantized'"),
     # A linear stored quantized that the config leaves plain (had loaded, dequantized).
-    ("FP8_DYNAMIC", lambda q: q["ignore"].append("re:.*decoder\.layers\.0\.mlp\.down_proj\Z"),
+    ("FP8_DYNAMIC", lambda q: q["ignore"].append(r"re:.*decoder\.layers\.0\.mlp\.down_proj\Z"),
      "'model.decoder.layers.0.mlp.down_proj.weight' is stored quantized (F8_E4M3, or NVFP4's weight_packed), but "
      "quantization_config leaves 'model.decoder.layers.0.mlp.down_proj' unquantized"),
     # The encoder's copies matched by their own names (they had taken the decoder's scheme).
-    ("FP8_DYNAMIC", lambda q: q["ignore"].append("re:model\.encoder\.language_model\..*mlp\.down_proj"),
+    ("FP8_DYNAMIC", lambda q: q["ignore"].append(r"re:model\.encoder\.language_model\..*mlp\.down_proj"),
      "quantizes 'model.decoder.layers.0.mlp.down_proj' and its encoder copy "
      "'model.encoder.language_model.layers.0.mlp.down_proj' differently"),
     # The tied head quantized (lm_head taken out of ignore): its input had silently stayed plain.

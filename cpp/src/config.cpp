@@ -352,15 +352,17 @@ ModelConfig load_config(const std::string& dir) {
   Fields t{*text, path, "text_config."};
 
   ModelConfig c;
-  c.vocab_size = int(t.integer("vocab_size", 1, INT32_MAX));
-  c.hidden_size = int(t.integer("hidden_size", 1, kMaxDim));
-  c.intermediate_size = int(t.integer("intermediate_size", 1, kMaxDim));
-  c.num_layers = int(t.integer("num_hidden_layers", 1, 4096));
-  c.num_heads = int(t.integer("num_attention_heads", 1, 4096));
+  // Fields that transformers' DiffusionGemmaTextConfig gives a default take the same one; the
+  // experts' have none there (its model cannot be built without them).
+  c.vocab_size = int(t.integer_or("vocab_size", 262144, 1, INT32_MAX));
+  c.hidden_size = int(t.integer_or("hidden_size", 2304, 1, kMaxDim));
+  c.intermediate_size = int(t.integer_or("intermediate_size", 9216, 1, kMaxDim));
+  c.num_layers = int(t.integer_or("num_hidden_layers", 30, 1, 4096));
+  c.num_heads = int(t.integer_or("num_attention_heads", 8, 1, 4096));
   c.num_experts = int(t.integer("num_experts", 1, 65536));
   c.top_k_experts = int(t.integer("top_k_experts", 1, c.num_experts));
   c.moe_intermediate_size = int(t.integer("moe_intermediate_size", 1, kMaxDim));
-  c.sliding_window = int(t.integer("sliding_window", 2, INT32_MAX));
+  c.sliding_window = int(t.integer_or("sliding_window", 512, 2, INT32_MAX));
   c.max_position_embeddings = t.integer_or("max_position_embeddings", 131072, 1, INT64_C(1) << 40);
   c.rms_norm_eps = t.float_or("rms_norm_eps", 1e-6f);
   // transformers' DiffusionGemma divides the logits by it whatever it is: null (which other
@@ -375,6 +377,9 @@ ModelConfig load_config(const std::string& dir) {
   // The top level's alone, as transformers reads it (DiffusionGemmaConfig's own field, true where
   // absent): text_config's does not untie the head (save_pretrained leaves it true there on an untied model).
   c.tie_word_embeddings = top.bool_or("tie_word_embeddings", true);
+  // The top level's dtype alone is the model's (transformers' dtype="auto"); torch_dtype is its
+  // older name, read where dtype is absent.
+  c.dtype = top.get("dtype") ? top.string_or("dtype", "") : top.string_or("torch_dtype", "");
   if (!(c.final_logit_softcapping > 0))
     t.fail("final_logit_softcapping", "must be > 0 (transformers divides the logits by it)");
   if (c.rms_norm_eps <= 0) t.fail("rms_norm_eps", "must be > 0");
@@ -393,17 +398,32 @@ ModelConfig load_config(const std::string& dir) {
   if (!bidirectional.empty() && bidirectional != "vision")
     t.fail("use_bidirectional_attention", "'" + bidirectional + "' is not one of null, 'vision' or 'all'");
 
-  const int head_dim = int(t.integer("head_dim", 1, kMaxDim));
-  const int kv_heads = int(t.integer("num_key_value_heads", 1, c.num_heads));
+  const int head_dim = int(t.integer_or("head_dim", 256, 1, kMaxDim));
+  const int kv_heads = int(t.integer_or("num_key_value_heads", 4, 1, c.num_heads));
 
-  const json::Value* types = t.get("layer_types");
-  if (!types || !types->is_array() || int(types->array.size()) != c.num_layers)
-    t.fail("layer_types", "must list one type per layer (" + std::to_string(c.num_layers) + ")");
+  // Absent, transformers makes every sixth layer full attention, the rest sliding.
+  std::vector<std::string> layer_types;
+  if (const json::Value* types = t.get("layer_types")) {
+    if (!types->is_array() || int(types->array.size()) != c.num_layers)
+      t.fail("layer_types", "must list one type per layer (" + std::to_string(c.num_layers) + ")");
+    for (size_t i = 0; i < types->array.size(); ++i) {
+      const json::Value& type = types->array[i];
+      if (!type.is_string() || (type.string != "sliding_attention" && type.string != "full_attention"))
+        t.fail("layer_types[" + std::to_string(i) + "]", "must be 'sliding_attention' or 'full_attention'");
+      layer_types.push_back(type.string);
+    }
+  } else {
+    for (int i = 0; i < c.num_layers; ++i) layer_types.push_back((i + 1) % 6 ? "sliding_attention" : "full_attention");
+  }
   // rope_scaling, the field's deprecated name, replaces rope_parameters where given (as its
-  // setter does in transformers).
+  // setter does in transformers); absent both, transformers' defaults.
+  static const json::Value kDefaultRope = json::parse(
+      R"({"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+          "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1000000.0}})",
+      "transformers' default rope_parameters");
   const std::string rope_field = t.get("rope_scaling") ? "rope_scaling" : "rope_parameters";
-  const json::Value* rope = t.get(rope_field);
-  if (!rope || !rope->is_object()) t.fail(rope_field, "is missing or not an object");
+  const json::Value* rope = t.get(rope_field) ? t.get(rope_field) : &kDefaultRope;
+  if (!rope->is_object()) t.fail(rope_field, "must be an object");
   RopeDefaults rope_defaults;
   if (t.get("rope_theta")) {
     rope_defaults.theta = t.number_or("rope_theta", 0.0);
@@ -433,13 +453,10 @@ ModelConfig load_config(const std::string& dir) {
     }
 
   for (int i = 0; i < c.num_layers; ++i) {
-    const json::Value& type = types->array[i];
     LayerConfig L;
-    if (!type.is_string() || (type.string != "sliding_attention" && type.string != "full_attention"))
-      t.fail("layer_types[" + std::to_string(i) + "]", "must be 'sliding_attention' or 'full_attention'");
     // transformers runs the last layer with full attention whatever layer_types says (its
     // config forces it, with a warning): so does this, to compute the same model.
-    const std::string kind = i == c.num_layers - 1 ? "full_attention" : type.string;
+    const std::string kind = i == c.num_layers - 1 ? "full_attention" : layer_types[i];
     L.sliding = kind == "sliding_attention";
     L.has_v_proj = L.sliding;
     const bool global = derived_overrides && !L.sliding;

@@ -92,8 +92,18 @@ std::shared_ptr<Model> Model::load(const std::string& path, const LoadOptions& o
     state->checkpoint = std::make_shared<Checkpoint>(path);
     const TensorView* embed = state->checkpoint->find("model.decoder.embed_tokens.weight");
     if (!embed) throw FormatError(path + ": missing tensor 'model.decoder.embed_tokens.weight'");
-    // The weights' default dtype is the embedding's: bf16 where it is stored quantized.
+    // The weights' default dtype is config.json's, as transformers loads them; where it names
+    // none, the embedding's (bf16 where it is stored quantized).
     stored = is_float(embed->dtype) ? embed->dtype : DType::BF16;
+    if (options.dtype.empty() && !state->config.dtype.empty()) {
+      try {
+        stored = parse_dtype(state->config.dtype, stored);
+      } catch (const InvalidArgument& e) {
+        throw FormatError(path + "/config.json: dtype '" + state->config.dtype +
+                          "' is not one this engine loads weights in (float32, bfloat16 or float16): pass dtype= "
+                          "to load them in one of those");
+      }
+    }
   } else if (options.load_format != "dummy") {
     throw InvalidArgument("load_format '" + options.load_format + "' is not supported (use auto or dummy)");
   }

@@ -248,7 +248,7 @@ def _engine_options(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("engine")
     group.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default: cpu)")
     group.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
-                       help="cast the weights (default: keep the stored dtype; bfloat16 on a GPU)")
+                       help="cast the weights (default: config.json's dtype, as transformers; bfloat16 on a GPU)")
     group.add_argument("--activations", choices=["float32", "bfloat16"], default="float32",
                        help="the linears' inputs: float32 (fp32 products, the reference's numbers) or bfloat16 "
                             "(rounded to bf16 first, as transformers in bf16: about half the GPU's tensor-core "

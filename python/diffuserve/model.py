@@ -53,7 +53,8 @@ class Model:
              activations: str = "float32", kv_cache_dtype: str = "auto") -> "Model":
         """Loads a checkpoint directory (config.json + safetensors, single or sharded).
 
-        dtype: None keeps the stored weight dtype; "float32", "bfloat16" or "float16" casts.
+        dtype: None takes config.json's dtype (torch_dtype), as transformers loads the weights,
+        or where it names none the embedding's stored dtype; "float32", "bfloat16" or "float16" casts.
         The CPU backend computes in fp32 whatever the weight dtype.
         device: "cpu", "cuda" or "cuda:N" (CUDA builds; bf16 weights on the GPU).
         kv_cache_memory_bytes: size of the paged KV cache (None: on the CPU a quarter of RAM, at

@@ -68,6 +68,9 @@ struct ModelConfig {
   float rms_norm_eps = 1e-6f;
   float final_logit_softcapping = 0.0f;  // 0: no softcap
   bool tie_word_embeddings = true;
+  // config.json's dtype (torch_dtype in older files), which transformers loads the weights in
+  // by default; empty where it gives none (the embedding's stored dtype then).
+  std::string dtype;
   int pad_token_id = -1;
   int bos_token_id = -1;
   std::vector<LayerConfig> layers;
