@@ -233,7 +233,22 @@ def test_index_shard_path_escaping_directory(ckpt):
     shutil.copy(ckpt / escaped, ckpt.parent / "x.safetensors")
     weight_map = {name: "../x.safetensors" if file == escaped else file for name, file in weight_map.items()}
     (ckpt / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
-    load_fails(ckpt, "'../x.safetensors'", "not a file name inside")
+    load_fails(ckpt, "'../x.safetensors'", "not a file inside")
+
+
+def test_index_shard_in_a_subdirectory(ckpt):
+    """A shard under a subdirectory of the checkpoint loads, as transformers reads it (it had been
+    refused); one through .. or by an absolute path does not."""
+    weight_map = shard(ckpt)
+    moved = weight_map[ROUTER]
+    (ckpt / "sub").mkdir()
+    shutil.move(ckpt / moved, ckpt / "sub" / moved)
+    index = ckpt / "model.safetensors.index.json"
+    index.write_text(json.dumps({"weight_map": {n: f"sub/{f}" if f == moved else f for n, f in weight_map.items()}}))
+    ds.Model.load(ckpt)
+    for name in (f"sub/../sub/{moved}", str(ckpt / "sub" / moved)):
+        index.write_text(json.dumps({"weight_map": {n: name if f == moved else f for n, f in weight_map.items()}}))
+        load_fails(ckpt, f"'{name}'", "not a file inside")
 
 
 # --- config.json ------------------------------------------------------------------------------

@@ -348,6 +348,11 @@ def test_unsupported_activation_scheme_is_named(tmp_path, args, named):
     ("FP8_DYNAMIC", lambda q: q["ignore"].append(r"re:model\.encoder\.language_model\..*mlp\.down_proj"),
      "quantizes 'model.decoder.layers.0.mlp.down_proj' and its encoder copy "
      "'model.encoder.language_model.layers.0.mlp.down_proj' differently"),
+    # A pattern std::regex would compile by recursion past the stack (it had been a segfault).
+    ("FP8_DYNAMIC", lambda q: q["ignore"].append("re:" + "(" * 20000 + "a" + ")" * 20000),
+     "is longer than 1024 characters or nests groups deeper than 32"),
+    ("FP8_DYNAMIC", lambda q: q["ignore"].append("re:" + "(" * 33 + "a" + ")" * 33),
+     "nests groups deeper than 32"),
     # The tied head quantized (lm_head taken out of ignore): its input had silently stayed plain.
     ("FP8_DYNAMIC", lambda q: q["ignore"].remove("lm_head"),
      "quantization_config quantizes 'lm_head' (not in its ignore), but the head is tied to the embedding"),

@@ -168,3 +168,17 @@ def test_block_state_steps_stop_and_pinned_positions():
     # Not confident: only the last step stops the block.
     out = sampler.denoise_steps(logits[:3], max_steps=3, stability=1, confidence=1e-30, **common)
     assert [s[3] for s in out] == [False, False, True]
+
+
+@pytest.mark.parametrize("bad, message", [
+    (dict(allowed_ids=[3, 50]), r"allowed id 50 is out of range \[0, 49\]"),  # had written past the block's state
+    (dict(allowed_ids=[-1]), r"allowed id -1 is out of range"),
+    (dict(max_steps=0), "max_steps must be >= 1"),
+    (dict(stability=-1), "stability must be >= 0"),
+])
+def test_block_state_refuses_bad_parameters(bad, message):
+    logits = np.zeros((1, 4, 50), dtype=np.float32)
+    kwargs = dict(tokens=[0] * 4, pinned=[], allowed_ids=[], t_min=0.4, t_max=0.8, max_steps=3, entropy_bound=1.0,
+                  stability=1, confidence=1.0, seed=1, block=0)
+    with pytest.raises(ValueError, match=message):
+        sampler.denoise_steps(logits, **{**kwargs, **bad})

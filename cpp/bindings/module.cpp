@@ -120,6 +120,8 @@ void bind_sampler(nb::module_& m) {
                             const std::string& device, bool host_update, float softcap) {
     const int64_t canvas = logits.shape(1), vocab = logits.shape(2);
     if (int64_t(tokens.size()) != canvas) throw InvalidArgument("denoise_steps: one token per canvas row");
+    if (max_steps < 1) throw InvalidArgument("denoise_steps: max_steps must be >= 1");
+    if (stability < 0) throw InvalidArgument("denoise_steps: stability must be >= 0");
     auto be = make_backend(device, 1);
     std::sort(allowed_ids.begin(), allowed_ids.end());
     allowed_ids.erase(std::unique(allowed_ids.begin(), allowed_ids.end()), allowed_ids.end());

@@ -129,15 +129,18 @@ class CpuBackend final : public Backend {
     return upload(host->data(), DType::F32, shape, as, host);
   }
 
-  void to_host(const Activation& a, float* out) override { std::memcpy(out, a.data, a.size() * sizeof(float)); }
-  void from_host(const float* in, Activation& a) override { std::memcpy(a.data, in, a.size() * sizeof(float)); }
+  // (Empty ranges skip memcpy, which may not be given a null pointer even for 0 bytes.)
+  void to_host(const Activation& a, float* out) override { write_bytes(out, a.data, a.size() * sizeof(float)); }
+  void from_host(const float* in, Activation& a) override { write_bytes(a.data, in, a.size() * sizeof(float)); }
   std::shared_ptr<void> alloc_bytes(size_t bytes) override {
     void* p = std::malloc(std::max<size_t>(bytes, 1));
     if (!p) throw InvalidArgument("out of memory allocating " + std::to_string(bytes) + " bytes");
     return std::shared_ptr<void>(p, std::free);
   }
-  void write_bytes(void* dst, const void* src, size_t bytes) override { std::memcpy(dst, src, bytes); }
-  void read_bytes(void* dst, const void* src, size_t bytes) override { std::memcpy(dst, src, bytes); }
+  void write_bytes(void* dst, const void* src, size_t bytes) override {
+    if (bytes) std::memcpy(dst, src, bytes);
+  }
+  void read_bytes(void* dst, const void* src, size_t bytes) override { write_bytes(dst, src, bytes); }
   void copy_rows(const Activation& src, int64_t src_row, Activation& dst, int64_t dst_row, int64_t n) override {
     std::memmove(dst.row(dst_row), src.row(src_row), n * src.cols * sizeof(float));
   }

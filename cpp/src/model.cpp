@@ -66,6 +66,21 @@ class QuantizationTargets {
   };
   static Pattern pattern(const std::string& text, const std::string& path) {
     if (!text.starts_with("re:")) return {text, std::nullopt};
+    // std::regex compiles (and matches) by recursion, a frame per term and per group: a
+    // pattern of 20,000 nested groups had overflowed the stack. Module names are short;
+    // their patterns need neither many terms nor deep groups.
+    constexpr size_t kMaxLength = 1024;
+    constexpr int kMaxDepth = 32;
+    int depth = 0, deepest = 0;
+    for (size_t i = 3; i < text.size(); ++i) {
+      if (text[i] == '\\') ++i;
+      else if (text[i] == '(') deepest = std::max(deepest, ++depth);
+      else if (text[i] == ')') --depth;
+    }
+    if (text.size() > kMaxLength || deepest > kMaxDepth)
+      throw FormatError(path + ": quantization_config: '" + text.substr(0, 64) + (text.size() > 64 ? "...'" : "'") +
+                        " is longer than " + std::to_string(kMaxLength) + " characters or nests groups deeper than " +
+                        std::to_string(kMaxDepth));
     try {
       return {text, std::regex(ecmascript(text.substr(3)))};
     } catch (const std::regex_error&) {

@@ -153,10 +153,13 @@ OpenFile open_regular_file(const std::string& path) {
   return {fd, uint64_t(st.st_size)};
 }
 
-// weight_map values name files next to the index; anything else could escape the directory.
-bool is_plain_filename(const std::string& name) {
-  return !name.empty() && name != "." && name != ".." && name.find('/') == std::string::npos &&
-         name.find('\0') == std::string::npos;
+// weight_map values name files under the index's directory, in it or in a subdirectory (as
+// transformers reads them); an absolute path or a ".." could escape it.
+bool is_inside_directory(const std::string& name) {
+  if (name.empty() || name.find('\0') != std::string::npos) return false;
+  const std::filesystem::path path(name);
+  if (path.is_absolute() || !path.has_filename()) return false;
+  return std::none_of(path.begin(), path.end(), [](const std::filesystem::path& part) { return part == ".."; });
 }
 
 }  // namespace
@@ -277,9 +280,9 @@ Checkpoint::Checkpoint(const std::string& dir) {
       throw FormatError(index_path + ": weight_map entry for tensor '" + name +
                         "' is not a string");
     }
-    if (!is_plain_filename(shard.string)) {
+    if (!is_inside_directory(shard.string)) {
       throw FormatError(index_path + ": weight_map entry for tensor '" + name + "' names '" +
-                        shard.string + "', which is not a file name inside " + dir);
+                        shard.string + "', which is not a file inside " + dir);
     }
     shards.emplace(shard.string, nullptr);
   }

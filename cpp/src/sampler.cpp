@@ -81,12 +81,20 @@ CanvasState new_canvas(Backend& be, const CanvasParams& params, const std::vecto
                        const std::vector<uint8_t>& free_position, const std::vector<int32_t>& allowed_ids) {
   const CanvasLayout at(params);
   std::vector<uint8_t> host(at.bytes, 0);  // history and counters start at zero
-  auto put = [&](size_t offset, const void* src, size_t bytes) { std::memcpy(host.data() + offset, src, bytes); };
+  // (An empty vector's data() may be null, which memcpy may not be given even for 0 bytes.)
+  auto put = [&](size_t offset, const void* src, size_t bytes) {
+    if (bytes) std::memcpy(host.data() + offset, src, bytes);
+  };
   put(at.tokens, tokens.data(), tokens.size() * sizeof(int32_t));
   put(at.argmax, tokens.data(), tokens.size() * sizeof(int32_t));
   put(at.allowed_ids, allowed_ids.data(), allowed_ids.size() * sizeof(int32_t));
   put(at.free_position, free_position.data(), free_position.size());
-  for (int32_t id : allowed_ids) host[at.allowed + size_t(id)] = 1;
+  for (int32_t id : allowed_ids) {
+    if (id < 0 || id >= params.vocab)
+      throw InvalidArgument("allowed id " + std::to_string(id) + " is out of range [0, " +
+                            std::to_string(params.vocab - 1) + "]");
+    host[at.allowed + size_t(id)] = 1;
+  }
 
   CanvasState s;
   s.params = params;

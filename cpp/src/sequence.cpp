@@ -205,6 +205,7 @@ void Sequence::prefill(std::span<const int32_t> ids) {
   const auto lock = model_->state().lock();
   if (length() > 0 || ids.empty()) return encode(ids, "prefill");
   check_token_ids(ids, config(), "prefill");
+  check_positions(0, ids.size(), config(), "prefill");  // the whole prompt, before any chunk's work
   KvCache& kv = *model_->state().kv;
   const int64_t hit = kv.match_prefix(state_->table, ids);
   if (hit == int64_t(ids.size())) return kv.record_prefix_query(hit, hit);  // every token's KV was cached
