@@ -224,6 +224,20 @@ def test_config_defaults_as_transformers_fills_them(tmp_path):
     check_logits(seq.denoise(canvas), ref.denoise(canvas), where="config defaults", atol=FP32_ATOL)
 
 
+def test_base_model_checkpoint(tmp_path):
+    """A checkpoint of the base model (DiffusionGemmaModel.save_pretrained: its tensors without
+    the "model." prefix) loads as the full model, as transformers loads it (it had been refused
+    as missing every tensor)."""
+    model = build_model(text([S, F]), 8)
+    path = tmp_path / "base"
+    model.model.save_pretrained(path)
+    seq, ref = ds.Model.load(path).sequence(), ReferenceSequence(load(path, torch.float32))
+    for s in (seq, ref):
+        s.prefill(np.arange(3, 15))
+    canvas = np.arange(30, 38)
+    check_logits(seq.denoise(canvas), ref.denoise(canvas), where="base model", atol=FP32_ATOL)
+
+
 def test_default_dtype_is_config_jsons(tmp_path):
     """Without dtype=, the weights load in config.json's dtype (torch_dtype in older files), as
     transformers' from_pretrained does: a bf16 checkpoint whose config says float32 computes

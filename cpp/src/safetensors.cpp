@@ -313,4 +313,12 @@ const TensorView* Checkpoint::find(const std::string& name) const {
   return it == tensors_.end() ? nullptr : &it->second;
 }
 
+void Checkpoint::prefix_names_of_base_model(const std::string& prefix) {
+  if (std::any_of(tensors_.begin(), tensors_.end(), [&](const auto& named) { return named.first.starts_with(prefix); }))
+    return;
+  std::map<std::string, TensorView> prefixed;
+  for (auto& [name, view] : tensors_) prefixed.emplace(prefix + name, std::move(view));
+  tensors_ = std::move(prefixed);
+}
+
 }  // namespace diffuserve

@@ -61,6 +61,10 @@ class Checkpoint {
   const std::map<std::string, TensorView>& tensors() const { return tensors_; }
   // nullptr when absent.
   const TensorView* find(const std::string& name) const;
+  // Where no tensor's name starts with `prefix`, every name gets it: a base model's checkpoint
+  // read as the full model's (whose base model's tensors are under "model."), as transformers
+  // loads one. Each view keeps its stored name, for messages.
+  void prefix_names_of_base_model(const std::string& prefix);
 
  private:
   std::vector<std::unique_ptr<SafetensorsFile>> files_;

@@ -90,6 +90,8 @@ std::shared_ptr<Model> Model::load(const std::string& path, const LoadOptions& o
   DType stored = DType::BF16;  // dummy weights default to bf16
   if (options.load_format == "auto") {
     state->checkpoint = std::make_shared<Checkpoint>(path);
+    // DiffusionGemmaModel.save_pretrained writes the base model's tensors without "model.".
+    state->checkpoint->prefix_names_of_base_model("model.");
     const TensorView* embed = state->checkpoint->find("model.decoder.embed_tokens.weight");
     if (!embed) throw FormatError(path + ": missing tensor 'model.decoder.embed_tokens.weight'");
     // The weights' default dtype is config.json's, as transformers loads them; where it names
