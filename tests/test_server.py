@@ -23,7 +23,7 @@ from diffuserve.async_llm import AsyncLLM, StepFailed
 from diffuserve.protocol import MAX_CHOICES, ChatCompletionRequest, CompletionRequest, parse
 from diffuserve.server import build_app
 
-from chat_checkpoint import write_chat_checkpoint
+from chat_checkpoint import MODEL_CONFIG, write_chat_checkpoint
 
 MODEL = "tiny"
 
@@ -173,7 +173,8 @@ def test_draft_streaming(base_url):
     ("completions", {"model": MODEL, "prompt": [5, 99999]}, 400, "prompt", "invalid_value"),
     ("completions", {"model": MODEL, "prompt": "x", "seed_canvas": [3, 3]}, 400, "seed_canvas", "invalid_value"),
     ("completions", {"model": MODEL, "prompt": "x", "t_min": 0.5, "t_max": 0.2}, 400, "t_max", "invalid_value"),
-    ("completions", {"model": MODEL, "prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop", None),
+    ("completions", {"model": MODEL, "prompt": "x", "stop": ["a"] * 257}, 400, "stop", None),
+    ("completions", {"model": MODEL, "prompt": "x", "top_k": 5}, 400, "top_k", "unsupported_parameter"),
     ("completions", {"model": MODEL}, 400, "prompt", "missing_required_parameter"),
     ("chat/completions", {"model": MODEL, "messages": []}, 400, "messages", "invalid_value"),
     ("chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": [
@@ -349,15 +350,32 @@ def test_developer_messages(client):
 
 
 def test_request_translation_into_sampling_params():
-    """Without max_tokens a request takes the checkpoint's length cut to the whole blocks the
-    context has room for (vLLM's rule: a long prompt had been refused for a max_tokens its client
-    never sent); allowed_token_ids go once each (a million copies times n had taken minutes)."""
-    defaults = {"t_min": 0.4, "t_max": 0.8}
+    """Without max_tokens a request takes the checkpoint's length (generation_config.json's), or
+    where it gives none the whole context, cut to the whole blocks the context has room for
+    (vLLM's rule: a long prompt had been refused for a max_tokens its client never sent, and
+    replies cut at the runtime's default 256 tokens); allowed_token_ids go once each (a million
+    copies times n had taken minutes)."""
+    defaults = {"t_min": 0.4, "t_max": 0.8, "length_given": True, "context": 4096}
     body = parse(CompletionRequest, {"model": MODEL, "prompt": "x", "n": 2, "allowed_token_ids": [7, 5, 7] * 1000})
-    for max_tokens, fit in ((None, True), (16, False)):
-        params = body.sampling_params(defaults, max_tokens, 1024)
+    for length_given, max_tokens, expected, fit in ((True, None, None, True), (False, None, 4096, True),
+                                                    (False, 16, 16, False)):
+        params = body.sampling_params({**defaults, "length_given": length_given}, max_tokens, 1024)
         assert [(p.max_new_tokens, p.fit_to_context, p.allowed_token_ids) for p in params] == \
-            [(max_tokens, fit, [5, 7])] * 2
+            [(expected, fit, [5, 7])] * 2
+
+
+def test_vllm_extras_at_their_defaults_and_both_length_names():
+    """Clients written for vLLM send its sampling extras at their defaults (top_k -1 or 0, min_p 0,
+    repetition_penalty 1, ...), top_logprobs 0 and more than OpenAI's 4 stop strings: accepted (had
+    been 400s). Given both, max_completion_tokens wins, as in vLLM (had been a 400)."""
+    extras = {"top_k": -1, "min_p": 0, "repetition_penalty": 1, "min_tokens": 0, "ignore_eos": False,
+              "include_stop_str_in_output": False, "skip_special_tokens": True, "spaces_between_special_tokens": True,
+              "top_logprobs": 0, "stop": [str(i) for i in range(10)]}
+    parse(CompletionRequest, {"model": MODEL, "prompt": "x", **extras})
+    parse(CompletionRequest, {"model": MODEL, "prompt": "x", "top_k": 0})
+    chat = parse(ChatCompletionRequest, {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+                                         "max_tokens": 8, "max_completion_tokens": 16})
+    assert chat.max_new_tokens() == 16
 
 
 @pytest.mark.parametrize("encoding", ["gzip", "deflate, gzip"])
@@ -652,3 +670,63 @@ def test_usage_counts_through_a_stop_string_that_ends_in_byte_tokens(tmp_path):
     assert "".join(stops.push(detokenizer.push([i])) for i in ids) == "x" and stops.stop_end == 2
     choice = types.SimpleNamespace(server=types.SimpleNamespace(tokenizer=tokenizer))
     assert server_module._Choice._tokens_through(choice, ids, stops.stop_end) == 5
+
+
+def test_a_model_without_a_tokenizer_is_served_token_ids(tmp_path):
+    """A checkpoint without tokenizer.json (what save_pretrained writes) is served: completions
+    take token ids and give each choice's token_ids (as vLLM's return_token_ids), with the same
+    ids as LLM.generate; text, chat and stop strings, which need a tokenizer, are 400s naming it.
+    (The server had refused to start.)"""
+    from fastapi.testclient import TestClient
+    from diffuserve.random_checkpoint import write_random_checkpoint
+    path = write_random_checkpoint(tmp_path / "bare", canvas_length=8, **MODEL_CONFIG)
+    llm = ds.LLM(path)
+    expected = llm.generate([[5, 6, 7]], ds.SamplingParams(max_new_tokens=16, seed=3))[0].token_ids
+    with TestClient(build_app(AsyncLLM(ds.LLM(path)), MODEL)) as http:
+        body = {"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 16, "seed": 3}
+        r = http.post("/v1/completions", json=body)
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        assert choice["token_ids"] == expected and choice["text"] == ""
+        with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as stream:
+            chunks = [json.loads(line[6:]) for line in stream.iter_lines() if line.startswith("data: {")]
+        assert sum((c["choices"][0]["token_ids"] for c in chunks), []) == expected
+        for endpoint, bad, param in (("completions", {"prompt": "text"}, "prompt"),
+                                     ("completions", {"stop": ["x"]}, "stop"),
+                                     ("chat/completions", {"messages": [{"role": "user", "content": "x"}]},
+                                      "messages")):
+            r = http.post(f"/v1/{endpoint}", json={**body, "prompt": [5], **bad} if endpoint == "completions"
+                          else {"model": MODEL, **bad})
+            assert r.status_code == 400 and r.json()["error"]["code"] == "no_tokenizer", r.text
+            assert r.json()["error"]["param"] == param and "tokenizer.json" in r.json()["error"]["message"]
+
+
+def test_return_token_ids_beside_text(client, offline):
+    """return_token_ids (vLLM's) gives each choice's token ids beside its text: the ids the
+    engine generated, in a plain response and summed over a stream's chunks."""
+    body = dict(model=MODEL, prompt=[5, 6, 7], max_tokens=16, seed=4)
+    expected = offline.generate([[5, 6, 7]], ds.SamplingParams(max_new_tokens=16, seed=4))[0]
+    plain = client.completions.create(**body, extra_body={"return_token_ids": True})
+    assert plain.choices[0].model_extra["token_ids"] == expected.token_ids
+    assert "token_ids" not in client.completions.create(**body).choices[0].model_extra
+    chunks = list(client.completions.create(**body, stream=True, extra_body={"return_token_ids": True}))
+    assert sum((c.choices[0].model_extra["token_ids"] for c in chunks), []) == expected.token_ids
+
+
+def test_cors_and_the_model_card(base_url):
+    """Browsers' preflight requests are answered (as vLLM, any origin by default: they had been
+    405s), and the model card gives max_model_len as vLLM's does."""
+    r = httpx.options(base_url + "/v1/chat/completions", headers={
+        "Origin": "http://example.com", "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": "authorization, content-type"})
+    assert r.status_code == 200 and r.headers["access-control-allow-origin"] in ("*", "http://example.com")
+    card = httpx.get(base_url + "/v1/models").json()["data"][0]
+    assert card["max_model_len"] == 131072 and card["root"] == MODEL and card["created"] > 0
+
+
+def test_a_developer_role_named_only_in_a_comment_is_not_the_templates():
+    """Whether the chat template takes developer messages is read from its code, not from a
+    comment mentioning the word (which had made developer messages a 400)."""
+    names = server_module._names_role
+    assert names("{% if message['role'] == 'developer' %}", "developer")
+    assert not names("{# developer messages are system ones #}{{ message['role'] }}", "developer")

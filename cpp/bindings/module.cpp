@@ -57,6 +57,7 @@ nb::dict config_dict(const ModelConfig& c) {
   nb::dict gen;
   gen["max_new_tokens"] = g.max_new_tokens;
   gen["max_length"] = g.max_length;  // 0: none
+  gen["length_given"] = g.length_given;  // whether generation_config.json set either
   gen["max_denoising_steps"] = g.max_denoising_steps;
   gen["t_min"] = g.t_min;
   gen["t_max"] = g.t_max;

@@ -310,6 +310,7 @@ GenerationDefaults load_generation(const std::string& path, int vocab_size) {
       f.fail(key, "is not a DiffusionGemma generation setting (transformers refuses it too)");
   g.max_new_tokens = int(f.integer_or("max_new_tokens", g.max_new_tokens, 1, INT32_MAX));
   g.max_length = int(f.integer_or("max_length", g.max_length, 1, INT32_MAX));  // transformers refuses 0 too
+  g.length_given = f.get("max_new_tokens") || f.get("max_length");
   g.max_denoising_steps = int(f.integer_or("max_denoising_steps", g.max_denoising_steps, 1, INT32_MAX));
   g.t_min = f.float_or("t_min", g.t_min);
   g.t_max = f.float_or("t_max", g.t_max);

@@ -108,14 +108,14 @@ def serve(args) -> None:
         sys.exit(f"error: --api-key (or DIFFUSERVE_API_KEY): {e}")
     _check_listening(args.host, args.port)
     llm = _load(args.model, args)
-    if llm.tokenizer is None:
-        sys.exit(f"error: {args.model} has no tokenizer.json; the server needs one to read and write text")
     name = args.served_model_name or args.model or "diffuserve-sudoku"  # no model: the bundled one
     engine = AsyncLLM(llm)
     app = server.build_app(engine, name, api_key=args.api_key,
-                           max_denoising_steps_limit=args.max_denoising_steps_limit)
+                           max_denoising_steps_limit=args.max_denoising_steps_limit,
+                           allowed_origins=args.allowed_origins)
     print(f"serving {name} at http://{args.host}:{args.port}/v1"
-          + (" (API key required)" if args.api_key else ""), file=sys.stderr)
+          + (" (API key required)" if args.api_key else "")
+          + ("" if llm.tokenizer else " (no tokenizer.json: token ids in and out)"), file=sys.stderr)
     server.serve(app, engine, args.host, args.port, args.log_level, args.shutdown_timeout)
 
 
@@ -284,6 +284,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--api-key", default=os.environ.get("DIFFUSERVE_API_KEY"),
                    help="require `Authorization: Bearer KEY` on /v1 (default: $DIFFUSERVE_API_KEY, else none)")
     p.add_argument("--served-model-name", metavar="NAME", help="the model's name in the API (default: MODEL)")
+    p.add_argument("--allowed-origins", nargs="+", default=["*"], metavar="ORIGIN",
+                   help="origins whose browser pages may call the API (CORS; default: any, as vLLM)")
     p.add_argument("--max-denoising-steps-limit", type=_in_range(int, 1, INT32_MAX), default=1024, metavar="N",
                    help="the most denoise steps a request may ask of each block (default: 1024)")
     p.add_argument("--shutdown-timeout", type=_in_range(float, 0, 1e6), default=30, metavar="SECONDS",

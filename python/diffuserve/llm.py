@@ -60,7 +60,7 @@ class RequestOutput:
                                      # counts them: the last block whole, past a max_new_tokens cut; the pad
                                      # id is generation_config.json's (none: past the EOS too)
     seed: int                        # the seed used (drawn fresh when none was given)
-    text: Optional[str] = field(default=None)  # the tokens decoded, EOS excluded; None without a tokenizer
+    text: str = ""  # the tokens decoded, EOS excluded; "" without a tokenizer (as vLLM's without one)
     error: Optional[str] = field(default=None)  # with finish_reason "error": why (its logits were not finite)
 
 
@@ -232,9 +232,9 @@ class LLM:
                              seed=out.seed, text=self._text(list(out.token_ids), out.finish_reason),
                              error=out.error or None)
 
-    def _text(self, token_ids: List[int], finish_reason: str) -> Optional[str]:
+    def _text(self, token_ids: List[int], finish_reason: str) -> str:
         if self.tokenizer is None:
-            return None
+            return ""
         if finish_reason == "stop":
             token_ids = token_ids[:-1]  # the EOS that ended the output
         return self.tokenizer.decode_output(token_ids)

@@ -20,19 +20,26 @@ from .sampling import SamplingParams
 
 # Value at which an OpenAI parameter we do not implement changes nothing (older LangChain sent
 # logit_bias {} and best_of 1 with every request).
-_NEUTRAL = {"top_p": 1, "frequency_penalty": 0, "presence_penalty": 0, "logprobs": False, "logit_bias": {},
-            "best_of": 1, "response_format": {"type": "text"}}
+# vLLM's sampling extras too, which clients written for it send at their defaults (top_k -1, or
+# 0 in its newer releases).
+_NEUTRAL = {"top_p": (1,), "frequency_penalty": (0,), "presence_penalty": (0,), "logprobs": (False,),
+            "top_logprobs": (0,), "logit_bias": ({},), "best_of": (1,), "response_format": ({"type": "text"},),
+            "top_k": (-1, 0), "min_p": (0,), "repetition_penalty": (1,), "min_tokens": (0,), "ignore_eos": (False,),
+            "include_stop_str_in_output": (False,), "skip_special_tokens": (True,),
+            "spaces_between_special_tokens": (True,)}
 
 
-def _is_neutral(value, neutral) -> bool:
-    """Whether `value` is the field's neutral one, of its own type: a bool is no number here
-    (top_p true), nor a number a bool (legacy completions' logprobs 0 still asks for the
+def _is_neutral(value, neutrals) -> bool:
+    """Whether `value` is one of the field's neutral ones, of its own type: a bool is no number
+    here (top_p true), nor a number a bool (legacy completions' logprobs 0 still asks for the
     sampled token's log-probability)."""
-    if isinstance(neutral, bool) or isinstance(value, bool):
-        return value is neutral
-    if isinstance(neutral, dict):
-        return value == neutral
-    return isinstance(value, (int, float)) and value == neutral
+    def equal(neutral):
+        if isinstance(neutral, bool) or isinstance(value, bool):
+            return value is neutral
+        if isinstance(neutral, dict):
+            return value == neutral
+        return isinstance(value, (int, float)) and value == neutral
+    return any(equal(neutral) for neutral in neutrals)
 
 
 # The most choices (prompts times n) one request may ask for. Each is an engine request with
@@ -40,6 +47,8 @@ def _is_neutral(value, neutral) -> bool:
 # more are better sent as several requests. (2,000 prompts with n = 64, 128,000 choices, had
 # kept /health waiting 21 s while they were admitted, and each garbage collection 1.6 s.)
 MAX_CHOICES = 4096
+# The most stop strings a request may give: each is looked for in every piece of text.
+MAX_STOP_STRINGS = 256
 
 
 class ApiError(Exception):
@@ -90,11 +99,13 @@ class _GenerationRequest(_Strict):
     allowed_token_ids: Optional[List[int]] = None
     self_conditioning: bool = True
     stream_drafts: bool = False  # stream the argmax canvas of the block being refined
+    # vLLM's: each choice's token ids beside its text (null: where the model has no tokenizer).
+    return_token_ids: Optional[bool] = None
 
     def stop_strings(self) -> List[str]:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        if len(stop) > 4:
-            raise ApiError(400, "stop may hold at most 4 strings", param="stop")
+        if len(stop) > MAX_STOP_STRINGS:  # (OpenAI's 4 would refuse what tools written for vLLM send)
+            raise ApiError(400, f"stop may hold at most {MAX_STOP_STRINGS} strings", param="stop")
         return stop
 
     def sampling_params(self, defaults: dict, max_tokens: Optional[int], max_steps: int) -> List[SamplingParams]:
@@ -106,8 +117,12 @@ class _GenerationRequest(_Strict):
         sampler needs T > 0) and deterministic, as OpenAI's 0 is: every choice takes the seed
         (0 where none is given), since the canvas's noise would otherwise still vary the text.
         An explicit t_min / t_max sets that end directly instead. Without max_tokens, the
-        checkpoint's length is cut to the whole blocks that fit the context (as vLLM does).
+        length generation_config.json gives, or where it gives none the whole context, is cut
+        to the whole blocks that fit the context and the KV cache (as vLLM does).
         max_steps: the server's limit on max_denoising_steps."""
+        fit = max_tokens is None
+        if fit and not defaults["length_given"]:
+            max_tokens = defaults["context"]
         if self.temperature is not None and (self.t_min is not None or self.t_max is not None):
             raise ApiError(400, "give either temperature or t_min/t_max, not both", param="temperature")
         scale = None if self.temperature is None else max(self.temperature, 1e-3)
@@ -138,7 +153,7 @@ class _GenerationRequest(_Strict):
                     confidence_threshold=self.confidence_threshold, seed=seed, canvas_length=self.canvas_length,
                     seed_canvas=self.seed_canvas, pinned_positions=self.pinned_positions,
                     allowed_token_ids=allowed, self_conditioning=self.self_conditioning,
-                    fit_to_context=max_tokens is None))
+                    fit_to_context=fit))
             except ValueError as e:
                 raise invalid_value(e, self.parameter_names()) from None
         return params
@@ -191,8 +206,7 @@ class ChatCompletionRequest(_GenerationRequest):
     chat_template_kwargs: Optional[Dict[str, Any]] = None
 
     def max_new_tokens(self) -> Optional[int]:
-        if self.max_tokens is not None and self.max_completion_tokens is not None:
-            raise ApiError(400, "give max_completion_tokens or max_tokens, not both", param="max_tokens")
+        """max_completion_tokens, OpenAI's newer name, wins where both are given (as in vLLM)."""
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
     def parameter_names(self) -> Dict[str, str]:
@@ -271,8 +285,8 @@ def parse(model: type, body: Any):
             check_unicode("a parameter's name", name)
         except ValueError as e:
             raise ApiError(400, f"{e}: {name!r}") from None
-    for name, neutral in _NEUTRAL.items():
-        if name in body and _is_neutral(body[name], neutral):
+    for name, neutrals in _NEUTRAL.items():
+        if name in body and _is_neutral(body[name], neutrals):
             del body[name]  # the value that changes nothing
     try:
         return model.model_validate(body)
@@ -280,7 +294,8 @@ def parse(model: type, body: Any):
         error = e.errors()[0]
         param = _param_path(error["loc"])
         if error["type"] == "extra_forbidden":
-            hint = f" (only {json.dumps(_NEUTRAL[param])} is accepted)" if param in _NEUTRAL else ""
+            hint = (f" (only {' or '.join(json.dumps(v) for v in _NEUTRAL[param])} is accepted)"
+                    if param in _NEUTRAL else "")
             raise ApiError(400, f"unsupported parameter: {param!r}{hint}", param=param,
                            code="unsupported_parameter") from None
         if error["type"] == "missing":

@@ -12,14 +12,16 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import re
 import threading
 import time
 import uuid
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Dict, List, Optional
+from typing import AsyncIterator, Dict, List, Optional, Sequence
 
 from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
@@ -46,6 +48,7 @@ class ChoiceEvent:
     text: str = ""
     draft: Optional[str] = None
     finish_reason: Optional[str] = None
+    token_ids: List[int] = field(default_factory=list)  # the output's new tokens (return_token_ids)
 
 
 @dataclass
@@ -71,6 +74,7 @@ class _Choice:
         self._updates = server.engine.generate(prompt, params, drafts)
         self._stop = stop
         self.text = ""
+        self.token_ids: List[int] = []  # generated (an EOS included), through a stop string's end
         self.finish_reason: Optional[str] = None
 
     async def start(self) -> None:
@@ -106,18 +110,21 @@ class _Choice:
         return len(token_ids)
 
     async def events(self) -> AsyncIterator[ChoiceEvent]:
-        detokenizer = IncrementalDetokenizer(self.server.tokenizer)
+        tokenizer = self.server.tokenizer  # None: token ids alone (return_token_ids), no text
+        detokenizer = IncrementalDetokenizer(tokenizer) if tokenizer is not None else None
         stops = StopStringFilter(self._stop)
         done, generated, denoise_steps = 0, 0, []
         try:
             async for progress in self._updates:
                 output = progress.output
                 token_ids = until_eos(progress.token_ids, self.eos)
-                piece = detokenizer.push(token_ids[done:]) + (detokenizer.finish() if output else "")
+                piece = ""
+                if detokenizer is not None:
+                    piece = detokenizer.push(token_ids[done:]) + (detokenizer.finish() if output else "")
                 done, generated = len(token_ids), len(progress.token_ids)
                 event = ChoiceEvent(self.index, stops.push(piece, final=output is not None))
-                if progress.draft:
-                    event.draft = self.server.tokenizer.decode_output(until_eos(progress.draft, self.eos))
+                if progress.draft and tokenizer is not None:
+                    event.draft = tokenizer.decode_output(until_eos(progress.draft, self.eos))
                 denoise_steps = output.denoise_steps if output is not None else progress.denoise_steps
                 if stops.stopped:
                     event.finish_reason = "stop"  # leaving the loop closes the request: it is aborted
@@ -125,6 +132,8 @@ class _Choice:
                     generated = await asyncio.to_thread(self._tokens_through, token_ids, stops.stop_end)
                 elif output is not None:
                     event.finish_reason = output.finish_reason
+                event.token_ids = progress.token_ids[len(self.token_ids):generated]
+                self.token_ids += event.token_ids
                 self.text += event.text
                 yield event
                 if event.finish_reason:
@@ -141,16 +150,21 @@ class _Choice:
 class _Server:
     def __init__(self, engine: AsyncLLM, model_name: str,
                  max_denoising_steps_limit: int = MAX_DENOISING_STEPS_LIMIT):
-        if engine.tokenizer is None:
-            raise ValueError("the server needs a tokenizer: the checkpoint has no tokenizer.json")
         self.engine = engine
-        self.tokenizer = engine.tokenizer
+        self.tokenizer = engine.tokenizer  # None without a tokenizer.json: token ids in and out alone
         self.model_name = model_name
         self.max_denoising_steps_limit = max_denoising_steps_limit
-        generation = engine.llm.model.config["generation"]
-        self.defaults = {"t_min": generation["t_min"], "t_max": generation["t_max"]}
+        config = engine.llm.model.config
+        generation = config["generation"]
+        self.defaults = {"t_min": generation["t_min"], "t_max": generation["t_max"],
+                         "length_given": generation["length_given"], "context": config["max_position_embeddings"]}
         self.eos_token_ids = list(generation["eos_token_ids"])
         self.metrics = Metrics(lambda: self.engine.stats)
+
+    def returns_token_ids(self, body) -> bool:
+        """Whether each choice carries its token ids: as asked (return_token_ids), else where the
+        model has no tokenizer and so no text."""
+        return body.return_token_ids if body.return_token_ids is not None else self.tokenizer is None
 
     def check_model(self, name: str) -> None:
         if name != self.model_name:
@@ -163,6 +177,9 @@ class _Server:
         event loop spends serving the others."""
         if not isinstance(prompt, str):
             return list(prompt)
+        if self.tokenizer is None:
+            raise ApiError(400, "this model has no tokenizer.json, so it takes no text: send the prompt as token ids",
+                           param=param, code="no_tokenizer")
         try:
             check_unicode(param, prompt)  # (the tokenizer's own message would name "text")
             return await asyncio.to_thread(self.tokenizer.encode, prompt, add_special_tokens=add_special_tokens)
@@ -175,6 +192,9 @@ class _Server:
         params = await asyncio.to_thread(body.sampling_params, self.defaults, max_tokens,
                                          self.max_denoising_steps_limit)
         stop = body.stop_strings()
+        if stop and self.tokenizer is None:
+            raise ApiError(400, "this model has no tokenizer.json, so no text to find stop strings in", param="stop",
+                           code="no_tokenizer")
         usage = Usage()
         choices = []
         for p, prompt in enumerate(prompts):
@@ -204,7 +224,7 @@ class _Server:
             include_usage = body.stream_options is not None and bool(body.stream_options.include_usage)
             return StreamingResponse(self._sse(choices, fmt, usage, include_usage), media_type="text/event-stream")
         await _unless_disconnected(request, _drain(_merged(choices)))
-        return fmt.response([(c.index, c.text, c.finish_reason) for c in choices], usage.body())
+        return fmt.response(choices, usage.body())
 
     async def _sse(self, choices, fmt, usage: Usage, include_usage: bool) -> AsyncIterator[str]:
         for choice in choices:
@@ -213,7 +233,7 @@ class _Server:
                 yield _sse(opening, include_usage)
         try:
             async for event in _merged(choices):
-                if event.text or event.draft is not None or event.finish_reason:
+                if event.text or event.draft is not None or event.finish_reason or (fmt.token_ids and event.token_ids):
                     yield _sse(fmt.chunk(event), include_usage)
         except EngineError as e:
             yield _sse(ApiError(503, str(e), type="server_error").body(), False)
@@ -310,6 +330,7 @@ class _Format:
     """How a response of one endpoint looks."""
     model: str
     chat: bool
+    token_ids: bool = False  # each choice's token ids too (vLLM's return_token_ids)
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -334,17 +355,19 @@ class _Format:
             choice = {"index": event.index, "text": event.text}
             if event.draft is not None:
                 choice["draft"] = event.draft
+        if self.token_ids:
+            choice["token_ids"] = event.token_ids
         return {**self.chunk_base(), "choices": [{**choice, "logprobs": None, "finish_reason": event.finish_reason}]}
 
-    def response(self, choices, usage: dict) -> dict:
+    def response(self, choices: List[_Choice], usage: dict) -> dict:
         body = {**self.chunk_base(), "usage": usage}
         if self.chat:
             body["object"] = "chat.completion"
-            body["choices"] = [{"index": i, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                                "finish_reason": reason} for i, text, reason in choices]
-        else:
-            body["choices"] = [{"index": i, "text": text, "logprobs": None, "finish_reason": reason}
-                               for i, text, reason in choices]
+        body["choices"] = []
+        for c in choices:
+            text = {"message": {"role": "assistant", "content": c.text}} if self.chat else {"text": c.text}
+            ids = {"token_ids": c.token_ids} if self.token_ids else {}
+            body["choices"].append({"index": c.index, **text, **ids, "logprobs": None, "finish_reason": c.finish_reason})
         return body
 
 
@@ -389,7 +412,8 @@ def check_api_key(api_key: Optional[str]) -> None:
 
 
 def build_app(engine: AsyncLLM, model_name: str, api_key: Optional[str] = None,
-              max_denoising_steps_limit: int = MAX_DENOISING_STEPS_LIMIT) -> FastAPI:
+              max_denoising_steps_limit: int = MAX_DENOISING_STEPS_LIMIT,
+              allowed_origins: Sequence[str] = ("*",)) -> FastAPI:
     """The FastAPI app serving `engine` under `model_name`. The app owns the engine: its
     shutdown aborts what is still running and stops the engine thread."""
     check_api_key(api_key)
@@ -401,6 +425,9 @@ def build_app(engine: AsyncLLM, model_name: str, api_key: Optional[str] = None,
         engine.shutdown()
 
     app = FastAPI(title="diffuserve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    # Browsers' clients (a chat page served elsewhere) ask before each call: as vLLM, any origin
+    # unless told which (--allowed-origins).
+    app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["*"], allow_headers=["*"])
 
     def authenticate(request: Request):
         if api_key is None:
@@ -436,7 +463,9 @@ def build_app(engine: AsyncLLM, model_name: str, api_key: Optional[str] = None,
     async def metrics():
         return Response(server.metrics.exposition(), media_type=CONTENT_TYPE)
 
-    card = {"id": model_name, "object": "model", "created": 0, "owned_by": "diffuserve"}
+    # As vLLM's card: max_model_len sizes clients' context windows.
+    card = {"id": model_name, "object": "model", "created": int(time.time()), "owned_by": "diffuserve",
+            "root": model_name, "parent": None, "max_model_len": server.defaults["context"]}
 
     @v1.get("/models")
     async def models():
@@ -452,23 +481,29 @@ def build_app(engine: AsyncLLM, model_name: str, api_key: Optional[str] = None,
         body = parse(CompletionRequest, await _json_body(request))
         server.check_model(body.model)
         prompts = [await server.prompt_ids(p) for p in body.prompts()]
-        return await server.run(request, body, prompts, body.max_tokens, _Format(model_name, chat=False))
+        return await server.run(request, body, prompts, body.max_tokens,
+                                _Format(model_name, chat=False, token_ids=server.returns_token_ids(body)))
 
     @v1.post("/chat/completions")
     async def chat_completions(request: Request):
         body = parse(ChatCompletionRequest, await _json_body(request))
         server.check_model(body.model)
         options = body.template_options()
+        if server.tokenizer is None:
+            raise ApiError(400, "this model has no tokenizer.json, so no chat template: send token ids to "
+                           "/v1/completions", param="messages", code="no_tokenizer")
         try:
             source = server.tokenizer.get_chat_template(tools=options.get("tools"))
         except ValueError as e:  # no chat template
             raise ApiError(400, str(e), param="messages", code="no_chat_template") from None
         try:
-            text = server.tokenizer.apply_chat_template(body.conversation("developer" in source), **options)
+            conversation = body.conversation(_names_role(source, "developer"))
+            text = server.tokenizer.apply_chat_template(conversation, **options)
         except ValueError as e:  # the template's own refusal or failure, or a bad template variable
             raise ApiError(400, str(e), param="messages") from None
         prompt = await server.prompt_ids(text, "messages", add_special_tokens=False)  # the template wrote them
-        return await server.run(request, body, [prompt], body.max_new_tokens(), _Format(model_name, chat=True))
+        return await server.run(request, body, [prompt], body.max_new_tokens(),
+                                _Format(model_name, chat=True, token_ids=server.returns_token_ids(body)))
 
     app.include_router(v1)
     return app
@@ -495,6 +530,13 @@ def serve(app: FastAPI, engine: AsyncLLM, host: str, port: int, log_level: str, 
                               timeout_graceful_shutdown=shutdown_timeout)).run()
     except KeyboardInterrupt:  # uvicorn raises the Ctrl-C it held back once it has shut down (as uvicorn.run)
         pass
+
+
+def _names_role(template: str, role: str) -> bool:
+    """Whether a chat template names `role` as a quoted string outside its comments (a comment
+    or prose mentioning the word had counted)."""
+    code = re.sub(r"\{#.*?#\}", "", template, flags=re.S)
+    return f"'{role}'" in code or f'"{role}"' in code
 
 
 def _error(e: ApiError, headers: Optional[Dict[str, str]] = None) -> JSONResponse:

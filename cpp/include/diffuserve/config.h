@@ -23,6 +23,7 @@ struct LayerConfig {
 struct GenerationDefaults {
   int max_new_tokens = 256;
   int max_length = 0;  // a cap on prompt + new tokens (SamplingParams::max_length); 0: none
+  bool length_given = false;  // generation_config.json sets max_new_tokens or max_length (else the defaults)
   int max_denoising_steps = 48;
   float t_min = 0.4f;
   float t_max = 0.8f;
