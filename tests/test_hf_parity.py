@@ -117,6 +117,19 @@ def check_kv(seq, ref, n_layers, atol, where):
         assert np.abs(v - rv).max() <= atol, f"{where} layer {layer}: values differ"
 
 
+def prefill_and_denoise(path, prompt, canvas, where, kv_layers=0, reference=None):
+    """diffuserve's Sequence beside transformers' (in fp32 from `path`, or the `reference`
+    model) on one prompt and canvas: the first kv_layers layers' KV after the prefill, then the
+    canvas's logits, within FP32_ATOL. Returns the Sequence."""
+    seq = ds.Model.load(path).sequence()
+    ref = ReferenceSequence(reference if reference is not None else load(path, torch.float32))
+    for s in (seq, ref):
+        s.prefill(prompt)
+    check_kv(seq, ref, kv_layers, FP32_ATOL, "after prefill")
+    check_logits(seq.denoise(canvas), ref.denoise(canvas), where=where, atol=FP32_ATOL)
+    return seq
+
+
 @pytest.mark.parametrize("case", list(CASES))
 def test_matches_reference(case, tmp_path):
     text_cfg, canvas, prompt_len, blocks, dtype, shard = CASES[case]
@@ -178,12 +191,8 @@ def test_last_layer_is_full_whatever_layer_types_says(tmp_path):
     cfg = json.loads((path / "config.json").read_text())
     cfg["text_config"]["layer_types"][-1] = S
     (path / "config.json").write_text(json.dumps(cfg))
-    seq, ref = ds.Model.load(path).sequence(), ReferenceSequence(load(path, torch.float32))
-    for s in (seq, ref):
-        s.prefill(np.arange(3, 23))
+    seq = prefill_and_denoise(path, np.arange(3, 23), np.arange(30, 38), "last layer")
     assert seq.kv(1)[0].shape[1] == 20  # every row: a full layer's cache
-    canvas = np.arange(30, 38)
-    check_logits(seq.denoise(canvas), ref.denoise(canvas), where="last layer", atol=FP32_ATOL)
 
 
 def test_per_layer_keys_as_transformers_writes_them(tmp_path):
@@ -194,12 +203,8 @@ def test_per_layer_keys_as_transformers_writes_them(tmp_path):
                     num_key_value_heads=1, moe_intermediate_size=8, num_experts=2, top_k_experts=1)
     path = save(build_model(text_cfg, 8), tmp_path / "m")
     assert sorted(json.loads((path / "config.json").read_text())["text_config"]["per_layer_config"]) == ["05", "10"]
-    seq, ref = ds.Model.load(path).sequence(), ReferenceSequence(load(path, torch.float32))
-    for s in (seq, ref):
-        s.prefill(np.arange(3, 15))
+    seq = prefill_and_denoise(path, np.arange(3, 15), np.arange(30, 38), "eleven layers")
     assert seq.kv(5)[0].shape[-1] == 16  # the full layers' global head_dim
-    canvas = np.arange(30, 38)
-    check_logits(seq.denoise(canvas), ref.denoise(canvas), where="eleven layers", atol=FP32_ATOL)
 
 
 def test_config_defaults_as_transformers_fills_them(tmp_path):
@@ -216,12 +221,7 @@ def test_config_defaults_as_transformers_fills_them(tmp_path):
     for key in ("layer_types", "rope_parameters", "sliding_window", "num_key_value_heads"):
         del cfg["text_config"][key]
     (path / "config.json").write_text(json.dumps(cfg))
-    seq, ref = ds.Model.load(path).sequence(), ReferenceSequence(load(path, torch.float32))
-    for s in (seq, ref):
-        s.prefill(np.arange(3, 15))
-    check_kv(seq, ref, 7, FP32_ATOL, "after prefill")
-    canvas = np.arange(30, 38)
-    check_logits(seq.denoise(canvas), ref.denoise(canvas), where="config defaults", atol=FP32_ATOL)
+    prefill_and_denoise(path, np.arange(3, 15), np.arange(30, 38), "config defaults", kv_layers=7)
 
 
 def test_base_model_checkpoint(tmp_path):
@@ -231,11 +231,7 @@ def test_base_model_checkpoint(tmp_path):
     model = build_model(text([S, F]), 8)
     path = tmp_path / "base"
     model.model.save_pretrained(path)
-    seq, ref = ds.Model.load(path).sequence(), ReferenceSequence(load(path, torch.float32))
-    for s in (seq, ref):
-        s.prefill(np.arange(3, 15))
-    canvas = np.arange(30, 38)
-    check_logits(seq.denoise(canvas), ref.denoise(canvas), where="base model", atol=FP32_ATOL)
+    prefill_and_denoise(path, np.arange(3, 15), np.arange(30, 38), "base model")
 
 
 def test_default_dtype_is_config_jsons(tmp_path):
@@ -252,12 +248,9 @@ def test_default_dtype_is_config_jsons(tmp_path):
         cfg_path.write_text(json.dumps({**cfg, **fields}))
         assert ds.Model.load(path).dtype == expected, fields
     cfg_path.write_text(json.dumps({**cfg, "dtype": "float32"}))
-    seq, ref = ds.Model.load(path).sequence(), ReferenceSequence(load(path, None))
-    assert next(ref.model.parameters()).dtype == torch.float32
-    for s in (seq, ref):
-        s.prefill(np.arange(3, 15))
-    canvas = np.arange(30, 38)
-    check_logits(seq.denoise(canvas), ref.denoise(canvas), where="config dtype", atol=FP32_ATOL)
+    reference = load(path, None)  # transformers' default, dtype "auto"
+    assert next(reference.parameters()).dtype == torch.float32
+    prefill_and_denoise(path, np.arange(3, 15), np.arange(30, 38), "config dtype", reference=reference)
 
 
 @pytest.mark.parametrize("global_fields", [{"global_head_dim": 16, "num_global_key_value_heads": 1}, {}])
@@ -274,13 +267,8 @@ def test_full_layers_shaped_without_per_layer_config(tmp_path, global_fields):
         cfg["text_config"].pop(key, None)
     cfg["text_config"].update(global_fields)
     (path / "config.json").write_text(json.dumps(cfg))
-    seq, ref = ds.Model.load(path).sequence(), ReferenceSequence(load(path, torch.float32))
-    for s in (seq, ref):
-        s.prefill(np.arange(3, 15))
+    seq = prefill_and_denoise(path, np.arange(3, 15), np.arange(30, 38), "no per_layer_config", kv_layers=4)
     assert seq.kv(1)[0].shape[-1] == head_dim and seq.kv(3)[0].shape[-1] == head_dim
-    check_kv(seq, ref, 4, FP32_ATOL, "after prefill")
-    canvas = np.arange(30, 38)
-    check_logits(seq.denoise(canvas), ref.denoise(canvas), where="no per_layer_config", atol=FP32_ATOL)
 
 
 def _rope_legacy_type(t):
@@ -315,12 +303,7 @@ def test_rope_fields_transformers_fills_in(tmp_path, edit):
     cfg = json.loads((path / "config.json").read_text())
     edit(cfg["text_config"])
     (path / "config.json").write_text(json.dumps(cfg))
-    seq, ref = ds.Model.load(path).sequence(), ReferenceSequence(load(path, torch.float32))
-    for s in (seq, ref):
-        s.prefill(np.arange(3, 16))
-    check_kv(seq, ref, 2, FP32_ATOL, "after prefill")
-    canvas = np.arange(20, 28)
-    check_logits(seq.denoise(canvas), ref.denoise(canvas), where=edit.__name__, atol=FP32_ATOL)
+    prefill_and_denoise(path, np.arange(3, 16), np.arange(20, 28), edit.__name__, kv_layers=2)
 
 
 def test_chunked_prefill_equals_one_prefill(tmp_path):
