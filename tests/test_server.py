@@ -730,3 +730,28 @@ def test_a_developer_role_named_only_in_a_comment_is_not_the_templates():
     names = server_module._names_role
     assert names("{% if message['role'] == 'developer' %}", "developer")
     assert not names("{# developer messages are system ones #}{{ message['role'] }}", "developer")
+
+
+def test_token_ids_end_where_a_stop_string_ends_the_text(client):
+    """With a stop string, a choice's token_ids end with the token that ends it, as
+    completion_tokens counts, in a plain response and over a stream's chunks: the stream had sent
+    a block's ids while its text was held back, past the stop that then cut the text."""
+    body = dict(model=MODEL, prompt="hello world", max_tokens=48, seed=7, temperature=1.0)
+    text = client.completions.create(**body).choices[0].text
+    for stop in (text[3:7], text[10:13]):
+        plain = client.completions.create(**body, stop=[stop], extra_body={"return_token_ids": True})
+        assert len(plain.choices[0].model_extra["token_ids"]) == plain.usage.completion_tokens, stop
+        chunks = list(client.completions.create(**body, stop=[stop], stream=True, stream_options={"include_usage": True},
+                                                extra_body={"return_token_ids": True}))
+        ids = sum((c.choices[0].model_extra["token_ids"] for c in chunks if c.choices), [])
+        assert ids == plain.choices[0].model_extra["token_ids"] and len(ids) == chunks[-1].usage.completion_tokens
+
+
+def test_allowed_origins_leave_the_model_argument_alone():
+    """--allowed-origins takes one origin a time (repeated for more): taking any number, it had
+    swallowed a MODEL written after it, and the bundled model had been served instead."""
+    from diffuserve.cli import parser
+    args = parser().parse_args(["serve", "--allowed-origins", "http://a.example", "/ckpt",
+                                "--allowed-origins", "http://b.example"])
+    assert args.model == "/ckpt" and args.allowed_origins == ["http://a.example", "http://b.example"]
+    assert parser().parse_args(["serve"]).allowed_origins is None  # any origin (build_app's "*")

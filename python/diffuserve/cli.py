@@ -112,7 +112,7 @@ def serve(args) -> None:
     engine = AsyncLLM(llm)
     app = server.build_app(engine, name, api_key=args.api_key,
                            max_denoising_steps_limit=args.max_denoising_steps_limit,
-                           allowed_origins=args.allowed_origins)
+                           allowed_origins=args.allowed_origins or ["*"])
     print(f"serving {name} at http://{args.host}:{args.port}/v1"
           + (" (API key required)" if args.api_key else "")
           + ("" if llm.tokenizer else " (no tokenizer.json: token ids in and out)"), file=sys.stderr)
@@ -284,8 +284,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--api-key", default=os.environ.get("DIFFUSERVE_API_KEY"),
                    help="require `Authorization: Bearer KEY` on /v1 (default: $DIFFUSERVE_API_KEY, else none)")
     p.add_argument("--served-model-name", metavar="NAME", help="the model's name in the API (default: MODEL)")
-    p.add_argument("--allowed-origins", nargs="+", default=["*"], metavar="ORIGIN",
-                   help="origins whose browser pages may call the API (CORS; default: any, as vLLM)")
+    p.add_argument("--allowed-origins", action="append", metavar="ORIGIN",
+                   help="an origin whose browser pages may call the API (CORS), once per origin (default: any, "
+                        "as vLLM)")
     p.add_argument("--max-denoising-steps-limit", type=_in_range(int, 1, INT32_MAX), default=1024, metavar="N",
                    help="the most denoise steps a request may ask of each block (default: 1024)")
     p.add_argument("--shutdown-timeout", type=_in_range(float, 0, 1e6), default=30, metavar="SECONDS",

@@ -66,8 +66,10 @@ class _Choice:
     """One engine request and the text it produces."""
 
     def __init__(self, server: "_Server", index: int, prompt: List[int], params: SamplingParams,
-                 stop: List[str], drafts: bool, usage: Usage, counts_prompt: bool, names: Dict[str, str]):
+                 stop: List[str], drafts: bool, usage: Usage, counts_prompt: bool, names: Dict[str, str],
+                 returns_ids: bool):
         self.server, self.index, self.prompt, self.usage = server, index, prompt, usage
+        self.returns_ids = returns_ids  # token_ids go out with the text (return_token_ids)
         self.names = names  # the request's names for the engine's parameters (invalid_value)
         self.counts_prompt = counts_prompt  # OpenAI counts a prompt once however many choices it has
         self.eos = server.eos_token_ids  # the server never overrides the checkpoint's EOS
@@ -132,7 +134,15 @@ class _Choice:
                     generated = await asyncio.to_thread(self._tokens_through, token_ids, stops.stop_end)
                 elif output is not None:
                     event.finish_reason = output.finish_reason
-                event.token_ids = progress.token_ids[len(self.token_ids):generated]
+                # Ids go out with the text: where a stop string may still cut the output, only
+                # those through the text given out so far (the detokenizer and the stop filter
+                # hold text back, and ids sent past a stop that then ends the text could not be
+                # taken back).
+                through = generated
+                if self._stop and self.returns_ids and not event.finish_reason:
+                    through = await asyncio.to_thread(self._tokens_through, token_ids,
+                                                      len(self.text) + len(event.text))
+                event.token_ids = progress.token_ids[len(self.token_ids):through]
                 self.token_ids += event.token_ids
                 self.text += event.text
                 yield event
@@ -200,7 +210,8 @@ class _Server:
         for p, prompt in enumerate(prompts):
             for i, choice_params in enumerate(params):
                 choices.append(_Choice(self, p * len(params) + i, prompt, choice_params, stop, body.stream_drafts,
-                                       usage, counts_prompt=i == 0, names=body.parameter_names()))
+                                       usage, counts_prompt=i == 0, names=body.parameter_names(),
+                                       returns_ids=fmt.token_ids))
         # Every choice asks the engine without waiting for the others, so that it takes them in
         # few turns (one by one, a request of hundreds of prompts took a step each to be
         # admitted); _TURN choices a turn of the event loop, which serves other requests
