@@ -434,6 +434,10 @@ def build_app(engine: AsyncLLM, model_name: str, api_key: Optional[str] = None,
     async def lifespan(app):
         yield
         engine.shutdown()
+        # FastAPI keeps the endpoints (and through their closures this server) in a process-wide
+        # cache: holding the engine, it kept the model past the interpreter's end, which
+        # nanobind reported as leaks at every Ctrl-C.
+        server.engine = None
 
     app = FastAPI(title="diffuserve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     # Browsers' clients (a chat page served elsewhere) ask before each call: as vLLM, any origin
@@ -541,6 +545,8 @@ def serve(app: FastAPI, engine: AsyncLLM, host: str, port: int, log_level: str, 
                               timeout_graceful_shutdown=shutdown_timeout)).run()
     except KeyboardInterrupt:  # uvicorn raises the Ctrl-C it held back once it has shut down (as uvicorn.run)
         pass
+    finally:
+        ending.cancel()  # (its waiting thread holds the engine)
 
 
 def _names_role(template: str, role: str) -> bool:
