@@ -129,18 +129,15 @@ class CpuBackend final : public Backend {
     return upload(host->data(), DType::F32, shape, as, host);
   }
 
-  // (Empty ranges skip memcpy, which may not be given a null pointer even for 0 bytes.)
-  void to_host(const Activation& a, float* out) override { write_bytes(out, a.data, a.size() * sizeof(float)); }
-  void from_host(const float* in, Activation& a) override { write_bytes(a.data, in, a.size() * sizeof(float)); }
+  void to_host(const Activation& a, float* out) override { copy(out, a.data, a.size() * sizeof(float)); }
+  void from_host(const float* in, Activation& a) override { copy(a.data, in, a.size() * sizeof(float)); }
   std::shared_ptr<void> alloc_bytes(size_t bytes) override {
     void* p = std::malloc(std::max<size_t>(bytes, 1));
     if (!p) throw InvalidArgument("out of memory allocating " + std::to_string(bytes) + " bytes");
     return std::shared_ptr<void>(p, std::free);
   }
-  void write_bytes(void* dst, const void* src, size_t bytes) override {
-    if (bytes) std::memcpy(dst, src, bytes);
-  }
-  void read_bytes(void* dst, const void* src, size_t bytes) override { write_bytes(dst, src, bytes); }
+  void write_bytes(void* dst, const void* src, size_t bytes) override { copy(dst, src, bytes); }
+  void read_bytes(void* dst, const void* src, size_t bytes) override { copy(dst, src, bytes); }
   void copy_rows(const Activation& src, int64_t src_row, Activation& dst, int64_t dst_row, int64_t n) override {
     std::memmove(dst.row(dst_row), src.row(src_row), n * src.cols * sizeof(float));
   }
@@ -465,6 +462,11 @@ class CpuBackend final : public Backend {
   }
 
  private:
+  // memcpy, which may not be given a null pointer even for 0 bytes (an empty vector's data()).
+  static void copy(void* dst, const void* src, size_t bytes) {
+    if (bytes) std::memcpy(dst, src, bytes);
+  }
+
   static float capped(float x, float cap) { return cap * std::tanh(x / cap); }
 
   static void softmax_row(float* r, int64_t n) {
