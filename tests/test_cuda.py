@@ -3,6 +3,7 @@
 Skipped where this build has no CUDA backend or the machine no GPU; benchmarks/run_on_gpu.sh
 runs it on the device machine together with the HF parity tests on CUDA.
 """
+import json
 import os
 import pathlib
 import threading
@@ -495,3 +496,15 @@ def test_non_finite_logits_fail_the_request(tmp_path, monkeypatch, graphs, shape
         with pytest.raises(ds.CheckpointError, match=r"prompt 0: the model's logits held NaN or infinity"):
             llm.generate([[3, 1, 4]], ds.SamplingParams(max_new_tokens=40, seed=5, max_denoising_steps=4))
         assert not llm.has_unfinished()
+
+
+def test_gelu_by_erf_is_refused_by_name(tmp_path):
+    """hidden_activation "gelu" (GELU by erf), which the CPU backend runs, is refused on the GPU,
+    whose kernels compute the tanh approximation alone, before any weight loads."""
+    path = pathlib.Path(write_random_checkpoint(tmp_path / "m", canvas_length=8, **SHAPES[next(iter(SHAPES))]))
+    config = json.loads((path / "config.json").read_text())
+    config["text_config"]["hidden_activation"] = "gelu"
+    (path / "config.json").write_text(json.dumps(config))
+    ds.Model.load(path)  # the CPU backend
+    with pytest.raises(ValueError, match=r"hidden_activation 'gelu' \(GELU by erf\) is not supported on cuda"):
+        ds.Model.load(path, device="cuda")

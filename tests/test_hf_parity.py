@@ -224,6 +224,13 @@ def test_config_defaults_as_transformers_fills_them(tmp_path):
     prefill_and_denoise(path, np.arange(3, 15), np.arange(30, 38), "config defaults", kv_layers=7)
 
 
+def test_gelu_by_erf(tmp_path):
+    """hidden_activation "gelu" (GELU by erf, transformers' nn.GELU) in the MLPs, the experts and
+    the self-conditioning MLP, on the CPU backend (it had been refused)."""
+    path = save(build_model(text([S, F], hidden_activation="gelu"), 8), tmp_path / "m")
+    prefill_and_denoise(path, np.arange(3, 15), np.arange(30, 38), "gelu by erf")
+
+
 def test_base_model_checkpoint(tmp_path):
     """A checkpoint of the base model (DiffusionGemmaModel.save_pretrained: its tensors without
     the "model." prefix) loads as the full model, as transformers loads it (it had been refused

@@ -435,8 +435,12 @@ class Backend {
   // the softmax's sums stay fp32).
   virtual void attention(const Activation& q, const std::vector<AttentionSegment>& segments, int64_t num_heads,
                          int64_t num_kv_heads, int64_t head_dim, Activation& out, bool round_bf16) = 0;
-  // out = gelu_tanh(x[:, :I]) * x[:, I:], x is [rows, 2I].
+  // out = gelu(x[:, :I]) * x[:, I:], x is [rows, 2I]: GELU's tanh approximation, or by erf
+  // after use_exact_gelu (the MLPs' and the experts' activation alike).
   virtual void gelu_glu(const Activation& x, Activation& out) = 0;
+  // GELU by erf (config.json's hidden_activation "gelu") in place of its tanh approximation;
+  // InvalidArgument where the backend's kernels have only the approximation.
+  virtual void use_exact_gelu() { throw InvalidArgument("hidden_activation 'gelu' (GELU by erf) is not supported"); }
   // Router: softmax(proj(normed * hidden^-0.5)), top-k, renormalise, * per_expert_scale;
   // normed is rms_norm(x) by the router's scale.
   virtual Routing route(const Activation& normed, const Weight& proj, const Weight& per_expert_scale, int top_k) = 0;

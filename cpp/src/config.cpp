@@ -386,10 +386,11 @@ ModelConfig load_config(const std::string& dir) {
   if (c.rms_norm_eps <= 0) t.fail("rms_norm_eps", "must be > 0");
 
   // transformers' three names for GELU's tanh approximation (one function, written three ways).
-  if (const std::string act = t.string_or("hidden_activation", "gelu_pytorch_tanh");
-      act != "gelu_pytorch_tanh" && act != "gelu_new" && act != "gelu_fast")
+  const std::string act = t.string_or("hidden_activation", "gelu_pytorch_tanh");
+  if (act != "gelu_pytorch_tanh" && act != "gelu_new" && act != "gelu_fast" && act != "gelu")
     t.fail("hidden_activation", "'" + act + "' is not supported (GELU's tanh approximation is: gelu_pytorch_tanh, "
-                                "gelu_new, gelu_fast)");
+                                "gelu_new, gelu_fast; gelu is GELU by erf)");
+  c.exact_gelu = act == "gelu";
   if (t.bool_or("attention_bias", false)) t.fail("attention_bias", "= true is not supported");
   // "all" makes the encoder bidirectional and halves the window; no DiffusionGemma uses it.
   const std::string bidirectional = t.string_or("use_bidirectional_attention", "");

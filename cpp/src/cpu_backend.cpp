@@ -62,6 +62,8 @@ inline float gelu_tanh(float x) {
   return 0.5f * x * (1.0f + std::tanh(k * (x + 0.044715f * x * x * x)));
 }
 
+inline float gelu_erf(float x) { return 0.5f * x * (1.0f + std::erf(x * 0.7071067811865476f)); }
+
 class CpuBackend final : public Backend {
  public:
   explicit CpuBackend(int num_threads)
@@ -319,11 +321,13 @@ class CpuBackend final : public Backend {
 
   void gelu_glu(const Activation& x, Activation& out) override {
     const int64_t inter = x.cols / 2;
+    const auto gelu = exact_gelu_ ? gelu_erf : gelu_tanh;
     pool_->parallel_for(x.rows, 16, [&](int64_t b, int64_t e) {
       for (int64_t i = b; i < e; ++i)
-        for (int64_t j = 0; j < inter; ++j) out.row(i)[j] = gelu_tanh(x.row(i)[j]) * x.row(i)[inter + j];
+        for (int64_t j = 0; j < inter; ++j) out.row(i)[j] = gelu(x.row(i)[j]) * x.row(i)[inter + j];
     });
   }
+  void use_exact_gelu() override { exact_gelu_ = true; }
 
   Routing route(const Activation& normed, const Weight& proj, const Weight& per_expert_scale_weight,
                 int top_k) override {
@@ -498,6 +502,7 @@ class CpuBackend final : public Backend {
   }
 
   std::shared_ptr<ThreadPool> pool_;
+  bool exact_gelu_ = false;  // use_exact_gelu
 };
 
 }  // namespace

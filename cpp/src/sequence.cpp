@@ -121,6 +121,14 @@ std::shared_ptr<Model> Model::load(const std::string& path, const LoadOptions& o
     throw InvalidArgument("activations '" + options.activations + "' is not supported (use float32 or bfloat16)");
   state->bf16_activations = options.activations == "bfloat16";
   state->backend = make_backend(options.device, options.num_threads);
+  if (state->config.exact_gelu) {
+    try {
+      state->backend->use_exact_gelu();
+    } catch (const InvalidArgument& e) {
+      throw InvalidArgument(std::string(e.what()) + " on " + options.device + " (its kernels compute GELU's tanh "
+                            "approximation; the CPU backend runs it)");
+    }
+  }
   // The KV cache's dtype, refused before the weights load where it cannot be had.
   const DType kv_auto = state->backend->kv_cache_dtype(state->config, state->bf16_activations);
   if (options.kv_cache_dtype != "auto" && options.kv_cache_dtype != "float32" && options.kv_cache_dtype != "bfloat16")

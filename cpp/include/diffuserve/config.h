@@ -69,6 +69,7 @@ struct ModelConfig {
   float rms_norm_eps = 1e-6f;
   float final_logit_softcapping = 0.0f;  // 0: no softcap
   bool tie_word_embeddings = true;
+  bool exact_gelu = false;  // hidden_activation "gelu": GELU by erf (else its tanh approximation)
   // config.json's dtype (torch_dtype in older files), which transformers loads the weights in
   // by default; empty where it gives none (the embedding's stored dtype then).
   std::string dtype;
