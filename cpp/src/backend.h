@@ -439,8 +439,8 @@ class Backend {
   // after use_exact_gelu (the MLPs' and the experts' activation alike).
   virtual void gelu_glu(const Activation& x, Activation& out) = 0;
   // GELU by erf (config.json's hidden_activation "gelu") in place of its tanh approximation;
-  // InvalidArgument where the backend's kernels have only the approximation.
-  virtual void use_exact_gelu() { throw InvalidArgument("hidden_activation 'gelu' (GELU by erf) is not supported"); }
+  // false where the backend's kernels have only the approximation.
+  virtual bool use_exact_gelu() { return false; }
   // Router: softmax(proj(normed * hidden^-0.5)), top-k, renormalise, * per_expert_scale;
   // normed is rms_norm(x) by the router's scale.
   virtual Routing route(const Activation& normed, const Weight& proj, const Weight& per_expert_scale, int top_k) = 0;

@@ -327,7 +327,7 @@ class CpuBackend final : public Backend {
         for (int64_t j = 0; j < inter; ++j) out.row(i)[j] = gelu(x.row(i)[j]) * x.row(i)[inter + j];
     });
   }
-  void use_exact_gelu() override { exact_gelu_ = true; }
+  bool use_exact_gelu() override { return exact_gelu_ = true; }
 
   Routing route(const Activation& normed, const Weight& proj, const Weight& per_expert_scale_weight,
                 int top_k) override {

@@ -4,6 +4,7 @@
 #include <cmath>
 #include <filesystem>
 #include <cctype>
+#include <optional>
 
 #include "diffuserve/diffuserve.h"
 #include "model.h"
@@ -17,11 +18,17 @@ struct Sequence::State {
 
 namespace {
 
-DType parse_dtype(const std::string& name, DType stored) {
-  if (name.empty()) return stored;
+// The weight dtype `name` names, if it is one weights load in.
+std::optional<DType> weight_dtype_named(const std::string& name) {
   if (name == "float32" || name == "fp32") return DType::F32;
   if (name == "bfloat16" || name == "bf16") return DType::BF16;
   if (name == "float16" || name == "fp16") return DType::F16;
+  return std::nullopt;
+}
+
+DType parse_dtype(const std::string& name, DType stored) {
+  if (name.empty()) return stored;
+  if (const auto dtype = weight_dtype_named(name)) return *dtype;
   throw InvalidArgument("dtype '" + name + "' is not supported (use float32, bfloat16 or float16)");
 }
 
@@ -98,13 +105,12 @@ std::shared_ptr<Model> Model::load(const std::string& path, const LoadOptions& o
     // none, the embedding's (bf16 where it is stored quantized).
     stored = is_float(embed->dtype) ? embed->dtype : DType::BF16;
     if (options.dtype.empty() && !state->config.dtype.empty()) {
-      try {
-        stored = parse_dtype(state->config.dtype, stored);
-      } catch (const InvalidArgument& e) {
+      const auto dtype = weight_dtype_named(state->config.dtype);
+      if (!dtype)
         throw FormatError(path + "/config.json: dtype '" + state->config.dtype +
                           "' is not one this engine loads weights in (float32, bfloat16 or float16): pass dtype= "
                           "to load them in one of those");
-      }
+      stored = *dtype;
     }
   } else if (options.load_format != "dummy") {
     throw InvalidArgument("load_format '" + options.load_format + "' is not supported (use auto or dummy)");
@@ -121,14 +127,9 @@ std::shared_ptr<Model> Model::load(const std::string& path, const LoadOptions& o
     throw InvalidArgument("activations '" + options.activations + "' is not supported (use float32 or bfloat16)");
   state->bf16_activations = options.activations == "bfloat16";
   state->backend = make_backend(options.device, options.num_threads);
-  if (state->config.exact_gelu) {
-    try {
-      state->backend->use_exact_gelu();
-    } catch (const InvalidArgument& e) {
-      throw InvalidArgument(std::string(e.what()) + " on " + options.device + " (its kernels compute GELU's tanh "
-                            "approximation; the CPU backend runs it)");
-    }
-  }
+  if (state->config.exact_gelu && !state->backend->use_exact_gelu())
+    throw InvalidArgument("hidden_activation 'gelu' (GELU by erf) is not supported on " + options.device +
+                          " (its kernels compute GELU's tanh approximation; the CPU backend runs it)");
   // The KV cache's dtype, refused before the weights load where it cannot be had.
   const DType kv_auto = state->backend->kv_cache_dtype(state->config, state->bf16_activations);
   if (options.kv_cache_dtype != "auto" && options.kv_cache_dtype != "float32" && options.kv_cache_dtype != "bfloat16")
