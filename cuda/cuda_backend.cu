@@ -445,8 +445,9 @@ class CudaBackend final : public Backend {
   // their group scales (exact in bf16: packed_decode.cuh), with the reciprocal of each row's
   // global scale as its row factor (Weight::row_scales). At a canvas's rows these products
   // are bound by latency, not by the weights' bytes, and cuBLASLt's kernels run them several
-  // times faster than gemm.cu's decoding main loop (README, "GPU"), for 3.5x the memory of
-  // the packed bytes. Expert stacks stay packed: their products stream the 4-bit bytes.
+  // times faster than gemm.cu's decoding main loop (README, "Quantized checkpoints"), for
+  // 3.5x the memory of the packed bytes. Expert stacks stay packed: their products stream
+  // the 4-bit bytes.
   // The packed bytes pass through a buffer of their own, not the pool's (which would keep it).
   Weight upload_decoded_nvfp4(const PackedWeight& host) {
     const int64_t rows = host.rows(), cols = host.cols();
