@@ -228,6 +228,20 @@ def test_stats_and_limits(make_llm, path):
         make_llm(kv_cache_memory_bytes=20_000).generate([[1] * 400], params(0, n=8))
 
 
+@pytest.mark.parametrize("kv_bytes", [20_000, 60_000, 1 << 20])
+def test_max_sequence_tokens_is_the_longest_request_taken(make_llm, kv_bytes):
+    """Model.max_sequence_tokens (the server's max_model_len) is what one request can reach: a
+    prompt and whole blocks that end there are taken, a block more is refused for the KV."""
+    llm = make_llm(kv_cache_memory_bytes=kv_bytes)
+    longest, canvas = llm.model.max_sequence_tokens, llm.model.canvas_length
+    assert 0 < longest <= llm.model.config["max_position_embeddings"]
+    prompt = [1] * (longest % canvas or canvas)
+    fits = params(0, n=longest - len(prompt))
+    llm.abort(llm.add_request(prompt, fits))
+    with pytest.raises(ValueError, match="more than the whole cache holds"):
+        llm.add_request(prompt, params(0, n=longest - len(prompt) + canvas))
+
+
 def test_interrupt_ends_a_step_after_its_pass(make_llm):
     """LLM.interrupt (the server's aborts call it from the event loop) ends the step in
     progress after its pass instead of its slice, and the outputs do not change."""

@@ -5,6 +5,7 @@ import gzip
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -13,6 +14,7 @@ import threading
 import time
 
 import httpx
+import numpy as np
 import openai
 import pytest
 import uvicorn
@@ -87,8 +89,9 @@ def test_completion_matches_offline_generation(client, offline):
     assert out.usage.model_extra["denoise_steps"] == sum(expected.denoise_steps)
 
 
-def test_completion_token_prompt_batch_and_n(client, offline):
+def test_completion_token_prompt_batch_and_n(client, offline, base_url):
     ids = offline.tokenizer.encode("Hi")
+    before = metrics(base_url)["diffuserve_prompt_tokens_total"]
     out = client.completions.create(model=MODEL, prompt=[ids, "Hello world"], max_tokens=16, seed=3, n=2)
     assert [c.index for c in sorted(out.choices, key=lambda c: c.index)] == [0, 1, 2, 3]
     texts = {c.index: c.text for c in out.choices}
@@ -96,6 +99,8 @@ def test_completion_token_prompt_batch_and_n(client, offline):
                                 [ds.SamplingParams(max_new_tokens=16, seed=s) for s in (3, 4, 3, 4)])
     assert [texts[i] for i in range(4)] == [e.text for e in expected]
     assert out.usage.prompt_tokens == len(ids) + len(expected[2].prompt_token_ids)  # each prompt counted once
+    # and so in /metrics (it had counted each prompt once per choice)
+    assert metrics(base_url)["diffuserve_prompt_tokens_total"] - before == out.usage.prompt_tokens
 
 
 def test_chat_stream_equals_chat(client):
@@ -435,6 +440,27 @@ def test_many_choices_are_started_in_turns_of_the_event_loop(checkpoint, monkeyp
         engine.shutdown()
 
 
+def test_failed_request_counts_as_error(checkpoint, tmp_path):
+    """A request the model cannot finish (its logits NaN) gets a 503, and /metrics counts it
+    under finish_reason "error", apart from the clients' aborts (it had counted as "abort")."""
+    from fastapi.testclient import TestClient
+    from safetensors.numpy import load_file
+
+    from diffuserve.safetensors_io import write_safetensors
+
+    path = shutil.copytree(checkpoint, tmp_path / "nan")
+    tensors = load_file(path / "model.safetensors")
+    embedding = next(name for name in tensors if name.endswith("embed_tokens.weight"))
+    tensors[embedding][7] = np.nan  # token 7's embedding, and the tied lm_head's logit 7: NaN
+    write_safetensors(path / "model.safetensors", tensors)
+    with TestClient(build_app(AsyncLLM(ds.LLM(path)), MODEL)) as http:
+        request = {"model": MODEL, "prompt": [7, 8], "max_tokens": 8, "seed": 0}
+        assert http.post("/v1/completions", json=request).status_code == 503
+        text = http.get("/metrics").text
+    assert 'diffuserve_requests_total{finish_reason="error"} 1.0' in text
+    assert 'finish_reason="abort"' not in text
+
+
 def test_health_fails_once_the_engine_has(offline):
     """/health answers 503 once the engine thread has failed (it had kept answering 200 while
     every request got a 503)."""
@@ -716,15 +742,17 @@ def test_return_token_ids_beside_text(client, offline):
     assert sum((c.choices[0].model_extra["token_ids"] for c in chunks), []) == expected.token_ids
 
 
-def test_cors_and_the_model_card(base_url):
+def test_cors_and_the_model_card(base_url, checkpoint):
     """Browsers' preflight requests are answered (as vLLM, any origin by default: they had been
-    405s), and the model card gives max_model_len as vLLM's does."""
+    405s), and the model card gives max_model_len as vLLM's does: what one request can reach
+    (the fixture's 32 MiB KV cache holds less than the 131,072 positions; it had said 131,072)."""
     r = httpx.options(base_url + "/v1/chat/completions", headers={
         "Origin": "http://example.com", "Access-Control-Request-Method": "POST",
         "Access-Control-Request-Headers": "authorization, content-type"})
     assert r.status_code == 200 and r.headers["access-control-allow-origin"] in ("*", "http://example.com")
     card = httpx.get(base_url + "/v1/models").json()["data"][0]
-    assert card["max_model_len"] == 131072 and card["root"] == MODEL and card["created"] > 0
+    longest = ds.LLM(checkpoint, kv_cache_memory_bytes=32 << 20).model.max_sequence_tokens
+    assert card["max_model_len"] == longest < 131072 and card["root"] == MODEL and card["created"] > 0
 
 
 def test_a_developer_role_named_only_in_a_comment_is_not_the_templates():

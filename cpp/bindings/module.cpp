@@ -250,6 +250,7 @@ NB_MODULE(_core, m) {
       .def_prop_ro("kv_cache_dtype", [](const Model& self) { return std::string(dtype_name(self.kv_cache_dtype())); })
       .def_prop_ro("device", &Model::device)
       .def("sequence", &Model::new_sequence, nb::arg("canvas_length") = 0)
+      .def_prop_ro("max_sequence_tokens", &Model::max_sequence_tokens)
       .def("sampling_defaults", [](const Model& self) { return sampling_defaults(self.config()); })
       .def("cache_stats", [](const Model& self) {
         const CacheStats s = self.cache_stats();

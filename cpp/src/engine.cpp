@@ -139,15 +139,9 @@ GenerationLength generation_length(SamplingParams& p, int64_t prompt, int canvas
 constexpr const char* kRaiseKv = " (raise kv_cache_memory_bytes, the CLI's --kv-cache-gib)";
 
 // The most blocks of `canvas` tokens after a prompt of `prompt` tokens that the positions and
-// the whole KV cache admit (0: none). could_hold only grows harder with the total: bisection.
+// the whole KV cache admit (0: none).
 int64_t blocks_that_fit(const ModelConfig& c, const KvCache& kv, int64_t prompt, int canvas) {
-  int64_t lo = 0, hi = std::max<int64_t>(0, (c.max_position_embeddings - prompt) / canvas);
-  while (lo < hi) {
-    const int64_t mid = lo + (hi - lo + 1) / 2;
-    if (kv.could_hold(prompt + mid * canvas, canvas)) lo = mid;
-    else hi = mid - 1;
-  }
-  return lo;
+  return std::max<int64_t>(0, (kv.longest_sequence(c.max_position_embeddings, canvas) - prompt) / canvas);
 }
 
 }  // namespace

@@ -177,6 +177,16 @@ bool KvCache::could_hold(int64_t total_tokens, int64_t chunk) const {
          (!sliding.num_blocks || ceil_div(sliding_tokens, block_size_) + 1 <= sliding.num_blocks);
 }
 
+int64_t KvCache::longest_sequence(int64_t limit, int64_t chunk) const {
+  int64_t lo = 0, hi = std::max<int64_t>(0, limit);
+  while (lo < hi) {
+    const int64_t mid = lo + (hi - lo + 1) / 2;
+    if (could_hold(mid, chunk)) lo = mid;
+    else hi = mid - 1;
+  }
+  return lo;
+}
+
 int64_t KvCache::match_prefix(KvTable& table, std::span<const int32_t> prompt) {
   if (table.length() != 0) throw InvalidArgument("match_prefix: the sequence is not empty");
   // Hashes of the prompt's whole blocks, and how many lead the full pool's cache.

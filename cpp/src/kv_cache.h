@@ -74,6 +74,9 @@ class KvCache {
   // Whether an otherwise empty cache could hold a sequence of `total_tokens` encoded
   // `chunk` tokens at a time.
   bool could_hold(int64_t total_tokens, int64_t chunk) const;
+  // The most tokens, at most `limit`, that could_hold admits at `chunk` tokens at a time (0:
+  // none). could_hold only grows harder with the total: a bisection.
+  int64_t longest_sequence(int64_t limit, int64_t chunk) const;
   // Drops every reference of `table`; it is empty afterwards.
   void release(KvTable& table);
 

@@ -173,6 +173,11 @@ CacheStats Model::cache_stats() const {
   return {s.blocks_total, s.blocks_free, s.prefix_cache_queries, s.prefix_cache_hits};
 }
 
+int64_t Model::max_sequence_tokens() const {
+  const auto lock = state_->lock();
+  return state_->kv->longest_sequence(config().max_position_embeddings, config().canvas_length);
+}
+
 std::unique_ptr<Sequence> Model::new_sequence(int canvas_length) {
   const int model_canvas = config().canvas_length;
   if (canvas_length < 0 || canvas_length > model_canvas)

@@ -128,6 +128,12 @@ class Model:
     def device(self) -> str:
         return self._native.device
 
+    @property
+    def max_sequence_tokens(self) -> int:
+        """The longest sequence (prompt and generated tokens) one request may reach: within
+        max_position_embeddings, and what the whole KV cache holds at the model's canvas."""
+        return self._native.max_sequence_tokens
+
     def cache_stats(self) -> dict:
         """KV cache occupancy: kv_blocks_total, kv_blocks_free, prefix_cache_queries/hits (tokens)."""
         return self._native.cache_stats()

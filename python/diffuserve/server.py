@@ -116,6 +116,7 @@ class _Choice:
         detokenizer = IncrementalDetokenizer(tokenizer) if tokenizer is not None else None
         stops = StopStringFilter(self._stop)
         done, generated, denoise_steps = 0, 0, []
+        ended = "abort"  # how /metrics counts a choice that ends without a finish reason
         try:
             async for progress in self._updates:
                 output = progress.output
@@ -149,12 +150,16 @@ class _Choice:
                 if event.finish_reason:
                     self.finish_reason = event.finish_reason
                     return
+        except EngineError:
+            ended = "error"  # the engine could not finish it (the client gets a 503), not a client abort
+            raise
         finally:
             await self.close()
-            self.usage.prompt_tokens += len(self.prompt) if self.counts_prompt else 0
+            prompt_tokens = len(self.prompt) if self.counts_prompt else 0
+            self.usage.prompt_tokens += prompt_tokens
             self.usage.completion_tokens += generated
             self.usage.denoise_steps += sum(denoise_steps)
-            self.server.metrics.record(self.finish_reason or "abort", len(self.prompt), generated, denoise_steps)
+            self.server.metrics.record(self.finish_reason or ended, prompt_tokens, generated, denoise_steps)
 
 
 class _Server:
@@ -478,9 +483,10 @@ def build_app(engine: AsyncLLM, model_name: str, api_key: Optional[str] = None,
     async def metrics():
         return Response(server.metrics.exposition(), media_type=CONTENT_TYPE)
 
-    # As vLLM's card: max_model_len sizes clients' context windows.
+    # As vLLM's card: max_model_len sizes clients' context windows, so it is what one request
+    # can reach (a KV cache smaller than the positions allow bounds it).
     card = {"id": model_name, "object": "model", "created": int(time.time()), "owned_by": "diffuserve",
-            "root": model_name, "parent": None, "max_model_len": server.defaults["context"]}
+            "root": model_name, "parent": None, "max_model_len": engine.llm.model.max_sequence_tokens}
 
     @v1.get("/models")
     async def models():

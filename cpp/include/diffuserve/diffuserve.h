@@ -80,6 +80,9 @@ class Model : public std::enable_shared_from_this<Model> {
   DType kv_cache_dtype() const;
   const std::string& device() const;
   CacheStats cache_stats() const;
+  // The longest sequence (prompt and generated tokens) one request may reach: within
+  // max_position_embeddings, and what the whole KV cache holds at the model's canvas.
+  int64_t max_sequence_tokens() const;
   // A new, empty sequence. canvas_length: 0 for the model's, or a narrower canvas.
   std::unique_ptr<Sequence> new_sequence(int canvas_length = 0);
 
