@@ -825,6 +825,7 @@ constexpr int kCanvasThreads = 512;
 __global__ void __launch_bounds__(kCanvasThreads)
     update_canvas_kernel(DeviceCanvas s, const DeviceRowSample* rows, int32_t* order, uint8_t* accepted) {
   wait_for_earlier_kernels();
+  if (s.counters[kCanvasStopped]) return;  // as update_canvas: a stopped canvas takes no more steps
   const CanvasParams& p = s.params;
   const int canvas = p.canvas, step = s.counters[kCanvasSteps];
   // NaN entropies sort last (a total order, so the ranks stay a permutation).

@@ -373,6 +373,17 @@ def test_a_long_prompt_prefills_in_chunks_the_sliding_pool_takes(path):
     np.testing.assert_allclose(whole.denoise(canvas), by_hand.denoise(canvas), atol=1e-4)
 
 
+def test_a_prompt_past_the_whole_cache_is_named(path):
+    """Sequence.prefill of a prompt no chunking fits names the prompt's tokens and the whole
+    cache (it had said "no room for 1 more tokens": the size of the last chunk it tried), and
+    leaves the sequence empty."""
+    model = ds.Model.load(path, kv_cache_memory_bytes=24 << 10, kv_block_size=4, max_num_seqs=2)
+    seq = model.sequence()
+    with pytest.raises(ValueError, match=r"prefill: 300 tokens need more KV than the whole cache holds"):
+        seq.prefill([i % 64 for i in range(300)])
+    assert len(seq) == 0
+
+
 def test_more_live_sequences_than_max_num_seqs_name_it(path):
     """The sliding-window layers keep room for max_num_seqs sequences' windows: a sequence past
     them is refused naming max_num_seqs (the message had advised only more memory)."""

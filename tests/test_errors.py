@@ -648,6 +648,63 @@ def test_cli_prompt_not_unicode(raw):
     assert "error: the prompt is not valid UTF-8: byte 0xff at character 1" in result.stderr
 
 
+@pytest.fixture(scope="module")
+def chat_dir(tmp_path_factory):
+    """A tiny checkpoint with a tokenizer, for the CLI's text output."""
+    from chat_checkpoint import write_chat_checkpoint
+    return write_chat_checkpoint(tmp_path_factory.mktemp("chat"))
+
+
+def test_cli_output_that_cannot_be_written(chat_dir):
+    """A reader that leaves (`| head -c 1`) ends generate quietly with the shell's code for
+    SIGPIPE, and a full disk is an error line: both had been tracebacks."""
+    command = [sys.executable, "-m", "diffuserve", "generate", "Hello", "-m", str(chat_dir), "--raw",
+               "--max-tokens", "20000"]  # far more text than a pipe's buffer holds
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert proc.stdout.read(1)
+    proc.stdout.close()
+    stderr = proc.communicate(timeout=300)[1].decode()
+    assert proc.returncode == 141 and "Traceback" not in stderr and "Exception ignored" not in stderr, stderr
+    with open("/dev/full", "w") as full:
+        result = subprocess.run(command[:-1] + ["64"], stdout=full, stderr=subprocess.PIPE, text=True, timeout=300)
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
+    assert "error: [Errno 28] No space left on device" in result.stderr
+
+
+def test_cli_text_the_terminal_cannot_encode(chat_dir):
+    """Generated text on a terminal whose encoding lacks its characters comes out replaced
+    (it had been a UnicodeEncodeError traceback)."""
+    result = subprocess.run([sys.executable, "-m", "diffuserve", "generate", "Hello", "-m", str(chat_dir), "--raw",
+                             "--max-tokens", "512", "--seed", "1"], capture_output=True, timeout=300,
+                            env={**os.environ, "PYTHONIOENCODING": "ascii"})
+    assert result.returncode == 0 and b"Traceback" not in result.stderr, result.stderr.decode()
+
+
+def test_cli_loads_past_a_link_to_nothing(chat_dir, tmp_path):
+    """A .safetensors link to nothing (a half-cleaned Hugging Face cache) that the checkpoint
+    does not need leaves the load alone (the loading line's size had raised FileNotFoundError);
+    where model.safetensors itself is one, the error says so."""
+    ckpt = shutil.copytree(chat_dir, tmp_path / "ck")
+    (ckpt / "extra.safetensors").symlink_to(tmp_path / "gone")
+    result = subprocess.run([sys.executable, "-m", "diffuserve", "generate", "Hi", "-m", str(ckpt), "--raw",
+                             "--max-tokens", "8"], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr
+    (ckpt / "model.safetensors").unlink()
+    (ckpt / "model.safetensors").symlink_to(tmp_path / "blob")
+    with pytest.raises(ds.CheckpointError, match=r"model.safetensors: a symbolic link to .*blob, which does not exist"):
+        ds.Model.load(ckpt)
+
+
+def test_path_that_is_not_utf8(valid_dir, tmp_path):
+    """A checkpoint folder named by bytes that are not UTF-8 is a ValueError naming it (the
+    native module had raised a TypeError about its arguments)."""
+    path = os.fsdecode(os.fsencode(str(tmp_path)) + b"/ck\xff")
+    shutil.copytree(valid_dir, path)
+    for load in (ds.Model.load, ds.LLM):
+        with pytest.raises(ValueError, match="is not valid UTF-8"):
+            load(path)
+
+
 def test_cli_refuses_an_address_it_cannot_listen_on():
     """A port in use is an error line before the model loads (uvicorn's had come among its log
     lines, after "serving ... at")."""
@@ -730,13 +787,16 @@ def test_nan_query_weight_fails_the_request(ckpt):
         llm.generate([[2, 3, 4]], ds.SamplingParams(max_new_tokens=16, seed=0))
 
 
-def test_non_finite_logits_fail_the_request(nan_dir):
-    """generate raises naming the prompt, where it had returned pad tokens; the LLM goes on."""
-    llm = ds.LLM(nan_dir, kv_cache_memory_bytes=8 << 20)
+@pytest.mark.parametrize("fuse_commit", [True, False])
+def test_non_finite_logits_fail_the_request(nan_dir, fuse_commit):
+    """generate raises naming the prompt and the step that failed, the first (where it had
+    returned pad tokens, and later named the second: the host reads a block's stop flag only
+    once its stop rule could fire); the LLM goes on."""
+    llm = ds.LLM(nan_dir, kv_cache_memory_bytes=8 << 20, fuse_commit=fuse_commit)
     for _ in range(2):
         with pytest.raises(ds.CheckpointError, match=r"prompt 0: the model's logits held NaN or infinity at denoise "
-                                                     r"step \d+ of block 0"):
-            llm.generate([[2, 3, 4], [5, 6]], ds.SamplingParams(max_new_tokens=16, seed=0))
+                                                     r"step 1 of block 0"):
+            llm.generate([[2, 3, 4], [5, 6]], ds.SamplingParams(max_new_tokens=16, seed=0, max_denoising_steps=5))
         assert not llm.has_unfinished()
 
 

@@ -160,7 +160,9 @@ def test_block_state_steps_stop_and_pinned_positions():
     tokens = rng.integers(0, vocab, canvas).tolist()
     common = dict(tokens=tokens, pinned=[3], allowed_ids=[], t_min=0.4, t_max=0.8, entropy_bound=1e9, seed=1, block=0)
     out = sampler.denoise_steps(logits, max_steps=9, stability=2, confidence=100.0, **common)
-    assert [s[2] for s in out] == [1, 2, 3, 4, 5]
+    # The block stops at its third step (two argmax canvases alike after the first), and a
+    # stopped block takes no more steps: its count stays.
+    assert [s[2] for s in out] == [1, 2, 3, 3, 3]
     assert [s[3] for s in out] == [False, False, True, True, True]
     for ids, argmax, _, _ in out:
         assert ids[3] == tokens[3] and argmax[3] == tokens[3]

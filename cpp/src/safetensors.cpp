@@ -265,7 +265,14 @@ Checkpoint::Checkpoint(const std::string& dir) {
     tensors_ = files_.back()->tensors();
     return;
   }
-  if (!fs::exists(index_path, ec)) throw FormatError(dir + ": no model.safetensors or model.safetensors.index.json");
+  if (!fs::exists(index_path, ec)) {
+    // A link to nothing (a half-cleaned Hugging Face cache is made of links) is named as such.
+    for (const std::string& path : {single_path, index_path})
+      if (fs::is_symlink(path, ec))
+        throw FormatError(path + ": a symbolic link to " + fs::read_symlink(path, ec).string() +
+                          ", which does not exist");
+    throw FormatError(dir + ": no model.safetensors or model.safetensors.index.json");
+  }
 
   json::Value index = json::parse(read_text_file(index_path), index_path);
   const json::Value* weight_map = index.find("weight_map");

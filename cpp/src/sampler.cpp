@@ -130,6 +130,10 @@ bool canvas_stopped(Backend& be, const CanvasState& s) {
 }
 
 void update_canvas(const CanvasParams& p, const std::vector<RowSample>& rows, CanvasHost& s) {
+  // A stopped canvas takes no more steps. Only one stopped by logits that were not finite can
+  // meet another: the host reads the stop flag once the stop rule could fire, so a first step's
+  // NaN it finds a step later, and the step count must still name the step that failed.
+  if (s.counters[kCanvasStopped]) return;
   const int step = s.counters[kCanvasSteps];
   std::vector<float> entropy(p.canvas);
   double entropy_sum = 0;

@@ -232,6 +232,9 @@ void Sequence::prefill(std::span<const int32_t> ids) {
     // (the same KV). A 3,200-token prompt had been refused with half a million blocks free.
     size_t chunk = ids.size() - hit;
     while (chunk > 1 && !kv.could_hold(int64_t(ids.size()), int64_t(chunk))) chunk = (chunk + 1) / 2;
+    if (!kv.could_hold(int64_t(ids.size()), int64_t(chunk)))  // not even a token at a time
+      throw InvalidArgument("prefill: " + std::to_string(ids.size()) +
+                            " tokens need more KV than the whole cache holds (raise kv_cache_memory_bytes)");
     for (size_t done = hit; done < ids.size(); done += chunk)
       encode(ids.subspan(done, std::min(chunk, ids.size() - done)), "prefill");
   } catch (...) {

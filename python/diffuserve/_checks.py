@@ -68,13 +68,19 @@ def check_float32(name: str, value, lo: float, strict: bool) -> float:
 
 
 def check_path(name: str, value) -> str:
-    """value (a str or os.PathLike) as a str without NUL characters, else ValueError naming `name`."""
+    """value (a str or os.PathLike) as a str without NUL characters that UTF-8 can write (the
+    runtime's paths are UTF-8; a name of other bytes comes from os.fsdecode with surrogates),
+    else ValueError naming `name`."""
     try:
         path = os.fspath(value)
     except TypeError:
         path = None
     if not isinstance(path, str) or "\0" in path:
         raise ValueError(f"{name} must be a str or os.PathLike without NUL characters, got {value!r}")
+    try:
+        path.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError(f"{name} {path!r} is not valid UTF-8, which the runtime needs of paths: rename it") from None
     return path
 
 

@@ -38,6 +38,20 @@ def _int_list(text: str) -> list:
     return [_in_range(int, 1, INT32_MAX)(item) for item in text.split(",")]
 
 
+def _safetensors_bytes(path: str) -> int:
+    """The bytes of the checkpoint's safetensors files, for the loading line. A file that
+    cannot be read (a link to nothing, as a half-cleaned Hugging Face cache leaves) counts
+    nothing here: the loader says so if it needs the file."""
+    size = 0
+    for entry in os.scandir(path):
+        if entry.name.endswith(".safetensors"):
+            try:
+                size += entry.stat().st_size
+            except OSError:
+                pass
+    return size
+
+
 def _load(path: Optional[str], args):
     """The LLM for checkpoint `path`, with a progress line while it loads. The runtime
     reports no finer progress than done/not done, so the line shows the time spent."""
@@ -52,7 +66,7 @@ def _load(path: Optional[str], args):
     if not os.path.isdir(path):
         sys.exit(f"error: {path!r} is not a directory (a checkpoint is a directory: config.json, *.safetensors, "
                  "tokenizer.json)")
-    size = sum(e.stat().st_size for e in os.scandir(path) if e.name.endswith(".safetensors"))
+    size = _safetensors_bytes(path)
     kv_bytes = None if args.kv_cache_gib is None else int(args.kv_cache_gib * 2**30)
     loaded = threading.Event()
     with tqdm(desc=f"loading {path} ({size / 1e9:.2f} GB)", bar_format="{desc}: {elapsed}", file=sys.stderr) as bar:
@@ -358,11 +372,22 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> None:
     args = parser().parse_args(argv)
+    # Text the terminal's encoding cannot show (generated text on a non-UTF-8 locale) comes
+    # out as "?" rather than ending the command.
+    for stream in (sys.stdout, sys.stderr):
+        if hasattr(stream, "reconfigure"):
+            stream.reconfigure(errors="replace")
     try:
         args.run(args)
+        sys.stdout.flush()  # here, where a failed write is reported, not at the interpreter's exit
     except KeyboardInterrupt:  # Ctrl-C: a line, not a traceback, and the shell's code for SIGINT
         print("\ninterrupted", file=sys.stderr)
         sys.exit(130)
+    except BrokenPipeError:  # the reader left (`| head`): stop quietly, with the shell's code for SIGPIPE
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the exit's flush then goes nowhere
+        sys.exit(141)
+    except OSError as e:  # the output cannot be written (a full disk), say
+        sys.exit(f"error: {e}")
     # The command's reference cycles (a model's Python objects, the server's) go now: left to
     # the interpreter's end, they outlived the native module, which nanobind reported as leaked
     # instances after every `serve`.
