@@ -549,11 +549,18 @@ def test_concurrent_streams_with_disconnects(base_url):
 
 
 def _serve_process(checkpoint, *options):
-    """`diffuserve serve` in a process of its own, once it answers /health: (process, port)."""
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "diffuserve", "serve", checkpoint, "--port", str(port),
+    """`diffuserve serve` in a process of its own on a port it chooses (--port 0, printed in its
+    "serving" line: it had printed port 0), once it answers /health: (process, port)."""
+    proc = subprocess.Popen([sys.executable, "-m", "diffuserve", "serve", checkpoint, "--port", "0",
                              "--served-model-name", MODEL, "--log-level", "warning", *options],
                             stderr=subprocess.PIPE)
+    said = b""
+    while b"serving" not in said:
+        line = proc.stderr.readline()
+        assert line, said.decode()
+        said += line
+    port = int(re.search(rb"serving tiny at http://127\.0\.0\.1:(\d+)/v1", said).group(1))
+    assert port != 0
     deadline = time.time() + 60
     while True:
         try:

@@ -102,13 +102,14 @@ def _utf8_lines(f, path: str):
         raise ValueError(f"{path} is not UTF-8 text: {e.reason} (byte 0x{e.object[e.start]:02x})") from None
 
 
-def _check_listening(host: str, port: int) -> None:
-    """Refuses, before the model loads, an address the server could not listen on (a port in use,
-    a host that is no address of this machine): uvicorn's own refusal comes among its log lines."""
+def _listen(host: str, port: int) -> socket.socket:
+    """The server's listening socket, made before the model loads: an address it cannot listen
+    on (a port in use, a host that is no address of this machine) is refused at once (uvicorn's
+    own refusal comes among its log lines), nothing can take the port while the model loads, and
+    port 0 has its free port chosen here, to be printed."""
     try:
         family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
-        with socket.create_server((host, port), family=family):
-            pass
+        return socket.create_server((host, port), family=family)
     except OSError as e:
         sys.exit(f"error: cannot listen on {host}:{port}: {e.strerror or e}")
 
@@ -121,17 +122,18 @@ def serve(args) -> None:
         server.check_api_key(args.api_key)
     except ValueError as e:
         sys.exit(f"error: --api-key (or DIFFUSERVE_API_KEY): {e}")
-    _check_listening(args.host, args.port)
+    sock = _listen(args.host, args.port)
     llm = _load(args.model, args)
     name = args.served_model_name or args.model or "diffuserve-sudoku"  # no model: the bundled one
     engine = AsyncLLM(llm)
     app = server.build_app(engine, name, api_key=args.api_key,
                            max_denoising_steps_limit=args.max_denoising_steps_limit,
                            allowed_origins=args.allowed_origins or ["*"])
-    print(f"serving {name} at http://{args.host}:{args.port}/v1"
+    port = sock.getsockname()[1]
+    print(f"serving {name} at http://{args.host}:{port}/v1"
           + (" (API key required)" if args.api_key else "")
           + ("" if llm.tokenizer else " (no tokenizer.json: token ids in and out)"), file=sys.stderr)
-    server.serve(app, engine, args.host, args.port, args.log_level, args.shutdown_timeout)
+    server.serve(app, engine, sock, args.log_level, args.shutdown_timeout)
 
 
 def generate(args) -> None:

@@ -13,6 +13,7 @@ import asyncio
 import hmac
 import json
 import re
+import socket
 import threading
 import time
 import uuid
@@ -530,11 +531,12 @@ def build_app(engine: AsyncLLM, model_name: str, api_key: Optional[str] = None,
     return app
 
 
-def serve(app: FastAPI, engine: AsyncLLM, host: str, port: int, log_level: str, shutdown_timeout: float) -> None:
-    """Runs `app` (serving `engine`) with uvicorn until Ctrl-C / SIGTERM, then lets running
-    requests finish for shutdown_timeout seconds. A second before that runs out, the engine ends
-    what still runs: its clients get an error event and [DONE] (a stream) or a 503, where the
-    end of uvicorn's grace period alone would drop their connections mid-response."""
+def serve(app: FastAPI, engine: AsyncLLM, sock: socket.socket, log_level: str, shutdown_timeout: float) -> None:
+    """Runs `app` (serving `engine`) with uvicorn on the listening socket `sock` until Ctrl-C /
+    SIGTERM, then lets running requests finish for shutdown_timeout seconds. A second before
+    that runs out, the engine ends what still runs: its clients get an error event and [DONE]
+    (a stream) or a 503, where the end of uvicorn's grace period alone would drop their
+    connections mid-response."""
     import uvicorn
 
     ending = threading.Timer(max(0.0, shutdown_timeout - 1.0), engine.shutdown)
@@ -547,8 +549,9 @@ def serve(app: FastAPI, engine: AsyncLLM, host: str, port: int, log_level: str, 
                 ending.start()
 
     try:
+        host, port = sock.getsockname()[:2]  # (for uvicorn's log lines)
         Server(uvicorn.Config(app, host=host, port=port, log_level=log_level,
-                              timeout_graceful_shutdown=shutdown_timeout)).run()
+                              timeout_graceful_shutdown=shutdown_timeout)).run(sockets=[sock])
     except KeyboardInterrupt:  # uvicorn raises the Ctrl-C it held back once it has shut down (as uvicorn.run)
         pass
     finally:
