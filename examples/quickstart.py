@@ -10,6 +10,7 @@ Two ways to ask it, both through the engine that serves any DiffusionGemma check
 - by infilling: the givens are pinned in the canvas and only the blanks are refined.
 """
 import random
+import sys
 import time
 
 import diffuserve as ds
@@ -44,8 +45,9 @@ def main():
           f"on average, {time.perf_counter() - t:.1f} s")
     for cells, grid, ok in zip(puzzles, grids, solved):
         if ok:
-            print("the first one solved (givens in bold):")
-            print(sd.format_grid(grid, sd.parse(cells)))
+            bold = sys.stdout.isatty()  # escape codes for a terminal only, not into a file or a pipe
+            print("the first one solved" + (" (givens in bold):" if bold else ":"))
+            print(sd.format_grid(grid, sd.parse(cells) if bold else None))
             break
     print("\nMore: `diffuserve sudoku` (a live view of the canvas), `diffuserve serve` (the OpenAI API).")
 
