@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: the GEMM and the attention on their own against double-
 # precision references (benchmarks/gemm_bench.cu, benchmarks/attention_bench.cu), a build
-# with the CUDA backend, the CUDA tests (the CPU oracle tests on CUDA, and CUDA against the
-# CPU backend), then the step benchmark.
+# with the CUDA backend, the GPU test files (transformers' parity, bad inputs, quantized
+# checkpoints and KV cache dtypes on CUDA, and CUDA against the CPU backend), then the step
+# benchmark.
 # Logs go to $OUT (or ./gpu-logs). Usage: bash benchmarks/run_on_gpu.sh [step_latency.py options]
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -37,7 +38,8 @@ CMAKE_BUILD_PARALLEL_LEVEL=16 python3 -m pip install -q --no-build-isolation --n
 echo "build: $(( $(date +%s) - start )) s"
 cd /tmp
 DIFFUSERVE_TEST_DEVICE=cuda python3 -m pytest -q -s -p no:cacheprovider "$OLDPWD/tests/test_cuda.py" \
-  "$OLDPWD/tests/test_hf_parity.py" > "$out/tests.log" 2>&1
+  "$OLDPWD/tests/test_hf_parity.py" "$OLDPWD/tests/test_errors.py" "$OLDPWD/tests/test_quantized.py" \
+  "$OLDPWD/tests/test_kv_cache_dtype.py" > "$out/tests.log" 2>&1
 echo "tests: exit $? ($(tail -1 "$out/tests.log"))"
 grep -E "argmax agreement|tokens equal|max \|logit diff\||denoise steps:|graph recording" "$out/tests.log" | sort | uniq | head -40
 cd "$OLDPWD"
