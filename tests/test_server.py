@@ -554,21 +554,25 @@ def _serve_process(checkpoint, *options):
     proc = subprocess.Popen([sys.executable, "-m", "diffuserve", "serve", checkpoint, "--port", "0",
                              "--served-model-name", MODEL, "--log-level", "warning", *options],
                             stderr=subprocess.PIPE)
-    said = b""
-    while b"serving" not in said:
-        line = proc.stderr.readline()
-        assert line, said.decode()
-        said += line
-    port = int(re.search(rb"serving tiny at http://127\.0\.0\.1:(\d+)/v1", said).group(1))
-    assert port != 0
-    deadline = time.time() + 60
-    while True:
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
-                return proc, port
-        except httpx.TransportError:
-            assert time.time() < deadline and proc.poll() is None, proc.stderr.read().decode()
-            time.sleep(0.1)
+    try:
+        said = b""
+        while b"serving" not in said:
+            line = proc.stderr.readline()
+            assert line, said.decode()
+            said += line
+        port = int(re.search(rb"serving tiny at http://127\.0\.0\.1:(\d+)/v1", said).group(1))
+        assert port != 0
+        deadline = time.time() + 60
+        while True:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
+                    return proc, port
+            except httpx.TransportError:
+                assert time.time() < deadline and proc.poll() is None, proc.stderr.read().decode()
+                time.sleep(0.1)
+    except BaseException:
+        proc.kill()  # a server that never answered is not left running
+        raise
 
 
 def _stream_through_sigint(proc, port, body) -> list:
