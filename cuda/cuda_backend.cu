@@ -491,7 +491,7 @@ class CudaBackend final : public Backend {
     w.shape = shape;
     if (as == DType::F32) {  // small weights: drawn on the host
       std::vector<float> host(w.numel());
-      for (size_t i = 0; i < host.size(); ++i) host[i] = random_weight_value(seed, i, scale);
+      random_weight_values(seed, 0, host.size(), scale, host.data());
       return upload(host.data(), DType::F32, shape, DType::F32, nullptr);
     }
     auto storage = pool_->get(size_t(w.numel()) * 2);

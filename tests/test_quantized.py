@@ -507,6 +507,21 @@ def test_quantized_weights_do_not_depend_on_the_dtype(tmp_path, scheme):
     np.testing.assert_array_equal(logits[0], logits[1])
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_dummy_weights_are_the_same_whatever_the_threads(dtype):
+    """load_format="dummy" draws each weight's values by their index, on the thread pool a
+    chunk at a time and stored in the weight dtype as drawn: one thread or two, the same
+    weights, so the same logits bit for bit."""
+    path = os.path.join(FIXTURES, "base")
+    logits = []
+    for threads in (1, 2):
+        seq = ds.Model.load(path, dtype=dtype, load_format="dummy", num_threads=threads).sequence()
+        seq.prefill(np.arange(3, 20))
+        logits.append(seq.denoise(np.arange(8)))
+    assert np.isfinite(logits[0]).all()
+    np.testing.assert_array_equal(logits[0], logits[1])
+
+
 @pytest.mark.parametrize("quantization", ["fp8", "fp8-dynamic", "nvfp4"])
 def test_dummy_weights_can_be_quantized(quantization):
     """load_format="dummy" with a quantization: the linears' random weights are packed

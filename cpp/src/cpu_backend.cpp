@@ -99,7 +99,13 @@ class CpuBackend final : public Backend {
       w.storage = std::move(keep_alive);
       return w;
     }
-    auto buf = std::make_shared<std::vector<uint8_t>>(store_floats(read_floats(host, dtype, w.numel()), as));
+    // Converted on the pool, a chunk at a time (no fp32 copy of the whole weight between).
+    auto buf = std::make_shared<std::vector<uint8_t>>(size_t(w.numel()) * dtype_size(as));
+    convert_floats(host, dtype, 0, buf->data(), as);  // the types checked once, here
+    pool_->parallel_for(w.numel(), 1 << 16, [&](int64_t b, int64_t e) {
+      convert_floats(static_cast<const uint8_t*>(host) + b * dtype_size(dtype), dtype, e - b,
+                     buf->data() + b * dtype_size(as), as);
+    });
     w.data = buf->data();
     w.storage = buf;
     return w;
@@ -124,11 +130,20 @@ class CpuBackend final : public Backend {
   Weight random_weight(const std::vector<int64_t>& shape, DType as, uint64_t seed, float scale) override {
     int64_t n = 1;
     for (int64_t d : shape) n *= d;
-    auto host = std::make_shared<std::vector<float>>(n);
+    // Drawn and stored as `as` a chunk at a time on the pool (no fp32 copy of the whole weight).
+    auto buf = std::make_shared<std::vector<uint8_t>>(size_t(n) * dtype_size(as));
+    convert_floats(nullptr, DType::F32, 0, buf->data(), as);  // `as` checked once, here
     pool_->parallel_for(n, 1 << 16, [&](int64_t b, int64_t e) {
-      for (int64_t i = b; i < e; ++i) (*host)[i] = random_weight_value(seed, uint64_t(i), scale);
+      std::vector<float> values(size_t(e - b));
+      random_weight_values(seed, uint64_t(b), uint64_t(e), scale, values.data());
+      convert_floats(values.data(), DType::F32, e - b, buf->data() + b * dtype_size(as), as);
     });
-    return upload(host->data(), DType::F32, shape, as, host);
+    Weight w;
+    w.dtype = as;
+    w.shape = shape;
+    w.data = buf->data();
+    w.storage = buf;
+    return w;
   }
 
   void to_host(const Activation& a, float* out) override { copy(out, a.data, a.size() * sizeof(float)); }

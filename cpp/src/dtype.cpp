@@ -2,8 +2,9 @@
 
 #include <cmath>
 #include <cstring>
-#include <limits>
 #include <iterator>
+#include <limits>
+#include <type_traits>
 
 #include "diffuserve/errors.h"
 
@@ -118,33 +119,65 @@ float fp4_e2m1_to_f32(uint8_t nibble) {
   return (nibble & 0x8 ? -1.0f : 1.0f) * kMagnitude[nibble & 0x7];
 }
 
-std::vector<float> read_floats(const void* src, DType dtype, int64_t n) {
-  const uint8_t* bytes = static_cast<const uint8_t*>(src);
-  std::vector<float> out(n);
-  uint16_t h;
-  for (int64_t i = 0; i < n; ++i) {
-    switch (dtype) {
-      case DType::F32: std::memcpy(&out[i], bytes + 4 * i, 4); break;
-      case DType::BF16: std::memcpy(&h, bytes + 2 * i, 2); out[i] = bf16_to_f32(h); break;
-      case DType::F16: std::memcpy(&h, bytes + 2 * i, 2); out[i] = f16_to_f32(h); break;
-      default: throw InvalidArgument(std::string("expected F32, BF16 or F16 values, got ") + dtype_name(dtype));
-    }
+namespace {
+
+template <DType kType>
+float load_float(const uint8_t* p) {
+  if constexpr (kType == DType::F32) {
+    float v;
+    std::memcpy(&v, p, 4);
+    return v;
+  } else {
+    uint16_t h;
+    std::memcpy(&h, p, 2);
+    return kType == DType::BF16 ? bf16_to_f32(h) : f16_to_f32(h);
   }
+}
+
+template <DType kType>
+void store_float(float v, uint8_t* p) {
+  if constexpr (kType == DType::F32) {
+    std::memcpy(p, &v, 4);
+  } else {
+    const uint16_t h = kType == DType::BF16 ? f32_to_bf16(v) : f32_to_f16(v);
+    std::memcpy(p, &h, 2);
+  }
+}
+
+// f(std::integral_constant<DType, t>{}) for t = `dtype`, one of the three float types.
+template <class F>
+void with_float_type(DType dtype, F f, const char* refusal) {
+  switch (dtype) {
+    case DType::F32: return f(std::integral_constant<DType, DType::F32>{});
+    case DType::BF16: return f(std::integral_constant<DType, DType::BF16>{});
+    case DType::F16: return f(std::integral_constant<DType, DType::F16>{});
+    default: throw InvalidArgument(std::string(refusal) + dtype_name(dtype));
+  }
+}
+
+}  // namespace
+
+void convert_floats(const void* src, DType from, int64_t n, void* dst, DType to) {
+  const auto* in = static_cast<const uint8_t*>(src);
+  auto* out = static_cast<uint8_t*>(dst);
+  with_float_type(from, [&](auto f) {
+    with_float_type(to, [&](auto t) {
+      constexpr DType kFrom = decltype(f)::value, kTo = decltype(t)::value;
+      const size_t in_size = dtype_size(kFrom), out_size = dtype_size(kTo);
+      for (int64_t i = 0; i < n; ++i) store_float<kTo>(load_float<kFrom>(in + i * in_size), out + i * out_size);
+    }, "cannot store weights as ");
+  }, "expected F32, BF16 or F16 values, got ");
+}
+
+std::vector<float> read_floats(const void* src, DType dtype, int64_t n) {
+  std::vector<float> out(n);
+  convert_floats(src, dtype, n, out.data(), DType::F32);
   return out;
 }
 
 std::vector<uint8_t> store_floats(const std::vector<float>& values, DType to) {
-  if (to != DType::F32 && to != DType::BF16 && to != DType::F16)
-    throw InvalidArgument(std::string("cannot store weights as ") + dtype_name(to));
   std::vector<uint8_t> out(values.size() * dtype_size(to));
-  for (size_t i = 0; i < values.size(); ++i) {
-    if (to == DType::F32) {
-      std::memcpy(&out[4 * i], &values[i], 4);
-    } else {
-      const uint16_t h = to == DType::BF16 ? f32_to_bf16(values[i]) : f32_to_f16(values[i]);
-      std::memcpy(&out[2 * i], &h, 2);
-    }
-  }
+  convert_floats(values.data(), DType::F32, int64_t(values.size()), out.data(), to);
   return out;
 }
 
