@@ -659,7 +659,7 @@ def test_cli_output_that_cannot_be_written(chat_dir):
     """A reader that leaves (`| head -c 1`) ends generate quietly with the shell's code for
     SIGPIPE, and a full disk is an error line: both had been tracebacks."""
     command = [sys.executable, "-m", "diffuserve", "generate", "Hello", "-m", str(chat_dir), "--raw",
-               "--max-tokens", "20000"]  # far more text than a pipe's buffer holds
+               "--max-tokens", "20000"]  # text still coming after the reader has left
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     assert proc.stdout.read(1)
     proc.stdout.close()
@@ -669,6 +669,16 @@ def test_cli_output_that_cannot_be_written(chat_dir):
         result = subprocess.run(command[:-1] + ["64"], stdout=full, stderr=subprocess.PIPE, text=True, timeout=300)
     assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
     assert "error: [Errno 28] No space left on device" in result.stderr
+
+
+def test_cli_with_stdout_closed(chat_dir):
+    """A command run with its standard output closed (`>&-`, as some daemons start) finishes (the
+    final flush of a stdout that is None had been a traceback)."""
+    command = [sys.executable, "-m", "diffuserve", "generate", "Hello", "-m", str(chat_dir), "--raw",
+               "--max-tokens", "16"]
+    result = subprocess.run(command, stdout=None, stderr=subprocess.PIPE, text=True, timeout=300,
+                            preexec_fn=lambda: os.close(1))
+    assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr
 
 
 def test_cli_text_the_terminal_cannot_encode(chat_dir):

@@ -454,10 +454,10 @@ def test_failed_request_counts_as_error(checkpoint, tmp_path):
     tensors[embedding][7] = np.nan  # token 7's embedding, and the tied lm_head's logit 7: NaN
     write_safetensors(path / "model.safetensors", tensors)
     with TestClient(build_app(AsyncLLM(ds.LLM(path)), MODEL)) as http:
-        request = {"model": MODEL, "prompt": [7, 8], "max_tokens": 8, "seed": 0}
+        request = {"model": MODEL, "prompt": [7, 8], "max_tokens": 8, "seed": 0, "n": 2}
         assert http.post("/v1/completions", json=request).status_code == 503
         text = http.get("/metrics").text
-    assert 'diffuserve_requests_total{finish_reason="error"} 1.0' in text
+    assert 'diffuserve_requests_total{finish_reason="error"} 2.0' in text  # both choices: the request failed
     assert 'finish_reason="abort"' not in text
 
 

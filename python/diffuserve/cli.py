@@ -102,16 +102,22 @@ def _utf8_lines(f, path: str):
         raise ValueError(f"{path} is not UTF-8 text: {e.reason} (byte 0x{e.object[e.start]:02x})") from None
 
 
-def _listen(host: str, port: int) -> socket.socket:
-    """The server's listening socket, made before the model loads: an address it cannot listen
-    on (a port in use, a host that is no address of this machine) is refused at once (uvicorn's
-    own refusal comes among its log lines), nothing can take the port while the model loads, and
-    port 0 has its free port chosen here, to be printed."""
+def _bind(host: str, port: int) -> socket.socket:
+    """The server's socket, bound before the model loads: an address it cannot listen on (a
+    port in use, a host that is no address of this machine) is refused at once (uvicorn's own
+    refusal comes among its log lines), nothing can take the port while the model loads, and
+    port 0 has its free port chosen here, to be printed. Bound as uvicorn binds (IPv6 where the
+    host has a colon, so "::" takes IPv4 clients too; else IPv4: "localhost" is 127.0.0.1),
+    and not yet listening: until the server is up, connections are refused rather than left
+    waiting (a readiness probe that connects would pass too early)."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
     try:
-        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
-        return socket.create_server((host, port), family=family)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
     except OSError as e:
+        sock.close()
         sys.exit(f"error: cannot listen on {host}:{port}: {e.strerror or e}")
+    return sock
 
 
 def serve(args) -> None:
@@ -122,7 +128,7 @@ def serve(args) -> None:
         server.check_api_key(args.api_key)
     except ValueError as e:
         sys.exit(f"error: --api-key (or DIFFUSERVE_API_KEY): {e}")
-    sock = _listen(args.host, args.port)
+    sock = _bind(args.host, args.port)
     llm = _load(args.model, args)
     name = args.served_model_name or args.model or "diffuserve-sudoku"  # no model: the bundled one
     engine = AsyncLLM(llm)
@@ -375,13 +381,13 @@ def parser() -> argparse.ArgumentParser:
 def main(argv=None) -> None:
     args = parser().parse_args(argv)
     # Text the terminal's encoding cannot show (generated text on a non-UTF-8 locale) comes
-    # out as "?" rather than ending the command.
-    for stream in (sys.stdout, sys.stderr):
-        if hasattr(stream, "reconfigure"):
-            stream.reconfigure(errors="replace")
+    # out as "?" rather than ending the command (stderr already escapes it).
+    if hasattr(sys.stdout, "reconfigure"):  # (None where the command runs with stdout closed)
+        sys.stdout.reconfigure(errors="replace")
     try:
         args.run(args)
-        sys.stdout.flush()  # here, where a failed write is reported, not at the interpreter's exit
+        if sys.stdout is not None:
+            sys.stdout.flush()  # here, where a failed write is reported, not at the interpreter's exit
     except KeyboardInterrupt:  # Ctrl-C: a line, not a traceback, and the shell's code for SIGINT
         print("\ninterrupted", file=sys.stderr)
         sys.exit(130)

@@ -79,6 +79,9 @@ class _Choice:
         self.text = ""
         self.token_ids: List[int] = []  # generated (an EOS included), through a stop string's end
         self.finish_reason: Optional[str] = None
+        # How /metrics counts the choice where it ends without a finish reason: the client
+        # left, or "error" where the engine could not finish its request (a 503).
+        self.ended = "abort"
 
     async def start(self) -> None:
         """Waits until the engine has accepted the request; an invalid one is an ApiError."""
@@ -117,7 +120,6 @@ class _Choice:
         detokenizer = IncrementalDetokenizer(tokenizer) if tokenizer is not None else None
         stops = StopStringFilter(self._stop)
         done, generated, denoise_steps = 0, 0, []
-        ended = "abort"  # how /metrics counts a choice that ends without a finish reason
         try:
             async for progress in self._updates:
                 output = progress.output
@@ -152,7 +154,7 @@ class _Choice:
                     self.finish_reason = event.finish_reason
                     return
         except EngineError:
-            ended = "error"  # the engine could not finish it (the client gets a 503), not a client abort
+            self.ended = "error"
             raise
         finally:
             await self.close()
@@ -160,7 +162,7 @@ class _Choice:
             self.usage.prompt_tokens += prompt_tokens
             self.usage.completion_tokens += generated
             self.usage.denoise_steps += sum(denoise_steps)
-            self.server.metrics.record(self.finish_reason or ended, prompt_tokens, generated, denoise_steps)
+            self.server.metrics.record(self.finish_reason or self.ended, prompt_tokens, generated, denoise_steps)
 
 
 class _Server:
@@ -291,6 +293,9 @@ async def _merged(choices: List[_Choice]) -> AsyncIterator[ChoiceEvent]:
         for _ in range(len(tasks)):
             while (item := await events.get()) is not finished:
                 if isinstance(item, Exception):
+                    if isinstance(item, EngineError):  # the request fails: its other choices end with it
+                        for choice in choices:
+                            choice.ended = "error"
                     raise item
                 yield item
     finally:
