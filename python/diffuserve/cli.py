@@ -135,8 +135,9 @@ def serve(args) -> None:
     app = server.build_app(engine, name, api_key=args.api_key,
                            max_denoising_steps_limit=args.max_denoising_steps_limit,
                            allowed_origins=args.allowed_origins or ["*"])
+    host = f"[{args.host}]" if ":" in args.host else args.host  # an IPv6 address, as URLs write it
     port = sock.getsockname()[1]
-    print(f"serving {name} at http://{args.host}:{port}/v1"
+    print(f"serving {name} at http://{host}:{port}/v1"
           + (" (API key required)" if args.api_key else "")
           + ("" if llm.tokenizer else " (no tokenizer.json: token ids in and out)"), file=sys.stderr)
     server.serve(app, engine, sock, args.log_level, args.shutdown_timeout)
