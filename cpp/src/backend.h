@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <cstring>
 #include <functional>
 #include <memory>
 #include <stdexcept>
@@ -24,6 +25,11 @@
 #include "philox.h"
 
 namespace diffuserve {
+// memcpy, which may not be given a null pointer even for 0 bytes (an empty vector's data()).
+inline void copy_bytes(void* dst, const void* src, size_t bytes) {
+  if (bytes) std::memcpy(dst, src, bytes);
+}
+
 // The Philox draw random_weight takes element i's bits from: one draw serves each aligned
 // group of four elements.
 DS_HOST_DEVICE inline Philox4 random_weight_bits(uint64_t seed, uint64_t i) {

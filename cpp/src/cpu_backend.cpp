@@ -99,16 +99,9 @@ class CpuBackend final : public Backend {
       w.storage = std::move(keep_alive);
       return w;
     }
-    // Converted on the pool, a chunk at a time (no fp32 copy of the whole weight between).
-    auto buf = std::make_shared<std::vector<uint8_t>>(size_t(w.numel()) * dtype_size(as));
-    convert_floats(host, dtype, 0, buf->data(), as);  // the types checked once, here
-    pool_->parallel_for(w.numel(), 1 << 16, [&](int64_t b, int64_t e) {
-      convert_floats(static_cast<const uint8_t*>(host) + b * dtype_size(dtype), dtype, e - b,
-                     buf->data() + b * dtype_size(as), as);
+    return stored_in_chunks(shape, as, [&](int64_t b, int64_t e, uint8_t* out) {
+      convert_floats(static_cast<const uint8_t*>(host) + b * dtype_size(dtype), dtype, e - b, out, as);
     });
-    w.data = buf->data();
-    w.storage = buf;
-    return w;
   }
 
   // Every quantized weight stays packed (data points at the PackedWeight) and linear
@@ -128,33 +121,22 @@ class CpuBackend final : public Backend {
   }
 
   Weight random_weight(const std::vector<int64_t>& shape, DType as, uint64_t seed, float scale) override {
-    int64_t n = 1;
-    for (int64_t d : shape) n *= d;
-    // Drawn and stored as `as` a chunk at a time on the pool (no fp32 copy of the whole weight).
-    auto buf = std::make_shared<std::vector<uint8_t>>(size_t(n) * dtype_size(as));
-    convert_floats(nullptr, DType::F32, 0, buf->data(), as);  // `as` checked once, here
-    pool_->parallel_for(n, 1 << 16, [&](int64_t b, int64_t e) {
+    return stored_in_chunks(shape, as, [&](int64_t b, int64_t e, uint8_t* out) {
       std::vector<float> values(size_t(e - b));
       random_weight_values(seed, uint64_t(b), uint64_t(e), scale, values.data());
-      convert_floats(values.data(), DType::F32, e - b, buf->data() + b * dtype_size(as), as);
+      convert_floats(values.data(), DType::F32, e - b, out, as);
     });
-    Weight w;
-    w.dtype = as;
-    w.shape = shape;
-    w.data = buf->data();
-    w.storage = buf;
-    return w;
   }
 
-  void to_host(const Activation& a, float* out) override { copy(out, a.data, a.size() * sizeof(float)); }
-  void from_host(const float* in, Activation& a) override { copy(a.data, in, a.size() * sizeof(float)); }
+  void to_host(const Activation& a, float* out) override { copy_bytes(out, a.data, a.size() * sizeof(float)); }
+  void from_host(const float* in, Activation& a) override { copy_bytes(a.data, in, a.size() * sizeof(float)); }
   std::shared_ptr<void> alloc_bytes(size_t bytes) override {
     void* p = std::malloc(std::max<size_t>(bytes, 1));
     if (!p) throw InvalidArgument("out of memory allocating " + std::to_string(bytes) + " bytes");
     return std::shared_ptr<void>(p, std::free);
   }
-  void write_bytes(void* dst, const void* src, size_t bytes) override { copy(dst, src, bytes); }
-  void read_bytes(void* dst, const void* src, size_t bytes) override { copy(dst, src, bytes); }
+  void write_bytes(void* dst, const void* src, size_t bytes) override { copy_bytes(dst, src, bytes); }
+  void read_bytes(void* dst, const void* src, size_t bytes) override { copy_bytes(dst, src, bytes); }
   void copy_rows(const Activation& src, int64_t src_row, Activation& dst, int64_t dst_row, int64_t n) override {
     std::memmove(dst.row(dst_row), src.row(src_row), n * src.cols * sizeof(float));
   }
@@ -481,9 +463,19 @@ class CpuBackend final : public Backend {
   }
 
  private:
-  // memcpy, which may not be given a null pointer even for 0 bytes (an empty vector's data()).
-  static void copy(void* dst, const void* src, size_t bytes) {
-    if (bytes) std::memcpy(dst, src, bytes);
+  // A weight of `shape` stored as `as`, whose values [b, e) store(b, e, out) writes at `out`, a
+  // chunk at a time on the pool: no fp32 copy of the whole weight on the way.
+  template <class Store>
+  Weight stored_in_chunks(const std::vector<int64_t>& shape, DType as, Store store) {
+    Weight w;
+    w.dtype = as;
+    w.shape = shape;
+    auto buf = std::make_shared<std::vector<uint8_t>>(size_t(w.numel()) * dtype_size(as));
+    pool_->parallel_for(w.numel(), 1 << 16,
+                        [&](int64_t b, int64_t e) { store(b, e, buf->data() + b * dtype_size(as)); });
+    w.data = buf->data();
+    w.storage = buf;
+    return w;
   }
 
   static float capped(float x, float cap) { return cap * std::tanh(x / cap); }

@@ -2,7 +2,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstring>
 #include <numeric>
 
 namespace diffuserve {
@@ -81,10 +80,7 @@ CanvasState new_canvas(Backend& be, const CanvasParams& params, const std::vecto
                        const std::vector<uint8_t>& free_position, const std::vector<int32_t>& allowed_ids) {
   const CanvasLayout at(params);
   std::vector<uint8_t> host(at.bytes, 0);  // history and counters start at zero
-  // (An empty vector's data() may be null, which memcpy may not be given even for 0 bytes.)
-  auto put = [&](size_t offset, const void* src, size_t bytes) {
-    if (bytes) std::memcpy(host.data() + offset, src, bytes);
-  };
+  auto put = [&](size_t offset, const void* src, size_t bytes) { copy_bytes(host.data() + offset, src, bytes); };
   put(at.tokens, tokens.data(), tokens.size() * sizeof(int32_t));
   put(at.argmax, tokens.data(), tokens.size() * sizeof(int32_t));
   put(at.allowed_ids, allowed_ids.data(), allowed_ids.size() * sizeof(int32_t));

@@ -96,11 +96,12 @@ class _Choice:
     def _tokens_through(self, token_ids: List[int], end: int) -> int:
         """How many of token_ids the output's text takes through character `end`: the fewest
         whose text begins with the output's first `end` characters, a token at a time (once a
-        request, or once a block where token ids go out beside stop strings). (The length of a prefix's text is no measure: one that ends inside a
-        character's byte tokens decodes to a U+FFFD a byte, longer than the character, and a
-        binary search on those lengths had stopped short.) The stream's detokenizer finds where
-        its text reaches `end`; as it holds a byte run's text back until the run ends, the
-        tokens since it last gave text out are tried first."""
+        request, or once a block where token ids go out beside stop strings). (The length of a
+        prefix's text is no measure: one that ends inside a character's byte tokens decodes to
+        a U+FFFD a byte, longer than the character, and a binary search on those lengths had
+        stopped short.) The stream's detokenizer finds where its text reaches `end`; as it
+        holds a byte run's text back until the run ends, the tokens since it last gave text out
+        are tried first."""
         tokenizer = self.server.tokenizer
         detokenizer = IncrementalDetokenizer(tokenizer)
         text, settled = "", 0  # the text given out so far, and the tokens of its last piece's end
