@@ -716,6 +716,10 @@ def test_fit_to_context_generates_the_blocks_that_fit(tmp_path):
     with pytest.raises(ValueError, match="more than the whole cache holds"):
         generated(small, 10, max_new_tokens=24)
     assert generated(small, 10, fit_to_context=True) == (16, "length")
+    # A prompt that leaves no room for a block in the cache is the prompt's fault (it had been
+    # blamed on max_new_tokens, which fit_to_context callers such as the server's never set).
+    with pytest.raises(ValueError, match="prompt: 30 tokens and a block of 8 new tokens need more KV"):
+        generated(small, 30, fit_to_context=True)
 
 
 @pytest.mark.parametrize("kwargs, name", [

@@ -421,6 +421,98 @@ def test_quantize_refuses_bytes_no_tensor_claims(tmp_path):
         quantize(src, str(tmp_path / "out"))
 
 
+def _shard(src, shards, stale=()):
+    """Splits src's model.safetensors into len(shards) files named `shards` with an index naming
+    them (tensors dealt round them), then writes each of `stale` as a shard no index names,
+    holding the first tensor again (an earlier save's leftover)."""
+    from diffuserve.safetensors_io import read_safetensors, write_safetensors
+    single = os.path.join(src, "model.safetensors")
+    tensors = read_safetensors(single)
+    os.remove(single)
+    names = sorted(tensors)
+    weight_map = {}
+    for i, shard in enumerate(shards):
+        part = {n: tensors[n] for n in names[i::len(shards)]}
+        write_safetensors(os.path.join(src, shard), part)
+        weight_map.update(dict.fromkeys(part, shard))
+    with open(os.path.join(src, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {}, "weight_map": weight_map}, f)
+    for shard in stale:
+        write_safetensors(os.path.join(src, shard), {names[0]: tensors[names[0]]})
+
+
+def test_quantize_reads_the_models_weight_files_alone(tmp_path):
+    """`quantize` reads the files a load reads: model.safetensors, else the index's shards. Any
+    other .safetensors file beside them (a test's reference logits, an earlier save's shards)
+    is not the model's: it had been merged in, and the copy then failed to load ("unexpected
+    tensor")."""
+    from diffuserve.quantize import quantize
+    from diffuserve.random_checkpoint import write_random_checkpoint
+    from diffuserve.safetensors_io import read_safetensors, write_safetensors
+    clean = write_random_checkpoint(tmp_path / "clean", canvas_length=8, seed=3, hidden_size=64)
+    quantize(clean, str(tmp_path / "clean_q"))
+    expected = read_safetensors(str(tmp_path / "clean_q" / "model.safetensors"))
+
+    stray = shutil.copytree(clean, tmp_path / "stray")
+    write_safetensors(os.path.join(stray, "reference_logits.safetensors"), {"logits": np.zeros((4, 4), np.float32)})
+    sharded = shutil.copytree(clean, tmp_path / "sharded")
+    _shard(sharded, ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"],
+           stale=["model-00001-of-00003.safetensors"])
+    for src in (stray, sharded):
+        out = str(tmp_path / (os.path.basename(src) + "_q"))
+        quantize(str(src), out)
+        got = read_safetensors(os.path.join(out, "model.safetensors"))
+        assert set(got) == set(expected)
+        for name, (dtype, values) in got.items():
+            assert expected[name][0] == dtype, name
+            np.testing.assert_array_equal(expected[name][1], values, err_msg=name)
+        ds.Model.load(out)
+
+
+def test_quantize_refuses_a_tensor_in_two_shards(tmp_path):
+    """As the loader refuses it: which of the two copies is the model's is unknown."""
+    from diffuserve.quantize import quantize
+    from diffuserve.random_checkpoint import write_random_checkpoint
+    src = write_random_checkpoint(tmp_path / "src", canvas_length=8, seed=3, hidden_size=64)
+    _shard(src, ["a.safetensors", "b.safetensors"], stale=["c.safetensors"])
+    index = os.path.join(src, "model.safetensors.index.json")
+    with open(index) as f:
+        data = json.load(f)
+    data["weight_map"]["extra.name"] = "c.safetensors"  # c holds a tensor a or b holds too
+    with open(index, "w") as f:
+        json.dump(data, f)
+    with pytest.raises(ValueError, match="is stored in more than one of the index's shards"):
+        quantize(src, str(tmp_path / "out"))
+    data["weight_map"]["extra.name"] = "../elsewhere.safetensors"
+    with open(index, "w") as f:
+        json.dump(data, f)
+    with pytest.raises(ValueError, match="'../elsewhere.safetensors', which is not a file inside"):
+        quantize(src, str(tmp_path / "out"))
+
+
+def test_quantize_keeps_the_named_chat_templates(tmp_path):
+    """The copy carries additional_chat_templates/ with the top-level tokenizer files: without
+    it a request naming a template (or sending tools, where a tool_use template exists) got
+    the default template in the quantized copy. Other folders stay behind."""
+    from diffuserve.quantize import quantize
+    from diffuserve.random_checkpoint import write_random_checkpoint
+    src = write_random_checkpoint(tmp_path / "src", canvas_length=8, seed=3, hidden_size=64)
+    os.makedirs(os.path.join(src, "additional_chat_templates"))
+    template = "{% for m in messages %}{{ m.content }}{% endfor %}"
+    with open(os.path.join(src, "additional_chat_templates", "tool_use.jinja"), "w") as f:
+        f.write(template)
+    os.makedirs(os.path.join(src, "original"))
+    with open(os.path.join(src, "original", "consolidated.bin"), "wb") as f:
+        f.write(bytes(16))
+    with open(os.path.join(src, "chat_template.jinja"), "w") as f:
+        f.write("default")
+    out = tmp_path / "out"
+    quantize(src, str(out))
+    assert (out / "additional_chat_templates" / "tool_use.jinja").read_text() == template
+    assert (out / "chat_template.jinja").read_text() == "default"
+    assert not (out / "original").exists()
+
+
 def _header_entry(raw, **fields):
     """safetensors bytes `raw` with fields of its first tensor's header entry replaced."""
     (n,) = struct.unpack("<Q", raw[:8])

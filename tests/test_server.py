@@ -261,6 +261,8 @@ def test_error_bodies(base_url, path, body, status, param, code):
     ('{"model": "%s", "prompt": "a\\ud800b"}' % MODEL, "prompt is not valid Unicode"),
     ('{"model": "%s", "prompt": "x", "seed": 1%s}' % (MODEL, "0" * 5000), "a number of 5001 digits"),
     ('{"model": "%s", "prompt": "x", "\\ud800": 1}' % MODEL, "a parameter's name is not valid Unicode"),
+    # Not "(0: the model's)", which the C++ API takes and the server refuses.
+    ('{"model": "%s", "prompt": "x", "canvas_length": 64}' % MODEL, "must be at most the model's canvas_length ("),
 ])
 def test_error_messages_name_what_the_client_sent(base_url, body, says):
     """Not the tokenizer's "text", nor Python's advice to raise sys.set_int_max_str_digits."""

@@ -183,21 +183,23 @@ void Engine::add(uint64_t id, std::vector<int32_t> prompt, const SamplingParams&
   r->blocks = length.blocks;
   // Every block is denoised at full canvas width, so the last one may reach past max_new_tokens.
   const int64_t total = int64_t(prompt.size()) + length.blocks * r->canvas;
-  if (int64_t(prompt.size()) + r->canvas > c.max_position_embeddings)  // the prompt's fault, whatever max_new_tokens
+  // The prompt is at fault where it leaves no room for one block, in positions or in the whole
+  // KV cache, whatever the length limit (which fit_to_context leaves at its most where not
+  // even one block fits); else the length limit is (a short prompt with many new tokens had
+  // been blamed on the prompt).
+  if (int64_t(prompt.size()) + r->canvas > c.max_position_embeddings)
     throw InvalidArgument("prompt: " + std::to_string(prompt.size()) + " tokens leave no room for a block of " +
                           std::to_string(r->canvas) + " new tokens within max_position_embeddings (" +
                           std::to_string(c.max_position_embeddings) + ")");
+  if (!kv.could_hold(int64_t(prompt.size()) + r->canvas, r->canvas))
+    throw InvalidArgument("prompt: " + std::to_string(prompt.size()) + " tokens and a block of " +
+                          std::to_string(r->canvas) + " new tokens need more KV than the whole cache holds" +
+                          kRaiseKv);
   if (total > c.max_position_embeddings)
     throw InvalidArgument(length.limit + ": the prompt (" + std::to_string(prompt.size()) + " tokens) plus " +
                           std::to_string(length.blocks) + " blocks of " + std::to_string(r->canvas) +
                           " new tokens exceeds max_position_embeddings (" + std::to_string(c.max_position_embeddings) +
                           ")");
-  // As for the positions: the prompt is at fault where it leaves no room for one block, else
-  // the length limit (a short prompt with many new tokens had been blamed on the prompt).
-  if (!kv.could_hold(int64_t(prompt.size()) + r->canvas, r->canvas))
-    throw InvalidArgument("prompt: " + std::to_string(prompt.size()) + " tokens and a block of " +
-                          std::to_string(r->canvas) + " new tokens need more KV than the whole cache holds" +
-                          kRaiseKv);
   if (!kv.could_hold(total, r->canvas))
     throw InvalidArgument(length.limit + ": the prompt (" + std::to_string(prompt.size()) + " tokens) plus " +
                           std::to_string(length.blocks) + " blocks of " + std::to_string(r->canvas) +

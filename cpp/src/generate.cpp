@@ -76,8 +76,11 @@ void validate(const SamplingParams& p, const ModelConfig& c) {
   if (!std::isfinite(p.confidence_threshold) || p.confidence_threshold <= 0)
     bad("confidence_threshold", "must be a finite number > 0");
   check_token_list(p.eos_token_ids, "eos_token_ids", c.vocab_size);
-  if (p.canvas_length < 0 || p.canvas_length > c.canvas_length)
-    bad("canvas_length", "must be in [1, " + std::to_string(c.canvas_length) + "] (0: the model's), got " +
+  // (0 means the model's in C++; Python and the server spell that None or leave it out, so the
+  // message for too long a canvas does not offer it.)
+  if (p.canvas_length < 0) bad("canvas_length", "must be >= 0 (0: the model's), got " + std::to_string(p.canvas_length));
+  if (p.canvas_length > c.canvas_length)
+    bad("canvas_length", "must be at most the model's canvas_length (" + std::to_string(c.canvas_length) + "), got " +
                              std::to_string(p.canvas_length));
   const int canvas = p.canvas_length ? p.canvas_length : c.canvas_length;
   if (!p.seed_canvas.empty() && int(p.seed_canvas.size()) != canvas)

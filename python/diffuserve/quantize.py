@@ -148,6 +148,31 @@ def _quantize_linears(linears: dict, scheme: str) -> dict:
     return out
 
 
+def _weight_files(src: str) -> list:
+    """The safetensors files a load of `src` reads, chosen as the loader (and transformers)
+    chooses them: model.safetensors where it exists, else the shards that
+    model.safetensors.index.json names. Any other .safetensors file beside them (shards left
+    from an earlier save, a test's reference logits) is not the model's."""
+    single = os.path.join(src, "model.safetensors")
+    if os.path.isfile(single):
+        return [single]
+    index = os.path.join(src, "model.safetensors.index.json")
+    if not os.path.isfile(index):
+        raise ValueError(f"{src}: no model.safetensors or model.safetensors.index.json")
+    with open(index) as f:
+        try:
+            weight_map = json.load(f).get("weight_map")
+        except (ValueError, AttributeError) as e:
+            raise ValueError(f"{index}: not a JSON object with a weight_map: {e}") from None
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise ValueError(f"{index}: \"weight_map\" must map tensor names to shard file names")
+    shards = sorted(set(weight_map.values()))
+    for shard in shards:
+        if os.path.isabs(shard) or os.path.normpath(shard).split(os.sep)[0] == os.pardir:
+            raise ValueError(f"{index}: weight_map names '{shard}', which is not a file inside {src}")
+    return [os.path.join(src, shard) for shard in shards]
+
+
 def quantize(src: str, dst: str, scheme: str = "fp8-dynamic") -> None:
     if scheme not in SCHEMES:
         raise ValueError(f"scheme {scheme!r} is not supported (supported: {', '.join(SCHEMES)})")
@@ -172,12 +197,12 @@ def quantize(src: str, dst: str, scheme: str = "fp8-dynamic") -> None:
         raise ValueError(f"{config_file}: top level must be a JSON object")
     if config.get("quantization_config"):
         raise ValueError(f"{src} is already quantized")
-    files = sorted(n for n in os.listdir(src) if n.endswith(".safetensors"))
-    if not files:
-        raise ValueError(f"{src}: no .safetensors files")
     tensors = {}
-    for name in files:
-        tensors.update(read_safetensors(os.path.join(src, name)))
+    for path in _weight_files(src):
+        for name, tensor in read_safetensors(path).items():
+            if name in tensors:  # as the loader refuses it: which copy is the model's is unknown
+                raise ValueError(f"{src}: tensor '{name}' is stored in more than one of the index's shards")
+            tensors[name] = tensor
 
     linears, out = {}, {}
     for name, (dtype, arr) in tensors.items():
@@ -204,8 +229,13 @@ def quantize(src: str, dst: str, scheme: str = "fp8-dynamic") -> None:
         "ignore": ["lm_head", "re:.*router.*", "re:.*vision.*", "re:.*embed_vision.*"]}
     with open(os.path.join(dst, "config.json"), "w") as f:
         json.dump(config, f, indent=2)
-    for name in os.listdir(src):  # tokenizer, chat template, generation config: as they are
-        if name != "config.json" and not name.endswith((".safetensors", ".safetensors.index.json")):
-            path = os.path.join(src, name)
-            if os.path.isfile(path):
-                shutil.copy(path, os.path.join(dst, name))
+    # The tokenizer, the chat templates (named ones in their folder) and the generation config,
+    # as they are. Other folders stay behind: a repository's may hold the weights again in
+    # another format.
+    for name in os.listdir(src):
+        path = os.path.join(src, name)
+        if name == "additional_chat_templates" and os.path.isdir(path):
+            shutil.copytree(path, os.path.join(dst, name), dirs_exist_ok=True)
+        elif (name != "config.json" and not name.endswith((".safetensors", ".safetensors.index.json"))
+              and os.path.isfile(path)):
+            shutil.copy(path, os.path.join(dst, name))
