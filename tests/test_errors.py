@@ -548,6 +548,13 @@ def test_denoise_wrong_canvas_length(seq, n):
     assert_intact(seq, before)
 
 
+def test_sequence_canvas_past_the_models(model):
+    """The message names the model's canvas and does not offer 0, which Python spells None."""
+    with pytest.raises(ValueError, match=rf"^canvas_length must be at most the model's canvas_length \({CANVAS}\), "
+                                         rf"got {CANVAS + 1}$"):
+        model.sequence(canvas_length=CANVAS + 1)
+
+
 def test_commit_longer_than_canvas(seq):
     before = state_of(seq)
     with pytest.raises(ValueError, match=f"commit: block of {CANVAS + 1} tokens is longer than canvas_length {CANVAS}"):

@@ -469,8 +469,10 @@ def test_quantize_reads_the_models_weight_files_alone(tmp_path):
         ds.Model.load(out)
 
 
-def test_quantize_refuses_a_tensor_in_two_shards(tmp_path):
-    """As the loader refuses it: which of the two copies is the model's is unknown."""
+def test_quantize_checks_the_index_as_the_loader_does(tmp_path):
+    """A tensor in two shards (which copy is the model's is unknown), a shard outside the
+    directory, and a tensor listed under a shard that lacks it are refused, as loading refuses
+    them."""
     from diffuserve.quantize import quantize
     from diffuserve.random_checkpoint import write_random_checkpoint
     src = write_random_checkpoint(tmp_path / "src", canvas_length=8, seed=3, hidden_size=64)
@@ -481,12 +483,18 @@ def test_quantize_refuses_a_tensor_in_two_shards(tmp_path):
     data["weight_map"]["extra.name"] = "c.safetensors"  # c holds a tensor a or b holds too
     with open(index, "w") as f:
         json.dump(data, f)
-    with pytest.raises(ValueError, match="is stored in more than one of the index's shards"):
+    with pytest.raises(ValueError, match="is stored in more than one of its shards"):
         quantize(src, str(tmp_path / "out"))
-    data["weight_map"]["extra.name"] = "../elsewhere.safetensors"
+    for shard in ["../elsewhere.safetensors", "x/../a.safetensors", "/abs.safetensors"]:
+        data["weight_map"]["extra.name"] = shard
+        with open(index, "w") as f:
+            json.dump(data, f)
+        with pytest.raises(ValueError, match=re.escape(f"'{shard}', which is not a file inside")):
+            quantize(src, str(tmp_path / "out"))
+    data["weight_map"]["extra.name"] = "a.safetensors"  # which holds no such tensor
     with open(index, "w") as f:
         json.dump(data, f)
-    with pytest.raises(ValueError, match="'../elsewhere.safetensors', which is not a file inside"):
+    with pytest.raises(ValueError, match="tensor 'extra.name' is listed under a.safetensors, which does not hold it"):
         quantize(src, str(tmp_path / "out"))
 
 

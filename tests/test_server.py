@@ -712,6 +712,14 @@ def test_usage_counts_through_a_stop_string_that_ends_in_byte_tokens(tmp_path):
     assert "".join(stops.push(detokenizer.push([i])) for i in ids) == "x" and stops.stop_end == 2
     choice = types.SimpleNamespace(server=types.SimpleNamespace(tokenizer=tokenizer))
     assert server_module._Choice._tokens_through(choice, ids, stops.stop_end) == 5
+    # The byte run reaching the end of the tokens (a second emoji, the last generated): its text
+    # comes out only as the output finishes, and every token had been counted.
+    ids = tokenizer.encode("x🐍🐍", add_special_tokens=False)
+    assert len(ids) == 9 and tokenizer.ends_in_byte_run(ids)
+    detokenizer, stops = IncrementalDetokenizer(tokenizer), StopStringFilter(["🐍"])
+    text = "".join(stops.push(detokenizer.push([i])) for i in ids) + stops.push(detokenizer.finish())
+    assert text == "x" and stops.stop_end == 2
+    assert server_module._Choice._tokens_through(choice, ids, stops.stop_end) == 5
 
 
 def test_a_model_without_a_tokenizer_is_served_token_ids(tmp_path):

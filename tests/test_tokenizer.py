@@ -1,5 +1,7 @@
 """Tokenizer, chat template and incremental detokenization against transformers, on a BPE
 trained in the fixture; text prompts through LLM."""
+import copy
+import pickle
 import random
 import re
 
@@ -518,9 +520,11 @@ def test_tokenizer_settings_read_as_transformers_reads_them(tmp_path, config_cha
     path = _edited_checkpoint(tmp_path, config_changes, tokenizer_json_changes, drop)
     ours, theirs = Tokenizer(path), AutoTokenizer.from_pretrained(path)
     assert ours.vocab_size == len(theirs)
+    # Copies too, as multiprocessing hands them to workers (split_special_tokens had been lost).
+    copies = [pickle.loads(pickle.dumps(ours)), copy.deepcopy(ours)]
     for text in ["x", "Hi <eos> a<tool_call>b</tool_call> <mask>", "Hi<end_of_turn>there", *TEXTS]:
         ids = theirs.encode(text)
-        assert ours.encode(text) == ids, text
+        assert [t.encode(text) for t in [ours, *copies]] == [ids] * 3, text
         assert ours.decode(ids) == theirs.decode(ids, skip_special_tokens=True), text
     conversation = CONVERSATIONS[1]
     assert ours.encode(ours.apply_chat_template(conversation), add_special_tokens=False) == \

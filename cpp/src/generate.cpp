@@ -6,6 +6,7 @@
 #include <cstdio>
 
 #include "diffuserve/engine.h"
+#include "model.h"
 #include "sampler.h"
 
 namespace diffuserve {
@@ -76,12 +77,7 @@ void validate(const SamplingParams& p, const ModelConfig& c) {
   if (!std::isfinite(p.confidence_threshold) || p.confidence_threshold <= 0)
     bad("confidence_threshold", "must be a finite number > 0");
   check_token_list(p.eos_token_ids, "eos_token_ids", c.vocab_size);
-  // (0 means the model's in C++; Python and the server spell that None or leave it out, so the
-  // message for too long a canvas does not offer it.)
-  if (p.canvas_length < 0) bad("canvas_length", "must be >= 0 (0: the model's), got " + std::to_string(p.canvas_length));
-  if (p.canvas_length > c.canvas_length)
-    bad("canvas_length", "must be at most the model's canvas_length (" + std::to_string(c.canvas_length) + "), got " +
-                             std::to_string(p.canvas_length));
+  if (const std::string why = canvas_length_problem(p.canvas_length, c); !why.empty()) bad("canvas_length", why);
   const int canvas = p.canvas_length ? p.canvas_length : c.canvas_length;
   if (!p.seed_canvas.empty() && int(p.seed_canvas.size()) != canvas)
     bad("seed_canvas", "has " + std::to_string(p.seed_canvas.size()) + " tokens, expected the canvas length " +

@@ -15,6 +15,17 @@
 
 namespace diffuserve {
 
+// What is wrong with a sequence's or a request's canvas_length (0: the model's), or "" where
+// nothing is. For too long a canvas the message does not offer 0, which Python and the server
+// spell None or leave out.
+inline std::string canvas_length_problem(int canvas_length, const ModelConfig& c) {
+  if (canvas_length < 0) return "must be >= 0 (0: the model's), got " + std::to_string(canvas_length);
+  if (canvas_length > c.canvas_length)
+    return "must be at most the model's canvas_length (" + std::to_string(c.canvas_length) + "), got " +
+           std::to_string(canvas_length);
+  return "";
+}
+
 struct LayerWeights {
   // v_proj is empty on full-attention layers. Where the checkpoint lets q_proj, k_proj and
   // v_proj be one product (stored plainly, inputs quantized alike), they are stacked into

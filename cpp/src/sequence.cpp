@@ -179,11 +179,10 @@ int64_t Model::max_sequence_tokens() const {
 }
 
 std::unique_ptr<Sequence> Model::new_sequence(int canvas_length) {
-  const int model_canvas = config().canvas_length;
-  if (canvas_length < 0 || canvas_length > model_canvas)
-    throw InvalidArgument("canvas_length " + std::to_string(canvas_length) + " is out of range [1, " +
-                          std::to_string(model_canvas) + "] (0 for the model's)");
-  return std::unique_ptr<Sequence>(new Sequence(shared_from_this(), canvas_length ? canvas_length : model_canvas));
+  if (const std::string why = canvas_length_problem(canvas_length, config()); !why.empty())
+    throw InvalidArgument("canvas_length " + why);
+  return std::unique_ptr<Sequence>(
+      new Sequence(shared_from_this(), canvas_length ? canvas_length : config().canvas_length));
 }
 
 Sequence::Sequence(std::shared_ptr<Model> model, int canvas_length)

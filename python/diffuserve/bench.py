@@ -64,7 +64,8 @@ def main(model: Optional[str], concurrency: List[int], prompt_tokens: int, max_t
             print("no model given: a small random checkpoint (hidden 256, 4 layers, 8 experts top-2, canvas 64)")
         llm = load(model)
         canvas = llm.model.canvas_length
-        print(f"{prompt_tokens}-token prompts, {max_tokens} new tokens each ({-(-max_tokens // canvas)} blocks of "
+        blocks = -(-max_tokens // canvas)
+        print(f"{prompt_tokens}-token prompts, {max_tokens} new tokens each ({blocks} block{'s' * (blocks != 1)} of "
               f"{canvas}), {steps} denoise steps per block")
         rows = run(llm, concurrency, prompt_tokens, max_tokens, steps)
     print(f"| {'requests':>8} | {'seconds':>8} | {'output tok/s':>12} | {'forwards':>8} | {'ms/forward':>10} |")

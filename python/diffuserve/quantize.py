@@ -148,14 +148,15 @@ def _quantize_linears(linears: dict, scheme: str) -> dict:
     return out
 
 
-def _weight_files(src: str) -> list:
-    """The safetensors files a load of `src` reads, chosen as the loader (and transformers)
-    chooses them: model.safetensors where it exists, else the shards that
-    model.safetensors.index.json names. Any other .safetensors file beside them (shards left
-    from an earlier save, a test's reference logits) is not the model's."""
+def _read_weights(src: str) -> dict:
+    """The tensors a load of `src` reads, from the files the loader (and transformers) reads:
+    model.safetensors where it exists, else the shards model.safetensors.index.json names,
+    checked as the loader checks them (shards inside `src`, each listed tensor in its shard,
+    no tensor in two shards). Any other .safetensors file beside them (shards left from an
+    earlier save, a test's reference logits) is not the model's."""
     single = os.path.join(src, "model.safetensors")
     if os.path.isfile(single):
-        return [single]
+        return read_safetensors(single)
     index = os.path.join(src, "model.safetensors.index.json")
     if not os.path.isfile(index):
         raise ValueError(f"{src}: no model.safetensors or model.safetensors.index.json")
@@ -168,9 +169,20 @@ def _weight_files(src: str) -> list:
         raise ValueError(f"{index}: \"weight_map\" must map tensor names to shard file names")
     shards = sorted(set(weight_map.values()))
     for shard in shards:
-        if os.path.isabs(shard) or os.path.normpath(shard).split(os.sep)[0] == os.pardir:
+        parts = shard.split("/")
+        if os.path.isabs(shard) or ".." in parts or not parts[-1] or "\0" in shard:
             raise ValueError(f"{index}: weight_map names '{shard}', which is not a file inside {src}")
-    return [os.path.join(src, shard) for shard in shards]
+    tensors, held = {}, {}  # name -> tensor; shard -> its tensors
+    for shard in shards:
+        held[shard] = read_safetensors(os.path.join(src, shard))
+        for name, tensor in held[shard].items():
+            if name in tensors:  # which copy is the model's is unknown
+                raise ValueError(f"{index}: tensor '{name}' is stored in more than one of its shards")
+            tensors[name] = tensor
+    for name, shard in weight_map.items():
+        if name not in held[shard]:
+            raise ValueError(f"{index}: tensor '{name}' is listed under {shard}, which does not hold it")
+    return tensors
 
 
 def quantize(src: str, dst: str, scheme: str = "fp8-dynamic") -> None:
@@ -182,8 +194,8 @@ def quantize(src: str, dst: str, scheme: str = "fp8-dynamic") -> None:
     if os.path.isdir(dst):
         if os.path.isdir(src) and os.path.samefile(src, dst):
             raise ValueError(f"{dst}: the output directory is the source; write the quantized copy elsewhere")
-        held = sorted(n for n in os.listdir(dst) if n == "config.json" or n.endswith((".safetensors",
-                                                                                       ".safetensors.index.json")))
+        held = sorted(n for n in os.listdir(dst) if n in ("config.json", "additional_chat_templates") or
+                      n.endswith((".safetensors", ".safetensors.index.json")))
         if held:
             raise ValueError(f"{dst} already holds a checkpoint ({', '.join(held)}): write the quantized copy to a "
                              f"new or empty directory")
@@ -197,12 +209,7 @@ def quantize(src: str, dst: str, scheme: str = "fp8-dynamic") -> None:
         raise ValueError(f"{config_file}: top level must be a JSON object")
     if config.get("quantization_config"):
         raise ValueError(f"{src} is already quantized")
-    tensors = {}
-    for path in _weight_files(src):
-        for name, tensor in read_safetensors(path).items():
-            if name in tensors:  # as the loader refuses it: which copy is the model's is unknown
-                raise ValueError(f"{src}: tensor '{name}' is stored in more than one of the index's shards")
-            tensors[name] = tensor
+    tensors = _read_weights(src)
 
     linears, out = {}, {}
     for name, (dtype, arr) in tensors.items():
@@ -235,7 +242,7 @@ def quantize(src: str, dst: str, scheme: str = "fp8-dynamic") -> None:
     for name in os.listdir(src):
         path = os.path.join(src, name)
         if name == "additional_chat_templates" and os.path.isdir(path):
-            shutil.copytree(path, os.path.join(dst, name), dirs_exist_ok=True)
+            shutil.copytree(path, os.path.join(dst, name))
         elif (name != "config.json" and not name.endswith((".safetensors", ".safetensors.index.json"))
               and os.path.isfile(path)):
             shutil.copy(path, os.path.join(dst, name))

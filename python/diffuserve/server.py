@@ -101,12 +101,16 @@ class _Choice:
         a U+FFFD a byte, longer than the character, and a binary search on those lengths had
         stopped short.) The stream's detokenizer finds where its text reaches `end`; as it
         holds a byte run's text back until the run ends, the tokens since it last gave text out
-        are tried first."""
+        are tried first. At the last token the held-back run is let out too (a stop string
+        inside a byte run that reaches the end of the tokens had never been found, and every
+        token had been counted)."""
         tokenizer = self.server.tokenizer
         detokenizer = IncrementalDetokenizer(tokenizer)
         text, settled = "", 0  # the text given out so far, and the tokens of its last piece's end
         for n, token in enumerate(token_ids, 1):
             piece = detokenizer.push([token])
+            if n == len(token_ids):
+                piece += detokenizer.finish()
             text += piece
             if len(text) >= end:
                 for m in range(settled + 1, n):

@@ -205,7 +205,8 @@ class Tokenizer:
         self._library(self._tokenizer.add_special_tokens,
                       list(named.values()) + extra + [t for t in listed if t.content in present and t.special])
         # split_special_tokens: special tokens written in text are text, not the tokens.
-        self._tokenizer.encode_special_tokens = config.get("split_special_tokens", False) is True
+        self._split_special_tokens = config.get("split_special_tokens", False) is True
+        self._tokenizer.encode_special_tokens = self._split_special_tokens
         self.special_tokens = {key: token.content for key, token in named.items()}
         # Byte-fallback tokens (SentencePiece-style tokenizers, Gemma's): <0x00> ... <0xFF>.
         byte_ids = (self._tokenizer.token_to_id(f"<0x{b:02X}>") for b in range(256))
@@ -221,6 +222,13 @@ class Tokenizer:
         self.chat_template = _read_chat_templates(path, config, config_file)
         self._compiled: Dict[str, ChatTemplate] = {}
         self._library(self._tokenizer.encode, "a", add_special_tokens=True)  # a post-processor that cannot run
+
+    def __setstate__(self, state: dict) -> None:
+        """A copy or an unpickled tokenizer: the tokenizers library's own state leaves
+        encode_special_tokens out (copies had read special tokens written in text as the
+        tokens, where split_special_tokens says they are text)."""
+        self.__dict__.update(state)
+        self._tokenizer.encode_special_tokens = self._split_special_tokens
 
     def _library(self, method, *args, **kwargs):
         """A call into the tokenizers library, whose failures on well-formed input are the
