@@ -240,6 +240,9 @@ using Large = Shape<128, 256, 2, 4, 3, 3, 1>;   // 192 / 144 / 123 KB; 144 KB
 // and 128 rows measured no faster for the dense products at batch 1 (about a block a
 // multiprocessor) and up to 1.7x slower for the MoE at batch 4 and 16 (one block a
 // multiprocessor where two had fit).
+// (Wgmma32 at two stages, four or five blocks a multiprocessor, so that more blocks cover one
+// block's refills and output: slower, bf16 experts at batch 1 up / down 254 / 139 -> 278 / 143
+// us, rows not tiled; gemm_bench --moe 256, H200, forty-sixth session.)
 using Wgmma32 = Shape<32, 128, 1, 4, 3, 3, 3, true>;    // 72 KB; 60 KB
 using Wgmma64 = Shape<64, 128, 1, 4, 3, 3, 2, true>;    // 96 KB; 72 KB
 using Wgmma128 = Shape<128, 128, 1, 4, 3, 3, 1, true>;  // 144 KB; 96 KB
