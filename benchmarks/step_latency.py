@@ -201,6 +201,8 @@ def measure(llm, batch, context):
 
 
 def commit_ms(model, context):
+    """A commit pass through the Sequence API, which launches its kernels from the host (as the
+    engine's block's first step with the commit fused into it is) and returns once it is done."""
     seq = model.sequence()
     seq.prefill((np.arange(context) % 1000 + 3).tolist())
     canvas = np.arange(CANVAS) + 5

@@ -312,6 +312,10 @@ class CudaBackend final : public Backend {
     check(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, stream_), "read_bytes");
     check(cudaStreamSynchronize(stream_), "read_bytes");
   }
+  void synchronize() override {
+    bind();
+    check(cudaStreamSynchronize(stream_), "synchronize");
+  }
 
   // bf16 where every layer's attention is the wgmma kernel's (the only one reading bf16 keys):
   // with activations "bfloat16", head dims 256 and 512, on Hopper.

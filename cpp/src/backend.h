@@ -332,6 +332,9 @@ class Backend {
   virtual void write_bytes(void* dst, const void* src, size_t bytes) = 0;
   // Backend bytes to the host, after every op queued so far.
   virtual void read_bytes(void* dst, const void* src, size_t bytes) = 0;
+  // Returns once every op queued so far is done, raising a failure of theirs (an op on the
+  // CPU is done when it returns).
+  virtual void synchronize() {}
   // dst rows [dst_row, dst_row + n) = src rows [src_row, src_row + n); the ranges may
   // overlap (memmove). Same column count. Where both matrices keep a product input of the
   // same form (alloc_product_input, alloc_logits), its rows are copied too.

@@ -214,6 +214,10 @@ void Sequence::encode(std::span<const int32_t> ids, const char* what) {
                           "live: the sliding-window layers keep room for that many sequences' windows)");
   std::vector<Segment> batch{Segment{&state_->table, true, {ids.begin(), ids.end()}, nullptr}};
   forward(m, *m.kv, batch);
+  // The pass is done when prefill or commit returns, as denoise's is (its logits come back):
+  // on CUDA a commit had returned as soon as it was queued, its failures surfacing in the next
+  // call and its time in no one's (benchmarks/step_latency.py had timed its queueing, 4.4 ms).
+  m.backend->synchronize();
 }
 
 void Sequence::prefill(std::span<const int32_t> ids) {

@@ -109,6 +109,7 @@ class Sequence {
 
   // Causal encoder pass over `ids` at the next positions; appends their KV. On an empty
   // sequence, whole blocks of `ids` already in the prefix cache are adopted, not recomputed.
+  // Returns once the pass is done on the device, as commit does.
   void prefill(std::span<const int32_t> ids);
   // Bidirectional decoder pass over a canvas of exactly canvas_length() tokens, reading
   // the KV cache without changing it. `self_conditioning_logits` is null (first step of a
