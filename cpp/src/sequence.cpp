@@ -332,20 +332,25 @@ LayerKV Sequence::kv(int layer) const {
   const int64_t cols = out.kv_heads * out.head_dim;
   out.keys.resize(out.rows * cols);
   out.values.resize(out.rows * cols);
-  std::vector<uint8_t> bytes(cols * dtype_size(kv.dtype()));
-  auto row = [&](const KvRows& rows, int64_t slot) {
-    be.read_bytes(bytes.data(), rows.row(slot), bytes.size());
-    return read_floats(bytes.data(), kv.dtype(), cols);
-  };
-  for (int64_t r = 0; r < out.rows; ++r) {
+  // A run of consecutive slots (a KV block's rows) comes over in one read: a read a row, each
+  // waiting for the device, made a layer of 2,304 rows take 66 ms on CUDA.
+  const int64_t row_bytes = cols * int64_t(dtype_size(kv.dtype()));
+  std::vector<uint8_t> bytes;
+  for (int64_t r = 0; r < out.rows;) {
     const int64_t slot = kv.slot(state_->table, layer, out.first_position + r);
-    const std::vector<float> k = row(kv.keys(layer), slot), v = row(kv.values(layer), slot);
-    // Token-major [rows, heads, dim] -> head-major [heads, rows, dim].
-    for (int64_t h = 0; h < out.kv_heads; ++h)
-      for (int64_t d = 0; d < out.head_dim; ++d) {
-        out.keys[(h * out.rows + r) * out.head_dim + d] = k[h * out.head_dim + d];
-        out.values[(h * out.rows + r) * out.head_dim + d] = v[h * out.head_dim + d];
-      }
+    int64_t n = 1;
+    while (r + n < out.rows && kv.slot(state_->table, layer, out.first_position + r + n) == slot + n) ++n;
+    bytes.resize(size_t(n * row_bytes));
+    for (auto [rows, dst] : {std::pair{&kv.keys(layer), &out.keys}, std::pair{&kv.values(layer), &out.values}}) {
+      be.read_bytes(bytes.data(), rows->row(slot), bytes.size());
+      const std::vector<float> x = read_floats(bytes.data(), kv.dtype(), n * cols);
+      // Token-major [rows, heads, dim] -> head-major [heads, rows, dim].
+      for (int64_t i = 0; i < n; ++i)
+        for (int64_t h = 0; h < out.kv_heads; ++h)
+          std::copy_n(x.data() + (i * out.kv_heads + h) * out.head_dim, out.head_dim,
+                      dst->data() + (h * out.rows + r + i) * out.head_dim);
+    }
+    r += n;
   }
   return out;
 }
