@@ -194,6 +194,21 @@ def test_abort_frees_everything_at_once(make_llm):
     assert all_free(llm.stats()) and not llm.has_unfinished()
 
 
+def test_aborting_queued_requests_keeps_the_queues_order(make_llm):
+    """Requests queued behind one slot, some aborted from the middle and the end of the queue
+    (a dict now, where a deque was scanned): the rest run first come, first served, and
+    nothing of the aborted ones stays."""
+    llm = make_llm(max_num_seqs=1)
+    ids = [llm.add_request([3 + k, 4, 5], params(k, n=8)) for k in range(6)]
+    order = [out.request_id for out in llm.step()]
+    for k in (2, 5, 3):
+        llm.abort(ids[k])
+    assert llm.stats()["waiting"] == 2
+    while llm.has_unfinished():
+        order += [out.request_id for out in llm.step()]
+    assert order == [ids[0], ids[1], ids[4]] and all_free(llm.stats())
+
+
 def test_requests_join_between_steps_and_wait_at_most_one_slice(make_llm):
     llm = make_llm(slice_steps=2)
     first = llm.add_request([1, 2, 3], params(1, n=40))

@@ -701,7 +701,6 @@ def test_usage_counts_through_a_stop_string_that_ends_in_byte_tokens(tmp_path):
     four of them): completion_tokens counts through the token that ends it. A prefix that ends
     inside the character decodes to a U+FFFD a byte, longer than the character, and the binary
     search on those lengths had counted 2 of 5 tokens."""
-    import types
     from diffuserve.detokenizer import IncrementalDetokenizer
     from diffuserve.stop_strings import StopStringFilter
     from diffuserve.tokenizer import Tokenizer
@@ -710,8 +709,7 @@ def test_usage_counts_through_a_stop_string_that_ends_in_byte_tokens(tmp_path):
     assert len(ids) > 5 and all(tokenizer.ends_in_byte_run(ids[:k]) for k in (2, 3, 4, 5))  # x, then 4 bytes
     detokenizer, stops = IncrementalDetokenizer(tokenizer), StopStringFilter(["🐍"])
     assert "".join(stops.push(detokenizer.push([i])) for i in ids) == "x" and stops.stop_end == 2
-    choice = types.SimpleNamespace(server=types.SimpleNamespace(tokenizer=tokenizer))
-    assert server_module._Choice._tokens_through(choice, ids, stops.stop_end) == 5
+    assert server_module._TokensThrough(tokenizer)(ids, stops.stop_end) == 5
     # The byte run reaching the end of the tokens (a second emoji, the last generated): its text
     # comes out only as the output finishes, and every token had been counted.
     ids = tokenizer.encode("x🐍🐍", add_special_tokens=False)
@@ -719,7 +717,19 @@ def test_usage_counts_through_a_stop_string_that_ends_in_byte_tokens(tmp_path):
     detokenizer, stops = IncrementalDetokenizer(tokenizer), StopStringFilter(["🐍"])
     text = "".join(stops.push(detokenizer.push([i])) for i in ids) + stops.push(detokenizer.finish())
     assert text == "x" and stops.stop_end == 2
-    assert server_module._Choice._tokens_through(choice, ids, stops.stop_end) == 5
+    assert server_module._TokensThrough(tokenizer)(ids, stops.stop_end, final=True) == 5
+    # One counter as the output grows, asked after each block (as token ids go out beside stop
+    # strings), gives what a fresh one gives for the whole output at each point; the text it
+    # reads is taken once (it had been replayed from the first token on each call).
+    ids = tokenizer.encode("ab🐍 cd 🐍🐍 efg 🦀 hij " * 8, add_special_tokens=False)
+    counter, calls = server_module._TokensThrough(tokenizer), []
+    for block_end in range(5, len(ids) + 1, 5):
+        text = tokenizer.decode_output(ids[:block_end])
+        for end in (len(text) // 2, len(text) - 1):
+            if end > 0:
+                calls.append(end)
+                assert counter(ids[:block_end], end) == server_module._TokensThrough(tokenizer)(ids[:block_end], end)
+    assert len(calls) > 20
 
 
 def test_a_model_without_a_tokenizer_is_served_token_ids(tmp_path):

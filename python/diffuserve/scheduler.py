@@ -13,7 +13,7 @@ Each step:
 """
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict
 
 from . import _core
 
@@ -24,20 +24,23 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.slice_steps = slice_steps
-        self.waiting: deque[int] = deque()
+        # In arrival order (a preempted request first); a dict, so that an abort from deep in a
+        # long queue finds and drops it at once (a deque's scan had made 4,096 aborts from a queue
+        # of 32,768 take 1.4 s of the engine thread).
+        self.waiting: OrderedDict[int, None] = OrderedDict()
         self.running: list[int] = []  # in admission order
         self.preemptions = 0
 
     def add(self, request_id: int, prompt: list, params: "_core.SamplingParams") -> None:
         self.engine.add(request_id, prompt, params)
-        self.waiting.append(request_id)
+        self.waiting[request_id] = None
 
     def abort(self, request_id: int) -> None:
         """Drops a request wherever it is; its KV is freed at once."""
         if request_id in self.running:
             self.running.remove(request_id)
         elif request_id in self.waiting:
-            self.waiting.remove(request_id)
+            del self.waiting[request_id]
         else:
             return
         self.engine.abort(request_id)
@@ -60,7 +63,8 @@ class Scheduler:
     def _preempt(self, request_id: int) -> None:
         self.engine.preempt(request_id)
         self.running.remove(request_id)
-        self.waiting.appendleft(request_id)
+        self.waiting[request_id] = None
+        self.waiting.move_to_end(request_id, last=False)
         self.preemptions += 1
 
     def _rows(self, request_id: int, encode: int, pending: int, budget: int) -> int:
@@ -97,12 +101,12 @@ class Scheduler:
             budget -= rows
 
         while self.waiting and len(self.running) < self.max_num_seqs and budget > 0:
-            request_id = self.waiting[0]
+            request_id = next(iter(self.waiting))
             encode = min(self.engine.pending_tokens(request_id), budget)
             fitted = self._fit(self.engine.admit, request_id, encode)
             if fitted < 0:
                 break  # first come, first served: nobody overtakes the head of the queue
-            self.waiting.popleft()
+            self.waiting.popitem(last=False)
             self.running.append(request_id)
             pending = self.engine.pending_tokens(request_id)  # less after a prefix-cache hit
             encode = min(pending, fitted)
@@ -112,7 +116,7 @@ class Scheduler:
         if not plan and not self.running and self.waiting:
             # Nothing of ours holds KV, yet the head of the queue does not fit: the model's other
             # sequences (Model.sequence()) hold the cache, and every step would wait on them again.
-            request_id = self.waiting[0]
+            request_id = next(iter(self.waiting))
             raise ValueError(f"request {request_id}: the KV cache has no room for its next "
                              f"{self.engine.pending_tokens(request_id)} tokens while other sequences of this model "
                              "hold the rest (release them, or raise kv_cache_memory_bytes)")

@@ -10,6 +10,7 @@ response) aborts its engine requests, which frees their KV at once.
 from __future__ import annotations
 
 import asyncio
+import bisect
 import hmac
 import json
 import re
@@ -63,6 +64,47 @@ class Usage:
                 "total_tokens": self.prompt_tokens + self.completion_tokens, "denoise_steps": self.denoise_steps}
 
 
+class _TokensThrough:
+    """How many of an output's tokens its text takes through character `end`: the fewest whose
+    text begins with the output's first `end` characters (once a block where token ids go out
+    beside stop strings, and once where a stop string ends the output). (The length of a
+    prefix's text is no measure: one that ends inside a character's byte tokens decodes to a
+    U+FFFD a byte, longer than the character, and a binary search on those lengths had stopped
+    short.) One detokenizer takes each token once as the output grows, and the pieces it gives
+    out say where its text reaches `end`; within a piece of several tokens (a byte run's, held
+    back until the run ends) each prefix is decoded whole. (The tokens had been replayed from
+    the first on each call: quadratic in the output's length.)"""
+
+    def __init__(self, tokenizer):
+        self._tokenizer = tokenizer
+        self._detokenizer = IncrementalDetokenizer(tokenizer)
+        self._text = ""
+        self._tokens, self._chars = [0], [0]  # at the end of each piece given out
+        self._fed = 0  # tokens given to the detokenizer
+
+    def _add(self, piece: str) -> None:
+        if piece:
+            self._text += piece
+            self._tokens.append(self._fed)
+            self._chars.append(len(self._text))
+
+    def __call__(self, token_ids: List[int], end: int, final: bool = False) -> int:
+        """token_ids: the output so far (each call's starts with the last's); final: the output
+        is over, and the text its detokenizer held back was let out (a stop string in it counts)."""
+        while self._chars[-1] < end and self._fed < len(token_ids):
+            self._fed += 1
+            self._add(self._detokenizer.push([token_ids[self._fed - 1]]))
+        if final and self._chars[-1] < end and self._fed == len(token_ids):
+            self._add(self._detokenizer.finish())
+        if self._chars[-1] < end:
+            return len(token_ids)
+        i = bisect.bisect_left(self._chars, end)  # the piece that reaches `end`
+        for m in range(self._tokens[i - 1] + 1, self._tokens[i]):
+            if self._tokenizer.decode_output(token_ids[:m]).startswith(self._text[:end]):
+                return m
+        return self._tokens[i]
+
+
 class _Choice:
     """One engine request and the text it produces."""
 
@@ -76,6 +118,7 @@ class _Choice:
         self.eos = server.eos_token_ids  # the server never overrides the checkpoint's EOS
         self._updates = server.engine.generate(prompt, params, drafts)
         self._stop = stop
+        self._through = _TokensThrough(server.tokenizer) if stop else None  # stop strings need a tokenizer
         self.text = ""
         self.token_ids: List[int] = []  # generated (an EOS included), through a stop string's end
         self.finish_reason: Optional[str] = None
@@ -92,33 +135,6 @@ class _Choice:
 
     async def close(self) -> None:
         await self._updates.aclose()  # aborts the request when it has not finished
-
-    def _tokens_through(self, token_ids: List[int], end: int) -> int:
-        """How many of token_ids the output's text takes through character `end`: the fewest
-        whose text begins with the output's first `end` characters, a token at a time (once a
-        request, or once a block where token ids go out beside stop strings). (The length of a
-        prefix's text is no measure: one that ends inside a character's byte tokens decodes to
-        a U+FFFD a byte, longer than the character, and a binary search on those lengths had
-        stopped short.) The stream's detokenizer finds where its text reaches `end`; as it
-        holds a byte run's text back until the run ends, the tokens since it last gave text out
-        are tried first. At the last token the held-back run is let out too (a stop string
-        inside a byte run that reaches the end of the tokens had never been found, and every
-        token had been counted)."""
-        tokenizer = self.server.tokenizer
-        detokenizer = IncrementalDetokenizer(tokenizer)
-        text, settled = "", 0  # the text given out so far, and the tokens of its last piece's end
-        for n, token in enumerate(token_ids, 1):
-            piece = detokenizer.push([token])
-            if n == len(token_ids):
-                piece += detokenizer.finish()
-            text += piece
-            if len(text) >= end:
-                for m in range(settled + 1, n):
-                    if tokenizer.decode_output(token_ids[:m]).startswith(text[:end]):
-                        return m
-                return n
-            settled = n if piece else settled
-        return len(token_ids)
 
     async def events(self) -> AsyncIterator[ChoiceEvent]:
         tokenizer = self.server.tokenizer  # None: token ids alone (return_token_ids), no text
@@ -140,7 +156,7 @@ class _Choice:
                 if stops.stopped:
                     event.finish_reason = "stop"  # leaving the loop closes the request: it is aborted
                     # The output, and its usage, end with the token that ends the stop string.
-                    generated = await asyncio.to_thread(self._tokens_through, token_ids, stops.stop_end)
+                    generated = await asyncio.to_thread(self._through, token_ids, stops.stop_end, output is not None)
                 elif output is not None:
                     event.finish_reason = output.finish_reason
                 # Ids go out with the text: where a stop string may still cut the output, only
@@ -149,8 +165,7 @@ class _Choice:
                 # taken back).
                 through = generated
                 if self._stop and self.returns_ids and not event.finish_reason:
-                    through = await asyncio.to_thread(self._tokens_through, token_ids,
-                                                      len(self.text) + len(event.text))
+                    through = await asyncio.to_thread(self._through, token_ids, len(self.text) + len(event.text))
                 event.token_ids = progress.token_ids[len(self.token_ids):through]
                 self.token_ids += event.token_ids
                 self.text += event.text
