@@ -470,9 +470,9 @@ def test_quantize_reads_the_models_weight_files_alone(tmp_path):
 
 
 def test_quantize_checks_the_index_as_the_loader_does(tmp_path):
-    """A tensor in two shards (which copy is the model's is unknown), a shard outside the
-    directory, and a tensor listed under a shard that lacks it are refused, as loading refuses
-    them."""
+    """The loader's own checks choose and check the files (one piece of code for both): a
+    tensor in two shards (which copy is the model's is unknown), a shard outside the directory,
+    a tensor listed under a shard that lacks it, and an index naming no tensor are refused."""
     from diffuserve.quantize import quantize
     from diffuserve.random_checkpoint import write_random_checkpoint
     src = write_random_checkpoint(tmp_path / "src", canvas_length=8, seed=3, hidden_size=64)
@@ -480,22 +480,19 @@ def test_quantize_checks_the_index_as_the_loader_does(tmp_path):
     index = os.path.join(src, "model.safetensors.index.json")
     with open(index) as f:
         data = json.load(f)
-    data["weight_map"]["extra.name"] = "c.safetensors"  # c holds a tensor a or b holds too
-    with open(index, "w") as f:
-        json.dump(data, f)
-    with pytest.raises(ValueError, match="is stored in more than one of its shards"):
-        quantize(src, str(tmp_path / "out"))
-    for shard in ["../elsewhere.safetensors", "x/../a.safetensors", "/abs.safetensors"]:
-        data["weight_map"]["extra.name"] = shard
+
+    def refused(weight_map, message):
         with open(index, "w") as f:
-            json.dump(data, f)
-        with pytest.raises(ValueError, match=re.escape(f"'{shard}', which is not a file inside")):
+            json.dump({**data, "weight_map": weight_map}, f)
+        with pytest.raises(ValueError, match=message):
             quantize(src, str(tmp_path / "out"))
-    data["weight_map"]["extra.name"] = "a.safetensors"  # which holds no such tensor
-    with open(index, "w") as f:
-        json.dump(data, f)
-    with pytest.raises(ValueError, match="tensor 'extra.name' is listed under a.safetensors, which does not hold it"):
-        quantize(src, str(tmp_path / "out"))
+
+    refused({**data["weight_map"], "extra.name": "c.safetensors"}, "is stored in both")  # c repeats a's first
+    for shard in ["../elsewhere.safetensors", "x/../a.safetensors", "/abs.safetensors"]:
+        refused({**data["weight_map"], "extra.name": shard}, re.escape(f"names '{shard}', which is not a file inside"))
+    refused({**data["weight_map"], "extra.name": "a.safetensors"},
+            "tensor 'extra.name' is listed in weight_map under a.safetensors but that shard does not contain it")
+    refused({}, "holds no tensors")
 
 
 def test_quantize_keeps_the_named_chat_templates(tmp_path):
@@ -535,7 +532,7 @@ def _header_entry(raw, **fields):
 @pytest.mark.parametrize("corrupt, message", [
     (lambda raw: b"", "file is 0 bytes, too short for a safetensors header"),
     (lambda raw: struct.pack("<Q", len(raw)) + raw[8:], "bad header length"),
-    (lambda raw: raw[:8] + b"[" + raw[9:], "header is not valid JSON"),
+    (lambda raw: raw[:8] + b"[" + raw[9:], "header: invalid JSON at byte"),  # the loader checks the files first
     (lambda raw: _header_entry(raw, dtype="F99"), "unknown dtype 'F99'"),
     (lambda raw: _header_entry(raw, shape=[3, 3]), "needs 36 bytes but data_offsets give"),
     (lambda raw: raw[:-4], "run past the end of the data section"),

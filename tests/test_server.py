@@ -4,6 +4,7 @@ import asyncio
 import gzip
 import json
 import os
+import random
 import re
 import shutil
 import signal
@@ -718,18 +719,21 @@ def test_usage_counts_through_a_stop_string_that_ends_in_byte_tokens(tmp_path):
     text = "".join(stops.push(detokenizer.push([i])) for i in ids) + stops.push(detokenizer.finish())
     assert text == "x" and stops.stop_end == 2
     assert server_module._TokensThrough(tokenizer)(ids, stops.stop_end, final=True) == 5
-    # One counter as the output grows, asked after each block (as token ids go out beside stop
-    # strings), gives what a fresh one gives for the whole output at each point; the text it
-    # reads is taken once (it had been replayed from the first token on each call).
-    ids = tokenizer.encode("ab🐍 cd 🐍🐍 efg 🦀 hij " * 8, add_special_tokens=False)
-    counter, calls = server_module._TokensThrough(tokenizer), []
-    for block_end in range(5, len(ids) + 1, 5):
-        text = tokenizer.decode_output(ids[:block_end])
-        for end in (len(text) // 2, len(text) - 1):
-            if end > 0:
-                calls.append(end)
-                assert counter(ids[:block_end], end) == server_module._TokensThrough(tokenizer)(ids[:block_end], end)
-    assert len(calls) > 20
+    # One counter as the output grows, asked after each block for the text streamed so far and
+    # for points inside it (as token ids go out beside stop strings), against the definition:
+    # the fewest tokens whose text begins with the output's first `end` characters.
+    rng = random.Random(0)
+    ids = tokenizer.encode("ab🐍 cd 鬱龘靐齉 🐍🐍 efg 🦀 hij " * 6, add_special_tokens=False)
+    counter, stream, streamed, calls = server_module._TokensThrough(tokenizer), IncrementalDetokenizer(tokenizer), "", 0
+    for block_end in range(7, len(ids) + 1, 7):
+        streamed += stream.push(ids[block_end - 7:block_end])
+        for end in sorted({len(streamed), *(rng.randint(1, max(len(streamed), 1)) for _ in range(3))}):
+            if 0 < end <= len(streamed):
+                fewest = next(m for m in range(len(ids) + 1)
+                              if tokenizer.decode_output(ids[:m]).startswith(streamed[:end]))
+                assert counter(ids[:block_end], end) == fewest, (block_end, end)
+                calls += 1
+    assert calls > 40
 
 
 def test_a_model_without_a_tokenizer_is_served_token_ids(tmp_path):

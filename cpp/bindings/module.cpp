@@ -12,11 +12,13 @@
 
 #include <algorithm>
 #include <cstring>
+#include <set>
 
 #include "backend.h"
 #include "diffuserve/diffuserve.h"
 #include "diffuserve/engine.h"
 #include "diffuserve/generate.h"
+#include "safetensors.h"
 #include "sampler.h"
 
 namespace nb = nanobind;
@@ -230,6 +232,15 @@ NB_MODULE(_core, m) {
   m.doc() = "diffuserve native runtime";
   nb::exception<FormatError>(m, "CheckpointError", PyExc_ValueError);
   m.def("cuda_available", &cuda_available);
+  // The safetensors files a load of checkpoint directory `dir` reads, checked as a load checks
+  // them (the single file or the index's shards): what `diffuserve quantize` converts.
+  m.def("weight_files", [](const std::string& dir) {
+    nb::gil_scoped_release release;
+    const Checkpoint checkpoint(dir);
+    std::set<std::string> files;
+    for (const auto& [name, view] : checkpoint.tensors()) files.insert(view.file);
+    return std::vector<std::string>(files.begin(), files.end());
+  });
 
   nb::class_<Model>(m, "Model")
       .def_static(

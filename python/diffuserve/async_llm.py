@@ -176,8 +176,9 @@ class AsyncLLM:
                 failed = output.finish_reason == "error"
                 request.post(RequestFailed(output.error) if failed else Progress(output.token_ids, output=output))
                 continue
-            if request.engine_id in self.llm.scheduler.waiting:
-                continue  # queued: nothing new (asking 32,768 queued requests had taken 53 ms a step)
+            if request.engine_id in self.llm.scheduler.waiting and not request.sent[1]:
+                continue  # queued, and no draft of a preempted block to clear: nothing new (asking
+                # 32,768 queued requests had taken 53 ms a step)
             tokens = self.llm.generated(request.engine_id)
             draft = self.llm.draft(request.engine_id) if request.drafts else []
             if (len(tokens), tuple(draft)) != request.sent:

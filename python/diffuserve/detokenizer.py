@@ -43,7 +43,9 @@ class IncrementalDetokenizer:
         piece, self._sent = text[self._sent:end], end
         return piece
 
-    def _decode(self, start: int, end: int) -> str:
+    def decode(self, start: int, end: int) -> str:
+        """The raw text (no clean-up) of the tokens pushed so far from `start` to `end`: the
+        windows the deltas are cut from."""
         return self._tokenizer.decode_output(self._ids[start:end], skip_special_tokens=self._skip_special,
                                              clean_up_tokenization_spaces=False)
 
@@ -63,8 +65,8 @@ class IncrementalDetokenizer:
     def _raw_delta(self, final: bool) -> str:
         if self._read == len(self._ids):
             return ""
-        before = self._decode(self._prefix_start, self._read)
-        after = self._decode(self._prefix_start, len(self._ids))
+        before = self.decode(self._prefix_start, self._read)
+        after = self.decode(self._prefix_start, len(self._ids))
         if not final and (len(after) <= len(before) or after.endswith(_INCOMPLETE)
                           or self._tokenizer.ends_in_byte_run(self._ids, self._skip_special)):
             return ""

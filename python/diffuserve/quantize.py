@@ -23,6 +23,7 @@ import shutil
 
 import numpy as np
 
+from . import _core
 from .safetensors_io import as_float32, read_safetensors, write_safetensors
 
 FP8_MAX = 448.0
@@ -148,43 +149,6 @@ def _quantize_linears(linears: dict, scheme: str) -> dict:
     return out
 
 
-def _read_weights(src: str) -> dict:
-    """The tensors a load of `src` reads, from the files the loader (and transformers) reads:
-    model.safetensors where it exists, else the shards model.safetensors.index.json names,
-    checked as the loader checks them (shards inside `src`, each listed tensor in its shard,
-    no tensor in two shards). Any other .safetensors file beside them (shards left from an
-    earlier save, a test's reference logits) is not the model's."""
-    single = os.path.join(src, "model.safetensors")
-    if os.path.isfile(single):
-        return read_safetensors(single)
-    index = os.path.join(src, "model.safetensors.index.json")
-    if not os.path.isfile(index):
-        raise ValueError(f"{src}: no model.safetensors or model.safetensors.index.json")
-    with open(index) as f:
-        try:
-            weight_map = json.load(f).get("weight_map")
-        except (ValueError, AttributeError) as e:
-            raise ValueError(f"{index}: not a JSON object with a weight_map: {e}") from None
-    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
-        raise ValueError(f"{index}: \"weight_map\" must map tensor names to shard file names")
-    shards = sorted(set(weight_map.values()))
-    for shard in shards:
-        parts = shard.split("/")
-        if os.path.isabs(shard) or ".." in parts or not parts[-1] or "\0" in shard:
-            raise ValueError(f"{index}: weight_map names '{shard}', which is not a file inside {src}")
-    tensors, held = {}, {}  # name -> tensor; shard -> its tensors
-    for shard in shards:
-        held[shard] = read_safetensors(os.path.join(src, shard))
-        for name, tensor in held[shard].items():
-            if name in tensors:  # which copy is the model's is unknown
-                raise ValueError(f"{index}: tensor '{name}' is stored in more than one of its shards")
-            tensors[name] = tensor
-    for name, shard in weight_map.items():
-        if name not in held[shard]:
-            raise ValueError(f"{index}: tensor '{name}' is listed under {shard}, which does not hold it")
-    return tensors
-
-
 def quantize(src: str, dst: str, scheme: str = "fp8-dynamic") -> None:
     if scheme not in SCHEMES:
         raise ValueError(f"scheme {scheme!r} is not supported (supported: {', '.join(SCHEMES)})")
@@ -209,7 +173,14 @@ def quantize(src: str, dst: str, scheme: str = "fp8-dynamic") -> None:
         raise ValueError(f"{config_file}: top level must be a JSON object")
     if config.get("quantization_config"):
         raise ValueError(f"{src} is already quantized")
-    tensors = _read_weights(src)
+    # The files a load reads, checked as it checks them (model.safetensors, else the index's
+    # shards): any other .safetensors file beside them (shards left from an earlier save, a
+    # test's reference logits) is not the model's, and had been merged in.
+    tensors = {}
+    for path in _core.weight_files(src):
+        tensors.update(read_safetensors(path))
+    if not tensors:
+        raise ValueError(f"{src}: its checkpoint holds no tensors")
 
     linears, out = {}, {}
     for name, (dtype, arr) in tensors.items():

@@ -72,11 +72,13 @@ class _TokensThrough:
     U+FFFD a byte, longer than the character, and a binary search on those lengths had stopped
     short.) One detokenizer takes each token once as the output grows, and the pieces it gives
     out say where its text reaches `end`; within a piece of several tokens (a byte run's, held
-    back until the run ends) each prefix is decoded whole. (The tokens had been replayed from
-    the first on each call: quadratic in the output's length.)"""
+    back until the run ends) each shorter prefix's text is decoded from the window that piece
+    was cut from, as the detokenizer cut it. (The tokens had been replayed from the first on
+    each call, and each candidate decoded from the first token: quadratic in the output's
+    length.) Where the tokenizer cleans up spaces, the detokenizer holds its last characters
+    back, and the count can run past the fewest."""
 
     def __init__(self, tokenizer):
-        self._tokenizer = tokenizer
         self._detokenizer = IncrementalDetokenizer(tokenizer)
         self._text = ""
         self._tokens, self._chars = [0], [0]  # at the end of each piece given out
@@ -99,8 +101,10 @@ class _TokensThrough:
         if self._chars[-1] < end:
             return len(token_ids)
         i = bisect.bisect_left(self._chars, end)  # the piece that reaches `end`
-        for m in range(self._tokens[i - 1] + 1, self._tokens[i]):
-            if self._tokenizer.decode_output(token_ids[:m]).startswith(self._text[:end]):
+        start, done = self._tokens[max(i - 2, 0)], self._tokens[i - 1]  # its window, and the tokens before it
+        before, wanted = self._detokenizer.decode(start, done), self._text[self._chars[i - 1]:end]
+        for m in range(done + 1, self._tokens[i]):
+            if self._detokenizer.decode(start, m)[len(before):].startswith(wanted):
                 return m
         return self._tokens[i]
 
