@@ -193,16 +193,16 @@ class LLM:
             else list(params)
         if len(plist) not in (1, len(prompts)):
             raise ValueError(f"{len(plist)} SamplingParams for {len(prompts)} prompts (give one, or one per prompt)")
-        ids, done = [], {}
-        index = {}  # request id -> its prompt's index (a list's scans had made a call quadratic in its prompts)
+        # Request id -> its prompt's index, in prompt order (a list's scans had made a call
+        # quadratic in its prompts).
+        index, done = {}, {}
         try:
             for i, prompt in enumerate(prompts):
                 try:
-                    ids.append(self.add_request(prompt, plist[0] if len(plist) == 1 else plist[i]))
-                    index[ids[-1]] = i
+                    index[self.add_request(prompt, plist[0] if len(plist) == 1 else plist[i])] = i
                 except ValueError as e:
                     raise ValueError(f"prompt {i}: {e}") from None
-            while len(done) < len(ids):
+            while len(done) < len(index):
                 with _interrupts_held():  # every output of the step filed before an interrupt surfaces
                     outs = self.step()
                     for out in outs:
@@ -214,11 +214,11 @@ class LLM:
                 if failed:
                     raise _core.CheckpointError(f"prompt {index[failed[0].request_id]}: {failed[0].error}")
         except BaseException:  # a prompt or a step refused, or an interrupt: none of this call's requests stays queued
-            for request_id in ids:
+            for request_id in index:
                 if request_id not in done:
                     self.abort(request_id)
             raise
-        return [done[request_id] for request_id in ids]
+        return [done[request_id] for request_id in index]
 
     @_locked
     def stats(self) -> dict:
