@@ -43,6 +43,12 @@ class IncrementalDetokenizer:
         piece, self._sent = text[self._sent:end], end
         return piece
 
+    @property
+    def window_start(self) -> int:
+        """Where the window of the next piece given out starts: its text is decode(window_start,
+        end)'s past decode(window_start, the tokens before the piece)."""
+        return self._prefix_start
+
     def decode(self, start: int, end: int) -> str:
         """The raw text (no clean-up) of the tokens pushed so far from `start` to `end`: the
         windows the deltas are cut from."""

@@ -81,27 +81,33 @@ class _TokensThrough:
     def __init__(self, tokenizer):
         self._detokenizer = IncrementalDetokenizer(tokenizer)
         self._text = ""
-        self._tokens, self._chars = [0], [0]  # at the end of each piece given out
+        # At the end of each piece given out: tokens and characters so far; and where the
+        # window it was cut from started.
+        self._tokens, self._chars, self._windows = [0], [0], [0]
         self._fed = 0  # tokens given to the detokenizer
 
-    def _add(self, piece: str) -> None:
+    def _add(self, give_out) -> None:
+        """The piece give_out() returns from the detokenizer, if any, recorded."""
+        window = self._detokenizer.window_start
+        piece = give_out()
         if piece:
             self._text += piece
             self._tokens.append(self._fed)
             self._chars.append(len(self._text))
+            self._windows.append(window)
 
     def __call__(self, token_ids: List[int], end: int, final: bool = False) -> int:
         """token_ids: the output so far (each call's starts with the last's); final: the output
         is over, and the text its detokenizer held back was let out (a stop string in it counts)."""
         while self._chars[-1] < end and self._fed < len(token_ids):
             self._fed += 1
-            self._add(self._detokenizer.push([token_ids[self._fed - 1]]))
+            self._add(lambda: self._detokenizer.push([token_ids[self._fed - 1]]))
         if final and self._chars[-1] < end and self._fed == len(token_ids):
-            self._add(self._detokenizer.finish())
+            self._add(self._detokenizer.finish)
         if self._chars[-1] < end:
             return len(token_ids)
         i = bisect.bisect_left(self._chars, end)  # the piece that reaches `end`
-        start, done = self._tokens[max(i - 2, 0)], self._tokens[i - 1]  # its window, and the tokens before it
+        start, done = self._windows[i], self._tokens[i - 1]  # its window, and the tokens before it
         before, wanted = self._detokenizer.decode(start, done), self._text[self._chars[i - 1]:end]
         for m in range(done + 1, self._tokens[i]):
             if self._detokenizer.decode(start, m)[len(before):].startswith(wanted):
