@@ -387,7 +387,7 @@ std::vector<float> run(const Problem& p, int tile_rows) {
 #endif
   } else if (segs.size() == 1 && p.row_map.empty() && segs[0].x_row == 0 && segs[0].y_row == 0) {
     gemm(x, p.x_rows, p.ldx, p.gated, nullptr, &segs[0], nullptr, int((segs[0].rows + tile_rows - 1) / tile_rows),
-         tile_rows, p.format, p.tiled, p.n, p.k, p.input, y, p.ldy, {}, {}, scratch, nullptr);
+         tile_rows, p.format, p.tiled, p.n, p.k, p.input, y, nullptr, p.ldy, {}, {}, scratch, nullptr);
   } else {  // device-planned style: tiles per segment, then unused slots
     std::vector<GemmTile> tiles;
     for (size_t s = 0; s < segs.size(); ++s)
@@ -396,7 +396,7 @@ std::vector<float> run(const Problem& p, int tile_rows) {
     GemmSegment* d_segs = upload(segs);
     GemmTile* d_tiles = upload(tiles);
     gemm(x, p.x_rows, p.ldx, p.gated, row_map, d_segs, d_tiles, int(tiles.size()), tile_rows, p.format, p.tiled, p.n,
-         p.k, p.input, y, p.ldy, {}, {}, scratch, nullptr);
+         p.k, p.input, y, nullptr, p.ldy, {}, {}, scratch, nullptr);
     check(cudaDeviceSynchronize(), "gemm");
     cudaFree(d_segs);
     cudaFree(d_tiles);
@@ -953,7 +953,7 @@ void bench(const char* name, int64_t tokens, int64_t n, int64_t k, int experts, 
       return cublaslt().multiply(x, x_rows, k, false, input, {stack.expert(0)}, n, k, {y}, n, {}, scratch, nullptr);
 #endif
     gemm(x, x_rows, k, false, d_map, moe_layer ? d_segs : segs.data(), d_tiles, num_tiles, tile_rows, format, tiled, n,
-         k, input, y, n, {}, {}, scratch, nullptr);
+         k, input, y, nullptr, n, {}, {}, scratch, nullptr);
   };
   const float ms = time_ms(call);
   const double flops = 2.0 * double(rows) * double(n) * double(k);

@@ -583,8 +583,8 @@ class CudaBackend final : public Backend {
       for (int64_t m0 = 0; m0 < x.rows; m0 += tile) tiles.push_back({int(i), int(m0)});
     }
     cuda::gemm(x.data, x.rows, x.cols, false, nullptr, upload_table(segments), upload_table(tiles), int(tiles.size()),
-               tile, ws.front()->format, weights.front().tiled, first.n, first.k, input, y.data, y.cols, x_prepared, {},
-               scratch.get(), stream_);
+               tile, ws.front()->format, weights.front().tiled, first.n, first.k, input, y.data, nullptr, y.cols, x_prepared,
+               {}, scratch.get(), stream_);
   }
 
   void quantized_linear(const Activation& x, const Weight& w, Activation& y, int64_t encoder_rows) override {
@@ -668,8 +668,7 @@ class CudaBackend final : public Backend {
       if (x.top_k) sum_experts(x, summed = alloc_output(tokens, hidden));
       return add_rms_norm_twice(summed, x_weight, y, y_first_weight, y_weight, eps, h, scale, next_weight, next);
     }
-    norms_twice(nullptr, {x.rows.data, x.pair_rows.get(), x.weights.data, x.top_k}, x_weight, y, y_first_weight,
-                y_weight, eps, h, scale, next_weight, next);
+    norms_twice(nullptr, expert_sums(x), x_weight, y, y_first_weight, y_weight, eps, h, scale, next_weight, next);
   }
   // add_rms_norm_twice's pass over x's rows, or over the sums of `sums` (x null). Rows the
   // row kernel takes norm y's old values in the same pass; others in a pass before.
@@ -799,7 +798,11 @@ class CudaBackend final : public Backend {
                    matrices(down), static_cast<int64_t*>(row_map.get()), static_cast<int64_t*>(inverse.get()),
                    static_cast<cuda::GemmSegment*>(up_segments.get()),
                    static_cast<cuda::GemmSegment*>(down_segments.get()), device_tiles, max_tiles, stream_);
-    Activation y = alloc_output(pairs, hidden);
+    // With bf16 activations (bf16 inputs) the down product writes its rows as bf16, as the
+    // reference in bf16 has each expert's output: half the bytes written and read back.
+    const bool rows_bf16 = down_input == cuda::GemmInput::RoundBf16;
+    std::shared_ptr<void> y_bf16 = rows_bf16 ? pool_->get(sizeof(__nv_bfloat16) * size_t(pairs * hidden)) : nullptr;
+    Activation y = rows_bf16 ? Activation{nullptr, pairs, hidden} : alloc_output(pairs, hidden);
     // Quantized inputs. FP8 per token: the scales are per token, so the token rows are
     // quantized once for all experts, by the GEMM itself or beforehand on a copy. NVFP4:
     // each expert has its own global scales, so each (token, expert) pair gets a row of its
@@ -826,15 +829,15 @@ class CudaBackend final : public Backend {
     auto up_product = [&](float* y_up, const cuda::PreparedX& act) {
       cuda::gemm(input.data, input.rows, input.cols, false, up_rows,
                  static_cast<const cuda::GemmSegment*>(up_segments.get()), device_tiles, max_tiles, tile_rows,
-                 gate_up.format, gate_up.tiled, inter2, hidden, up_input, y_up, inter2,
+                 gate_up.format, gate_up.tiled, inter2, hidden, up_input, y_up, nullptr, inter2,
                  prepared(input, up_input, gate_up.format), act, up_scratch.get(), stream_);
     };
     auto down_scratch = pool_->get(cuda::gemm_scratch_bytes(pairs, hidden, inter2 / 2, down_input));
     auto down_product = [&](const float* x_down, bool gated, const cuda::PreparedX& x_prepared) {
       cuda::gemm(x_down, pairs, gated ? inter2 : inter2 / 2, gated, nullptr,
                  static_cast<const cuda::GemmSegment*>(down_segments.get()), device_tiles, max_tiles, tile_rows,
-                 down.format, down.tiled, hidden, inter2 / 2, down_input, y.data, y.cols, x_prepared, {},
-                 down_scratch.get(), stream_);
+                 down.format, down.tiled, hidden, inter2 / 2, down_input, y.data,
+                 static_cast<__nv_bfloat16*>(y_bf16.get()), y.cols, x_prepared, {}, down_scratch.get(), stream_);
     };
     if (gate_up.paired) {  // the up product writes the activation as the down product takes it
       auto act = pool_->get(cuda::prepared_x_bytes(pairs, inter2 / 2, down_input));
@@ -855,7 +858,7 @@ class CudaBackend final : public Backend {
       }
       down_product(act.data, gated, {});
     }
-    return {{}, y, {inverse, static_cast<const int64_t*>(inverse.get())}, routing.weights, routing.top_k};
+    return {{}, y, {inverse, static_cast<const int64_t*>(inverse.get())}, routing.weights, routing.top_k, y_bf16};
   }
   void experts(const Activation& x, const Routing& routing, const Weight& gate_up, const Weight& down,
                Activation& out) override {
@@ -863,8 +866,13 @@ class CudaBackend final : public Backend {
   }
   // out = the weighted sums of an unsummed experts' output.
   void sum_experts(const ExpertOutput& e, Activation& out) {
-    cuda::combine_experts(e.rows.data, e.pair_rows.get(), e.weights.data, e.weights.rows, e.top_k, e.rows.cols,
+    const cuda::ExpertSums sums = expert_sums(e);
+    cuda::combine_experts(sums.y, sums.y_bf16, sums.inverse, sums.weights, e.weights.rows, e.top_k, e.rows.cols,
                           out.data, stream_);
+  }
+  static cuda::ExpertSums expert_sums(const ExpertOutput& e) {
+    return {e.rows.data, static_cast<const __nv_bfloat16*>(e.rows_bf16.get()), e.pair_rows.get(), e.weights.data,
+            e.top_k};
   }
 
   void add(const Activation& a, const Activation& b, Activation& y) override {
@@ -1098,7 +1106,7 @@ class CudaBackend final : public Backend {
     const cuda::GemmSegment seg{0, 0, int(x.rows), w};
     const int tile = cuda::gemm_tile_rows(x.rows, 1, n, input, format);
     cuda::gemm(x.data, x.rows, x.cols, gated, nullptr, &seg, nullptr, int((x.rows + tile - 1) / tile), tile, format,
-               w.tiled, n, k, input, y.data, y.cols, x_prepared, {}, scratch.get(), stream_);
+               w.tiled, n, k, input, y.data, nullptr, y.cols, x_prepared, {}, scratch.get(), stream_);
   }
 
   // Products of X (x's rows, or gated as gemm_dense says) with weights ws[i] ([n, k] each;

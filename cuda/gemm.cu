@@ -184,12 +184,19 @@ struct Params {
   int64_t n, k;
   bool w_vector;   // weights by cp.async (whole aligned chunks per row, see gemm())
   bool w_tiled;    // the weights stored tiled (GemmMatrix::tiled), every segment's
-  bool y_pairs;    // Y by float2 stores (ldy even, aligned)
+  bool y_pairs;    // Y by pair stores, float2 or bf16x2 (ldy even, aligned)
   int64_t k_slice;  // split-K: K columns per blockIdx.z, a multiple of the stage's K
   float* y;
+  __nv_bfloat16* y_bf16;  // not null: Y rounded to bf16 there instead of y (gemm()'s y_bf16)
   int64_t ldy, y_copy_stride;
   PreparedX act;  // rows not null: the MLP's activation instead of y (gemm()'s `act`)
 };
+
+// Output i of Y (y + i, or y_bf16 + i rounded to nearest even). Split-K's copies are fp32.
+__device__ __forceinline__ void store_y(const Params& p, int64_t i, float v) {
+  if (p.y_bf16) p.y_bf16[i] = __float2bfloat16_rn(v);
+  else p.y[int64_t(blockIdx.z) * p.y_copy_stride + i] = v;
+}
 
 // Bytes of a stage's W row: the MMA tile's 128 (bf16, or E4M3 with E4M3 X), or the packed
 // slice that is converted into it; NVFP4's E4M3 scales (one per 16 values) follow the rows.
@@ -721,14 +728,46 @@ __global__ void __launch_bounds__(S::kThreads, S::kBlocks) gemm_kernel(const Par
     for (int half = 0; half < 2; ++half)
 #pragma unroll
       for (int i = 0; i < 2; ++i) factor[half][i] = column(half, i) < n ? column_factor(column(half, i)) : 0.0f;
+    auto value = [&](int half, int i, int j, int e, float s) {
+      return rescale(wacc[half][4 * j + 2 * i + e], s, factor[half][i]);
+    };
+    if (p.y_bf16 && p.y_pairs) {
+      // bf16 pairs of adjacent columns: a lane holds columns g and g + 8 of its rows (g = lane
+      // / 4), so lanes g and g + 1 (g even) swap one each, and g stores columns (g, g + 1), g +
+      // 1 columns (g + 8, g + 9). A warp's store then fills whole 32-byte sectors of a row, as
+      // the fp32 stores do (with 2-byte stores each sector was written in halves, and the
+      // batch-16 step was slower than with fp32 rows).
+      const bool odd = (lane >> 2) & 1;
+#pragma unroll
+      for (int j = 0; j < kBM / 8; ++j)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int r = 8 * j + 2 * (lane & 3) + e;  // the same in both lanes of a swap
+          const float s = r < rows ? x_scale(r) : 0.0f;
+#pragma unroll
+          for (int half = 0; half < 2; ++half) {
+            const float v0 = value(half, 0, j, e, s), v1 = value(half, 1, j, e, s);
+            const float swapped = __shfl_xor_sync(0xffffffffu, odd ? v0 : v1, 4);
+            if (r >= rows) continue;
+            const int64_t c = odd ? column(half, 1) - 1 : column(half, 0), at = (seg.y_row + m0 + r) * p.ldy + c;
+            const float first = odd ? swapped : v0, second = odd ? v1 : swapped;
+            if (c + 1 < n) {
+              *reinterpret_cast<__nv_bfloat162*>(p.y_bf16 + at) = __floats2bfloat162_rn(first, second);
+            } else if (c < n) {
+              store_y(p, at, first);
+            }
+          }
+        }
+      return;
+    }
     for_each_row([&](int j, int e, int r) {
       const float s = x_scale(r);
-      float* const y_row = y + (seg.y_row + m0 + r) * p.ldy;
+      const int64_t at = (seg.y_row + m0 + r) * p.ldy;
 #pragma unroll
       for (int half = 0; half < 2; ++half)
 #pragma unroll
         for (int i = 0; i < 2; ++i)
-          if (column(half, i) < n) y_row[column(half, i)] = rescale(wacc[half][4 * j + 2 * i + e], s, factor[half][i]);
+          if (column(half, i) < n) store_y(p, at + column(half, i), value(half, i, j, e, s));
     });
   } else {
     const int64_t c0 = n0 + warp_n * kWN + (lane & 3) * 2;  // the lane's first column
@@ -747,14 +786,15 @@ __global__ void __launch_bounds__(S::kThreads, S::kBlocks) gemm_kernel(const Par
 #pragma unroll
         for (int nt = 0; nt < kTilesN; ++nt) {
           const int64_t c = c0 + nt * 8;
-          float* dst = y + (seg.y_row + m0 + r) * p.ldy + c;
+          const int64_t at = (seg.y_row + m0 + r) * p.ldy + c;
           const float v0 = rescale(acc[mt][nt][half * 2], s, factor[nt][0]);
           const float v1 = rescale(acc[mt][nt][half * 2 + 1], s, factor[nt][1]);
           if (p.y_pairs && c + 1 < n) {
-            *reinterpret_cast<float2*>(dst) = make_float2(v0, v1);
+            if (p.y_bf16) *reinterpret_cast<__nv_bfloat162*>(p.y_bf16 + at) = __floats2bfloat162_rn(v0, v1);
+            else *reinterpret_cast<float2*>(y + at) = make_float2(v0, v1);
           } else {
-            if (c < n) dst[0] = v0;
-            if (c + 1 < n) dst[1] = v1;
+            if (c < n) store_y(p, at, v0);
+            if (c + 1 < n) store_y(p, at + 1, v1);
           }
         }
       }
@@ -1048,13 +1088,14 @@ PreparedX prepare_gemm_input(const float* x, int64_t rows, int64_t ldx, bool gat
 
 void gemm(const float* x, int64_t x_rows, int64_t ldx, bool gated, const int64_t* row_map, const GemmSegment* segments,
           const GemmTile* tiles, int num_tiles, int tile_rows, WeightFormat format, bool w_tiled, int64_t n, int64_t k,
-          GemmInput input, float* y, int64_t ldy, const PreparedX& prepared, const PreparedX& act, void* scratch,
-          cudaStream_t stream) {
+          GemmInput input, float* y, __nv_bfloat16* y_bf16, int64_t ldy, const PreparedX& prepared,
+          const PreparedX& act, void* scratch, cudaStream_t stream) {
   if (input == GemmInput::Fp8Token && format != WeightFormat::Fp8)
     throw std::invalid_argument("gemm: Fp8Token takes FP8 weights");
   if (act.rows && (format != WeightFormat::Plain || !w_tiled || !gemm_has_wgmma_tile(input, format) ||
                    tile_rows == 16 || n % 128 || act.kp != n / 2 || act.input == GemmInput::Fp8Token))
     throw std::invalid_argument("gemm: the activation output takes paired, tiled bf16 weights on the wgmma tiles");
+  if (y_bf16 && (y || act.rows)) throw std::invalid_argument("gemm: y_bf16 is instead of y and of act");
   if (format == WeightFormat::Nvfp4 && k % 16) throw std::invalid_argument("gemm: NVFP4 weights need K % 16 == 0");
   if (num_tiles <= 0 || n <= 0) return;
   if (padded_k(k, input) > (int64_t(1) << 29))
@@ -1070,7 +1111,7 @@ void gemm(const float* x, int64_t x_rows, int64_t ldx, bool gated, const int64_t
   const GemmSegment single = tiles ? GemmSegment{} : *segments;
   if (!tiles && single.w.tiled != w_tiled) throw std::invalid_argument("gemm: w_tiled is not the segment's layout");
   static_assert(Small::kBN == Medium::kBN, "one block width below 128 rows");
-  const SplitK split = !tiles && ldy == n ? split_k(n, k, input) : SplitK{1, kp};
+  const SplitK split = !tiles && ldy == n && !y_bf16 ? split_k(n, k, input) : SplitK{1, kp};
   const int splits = split.splits;
   float* out = y;
   const int64_t copy_stride = int64_t(single.rows) * ldy;
@@ -1097,9 +1138,10 @@ void gemm(const float* x, int64_t x_rows, int64_t ldx, bool gated, const int64_t
   const bool whole_chunks = weight_row_bytes(format, k) % 16 == 0 && (format != WeightFormat::Nvfp4 || k % 64 == 0);
   p.w_vector = whole_chunks && (tiles || reinterpret_cast<uintptr_t>(single.w.values) % 16 == 0);
   p.w_tiled = w_tiled;
-  p.y_pairs = ldy % 2 == 0 && reinterpret_cast<uintptr_t>(out) % 8 == 0;
+  p.y_pairs = ldy % 2 == 0 && (y_bf16 ? reinterpret_cast<uintptr_t>(y_bf16) % 4 : reinterpret_cast<uintptr_t>(out) % 8) == 0;
   p.k_slice = split.k_slice;
   p.y = out;
+  p.y_bf16 = y_bf16;
   p.ldy = ldy;
   p.y_copy_stride = copy_stride;
   p.act = act;

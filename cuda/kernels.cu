@@ -173,6 +173,25 @@ __device__ __forceinline__ void load_row(const float* row, int64_t group, float 
     }
   }
 }
+// Four consecutive bf16 values (8 bytes, the lower index in the low half) as floats.
+__device__ __forceinline__ float4 bf16x4_values(uint2 q) {
+  return {__uint_as_float(q.x << 16), __uint_as_float(q.x & 0xffff0000u), __uint_as_float(q.y << 16),
+          __uint_as_float(q.y & 0xffff0000u)};
+}
+// load_row's values of a bf16 row (kWidth 4: four values, 8 bytes, a load).
+template <int kWidth>
+__device__ __forceinline__ void load_row(const __nv_bfloat16* row, int64_t group, float (&v)[kRowValues]) {
+#pragma unroll
+  for (int i = 0; i < kRowValues / kWidth; ++i) {
+    const int64_t j = row_column<kWidth>(i);
+    if constexpr (kWidth == 4) {
+      const float4 q = bf16x4_values(j < group ? *reinterpret_cast<const uint2*>(row + j) : make_uint2(0, 0));
+      v[4 * i] = q.x, v[4 * i + 1] = q.y, v[4 * i + 2] = q.z, v[4 * i + 3] = q.w;
+    } else {
+      v[i] = j < group ? __bfloat162float(row[j]) : 0.0f;
+    }
+  }
+}
 template <int kWidth>
 __device__ __forceinline__ void store_row(float* row, int64_t group, const float (&v)[kRowValues]) {
 #pragma unroll
@@ -200,7 +219,8 @@ __device__ __forceinline__ void load_expert_sum(const ExpertSums& sums, int64_t 
 #pragma unroll 4
   for (int k = 0; k < sums.top_k; ++k) {
     float u[kRowValues];
-    load_row<kWidth>(sums.y + rows[k] * group, group, u);
+    if (sums.y_bf16) load_row<kWidth>(sums.y_bf16 + rows[k] * group, group, u);
+    else load_row<kWidth>(sums.y + rows[k] * group, group, u);
 #pragma unroll
     for (int i = 0; i < kRowValues; ++i) add_weighted(v[i], w[k], u[i]);
   }
@@ -301,7 +321,7 @@ __global__ void __launch_bounds__(kMaxThreads, kMaxThreads == kRowKernelPairThre
   // old values are then the first norm's, known only after it.
   const bool then_in_place = then.count && then.y[0] == outs.y[0];
   float v[kRowValues], old[kRowValues], then_old[kRowValues];
-  if (sums.y) load_expert_sum<kWidth>(sums, g, group, v);
+  if (sums.any()) load_expert_sum<kWidth>(sums, g, group, v);
   else load_row<kWidth>(x + g * group, group, v);
   if (outs.accumulate) load_row<kWidth>(outs.y[0] + g * group, group, old);
   if (outs.norm_old) rms_norm_row<kWidth>(old, outs.old_weight, group, eps);
@@ -599,7 +619,15 @@ __global__ void moe_plan_kernel(const int32_t* ids, int64_t pairs, int top_k, in
 // Tried and not kept (thirty-first session, H200, batch 1, 1K): eight pairs' row indices
 // and weights loaded together, then their eight rows' values (two round trips at top-k 8,
 // where unroll 4 takes four): 8.1 -> 8.7 us a layer in the step's trace.
-__global__ void combine_experts_kernel(const float* y, const int64_t* inverse, const float* weights, int top_k,
+// Values c .. c + 3 of a row of fp32 or bf16 y (combine_experts_kernel's vector loads).
+__device__ __forceinline__ float4 load4(const float* row, int64_t c) { return *reinterpret_cast<const float4*>(row + c); }
+__device__ __forceinline__ float4 load4(const __nv_bfloat16* row, int64_t c) {
+  return bf16x4_values(*reinterpret_cast<const uint2*>(row + c));
+}
+__device__ __forceinline__ float load1(const float* row, int64_t c) { return row[c]; }
+__device__ __forceinline__ float load1(const __nv_bfloat16* row, int64_t c) { return __bfloat162float(row[c]); }
+template <class T>
+__global__ void combine_experts_kernel(const T* y, const int64_t* inverse, const float* weights, int top_k,
                                        int64_t hidden, bool vector, float* out) {
   wait_for_earlier_kernels();
   const int64_t t = blockIdx.x, width = vector ? 4 : 1;
@@ -611,14 +639,14 @@ __global__ void combine_experts_kernel(const float* y, const int64_t* inverse, c
     float4 acc = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll 4
     for (int k = 0; k < top_k; ++k) {
-      const float4 v = *reinterpret_cast<const float4*>(y + rows[k] * hidden + c);
+      const float4 v = load4(y + rows[k] * hidden, c);
       add_weighted(acc.x, w[k], v.x), add_weighted(acc.y, w[k], v.y), add_weighted(acc.z, w[k], v.z),
           add_weighted(acc.w, w[k], v.w);
     }
     *reinterpret_cast<float4*>(out + t * hidden + c) = acc;
   } else {
     float acc = 0.0f;
-    for (int k = 0; k < top_k; ++k) add_weighted(acc, w[k], y[rows[k] * hidden + c]);
+    for (int k = 0; k < top_k; ++k) add_weighted(acc, w[k], load1(y + rows[k] * hidden, c));
     out[t * hidden + c] = acc;
   }
 }
@@ -951,7 +979,7 @@ bool rms_norms_take_sums(int64_t group) { return group >= 1024 && group <= kRowV
 void rms_norms(const float* x, const NormOutputs& outs, const NormOutputs& then, const NormOutputs& after,
                int64_t groups, int64_t group, float eps, cudaStream_t stream, const ExpertSums& sums) {
   if (!groups || !outs.count) return;
-  if (sums.y && !rms_norms_take_sums(group)) throw std::invalid_argument("rms_norms: expert sums of rows this wide");
+  if (sums.any() && !rms_norms_take_sums(group)) throw std::invalid_argument("rms_norms: expert sums of rows this wide");
   for (const NormOutputs* o : {&outs, &then, &after})
     if (o->count > kMaxNormOutputs || (o->accumulate && o->count > 1))
       throw std::invalid_argument("rms_norms: at most 4 outputs, one when accumulating");
@@ -963,7 +991,8 @@ void rms_norms(const float* x, const NormOutputs& outs, const NormOutputs& then,
                                 "its old rows");
   if (rms_norms_take_sums(group)) {  // rows that fit the row kernel's registers
     // float4s where every row the kernel touches is whole aligned ones
-    bool vector = group % 4 == 0 && reinterpret_cast<uintptr_t>(sums.y ? sums.y : x) % 16 == 0;
+    bool vector = group % 4 == 0 && (sums.y_bf16 ? reinterpret_cast<uintptr_t>(sums.y_bf16) % 8 == 0
+                                                 : reinterpret_cast<uintptr_t>(sums.y ? sums.y : x) % 16 == 0);
     for (const NormOutputs* o : {&outs, &then, &after})
       for (int k = 0; k < o->count; ++k)
         vector = vector && reinterpret_cast<uintptr_t>(o->y[k]) % 16 == 0 &&
@@ -1042,14 +1071,17 @@ void moe_plan(const int32_t* expert_ids, int64_t pairs, int top_k, int experts, 
          inverse, up_segments, down_segments, tiles, max_tiles);
 }
 
-void combine_experts(const float* y, const int64_t* inverse, const float* weights, int64_t tokens, int top_k,
-                     int64_t hidden, float* out, cudaStream_t stream) {
-  const bool vector = hidden % 4 == 0 && reinterpret_cast<uintptr_t>(y) % 16 == 0 &&
+void combine_experts(const float* y, const __nv_bfloat16* y_bf16, const int64_t* inverse, const float* weights,
+                     int64_t tokens, int top_k, int64_t hidden, float* out, cudaStream_t stream) {
+  // Vector loads: 16 bytes of fp32 rows, 8 of bf16 ones.
+  const bool vector = hidden % 4 == 0 && (y_bf16 ? reinterpret_cast<uintptr_t>(y_bf16) % 8 == 0
+                                                 : reinterpret_cast<uintptr_t>(y) % 16 == 0) &&
                       reinterpret_cast<uintptr_t>(out) % 16 == 0;
-  const int64_t threads_per_token = vector ? hidden / 4 : hidden;
-  if (tokens && hidden)
-    launch(combine_experts_kernel, dim3(unsigned(tokens), blocks_for(threads_per_token)), kThreads, 0, stream, y,
-           inverse, weights, top_k, hidden, vector, out);
+  const dim3 grid(unsigned(tokens), blocks_for(vector ? hidden / 4 : hidden));
+  if (!tokens || !hidden) return;
+  if (y_bf16) launch(combine_experts_kernel<__nv_bfloat16>, grid, kThreads, 0, stream, y_bf16, inverse, weights, top_k,
+                     hidden, vector, out);
+  else launch(combine_experts_kernel<float>, grid, kThreads, 0, stream, y, inverse, weights, top_k, hidden, vector, out);
 }
 
 void quantize_nvfp4_expert_rows(const float* x, bool gather, const int64_t* row_map, const GemmSegment* segments,

@@ -126,10 +126,12 @@ PreparedX prepare_gemm_input(const float* x, int64_t rows, int64_t ldx, bool gat
 // outputs, gelu_glu_value, as the next product takes it (its bf16 planes, act.kp = n / 2,
 // row r of Y its row r): the weights are tiled [gate; up] stacks paired (tile_matrices), plain
 // bf16 on the wgmma tiles.
+// `y_bf16` (not null, y null): Y's values rounded to bf16 there instead of y, ldy apart (the
+// MoE's expert rows with bf16 activations, as the reference in bf16 keeps them).
 void gemm(const float* x, int64_t x_rows, int64_t ldx, bool gated, const int64_t* row_map, const GemmSegment* segments,
           const GemmTile* tiles, int num_tiles, int tile_rows, WeightFormat format, bool w_tiled, int64_t n, int64_t k,
-          GemmInput input, float* y, int64_t ldy, const PreparedX& prepared, const PreparedX& act, void* scratch,
-          cudaStream_t stream);
+          GemmInput input, float* y, __nv_bfloat16* y_bf16, int64_t ldy, const PreparedX& prepared,
+          const PreparedX& act, void* scratch, cudaStream_t stream);
 // Fp8Token's codes and scales, for gemm() and its tests: per row of X (rows x k, ldx apart; gated
 // as gemm() says), the FP8 token scale into scales[row] and the E4M3 codes of x / scale
 // (activation_quant.h's quantize_e4m3) into codes + row * ld_codes, zero from k to ld_codes
@@ -315,7 +317,9 @@ struct NormOutputs {
 // A MoE layer's rows before the experts' weighted sum: row t is sum_k weights[t, k] *
 // y[inverse[t, k]], in k order (combine_experts' sum, bit for bit).
 struct ExpertSums {
-  const float* y = nullptr;  // null: none
+  const float* y = nullptr;  // null: none (unless y_bf16)
+  const __nv_bfloat16* y_bf16 = nullptr;  // y's rows as bf16 instead (y null)
+  DS_HOST_DEVICE bool any() const { return y || y_bf16; }
   const int64_t* inverse = nullptr;
   const float* weights = nullptr;
   int top_k = 0;
@@ -375,9 +379,10 @@ void moe_plan(const int32_t* expert_ids, int64_t pairs, int top_k, int experts, 
               const ExpertStack& gate_up, const ExpertStack& down, int64_t* row_map, int64_t* inverse,
               GemmSegment* up_segments, GemmSegment* down_segments, GemmTile* tiles, int max_tiles,
               cudaStream_t stream);
-// out[t] = sum_k weights[t, k] * y[inverse[t, k]] in k order (deterministic).
-void combine_experts(const float* y, const int64_t* inverse, const float* weights, int64_t tokens, int top_k,
-                     int64_t hidden, float* out, cudaStream_t stream);
+// out[t] = sum_k weights[t, k] * y[inverse[t, k]] in k order (deterministic); y's rows
+// fp32, or bf16 where `y_bf16` is not null (y then null).
+void combine_experts(const float* y, const __nv_bfloat16* y_bf16, const int64_t* inverse, const float* weights,
+                     int64_t tokens, int top_k, int64_t hidden, float* out, cudaStream_t stream);
 
 // In place on x [rows, cols], a linear's input quantized and dequantized as
 // activation_quant.h computes it: FP8 with one scale per row, or NVFP4 per 16 values with

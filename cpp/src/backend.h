@@ -191,12 +191,15 @@ struct ExpertOutput {
   std::shared_ptr<const int64_t> pair_rows;  // backend memory, from this output's first token
   Activation weights;                        // [tokens, top_k]
   int top_k = 0;                             // 0: summed
+  // The rows as bf16 values instead ([pairs, hidden] in backend memory; rows.data null):
+  // with bf16 activations, each expert's output rounded as the reference in bf16 keeps it.
+  std::shared_ptr<void> rows_bf16;
 
   int64_t tokens() const { return top_k ? weights.rows : summed.rows; }
   // Tokens [first, first + count).
   ExpertOutput view(int64_t first, int64_t count) const {
     if (!top_k) return {summed.view(first, count)};
-    return {{}, rows, {pair_rows, pair_rows.get() + first * top_k}, weights.view(first, count), top_k};
+    return {{}, rows, {pair_rows, pair_rows.get() + first * top_k}, weights.view(first, count), top_k, rows_bf16};
   }
 };
 

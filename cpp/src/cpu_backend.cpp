@@ -379,6 +379,10 @@ class CpuBackend final : public Backend {
       gelu_glu(gu, act);
       if (down.input_quant.scheme != ActivationScheme::None) quantize_input(act, down.input_quant, encoder, int(e));
       linear(act, down, y, int(e));
+      // With bf16 activations (bf16 inputs) each expert's output is kept as bf16, as the
+      // reference in bf16 has it (and the CUDA backend stores it).
+      if (down.input_quant.scheme == ActivationScheme::Bf16)
+        for (int64_t i = 0; i < y.size(); ++i) y.data[i] = round_to_dtype(y.data[i], DType::BF16);
       for (int64_t i = 0; i < r; ++i) {
         const float wgt = routing.weights.data[rows[i]];
         float* o = out.row(rows[i] / routing.top_k);
