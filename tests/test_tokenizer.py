@@ -1,6 +1,7 @@
 """Tokenizer, chat template and incremental detokenization against transformers, on a BPE
 trained in the fixture; text prompts through LLM."""
 import copy
+import json
 import pickle
 import random
 import re
@@ -392,6 +393,49 @@ def test_special_tokens_that_tokenizer_json_lacks_are_added(checkpoint, tmp_path
     for special in (True, False):
         assert ours.encode(text, add_special_tokens=special) == theirs.encode(text, add_special_tokens=special)
     ids = theirs.encode(text)
+    for skip in (True, False):
+        assert ours.decode(ids, skip_special_tokens=skip) == theirs.decode(ids, skip_special_tokens=skip)
+
+
+def _token(content, **flags):
+    return {"__type": "AddedToken", "content": content, "lstrip": False, "rstrip": False, "special": True,
+            "normalized": False, "single_word": False, **flags}
+
+
+# Each names added tokens tokenizer.json already has (<mask> special with lstrip, <tool> and
+# <eos2> plain with lstrip and rstrip, <x> plain with lstrip).
+CONFIG_TOKENS = {
+    "named as a string": {"mask_token": "<mask>", "eos_token": "<eos2>", "tool_token": "<tool>"},
+    "named as an object": {"mask_token": _token("<mask>"), "tool_token": _token("<tool>")},
+    "named in extra_special_tokens": {"extra_special_tokens": {"tool_token": "<tool>"}},
+    "listed in extra_special_tokens": {"extra_special_tokens": ["<tool>", _token("<x>"), "<new>"]},
+    "additional_special_tokens under an empty extra_special_tokens": {
+        "extra_special_tokens": [], "additional_special_tokens": ["<tool>", "<new>"]},
+    "added_tokens_decoder": {"added_tokens_decoder": {"401": _token("<tool>"),
+                                                      "400": _token("<mask>", special=False)}},
+}
+
+
+@pytest.mark.parametrize("config", CONFIG_TOKENS.values(), ids=CONFIG_TOKENS.keys())
+def test_config_tokens_tokenizer_json_has_keep_what_transformers_keeps(tmp_path, config):
+    """A special token tokenizer_config.json names by a string keeps the flags tokenizer.json gives
+    it (an lstrip <mask> had lost its lstrip, and text around it encoded otherwise); an unnamed
+    one tokenizer.json has as plain text stays text (it had been dropped from decoded output);
+    additional_special_tokens count where extra_special_tokens is empty: as transformers."""
+    from tokenizers import AddedToken
+    from chat_checkpoint import train_tokenizer
+    tokenizer = train_tokenizer()
+    tokenizer.add_special_tokens([AddedToken("<mask>", lstrip=True, special=True)])
+    tokenizer.add_tokens([AddedToken("<tool>", lstrip=True, rstrip=True), AddedToken("<eos2>", lstrip=True, rstrip=True),
+                          AddedToken("<x>", lstrip=True, normalized=False)])
+    tokenizer.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<eos>", **config}))
+    ours, theirs = Tokenizer(str(tmp_path)), AutoTokenizer.from_pretrained(str(tmp_path))
+    assert ours.vocab_size == len(theirs)
+    text = "a <mask> b <tool> c <eos2> d<x>e <new> f"
+    ids = theirs.encode(text, add_special_tokens=False)
+    assert ours.encode(text, add_special_tokens=False) == ids
     for skip in (True, False):
         assert ours.decode(ids, skip_special_tokens=skip) == theirs.decode(ids, skip_special_tokens=skip)
 

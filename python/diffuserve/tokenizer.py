@@ -71,8 +71,9 @@ def _special_tokens(config: dict, file: str) -> Tuple[Dict[str, AddedToken], Lis
             named[key] = _added_token(value, file, key, special=True)
         elif key.endswith("_token") and isinstance(value, (str, dict)):
             named[key] = _added_token(value, file, key, special=True)
-    # (additional_special_tokens: transformers 4's name for them, which 5 still reads.)
-    listed = config.get("extra_special_tokens", config.get("additional_special_tokens"))
+    # (additional_special_tokens: transformers 4's name for them, which 5 still reads where
+    # extra_special_tokens is missing or empty.)
+    listed = config.get("extra_special_tokens") or config.get("additional_special_tokens")
     if isinstance(listed, dict):
         named.update({key: _added_token(value, file, f"extra_special_tokens.{key}", special=True)
                       for key, value in listed.items()})
@@ -195,15 +196,7 @@ class Tokenizer:
         self._tokenizer.no_truncation()
         self._tokenizer.no_padding()
         named, extra = _special_tokens(config, config_file)
-        # As transformers: the config's added tokens that tokenizer.json lacks are added after its
-        # vocabulary, those it marks special are special whatever tokenizer.json says, and every
-        # special token is one of the tokenizer's special added tokens (added too where
-        # tokenizer.json lacks it), matched whole in text and skipped in decoding.
-        present = {token.content for token in self._tokenizer.get_added_tokens_decoder().values()}
-        listed = _listed_added_tokens(config, config_file)
-        self._library(self._tokenizer.add_tokens, [t for t in listed if t.content not in present])
-        self._library(self._tokenizer.add_special_tokens,
-                      list(named.values()) + extra + [t for t in listed if t.content in present and t.special])
+        self._add_config_tokens(_listed_added_tokens(config, config_file), named, extra)
         # split_special_tokens: special tokens written in text are text, not the tokens.
         self._split_special_tokens = config.get("split_special_tokens", False) is True
         self._tokenizer.encode_special_tokens = self._split_special_tokens
@@ -222,6 +215,35 @@ class Tokenizer:
         self.chat_template = _read_chat_templates(path, config, config_file)
         self._compiled: Dict[str, ChatTemplate] = {}
         self._library(self._tokenizer.encode, "a", add_special_tokens=True)  # a post-processor that cannot run
+
+    def _add_config_tokens(self, listed: List[AddedToken], named: Dict[str, AddedToken],
+                           extra: List[AddedToken]) -> None:
+        """tokenizer_config.json's tokens into the tokenizer, as transformers adds them: its
+        added_tokens_decoder (`listed`) first, those tokenizer.json lacks after its vocabulary and
+        those it has with the config's flags (special where either says so); then the special
+        tokens. A named one (bos_token, ..., a model's own "..._token") is special, with the flags
+        of the added token it names where there is one (lstrip, rstrip, ...: a string in the
+        config says nothing of them); an unnamed one (extra_special_tokens) the tokenizer already
+        has stays as it is. Special tokens the tokenizer lacks are added as the config gives them.
+        Special tokens are matched whole in text and skipped in decoding."""
+        def added() -> Dict[str, AddedToken]:
+            return {t.content: t for t in self._tokenizer.get_added_tokens_decoder().values()}
+
+        def like(token: AddedToken, special: bool) -> AddedToken:
+            return AddedToken(token.content, single_word=token.single_word, lstrip=token.lstrip,
+                              rstrip=token.rstrip, normalized=token.normalized, special=special)
+
+        present = added()
+        self._library(self._tokenizer.add_tokens, [t for t in listed if t.content not in present])
+        for t in listed:
+            if t.content in present:
+                special = t.special or present[t.content].special
+                add = self._tokenizer.add_special_tokens if special else self._tokenizer.add_tokens
+                self._library(add, [like(t, special)])
+        present = added()
+        tokens = [like(present.get(t.content, t), True) for t in named.values()]
+        tokens += [t for t in extra if t.content not in present]
+        self._library(self._tokenizer.add_special_tokens, tokens)
 
     def __setstate__(self, state: dict) -> None:
         """A copy or an unpickled tokenizer: the tokenizers library's own state leaves
