@@ -180,6 +180,14 @@ def test_draft_streaming(base_url):
     ("completions", {"model": MODEL, "prompt": "x", "seed_canvas": [3, 3]}, 400, "seed_canvas", "invalid_value"),
     ("completions", {"model": MODEL, "prompt": "x", "t_min": 0.5, "t_max": 0.2}, 400, "t_max", "invalid_value"),
     ("completions", {"model": MODEL, "prompt": "x", "stop": ["a"] * 257}, 400, "stop", None),
+    # An empty stop string (had been dropped, as if none were given).
+    ("completions", {"model": MODEL, "prompt": "x", "stop": ""}, 400, "stop", None),
+    ("chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "stop": ["a", ""]}, 400,
+     "stop", None),
+    # Text longer than any prompt that fits, refused before it is encoded (20 MB had taken 11 GB).
+    ("completions", {"model": MODEL, "prompt": "1" * 5_000_000}, 400, "prompt", None),
+    ("chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "1" * 5_000_000}]}, 400,
+     "messages", None),
     ("completions", {"model": MODEL, "prompt": "x", "top_k": 5}, 400, "top_k", "unsupported_parameter"),
     ("completions", {"model": MODEL}, 400, "prompt", "missing_required_parameter"),
     ("chat/completions", {"model": MODEL, "messages": []}, 400, "messages", "invalid_value"),

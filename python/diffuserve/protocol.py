@@ -106,6 +106,8 @@ class _GenerationRequest(_Strict):
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         if len(stop) > MAX_STOP_STRINGS:  # (OpenAI's 4 would refuse what tools written for vLLM send)
             raise ApiError(400, f"stop may hold at most {MAX_STOP_STRINGS} strings", param="stop")
+        if "" in stop:  # (as vLLM: an empty string would stop everywhere, or, skipped, not at all)
+            raise ApiError(400, "stop: an empty string is not a stop string", param="stop")
         return stop
 
     def sampling_params(self, defaults: dict, max_tokens: Optional[int], max_steps: int) -> List[SamplingParams]:

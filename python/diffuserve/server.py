@@ -208,6 +208,12 @@ class _Server:
                          "length_given": generation["length_given"], "context": config["max_position_embeddings"]}
         self.eos_token_ids = list(generation["eos_token_ids"])
         self.metrics = Metrics(lambda: self.engine.stats)
+        # The longest prompt text that can fit: max_model_len tokens of the longest token's
+        # characters. Longer ones are refused before they are encoded, which takes hundreds
+        # of bytes a token (a 20 MB text of one-character tokens had taken 11 GB and a minute
+        # to refuse as too long).
+        self.max_prompt_chars = (None if self.tokenizer is None else
+                                 engine.llm.model.max_sequence_tokens * self.tokenizer.longest_token_chars)
 
     def returns_token_ids(self, body) -> bool:
         """Whether each choice carries its token ids: as asked (return_token_ids), else where the
@@ -228,6 +234,10 @@ class _Server:
         if self.tokenizer is None:
             raise ApiError(400, "this model has no tokenizer.json, so it takes no text: send the prompt as token ids",
                            param=param, code="no_tokenizer")
+        if len(prompt) > self.max_prompt_chars:
+            raise ApiError(400, f"{param}: {len(prompt)} characters of text, more than a prompt that fits can have "
+                                f"({self.engine.llm.model.max_sequence_tokens} tokens, max_model_len, of at most "
+                                f"{self.tokenizer.longest_token_chars} characters each)", param=param)
         try:
             check_unicode(param, prompt)  # (the tokenizer's own message would name "text")
             return await asyncio.to_thread(self.tokenizer.encode, prompt, add_special_tokens=add_special_tokens)

@@ -17,7 +17,9 @@ from typing import Sequence
 
 class StopStringFilter:
     def __init__(self, stop: Sequence[str] = ()):
-        self._stop = [s for s in stop if s]
+        if "" in stop:
+            raise ValueError("stop strings: an empty string is not one")
+        self._stop = list(stop)
         self._hold = max((len(s) for s in self._stop), default=1) - 1
         self._text = ""       # everything received, up to a stop string
         self._released = 0    # characters of it handed out

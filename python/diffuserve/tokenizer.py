@@ -12,6 +12,7 @@ them:
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 import stat
@@ -272,6 +273,12 @@ class Tokenizer:
         path = check_path("path (a checkpoint directory)", path)
         # (Anything there, a broken link too, is for the constructor's _present to judge.)
         return cls(path) if os.path.lexists(os.path.join(path, "tokenizer.json")) else None
+
+    @functools.cached_property
+    def longest_token_chars(self) -> int:
+        """The most characters one token stands for in text (its vocabulary entry's length, at
+        least what it matches): a text of n characters is at least n / this many tokens."""
+        return max(map(len, self._tokenizer.get_vocab(with_added_tokens=True)), default=1)
 
     @property
     def vocab_size(self) -> int:
