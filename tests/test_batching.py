@@ -388,6 +388,29 @@ def test_a_long_prompt_prefills_in_chunks_the_sliding_pool_takes(path):
     np.testing.assert_allclose(whole.denoise(canvas), by_hand.denoise(canvas), atol=1e-4)
 
 
+def test_a_long_later_prefill_goes_in_chunks_too(path):
+    """A prefill after the first, longer than the sliding pool takes at once, is chunked as a
+    first one is (it had been refused, with nearly every block free, where the same tokens in
+    the first prefill went through); one the cache has no room for is refused whole, the
+    sequence as it was."""
+    model = ds.Model.load(path, kv_cache_memory_bytes=64 << 20, kv_block_size=BLOCK, max_num_seqs=2)
+    prompt = (np.arange(3000) * 7 % 64).tolist()
+    whole, continued = model.sequence(), model.sequence()
+    whole.prefill(prompt)
+    continued.prefill(prompt[:1])
+    continued.prefill(prompt[1:])
+    assert len(continued) == 3000
+    for layer in range(3):
+        np.testing.assert_allclose(whole.kv(layer)[0], continued.kv(layer)[0], atol=1e-5)
+    del whole, continued
+    small = ds.Model.load(path, kv_cache_memory_bytes=24 << 10, kv_block_size=4, max_num_seqs=2)
+    seq = small.sequence()
+    seq.prefill(prompt[:8])
+    with pytest.raises(ValueError, match=r"prefill: the KV cache has no room for 300 more tokens"):
+        seq.prefill(prompt[:300])
+    assert len(seq) == 8
+
+
 def test_a_prompt_past_the_whole_cache_is_named(path):
     """Sequence.prefill of a prompt no chunking fits names the prompt's tokens and the whole
     cache (it had said "no room for 1 more tokens": the size of the last chunk it tried), and

@@ -65,6 +65,8 @@ def test_a_project_without_cxx20_of_its_own_builds(program):
     ("step_zero_max_steps", r"step: max_steps must be >= 1, got 0"),
     ("step_zero_max_batched_tokens", r"step: max_batched_tokens must be >= 1, got 0"),
     ("step_negative_max_encode_tokens", r"step: request 1: max_encode_tokens must be >= 0, got -1"),
+    # A canvas no pass could hold: the step had done nothing, and a loop stepping until done spun.
+    ("step_canvas_past_max_batched_tokens", r"step: request 1's canvas is "),
     ("engine_of_no_model", r"Engine: the model is null"),  # (it had crashed)
     # Taken before (Python's SamplingParams refused them): infinite bounds.
     ("infinite_entropy_bound", r"entropy_bound must be a finite number > 0"),
@@ -73,6 +75,14 @@ def test_a_project_without_cxx20_of_its_own_builds(program):
 def test_engine_refuses_bad_plans(program, ckpt, case, message):
     result = run_case(program, ckpt, case)
     assert result.startswith("InvalidArgument: ") and message in result, result
+
+
+def test_a_prompt_chunk_planned_past_the_rows_is_cut_to_them(program, ckpt):
+    """A step whose planned prompt chunk is more than max_batched_tokens encodes as many as
+    fit (it had run no pass at all, every step, and the request never moved)."""
+    result = run_case(program, ckpt, "step_cuts_a_prompt_chunk_to_the_rows")
+    canvas = int(result.rsplit(" ", 1)[1])
+    assert result == f"ok pending {40 - canvas} of canvas {canvas}", result
 
 
 def test_generate_with_the_cache_held_elsewhere_is_an_error_not_a_hang(program, ckpt):

@@ -318,6 +318,11 @@ std::vector<std::pair<uint64_t, GenerationOutput>> Engine::step(const std::vecto
     if (p.max_encode_tokens < 0)
       throw InvalidArgument("step: request " + std::to_string(p.id) + ": max_encode_tokens must be >= 0, got " +
                             std::to_string(p.max_encode_tokens));
+    // (A pass could never denoise it: the step had returned nothing, and a caller stepping
+    // until its requests finish spun forever.)
+    if (r.canvas > max_batched_tokens)
+      throw InvalidArgument("step: request " + std::to_string(p.id) + "'s canvas is " + std::to_string(r.canvas) +
+                            " rows, more than max_batched_tokens (" + std::to_string(max_batched_tokens) + ")");
     active.push_back({p.id, &r});
     allowance[p.id] = p.max_encode_tokens;
   }
@@ -339,7 +344,9 @@ std::vector<std::pair<uint64_t, GenerationOutput>> Engine::step(const std::vecto
       const int64_t pending = r->pending();
       // Prompt chunks go only into the first pass, as planned; later passes commit blocks.
       const bool prompt_left = r->table.length() < int64_t(r->prompt.size());
-      const int64_t encode = pass == 0 ? std::min(pending, allowance[id]) : (prompt_left ? 0 : pending);
+      // (A prompt chunk planned past the pass's rows is cut to them, not skipped every pass.)
+      const int64_t encode =
+          pass == 0 ? std::min({pending, allowance[id], max_batched_tokens - rows}) : (prompt_left ? 0 : pending);
       if (encode > 0) {
         if (rows + encode > max_batched_tokens || !m.kv->reserve(r->table, encode)) continue;
         const int64_t from = r->table.length();

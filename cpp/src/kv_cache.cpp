@@ -177,6 +177,21 @@ bool KvCache::could_hold(int64_t total_tokens, int64_t chunk) const {
          (!sliding.num_blocks || ceil_div(sliding_tokens, block_size_) + 1 <= sliding.num_blocks);
 }
 
+bool KvCache::could_continue(const KvTable& table, int64_t new_tokens, int64_t chunk) const {
+  const int64_t total = table.length() + new_tokens;
+  // At most the blocks could_hold counts are the table's at once; what it holds now and
+  // what is free are its to use, as the chunks' passes free sliding blocks behind the window.
+  const int64_t most[kNumGroups] = {ceil_div(total, block_size_),
+                                    ceil_div(std::min(total, window_ - 1 + chunk), block_size_) + 1};
+  for (int g = 0; g < kNumGroups; ++g) {
+    if (!pools_[g].num_blocks) continue;
+    const auto& blocks = table.blocks[g];
+    const int64_t held = std::count_if(blocks.begin(), blocks.end(), [](int32_t b) { return b >= 0; });
+    if (most[g] > held + available(KvGroup(g))) return false;
+  }
+  return true;
+}
+
 int64_t KvCache::longest_sequence(int64_t limit, int64_t chunk) const {
   int64_t lo = 0, hi = std::max<int64_t>(0, limit);
   while (lo < hi) {

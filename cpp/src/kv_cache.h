@@ -74,6 +74,10 @@ class KvCache {
   // Whether an otherwise empty cache could hold a sequence of `total_tokens` encoded
   // `chunk` tokens at a time.
   bool could_hold(int64_t total_tokens, int64_t chunk) const;
+  // Whether `table` could take `new_tokens` more, `chunk` tokens a pass, from the cache as it
+  // is now (the other sequences holding what they hold): what a continued prefill checks
+  // before its first chunk, so that it does not stop half done.
+  bool could_continue(const KvTable& table, int64_t new_tokens, int64_t chunk) const;
   // The most tokens, at most `limit`, that could_hold admits at `chunk` tokens at a time (0:
   // none). could_hold only grows harder with the total: a bisection.
   int64_t longest_sequence(int64_t limit, int64_t chunk) const;

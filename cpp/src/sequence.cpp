@@ -222,7 +222,8 @@ void Sequence::encode(std::span<const int32_t> ids, const char* what) {
 
 void Sequence::prefill(std::span<const int32_t> ids) {
   const auto lock = model_->state().lock();
-  if (length() > 0 || ids.empty()) return encode(ids, "prefill");
+  if (ids.empty()) return encode(ids, "prefill");
+  if (length() > 0) return continue_prefill(ids);
   check_token_ids(ids, config(), "prefill");
   check_positions(0, ids.size(), config(), "prefill");  // the whole prompt, before any chunk's work
   KvCache& kv = *model_->state().kv;
@@ -245,6 +246,21 @@ void Sequence::prefill(std::span<const int32_t> ids) {
     throw;
   }
   kv.record_prefix_query(int64_t(ids.size()), hit);
+}
+
+// A prefill after the first: in chunks the sliding-window layers' pool holds, as a first
+// prefill's, where the cache as it is now could take them all (else the one pass's refusal,
+// with nothing encoded). In one pass, a 3,000-token continuation had been refused with
+// nearly every block free.
+void Sequence::continue_prefill(std::span<const int32_t> ids) {
+  check_token_ids(ids, config(), "prefill");
+  check_positions(length(), ids.size(), config(), "prefill");
+  const KvCache& kv = *model_->state().kv;
+  size_t chunk = ids.size();
+  while (chunk > 1 && !kv.could_continue(state_->table, int64_t(ids.size()), int64_t(chunk))) chunk = (chunk + 1) / 2;
+  if (!kv.could_continue(state_->table, int64_t(ids.size()), int64_t(chunk))) return encode(ids, "prefill");
+  for (size_t done = 0; done < ids.size(); done += chunk)
+    encode(ids.subspan(done, std::min(chunk, ids.size() - done)), "prefill");
 }
 
 std::pair<int64_t, int64_t> Sequence::kv_blocks() const {

@@ -147,6 +147,20 @@ const std::map<std::string, std::function<std::string(const std::string&)>> kCas
      [](const std::string& dir) {
        return "finished " + std::to_string(admitted_engine(dir)->step({{1, 2}}, 4, 0).size());
      }},
+    {"step_canvas_past_max_batched_tokens",
+     [](const std::string& dir) {
+       return "finished " + std::to_string(admitted_engine(dir)->step({{1, 2}}, 4, 1).size());
+     }},
+    {"step_cuts_a_prompt_chunk_to_the_rows",
+     [](const std::string& dir) {
+       auto model = load(dir);
+       Engine engine(model);
+       engine.add(1, std::vector<int32_t>(40, 3), params(*model, 16));
+       engine.admit(1, 40);
+       engine.step({{1, 40}}, 1, engine.canvas_length(1));
+       return "pending " + std::to_string(engine.pending_tokens(1)) + " of canvas " +
+              std::to_string(engine.canvas_length(1));
+     }},
     {"step_negative_max_encode_tokens",
      [](const std::string& dir) {
        return "finished " + std::to_string(admitted_engine(dir)->step({{1, -1}}, 4, 100).size());

@@ -109,7 +109,9 @@ class Sequence {
 
   // Causal encoder pass over `ids` at the next positions; appends their KV. On an empty
   // sequence, whole blocks of `ids` already in the prefix cache are adopted, not recomputed.
-  // Returns once the pass is done on the device, as commit does.
+  // Long `ids` go in chunks the sliding-window layers' KV pool holds (the same KV); a
+  // prefill the cache has no room for is refused before any of it is encoded. Returns once
+  // the pass is done on the device, as commit does.
   void prefill(std::span<const int32_t> ids);
   // Bidirectional decoder pass over a canvas of exactly canvas_length() tokens, reading
   // the KV cache without changing it. `self_conditioning_logits` is null (first step of a
@@ -132,6 +134,7 @@ class Sequence {
   Sequence(std::shared_ptr<Model> model, int canvas_length);
   void check_canvas(std::span<const int32_t> canvas) const;
   void encode(std::span<const int32_t> ids, const char* what);
+  void continue_prefill(std::span<const int32_t> ids);
   std::shared_ptr<Model> model_;
   std::unique_ptr<State> state_;
 };

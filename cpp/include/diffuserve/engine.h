@@ -57,8 +57,10 @@ class Engine {
   void abort(uint64_t id);
 
   // Runs up to `max_steps` (>= 1) passes over the planned requests (each admitted, each
-  // once), each pass at most `max_batched_tokens` (>= 1) rows. Returns the requests that
-  // finished; none when it could run no pass (the KV cache had no room for their tokens).
+  // once, each canvas at most max_batched_tokens rows), each pass at most
+  // `max_batched_tokens` (>= 1) rows: a prompt chunk planned past that is cut to it. Returns
+  // the requests that finished; none when it could run no pass (the KV cache had no room for
+  // their tokens).
   std::vector<std::pair<uint64_t, GenerationOutput>> step(const std::vector<StepPlan>& plan, int max_steps,
                                                           int64_t max_batched_tokens);
   // Ends the step in progress after its current pass (or the next step after its first):
