@@ -409,6 +409,19 @@ def test_a_long_later_prefill_goes_in_chunks_too(path):
     with pytest.raises(ValueError, match=r"prefill: the KV cache has no room for 300 more tokens"):
         seq.prefill(prompt[:300])
     assert len(seq) == 8
+    # Window blocks shared with another sequence through the prefix cache are not freed as the
+    # chunks pass them (a review found the check counting them, and the prefill failing halfway).
+    del seq
+    model = ds.Model.load(path, kv_cache_memory_bytes=64 << 20, kv_block_size=4, max_num_seqs=2)
+    first, second = (np.arange(40) * 7 % 64).tolist(), (np.arange(98) * 5 % 64).tolist()
+    a, b = model.sequence(), model.sequence()
+    a.prefill(first)
+    b.prefill(first)  # takes a's blocks
+    try:
+        b.prefill(second)
+        assert len(b) == 138
+    except ValueError as e:
+        assert "no room" in str(e) and len(b) == 40
 
 
 def test_a_prompt_past_the_whole_cache_is_named(path):

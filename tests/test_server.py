@@ -500,6 +500,23 @@ def test_health_fails_once_the_engine_has(offline):
         assert http.get("/health").status_code == 503
 
 
+def test_max_prompt_chars(checkpoint):
+    """--max-prompt-chars sets the longest prompt text taken before encoding; 0 takes any."""
+    from fastapi.testclient import TestClient
+    for limit in (10, 0):
+        with TestClient(build_app(AsyncLLM(ds.LLM(checkpoint, kv_cache_memory_bytes=32 << 20)), MODEL,
+                                  max_prompt_chars=limit)) as http:
+            r = http.post("/v1/completions", json={"model": MODEL, "prompt": "ab " * 4, "max_tokens": 8})
+            if limit:
+                assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
+                assert "12 characters of text, more than this server takes (10, --max-prompt-chars" in \
+                    r.json()["error"]["message"], r.text
+            else:
+                assert r.status_code == 200, r.text
+            assert http.post("/v1/completions", json={"model": MODEL, "prompt": "ab", "max_tokens": 8}).status_code \
+                == 200
+
+
 def test_api_key(offline):
     from fastapi.testclient import TestClient
     with TestClient(build_app(AsyncLLM(offline), MODEL, api_key="secret")) as http:  # exiting stops the engine

@@ -318,9 +318,10 @@ std::vector<std::pair<uint64_t, GenerationOutput>> Engine::step(const std::vecto
     if (p.max_encode_tokens < 0)
       throw InvalidArgument("step: request " + std::to_string(p.id) + ": max_encode_tokens must be >= 0, got " +
                             std::to_string(p.max_encode_tokens));
-    // (A pass could never denoise it: the step had returned nothing, and a caller stepping
-    // until its requests finish spun forever.)
-    if (r.canvas > max_batched_tokens)
+    // A request that would denoise in this step (its pending tokens all planned) but whose
+    // canvas no pass holds: the step had returned nothing, and a caller stepping until its
+    // requests finish spun forever. (A step that only prefills may be smaller.)
+    if (r.canvas > max_batched_tokens && r.pending() <= std::min<int64_t>(p.max_encode_tokens, max_batched_tokens))
       throw InvalidArgument("step: request " + std::to_string(p.id) + "'s canvas is " + std::to_string(r.canvas) +
                             " rows, more than max_batched_tokens (" + std::to_string(max_batched_tokens) + ")");
     active.push_back({p.id, &r});

@@ -179,15 +179,19 @@ bool KvCache::could_hold(int64_t total_tokens, int64_t chunk) const {
 
 bool KvCache::could_continue(const KvTable& table, int64_t new_tokens, int64_t chunk) const {
   const int64_t total = table.length() + new_tokens;
-  // At most the blocks could_hold counts are the table's at once; what it holds now and
-  // what is free are its to use, as the chunks' passes free sliding blocks behind the window.
+  // At most the blocks could_hold counts are the table's at once; what is free is its to
+  // use, and so are the blocks it holds alone, as the chunks' passes free sliding blocks
+  // behind the window (one it shares through the prefix cache stays held by the other).
   const int64_t most[kNumGroups] = {ceil_div(total, block_size_),
                                     ceil_div(std::min(total, window_ - 1 + chunk), block_size_) + 1};
   for (int g = 0; g < kNumGroups; ++g) {
-    if (!pools_[g].num_blocks) continue;
+    const Pool& p = pools_[g];
+    if (!p.num_blocks) continue;
     const auto& blocks = table.blocks[g];
-    const int64_t held = std::count_if(blocks.begin(), blocks.end(), [](int32_t b) { return b >= 0; });
-    if (most[g] > held + available(KvGroup(g))) return false;
+    const int64_t own = std::count_if(blocks.begin(), blocks.end(), [&](int32_t b) {
+      return b >= 0 && (g == kFullGroup || p.refcount[b] == 1);
+    });
+    if (most[g] > own + available(KvGroup(g))) return false;
   }
   return true;
 }

@@ -197,7 +197,7 @@ class _Choice:
 
 class _Server:
     def __init__(self, engine: AsyncLLM, model_name: str,
-                 max_denoising_steps_limit: int = MAX_DENOISING_STEPS_LIMIT):
+                 max_denoising_steps_limit: int = MAX_DENOISING_STEPS_LIMIT, max_prompt_chars: Optional[int] = None):
         self.engine = engine
         self.tokenizer = engine.tokenizer  # None without a tokenizer.json: token ids in and out alone
         self.model_name = model_name
@@ -208,12 +208,14 @@ class _Server:
                          "length_given": generation["length_given"], "context": config["max_position_embeddings"]}
         self.eos_token_ids = list(generation["eos_token_ids"])
         self.metrics = Metrics(lambda: self.engine.stats)
-        # The longest prompt text that can fit: max_model_len tokens of the longest token's
-        # characters. Longer ones are refused before they are encoded, which takes hundreds
-        # of bytes a token (a 20 MB text of one-character tokens had taken 11 GB and a minute
-        # to refuse as too long).
-        self.max_prompt_chars = (None if self.tokenizer is None else
-                                 engine.llm.model.max_sequence_tokens * self.tokenizer.longest_token_chars)
+        # The longest prompt text taken: by default max_model_len tokens of the vocabulary's
+        # longest entry, more than any prompt that fits has (unless its tokens swallow
+        # characters: a token with lstrip takes any run of spaces before it; then raise it).
+        # Longer ones are refused before they are encoded, which takes hundreds of bytes a
+        # token (a 20 MB text of one-character tokens had taken 11 GB and a minute to refuse).
+        if max_prompt_chars is None and self.tokenizer is not None:
+            max_prompt_chars = engine.llm.model.max_sequence_tokens * self.tokenizer.longest_token_chars
+        self.max_prompt_chars = max_prompt_chars or None  # 0: no limit
 
     def returns_token_ids(self, body) -> bool:
         """Whether each choice carries its token ids: as asked (return_token_ids), else where the
@@ -234,10 +236,10 @@ class _Server:
         if self.tokenizer is None:
             raise ApiError(400, "this model has no tokenizer.json, so it takes no text: send the prompt as token ids",
                            param=param, code="no_tokenizer")
-        if len(prompt) > self.max_prompt_chars:
-            raise ApiError(400, f"{param}: {len(prompt)} characters of text, more than a prompt that fits can have "
-                                f"({self.engine.llm.model.max_sequence_tokens} tokens, max_model_len, of at most "
-                                f"{self.tokenizer.longest_token_chars} characters each)", param=param)
+        if self.max_prompt_chars is not None and len(prompt) > self.max_prompt_chars:
+            raise ApiError(400, f"{param}: {len(prompt)} characters of text, more than this server takes "
+                                f"({self.max_prompt_chars}, --max-prompt-chars: by default max_model_len tokens of "
+                                f"the vocabulary's longest entry)", param=param)
         try:
             check_unicode(param, prompt)  # (the tokenizer's own message would name "text")
             return await asyncio.to_thread(self.tokenizer.encode, prompt, add_special_tokens=add_special_tokens)
@@ -475,11 +477,13 @@ def check_api_key(api_key: Optional[str]) -> None:
 
 def build_app(engine: AsyncLLM, model_name: str, api_key: Optional[str] = None,
               max_denoising_steps_limit: int = MAX_DENOISING_STEPS_LIMIT,
-              allowed_origins: Sequence[str] = ("*",)) -> FastAPI:
+              allowed_origins: Sequence[str] = ("*",), max_prompt_chars: Optional[int] = None) -> FastAPI:
     """The FastAPI app serving `engine` under `model_name`. The app owns the engine: its
-    shutdown aborts what is still running and stops the engine thread."""
+    shutdown aborts what is still running and stops the engine thread. max_prompt_chars: the
+    longest prompt text taken (None: max_model_len tokens of the vocabulary's longest entry;
+    0: any)."""
     check_api_key(api_key)
-    server = _Server(engine, model_name, max_denoising_steps_limit)
+    server = _Server(engine, model_name, max_denoising_steps_limit, max_prompt_chars)
 
     @asynccontextmanager
     async def lifespan(app):

@@ -57,7 +57,8 @@ class Engine {
   void abort(uint64_t id);
 
   // Runs up to `max_steps` (>= 1) passes over the planned requests (each admitted, each
-  // once, each canvas at most max_batched_tokens rows), each pass at most
+  // once, each canvas at most max_batched_tokens rows where the step would denoise it: its
+  // pending tokens all planned), each pass at most
   // `max_batched_tokens` (>= 1) rows: a prompt chunk planned past that is cut to it. Returns
   // the requests that finished; none when it could run no pass (the KV cache had no room for
   // their tokens).
