@@ -413,6 +413,8 @@ CONFIG_TOKENS = {
         "extra_special_tokens": [], "additional_special_tokens": ["<tool>", "<new>"]},
     "added_tokens_decoder": {"added_tokens_decoder": {"401": _token("<tool>"),
                                                       "400": _token("<mask>", special=False)}},
+    "named, not in added_tokens_decoder": {"added_tokens_decoder": {"400": _token("<mask>", lstrip=True)},
+                                           "eos_token": "<eos2>", "tool_token": "<tool>"},
 }
 
 

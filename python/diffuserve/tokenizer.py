@@ -86,11 +86,12 @@ def _special_tokens(config: dict, file: str) -> Tuple[Dict[str, AddedToken], Lis
     return named, extra
 
 
-def _listed_added_tokens(config: dict, file: str) -> List[AddedToken]:
-    """tokenizer_config.json's added_tokens_decoder ({id: AddedToken}), in the order of the ids."""
+def _listed_added_tokens(config: dict, file: str) -> Optional[List[AddedToken]]:
+    """tokenizer_config.json's added_tokens_decoder ({id: AddedToken}), in the order of the ids;
+    None where it has none."""
     listed = config.get("added_tokens_decoder")
     if listed is None:
-        return []
+        return None
     if not isinstance(listed, dict):
         raise _core.CheckpointError(f"{file}: added_tokens_decoder must be an object of id: token, got {listed!r}")
     tokens = []
@@ -217,16 +218,18 @@ class Tokenizer:
         self._compiled: Dict[str, ChatTemplate] = {}
         self._library(self._tokenizer.encode, "a", add_special_tokens=True)  # a post-processor that cannot run
 
-    def _add_config_tokens(self, listed: List[AddedToken], named: Dict[str, AddedToken],
+    def _add_config_tokens(self, listed: Optional[List[AddedToken]], named: Dict[str, AddedToken],
                            extra: List[AddedToken]) -> None:
         """tokenizer_config.json's tokens into the tokenizer, as transformers adds them: its
         added_tokens_decoder (`listed`) first, those tokenizer.json lacks after its vocabulary and
         those it has with the config's flags (special where either says so); then the special
         tokens. A named one (bos_token, ..., a model's own "..._token") is special, with the flags
-        of the added token it names where there is one (lstrip, rstrip, ...: a string in the
-        config says nothing of them); an unnamed one (extra_special_tokens) the tokenizer already
-        has stays as it is. Special tokens the tokenizer lacks are added as the config gives them.
-        Special tokens are matched whole in text and skipped in decoding."""
+        of the added token it names (lstrip, rstrip, ...: a string in the config says nothing of
+        them), where added_tokens_decoder lists that token or the config has none (transformers
+        looks the names up there, and else in tokenizer.json); one that tokenizer.json alone has
+        stays as it is, and so does an unnamed one (extra_special_tokens) the tokenizer has.
+        Special tokens the tokenizer lacks are added as the config gives them. Special tokens are
+        matched whole in text and skipped in decoding."""
         def added() -> Dict[str, AddedToken]:
             return {t.content: t for t in self._tokenizer.get_added_tokens_decoder().values()}
 
@@ -234,7 +237,8 @@ class Tokenizer:
             return AddedToken(token.content, single_word=token.single_word, lstrip=token.lstrip,
                               rstrip=token.rstrip, normalized=token.normalized, special=special)
 
-        present = added()
+        present, looked_up = added(), None if listed is None else {t.content for t in listed}
+        listed = listed or []
         self._library(self._tokenizer.add_tokens, [t for t in listed if t.content not in present])
         for t in listed:
             if t.content in present:
@@ -242,7 +246,8 @@ class Tokenizer:
                 add = self._tokenizer.add_special_tokens if special else self._tokenizer.add_tokens
                 self._library(add, [like(t, special)])
         present = added()
-        tokens = [like(present.get(t.content, t), True) for t in named.values()]
+        tokens = [t if t.content not in present else like(present[t.content], True) for t in named.values()
+                  if t.content not in present or looked_up is None or t.content in looked_up]
         tokens += [t for t in extra if t.content not in present]
         self._library(self._tokenizer.add_special_tokens, tokens)
 
