@@ -63,6 +63,8 @@ CASES = {
     "window2_canvas16": (text([S, S, F], sliding_window=2, num_experts=1, top_k_experts=1), 16, 3, 2,
                          torch.float32, None),
     "canvas1": (text([S, F]), 1, 1, 5, torch.float32, None),
+    # No sliding layer, and a sliding_window of 1, which nothing then reads (had been refused).
+    "full_only_window1": (text([F, F], sliding_window=1), 8, 9, 2, torch.float32, None),
     # transformers' other names for GELU's tanh approximation (had been refused).
     "gelu_new": (text([S, F], hidden_activation="gelu_new"), 8, 9, 2, torch.float32, None),
     "gelu_fast": (text([F, S], hidden_activation="gelu_fast"), 8, 9, 2, torch.float32, None),

@@ -363,7 +363,7 @@ ModelConfig load_config(const std::string& dir) {
   c.num_experts = int(t.integer("num_experts", 1, 65536));
   c.top_k_experts = int(t.integer("top_k_experts", 1, c.num_experts));
   c.moe_intermediate_size = int(t.integer("moe_intermediate_size", 1, kMaxDim));
-  c.sliding_window = int(t.integer_or("sliding_window", 512, 2, INT32_MAX));
+  c.sliding_window = int(t.integer_or("sliding_window", 512, 1, INT32_MAX));  // >= 2 with a sliding layer (below)
   c.max_position_embeddings = t.integer_or("max_position_embeddings", 131072, 1, INT64_C(1) << 40);
   c.rms_norm_eps = t.float_or("rms_norm_eps", 1e-6f);
   // transformers' DiffusionGemma divides the logits by it whatever it is: null (which other
@@ -491,6 +491,9 @@ ModelConfig load_config(const std::string& dir) {
         rope_inv_freq(Fields{*rp, path, "text_config." + rope_field + "." + kind + "."}, L.head_dim, rope_defaults);
     c.layers.push_back(std::move(L));
   }
+  // (transformers fails on a window of 1 where a layer slides; where none does it never reads it.)
+  if (c.sliding_window < 2 && std::any_of(c.layers.begin(), c.layers.end(), [](const LayerConfig& l) { return l.sliding; }))
+    t.fail("sliding_window", "= " + std::to_string(c.sliding_window) + " must be >= 2 where a layer is sliding_attention");
 
   if (const json::Value* q = top.get("quantization_config")) {
     if (!q->is_object()) top.fail("quantization_config", "must be an object");
