@@ -160,35 +160,26 @@ template <int kWidth>
 __device__ __forceinline__ int64_t row_column(int c) {
   return (threadIdx.x + int64_t(c) * blockDim.x) * kWidth;
 }
-template <int kWidth>
-__device__ __forceinline__ void load_row(const float* row, int64_t group, float (&v)[kRowValues]) {
-#pragma unroll
-  for (int i = 0; i < kRowValues / kWidth; ++i) {
-    const int64_t j = row_column<kWidth>(i);
-    if constexpr (kWidth == 4) {
-      const float4 q = j < group ? *reinterpret_cast<const float4*>(row + j) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-      v[4 * i] = q.x, v[4 * i + 1] = q.y, v[4 * i + 2] = q.z, v[4 * i + 3] = q.w;
-    } else {
-      v[i] = j < group ? row[j] : 0.0f;
-    }
-  }
-}
-// Four consecutive bf16 values (8 bytes, the lower index in the low half) as floats.
-__device__ __forceinline__ float4 bf16x4_values(uint2 q) {
+// Values c .. c + 3 (16 bytes of fp32, 8 of bf16: one load) and value c of a row, as floats.
+__device__ __forceinline__ float4 load4(const float* row, int64_t c) { return *reinterpret_cast<const float4*>(row + c); }
+__device__ __forceinline__ float4 load4(const __nv_bfloat16* row, int64_t c) {
+  const uint2 q = *reinterpret_cast<const uint2*>(row + c);  // the lower index in the low half
   return {__uint_as_float(q.x << 16), __uint_as_float(q.x & 0xffff0000u), __uint_as_float(q.y << 16),
           __uint_as_float(q.y & 0xffff0000u)};
 }
-// load_row's values of a bf16 row (kWidth 4: four values, 8 bytes, a load).
-template <int kWidth>
-__device__ __forceinline__ void load_row(const __nv_bfloat16* row, int64_t group, float (&v)[kRowValues]) {
+__device__ __forceinline__ float load1(const float* row, int64_t c) { return row[c]; }
+__device__ __forceinline__ float load1(const __nv_bfloat16* row, int64_t c) { return __bfloat162float(row[c]); }
+// This thread's values of an fp32 or bf16 row (kWidth 4: load4s).
+template <int kWidth, class T>
+__device__ __forceinline__ void load_row(const T* row, int64_t group, float (&v)[kRowValues]) {
 #pragma unroll
   for (int i = 0; i < kRowValues / kWidth; ++i) {
     const int64_t j = row_column<kWidth>(i);
     if constexpr (kWidth == 4) {
-      const float4 q = bf16x4_values(j < group ? *reinterpret_cast<const uint2*>(row + j) : make_uint2(0, 0));
+      const float4 q = j < group ? load4(row, j) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
       v[4 * i] = q.x, v[4 * i + 1] = q.y, v[4 * i + 2] = q.z, v[4 * i + 3] = q.w;
     } else {
-      v[i] = j < group ? __bfloat162float(row[j]) : 0.0f;
+      v[i] = j < group ? load1(row, j) : 0.0f;
     }
   }
 }
@@ -619,13 +610,6 @@ __global__ void moe_plan_kernel(const int32_t* ids, int64_t pairs, int top_k, in
 // Tried and not kept (thirty-first session, H200, batch 1, 1K): eight pairs' row indices
 // and weights loaded together, then their eight rows' values (two round trips at top-k 8,
 // where unroll 4 takes four): 8.1 -> 8.7 us a layer in the step's trace.
-// Values c .. c + 3 of a row of fp32 or bf16 y (combine_experts_kernel's vector loads).
-__device__ __forceinline__ float4 load4(const float* row, int64_t c) { return *reinterpret_cast<const float4*>(row + c); }
-__device__ __forceinline__ float4 load4(const __nv_bfloat16* row, int64_t c) {
-  return bf16x4_values(*reinterpret_cast<const uint2*>(row + c));
-}
-__device__ __forceinline__ float load1(const float* row, int64_t c) { return row[c]; }
-__device__ __forceinline__ float load1(const __nv_bfloat16* row, int64_t c) { return __bfloat162float(row[c]); }
 template <class T>
 __global__ void combine_experts_kernel(const T* y, const int64_t* inverse, const float* weights, int top_k,
                                        int64_t hidden, bool vector, float* out) {
