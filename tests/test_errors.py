@@ -688,6 +688,23 @@ def test_cli_with_stdout_closed(chat_dir):
     assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr
 
 
+@pytest.mark.parametrize("stderr", ["closed", "/dev/full"])
+def test_cli_with_stderr_unwritable(chat_dir, stderr):
+    """A command whose standard error is closed, or cannot be written, still runs: its status
+    lines are dropped (it had exited 1 at the loading line, saying nothing)."""
+    if stderr == "/dev/full" and not os.path.exists(stderr):
+        pytest.skip("no /dev/full here")
+    command = [sys.executable, "-m", "diffuserve", "generate", "Hello", "-m", str(chat_dir), "--raw",
+               "--max-tokens", "16"]
+    if stderr == "closed":
+        result = subprocess.run(command, stdout=subprocess.PIPE, text=True, timeout=300,
+                                preexec_fn=lambda: os.close(2))
+    else:
+        with open(stderr, "w") as full:
+            result = subprocess.run(command, stdout=subprocess.PIPE, stderr=full, text=True, timeout=300)
+    assert result.returncode == 0 and result.stdout.strip(), result
+
+
 def test_cli_text_the_terminal_cannot_encode(chat_dir):
     """Generated text on a terminal whose encoding lacks its characters comes out replaced
     (it had been a UnicodeEncodeError traceback)."""

@@ -382,12 +382,45 @@ def parser() -> argparse.ArgumentParser:
     return root
 
 
+class _StatusStream:
+    """sys.stderr for the commands' status lines (the loading line, progress, "wrote ..."): a
+    stream that cannot take them (closed, where sys.stderr is None, or a full disk) drops
+    them; the command goes on. (Under a supervisor with stderr closed, serve had died at its
+    loading line, saying nothing.)"""
+
+    def __init__(self, stream):
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        try:
+            return self._stream.write(text)
+        except (AttributeError, OSError, ValueError):
+            return len(text)
+
+    def flush(self) -> None:
+        try:
+            self._stream.flush()
+        except (AttributeError, OSError, ValueError):
+            pass
+
+    def isatty(self) -> bool:
+        try:
+            return self._stream.isatty()
+        except (AttributeError, OSError, ValueError):
+            return False
+
+    def __getattr__(self, name):  # encoding, fileno, ...: the stream's own
+        return getattr(self._stream, name)
+
+
 def main(argv=None) -> None:
     args = parser().parse_args(argv)
     # Text the terminal's encoding cannot show (generated text on a non-UTF-8 locale) comes
     # out as "?" rather than ending the command (stderr already escapes it).
     if hasattr(sys.stdout, "reconfigure"):  # (None where the command runs with stdout closed)
         sys.stdout.reconfigure(errors="replace")
+    if not isinstance(sys.stderr, _StatusStream):
+        sys.stderr = _StatusStream(sys.stderr)
     try:
         args.run(args)
         if sys.stdout is not None:
