@@ -469,6 +469,40 @@ def test_quantize_reads_the_models_weight_files_alone(tmp_path):
         ds.Model.load(out)
 
 
+@pytest.mark.parametrize("layout", ["encoder copies", "base model names"])
+def test_quantize_writes_what_it_reads_as_a_load_reads_it(tmp_path, layout):
+    """A checkpoint that holds the encoder's copies of the decoder's weights (an untied lm_head's,
+    as transformers saves it), or names its tensors without "model." (a base model's save):
+    `quantize` writes the same tensors as from the plain checkpoint, under the names it read.
+    (The encoder's experts had been quantized and its linears not, and the copy failed to load;
+    a base model's linears had been left unquantized.)"""
+    from diffuserve.quantize import quantize
+    from diffuserve.random_checkpoint import write_random_checkpoint
+    from diffuserve.safetensors_io import read_safetensors, write_safetensors
+    clean = write_random_checkpoint(tmp_path / "clean", canvas_length=8, seed=3, hidden_size=64)
+    quantize(clean, str(tmp_path / "clean_q"))
+    expected = read_safetensors(str(tmp_path / "clean_q" / "model.safetensors"))
+    src = shutil.copytree(clean, tmp_path / "src")
+    tensors = read_safetensors(os.path.join(src, "model.safetensors"))
+    decoder, encoder = "model.decoder.", "model.encoder.language_model."
+    if layout == "encoder copies":
+        tensors.update({encoder + n[len(decoder):]: v for n, v in tensors.items()
+                        if n.startswith(decoder + "layers.") and encoder + n[len(decoder):] not in tensors})
+        renamed = lambda name: name  # noqa: E731
+    else:
+        tensors = {n[len("model."):]: v for n, v in tensors.items()}
+        renamed = lambda name: name[len("model."):]  # noqa: E731
+    write_safetensors(os.path.join(src, "model.safetensors"), tensors)
+    out = str(tmp_path / "out")
+    quantize(str(src), out)
+    got = read_safetensors(os.path.join(out, "model.safetensors"))
+    assert set(got) == {renamed(n) for n in expected}
+    for name, (dtype, values) in expected.items():
+        assert got[renamed(name)][0] == dtype, name
+        np.testing.assert_array_equal(got[renamed(name)][1], values, err_msg=name)
+    ds.Model.load(out)
+
+
 def test_quantize_checks_the_index_as_the_loader_does(tmp_path):
     """The loader's own checks choose and check the files (one piece of code for both): a
     tensor in two shards (which copy is the model's is unknown), a shard outside the directory,

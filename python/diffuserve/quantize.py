@@ -11,8 +11,10 @@ projection, and every expert, written one linear per expert.
   rounds them and packed two a byte; activations stay 16-bit (W4A16).
 The arithmetic follows compressed-tensors step by step, so that an fp32 checkpoint
 quantizes to LLM Compressor's bytes: tests/test_quantized.py checks it tensor for tensor.
-The encoder's copies of the shared weights that LLM Compressor also writes are left out
-(the weights are tied; diffuserve and transformers tie them back).
+The encoder's copies of the shared weights that LLM Compressor also writes (and a checkpoint
+with an untied lm_head holds) are left out (the weights are tied; diffuserve and
+transformers tie them back). The source is read as it is used and each linear quantized as
+it is written, so that memory holds about one tensor at a time, not the checkpoint.
 """
 from __future__ import annotations
 
@@ -20,11 +22,12 @@ import json
 import os
 import re
 import shutil
+from typing import Callable
 
 import numpy as np
 
 from . import _core
-from .safetensors_io import as_float32, read_safetensors, write_safetensors
+from .safetensors_io import LazyTensor, as_float32, read_safetensors, write_safetensors
 
 FP8_MAX = 448.0
 _LINEAR = re.compile(r"model\.decoder\.(layers\.\d+\.(self_attn|mlp)\.\w+_proj|self_conditioning\.\w+_proj)\.weight$")
@@ -132,20 +135,39 @@ def _fusion_group(prefix: str) -> tuple:
 
 
 def _quantize_linears(linears: dict, scheme: str) -> dict:
-    """prefix -> fp32 [out, in] weight, to the tensors of the scheme."""
+    """prefix -> (shape [out, in], a function giving the fp32 weight), to the tensors of the
+    scheme, each a LazyTensor: a linear is quantized when its first tensor is written, and
+    its others (written next) take the same result."""
+    last = {}  # the linear quantized last: prefix -> its tensors
+
+    def quantized(prefix: str, compute) -> Callable:
+        def tensors():
+            if prefix not in last:
+                last.clear()
+                last[prefix] = compute()
+            return last[prefix]
+        return tensors
+
     out = {}
     if scheme == "fp8-dynamic":
-        for prefix, w in linears.items():
-            out[prefix + ".weight"], out[prefix + ".weight_scale"] = _fp8_linear(w)
+        for prefix, ((rows, cols), weight) in linears.items():
+            tensors = quantized(prefix, lambda weight=weight: _fp8_linear(weight()))
+            out[prefix + ".weight"] = LazyTensor("F8_E4M3", (rows, cols), lambda t=tensors: t()[0][1])
+            out[prefix + ".weight_scale"] = LazyTensor("F32", (rows, 1), lambda t=tensors: t()[1])
         return out
+    for prefix, ((rows, cols), _) in linears.items():
+        if cols % 16:
+            raise ValueError(f"nvfp4 needs every linear's input size to be a multiple of 16: {prefix} has {cols}")
     group_amax = {}
-    for prefix, w in linears.items():
+    for prefix, (_, weight) in linears.items():
         key = _fusion_group(prefix)
-        group_amax[key] = max(group_amax.get(key, np.float32(0)), _absmax(w))
-    for prefix, w in linears.items():
-        packed, scale, global_scale = _nvfp4_linear(w, group_amax[_fusion_group(prefix)])
-        out[prefix + ".weight_packed"], out[prefix + ".weight_scale"] = packed, scale
-        out[prefix + ".weight_global_scale"] = global_scale
+        group_amax[key] = max(group_amax.get(key, np.float32(0)), _absmax(weight()))
+    for prefix, ((rows, cols), weight) in linears.items():
+        amax = group_amax[_fusion_group(prefix)]
+        tensors = quantized(prefix, lambda weight=weight, amax=amax: _nvfp4_linear(weight(), amax))
+        out[prefix + ".weight_packed"] = LazyTensor("U8", (rows, cols // 2), lambda t=tensors: t()[0][1])
+        out[prefix + ".weight_scale"] = LazyTensor("F8_E4M3", (rows, cols // 16), lambda t=tensors: t()[1][1])
+        out[prefix + ".weight_global_scale"] = LazyTensor("F32", (1,), lambda t=tensors: t()[2])
     return out
 
 
@@ -178,21 +200,36 @@ def quantize(src: str, dst: str, scheme: str = "fp8-dynamic") -> None:
     # test's reference logits) is not the model's, and had been merged in.
     tensors = {}
     for path in _core.weight_files(src):
-        tensors.update(read_safetensors(path))
+        tensors.update(read_safetensors(path, mapped=True))
     if not tensors:
         raise ValueError(f"{src}: its checkpoint holds no tensors")
+    # Names as a load reads them: a base model's checkpoint (DiffusionGemmaModel.save_pretrained)
+    # lacks the "model." a load puts before them (its linears had been left unquantized).
+    base = not any(name.startswith("model.") for name in tensors)
+    stored = {("model." + name if base else name): name for name in tensors}  # load's name -> the file's
+    encoder, decoder = "model.encoder.language_model.", "model.decoder."
 
     linears, out = {}, {}
-    for name, (dtype, arr) in tensors.items():
-        if _LINEAR.match(name):
-            linears[name[: -len(".weight")]] = as_float32(dtype, arr)
+    for full, name in stored.items():
+        dtype, arr = tensors[name]
+        if full.startswith(encoder) and not full.endswith(".layer_scalar"):  # (those are the encoder's own)
+            # The encoder's copy of a decoder weight (a checkpoint with an untied lm_head, or
+            # LLM Compressor's output, holds them): left out, as a load ties it back. (Its
+            # experts had been quantized and its linears not, and the copy failed to load.)
+            twin = tensors.get(stored.get(decoder + full[len(encoder):], ""))
+            if twin is not None and twin[0] == dtype and np.array_equal(twin[1], arr):
+                continue
+        if _LINEAR.match(full):
+            linears[name[: -len(".weight")]] = (arr.shape, lambda dtype=dtype, arr=arr: as_float32(dtype, arr))
         elif name.endswith((".experts.gate_up_proj", ".experts.down_proj")):
             prefix = name.rsplit(".", 1)[0]
-            w = as_float32(dtype, arr)
             parts = (("gate_proj", "up_proj") if name.endswith("gate_up_proj") else ("down_proj",))
-            for e in range(w.shape[0]):
-                for part, rows in zip(parts, np.split(w[e], len(parts))):
-                    linears[f"{prefix}.{e}.{part}"] = rows
+            rows = arr.shape[1] // len(parts)
+            for e in range(arr.shape[0]):
+                for i, part in enumerate(parts):
+                    linears[f"{prefix}.{e}.{part}"] = (
+                        (rows, arr.shape[2]),
+                        lambda dtype=dtype, w=arr[e, i * rows:(i + 1) * rows]: as_float32(dtype, w))
         else:
             out[name] = (dtype, arr)
     out.update(_quantize_linears(linears, scheme))

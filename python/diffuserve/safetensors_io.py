@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import struct
+from typing import Callable, NamedTuple, Tuple
 
 import numpy as np
 
@@ -13,23 +15,39 @@ _NUMPY = {"F32": np.float32, "F16": np.float16, "F64": np.float64, "I64": np.int
           "BOOL": np.bool_, "BF16": np.uint16, "F8_E4M3": np.uint8, "F8_E5M2": np.uint8}
 
 
+class LazyTensor(NamedTuple):
+    """A tensor write_safetensors computes only as it writes it (`make()`: the array of its raw
+    bits), so that a checkpoint's outputs need not all be in memory at once."""
+    dtype: str
+    shape: Tuple[int, ...]
+    make: Callable[[], np.ndarray]
+
+
 def write_safetensors(path: str, tensors: dict) -> None:
-    """tensors: name -> np.ndarray, or a (safetensors dtype name, array of its raw bits) pair."""
-    header, blobs, offset = {}, [], 0
+    """tensors: name -> np.ndarray, a (safetensors dtype name, array of its raw bits) pair, or a
+    LazyTensor. Each is written as it comes, none copied whole."""
     plain = {np.float32: "F32", np.float16: "F16"}
+    entries, header, offset = [], {}, 0
     for name, value in tensors.items():
-        dtype, arr = value if isinstance(value, tuple) else (plain[value.dtype.type], value)
-        data = np.ascontiguousarray(arr).tobytes()
-        header[name] = {"dtype": dtype, "shape": list(arr.shape), "data_offsets": [offset, offset + len(data)]}
-        blobs.append(data)
-        offset += len(data)
+        if isinstance(value, LazyTensor):
+            dtype, shape, make = value
+        else:
+            dtype, arr = value if isinstance(value, tuple) else (plain[value.dtype.type], value)
+            shape, make = arr.shape, (lambda arr=arr: arr)
+        size = math.prod(shape) * np.dtype(_NUMPY[dtype]).itemsize
+        header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + size]}
+        entries.append((name, tuple(shape), size, make))
+        offset += size
     head = json.dumps(header, separators=(",", ":")).encode()
     head += b" " * (-len(head) % 8)  # the data section starts 8-byte aligned
     with open(path, "wb") as f:
         f.write(struct.pack("<Q", len(head)))
         f.write(head)
-        for blob in blobs:
-            f.write(blob)
+        for name, shape, size, make in entries:
+            arr = np.ascontiguousarray(make())
+            if arr.shape != shape or arr.nbytes != size:
+                raise ValueError(f"{path}: tensor '{name}' came out {arr.shape}, {arr.nbytes} bytes, not {shape}, {size}")
+            f.write(arr.reshape(-1).view(np.uint8).data)
 
 
 def _check_coverage(path: str, header: dict, data_bytes: int) -> None:
@@ -79,19 +97,24 @@ def _check_entry(path: str, name: str, entry, data_bytes: int) -> None:
                          f"{end - begin}")
 
 
-def read_safetensors(path: str) -> dict:
+def read_safetensors(path: str, mapped: bool = False) -> dict:
     """name -> (safetensors dtype name, np.ndarray of the stored values or raw bits). A
-    malformed file is a ValueError naming it (and the tensor at fault)."""
-    with open(path, "rb") as f:
-        data = f.read()
+    malformed file is a ValueError naming it (and the tensor at fault). `mapped`: the arrays
+    are views of the file mapped read-only, read from disk as they are used (the file must
+    then stay as it is while they live)."""
+    if mapped and os.path.getsize(path) >= 8:
+        data = np.memmap(path, dtype=np.uint8, mode="r")
+    else:
+        with open(path, "rb") as f:
+            data = f.read()
     if len(data) < 8:
         raise ValueError(f"{path}: file is {len(data)} bytes, too short for a safetensors header")
-    (length,) = struct.unpack("<Q", data[:8])
+    (length,) = struct.unpack("<Q", bytes(data[:8]))
     if length > len(data) - 8:
         raise ValueError(f"{path}: bad header length {length}: only {len(data) - 8} bytes follow it (truncated, or "
                          "not a safetensors file)")
     try:
-        header = json.loads(data[8:8 + length])
+        header = json.loads(bytes(data[8:8 + length]))
     except ValueError as e:  # also bytes that are not UTF-8
         raise ValueError(f"{path}: header is not valid JSON: {e}") from None
     if not isinstance(header, dict):
