@@ -236,6 +236,15 @@ def test_index_shard_path_escaping_directory(ckpt):
     load_fails(ckpt, "'../x.safetensors'", "not a file inside")
 
 
+def test_index_names_one_shard_two_ways(ckpt, model):
+    """Entries naming a shard as "./shard" and as "shard" name one file, as transformers reads
+    them (it had been opened twice, each tensor then "stored in both")."""
+    weight_map = shard(ckpt)
+    aliased = {name: (f"./{f}" if i % 2 else f) for i, (name, f) in enumerate(weight_map.items())}
+    (ckpt / "model.safetensors.index.json").write_text(json.dumps({"weight_map": aliased}))
+    np.testing.assert_array_equal(logits_of(ds.Model.load(ckpt)), logits_of(model))
+
+
 def test_index_shard_in_a_subdirectory(ckpt):
     """A shard under a subdirectory of the checkpoint loads, as transformers reads it (it had been
     refused); one through .. or by an absolute path does not."""

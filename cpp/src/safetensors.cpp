@@ -280,7 +280,9 @@ Checkpoint::Checkpoint(const std::string& dir) {
   if (!weight_map->is_object()) {
     throw FormatError(index_path + ": \"weight_map\" is not a JSON object");
   }
-  // Shard file name -> its opened file, filled in below.
+  // Shard file name (as a path, normalized: "./a" and "a" are one file, as transformers
+  // reads them) -> its opened file, filled in below.
+  auto shard_key = [](const std::string& shard) { return fs::path(shard).lexically_normal().string(); };
   std::map<std::string, const SafetensorsFile*> shards;
   for (const auto& [name, shard] : weight_map->object) {
     if (!shard.is_string()) {
@@ -291,7 +293,7 @@ Checkpoint::Checkpoint(const std::string& dir) {
       throw FormatError(index_path + ": weight_map entry for tensor '" + name + "' names '" +
                         shard.string + "', which is not a file inside " + dir);
     }
-    shards.emplace(shard.string, nullptr);
+    shards.emplace(shard_key(shard.string), nullptr);
   }
 
   // Each shard is opened once; a tensor in a shard but not in weight_map is still loaded,
@@ -308,7 +310,7 @@ Checkpoint::Checkpoint(const std::string& dir) {
     }
   }
   for (const auto& [name, shard] : weight_map->object) {
-    if (!shards.at(shard.string)->tensors().contains(name)) {
+    if (!shards.at(shard_key(shard.string))->tensors().contains(name)) {
       throw FormatError(index_path + ": tensor '" + name + "' is listed in weight_map under " +
                         shard.string + " but that shard does not contain it");
     }
