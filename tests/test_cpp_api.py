@@ -95,6 +95,19 @@ def test_generate_with_the_cache_held_elsewhere_is_an_error_not_a_hang(program, 
     assert "other sequences of this model hold the rest" in result
 
 
+def test_generate_chunks_a_prompt_longer_than_the_sliding_pool(program, ckpt):
+    """C++ generate() takes a prompt longer than the sliding-window layers' pool holds at once,
+    in chunks, as LLM.generate does, and gives its tokens (it had refused it: "does not fit in
+    the KV cache", with nearly every block free)."""
+    import diffuserve as ds
+    result = run_case(program, ckpt, "generate_a_prompt_longer_than_the_sliding_pool")
+    assert result.startswith("ok "), result
+    prompt = [i * 7 % 64 for i in range(300)]
+    expected = ds.LLM(str(ckpt), max_num_seqs=1, num_threads=1).generate(
+        [prompt], ds.SamplingParams(max_new_tokens=16, seed=1))[0].token_ids
+    assert [int(t) for t in result[3:].split(",")] == expected
+
+
 def test_a_cache_too_small_for_max_new_tokens_blames_max_new_tokens(program, ckpt):
     """A 2-token prompt with 100,000 new tokens had been refused as the prompt's fault."""
     result = run_case(program, ckpt, "kv_too_small_for_max_new_tokens")

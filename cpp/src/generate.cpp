@@ -110,25 +110,37 @@ std::vector<GenerationOutput> generate(Model& model, const std::vector<std::vect
   }
   // One request at a time, start to finish: the simplest policy that always fits in the
   // cache. Continuous batching is the Python scheduler's (python/diffuserve/scheduler.py).
+  // The prompt goes in the largest chunks the cache takes, halved down to a canvas (which
+  // add() checked the whole cache holds, a window's KV beside it), as the scheduler admits:
+  // in one piece, a prompt longer than the sliding-window layers' pool had been refused with
+  // nearly every block free.
   std::vector<GenerationOutput> outputs(prompts.size());
   const int64_t unlimited = INT64_MAX;
   for (size_t i = 0; i < prompts.size(); ++i) {
-    if (!engine.admit(i, unlimited))
-      throw InvalidArgument("generate: prompt " + std::to_string(i) + " does not fit in the KV cache");
+    // (Where even a canvas finds no room, the model's other sequences, or another thread's,
+    // hold the rest of the cache, and the same step would fail again forever.)
+    auto no_room = [&] {
+      return InvalidArgument("generate: prompt " + std::to_string(i) + ": the KV cache has no room for its next " +
+                             std::to_string(engine.pending_tokens(i)) +
+                             " tokens while other sequences of this model hold the rest (release them, or raise "
+                             "kv_cache_memory_bytes)");
+    };
+    const int64_t canvas = engine.canvas_length(i);
+    int64_t chunk = std::max(engine.pending_tokens(i), canvas);
+    while (!engine.admit(i, chunk)) {
+      if (chunk == canvas) throw no_room();
+      chunk = std::max(canvas, chunk / 2);
+    }
     for (bool done = false; !done;) {
       const int64_t passes = engine.passes();
-      for (auto& [id, out] : engine.step({StepPlan{i, unlimited}}, INT32_MAX, unlimited)) {
+      for (auto& [id, out] : engine.step({StepPlan{i, chunk}}, INT32_MAX, unlimited)) {
         outputs[id] = std::move(out);
         done = true;
       }
-      // A step that ran no pass could not reserve KV for the request's next tokens: the
-      // model's other sequences (or another thread's) hold the rest of the cache, and the
-      // same step would fail again forever.
-      if (!done && engine.passes() == passes)
-        throw InvalidArgument("generate: prompt " + std::to_string(i) + ": the KV cache has no room for its next " +
-                              std::to_string(engine.pending_tokens(i)) +
-                              " tokens while other sequences of this model hold the rest (release them, or raise "
-                              "kv_cache_memory_bytes)");
+      if (!done && engine.passes() == passes) {  // no pass: the chunk's KV found no room
+        if (chunk == canvas) throw no_room();
+        chunk = std::max(canvas, chunk / 2);
+      }
     }
   }
   return outputs;

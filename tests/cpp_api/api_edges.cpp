@@ -88,6 +88,21 @@ const std::map<std::string, std::function<std::string(const std::string&)>> kCas
        generate(*model, {{2, 3}}, {params(*model, 2 * model->config().canvas_length)});
        return std::string("generated");
      }},
+    // A 300-token prompt where the sliding-window layers keep room for one sequence's window
+    // (max_num_seqs 1): it had been refused as not fitting the cache, nearly every block free.
+    {"generate_a_prompt_longer_than_the_sliding_pool",
+     [](const std::string& dir) {
+       LoadOptions options;
+       options.num_threads = 1;
+       options.max_num_seqs = 1;
+       auto model = Model::load(dir, options);
+       std::vector<int32_t> prompt;
+       for (int i = 0; i < 300; ++i) prompt.push_back(i * 7 % 64);
+       const std::vector<GenerationOutput> outputs = generate(*model, {prompt}, {params(*model, 16)});
+       std::string ids;
+       for (int32_t id : outputs.front().token_ids) ids += (ids.empty() ? "" : ",") + std::to_string(id);
+       return ids;
+     }},
     {"kv_too_small_for_max_new_tokens",
      [](const std::string& dir) {
        auto model = load(dir, 1 << 20);
