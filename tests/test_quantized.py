@@ -469,6 +469,31 @@ def test_quantize_reads_the_models_weight_files_alone(tmp_path):
         ds.Model.load(out)
 
 
+def test_quantize_failing_midway_leaves_no_checkpoint(tmp_path, monkeypatch):
+    """A tensor that fails as the output is written (it had been a truncated model.safetensors,
+    which a second run then refused as a checkpoint already there) leaves nothing behind; and a
+    0-d tensor passes through (the lazy writer had refused it)."""
+    from diffuserve import quantize as q
+    from diffuserve.random_checkpoint import write_random_checkpoint
+    from diffuserve.safetensors_io import read_safetensors, write_safetensors
+    src = write_random_checkpoint(tmp_path / "src", canvas_length=8, seed=3, hidden_size=64)
+    tensors = read_safetensors(os.path.join(src, "model.safetensors"))
+    tensors["model.encoder.vision_tower.scale"] = ("BF16", np.array(16256, np.uint16))  # 1.0, shape ()
+    write_safetensors(os.path.join(src, "model.safetensors"), tensors)
+
+    def failing(w):
+        raise RuntimeError("no")
+    monkeypatch.setattr(q, "_fp8_linear", failing)
+    out = tmp_path / "out"
+    with pytest.raises(RuntimeError, match="no"):
+        q.quantize(src, str(out))
+    assert not [n for n in os.listdir(out) if "safetensors" in n]
+    monkeypatch.undo()
+    q.quantize(src, str(out))
+    assert read_safetensors(str(out / "model.safetensors"))["model.encoder.vision_tower.scale"][1].shape == ()
+    ds.Model.load(str(out))
+
+
 @pytest.mark.parametrize("layout", ["encoder copies", "base model names"])
 def test_quantize_writes_what_it_reads_as_a_load_reads_it(tmp_path, layout):
     """A checkpoint that holds the encoder's copies of the decoder's weights (an untied lm_head's,

@@ -419,8 +419,9 @@ def main(argv=None) -> None:
     # out as "?" rather than ending the command (stderr already escapes it).
     if hasattr(sys.stdout, "reconfigure"):  # (None where the command runs with stdout closed)
         sys.stdout.reconfigure(errors="replace")
-    if not isinstance(sys.stderr, _StatusStream):
-        sys.stderr = _StatusStream(sys.stderr)
+    stderr = sys.stderr  # (put back at the end, for a caller in the same process)
+    if not isinstance(stderr, _StatusStream):
+        sys.stderr = _StatusStream(stderr)
     try:
         args.run(args)
         if sys.stdout is not None:
@@ -433,6 +434,8 @@ def main(argv=None) -> None:
         sys.exit(141)
     except OSError as e:  # the output cannot be written (a full disk), say
         sys.exit(f"error: {e}")
+    finally:
+        sys.stderr = stderr
     # The command's reference cycles (a model's Python objects, the server's) go now: left to
     # the interpreter's end, they outlived the native module, which nanobind reported as leaked
     # instances after every `serve`.

@@ -217,7 +217,8 @@ def quantize(src: str, dst: str, scheme: str = "fp8-dynamic") -> None:
             # LLM Compressor's output, holds them): left out, as a load ties it back. (Its
             # experts had been quantized and its linears not, and the copy failed to load.)
             twin = tensors.get(stored.get(decoder + full[len(encoder):], ""))
-            if twin is not None and twin[0] == dtype and np.array_equal(twin[1], arr):
+            if twin is not None and twin[0] == dtype and twin[1].shape == arr.shape and \
+                    np.array_equal(twin[1].view(np.uint8), arr.view(np.uint8)):  # the bytes, as a load compares
                 continue
         if _LINEAR.match(full):
             linears[name[: -len(".weight")]] = (arr.shape, lambda dtype=dtype, arr=arr: as_float32(dtype, arr))

@@ -40,14 +40,24 @@ def write_safetensors(path: str, tensors: dict) -> None:
         offset += size
     head = json.dumps(header, separators=(",", ":")).encode()
     head += b" " * (-len(head) % 8)  # the data section starts 8-byte aligned
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(head)))
-        f.write(head)
-        for name, shape, size, make in entries:
-            arr = np.ascontiguousarray(make())
-            if arr.shape != shape or arr.nbytes != size:
-                raise ValueError(f"{path}: tensor '{name}' came out {arr.shape}, {arr.nbytes} bytes, not {shape}, {size}")
-            f.write(arr.reshape(-1).view(np.uint8).data)
+    # Into a file of its own, renamed when whole: a tensor that fails to come out leaves no
+    # truncated file where the checkpoint's goes.
+    partial = os.fspath(path) + ".partial"
+    try:
+        with open(partial, "wb") as f:
+            f.write(struct.pack("<Q", len(head)))
+            f.write(head)
+            for name, shape, size, make in entries:
+                arr = np.asarray(make())
+                if arr.shape != shape or arr.nbytes != size:
+                    raise ValueError(f"{path}: tensor '{name}' came out {arr.shape}, {arr.nbytes} bytes, not {shape}, "
+                                     f"{size}")
+                f.write(np.ascontiguousarray(arr).reshape(-1).view(np.uint8).data)
+        os.replace(partial, path)
+    except BaseException:
+        if os.path.exists(partial):
+            os.unlink(partial)
+        raise
 
 
 def _check_coverage(path: str, header: dict, data_bytes: int) -> None:
