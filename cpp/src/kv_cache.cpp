@@ -1,6 +1,7 @@
 #include "kv_cache.h"
 
 #include <algorithm>
+#include <array>
 #include <utility>
 
 #include "diffuserve/errors.h"
@@ -168,22 +169,25 @@ void KvCache::append(KvTable& table, std::span<const int32_t> tokens) {
   }
 }
 
-bool KvCache::could_hold(int64_t total_tokens, int64_t chunk) const {
-  const Pool &full = pools_[kFullGroup], &sliding = pools_[kSlidingGroup];
+std::array<int64_t, kNumGroups> KvCache::most_blocks(int64_t total_tokens, int64_t chunk) const {
   // The sliding layers hold the window and a chunk, or the whole sequence where that is shorter (a
   // window far past the sequence, which a config may give, asks no more than full attention).
   const int64_t sliding_tokens = std::min(total_tokens, window_ - 1 + chunk);
-  return (!full.num_blocks || ceil_div(total_tokens, block_size_) <= full.num_blocks) &&
-         (!sliding.num_blocks || ceil_div(sliding_tokens, block_size_) + 1 <= sliding.num_blocks);
+  return {ceil_div(total_tokens, block_size_), ceil_div(sliding_tokens, block_size_) + 1};
+}
+
+bool KvCache::could_hold(int64_t total_tokens, int64_t chunk) const {
+  const std::array<int64_t, kNumGroups> most = most_blocks(total_tokens, chunk);
+  for (int g = 0; g < kNumGroups; ++g)
+    if (pools_[g].num_blocks && most[g] > pools_[g].num_blocks) return false;
+  return true;
 }
 
 bool KvCache::could_continue(const KvTable& table, int64_t new_tokens, int64_t chunk) const {
-  const int64_t total = table.length() + new_tokens;
-  // At most the blocks could_hold counts are the table's at once; what is free is its to
-  // use, and so are the blocks it holds alone, as the chunks' passes free sliding blocks
-  // behind the window (one it shares through the prefix cache stays held by the other).
-  const int64_t most[kNumGroups] = {ceil_div(total, block_size_),
-                                    ceil_div(std::min(total, window_ - 1 + chunk), block_size_) + 1};
+  // At most most_blocks are the table's at once; what is free is its to use, and so are the
+  // blocks it holds alone, as the chunks' passes free sliding blocks behind the window (one
+  // it shares through the prefix cache stays held by the other).
+  const std::array<int64_t, kNumGroups> most = most_blocks(table.length() + new_tokens, chunk);
   for (int g = 0; g < kNumGroups; ++g) {
     const Pool& p = pools_[g];
     if (!p.num_blocks) continue;

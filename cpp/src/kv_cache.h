@@ -22,6 +22,7 @@
 // sequence whose tokens start with the same blocks takes them instead of recomputing.
 #pragma once
 
+#include <array>
 #include <cstdint>
 #include <list>
 #include <span>
@@ -108,6 +109,9 @@ class KvCache {
   void take(KvGroup g, int32_t block);  // a reference to a cached block
   void drop(KvGroup g, int32_t block);
   int64_t available(KvGroup g) const { return int64_t(pools_[g].free.size() + pools_[g].idle.size()); }
+  // The most blocks of each group a sequence of `total_tokens`, encoded `chunk` tokens at a
+  // time, holds at once (could_hold and could_continue count them).
+  std::array<int64_t, kNumGroups> most_blocks(int64_t total_tokens, int64_t chunk) const;
   // First logical block that group g must still hold for a sequence of `length` tokens.
   int64_t first_needed(KvGroup g, int64_t length) const;
 

@@ -220,12 +220,21 @@ void Sequence::encode(std::span<const int32_t> ids, const char* what) {
   m.backend->synchronize();
 }
 
+namespace {
+// The largest of n, n / 2, n / 4, ... (rounded up, down to 1) that `fits`; 1 where none does.
+template <class Fits>
+size_t largest_chunk(size_t n, Fits fits) {
+  while (n > 1 && !fits(n)) n = (n + 1) / 2;
+  return n;
+}
+}  // namespace
+
 void Sequence::prefill(std::span<const int32_t> ids) {
   const auto lock = model_->state().lock();
   if (ids.empty()) return encode(ids, "prefill");
-  if (length() > 0) return continue_prefill(ids);
   check_token_ids(ids, config(), "prefill");
-  check_positions(0, ids.size(), config(), "prefill");  // the whole prompt, before any chunk's work
+  check_positions(length(), ids.size(), config(), "prefill");  // all of it, before any chunk's work
+  if (length() > 0) return continue_prefill(ids);
   KvCache& kv = *model_->state().kv;
   const int64_t hit = kv.match_prefix(state_->table, ids);
   if (hit == int64_t(ids.size())) return kv.record_prefix_query(hit, hit);  // every token's KV was cached
@@ -234,8 +243,8 @@ void Sequence::prefill(std::span<const int32_t> ids) {
     // long prompt at once: a prompt that could not fit in one pass even in an otherwise empty
     // cache is encoded in the largest chunks that could, as the engine's chunked prefill does
     // (the same KV). A 3,200-token prompt had been refused with half a million blocks free.
-    size_t chunk = ids.size() - hit;
-    while (chunk > 1 && !kv.could_hold(int64_t(ids.size()), int64_t(chunk))) chunk = (chunk + 1) / 2;
+    const size_t chunk =
+        largest_chunk(ids.size() - hit, [&](size_t n) { return kv.could_hold(int64_t(ids.size()), int64_t(n)); });
     if (!kv.could_hold(int64_t(ids.size()), int64_t(chunk)))  // not even a token at a time
       throw InvalidArgument("prefill: " + std::to_string(ids.size()) +
                             " tokens need more KV than the whole cache holds (raise kv_cache_memory_bytes)");
@@ -253,12 +262,10 @@ void Sequence::prefill(std::span<const int32_t> ids) {
 // with nothing encoded). In one pass, a 3,000-token continuation had been refused with
 // nearly every block free.
 void Sequence::continue_prefill(std::span<const int32_t> ids) {
-  check_token_ids(ids, config(), "prefill");
-  check_positions(length(), ids.size(), config(), "prefill");
   const KvCache& kv = *model_->state().kv;
-  size_t chunk = ids.size();
-  while (chunk > 1 && !kv.could_continue(state_->table, int64_t(ids.size()), int64_t(chunk))) chunk = (chunk + 1) / 2;
-  if (!kv.could_continue(state_->table, int64_t(ids.size()), int64_t(chunk))) return encode(ids, "prefill");
+  auto fits = [&](size_t n) { return kv.could_continue(state_->table, int64_t(ids.size()), int64_t(n)); };
+  const size_t chunk = largest_chunk(ids.size(), fits);
+  if (!fits(chunk)) return encode(ids, "prefill");
   for (size_t done = 0; done < ids.size(); done += chunk)
     encode(ids.subspan(done, std::min(chunk, ids.size() - done)), "prefill");
 }
