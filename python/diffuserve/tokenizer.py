@@ -240,11 +240,11 @@ class Tokenizer:
         present, looked_up = added(), None if listed is None else {t.content for t in listed}
         listed = listed or []
         self._library(self._tokenizer.add_tokens, [t for t in listed if t.content not in present])
-        for t in listed:
-            if t.content in present:
-                special = t.special or present[t.content].special
-                add = self._tokenizer.add_special_tokens if special else self._tokenizer.add_tokens
-                self._library(add, [like(t, special)])
+        # Those it has, in one call a kind (the library rebuilds its matcher at each call, and a
+        # Gemma config lists thousands).
+        relisted = [like(t, t.special or present[t.content].special) for t in listed if t.content in present]
+        self._library(self._tokenizer.add_special_tokens, [t for t in relisted if t.special])
+        self._library(self._tokenizer.add_tokens, [t for t in relisted if not t.special])
         present = added()
         tokens = [t if t.content not in present else like(present[t.content], True) for t in named.values()
                   if t.content not in present or looked_up is None or t.content in looked_up]
