@@ -864,7 +864,7 @@ void check_cublaslt() {
                           : c.p.row_factors.empty() ? nullptr
                                                     : c.p.row_factors.data();
     const GemmMatrix w{c.p.w.data(), scales, nullptr, false, c.p.factor_rows};  // host addresses: alignment
-    if ((fp8_input || scales) && !cublaslt().supports(c.p.input, w, c.p.n, c.p.k, nullptr, c.p.ldy))
+    if ((fp8_input || scales) && !cublaslt().supports(c.p.input, w, c.p.n, c.p.k, nullptr, c.p.ldy, nullptr))
       report(false, std::string("cuBLASLt ") + c.name, "no algorithm");
     else verify(c.p, run(c.p, kCublasLt), c.name, kCublasLt);
   }

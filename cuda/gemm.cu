@@ -789,6 +789,9 @@ __global__ void __launch_bounds__(S::kThreads, S::kBlocks) gemm_kernel(const Par
           const int64_t at = (seg.y_row + m0 + r) * p.ldy + c;
           const float v0 = rescale(acc[mt][nt][half * 2], s, factor[nt][0]);
           const float v1 = rescale(acc[mt][nt][half * 2 + 1], s, factor[nt][1]);
+          // (The wgmma epilogue's pair store is written out above as this one is here: one
+          // helper for both cost this tile 6 registers and the 16x1K bf16 step 1.6%, 118.8 ->
+          // 120.8 ms, H200, forty-eighth session.)
           if (p.y_pairs && c + 1 < n) {
             if (p.y_bf16) *reinterpret_cast<__nv_bfloat162*>(p.y_bf16 + at) = __floats2bfloat162_rn(v0, v1);
             else *reinterpret_cast<float2*>(y + at) = make_float2(v0, v1);
