@@ -68,6 +68,8 @@ CASES = {
     # transformers' other names for GELU's tanh approximation (had been refused).
     "gelu_new": (text([S, F], hidden_activation="gelu_new"), 8, 9, 2, torch.float32, None),
     "gelu_fast": (text([F, S], hidden_activation="gelu_fast"), 8, 9, 2, torch.float32, None),
+    "gelu_python_tanh": (text([S, F], hidden_activation="gelu_python_tanh"), 8, 9, 2, torch.float32, None),
+    "gelu_accurate": (text([F, S], hidden_activation="gelu_accurate"), 8, 9, 2, torch.float32, None),
 }
 # Cases whose hidden size the reference's default (grouped_mm) experts refuse.
 EAGER_EXPERTS = {"odd_sizes"}
@@ -226,11 +228,13 @@ def test_config_defaults_as_transformers_fills_them(tmp_path):
     prefill_and_denoise(path, np.arange(3, 15), np.arange(30, 38), "config defaults", kv_layers=7)
 
 
-def test_gelu_by_erf(tmp_path):
-    """hidden_activation "gelu" (GELU by erf, transformers' nn.GELU) in the MLPs, the experts and
-    the self-conditioning MLP, on the CPU backend (it had been refused)."""
-    path = save(build_model(text([S, F], hidden_activation="gelu"), 8), tmp_path / "m")
-    prefill_and_denoise(path, np.arange(3, 15), np.arange(30, 38), "gelu by erf")
+@pytest.mark.parametrize("name", ["gelu", "gelu_python"])
+def test_gelu_by_erf(tmp_path, name):
+    """hidden_activation "gelu" (GELU by erf, transformers' nn.GELU; "gelu_python" its Python
+    form) in the MLPs, the experts and the self-conditioning MLP, on the CPU backend (both had
+    been refused)."""
+    path = save(build_model(text([S, F], hidden_activation=name), 8), tmp_path / "m")
+    prefill_and_denoise(path, np.arange(3, 15), np.arange(30, 38), f"{name}: gelu by erf")
 
 
 def test_base_model_checkpoint(tmp_path):
@@ -363,6 +367,23 @@ def test_single_file_wins_over_an_index_beside_it(tmp_path):
         json.dumps({"metadata": {}, "weight_map": {name: "model-00001-of-00001.safetensors" for name in other}}))
     ours, exact = logits_both(path)
     check_logits(ours, exact, where="single file beside an index", atol=FP32_ATOL)
+
+
+def test_rope_buffers_stored_and_decoder_scalars_missing(tmp_path):
+    """A checkpoint that stores RoPE's frequency buffers (as older exports did) and lacks the
+    decoder's layer_scalar buffers: transformers loads it (the frequencies computed from the
+    config, the scalars at their initial 1), and so does diffuserve (it had refused both)."""
+    from safetensors.torch import load_file, save_file
+    path = save(build_model(text([S, F]), 8), tmp_path / "m")
+    tensors = load_file(path / "model.safetensors")
+    for name in [n for n in tensors if n.startswith("model.decoder.layers.") and n.endswith(".layer_scalar")]:
+        del tensors[name]
+    for where in ("model.decoder", "model.encoder.language_model"):
+        for kind in ("sliding_attention", "full_attention"):
+            tensors[f"{where}.rotary_emb.{kind}_inv_freq"] = torch.rand(4)  # never read: not RoPE's real ones
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    ours, exact = logits_both(path)
+    check_logits(ours, exact, where="rope buffers stored, decoder scalars missing", atol=FP32_ATOL)
 
 
 def test_stored_lm_head_unties_a_tied_config(tmp_path):

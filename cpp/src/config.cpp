@@ -386,11 +386,14 @@ ModelConfig load_config(const std::string& dir) {
   if (c.rms_norm_eps <= 0) t.fail("rms_norm_eps", "must be > 0");
 
   // transformers' three names for GELU's tanh approximation (one function, written three ways).
+  // transformers' names for GELU: by its tanh approximation, or exactly (by erf).
   const std::string act = t.string_or("hidden_activation", "gelu_pytorch_tanh");
-  if (act != "gelu_pytorch_tanh" && act != "gelu_new" && act != "gelu_fast" && act != "gelu")
+  const bool tanh_gelu = act == "gelu_pytorch_tanh" || act == "gelu_python_tanh" || act == "gelu_new" ||
+                         act == "gelu_fast" || act == "gelu_accurate";
+  c.exact_gelu = act == "gelu" || act == "gelu_python";
+  if (!tanh_gelu && !c.exact_gelu)
     t.fail("hidden_activation", "'" + act + "' is not supported (GELU's tanh approximation is: gelu_pytorch_tanh, "
-                                "gelu_new, gelu_fast; gelu is GELU by erf)");
-  c.exact_gelu = act == "gelu";
+                                "gelu_python_tanh, gelu_new, gelu_fast, gelu_accurate; GELU by erf: gelu, gelu_python)");
   if (t.bool_or("attention_bias", false)) t.fail("attention_bias", "= true is not supported");
   // "all" makes the encoder bidirectional and halves the window; no DiffusionGemma uses it.
   const std::string bidirectional = t.string_or("use_bidirectional_attention", "");
@@ -491,7 +494,9 @@ ModelConfig load_config(const std::string& dir) {
         rope_inv_freq(Fields{*rp, path, "text_config." + rope_field + "." + kind + "."}, L.head_dim, rope_defaults);
     c.layers.push_back(std::move(L));
   }
-  // (transformers fails on a window of 1 where a layer slides; where none does it never reads it.)
+  // (Where a layer slides, transformers 5.25 runs a window of 1 inconsistently: its mask lets
+  // an encoder token see only itself, while its cache then keeps every token, so that the
+  // decoder reads the whole prefix. Where no layer slides it never reads the window.)
   if (c.sliding_window < 2 && std::any_of(c.layers.begin(), c.layers.end(), [](const LayerConfig& l) { return l.sliding; }))
     t.fail("sliding_window", "= " + std::to_string(c.sliding_window) + " must be >= 2 where a layer is sliding_attention");
 

@@ -235,6 +235,11 @@ class TensorSource {
       if (name.rfind("model.encoder.vision_tower.", 0) == 0 || name.rfind("model.encoder.embed_vision.", 0) == 0)
         continue;  // the vision tower: this engine serves text only
       if (tied && name == "lm_head.weight") continue;  // a copy of the tied embedding
+      // RoPE's frequencies, which older exports stored as buffers: computed from the config.
+      // (`<layer type>_inv_freq`, `inv_freq`, `original_inv_freq`).
+      if (name.find(".rotary_emb.") != std::string::npos && name.size() >= 8 &&
+          name.compare(name.size() - 8, 8, "inv_freq") == 0)
+        continue;
       // The encoder shares the decoder's weights; a checkpoint whose ties were broken
       // when it was written (LLM Compressor does this) holds byte-equal copies.
       if (name.rfind(encoder, 0) == 0) {
@@ -559,7 +564,8 @@ void load_weights(ModelState& m, DType as) {
     lw.rope_inv_freq = src.fp32_weight(L.rope_inv_freq, {int64_t(L.rope_inv_freq.size())});
     lw.experts_gate_up = src.experts(p + "experts.gate_up_proj", p + "experts", {"gate_proj", "up_proj"}, E, {MI, H});
     lw.experts_down = src.experts(p + "experts.down_proj", p + "experts", {"down_proj"}, E, {H, MI});
-    lw.decoder_layer_scalar = src.floats(p + "layer_scalar", {1})[0];
+    // A checkpoint without the decoder's scalars (a buffer transformers then sets to its initial 1).
+    lw.decoder_layer_scalar = src.has(p + "layer_scalar") || src.dummy() ? src.floats(p + "layer_scalar", {1})[0] : 1.0f;
     lw.encoder_layer_scalar =
         src.floats("model.encoder.language_model.layers." + std::to_string(i) + ".layer_scalar", {1})[0];
     w.layers.push_back(std::move(lw));
