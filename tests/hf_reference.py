@@ -30,14 +30,17 @@ def text(layer_types, **kw):
     return {**base, **kw, "layer_types": layer_types, "num_hidden_layers": len(layer_types)}
 
 
-def build_model(text: dict, canvas_length: int, seed: int = 0, dtype=torch.float32, router_std: float = 0.08):
-    """A randomly initialised HF model; `text` holds text_config fields (plus global_head_dim etc.).
+def build_model(text: dict, canvas_length: int, seed: int = 0, dtype=torch.float32, router_std: float = 0.08,
+                **config):
+    """A randomly initialised HF model; `text` holds text_config fields (plus global_head_dim etc.),
+    `config` DiffusionGemmaConfig's own (tie_word_embeddings).
 
     router_std: spread of the router weights. A larger one makes routing decisive, so that
     low-precision rounding noise does not flip a token's top-k experts (a discontinuity
     that would swamp the rounding error a bf16 comparison means to bound).
     """
-    cfg = DiffusionGemmaConfig(text_config=dict(text), vision_config=dict(TINY_VISION), canvas_length=canvas_length)
+    cfg = DiffusionGemmaConfig(text_config=dict(text), vision_config=dict(TINY_VISION), canvas_length=canvas_length,
+                               **config)
     torch.manual_seed(seed)
     model = DiffusionGemmaForBlockDiffusion(cfg).eval()
     gen = torch.Generator().manual_seed(seed + 1)

@@ -200,7 +200,24 @@ def test_several_blocks_match_hf_generate(checkpoints, name, blocks):
     generate started from the same canvases; max_new_tokens of 1.5 blocks cuts the last one,
     where transformers generates (and counts in tokens_per_forward) the whole block: diffuserve
     had counted only the tokens it returns (0.211 where transformers gave 0.256)."""
-    path, canvas = checkpoints[name], MODELS[name][1]
+    check_blocks_match_hf_generate(checkpoints[name], MODELS[name][1], blocks)
+
+
+def test_untied_encoder_matches_hf_generate(tmp_path):
+    """tie_word_embeddings false with encoder weights of their own: the prompt and each
+    committed block run on the encoder's weights, in a pass before the next block's first step
+    (one pass where the weights are shared), as transformers runs them."""
+    path = save_with_pad(build_model(text([S, F, F]), 8, seed=7, tie_word_embeddings=False), tmp_path / "m")
+    check_blocks_match_hf_generate(path, 8, 3)
+    # In a batch, a sequence's commit runs beside another's prefill and a third's steps.
+    llm, rng = ds.LLM(path), np.random.default_rng(0)
+    prompts = [rng.integers(3, 96, n).tolist() for n in (5, 17, 40)]
+    params = ds.SamplingParams(max_new_tokens=24, seed=11, t_min=0.5, t_max=1.0)
+    assert [o.token_ids for o in llm.generate(prompts, params)] == \
+        [llm.generate([p], params)[0].token_ids for p in prompts]
+
+
+def check_blocks_match_hf_generate(path, canvas, blocks):
     hf, llm = load(path), ds.LLM(path)
     rng = np.random.default_rng(3)
     prompt, seed_canvas = rng.integers(3, 96, 9).tolist(), rng.integers(3, 96, canvas).tolist()

@@ -415,10 +415,21 @@ def test_text_config_tie_word_embeddings_unties_nothing(tmp_path):
     check_logits(ours, exact, where="text_config's tie_word_embeddings", atol=FP32_ATOL)
 
 
+def test_untied_encoder(tmp_path):
+    """tie_word_embeddings false unties the encoder's weights from the decoder's too: a random
+    model of that config has encoder weights of their own, which make the prompt's keys and
+    values, and the decoder's the canvas's logits (diffuserve had refused the checkpoint)."""
+    model = build_model(text([S, F, S]), 8, tie_word_embeddings=False)
+    encoder, decoder = model.model.encoder.language_model, model.model.decoder
+    assert not torch.equal(encoder.embed_tokens.weight, decoder.embed_tokens.weight)
+    path = save(model, tmp_path / "m")
+    prefill_and_denoise(path, np.arange(3, 15), np.arange(30, 38), "untied encoder", kv_layers=3)
+
+
 def test_untied_head(tmp_path):
     """tie_word_embeddings false: the stored lm_head.weight is the head. (transformers then
     unties the encoder's weights from the decoder's too and saves both; here they are equal
-    copies, which diffuserve accepts: encoder weights of their own it refuses, named.)"""
+    copies, which make one set of weights.)"""
     from transformers import DiffusionGemmaForBlockDiffusion
     tied = build_model(text([S, F]), 8)
     tied.config.tie_word_embeddings = False

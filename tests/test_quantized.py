@@ -400,6 +400,25 @@ def test_quantize_writes_llm_compressors_bytes(tmp_path, scheme, library):
     np.testing.assert_array_equal(logits[0], logits[1])
 
 
+def test_quantize_quantizes_an_untied_encoders_own_linears(tmp_path):
+    """A source whose encoder has weights of its own (tie_word_embeddings false): its linears
+    are quantized as the decoder's are, as LLM Compressor quantizes every Linear (they had been
+    written unquantized, under a config that says they are)."""
+    from diffuserve.quantize import quantize
+    from diffuserve.safetensors_io import read_safetensors
+    from hf_reference import F, S, build_model, save, text
+    src = save(build_model(text([S, F], hidden_size=64), 8, tie_word_embeddings=False), tmp_path / "src")
+    quantize(str(src), str(tmp_path / "q"), "fp8-dynamic")
+    tensors = read_safetensors(str(tmp_path / "q" / "model.safetensors"))
+    for half in ("model.decoder.", "model.encoder.language_model."):
+        for linear in ("self_attn.q_proj", "mlp.down_proj", "experts.1.up_proj"):
+            name = f"{half}layers.1.{linear}.weight"
+            assert tensors[name][0] == "F8_E4M3" and name + "_scale" in tensors, name
+    seq = ds.Model.load(str(tmp_path / "q")).sequence()
+    seq.prefill(np.arange(3, 12))
+    assert np.isfinite(seq.denoise(np.arange(8))).all()
+
+
 def test_quantize_refuses_a_quantized_source(tmp_path):
     from diffuserve.quantize import quantize
     with pytest.raises(ValueError, match="already quantized"):

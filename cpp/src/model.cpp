@@ -119,8 +119,10 @@ class QuantizationTargets {
 // of the same shapes, the linears' packed as ModelState::dummy_quantization says.
 class TensorSource {
  public:
+  static inline const std::string kDecoder = "model.decoder.", kEncoder = "model.encoder.language_model.";
   TensorSource(ModelState& m, DType as) : m_(m), as_(as), targets_(m.config, m.path) {}
   bool dummy() const { return !m_.checkpoint; }
+  const std::string& path() const { return m_.path; }
   bool has(const std::string& name) const { return m_.checkpoint && m_.checkpoint->find(name); }
   // Whether the checkpoint stores both `name` and `twin`, with different dtypes, shapes or bytes.
   bool stored_apart(const std::string& name, const std::string& twin) const {
@@ -226,10 +228,20 @@ class TensorSource {
     return out;
   }
 
+  // Whether the checkpoint stores any of the encoder's text weights apart from the decoder's
+  // twin (other values, dtype or shape): transformers then runs the encoder's own where the
+  // config unties them. (LLM Compressor writes byte-equal copies even of tied models.)
+  bool encoder_stored_apart() const {
+    if (dummy()) return false;
+    for (const auto& [name, view] : m_.checkpoint->tensors())
+      if (name.starts_with(kEncoder) && stored_apart(name, kDecoder + name.substr(kEncoder.size()))) return true;
+    return false;
+  }
+
   // Every tensor that was not taken must be one we deliberately skip.
   void check_all_taken(bool tied) const {
     if (dummy()) return;
-    const std::string encoder = "model.encoder.language_model.";
+    const std::string& encoder = kEncoder;
     for (const auto& [name, view] : m_.checkpoint->tensors()) {
       if (taken_.count(name)) continue;
       if (name.rfind("model.encoder.vision_tower.", 0) == 0 || name.rfind("model.encoder.embed_vision.", 0) == 0)
@@ -247,7 +259,8 @@ class TensorSource {
         if (twin && same_tensor(*twin, view)) continue;
         if (twin)
           throw FormatError(view.file + ": tensor '" + name + "' differs from its decoder twin '" + twin->name +
-                            "': untied encoder weights are not supported");
+                            "', but config.json ties the encoder's weights to the decoder's (tie_word_embeddings "
+                            "true); an encoder of its own needs tie_word_embeddings false");
       }
       throw FormatError(view.file + ": unexpected tensor '" + name + "' (not part of a DiffusionGemma text model)");
     }
@@ -505,32 +518,14 @@ void round_linear_inputs(ModelWeights& w) {
       round_input(*x);
 }
 
-}  // namespace
-
-void load_weights(ModelState& m, DType as) {
-  const ModelConfig& c = m.config;
-  TensorSource src(m, as);
-  ModelWeights& w = m.weights;
+// Every layer's weights of the backbone stored under `prefix` (the decoder's, or an untied
+// encoder's): each layer's decoder_layer_scalar is its own, and encoder_layer_scalar the
+// encoder's layer's.
+void load_layers(TensorSource& src, const ModelConfig& c, const std::string& prefix, std::vector<LayerWeights>& layers) {
   const int64_t H = c.hidden_size, I = c.intermediate_size, E = c.num_experts, MI = c.moe_intermediate_size;
-  const std::string d = "model.decoder.";
-
-  w.embed_tokens = src.weight(d + "embed_tokens.weight", {c.vocab_size, H});
-  // A tied config whose checkpoint stores an lm_head.weight other than the embedding: transformers
-  // then leaves the two untied (warning that the config is wrong) and runs the stored head. So does this.
-  const bool tied = c.tie_word_embeddings && !src.stored_apart("lm_head.weight", d + "embed_tokens.weight");
-  if (!tied) w.lm_head = src.linear("lm_head.weight", {c.vocab_size, H});
-  else if (src.quantizes("lm_head"))
-    throw FormatError(m.path + ": quantization_config quantizes 'lm_head' (not in its ignore), but the head is tied " +
-                      "to the embedding, which is stored unquantized");
-  w.norm = src.small(d + "norm.weight", {H});
-  const std::string sc = d + "self_conditioning.";
-  w.sc_pre_norm = src.small(sc + "pre_norm.weight", {H});
-  w.sc_gate_up = src.stacked({sc + "gate_proj.weight", sc + "up_proj.weight"}, {I, I}, H);
-  w.sc_down = src.linear(sc + "down_proj.weight", {H, I});
-
   for (int i = 0; i < c.num_layers; ++i) {
     const LayerConfig& L = c.layers[i];
-    const std::string p = d + "layers." + std::to_string(i) + ".";
+    const std::string p = prefix + "layers." + std::to_string(i) + ".";
     const int64_t q_out = int64_t(c.num_heads) * L.head_dim, kv_out = int64_t(L.num_kv_heads) * L.head_dim;
     LayerWeights lw;
     std::vector<std::string> qkv = {p + "self_attn.q_proj.weight", p + "self_attn.k_proj.weight"};
@@ -557,7 +552,7 @@ void load_weights(ModelState& m, DType as) {
     lw.mlp_down = src.linear(p + "mlp.down_proj.weight", {H, I});
     lw.router_proj = src.weight(p + "router.proj.weight", {E, H});
     if (src.input_scheme(p + "router.proj") != ActivationScheme::None)
-      throw FormatError(m.path + ": quantization_config quantizes the input of '" + p +
+      throw FormatError(src.path() + ": quantization_config quantizes the input of '" + p +
                         "router.proj'; the router's activations are not quantized here");
     lw.router_scale = src.small(p + "router.scale", {H});
     lw.router_per_expert_scale = src.small(p + "router.per_expert_scale", {E});
@@ -566,16 +561,56 @@ void load_weights(ModelState& m, DType as) {
     lw.experts_down = src.experts(p + "experts.down_proj", p + "experts", {"down_proj"}, E, {H, MI});
     // A checkpoint without the decoder's scalars (a buffer transformers then sets to its initial 1).
     lw.decoder_layer_scalar = src.has(p + "layer_scalar") || src.dummy() ? src.floats(p + "layer_scalar", {1})[0] : 1.0f;
-    lw.encoder_layer_scalar =
-        src.floats("model.encoder.language_model.layers." + std::to_string(i) + ".layer_scalar", {1})[0];
-    w.layers.push_back(std::move(lw));
+    lw.encoder_layer_scalar = src.floats(TensorSource::kEncoder + "layers." + std::to_string(i) + ".layer_scalar", {1})[0];
+    layers.push_back(std::move(lw));
   }
-  src.check_all_taken(tied);
+}
+
+// Activations "bfloat16" rounds the linears' inputs; each backend lays its weights out.
+void prepare_weights(ModelState& m, ModelWeights& w) {
   if (m.bf16_activations) round_linear_inputs(w);
   for (LayerWeights& l : w.layers) {
     if (!l.v_proj.empty()) m.backend->place_together({&l.k_proj, &l.v_proj});
     m.backend->lay_out_experts(l.experts_gate_up, l.experts_down);
   }
+}
+
+}  // namespace
+
+void load_weights(ModelState& m, DType as) {
+  const ModelConfig& c = m.config;
+  TensorSource src(m, as);
+  ModelWeights& w = m.weights;
+  const int64_t H = c.hidden_size, I = c.intermediate_size;
+  const std::string& d = TensorSource::kDecoder;
+
+  w.embed_tokens = src.weight(d + "embed_tokens.weight", {c.vocab_size, H});
+  // A tied config whose checkpoint stores an lm_head.weight other than the embedding: transformers
+  // then leaves the two untied (warning that the config is wrong) and runs the stored head. So does this.
+  const bool tied = c.tie_word_embeddings && !src.stored_apart("lm_head.weight", d + "embed_tokens.weight");
+  if (!tied) w.lm_head = src.linear("lm_head.weight", {c.vocab_size, H});
+  else if (src.quantizes("lm_head"))
+    throw FormatError(m.path + ": quantization_config quantizes 'lm_head' (not in its ignore), but the head is tied " +
+                      "to the embedding, which is stored unquantized");
+  w.norm = src.small(d + "norm.weight", {H});
+  const std::string sc = d + "self_conditioning.";
+  w.sc_pre_norm = src.small(sc + "pre_norm.weight", {H});
+  w.sc_gate_up = src.stacked({sc + "gate_proj.weight", sc + "up_proj.weight"}, {I, I}, H);
+  w.sc_down = src.linear(sc + "down_proj.weight", {H, I});
+  load_layers(src, c, d, w.layers);
+  // config.json's tie_word_embeddings false unties the encoder from the decoder as well as the
+  // head from the embedding: where the checkpoint then holds encoder weights of their own,
+  // transformers runs the encoder on them, and so does this (forward's encoder pass).
+  if (!c.tie_word_embeddings && src.encoder_stored_apart()) {
+    const std::string& e = TensorSource::kEncoder;
+    w.encoder = std::make_unique<ModelWeights>();
+    w.encoder->embed_tokens = src.weight(e + "embed_tokens.weight", {c.vocab_size, H});
+    w.encoder->norm = src.small(e + "norm.weight", {H});  // (the encoder's output feeds nothing)
+    load_layers(src, c, e, w.encoder->layers);
+    prepare_weights(m, *w.encoder);
+  }
+  src.check_all_taken(tied);
+  prepare_weights(m, w);
   m.weight_dtype = as;
   m.embed_scale = round_to_dtype(std::sqrt(float(H)), as);
 }
@@ -588,11 +623,10 @@ namespace {
 // rows of one matrix, [K; V]. One product where the loader stacked the three weights
 // (qkv_proj), else three: K and V as one Backend::linears (which the GPU makes one product
 // where it can: a K or V projection alone fills half of it at batch 1), beside Q's.
-void project_qkv(ModelState& m, int li, const Activation& x, int64_t encoder_rows,
+void project_qkv(ModelState& m, const LayerWeights& W, int li, const Activation& x, int64_t encoder_rows,
                  const std::vector<int64_t>& positions, int64_t q_first, Activation& q, Activation& k, Activation& v) {
   Backend& be = *m.backend;
   const LayerConfig& L = m.config.layers[li];
-  const LayerWeights& W = m.weights.layers[li];
   const float eps = m.config.rms_norm_eps;
   const int64_t n = x.rows;
   Activation kv = be.alloc_attention_rows(2 * n, int64_t(L.num_kv_heads) * L.head_dim, L.head_dim, m.bf16_activations);
@@ -633,10 +667,9 @@ void gated_mlp(Backend& be, const Activation& x, int64_t encoder_rows, const Wei
 //   h = (h + post_ff(post_ff_1(mlp(pre_ff(h))) + post_ff_2(experts(pre_ff_2(h), route(h))))) * scalar
 //   next = rms_norm(h) by next_norm
 // Rows of h below `encoder_rows` are the encoder's.
-void feed_forward(ModelState& m, int li, const Activation& attn, Activation& h, int64_t encoder_rows,
+void feed_forward(ModelState& m, const LayerWeights& W, const Activation& attn, Activation& h, int64_t encoder_rows,
                   const Weight& next_norm, Activation& next) {
   Backend& be = *m.backend;
-  const LayerWeights& W = m.weights.layers[li];
   const float eps = m.config.rms_norm_eps;
   const int64_t n = h.rows, H = h.cols;
   Activation x = be.alloc_product_input(n, H, {&W.mlp_gate_up});
@@ -697,8 +730,8 @@ struct Placed {
 };
 
 // A layer's input norm's output: the queries', keys' and values' products read it.
-Activation alloc_layer_input(ModelState& m, int li, int64_t rows) {
-  const LayerWeights& W = m.weights.layers[li];
+Activation alloc_layer_input(ModelState& m, const ModelWeights& weights, int li, int64_t rows) {
+  const LayerWeights& W = weights.layers[li];
   std::vector<const Weight*> projections = {&W.q_proj, &W.k_proj};
   if (!W.qkv_proj.empty()) projections = {&W.qkv_proj};
   else if (m.config.layers[li].has_v_proj) projections.push_back(&W.v_proj);
@@ -710,13 +743,12 @@ Activation alloc_layer_input(ModelState& m, int li, int64_t rows) {
 // the rows that go on. Encoder rows write their KV into the cache before any row attends, so
 // a decoder segment reads the encoder rows of the same sequence from this very layer (the
 // commit-fused denoise).
-void layer_forward(ModelState& m, KvCache& kv, int li, Activation& h, const Activation& x,
+void layer_forward(ModelState& m, const LayerWeights& W, KvCache& kv, int li, Activation& h, const Activation& x,
                    const std::vector<int64_t>& positions, const std::vector<Placed>& placed, int64_t encoder_rows,
                    const Weight& next_norm, Activation& next) {
   Backend& be = *m.backend;
   const ModelConfig& c = m.config;
   const LayerConfig& L = c.layers[li];
-  const LayerWeights& W = m.weights.layers[li];
   const int64_t n = h.rows, H = h.cols;
   const int64_t q_cols = int64_t(c.num_heads) * L.head_dim;
   const int64_t window = L.sliding ? c.sliding_window : 0;
@@ -731,7 +763,7 @@ void layer_forward(ModelState& m, KvCache& kv, int li, Activation& h, const Acti
   // Past its KV, the encoder's last layer feeds nothing: only decoder rows go on (`next`'s rows).
   const int64_t first = li == c.num_layers - 1 ? encoder_rows : 0;
   Activation q = be.alloc_attention_rows(n - first, q_cols, L.head_dim, m.bf16_activations), k, v;
-  project_qkv(m, li, x, encoder_rows, positions, first, q, k, v);
+  project_qkv(m, W, li, x, encoder_rows, positions, first, q, k, v);
   // Encoder rows come first in the batch: rows [0, encoder_rows) go to their cache slots.
   if (encoder_rows) {
     std::vector<int64_t> slots;
@@ -766,16 +798,14 @@ void layer_forward(ModelState& m, KvCache& kv, int li, Activation& h, const Acti
 
   Activation projected = be.alloc_output(n - first, H);
   be.linear_with_input_quant(attn, W.o_proj, projected, rows_encoder);
-  feed_forward(m, li, projected, rows_h, rows_encoder, next_norm, next);
+  feed_forward(m, W, projected, rows_h, rows_encoder, next_norm, next);
 }
 
-}  // namespace
-
-Activation forward(ModelState& m, KvCache& kv, std::vector<Segment>& segments, const Activation* logits_out,
-                   bool softcap) {
+// forward()'s pass over segments whose encoder rows all run on weights W.
+Activation forward_pass(ModelState& m, const ModelWeights& W, KvCache& kv, std::vector<Segment>& segments,
+                        const Activation* logits_out, bool softcap) {
   Backend& be = *m.backend;
   const ModelConfig& c = m.config;
-  const ModelWeights& W = m.weights;
   const int64_t H = c.hidden_size;
 
   // Lay the rows out: encoder segments first, then decoder segments.
@@ -838,13 +868,13 @@ Activation forward(ModelState& m, KvCache& kv, std::vector<Segment>& segments, c
   // Each layer's input norm comes from the layer before, whose last op writes it; the last
   // layer's writes the final norm of the decoder rows, the lm_head's input.
   const Weight& lm_head = W.lm_head.empty() ? W.embed_tokens : W.lm_head;
-  Activation x = alloc_layer_input(m, 0, n);
+  Activation x = alloc_layer_input(m, W, 0, n);
   be.rms_norm(h, &W.layers[0].input_layernorm, H, c.rms_norm_eps, x);
   for (int li = 0; li < c.num_layers; ++li) {
     const bool last = li == c.num_layers - 1;
-    Activation next = last ? be.alloc_product_input(decoder_rows, H, {&lm_head}) : alloc_layer_input(m, li + 1, n);
-    layer_forward(m, kv, li, h, x, positions, placed, encoder_rows, last ? W.norm : W.layers[li + 1].input_layernorm,
-                  next);
+    Activation next = last ? be.alloc_product_input(decoder_rows, H, {&lm_head}) : alloc_layer_input(m, W, li + 1, n);
+    layer_forward(m, W.layers[li], kv, li, h, x, positions, placed, encoder_rows,
+                  last ? W.norm : W.layers[li + 1].input_layernorm, next);
     x = next;
   }
   for (Placed& p : placed)
@@ -858,6 +888,25 @@ Activation forward(ModelState& m, KvCache& kv, std::vector<Segment>& segments, c
     if (softcap && c.final_logit_softcapping > 0) be.softcap(logits, c.final_logit_softcapping);
   }
   return logits;
+}
+
+}  // namespace
+
+Activation forward(ModelState& m, KvCache& kv, std::vector<Segment>& segments, const Activation* logits_out,
+                   bool softcap) {
+  const ModelWeights* encoder = m.weights.encoder.get();
+  const auto is_encoder = [](const Segment& s) { return s.encoder; };
+  if (!encoder || std::none_of(segments.begin(), segments.end(), is_encoder))
+    return forward_pass(m, m.weights, kv, segments, logits_out, softcap);
+  if (std::all_of(segments.begin(), segments.end(), is_encoder))
+    return forward_pass(m, *encoder, kv, segments, logits_out, softcap);
+  // An untied encoder's rows run on its own weights, in a pass before the decoder's, whose
+  // segments then read their keys and values from the cache (in one pass they read them
+  // from the same layer's rows: the same values).
+  std::vector<Segment> encoders, decoders;
+  for (const Segment& s : segments) (s.encoder ? encoders : decoders).push_back(s);
+  forward_pass(m, *encoder, kv, encoders, nullptr, softcap);
+  return forward_pass(m, m.weights, kv, decoders, logits_out, softcap);
 }
 
 }  // namespace diffuserve

@@ -30,7 +30,9 @@ from . import _core
 from .safetensors_io import LazyTensor, as_float32, read_safetensors, write_safetensors
 
 FP8_MAX = 448.0
-_LINEAR = re.compile(r"model\.decoder\.(layers\.\d+\.(self_attn|mlp)\.\w+_proj|self_conditioning\.\w+_proj)\.weight$")
+# The linears quantized: the decoder's, and an untied encoder's own (its copies of the decoder's are left out).
+_LINEAR = re.compile(r"model\.(decoder\.(layers\.\d+\.(self_attn|mlp)\.\w+_proj|self_conditioning\.\w+_proj)|"
+                     r"encoder\.language_model\.layers\.\d+\.(self_attn|mlp)\.\w+_proj)\.weight$")
 
 
 def fp8_e4m3_bits(x: np.ndarray) -> np.ndarray:
