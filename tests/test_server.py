@@ -272,11 +272,17 @@ def test_error_bodies(base_url, path, body, status, param, code):
     ('{"model": "%s", "prompt": "x", "\\ud800": 1}' % MODEL, "a parameter's name is not valid Unicode"),
     # Not "(0: the model's)", which the C++ API takes and the server refuses.
     ('{"model": "%s", "prompt": "x", "canvas_length": 64}' % MODEL, "must be at most the model's canvas_length ("),
+    # The request's names, not SamplingParams' (its class name had stayed in some messages).
+    ('{"model": "%s", "prompt": "x", "seed_canvas": [3]}' % MODEL, "seed_canvas has 1 tokens"),
+    # A prompt of the wrong shape is not "Input should be a valid string".
+    ('{"model": "%s", "prompt": [5.0]}' % MODEL, "a prompt is a string or a list of token ids"),
+    ('{"model": "%s", "prompt": [[5], 5]}' % MODEL, "a prompt is a string or a list of token ids"),
 ])
 def test_error_messages_name_what_the_client_sent(base_url, body, says):
     """Not the tokenizer's "text", nor Python's advice to raise sys.set_int_max_str_digits."""
     r = httpx.post(f"{base_url}/v1/completions", content=body, headers={"content-type": "application/json"})
     assert r.status_code == 400 and says in r.json()["error"]["message"], r.text
+    assert "SamplingParams" not in r.json()["error"]["message"]
 
 
 @pytest.mark.parametrize("method,path,allow", [("GET", "/v1/chat/completions", "POST"),
@@ -515,6 +521,17 @@ def test_max_prompt_chars(checkpoint):
                 assert r.status_code == 200, r.text
             assert http.post("/v1/completions", json={"model": MODEL, "prompt": "ab", "max_tokens": 8}).status_code \
                 == 200
+            # Chat messages' text is counted before the request is validated and rendered (which
+            # 400,000 messages kept from every other request for 6 s): here, not their bad roles.
+            messages = [{"role": "bogus", "content": "ab"}] * 4 + [{"role": "bogus", "content": [
+                {"type": "text", "text": "ab"}, {"type": "text", "text": "ab"}]}]
+            r = http.post("/v1/chat/completions", json={"model": MODEL, "messages": messages, "max_tokens": 8})
+            assert r.status_code == 400, r.text
+            if limit:
+                assert r.json()["error"]["param"] == "messages", r.text
+                assert "12 characters of text, more than this server takes" in r.json()["error"]["message"], r.text
+            else:
+                assert r.json()["error"]["param"] == "messages[0].role", r.text
 
 
 def test_api_key(offline):

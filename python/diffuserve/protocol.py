@@ -303,6 +303,9 @@ def parse(model: type, body: Any):
         if error["type"] == "missing":
             raise ApiError(400, f"missing required parameter: {param!r}", param=param,
                            code="missing_required_parameter") from None
+        if param == "prompt" and error["loc"][:1] == ("prompt",):  # (pydantic names only the union's first branch)
+            raise ApiError(400, "invalid value for 'prompt': a prompt is a string or a list of token ids "
+                           "(integers), and a batch a list of those", param=param, code="invalid_value") from None
         raise ApiError(400, f"invalid value for {param!r}: {error['msg']}", param=param,
                        code="invalid_value") from None
 
@@ -330,7 +333,7 @@ def invalid_value(error: ValueError, renames: Optional[Dict[str, str]] = None) -
     name = match.group(1)
     if renames and name in renames:
         name = renames[name]
-        message = name + message[match.end():]
+    message = name + message[match.end():]  # the request's name, without the class's
     return ApiError(400, message, param=name if name in _PARAMS else None, code="invalid_value")
 
 

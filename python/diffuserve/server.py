@@ -227,6 +227,27 @@ class _Server:
             raise ApiError(404, f"the model {name!r} does not exist; this server serves {self.model_name!r}",
                            param="model", code="model_not_found")
 
+    def check_prompt_chars(self, chars: int, param: str) -> None:
+        if self.max_prompt_chars is not None and chars > self.max_prompt_chars:
+            raise ApiError(400, f"{param}: {chars} characters of text, more than this server takes "
+                                f"({self.max_prompt_chars}, --max-prompt-chars: by default max_model_len tokens of "
+                                f"the vocabulary's longest entry)", param=param)
+
+    def check_message_chars(self, body) -> None:
+        """Refuses a chat request whose messages' text alone is past --max-prompt-chars before
+        it is validated and rendered, which take seconds for megabytes of messages, on the
+        event loop: every other request waits (the rendered prompt is checked again)."""
+        messages = body.get("messages") if isinstance(body, dict) else None
+        if not isinstance(messages, list):
+            return
+        chars = 0
+        for message in messages:
+            content = message.get("content") if isinstance(message, dict) else None
+            parts = content if isinstance(content, list) else [content]
+            chars += sum(len(p) if isinstance(p, str) else len(p.get("text") or "") if isinstance(p, dict) and
+                         isinstance(p.get("text"), str) else 0 for p in parts)
+        self.check_prompt_chars(chars, "messages")
+
     async def prompt_ids(self, prompt, param: str = "prompt", add_special_tokens: bool = True) -> List[int]:
         """A prompt's token ids: given, or its text encoded (text that is not valid Unicode: a 400).
         The encoding runs in a worker thread: a text of megabytes takes seconds, which the
@@ -236,10 +257,7 @@ class _Server:
         if self.tokenizer is None:
             raise ApiError(400, "this model has no tokenizer.json, so it takes no text: send the prompt as token ids",
                            param=param, code="no_tokenizer")
-        if self.max_prompt_chars is not None and len(prompt) > self.max_prompt_chars:
-            raise ApiError(400, f"{param}: {len(prompt)} characters of text, more than this server takes "
-                                f"({self.max_prompt_chars}, --max-prompt-chars: by default max_model_len tokens of "
-                                f"the vocabulary's longest entry)", param=param)
+        self.check_prompt_chars(len(prompt), param)
         try:
             check_unicode(param, prompt)  # (the tokenizer's own message would name "text")
             return await asyncio.to_thread(self.tokenizer.encode, prompt, add_special_tokens=add_special_tokens)
@@ -557,7 +575,9 @@ def build_app(engine: AsyncLLM, model_name: str, api_key: Optional[str] = None,
 
     @v1.post("/chat/completions")
     async def chat_completions(request: Request):
-        body = parse(ChatCompletionRequest, await _json_body(request))
+        raw = await _json_body(request)
+        server.check_message_chars(raw)
+        body = parse(ChatCompletionRequest, raw)
         server.check_model(body.model)
         options = body.template_options()
         if server.tokenizer is None:
@@ -567,9 +587,12 @@ def build_app(engine: AsyncLLM, model_name: str, api_key: Optional[str] = None,
             source = server.tokenizer.get_chat_template(tools=options.get("tools"))
         except ValueError as e:  # no chat template
             raise ApiError(400, str(e), param="messages", code="no_chat_template") from None
-        try:
+        def render():  # (in a worker thread, as encoding: a long conversation takes a while)
             conversation = body.conversation(_names_role(source, "developer"))
-            text = server.tokenizer.apply_chat_template(conversation, **options)
+            return server.tokenizer.apply_chat_template(conversation, **options)
+
+        try:
+            text = await asyncio.to_thread(render)
         except ValueError as e:  # the template's own refusal or failure, or a bad template variable
             raise ApiError(400, str(e), param="messages") from None
         prompt = await server.prompt_ids(text, "messages", add_special_tokens=False)  # the template wrote them
