@@ -151,6 +151,23 @@ def test_random_odd_quantized_configurations_match_cpu(tmp_path, quantization, s
 
 
 def test_generate_agrees_with_cpu_and_is_batch_invariant(path):
+    check_generate_agrees_with_cpu_and_is_batch_invariant(path)
+
+
+def test_untied_encoder_matches_cpu(tmp_path):
+    """An encoder with weights of its own (tie_word_embeddings false) runs its rows on them, in
+    a pass before the decoder's: every pass and layer's keys and values as on the CPU, and a
+    batch (commits beside others' steps) as each request alone."""
+    import torch
+    from hf_reference import F, S, build_model, save, text
+    model = build_model(text([S, F, S], hidden_size=64, vocab_size=300, head_dim=16, global_head_dim=32,
+                             sliding_window=24), 32, seed=4, tie_word_embeddings=False)
+    path = save(model, tmp_path / "m", dtype=torch.bfloat16)
+    check_passes_match_cpu(path, prompt_length=50, canvas_length=32)
+    check_generate_agrees_with_cpu_and_is_batch_invariant(path)
+
+
+def check_generate_agrees_with_cpu_and_is_batch_invariant(path):
     prompts = [[1, 2, 3, 4], list(range(5, 70)), [9] * 17]
     params = [ds.SamplingParams(max_new_tokens=64, seed=i, eos_token_id=[], max_denoising_steps=6, t_min=1e-6,
                                 t_max=2e-6) for i in range(3)]
