@@ -888,6 +888,9 @@ BAD_LLM_CALLS = {
                              r"prompts must be a list of prompts \(token ids or text\), got a 0-d array, array\(5\)"),
     "token id past uint64": (lambda llm: llm.generate([[2, 2**64]]),
                              r"prompt 0: prompt: token id 18446744073709551616 at index 1 is out of range \[0, 64\)"),
+    # (had been numpy's "setting an array element with a sequence ... inhomogeneous shape")
+    "a list among the ids": (lambda llm: llm.generate([[2, [3]]]),
+                             r"prompt 0: prompt: token ids must be a 1-D sequence of integers, got list at index 1"),
     # (these had been nanobind's TypeError "incompatible function arguments")
     "request id past uint64": (lambda llm: llm.generated(2**64),
                                r"request_id must be an integer in \[0, 2\*\*63 - 1\], got 18446744073709551616"),

@@ -6,6 +6,7 @@ import pickle
 import random
 import re
 
+import numpy as np
 import pytest
 from transformers import AutoTokenizer
 
@@ -246,6 +247,9 @@ def test_llm_text_prompts_and_output_text(checkpoint):
     params = ds.SamplingParams(max_new_tokens=24, seed=5)
     by_text = llm.generate(["Hello world", "東京"], params)
     by_ids = llm.generate([llm.tokenizer.encode("Hello world"), llm.tokenizer.encode("東京")], params)
+    # An array of texts is texts, as a list of them (it had been taken as one prompt of ids).
+    assert [o.token_ids for o in llm.generate(np.array(["Hello world", "東京"]), params)] == \
+        [o.token_ids for o in by_text]
     for a, b in zip(by_text, by_ids):
         assert a.token_ids == b.token_ids and a.prompt_token_ids == b.prompt_token_ids
         assert a.text == llm.tokenizer.decode_output(until_eos(a.token_ids, [1]))

@@ -93,7 +93,13 @@ def check_token_ids(ids, what: str, vocab_size: int) -> np.ndarray:
         at = next((i for i, x in enumerate(ids) if isinstance(x, (bool, np.bool_))), None)
         if at is not None:
             raise ValueError(f"{what}: token ids must be integers, got {ids[at]!r} at index {at}")
-    arr = np.array(ids)  # a copy
+    try:
+        arr = np.array(ids)  # a copy
+    except ValueError:  # ragged: a list among the ids (numpy's own message names no index)
+        items = list(ids)
+        at = next((i for i, x in enumerate(items) if not is_int(x)), 0)
+        raise ValueError(f"{what}: token ids must be a 1-D sequence of integers, got {type(items[at]).__name__} "
+                         f"at index {at}") from None
     if arr.dtype.kind in "fO" and arr.ndim == 1 and not isinstance(ids, np.ndarray):
         # Python ints past int64 (numpy keeps them as objects, or floats beside smaller ones).
         items = list(ids)

@@ -186,6 +186,8 @@ class LLM:
         if not isinstance(prompts, (str, list, tuple, np.ndarray)) or getattr(prompts, "ndim", 1) == 0:
             got = f"a 0-d array, {prompts!r}" if isinstance(prompts, np.ndarray) else type(prompts).__name__
             raise ValueError(f"prompts must be a list of prompts (token ids or text), got {got}")
+        if isinstance(prompts, np.ndarray) and prompts.dtype.kind in "US":  # texts (one each), not one prompt of ids
+            prompts = prompts.tolist()
         if isinstance(prompts, str) or (len(prompts) and not hasattr(prompts[0], "__len__")) or \
                 (isinstance(prompts, np.ndarray) and prompts.ndim == 1):  # (an empty one too: had returned [])
             prompts = [prompts]  # a single prompt: one text, or one list of ids
