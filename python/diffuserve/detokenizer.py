@@ -7,7 +7,9 @@ that starts a little before the new tokens, and emits only what the new tokens a
 it; text whose last character is still incomplete (U+FFFD at the end) waits for the next
 tokens, and so does text that ends in byte-fallback tokens (an invalid byte still to come
 makes the whole run U+FFFDs: Tokenizer.ends_in_byte_run). The deltas concatenate to the
-decode of all the tokens.
+decode of all the tokens. Tokens without text (skipped special tokens, ids past the
+vocabulary: Tokenizer.has_text) are left out of the windows, which change nothing of their
+text, so that a long run of them is not decoded again at each step.
 
 A checkpoint whose decoding cleans up spaces (Tokenizer.clean_up_tokenization_spaces: " ."
 to ".", ...) has that done over the whole text so far, and its last _CLEAN_UP_HOLD characters
@@ -16,6 +18,7 @@ replacements matches at most 4 characters, scanning left to right).
 """
 from __future__ import annotations
 
+from bisect import bisect_left
 from typing import Iterable, List
 
 from .tokenizer import clean_up_tokenization
@@ -29,6 +32,8 @@ class IncrementalDetokenizer:
         self._tokenizer = tokenizer
         self._skip_special = skip_special_tokens
         self._ids: List[int] = []
+        self._text_at: List[int] = []   # where in _ids the tokens with text are
+        self._text_ids: List[int] = []  # and their ids
         self._prefix_start = 0  # window start: the tokens before the ones last emitted
         self._read = 0          # tokens whose text has been emitted
         self._clean_up = tokenizer.clean_up_tokenization_spaces
@@ -52,12 +57,21 @@ class IncrementalDetokenizer:
     def decode(self, start: int, end: int) -> str:
         """The raw text (no clean-up) of the tokens pushed so far from `start` to `end`: the
         windows the deltas are cut from."""
-        return self._tokenizer.decode_output(self._ids[start:end], skip_special_tokens=self._skip_special,
+        return self._tokenizer.decode_output(self._with_text(start, end), skip_special_tokens=self._skip_special,
                                              clean_up_tokenization_spaces=False)
+
+    def _with_text(self, start: int, end: int) -> List[int]:
+        """The ids of the tokens from `start` to `end` that have text."""
+        return self._text_ids[bisect_left(self._text_at, start):bisect_left(self._text_at, end)]
 
     def push(self, ids) -> str:
         """Adds tokens; returns the text they complete (possibly "")."""
-        self._ids.extend(int(i) for i in ids)
+        for i in ids:
+            i = int(i)
+            if self._tokenizer.has_text(i, self._skip_special):
+                self._text_at.append(len(self._ids))
+                self._text_ids.append(i)
+            self._ids.append(i)
         return self._emit(final=False)
 
     def finish(self) -> str:
@@ -73,8 +87,9 @@ class IncrementalDetokenizer:
             return ""
         before = self.decode(self._prefix_start, self._read)
         after = self.decode(self._prefix_start, len(self._ids))
-        if not final and (len(after) <= len(before) or after.endswith(_INCOMPLETE)
-                          or self._tokenizer.ends_in_byte_run(self._ids, self._skip_special)):
+        if not final and (len(after) <= len(before) or after.endswith(_INCOMPLETE) or
+                          self._tokenizer.ends_in_byte_run(self._with_text(self._prefix_start, len(self._ids)),
+                                                          self._skip_special)):
             return ""
         self._prefix_start, self._read = self._read, len(self._ids)
         return after[len(before):]

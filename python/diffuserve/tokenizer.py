@@ -336,14 +336,18 @@ class Tokenizer:
         clean_up = self.clean_up_tokenization_spaces if clean_up is None else clean_up
         return clean_up_tokenization(text) if clean_up else text
 
+    def has_text(self, token_id: int, skip_special_tokens: bool = True) -> bool:
+        """Whether decode_output gives the id to the decoder: skipped special tokens and ids
+        past the vocabulary it drops first, so they change no other token's text."""
+        return token_id < self.vocab_size and not (skip_special_tokens and token_id in self._special_ids)
+
     def ends_in_byte_run(self, ids, skip_special_tokens: bool = True) -> bool:
-        """Whether the last of `ids` that has text (skipped special tokens and ids past the
-        vocabulary have none) is a byte-fallback token. The decoder writes a run of those as
-        UTF-8 only when the whole run is valid, else one U+FFFD per byte: a token still to come
-        may turn the run's text, complete characters and all, into U+FFFDs."""
-        vocab_size = self.vocab_size
+        """Whether the last of `ids` that has text (has_text) is a byte-fallback token. The
+        decoder writes a run of those as UTF-8 only when the whole run is valid, else one U+FFFD
+        per byte: a token still to come may turn the run's text, complete characters and all,
+        into U+FFFDs."""
         for i in reversed(ids):
-            if i < vocab_size and not (skip_special_tokens and i in self._special_ids):
+            if self.has_text(i, skip_special_tokens):
                 return i in self._byte_ids
         return False
 
