@@ -419,6 +419,80 @@ def test_quantize_quantizes_an_untied_encoders_own_linears(tmp_path):
     assert np.isfinite(seq.denoise(np.arange(8))).all()
 
 
+def untied_source(path, mlp_copies=False, all_copies=False):
+    """A tie_word_embeddings-false source whose encoder has weights of its own, or copies of the
+    decoder's for its MLPs, or for everything: its layer scalars stay its own (transformers
+    never ties those buffers)."""
+    from hf_reference import F, S, build_model, save, text
+    model = build_model(text([S, F], hidden_size=64), 8, tie_word_embeddings=False)
+    encoder, decoder = model.model.encoder.language_model, model.model.decoder
+    with torch.no_grad():
+        for mine, theirs in zip(encoder.layers, decoder.layers):
+            if all_copies or mlp_copies:
+                mine.mlp.load_state_dict(theirs.mlp.state_dict())
+            if all_copies:
+                scalar = mine.layer_scalar.clone()
+                mine.load_state_dict(theirs.state_dict())
+                mine.layer_scalar.copy_(scalar)
+        if all_copies:
+            encoder.embed_tokens.load_state_dict(decoder.embed_tokens.state_dict())
+            encoder.norm.load_state_dict(decoder.norm.state_dict())
+    return str(save(model, path))
+
+
+@pytest.mark.parametrize("scheme", ["fp8-dynamic", "nvfp4"])
+def test_quantized_untied_encoder_takes_the_decoders_copies(tmp_path, scheme):
+    """quantize leaves out an untied encoder's copies of the decoder's weights; the load then
+    takes the decoder's for them: the same logits as the checkpoint with the copies written
+    out (it had refused the checkpoint: "missing tensor"). An encoder that is all copies but
+    its layer scalars is one set of weights with the decoder's."""
+    from diffuserve.quantize import quantize
+    from diffuserve.safetensors_io import read_safetensors, write_safetensors
+    E, D = "model.encoder.language_model.", "model.decoder."
+    for name, copies in (("mlp", dict(mlp_copies=True)), ("all", dict(all_copies=True))):
+        out = str(tmp_path / f"{name}_q")
+        quantize(untied_source(tmp_path / name, **copies), out, scheme)
+        path = os.path.join(out, "model.safetensors")
+        tensors = read_safetensors(path)
+        assert not any(n.startswith(E + "layers.0.mlp.") for n in tensors)
+        seq = ds.Model.load(out).sequence()
+        seq.prefill(np.arange(3, 12))
+        logits = seq.denoise(np.arange(8))
+        assert np.isfinite(logits).all()
+        # The same checkpoint with the decoder's copies written out under the encoder's names.
+        tensors.update({E + n[len(D):]: t for n, t in list(tensors.items())
+                        if n.startswith(D) and not n.startswith(D + "self_conditioning") and E + n[len(D):] not in tensors})
+        write_safetensors(path, tensors)
+        seq = ds.Model.load(out).sequence()
+        seq.prefill(np.arange(3, 12))
+        assert np.array_equal(seq.denoise(np.arange(8)), logits), name
+
+
+def test_untied_encoder_quantized_its_own_way(tmp_path):
+    """An untied encoder left unquantized (the config's ignore names it) beside an FP8 decoder:
+    each set is quantized as the config says of it, the encoder's keys and values those of the
+    plain source (it had been refused: "quantizes ... and its encoder copy ... differently")."""
+    from diffuserve.quantize import quantize
+    from diffuserve.safetensors_io import read_safetensors, write_safetensors
+    E = "model.encoder.language_model."
+    src, out = untied_source(tmp_path / "src"), str(tmp_path / "q")
+    quantize(src, out, "fp8-dynamic")
+    plain, path = read_safetensors(os.path.join(src, "model.safetensors")), os.path.join(out, "model.safetensors")
+    tensors = {n: t for n, t in read_safetensors(path).items() if not n.startswith(E)}
+    write_safetensors(path, {**tensors, **{n: t for n, t in plain.items() if n.startswith(E)}})
+    config = json.loads(open(os.path.join(out, "config.json")).read())
+    config["quantization_config"]["ignore"].append("re:model\\.encoder\\.language_model\\..*")
+    with open(os.path.join(out, "config.json"), "w") as f:
+        json.dump(config, f)
+    seqs = [ds.Model.load(p).sequence() for p in (src, out)]
+    for seq in seqs:
+        seq.prefill(np.arange(3, 12))
+    for layer in range(2):
+        for a, b in zip(seqs[0].kv(layer)[:2], seqs[1].kv(layer)[:2]):
+            np.testing.assert_array_equal(a, b)
+    assert np.isfinite(seqs[1].denoise(np.arange(8))).all()
+
+
 def test_quantize_refuses_a_quantized_source(tmp_path):
     from diffuserve.quantize import quantize
     with pytest.raises(ValueError, match="already quantized"):

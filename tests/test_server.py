@@ -510,8 +510,8 @@ def test_max_prompt_chars(checkpoint):
     """--max-prompt-chars sets the longest prompt text taken before encoding; 0 takes any."""
     from fastapi.testclient import TestClient
     for limit in (10, 0):
-        with TestClient(build_app(AsyncLLM(ds.LLM(checkpoint, kv_cache_memory_bytes=32 << 20)), MODEL,
-                                  max_prompt_chars=limit)) as http:
+        llm = ds.LLM(checkpoint, kv_cache_memory_bytes=32 << 20)
+        with TestClient(build_app(AsyncLLM(llm), MODEL, max_prompt_chars=limit)) as http:
             r = http.post("/v1/completions", json={"model": MODEL, "prompt": "ab " * 4, "max_tokens": 8})
             if limit:
                 assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
@@ -532,6 +532,11 @@ def test_max_prompt_chars(checkpoint):
                 assert "12 characters of text, more than this server takes" in r.json()["error"]["message"], r.text
             else:
                 assert r.json()["error"]["param"] == "messages[0].role", r.text
+            # Empty ones count too: more messages than a prompt has tokens (a turn's markup is one).
+            messages = [{"role": "bogus", "content": ""}] * (llm.model.max_sequence_tokens + 1)
+            r = http.post("/v1/chat/completions", json={"model": MODEL, "messages": messages, "max_tokens": 8})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text
+            assert "messages, more than a prompt of this model has tokens" in r.json()["error"]["message"], r.text
 
 
 def test_api_key(offline):

@@ -123,7 +123,12 @@ class TensorSource {
   TensorSource(ModelState& m, DType as) : m_(m), as_(as), targets_(m.config, m.path) {}
   bool dummy() const { return !m_.checkpoint; }
   const std::string& path() const { return m_.path; }
-  bool has(const std::string& name) const { return m_.checkpoint && m_.checkpoint->find(name); }
+  bool has(const std::string& name) const { return m_.checkpoint && find(name); }
+  // The encoder's weights are its own (load_weights): its modules are quantized as the config
+  // says of them, not checked against the decoder's, and a tensor of the encoder's that the
+  // checkpoint leaves out is its decoder twin's (`diffuserve quantize` writes only those that
+  // differ; a partly untied encoder may store only those).
+  void set_encoder_apart() { encoder_apart_ = true; }
   // Whether the checkpoint stores both `name` and `twin`, with different dtypes, shapes or bytes.
   bool stored_apart(const std::string& name, const std::string& twin) const {
     const TensorView* a = m_.checkpoint ? m_.checkpoint->find(name) : nullptr;
@@ -138,12 +143,13 @@ class TensorSource {
   }
 
   const TensorView& take(const std::string& name, const std::vector<int64_t>& shape) {
-    const TensorView* t = m_.checkpoint->find(name);
+    const std::string key = resolved(name);
+    const TensorView* t = m_.checkpoint->find(key);
     if (!t) throw FormatError(m_.path + ": missing tensor '" + name + "' (expected shape " + shape_string(shape) + ")");
     if (t->shape != shape)
-      throw FormatError(t->file + ": tensor '" + name + "' has shape " + shape_string(t->shape) + ", expected " +
+      throw FormatError(t->file + ": tensor '" + key + "' has shape " + shape_string(t->shape) + ", expected " +
                         shape_string(shape));
-    taken_.insert(name);
+    taken_.insert(key);
     return *t;
   }
 
@@ -230,11 +236,15 @@ class TensorSource {
 
   // Whether the checkpoint stores any of the encoder's text weights apart from the decoder's
   // twin (other values, dtype or shape): transformers then runs the encoder's own where the
-  // config unties them. (LLM Compressor writes byte-equal copies even of tied models.)
+  // config unties them. (LLM Compressor writes byte-equal copies even of tied models. The
+  // layer scalars, and W4A4 NVFP4's input scales, are the encoder's own in any case, which
+  // one set of weights serves: LayerWeights::encoder_layer_scalar, encoder_global_scale.)
   bool encoder_stored_apart() const {
     if (dummy()) return false;
     for (const auto& [name, view] : m_.checkpoint->tensors())
-      if (name.starts_with(kEncoder) && stored_apart(name, kDecoder + name.substr(kEncoder.size()))) return true;
+      if (name.starts_with(kEncoder) && !name.ends_with(".layer_scalar") && !name.ends_with(".input_global_scale") &&
+          stored_apart(name, kDecoder + name.substr(kEncoder.size())))
+        return true;
     return false;
   }
 
@@ -311,6 +321,15 @@ class TensorSource {
     return m_.backend->upload(host->data(), DType::F32, shape, as_, host);
   }
 
+  // `name`, or its decoder twin's where the encoder's weights are its own (set_encoder_apart)
+  // and the checkpoint leaves it out (not a layer scalar: those are the encoder's own).
+  std::string resolved(const std::string& name) const {
+    if (encoder_apart_ && name.starts_with(kEncoder) && !name.ends_with(".layer_scalar") && !m_.checkpoint->find(name))
+      return kDecoder + name.substr(kEncoder.size());
+    return name;
+  }
+  const TensorView* find(const std::string& name) const { return m_.checkpoint->find(resolved(name)); }
+
   static bool same_tensor(const TensorView& a, const TensorView& b) {
     return a.dtype == b.dtype && a.shape == b.shape && std::memcmp(a.data, b.data, a.nbytes) == 0;
   }
@@ -330,9 +349,10 @@ class TensorSource {
 
   // A companion tensor (a scale) of any shape, marked taken.
   const TensorView& companion(const std::string& name) {
-    const TensorView* t = m_.checkpoint->find(name);
+    const std::string key = resolved(name);
+    const TensorView* t = m_.checkpoint->find(key);
     if (!t) throw FormatError(m_.path + ": missing tensor '" + name + "' (a quantized linear's scale)");
-    taken_.insert(name);
+    taken_.insert(key);
     return *t;
   }
 
@@ -368,9 +388,10 @@ class TensorSource {
           throw FormatError(m_.path + ": quantization_config quantizes the inputs of '" + modules[0][0] + "' and '" +
                             module + "' differently, but the runtime runs them as one (stacked gate and up, or one "
                             "MoE layer's experts)");
-        // The encoder's copy of the linear (the same weights) is matched by its own name.
-        const std::string decoder = "model.decoder.", encoder = "model.encoder.language_model.";
-        const std::string twin = module.starts_with(decoder) ? encoder + module.substr(decoder.size()) : module;
+        // The encoder's copy of a layer's linear (the same weights) is matched by its own name.
+        const std::string layers = kDecoder + "layers.";
+        const std::string twin =
+            module.starts_with(layers) && !encoder_apart_ ? kEncoder + module.substr(kDecoder.size()) : module;
         if (input_scheme(twin) != q.scheme || quantizes(twin) != quantizes(module))
           throw FormatError(m_.path + ": quantization_config quantizes '" + module + "' and its encoder copy '" + twin +
                             "' differently, but they are one weight, run alike");
@@ -414,7 +435,7 @@ class TensorSource {
 
   // Whether the weight `name` is stored quantized: NVFP4's "<prefix>.weight_packed", or FP8.
   bool is_packed(const std::string& name) const {
-    const TensorView* t = m_.checkpoint->find(name);
+    const TensorView* t = find(name);
     return (!t && has(prefix_of(name) + ".weight_packed")) || (t && t->dtype == DType::F8_E4M3);
   }
 
@@ -425,7 +446,7 @@ class TensorSource {
       throw FormatError(m_.path + ": '" + name + "' of shape " + shape_string(shape) +
                         " is stored quantized; only a linear's [rows, cols] weight may be");
     if (!is_packed(name)) {
-      if (!m_.checkpoint->find(name))
+      if (!find(name))
         throw FormatError(m_.path + ": missing tensor '" + name + "' (nor is it stored as NVFP4's '" + prefix +
                           ".weight_packed'), which is stacked with quantized linears");
       throw FormatError(m_.path + ": '" + name + "' is stored plainly, but the linears stacked with it are "
@@ -498,6 +519,7 @@ class TensorSource {
   QuantizationTargets targets_;
   std::set<std::string> taken_;
   uint64_t seed_ = 0;  // dummy weights: one stream per tensor
+  bool encoder_apart_ = false;  // set_encoder_apart
 };
 
 // Activations "bfloat16": every linear and expert stack whose input the checkpoint leaves
@@ -583,6 +605,11 @@ void load_weights(ModelState& m, DType as) {
   ModelWeights& w = m.weights;
   const int64_t H = c.hidden_size, I = c.intermediate_size;
   const std::string& d = TensorSource::kDecoder;
+  // config.json's tie_word_embeddings false unties the encoder from the decoder as well as the
+  // head from the embedding: where the checkpoint then holds encoder weights of their own,
+  // transformers runs the encoder on them, and so does this (forward's encoder pass).
+  const bool encoder_apart = !c.tie_word_embeddings && src.encoder_stored_apart();
+  if (encoder_apart) src.set_encoder_apart();
 
   w.embed_tokens = src.weight(d + "embed_tokens.weight", {c.vocab_size, H});
   // A tied config whose checkpoint stores an lm_head.weight other than the embedding: transformers
@@ -598,10 +625,7 @@ void load_weights(ModelState& m, DType as) {
   w.sc_gate_up = src.stacked({sc + "gate_proj.weight", sc + "up_proj.weight"}, {I, I}, H);
   w.sc_down = src.linear(sc + "down_proj.weight", {H, I});
   load_layers(src, c, d, w.layers);
-  // config.json's tie_word_embeddings false unties the encoder from the decoder as well as the
-  // head from the embedding: where the checkpoint then holds encoder weights of their own,
-  // transformers runs the encoder on them, and so does this (forward's encoder pass).
-  if (!c.tie_word_embeddings && src.encoder_stored_apart()) {
+  if (encoder_apart) {
     const std::string& e = TensorSource::kEncoder;
     w.encoder = std::make_unique<ModelWeights>();
     w.encoder->embed_tokens = src.weight(e + "embed_tokens.weight", {c.vocab_size, H});

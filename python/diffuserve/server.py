@@ -216,6 +216,7 @@ class _Server:
         if max_prompt_chars is None and self.tokenizer is not None:
             max_prompt_chars = engine.llm.model.max_sequence_tokens * self.tokenizer.longest_token_chars
         self.max_prompt_chars = max_prompt_chars or None  # 0: no limit
+        self.max_sequence_tokens = engine.llm.model.max_sequence_tokens
 
     def returns_token_ids(self, body) -> bool:
         """Whether each choice carries its token ids: as asked (return_token_ids), else where the
@@ -234,12 +235,17 @@ class _Server:
                                 f"the vocabulary's longest entry)", param=param)
 
     def check_message_chars(self, body) -> None:
-        """Refuses a chat request whose messages' text alone is past --max-prompt-chars before
-        it is validated and rendered, which take seconds for megabytes of messages, on the
-        event loop: every other request waits (the rendered prompt is checked again)."""
+        """Refuses a chat request whose messages' text alone is past --max-prompt-chars, or
+        that has more messages than a prompt has tokens (a turn's markup is one at least),
+        before it is validated and rendered, which take seconds for hundreds of thousands of
+        messages, on the event loop: every other request waits (the rendered prompt is
+        checked again)."""
         messages = body.get("messages") if isinstance(body, dict) else None
         if not isinstance(messages, list):
             return
+        if len(messages) > self.max_sequence_tokens:
+            raise ApiError(400, f"messages: {len(messages)} messages, more than a prompt of this model has tokens "
+                                f"({self.max_sequence_tokens})", param="messages")
         chars = 0
         for message in messages:
             content = message.get("content") if isinstance(message, dict) else None
