@@ -33,3 +33,6 @@ def test_cpp_program_builds_and_runs(tmp_path):
     # A bad checkpoint is a clean error from the C++ API, not a crash.
     bad = subprocess.run([str(build / "embed"), str(tmp_path / "missing")], capture_output=True, text=True)
     assert bad.returncode == 1 and "error:" in bad.stderr
+    # Its arguments are read strictly: "abc" is no token id (atoi had made it 0).
+    bad = subprocess.run([str(build / "embed"), str(ckpt), "2", "abc"], capture_output=True, text=True)
+    assert bad.returncode == 2 and "'abc' is not a token id" in bad.stderr

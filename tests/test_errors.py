@@ -406,6 +406,29 @@ def rewrite(ckpt, edit):
     write_safetensors(ckpt / "model.safetensors", tensors)
 
 
+@pytest.mark.parametrize("value, says", [("abc", "DIFFUSERVE_NUM_THREADS='abc' is not a thread count"),
+                                         ("-3", "DIFFUSERVE_NUM_THREADS='-3' is not a thread count"),
+                                         ("1.5", "DIFFUSERVE_NUM_THREADS='1.5' is not a thread count"),
+                                         ("2000", "DIFFUSERVE_NUM_THREADS 2000 is more than 1024")])
+def test_a_bad_thread_count_in_the_environment_is_named(valid_dir, value, says):
+    """DIFFUSERVE_NUM_THREADS is read strictly (abc and -3 had meant every hardware thread, and
+    2000 was refused as "num_threads", which the caller had left at 0)."""
+    code = "import sys, diffuserve as ds\ntry: ds.Model.load(sys.argv[1])\nexcept ValueError as e: print(e)"
+    out = subprocess.run([sys.executable, "-c", code, str(valid_dir)], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "DIFFUSERVE_NUM_THREADS": value})
+    assert says in out.stdout, out.stdout + out.stderr
+
+
+def test_weights_too_large_for_the_machine(ckpt):
+    """Random weights (load_format "dummy") of sizes no memory holds: a ValueError saying so (it
+    had been C++'s bare std::bad_alloc)."""
+    config = json.loads((ckpt / "config.json").read_text())
+    config["text_config"].update(vocab_size=2**31 - 1, hidden_size=2**24)
+    (ckpt / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="memory loading the model's weights|too large to hold"):
+        ds.Model.load(ckpt, load_format="dummy")
+
+
 def test_missing_tensor(ckpt):
     rewrite(ckpt, lambda t: t.pop(ROUTER))
     load_fails(ckpt, f"missing tensor '{ROUTER}'", "expected shape [4, 32]", str(ckpt))

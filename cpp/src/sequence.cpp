@@ -4,7 +4,9 @@
 #include <cmath>
 #include <filesystem>
 #include <cctype>
+#include <new>
 #include <optional>
+#include <stdexcept>
 
 #include "diffuserve/diffuserve.h"
 #include "model.h"
@@ -154,7 +156,15 @@ std::shared_ptr<Model> Model::load(const std::string& path, const LoadOptions& o
   if (const int64_t memory = state->backend->memory_bytes(); options.kv_cache_memory_bytes > memory)
     throw InvalidArgument("kv_cache_memory_bytes " + std::to_string(options.kv_cache_memory_bytes) + " is more than " +
                           options.device + " has in all (" + std::to_string(memory) + " bytes)");
-  load_weights(*state, as);
+  try {
+    load_weights(*state, as);
+  } catch (const std::bad_alloc&) {  // (a config's sizes past the memory there is: random weights, or a copy)
+    throw InvalidArgument("out of " + options.device + " memory loading the model's weights (" +
+                          std::to_string(state->backend->memory_bytes()) + " bytes in all): its config's sizes are "
+                          "too large for this machine");
+  } catch (const std::length_error&) {
+    throw InvalidArgument("the model's weights, as its config sizes them, are too large to hold");
+  }
   const int64_t kv_bytes =
       options.kv_cache_memory_bytes ? options.kv_cache_memory_bytes : state->backend->default_kv_cache_bytes();
   state->kv = std::make_unique<KvCache>(*state->backend, state->config, kv_bytes, options.kv_block_size,

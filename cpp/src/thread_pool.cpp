@@ -1,7 +1,9 @@
 #include "thread_pool.h"
 
 #include <algorithm>
+#include <charconv>
 #include <cstdlib>
+#include <cstring>
 #include <string>
 #include <system_error>
 
@@ -10,14 +12,23 @@
 namespace diffuserve {
 
 ThreadPool::ThreadPool(int num_threads) {
+  std::string source = "num_threads";
   if (num_threads <= 0) {
+    // DIFFUSERVE_NUM_THREADS, where set, is a count up to kMaxThreads, 0 every hardware thread
+    // (an empty one is unset).
     const char* env = std::getenv("DIFFUSERVE_NUM_THREADS");
-    num_threads = env ? std::atoi(env) : 0;
+    if (env && *env) {
+      source = "DIFFUSERVE_NUM_THREADS";
+      const char* end = env + std::strlen(env);
+      const auto [at, error] = std::from_chars(env, end, num_threads);
+      if (error != std::errc() || at != end || num_threads < 0)
+        throw InvalidArgument("DIFFUSERVE_NUM_THREADS='" + std::string(env) + "' is not a thread count (up to " +
+                              std::to_string(kMaxThreads) + "; 0: every hardware thread)");
+    }
   }
   if (num_threads <= 0) num_threads = int(std::max(1u, std::thread::hardware_concurrency()));
   if (num_threads > kMaxThreads)
-    throw InvalidArgument("num_threads " + std::to_string(num_threads) + " is more than " +
-                          std::to_string(kMaxThreads));
+    throw InvalidArgument(source + " " + std::to_string(num_threads) + " is more than " + std::to_string(kMaxThreads));
   try {
     for (int i = 1; i < num_threads; ++i) workers_.emplace_back([this] { worker_loop(); });
   } catch (const std::system_error& e) {  // the OS refused a thread: stop the ones started

@@ -3,8 +3,9 @@
 //
 //   embed CHECKPOINT_DIR [TOKEN_ID ...]
 #include <algorithm>
+#include <charconv>
 #include <cstdio>
-#include <cstdlib>
+#include <cstring>
 #include <vector>
 
 #include "diffuserve/diffuserve.h"
@@ -20,7 +21,16 @@ int main(int argc, char** argv) {
     const diffuserve::ModelConfig& config = model->config();
 
     std::vector<int32_t> prompt;
-    for (int i = 2; i < argc; ++i) prompt.push_back(std::atoi(argv[i]));
+    for (int i = 2; i < argc; ++i) {
+      int32_t id = 0;
+      const char* end = argv[i] + std::strlen(argv[i]);
+      const auto [at, error] = std::from_chars(argv[i], end, id);
+      if (error != std::errc() || at != end) {
+        std::fprintf(stderr, "error: '%s' is not a token id\n", argv[i]);
+        return 2;
+      }
+      prompt.push_back(id);  // (the model refuses one outside its vocabulary)
+    }
     if (prompt.empty()) prompt = {2, 10, 11, 12};  // a few ids that exist in any vocabulary
 
     auto seq = model->new_sequence();

@@ -59,7 +59,7 @@ class SamplingParams:
     canvas_length: Optional[int] = None  # a narrower canvas for this request
     seed_canvas: Optional[Sequence[int]] = None  # initial tokens of the first block
     pinned_positions: Optional[Sequence[int]] = None  # first-block positions held at their seed_canvas token
-    allowed_token_ids: Optional[Sequence[int]] = None  # only these may be sampled, accepted or output
+    allowed_token_ids: Optional[Sequence[int]] = None  # only these may be sampled or accepted (pinned stay)
     self_conditioning: bool = True  # False: no step sees the previous step's logits (an ablation)
     # True: where the length limit would reach past max_position_embeddings or the whole KV
     # cache, generate the whole blocks that fit instead (vLLM's rule without max_tokens).

@@ -2,6 +2,12 @@
 // generation_config.json (model_type "diffusion_gemma").
 #pragma once
 
+// The library is built with libstdc++'s usual containers. Its debug mode lays std::vector out
+// otherwise, so that a program built with it would read garbage from every struct passed.
+#if defined(_GLIBCXX_DEBUG)
+#error "diffuserve's API cannot be used with _GLIBCXX_DEBUG: the library is built without it"
+#endif
+
 #include <cstdint>
 #include <string>
 #include <vector>

@@ -28,7 +28,7 @@ struct LoadOptions {
   // Weight storage dtype: "" takes config.json's dtype (torch_dtype), as transformers does, or where
   // it names none the embedding's stored one; "float32", "bfloat16" or "float16" casts.
   std::string dtype;
-  int num_threads = 0;         // 0: DIFFUSERVE_NUM_THREADS, else every hardware thread
+  int num_threads = 0;         // at most 1024; 0: DIFFUSERVE_NUM_THREADS, else every hardware thread
   // The paged KV cache: 0 = a quarter of physical memory, at most 4 GiB (CPU).
   int64_t kv_cache_memory_bytes = 0;
   int kv_block_size = 16;      // tokens per KV block
@@ -81,7 +81,9 @@ class Model : public std::enable_shared_from_this<Model> {
   const std::string& device() const;
   CacheStats cache_stats() const;
   // The longest sequence (prompt and generated tokens) one request may reach: within
-  // max_position_embeddings, and what the whole KV cache holds at the model's canvas.
+  // max_position_embeddings, and what the whole KV cache holds at the model's canvas. A
+  // request's new tokens come in whole blocks, so a prompt leaves room for the whole blocks
+  // that fit after it (max_new_tokens past those is refused).
   int64_t max_sequence_tokens() const;
   // A new, empty sequence. canvas_length: 0 for the model's, or a narrower canvas.
   std::unique_ptr<Sequence> new_sequence(int canvas_length = 0);

@@ -39,7 +39,7 @@ struct SamplingParams {
   int canvas_length = 0;                   // 0: the model's; else a narrower canvas
   std::vector<int32_t> seed_canvas;        // initial tokens of the first block's canvas
   std::vector<int32_t> pinned_positions;   // first-block positions held at their seed_canvas token
-  std::vector<int32_t> allowed_token_ids;  // only these may be drawn, accepted or output
+  std::vector<int32_t> allowed_token_ids;  // only these may be drawn or accepted (pinned tokens stay as given)
   bool self_conditioning = true;           // false: every step sees no previous logits (an ablation)
 };
 
