@@ -188,6 +188,9 @@ def test_draft_streaming(base_url):
     ("completions", {"model": MODEL, "prompt": "1" * 5_000_000}, 400, "prompt", None),
     ("chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "1" * 5_000_000}]}, 400,
      "messages", None),
+    # The wrong model is a 404 before the messages are counted.
+    ("chat/completions", {"model": "gpt-4", "messages": [{"role": "user", "content": "1" * 5_000_000}]}, 404,
+     "model", "model_not_found"),
     ("completions", {"model": MODEL, "prompt": "x", "top_k": 5}, 400, "top_k", "unsupported_parameter"),
     ("completions", {"model": MODEL}, 400, "prompt", "missing_required_parameter"),
     ("chat/completions", {"model": MODEL, "messages": []}, 400, "messages", "invalid_value"),

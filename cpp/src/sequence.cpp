@@ -158,12 +158,14 @@ std::shared_ptr<Model> Model::load(const std::string& path, const LoadOptions& o
                           options.device + " has in all (" + std::to_string(memory) + " bytes)");
   try {
     load_weights(*state, as);
-  } catch (const std::bad_alloc&) {  // (a config's sizes past the memory there is: random weights, or a copy)
-    throw InvalidArgument("out of " + options.device + " memory loading the model's weights (" +
-                          std::to_string(state->backend->memory_bytes()) + " bytes in all): its config's sizes are "
-                          "too large for this machine");
+  } catch (const std::bad_alloc&) {
+    // Random weights take their sizes from the config alone, which may ask for any amount;
+    // a checkpoint's are the files', and running out of memory for them stays std::bad_alloc.
+    if (options.load_format != "dummy") throw;
+    throw InvalidArgument("load_format 'dummy': out of memory making random weights of the config's sizes");
   } catch (const std::length_error&) {
-    throw InvalidArgument("the model's weights, as its config sizes them, are too large to hold");
+    if (options.load_format != "dummy") throw;
+    throw InvalidArgument("load_format 'dummy': the config's sizes are past what one weight can hold");
   }
   const int64_t kv_bytes =
       options.kv_cache_memory_bytes ? options.kv_cache_memory_bytes : state->backend->default_kv_cache_bytes();

@@ -235,7 +235,8 @@ class _Server:
                                 f"the vocabulary's longest entry)", param=param)
 
     def check_message_chars(self, body) -> None:
-        """Refuses a chat request whose messages' text alone is past --max-prompt-chars, or
+        """Refuses a chat request whose messages' text as sent is past --max-prompt-chars (even
+        where the template would trim it), or
         that has more messages than a prompt has tokens (a turn's markup is one at least),
         before it is validated and rendered, which take seconds for hundreds of thousands of
         messages, on the event loop: every other request waits (the rendered prompt is
@@ -582,6 +583,8 @@ def build_app(engine: AsyncLLM, model_name: str, api_key: Optional[str] = None,
     @v1.post("/chat/completions")
     async def chat_completions(request: Request):
         raw = await _json_body(request)
+        if isinstance(raw, dict) and isinstance(raw.get("model"), str):
+            server.check_model(raw["model"])  # (the wrong model is a 404 whatever else the request holds)
         server.check_message_chars(raw)
         body = parse(ChatCompletionRequest, raw)
         server.check_model(body.model)
