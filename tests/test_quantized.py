@@ -468,23 +468,28 @@ def test_quantized_untied_encoder_takes_the_decoders_copies(tmp_path, scheme):
         assert np.array_equal(seq.denoise(np.arange(8)), logits), name
 
 
-def test_untied_encoder_quantized_its_own_way(tmp_path):
-    """An untied encoder left unquantized (the config's ignore names it) beside an FP8 decoder:
-    each set is quantized as the config says of it, the encoder's keys and values those of the
-    plain source (it had been refused: "quantizes ... and its encoder copy ... differently")."""
+@pytest.mark.parametrize("plain", ["encoder", "decoder"])
+def test_untied_encoder_quantized_its_own_way(tmp_path, plain):
+    """An untied encoder and the decoder quantized differently (the config's ignore names the
+    plain one): each set is quantized as the config says of it, the encoder's keys and values
+    those of the checkpoint that stores its linears alike (a plain encoder had been refused:
+    "quantizes ... and its encoder copy ... differently"; a quantized one is not taken for the
+    plain decoder's, whose names its packed weights lack)."""
     from diffuserve.quantize import quantize
     from diffuserve.safetensors_io import read_safetensors, write_safetensors
-    E = "model.encoder.language_model."
+    side = {"encoder": "model.encoder.language_model.", "decoder": "model.decoder."}[plain]
     src, out = untied_source(tmp_path / "src"), str(tmp_path / "q")
-    quantize(src, out, "fp8-dynamic")
-    plain, path = read_safetensors(os.path.join(src, "model.safetensors")), os.path.join(out, "model.safetensors")
-    tensors = {n: t for n, t in read_safetensors(path).items() if not n.startswith(E)}
-    write_safetensors(path, {**tensors, **{n: t for n, t in plain.items() if n.startswith(E)}})
+    quantize(src, out, "nvfp4")
+    same_encoder = src if plain == "encoder" else str(tmp_path / "all")
+    shutil.copytree(out, tmp_path / "all")
+    plain_tensors, path = read_safetensors(os.path.join(src, "model.safetensors")), os.path.join(out, "model.safetensors")
+    tensors = {n: t for n, t in read_safetensors(path).items() if not n.startswith(side)}
+    write_safetensors(path, {**tensors, **{n: t for n, t in plain_tensors.items() if n.startswith(side)}})
     config = json.loads(open(os.path.join(out, "config.json")).read())
-    config["quantization_config"]["ignore"].append("re:model\\.encoder\\.language_model\\..*")
+    config["quantization_config"]["ignore"].append("re:" + side.replace(".", "\\.") + ".*")
     with open(os.path.join(out, "config.json"), "w") as f:
         json.dump(config, f)
-    seqs = [ds.Model.load(p).sequence() for p in (src, out)]
+    seqs = [ds.Model.load(p).sequence() for p in (same_encoder, out)]
     for seq in seqs:
         seq.prefill(np.arange(3, 12))
     for layer in range(2):

@@ -322,11 +322,15 @@ class TensorSource {
   }
 
   // `name`, or its decoder twin's where the encoder's weights are its own (set_encoder_apart)
-  // and the checkpoint leaves it out (not a layer scalar: those are the encoder's own).
+  // and the checkpoint holds no tensor of the encoder's module (a linear's weight, packed
+  // values and scales come from one side; not a layer scalar: those are the encoder's own).
   std::string resolved(const std::string& name) const {
-    if (encoder_apart_ && name.starts_with(kEncoder) && !name.ends_with(".layer_scalar") && !m_.checkpoint->find(name))
-      return kDecoder + name.substr(kEncoder.size());
-    return name;
+    if (!encoder_apart_ || !name.starts_with(kEncoder) || name.ends_with(".layer_scalar")) return name;
+    const std::string module = name.substr(0, name.rfind('.') + 1);  // with its dot
+    const auto& tensors = m_.checkpoint->tensors();
+    const auto first = tensors.lower_bound(module);
+    if (first != tensors.end() && first->first.starts_with(module)) return name;
+    return kDecoder + name.substr(kEncoder.size());
   }
   const TensorView* find(const std::string& name) const { return m_.checkpoint->find(resolved(name)); }
 
