@@ -385,7 +385,6 @@ ModelConfig load_config(const std::string& dir) {
     t.fail("final_logit_softcapping", "must be > 0 (transformers divides the logits by it)");
   if (c.rms_norm_eps <= 0) t.fail("rms_norm_eps", "must be > 0");
 
-  // transformers' three names for GELU's tanh approximation (one function, written three ways).
   // transformers' names for GELU: by its tanh approximation, or exactly (by erf).
   const std::string act = t.string_or("hidden_activation", "gelu_pytorch_tanh");
   const bool tanh_gelu = act == "gelu_pytorch_tanh" || act == "gelu_python_tanh" || act == "gelu_new" ||

@@ -251,7 +251,6 @@ class TensorSource {
   // Every tensor that was not taken must be one we deliberately skip.
   void check_all_taken(bool tied) const {
     if (dummy()) return;
-    const std::string& encoder = kEncoder;
     for (const auto& [name, view] : m_.checkpoint->tensors()) {
       if (taken_.count(name)) continue;
       if (name.rfind("model.encoder.vision_tower.", 0) == 0 || name.rfind("model.encoder.embed_vision.", 0) == 0)
@@ -259,13 +258,11 @@ class TensorSource {
       if (tied && name == "lm_head.weight") continue;  // a copy of the tied embedding
       // RoPE's frequencies, which older exports stored as buffers: computed from the config.
       // (`<layer type>_inv_freq`, `inv_freq`, `original_inv_freq`).
-      if (name.find(".rotary_emb.") != std::string::npos && name.size() >= 8 &&
-          name.compare(name.size() - 8, 8, "inv_freq") == 0)
-        continue;
+      if (name.find(".rotary_emb.") != std::string::npos && name.ends_with("inv_freq")) continue;
       // The encoder shares the decoder's weights; a checkpoint whose ties were broken
       // when it was written (LLM Compressor does this) holds byte-equal copies.
-      if (name.rfind(encoder, 0) == 0) {
-        const TensorView* twin = m_.checkpoint->find("model.decoder." + name.substr(encoder.size()));
+      if (name.starts_with(kEncoder)) {
+        const TensorView* twin = m_.checkpoint->find(kDecoder + name.substr(kEncoder.size()));
         if (twin && same_tensor(*twin, view)) continue;
         if (twin)
           throw FormatError(view.file + ": tensor '" + name + "' differs from its decoder twin '" + twin->name +

@@ -31,8 +31,8 @@ class IncrementalDetokenizer:
     def __init__(self, tokenizer, skip_special_tokens: bool = True):
         self._tokenizer = tokenizer
         self._skip_special = skip_special_tokens
-        self._ids: List[int] = []
-        self._text_at: List[int] = []   # where in _ids the tokens with text are
+        self._pushed = 0  # tokens pushed so far
+        self._text_at: List[int] = []   # where among them the tokens with text are
         self._text_ids: List[int] = []  # and their ids
         self._prefix_start = 0  # window start: the tokens before the ones last emitted
         self._read = 0          # tokens whose text has been emitted
@@ -69,9 +69,9 @@ class IncrementalDetokenizer:
         for i in ids:
             i = int(i)
             if self._tokenizer.has_text(i, self._skip_special):
-                self._text_at.append(len(self._ids))
+                self._text_at.append(self._pushed)
                 self._text_ids.append(i)
-            self._ids.append(i)
+            self._pushed += 1
         return self._emit(final=False)
 
     def finish(self) -> str:
@@ -83,15 +83,15 @@ class IncrementalDetokenizer:
         return self._cleaned(delta, final) if self._clean_up else delta
 
     def _raw_delta(self, final: bool) -> str:
-        if self._read == len(self._ids):
+        if self._read == self._pushed:
             return ""
         before = self.decode(self._prefix_start, self._read)
-        after = self.decode(self._prefix_start, len(self._ids))
+        after = self.decode(self._prefix_start, self._pushed)
         if not final and (len(after) <= len(before) or after.endswith(_INCOMPLETE) or
-                          self._tokenizer.ends_in_byte_run(self._with_text(self._prefix_start, len(self._ids)),
+                          self._tokenizer.ends_in_byte_run(self._with_text(self._prefix_start, self._pushed),
                                                           self._skip_special)):
             return ""
-        self._prefix_start, self._read = self._read, len(self._ids)
+        self._prefix_start, self._read = self._read, self._pushed
         return after[len(before):]
 
 

@@ -213,10 +213,10 @@ class _Server:
         # characters: a token with lstrip takes any run of spaces before it; then raise it).
         # Longer ones are refused before they are encoded, which takes hundreds of bytes a
         # token (a 20 MB text of one-character tokens had taken 11 GB and a minute to refuse).
-        if max_prompt_chars is None and self.tokenizer is not None:
-            max_prompt_chars = engine.llm.model.max_sequence_tokens * self.tokenizer.longest_token_chars
-        self.max_prompt_chars = max_prompt_chars or None  # 0: no limit
         self.max_sequence_tokens = engine.llm.model.max_sequence_tokens
+        if max_prompt_chars is None and self.tokenizer is not None:
+            max_prompt_chars = self.max_sequence_tokens * self.tokenizer.longest_token_chars
+        self.max_prompt_chars = max_prompt_chars or None  # 0: no limit
 
     def returns_token_ids(self, body) -> bool:
         """Whether each choice carries its token ids: as asked (return_token_ids), else where the
@@ -236,11 +236,10 @@ class _Server:
 
     def check_message_chars(self, body) -> None:
         """Refuses a chat request whose messages' text as sent is past --max-prompt-chars (even
-        where the template would trim it), or
-        that has more messages than a prompt has tokens (a turn's markup is one at least),
-        before it is validated and rendered, which take seconds for hundreds of thousands of
-        messages, on the event loop: every other request waits (the rendered prompt is
-        checked again)."""
+        where the template would trim it), or that has more messages than a prompt has tokens
+        (a turn's markup is one at least), before it is validated and rendered, which take
+        seconds for hundreds of thousands of messages, on the event loop: every other request
+        waits (the rendered prompt is checked again)."""
         messages = body.get("messages") if isinstance(body, dict) else None
         if not isinstance(messages, list):
             return
@@ -250,9 +249,9 @@ class _Server:
         chars = 0
         for message in messages:
             content = message.get("content") if isinstance(message, dict) else None
-            parts = content if isinstance(content, list) else [content]
-            chars += sum(len(p) if isinstance(p, str) else len(p.get("text") or "") if isinstance(p, dict) and
-                         isinstance(p.get("text"), str) else 0 for p in parts)
+            for part in content if isinstance(content, list) else [content]:  # a text, or {"text": ...} parts
+                text = part.get("text") if isinstance(part, dict) else part
+                chars += len(text) if isinstance(text, str) else 0
         self.check_prompt_chars(chars, "messages")
 
     async def prompt_ids(self, prompt, param: str = "prompt", add_special_tokens: bool = True) -> List[int]:
@@ -586,8 +585,7 @@ def build_app(engine: AsyncLLM, model_name: str, api_key: Optional[str] = None,
         if isinstance(raw, dict) and isinstance(raw.get("model"), str):
             server.check_model(raw["model"])  # (the wrong model is a 404 whatever else the request holds)
         server.check_message_chars(raw)
-        body = parse(ChatCompletionRequest, raw)
-        server.check_model(body.model)
+        body = parse(ChatCompletionRequest, raw)  # (its model, a string, is the one checked above)
         options = body.template_options()
         if server.tokenizer is None:
             raise ApiError(400, "this model has no tokenizer.json, so no chat template: send token ids to "
