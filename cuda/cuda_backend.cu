@@ -23,6 +23,7 @@
 #include "diffuserve/errors.h"
 #include "kernels.h"
 #include "sampler.h"
+#include "thread_pool.h"
 #ifdef DIFFUSERVE_WITH_CUBLASLT
 #include "cublaslt_gemm.h"
 #endif
@@ -219,6 +220,7 @@ class CudaBackend final : public Backend {
     check(cudaStreamCreateWithPriority(&branch_, cudaStreamNonBlocking, greatest), "cudaStreamCreate");
     check(cudaEventCreateWithFlags(&fork_, cudaEventDisableTiming), "cudaEventCreate");
     check(cudaEventCreateWithFlags(&join_, cudaEventDisableTiming), "cudaEventCreate");
+    for (cudaEvent_t& e : copied_up_) check(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), "cudaEventCreate");
     // DIFFUSERVE_CUDA_GRAPHS=0 runs repeat's steps one by one from the host (to compare);
     // the op profile synchronises around every op, which a recording cannot.
     graphs_ = !cuda::switched_off("DIFFUSERVE_CUDA_GRAPHS") && !profile_.enabled();
@@ -237,6 +239,7 @@ class CudaBackend final : public Backend {
     cudaStreamSynchronize(stream_);
     cudaEventDestroy(join_);
     cudaEventDestroy(fork_);
+    for (cudaEvent_t e : copied_up_) cudaEventDestroy(e);
     cudaStreamDestroy(branch_);
     cudaStreamDestroy(side_);
     cudaStreamDestroy(stream_);
@@ -348,9 +351,8 @@ class CudaBackend final : public Backend {
     Weight w;
     w.dtype = as;
     w.shape = shape;
-    const std::vector<uint8_t> converted = store_floats(read_floats(host, dtype, w.numel()), as);
-    auto storage = pool_->get(converted.size());
-    copy_up(storage.get(), converted.data(), converted.size());
+    auto storage = pool_->get(size_t(w.numel()) * dtype_size(as));
+    copy_up(storage.get(), host, dtype, w.numel(), as);
     w.data = storage.get();
     w.storage = storage;
     return w;
@@ -1256,28 +1258,57 @@ class CudaBackend final : public Backend {
   const void* stage(const void* src, size_t bytes) {
     const size_t aligned = aligned_256(bytes);
     if (aligned > kStagingBytes) throw InvalidArgument("table of " + std::to_string(bytes) + " bytes is too large");
+    if (staging_used_ + aligned > kStagingBytes) empty_staging();  // wrap
+    uint8_t* host = staging() + staging_used_;
+    staging_used_ += aligned;
+    std::memcpy(host, src, bytes);
+    return host;
+  }
+  uint8_t* staging() {
     if (!staging_) {
       void* p = nullptr;
       check(cudaMallocHost(&p, kStagingBytes), "cudaMallocHost");
       staging_ = std::shared_ptr<uint8_t>(static_cast<uint8_t*>(p), [](uint8_t* q) { cudaFreeHost(q); });
     }
-    if (staging_used_ + aligned > kStagingBytes) {  // wrap: the copies out of the old bytes must be done
-      check(cudaStreamSynchronize(stream_), "stage");
-      check(cudaStreamSynchronize(branch_), "stage");
-      staging_used_ = 0;
-    }
-    uint8_t* host = staging_.get() + staging_used_;
-    staging_used_ += aligned;
-    std::memcpy(host, src, bytes);
-    return host;
+    return staging_.get();
+  }
+  // The copies out of the staging ring's bytes done, and all of it free again.
+  void empty_staging() {
+    check(cudaStreamSynchronize(stream_), "stage");
+    check(cudaStreamSynchronize(branch_), "stage");
+    staging_used_ = 0;
   }
 
-  // Large host data (weights) to the device in stream order, waiting for it.
-  void copy_up(void* dst, const void* src, size_t bytes) {
+  // Large host data (weights) to the device in stream order, waiting for it: `n` values of
+  // type `from` stored as `to` (copied as they are where the two are alike). They pass
+  // through the staging ring's two halves a chunk at a time, the worker threads converting
+  // (or copying) a chunk into one half while the other half's copy up runs. A checkpoint's
+  // values lie in its mapped file, pageable memory, which copies up at a fraction of pinned
+  // memory's rate, and each weight had been converted whole first, into floats (4 bytes a
+  // value) and back, on one thread.
+  void copy_up(void* dst, const void* src, DType from, int64_t n, DType to) {
     bind();
-    check(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, stream_), "copy to the device");
+    if (!threads_) threads_ = ThreadPool::shared();
+    empty_staging();
+    const size_t in_size = dtype_size(from), out_size = dtype_size(to);
+    const int64_t chunk = int64_t(kStagingBytes / 2 / out_size), grain = int64_t((size_t(1) << 20) / out_size);
+    for (int64_t first = 0, half = 0; first < n; first += chunk, half ^= 1) {
+      const int64_t count = std::min(chunk, n - first);
+      uint8_t* host = staging() + half * (kStagingBytes / 2);
+      check(cudaEventSynchronize(copied_up_[half]), "copy to the device");  // the half's last chunk is up
+      threads_->parallel_for(count, grain, [&](int64_t a, int64_t b) {
+        const uint8_t* in = static_cast<const uint8_t*>(src) + size_t(first + a) * in_size;
+        if (from == to) std::memcpy(host + size_t(a) * out_size, in, size_t(b - a) * out_size);
+        else convert_floats(in, from, b - a, host + size_t(a) * out_size, to);
+      });
+      check(cudaMemcpyAsync(static_cast<uint8_t*>(dst) + size_t(first) * out_size, host, size_t(count) * out_size,
+                            cudaMemcpyHostToDevice, stream_),
+            "copy to the device");
+      check(cudaEventRecord(copied_up_[half], stream_), "copy to the device");
+    }
     check(cudaStreamSynchronize(stream_), "copy to the device");
   }
+  void copy_up(void* dst, const void* src, size_t bytes) { copy_up(dst, src, DType::U8, int64_t(bytes), DType::U8); }
 
   static constexpr size_t kStagingBytes = size_t(64) << 20;
   // Tables remembered: a pass's distinct reused ones (positions; per layer kind, the
@@ -1303,7 +1334,9 @@ class CudaBackend final : public Backend {
   bool graphs_ = true;             // repeat records a graph
   bool recording_ = false;         // repeat is recording its body
   RecordingArena arena_;           // memory the recorded body owns
-  std::shared_ptr<uint8_t> staging_;          // pinned host ring for write_bytes
+  std::shared_ptr<uint8_t> staging_;          // pinned host ring for write_bytes and copy_up
+  cudaEvent_t copied_up_[2] = {};              // copy_up: each staging half's last copy up done
+  std::shared_ptr<ThreadPool> threads_;        // copy_up's (the process's pool, once needed)
   std::vector<RecentTable> recent_tables_;    // most recent first
   std::vector<RecentTable> recorded_tables_;  // the recorded body's
   size_t staging_used_ = 0;

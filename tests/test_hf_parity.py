@@ -448,14 +448,17 @@ def test_untied_head(tmp_path):
     check_logits(ours, exact, where="untied head", atol=FP32_ATOL)
 
 
-def test_random_checkpoint_is_what_transformers_loads(tmp_path):
+@pytest.mark.parametrize("fill", ["normal", "repeat"])
+def test_random_checkpoint_is_what_transformers_loads(tmp_path, fill):
     """diffuserve.random_checkpoint writes a checkpoint transformers loads and agrees on, with
     a layer_types whose last layer is sliding too: transformers makes it full attention, so
     its weights take the full layers' shapes (they had taken the sliding ones, with a v_proj
-    that both loaders refused)."""
+    that both loaders refused). fill="repeat" (a block of values repeated through the
+    embedding and the expert stacks, which are past its 65,536 values here) is alike."""
     from diffuserve.random_checkpoint import write_random_checkpoint
-    path = pathlib.Path(write_random_checkpoint(tmp_path / "m", canvas_length=8, seed=4, num_hidden_layers=3,
-                                                layer_types=[S, F, S], hidden_size=48, vocab_size=100))
+    path = pathlib.Path(write_random_checkpoint(tmp_path / "m", canvas_length=8, seed=4, fill=fill,
+                                                num_hidden_layers=3, layer_types=[S, F, S], hidden_size=48,
+                                                vocab_size=1400))
     assert json.loads((path / "config.json").read_text())["text_config"]["layer_types"] == [S, F, F]
     ours, exact = logits_both(path)
     check_logits(ours, exact, where="random checkpoint", atol=FP32_ATOL)

@@ -21,11 +21,16 @@ DEFAULT_TEXT_CONFIG = dict(
 )
 
 
-def write_random_checkpoint(path, canvas_length: int = 64, dtype: str = "float32", seed: int = 0, **text) -> str:
+def write_random_checkpoint(path, canvas_length: int = 64, dtype: str = "float32", seed: int = 0,
+                            fill: str = "normal", **text) -> str:
     """Writes a random-weight checkpoint to `path`; `text` overrides DEFAULT_TEXT_CONFIG fields.
 
     `layer_types` defaults to sliding layers with a full-attention layer every 4th and last.
+    fill: "normal" draws every weight; "repeat" repeats a block of 65,536 drawn values through
+    each linear, quick to make at a real model's sizes (benchmarks/load_time.py).
     """
+    if fill not in ("normal", "repeat"):
+        raise ValueError(f"fill must be 'normal' or 'repeat', not {fill!r}")
     cfg = {**DEFAULT_TEXT_CONFIG, **text}
     n_layers = cfg["num_hidden_layers"]
     cfg.setdefault("layer_types", ["full_attention" if (i + 1) % 4 == 0 or i == n_layers - 1 else "sliding_attention"
@@ -47,7 +52,7 @@ def write_random_checkpoint(path, canvas_length: int = 64, dtype: str = "float32
 
     rng = np.random.default_rng(seed)
     H, I, E, MI = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_experts"], cfg["moe_intermediate_size"]
-    store = (lambda a: ("BF16", bf16_bits(a))) if dtype == "bfloat16" else (lambda a: a.astype(np.float32))
+    store = (lambda a: ("BF16", bf16_bits(a))) if dtype == "bfloat16" else (lambda a: ("F32", a.astype(np.float32)))
     tensors = {}
 
     def add(name, shape, kind="linear"):
@@ -55,6 +60,10 @@ def write_random_checkpoint(path, canvas_length: int = 64, dtype: str = "float32
             value = 1.0 + 0.1 * rng.standard_normal(shape)
         elif kind == "one":
             value = np.ones(shape)
+        elif fill == "repeat" and np.prod(shape) > 1 << 16:
+            stored_as, block = store((rng.standard_normal(1 << 16) / np.sqrt(shape[-1])).astype(np.float32))
+            tensors[name] = (stored_as, np.resize(block, shape))
+            return
         else:
             value = rng.standard_normal(shape) / np.sqrt(shape[-1])
         tensors[name] = store(value.astype(np.float32))
