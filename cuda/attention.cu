@@ -324,6 +324,25 @@ AttentionPlan plan_attention(const std::vector<AttentionSegment>& segments, int 
   return plan;
 }
 
+std::string attention_unsupported(int head_dim, int group, bool round_bf16) {
+  // An item's query vectors are a row's heads of one KV head, up to 16 (the generic kernel's).
+  if (group > kQueries)
+    return "the CUDA attention takes up to " + std::to_string(kQueries) + " query heads per KV head, not " +
+           std::to_string(group);
+  if (attention_mma_queries(head_dim, round_bf16)) return "";
+  int device = 0, most = 0;  // the generic kernel's tiles grow with the head dim
+  if (cudaGetDevice(&device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&most, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) != cudaSuccess) {
+    cudaGetLastError();
+    return "the CUDA device's shared memory size is unknown";
+  }
+  if (shared_bytes(head_dim) > size_t(most))
+    return "head dim " + std::to_string(head_dim) + " needs " + std::to_string(shared_bytes(head_dim)) +
+           " bytes of shared memory a block in the CUDA attention, past this GPU's " + std::to_string(most) +
+           " (head dims 64, 128, 256 and 512 take kernels of their own)";
+  return "";
+}
+
 void attention(const AttentionQueries& q, const AttentionOutput& out, const AttentionPlan& plan,
                const AttentionTables& tables, void* scratch, int num_heads, int num_kv_heads, cudaStream_t stream) {
   if (plan.items.empty()) return;

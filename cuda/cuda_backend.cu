@@ -320,6 +320,20 @@ class CudaBackend final : public Backend {
     check(cudaStreamSynchronize(stream_), "synchronize");
   }
 
+  // The attention's limits (query heads per KV head; the generic kernel's shared memory) and
+  // the router's (experts), asked before the weights load.
+  std::string unsupported(const ModelConfig& config, bool round_bf16) const override {
+    bind();
+    for (const LayerConfig& L : config.layers)
+      if (std::string why = cuda::attention_unsupported(L.head_dim, config.num_heads / L.num_kv_heads, round_bf16);
+          !why.empty())
+        return why;
+    if (config.num_experts > cuda::route_max_experts())
+      return "the CUDA router takes at most " + std::to_string(cuda::route_max_experts()) +
+             " experts; this model has " + std::to_string(config.num_experts);
+    return "";
+  }
+
   // bf16 where every layer's attention is the wgmma kernel's (the only one reading bf16 keys):
   // with activations "bfloat16", head dims 256 and 512, on Hopper.
   DType kv_cache_dtype(const ModelConfig& config, bool round_bf16) const override {
@@ -732,7 +746,6 @@ class CudaBackend final : public Backend {
   void attention(const Activation& q, const std::vector<AttentionSegment>& segments, int64_t num_heads,
                  int64_t num_kv_heads, int64_t head_dim, Activation& out, bool round_bf16) override {
     auto timed = op("attention");
-    if (num_heads / num_kv_heads > 16) throw InvalidArgument("the CUDA attention supports up to 16 query heads per KV head");
     // The kernel's occupancy on this device, asked once per kind (a few driver calls, which
     // every eager pass's every layer had made).
     int& resident_items = attention_resident_items_[{head_dim, round_bf16}];
@@ -761,9 +774,6 @@ class CudaBackend final : public Backend {
   Routing route(const Activation& normed, const Weight& proj, const Weight& per_expert_scale, int top_k) override {
     auto timed = op("route");
     const int64_t tokens = normed.rows, experts = proj.shape[0];
-    if (experts > cuda::route_max_experts())
-      throw InvalidArgument("the CUDA router takes at most " + std::to_string(cuda::route_max_experts()) +
-                            " experts; this model has " + std::to_string(experts));
     Routing r;
     r.top_k = top_k;
     r.experts = std::static_pointer_cast<int32_t>(pool_->get(size_t(tokens) * top_k * sizeof(int32_t)));

@@ -264,6 +264,9 @@ struct AttentionOutput {
 };
 void attention(const AttentionQueries& q, const AttentionOutput& out, const AttentionPlan& plan,
                const AttentionTables& tables, void* scratch, int num_heads, int num_kv_heads, cudaStream_t stream);
+// Why the attention cannot run layers of `head_dim` with `group` query heads per KV head on the
+// current device, or "" where it can.
+std::string attention_unsupported(int head_dim, int group, bool round_bf16);
 
 // The tensor-core kernels for head dims 64, 128, 256 and 512 (attention_mma.cu on mma.sync;
 // attention_wgmma.cu on Hopper's wgmma for head dims 256 and 512 with inputs rounded to

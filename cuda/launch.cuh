@@ -17,6 +17,8 @@
 
 #include <cuda_runtime.h>
 
+#include <stdexcept>
+#include <string>
 #include <utility>
 
 namespace diffuserve::cuda {
@@ -78,11 +80,14 @@ bool programmatic_launch();
 
 // kernel<<<grid, block, shared_bytes, stream>>>(args...), with programmatic dependent
 // launch where programmatic_launch() says so, and the blocks in clusters of
-// `cluster_blocks` along x where that is more than 1 (sm_90 code; grid.x a multiple). A
-// launch error is left for the stream's next error check, as <<<>>> leaves it.
+// `cluster_blocks` along x where that is more than 1 (sm_90 code; grid.x a multiple). A grid
+// with no blocks launches nothing. A launch the device refuses (its shared memory, its
+// grid) throws: <<<>>> leaves the error for a later check, which a pass outside a graph
+// never made, and a kernel that never ran had left its output as the memory held it.
 template <class... Params, class... Args>
 void launch_clusters(int cluster_blocks, void (*kernel)(Params...), dim3 grid, dim3 block, size_t shared_bytes,
                      cudaStream_t stream, Args&&... args) {
+  if (!grid.x || !grid.y || !grid.z) return;
   cudaLaunchAttribute attributes[2] = {};
   cudaLaunchConfig_t config{};
   config.gridDim = grid;
@@ -98,7 +103,13 @@ void launch_clusters(int cluster_blocks, void (*kernel)(Params...), dim3 grid, d
     attributes[config.numAttrs].id = cudaLaunchAttributeClusterDimension;
     attributes[config.numAttrs++].val.clusterDim = {unsigned(cluster_blocks), 1, 1};
   }
-  cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...);
+  if (const cudaError_t e = cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...); e != cudaSuccess) {
+    cudaGetLastError();  // not left for an unrelated later check
+    throw std::runtime_error(std::string("CUDA kernel launch failed (grid ") + std::to_string(grid.x) + "x" +
+                             std::to_string(grid.y) + "x" + std::to_string(grid.z) + ", " +
+                             std::to_string(block.x * block.y * block.z) + " threads, " +
+                             std::to_string(shared_bytes) + " bytes of shared memory): " + cudaGetErrorString(e));
+  }
 }
 template <class... Params, class... Args>
 void launch(void (*kernel)(Params...), dim3 grid, dim3 block, size_t shared_bytes, cudaStream_t stream,

@@ -516,6 +516,23 @@ def test_non_finite_logits_fail_the_request(tmp_path, monkeypatch, graphs, shape
         assert not llm.has_unfinished()
 
 
+@pytest.mark.parametrize("fields, message", [
+    # 32 query heads on the full layers' one KV head
+    (dict(num_attention_heads=32, num_key_value_heads=2), r"the CUDA attention takes up to 16 query heads per KV head, not 32"),
+    # the generic kernel's tiles past the shared memory (it had launched nothing, silently)
+    (dict(global_head_dim=640), r"head dim 640 needs \d+ bytes of shared memory a block in the CUDA attention"),
+    (dict(num_experts=4096, top_k_experts=2, moe_intermediate_size=8),
+     r"the CUDA router takes at most \d+ experts; this model has 4096"),
+])
+def test_backend_limits_are_refused_at_load(tmp_path, fields, message):
+    """Models past the CUDA kernels' limits, which the CPU backend runs, are refused by name
+    before any weight loads (they had loaded, then failed at the first forward)."""
+    shape = {**SHAPES["head_dims_64_128"], **fields}
+    path = write_random_checkpoint(tmp_path / "m", canvas_length=8, dtype="bfloat16", **shape)
+    with pytest.raises(ValueError, match="this model cannot run on cuda: " + message):
+        ds.Model.load(path, device="cuda")
+
+
 def test_gelu_by_erf_is_refused_by_name(tmp_path):
     """hidden_activation "gelu" (GELU by erf), which the CPU backend runs, is refused on the GPU,
     whose kernels compute the tanh approximation alone, before any weight loads."""

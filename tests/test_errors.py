@@ -291,9 +291,9 @@ BAD_CONFIGS = {
                            ["per_layer_config.1.sliding_window", "not a supported per-layer override"]),
     "one layer overridden twice": ("text_config.per_layer_config.01", {"head_dim": 16},
                                    ["per_layer_config.1 names the same layer as per_layer_config.01"]),
-    "eos outside the vocabulary": ("text_config.eos_token_id", [1, 64],
-                                   ["text_config.eos_token_id = 64 is out of range [0, 63]"]),
-    "pad outside the vocabulary": ("text_config.pad_token_id", 999, ["text_config.pad_token_id = 999 is out of range"]),
+    "eos past 32 bits": ("text_config.eos_token_id", [1, 2**40],
+                         ["text_config.eos_token_id = 1099511627776 is out of range"]),
+    "string pad": ("text_config.pad_token_id", "0", ["text_config.pad_token_id must be an integer"]),
     # A double that is infinite as the float32 the runtime keeps (the logits had come out NaN).
     "softcap past float32": ("text_config.final_logit_softcapping", 1e300,
                              ["text_config.final_logit_softcapping = 1e+300 does not fit a 32-bit float"]),
@@ -339,7 +339,10 @@ def test_config_invalid_json(ckpt):
 
 
 @pytest.mark.parametrize("fields, message", [
-    ({"eos_token_id": [1, 500]}, "eos_token_id = 500 is out of range [0, 63]"),
+    ({"eos_token_id": [1, 2**40]}, "eos_token_id = 1099511627776 is out of range"),
+    ({"pad_token_id": 1.5}, "pad_token_id must be an integer"),
+    ({"cache_implementation": "bogus"},
+     "cache_implementation 'bogus' is not a KV cache transformers has (it refuses it too)"),
     ({"t_max": 1e300}, "t_max = 1e+300 does not fit a 32-bit float"),
     # Checked as the other integers (transformers too refuses 0; max_length had been ignored).
     ({"max_length": 0}, "max_length = 0 is out of range [1, 2147483647]"),
@@ -365,6 +368,20 @@ def test_bad_generation_config(ckpt, fields, message):
     path = ckpt / "generation_config.json"
     path.write_text(json.dumps(fields))
     load_fails(ckpt, str(path), message)
+
+
+def test_token_ids_no_token_has(ckpt):
+    """EOS, pad and BOS ids outside the vocabulary load, as transformers loads and runs them
+    (they had been refused as out of range): an EOS no token is ends nothing, and is left out of
+    the generation defaults; a pad id is kept whatever it is (tokens_per_forward leaves it out)."""
+    path = ckpt / "config.json"
+    cfg = json.loads(path.read_text())
+    cfg["text_config"].update(eos_token_id=[1, 500], pad_token_id=999, bos_token_id=-5)
+    path.write_text(json.dumps(cfg))
+    (ckpt / "generation_config.json").write_text(json.dumps({"eos_token_id": [500, 1, -1], "pad_token_id": 999,
+                                                             "cache_implementation": "static"}))
+    generation = ds.Model.load(ckpt).config["generation"]
+    assert generation["eos_token_ids"] == [1] and generation["pad_token_id"] == 999
 
 
 @pytest.mark.parametrize("name", ["model.safetensors", "config.json"])

@@ -576,7 +576,7 @@ def test_no_eos_in_generation_config_means_no_eos_whatever_config_json_says(chec
     expected, expected_tpf = hf_generate(hf, prompt, seed_canvas)
     assert expected == free_run  # transformers ran on past config.json's EOS
     llm = ds.LLM(path)
-    assert llm.model.config["generation"]["eos_token_ids"] == [] and llm.model.config["generation"]["pad_token_id"] == -1
+    assert llm.model.config["generation"]["eos_token_ids"] == [] and llm.model.config["generation"]["pad_token_id"] is None
     got = greedy_block(llm, prompt, seed_canvas)
     assert got.token_ids == expected and got.finish_reason == "length"
     assert got.tokens_per_forward == pytest.approx(expected_tpf)
@@ -620,9 +620,16 @@ def test_tokens_per_forward_leaves_out_generation_configs_pad_id(checkpoints, tm
     assert got.token_ids == expected[:-1] and got.finish_reason == "stop"
     assert got.tokens_per_forward == pytest.approx(expected_tpf)
     assert got.tokens_per_forward == pytest.approx(sum(t != pad for t in got.token_ids) / sum(got.denoise_steps))
-    # -1 there says "no pad id", as config.json may say it (it had been refused as out of range).
-    (path / "generation_config.json").write_text(json.dumps({**generation, "pad_token_id": -1}))
-    assert ds.LLM(path).model.config["generation"]["pad_token_id"] == -1
+    # -1 is a pad id too, which no token is: transformers pads past the EOS with it and leaves
+    # that padding out (diffuserve had read -1 as no pad id, and counted the block whole).
+    (path / "generation_config.json").write_text(json.dumps({**generation, "eos_token_id": eos, "pad_token_id": -1}))
+    expected, expected_tpf = hf_generate(load(path), prompt, seed_canvas)
+    assert expected[:-1] == free_run[:-1] and expected[-1] == -1
+    llm = ds.LLM(path)
+    assert llm.model.config["generation"]["pad_token_id"] == -1
+    got = greedy_block(llm, prompt, seed_canvas)
+    assert got.token_ids == expected[:-1] and got.tokens_per_forward == pytest.approx(expected_tpf)
+    assert got.tokens_per_forward == pytest.approx(len(got.token_ids) / sum(got.denoise_steps))
 
 
 @pytest.mark.parametrize("kwargs, name", [

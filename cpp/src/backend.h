@@ -306,6 +306,9 @@ class Backend {
   virtual int64_t default_kv_cache_bytes() = 0;
   // The backend's memory in all (the CPU's: physical memory), more than any KV cache can take.
   virtual int64_t memory_bytes() = 0;
+  // Why this backend cannot run a model of `config` (its activations rounded to bf16 or not),
+  // or "" where it can; asked before the weights load.
+  virtual std::string unsupported(const ModelConfig& /*config*/, bool /*round_bf16*/) const { return ""; }
   // How the KV cache stores keys and values for `config`'s layers: F32, or BF16 where every
   // layer's attention rounds them to bf16 as it reads them (activations "bfloat16":
   // round_bf16) and the backend's attention reads bf16 rows, so that the cache takes half

@@ -90,15 +90,15 @@ struct Fields {
     }
     return out;
   }
-  // An int or a list of ints, each in [0, hi] (eos_token_id is either, hi the last token id).
-  std::vector<int32_t> int_list_or_empty(const std::string& key, int64_t hi) const {
+  // An int or a list of ints, each a 32-bit one (eos_token_id is either).
+  std::vector<int32_t> int_list_or_empty(const std::string& key) const {
     const json::Value* v = get(key);
     std::vector<int32_t> out;
     if (!v) return out;
     if (v->is_array()) {
-      for (const auto& e : v->array) out.push_back(int32_t(checked_integer(key, e, 0, hi)));
+      for (const auto& e : v->array) out.push_back(int32_t(checked_integer(key, e, INT32_MIN, INT32_MAX)));
     } else {
-      out.push_back(int32_t(checked_integer(key, *v, 0, hi)));
+      out.push_back(int32_t(checked_integer(key, *v, INT32_MIN, INT32_MAX)));
     }
     return out;
   }
@@ -299,6 +299,13 @@ const std::set<std::string> kGenerationFields = {
     "bos_token_id", "cache_implementation", "cache_config", "disable_compile", "return_dict_in_generate",
     "transformers_version", "_from_model_config", "_commit_hash"};
 
+// The KV caches transformers' generation config may name (it refuses any other). Its own choice
+// of cache, which this engine's paged cache replaces: the results are those of its default,
+// dynamic cache. (Its static cache gives other logits past a sliding window.)
+const std::set<std::string> kCacheImplementations = {
+    "static", "offloaded_static", "sliding_window", "hybrid", "hybrid_chunked", "offloaded_hybrid",
+    "offloaded_hybrid_chunked", "dynamic", "offloaded", "quantized", "paged"};
+
 GenerationDefaults load_generation(const std::string& path, int vocab_size) {
   GenerationDefaults g;
   if (!std::filesystem::exists(path)) return g;
@@ -328,9 +335,17 @@ GenerationDefaults load_generation(const std::string& path, int vocab_size) {
     if (!sampler.get("entropy_bound")) sampler.fail("entropy_bound", "is missing");
     g.entropy_bound = sampler.float_or("entropy_bound", g.entropy_bound);
   }
+  if (f.get("cache_implementation"))
+    if (const std::string cache = f.string_or("cache_implementation", ""); !kCacheImplementations.count(cache))
+      f.fail("cache_implementation", "'" + cache + "' is not a KV cache transformers has (it refuses it too)");
   // Absent, null or [], no EOS: transformers then never stops early, whatever config.json names.
-  g.eos_token_ids = f.int_list_or_empty("eos_token_id", vocab_size - 1);
-  g.pad_token_id = int(f.integer_or("pad_token_id", g.pad_token_id, -1, vocab_size - 1));
+  // An id past the vocabulary (or below 0) is never generated: it ends nothing and is left out,
+  // where transformers keeps it and runs the same.
+  for (int32_t id : f.int_list_or_empty("eos_token_id"))
+    if (id >= 0 && id < vocab_size) g.eos_token_ids.push_back(id);
+  // Any integer is a pad id, as transformers takes it (null or absent: none), even one that no
+  // token is (-1, say): it pads past the EOS with it, and leaves it out of tokens_per_forward.
+  if (f.get("pad_token_id")) g.pad_token_id = int32_t(f.integer("pad_token_id", INT32_MIN, INT32_MAX));
   if (g.t_min < 0) f.fail("t_min", "must be >= 0");
   if (g.t_max <= g.t_min) f.fail("t_max", "must be > t_min");
   if (g.entropy_bound <= 0) f.fail("sampler_config.entropy_bound", "must be > 0");
@@ -372,8 +387,10 @@ ModelConfig load_config(const std::string& dir) {
   if (const json::Value* v = t.obj.find("final_logit_softcapping"); v && v->is_null())
     t.fail("final_logit_softcapping", "is null; give a number > 0 (transformers divides the logits by it)");
   c.final_logit_softcapping = t.float_or("final_logit_softcapping", 30.0f);
-  c.pad_token_id = int(t.integer_or("pad_token_id", -1, -1, c.vocab_size - 1));
-  c.bos_token_id = int(t.integer_or("bos_token_id", -1, -1, c.vocab_size - 1));
+  // Any 32-bit ids, as transformers' config takes them (the engine reads neither: generation
+  // takes generation_config.json's).
+  c.pad_token_id = int(t.integer_or("pad_token_id", -1, INT32_MIN, INT32_MAX));
+  c.bos_token_id = int(t.integer_or("bos_token_id", -1, INT32_MIN, INT32_MAX));
   c.canvas_length = int(top.integer_or("canvas_length", 256, 1, 1 << 20));
   // The top level's alone, as transformers reads it (DiffusionGemmaConfig's own field, true where
   // absent): text_config's does not untie the head (save_pretrained leaves it true there on an untied model).
@@ -504,7 +521,7 @@ ModelConfig load_config(const std::string& dir) {
     load_quantization(Fields{*q, path, "quantization_config."}, c);
   }
 
-  t.int_list_or_empty("eos_token_id", c.vocab_size - 1);  // checked, though generation takes generation_config.json's
+  t.int_list_or_empty("eos_token_id");  // checked, though generation takes generation_config.json's
   const std::string generation_path = (std::filesystem::path(dir) / "generation_config.json").string();
   c.generation = load_generation(generation_path, c.vocab_size);
   // The defaults must pass a request's own checks too (the coldest step's temperature, the

@@ -72,7 +72,7 @@ void start_block(RequestState& r, Backend& be, const ModelConfig& config, DType 
 // The block's argmax canvas joins the output; true when the request is finished (EOS or
 // its last block, or an error: logits that held NaN or infinity, which no token can come
 // from). Otherwise the block becomes pending tokens to commit.
-bool finish_block(RequestState& r, Backend& be, int pad_token_id) {
+bool finish_block(RequestState& r, Backend& be, std::optional<int32_t> pad_token_id) {
   const SamplingParams& p = r.params;
   const CanvasReadout block = read_canvas(be, *r.block_state);
   if (block.non_finite) {
@@ -94,8 +94,8 @@ bool finish_block(RequestState& r, Backend& be, int pad_token_id) {
   // before the cut. With a pad id it pads the last block past its EOS (uncounted); without one
   // it keeps the block as generated, every token counted.
   const int64_t valid =
-      pad_token_id < 0 ? int64_t(r.out.denoise_steps.size()) * int64_t(argmax.size())
-                       : std::count_if(tokens.begin(), tokens.end(), [&](int32_t t) { return t != pad_token_id; });
+      !pad_token_id ? int64_t(r.out.denoise_steps.size()) * int64_t(argmax.size())
+                    : std::count_if(tokens.begin(), tokens.end(), [&](int32_t t) { return t != *pad_token_id; });
   int passes = 0;
   for (int s : r.out.denoise_steps) passes += s;
   r.out.tokens_per_forward = double(valid) / passes;

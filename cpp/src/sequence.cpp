@@ -132,6 +132,8 @@ std::shared_ptr<Model> Model::load(const std::string& path, const LoadOptions& o
   if (state->config.exact_gelu && !state->backend->use_exact_gelu())
     throw InvalidArgument("hidden_activation 'gelu' (GELU by erf) is not supported on " + options.device +
                           " (its kernels compute GELU's tanh approximation; the CPU backend runs it)");
+  if (const std::string why = state->backend->unsupported(state->config, state->bf16_activations); !why.empty())
+    throw InvalidArgument("this model cannot run on " + options.device + ": " + why);
   // The KV cache's dtype, refused before the weights load where it cannot be had.
   const DType kv_auto = state->backend->kv_cache_dtype(state->config, state->bf16_activations);
   if (options.kv_cache_dtype != "auto" && options.kv_cache_dtype != "float32" && options.kv_cache_dtype != "bfloat16")

@@ -37,7 +37,8 @@ int main(int argc, char** argv) {
     seq->prefill(prompt);
 
     // The first step of a block: a canvas of pad tokens, no self-conditioning.
-    std::vector<int32_t> canvas(config.canvas_length, std::max(config.pad_token_id, 0));
+    const bool pad_ok = config.pad_token_id >= 0 && config.pad_token_id < config.vocab_size;
+    std::vector<int32_t> canvas(config.canvas_length, pad_ok ? config.pad_token_id : 0);
     std::vector<float> logits = seq->denoise(canvas);
 
     std::printf("loaded %s: %d layers, vocab %d, canvas %d\n", argv[1], config.num_layers, config.vocab_size,

@@ -9,6 +9,7 @@
 #endif
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -39,8 +40,9 @@ struct GenerationDefaults {
   // As transformers' DiffusionGemma generate takes them: generation_config.json's alone
   // (config.json's are not its defaults; none: no EOS, and no pad id).
   std::vector<int32_t> eos_token_ids;
-  // The id tokens_per_forward leaves uncounted, as transformers' generate counts it (-1: none).
-  int pad_token_id = -1;
+  // The id tokens_per_forward leaves uncounted, as transformers' generate counts it (none: no
+  // pad id; any integer is one, even where no token is that id).
+  std::optional<int32_t> pad_token_id;
 };
 
 // How a quantized linear's input is quantized (compressed-tensors' input_activations),
