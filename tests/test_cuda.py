@@ -62,6 +62,12 @@ SHAPES = {
 }
 
 
+# Shapes past the norms' row kernel (a block a row past 4,096; 3,200 takes its 512-thread
+# float4 variant), which the tests run one by one where they ask for them.
+WIDE_SHAPES = {f"hidden_{h}": dict(SHAPES["head_dims_64_128"], vocab_size=256, hidden_size=h, intermediate_size=64)
+               for h in (3200, 4099, 4104)}
+
+
 @pytest.fixture(scope="module", params=list(SHAPES))
 def path(request, tmp_path_factory):
     return write_random_checkpoint(tmp_path_factory.mktemp(request.param) / "m", canvas_length=32, dtype="bfloat16",
@@ -77,10 +83,13 @@ def compare(cpu, gpu, where, rel_tol=REL_TOL, min_agreement=MIN_AGREEMENT):
     assert rel <= rel_tol and agree >= min_agreement, where
 
 
-def check_passes_match_cpu(path, prompt_length, canvas_length, blocks=3, seed=0):
+def check_passes_match_cpu(path, prompt_length, canvas_length, blocks=3, seed=0, **load):
     """Prefill, then per block a denoise step without and with self-conditioning and a
-    commit, on both backends: logits and every layer's keys and values agree."""
-    cpu, gpu = ds.Model.load(path).sequence(), ds.Model.load(path, device="cuda").sequence()
+    commit, on both backends (a sequence of `canvas_length`, both loaded with `load`): logits
+    and every layer's keys and values agree."""
+    load.setdefault("kv_cache_memory_bytes", 256 << 20)
+    cpu = ds.Model.load(path, **load).sequence(canvas_length)
+    gpu = ds.Model.load(path, device="cuda", **load).sequence(canvas_length)
     vocab, layers = cpu.model.vocab_size, cpu.model.config["num_layers"]
     rng = np.random.default_rng(seed)
     prompt = rng.integers(0, vocab, prompt_length)
@@ -385,9 +394,10 @@ def test_branches_match_one_stream(path, monkeypatch):
 # them all). With DIFFUSERVE_NORM_PRODUCT_INPUTS=0 every product and the attention convert
 # their inputs themselves: the logits are the same bits.
 @pytest.mark.parametrize("mode", ["float32", "bfloat16", "bfloat16 fp32-cache", "fp8-dynamic"])
-@pytest.mark.parametrize("shape", ["wide_hidden", "wide_odd_hidden", "real_head_dims"])
+@pytest.mark.parametrize("shape", ["wide_hidden", "wide_odd_hidden", "real_head_dims", "hidden_3200", "hidden_4104"])
 def test_norm_product_inputs_match_prepasses(tmp_path, monkeypatch, shape, mode):
-    path = write_random_checkpoint(tmp_path / "m", canvas_length=32, dtype="bfloat16", seed=7, **SHAPES[shape])
+    path = write_random_checkpoint(tmp_path / "m", canvas_length=32, dtype="bfloat16", seed=7,
+                                   **{**SHAPES, **WIDE_SHAPES}[shape])
     options = {"float32": dict(activations="float32"), "bfloat16": dict(activations="bfloat16"),
                "bfloat16 fp32-cache": dict(activations="bfloat16", kv_cache_dtype="float32"),
                "fp8-dynamic": dict(load_format="dummy", quantization="fp8-dynamic")}[mode]
@@ -451,28 +461,35 @@ def test_bf16_activations_with_packed_weights_match_cpu(tmp_path, quantization, 
                            quantization=quantization)
 
 
-def check_bf16_activations(path, label, **load):
-    rng = np.random.default_rng(1)
+# A token whose router scores are near-tied may take other experts on the two backends (their
+# rounded inputs differ a little): its row then differs by far more than rounding moves the
+# rest (on the GPU: one row of 40 at 18% of the logit range, where rounding moved 1.8%, and
+# none with every expert taken). A few such rows are allowed, not many.
+def check_bf16_activations(path, label, prompt_length=60, canvas_length=32, seed=1, **load):
+    rng = np.random.default_rng(seed)
+    load.setdefault("kv_cache_memory_bytes", 256 << 20)
     seqs = {}
     for device in ("cpu", "cuda"):
         for activations in ("float32", "bfloat16"):
             seqs[device, activations] = ds.Model.load(path, device=device, activations=activations,
-                                                      kv_cache_memory_bytes=256 << 20, **load).sequence()
+                                                      **load).sequence(canvas_length)
     vocab = seqs["cpu", "float32"].model.vocab_size
-    prompt, canvas = rng.integers(0, vocab, 60), rng.integers(0, vocab, 32)
+    prompt, canvas = rng.integers(0, vocab, prompt_length), rng.integers(0, vocab, canvas_length)
     logits = {}
     for key, s in seqs.items():
         s.prefill(prompt)
         logits[key] = s.denoise(canvas)
-    spread = lambda a, b: np.abs(logits[a] - logits[b]).max() / np.abs(logits[a]).max()
-    rounding = spread(("cpu", "float32"), ("cpu", "bfloat16"))
-    across = spread(("cpu", "bfloat16"), ("cuda", "bfloat16"))
-    agree = (logits["cpu", "bfloat16"].argmax(-1) == logits["cuda", "bfloat16"].argmax(-1)).mean()
-    print(f"{label}: rounding moves the CPU's logits {rounding:.2e}, GPU against CPU {across:.2e}, "
-          f"argmax agreement {agree:.3f}")
+    cpu = logits["cpu", "bfloat16"]
+    rows = lambda other: np.abs(cpu - other).max(-1) / np.abs(cpu).max()
+    rounding = rows(logits["cpu", "float32"]).max()
+    across = rows(logits["cuda", "bfloat16"])
+    apart = int((across > 4 * rounding + 1e-3).sum())
+    agree = (cpu.argmax(-1) == logits["cuda", "bfloat16"].argmax(-1)).mean()
+    print(f"{label}: rounding moves the CPU's logits {rounding:.2e}, GPU against CPU {across.max():.2e} "
+          f"({apart} rows past 4x rounding), argmax agreement {agree:.3f}")
     assert np.isfinite(logits["cuda", "bfloat16"]).all()
-    assert spread(("cuda", "float32"), ("cuda", "bfloat16")) > 0
-    assert across <= 4 * rounding + 1e-3 and agree >= 0.95
+    assert np.abs(logits["cuda", "float32"] - logits["cuda", "bfloat16"]).max() > 0
+    assert apart <= max(1, len(across) // 20) and agree >= 0.95
 
 
 # With activations="bfloat16" the KV cache is bf16 where every layer's attention is the
@@ -543,3 +560,170 @@ def test_gelu_by_erf_is_refused_by_name(tmp_path):
     ds.Model.load(path)  # the CPU backend
     with pytest.raises(ValueError, match=r"hidden_activation 'gelu' \(GELU by erf\) is not supported on cuda"):
         ds.Model.load(path, device="cuda")
+
+
+# Shapes and options SHAPES leaves out, against the CPU (a reviewing helper's list, forty-ninth
+# session): GQA up to the attention's 16 and odd ratios at every attention kernel, the generic
+# kernel's widest head dim, prompts that split the keys into pieces and merge them, KV pages
+# of 7 tokens and of one (more spans than the wgmma pre-pass keeps in shared memory), hidden
+# sizes past the norms' row kernel, gate/up tiled and paired beside a down product that is
+# not, the router's 2,048 experts, canvases of 1 and 300 rows and of several sizes in one
+# batch, and FP8 weight-only products tall enough for the 128 x 256 mma.sync tile.
+SMALL = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=2,
+             num_key_value_heads=1, head_dim=64, global_head_dim=128, num_global_key_value_heads=1,
+             sliding_window=40, num_experts=4, top_k_experts=2, moe_intermediate_size=32)
+
+
+def small_checkpoint(tmp_path, canvas_length, **fields):
+    return write_random_checkpoint(tmp_path / "m", canvas_length=canvas_length, dtype="bfloat16", seed=7,
+                                   **{**SMALL, **fields})
+
+
+# Rows an item takes are its query vectors over the group (16 on the generic kernel, 32 or 64
+# on mma.sync, 128 on wgmma): groups that divide none of them leave vectors unused.
+ATTENTION_SHAPES = {
+    "gqa16_generic_32_48": dict(num_attention_heads=16, head_dim=32, global_head_dim=48),
+    "gqa16_mma_64_128": dict(num_attention_heads=16),
+    "gqa8_16_256_512": dict(num_attention_heads=16, num_key_value_heads=2, head_dim=256, global_head_dim=512),
+    "gqa3_6_64_128": dict(num_attention_heads=6, num_key_value_heads=2),
+    "gqa5_10_256_512": dict(num_attention_heads=10, num_key_value_heads=2, head_dim=256, global_head_dim=512),
+    "mha_256_512": dict(num_attention_heads=4, num_key_value_heads=4, num_global_key_value_heads=4, head_dim=256,
+                        global_head_dim=512),
+    "sliding_512_full_256": dict(head_dim=512, global_head_dim=256),
+    "generic_96_576": dict(num_attention_heads=4, num_key_value_heads=2, head_dim=96, global_head_dim=576),
+}
+
+
+@pytest.mark.parametrize("activations", ["float32", "bfloat16"])
+@pytest.mark.parametrize("name", list(ATTENTION_SHAPES))
+def test_attention_shapes_match_cpu(tmp_path, name, activations):
+    path = small_checkpoint(tmp_path, 40, **ATTENTION_SHAPES[name])
+    if activations == "float32":
+        check_passes_match_cpu(path, prompt_length=150, canvas_length=40, blocks=2)  # past the window
+    else:
+        check_bf16_activations(path, name, prompt_length=150, canvas_length=40)
+
+
+# Several hundred keys: plan_attention cuts a segment's keys into pieces (split-KV) and the
+# merge kernel combines them; pages of 7 keys never line up with the kernels' chunks.
+@pytest.mark.parametrize("activations", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dims,kv_block_size", [((64, 128), 16), ((256, 512), 16), ((256, 512), 7), ((40, 80), 7)],
+                         ids=["64_128", "256_512", "256_512_pages7", "generic_pages7"])
+def test_long_prompt_split_keys_match_cpu(tmp_path, dims, kv_block_size, activations):
+    path = small_checkpoint(tmp_path, 48, num_attention_heads=4, num_key_value_heads=2, head_dim=dims[0],
+                            global_head_dim=dims[1])
+    if activations == "float32":
+        check_passes_match_cpu(path, prompt_length=700, canvas_length=48, blocks=2, kv_block_size=kv_block_size)
+    else:
+        check_bf16_activations(path, f"{dims} pages {kv_block_size}", prompt_length=700, canvas_length=48,
+                               kv_block_size=kv_block_size)
+
+
+# Pages of one token: a 2,100-token prompt is 2,100 spans in a full layer, more than the
+# wgmma pre-pass keeps in shared memory, so an fp32 cache's pre-pass searches the span table
+# in global memory; a bf16 cache's pages are read in place. The same bits, and the CPU's numbers.
+def test_one_token_pages_past_the_span_cache(tmp_path):
+    path = small_checkpoint(tmp_path, 32, num_attention_heads=4, num_key_value_heads=2, head_dim=256,
+                            global_head_dim=512)
+    load = dict(device="cuda", activations="bfloat16", kv_cache_memory_bytes=256 << 20, kv_block_size=1)
+    models = {kv: ds.Model.load(path, kv_cache_dtype=kv, **load) for kv in ("auto", "float32")}
+    if models["auto"].kv_cache_dtype != "bfloat16":
+        pytest.skip("no wgmma attention here (DIFFUSERVE_WGMMA=0 or not Hopper)")
+    check_bf16_cache_gives_the_fp32_cache_results(path, models, load, prompt_length=2100, prompt_lengths=(2100, 9),
+                                                  new_tokens=32, seed=3)
+    check_bf16_activations(path, "pages of one token", prompt_length=2100, canvas_length=32, kv_block_size=1)
+
+
+@pytest.mark.parametrize("shape", list(WIDE_SHAPES))
+def test_hidden_sizes_past_the_row_kernel_match_cpu(tmp_path, shape):
+    path = write_random_checkpoint(tmp_path / "m", canvas_length=16, dtype="bfloat16", seed=7, **WIDE_SHAPES[shape])
+    check_passes_match_cpu(path, prompt_length=60, canvas_length=16, blocks=2)
+
+
+# With hidden % 128 == 64 and moe_intermediate_size % 64 == 0 the gate/up stack is tiled and
+# paired (its product writes the down product's input) while down ([hidden, MI]) stays rows.
+@pytest.mark.parametrize("activations", ["float32", "bfloat16"])
+@pytest.mark.parametrize("hidden,mi", [(192, 64), (320, 128)])
+def test_paired_gate_up_beside_untiled_down_matches_cpu(tmp_path, hidden, mi, activations):
+    path = small_checkpoint(tmp_path, 32, hidden_size=hidden, moe_intermediate_size=mi, num_experts=8)
+    if activations == "float32":
+        check_passes_match_cpu(path, prompt_length=100, canvas_length=32, blocks=2)
+    else:
+        check_bf16_activations(path, f"hidden {hidden}, MI {mi}", prompt_length=100, canvas_length=32)
+
+
+# The router's most experts (2,048: a lane's 64-bit mask of 64), top-8; and many experts with
+# one pick each (most of them idle: empty segments and tiles in the plan).
+@pytest.mark.parametrize("experts,top_k", [(2048, 8), (300, 1)])
+def test_many_experts_match_cpu(tmp_path, experts, top_k):
+    path = small_checkpoint(tmp_path, 24, num_experts=experts, top_k_experts=top_k, moe_intermediate_size=16)
+    check_passes_match_cpu(path, prompt_length=70, canvas_length=24, blocks=2)
+
+
+# One row, and 300 (no multiple of any tile height).
+@pytest.mark.parametrize("canvas", [1, 300])
+def test_canvas_lengths_match_cpu(tmp_path, canvas):
+    path = small_checkpoint(tmp_path, canvas, num_attention_heads=4, num_key_value_heads=2, head_dim=256,
+                            global_head_dim=512)
+    check_passes_match_cpu(path, prompt_length=80, canvas_length=canvas, blocks=2)
+    check_bf16_activations(path, f"canvas {canvas}", prompt_length=80, canvas_length=canvas)
+
+
+# Requests of different canvases and prompt lengths in one batch: each as alone, bit for bit;
+# near-greedy tokens as on the CPU (with fp32 activations: bf16 rounding flips carry on
+# through the blocks); every block freed after.
+@pytest.mark.parametrize("activations", ["float32", "bfloat16"])
+def test_mixed_canvases_batch_invariant_and_match_cpu(tmp_path, activations):
+    path = small_checkpoint(tmp_path, 64, vocab_size=333, num_attention_heads=4, num_key_value_heads=2, head_dim=256,
+                            global_head_dim=512)
+    rng = np.random.default_rng(5)
+    prompts = [[3], rng.integers(0, 333, 130).tolist(), rng.integers(0, 333, 45).tolist()]
+    params = [ds.SamplingParams(max_new_tokens=2 * c, canvas_length=c, seed=i, eos_token_id=[], max_denoising_steps=6,
+                                t_min=1e-6, t_max=2e-6) for i, c in enumerate((64, 7, 33))]
+    load = dict(kv_cache_memory_bytes=256 << 20, activations=activations)
+    gpu = ds.LLM(path, device="cuda", **load)
+    batched = gpu.generate(prompts, params)
+    for prompt, p, out in zip(prompts, params, batched):
+        assert gpu.generate([prompt], p)[0].token_ids == out.token_ids
+    stats = gpu.stats()
+    assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
+    if activations == "float32":
+        cpu = ds.LLM(path, **load).generate(prompts, params)
+        agree = np.mean([np.mean(np.array(a.token_ids) == np.array(b.token_ids)) for a, b in zip(cpu, batched)])
+        print(f"near-greedy tokens equal on CPU and GPU: {agree:.3f}")
+        assert agree >= 0.9
+
+
+# FP8 weight-only linears take gemm.cu's 128 x 256 mma.sync tile where a product has >= 192
+# rows and >= 2 x 132 such tiles: a 2,048-token prefill of the MLP's gate/up ([2 x 2,176, 64]).
+# Layer 1's keys and values come after layer 0's MLP.
+@pytest.mark.parametrize("activations", ["float32", "bfloat16"])
+def test_fp8_weight_only_tall_products_match_cpu(tmp_path, activations):
+    path = small_checkpoint(tmp_path, 32, intermediate_size=2176)
+    load = dict(kv_cache_memory_bytes=256 << 20, load_format="dummy", quantization="fp8")
+    kinds = dict.fromkeys([("cpu", "float32"), ("cpu", activations), ("cuda", activations)])
+    seqs = {(device, act): ds.Model.load(path, device=device, activations=act, **load).sequence()
+            for device, act in kinds}
+    prompt = np.random.default_rng(0).integers(0, 300, 2048)
+    for s in seqs.values():
+        s.prefill(prompt)
+    kv = {key: s.kv(1)[:2] for key, s in seqs.items()}
+    spread = lambda a, b, i: np.abs(kv[a][i] - kv[b][i]).max() / np.abs(kv[a][i]).max()
+    for i, name in enumerate("KV"):
+        across = spread(("cpu", activations), ("cuda", activations), i)
+        rounding = spread(("cpu", "float32"), ("cpu", "bfloat16"), i) if activations == "bfloat16" else 0.0
+        print(f"fp8 weights, {activations}, layer 1 {name}: GPU against CPU {across:.2e} (rounding {rounding:.2e})")
+        assert across <= (REL_TOL if activations == "float32" else 4 * rounding + 1e-3), name
+
+
+# The GPU keeps every weight in bf16 (an fp32 checkpoint too): the CPU's dtype="bfloat16" model.
+def test_fp32_checkpoint_is_the_cpus_bf16_model(tmp_path):
+    path = write_random_checkpoint(tmp_path / "m", canvas_length=32, dtype="float32", seed=3, **SMALL)
+    cpu = ds.Model.load(path, dtype="bfloat16", kv_cache_memory_bytes=256 << 20).sequence()
+    gpu = ds.Model.load(path, device="cuda", kv_cache_memory_bytes=256 << 20).sequence()
+    assert gpu.model.dtype == "bfloat16"
+    rng = np.random.default_rng(0)
+    prompt, canvas = rng.integers(0, 300, 90), rng.integers(0, 300, 32)
+    for s in (cpu, gpu):
+        s.prefill(prompt)
+    compare(cpu.denoise(canvas), gpu.denoise(canvas), "fp32 checkpoint: the CPU at bf16 weights against the GPU")

@@ -188,6 +188,14 @@ def test_draft_streaming(base_url):
     ("completions", {"model": MODEL, "prompt": "1" * 5_000_000}, 400, "prompt", None),
     ("chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "1" * 5_000_000}]}, 400,
      "messages", None),
+    # The wrong model is a 404 whatever else the request holds, on either endpoint (completions
+    # had answered for max_tokens first).
+    ("completions", {"model": "gpt-4", "prompt": "x", "max_tokens": -2}, 404, "model", "model_not_found"),
+    # Which of a batch's prompts is wrong (each had been named "prompt": "token id 99 at index 0").
+    ("completions", {"model": MODEL, "prompt": [[5, 6], [99999]]}, 400, "prompt[1]", "invalid_value"),
+    ("completions", '{"model": "%s", "prompt": ["x", "a\\ud800b"]}' % MODEL, 400, "prompt[1]", None),
+    # A stop string that is not valid Unicode never matches the text (it had been accepted).
+    ("completions", '{"model": "%s", "prompt": "x", "stop": ["a", "\\ud83d"]}' % MODEL, 400, "stop[1]", None),
     # The wrong model is a 404 before the messages are counted.
     ("chat/completions", {"model": "gpt-4", "messages": [{"role": "user", "content": "1" * 5_000_000}]}, 404,
      "model", "model_not_found"),

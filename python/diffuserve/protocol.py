@@ -108,6 +108,8 @@ class _GenerationRequest(_Strict):
             raise ApiError(400, f"stop may hold at most {MAX_STOP_STRINGS} strings", param="stop")
         if "" in stop:  # (as vLLM: an empty string would stop everywhere, or, skipped, not at all)
             raise ApiError(400, "stop: an empty string is not a stop string", param="stop")
+        for i, s in enumerate(stop):  # (a lone surrogate would never match the text, which is valid Unicode)
+            _check_unicode(s, f"stop[{i}]" if isinstance(self.stop, list) else "stop")
         return stop
 
     def sampling_params(self, defaults: dict, max_tokens: Optional[int], max_steps: int) -> List[SamplingParams]:
@@ -329,12 +331,12 @@ def invalid_value(error: ValueError, renames: Optional[Dict[str, str]] = None) -
     "prompt: ..."), as a 400 naming that parameter; `renames` (the request's
     parameter_names) gives the request's name for a SamplingParams one."""
     message = str(error)
-    match = re.match(r"(?:SamplingParams\.)?(\w*)", message)
+    match = re.match(r"(?:SamplingParams\.)?(\w*)", message)  # (a renamed one may be "prompt[1]")
     name = match.group(1)
     if renames and name in renames:
         name = renames[name]
     message = name + message[match.end():]  # the request's name, without the class's
-    return ApiError(400, message, param=name if name in _PARAMS else None, code="invalid_value")
+    return ApiError(400, message, param=name if name.split("[")[0] in _PARAMS else None, code="invalid_value")
 
 
 _PARAMS = set(CompletionRequest.model_fields) | set(ChatCompletionRequest.model_fields)

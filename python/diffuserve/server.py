@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import bisect
+import functools
 import hmac
 import json
 import re
@@ -282,10 +283,12 @@ class _Server:
         usage = Usage()
         choices = []
         for p, prompt in enumerate(prompts):
+            names = body.parameter_names()
+            if len(prompts) > 1:  # the engine's "prompt: ..." names which of the batch's prompts
+                names["prompt"] = f"prompt[{p}]"
             for i, choice_params in enumerate(params):
                 choices.append(_Choice(self, p * len(params) + i, prompt, choice_params, stop, body.stream_drafts,
-                                       usage, counts_prompt=i == 0, names=body.parameter_names(),
-                                       returns_ids=fmt.token_ids))
+                                       usage, counts_prompt=i == 0, names=names, returns_ids=fmt.token_ids))
         # Every choice asks the engine without waiting for the others, so that it takes them in
         # few turns (one by one, a request of hundreds of prompts took a step each to be
         # admitted); _TURN choices a turn of the event loop, which serves other requests
@@ -470,6 +473,9 @@ def _parse_int(digits: str) -> int:
     return int(digits)
 
 
+_DECODE_APART_BYTES = 1 << 20  # bodies past this are decoded in a worker thread
+
+
 async def _json_body(request: Request):
     # A compressed body had been parsed as it came ("not valid JSON: 'utf-8' codec can't decode
     # byte 0x8b"), and an uncompressed one labelled gzip taken as it was.
@@ -481,9 +487,11 @@ async def _json_body(request: Request):
         raw = await request.body()
     except ClientDisconnect:  # gone before its body was in: nothing to answer, nothing to log
         raise ApiError(400, "the client disconnected while sending the request body") from None
+    # (NaN and Infinity are Python's, not JSON's.) A body of megabytes takes the decoder a
+    # second (16 MB: 1.1 s), which the event loop spends serving the others.
+    decode = functools.partial(json.loads, raw, parse_constant=_refuse_constant, parse_int=_parse_int)
     try:
-        return json.loads(raw, parse_constant=_refuse_constant,  # NaN and Infinity are Python's, not JSON's
-                          parse_int=_parse_int)
+        return await asyncio.to_thread(decode) if len(raw) > _DECODE_APART_BYTES else decode()
     except ValueError as e:
         raise ApiError(400, f"the request body is not valid JSON: {e}") from None
     except RecursionError:
@@ -571,19 +579,25 @@ def build_app(engine: AsyncLLM, model_name: str, api_key: Optional[str] = None,
         server.check_model(model)
         return card
 
+    def check_model_first(raw) -> None:  # the wrong model is a 404 whatever else the request holds
+        if isinstance(raw, dict) and isinstance(raw.get("model"), str):
+            server.check_model(raw["model"])
+
     @v1.post("/completions")
     async def completions(request: Request):
-        body = parse(CompletionRequest, await _json_body(request))
-        server.check_model(body.model)
-        prompts = [await server.prompt_ids(p) for p in body.prompts()]
+        raw = await _json_body(request)
+        check_model_first(raw)
+        body = parse(CompletionRequest, raw)  # (its model, a string, is the one checked above)
+        batch = body.prompts()
+        prompts = [await server.prompt_ids(p, f"prompt[{i}]" if len(batch) > 1 else "prompt")
+                   for i, p in enumerate(batch)]
         return await server.run(request, body, prompts, body.max_tokens,
                                 _Format(model_name, chat=False, token_ids=server.returns_token_ids(body)))
 
     @v1.post("/chat/completions")
     async def chat_completions(request: Request):
         raw = await _json_body(request)
-        if isinstance(raw, dict) and isinstance(raw.get("model"), str):
-            server.check_model(raw["model"])  # (the wrong model is a 404 whatever else the request holds)
+        check_model_first(raw)
         server.check_message_chars(raw)
         body = parse(ChatCompletionRequest, raw)  # (its model, a string, is the one checked above)
         options = body.template_options()
