@@ -23,7 +23,7 @@ import uvicorn
 import diffuserve as ds
 from diffuserve import server as server_module
 from diffuserve.async_llm import AsyncLLM, StepFailed
-from diffuserve.protocol import MAX_CHOICES, ChatCompletionRequest, CompletionRequest, parse
+from diffuserve.protocol import MAX_CHOICES, ApiError, ChatCompletionRequest, CompletionRequest, parse
 from diffuserve.server import build_app
 
 from chat_checkpoint import MODEL_CONFIG, write_chat_checkpoint
@@ -409,6 +409,20 @@ def test_vllm_extras_at_their_defaults_and_both_length_names():
     chat = parse(ChatCompletionRequest, {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
                                          "max_tokens": 8, "max_completion_tokens": 16})
     assert chat.max_new_tokens() == 16
+
+
+@pytest.mark.parametrize("request_type, body, message", [
+    # (pydantic's "a valid dictionary or instance of ChatMessage" had named a class of ours)
+    (ChatCompletionRequest, {"messages": ["hi"]}, "invalid value for 'messages[0]': must be a JSON object"),
+    (ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}], "stream_options": 5},
+     "invalid value for 'stream_options': must be a JSON object"),
+    # (a validator's own words had come after pydantic's "Value error, ")
+    (CompletionRequest, {"prompt": "x", "echo": True}, "invalid value for 'echo': only false is supported"),
+])
+def test_invalid_values_are_worded_for_the_client(request_type, body, message):
+    with pytest.raises(ApiError) as e:
+        parse(request_type, {"model": MODEL, **body})
+    assert str(e.value) == message
 
 
 @pytest.mark.parametrize("encoding", ["gzip", "deflate, gzip"])

@@ -308,8 +308,10 @@ def parse(model: type, body: Any):
         if param == "prompt" and error["loc"][:1] == ("prompt",):  # (pydantic names only the union's first branch)
             raise ApiError(400, "invalid value for 'prompt': a prompt is a string or a list of token ids "
                            "(integers), and a batch a list of those", param=param, code="invalid_value") from None
-        raise ApiError(400, f"invalid value for {param!r}: {error['msg']}", param=param,
-                       code="invalid_value") from None
+        message = error["msg"].removeprefix("Value error, ")  # (pydantic's prefix to a validator's own words)
+        if error["type"] == "model_type":  # (its "a valid dictionary or instance of ChatMessage" names a class)
+            message = "must be a JSON object"
+        raise ApiError(400, f"invalid value for {param!r}: {message}", param=param, code="invalid_value") from None
 
 
 def _param_path(loc) -> str:
