@@ -343,6 +343,7 @@ def test_config_invalid_json(ckpt):
     ({"pad_token_id": 1.5}, "pad_token_id must be an integer"),
     ({"cache_implementation": "bogus"},
      "cache_implementation 'bogus' is not a KV cache transformers has (it refuses it too)"),
+    ({"cache_implementation": "paged"}, "cache_implementation 'paged' is not a KV cache"),  # (generate's own, not its config's)
     ({"t_max": 1e300}, "t_max = 1e+300 does not fit a 32-bit float"),
     # Checked as the other integers (transformers too refuses 0; max_length had been ignored).
     ({"max_length": 0}, "max_length = 0 is out of range [1, 2147483647]"),

@@ -304,7 +304,7 @@ const std::set<std::string> kGenerationFields = {
 // dynamic cache. (Its static cache gives other logits past a sliding window.)
 const std::set<std::string> kCacheImplementations = {
     "static", "offloaded_static", "sliding_window", "hybrid", "hybrid_chunked", "offloaded_hybrid",
-    "offloaded_hybrid_chunked", "dynamic", "offloaded", "quantized", "paged"};
+    "offloaded_hybrid_chunked", "dynamic", "offloaded", "quantized"};
 
 GenerationDefaults load_generation(const std::string& path, int vocab_size) {
   GenerationDefaults g;

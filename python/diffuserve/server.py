@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import bisect
-import functools
 import hmac
 import json
 import re
@@ -473,9 +472,6 @@ def _parse_int(digits: str) -> int:
     return int(digits)
 
 
-_DECODE_APART_BYTES = 1 << 20  # bodies past this are decoded in a worker thread
-
-
 async def _json_body(request: Request):
     # A compressed body had been parsed as it came ("not valid JSON: 'utf-8' codec can't decode
     # byte 0x8b"), and an uncompressed one labelled gzip taken as it was.
@@ -487,11 +483,9 @@ async def _json_body(request: Request):
         raw = await request.body()
     except ClientDisconnect:  # gone before its body was in: nothing to answer, nothing to log
         raise ApiError(400, "the client disconnected while sending the request body") from None
-    # (NaN and Infinity are Python's, not JSON's.) A body of megabytes takes the decoder a
-    # second (16 MB: 1.1 s), which the event loop spends serving the others.
-    decode = functools.partial(json.loads, raw, parse_constant=_refuse_constant, parse_int=_parse_int)
     try:
-        return await asyncio.to_thread(decode) if len(raw) > _DECODE_APART_BYTES else decode()
+        return json.loads(raw, parse_constant=_refuse_constant,  # NaN and Infinity are Python's, not JSON's
+                          parse_int=_parse_int)
     except ValueError as e:
         raise ApiError(400, f"the request body is not valid JSON: {e}") from None
     except RecursionError:
