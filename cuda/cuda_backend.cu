@@ -1301,16 +1301,12 @@ class CudaBackend final : public Backend {
     if (!threads_) threads_ = ThreadPool::shared();
     empty_staging();
     const size_t in_size = dtype_size(from), out_size = dtype_size(to);
-    const int64_t chunk = int64_t(kStagingBytes / 2 / out_size), grain = int64_t((size_t(1) << 20) / out_size);
+    const int64_t chunk = int64_t(kStagingBytes / 2 / out_size);
     for (int64_t first = 0, half = 0; first < n; first += chunk, half ^= 1) {
       const int64_t count = std::min(chunk, n - first);
       uint8_t* host = staging() + half * (kStagingBytes / 2);
       check(cudaEventSynchronize(copied_up_[half]), "copy to the device");  // the half's last chunk is up
-      threads_->parallel_for(count, grain, [&](int64_t a, int64_t b) {
-        const uint8_t* in = static_cast<const uint8_t*>(src) + size_t(first + a) * in_size;
-        if (from == to) std::memcpy(host + size_t(a) * out_size, in, size_t(b - a) * out_size);
-        else convert_floats(in, from, b - a, host + size_t(a) * out_size, to);
-      });
+      convert_floats(*threads_, static_cast<const uint8_t*>(src) + size_t(first) * in_size, from, count, host, to);
       check(cudaMemcpyAsync(static_cast<uint8_t*>(dst) + size_t(first) * out_size, host, size_t(count) * out_size,
                             cudaMemcpyHostToDevice, stream_),
             "copy to the device");

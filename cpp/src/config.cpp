@@ -335,9 +335,8 @@ GenerationDefaults load_generation(const std::string& path, int vocab_size) {
     if (!sampler.get("entropy_bound")) sampler.fail("entropy_bound", "is missing");
     g.entropy_bound = sampler.float_or("entropy_bound", g.entropy_bound);
   }
-  if (f.get("cache_implementation"))
-    if (const std::string cache = f.string_or("cache_implementation", ""); !kCacheImplementations.count(cache))
-      f.fail("cache_implementation", "'" + cache + "' is not a KV cache transformers has (it refuses it too)");
+  if (const std::string cache = f.string_or("cache_implementation", "dynamic"); !kCacheImplementations.count(cache))
+    f.fail("cache_implementation", "'" + cache + "' is not a KV cache transformers has (it refuses it too)");
   // Absent, null or [], no EOS: transformers then never stops early, whatever config.json names.
   // An id past the vocabulary (or below 0) is never generated: it ends nothing and is left out,
   // where transformers keeps it and runs the same.

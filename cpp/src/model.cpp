@@ -321,11 +321,8 @@ class TensorSource {
     uint8_t* out = host.get();
     for (size_t i = 0; i < names.size(); ++i) {
       const TensorView& part = expect_float(take(names[i], {rows[i], cols}));
-      const int64_t n = part.numel();
-      ThreadPool::shared()->parallel_for(n, int64_t(1) << 18, [&](int64_t a, int64_t b) {
-        convert_floats(part.data + size_t(a) * dtype_size(part.dtype), part.dtype, b - a, out + size_t(a) * size, as_);
-      });
-      out += size_t(n) * size;
+      convert_floats(*ThreadPool::shared(), part.data, part.dtype, part.numel(), out, as_);
+      out += size_t(part.numel()) * size;
     }
     return m_.backend->upload(host.get(), as_, shape, as_, host);
   }

@@ -120,4 +120,14 @@ void ThreadPool::worker_loop() {
   }
 }
 
+void convert_floats(ThreadPool& pool, const void* src, DType from, int64_t n, void* dst, DType to) {
+  const size_t in_size = dtype_size(from), out_size = dtype_size(to);
+  pool.parallel_for(n, int64_t((size_t(1) << 20) / out_size), [&](int64_t a, int64_t b) {
+    const uint8_t* in = static_cast<const uint8_t*>(src) + size_t(a) * in_size;
+    uint8_t* out = static_cast<uint8_t*>(dst) + size_t(a) * out_size;
+    if (from == to) std::memcpy(out, in, size_t(b - a) * out_size);
+    else convert_floats(in, from, b - a, out, to);
+  });
+}
+
 }  // namespace diffuserve

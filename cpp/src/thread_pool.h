@@ -1,4 +1,5 @@
-// A fixed pool of worker threads for the CPU backend's data-parallel loops.
+// A fixed pool of worker threads for the CPU backend's data-parallel loops and the loader's
+// conversions.
 #pragma once
 
 #include <condition_variable>
@@ -8,6 +9,8 @@
 #include <mutex>
 #include <thread>
 #include <vector>
+
+#include "diffuserve/dtype.h"
 
 namespace diffuserve {
 
@@ -46,5 +49,9 @@ class ThreadPool {
   std::exception_ptr error_;
   std::mutex call_mutex_;  // one parallel_for at a time
 };
+
+// convert_floats(src, from, n, dst, to) on the pool's threads, a chunk of 1 MB or more of
+// output each (a plain copy where the two types are alike): a loader's pass over a weight.
+void convert_floats(ThreadPool& pool, const void* src, DType from, int64_t n, void* dst, DType to);
 
 }  // namespace diffuserve

@@ -284,7 +284,7 @@ class _Server:
         for p, prompt in enumerate(prompts):
             names = body.parameter_names()
             if len(prompts) > 1:  # the engine's "prompt: ..." names which of the batch's prompts
-                names["prompt"] = f"prompt[{p}]"
+                names["prompt"] = _prompt_name(p, len(prompts))
             for i, choice_params in enumerate(params):
                 choices.append(_Choice(self, p * len(params) + i, prompt, choice_params, stop, body.stream_drafts,
                                        usage, counts_prompt=i == 0, names=names, returns_ids=fmt.token_ids))
@@ -472,6 +472,11 @@ def _parse_int(digits: str) -> int:
     return int(digits)
 
 
+def _prompt_name(i: int, count: int) -> str:
+    """What errors call prompt i of a request's `count`: its place where they are a batch."""
+    return f"prompt[{i}]" if count > 1 else "prompt"
+
+
 async def _json_body(request: Request):
     # A compressed body had been parsed as it came ("not valid JSON: 'utf-8' codec can't decode
     # byte 0x8b"), and an uncompressed one labelled gzip taken as it was.
@@ -583,8 +588,7 @@ def build_app(engine: AsyncLLM, model_name: str, api_key: Optional[str] = None,
         check_model_first(raw)
         body = parse(CompletionRequest, raw)  # (its model, a string, is the one checked above)
         batch = body.prompts()
-        prompts = [await server.prompt_ids(p, f"prompt[{i}]" if len(batch) > 1 else "prompt")
-                   for i, p in enumerate(batch)]
+        prompts = [await server.prompt_ids(p, _prompt_name(i, len(batch))) for i, p in enumerate(batch)]
         return await server.run(request, body, prompts, body.max_tokens,
                                 _Format(model_name, chat=False, token_ids=server.returns_token_ids(body)))
 
