@@ -154,6 +154,27 @@ def test_temperature_and_diffusion_extensions(client, offline):
     assert allowed.choices[0].text and set(allowed.choices[0].text) <= set("".join(pieces))
 
 
+def test_ignore_eos(client, offline):
+    """vLLM's ignore_eos: generation runs on past the checkpoint's EOS to max_tokens (it had been
+    accepted only as false). Only EOS allowed, a request ends at once without it and runs its
+    whole length with it."""
+    eos = offline.model.config["generation"]["eos_token_ids"][0]
+    body = dict(model=MODEL, prompt="Hello", max_tokens=24, seed=5, extra_body={"allowed_token_ids": [eos]})
+    ended = client.completions.create(**body)
+    assert (ended.choices[0].finish_reason, ended.usage.completion_tokens) == ("stop", 1)
+    whole = client.completions.create(**{**body, "extra_body": {**body["extra_body"], "ignore_eos": True,
+                                                                 "return_token_ids": True}})
+    assert (whole.choices[0].finish_reason, whole.usage.completion_tokens) == ("length", 24)
+    assert whole.choices[0].model_extra["token_ids"] == [eos] * 24
+    expected = offline.generate(["Hello"], ds.SamplingParams(max_new_tokens=24, seed=5, allowed_token_ids=[eos],
+                                                             eos_token_id=[]))[0]
+    assert whole.choices[0].text == expected.text and expected.finish_reason == "length"
+    stream = client.completions.create(**{**body, "extra_body": {**body["extra_body"], "ignore_eos": True}},
+                                       stream=True)
+    chunks = [c.choices[0] for c in stream if c.choices]
+    assert "".join(c.text for c in chunks) == expected.text and chunks[-1].finish_reason == "length"
+
+
 def test_draft_streaming(base_url):
     body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 32, "seed": 4,
             "stream": True, "stream_drafts": True}
@@ -401,7 +422,7 @@ def test_vllm_extras_at_their_defaults_and_both_length_names():
     """Clients written for vLLM send its sampling extras at their defaults (top_k -1 or 0, min_p 0,
     repetition_penalty 1, ...), top_logprobs 0 and more than OpenAI's 4 stop strings: accepted (had
     been 400s). Given both, max_completion_tokens wins, as in vLLM (had been a 400)."""
-    extras = {"top_k": -1, "min_p": 0, "repetition_penalty": 1, "min_tokens": 0, "ignore_eos": False,
+    extras = {"top_k": -1, "min_p": 0, "repetition_penalty": 1, "min_tokens": 0,
               "include_stop_str_in_output": False, "skip_special_tokens": True, "spaces_between_special_tokens": True,
               "top_logprobs": 0, "stop": [str(i) for i in range(10)]}
     parse(CompletionRequest, {"model": MODEL, "prompt": "x", **extras})

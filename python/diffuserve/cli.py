@@ -162,11 +162,12 @@ def generate(args) -> None:
             prompt = tokenizer.encode(args.prompt)
         params = SamplingParams(max_new_tokens=args.max_tokens, seed=args.seed,
                                 max_denoising_steps=args.max_denoising_steps,
+                                eos_token_id=[] if args.ignore_eos else None,
                                 fit_to_context=args.max_tokens is None)  # (as the server without max_tokens)
         request_id = llm.add_request(prompt, params)
     except ValueError as e:
         sys.exit(f"error: {e}")
-    eos = llm.model.config["generation"]["eos_token_ids"]
+    eos = [] if args.ignore_eos else llm.model.config["generation"]["eos_token_ids"]
     detokenizer = IncrementalDetokenizer(tokenizer)
     shown, start, output = 0, time.perf_counter(), None
     while output is None:  # print each block as it is committed
@@ -334,6 +335,8 @@ def parser() -> argparse.ArgumentParser:
                    help="decoder passes per block at most")
     p.add_argument("--seed", type=_in_range(int, 0, 2**64 - 1), default=None, help="seed for a reproducible answer")
     p.add_argument("--raw", action="store_true", help="send PROMPT as it is, without the chat template")
+    p.add_argument("--ignore-eos", action="store_true",
+                   help="generate on past the checkpoint's EOS tokens, to --max-tokens (an output of a fixed length)")
     _engine_options(p)
     p.set_defaults(run=generate)
 

@@ -24,7 +24,7 @@ from .sampling import SamplingParams
 # 0 in its newer releases).
 _NEUTRAL = {"top_p": (1,), "frequency_penalty": (0,), "presence_penalty": (0,), "logprobs": (False,),
             "top_logprobs": (0,), "logit_bias": ({},), "best_of": (1,), "response_format": ({"type": "text"},),
-            "top_k": (-1, 0), "min_p": (0,), "repetition_penalty": (1,), "min_tokens": (0,), "ignore_eos": (False,),
+            "top_k": (-1, 0), "min_p": (0,), "repetition_penalty": (1,), "min_tokens": (0,),
             "include_stop_str_in_output": (False,), "skip_special_tokens": (True,),
             "spaces_between_special_tokens": (True,)}
 
@@ -101,6 +101,9 @@ class _GenerationRequest(_Strict):
     stream_drafts: bool = False  # stream the argmax canvas of the block being refined
     # vLLM's: each choice's token ids beside its text (null: where the model has no tokenizer).
     return_token_ids: Optional[bool] = None
+    # vLLM's: generation runs on past the checkpoint's EOS tokens, to max_tokens (benchmarks
+    # send it for outputs of a fixed length).
+    ignore_eos: bool = False
 
     def stop_strings(self) -> List[str]:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -157,7 +160,7 @@ class _GenerationRequest(_Strict):
                     confidence_threshold=self.confidence_threshold, seed=seed, canvas_length=self.canvas_length,
                     seed_canvas=self.seed_canvas, pinned_positions=self.pinned_positions,
                     allowed_token_ids=allowed, self_conditioning=self.self_conditioning,
-                    fit_to_context=fit))
+                    eos_token_id=[] if self.ignore_eos else None, fit_to_context=fit))
             except ValueError as e:
                 raise invalid_value(e, self.parameter_names()) from None
         return params

@@ -125,7 +125,9 @@ class _Choice:
         self.returns_ids = returns_ids  # token_ids go out with the text (return_token_ids)
         self.names = names  # the request's names for the engine's parameters (invalid_value)
         self.counts_prompt = counts_prompt  # OpenAI counts a prompt once however many choices it has
-        self.eos = server.eos_token_ids  # the server never overrides the checkpoint's EOS
+        # The checkpoint's EOS ends the text, unless the request ignores it (ignore_eos: the
+        # engine then generates past it, and the ids are text like any other).
+        self.eos = server.eos_token_ids if params.eos_token_id is None else list(params.eos_token_id)
         self._updates = server.engine.generate(prompt, params, drafts)
         self._stop = stop
         self._through = _TokensThrough(server.tokenizer) if stop else None  # stop strings need a tokenizer
