@@ -832,42 +832,71 @@ constexpr int kCanvasThreads = 512;
 
 // sampler.h's update_canvas for one block, bit for bit. The stable sort by entropy is a
 // rank per position (entropies below it, or equal at a lower position: O(canvas^2)
-// compares, a few microseconds at 256 positions); the acceptance's running sum and the
-// mean entropy are one thread's double sums in the reference's order.
+// compares), the acceptance's running sum and the mean entropy one thread's double sums in
+// the reference's order. Their operands pass through shared memory a chunk of
+// kCanvasThreads positions at a time: read from global memory, each compare loaded its
+// entropy, and the running sum's loads were a chain (an order entry, then its entropy),
+// which took 46 us a step at canvas 256 on the H200 (kernel_trace.py, fiftieth session).
 __global__ void __launch_bounds__(kCanvasThreads)
     update_canvas_kernel(DeviceCanvas s, const DeviceRowSample* rows, int32_t* order, uint8_t* accepted) {
   wait_for_earlier_kernels();
   if (s.counters[kCanvasStopped]) return;  // as update_canvas: a stopped canvas takes no more steps
   const CanvasParams& p = s.params;
-  const int canvas = p.canvas, step = s.counters[kCanvasSteps];
-  // NaN entropies sort last (a total order, so the ranks stay a permutation).
-  auto key = [&](int i) { const float e = rows[i].entropy; return e == e ? e : INFINITY; };
-  for (int i = threadIdx.x; i < canvas; i += blockDim.x) {
-    if (!s.free_position[i]) continue;
-    const float e = key(i);
+  const int canvas = p.canvas, step = s.counters[kCanvasSteps], t = threadIdx.x;
+  // A chunk: each position's entropy and whether it is free, and its sort key (NaN entropies
+  // last, a total order, so that the ranks stay a permutation; positions not free NaN, which
+  // no compare counts); in the running sum's pass, positions in rank order and their entropies.
+  __shared__ float entropies[kCanvasThreads], keys[kCanvasThreads];
+  __shared__ bool frees[kCanvasThreads];
+  __shared__ int32_t ranked[kCanvasThreads];
+  auto key = [](float e) { return e == e ? e : INFINITY; };
+  auto stage = [&](int base) {  // positions [base, base + kCanvasThreads), every thread
+    __syncthreads();  // the chunk before is read
+    const int i = base + t;
+    const bool free = i < canvas && s.free_position[i];
+    const float e = i < canvas ? rows[i].entropy : 0.0f;
+    entropies[t] = e, frees[t] = free, keys[t] = free ? key(e) : NAN;
+    __syncthreads();
+  };
+  int free = 0;  // thread 0's: the free positions, their entropies' sum, whether one is NaN
+  double sum = 0;
+  bool non_finite = false;  // from logits that held NaN or infinity
+  for (int base_i = 0; base_i < canvas; base_i += kCanvasThreads) {
+    const int i = base_i + t;
+    const bool ranks = i < canvas && s.free_position[i];
+    const float e = i < canvas ? key(rows[i].entropy) : 0.0f;
     int rank = 0;
-    for (int j = 0; j < canvas; ++j) {
-      if (!s.free_position[j]) continue;
-      const float f = key(j);
-      rank += f < e || (f == e && j < i);
+    for (int base_j = 0; base_j < canvas; base_j += kCanvasThreads) {
+      stage(base_j);
+      const int n = min(kCanvasThreads, canvas - base_j);
+      if (ranks)
+        for (int j = 0; j < n; ++j) {
+          const float f = keys[j];
+          rank += f < e || (f == e && base_j + j < i);
+        }
+      if (base_i == 0 && t == 0)
+        for (int j = 0; j < n; ++j)
+          if (frees[j]) sum += entropies[j], ++free, non_finite |= entropies[j] != entropies[j];
     }
-    order[rank] = i;
+    if (ranks) order[rank] = i;
   }
   __shared__ float mean_entropy;
-  bool non_finite = false;  // thread 0's: a NaN entropy, from logits that held NaN or infinity
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    int free = 0;
-    double sum = 0;
-    for (int i = 0; i < canvas; ++i)
-      if (s.free_position[i]) sum += rows[i].entropy, ++free, non_finite |= rows[i].entropy != rows[i].entropy;
-    double running = 0;
-    for (int r = 0; r < free; ++r) {
-      const int i = order[r];
-      running += rows[i].entropy;
-      accepted[i] = float(running) - rows[i].entropy <= p.entropy_bound;
+  __shared__ int free_count;
+  if (t == 0) mean_entropy = free ? float(sum / free) : 0.0f, free_count = free;
+  __syncthreads();  // (the order entries written, too)
+  double running = 0;  // thread 0's
+  for (int base = 0; base < free_count; base += kCanvasThreads) {
+    __syncthreads();  // the chunk before is read
+    if (base + t < free_count) {
+      const int i = order[base + t];
+      ranked[t] = i, entropies[t] = rows[i].entropy;
     }
-    mean_entropy = free ? float(sum / free) : 0.0f;
+    __syncthreads();
+    if (t == 0)
+      for (int r = 0; r < min(kCanvasThreads, free_count - base); ++r) {
+        running += entropies[r];
+        accepted[ranked[r]] = float(running) - entropies[r] <= p.entropy_bound;
+      }
   }
   __syncthreads();
   const RandomKey renoise{p.seed, p.block, uint32_t(step), RandomStream::Renoise};

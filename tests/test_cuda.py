@@ -327,13 +327,17 @@ def test_dummy_quantized_model_matches_cpu(tmp_path, quantization, shape):
 # A block's steps with the sampler's update on the device against the same steps updated
 # on the host (update_canvas, the reference), both from the GPU's own sample rows: tokens,
 # argmax, step count and stop flag bit for bit, through acceptance (tied entropies
-# included), renoising from the allowed ids, pinned positions and the stop rule.
-@pytest.mark.parametrize("stability", [0, 1, 2])
-def test_device_canvas_update_matches_host(stability):
+# included), renoising from the allowed ids, pinned positions and the stop rule. The kernel
+# takes the canvas through shared memory 512 positions at a time: 1,100 are three chunks, the
+# equal rows on both sides of a chunk's end.
+@pytest.mark.parametrize("stability, canvas", [(0, 80), (1, 80), (2, 80), (1, 1100)])
+def test_device_canvas_update_matches_host(stability, canvas):
     rng = np.random.default_rng(stability)
-    canvas, vocab = 80, 777
+    vocab = 777
     base = (rng.standard_normal((canvas, vocab)) * 6).astype(np.float32)
     base[10:14] = base[9]  # equal rows: equal entropies, ordered by position
+    if canvas > 512:
+        base[509:515] = base[9]
     noise = [3.0, 1.0, 0.3, 0.0, 0.0, 0.0, 0.0]  # settling: the argmax holds, the block stops
     logits = np.stack([base + (rng.standard_normal((canvas, vocab)) * s).astype(np.float32) for s in noise])
     kwargs = dict(tokens=rng.integers(0, vocab, canvas).tolist(), pinned=[0, 33],
