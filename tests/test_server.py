@@ -671,6 +671,27 @@ def _serve_process(checkpoint, *options):
         raise
 
 
+def test_request_body_size_limit(checkpoint):
+    """A body past --max-request-bytes is a 413 naming the limit, whether its Content-Length says
+    so or it comes in chunks (a body of gigabytes had been read whole into memory, then decoded
+    on the event loop); the server goes on serving."""
+    proc, port = _serve_process(checkpoint, "--max-request-bytes", "2000")
+    try:
+        url = f"http://127.0.0.1:{port}/v1/completions"
+        data = json.dumps({"model": MODEL, "prompt": "x" * 3000, "max_tokens": 4}).encode()
+        r = httpx.post(url, content=data, headers={"content-type": "application/json"})
+        assert r.status_code == 413, r.text
+        assert r.json()["error"]["message"] == (f"the request body is {len(data)} bytes, more than this server "
+                                                "takes (2000 bytes, --max-request-bytes)")
+        chunks = (data[i:i + 500] for i in range(0, len(data), 500))  # no Content-Length: chunked
+        r = httpx.post(url, content=chunks, headers={"content-type": "application/json"})
+        assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large", r.text
+        r = httpx.post(url, json={"model": MODEL, "prompt": "x" * 1000, "max_tokens": 4})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] > 0, r.text
+    finally:
+        proc.kill()
+
+
 def _stream_through_sigint(proc, port, body) -> list:
     """The data lines of a streamed completion, SIGINT sent to the server after the first."""
     with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/completions", json={**body, "stream": True},

@@ -134,7 +134,8 @@ def serve(args) -> None:
     engine = AsyncLLM(llm)
     app = server.build_app(engine, name, api_key=args.api_key,
                            max_denoising_steps_limit=args.max_denoising_steps_limit,
-                           allowed_origins=args.allowed_origins or ["*"], max_prompt_chars=args.max_prompt_chars)
+                           allowed_origins=args.allowed_origins or ["*"], max_prompt_chars=args.max_prompt_chars,
+                           max_request_bytes=args.max_request_bytes)
     host = f"[{args.host}]" if ":" in args.host else args.host  # an IPv6 address, as URLs write it
     port = sock.getsockname()[1]
     print(f"serving {name} at http://{host}:{port}/v1"
@@ -317,6 +318,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--max-prompt-chars", type=_in_range(int, 0, 2**62), default=None, metavar="N",
                    help="the longest prompt text a request may send, refused before it is encoded (default: "
                         "max_model_len tokens of the vocabulary's longest entry; 0: no limit)")
+    p.add_argument("--max-request-bytes", type=_in_range(int, 0, 2**62), default=None, metavar="N",
+                   help="the largest request body taken, a 413 past it (default: 64 MiB; 0: no limit)")
     p.add_argument("--shutdown-timeout", type=_in_range(float, 0, 1e6), default=30, metavar="SECONDS",
                    help="on Ctrl-C / SIGTERM, how long running requests may finish before they are aborted "
                         "(default: 30)")

@@ -41,6 +41,10 @@ from .stop_strings import StopStringFilter
 # block of a model that never converges runs all its steps, and one request of 2^31 steps had
 # held its engine slots for as long as its client waited.
 MAX_DENOISING_STEPS_LIMIT = 1024
+# The largest request body taken, unless the server is told otherwise: room for a batch of
+# thousands of long prompts, well short of what reading and decoding a body could exhaust (the
+# decoded JSON takes several times its bytes, and the event loop waits while it is decoded).
+MAX_REQUEST_BYTES = 64 << 20
 
 
 @dataclass
@@ -479,17 +483,31 @@ def _prompt_name(i: int, count: int) -> str:
     return f"prompt[{i}]" if count > 1 else "prompt"
 
 
-async def _json_body(request: Request):
+async def _json_body(request: Request, max_bytes: Optional[int]):
     # A compressed body had been parsed as it came ("not valid JSON: 'utf-8' codec can't decode
     # byte 0x8b"), and an uncompressed one labelled gzip taken as it was.
     encoding = request.headers.get("content-encoding", "identity")
     if encoding.strip().lower() != "identity":
         raise ApiError(415, f"the request body's Content-Encoding {encoding!r} is not supported: send the body "
                        "uncompressed, without a Content-Encoding header")
+    # A body past max_bytes is a 413 before it is read, or as soon as it is past (a body of
+    # gigabytes had been read whole into memory and then decoded on the event loop).
+    def too_large(size: str):
+        return ApiError(413, f"the request body is {size}more than this server takes ({max_bytes} bytes, "
+                        "--max-request-bytes)", code="request_too_large")
+    length = request.headers.get("content-length", "")
+    if max_bytes is not None and length.isdigit() and int(length) > max_bytes:
+        raise too_large(f"{int(length)} bytes, ")
+    chunks, size = [], 0
     try:
-        raw = await request.body()
+        async for chunk in request.stream():
+            size += len(chunk)
+            if max_bytes is not None and size > max_bytes:
+                raise too_large("")
+            chunks.append(chunk)
     except ClientDisconnect:  # gone before its body was in: nothing to answer, nothing to log
         raise ApiError(400, "the client disconnected while sending the request body") from None
+    raw = b"".join(chunks)
     try:
         return json.loads(raw, parse_constant=_refuse_constant,  # NaN and Infinity are Python's, not JSON's
                           parse_int=_parse_int)
@@ -510,12 +528,18 @@ def check_api_key(api_key: Optional[str]) -> None:
 
 def build_app(engine: AsyncLLM, model_name: str, api_key: Optional[str] = None,
               max_denoising_steps_limit: int = MAX_DENOISING_STEPS_LIMIT,
-              allowed_origins: Sequence[str] = ("*",), max_prompt_chars: Optional[int] = None) -> FastAPI:
+              allowed_origins: Sequence[str] = ("*",), max_prompt_chars: Optional[int] = None,
+              max_request_bytes: Optional[int] = None) -> FastAPI:
     """The FastAPI app serving `engine` under `model_name`. The app owns the engine: its
     shutdown aborts what is still running and stops the engine thread. max_prompt_chars: the
     longest prompt text taken (None: max_model_len tokens of the vocabulary's longest entry;
-    0: any)."""
+    0: any). max_request_bytes: the largest request body taken (None: MAX_REQUEST_BYTES; 0: any)."""
     check_api_key(api_key)
+    if max_request_bytes is None:
+        max_request_bytes = MAX_REQUEST_BYTES
+    if max_request_bytes < 0:
+        raise ValueError(f"max_request_bytes must be 0 (no limit) or more, not {max_request_bytes}")
+    max_body = max_request_bytes or None
     server = _Server(engine, model_name, max_denoising_steps_limit, max_prompt_chars)
 
     @asynccontextmanager
@@ -544,6 +568,8 @@ def build_app(engine: AsyncLLM, model_name: str, api_key: Optional[str] = None,
 
     @app.exception_handler(ApiError)
     async def api_error(request, e: ApiError):
+        if e.status == 413:  # the body's unread rest must not be taken for the next request
+            return _error(e, {"Connection": "close"})
         return _error(e, {"WWW-Authenticate": "Bearer"} if e.status == 401 else None)
 
     @app.exception_handler(HTTPException)
@@ -586,7 +612,7 @@ def build_app(engine: AsyncLLM, model_name: str, api_key: Optional[str] = None,
 
     @v1.post("/completions")
     async def completions(request: Request):
-        raw = await _json_body(request)
+        raw = await _json_body(request, max_body)
         check_model_first(raw)
         body = parse(CompletionRequest, raw)  # (its model, a string, is the one checked above)
         batch = body.prompts()
@@ -596,7 +622,7 @@ def build_app(engine: AsyncLLM, model_name: str, api_key: Optional[str] = None,
 
     @v1.post("/chat/completions")
     async def chat_completions(request: Request):
-        raw = await _json_body(request)
+        raw = await _json_body(request, max_body)
         check_model_first(raw)
         server.check_message_chars(raw)
         body = parse(ChatCompletionRequest, raw)  # (its model, a string, is the one checked above)
