@@ -721,13 +721,19 @@ def test_fp8_weight_only_tall_products_match_cpu(tmp_path, activations):
 
 
 # The GPU keeps every weight in bf16 (an fp32 checkpoint too): the CPU's dtype="bfloat16" model.
-def test_fp32_checkpoint_is_the_cpus_bf16_model(tmp_path):
-    path = write_random_checkpoint(tmp_path / "m", canvas_length=32, dtype="float32", seed=3, **SMALL)
+# Weights go up through the staging ring's 32 MB halves a chunk at a time, converted on the
+# way: "chunked" has an embedding and an expert stack of more than one half's bf16 values.
+@pytest.mark.parametrize("shape", ["small", "chunked"])
+def test_fp32_checkpoint_is_the_cpus_bf16_model(tmp_path, shape):
+    fields = SMALL if shape == "small" else dict(SMALL, vocab_size=70_000, hidden_size=256, num_experts=72,
+                                                 moe_intermediate_size=512)
+    path = write_random_checkpoint(tmp_path / "m", canvas_length=32, dtype="float32", seed=3, **fields)
     cpu = ds.Model.load(path, dtype="bfloat16", kv_cache_memory_bytes=256 << 20).sequence()
     gpu = ds.Model.load(path, device="cuda", kv_cache_memory_bytes=256 << 20).sequence()
     assert gpu.model.dtype == "bfloat16"
     rng = np.random.default_rng(0)
-    prompt, canvas = rng.integers(0, 300, 90), rng.integers(0, 300, 32)
+    vocab = fields["vocab_size"]
+    prompt, canvas = rng.integers(0, vocab, 90), rng.integers(0, vocab, 32)
     for s in (cpu, gpu):
         s.prefill(prompt)
     compare(cpu.denoise(canvas), gpu.denoise(canvas), "fp32 checkpoint: the CPU at bf16 weights against the GPU")
