@@ -8,6 +8,7 @@
 // A bf16 weight with row factors (decoded NVFP4) is one product per run of rows sharing a
 // factor (GemmMatrix::factor_rows), the factor its alpha, read from device memory (as beta
 // then is): cuBLASLt has no bf16 kernel taking alpha as a vector, one per row.
+#include <algorithm>
 #include <span>
 #include <stdexcept>
 #include <string>
@@ -20,6 +21,7 @@ namespace {
 
 constexpr size_t kWorkspaceBytes = size_t(32) << 20;  // NVIDIA's advice for Hopper
 constexpr int64_t kReferenceRows = 256;               // a canvas: the rows a denoise step multiplies
+constexpr int64_t kManyRows = 64 * kReferenceRows;    // the most rows one call takes (Plan::max_rows)
 constexpr int kCandidates = 8;                        // the heuristic's algorithms a product chooses among
 
 void check(cublasStatus_t status, const char* what) {
@@ -233,11 +235,11 @@ CublasLtGemm::Plan CublasLtGemm::choose(const Key& key, const void* weights, cud
     check(cublasLtMatmulPreferenceSetAttribute(preference, attribute, &value, sizeof(value)), "preference");
   // Batched outputs lie one above the other, as Backend::linears keeps them.
   auto product_at = [&](int64_t m) { return Product(fp8, device_scalars, m, lda, n, k, ldy, batches, m * ldy); };
-  Product reference = product_at(kReferenceRows), one = product_at(1), many = product_at(64 * kReferenceRows);
-  if (fp8) {  // the choice looks at the scales' modes, not their addresses: a placeholder, never read
-    const float* const placeholder = reinterpret_cast<const float*>(uintptr_t(256));
+  // (The choice looks at FP8's scale modes, not their addresses: a placeholder, never read.)
+  const float* const placeholder = reinterpret_cast<const float*>(uintptr_t(256));
+  Product reference = product_at(kReferenceRows), one = product_at(1), many = product_at(kManyRows);
+  if (fp8)
     for (Product* product : {&reference, &one, &many}) product->set_scales(placeholder, placeholder);
-  }
   cublasLtMatmulHeuristicResult_t results[kCandidates];
   int found = 0;
   const cublasStatus_t status =
@@ -261,6 +263,24 @@ CublasLtGemm::Plan CublasLtGemm::choose(const Key& key, const void* weights, cud
   if (!count) return plan;
   plan.usable = true;
   plan.algo = candidates[0];
+  // Rows a call may take (Plan::max_rows): kManyRows, halved while the algorithm's workspace
+  // at that height would pass kWorkspaceBytes (down to kReferenceRows, whose workspace the
+  // heuristic's candidates fit). Found by fuzzing on the GPU (fiftieth session): where K is
+  // odd the heuristic splits K at 256 rows, and prompts of 500-700 tokens had failed.
+  const auto fits = [&](const cublasLtMatmulAlgo_t& algo, int64_t m) {
+    Product product = product_at(m);
+    if (fp8) product.set_scales(placeholder, placeholder);
+    cublasLtMatmulHeuristicResult_t result{};
+    return cublasLtMatmulAlgoCheck(handle_, product.op, product.w, product.a, product.y, product.y, &algo, &result) ==
+               CUBLAS_STATUS_SUCCESS &&
+           result.workspaceSize <= kWorkspaceBytes;
+  };
+  const auto rows_taken = [&](const cublasLtMatmulAlgo_t& algo) {
+    int64_t rows = kManyRows;
+    while (rows > kReferenceRows && !fits(algo, rows)) rows /= 2;
+    return rows;
+  };
+  plan.max_rows = rows_taken(plan.algo);
   // Timed where the weights are too large for the L2 to hold (so that each run reads them
   // from memory, as a forward does), the scalars are the host's (FP8's scales and bf16's row
   // factors are the product's own), and the stream is free to run the timing (not recording
@@ -277,9 +297,11 @@ CublasLtGemm::Plan CublasLtGemm::choose(const Key& key, const void* weights, cud
     return plan;
   }
   if (!fp8 && !device_scalars && count > 1 && int64_t(batches) * n * k * 2 >= 2 * int64_t(l2_bytes) &&
-      capture == cudaStreamCaptureStatusNone)
+      capture == cudaStreamCaptureStatusNone) {
     plan.algo = candidates[fastest_alike(handle_, reference, kReferenceRows * lda, batches * kReferenceRows * ldy,
                                          {candidates, count}, weights, stream)];
+    plan.max_rows = rows_taken(plan.algo);
+  }
   return plan;
 }
 
@@ -368,14 +390,25 @@ void CublasLtGemm::multiply(const float* x, int64_t m, int64_t ldx, bool gated, 
       prepared.rows ? prepared : prepare_gemm_input(x, m, ldx, gated, k, input, /*permuted=*/false, scratch, stream);
   const int64_t kp = x_rows.kp, row_bytes = k * (fp8 ? 1 : 2);
   const float host_constants[2] = {0.0f, 1.0f};
-  auto x_plane = [&](int plane) { return x_rows.rows + plane * kp * (fp8 ? 1 : 2); };
+  // Plane `plane` of X's rows from `first` on.
+  auto x_plane = [&](int plane, int64_t first) {
+    return x_rows.rows + first * x_rows.row_bytes() + plane * kp * (fp8 ? 1 : 2);
+  };
+  // f(first, rows) for X's rows in slices of at most max_rows (Plan::max_rows): one slice of
+  // all m rows unless the algorithms' workspace bounds them.
+  auto in_slices = [&](int64_t max_rows, auto f) {
+    for (int64_t first = 0; first < m; first += max_rows) f(first, std::min(max_rows, m - first));
+  };
   if (const Plan* batched = batch_plan(input, ws, n, k, ys, m, ldy, stream)) {
-    Product product(false, false, m, row_values(input, k), n, k, ldy, int(ws.size()), m * ldy);
-    for (int plane = 0; plane < planes(input); ++plane)
-      check(cublasLtMatmul(handle_, product.op, &host_constants[1], ws[0].values, product.w, x_plane(plane), product.a,
-                           &host_constants[plane ? 1 : 0], ys[0], product.y, ys[0], product.y, &batched->algo,
-                           workspace, kWorkspaceBytes, stream),
-            "cublasLtMatmul");
+    in_slices(batched->max_rows, [&](int64_t first, int64_t rows) {
+      Product product(false, false, rows, row_values(input, k), n, k, ldy, int(ws.size()), m * ldy);
+      float* y = ys[0] + first * ldy;
+      for (int plane = 0; plane < planes(input); ++plane)
+        check(cublasLtMatmul(handle_, product.op, &host_constants[1], ws[0].values, product.w, x_plane(plane, first),
+                             product.a, &host_constants[plane ? 1 : 0], y, product.y, y, product.y, &batched->algo,
+                             workspace, kWorkspaceBytes, stream),
+              "cublasLtMatmul");
+    });
     return;
   }
   for (size_t i = 0; i < ws.size(); ++i) {
@@ -383,20 +416,24 @@ void CublasLtGemm::multiply(const float* x, int64_t m, int64_t ldx, bool gated, 
     const bool device_scalars = !fp8 && w.row_scales;  // alpha: the part's row factor
     const float* constants = device_scalars ? device_constants_ : host_constants;
     const int64_t rows = part_rows(input, w, n);
-    Product product(fp8, device_scalars, m, row_values(input, k), rows, k, ldy);
-    if (fp8) product.set_scales(w.row_scales, x_rows.scales);
-    for (size_t part = 0; part < chosen[i].size(); ++part) {
-      const int64_t first = int64_t(part) * rows;
-      const float* alpha = device_scalars ? w.row_scales + first : &constants[1];
-      const uint8_t* values = static_cast<const uint8_t*>(w.values) + first * row_bytes;
-      float* y = ys[i] + first;
-      for (int plane = 0; plane < planes(input); ++plane) {
-        check(cublasLtMatmul(handle_, product.op, alpha, values, product.w, x_plane(plane), product.a,
-                             &constants[plane ? 1 : 0], y, product.y, y, product.y, &chosen[i][part]->algo, workspace,
-                             kWorkspaceBytes, stream),
-              "cublasLtMatmul");
+    int64_t max_rows = kManyRows;
+    for (const Plan* plan : chosen[i]) max_rows = std::min(max_rows, plan->max_rows);
+    in_slices(max_rows, [&](int64_t first_x, int64_t x_count) {
+      Product product(fp8, device_scalars, x_count, row_values(input, k), rows, k, ldy);
+      if (fp8) product.set_scales(w.row_scales, x_rows.scales + first_x);
+      for (size_t part = 0; part < chosen[i].size(); ++part) {
+        const int64_t first = int64_t(part) * rows;
+        const float* alpha = device_scalars ? w.row_scales + first : &constants[1];
+        const uint8_t* values = static_cast<const uint8_t*>(w.values) + first * row_bytes;
+        float* y = ys[i] + first_x * ldy + first;
+        for (int plane = 0; plane < planes(input); ++plane) {
+          check(cublasLtMatmul(handle_, product.op, alpha, values, product.w, x_plane(plane, first_x), product.a,
+                               &constants[plane ? 1 : 0], y, product.y, y, product.y, &chosen[i][part]->algo,
+                               workspace, kWorkspaceBytes, stream),
+                "cublasLtMatmul");
+        }
       }
-    }
+    });
   }
 }
 

@@ -56,6 +56,11 @@ class CublasLtGemm {
   struct Plan {
     bool usable = false;
     cublasLtMatmulAlgo_t algo{};
+    // The most rows one call of the algorithm takes: a K split keeps each slice's partial
+    // sums in the workspace, which grows with the rows, and cuBLASLt refuses a call whose
+    // workspace would pass its size (CUBLAS_STATUS_INVALID_VALUE). Taller products go in
+    // slices of rows, each row's result what it is in one call.
+    int64_t max_rows = 0;
   };
   // (E4M3 or bf16 operands, alpha and beta in device memory (bf16 with row factors), n, k,
   // lda, ldy, alignment of w and y in bytes, weights batched); X's planes are always 16-byte

@@ -720,6 +720,19 @@ def test_fp8_weight_only_tall_products_match_cpu(tmp_path, activations):
         assert across <= (REL_TOL if activations == "float32" else 4 * rounding + 1e-3), name
 
 
+# cuBLASLt's algorithm for a product is chosen at 256 rows; where K is odd the heuristic
+# splits K, and the partial sums' workspace grows with the rows: a prompt of 686 tokens at
+# this shape (found by fuzzing wide random configurations on the GPU) had failed with
+# CUBLAS_STATUS_INVALID_VALUE. Taller products now go in slices of rows the workspace takes.
+def test_tall_products_of_split_k_algorithms_match_cpu(tmp_path):
+    shape = dict(vocab_size=2574, hidden_size=1121, intermediate_size=321, num_hidden_layers=1, num_attention_heads=7,
+                 num_key_value_heads=1, num_global_key_value_heads=1, head_dim=256, global_head_dim=256,
+                 sliding_window=29, num_experts=21, top_k_experts=3, moe_intermediate_size=295,
+                 layer_types=["sliding_attention"])
+    path = write_random_checkpoint(tmp_path / "m", canvas_length=32, dtype="bfloat16", seed=40, **shape)
+    check_passes_match_cpu(path, prompt_length=686, canvas_length=32, blocks=1, seed=40)
+
+
 # The GPU keeps every weight in bf16 (an fp32 checkpoint too): the CPU's dtype="bfloat16" model.
 # Weights go up through the staging ring's 32 MB halves a chunk at a time, converted on the
 # way: "chunked" has an embedding and an expert stack of more than one half's bf16 values.
