@@ -76,9 +76,15 @@ def path(request, tmp_path_factory):
 
 def compare(cpu, gpu, where, rel_tol=REL_TOL, min_agreement=MIN_AGREEMENT):
     scale = np.abs(cpu).max()
-    rel = np.abs(cpu - gpu).max() / scale
+    rows = np.abs(np.atleast_2d(cpu - gpu)).max(-1) / scale
+    rel = rows.max()
     agree = (cpu.argmax(-1) == gpu.argmax(-1)).mean()
-    print(f"{where}: max |diff| / range {rel:.2e}, argmax agreement {agree:.3f}")
+    # (how many rows are past the tolerance, and how far the others agree: a few rows far apart
+    # and the rest close is what a token routed to other experts on a near tie looks like)
+    apart = rows > rel_tol
+    rest = rows[~apart].max() if (~apart).any() else 0.0
+    print(f"{where}: max |diff| / range {rel:.2e} ({int(apart.sum())} of {len(rows)} rows past {rel_tol:.0e}, the "
+          f"rest within {rest:.2e}), argmax agreement {agree:.3f}")
     assert np.isfinite(gpu).all(), where
     assert rel <= rel_tol and agree >= min_agreement, where
 
