@@ -14,7 +14,9 @@ K is odd (test_tall_products_of_split_k_algorithms_match_cpu). Its fp32 check al
 apart (or one layer's keys), the argmax the same on all rows or all but 1-2% of them; the bf16
 check, which lets a twentieth of the rows past its tolerance, passed on each. Tokens whose
 router scores nearly tie, choosing other experts on the two backends, would do that (the bf16
-check has met such rows before); not yet confirmed row by row."""
+check has met such rows before). On the CPU alone, each weight scaled by 1 + 1e-5 x a normal
+draw moved rows past the tolerance in 20 of those 39 configurations and in 5 of 40 that had
+passed; not yet confirmed row by row."""
 import os
 import sys
 import tempfile
