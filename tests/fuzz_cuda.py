@@ -3,8 +3,9 @@ fast paths, which test_cuda.py's fixed shapes and small random ones leave out: h
 and 512 (the wgmma attention with bf16 activations) beside 64-128, widths up to 1,300 (odd
 ones too), up to 64 experts, canvases up to 300 rows and prompts up to 700 tokens, past the
 window. Each configuration runs test_cuda.py's own checks (fp32 activations: logits and every
-layer's keys and values; bf16 activations); a line per check, failures with their
-configuration and traceback, and the fuzzing goes on until its time is up. On a GPU:
+layer's keys and values; bf16 activations) and a batch's bitwise invariance: a line per
+check, failures with their configuration and traceback, and the fuzzing goes on until its
+time is up. On a GPU:
 
     python tests/fuzz_cuda.py SECONDS [FIRST_SEED]
 
@@ -27,6 +28,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from diffuserve.random_checkpoint import write_random_checkpoint  # noqa: E402
+import diffuserve as ds  # noqa: E402
 from test_cuda import check_bf16_activations, check_passes_match_cpu  # noqa: E402
 
 
@@ -45,6 +47,22 @@ def wide_shape(rng):
                 layer_types=[str(rng.choice(["sliding_attention", "full_attention"])) for _ in range(layers)])
 
 
+def check_batch_invariance(path, canvas, seed):
+    """Three requests generated together on the GPU give each one's tokens alone, bit for bit
+    (no kernel mixes rows, and products taller than a cuBLASLt call takes are sliced by rows):
+    prompts of up to 700 tokens, so that the batch's passes are taller than the lone ones'."""
+    rng = np.random.default_rng(seed)
+    llm = ds.LLM(path, device="cuda")
+    vocab = llm.model.vocab_size
+    prompts = [rng.integers(0, vocab, int(n)).tolist() for n in (rng.integers(300, 700), rng.integers(1, 50),
+                                                                 rng.integers(1, 400))]
+    params = [ds.SamplingParams(max_new_tokens=2 * canvas, seed=i, eos_token_id=[], max_denoising_steps=4)
+              for i in range(3)]
+    together = llm.generate(prompts, params)
+    for i, (prompt, p, out) in enumerate(zip(prompts, params, together)):
+        assert llm.generate([prompt], p)[0].token_ids == out.token_ids, f"request {i}: alone != batched"
+
+
 def main():
     budget, first = float(sys.argv[1]), int(sys.argv[2]) if len(sys.argv) > 2 else 0
     start, failures, seed = time.time(), 0, first
@@ -56,7 +74,8 @@ def main():
             path = write_random_checkpoint(os.path.join(d, "m"), canvas_length=canvas, dtype="bfloat16", seed=seed,
                                            **shape)
             for name, check in (("fp32", lambda: check_passes_match_cpu(path, prompt, canvas, blocks=2, seed=seed)),
-                                ("bf16", lambda: check_bf16_activations(path, f"seed {seed}", prompt, canvas, seed))):
+                                ("bf16", lambda: check_bf16_activations(path, f"seed {seed}", prompt, canvas, seed)),
+                                ("batch", lambda: check_batch_invariance(path, canvas, seed))):
                 try:
                     check()
                     print(f"ok   seed {seed} {name} canvas {canvas} prompt {prompt} {shape}", flush=True)
