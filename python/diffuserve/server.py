@@ -492,18 +492,18 @@ async def _json_body(request: Request, max_bytes: Optional[int]):
                        "uncompressed, without a Content-Encoding header")
     # A body past max_bytes is a 413 before it is read, or as soon as it is past (a body of
     # gigabytes had been read whole into memory and then decoded on the event loop).
-    def too_large(size: str):
-        return ApiError(413, f"the request body is {size}more than this server takes ({max_bytes} bytes, "
-                        "--max-request-bytes)", code="request_too_large")
+    def too_large(body: str):
+        return ApiError(413, f"{body} more than this server takes ({max_bytes} bytes, --max-request-bytes)",
+                        code="request_too_large")
     length = request.headers.get("content-length", "")
     if max_bytes is not None and length.isdigit() and int(length) > max_bytes:
-        raise too_large(f"{int(length)} bytes, ")
+        raise too_large(f"the request body is {int(length)} bytes,")
     chunks, size = [], 0
     try:
         async for chunk in request.stream():
             size += len(chunk)
             if max_bytes is not None and size > max_bytes:
-                raise too_large("")
+                raise too_large("the request body is")
             chunks.append(chunk)
     except ClientDisconnect:  # gone before its body was in: nothing to answer, nothing to log
         raise ApiError(400, "the client disconnected while sending the request body") from None
