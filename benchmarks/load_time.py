@@ -2,12 +2,13 @@
 
     python benchmarks/load_time.py [--layers 4] [--dir PATH] [--hf]
 
-Writes a bf16 checkpoint of random weights (the real shapes, `--layers` decoder layers, the
-last a full-attention one), then times, from the warm page cache the writing leaves: diffuserve's
-Model.load onto the GPU; safetensors' load_file onto the GPU, the read every PyTorch engine
-starts from; and with --hf, transformers' from_pretrained onto the GPU. Prints one table:
-seconds and GB/s of checkpoint bytes for each. Scale by layers for the whole model (30 layers,
-51.6 GB): the embedding is a fixed 1.5 GB of it.
+Writes a bf16 checkpoint of random weights (the real shapes, `--layers` decoder layers, all
+sliding-attention ones: a full-attention layer's weights are within 3% of their size), then
+times, from the warm page cache the writing leaves: diffuserve's Model.load onto the GPU;
+safetensors' load_file onto the GPU, the read every PyTorch engine starts from; and with
+--hf, transformers' from_pretrained onto the GPU. Prints one table: seconds and GB/s of
+checkpoint bytes for each. `--layers 30` writes the whole model's size (50.4 GB); the
+embedding is a fixed 1.5 GB of it.
 """
 import argparse
 import os

@@ -321,7 +321,7 @@ class TensorSource {
     uint8_t* out = host.get();
     for (size_t i = 0; i < names.size(); ++i) {
       const TensorView& part = expect_float(take(names[i], {rows[i], cols}));
-      convert_floats(*ThreadPool::shared(), part.data, part.dtype, part.numel(), out, as_);
+      convert_floats(*threads_, part.data, part.dtype, part.numel(), out, as_);
       out += size_t(part.numel()) * size;
     }
     return m_.backend->upload(host.get(), as_, shape, as_, host);
@@ -530,6 +530,10 @@ class TensorSource {
   std::set<std::string> taken_;
   uint64_t seed_ = 0;  // dummy weights: one stream per tensor
   bool encoder_apart_ = false;  // set_encoder_apart
+  // The process's pool, held for the load: concatenated's conversions run on it (the pool
+  // lives while someone holds it, and taken per call it had been made anew where no backend
+  // held it, the GPU's before its first copy up, or the CPU's of its own thread count).
+  std::shared_ptr<ThreadPool> threads_ = ThreadPool::shared();
 };
 
 // Activations "bfloat16": every linear and expert stack whose input the checkpoint leaves
