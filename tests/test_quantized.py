@@ -128,19 +128,26 @@ def test_partly_plain_attention_projections_match_the_dequantized_model(tmp_path
 @pytest.mark.parametrize("scheme", ["FP8_DYNAMIC", "NVFP4"])
 def test_matches_llm_compressors_forward(scheme):
     """Over a prompt past the window and three blocks (each denoised without, then with
-    self-conditioning, then committed): the logits of LLM Compressor's fake-quantized model
-    to within 1e-5 (observed: 2e-7, fp32 rounding; one activation rounded to the next
-    quantization step would show as ~1e-2), and the same argmax everywhere."""
+    self-conditioning, then committed): the logits of LLM Compressor's fake-quantized model,
+    the same argmax everywhere, and seven rows in eight within 1e-5 (fp32 rounding: 2e-7
+    observed). The rest may be 2e-2 apart: fp32 sums in another order can put one activation
+    of a row at the next quantization step. On the FP8 fixture's self-conditioning step,
+    diffuserve's own CPU builds (fused multiply-adds or not) put three rows 1e-2 apart, the
+    others 1e-7. A quantization done wrong moves every row."""
     path = os.path.join(FIXTURES, scheme)
     ref = load_numpy(os.path.join(path, "reference_logits.safetensors"))
     seq = ds.Model.load(path).sequence()
     seq.prefill(ref["prompt"])
+    row_differences = []
     for block, canvas in enumerate(ref["canvases"]):
         for step, sc in enumerate([None, ref["self_conditioning"][block]]):
             ours, expected = seq.denoise(canvas, sc), ref["logits"][block, step]
-            assert np.abs(ours - expected).max() <= 1e-5, f"block {block} step {step}"
-            assert (ours.argmax(-1) == expected.argmax(-1)).all()
+            row_differences += list(np.abs(ours - expected).max(-1))
+            assert (ours.argmax(-1) == expected.argmax(-1)).all(), f"block {block} step {step}"
         seq.commit(canvas)
+    row_differences = np.array(row_differences)
+    assert (row_differences <= 1e-5).mean() >= 7 / 8, np.sort(row_differences)[::-1][:8]
+    assert row_differences.max() <= 2e-2
 
 
 def test_w4a4_mixed_phase_batches_match_separate_passes():

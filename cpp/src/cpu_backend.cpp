@@ -12,6 +12,7 @@
 
 #include "activation_quant.h"
 #include "backend.h"
+#include "cpu_products.h"
 #include "diffuserve/errors.h"
 #include "thread_pool.h"
 
@@ -46,17 +47,6 @@ void widen(const void* src, DType dtype, int64_t n, float* dst) {
   }
 }
 
-// Eight independent partial sums let the compiler vectorise without reassociating.
-inline float dot(const float* a, const float* b, int64_t n) {
-  float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8)
-    for (int j = 0; j < 8; ++j) acc[j] += a[i + j] * b[i + j];
-  float s = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
-  for (; i < n; ++i) s += a[i] * b[i];
-  return s;
-}
-
 inline float gelu_tanh(float x) {
   const float k = 0.7978845608028654f;  // sqrt(2 / pi)
   return 0.5f * x * (1.0f + std::tanh(k * (x + 0.044715f * x * x * x)));
@@ -67,7 +57,9 @@ inline float gelu_erf(float x) { return 0.5f * x * (1.0f + std::erf(x * 0.707106
 class CpuBackend final : public Backend {
  public:
   explicit CpuBackend(int num_threads)
-      : pool_(num_threads > 0 ? std::make_shared<ThreadPool>(num_threads) : ThreadPool::shared()) {}
+      : pool_(num_threads > 0 ? std::make_shared<ThreadPool>(num_threads) : ThreadPool::shared()) {
+    cpu::products_isa();  // picks the products' build now: a DIFFUSERVE_CPU_ISA the CPU lacks fails the load
+  }
 
   Activation alloc(int64_t rows, int64_t cols) override {
     Activation a;
@@ -187,29 +179,43 @@ class CpuBackend final : public Backend {
           widen(base + n0 * k * esz, w.dtype, rows * k, tile.data());
           wrows = tile.data();
         }
-        for (int64_t i = 0; i < m; ++i) {
-          const float* xi = x.row(i);
-          float* yi = y.row(i) + n0;
-          for (int64_t r = 0; r < rows; ++r) yi[r] = dot(xi, wrows + r * k, k);
-        }
+        cpu::dot_rows(x.data, x.cols, m, wrows, k, rows, k, y.data + n0, y.cols);
       }
     });
   }
 
   void linear_nt(const Activation& x, const Weight& w, Activation& y) override {
-    const int64_t k = w.shape[0], n = w.shape[1];
+    const int64_t k = w.shape[0], n = w.shape[1], m = x.rows;
     const size_t esz = dtype_size(w.dtype);
-    pool_->parallel_for(x.rows, 1, [&](int64_t b, int64_t e) {
-      std::vector<float> wrow(n);
-      for (int64_t i = b; i < e; ++i) {
-        float* yi = y.row(i);
-        std::fill(yi, yi + n, 0.0f);
-        const float* xi = x.row(i);
-        for (int64_t j = 0; j < k; ++j) {
-          const float a = round_to_dtype(xi[j], w.dtype);
-          if (a == 0.0f) continue;
-          widen(static_cast<const uint8_t*>(w.data) + j * n * esz, w.dtype, n, wrow.data());
-          for (int64_t c = 0; c < n; ++c) yi[c] += a * wrow[c];
+    // x rounded to w's dtype first, as the reference casts the probabilities.
+    Activation rounded = x;
+    if (w.dtype != DType::F32) {
+      rounded = alloc(m, k);
+      pool_->parallel_for(m, 1, [&](int64_t b, int64_t e) {
+        for (int64_t i = b * k; i < e * k; ++i) rounded.data[i] = round_to_dtype(x.data[i], w.dtype);
+      });
+    }
+    std::fill(y.data, y.data + y.size(), 0.0f);
+    // A task is a group of rows by a band of columns; w's rows go in chunks (widened when
+    // not fp32) that stay in cache while the group's rows take them.
+    constexpr int64_t kRowGroup = 16, kBand = 64, kChunk = 256;
+    const int64_t bands = (n + kBand - 1) / kBand, groups = (m + kRowGroup - 1) / kRowGroup;
+    pool_->parallel_for(groups * bands, 1, [&](int64_t tb, int64_t te) {
+      std::vector<float> chunk(w.dtype == DType::F32 ? 0 : kChunk * kBand);
+      for (int64_t t = tb; t < te; ++t) {
+        const int64_t r0 = t / bands * kRowGroup, rows = std::min(kRowGroup, m - r0);
+        const int64_t c0 = t % bands * kBand, cols = std::min(kBand, n - c0);
+        for (int64_t j0 = 0; j0 < k; j0 += kChunk) {
+          const int64_t count = std::min(kChunk, k - j0);
+          const uint8_t* first = static_cast<const uint8_t*>(w.data) + (j0 * n + c0) * esz;
+          const float* w_chunk = reinterpret_cast<const float*>(first);
+          int64_t ldw = n;
+          if (w.dtype != DType::F32) {
+            for (int64_t j = 0; j < count; ++j) widen(first + j * n * esz, w.dtype, cols, chunk.data() + j * cols);
+            w_chunk = chunk.data();
+            ldw = cols;
+          }
+          cpu::add_rows_times(rounded.row(r0) + j0, k, rows, w_chunk, ldw, count, cols, y.row(r0) + c0, y.cols);
         }
       }
     });
@@ -293,7 +299,7 @@ class CpuBackend final : public Backend {
             float score = -INFINITY;
             if (visible(s.first_position + k)) {
               read(s, s.keys, k, kvh, key.data());
-              score = dot(qi.data(), key.data(), head_dim);
+              score = cpu::dot(qi.data(), key.data(), head_dim);
             }
             scores.push_back(score);
             best = std::max(best, scores.back());  // (std::max keeps `best` where the score is NaN)

@@ -1,0 +1,179 @@
+// The products of cpu_products.h, built once per vector extension (CMakeLists.txt's
+// add_cpu_products_build): DIFFUSERVE_CPU_ISA names the build and its namespace, and the
+// build's compiler flags (-mavx512f, -mavx2, none) set the vector width and how many results
+// a block keeps in registers. The arithmetic is written once, on GCC's and Clang's vector
+// extension, in an order that does not depend on the width (cpu_products.h says which);
+// -ffp-contract=fast makes each `sum += x * w` one fused multiply-add.
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+#ifndef DIFFUSERVE_CPU_ISA
+#error "built by CMakeLists.txt's add_cpu_products_build, which names the build"
+#endif
+
+#define DIFFUSERVE_INLINE inline __attribute__((always_inline))
+
+namespace diffuserve::cpu::DIFFUSERVE_CPU_ISA {
+namespace {
+
+// Block sizes, for the extension's vector registers (32 of 16 floats with AVX-512, 16 of 8
+// with AVX2, 16 of 4 with SSE or NEON):
+// - dot_rows: kDotRows rows of x by kDotCols rows of w, each result sixteen lanes of sums;
+// - add_rows_times: kTimesRows rows of x by kTimesVectors registers of columns.
+#if defined(__AVX512F__)
+constexpr int kWidth = 16, kDotRows = 4, kDotCols = 4, kTimesRows = 4, kTimesVectors = 4;
+#elif defined(__AVX2__)
+constexpr int kWidth = 8, kDotRows = 2, kDotCols = 3, kTimesRows = 4, kTimesVectors = 2;
+#else
+constexpr int kWidth = 4, kDotRows = 1, kDotCols = 3, kTimesRows = 4, kTimesVectors = 2;
+#endif
+
+using Vector = float __attribute__((vector_size(kWidth * sizeof(float))));
+
+template <typename T>
+DIFFUSERVE_INLINE T load(const float* p) {
+  T v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+template <typename T>
+DIFFUSERVE_INLINE void store(float* p, const T& v) {
+  std::memcpy(p, &v, sizeof v);
+}
+
+// ---- dot_rows: sixteen lanes of sums a result, as kParts registers (lane l in part l / kWidth).
+
+constexpr int kLanes = 16, kParts = kLanes / kWidth;
+
+// sums[i][c] += the products of xs[i] and ws[c] at j .. j + 15, lane by lane.
+template <int R, int C>
+DIFFUSERVE_INLINE void multiply_add(Vector (&sums)[R][C][kParts], const float* const* xs, const float* const* ws,
+                                    int64_t j) {
+#pragma GCC unroll 16
+  for (int p = 0; p < kParts; ++p) {
+    const int64_t at = j + p * kWidth;
+    Vector w[C];
+#pragma GCC unroll 16
+    for (int c = 0; c < C; ++c) w[c] = load<Vector>(ws[c] + at);
+#pragma GCC unroll 16
+    for (int i = 0; i < R; ++i) {
+      const Vector x = load<Vector>(xs[i] + at);
+#pragma GCC unroll 16
+      for (int c = 0; c < C; ++c) sums[i][c][p] += x * w[c];
+    }
+  }
+}
+
+// The fixed tree: each lane with the one eight over, then four, two, one (across the parts
+// first, then within the register, in halves). A template so that only the branch for
+// this build's width is compiled.
+template <typename Part, int P>
+DIFFUSERVE_INLINE float sum_lanes(Part (&parts)[P]) {
+  for (int half = P / 2; half >= 1; half /= 2)
+    for (int q = 0; q < half; ++q) parts[q] += parts[q + half];
+  const Part v = parts[0];
+  if constexpr (kWidth == 16) {
+    const auto v8 = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+                    __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+    const auto v4 = __builtin_shufflevector(v8, v8, 0, 1, 2, 3) + __builtin_shufflevector(v8, v8, 4, 5, 6, 7);
+    return (v4[0] + v4[2]) + (v4[1] + v4[3]);
+  } else if constexpr (kWidth == 8) {
+    const auto v4 = __builtin_shufflevector(v, v, 0, 1, 2, 3) + __builtin_shufflevector(v, v, 4, 5, 6, 7);
+    return (v4[0] + v4[2]) + (v4[1] + v4[3]);
+  } else {
+    return (v[0] + v[2]) + (v[1] + v[3]);
+  }
+}
+
+// out[i][c] = dot(xs[i], ws[c], k) for a block of R rows of x by C of w.
+template <int R, int C>
+DIFFUSERVE_INLINE void dot_block(const float* const* xs, const float* const* ws, int64_t k, float (&out)[R][C]) {
+  Vector sums[R][C][kParts] = {};
+  int64_t j = 0;
+  for (; j + kLanes <= k; j += kLanes) multiply_add(sums, xs, ws, j);
+  if (j < k) {  // the last k % 16 values, the lanes past them zero (their products add nothing)
+    float x_tail[R][kLanes] = {}, w_tail[C][kLanes] = {};
+    const float *xt[R], *wt[C];
+    for (int i = 0; i < R; ++i) xt[i] = static_cast<float*>(std::memcpy(x_tail[i], xs[i] + j, (k - j) * 4));
+    for (int c = 0; c < C; ++c) wt[c] = static_cast<float*>(std::memcpy(w_tail[c], ws[c] + j, (k - j) * 4));
+    multiply_add(sums, xt, wt, 0);
+  }
+  for (int i = 0; i < R; ++i)
+    for (int c = 0; c < C; ++c) out[i][c] = sum_lanes(sums[i][c]);
+}
+
+// ---- add_rows_times: each result its own running sum, the products added one j after another.
+
+// ys[i][c ..] += sum over j < k of xs[i][j] * w[j][c ..], V registers of T from column c,
+// for the first `rows` of a block of kTimesRows (the others repeat a row, their sums
+// dropped). T is Vector, or float for the columns past the last whole register.
+template <typename T, int V>
+DIFFUSERVE_INLINE void times_block(const float* const* xs, const float* w, int64_t ldw, int64_t k, float* const* ys,
+                                   int64_t c, int rows) {
+  constexpr int lanes = sizeof(T) / sizeof(float);
+  w += c;
+  T sums[kTimesRows][V];
+  for (int i = 0; i < kTimesRows; ++i)
+    for (int v = 0; v < V; ++v) sums[i][v] = load<T>(ys[i] + c + v * lanes);
+  for (int64_t j = 0; j < k; ++j) {
+    float xj[kTimesRows];
+    bool any = false;
+    for (int i = 0; i < kTimesRows; ++i) any |= (xj[i] = xs[i][j]) != 0.0f;
+    if (!any) continue;
+    T wj[V];
+    for (int v = 0; v < V; ++v) wj[v] = load<T>(w + j * ldw + v * lanes);
+    for (int i = 0; i < kTimesRows; ++i)
+      for (int v = 0; v < V; ++v) sums[i][v] += xj[i] * wj[v];
+  }
+  for (int i = 0; i < rows; ++i)
+    for (int v = 0; v < V; ++v) store(ys[i] + c + v * lanes, sums[i][v]);
+}
+
+}  // namespace
+
+void dot_rows(const float* x, int64_t ldx, int64_t m, const float* w, int64_t ldw, int64_t n, int64_t k, float* y,
+              int64_t ldy) {
+  // Blocks of kDotRows x kDotCols (a block of x's rows against every row of w while they
+  // are in cache); at the edges the missing rows repeat the last one, their results
+  // dropped, so every result comes from the same code.
+  for (int64_t i0 = 0; i0 < m; i0 += kDotRows) {
+    const float* xs[kDotRows];
+    for (int i = 0; i < kDotRows; ++i) xs[i] = x + std::min(i0 + i, m - 1) * ldx;
+    for (int64_t c0 = 0; c0 < n; c0 += kDotCols) {
+      const float* ws[kDotCols];
+      for (int c = 0; c < kDotCols; ++c) ws[c] = w + std::min(c0 + c, n - 1) * ldw;
+      float out[kDotRows][kDotCols];
+      dot_block(xs, ws, k, out);
+      for (int i = 0; i < kDotRows && i0 + i < m; ++i)
+        for (int c = 0; c < kDotCols && c0 + c < n; ++c) y[(i0 + i) * ldy + c0 + c] = out[i][c];
+    }
+  }
+}
+
+float dot(const float* a, const float* b, int64_t k) {
+  float out[1][1];
+  dot_block<1, 1>(&a, &b, k, out);
+  return out[0][0];
+}
+
+void add_rows_times(const float* x, int64_t ldx, int64_t m, const float* w, int64_t ldw, int64_t k, int64_t n,
+                    float* y, int64_t ldy) {
+  constexpr int64_t kBlockColumns = kTimesVectors * kWidth;
+  for (int64_t i0 = 0; i0 < m; i0 += kTimesRows) {
+    const int rows = int(std::min<int64_t>(kTimesRows, m - i0));
+    const float* xs[kTimesRows];
+    float* ys[kTimesRows];
+    for (int i = 0; i < kTimesRows; ++i) {
+      xs[i] = x + std::min(i0 + i, m - 1) * ldx;
+      ys[i] = y + std::min(i0 + i, m - 1) * ldy;
+    }
+    int64_t c = 0;
+    for (; c + kBlockColumns <= n; c += kBlockColumns) times_block<Vector, kTimesVectors>(xs, w, ldw, k, ys, c, rows);
+    for (; c + kWidth <= n; c += kWidth) times_block<Vector, 1>(xs, w, ldw, k, ys, c, rows);
+    for (; c < n; ++c) times_block<float, 1>(xs, w, ldw, k, ys, c, rows);
+  }
+}
+
+}  // namespace diffuserve::cpu::DIFFUSERVE_CPU_ISA

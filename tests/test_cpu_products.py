@@ -1,0 +1,72 @@
+"""The CPU backend's products come in one build per vector extension (AVX-512, AVX2 and the
+compiler's baseline on x86-64; cpu_products.h). DIFFUSERVE_CPU_ISA picks one, read once a
+process, so each build runs in a subprocess here: the ones with fused multiply-adds must
+agree to the bit, and every build must agree with the default to fp32 rounding. (Agreement
+with transformers is test_hf_parity.py's, on the default build.)"""
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from diffuserve.random_checkpoint import write_random_checkpoint
+
+# Sizes that leave every product a remainder: widths not a multiple of 16 (a sum's lanes)
+# or of the blocks' rows, a vocabulary not a multiple of 64 columns, bf16 weights widened
+# in chunks, a prompt and canvas of odd lengths.
+CONFIG = dict(hidden_size=83, intermediate_size=45, moe_intermediate_size=21, vocab_size=331, head_dim=18,
+              global_head_dim=26, num_attention_heads=3, num_key_value_heads=1, num_global_key_value_heads=1,
+              num_experts=5, top_k_experts=2, num_hidden_layers=3, sliding_window=9)
+
+RUN = """
+import sys, numpy as np, diffuserve as ds
+m = ds.Model.load(sys.argv[1], dtype=sys.argv[2])
+rng = np.random.default_rng(0)
+seq = m.sequence()
+seq.prefill(rng.integers(0, 331, 29).tolist())
+canvas = rng.integers(0, 331, 11).tolist()
+first = seq.denoise(canvas)
+second = seq.denoise(canvas, self_conditioning_logits=first / 0.7)
+seq.commit(canvas)
+third = seq.denoise(canvas)
+np.save(sys.argv[3], np.stack([first, second, third]))
+"""
+
+
+def run(isa, checkpoint, dtype, out):
+    env = {**os.environ, "DIFFUSERVE_CPU_ISA": isa}
+    return subprocess.run([sys.executable, "-c", RUN, checkpoint, dtype, out], env=env, capture_output=True,
+                          text=True, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return write_random_checkpoint(str(tmp_path_factory.mktemp("m") / "m"), canvas_length=11, **CONFIG)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_builds_agree(checkpoint, tmp_path, dtype):
+    logits = {}
+    for isa in ("", "baseline", "avx2", "avx512"):
+        proc = run(isa, checkpoint, dtype, str(tmp_path / f"{isa or 'default'}.npy"))
+        if proc.returncode and "this CPU lacks it" in proc.stderr + proc.stdout:
+            continue  # a build this CPU cannot run
+        if proc.returncode and "no such build" in proc.stderr + proc.stdout:
+            continue  # not an x86-64 library: baseline only
+        assert proc.returncode == 0, proc.stderr
+        logits[isa or "default"] = np.load(tmp_path / f"{isa or 'default'}.npy")
+    default = logits.pop("default")
+    assert np.isfinite(default).all()
+    span = default.max() - default.min()
+    for isa, values in logits.items():
+        assert np.abs(values - default).max() <= 1e-5 * span, isa
+    if "avx2" in logits and "avx512" in logits:  # both fuse every multiply-add: the same sums
+        assert np.array_equal(logits["avx2"], logits["avx512"])
+
+
+@pytest.mark.parametrize("isa, message", [("sse9", "no such build"), ("AVX512", "no such build")])
+def test_an_unknown_build_is_refused_by_name(checkpoint, tmp_path, isa, message):
+    proc = run(isa, checkpoint, "float32", str(tmp_path / "x.npy"))
+    assert proc.returncode != 0
+    assert f"DIFFUSERVE_CPU_ISA={isa}: {message}" in proc.stderr
