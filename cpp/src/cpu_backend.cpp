@@ -12,7 +12,7 @@
 
 #include "activation_quant.h"
 #include "backend.h"
-#include "cpu_products.h"
+#include "cpu_simd.h"
 #include "diffuserve/errors.h"
 #include "thread_pool.h"
 
@@ -47,18 +47,13 @@ void widen(const void* src, DType dtype, int64_t n, float* dst) {
   }
 }
 
-inline float gelu_tanh(float x) {
-  const float k = 0.7978845608028654f;  // sqrt(2 / pi)
-  return 0.5f * x * (1.0f + std::tanh(k * (x + 0.044715f * x * x * x)));
-}
-
 inline float gelu_erf(float x) { return 0.5f * x * (1.0f + std::erf(x * 0.7071067811865476f)); }
 
 class CpuBackend final : public Backend {
  public:
   explicit CpuBackend(int num_threads)
       : pool_(num_threads > 0 ? std::make_shared<ThreadPool>(num_threads) : ThreadPool::shared()) {
-    cpu::products_isa();  // picks the products' build now: a DIFFUSERVE_CPU_ISA the CPU lacks fails the load
+    cpu::simd_isa();  // picks the products' build now: a DIFFUSERVE_CPU_ISA the CPU lacks fails the load
   }
 
   Activation alloc(int64_t rows, int64_t cols) override {
@@ -198,7 +193,7 @@ class CpuBackend final : public Backend {
     std::fill(y.data, y.data + y.size(), 0.0f);
     // A task is a group of rows by a band of columns; w's rows go in chunks (widened when
     // not fp32) that stay in cache while the group's rows take them.
-    constexpr int64_t kRowGroup = 16, kBand = 64, kChunk = 256;
+    constexpr int64_t kRowGroup = 64, kBand = 64, kChunk = 256;
     const int64_t bands = (n + kBand - 1) / kBand, groups = (m + kRowGroup - 1) / kRowGroup;
     pool_->parallel_for(groups * bands, 1, [&](int64_t tb, int64_t te) {
       std::vector<float> chunk(w.dtype == DType::F32 ? 0 : kChunk * kBand);
@@ -324,10 +319,15 @@ class CpuBackend final : public Backend {
 
   void gelu_glu(const Activation& x, Activation& out) override {
     const int64_t inter = x.cols / 2;
-    const auto gelu = exact_gelu_ ? gelu_erf : gelu_tanh;
     pool_->parallel_for(x.rows, 16, [&](int64_t b, int64_t e) {
-      for (int64_t i = b; i < e; ++i)
-        for (int64_t j = 0; j < inter; ++j) out.row(i)[j] = gelu(x.row(i)[j]) * x.row(i)[inter + j];
+      for (int64_t i = b; i < e; ++i) {
+        const float *gate = x.row(i), *up = gate + inter;
+        if (!exact_gelu_) {
+          cpu::gelu_tanh_times(gate, up, inter, out.row(i));
+          continue;
+        }
+        for (int64_t j = 0; j < inter; ++j) out.row(i)[j] = gelu_erf(gate[j]) * up[j];
+      }
     });
   }
   bool use_exact_gelu() override { return exact_gelu_ = true; }
@@ -425,9 +425,7 @@ class CpuBackend final : public Backend {
     for (int64_t i = 0; i < x.size(); ++i) x.data[i] *= s;
   }
   void softcap(Activation& x, float cap) override {
-    pool_->parallel_for(x.size(), 4096, [&](int64_t b, int64_t e) {
-      for (int64_t i = b; i < e; ++i) x.data[i] = capped(x.data[i], cap);
-    });
+    pool_->parallel_for(x.size(), 4096, [&](int64_t b, int64_t e) { cpu::softcap(x.data + b, e - b, cap); });
   }
   void softmax(Activation& x) override {
     pool_->parallel_for(x.rows, 1, [&](int64_t b, int64_t e) {
@@ -444,10 +442,11 @@ class CpuBackend final : public Backend {
         float* l = logits.row(row);
         float best = -INFINITY, best_noisy = -INFINITY;
         RowSample& r = out[row];
+        if (cap > 0) cpu::softcap(l, vocab, cap);
         for (int64_t v = 0; v < vocab; v += 4) {
           const Philox4 bits = key.draw(uint32_t(row), uint32_t(v));
           for (int64_t j = v; j < std::min(v + 4, vocab); ++j) {
-            l[j] = (!allowed || allowed[j]) ? (cap > 0 ? capped(l[j], cap) : l[j]) / temperature : -INFINITY;
+            l[j] = (!allowed || allowed[j]) ? l[j] / temperature : -INFINITY;
             if (l[j] > best) best = l[j], r.argmax = int32_t(j);
             const float noisy = l[j] + gumbel(bits[j - v]);
             if (noisy > best_noisy) best_noisy = noisy, r.candidate = int32_t(j);
@@ -487,8 +486,6 @@ class CpuBackend final : public Backend {
     w.storage = buf;
     return w;
   }
-
-  static float capped(float x, float cap) { return cap * std::tanh(x / cap); }
 
   static void softmax_row(float* r, int64_t n) {
     const float m = *std::max_element(r, r + n);

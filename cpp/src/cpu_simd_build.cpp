@@ -1,15 +1,18 @@
-// The products of cpu_products.h, built once per vector extension (CMakeLists.txt's
-// add_cpu_products_build): DIFFUSERVE_CPU_ISA names the build and its namespace, and the
-// build's compiler flags (-mavx512f, -mavx2, none) set the vector width and how many results
-// a block keeps in registers. The arithmetic is written once, on GCC's and Clang's vector
-// extension, in an order that does not depend on the width (cpu_products.h says which);
-// -ffp-contract=fast makes each `sum += x * w` one fused multiply-add.
+// The loops of cpu_simd.h, built once per vector extension (CMakeLists.txt's
+// add_cpu_simd_build): DIFFUSERVE_CPU_ISA names the build and its namespace, and the build's
+// compiler flags (-mavx512f, -mavx2, none) set the vector width and how many results a
+// product's block keeps in registers. The products are written once, on GCC's and Clang's
+// vector extension, in an order that does not depend on the width (cpu_simd.h says which);
+// -ffp-contract=fast makes each `sum += x * w` one fused multiply-add. The tanh loops are
+// plain loops without branches, which the compiler vectorizes.
 #include <algorithm>
+#include <bit>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 
 #ifndef DIFFUSERVE_CPU_ISA
-#error "built by CMakeLists.txt's add_cpu_products_build, which names the build"
+#error "built by CMakeLists.txt's add_cpu_simd_build, which names the build"
 #endif
 
 #define DIFFUSERVE_INLINE inline __attribute__((always_inline))
@@ -131,7 +134,50 @@ DIFFUSERVE_INLINE void times_block(const float* const* xs, const float* w, int64
     for (int v = 0; v < V; ++v) store(ys[i] + c + v * lanes, sums[i][v]);
 }
 
+// ---- tanh, as Cephes computes tanhf, without branches.
+
+// e^x for x in [0, 18] (Cephes' expf: x = n ln 2 + r, a polynomial in r, times 2^n). n is
+// rounded by adding and taking away 1.5 * 2^23, which needs no rounding instruction.
+DIFFUSERVE_INLINE float exp_up_to_18(float x) {
+  const float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
+  const float r = (x - n * 0.693359375f) - n * -2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  return p * std::bit_cast<float>((int32_t(n) + 127) << 23);
+}
+
+DIFFUSERVE_INLINE float tanh_of(float x) {
+  const float a = std::fabs(x), z = x * x;
+  float s = -5.70498872745e-3f;
+  s = s * z + 2.06390887954e-2f;
+  s = s * z - 5.37397155531e-2f;
+  s = s * z + 1.33314422036e-1f;
+  s = s * z - 3.33332819422e-1f;
+  const float small = s * z * x + x;
+  // tanh(9) rounds to 1; `a > 9 ? 9 : a` keeps a NaN (std::fmin would not, nor vectorize).
+  const float e = exp_up_to_18(2.0f * (a > 9.0f ? 9.0f : a));
+  const float large = std::copysign(1.0f - 2.0f / (e + 1.0f), x);
+  return a < 0.625f ? small : large;
+}
+
 }  // namespace
+
+void gelu_tanh_times(const float* gate, const float* up, int64_t n, float* out) {
+  constexpr float k = 0.7978845608028654f;  // sqrt(2 / pi)
+  for (int64_t j = 0; j < n; ++j) {
+    const float x = gate[j];
+    out[j] = 0.5f * x * (1.0f + tanh_of(k * (x + 0.044715f * x * x * x))) * up[j];
+  }
+}
+
+void softcap(float* x, int64_t n, float cap) {
+  for (int64_t j = 0; j < n; ++j) x[j] = cap * tanh_of(x[j] / cap);
+}
 
 void dot_rows(const float* x, int64_t ldx, int64_t m, const float* w, int64_t ldw, int64_t n, int64_t k, float* y,
               int64_t ldy) {

@@ -1,5 +1,5 @@
-// Picks, once, the build of cpu_products_kernel.cpp that the CPU runs best.
-#include "cpu_products.h"
+// Picks, once, the build of cpu_simd_build.cpp that the CPU runs best (or DIFFUSERVE_CPU_ISA names).
+#include "cpu_simd.h"
 
 #include <cstdlib>
 #include <cstring>
@@ -16,9 +16,11 @@ namespace diffuserve::cpu {
   float dot(const float* a, const float* b, int64_t k);                                                       \
   void add_rows_times(const float* x, int64_t ldx, int64_t m, const float* w, int64_t ldw, int64_t k,         \
                       int64_t n, float* y, int64_t ldy);                                                      \
+  void gelu_tanh_times(const float* gate, const float* up, int64_t n, float* out);                            \
+  void softcap(float* x, int64_t n, float cap);                                                               \
   }
 DIFFUSERVE_DECLARE_BUILD(baseline)
-#if DIFFUSERVE_CPU_PRODUCTS_X86
+#if DIFFUSERVE_CPU_SIMD_X86
 DIFFUSERVE_DECLARE_BUILD(avx2)
 DIFFUSERVE_DECLARE_BUILD(avx512)
 #endif
@@ -31,10 +33,12 @@ struct Build {
   decltype(&baseline::dot_rows) dot_rows;
   decltype(&baseline::dot) dot;
   decltype(&baseline::add_rows_times) add_rows_times;
+  decltype(&baseline::gelu_tanh_times) gelu_tanh_times;
+  decltype(&baseline::softcap) softcap;
 };
 
 bool cpu_runs(const char* isa) {
-#if DIFFUSERVE_CPU_PRODUCTS_X86
+#if DIFFUSERVE_CPU_SIMD_X86
   if (!std::strcmp(isa, "avx512")) return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("fma");
   if (!std::strcmp(isa, "avx2")) return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
 #endif
@@ -44,9 +48,10 @@ bool cpu_runs(const char* isa) {
 // The best build this CPU runs, or the one DIFFUSERVE_CPU_ISA names (the tests compare the
 // builds): a name the CPU cannot run, or that no build has, is an error, not a fallback.
 Build choose() {
-#define DIFFUSERVE_BUILD(isa) Build{#isa, isa::dot_rows, isa::dot, isa::add_rows_times}
+#define DIFFUSERVE_BUILD(isa) \
+  Build { #isa, isa::dot_rows, isa::dot, isa::add_rows_times, isa::gelu_tanh_times, isa::softcap }
   const Build builds[] = {
-#if DIFFUSERVE_CPU_PRODUCTS_X86
+#if DIFFUSERVE_CPU_SIMD_X86
       DIFFUSERVE_BUILD(avx512),
       DIFFUSERVE_BUILD(avx2),
 #endif
@@ -86,6 +91,12 @@ void add_rows_times(const float* x, int64_t ldx, int64_t m, const float* w, int6
   build().add_rows_times(x, ldx, m, w, ldw, k, n, y, ldy);
 }
 
-const char* products_isa() { return build().isa; }
+void gelu_tanh_times(const float* gate, const float* up, int64_t n, float* out) {
+  build().gelu_tanh_times(gate, up, n, out);
+}
+
+void softcap(float* x, int64_t n, float cap) { build().softcap(x, n, cap); }
+
+const char* simd_isa() { return build().isa; }
 
 }  // namespace diffuserve::cpu

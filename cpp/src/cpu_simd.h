@@ -1,4 +1,7 @@
-// The CPU backend's matrix products, in the two layouts its weights come in:
+// The CPU backend's loops that vector instructions carry: its matrix products, and GELU's
+// and the logit softcap's tanh.
+//
+// The products come in the two layouts the weights do:
 // - dot_rows: y[i][r] = sum over j of x[i][j] * w[r][j], w's rows the outputs (a linear
 //   layer's [out_features, in_features]);
 // - add_rows_times: y[i][c] += sum over j of x[i][j] * w[j][c], w's rows the inputs (the
@@ -14,8 +17,13 @@
 // - add_rows_times adds the products to y[i][c] one j after another, from j = 0 up, each a
 //   fused multiply-add.
 //
-// cpu_products.cpp picks, once, the build of cpu_products_kernel.cpp for the best vector
-// extension the CPU has (AVX-512, AVX2, or the compiler's baseline).
+// tanh is Cephes' single-precision method (an odd polynomial below 0.625, 1 - 2 / (e^2|x| + 1)
+// above, e^x by Cephes' expf) written without branches so that it vectorizes: at most 1.33
+// ulp from the true tanh over every float in [-12, 12] (glibc's tanhf is within 1, torch's
+// vectorized one within 1.0 more); NaN stays NaN.
+//
+// cpu_simd.cpp picks, once, the build of cpu_simd_build.cpp for the best vector extension
+// the CPU has (AVX-512, AVX2, or the compiler's baseline); DIFFUSERVE_CPU_ISA names one.
 #pragma once
 
 #include <cstdint>
@@ -35,7 +43,14 @@ float dot(const float* a, const float* b, int64_t k);
 void add_rows_times(const float* x, int64_t ldx, int64_t m, const float* w, int64_t ldw, int64_t k, int64_t n,
                     float* y, int64_t ldy);
 
-// The vector extension the products run on: "avx512", "avx2" or "baseline".
-const char* products_isa();
+// out[j] = gelu(gate[j]) * up[j] for j < n, GELU by its tanh approximation:
+// 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3))), as transformers' gelu_pytorch_tanh.
+void gelu_tanh_times(const float* gate, const float* up, int64_t n, float* out);
+
+// x[j] = cap * tanh(x[j] / cap) for j < n: the logits' softcap.
+void softcap(float* x, int64_t n, float cap);
+
+// The vector extension the loops run on: "avx512", "avx2" or "baseline".
+const char* simd_isa();
 
 }  // namespace diffuserve::cpu

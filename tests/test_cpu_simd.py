@@ -1,8 +1,10 @@
 """The CPU backend's products come in one build per vector extension (AVX-512, AVX2 and the
-compiler's baseline on x86-64; cpu_products.h). DIFFUSERVE_CPU_ISA picks one, read once a
+compiler's baseline on x86-64; cpu_simd.h). DIFFUSERVE_CPU_ISA picks one, read once a
 process, so each build runs in a subprocess here: the ones with fused multiply-adds must
-agree to the bit, and every build must agree with the default to fp32 rounding. (Agreement
-with transformers is test_hf_parity.py's, on the default build.)"""
+agree to the bit, and every build must agree with the default to rounding: fp32's (1e-5 of
+the logits' span), or with bf16 activations, where a value at a bf16 rounding's midpoint can
+go either way, bf16's (2e-3; 3.5e-5 measured between the baseline and AVX-512 builds).
+(Agreement with transformers is test_hf_parity.py's, on the default build.)"""
 import os
 import subprocess
 import sys
@@ -59,8 +61,9 @@ def test_builds_agree(checkpoint, tmp_path, dtype):
     default = logits.pop("default")
     assert np.isfinite(default).all()
     span = default.max() - default.min()
+    tolerance = {"float32": 1e-5, "bfloat16": 2e-3}[dtype] * span
     for isa, values in logits.items():
-        assert np.abs(values - default).max() <= 1e-5 * span, isa
+        assert np.abs(values - default).max() <= tolerance, isa
     if "avx2" in logits and "avx512" in logits:  # both fuse every multiply-add: the same sums
         assert np.array_equal(logits["avx2"], logits["avx512"])
 
