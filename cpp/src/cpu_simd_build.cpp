@@ -69,25 +69,30 @@ DIFFUSERVE_INLINE void multiply_add(Vector (&sums)[R][C][kParts], const float* c
   }
 }
 
+// v's lanes added in halves (lane l plus lane l + n/2, until one is left). The halves are
+// copied out rather than shuffled: GCC before 12 has no __builtin_shufflevector.
+using Floats4 = float __attribute__((vector_size(4 * sizeof(float))));
+using Floats8 = float __attribute__((vector_size(8 * sizeof(float))));
+using Floats16 = float __attribute__((vector_size(16 * sizeof(float))));
+
+template <typename Half, typename Whole>
+DIFFUSERVE_INLINE Half halves_added(const Whole& v) {
+  Half low, high;
+  std::memcpy(&low, &v, sizeof low);
+  std::memcpy(&high, reinterpret_cast<const char*>(&v) + sizeof low, sizeof high);
+  return low + high;
+}
+DIFFUSERVE_INLINE float sum_halves(const Floats4& v) { return (v[0] + v[2]) + (v[1] + v[3]); }
+DIFFUSERVE_INLINE float sum_halves(const Floats8& v) { return sum_halves(halves_added<Floats4>(v)); }
+DIFFUSERVE_INLINE float sum_halves(const Floats16& v) { return sum_halves(halves_added<Floats8>(v)); }
+
 // The fixed tree: each lane with the one eight over, then four, two, one (across the parts
-// first, then within the register, in halves). A template so that only the branch for
-// this build's width is compiled.
-template <typename Part, int P>
-DIFFUSERVE_INLINE float sum_lanes(Part (&parts)[P]) {
+// first, then within the register).
+template <int P>
+DIFFUSERVE_INLINE float sum_lanes(Vector (&parts)[P]) {
   for (int half = P / 2; half >= 1; half /= 2)
     for (int q = 0; q < half; ++q) parts[q] += parts[q + half];
-  const Part v = parts[0];
-  if constexpr (kWidth == 16) {
-    const auto v8 = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
-                    __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
-    const auto v4 = __builtin_shufflevector(v8, v8, 0, 1, 2, 3) + __builtin_shufflevector(v8, v8, 4, 5, 6, 7);
-    return (v4[0] + v4[2]) + (v4[1] + v4[3]);
-  } else if constexpr (kWidth == 8) {
-    const auto v4 = __builtin_shufflevector(v, v, 0, 1, 2, 3) + __builtin_shufflevector(v, v, 4, 5, 6, 7);
-    return (v4[0] + v4[2]) + (v4[1] + v4[3]);
-  } else {
-    return (v[0] + v[2]) + (v[1] + v[3]);
-  }
+  return sum_halves(parts[0]);
 }
 
 // out[i][c] = dot(xs[i], ws[c], k) for a block of R rows of x by C of w.
