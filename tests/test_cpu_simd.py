@@ -73,3 +73,22 @@ def test_an_unknown_build_is_refused_by_name(checkpoint, tmp_path, isa, message)
     proc = run(isa, checkpoint, "float32", str(tmp_path / "x.npy"))
     assert proc.returncode != 0
     assert f"DIFFUSERVE_CPU_ISA={isa}: {message}" in proc.stderr
+
+
+def test_softcap_tanh_is_within_its_stated_ulps():
+    """The sampler's softcap with cap 1 is tanh itself (x / 1 and 1 * t are exact): within
+    1.33 ulp of float64's tanh on a fine grid over [-12, 12], at the method's seams (0.625,
+    10) and on tiny values; +-1 past 10; NaN kept, +-inf to +-1."""
+    from diffuserve import _core
+    grid = np.linspace(-12, 12, 400_001, dtype=np.float32)
+    seams = np.concatenate([np.nextafter(np.float32(s), np.float32(s) + d * np.arange(1, 50, dtype=np.float32))
+                            for s in (0.625, -0.625, 10.0, -10.0) for d in (1, -1)]).astype(np.float32)
+    tiny = np.float32([0.0, -0.0, 1e-40, -1e-40, 1e-30, 3e-8, -3e-8, 1e-4])
+    x = np.concatenate([grid, seams, tiny, np.float32([50, -50, 1e30, -1e30])])
+    got = _core.sampler.sample_rows(x[None, :], 1.0, [], 0, 0, 0, softcap=1.0)[0][0]
+    reference = np.tanh(x.astype(np.float64))
+    ulp = np.spacing(np.abs(reference).astype(np.float32)).astype(np.float64)
+    assert (np.abs(got - reference) / ulp).max() <= 1.33
+    assert (got[-4:] == np.float32([1, -1, 1, -1])).all()
+    special = _core.sampler.sample_rows(np.float32([[np.nan, np.inf, -np.inf]]), 1.0, [], 0, 0, 0, softcap=1.0)[0][0]
+    assert np.isnan(special[0]) and special[1] == 1 and special[2] == -1

@@ -141,9 +141,9 @@ DIFFUSERVE_INLINE void times_block(const float* const* xs, const float* w, int64
 
 // ---- tanh, as Cephes computes tanhf, without branches.
 
-// e^x for x in [0, 18] (Cephes' expf: x = n ln 2 + r, a polynomial in r, times 2^n). n is
+// e^x for x in [0, 20] (Cephes' expf: x = n ln 2 + r, a polynomial in r, times 2^n). n is
 // rounded by adding and taking away 1.5 * 2^23, which needs no rounding instruction.
-DIFFUSERVE_INLINE float exp_up_to_18(float x) {
+DIFFUSERVE_INLINE float exp_up_to_20(float x) {
   const float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
   const float r = (x - n * 0.693359375f) - n * -2.12194440e-4f;
   float p = 1.9875691500e-4f;
@@ -164,8 +164,9 @@ DIFFUSERVE_INLINE float tanh_of(float x) {
   s = s * z + 1.33314422036e-1f;
   s = s * z - 3.33332819422e-1f;
   const float small = s * z * x + x;
-  // tanh(9) rounds to 1; `a > 9 ? 9 : a` keeps a NaN (std::fmin would not, nor vectorize).
-  const float e = exp_up_to_18(2.0f * (a > 9.0f ? 9.0f : a));
+  // From 10 on, 1 - 2 / (e^20 + 1) rounds to 1, as tanh does (from 9.01). `a > 10 ? 10 : a`
+  // keeps a NaN (std::fmin would not, nor vectorize).
+  const float e = exp_up_to_20(2.0f * (a > 10.0f ? 10.0f : a));
   const float large = std::copysign(1.0f - 2.0f / (e + 1.0f), x);
   return a < 0.625f ? small : large;
 }
