@@ -271,48 +271,71 @@ class CpuBackend final : public Backend {
     for (const auto& seg : segments)
       for (int64_t r = 0; r < seg.rows; ++r) rows.push_back({&seg, r});
     pool_->parallel_for(int64_t(rows.size()) * num_heads, 1, [&](int64_t b, int64_t e) {
-      std::vector<float> scores, qi(head_dim), key(head_dim), value(head_dim);
-      // Row k of a span's keys or values, this task's kv head, as the products take it.
-      auto read = [&](const KeySpan& s, const void* rows, int64_t k, int64_t kvh, float* out) {
+      std::vector<float> qi(head_dim), scores, widened;
+      // A span's visible keys, rows [first, end): causal rows see positions (p - window, p].
+      struct Run {
+        const KeySpan* span;
+        int64_t first, end;
+        size_t scores_at;
+      };
+      std::vector<Run> runs;
+      // Rows [first, end) of a span's keys or values, kv head kvh, as the products take them:
+      // the stored fp32 rows in place (ld: their stride), else widened, and rounded to bf16
+      // with round_bf16, into `widened`.
+      auto span_rows = [&](const Run& run, const void* data, int64_t kvh, int64_t& ld) -> const float* {
+        const KeySpan& s = *run.span;
+        if (s.dtype == DType::F32 && !round_bf16) {
+          ld = kv_stride;
+          return static_cast<const float*>(data) + run.first * kv_stride + kvh * head_dim;
+        }
+        ld = head_dim;
+        widened.resize(size_t((run.end - run.first) * head_dim));
         const size_t esz = dtype_size(s.dtype);
-        widen(static_cast<const uint8_t*>(rows) + (k * kv_stride + kvh * head_dim) * esz, s.dtype, head_dim, out);
-        for (int64_t d = 0; d < head_dim; ++d) out[d] = input(out[d]);
+        for (int64_t k = run.first; k < run.end; ++k) {
+          float* row = widened.data() + (k - run.first) * head_dim;
+          widen(static_cast<const uint8_t*>(data) + (k * kv_stride + kvh * head_dim) * esz, s.dtype, head_dim, row);
+          for (int64_t d = 0; d < head_dim; ++d) row[d] = input(row[d]);
+        }
+        return widened.data();
       };
       for (int64_t task = b; task < e; ++task) {
         const auto [seg, r] = rows[task / num_heads];
         const int64_t h = task % num_heads, kvh = h / group, i = seg->first_row + r;
         for (int64_t d = 0; d < head_dim; ++d) qi[d] = input(q.row(i)[h * head_dim + d]);
         const int64_t p = seg->first_position + r;
-        auto visible = [&](int64_t j) {
-          return !seg->causal || (j <= p && (seg->window == 0 || j > p - seg->window));
-        };
+        runs.clear();
         scores.clear();
+        for (const auto& s : seg->spans) {
+          Run run{&s, 0, s.count, scores.size()};
+          if (seg->causal) {
+            run.end = std::min(run.end, p - s.first_position + 1);
+            if (seg->window) run.first = std::max<int64_t>(0, p - seg->window + 1 - s.first_position);
+          }
+          if (run.end <= run.first) continue;
+          runs.push_back(run);
+          scores.resize(scores.size() + size_t(run.end - run.first));
+          int64_t ld;
+          const float* keys = span_rows(run, s.keys, kvh, ld);
+          cpu::dot_rows(qi.data(), head_dim, 1, keys, ld, run.end - run.first, head_dim, scores.data() + run.scores_at, 1);
+        }
         float best = -INFINITY;
         bool nan = false;  // a NaN score makes the row's output NaN, as the reference's softmax does
-        for (const auto& s : seg->spans)
-          for (int64_t k = 0; k < s.count; ++k) {
-            float score = -INFINITY;
-            if (visible(s.first_position + k)) {
-              read(s, s.keys, k, kvh, key.data());
-              score = cpu::dot(qi.data(), key.data(), head_dim);
-            }
-            scores.push_back(score);
-            best = std::max(best, scores.back());  // (std::max keeps `best` where the score is NaN)
-            nan = nan || std::isnan(score);
-          }
+        for (const float score : scores) {
+          best = std::max(best, score);  // (std::max keeps `best` where the score is NaN)
+          nan = nan || std::isnan(score);
+        }
         float* o = out.row(i) + h * head_dim;
         std::fill(o, o + head_dim, nan ? NAN : 0.0f);
         if (nan || best == -INFINITY) continue;  // no visible key: zeros (cannot happen for a well-formed batch)
         float sum = 0;
         for (float& sc : scores) sum += (sc = std::exp(sc - best));
-        size_t idx = 0;
-        for (const auto& s : seg->spans)
-          for (int64_t k = 0; k < s.count; ++k, ++idx) {
-            const float pj = input(scores[idx] / sum);
-            if (pj == 0.0f) continue;
-            read(s, s.values, k, kvh, value.data());
-            for (int64_t d = 0; d < head_dim; ++d) o[d] += pj * value[d];
-          }
+        for (float& sc : scores) sc = input(sc / sum);
+        for (const Run& run : runs) {
+          int64_t ld;
+          const float* values = span_rows(run, run.span->values, kvh, ld);
+          cpu::add_rows_times(scores.data() + run.scores_at, 0, 1, values, ld, run.end - run.first, head_dim, o,
+                              head_dim);
+        }
       }
     });
   }

@@ -13,7 +13,6 @@ namespace diffuserve::cpu {
   namespace isa {                                                                                             \
   void dot_rows(const float* x, int64_t ldx, int64_t m, const float* w, int64_t ldw, int64_t n, int64_t k,    \
                 float* y, int64_t ldy);                                                                       \
-  float dot(const float* a, const float* b, int64_t k);                                                       \
   void add_rows_times(const float* x, int64_t ldx, int64_t m, const float* w, int64_t ldw, int64_t k,         \
                       int64_t n, float* y, int64_t ldy);                                                      \
   void gelu_tanh_times(const float* gate, const float* up, int64_t n, float* out);                            \
@@ -31,7 +30,6 @@ namespace {
 struct Build {
   const char* isa;
   decltype(&baseline::dot_rows) dot_rows;
-  decltype(&baseline::dot) dot;
   decltype(&baseline::add_rows_times) add_rows_times;
   decltype(&baseline::gelu_tanh_times) gelu_tanh_times;
   decltype(&baseline::softcap) softcap;
@@ -49,7 +47,7 @@ bool cpu_runs(const char* isa) {
 // builds): a name the CPU cannot run, or that no build has, is an error, not a fallback.
 Build choose() {
 #define DIFFUSERVE_BUILD(isa) \
-  Build { #isa, isa::dot_rows, isa::dot, isa::add_rows_times, isa::gelu_tanh_times, isa::softcap }
+  Build { #isa, isa::dot_rows, isa::add_rows_times, isa::gelu_tanh_times, isa::softcap }
   const Build builds[] = {
 #if DIFFUSERVE_CPU_SIMD_X86
       DIFFUSERVE_BUILD(avx512),
@@ -83,8 +81,6 @@ void dot_rows(const float* x, int64_t ldx, int64_t m, const float* w, int64_t ld
               int64_t ldy) {
   build().dot_rows(x, ldx, m, w, ldw, n, k, y, ldy);
 }
-
-float dot(const float* a, const float* b, int64_t k) { return build().dot(a, b, k); }
 
 void add_rows_times(const float* x, int64_t ldx, int64_t m, const float* w, int64_t ldw, int64_t k, int64_t n,
                     float* y, int64_t ldy) {

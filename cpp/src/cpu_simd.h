@@ -30,12 +30,9 @@
 
 namespace diffuserve::cpu {
 
-// y[i * ldy + r] = dot(x + i * ldx, w + r * ldw, k) for i < m, r < n.
+// y[i * ldy + r] = sum over j < k of x[i * ldx + j] * w[r * ldw + j], for i < m, r < n.
 void dot_rows(const float* x, int64_t ldx, int64_t m, const float* w, int64_t ldw, int64_t n, int64_t k, float* y,
               int64_t ldy);
-
-// One dot product of k values, summed as dot_rows sums.
-float dot(const float* a, const float* b, int64_t k);
 
 // y[i * ldy + c] += sum over j < k of x[i * ldx + j] * w[j * ldw + c], for i < m, c < n.
 // Row j of w is not read where x[i][j] is zero for every row of a block (probabilities

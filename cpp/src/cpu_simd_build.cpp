@@ -114,29 +114,46 @@ DIFFUSERVE_INLINE void dot_block(const float* const* xs, const float* const* ws,
 
 // ---- add_rows_times: each result its own running sum, the products added one j after another.
 
-// ys[i][c ..] += sum over j < k of xs[i][j] * w[j][c ..], V registers of T from column c,
-// for the first `rows` of a block of kTimesRows (the others repeat a row, their sums
-// dropped). T is Vector, or float for the columns past the last whole register.
-template <typename T, int V>
+// ys[i][c ..] += sum over j < k of xs[i][j] * w[j][c ..] for a block of R rows, V
+// registers of T from column c. T is Vector, or float for the columns past the last whole
+// register.
+template <int R, typename T, int V>
 DIFFUSERVE_INLINE void times_block(const float* const* xs, const float* w, int64_t ldw, int64_t k, float* const* ys,
-                                   int64_t c, int rows) {
+                                   int64_t c) {
   constexpr int lanes = sizeof(T) / sizeof(float);
   w += c;
-  T sums[kTimesRows][V];
-  for (int i = 0; i < kTimesRows; ++i)
+  T sums[R][V];
+  for (int i = 0; i < R; ++i)
     for (int v = 0; v < V; ++v) sums[i][v] = load<T>(ys[i] + c + v * lanes);
   for (int64_t j = 0; j < k; ++j) {
-    float xj[kTimesRows];
+    float xj[R];
     bool any = false;
-    for (int i = 0; i < kTimesRows; ++i) any |= (xj[i] = xs[i][j]) != 0.0f;
+    for (int i = 0; i < R; ++i) any |= (xj[i] = xs[i][j]) != 0.0f;
     if (!any) continue;
     T wj[V];
     for (int v = 0; v < V; ++v) wj[v] = load<T>(w + j * ldw + v * lanes);
-    for (int i = 0; i < kTimesRows; ++i)
+    for (int i = 0; i < R; ++i)
       for (int v = 0; v < V; ++v) sums[i][v] += xj[i] * wj[v];
   }
-  for (int i = 0; i < rows; ++i)
+  for (int i = 0; i < R; ++i)
     for (int v = 0; v < V; ++v) store(ys[i] + c + v * lanes, sums[i][v]);
+}
+
+// ---- Blocks of rows: f.template operator()<R>(i0) over [0, m) in blocks of kMax rows, the
+// last one R = the rows left (each R its own code, so no block computes rows it drops).
+
+template <int R, typename F>
+DIFFUSERVE_INLINE void last_rows(int64_t i0, int64_t rows, F& f) {
+  if constexpr (R > 1)
+    if (rows < R) return last_rows<R - 1>(i0, rows, f);
+  f.template operator()<R>(i0);
+}
+
+template <int kMax, typename F>
+DIFFUSERVE_INLINE void in_row_blocks(int64_t m, F&& f) {
+  int64_t i0 = 0;
+  for (; i0 + kMax <= m; i0 += kMax) f.template operator()<kMax>(i0);
+  if (i0 < m) last_rows<kMax>(i0, m - i0, f);
 }
 
 // ---- tanh, as Cephes computes tanhf, without branches.
@@ -187,45 +204,35 @@ void softcap(float* x, int64_t n, float cap) {
 
 void dot_rows(const float* x, int64_t ldx, int64_t m, const float* w, int64_t ldw, int64_t n, int64_t k, float* y,
               int64_t ldy) {
-  // Blocks of kDotRows x kDotCols (a block of x's rows against every row of w while they
-  // are in cache); at the edges the missing rows repeat the last one, their results
-  // dropped, so every result comes from the same code.
-  for (int64_t i0 = 0; i0 < m; i0 += kDotRows) {
-    const float* xs[kDotRows];
-    for (int i = 0; i < kDotRows; ++i) xs[i] = x + std::min(i0 + i, m - 1) * ldx;
+  // A block of x's rows against every row of w while they are in cache, kDotCols rows of w
+  // at a time; past w's last row a block repeats it, the results dropped (each result
+  // comes from the same code whatever block it is in).
+  in_row_blocks<kDotRows>(m, [&]<int R>(int64_t i0) {
+    const float* xs[R];
+    for (int i = 0; i < R; ++i) xs[i] = x + (i0 + i) * ldx;
     for (int64_t c0 = 0; c0 < n; c0 += kDotCols) {
       const float* ws[kDotCols];
       for (int c = 0; c < kDotCols; ++c) ws[c] = w + std::min(c0 + c, n - 1) * ldw;
-      float out[kDotRows][kDotCols];
+      float out[R][kDotCols];
       dot_block(xs, ws, k, out);
-      for (int i = 0; i < kDotRows && i0 + i < m; ++i)
+      for (int i = 0; i < R; ++i)
         for (int c = 0; c < kDotCols && c0 + c < n; ++c) y[(i0 + i) * ldy + c0 + c] = out[i][c];
     }
-  }
-}
-
-float dot(const float* a, const float* b, int64_t k) {
-  float out[1][1];
-  dot_block<1, 1>(&a, &b, k, out);
-  return out[0][0];
+  });
 }
 
 void add_rows_times(const float* x, int64_t ldx, int64_t m, const float* w, int64_t ldw, int64_t k, int64_t n,
                     float* y, int64_t ldy) {
   constexpr int64_t kBlockColumns = kTimesVectors * kWidth;
-  for (int64_t i0 = 0; i0 < m; i0 += kTimesRows) {
-    const int rows = int(std::min<int64_t>(kTimesRows, m - i0));
-    const float* xs[kTimesRows];
-    float* ys[kTimesRows];
-    for (int i = 0; i < kTimesRows; ++i) {
-      xs[i] = x + std::min(i0 + i, m - 1) * ldx;
-      ys[i] = y + std::min(i0 + i, m - 1) * ldy;
-    }
+  in_row_blocks<kTimesRows>(m, [&]<int R>(int64_t i0) {
+    const float* xs[R];
+    float* ys[R];
+    for (int i = 0; i < R; ++i) xs[i] = x + (i0 + i) * ldx, ys[i] = y + (i0 + i) * ldy;
     int64_t c = 0;
-    for (; c + kBlockColumns <= n; c += kBlockColumns) times_block<Vector, kTimesVectors>(xs, w, ldw, k, ys, c, rows);
-    for (; c + kWidth <= n; c += kWidth) times_block<Vector, 1>(xs, w, ldw, k, ys, c, rows);
-    for (; c < n; ++c) times_block<float, 1>(xs, w, ldw, k, ys, c, rows);
-  }
+    for (; c + kBlockColumns <= n; c += kBlockColumns) times_block<R, Vector, kTimesVectors>(xs, w, ldw, k, ys, c);
+    for (; c + kWidth <= n; c += kWidth) times_block<R, Vector, 1>(xs, w, ldw, k, ys, c);
+    for (; c < n; ++c) times_block<R, float, 1>(xs, w, ldw, k, ys, c);
+  });
 }
 
 }  // namespace diffuserve::cpu::DIFFUSERVE_CPU_ISA
