@@ -98,6 +98,16 @@ def test_weight_only_nvfp4_matches_the_dequantized_model():
     assert_matches_the_dequantized_model(path)
 
 
+def test_nvfp4_scale_groups_of_any_size(tmp_path):
+    """An NVFP4 weight's scales may come in groups of any size that divides its inputs, odd
+    ones too, where a byte's two values fall in two groups: the dense down projection's
+    groups of 16 split into 64 groups of one (the same values) match the dequantized model."""
+    def ones(t):
+        return t.view(torch.uint8).repeat_interleave(16, dim=1).contiguous().view(torch.float8_e4m3fn)
+    path = edit_tensor(tmp_path, "NVFP4A16", "model.decoder.layers.1.mlp.down_proj.weight_scale", ones)
+    assert_matches_the_dequantized_model(path)
+
+
 def partly_plain_attention_checkpoint(tmp_path):
     """The weight-only NVFP4 fixture with some of its attention projections stored plainly
     (their dequantized values, fp32), so that each way the runtime multiplies a layer's

@@ -27,25 +27,31 @@ void PackedWeight::append(const PackedWeight& part, const std::string& what) {
 }
 
 void dequantize_rows(const PackedWeight& w, int64_t first, int64_t count, float* out) {
-  // fp8_e4m3_to_f32 of every code: the CPU backend dequantizes as it multiplies, every pass.
+  // The CPU backend dequantizes as it multiplies, every pass: every code's value is looked
+  // up (fp8_e4m3_to_f32 of each byte, fp4_e2m1_to_f32 of each nibble), and each group's
+  // scale is worked out once.
   static const std::array<float, 256> e4m3 = [] {
     std::array<float, 256> t;
     for (int code = 0; code < 256; ++code) t[code] = fp8_e4m3_to_f32(uint8_t(code));
     return t;
   }();
-  const int64_t cols = w.cols(), groups = cols / w.group_size;
+  static const std::array<float, 16> e2m1 = [] {
+    std::array<float, 16> t;
+    for (int nibble = 0; nibble < 16; ++nibble) t[nibble] = fp4_e2m1_to_f32(uint8_t(nibble));
+    return t;
+  }();
+  const int64_t cols = w.cols(), group = w.group_size, groups = cols / group;
   for (int64_t r = first; r < first + count; ++r, out += cols) {
-    if (w.format == WeightFormat::Fp8) {
-      const uint8_t* codes = w.values.data() + r * cols;
-      const float* row_scales = w.scales.data() + r * groups;
-      for (int64_t c = 0; c < cols; ++c) out[c] = e4m3[codes[c]] * row_scales[c / w.group_size];
-    } else {
-      const uint8_t* bytes = w.values.data() + r * cols / 2;  // cols is even: two values a byte
-      const uint8_t* row_group_scales = w.group_scales.data() + r * groups;
-      for (int64_t c = 0; c < cols; ++c) {
-        const float group_scale = e4m3[row_group_scales[c / w.group_size]];
-        const uint8_t byte = bytes[c / 2];
-        out[c] = fp4_e2m1_to_f32(c % 2 ? byte >> 4 : byte & 0xf) * (group_scale / w.global_scales[r]);
+    for (int64_t g = 0; g < groups; ++g) {
+      if (w.format == WeightFormat::Fp8) {
+        const uint8_t* codes = w.values.data() + r * cols;
+        const float scale = w.scales[r * groups + g];
+        for (int64_t c = g * group; c < (g + 1) * group; ++c) out[c] = e4m3[codes[c]] * scale;
+      } else {  // two values a byte, the low nibble first (cols is even; a group need not be)
+        const uint8_t* bytes = w.values.data() + r * cols / 2;
+        const float scale = e4m3[w.group_scales[r * groups + g]] / w.global_scales[r];
+        for (int64_t c = g * group; c < (g + 1) * group; ++c)
+          out[c] = e2m1[c % 2 ? bytes[c / 2] >> 4 : bytes[c / 2] & 0xf] * scale;
       }
     }
   }
