@@ -466,11 +466,22 @@ class CpuBackend final : public Backend {
         float best = -INFINITY, best_noisy = -INFINITY;
         RowSample& r = out[row];
         if (cap > 0) cpu::softcap(l, vocab, cap);
+        for (int64_t j = 0; j < vocab; ++j) {
+          l[j] = (!allowed || allowed[j]) ? l[j] / temperature : -INFINITY;
+          if (l[j] > best) best = l[j], r.argmax = int32_t(j);
+        }
+        // The candidate: the first largest l + Gumbel noise. Noise is drawn only for the four
+        // ids of a draw where one might reach the best id's noisy logit (kGumbelMin and
+        // kGumbelMax bound the noise), as the CUDA sampler does: a trained model's rows skip
+        // nearly every draw, and the candidate is the same.
+        const float reach = best + kGumbelMin;
         for (int64_t v = 0; v < vocab; v += 4) {
+          const int64_t end = std::min(v + 4, vocab);
+          bool draw = false;
+          for (int64_t j = v; j < end; ++j) draw |= !(l[j] + kGumbelMax < reach);
+          if (!draw) continue;
           const Philox4 bits = key.draw(uint32_t(row), uint32_t(v));
-          for (int64_t j = v; j < std::min(v + 4, vocab); ++j) {
-            l[j] = (!allowed || allowed[j]) ? l[j] / temperature : -INFINITY;
-            if (l[j] > best) best = l[j], r.argmax = int32_t(j);
+          for (int64_t j = v; j < end; ++j) {
             const float noisy = l[j] + gumbel(bits[j - v]);
             if (noisy > best_noisy) best_noisy = noisy, r.candidate = int32_t(j);
           }
