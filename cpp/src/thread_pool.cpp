@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <charconv>
+#include <chrono>
 #include <cstdlib>
 #include <cstring>
 #include <string>
@@ -52,6 +53,7 @@ void ThreadPool::stop_workers() {
   {
     std::lock_guard<std::mutex> lock(mutex_);
     stop_ = true;
+    ++generation_;  // ends a worker's spin
   }
   wake_.notify_all();
   for (auto& t : workers_) t.join();
@@ -90,18 +92,19 @@ void ThreadPool::parallel_for(int64_t n, int64_t grain, const std::function<void
     lock.lock();
     --pending_;
   }
-  done_.wait(lock, [&] { return pending_ == 0; });
+  if (pending_ > 0) {
+    lock.unlock();
+    spin_until([&] { return pending_.load(std::memory_order_acquire) == 0; });
+    lock.lock();
+    done_.wait(lock, [&] { return pending_ == 0; });
+  }
   job_ = nullptr;
   if (error_) std::rethrow_exception(error_);
 }
 
 void ThreadPool::worker_loop() {
-  uint64_t seen = 0;
   std::unique_lock<std::mutex> lock(mutex_);
   for (;;) {
-    wake_.wait(lock, [&] { return stop_ || (generation_ != seen && job_ && next_ < job_n_); });
-    if (stop_) return;
-    seen = generation_;
     while (job_ && next_ < job_n_) {
       const int64_t begin = next_;
       next_ = std::min(job_n_, begin + job_chunk_);
@@ -117,6 +120,26 @@ void ThreadPool::worker_loop() {
       lock.lock();
       if (--pending_ == 0) done_.notify_all();
     }
+    if (stop_) return;
+    const uint64_t seen = generation_;
+    lock.unlock();
+    spin_until([&] { return generation_.load(std::memory_order_acquire) != seen; });
+    lock.lock();
+    wake_.wait(lock, [&] { return generation_ != seen; });
+  }
+}
+
+template <typename Ready>
+void ThreadPool::spin_until(Ready ready) {
+  constexpr auto kSpin = std::chrono::microseconds(50);
+  const auto start = std::chrono::steady_clock::now();
+  for (int i = 1; !ready(); ++i) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    asm volatile("yield");
+#endif
+    if (i % 64 == 0 && std::chrono::steady_clock::now() - start > kSpin) return;
   }
 }
 

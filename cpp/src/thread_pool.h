@@ -2,6 +2,7 @@
 // conversions.
 #pragma once
 
+#include <atomic>
 #include <condition_variable>
 #include <cstdint>
 #include <functional>
@@ -38,13 +39,20 @@ class ThreadPool {
  private:
   void worker_loop();
   void stop_workers();
+  // Spins (without the lock) until ready() or about kSpinMicroseconds have passed: a CPU
+  // step runs a few hundred loops back to back, each a few tens of microseconds, and a
+  // thread put to sleep between them takes about as long again to wake.
+  template <typename Ready>
+  static void spin_until(Ready ready);
 
   std::vector<std::thread> workers_;
   std::mutex mutex_;
   std::condition_variable wake_, done_;
   const std::function<void(int64_t, int64_t)>* job_ = nullptr;
-  int64_t job_n_ = 0, job_chunk_ = 0, next_ = 0, pending_ = 0;
-  uint64_t generation_ = 0;
+  int64_t job_n_ = 0, job_chunk_ = 0, next_ = 0;
+  // Written under mutex_; atomic so that a spinning thread may read them without it.
+  std::atomic<int64_t> pending_ = 0;
+  std::atomic<uint64_t> generation_ = 0;  // one more with each job, and at stop
   bool stop_ = false;
   std::exception_ptr error_;
   std::mutex call_mutex_;  // one parallel_for at a time
