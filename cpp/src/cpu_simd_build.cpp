@@ -27,7 +27,7 @@ namespace {
 #if defined(__AVX512F__)
 constexpr int kWidth = 16, kDotRows = 4, kDotCols = 4, kTimesRows = 4, kTimesVectors = 4;
 #elif defined(__AVX2__)
-constexpr int kWidth = 8, kDotRows = 2, kDotCols = 3, kTimesRows = 4, kTimesVectors = 2;
+constexpr int kWidth = 8, kDotRows = 2, kDotCols = 3, kTimesRows = 3, kTimesVectors = 4;
 #else
 constexpr int kWidth = 4, kDotRows = 1, kDotCols = 3, kTimesRows = 4, kTimesVectors = 2;
 #endif
