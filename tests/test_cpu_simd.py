@@ -92,3 +92,37 @@ def test_softcap_tanh_is_within_its_stated_ulps():
     assert (got[-4:] == np.float32([1, -1, 1, -1])).all()
     special = _core.sampler.sample_rows(np.float32([[np.nan, np.inf, -np.inf]]), 1.0, [], 0, 0, 0, softcap=1.0)[0][0]
     assert np.isnan(special[0]) and special[1] == 1 and special[2] == -1
+
+
+def test_softmax_and_entropy_match_float64():
+    """The sampler's softmax feedback and entropy (cpu_simd.h's softmax, sum_exp, entropy: e^x
+    by Cephes' method, 0 below -87.34, sums in sixteen lanes): rows of lengths that leave a
+    remainder of the lanes and of the 256-value chunks, spreads from flat to past e^-87, ids
+    left out (-inf) by allowed_ids, against float64."""
+    from diffuserve import _core
+    rng = np.random.default_rng(7)
+    for vocab, spread in [(1, 1.0), (3, 0.1), (17, 5.0), (300, 30.0), (1000, 3.0), (4099, 60.0)]:
+        logits = (rng.standard_normal((4, vocab)) * spread).astype(np.float32)
+        allowed = sorted(rng.choice(vocab, max(1, vocab - vocab // 3), replace=False).tolist()) if vocab > 3 else []
+        probs, _, _, entropy = _core.sampler.sample_rows(logits, 1.0, allowed, 0, 0, 0, softmax_feedback=True)
+        x = logits.astype(np.float64)
+        if allowed:
+            keep = np.zeros(vocab, bool)
+            keep[allowed] = True
+            x[:, ~keep] = -np.inf
+        log_p = x - x.max(-1, keepdims=True)
+        log_p -= np.log(np.exp(log_p).sum(-1, keepdims=True))
+        p = np.exp(log_p)
+        assert np.isfinite(probs).all() and (probs >= 0).all()
+        # fp32's x - max is good to half an ulp of |log p|: e^that's relative error grows with it
+        normal = p > 1e-37
+        tolerance = (1e-6 + 1.2e-7 * np.abs(np.where(p > 0, log_p, 0))) * p
+        assert (np.abs(probs - p) <= tolerance)[normal].all(), vocab
+        assert (probs[~normal] <= 1e-37).all()
+        expected = -(np.where(p > 0, log_p, 0) * p).sum(-1)
+        # log p = x - log z, both near the largest logit: an ulp of it is the entropy's own noise
+        noise = 2.4e-7 * np.abs(logits).max(-1)
+        assert (np.abs(entropy - expected) <= 1e-5 * expected + noise).all(), vocab
+    nan_row = np.float32([[0.0, np.nan, 1.0] + [0.5] * 20])
+    probs, _, _, entropy = _core.sampler.sample_rows(nan_row, 1.0, [], 0, 0, 0, softmax_feedback=True)
+    assert np.isnan(probs).all() and np.isnan(entropy).all()

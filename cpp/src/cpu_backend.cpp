@@ -327,9 +327,8 @@ class CpuBackend final : public Backend {
         float* o = out.row(i) + h * head_dim;
         std::fill(o, o + head_dim, nan ? NAN : 0.0f);
         if (nan || best == -INFINITY) continue;  // no visible key: zeros (cannot happen for a well-formed batch)
-        float sum = 0;
-        for (float& sc : scores) sum += (sc = std::exp(sc - best));
-        for (float& sc : scores) sc = input(sc / sum);
+        cpu::softmax(scores.data(), int64_t(scores.size()));
+        for (float& sc : scores) sc = input(sc);
         for (const Run& run : runs) {
           int64_t ld;
           const float* values = span_rows(run, run.span->values, kvh, ld);
@@ -452,7 +451,7 @@ class CpuBackend final : public Backend {
   }
   void softmax(Activation& x) override {
     pool_->parallel_for(x.rows, 1, [&](int64_t b, int64_t e) {
-      for (int64_t i = b; i < e; ++i) softmax_row(x.row(i), x.cols);
+      for (int64_t i = b; i < e; ++i) cpu::softmax(x.row(i), x.cols);
     });
   }
 
@@ -488,18 +487,11 @@ class CpuBackend final : public Backend {
         }
         // Entropy as torch.distributions.Categorical computes it: -sum(p * log p) with
         // log p = l - logsumexp(l), clamped so that p = 0 contributes 0 rather than NaN.
-        float sum = 0;
-        for (int64_t j = 0; j < vocab; ++j) sum += std::exp(l[j] - best);
-        const float log_z = best + std::log(sum);
-        float entropy = 0;
-        for (int64_t j = 0; j < vocab; ++j) {
-          const float log_p = std::max(l[j] - log_z, -std::numeric_limits<float>::max());
-          entropy -= log_p * std::exp(l[j] - log_z);
-        }
-        r.entropy = entropy;
+        const float log_z = best + std::log(cpu::sum_exp(l, vocab, best));
+        r.entropy = cpu::entropy(l, vocab, log_z);
         if (feedback_dtype != DType::F32)
           for (int64_t j = 0; j < vocab; ++j) l[j] = round_to_dtype(l[j], feedback_dtype);
-        if (softmax_feedback) softmax_row(l, vocab);
+        if (softmax_feedback) cpu::softmax(l, vocab);
       }
     });
     return out;
@@ -519,13 +511,6 @@ class CpuBackend final : public Backend {
     w.data = buf->data();
     w.storage = buf;
     return w;
-  }
-
-  static void softmax_row(float* r, int64_t n) {
-    const float m = *std::max_element(r, r + n);
-    float sum = 0;
-    for (int64_t j = 0; j < n; ++j) sum += (r[j] = std::exp(r[j] - m));
-    for (int64_t j = 0; j < n; ++j) r[j] /= sum;
   }
 
   // rms_norm and add_rms_norm: per group of x, the normed value x * (mean(x^2) + eps)^-0.5

@@ -17,6 +17,9 @@ namespace diffuserve::cpu {
                       int64_t n, float* y, int64_t ldy);                                                      \
   void gelu_tanh_times(const float* gate, const float* up, int64_t n, float* out);                            \
   void softcap(float* x, int64_t n, float cap);                                                               \
+  void softmax(float* x, int64_t n);                                                                          \
+  float sum_exp(const float* x, int64_t n, float shift);                                                      \
+  float entropy(const float* x, int64_t n, float log_z);                                                      \
   }
 DIFFUSERVE_DECLARE_BUILD(baseline)
 #if DIFFUSERVE_CPU_SIMD_X86
@@ -33,6 +36,9 @@ struct Build {
   decltype(&baseline::add_rows_times) add_rows_times;
   decltype(&baseline::gelu_tanh_times) gelu_tanh_times;
   decltype(&baseline::softcap) softcap;
+  decltype(&baseline::softmax) softmax;
+  decltype(&baseline::sum_exp) sum_exp;
+  decltype(&baseline::entropy) entropy;
 };
 
 bool cpu_runs(const char* isa) {
@@ -47,7 +53,7 @@ bool cpu_runs(const char* isa) {
 // builds): a name the CPU cannot run, or that no build has, is an error, not a fallback.
 Build choose() {
 #define DIFFUSERVE_BUILD(isa) \
-  Build { #isa, isa::dot_rows, isa::add_rows_times, isa::gelu_tanh_times, isa::softcap }
+  Build { #isa, isa::dot_rows, isa::add_rows_times, isa::gelu_tanh_times, isa::softcap, isa::softmax, isa::sum_exp, isa::entropy }
   const Build builds[] = {
 #if DIFFUSERVE_CPU_SIMD_X86
       DIFFUSERVE_BUILD(avx512),
@@ -92,6 +98,12 @@ void gelu_tanh_times(const float* gate, const float* up, int64_t n, float* out) 
 }
 
 void softcap(float* x, int64_t n, float cap) { build().softcap(x, n, cap); }
+
+void softmax(float* x, int64_t n) { build().softmax(x, n); }
+
+float sum_exp(const float* x, int64_t n, float shift) { return build().sum_exp(x, n, shift); }
+
+float entropy(const float* x, int64_t n, float log_z) { return build().entropy(x, n, log_z); }
 
 const char* simd_isa() { return build().isa; }
 

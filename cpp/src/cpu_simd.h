@@ -1,5 +1,5 @@
-// The CPU backend's loops that vector instructions carry: its matrix products, and GELU's
-// and the logit softcap's tanh.
+// The CPU backend's loops that vector instructions carry: its matrix products, GELU's and
+// the logit softcap's tanh, and the softmax and entropy of a row of logits.
 //
 // The products come in the two layouts the weights do:
 // - dot_rows: y[i][r] = sum over j of x[i][j] * w[r][j], w's rows the outputs (a linear
@@ -16,6 +16,9 @@
 //   one eight lanes over, then four, two, one);
 // - add_rows_times adds the products to y[i][c] one j after another, from j = 0 up, each a
 //   fused multiply-add.
+//
+// The sums of many values (softmax's, the entropy's) are taken in dot_rows' order: sixteen
+// running sums, then the fixed tree. e^x is Cephes' expf (within 1 ulp), 0 below -87.34.
 //
 // tanh is Cephes' single-precision method (an odd polynomial below 0.625, 1 - 2 / (e^2|x| + 1)
 // above, e^x by Cephes' expf) written without branches so that it vectorizes: at most 1.33
@@ -46,6 +49,16 @@ void gelu_tanh_times(const float* gate, const float* up, int64_t n, float* out);
 
 // x[j] = cap * tanh(x[j] / cap) for j < n: the logits' softcap.
 void softcap(float* x, int64_t n, float cap);
+
+// x[j] = e^(x[j] - max) / (their sum), for j < n: a row's softmax. A NaN makes the row NaN.
+void softmax(float* x, int64_t n);
+
+// sum over j < n of e^(x[j] - shift).
+float sum_exp(const float* x, int64_t n, float shift);
+
+// -sum over j < n of log p * p, log p = x[j] - log_z (at least -FLT_MAX, so that a p of 0
+// adds 0 rather than NaN, as torch.distributions.Categorical's entropy does).
+float entropy(const float* x, int64_t n, float log_z);
 
 // The vector extension the loops run on: "avx512", "avx2" or "baseline".
 const char* simd_isa();

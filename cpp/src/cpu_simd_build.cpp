@@ -10,6 +10,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 
 #ifndef DIFFUSERVE_CPU_ISA
 #error "built by CMakeLists.txt's add_cpu_simd_build, which names the build"
@@ -169,9 +170,10 @@ DIFFUSERVE_INLINE void in_row_blocks(int64_t m, F&& f) {
 
 // ---- tanh, as Cephes computes tanhf, without branches.
 
-// e^x for x in [0, 20] (Cephes' expf: x = n ln 2 + r, a polynomial in r, times 2^n). n is
-// rounded by adding and taking away 1.5 * 2^23, which needs no rounding instruction.
-DIFFUSERVE_INLINE float exp_up_to_20(float x) {
+// e^x for x in [-87.33654, 88.7] (Cephes' expf: x = n ln 2 + r, a polynomial in r, times
+// 2^n, n from -126 up). n is rounded by adding and taking away 1.5 * 2^23, which needs no
+// rounding instruction.
+DIFFUSERVE_INLINE float exp_in_range(float x) {
   const float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
   const float r = (x - n * 0.693359375f) - n * -2.12194440e-4f;
   float p = 1.9875691500e-4f;
@@ -194,9 +196,51 @@ DIFFUSERVE_INLINE float tanh_of(float x) {
   const float small = s * z * x + x;
   // From 10 on, 1 - 2 / (e^20 + 1) rounds to 1, as tanh does (from 9.01). `a > 10 ? 10 : a`
   // keeps a NaN (std::fmin would not, nor vectorize).
-  const float e = exp_up_to_20(2.0f * (a > 10.0f ? 10.0f : a));
+  const float e = exp_in_range(2.0f * (a > 10.0f ? 10.0f : a));
   const float large = std::copysign(1.0f - 2.0f / (e + 1.0f), x);
   return a < 0.625f ? small : large;
+}
+
+// e^x for x <= 88.7: 0 below -87.33654, where e^x is no longer a normal float (and for -inf);
+// NaN stays NaN.
+DIFFUSERVE_INLINE float exp_of(float x) {
+  constexpr float kLowest = -87.33654f;
+  const float e = exp_in_range(x < kLowest ? kLowest : x);
+  return x < kLowest ? 0.0f : e;
+}
+
+// ---- Sums of many values, in dot_rows' order: lane l of sixteen takes the values j = l,
+// l + 16, ..., and the lanes are added by the fixed tree. fill(j0, count, values) writes the
+// values j0 .. j0 + count - 1 (a plain loop there vectorizes).
+template <typename Fill>
+DIFFUSERVE_INLINE float sum_in_lanes(int64_t n, Fill fill) {
+  constexpr int64_t kChunk = 256;
+  float values[kChunk];
+  Vector parts[kParts] = {};
+  for (int64_t j0 = 0; j0 < n; j0 += kChunk) {
+    const int64_t count = std::min(kChunk, n - j0), padded = (count + kLanes - 1) / kLanes * kLanes;
+    fill(j0, count, values);
+    std::fill(values + count, values + padded, 0.0f);  // (a lane's sum plus 0 is that sum)
+    for (int64_t j = 0; j < padded; j += kLanes)
+      for (int p = 0; p < kParts; ++p) parts[p] += load<Vector>(values + j + p * kWidth);
+  }
+  return sum_lanes(parts);
+}
+
+// The largest of x[0 .. n) (NaNs may be passed over).
+DIFFUSERVE_INLINE float max_of(const float* x, int64_t n) {
+  float m = -INFINITY;
+  int64_t j = 0;
+  if (n >= kWidth) {
+    Vector v = load<Vector>(x);
+    for (j = kWidth; j + kWidth <= n; j += kWidth) {
+      const Vector y = load<Vector>(x + j);
+      v = y > v ? y : v;
+    }
+    for (int l = 0; l < kWidth; ++l) m = v[l] > m ? v[l] : m;
+  }
+  for (; j < n; ++j) m = x[j] > m ? x[j] : m;
+  return m;
 }
 
 }  // namespace
@@ -211,6 +255,30 @@ void gelu_tanh_times(const float* gate, const float* up, int64_t n, float* out) 
 
 void softcap(float* x, int64_t n, float cap) {
   for (int64_t j = 0; j < n; ++j) x[j] = cap * tanh_of(x[j] / cap);
+}
+
+void softmax(float* x, int64_t n) {
+  const float m = max_of(x, n);
+  const float sum = sum_in_lanes(n, [&](int64_t j0, int64_t count, float* values) {
+    for (int64_t j = j0; j < j0 + count; ++j) values[j - j0] = x[j] = exp_of(x[j] - m);
+  });
+  for (int64_t j = 0; j < n; ++j) x[j] /= sum;
+}
+
+float sum_exp(const float* x, int64_t n, float shift) {
+  return sum_in_lanes(n, [&](int64_t j0, int64_t count, float* values) {
+    for (int64_t j = j0; j < j0 + count; ++j) values[j - j0] = exp_of(x[j] - shift);
+  });
+}
+
+float entropy(const float* x, int64_t n, float log_z) {
+  constexpr float kLowest = -std::numeric_limits<float>::max();
+  return -sum_in_lanes(n, [&](int64_t j0, int64_t count, float* values) {
+    for (int64_t j = j0; j < j0 + count; ++j) {
+      const float log_p = x[j] - log_z;
+      values[j - j0] = (log_p < kLowest ? kLowest : log_p) * exp_of(log_p);
+    }
+  });
 }
 
 void dot_rows(const float* x, int64_t ldx, int64_t m, const float* w, int64_t ldw, int64_t n, int64_t k, float* y,
