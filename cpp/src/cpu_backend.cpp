@@ -523,9 +523,7 @@ class CpuBackend final : public Backend {
       for (int64_t g = b; g < e; ++g) {
         const float* xi = x.data + g * group;
         float* yi = y.data + g * group;
-        double ss = 0;
-        for (int64_t j = 0; j < group; ++j) ss += double(xi[j]) * xi[j];
-        const float inv = std::pow(float(ss / group) + eps, -0.5f);
+        const float inv = std::pow(cpu::sum_squares(xi, group) / float(group) + eps, -0.5f);
         for (int64_t j = 0; j < group; ++j) {
           const float normed = xi[j] * inv * (w ? w[j] : 1.0f);
           yi[j] = accumulate ? (yi[j] + normed) * scale : normed;

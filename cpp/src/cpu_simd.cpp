@@ -18,6 +18,7 @@ namespace diffuserve::cpu {
   void gelu_tanh_times(const float* gate, const float* up, int64_t n, float* out);                            \
   void softcap(float* x, int64_t n, float cap);                                                               \
   void softmax(float* x, int64_t n);                                                                          \
+  float sum_squares(const float* x, int64_t n);                                                               \
   float sum_exp(const float* x, int64_t n, float shift);                                                      \
   float entropy(const float* x, int64_t n, float log_z);                                                      \
   }
@@ -37,6 +38,7 @@ struct Build {
   decltype(&baseline::gelu_tanh_times) gelu_tanh_times;
   decltype(&baseline::softcap) softcap;
   decltype(&baseline::softmax) softmax;
+  decltype(&baseline::sum_squares) sum_squares;
   decltype(&baseline::sum_exp) sum_exp;
   decltype(&baseline::entropy) entropy;
 };
@@ -52,8 +54,11 @@ bool cpu_runs(const char* isa) {
 // The best build this CPU runs, or the one DIFFUSERVE_CPU_ISA names (the tests compare the
 // builds): a name the CPU cannot run, or that no build has, is an error, not a fallback.
 Build choose() {
-#define DIFFUSERVE_BUILD(isa) \
-  Build { #isa, isa::dot_rows, isa::add_rows_times, isa::gelu_tanh_times, isa::softcap, isa::softmax, isa::sum_exp, isa::entropy }
+#define DIFFUSERVE_BUILD(isa)                                                                                  \
+  Build {                                                                                                      \
+    #isa, isa::dot_rows, isa::add_rows_times, isa::gelu_tanh_times, isa::softcap, isa::softmax, isa::sum_squares, \
+        isa::sum_exp, isa::entropy                                                                             \
+  }
   const Build builds[] = {
 #if DIFFUSERVE_CPU_SIMD_X86
       DIFFUSERVE_BUILD(avx512),
@@ -100,6 +105,8 @@ void gelu_tanh_times(const float* gate, const float* up, int64_t n, float* out) 
 void softcap(float* x, int64_t n, float cap) { build().softcap(x, n, cap); }
 
 void softmax(float* x, int64_t n) { build().softmax(x, n); }
+
+float sum_squares(const float* x, int64_t n) { return build().sum_squares(x, n); }
 
 float sum_exp(const float* x, int64_t n, float shift) { return build().sum_exp(x, n, shift); }
 

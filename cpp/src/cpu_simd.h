@@ -17,7 +17,7 @@
 // - add_rows_times adds the products to y[i][c] one j after another, from j = 0 up, each a
 //   fused multiply-add.
 //
-// The sums of many values (softmax's, the entropy's) are taken in dot_rows' order: sixteen
+// The sums of many values (softmax's, the entropy's, a norm's squares) are taken in dot_rows' order: sixteen
 // running sums, then the fixed tree. e^x is Cephes' expf (within 1 ulp), 0 below -87.34.
 //
 // tanh is Cephes' single-precision method (an odd polynomial below 0.625, 1 - 2 / (e^2|x| + 1)
@@ -52,6 +52,9 @@ void softcap(float* x, int64_t n, float cap);
 
 // x[j] = e^(x[j] - max) / (their sum), for j < n: a row's softmax. A NaN makes the row NaN.
 void softmax(float* x, int64_t n);
+
+// sum over j < n of x[j]^2 (an RMS norm's).
+float sum_squares(const float* x, int64_t n);
 
 // sum over j < n of e^(x[j] - shift).
 float sum_exp(const float* x, int64_t n, float shift);

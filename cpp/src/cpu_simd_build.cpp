@@ -265,6 +265,12 @@ void softmax(float* x, int64_t n) {
   for (int64_t j = 0; j < n; ++j) x[j] /= sum;
 }
 
+float sum_squares(const float* x, int64_t n) {
+  return sum_in_lanes(n, [&](int64_t j0, int64_t count, float* values) {
+    for (int64_t j = j0; j < j0 + count; ++j) values[j - j0] = x[j] * x[j];
+  });
+}
+
 float sum_exp(const float* x, int64_t n, float shift) {
   return sum_in_lanes(n, [&](int64_t j0, int64_t count, float* values) {
     for (int64_t j = j0; j < j0 + count; ++j) values[j - j0] = exp_of(x[j] - shift);
