@@ -3,8 +3,8 @@
 // compiler flags (-mavx512f, -mavx2, none) set the vector width and how many results a
 // product's block keeps in registers. The products are written once, on GCC's and Clang's
 // vector extension, in an order that does not depend on the width (cpu_simd.h says which);
-// -ffp-contract=fast makes each `sum += x * w` one fused multiply-add. The tanh loops are
-// plain loops without branches, which the compiler vectorizes.
+// -ffp-contract=fast makes each `sum += x * w` one fused multiply-add. The elementwise loops
+// (tanh, e^x, squares) are plain loops without branches, which the compiler vectorizes.
 #include <algorithm>
 #include <bit>
 #include <cmath>
@@ -168,7 +168,7 @@ DIFFUSERVE_INLINE void in_row_blocks(int64_t m, F&& f) {
   if (i0 < m) last_rows<kMax>(i0, m - i0, f);
 }
 
-// ---- tanh, as Cephes computes tanhf, without branches.
+// ---- e^x and tanh, as Cephes computes expf and tanhf, without branches.
 
 // e^x for x in [-87.33654, 88.7] (Cephes' expf: x = n ln 2 + r, a polynomial in r, times
 // 2^n, n from -126 up). n is rounded by adding and taking away 1.5 * 2^23, which needs no
