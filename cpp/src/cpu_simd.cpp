@@ -54,10 +54,10 @@ bool cpu_runs(const char* isa) {
 // The best build this CPU runs, or the one DIFFUSERVE_CPU_ISA names (the tests compare the
 // builds): a name the CPU cannot run, or that no build has, is an error, not a fallback.
 Build choose() {
-#define DIFFUSERVE_BUILD(isa)                                                                                  \
-  Build {                                                                                                      \
-    #isa, isa::dot_rows, isa::add_rows_times, isa::gelu_tanh_times, isa::softcap, isa::softmax, isa::sum_squares, \
-        isa::sum_exp, isa::entropy                                                                             \
+#define DIFFUSERVE_BUILD(isa)                                                                                 \
+  Build {                                                                                                     \
+    #isa, isa::dot_rows, isa::add_rows_times, isa::gelu_tanh_times, isa::softcap, isa::softmax,               \
+        isa::sum_squares, isa::sum_exp, isa::entropy                                                          \
   }
   const Build builds[] = {
 #if DIFFUSERVE_CPU_SIMD_X86

@@ -17,8 +17,9 @@
 // - add_rows_times adds the products to y[i][c] one j after another, from j = 0 up, each a
 //   fused multiply-add.
 //
-// The sums of many values (softmax's, the entropy's, a norm's squares) are taken in dot_rows' order: sixteen
-// running sums, then the fixed tree. e^x is Cephes' expf (within 1 ulp), 0 below -87.34.
+// The sums of many values (softmax's, the entropy's, a norm's squares) are taken in
+// dot_rows' order: sixteen running sums, then the fixed tree. e^x is Cephes' expf (within
+// 1 ulp), 0 below -87.34.
 //
 // tanh is Cephes' single-precision method (an odd polynomial below 0.625, 1 - 2 / (e^2|x| + 1)
 // above, e^x by Cephes' expf) written without branches so that it vectorizes: at most 1.33

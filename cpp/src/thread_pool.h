@@ -39,9 +39,9 @@ class ThreadPool {
  private:
   void worker_loop();
   void stop_workers();
-  // Spins (without the lock) until ready() or about kSpinMicroseconds have passed: a CPU
-  // step runs a few hundred loops back to back, each a few tens of microseconds, and a
-  // thread put to sleep between them takes about as long again to wake.
+  // Spins (without the lock) until ready() or about 50 us have passed: a CPU step runs a
+  // few hundred loops back to back, each a few tens of microseconds, and a thread put to
+  // sleep between them takes about as long again to wake.
   template <typename Ready>
   static void spin_until(Ready ready);
 
