@@ -11,7 +11,7 @@
 // bits as from fp32 pages it converts). Before any of that, host
 // checks of the plan that need no GPU: every row group's pieces are disjoint, in key order, cover every key its rows
 // can see, and get consecutive slots and one merge where there are several; a segment's pieces are the same alone and
-// batched. Build and run:
+// batched; a prompt's rows after a prefix-cache hit are planned as when it runs whole. Build and run:
 //   nvcc -std=c++20 -arch=sm_90a -DDIFFUSERVE_SM90A -O3 -I cpp/src -I cpp/include -I cuda \
 //       benchmarks/attention_bench.cu cuda/attention.cu cuda/attention_mma.cu cuda/attention_wgmma.cu \
 //       cuda/launch.cu -o /tmp/attention_bench && /tmp/attention_bench
@@ -428,8 +428,56 @@ std::vector<Case> cases() {
       {"encoder 45 rows, window 17, random spans", {encoder(45, 100, 17, 0)}},
       {"3 segments, gaps, random spans", {decoder(5, 700, 0, 0), gapped, tail}},
       {"decoder 3 rows, 5000 keys, random spans (split)", {decoder(3, 5000, 0, 0)}},
-      {"encoder 200 rows after 900, no window (split)", {encoder(200, 900, 0)}},
+      {"encoder 200 rows after 900, no window", {encoder(200, 900, 0)}},
   };
+}
+
+// A prompt's rows as the plan gives them to the kernels, by position: the pieces of the keys
+// each reads, as positions from where its group's walk of them starts (its first row's
+// window, or the piece) up to its own. The kernels' chunks of keys are counted from those
+// starts, so rows alike here get the same bits.
+using RowPlan = std::vector<std::pair<int64_t, int64_t>>;
+std::map<int64_t, RowPlan> row_plans(const Problem& p, const SegmentSpec& spec, int resident, std::string& error) {
+  const AttentionPlan plan = plan_attention(p.segs, p.heads, p.kv_heads, p.dim, resident, false);
+  std::map<int64_t, RowPlan> rows;
+  for (const auto& [output, pieces] : pieces_by_output(plan, error)) {
+    const auto [segment, row0, kv_head] = output;
+    if (kv_head) continue;
+    int item_rows = 0;
+    for (const AttentionItem& it : plan.items)
+      if (it.segment == segment && it.row0 == row0 && it.kv_head == 0) item_rows = it.rows;
+    const int64_t group_first = spec.first_position + row0;
+    const int64_t walk_from = spec.window ? group_first - spec.window + 1 : INT64_MIN;
+    for (int64_t pos = group_first; pos < group_first + item_rows; ++pos) {
+      RowPlan& row = rows[pos];
+      for (const PieceOf& piece : pieces) {
+        const int64_t from = std::max(walk_from, spec.key_begin + std::get<0>(piece));
+        const int64_t to = std::min(pos + 1, spec.key_begin + std::get<1>(piece));
+        if (from < to) row.push_back({from, to});
+      }
+    }
+  }
+  return rows;
+}
+
+// After a prefix-cache hit a prompt's first `hit` tokens are cached and only its other rows
+// run, as a segment of their own over all its keys: each of those rows must be planned as
+// when the prompt ran whole (the same bits). Row groups lie at multiples of the rows a block
+// takes, so that holds where that count divides `hit` (a KV block: 16 by default), or where
+// the window reaches back to the first key. (Not yet elsewhere: 32 rows a block, a hit of
+// 592 and a window of 100 start the walk of the keys of rows 592-607 at 493, not 477.)
+void check_prefix_hit_plan(int heads, int kv_heads, int dim, int64_t length, int64_t hit, int64_t window) {
+  const SegmentSpec whole = encoder(length, 0, window), rest = encoder(length - hit, hit, window);
+  std::string error;
+  const std::map<int64_t, RowPlan> a = row_plans(make_problem(heads, kv_heads, dim, {whole}, 1), whole, 132, error);
+  const std::map<int64_t, RowPlan> b = row_plans(make_problem(heads, kv_heads, dim, {rest}, 1), rest, 132, error);
+  int64_t differ = 0;
+  for (int64_t pos = hit; pos < length; ++pos) differ += !a.count(pos) || !b.count(pos) || a.at(pos) != b.at(pos);
+  char name[160];
+  std::snprintf(name, sizeof name, "plan d%d %d/%d heads: %ld rows after a hit of %ld, window %ld (host)", dim, heads,
+                kv_heads, long(length - hit), long(hit), long(window));
+  report(error.empty() && !differ, name,
+         !error.empty() ? error : differ ? std::to_string(differ) + " rows planned otherwise" : "planned as whole");
 }
 
 void host_checks() {
@@ -455,6 +503,11 @@ void host_checks() {
              same ? "same pieces" : "DIFFERENT pieces");
     }
   }
+  // A prompt's rows after a prefix-cache hit, planned as when it runs whole: GQA groups of
+  // 2, 4 and 3 (8, 4 and 5 rows a block at head dim 64), windows or none.
+  for (const auto& [heads, kv_heads, window] : {std::tuple{16, 8, 100}, {16, 4, 100}, {16, 8, 0}, {6, 2, 0}})
+    for (const auto& [length, hit] : {std::pair<int64_t, int64_t>{587, 576}, {300, 288}, {700, 16}})
+      check_prefix_hit_plan(heads, kv_heads, 64, length, hit, window);
   // bf16 keys (a bf16 cache's pages) only where the wgmma kernel runs: the plan of another
   // kernel refuses them by name (here head dim 64; on a machine without the wgmma kernel, any).
   {

@@ -134,11 +134,11 @@ int rows_per_item(int group, int head_dim, bool round_bf16) {
   return group >= queries ? 1 : queries / group;
 }
 
-// Split-KV: the size of a segment's pieces, in keys, is the one that would finish the
+// Split-KV: the size of a canvas segment's pieces, in keys, is the one that would finish the
 // segment soonest if it ran alone on a GPU that runs `resident` items (blocks, or
 // clusters) at once, counting waves of items each costing its piece plus kBlockCostKeys
 // (loading Q, filling the pipeline, writing the output and merging). It depends on the
-// segment and the GPU only.
+// segment and the GPU only. (A causal segment's keys stay whole: plan_attention says why.)
 constexpr int64_t kBlockCostKeys = 64;
 constexpr int64_t kMinPieceKeys = 128;  // a partial result (as large as 16 to 32 keys) stays small next to its piece
 constexpr int64_t kPieceAlign = 32;     // a piece of whole chunks
@@ -284,10 +284,20 @@ AttentionPlan plan_attention(const std::vector<AttentionSegment>& segments, int 
       plan.spans.push_back(d);
       keys += k.count;
     }
-    const int groups = int((s.rows + rows_per_block - 1) / rows_per_block);
-    const std::vector<Piece> pieces =
-        cut(s.spans, span_begin, split ? piece_keys(int64_t(groups) * num_kv_heads, keys, resident_items) : keys);
-    auto rows = [&](int g) { return int(std::min<int64_t>(rows_per_block, s.rows - int64_t(g) * rows_per_block)); };
+    // A row's result must not depend on how its sequence's tokens were split into passes
+    // (a prefix-cache hit, a prompt in chunks, a batch's budget): its output depends on its
+    // row group (the keys' walk starts at the group's first row's window) and on the pieces.
+    // So a causal segment's (a prompt's or a commit's) row groups lie at positions that are
+    // multiples of rows_per_block, and its keys are one piece (a split would depend on its
+    // row count). A canvas's segment is the same rows whatever the batch: split as it suits.
+    const int64_t lead = s.causal ? s.first_position % rows_per_block : 0;  // rows its first group lacks
+    const int groups = s.rows ? int((lead + s.rows + rows_per_block - 1) / rows_per_block) : 0;
+    const std::vector<Piece> pieces = cut(
+        s.spans, span_begin, split && !s.causal ? piece_keys(int64_t(groups) * num_kv_heads, keys, resident_items) : keys);
+    auto row0 = [&](int g) { return int(std::max<int64_t>(0, int64_t(g) * rows_per_block - lead)); };
+    auto rows = [&](int g) {
+      return int(std::min<int64_t>(int64_t(g + 1) * rows_per_block - lead, s.rows) - row0(g));
+    };
     // Which pieces each row group sees (any key within the union of its rows' causal
     // windows), and the rank of each among them; the row groups that see several get
     // consecutive partial slots for each kv head, and a merge.
@@ -295,14 +305,14 @@ AttentionPlan plan_attention(const std::vector<AttentionSegment>& segments, int 
     std::vector<int> seen(groups, 0);
     std::vector<int64_t> first_slot(size_t(groups) * num_kv_heads, -1);
     for (int g = 0; g < groups; ++g) {
-      const int64_t first = s.first_position + int64_t(g) * rows_per_block, last = first + rows(g) - 1;
+      const int64_t first = s.first_position + row0(g), last = first + rows(g) - 1;
       for (size_t k = 0; k < pieces.size(); ++k)
         if (!s.causal || (pieces[k].min_position <= last && (s.window == 0 || pieces[k].max_position > first - s.window)))
           rank[g][k] = seen[g]++;
       if (seen[g] < 2) continue;
       for (int h = 0; h < num_kv_heads; ++h) {
         first_slot[size_t(g) * num_kv_heads + h] = plan.slots;
-        plan.merges.push_back({index, g * rows_per_block, rows(g), h, int(plan.slots), seen[g]});
+        plan.merges.push_back({index, row0(g), rows(g), h, int(plan.slots), seen[g]});
         plan.slots += seen[g];
       }
     }
@@ -314,12 +324,12 @@ AttentionPlan plan_attention(const std::vector<AttentionSegment>& segments, int 
           if (rank[g][k] < 0) continue;
           const Piece& p = pieces[k];
           const int64_t slot = seen[g] > 1 ? first_slot[size_t(g) * num_kv_heads + h] + rank[g][k] : -1;
-          plan.items.push_back({index, g * rows_per_block, rows(g), h, p.span, p.key, p.last_span, p.last_end, int(slot)});
+          plan.items.push_back({index, row0(g), rows(g), h, p.span, p.key, p.last_span, p.last_end, int(slot)});
         }
     // A row group that sees no key (only in a malformed batch) still gets its output: zeros.
     for (int g = 0; g < groups; ++g)
       for (int h = 0; seen[g] == 0 && h < num_kv_heads; ++h)
-        plan.items.push_back({index, g * rows_per_block, rows(g), h, 0, 0, -1, 0, -1});
+        plan.items.push_back({index, row0(g), rows(g), h, 0, 0, -1, 0, -1});
   }
   return plan;
 }
