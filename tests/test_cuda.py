@@ -633,15 +633,17 @@ def test_long_prompt_split_keys_match_cpu(tmp_path, dims, kv_block_size, activat
 # rows, a segment of a few rows over all its keys; as on the CPU (test_batching.py) its
 # logits must be a whole prefill's, bit for bit: the attention plans those rows as within the
 # whole prompt (attention_bench --host), where the rows a block takes (at most 128) divide
-# the hit, as a window needs: blocks of 64 tokens, a hit of 256. (The fuzz found seeded
-# requests' tokens changed after a hit, with the keys' pieces split by a segment's rows.)
+# the hit, as a window needs: the GPU cuts a hit to a multiple of 128 tokens (288 cached
+# tokens in blocks of 16: 256 taken). (The fuzz found seeded requests' tokens changed after a
+# hit, with the keys' pieces split by a segment's rows.)
+@pytest.mark.parametrize("kv_block_size", [64, 16])
 @pytest.mark.parametrize("activations,dims,heads", [("float32", (64, 128), (4, 2)), ("bfloat16", (256, 512), (4, 2)),
                                                     ("float32", (64, 128), (2, 1)), ("bfloat16", (256, 512), (2, 1))])
-def test_prefix_hit_gives_a_whole_prefills_logits(tmp_path, activations, dims, heads):
+def test_prefix_hit_gives_a_whole_prefills_logits(tmp_path, activations, dims, heads, kv_block_size):
     path = small_checkpoint(tmp_path, 32, num_attention_heads=heads[0], num_key_value_heads=heads[1],
                             head_dim=dims[0], global_head_dim=dims[1])
     model = ds.Model.load(path, device="cuda", activations=activations, kv_cache_memory_bytes=256 << 20,
-                          kv_block_size=64)
+                          kv_block_size=kv_block_size)
     rng = np.random.default_rng(7)
     prompt, canvas = rng.integers(0, 300, 300), rng.integers(0, 300, 32)
     whole, after_hit = model.sequence(), model.sequence()

@@ -234,7 +234,7 @@ bool Engine::admit(uint64_t id, int64_t encode_tokens) {
   if (!r.waiting) throw InvalidArgument("request " + std::to_string(id) + " is already running");
   KvCache& kv = *model_->state().kv;
   const std::vector<int32_t> target = r.target_tokens(0, r.target_length());
-  const int64_t hit = kv.match_prefix(r.table, target);
+  const int64_t hit = kv.match_prefix(r.table, target, model_->state().backend->prefix_hit_multiple());
   if (!kv.reserve(r.table, std::min(encode_tokens, r.pending()))) {
     kv.release(r.table);
     return false;

@@ -250,7 +250,7 @@ void Sequence::prefill(std::span<const int32_t> ids) {
   check_positions(length(), ids.size(), config(), "prefill");  // all of it, before any chunk's work
   if (length() > 0) return continue_prefill(ids);
   KvCache& kv = *model_->state().kv;
-  const int64_t hit = kv.match_prefix(state_->table, ids);
+  const int64_t hit = kv.match_prefix(state_->table, ids, model_->state().backend->prefix_hit_multiple());
   if (hit == int64_t(ids.size())) return kv.record_prefix_query(hit, hit);  // every token's KV was cached
   try {
     // The sliding-window layers keep a window and a chunk a sequence (KvCache), not a whole
