@@ -653,6 +653,19 @@ def test_prefix_hit_gives_a_whole_prefills_logits(tmp_path, activations, dims, h
     np.testing.assert_array_equal(whole.denoise(canvas), after_hit.denoise(canvas))
 
 
+# A prompt longer than a pass takes (max_num_batched_tokens) runs in chunks, which the engine
+# ends at multiples of 128 tokens, as hits: the same tokens as the prompt in one pass.
+@pytest.mark.parametrize("activations,dims", [("float32", (64, 128)), ("bfloat16", (256, 512))])
+def test_chunked_prompt_gives_a_whole_prompts_tokens(tmp_path, activations, dims):
+    path = small_checkpoint(tmp_path, 32, num_attention_heads=4, num_key_value_heads=2, head_dim=dims[0],
+                            global_head_dim=dims[1])
+    prompt = np.random.default_rng(8).integers(0, 300, 500).tolist()
+    params = ds.SamplingParams(max_new_tokens=64, seed=3, eos_token_id=[])
+    outputs = [ds.LLM(path, device="cuda", activations=activations, kv_cache_memory_bytes=256 << 20,
+                      max_num_batched_tokens=rows).generate([prompt], params)[0].token_ids for rows in (4096, 200)]
+    assert outputs[0] == outputs[1]
+
+
 # Pages of one token: a 2,100-token prompt is 2,100 spans in a full layer, more than the
 # wgmma pre-pass keeps in shared memory, so an fp32 cache's pre-pass searches the span table
 # in global memory; a bf16 cache's pages are read in place. The same bits, and the CPU's numbers.

@@ -346,8 +346,15 @@ std::vector<std::pair<uint64_t, GenerationOutput>> Engine::step(const std::vecto
       // Prompt chunks go only into the first pass, as planned; later passes commit blocks.
       const bool prompt_left = r->table.length() < int64_t(r->prompt.size());
       // (A prompt chunk planned past the pass's rows is cut to them, not skipped every pass.)
-      const int64_t encode =
+      int64_t encode =
           pass == 0 ? std::min({pending, allowance[id], max_batched_tokens - rows}) : (prompt_left ? 0 : pending);
+      // A chunk that leaves tokens for later ends where a prefix-cache hit may (a multiple of
+      // Backend::prefix_hit_multiple) where it can: the rows after it then meet the attention
+      // as within the whole prompt, so a request's tokens don't depend on its chunks.
+      if (encode > 0 && encode < pending) {
+        const int64_t multiple = be.prefix_hit_multiple(), from = r->table.length();
+        if ((from + encode) / multiple * multiple > from) encode = (from + encode) / multiple * multiple - from;
+      }
       if (encode > 0) {
         if (rows + encode > max_batched_tokens || !m.kv->reserve(r->table, encode)) continue;
         const int64_t from = r->table.length();
