@@ -342,6 +342,14 @@ std::map<Output, std::vector<PieceOf>> pieces_by_output(const AttentionPlan& pla
   return by;
 }
 
+// An item of the output (its pieces' items share rows and kv head).
+const AttentionItem* item_of(const AttentionPlan& plan, const Output& output) {
+  const auto [segment, row0, kv_head] = output;
+  for (const AttentionItem& it : plan.items)
+    if (it.segment == segment && it.row0 == row0 && it.kv_head == kv_head) return &it;
+  return nullptr;
+}
+
 // The plan of `p` for `resident` concurrent items: outputs, pieces, slots and merges
 // consistent, every visible key in a piece; returns the pieces per output.
 std::map<Output, std::vector<PieceOf>> check_plan(const Problem& p, int resident, const std::string& name,
@@ -354,9 +362,7 @@ std::map<Output, std::vector<PieceOf>> check_plan(const Problem& p, int resident
   for (const auto& [output, pieces] : by) {
     const auto [segment, row0, kv_head] = output;
     const AttentionSegment& s = p.segs[size_t(segment)];
-    const AttentionItem* item = nullptr;
-    for (const AttentionItem& it : plan.items)
-      if (it.segment == segment && it.row0 == row0 && it.kv_head == kv_head) item = &it;
+    const AttentionItem* item = item_of(plan, output);
     if (item->rows * group > std::max(plan.queries_per_slot, 16)) error = "too many query vectors in a block";
     if (kv_head == 0) rows_covered += item->rows;
     // Every key some row of the group sees lies in one of its pieces.
@@ -441,11 +447,9 @@ std::map<int64_t, RowPlan> row_plans(const Problem& p, const SegmentSpec& spec, 
   const AttentionPlan plan = plan_attention(p.segs, p.heads, p.kv_heads, p.dim, resident, false);
   std::map<int64_t, RowPlan> rows;
   for (const auto& [output, pieces] : pieces_by_output(plan, error)) {
-    const auto [segment, row0, kv_head] = output;
-    if (kv_head) continue;
-    int item_rows = 0;
-    for (const AttentionItem& it : plan.items)
-      if (it.segment == segment && it.row0 == row0 && it.kv_head == 0) item_rows = it.rows;
+    const int row0 = std::get<1>(output);
+    if (std::get<2>(output)) continue;  // kv head 0's items stand for the others'
+    const int item_rows = item_of(plan, output)->rows;
     const int64_t group_first = spec.first_position + row0;
     const int64_t walk_from = spec.window ? group_first - spec.window + 1 : INT64_MIN;
     for (int64_t pos = group_first; pos < group_first + item_rows; ++pos) {

@@ -954,6 +954,12 @@ class CudaBackend final : public Backend {
     if (softmax_feedback && !rounded) write_product_input(logits);
   }
 
+  // The attention's row groups of a prompt lie at multiples of the rows a block takes (up to
+  // 128: its query vectors over the GQA group), so that a hit cut to a multiple of 128 leaves
+  // the rows after it grouped as within the whole prompt (the same keys' walks: the same bits).
+  // Not where the rows a block takes are no power of two (GQA groups of 3, 5, 6, ...).
+  int64_t prefix_hit_multiple() const override { return 128; }
+
   // Measured on the H200 at 1K (step_latency.py, branches on / off, eighteenth session): the
   // dense MLP beside the experts saves 0.4 / 0.9 ms a batch-1 step with bf16 / FP8_DYNAMIC
   // experts, whose products stream weights at memory bandwidth, and is within 0.3 ms at batch
@@ -961,12 +967,6 @@ class CudaBackend final : public Backend {
   // NVFP4 experts it costs 0.8 / 0.9 / 14 ms at batch 1 / 4 / 16: their decoding products
   // are bound by issue, and a branch beside them takes issue slots and multiprocessors from
   // them (FP8 weights with bf16 X decode too).
-  // The attention's row groups of a prompt lie at multiples of the rows a block takes (up to
-  // 128: its query vectors over the GQA group), so that a hit cut to a multiple of 128 leaves
-  // the rows after it grouped as within the whole prompt (the same keys' walks: the same bits).
-  // Not where the rows a block takes are no power of two (GQA groups of 3, 5, 6, ...).
-  int64_t prefix_hit_multiple() const override { return 128; }
-
   bool experts_leave_room(const Weight& experts, int64_t rows) const override {
     return rows <= 1024 && cuda::gemm_operands_alike(gemm_input(experts), experts.format);
   }

@@ -37,7 +37,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from diffuserve.random_checkpoint import write_random_checkpoint  # noqa: E402
 import diffuserve as ds  # noqa: E402
-from test_cuda import check_bf16_activations, check_passes_match_cpu  # noqa: E402
+from test_cuda import check_bf16_activations, check_passes_match_cpu, check_prefix_hit  # noqa: E402
 
 
 def wide_shape(rng):
@@ -60,7 +60,7 @@ def check_batch_invariance(path, canvas, seed):
     (no kernel mixes rows, and products taller than a cuBLASLt call takes are sliced by rows):
     prompts of up to 700 tokens, so that the batch's passes are taller than the lone ones'.
     Each request alone runs on a model of its own: on the batch's, it would find its prompt's
-    blocks in the prefix cache (check_prefix_hit's matter)."""
+    blocks in the prefix cache (test_cuda.check_prefix_hit's matter)."""
     rng = np.random.default_rng(seed)
     llm = lambda: ds.LLM(path, device="cuda", kv_cache_memory_bytes=256 << 20)  # noqa: E731
     batch = llm()
@@ -72,21 +72,6 @@ def check_batch_invariance(path, canvas, seed):
     together = batch.generate(prompts, params)
     for i, (prompt, p, out) in enumerate(zip(prompts, params, together)):
         assert llm().generate([prompt], p)[0].token_ids == out.token_ids, f"request {i}: alone != batched"
-
-
-def check_prefix_hit(path, prompt_length, canvas, seed):
-    """A prompt whose whole blocks a sequence before it left in the prefix cache (only the
-    rest of it is prefilled, in a pass of a few rows over the cached keys) gives the same
-    logits, bit for bit, as prefilled whole: as on the CPU (test_batching.py)."""
-    rng = np.random.default_rng(seed)
-    model = ds.Model.load(path, device="cuda", kv_cache_memory_bytes=256 << 20)
-    prompt, tokens = rng.integers(0, model.vocab_size, prompt_length), rng.integers(0, model.vocab_size, canvas)
-    first, second = model.sequence(canvas), model.sequence(canvas)
-    first.prefill(prompt)
-    second.prefill(prompt)
-    a, b = first.denoise(tokens), second.denoise(tokens)
-    assert np.array_equal(a, b), (f"logits after a prefix hit differ from a whole prefill's on "
-                                  f"{int((a != b).any(axis=1).sum())} of {canvas} rows, up to {np.abs(a - b).max():.3g}")
 
 
 def main():

@@ -642,15 +642,23 @@ def test_long_prompt_split_keys_match_cpu(tmp_path, dims, kv_block_size, activat
 def test_prefix_hit_gives_a_whole_prefills_logits(tmp_path, activations, dims, heads, kv_block_size):
     path = small_checkpoint(tmp_path, 32, num_attention_heads=heads[0], num_key_value_heads=heads[1],
                             head_dim=dims[0], global_head_dim=dims[1])
-    model = ds.Model.load(path, device="cuda", activations=activations, kv_cache_memory_bytes=256 << 20,
-                          kv_block_size=kv_block_size)
-    rng = np.random.default_rng(7)
-    prompt, canvas = rng.integers(0, 300, 300), rng.integers(0, 300, 32)
-    whole, after_hit = model.sequence(), model.sequence()
+    assert check_prefix_hit(path, 300, 32, seed=7, activations=activations, kv_block_size=kv_block_size) == 256
+
+
+def check_prefix_hit(path, prompt_length, canvas_length, seed=0, **load):
+    """The same prompt prefilled twice on one GPU model (the second time its whole blocks are
+    cached), then the same canvas denoised: the logits bit for bit. Returns the tokens the
+    cache gave."""
+    load.setdefault("kv_cache_memory_bytes", 256 << 20)
+    model = ds.Model.load(path, device="cuda", **load)
+    rng = np.random.default_rng(seed)
+    prompt, canvas = rng.integers(0, model.vocab_size, prompt_length), rng.integers(0, model.vocab_size, canvas_length)
+    whole, after_hit = model.sequence(canvas_length), model.sequence(canvas_length)
     whole.prefill(prompt)
     after_hit.prefill(prompt)
-    assert model.cache_stats()["prefix_cache_hits"] == 256
-    np.testing.assert_array_equal(whole.denoise(canvas), after_hit.denoise(canvas))
+    np.testing.assert_array_equal(whole.denoise(canvas), after_hit.denoise(canvas),
+                                  err_msg="logits after a prefix hit against a whole prefill's")
+    return model.cache_stats()["prefix_cache_hits"]
 
 
 # A prompt longer than a pass takes (max_num_batched_tokens) runs in chunks, which the engine

@@ -353,7 +353,8 @@ std::vector<std::pair<uint64_t, GenerationOutput>> Engine::step(const std::vecto
       // as within the whole prompt, so a request's tokens don't depend on its chunks.
       if (encode > 0 && encode < pending) {
         const int64_t multiple = be.prefix_hit_multiple(), from = r->table.length();
-        if ((from + encode) / multiple * multiple > from) encode = (from + encode) / multiple * multiple - from;
+        const int64_t end = (from + encode) / multiple * multiple;
+        if (end > from) encode = end - from;
       }
       if (encode > 0) {
         if (rows + encode > max_batched_tokens || !m.kv->reserve(r->table, encode)) continue;
