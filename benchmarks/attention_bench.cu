@@ -467,9 +467,10 @@ std::map<int64_t, RowPlan> row_plans(const Problem& p, const SegmentSpec& spec, 
 // After a prefix-cache hit a prompt's first `hit` tokens are cached and only its other rows
 // run, as a segment of their own over all its keys: each of those rows must be planned as
 // when the prompt ran whole (the same bits). Row groups lie at multiples of the rows a block
-// takes, so that holds where that count divides `hit` (a KV block: 16 by default), or where
-// the window reaches back to the first key. (Not yet elsewhere: 32 rows a block, a hit of
-// 592 and a window of 100 start the walk of the keys of rows 592-607 at 493, not 477.)
+// takes (a power of two), so that holds where that count divides `hit` (the engine cuts hits
+// to multiples of 128: Backend::prefix_hit_multiple), or where the window reaches back to the
+// first key. (Not elsewhere: 32 rows a block, a hit of 592 and a window of 100 start the walk
+// of the keys of rows 592-607 at 493, not 477.)
 void check_prefix_hit_plan(int heads, int kv_heads, int dim, int64_t length, int64_t hit, int64_t window) {
   const SegmentSpec whole = encoder(length, 0, window), rest = encoder(length - hit, hit, window);
   std::string error;
@@ -508,8 +509,9 @@ void host_checks() {
     }
   }
   // A prompt's rows after a prefix-cache hit, planned as when it runs whole: GQA groups of
-  // 2, 4 and 3 (8, 4 and 5 rows a block at head dim 64), windows or none.
-  for (const auto& [heads, kv_heads, window] : {std::tuple{16, 8, 100}, {16, 4, 100}, {16, 8, 0}, {6, 2, 0}})
+  // 2, 4 and 3 (8, 4 and 4 rows a block at head dim 64: 16 queries over 3 heads take 5 rows
+  // elsewhere), windows or none.
+  for (const auto& [heads, kv_heads, window] : {std::tuple{16, 8, 100}, {16, 4, 100}, {16, 8, 0}, {6, 2, 0}, {6, 2, 100}})
     for (const auto& [length, hit] : {std::pair<int64_t, int64_t>{587, 576}, {300, 288}, {700, 16}})
       check_prefix_hit_plan(heads, kv_heads, 64, length, hit, window);
   // bf16 keys (a bf16 cache's pages) only where the wgmma kernel runs: the plan of another

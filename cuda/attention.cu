@@ -10,6 +10,7 @@
 // brings its own positions, causal flag and window. The plan gives it each row group's keys
 // whole, as one piece.
 #include <algorithm>
+#include <bit>
 #include <cfloat>
 #include <climits>
 #include <cstdint>
@@ -289,15 +290,17 @@ AttentionPlan plan_attention(const std::vector<AttentionSegment>& segments, int 
     // row group (the keys' walk starts at the group's first row's window) and on the pieces.
     // So a causal segment's (a prompt's or a commit's) row groups lie at positions that are
     // multiples of rows_per_block, and its keys are one piece (a split would depend on its
-    // row count). A canvas's segment is the same rows whatever the batch: split as it suits.
-    const int64_t lead = s.causal ? s.first_position % rows_per_block : 0;  // rows its first group lacks
-    const int groups = s.rows ? int((lead + s.rows + rows_per_block - 1) / rows_per_block) : 0;
+    // row count). Its rows a block are a power of two (fewer than the block could take where
+    // a GQA group of 3, 5, 6, ... makes them none), so that they divide the multiple a prefix
+    // hit or a prompt's chunk ends at (Backend::prefix_hit_multiple). A canvas's segment is
+    // the same rows whatever the batch: split as it suits.
+    const int group_rows = s.causal ? int(std::bit_floor(unsigned(rows_per_block))) : rows_per_block;
+    const int64_t lead = s.causal ? s.first_position % group_rows : 0;  // rows its first group lacks
+    const int groups = s.rows ? int((lead + s.rows + group_rows - 1) / group_rows) : 0;
     const std::vector<Piece> pieces = cut(
         s.spans, span_begin, split && !s.causal ? piece_keys(int64_t(groups) * num_kv_heads, keys, resident_items) : keys);
-    auto row0 = [&](int g) { return int(std::max<int64_t>(0, int64_t(g) * rows_per_block - lead)); };
-    auto rows = [&](int g) {
-      return int(std::min<int64_t>(int64_t(g + 1) * rows_per_block - lead, s.rows) - row0(g));
-    };
+    auto row0 = [&](int g) { return int(std::max<int64_t>(0, int64_t(g) * group_rows - lead)); };
+    auto rows = [&](int g) { return int(std::min<int64_t>(int64_t(g + 1) * group_rows - lead, s.rows) - row0(g)); };
     // Which pieces each row group sees (any key within the union of its rows' causal
     // windows), and the rank of each among them; the row groups that see several get
     // consecutive partial slots for each kv head, and a merge.

@@ -954,10 +954,10 @@ class CudaBackend final : public Backend {
     if (softmax_feedback && !rounded) write_product_input(logits);
   }
 
-  // The attention's row groups of a prompt lie at multiples of the rows a block takes (up to
-  // 128: its query vectors over the GQA group), so that a hit cut to a multiple of 128 leaves
-  // the rows after it grouped as within the whole prompt (the same keys' walks: the same bits).
-  // Not where the rows a block takes are no power of two (GQA groups of 3, 5, 6, ...).
+  // The attention's row groups of a prompt lie at multiples of the rows a block takes (a power
+  // of two up to 128: its query vectors over the GQA group), so that a hit cut to a multiple of
+  // 128 leaves the rows after it grouped as within the whole prompt (the same keys' walks: the
+  // same bits).
   int64_t prefix_hit_multiple() const override { return 128; }
 
   // Measured on the H200 at 1K (step_latency.py, branches on / off, eighteenth session): the
