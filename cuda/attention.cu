@@ -289,9 +289,9 @@ AttentionPlan plan_attention(const std::vector<AttentionSegment>& segments, int 
     // (a prefix-cache hit, a prompt in chunks, a batch's budget): its output depends on its
     // row group (the keys' walk starts at the group's first row's window) and on the pieces.
     // So a causal segment's (a prompt's or a commit's) row groups lie at positions that are
-    // multiples of rows_per_block, and its keys are one piece (a split would depend on its
-    // row count). Its rows a block are a power of two (fewer than the block could take where
-    // a GQA group of 3, 5, 6, ... makes them none), so that they divide the multiple a prefix
+    // multiples of its rows a block (group_rows), and its keys are one piece (a split would
+    // depend on its row count). group_rows is a power of two (fewer than rows_per_block where
+    // a GQA group of 3, 5, 6, ... makes that none), so that it divides the multiple a prefix
     // hit or a prompt's chunk ends at (Backend::prefix_hit_multiple). A canvas's segment is
     // the same rows whatever the batch: split as it suits.
     const int group_rows = s.causal ? int(std::bit_floor(unsigned(rows_per_block))) : rows_per_block;
