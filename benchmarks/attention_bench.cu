@@ -32,6 +32,7 @@
 #include <tuple>
 #include <vector>
 
+#include "attention_keys.cuh"
 #include "bench_common.cuh"
 #include "kernels.h"
 
@@ -438,51 +439,77 @@ std::vector<Case> cases() {
   };
 }
 
-// A prompt's rows as the plan gives them to the kernels, by position: the pieces of the keys
-// each reads, as positions from where its group's walk of them starts (its first row's
-// window, or the piece) up to its own. The kernels' chunks of keys are counted from those
-// starts, so rows alike here get the same bits.
-using RowPlan = std::vector<std::pair<int64_t, int64_t>>;
-std::map<int64_t, RowPlan> row_plans(const Problem& p, const SegmentSpec& spec, int resident, std::string& error) {
+// A prompt's rows as the kernels walk their keys, by position: for each row, the chunks of
+// `kKeys` slots that hold keys it sees, each as those keys' positions and slots. A piece's
+// keys that some row of the item sees come one after the other into its chunks (KeyWalk),
+// the walk's first key at its slot on the item's grid (KeyWalk::first_slot); a chunk with no
+// key a row sees changes nothing of its result, and rows alike here get the same bits.
+using Chunk = std::vector<std::pair<int64_t, int>>;
+using RowPlan = std::vector<Chunk>;
+template <int kKeys>
+std::map<int64_t, RowPlan> row_plans(const Problem& p, int resident, std::string& error) {
   const AttentionPlan plan = plan_attention(p.segs, p.heads, p.kv_heads, p.dim, resident, false);
+  const AttentionSegment& s = p.segs.at(0);
+  auto sees = [&](int64_t row, int64_t key) { return !s.causal || (key <= row && (s.window == 0 || key > row - s.window)); };
   std::map<int64_t, RowPlan> rows;
   for (const auto& [output, pieces] : pieces_by_output(plan, error)) {
-    const int row0 = std::get<1>(output);
     if (std::get<2>(output)) continue;  // kv head 0's items stand for the others'
-    const int item_rows = item_of(plan, output)->rows;
-    const int64_t group_first = spec.first_position + row0;
-    const int64_t walk_from = spec.window ? group_first - spec.window + 1 : INT64_MIN;
-    for (int64_t pos = group_first; pos < group_first + item_rows; ++pos) {
-      RowPlan& row = rows[pos];
-      for (const PieceOf& piece : pieces) {
-        const int64_t from = std::max(walk_from, spec.key_begin + std::get<0>(piece));
-        const int64_t to = std::min(pos + 1, spec.key_begin + std::get<1>(piece));
-        if (from < to) row.push_back({from, to});
+    const AttentionItem& item = *item_of(plan, output);
+    const int64_t first = s.first_position + item.row0, last = first + item.rows - 1;
+    for (const PieceOf& piece : pieces) {
+      std::vector<int64_t> walk;  // the piece's keys some row of the item sees, in order
+      int64_t raw = 0;
+      for (const KeySpan& span : s.spans)
+        for (int64_t k = 0; k < span.count; ++k, ++raw) {
+          const int64_t key = span.first_position + k;
+          if (raw >= std::get<0>(piece) && raw < std::get<1>(piece) && (sees(first, key) || sees(last, key) || (key > first && key < last)))
+            walk.push_back(key);
+        }
+      KeyWalk grid{};
+      grid.grid = item.grid;
+      std::vector<Chunk> chunks;
+      for (size_t i = 0, slot = kKeys; i < walk.size(); ++i, ++slot) {
+        if (slot == kKeys) chunks.emplace_back(), slot = i ? 0 : size_t(grid.first_slot<kKeys>(walk[0]));
+        chunks.back().push_back({walk[i], int(slot)});
       }
+      for (int64_t row = first; row <= last; ++row)
+        for (const Chunk& chunk : chunks) {
+          Chunk seen;
+          for (const auto& key : chunk)
+            if (sees(row, key.first)) seen.push_back(key);
+          if (!seen.empty()) rows[row].push_back(seen);
+        }
     }
   }
   return rows;
 }
 
-// After a prefix-cache hit a prompt's first `hit` tokens are cached and only its other rows
-// run, as a segment of their own over all its keys: each of those rows must be planned as
-// when the prompt ran whole (the same bits). Row groups lie at multiples of the rows a block
-// takes (a power of two), so that holds where that count divides `hit` (the engine cuts hits
-// to multiples of 128: Backend::prefix_hit_multiple), or where the window reaches back to the
-// first key. (Not elsewhere: 32 rows a block, a hit of 592 and a window of 100 start the walk
-// of the keys of rows 592-607 at 493, not 477.)
+// A prompt's rows after its first `hit` tokens ran in an earlier pass (a prefix-cache hit, a
+// chunk of a long prompt, a prefill continued, a commit), as a segment of their own over all
+// its keys (those the sliding window keeps): each row must be walked as when the prompt ran
+// whole (the same bits), in every kernel's chunks (16, 32 and 64 keys). Row groups lie at
+// multiples of the rows a block takes (a power of two) and the chunks on a grid of key
+// positions from the whole group's first window, so that holds at any hit.
 void check_prefix_hit_plan(int heads, int kv_heads, int dim, int64_t length, int64_t hit, int64_t window) {
   const SegmentSpec whole = encoder(length, 0, window), rest = encoder(length - hit, hit, window);
+  const Problem whole_problem = make_problem(heads, kv_heads, dim, {whole}, 1);
+  const Problem rest_problem = make_problem(heads, kv_heads, dim, {rest}, 1);
   std::string error;
-  const std::map<int64_t, RowPlan> a = row_plans(make_problem(heads, kv_heads, dim, {whole}, 1), whole, 132, error);
-  const std::map<int64_t, RowPlan> b = row_plans(make_problem(heads, kv_heads, dim, {rest}, 1), rest, 132, error);
   int64_t differ = 0;
-  for (int64_t pos = hit; pos < length; ++pos) differ += !a.count(pos) || !b.count(pos) || a.at(pos) != b.at(pos);
+  auto compare = [&](auto keys) {
+    constexpr int kKeys = decltype(keys)::value;
+    const std::map<int64_t, RowPlan> a = row_plans<kKeys>(whole_problem, 132, error);
+    const std::map<int64_t, RowPlan> b = row_plans<kKeys>(rest_problem, 132, error);
+    for (int64_t pos = hit; pos < length; ++pos) differ += !a.count(pos) || !b.count(pos) || a.at(pos) != b.at(pos);
+  };
+  compare(std::integral_constant<int, 16>{});
+  compare(std::integral_constant<int, 32>{});
+  compare(std::integral_constant<int, 64>{});
   char name[160];
-  std::snprintf(name, sizeof name, "plan d%d %d/%d heads: %ld rows after a hit of %ld, window %ld (host)", dim, heads,
-                kv_heads, long(length - hit), long(hit), long(window));
+  std::snprintf(name, sizeof name, "plan d%d %d/%d heads: %ld rows after %ld in a pass before, window %ld (host)", dim,
+                heads, kv_heads, long(length - hit), long(hit), long(window));
   report(error.empty() && !differ, name,
-         !error.empty() ? error : differ ? std::to_string(differ) + " rows planned otherwise" : "planned as whole");
+         !error.empty() ? error : differ ? std::to_string(differ) + " rows walked otherwise" : "walked as whole");
 }
 
 void host_checks() {
@@ -508,11 +535,11 @@ void host_checks() {
              same ? "same pieces" : "DIFFERENT pieces");
     }
   }
-  // A prompt's rows after a prefix-cache hit, planned as when it runs whole: GQA groups of
-  // 2, 4 and 3 (8, 4 and 4 rows a block at head dim 64: 16 queries over 3 heads take 5 rows
-  // elsewhere), windows or none.
+  // A prompt's rows after a pass before, walked as when it runs whole: GQA groups of 2, 4
+  // and 3 (whose rows a block are no power of two), windows or none, the earlier pass's end
+  // on a block's rows or not.
   for (const auto& [heads, kv_heads, window] : {std::tuple{16, 8, 100}, {16, 4, 100}, {16, 8, 0}, {6, 2, 0}, {6, 2, 100}})
-    for (const auto& [length, hit] : {std::pair<int64_t, int64_t>{587, 576}, {300, 288}, {700, 16}})
+    for (const auto& [length, hit] : {std::pair<int64_t, int64_t>{587, 576}, {300, 288}, {700, 16}, {700, 592}, {400, 37}, {260, 255}})
       check_prefix_hit_plan(heads, kv_heads, 64, length, hit, window);
   // bf16 keys (a bf16 cache's pages) only where the wgmma kernel runs: the plan of another
   // kernel refuses them by name (here head dim 64; on a machine without the wgmma kernel, any).

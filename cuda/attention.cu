@@ -4,11 +4,12 @@
 // 512, which also takes pieces of the keys: split-KV).
 //
 // The generic kernel: a block takes up to 16 query vectors (several rows x the query heads
-// of one KV head, so each key is read once for its whole GQA group) and walks the
-// segment's key spans in chunks of 32 keys with an online softmax. Keys, values, queries
-// and the output accumulator sit in shared memory, so any head_dim works. Each segment
-// brings its own positions, causal flag and window. The plan gives it each row group's keys
-// whole, as one piece.
+// of one KV head, so each key is read once for its whole GQA group) and walks the keys its
+// rows may see across the segment's spans (KeyWalk, as the tensor-core kernels do) in
+// chunks of 32 keys with an online softmax. Keys, values, queries and the output
+// accumulator sit in shared memory, so any head_dim works. Each segment brings its own
+// positions, causal flag and window. The plan gives it each row group's keys whole, as one
+// piece.
 #include <algorithm>
 #include <bit>
 #include <cfloat>
@@ -33,14 +34,18 @@ __global__ void __launch_bounds__(kThreads)
   wait_for_earlier_kernels();
   // With activations "bfloat16", Q, K, V and P rounded to bf16 before their products.
   auto input = [round_bf16](float x) { return round_bf16 ? __bfloat162float(__float2bfloat16(x)) : x; };
-  extern __shared__ float smem[];
+  extern __shared__ __align__(16) uint8_t smem_bytes[];
+  // A chunk's slots: each one's key and value rows (this KV head's) and position, or none.
+  const float** key_src = reinterpret_cast<const float**>(smem_bytes);  // [kChunk]
+  const float** value_src = key_src + kChunk;                           // [kChunk]
+  int64_t* key_position = reinterpret_cast<int64_t*>(value_src + kChunk);  // [kChunk]
   const int d = head_dim, dp = head_dim + 1;  // padded rows: a warp reading 32 keys hits 32 banks
-  float* Q = smem;                            // [kQueries][dp]
-  float* K = Q + kQueries * dp;               // [kChunk][dp]
-  float* V = K + kChunk * dp;                 // [kChunk][d]
-  float* O = V + kChunk * d;                  // [kQueries][d]
-  float* P = O + kQueries * d;                // [kQueries][kChunk]
-  float* m_run = P + kQueries * kChunk;       // running max, sum and rescale factor per query
+  float* Q = reinterpret_cast<float*>(key_position + kChunk);  // [kQueries][dp]
+  float* K = Q + kQueries * dp;                                // [kChunk][dp]
+  float* V = K + kChunk * dp;                                  // [kChunk][d]
+  float* O = V + kChunk * d;                                   // [kQueries][d]
+  float* P = O + kQueries * d;                                 // [kQueries][kChunk]
+  float* m_run = P + kQueries * kChunk;                        // running max, sum and rescale factor per query
   float* l_run = m_run + kQueries;
   float* alpha = l_run + kQueries;
 
@@ -61,57 +66,67 @@ __global__ void __launch_bounds__(kThreads)
   }
   if (tid < kQueries) m_run[tid] = -FLT_MAX, l_run[tid] = 0.0f;
 
+  // Thread r < kChunk finds the key in slot r of each chunk (the walk skips the keys no row
+  // of the block sees, and lays a causal segment's chunks on its grid: attention_keys.cuh).
+  const KeyWalk walk = item_keys(spans, seg, item);
+  KeyWalk::Slot slot{};
+  if (tid < kChunk) slot = walk.slot<kChunk>({item.span, item.key}, tid);
   const int64_t kv_stride = int64_t(num_kv_heads) * d;
-  for (int s = seg.span_begin; s < seg.span_begin + seg.span_count; ++s) {
-    const DeviceKeySpan span = spans[s];
-    for (int64_t c0 = 0; c0 < span.count; c0 += kChunk) {
-      const int count = int(span.count - c0 < kChunk ? span.count - c0 : kChunk);
-      __syncthreads();
-      for (int i = tid; i < count * d; i += kThreads) {
-        const int r = i / d, c = i % d;
-        const int64_t off = (c0 + r) * kv_stride + int64_t(item.kv_head) * d + c;
-        K[r * dp + c] = input(span.keys[off]);
-        V[r * d + c] = input(span.values[off]);
+  for (;;) {
+    bool found = false;
+    if (tid < kChunk) {
+      key_src[tid] = value_src[tid] = nullptr;
+      if ((found = walk.holds(slot))) {
+        const DeviceKeySpan& span = spans[slot.at.span];
+        const int64_t off = int64_t(slot.at.key) * kv_stride + int64_t(item.kv_head) * d;
+        key_src[tid] = span.keys + off, value_src[tid] = span.values + off;
+        key_position[tid] = span.first_position + slot.at.key;
       }
-      __syncthreads();
-      // Scores: (query, key) pairs spread over the threads.
-      for (int pair = tid; pair < kQueries * kChunk; pair += kThreads) {
-        const int j = pair / kChunk, r = pair % kChunk;
-        float score = -INFINITY;
-        if (j < nq && r < count) {
-          const int64_t p = seg.first_position + item.row0 + j / heads, key = span.first_position + c0 + r;
-          const bool visible = !seg.causal || (key <= p && (seg.window == 0 || key > p - seg.window));
-          if (visible) {
-            float acc = 0.0f;
-            for (int c = 0; c < d; ++c) acc += Q[j * dp + c] * K[r * dp + c];
-            score = acc;
-          }
+      walk.next<kChunk>(slot);
+    }
+    if (!__syncthreads_or(found)) break;  // also: the last chunk's K, V and P are read
+    for (int i = tid; i < kChunk * d; i += kThreads) {
+      const int r = i / d, c = i % d;
+      K[r * dp + c] = key_src[r] ? input(key_src[r][c]) : 0.0f;
+      V[r * d + c] = value_src[r] ? input(value_src[r][c]) : 0.0f;
+    }
+    __syncthreads();
+    // Scores: (query, key) pairs spread over the threads.
+    for (int pair = tid; pair < kQueries * kChunk; pair += kThreads) {
+      const int j = pair / kChunk, r = pair % kChunk;
+      float score = -INFINITY;
+      if (j < nq && key_src[r]) {
+        const int64_t p = seg.first_position + item.row0 + j / heads, key = key_position[r];
+        const bool visible = !seg.causal || (key <= p && (seg.window == 0 || key > p - seg.window));
+        if (visible) {
+          float acc = 0.0f;
+          for (int c = 0; c < d; ++c) acc += Q[j * dp + c] * K[r * dp + c];
+          score = acc;
         }
-        P[j * kChunk + r] = score;
       }
-      __syncthreads();
-      // Online softmax bookkeeping, one thread per query.
-      if (tid < nq) {
-        float* row = P + tid * kChunk;
-        float chunk_max = -INFINITY;
-        for (int r = 0; r < kChunk; ++r) chunk_max = max_nan(chunk_max, row[r]);
-        const float m_new = max_nan(m_run[tid], chunk_max);
-        float sum = 0.0f;
-        for (int r = 0; r < kChunk; ++r) sum += (row[r] = row[r] == -INFINITY ? 0.0f : __expf(row[r] - m_new));
-        alpha[tid] = __expf(m_run[tid] - m_new);
-        l_run[tid] = l_run[tid] * alpha[tid] + sum;
-        m_run[tid] = m_new;
-      }
-      __syncthreads();
-      for (int i = tid; i < nq * d; i += kThreads) {
-        const int j = i / d, c = i % d;
-        float acc = O[i] * alpha[j];
-        for (int r = 0; r < count; ++r) acc += input(P[j * kChunk + r]) * V[r * d + c];
-        O[i] = acc;
-      }
+      P[j * kChunk + r] = score;
+    }
+    __syncthreads();
+    // Online softmax bookkeeping, one thread per query.
+    if (tid < nq) {
+      float* row = P + tid * kChunk;
+      float chunk_max = -INFINITY;
+      for (int r = 0; r < kChunk; ++r) chunk_max = max_nan(chunk_max, row[r]);
+      const float m_new = max_nan(m_run[tid], chunk_max);
+      float sum = 0.0f;
+      for (int r = 0; r < kChunk; ++r) sum += (row[r] = row[r] == -INFINITY ? 0.0f : __expf(row[r] - m_new));
+      alpha[tid] = __expf(m_run[tid] - m_new);
+      l_run[tid] = l_run[tid] * alpha[tid] + sum;
+      m_run[tid] = m_new;
+    }
+    __syncthreads();
+    for (int i = tid; i < nq * d; i += kThreads) {
+      const int j = i / d, c = i % d;
+      float acc = O[i] * alpha[j];
+      for (int r = 0; r < kChunk; ++r) acc += input(P[j * kChunk + r]) * V[r * d + c];
+      O[i] = acc;
     }
   }
-  __syncthreads();
   for (int i = tid; i < nq * d; i += kThreads) {
     const int j = i / d, c = i % d;
     const int64_t row = seg.first_row + item.row0 + j / heads;
@@ -124,7 +139,8 @@ __global__ void __launch_bounds__(kThreads)
 
 size_t shared_bytes(int head_dim) {
   const int dp = head_dim + 1;
-  return sizeof(float) * (size_t(kQueries) * dp + size_t(kChunk) * dp + size_t(kChunk) * head_dim +
+  return kChunk * (2 * sizeof(const float*) + sizeof(int64_t)) +
+         sizeof(float) * (size_t(kQueries) * dp + size_t(kChunk) * dp + size_t(kChunk) * head_dim +
                           size_t(kQueries) * head_dim + kQueries * kChunk + 3 * kQueries);
 }
 
@@ -286,16 +302,22 @@ AttentionPlan plan_attention(const std::vector<AttentionSegment>& segments, int 
       keys += k.count;
     }
     // A row's result must not depend on how its sequence's tokens were split into passes
-    // (a prefix-cache hit, a prompt in chunks, a batch's budget): its output depends on its
-    // row group (the keys' walk starts at the group's first row's window) and on the pieces.
-    // So a causal segment's (a prompt's or a commit's) row groups lie at positions that are
-    // multiples of its rows a block (group_rows), and its keys are one piece (a split would
-    // depend on its row count). group_rows is a power of two (fewer than rows_per_block where
-    // a GQA group of 3, 5, 6, ... makes that none), so that it divides the multiple a prefix
-    // hit or a prompt's chunk ends at (Backend::prefix_hit_multiple). A canvas's segment is
-    // the same rows whatever the batch: split as it suits.
+    // (a prefix-cache hit, a prompt in chunks, a continued prefill, a commit, a batch's
+    // budget): its output depends on the chunks its keys are walked in and on the pieces.
+    // So a causal segment's (a prompt's or a commit's) keys are one piece (a split would
+    // depend on its row count), its row groups lie at positions that are multiples of its rows
+    // a block (group_rows, a power of two: fewer than rows_per_block where a GQA group of 3,
+    // 5, 6, ... makes that none), and its chunks lie on a grid of key positions that starts
+    // where the walk of the whole group's keys would (its first row's window), even where the
+    // segment starts within the group (lead rows in an earlier pass) and so walks from a later
+    // key. A canvas's segment is the same rows whatever the batch: split as it suits.
     const int group_rows = s.causal ? int(std::bit_floor(unsigned(rows_per_block))) : rows_per_block;
     const int64_t lead = s.causal ? s.first_position % group_rows : 0;  // rows its first group lacks
+    auto grid = [&](int g) {
+      if (!s.causal) return -1;
+      const int64_t group_first = s.first_position - lead + int64_t(g) * group_rows;
+      return int((s.window > 0 ? std::max<int64_t>(0, group_first - s.window + 1) : 0) % kGridKeys);
+    };
     const int groups = s.rows ? int((lead + s.rows + group_rows - 1) / group_rows) : 0;
     const std::vector<Piece> pieces = cut(
         s.spans, span_begin, split && !s.causal ? piece_keys(int64_t(groups) * num_kv_heads, keys, resident_items) : keys);
@@ -327,12 +349,12 @@ AttentionPlan plan_attention(const std::vector<AttentionSegment>& segments, int 
           if (rank[g][k] < 0) continue;
           const Piece& p = pieces[k];
           const int64_t slot = seen[g] > 1 ? first_slot[size_t(g) * num_kv_heads + h] + rank[g][k] : -1;
-          plan.items.push_back({index, row0(g), rows(g), h, p.span, p.key, p.last_span, p.last_end, int(slot)});
+          plan.items.push_back({index, row0(g), rows(g), h, p.span, p.key, p.last_span, p.last_end, int(slot), grid(g)});
         }
     // A row group that sees no key (only in a malformed batch) still gets its output: zeros.
     for (int g = 0; g < groups; ++g)
       for (int h = 0; seen[g] == 0 && h < num_kv_heads; ++h)
-        plan.items.push_back({index, row0(g), rows(g), h, 0, 0, -1, 0, -1});
+        plan.items.push_back({index, row0(g), rows(g), h, 0, 0, -1, 0, -1, -1});
   }
   return plan;
 }

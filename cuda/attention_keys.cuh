@@ -30,12 +30,24 @@ struct Cursor {
 };
 
 // The keys of a block's piece that its queries (positions first..last) may see, one after
-// the other across the spans.
+// the other across the spans, and where its chunks of keys lie (AttentionItem::grid).
 struct KeyWalk {
   const DeviceKeySpan* spans;
   int last_span, last_end;  // the piece ends after key last_end - 1 of span last_span
   bool causal;
   int64_t window, first, last;
+  int grid;
+
+  // The slots of a chunk of kKeys before its first key, at `position`, where that is the
+  // walk's first key: its place on the grid (none off it). The chunks after follow on the
+  // grid where the keys are contiguous in position (a causal segment's are), so a row's keys
+  // meet the same chunks and slots whichever key its group's walk starts from.
+  template <int kKeys>
+  __host__ __device__ int first_slot(int64_t position) const {
+    static_assert(kGridKeys % kKeys == 0, "chunks on the grid");
+    return grid < 0 ? 0 : int((position % kGridKeys - grid + kGridKeys) % kKeys);
+  }
+  __device__ int64_t position(Cursor c) const { return spans[c.span].first_position + c.key; }
 
   // Of span `span`, keys [lo, hi) may be visible: those of the piece within the union of
   // the queries' causal windows.
@@ -60,19 +72,45 @@ struct KeyWalk {
   }
   __device__ bool has(Cursor c) const { return c.span <= last_span; }
 
-  // The next kKeys visible keys from cursor c on (fewer where the piece ends first), found by
-  // kKeys / 32 warps together: every lane calls it with the same c, `warp` its warp's place
-  // among them. found(i, span, key) is called for the i-th of them (key `key` of span
-  // `span`) by lane i % 32 of warp i / 32, where there is one; returns how many there are
-  // and moves c past them. The lanes read 32 spans at once and add up their visible keys
-  // (every warp alike, and each works out the same c), so that a chunk's keys cost one round
-  // trip to the span table, where advance() walks it a span after the other (pages of 16
-  // keys: a round trip for every 16 keys).
+  // A thread's slot of the walk's chunks of kKeys (it stages that slot of every chunk): the
+  // key there, and whether there is none yet (`held`: the slot lies before the walk's first
+  // key, which sits first_slot() slots into the first chunk; `at` is then the second
+  // chunk's key).
+  struct Slot {
+    Cursor at;
+    bool held;
+  };
+  // Slot s of the first chunk of the piece that starts at `start`.
+  template <int kKeys>
+  __device__ Slot slot(Cursor start, int s) const {
+    start = advance(start, 0);
+    const int skip = has(start) ? first_slot<kKeys>(position(start)) : 0;
+    const bool held = s < skip;
+    return {advance(start, s - skip + (held ? kKeys : 0)), held};
+  }
+  // The same slot of the next chunk.
+  template <int kKeys>
+  __device__ void next(Slot& slot) const {
+    if (slot.held) slot.held = false;
+    else slot.at = advance(slot.at, kKeys);
+  }
+  __device__ bool holds(const Slot& slot) const { return !slot.held && has(slot.at); }
+
+  // The next chunk of kKeys slots from cursor c on: its visible keys, found by kKeys / 32
+  // warps together (every lane calls it with the same c, `warp` its warp's place among
+  // them). The chunk's keys fill its slots in order, from slot 0, or for the walk's first
+  // chunk (`first_chunk`) from first_slot(); found(i, span, key) is called for slot i's key
+  // (key `key` of span `span`) by lane i % 32 of warp i / 32, where slot i has one (the
+  // caller marks the others empty). Returns how many keys the chunk has and moves c past
+  // them. The lanes read 32 spans at once and add up their visible keys (every warp alike,
+  // and each works out the same c), so that a chunk's keys cost one round trip to the span
+  // table, where advance() walks it a span after the other (pages of 16 keys: a round trip
+  // for every 16 keys).
   template <int kKeys, class Found>
-  __device__ int gather(Cursor& c, int warp, int lane, Found&& found) const {
+  __device__ int gather(Cursor& c, int warp, int lane, bool first_chunk, Found&& found) const {
     static_assert(kKeys % 32 == 0, "whole warps");
     constexpr unsigned kAll = 0xffffffffu;
-    int filled = 0;
+    int filled = first_chunk ? -1 : 0, skipped = 0;  // slots taken; -1: the first key's slot not yet known
     while (filled < kKeys && c.span <= last_span) {
       const int span = c.span + lane;
       int64_t lo = 0, hi = 0;
@@ -87,6 +125,14 @@ struct KeyWalk {
         if (lane >= o) upto += v;
       }
       const int total = __shfl_sync(kAll, upto, 31);
+      if (filled < 0 && total > 0) {  // the walk's first key, in the first lane with a visible key
+        const int holder = __ffs(__ballot_sync(kAll, count > 0)) - 1;
+        filled = skipped = first_slot<kKeys>(spans[c.span + holder].first_position + __shfl_sync(kAll, int(lo), holder));
+      }
+      if (filled < 0) {  // none in these 32 spans
+        c = {c.span + 32, 0};
+        continue;
+      }
       // The warp's 32 keys of the chunk (one pass; a single warp's start is known at compile
       // time, which made the full layers' kernel faster on the H200).
 #pragma unroll
@@ -105,14 +151,21 @@ struct KeyWalk {
         const int holder = __ffs(__ballot_sync(kAll, filled + upto >= kKeys)) - 1;
         const int before = __shfl_sync(kAll, upto - count, holder), first = __shfl_sync(kAll, int(lo), holder);
         c = {c.span + holder, first + kKeys - filled - before};
-        return kKeys;
+        return kKeys - skipped;
       }
       filled += total;
       c = {c.span + 32, 0};
     }
-    return filled;
+    return filled > skipped ? filled - skipped : 0;
   }
 };
+
+// An item's piece of its segment's keys, as its rows may see them.
+__device__ __forceinline__ KeyWalk item_keys(const DeviceKeySpan* spans, const DeviceAttentionSegment& seg,
+                                             const AttentionItem& item) {
+  const int64_t first = seg.first_position + item.row0;
+  return {spans, item.last_span, item.last_end, seg.causal != 0, seg.window, first, first + item.rows - 1, item.grid};
+}
 
 // Output values `at` .. at + kCount - 1 (an offset into the output's rows; kCount 2 or 4, `at`
 // a multiple of it), and their bf16 copies where the output has them.
@@ -165,11 +218,7 @@ struct ItemQueries {
   __device__ float* partial(float* partial_out, int queries_per_slot, int j) const {
     return partial_out + (int64_t(item.slot) * queries_per_slot + j) * head_dim;
   }
-  // The item's piece of the segment's keys, as its rows may see them.
-  __device__ KeyWalk keys(const DeviceKeySpan* spans) const {
-    const int64_t first = seg.first_position + item.row0;
-    return {spans, item.last_span, item.last_end, seg.causal != 0, seg.window, first, first + item.rows - 1};
-  }
+  __device__ KeyWalk keys(const DeviceKeySpan* spans) const { return item_keys(spans, seg, item); }
   __device__ VisibleKeys visible(int j) const {
     VisibleKeys v;
     if (j < count) {

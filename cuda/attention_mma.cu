@@ -9,7 +9,9 @@
 // merge kernel below combines with the other pieces'). It walks the piece in chunks of 32
 // keys (16 at head dims 64 and 512) that run across span boundaries (a KV cache block
 // holds only 16 keys), and skips the keys that no query of the block can see (causal and
-// sliding-window bounds), which changes nothing in the result. Chunks are copied as fp32
+// sliding-window bounds), which changes nothing in the result; a causal segment's chunks lie
+// on a grid of key positions (AttentionItem::grid), so that a row's bits do not depend on
+// where its segment starts. Chunks are copied as fp32
 // into shared memory with cp.async, keys and values in separate buffers, each double-
 // buffered: chunk n + 1's values and chunk n + 2's keys are in flight while chunk n's values
 // and chunk n + 1's keys are multiplied.
@@ -135,26 +137,26 @@ __global__ void __launch_bounds__(Shape<kDim>::kThreads, 1)
   const VisibleKeys visible = queries.visible(srow);
   float m_run = -INFINITY, l_run = 0.0f;
 
-  // Staging: this thread copies part of key `copy_key` of each chunk; `slot` is where that
-  // key is in the spans for the next chunk to stage. A chunk's values are staged one chunk
-  // after its keys, from the address its key staging kept.
+  // Staging: this thread copies part of the key in slot `copy_key` of each chunk; `slot` is
+  // where that key is in the spans for the next chunk to stage. A chunk's values are staged
+  // one chunk after its keys, from the address its key staging kept.
   const KeyWalk walk = queries.keys(spans);
   const int copy_key = tid / kCopiers, copy_part = tid % kCopiers;
-  Cursor slot = walk.advance({item.span, item.key}, copy_key);
+  KeyWalk::Slot slot = walk.slot<kKeys>({item.span, item.key}, copy_key);
   const float* v_src = q;  // any readable address: a missing key is zero-filled
   bool v_copy = false;
   // Keys of the chunk at `slot` into K[buf], their positions into key_pos[pos]; whether
   // this thread's key exists.
   auto stage_keys = [&](int buf, int pos) {
-    const bool valid = walk.has(slot);
+    const bool valid = walk.holds(slot);
     const float* k_src = q;
     int position = kNoKey;
     v_src = q;
     if (valid) {
-      const DeviceKeySpan s = spans[slot.span];
-      const int64_t off = int64_t(slot.key) * kv_stride + int64_t(item.kv_head) * kDim;
+      const DeviceKeySpan s = spans[slot.at.span];
+      const int64_t off = int64_t(slot.at.key) * kv_stride + int64_t(item.kv_head) * kDim;
       k_src = s.keys + off, v_src = s.values + off;
-      position = relative_position(s.first_position + slot.key, seg.first_position);
+      position = relative_position(s.first_position + slot.at.key, seg.first_position);
     }
     v_copy = valid;
     if (copy_part == 0) key_pos[pos][copy_key] = position;
@@ -289,7 +291,7 @@ __global__ void __launch_bounds__(Shape<kDim>::kThreads, 1)
   const bool have_first = stage_keys(0, 0);
   stage_values(0);
   cp_async_commit();
-  slot = walk.advance(slot, kKeys);
+  walk.next<kKeys>(slot);
   bool have_next = stage_keys(1, 1);  // this thread's key of the chunk after the current one exists
   cp_async_commit();
   // Q fragments (hi/lo) of this warp's tiles and slice, loaded while the first chunk is
@@ -323,7 +325,7 @@ __global__ void __launch_bounds__(Shape<kDim>::kThreads, 1)
     // the MMAs, rather than in the softmax that the tensor cores wait for.
     if (more) {
       stage_values(buf ^ 1);
-      slot = walk.advance(slot, kKeys);
+      walk.next<kKeys>(slot);
       have_next = stage_keys(buf, (n + 2) % 3);
       cp_async_commit();
     }

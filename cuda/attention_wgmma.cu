@@ -31,7 +31,8 @@
 // warpgroups both computed the same scores). That gained only 3% (attention_bench, H200,
 // the full layer at batch 1, 32K: 1,618 -> 1,575 us): what bounds the kernel is each
 // chunk's chain of latencies, not L2 (ncu: 6% busy). The blocks walk the item's piece of
-// the keys in chunks (64 keys at 256, 32 at 512) that all threads of a block stage together
+// the keys in chunks (64 keys at 256, 32 at 512; a causal segment's on the grid of key
+// positions that KeyWalk::first_slot says) that all threads of a block stage together
 // into shared memory: K and V alike as rows of keys ([key][dim], K-major for the score
 // product's B, N-major for P V's). A chunk's scores S = Q K^T are one wgmma chain per
 // warpgroup (Q and K from shared memory); at 512 that is a half of each score, which the
@@ -259,19 +260,18 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
 
   // Threads 0..kKeys-1 look up each chunk's keys together (KeyWalk::gather), thread `tid`
-  // the chunk's key `tid`: its bf16 row (key_row) and position, into table slot `slot`;
-  // whether the chunk has keys. `cursor`: the next chunk's first key.
+  // the chunk's slot `tid`: its key's bf16 row (key_row) and position, into table slot
+  // `slot`; whether the chunk has keys. `cursor`: the next chunk's first key.
   const KeyWalk walk = queries.keys(spans);
   Cursor cursor{item.span, item.key};
-  auto look_up = [&](int slot) {
+  auto look_up = [&](int slot, bool first_chunk) {
     if (tid >= kKeys) return false;
-    const int count = walk.gather<kKeys>(cursor, warp, lane, [&](int i, int span, int key) {
+    key_rows[slot][tid] = kNoRow, key_pos[slot][tid] = kNoKey;  // unless a key is found for it
+    return walk.gather<kKeys>(cursor, warp, lane, first_chunk, [&](int i, int span, int key) {
       const DeviceKeySpan s = spans[span];
       key_rows[slot][i] = s.pool_row >= 0 ? pool_row(s.pool_row + key) : int(s.packed + key);
       key_pos[slot][i] = relative_position(s.first_position + key, seg.first_position);
-    });
-    if (tid >= count) key_rows[slot][tid] = kNoRow, key_pos[slot][tid] = kNoKey;
-    return count > 0;
+    }) > 0;
   };
 
   // The keys and values of chunk c (table slot c % 3) into K's buffer c % 2 and V's c % 3, by cp.async
@@ -299,8 +299,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   // Before the loop: the tables of chunks 0 and 1 (from the plan's tables, which no kernel
   // writes: looked up before the wait for the kernels before, while their last blocks
   // run), then chunk 0's keys and values in flight while Q is read.
-  const bool first_mine = look_up(0);
-  const bool next_mine = look_up(1);
+  const bool first_mine = look_up(0, true);
+  const bool next_mine = look_up(1, false);
   // The swap's mbarriers, each expecting the first chunk it takes (0 and 1).
   const uint32_t shares = shared_address(smem + S::kSharesOffset), barriers = shared_address(smem + S::kBarrierOffset);
   if (S::kSplit > 1 && tid == 0) {
@@ -396,7 +396,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     wgmma_commit();
     multiply_values(n);
     wgmma_commit();
-    const bool after_mine = look_up((n + 2) % 3);
+    const bool after_mine = look_up((n + 2) % 3, false);
     // The look-ups' lanes may have parted (loops and loads of their own): wgmma's
     // instructions are .aligned, for whole warps only.
     __syncwarp();

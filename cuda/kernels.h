@@ -184,7 +184,11 @@ struct DeviceAttentionSegment {
 // spans one after the other): from key `key` of span `span` to key `last_end` - 1 of span
 // `last_span` (span indices into the span array; last_span < span: no key). slot < 0: the
 // piece is all the rows see and the item writes the output; else it writes partial slot
-// `slot`.
+// `slot`. grid >= 0: the kernels' chunks of keys lie on a grid of key positions, a chunk's
+// first slot at a position p with p % kGridKeys == grid (mod the chunk's keys), so that a row's
+// chunks do not depend on where its segment starts (a causal segment's); grid < 0: chunks
+// from the piece's first key on.
+constexpr int kGridKeys = 64;  // every kernel's chunk of keys divides it
 struct AttentionItem {
   int segment;
   int row0;
@@ -195,6 +199,7 @@ struct AttentionItem {
   int last_span;
   int last_end;
   int slot;
+  int grid;
 };
 // Rows whose keys were cut into `pieces` pieces, written to partial slots [slot, slot +
 // pieces) in key order: attention_merge combines them into the output.

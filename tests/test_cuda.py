@@ -674,6 +674,30 @@ def test_chunked_prompt_gives_a_whole_prompts_tokens(tmp_path, activations, dims
     assert outputs[0] == outputs[1]
 
 
+# A prompt fed in two prefills (a chat's next turn, a prompt in pieces), or its last block
+# committed, starts a pass within a block's rows and past the window's first keys: its rows'
+# chunks of keys lie on the grid the prompt in one prefill walks them on (AttentionItem::
+# grid), so the same bits. Each run on a model of its own: no prefix hits between them.
+@pytest.mark.parametrize("activations,shape", [("float32", "gqa16_mma_64_128"), ("bfloat16", "gqa8_16_256_512"),
+                                               ("bfloat16", "gqa3_6_64_128"), ("float32", "generic_96_576")])
+def test_continued_prefill_gives_one_prefills_logits(tmp_path, activations, shape):
+    path = small_checkpoint(tmp_path, 32, **ATTENTION_SHAPES[shape])
+    load = dict(device="cuda", activations=activations, kv_cache_memory_bytes=256 << 20)
+    rng = np.random.default_rng(5)
+    prompt, canvas = rng.integers(0, 300, 301), rng.integers(0, 300, 32)
+
+    def logits(feed):
+        sequence = ds.Model.load(path, **load).sequence(32)
+        feed(sequence)
+        return sequence.denoise(canvas)
+
+    whole = logits(lambda s: s.prefill(prompt))
+    for name, feed in {"prefills of 137 and 164": lambda s: (s.prefill(prompt[:137]), s.prefill(prompt[137:])),
+                       "prefills of 37 and 264": lambda s: (s.prefill(prompt[:37]), s.prefill(prompt[37:])),
+                       "a commit of the last 31": lambda s: (s.prefill(prompt[:270]), s.commit(prompt[270:]))}.items():
+        np.testing.assert_array_equal(whole, logits(feed), err_msg=f"{name} against one prefill")
+
+
 # Pages of one token: a 2,100-token prompt is 2,100 spans in a full layer, more than the
 # wgmma pre-pass keeps in shared memory, so an fp32 cache's pre-pass searches the span table
 # in global memory; a bf16 cache's pages are read in place. The same bits, and the CPU's numbers.
