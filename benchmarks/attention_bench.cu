@@ -11,7 +11,8 @@
 // bits as from fp32 pages it converts). Before any of that, host
 // checks of the plan that need no GPU: every row group's pieces are disjoint, in key order, cover every key its rows
 // can see, and get consecutive slots and one merge where there are several; a segment's pieces are the same alone and
-// batched; a prompt's rows after a prefix-cache hit are planned as when it runs whole. Build and run:
+// batched; a prompt's rows after an earlier pass (a prefix-cache hit, a continued prefill) meet their keys in
+// the chunks and slots they do when it runs whole. Build and run:
 //   nvcc -std=c++20 -arch=sm_90a -DDIFFUSERVE_SM90A -O3 -I cpp/src -I cpp/include -I cuda \
 //       benchmarks/attention_bench.cu cuda/attention.cu cuda/attention_mma.cu cuda/attention_wgmma.cu \
 //       cuda/launch.cu -o /tmp/attention_bench && /tmp/attention_bench
@@ -462,8 +463,8 @@ std::map<int64_t, RowPlan> row_plans(const Problem& p, int resident, std::string
       for (const KeySpan& span : s.spans)
         for (int64_t k = 0; k < span.count; ++k, ++raw) {
           const int64_t key = span.first_position + k;
-          if (raw >= std::get<0>(piece) && raw < std::get<1>(piece) && (sees(first, key) || sees(last, key) || (key > first && key < last)))
-            walk.push_back(key);
+          const bool some_row_sees = !s.causal || (key <= last && (s.window == 0 || key > first - s.window));
+          if (raw >= std::get<0>(piece) && raw < std::get<1>(piece) && some_row_sees) walk.push_back(key);
         }
       KeyWalk grid{};
       grid.grid = item.grid;
