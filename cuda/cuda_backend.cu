@@ -954,14 +954,6 @@ class CudaBackend final : public Backend {
     if (softmax_feedback && !rounded) write_product_input(logits);
   }
 
-  // The attention's row groups of a prompt lie at multiples of the rows a block takes (a power
-  // of two up to 128: its query vectors over the GQA group), so that a hit cut to a multiple of
-  // 128 leaves the rows after it grouped as within the whole prompt (the same keys' walks: the
-  // same bits). Since the chunks of keys lie on a grid of key positions (AttentionItem::grid)
-  // the rows after any hit are walked so (test_cuda.py's prefills in two calls, at 37 and 137
-  // tokens); the cut stays until the prefix tests have run on a GPU at hits of other sizes.
-  int64_t prefix_hit_multiple() const override { return 128; }
-
   // Measured on the H200 at 1K (step_latency.py, branches on / off, eighteenth session): the
   // dense MLP beside the experts saves 0.4 / 0.9 ms a batch-1 step with bf16 / FP8_DYNAMIC
   // experts, whose products stream weights at memory bandwidth, and is within 0.3 ms at batch

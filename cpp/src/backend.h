@@ -528,10 +528,6 @@ class Backend {
   // Whether an MoE layer's experts (their gate/up stack `experts`, `rows` tokens) leave the
   // device room for a branch beside them: whether the dense MLP goes concurrently with them.
   virtual bool experts_leave_room(const Weight& /*experts*/, int64_t /*rows*/) const { return true; }
-  // A prefix-cache hit is cut to a multiple of this many tokens, so that the prompt's rows
-  // that still run give the bits they give within the whole prompt (the CPU's attention
-  // takes each row alone: any hit).
-  virtual int64_t prefix_hit_multiple() const { return 1; }
   // Runs body() up to max_times times (>= 1), stopping after a run that leaves any of
   // `canvases` stopped; returns the runs. The body must do the same work every run, its
   // changing inputs in backend memory (a steady batch of denoise steps), so that a backend

@@ -234,7 +234,7 @@ bool Engine::admit(uint64_t id, int64_t encode_tokens) {
   if (!r.waiting) throw InvalidArgument("request " + std::to_string(id) + " is already running");
   KvCache& kv = *model_->state().kv;
   const std::vector<int32_t> target = r.target_tokens(0, r.target_length());
-  const int64_t hit = kv.match_prefix(r.table, target, model_->state().backend->prefix_hit_multiple());
+  const int64_t hit = kv.match_prefix(r.table, target);
   if (!kv.reserve(r.table, std::min(encode_tokens, r.pending()))) {
     kv.release(r.table);
     return false;
@@ -346,16 +346,8 @@ std::vector<std::pair<uint64_t, GenerationOutput>> Engine::step(const std::vecto
       // Prompt chunks go only into the first pass, as planned; later passes commit blocks.
       const bool prompt_left = r->table.length() < int64_t(r->prompt.size());
       // (A prompt chunk planned past the pass's rows is cut to them, not skipped every pass.)
-      int64_t encode =
+      const int64_t encode =
           pass == 0 ? std::min({pending, allowance[id], max_batched_tokens - rows}) : (prompt_left ? 0 : pending);
-      // A chunk that leaves tokens for later ends where a prefix-cache hit may (a multiple of
-      // Backend::prefix_hit_multiple) where it can: the rows after it then meet the attention
-      // as within the whole prompt, so a request's tokens don't depend on its chunks.
-      if (encode > 0 && encode < pending) {
-        const int64_t multiple = be.prefix_hit_multiple(), from = r->table.length();
-        const int64_t end = (from + encode) / multiple * multiple;
-        if (end > from) encode = end - from;
-      }
       if (encode > 0) {
         if (rows + encode > max_batched_tokens || !m.kv->reserve(r->table, encode)) continue;
         const int64_t from = r->table.length();

@@ -210,7 +210,7 @@ int64_t KvCache::longest_sequence(int64_t limit, int64_t chunk) const {
   return lo;
 }
 
-int64_t KvCache::match_prefix(KvTable& table, std::span<const int32_t> prompt, int64_t multiple) {
+int64_t KvCache::match_prefix(KvTable& table, std::span<const int32_t> prompt) {
   if (table.length() != 0) throw InvalidArgument("match_prefix: the sequence is not empty");
   // Hashes of the prompt's whole blocks, and how many lead the full pool's cache.
   std::vector<uint64_t> hashes;
@@ -220,8 +220,7 @@ int64_t KvCache::match_prefix(KvTable& table, std::span<const int32_t> prompt, i
     if (pools_[kFullGroup].num_blocks && !pools_[kFullGroup].cached.count(h)) break;
     hashes.push_back(h);
   }
-  // The sliding pool must still hold the window before the cut, which is a multiple of
-  // `multiple` tokens; shorten until both hold.
+  // The sliding pool must still hold the window before the cut; shorten until it does.
   int64_t k = int64_t(hashes.size());
   auto sliding_ok = [&](int64_t blocks) {
     if (!pools_[kSlidingGroup].num_blocks) return true;
@@ -229,7 +228,7 @@ int64_t KvCache::match_prefix(KvTable& table, std::span<const int32_t> prompt, i
       if (!pools_[kSlidingGroup].cached.count(hashes[b])) return false;
     return true;
   };
-  while (k > 0 && ((k * block_size_) % multiple || !sliding_ok(k))) --k;
+  while (k > 0 && !sliding_ok(k)) --k;
   if (k == 0) return 0;
 
   for (int g = 0; g < kNumGroups; ++g) {

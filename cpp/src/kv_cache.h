@@ -67,9 +67,9 @@ class KvCache {
   // Records `tokens` as encoded (their KV rows written): hashes newly full blocks and
   // releases sliding blocks the sequence can no longer read.
   void append(KvTable& table, std::span<const int32_t> tokens);
-  // Adopts the longest cached prefix of `prompt` (whole blocks, a multiple of `multiple`
-  // tokens: Backend::prefix_hit_multiple); returns the number of tokens taken from the cache.
-  int64_t match_prefix(KvTable& table, std::span<const int32_t> prompt, int64_t multiple = 1);
+  // Adopts the longest cached prefix of `prompt` (whole blocks); returns the number of tokens
+  // taken from the cache.
+  int64_t match_prefix(KvTable& table, std::span<const int32_t> prompt);
   // Counts a prefix lookup of `queried` prompt tokens of which `hit` were cached.
   void record_prefix_query(int64_t queried, int64_t hit) { prefix_queries_ += queried, prefix_hits_ += hit; }
   // Whether an otherwise empty cache could hold a sequence of `total_tokens` encoded

@@ -250,19 +250,15 @@ void Sequence::prefill(std::span<const int32_t> ids) {
   check_positions(length(), ids.size(), config(), "prefill");  // all of it, before any chunk's work
   if (length() > 0) return continue_prefill(ids);
   KvCache& kv = *model_->state().kv;
-  const int64_t hit = kv.match_prefix(state_->table, ids, model_->state().backend->prefix_hit_multiple());
+  const int64_t hit = kv.match_prefix(state_->table, ids);
   if (hit == int64_t(ids.size())) return kv.record_prefix_query(hit, hit);  // every token's KV was cached
   try {
     // The sliding-window layers keep a window and a chunk a sequence (KvCache), not a whole
     // long prompt at once: a prompt that could not fit in one pass even in an otherwise empty
     // cache is encoded in the largest chunks that could, as the engine's chunked prefill does
     // (the same KV). A 3,200-token prompt had been refused with half a million blocks free.
-    // Chunks of a multiple of Backend::prefix_hit_multiple where they can be, as the engine's:
-    // the rows after each then meet the attention as within the whole prompt.
-    const size_t multiple = size_t(model_->state().backend->prefix_hit_multiple());
-    size_t chunk =
+    const size_t chunk =
         largest_chunk(ids.size() - hit, [&](size_t n) { return kv.could_hold(int64_t(ids.size()), int64_t(n)); });
-    if (chunk >= multiple) chunk -= chunk % multiple;
     if (!kv.could_hold(int64_t(ids.size()), int64_t(chunk)))  // not even a token at a time
       throw InvalidArgument("prefill: " + std::to_string(ids.size()) +
                             " tokens need more KV than the whole cache holds (raise kv_cache_memory_bytes)");
