@@ -8,7 +8,7 @@
 // alone against the same segment among others, and a rerun); then timings at DiffusionGemma-26B shapes (a denoise pass:
 // 256 canvas rows per request over its context; inputs as they are and rounded to bf16, the cache's pages fp32 or, as
 // the engine keeps them with bf16 inputs on Hopper, bf16: the wgmma kernel reads them in place, and must give the same
-// bits as from fp32 pages it converts). Before any of that, host
+// bits as from fp32 pages it converts), and a commit's pass (the same rows, causal). Before any of that, host
 // checks of the plan that need no GPU: every row group's pieces are disjoint, in key order, cover every key its rows
 // can see, and get consecutive slots and one merge where there are several; a segment's pieces are the same alone and
 // batched; a prompt's rows after an earlier pass (a prefix-cache hit, a continued prefill) meet their keys in
@@ -441,7 +441,8 @@ std::vector<Case> cases() {
 }
 
 // A prompt's rows as the kernels walk their keys, by position: for each row, the chunks of
-// `kKeys` slots that hold keys it sees, each as those keys' positions and slots. A piece's
+// `kKeys` slots that hold keys it sees, each as those keys' positions and slots, and after
+// each piece of its item an empty chunk (so the pieces too must agree). A piece's
 // keys that some row of the item sees come one after the other into its chunks (KeyWalk),
 // the walk's first key at its slot on the item's grid (KeyWalk::first_slot); a chunk with no
 // key a row sees changes nothing of its result, and rows alike here get the same bits.
@@ -473,13 +474,15 @@ std::map<int64_t, RowPlan> row_plans(const Problem& p, int resident, std::string
         if (slot == kKeys) chunks.emplace_back(), slot = i ? 0 : size_t(grid.first_slot<kKeys>(walk[0]));
         chunks.back().push_back({walk[i], int(slot)});
       }
-      for (int64_t row = first; row <= last; ++row)
+      for (int64_t row = first; row <= last; ++row) {
         for (const Chunk& chunk : chunks) {
           Chunk seen;
           for (const auto& key : chunk)
             if (sees(row, key.first)) seen.push_back(key);
           if (!seen.empty()) rows[row].push_back(seen);
         }
+        rows[row].emplace_back();  // the piece's end: a row must be merged from the same pieces
+      }
     }
   }
   return rows;
@@ -542,6 +545,11 @@ void host_checks() {
   for (const auto& [heads, kv_heads, window] : {std::tuple{16, 8, 100}, {16, 4, 100}, {16, 8, 0}, {6, 2, 0}, {6, 2, 100}})
     for (const auto& [length, hit] : {std::pair<int64_t, int64_t>{587, 576}, {300, 288}, {700, 16}, {700, 592}, {400, 37}, {260, 255}})
       check_prefix_hit_plan(heads, kv_heads, 64, length, hit, window);
+  // Without a window a causal segment's keys are cut into pieces by each row group's
+  // position: rows past 512 keys are merged from two to five pieces, whatever pass they run in.
+  for (const auto& [heads, kv_heads, dim] : {std::tuple{16, 2, 512}, {16, 8, 256}, {6, 2, 64}})
+    for (const auto& [length, hit] : {std::pair<int64_t, int64_t>{1300, 1024}, {1300, 1037}, {2100, 600}, {4500, 4130}})
+      check_prefix_hit_plan(heads, kv_heads, dim, length, hit, 0);
   // bf16 keys (a bf16 cache's pages) only where the wgmma kernel runs: the plan of another
   // kernel refuses them by name (here head dim 64; on a machine without the wgmma kernel, any).
   {
@@ -675,7 +683,7 @@ __global__ void round_kernel(const float* x, int64_t n, __nv_bfloat16* y) {
 // batch's own rows fp32, and (rounded_rows) rounded already beside them, as the engine's key
 // and value norms write them (no pre-pass), and Q's rows too, as its query norms do.
 void bench(const char* name, int heads, int kv_heads, int dim, int64_t window, int batch, int64_t context,
-           bool round_bf16, bool bf16_cache = false, bool rounded_rows = false) {
+           bool round_bf16, bool bf16_cache = false, bool rounded_rows = false, bool commit = false) {
   constexpr int64_t kCanvas = 256, kPoolBytes = int64_t(4) << 30;
   const int64_t cached = window ? std::min(context, window - 1) : context, kv_cols = int64_t(kv_heads) * dim;
   const int64_t first_block = (context - cached) / 16, blocks_per_segment = (context + 15) / 16 - first_block;
@@ -707,7 +715,7 @@ void bench(const char* name, int heads, int kv_heads, int dim, int64_t window, i
   std::shuffle(block_of.begin(), block_of.end(), std::mt19937(7));
   std::vector<AttentionSegment> segs;
   for (int b = 0; b < batch; ++b) {
-    AttentionSegment s{b * kCanvas, kCanvas, context, false, window, {}};
+    AttentionSegment s{b * kCanvas, kCanvas, context, commit, window, {}};  // a commit: the block's rows, causal
     for (int64_t pos = context - cached; pos < context;) {
       const int64_t end = std::min(context, (pos / 16 + 1) * 16);
       const int64_t row = block_of[size_t(b * blocks_per_segment + pos / 16 - first_block)] * 16 + pos % 16;
@@ -740,7 +748,7 @@ void bench(const char* name, int heads, int kv_heads, int dim, int64_t window, i
     streamed += double(n) * dim * 8;
   }
   std::printf(
-      "%-8s %-10s batch %2d context %6ld: %9.1f us  %6.1f TFLOP/s (useful)  %5.2f TB/s K/V streamed  %6zu "
+      "%-14s %-10s batch %2d context %6ld: %9.1f us  %6.1f TFLOP/s (useful)  %5.2f TB/s K/V streamed  %6zu "
       "items %5zu merges  plan %.0f us\n",
       name,
       !round_bf16    ? "fp32"
@@ -797,6 +805,8 @@ int main(int argc, char** argv) {
         bench("sliding", 16, 8, 256, 1024, batch, context, true, true, rounded_rows);
         bench("full", 16, 2, 512, 0, batch, context, true, true, rounded_rows);
       }
+      bench("sliding commit", 16, 8, 256, 1024, batch, context, true, true, true, true);
+      bench("full commit", 16, 2, 512, 0, batch, context, true, true, true, true);
     }
   }
   return failures ? 1 : 0;

@@ -15,6 +15,7 @@
 #include <cfloat>
 #include <climits>
 #include <cstdint>
+#include <map>
 #include <optional>
 #include <stdexcept>
 
@@ -155,12 +156,28 @@ int rows_per_item(int group, int head_dim, bool round_bf16) {
 // segment soonest if it ran alone on a GPU that runs `resident` items (blocks, or
 // clusters) at once, counting waves of items each costing its piece plus kBlockCostKeys
 // (loading Q, filling the pipeline, writing the output and merging). It depends on the
-// segment and the GPU only. (A causal segment's keys stay whole: plan_attention says why.)
+// segment and the GPU only. (A causal segment's are cut by causal_piece_keys instead.)
 constexpr int64_t kBlockCostKeys = 64;
 constexpr int64_t kMinPieceKeys = 128;  // a partial result (as large as 16 to 32 keys) stays small next to its piece
 constexpr int64_t kPieceAlign = 32;     // a piece of whole chunks
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// A causal segment without a window (a full-attention layer's prompt or commit): the keys of
+// a row group whose first row is at `group_first` are cut at multiples of this many
+// positions, about a quarter of the keys the group sees. It depends on the group's position
+// alone, not on the rows of the pass, so a row is walked in the same pieces, with the same
+// merge, whatever pass it runs in (plan_attention says why that matters). A power of two of
+// at least kMinCausalPieceKeys: a multiple of any group's rows (a power of two, at most
+// 128), so that a group's rows lie in one piece, and of kGridKeys. A commit of 256 rows
+// after 32K keys had walked them in one piece an item, 32 items of a full layer on a GPU
+// that runs 132; a long prompt's rows write a partial result for each of their (at most 5)
+// pieces, which the merge reads back.
+constexpr int64_t kMinCausalPieceKeys = 512;
+constexpr int64_t kCausalPieces = 4;
+int64_t causal_piece_keys(int64_t group_first) {
+  return std::max<int64_t>(kMinCausalPieceKeys, int64_t(std::bit_ceil(uint64_t(ceil_div(group_first + 1, kCausalPieces)))));
+}
 
 // The row at which `count` rows of keys and values start in two buffers of bf16 rows of
 // `row_bytes`, keys at keys_base and values at values_base: none unless both lie whole rows
@@ -230,16 +247,18 @@ struct Piece {
 };
 
 // The segment's keys (its spans one after the other, the first at span_begin in the span
-// array) cut into pieces of `size` keys, the last one shorter.
-std::vector<Piece> cut(const std::vector<KeySpan>& spans, int span_begin, int64_t size) {
+// array) cut into pieces of `size` keys, the last one shorter; or, `at_positions`, at the
+// key positions that are multiples of `size`.
+std::vector<Piece> cut(const std::vector<KeySpan>& spans, int span_begin, int64_t size, bool at_positions) {
   std::vector<Piece> pieces;
-  int64_t before = 0;  // keys of the spans before span i
+  int64_t before = 0, current = -1;  // keys of the spans before span i; the last piece's index
   for (size_t i = 0; i < spans.size(); ++i) {
     const KeySpan& s = spans[i];
     const int span = span_begin + int(i);
     for (int64_t a = 0; a < s.count;) {  // keys [a, b) of the span lie in piece k
-      const int64_t k = (before + a) / size, b = std::min(s.count, (k + 1) * size - before);
-      if (k == int64_t(pieces.size())) pieces.push_back({span, int(a), span, 0, INT64_MAX, INT64_MIN});
+      const int64_t at = (at_positions ? s.first_position : before) + a;
+      const int64_t k = at / size, b = std::min(s.count, a + (k + 1) * size - at);
+      if (k != current) pieces.push_back({span, int(a), span, 0, INT64_MAX, INT64_MIN}), current = k;
       Piece& p = pieces.back();
       p.last_span = span, p.last_end = int(b);
       p.min_position = std::min(p.min_position, s.first_position + a);
@@ -303,37 +322,54 @@ AttentionPlan plan_attention(const std::vector<AttentionSegment>& segments, int 
     }
     // A row's result must not depend on how its sequence's tokens were split into passes
     // (a prefix-cache hit, a prompt in chunks, a continued prefill, a commit, a batch's
-    // budget): its output depends on the chunks its keys are walked in and on the pieces.
-    // So a causal segment's (a prompt's or a commit's) keys are one piece (a split would
-    // depend on its row count), its row groups lie at positions that are multiples of its rows
-    // a block (group_rows, a power of two: fewer than rows_per_block where a GQA group of 3,
-    // 5, 6, ... makes that none), and its chunks lie on a grid of key positions that starts
-    // where the walk of the whole group's keys would (its first row's window), even where the
-    // segment starts within the group (lead rows in an earlier pass) and so walks from a later
-    // key. A canvas's segment is the same rows whatever the batch: split as it suits.
+    // budget): its output depends on the chunks its keys are walked in and on the pieces
+    // (a row merged from several pieces, or from one, rounds otherwise than one walk). So a
+    // causal segment's (a prompt's or a commit's) row groups lie at positions that are
+    // multiples of its rows a block (group_rows, a power of two: fewer than rows_per_block
+    // where a GQA group of 3, 5, 6, ... makes that none), its chunks on a grid of key positions
+    // that starts where the walk of the whole group's keys would (its first row's window),
+    // even where the segment starts within the group (lead rows in an earlier pass) and so
+    // walks from a later key, and its keys are cut into pieces by the group's position alone
+    // (causal_piece_keys), never by its row count. With a window they stay one piece: a group
+    // whose earlier rows ran in another pass could miss a piece only those saw, and then be
+    // merged from fewer. A canvas's segment is the same rows whatever the batch: split as it
+    // suits.
     const int group_rows = s.causal ? int(std::bit_floor(unsigned(rows_per_block))) : rows_per_block;
     const int64_t lead = s.causal ? s.first_position % group_rows : 0;  // rows its first group lacks
+    auto group_first = [&](int g) { return s.first_position - lead + int64_t(g) * group_rows; };
     auto grid = [&](int g) {
       if (!s.causal) return -1;
-      const int64_t group_first = s.first_position - lead + int64_t(g) * group_rows;
-      return int((s.window > 0 ? std::max<int64_t>(0, group_first - s.window + 1) : 0) % kGridKeys);
+      return int((s.window > 0 ? std::max<int64_t>(0, group_first(g) - s.window + 1) : 0) % kGridKeys);
     };
     const int groups = s.rows ? int((lead + s.rows + group_rows - 1) / group_rows) : 0;
-    const std::vector<Piece> pieces = cut(
-        s.spans, span_begin, split && !s.causal ? piece_keys(int64_t(groups) * num_kv_heads, keys, resident_items) : keys);
+    const bool causal_pieces = split && s.causal && s.window == 0;
+    const int64_t segment_piece = split && !s.causal ? piece_keys(int64_t(groups) * num_kv_heads, keys, resident_items) : keys;
+    std::map<int64_t, std::vector<Piece>> cuts;  // by piece size
+    std::vector<const std::vector<Piece>*> pieces(groups);  // each row group's
+    size_t most_pieces = 0;
+    for (int g = 0; g < groups; ++g) {
+      const int64_t size = causal_pieces ? causal_piece_keys(group_first(g)) : segment_piece;
+      auto it = cuts.find(size);
+      if (it == cuts.end()) it = cuts.emplace(size, cut(s.spans, span_begin, size, causal_pieces)).first;
+      pieces[g] = &it->second;
+      most_pieces = std::max(most_pieces, it->second.size());
+    }
     auto row0 = [&](int g) { return int(std::max<int64_t>(0, int64_t(g) * group_rows - lead)); };
     auto rows = [&](int g) { return int(std::min<int64_t>(int64_t(g + 1) * group_rows - lead, s.rows) - row0(g)); };
-    // Which pieces each row group sees (any key within the union of its rows' causal
+    // Which of its pieces each row group sees (any key within the union of its rows' causal
     // windows), and the rank of each among them; the row groups that see several get
     // consecutive partial slots for each kv head, and a merge.
-    std::vector<std::vector<int>> rank(groups, std::vector<int>(pieces.size(), -1));
+    std::vector<std::vector<int>> rank(groups);
     std::vector<int> seen(groups, 0);
     std::vector<int64_t> first_slot(size_t(groups) * num_kv_heads, -1);
     for (int g = 0; g < groups; ++g) {
       const int64_t first = s.first_position + row0(g), last = first + rows(g) - 1;
-      for (size_t k = 0; k < pieces.size(); ++k)
-        if (!s.causal || (pieces[k].min_position <= last && (s.window == 0 || pieces[k].max_position > first - s.window)))
+      rank[g].assign(pieces[g]->size(), -1);
+      for (size_t k = 0; k < pieces[g]->size(); ++k) {
+        const Piece& p = (*pieces[g])[k];
+        if (!s.causal || (p.min_position <= last && (s.window == 0 || p.max_position > first - s.window)))
           rank[g][k] = seen[g]++;
+      }
       if (seen[g] < 2) continue;
       for (int h = 0; h < num_kv_heads; ++h) {
         first_slot[size_t(g) * num_kv_heads + h] = plan.slots;
@@ -343,11 +379,11 @@ AttentionPlan plan_attention(const std::vector<AttentionSegment>& segments, int 
     }
     // One item per (piece, kv head, row group), the row groups innermost: the items that
     // read the same keys run together, and the keys come from L2 after the first.
-    for (size_t k = 0; k < pieces.size(); ++k)
+    for (size_t k = 0; k < most_pieces; ++k)
       for (int h = 0; h < num_kv_heads; ++h)
         for (int g = 0; g < groups; ++g) {
-          if (rank[g][k] < 0) continue;
-          const Piece& p = pieces[k];
+          if (k >= rank[g].size() || rank[g][k] < 0) continue;
+          const Piece& p = (*pieces[g])[k];
           const int64_t slot = seen[g] > 1 ? first_slot[size_t(g) * num_kv_heads + h] + rank[g][k] : -1;
           plan.items.push_back({index, row0(g), rows(g), h, p.span, p.key, p.last_span, p.last_end, int(slot), grid(g)});
         }

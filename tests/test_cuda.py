@@ -634,15 +634,19 @@ def test_long_prompt_split_keys_match_cpu(tmp_path, dims, kv_block_size, activat
 # logits must be a whole prefill's, bit for bit: the attention walks those rows' keys as
 # within the whole prompt (attention_bench --host), at any hit: 300 tokens in blocks of 64,
 # 16 and 7 leave 256, 288 and 294 cached, where the rows a block takes (16-128) divide the
-# first and not the last two. (The fuzz found seeded requests' tokens changed after a hit,
-# with the keys' pieces split by a segment's rows.)
-@pytest.mark.parametrize("kv_block_size,hit", [(64, 256), (16, 288), (7, 294)])
+# first and not the last two; after 1,296 of 1,300, the full layer's rows are merged from
+# three pieces of keys in both passes. (The fuzz found seeded requests' tokens changed after
+# a hit, with the keys' pieces split by a segment's rows.)
+@pytest.mark.parametrize("kv_block_size,prompt_length,hit", [(64, 300, 256), (16, 300, 288), (7, 300, 294),
+                                                             (16, 1300, 1296)])
 @pytest.mark.parametrize("activations,dims,heads", [("float32", (64, 128), (4, 2)), ("bfloat16", (256, 512), (4, 2)),
                                                     ("float32", (64, 128), (2, 1)), ("bfloat16", (256, 512), (2, 1))])
-def test_prefix_hit_gives_a_whole_prefills_logits(tmp_path, activations, dims, heads, kv_block_size, hit):
+def test_prefix_hit_gives_a_whole_prefills_logits(tmp_path, activations, dims, heads, kv_block_size, prompt_length,
+                                                   hit):
     path = small_checkpoint(tmp_path, 32, num_attention_heads=heads[0], num_key_value_heads=heads[1],
                             head_dim=dims[0], global_head_dim=dims[1])
-    assert check_prefix_hit(path, 300, 32, seed=7, activations=activations, kv_block_size=kv_block_size) == hit
+    assert check_prefix_hit(path, prompt_length, 32, seed=7, activations=activations,
+                            kv_block_size=kv_block_size) == hit
 
 
 def check_prefix_hit(path, prompt_length, canvas_length, seed=0, **load):
@@ -677,14 +681,15 @@ def test_chunked_prompt_gives_a_whole_prompts_tokens(tmp_path, activations, dims
 # A prompt fed in two prefills (a chat's next turn, a prompt in pieces), or its last block
 # committed, starts a pass within a block's rows and past the window's first keys: its rows'
 # chunks of keys lie on the grid the prompt in one prefill walks them on (AttentionItem::
-# grid), so the same bits. Each run on a model of its own: no prefix hits between them.
+# grid), and past 512 keys the full layer's pieces of keys are cut by the rows' positions, so
+# the same bits. Each run on a model of its own: no prefix hits between them.
 @pytest.mark.parametrize("activations,shape", [("float32", "gqa16_mma_64_128"), ("bfloat16", "gqa8_16_256_512"),
                                                ("bfloat16", "gqa3_6_64_128"), ("float32", "generic_96_576")])
 def test_continued_prefill_gives_one_prefills_logits(tmp_path, activations, shape):
     path = small_checkpoint(tmp_path, 32, **ATTENTION_SHAPES[shape])
     load = dict(device="cuda", activations=activations, kv_cache_memory_bytes=256 << 20)
     rng = np.random.default_rng(5)
-    prompt, canvas = rng.integers(0, 300, 301), rng.integers(0, 300, 32)
+    prompt, canvas = rng.integers(0, 300, 1301), rng.integers(0, 300, 32)
 
     def logits(feed):
         sequence = ds.Model.load(path, **load).sequence(32)
@@ -692,9 +697,10 @@ def test_continued_prefill_gives_one_prefills_logits(tmp_path, activations, shap
         return sequence.denoise(canvas)
 
     whole = logits(lambda s: s.prefill(prompt))
-    for name, feed in {"prefills of 137 and 164": lambda s: (s.prefill(prompt[:137]), s.prefill(prompt[137:])),
-                       "prefills of 37 and 264": lambda s: (s.prefill(prompt[:37]), s.prefill(prompt[37:])),
-                       "a commit of the last 31": lambda s: (s.prefill(prompt[:270]), s.commit(prompt[270:]))}.items():
+    for name, feed in {"prefills of 137 and 1164": lambda s: (s.prefill(prompt[:137]), s.prefill(prompt[137:])),
+                       "prefills of 37 and 1264": lambda s: (s.prefill(prompt[:37]), s.prefill(prompt[37:])),
+                       "prefills of 1037 and 264": lambda s: (s.prefill(prompt[:1037]), s.prefill(prompt[1037:])),
+                       "a commit of the last 31": lambda s: (s.prefill(prompt[:1270]), s.commit(prompt[1270:]))}.items():
         np.testing.assert_array_equal(whole, logits(feed), err_msg=f"{name} against one prefill")
 
 
