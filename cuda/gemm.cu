@@ -119,7 +119,10 @@
 // 4.53 TB/s for gate_up's pattern). The tiled load is a kernel of its own (kTiled): one
 // kernel with both loads kept both address sets live, 30-40 registers more. On the H200 at
 // batch 1 (gemm_bench --moe): bf16 gate_up / down 247.5 / 134.6 -> 236.4 / 131.9 us, FP8
-// 138.6 / 95.2 -> 135.7 / 90.8 us.
+// 138.6 / 95.2 -> 135.7 / 90.8 us. A stage's run loaded by one bulk copy (cp.async.bulk: the
+// copy engine, signalling the stage's mbarrier) in place of the 128 threads' cp.async was no
+// faster and was not kept (fifty-sixth session, H200, checks passed: up / down 241.2-241.8 /
+// 132.7-134.6 -> 241.0-241.8 / 133.3-135.1 us, the batch-1 step 16.93-16.96 -> 16.89-16.93 ms).
 #include <algorithm>
 #include <stdexcept>
 #include <type_traits>
