@@ -12,7 +12,7 @@
 // checks of the plan that need no GPU: every row group's pieces are disjoint, in key order, cover every key its rows
 // can see, and get consecutive slots and one merge where there are several; a segment's pieces are the same alone and
 // batched; a prompt's rows after an earlier pass (a prefix-cache hit, a continued prefill) meet their keys in
-// the chunks and slots they do when it runs whole. Build and run:
+// the pieces, chunks and slots they do when it runs whole. Build and run:
 //   nvcc -std=c++20 -arch=sm_90a -DDIFFUSERVE_SM90A -O3 -I cpp/src -I cpp/include -I cuda \
 //       benchmarks/attention_bench.cu cuda/attention.cu cuda/attention_mma.cu cuda/attention_wgmma.cu \
 //       cuda/launch.cu -o /tmp/attention_bench && /tmp/attention_bench
@@ -492,8 +492,9 @@ std::map<int64_t, RowPlan> row_plans(const Problem& p, int resident, std::string
 // chunk of a long prompt, a prefill continued, a commit), as a segment of their own over all
 // its keys (those the sliding window keeps): each row must be walked as when the prompt ran
 // whole (the same bits), in every kernel's chunks (16, 32 and 64 keys). Row groups lie at
-// multiples of the rows a block takes (a power of two) and the chunks on a grid of key
-// positions from the whole group's first window, so that holds at any hit.
+// multiples of the rows a block takes (a power of two), the chunks on a grid of key
+// positions from the whole group's first window, and (without a window) the pieces at key
+// positions set by the group's position, so that holds at any hit.
 void check_prefix_hit_plan(int heads, int kv_heads, int dim, int64_t length, int64_t hit, int64_t window) {
   const SegmentSpec whole = encoder(length, 0, window), rest = encoder(length - hit, hit, window);
   const Problem whole_problem = make_problem(heads, kv_heads, dim, {whole}, 1);

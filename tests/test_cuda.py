@@ -665,8 +665,9 @@ def check_prefix_hit(path, prompt_length, canvas_length, seed=0, **load):
     return model.cache_stats()["prefix_cache_hits"]
 
 
-# A prompt longer than a pass takes (max_num_batched_tokens) runs in chunks (here of 200 and
-# 300 tokens, off every block's rows): the same tokens as the prompt in one pass.
+# A prompt longer than a pass takes (max_num_batched_tokens) runs in chunks (here passes of at
+# most 200 rows, whose chunks end off the multiples of 128 they were once cut to): the same
+# tokens as the prompt in one pass.
 @pytest.mark.parametrize("activations,dims", [("float32", (64, 128)), ("bfloat16", (256, 512))])
 def test_chunked_prompt_gives_a_whole_prompts_tokens(tmp_path, activations, dims):
     path = small_checkpoint(tmp_path, 32, num_attention_heads=4, num_key_value_heads=2, head_dim=dims[0],
