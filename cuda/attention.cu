@@ -172,7 +172,9 @@ int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 // 128), so that a group's rows lie in one piece, and of kGridKeys. A commit of 256 rows had
 // walked its keys in one piece an item, 32 items of a full layer on a GPU that runs 66 of
 // them: on the H200 (attention_bench, bf16 rows) its full layer after 1K / 8K / 32K keys took
-// 112.9 / 695.3 / 2648.1 us so, 87.6 / 352.8 / 1324.2 in 96 items of up to 4 pieces. The cost:
+// 112.9 / 695.3 / 2648.1 us so, 87.6 / 352.8 / 1324.2 in 96 items of up to 4 pieces; a
+// commit pass (step_latency.py, batch 1, twice each in one call) 16.1-16.2 / 18.5-18.6 /
+// 26.4-26.6 -> 15.9-16.1 / 17.1 / 20.8 ms at 1K / 8K / 32K, the denoise steps alike. The cost:
 // a long prompt's rows write a partial result for each of their (at most 5) pieces, which
 // the merge reads back. (Windowed segments stay one piece, plan_attention says why: the
 // sliding layer's commit, 32 items of about 1,300 keys, takes 56 us at every context.)
