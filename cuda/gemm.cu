@@ -123,6 +123,12 @@
 // copy engine, signalling the stage's mbarrier) in place of the 128 threads' cp.async was no
 // faster and was not kept (fifty-sixth session, H200, checks passed: up / down 241.2-241.8 /
 // 132.7-134.6 -> 241.0-241.8 / 133.3-135.1 us, the batch-1 step 16.93-16.96 -> 16.89-16.93 ms).
+// Nor was the down product's ring starting on its first weight slices before its wait (its
+// tile list is the plan's, written before the up product ran, so only its X rows wait for the
+// up product), to stream through the up product's last blocks: gemm_bench --check and
+// test_cuda.py passed, and the steps (ab_steps.sh, H100, twice each) went 22.20 / 22.22 ->
+// 22.29 / 22.41 ms at 1x1K, 40.35 / 40.50 -> 40.39 / 40.39 at 4x1K, 23.72 / 23.77 -> 23.73 /
+// 23.76 at 1x8K (fifty-seventh session).
 #include <algorithm>
 #include <stdexcept>
 #include <type_traits>
