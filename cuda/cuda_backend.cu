@@ -344,10 +344,14 @@ class CudaBackend final : public Backend {
   }
 
   int64_t default_kv_cache_bytes() override {  // most of what the weights left free
+    return int64_t(double(free_memory_bytes()) * 0.8);
+  }
+  int64_t free_memory_bytes() override {  // the pool's cached blocks count: it gives them back first
     bind();
+    pool_->release_cached();
     size_t free = 0, total = 0;
     check(cudaMemGetInfo(&free, &total), "cudaMemGetInfo");
-    return int64_t(double(free) * 0.8);
+    return int64_t(free);
   }
   int64_t memory_bytes() override {
     bind();

@@ -6,6 +6,7 @@ runs it on the device machine together with the HF parity tests on CUDA.
 import json
 import os
 import pathlib
+import re
 import threading
 
 import numpy as np
@@ -570,6 +571,22 @@ def test_gelu_by_erf_is_refused_by_name(tmp_path):
     ds.Model.load(path)  # the CPU backend
     with pytest.raises(ValueError, match=r"hidden_activation 'gelu' \(GELU by erf\) is not supported on cuda"):
         ds.Model.load(path, device="cuda")
+
+
+def test_a_kv_cache_past_the_free_gpu_memory_is_refused_by_name(tmp_path):
+    """A KV budget under the GPU's memory but past what the weights leave free (40 GiB beside
+    the 26B model's weights on an 80 GB H100) had failed partway through the cache's
+    allocations, naming only one of them; and the process loads again after it."""
+    path = write_random_checkpoint(tmp_path / "m", canvas_length=8, dtype="bfloat16", **SHAPES[next(iter(SHAPES))])
+    with pytest.raises(ValueError, match=r"more than cuda has in all \((\d+) bytes\)") as refused:
+        ds.Model.load(path, device="cuda", kv_cache_memory_bytes=2**60)
+    total = int(re.search(r"in all \((\d+) bytes\)", str(refused.value)).group(1))
+    with pytest.raises(ValueError, match=rf"kv_cache_memory_bytes {total} is more than the \d+ bytes cuda has free "
+                                         r"once the weights are loaded"):
+        ds.Model.load(path, device="cuda", kv_cache_memory_bytes=total)
+    seq = ds.Model.load(path, device="cuda", kv_cache_memory_bytes=64 << 20).sequence()
+    seq.prefill([1, 2, 3])
+    assert np.isfinite(seq.denoise(np.arange(8) + 3)).all()
 
 
 # Shapes and options SHAPES leaves out, against the CPU (a reviewing helper's list, forty-ninth

@@ -306,6 +306,8 @@ class Backend {
   virtual int64_t default_kv_cache_bytes() = 0;
   // The backend's memory in all (the CPU's: physical memory), more than any KV cache can take.
   virtual int64_t memory_bytes() = 0;
+  // Bytes it can still allocate (the CPU's: memory_bytes(), the system deciding what fits).
+  virtual int64_t free_memory_bytes() { return memory_bytes(); }
   // Why this backend cannot run a model of `config` (its activations rounded to bf16 or not),
   // or "" where it can; asked before the weights load.
   virtual std::string unsupported(const ModelConfig& /*config*/, bool /*round_bf16*/) const { return ""; }

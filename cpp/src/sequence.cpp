@@ -169,6 +169,14 @@ std::shared_ptr<Model> Model::load(const std::string& path, const LoadOptions& o
     if (options.load_format != "dummy") throw;
     throw InvalidArgument("load_format 'dummy': the config's sizes are past what one weight can hold");
   }
+  // A budget past what the weights left would fail partway through the cache's allocations,
+  // naming only one of them ("out of GPU memory allocating 2260729856 bytes", 40 GiB asked
+  // beside the 26B model's weights on an 80 GB H100).
+  if (options.kv_cache_memory_bytes)
+    if (const int64_t free = state->backend->free_memory_bytes(); options.kv_cache_memory_bytes > free)
+      throw InvalidArgument("kv_cache_memory_bytes " + std::to_string(options.kv_cache_memory_bytes) +
+                            " is more than the " + std::to_string(free) + " bytes " + options.device +
+                            " has free once the weights are loaded (0 takes 80% of those)");
   const int64_t kv_bytes =
       options.kv_cache_memory_bytes ? options.kv_cache_memory_bytes : state->backend->default_kv_cache_bytes();
   state->kv = std::make_unique<KvCache>(*state->backend, state->config, kv_bytes, options.kv_block_size,

@@ -76,7 +76,8 @@ def _locked(method):
 class LLM:
     """A model with a KV cache and a scheduler. Limits are constructor arguments:
 
-    kv_cache_memory_bytes: the paged KV cache (default: a quarter of RAM, at most 4 GiB);
+    kv_cache_memory_bytes: the paged KV cache (default: on the CPU a quarter of RAM, at most 4
+    GiB; on a GPU 80% of what the weights leave free);
     max_num_seqs: requests running at once; max_num_batched_tokens: rows per forward pass
     (default max(4096, 4 canvases)); slice_steps: forward passes per engine step;
     fuse_commit: commit a block in the same forward as the next block's first step.
