@@ -251,7 +251,9 @@ def main():
     ap.add_argument("--grid", default="1x1024,4x1024,16x1024,1x8192,4x8192,16x8192,1x32768,4x32768,16x32768",
                     help="comma-separated BATCHxCONTEXT rows")
     ap.add_argument("--hf", action="store_true", help="also time transformers at context 1K")
-    ap.add_argument("--kv-gb", type=float, default=40.0, help="KV cache size (GiB)")
+    ap.add_argument("--kv-gb", type=float, default=40.0,
+                    help="KV cache size (GiB; on an 80 GB H100, 8 ran batch 1 and 4 at 1K and batch 1 at 8K "
+                         "beside the 26B weights, where 40 does not fit)")
     ap.add_argument("--quantization", choices=list(LINEAR_BYTES), default="bf16",
                     help="the linears' random weights: bf16, or packed FP8 / NVFP4")
     ap.add_argument("--activations", choices=["float32", "bfloat16"], default="float32",
