@@ -391,6 +391,32 @@ def test_untied_encoder_copy_is_refused(tmp_path):
         ds.Model.load(path)
 
 
+def test_encoder_copy_of_equal_values_in_another_dtype_is_taken(tmp_path):
+    """A tied checkpoint's encoder copy may be stored in another dtype (fp32 beside bf16): the
+    same values, so the same model, as transformers (which ties and skips the copy) loads it."""
+    from safetensors.torch import save_file
+    path = copy_fixture(tmp_path, "FP8_DYNAMIC")
+    tensors = load_file(path / "model.safetensors")
+    name = "model.decoder.layers.0.mlp.down_proj.weight_scale"
+    twin = name.replace("model.decoder.", "model.encoder.language_model.")
+    tensors[name] = tensors[name].bfloat16().float()  # values a bf16 copy holds exactly
+    tensors[twin] = tensors[name].clone()
+    save_file(tensors, path / "model.safetensors")
+    canvas = np.arange(8, dtype=np.int32) % 5 + 3
+    seq = ds.Model.load(path).sequence()
+    seq.prefill(np.arange(4, dtype=np.int32) + 7)
+    expected = seq.denoise(canvas, None)
+    tensors[twin] = tensors[name].bfloat16()
+    save_file(tensors, path / "model.safetensors")
+    seq = ds.Model.load(path).sequence()
+    seq.prefill(np.arange(4, dtype=np.int32) + 7)
+    np.testing.assert_array_equal(seq.denoise(canvas, None), expected)
+    tensors[twin][0] += 1  # a value apart: refused as before
+    save_file(tensors, path / "model.safetensors")
+    with pytest.raises(ds.CheckpointError, match="differs from its decoder twin"):
+        ds.Model.load(path)
+
+
 @pytest.mark.parametrize("scheme, library", [("fp8-dynamic", "FP8_DYNAMIC"), ("nvfp4", "NVFP4A16")])
 def test_quantize_writes_llm_compressors_bytes(tmp_path, scheme, library):
     """`diffuserve quantize` on the fixtures' fp32 source gives LLM Compressor's tensors, bit for

@@ -583,6 +583,13 @@ def test_max_prompt_chars(checkpoint):
             r = http.post("/v1/chat/completions", json={"model": MODEL, "messages": messages, "max_tokens": 8})
             assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text
             assert "messages, more than a prompt of this model has tokens" in r.json()["error"]["message"], r.text
+            # So do a message's content parts (two million empty ones had kept /health waiting 2.7 s).
+            parts = [{"type": "text", "text": ""}] * (llm.model.max_sequence_tokens // 2 + 1)
+            messages = [{"role": "user", "content": parts}] * 2
+            r = http.post("/v1/chat/completions", json={"model": MODEL, "messages": messages, "max_tokens": 8})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text
+            assert f"{len(parts) * 2} content parts, more than a prompt of this model has tokens" in \
+                r.json()["error"]["message"], r.text
 
 
 def test_api_key(offline):

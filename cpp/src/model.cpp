@@ -130,7 +130,7 @@ class TensorSource {
   // checkpoint leaves out is its decoder twin's (`diffuserve quantize` writes only those that
   // differ; a partly untied encoder may store only those).
   void set_encoder_apart() { encoder_apart_ = true; }
-  // Whether the checkpoint stores both `name` and `twin`, with different dtypes, shapes or bytes.
+  // Whether the checkpoint stores both `name` and `twin`, with different shapes or values.
   bool stored_apart(const std::string& name, const std::string& twin) const {
     const TensorView* a = m_.checkpoint ? m_.checkpoint->find(name) : nullptr;
     const TensorView* b = m_.checkpoint ? m_.checkpoint->find(twin) : nullptr;
@@ -261,7 +261,7 @@ class TensorSource {
       // (`<layer type>_inv_freq`, `inv_freq`, `original_inv_freq`).
       if (name.find(".rotary_emb.") != std::string::npos && name.ends_with("inv_freq")) continue;
       // The encoder shares the decoder's weights; a checkpoint whose ties were broken
-      // when it was written (LLM Compressor does this) holds byte-equal copies.
+      // when it was written (LLM Compressor does this) holds equal copies.
       if (name.starts_with(kEncoder)) {
         const TensorView* twin = m_.checkpoint->find(kDecoder + name.substr(kEncoder.size()));
         if (twin && same_tensor(*twin, view)) continue;
@@ -340,8 +340,23 @@ class TensorSource {
   }
   const TensorView* find(const std::string& name) const { return m_.checkpoint->find(resolved(name)); }
 
+  // Whether two stored tensors hold the same values: the same bytes, or float tensors of
+  // different dtypes whose values widen to the same fp32 bits (a tied checkpoint whose
+  // encoder copies were written in fp32 beside bf16 weights), compared a slice at a time.
   static bool same_tensor(const TensorView& a, const TensorView& b) {
-    return a.dtype == b.dtype && a.shape == b.shape && std::memcmp(a.data, b.data, a.nbytes) == 0;
+    if (a.shape != b.shape) return false;
+    if (a.dtype == b.dtype) return std::memcmp(a.data, b.data, a.nbytes) == 0;
+    if (!is_float(a.dtype) || !is_float(b.dtype)) return false;
+    constexpr int64_t kSlice = int64_t(1) << 16;
+    const auto* pa = static_cast<const uint8_t*>(a.data);
+    const auto* pb = static_cast<const uint8_t*>(b.data);
+    for (int64_t first = 0, n = a.numel(); first < n; first += kSlice) {
+      const int64_t count = std::min(kSlice, n - first);
+      const std::vector<float> va = read_floats(pa + first * int64_t(dtype_size(a.dtype)), a.dtype, count);
+      const std::vector<float> vb = read_floats(pb + first * int64_t(dtype_size(b.dtype)), b.dtype, count);
+      if (std::memcmp(va.data(), vb.data(), sizeof(float) * size_t(count)) != 0) return false;
+    }
+    return true;
   }
 
   static const TensorView& expect_float(const TensorView& t) {

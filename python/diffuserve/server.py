@@ -242,9 +242,10 @@ class _Server:
 
     def check_message_chars(self, body) -> None:
         """Refuses a chat request whose messages' text as sent is past --max-prompt-chars (even
-        where the template would trim it), or that has more messages than a prompt has tokens
-        (a turn's markup is one at least), before it is validated and rendered, which take
-        seconds for hundreds of thousands of messages, on the event loop: every other request
+        where the template would trim it), or that has more messages, or more content parts,
+        than a prompt has tokens (a turn's markup is one at least; a part past that many is
+        no prompt a client means), before it is validated and rendered, which take seconds for
+        hundreds of thousands of messages or parts, on the event loop: every other request
         waits (the rendered prompt is checked again)."""
         messages = body.get("messages") if isinstance(body, dict) else None
         if not isinstance(messages, list):
@@ -252,9 +253,13 @@ class _Server:
         if len(messages) > self.max_sequence_tokens:
             raise ApiError(400, f"messages: {len(messages)} messages, more than a prompt of this model has tokens "
                                 f"({self.max_sequence_tokens})", param="messages")
+        contents = [message.get("content") if isinstance(message, dict) else None for message in messages]
+        parts = sum(len(content) for content in contents if isinstance(content, list))
+        if parts > self.max_sequence_tokens:
+            raise ApiError(400, f"messages: {parts} content parts, more than a prompt of this model has tokens "
+                                f"({self.max_sequence_tokens})", param="messages")
         chars = 0
-        for message in messages:
-            content = message.get("content") if isinstance(message, dict) else None
+        for content in contents:
             for part in content if isinstance(content, list) else [content]:  # a text, or {"text": ...} parts
                 text = part.get("text") if isinstance(part, dict) else part
                 chars += len(text) if isinstance(text, str) else 0
