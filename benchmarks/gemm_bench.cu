@@ -12,7 +12,8 @@
 // of ldmatrix and the MMA fragment layouts (PTX ISA) with gemm_tile.cuh's addressing and
 // E4M3 unpacking, and the K order of decoded packed weights. Build and run:
 //   nvcc -std=c++20 -arch=sm_90a -DDIFFUSERVE_SM90A -O3 -I cpp/src -I cpp/include -I cuda benchmarks/gemm_bench.cu \
-//       cuda/gemm.cu cuda/kernels.cu cpp/src/packed_weight.cpp cpp/src/sampler.cpp cpp/src/dtype.cpp -o /tmp/gemm_bench
+//       cuda/gemm.cu cuda/kernels.cu cuda/launch.cu cpp/src/packed_weight.cpp cpp/src/sampler.cpp cpp/src/dtype.cpp \
+//       -o /tmp/gemm_bench
 //       && /tmp/gemm_bench
 // (--check: the checks alone; --host: the host checks alone, on a machine without a GPU;
 // --moe [TOKENS], --dense: the MoE timings (at TOKENS tokens), the dense ones at 256 rows,
@@ -903,7 +904,8 @@ void bench(const char* name, int64_t tokens, int64_t n, int64_t k, int experts, 
   const int64_t segments = moe_layer ? std::min<int64_t>(experts, rows) : 1;
   const int tile_rows = on_cublaslt ? kCublasLt
                         : tile      ? tile
-                                    : gemm_tile_rows(rows / segments, segments, moe_layer ? 1408 : n, input, format);
+                                    : gemm_tile_rows(rows / segments, segments, moe_layer ? 1408 : n, input, format,
+                                                     moe_layer);
   float *x, *y, *row_scales;
   uint8_t *w, *group_scales;
   void* scratch;
@@ -1066,6 +1068,13 @@ int main(int argc, char** argv) {
       if (f == WeightFormat::Plain || input == GemmInput::Fp8Token) {  // and with the weights stored tiled
         bench("experts up 2816->1408", tokens, 1408, 2816, 128, 8, true, f, input, false, 0, true);
         bench("experts down 704->2816", tokens, 2816, 704, 128, 8, false, f, input, false, 0, true);
+        // Every wgmma tile height, where an expert's rows come near a tile's (gemm_tile_rows
+        // chooses among them): a tile too short streams an expert's weights again for its rest.
+        if (gemm_has_wgmma_tile(input, f) && tokens >= 384)
+          for (int tile : {32, 64, 128}) {
+            bench("experts up 2816->1408", tokens, 1408, 2816, 128, 8, true, f, input, false, tile, true);
+            bench("experts down 704->2816", tokens, 2816, 704, 128, 8, false, f, input, false, tile, true);
+          }
       }
       if (tokens <= 384 && !gemm_operands_alike(input, f)) {  // decoding tiles of 16 rows (two for a 17th row)
         bench("experts up 2816->1408", tokens, 1408, 2816, 128, 8, true, f, input, false, 16);

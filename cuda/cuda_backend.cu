@@ -801,9 +801,9 @@ class CudaBackend final : public Backend {
     // One tile plan serves both products; where their kinds would take different heights,
     // 64 rows, which every kind has.
     const int64_t rows_per_expert = pairs / segments, n = std::min(inter2, hidden);
-    const int up_tile = cuda::gemm_tile_rows(rows_per_expert, segments, n, up_input, gate_up.format);
+    const int up_tile = cuda::gemm_tile_rows(rows_per_expert, segments, n, up_input, gate_up.format, true);
     const int tile_rows =
-        up_tile == cuda::gemm_tile_rows(rows_per_expert, segments, n, down_input, down.format) ? up_tile : 64;
+        up_tile == cuda::gemm_tile_rows(rows_per_expert, segments, n, down_input, down.format, true) ? up_tile : 64;
     const int max_tiles = int((pairs + tile_rows - 1) / tile_rows + num_experts);
     auto row_map = pool_->get(sizeof(int64_t) * size_t(pairs)), inverse = pool_->get(sizeof(int64_t) * size_t(pairs));
     auto up_segments = pool_->get(sizeof(cuda::GemmSegment) * size_t(num_experts));

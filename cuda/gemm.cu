@@ -1037,7 +1037,8 @@ bool gemm_has_wgmma_tile(GemmInput input, WeightFormat format) {
   return gemm_operands_alike(input, format) && wgmma_enabled();
 }
 
-int gemm_tile_rows(int64_t rows_per_segment, int64_t segments, int64_t n, GemmInput input, WeightFormat format) {
+int gemm_tile_rows(int64_t rows_per_segment, int64_t segments, int64_t n, GemmInput input, WeightFormat format,
+                   bool routed) {
   const bool wgmma = gemm_has_wgmma_tile(input, format);
   // 16 or 32 rows for the MoE at small batch (32 from 13 rows an expert: see the top).
   // Decoding packed weights for bf16 X, 32 always: where a tile's rows fit 16 it multiplies
@@ -1046,6 +1047,15 @@ int gemm_tile_rows(int64_t rows_per_segment, int64_t segments, int64_t n, GemmIn
   // 77.7 us on 32 rows, 174.0 / 72.6 on 16). With hi/lo X, 16 stayed 4% faster there.
   const bool decoding_bf16 = decodes(input, format) && input == GemmInput::RoundBf16;
   if (rows_per_segment <= 24) return wgmma || decoding_bf16 || rows_per_segment > 12 ? 32 : 16;
+  // Experts with bf16 X (one plane) from 80 rows an expert (batch 5 and up at 256-token
+  // canvases): 128-row tiles. An expert's rows vary (binomially) about the mean, and where
+  // they pass 64 a 64-row tile streams its weights again for the rest. H100, gemm_bench --moe,
+  // tiled bf16 experts, up / down on 64 -> 128 rows: 416.0 / 246.0 -> 397.9 / 242.5 us at
+  // 1,280 tokens, 482.8 / 297.8 -> 452.9 / 295.6 at 2,048; at 1,024 (64 rows an expert)
+  // 394.7 / 227.6 -> 388.9 / 232.2, a wash, and at 768 slower (367.3 / 213.9 -> 378.4 /
+  // 221.7). Not with hi/lo X (two planes: a 128-row block's stages take twice the shared
+  // memory, 417 / 248 -> 496 / 334 us at 1,024) nor FP8 (221 / 151 -> 246 / 179).
+  if (routed && wgmma && input == GemmInput::RoundBf16 && rows_per_segment >= 80) return 128;
   // 128 x 256 tiles where they are mostly full and still give two waves of blocks.
   const int64_t large_tiles = segments * ((rows_per_segment + 127) / 128) * ((n + 255) / 256);
   return rows_per_segment >= 192 && large_tiles >= 2 * multiprocessors() ? 128 : 64;

@@ -77,9 +77,11 @@ struct GemmTile {
   int m0;  // first row within the segment
 };
 // The tile height (16, 32, 64 or 128 rows) that suits `segments` segments of about
-// `rows_per_segment` rows each, N = n, X as `input` and weights in `format`; GemmTile::m0
-// steps by it. Results do not depend on it, among the heights it gives for one kind.
-int gemm_tile_rows(int64_t rows_per_segment, int64_t segments, int64_t n, GemmInput input, WeightFormat format);
+// `rows_per_segment` rows each (`routed`: rows routed to them, the MoE's experts, whose
+// counts vary about that), N = n, X as `input` and weights in `format`; GemmTile::m0 steps
+// by it. Results do not depend on it, among the heights it gives for one kind.
+int gemm_tile_rows(int64_t rows_per_segment, int64_t segments, int64_t n, GemmInput input, WeightFormat format,
+                   bool routed = false);
 // Whether X as `input` and weights in `format` reach the tensor cores as they are, both of
 // one kind: bf16 weights with bf16 X (split or rounded), or E4M3 weights with E4M3 X
 // (Fp8Token). Other packed weights are decoded in the kernel.
