@@ -714,6 +714,13 @@ def test_id_lists_may_be_iterators(checkpoints):
 
     assert (out(iter).token_ids, out(iter).finish_reason) == (out(list).token_ids, out(list).finish_reason)
     assert out(list).finish_reason == "stop"
+    # Set after construction, and shared by a batch's prompts: read once for all of them (the
+    # first prompt's check had used it up, and the second ran without EOS or its pins).
+    params = ds.SamplingParams(max_new_tokens=16, seed=0, allowed_token_ids=[5, 6], seed_canvas=[6] * 8)
+    params.eos_token_id, params.pinned_positions = iter([5]), iter([0, 1])
+    outs = llm.generate([[3, 4], [3, 4]], params)
+    assert [(o.token_ids, o.finish_reason) for o in outs] == [(outs[0].token_ids, "stop")] * 2
+    assert params.eos_token_id == [5] and params.pinned_positions == [0, 1]
 
 
 def test_fit_to_context_generates_the_blocks_that_fit(tmp_path):
