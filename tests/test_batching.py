@@ -118,6 +118,28 @@ def test_prefix_cache_shares_blocks_and_gives_identical_logits(path):
     assert all_free(model.cache_stats())
 
 
+def test_prefix_cache_takes_a_block_for_its_tokens_not_their_hash(tmp_path):
+    """Two 16-token blocks with the same 64-bit FNV-1a hash, by which the cache had keyed its
+    blocks: the second had been handed the first's KV (and generate its tokens). A cached block
+    serves only its own tokens after its own prefix."""
+    a = [93, 119, 17, 66, 243, 150, 237, 222, 173, 233, 110, 114, 89, 117, 127, 96]
+    b = [91, 58, 233, 207, 214, 149, 18, 93, 127, 160, 35, 126, 65, 30, 48, 98]
+    path = write_random_checkpoint(tmp_path / "m", canvas_length=CANVAS, seed=3, **{**SMALL, "vocab_size": 256})
+    model = ds.Model.load(path, kv_block_size=16)
+    first = model.sequence()
+    first.prefill(a + a + [1])
+    second = model.sequence()
+    second.prefill(b + a + [1])  # its second block's tokens are cached, after another prefix
+    assert model.cache_stats()["prefix_cache_hits"] == 0
+    cold = ds.Model.load(path, kv_block_size=16).sequence()
+    cold.prefill(b + a + [1])
+    canvas = np.arange(CANVAS)
+    np.testing.assert_array_equal(second.denoise(canvas), cold.denoise(canvas))
+    third = model.sequence()  # the same tokens still hit
+    third.prefill(a + a + [2])
+    assert model.cache_stats()["prefix_cache_hits"] == 32
+
+
 def test_prefix_cache_hits_across_requests(make_llm):
     llm = make_llm()
     system = list(range(10, 10 + 5 * BLOCK))

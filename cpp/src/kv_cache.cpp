@@ -9,21 +9,36 @@
 namespace diffuserve {
 namespace {
 
-// Chained block hash (FNV-1a over the parent hash and the tokens), never 0.
-uint64_t block_hash(uint64_t parent, std::span<const int32_t> tokens) {
-  uint64_t h = 1469598103934665603ull ^ parent;
-  for (int32_t t : tokens) {
-    for (int i = 0; i < 4; ++i) {
-      h ^= (uint32_t(t) >> (8 * i)) & 0xffu;
-      h *= 1099511628211ull;
-    }
-  }
-  return h ? h : 1;
-}
-
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 }  // namespace
+
+// FNV-1a over the parent and the tokens: which bucket a key goes to (keys compare whole).
+size_t PrefixTree::KeyHash::operator()(const Key& key) const {
+  uint64_t h = 1469598103934665603ull ^ key.parent;
+  for (int32_t t : key.tokens) h = (h ^ uint32_t(t)) * 1099511628211ull;
+  return size_t(h);
+}
+
+uint64_t PrefixTree::find(uint64_t parent, std::span<const int32_t> tokens) const {
+  const auto it = ids_.find(Key{parent, {tokens.begin(), tokens.end()}});
+  return it == ids_.end() ? 0 : it->second;
+}
+
+uint64_t PrefixTree::hold(uint64_t parent, std::span<const int32_t> tokens) {
+  Key key{parent, {tokens.begin(), tokens.end()}};
+  const auto [it, added] = ids_.try_emplace(key, next_id_);
+  if (added) nodes_.emplace(next_id_++, Node{std::move(key), 0});
+  hold(it->second);
+  return it->second;
+}
+
+void PrefixTree::release(uint64_t node) {
+  const auto it = nodes_.find(node);
+  if (--it->second.refs > 0) return;
+  ids_.erase(it->second.key);
+  nodes_.erase(it);
+}
 
 KvCache::KvCache(Backend& backend, const ModelConfig& config, int64_t memory_bytes, int block_size, int max_seqs,
                  DType dtype)
@@ -64,7 +79,7 @@ KvCache::KvCache(Backend& backend, const ModelConfig& config, int64_t memory_byt
     Pool& p = pools_[g];
     p.num_blocks = blocks[g];
     p.refcount.assign(blocks[g], 0);
-    p.hash_of.assign(blocks[g], 0);
+    p.node_of.assign(blocks[g], 0);
     p.idle_pos.resize(blocks[g]);
     for (int64_t b = blocks[g] - 1; b >= 0; --b) p.free.push_back(int32_t(b));
   }
@@ -108,8 +123,8 @@ int32_t KvCache::allocate(KvGroup g) {
   } else {  // evict the least recently used cached block
     b = p.idle.front();
     p.idle.pop_front();
-    p.cached.erase(p.hash_of[b]);
-    p.hash_of[b] = 0;
+    p.cached.erase(p.node_of[b]);
+    prefixes_.release(std::exchange(p.node_of[b], 0));
   }
   p.refcount[b] = 1;
   return b;
@@ -123,7 +138,7 @@ void KvCache::take(KvGroup g, int32_t b) {
 void KvCache::drop(KvGroup g, int32_t b) {
   Pool& p = pools_[g];
   if (--p.refcount[b] > 0) return;
-  if (p.hash_of[b]) {
+  if (p.node_of[b]) {
     p.idle_pos[b] = p.idle.insert(p.idle.end(), b);  // stays cached, most recently used
   } else {
     p.free.push_back(b);
@@ -145,19 +160,20 @@ bool KvCache::reserve(KvTable& table, int64_t new_tokens) {
 void KvCache::append(KvTable& table, std::span<const int32_t> tokens) {
   const int64_t before = table.length();
   table.tokens.insert(table.tokens.end(), tokens.begin(), tokens.end());
-  // Hash each block that just became full, in both groups: its KV is now final.
+  // Cache each block that just became full, in both groups: its KV is now final.
   for (int64_t b = before / block_size_; (b + 1) * block_size_ <= table.length(); ++b) {
-    if (int64_t(table.hashes.size()) > b) continue;
-    const uint64_t parent = b ? table.hashes[b - 1] : 0;
-    const uint64_t h = block_hash(parent, std::span(table.tokens).subspan(b * block_size_, block_size_));
-    table.hashes.push_back(h);
+    if (int64_t(table.prefix_nodes.size()) > b) continue;
+    const uint64_t parent = b ? table.prefix_nodes[b - 1] : 0;
+    const uint64_t node = prefixes_.hold(parent, std::span(table.tokens).subspan(b * block_size_, block_size_));
+    table.prefix_nodes.push_back(node);
     for (int g = 0; g < kNumGroups; ++g) {
       if (!pools_[g].num_blocks || table.blocks[g][b] < 0) continue;
       Pool& p = pools_[g];
       const int32_t block = table.blocks[g][b];
-      if (p.hash_of[block] || p.cached.count(h)) continue;  // a twin is cached already
-      p.hash_of[block] = h;
-      p.cached[h] = block;
+      if (p.node_of[block] || p.cached.count(node)) continue;  // a twin is cached already
+      p.node_of[block] = node;
+      p.cached[node] = block;
+      prefixes_.hold(node);
     }
   }
   // Sliding blocks wholly before the window are never read again.
@@ -212,20 +228,21 @@ int64_t KvCache::longest_sequence(int64_t limit, int64_t chunk) const {
 
 int64_t KvCache::match_prefix(KvTable& table, std::span<const int32_t> prompt) {
   if (table.length() != 0) throw InvalidArgument("match_prefix: the sequence is not empty");
-  // Hashes of the prompt's whole blocks, and how many lead the full pool's cache.
-  std::vector<uint64_t> hashes;
+  // The prompt's whole blocks' prefix nodes, as far as the tree and the full pool's cache
+  // hold them.
+  std::vector<uint64_t> nodes;
   const int64_t max_blocks = int64_t(prompt.size()) / block_size_;
   for (int64_t b = 0; b < max_blocks; ++b) {
-    const uint64_t h = block_hash(b ? hashes.back() : 0, prompt.subspan(b * block_size_, block_size_));
-    if (pools_[kFullGroup].num_blocks && !pools_[kFullGroup].cached.count(h)) break;
-    hashes.push_back(h);
+    const uint64_t node = prefixes_.find(b ? nodes.back() : 0, prompt.subspan(b * block_size_, block_size_));
+    if (!node || (pools_[kFullGroup].num_blocks && !pools_[kFullGroup].cached.count(node))) break;
+    nodes.push_back(node);
   }
   // The sliding pool must still hold the window before the cut; shorten until it does.
-  int64_t k = int64_t(hashes.size());
+  int64_t k = int64_t(nodes.size());
   auto sliding_ok = [&](int64_t blocks) {
     if (!pools_[kSlidingGroup].num_blocks) return true;
     for (int64_t b = first_needed(kSlidingGroup, blocks * block_size_); b < blocks; ++b)
-      if (!pools_[kSlidingGroup].cached.count(hashes[b])) return false;
+      if (!pools_[kSlidingGroup].cached.count(nodes[b])) return false;
     return true;
   };
   while (k > 0 && !sliding_ok(k)) --k;
@@ -237,13 +254,14 @@ int64_t KvCache::match_prefix(KvTable& table, std::span<const int32_t> prompt) {
     for (int64_t b = 0; b < k; ++b) {
       int32_t block = -1;
       if (b >= from) {
-        block = pools_[g].cached.at(hashes[b]);
+        block = pools_[g].cached.at(nodes[b]);
         take(KvGroup(g), block);
       }
       table.blocks[g].push_back(block);
     }
   }
-  table.hashes.assign(hashes.begin(), hashes.begin() + k);
+  table.prefix_nodes.assign(nodes.begin(), nodes.begin() + k);
+  for (uint64_t node : table.prefix_nodes) prefixes_.hold(node);
   table.tokens.assign(prompt.begin(), prompt.begin() + k * block_size_);
   return k * block_size_;
 }
@@ -254,7 +272,8 @@ void KvCache::release(KvTable& table) {
       if (b >= 0) drop(KvGroup(g), b);
     table.blocks[g].clear();
   }
-  table.hashes.clear();
+  for (uint64_t node : table.prefix_nodes) prefixes_.release(node);
+  table.prefix_nodes.clear();
   table.tokens.clear();
 }
 

@@ -16,10 +16,13 @@
 // k_norm weight), halving those layers' memory, but dividing by learned weights that may
 // be near zero loses precision and costs work on every read. We store V.
 //
-// Prefix caching: once a block holds block_size committed tokens it is content-hashed,
-// chained with its prefix (a token's KV depends on every token before it). A block that
-// no sequence references stays cached (LRU) until its memory is needed, and a new
-// sequence whose tokens start with the same blocks takes them instead of recomputing.
+// Prefix caching: once a block holds block_size committed tokens it becomes a node of a
+// prefix tree, keyed by its parent node (the blocks before it: a token's KV depends on every
+// token before it) and its tokens, compared exactly. A block that no sequence references
+// stays cached (LRU) until its memory is needed, and a new sequence whose tokens start with
+// the same blocks takes them instead of recomputing. (Keyed by a 64-bit hash of its tokens
+// alone, a block could be matched by other tokens of the same hash: colliding blocks are
+// found in a second for FNV-1a, and a request could hand another its KV.)
 #pragma once
 
 #include <array>
@@ -39,7 +42,7 @@ enum KvGroup { kFullGroup = 0, kSlidingGroup = 1, kNumGroups = 2 };
 // One sequence's view of the cache.
 struct KvTable {
   std::vector<int32_t> blocks[kNumGroups];  // logical block -> pool block (-1: released)
-  std::vector<uint64_t> hashes;             // chained hash of each full block
+  std::vector<uint64_t> prefix_nodes;       // each full block's node of the prefix tree
   std::vector<int32_t> tokens;              // every token whose KV is in the cache
   int64_t length() const { return int64_t(tokens.size()); }
 };
@@ -49,6 +52,38 @@ struct KvStats {
   int64_t blocks_free = 0;  // not referenced by any sequence (cached-but-idle ones count)
   int64_t prefix_cache_queries = 0;  // prompt tokens looked up
   int64_t prefix_cache_hits = 0;     // of those, tokens found cached
+};
+
+// The prefix tree of the cache's full blocks: node ids (never 0, never reused) for each
+// (parent node, block tokens) held, each kept while any sequence's table or cached block
+// refers to it.
+class PrefixTree {
+ public:
+  // The node of `tokens` after `parent` (0: the sequence's start); 0 where there is none.
+  uint64_t find(uint64_t parent, std::span<const int32_t> tokens) const;
+  // That node, added where there is none, with one reference more.
+  uint64_t hold(uint64_t parent, std::span<const int32_t> tokens);
+  void hold(uint64_t node) { ++nodes_.at(node).refs; }
+  // One reference fewer; the node goes with its last.
+  void release(uint64_t node);
+  size_t size() const { return nodes_.size(); }
+
+ private:
+  struct Key {
+    uint64_t parent;
+    std::vector<int32_t> tokens;
+    bool operator==(const Key&) const = default;
+  };
+  struct KeyHash {
+    size_t operator()(const Key& key) const;
+  };
+  struct Node {
+    Key key;
+    int64_t refs;
+  };
+  std::unordered_map<Key, uint64_t, KeyHash> ids_;
+  std::unordered_map<uint64_t, Node> nodes_;
+  uint64_t next_id_ = 1;
 };
 
 class KvCache {
@@ -64,7 +99,7 @@ class KvCache {
   // Allocates the blocks for `new_tokens` more tokens; false (and nothing changed) if
   // either pool lacks them.
   bool reserve(KvTable& table, int64_t new_tokens);
-  // Records `tokens` as encoded (their KV rows written): hashes newly full blocks and
+  // Records `tokens` as encoded (their KV rows written): caches newly full blocks and
   // releases sliding blocks the sequence can no longer read.
   void append(KvTable& table, std::span<const int32_t> tokens);
   // Adopts the longest cached prefix of `prompt` (whole blocks); returns the number of tokens
@@ -101,8 +136,8 @@ class KvCache {
     std::vector<int32_t> free;                             // never-used or evicted blocks
     std::list<int32_t> idle;                               // cached, unreferenced: LRU first
     std::vector<std::list<int32_t>::iterator> idle_pos;    // valid when in `idle`
-    std::vector<uint64_t> hash_of;                         // 0: not cached
-    std::unordered_map<uint64_t, int32_t> cached;          // hash -> block
+    std::vector<uint64_t> node_of;                         // its prefix node; 0: not cached
+    std::unordered_map<uint64_t, int32_t> cached;          // prefix node -> block
   };
 
   int32_t allocate(KvGroup g);
@@ -120,6 +155,7 @@ class KvCache {
   int64_t window_;  // sliding window
   DType dtype_;
   Pool pools_[kNumGroups];
+  PrefixTree prefixes_;
   std::vector<KvGroup> group_of_;
   std::vector<KvRows> keys_, values_;  // per layer: [num_blocks * block_size, kv_cols]
   int64_t prefix_queries_ = 0, prefix_hits_ = 0;
