@@ -1054,7 +1054,10 @@ int gemm_tile_rows(int64_t rows_per_segment, int64_t segments, int64_t n, GemmIn
   // 1,280 tokens, 482.8 / 297.8 -> 452.9 / 295.6 at 2,048; at 1,024 (64 rows an expert)
   // 394.7 / 227.6 -> 388.9 / 232.2, a wash, and at 768 slower (367.3 / 213.9 -> 378.4 /
   // 221.7). Not with hi/lo X (two planes: a 128-row block's stages take twice the shared
-  // memory, 417 / 248 -> 496 / 334 us at 1,024) nor FP8 (221 / 151 -> 246 / 179).
+  // memory, 417 / 248 -> 496 / 334 us at 1,024) nor FP8 (221 / 151 -> 246 / 179). (Nor did
+  // FP8 experts gain in the step from 64 rows where the rule below gives 128, though the bench
+  // said so: up / down 389.7 / 352.7 -> 386.5 / 312.0 us at 3,072 tokens, but fp8-dynamic's
+  // steps went 155.60 / 155.69 -> 157.07 / 157.11 ms at 16x1K, H100, A/B twice.)
   if (routed && wgmma && input == GemmInput::RoundBf16 && rows_per_segment >= 80) return 128;
   // 128 x 256 tiles where they are mostly full and still give two waves of blocks.
   const int64_t large_tiles = segments * ((rows_per_segment + 127) / 128) * ((n + 255) / 256);
