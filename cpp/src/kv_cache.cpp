@@ -2,6 +2,8 @@
 
 #include <algorithm>
 #include <array>
+#include <bit>
+#include <random>
 #include <utility>
 
 #include "diffuserve/errors.h"
@@ -11,13 +13,54 @@ namespace {
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
+// SipHash-1-3 (Aumasson and Bernstein's keyed hash, at the round counts Rust's HashMap uses)
+// of `bytes`, little-endian words, under the 128-bit key k0, k1.
+uint64_t siphash13(uint64_t k0, uint64_t k1, std::span<const uint8_t> bytes) {
+  constexpr int kCompression = 1, kFinalization = 3;
+  uint64_t v0 = k0 ^ 0x736f6d6570736575ull, v1 = k1 ^ 0x646f72616e646f6dull;
+  uint64_t v2 = k0 ^ 0x6c7967656e657261ull, v3 = k1 ^ 0x7465646279746573ull;
+  auto round = [&] {
+    v0 += v1, v1 = std::rotl(v1, 13), v1 ^= v0, v0 = std::rotl(v0, 32);
+    v2 += v3, v3 = std::rotl(v3, 16), v3 ^= v2;
+    v0 += v3, v3 = std::rotl(v3, 21), v3 ^= v0;
+    v2 += v1, v1 = std::rotl(v1, 17), v1 ^= v2, v2 = std::rotl(v2, 32);
+  };
+  auto word = [](std::span<const uint8_t> b) {
+    uint64_t m = 0;
+    for (size_t i = 0; i < b.size(); ++i) m |= uint64_t(b[i]) << (8 * i);
+    return m;
+  };
+  const size_t whole = bytes.size() / 8 * 8;
+  for (size_t i = 0; i < whole; i += 8) {
+    const uint64_t m = word(bytes.subspan(i, 8));
+    v3 ^= m;
+    for (int r = 0; r < kCompression; ++r) round();
+    v0 ^= m;
+  }
+  const uint64_t last = word(bytes.subspan(whole)) | uint64_t(bytes.size() & 0xff) << 56;
+  v3 ^= last;
+  for (int r = 0; r < kCompression; ++r) round();
+  v0 ^= last, v2 ^= 0xff;
+  for (int r = 0; r < kFinalization; ++r) round();
+  return v0 ^ v1 ^ v2 ^ v3;
+}
+
 }  // namespace
 
-// FNV-1a over the parent and the tokens: which bucket a key goes to (keys compare whole).
+// A random key a cache: which bucket a key goes to cannot be aimed at (many keys in one
+// bucket would make each look-up walk them all, on the engine's thread).
+PrefixTree::KeyHash::KeyHash() {
+  std::random_device random;
+  k0 = uint64_t(random()) << 32 | random(), k1 = uint64_t(random()) << 32 | random();
+}
+
+// The parent and the tokens as little-endian bytes, hashed (keys compare whole).
 size_t PrefixTree::KeyHash::operator()(const Key& key) const {
-  uint64_t h = 1469598103934665603ull ^ key.parent;
-  for (int32_t t : key.tokens) h = (h ^ uint32_t(t)) * 1099511628211ull;
-  return size_t(h);
+  std::vector<uint8_t> bytes(8 + 4 * key.tokens.size());
+  for (int i = 0; i < 8; ++i) bytes[i] = uint8_t(key.parent >> (8 * i));
+  for (size_t t = 0; t < key.tokens.size(); ++t)
+    for (int i = 0; i < 4; ++i) bytes[8 + 4 * t + i] = uint8_t(uint32_t(key.tokens[t]) >> (8 * i));
+  return size_t(siphash13(k0, k1, bytes));
 }
 
 uint64_t PrefixTree::find(uint64_t parent, std::span<const int32_t> tokens) const {

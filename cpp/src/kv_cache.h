@@ -75,7 +75,9 @@ class PrefixTree {
     bool operator==(const Key&) const = default;
   };
   struct KeyHash {
+    KeyHash();
     size_t operator()(const Key& key) const;
+    uint64_t k0, k1;
   };
   struct Node {
     Key key;
