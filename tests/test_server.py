@@ -201,6 +201,11 @@ def test_draft_streaming(base_url):
     ("completions", {"model": MODEL, "prompt": "x", "seed_canvas": [3, 3]}, 400, "seed_canvas", "invalid_value"),
     ("completions", {"model": MODEL, "prompt": "x", "t_min": 0.5, "t_max": 0.2}, 400, "t_max", "invalid_value"),
     ("completions", {"model": MODEL, "prompt": "x", "stop": ["a"] * 257}, 400, "stop", None),
+    # Stop strings' length and allowed ids for every choice are bounded in all (a few MB of
+    # either had cost seconds of the event loop, or gigabytes for the engine's copies).
+    ("completions", {"model": MODEL, "prompt": "x", "stop": ["ab" * 20000, "c" * 25537]}, 400, "stop", None),
+    ("completions", {"model": MODEL, "prompt": [[5]] * 32, "n": 128, "allowed_token_ids": list(range(4097))}, 400,
+     "allowed_token_ids", None),
     # An empty stop string (had been dropped, as if none were given).
     ("completions", {"model": MODEL, "prompt": "x", "stop": ""}, 400, "stop", None),
     ("chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "stop": ["a", ""]}, 400,

@@ -266,6 +266,26 @@ def test_stop_strings_cut_where_the_text_would_however_it_arrives(checkpoint):
         assert out == "unseen, so byte by byte: 🦄" and stop_filter.stopped
 
 
+def test_stop_strings_agree_with_a_search_of_the_whole_text():
+    """However the text is cut into pieces, the filter cuts where a search of the whole text
+    says: before the stop string that ends first (the longer of two ending together). (It
+    looks for each stop string only from its length before each piece on.)"""
+    rng = random.Random(1)
+    for _ in range(500):
+        text = "".join(rng.choice("abc") for _ in range(rng.randrange(1, 40)))
+        stops = list({"".join(rng.choice("abc") for _ in range(rng.randrange(1, 6))) for _ in range(3)})
+        found = [(i + len(s), i) for s in stops if (i := text.find(s)) >= 0]
+        expected = text[:min(found)[1]] if found else text
+        cuts = sorted(rng.sample(range(1, len(text)), rng.randrange(len(text)))) if len(text) > 1 else []
+        stop_filter = StopStringFilter(stops)
+        out = "".join(stop_filter.push(text[i:j]) for i, j in zip([0] + cuts, cuts + [len(text)]))
+        out += stop_filter.push("", final=True)
+        assert out == expected, (text, stops, cuts)
+        assert stop_filter.stopped == bool(found)
+        if found:
+            assert stop_filter.stop_end == min(found)[0]
+
+
 def test_llm_text_prompts_and_output_text(checkpoint):
     llm = ds.LLM(checkpoint)
     params = ds.SamplingParams(max_new_tokens=24, seed=5)

@@ -47,8 +47,14 @@ def _is_neutral(value, neutrals) -> bool:
 # more are better sent as several requests. (2,000 prompts with n = 64, 128,000 choices, had
 # kept /health waiting 21 s while they were admitted, and each garbage collection 1.6 s.)
 MAX_CHOICES = 4096
-# The most stop strings a request may give: each is looked for in every piece of text.
+# The most stop strings a request may give, and their most characters in all: each is looked
+# for in every piece of text, from its length before the piece on.
 MAX_STOP_STRINGS = 256
+MAX_STOP_CHARS = 65536
+# The most allowed_token_ids a request's choices hold in all: each choice keeps its own
+# (2 MB a choice at a 262,144-token vocabulary, and 24 ms of the engine's thread to take:
+# 4,096 choices of a 2 MB body had asked for 8 GB).
+MAX_ALLOWED_IDS = 2**24
 
 
 class ApiError(Exception):
@@ -111,11 +117,16 @@ class _GenerationRequest(_Strict):
             raise ApiError(400, f"stop may hold at most {MAX_STOP_STRINGS} strings", param="stop")
         if "" in stop:  # (as vLLM: an empty string would stop everywhere, or, skipped, not at all)
             raise ApiError(400, "stop: an empty string is not a stop string", param="stop")
+        chars = sum(len(s) for s in stop if isinstance(s, str))
+        if chars > MAX_STOP_CHARS:
+            raise ApiError(400, f"stop: {chars} characters of stop strings, more than a request may give "
+                                f"({MAX_STOP_CHARS})", param="stop")
         for i, s in enumerate(stop):  # (a lone surrogate would never match the text, which is valid Unicode)
             _check_unicode(s, f"stop[{i}]" if isinstance(self.stop, list) else "stop")
         return stop
 
-    def sampling_params(self, defaults: dict, max_tokens: Optional[int], max_steps: int) -> List[SamplingParams]:
+    def sampling_params(self, defaults: dict, max_tokens: Optional[int], max_steps: int,
+                        prompts: int = 1) -> List[SamplingParams]:
         """One SamplingParams per choice (n). With a seed, choice i uses seed + i, so the
         choices differ and the whole response is reproducible.
 
@@ -126,7 +137,8 @@ class _GenerationRequest(_Strict):
         An explicit t_min / t_max sets that end directly instead. Without max_tokens, the
         length generation_config.json gives, or where it gives none the whole context, is cut
         to the whole blocks that fit the context and the KV cache (as vLLM does).
-        max_steps: the server's limit on max_denoising_steps."""
+        max_steps: the server's limit on max_denoising_steps; prompts: how many the request
+        has (each takes the n choices)."""
         fit = max_tokens is None
         if fit and not defaults["length_given"]:
             max_tokens = defaults["context"]
@@ -146,6 +158,10 @@ class _GenerationRequest(_Strict):
         # Each id once: the runtime takes them as a set (a list of a million copies, checked for each
         # of n choices, had taken minutes).
         allowed = None if self.allowed_token_ids is None else sorted(set(self.allowed_token_ids))
+        if allowed is not None and prompts * self.n * len(allowed) > MAX_ALLOWED_IDS:
+            raise ApiError(400, f"allowed_token_ids: {len(allowed)} ids for each of {prompts * self.n} choices, "
+                                f"more than a request's choices may hold in all ({MAX_ALLOWED_IDS}): send fewer "
+                                "choices a request", param="allowed_token_ids")
         greedy = self.temperature == 0
         params = []
         for i in range(self.n):

@@ -285,7 +285,7 @@ class _Server:
         # In a worker thread, as the prompts' encoding: n choices each check the request's lists
         # (200,000 allowed ids and n = 128 had kept /health waiting 50 s).
         params = await asyncio.to_thread(body.sampling_params, self.defaults, max_tokens,
-                                         self.max_denoising_steps_limit)
+                                         self.max_denoising_steps_limit, len(prompts))
         stop = body.stop_strings()
         if stop and self.tokenizer is None:
             raise ApiError(400, "this model has no tokenizer.json, so no text to find stop strings in", param="stop",

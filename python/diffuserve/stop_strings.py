@@ -2,8 +2,11 @@
 
 Text arrives in pieces, and a stop string may straddle two pieces, so the last
 len(longest stop) - 1 characters are held back until the next piece shows whether they
-begin a stop string. A stop string never starts inside text already released, so the
-search starts where the released text ends.
+begin a stop string. A stop string never starts inside text already released, and one not
+found before a piece came must end inside it: each is looked for from len(s) - 1 characters
+before the piece on, so that a piece costs its own length and the stop strings', not the
+held-back text's for each stop string (long stop strings had made each piece cost minutes
+of work over a long output).
 
 The text is cut before the stop string that ends first (of two ending together, the longer),
 where generation token by token would stop, however the text is split into pieces (cutting
@@ -19,10 +22,10 @@ class StopStringFilter:
     def __init__(self, stop: Sequence[str] = ()):
         if "" in stop:
             raise ValueError("stop strings: an empty string is not one")
-        self._stop = list(stop)
-        self._hold = max((len(s) for s in self._stop), default=1) - 1
-        self._text = ""       # everything received, up to a stop string
-        self._released = 0    # characters of it handed out
+        self._stop = [(s, len(s) - 1) for s in stop]  # each with the characters it reaches back
+        self._hold = max((len(s) for s in stop), default=1) - 1
+        self._pending = ""    # the text received and not yet handed out
+        self._released = 0    # characters handed out
         self.stopped = False  # a stop string was found; the rest of the output is dropped
         self.stop_end = 0     # once stopped: where in the text received that stop string ends
 
@@ -30,15 +33,16 @@ class StopStringFilter:
         """Adds text; returns what is now safe to release. final: no more text follows."""
         if self.stopped:
             return ""
-        self._text += piece
-        found = [(i + len(s), i) for s in self._stop if (i := self._text.find(s, self._released)) >= 0]
+        before = len(self._pending)
+        self._pending += piece
+        found = [(i + back + 1, i) for s, back in self._stop
+                 if (i := self._pending.find(s, before - back if before > back else 0)) >= 0]
         if found:
-            self.stop_end, cut = min(found)
-            self._text = self._text[:cut]
+            end, cut = min(found)
+            self.stop_end = self._released + end
             self.stopped = True
-            end = cut
         else:
-            end = len(self._text) if final else max(self._released, len(self._text) - self._hold)
-        out = self._text[self._released:end]
-        self._released = end
+            cut = len(self._pending) if final else max(0, len(self._pending) - self._hold)
+        out, self._pending = self._pending[:cut], self._pending[cut:]
+        self._released += cut
         return out
