@@ -228,7 +228,7 @@ def test_missing_scale_is_named(tmp_path, scheme, name):
         ds.Model.load(path)
 
 
-@pytest.mark.parametrize("value", [0.0, -2.0, float("nan"), float("inf")])
+@pytest.mark.parametrize("value", [0.0, -2.0, float("nan"), float("inf"), 1e37, 1e-42])
 @pytest.mark.parametrize("scheme, name, message", [
     ("NVFP4A16", "model.decoder.layers.1.mlp.up_proj.weight_global_scale", "positive, finite"),
     ("NVFP4", "model.decoder.layers.2.experts.3.down_proj.input_global_scale", "positive, finite"),
@@ -236,10 +236,15 @@ def test_missing_scale_is_named(tmp_path, scheme, name):
 ])
 def test_bad_scale_is_named(tmp_path, value, scheme, name, message):
     """NVFP4's weights and inputs are divided by their global scales, and FP8's weights are
-    multiplied by theirs: a scale that would turn a linear's outputs into NaN or infinity is
-    refused at load, named. (FP8 scales of 0 or below are numbers: they load.)"""
+    multiplied by theirs: a scale that would turn a linear's outputs into NaN or infinity (in
+    fp32, at the largest code: E4M3's 448, times E2M1's 6 for NVFP4) is refused at load, named.
+    (FP8 scales of 0 or below are numbers: they load.)"""
     path = edit_tensor(tmp_path, scheme, name, lambda t: torch.full_like(t, value))
-    if scheme == "FP8_DYNAMIC" and math.isfinite(value):
+    x = np.float32(value)
+    with np.errstate(over="ignore", divide="ignore", invalid="ignore"):
+        loads = np.isfinite(x * np.float32(448)) if scheme == "FP8_DYNAMIC" else \
+            x > 0 and np.isfinite(x) and np.isfinite(np.float32(6 * 448) / x)
+    if loads:
         ds.Model.load(path)
         return
     with pytest.raises(ds.CheckpointError, match=re.escape(name) + ".*" + message):
@@ -287,6 +292,16 @@ def test_stacked_linears_quantized_differently_are_a_checkpoint_error(tmp_path):
         ds.Model.load(path)
 
 
+@pytest.mark.parametrize("plain", ["gate_proj", "up_proj"])
+def test_a_plain_linear_stacked_with_quantized_ones_is_named(tmp_path, plain):
+    """Gate and up run as one weight: one stored plainly beside a quantized one is named as
+    such whichever comes first (a plain gate had sent up, FP8, to the plain path's dtype check)."""
+    name = f"model.decoder.layers.1.mlp.{plain}.weight"
+    path = edit_tensor(tmp_path, "FP8_DYNAMIC", name, lambda t: t.float())
+    with pytest.raises(ds.CheckpointError, match=re.escape(name) + "' is stored plainly, but the linears stacked"):
+        ds.Model.load(path)
+
+
 @pytest.mark.parametrize("name", [
     "model.decoder.layers.1.mlp.up_proj.weight_scale",
     "model.decoder.layers.2.experts.3.down_proj.weight_scale",
@@ -301,6 +316,21 @@ def test_nan_group_scale_is_named(tmp_path, name, code):
         return codes.view(scales.dtype)
     path = edit_tensor(tmp_path, "NVFP4A16", name, one_nan)
     with pytest.raises(ds.CheckpointError, match=re.escape(name) + ".*holds NaN"):
+        ds.Model.load(path)
+
+
+@pytest.mark.parametrize("code", [0x7F, 0xFF])
+def test_nan_fp8_weight_code_is_named(tmp_path, code):
+    """An FP8 weight code that is E4M3's NaN (either sign) is refused at load, named (it had
+    loaded, and its logits were NaN at the first denoise, named by no tensor)."""
+    name = "model.decoder.layers.2.experts.3.down_proj.weight"
+
+    def one_nan(weights):
+        codes = weights.view(torch.uint8).clone()
+        codes.view(-1)[codes.numel() // 2] = code
+        return codes.view(weights.dtype)
+    path = edit_tensor(tmp_path, "FP8_DYNAMIC", name, one_nan)
+    with pytest.raises(ds.CheckpointError, match=re.escape(name) + "' holds NaN codes"):
         ds.Model.load(path)
 
 

@@ -299,7 +299,9 @@ class TensorSource {
   Weight concatenated(const std::vector<std::string>& names, const std::vector<int64_t>& rows,
                       const std::vector<int64_t>& shape) {
     const int64_t cols = shape.back();
-    if (is_packed(names[0])) {
+    // Quantized where any part is, so that a plain part is named as such wherever it comes (a
+    // plain first part had sent a quantized second one to the plain path's dtype check).
+    if (std::any_of(names.begin(), names.end(), [&](const std::string& name) { return is_packed(name); })) {
       PackedWeight w = packed(names[0], {rows[0], cols});
       for (size_t i = 1; i < names.size(); ++i) {
         try {
@@ -391,9 +393,10 @@ class TensorSource {
   // every output of the linear would be NaN or infinite.
   float divisor_scalar(const std::string& name) {
     const float v = scalar(name);
-    if (!(std::isfinite(v) && v > 0))
+    // (The largest value it divides, E2M1's 6 times E4M3's 448, must stay finite.)
+    if (!(std::isfinite(v) && v > 0 && std::isfinite(6.0f * 448.0f / v)))
       throw FormatError(m_.path + ": '" + name + "' is " + std::to_string(v) + "; NVFP4 needs a positive, finite " +
-                        "global scale");
+                        "global scale, 6 x 448 over which is finite");
     return v;
   }
 
@@ -502,12 +505,18 @@ class TensorSource {
     p.format = WeightFormat::Fp8;
     p.shape = shape;
     p.group_size = groups ? cols / groups : cols;
-    p.values.assign(w.data, w.data + w.nbytes);
+    // E4M3's NaN codes (0x7f, 0xff) would reach the logits as NaN only at the first denoise,
+    // named by no tensor: looked for as the codes are copied, one pass without an early exit
+    // (a 26B checkpoint has 26 GB of them).
+    p.values.resize(w.nbytes);
+    bool nan = false;
+    for (size_t i = 0; i < w.nbytes; ++i) nan |= !fp8_is_number(p.values[i] = w.data[i]);
+    if (nan) throw FormatError(w.file + ": tensor '" + w.name + "' holds NaN codes; FP8 weights must be numbers");
     p.scales = widen(scale);
-    for (float s : p.scales)
-      if (!std::isfinite(s))
+    for (float s : p.scales)  // (times E4M3's largest, 448, the weights must stay finite)
+      if (!std::isfinite(s * 448.0f))
         throw FormatError(scale.file + ": tensor '" + scale.name + "' holds " + std::to_string(s) +
-                          "; FP8 weight scales must be finite");
+                          "; FP8 weight scales must be finite, and finite times 448");
     if (!groups) p.scales.assign(size_t(rows), p.scales[0]);  // one per tensor: the same for every row
     return p;
   }
