@@ -302,35 +302,22 @@ def test_a_plain_linear_stacked_with_quantized_ones_is_named(tmp_path, plain):
         ds.Model.load(path)
 
 
-@pytest.mark.parametrize("name", [
-    "model.decoder.layers.1.mlp.up_proj.weight_scale",
-    "model.decoder.layers.2.experts.3.down_proj.weight_scale",
+@pytest.mark.parametrize("scheme, name", [
+    ("NVFP4A16", "model.decoder.layers.1.mlp.up_proj.weight_scale"),
+    ("NVFP4A16", "model.decoder.layers.2.experts.3.down_proj.weight_scale"),
+    ("FP8_DYNAMIC", "model.decoder.layers.2.experts.3.down_proj.weight"),
 ])
 @pytest.mark.parametrize("code", [0x7F, 0xFF])
-def test_nan_group_scale_is_named(tmp_path, name, code):
-    """An NVFP4 group scale that is E4M3's NaN (either sign) is refused at load, named: its
-    16 values would be NaN."""
-    def one_nan(scales):
-        codes = scales.view(torch.uint8).clone()
+def test_nan_code_is_named(tmp_path, scheme, name, code):
+    """An E4M3 code that is NaN (either sign) is refused at load, named: in an NVFP4 group
+    scale its 16 values would be NaN; in an FP8 weight, it had loaded, and the logits were NaN
+    at the first denoise, named by no tensor."""
+    def one_nan(tensor):
+        codes = tensor.view(torch.uint8).clone()
         codes.view(-1)[codes.numel() // 2] = code
-        return codes.view(scales.dtype)
-    path = edit_tensor(tmp_path, "NVFP4A16", name, one_nan)
-    with pytest.raises(ds.CheckpointError, match=re.escape(name) + ".*holds NaN"):
-        ds.Model.load(path)
-
-
-@pytest.mark.parametrize("code", [0x7F, 0xFF])
-def test_nan_fp8_weight_code_is_named(tmp_path, code):
-    """An FP8 weight code that is E4M3's NaN (either sign) is refused at load, named (it had
-    loaded, and its logits were NaN at the first denoise, named by no tensor)."""
-    name = "model.decoder.layers.2.experts.3.down_proj.weight"
-
-    def one_nan(weights):
-        codes = weights.view(torch.uint8).clone()
-        codes.view(-1)[codes.numel() // 2] = code
-        return codes.view(weights.dtype)
-    path = edit_tensor(tmp_path, "FP8_DYNAMIC", name, one_nan)
-    with pytest.raises(ds.CheckpointError, match=re.escape(name) + "' holds NaN codes"):
+        return codes.view(tensor.dtype)
+    path = edit_tensor(tmp_path, scheme, name, one_nan)
+    with pytest.raises(ds.CheckpointError, match=re.escape(name) + "' holds NaN"):
         ds.Model.load(path)
 
 
