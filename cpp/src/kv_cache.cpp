@@ -69,9 +69,8 @@ uint64_t PrefixTree::find(uint64_t parent, std::span<const int32_t> tokens) cons
 }
 
 uint64_t PrefixTree::hold(uint64_t parent, std::span<const int32_t> tokens) {
-  Key key{parent, {tokens.begin(), tokens.end()}};
-  const auto [it, added] = ids_.try_emplace(key, next_id_);
-  if (added) nodes_.emplace(next_id_++, Node{std::move(key), 0});
+  const auto [it, added] = ids_.try_emplace(Key{parent, {tokens.begin(), tokens.end()}}, next_id_);
+  if (added) nodes_.emplace(next_id_++, Node{&it->first, 0});
   hold(it->second);
   return it->second;
 }
@@ -79,7 +78,7 @@ uint64_t PrefixTree::hold(uint64_t parent, std::span<const int32_t> tokens) {
 void PrefixTree::release(uint64_t node) {
   const auto it = nodes_.find(node);
   if (--it->second.refs > 0) return;
-  ids_.erase(it->second.key);
+  ids_.erase(ids_.find(*it->second.key));
   nodes_.erase(it);
 }
 

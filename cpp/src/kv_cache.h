@@ -66,7 +66,6 @@ class PrefixTree {
   void hold(uint64_t node) { ++nodes_.at(node).refs; }
   // One reference fewer; the node goes with its last.
   void release(uint64_t node);
-  size_t size() const { return nodes_.size(); }
 
  private:
   struct Key {
@@ -80,7 +79,7 @@ class PrefixTree {
     uint64_t k0, k1;
   };
   struct Node {
-    Key key;
+    const Key* key;  // its key in ids_ (an unordered_map's elements stay where they are)
     int64_t refs;
   };
   std::unordered_map<Key, uint64_t, KeyHash> ids_;

@@ -117,7 +117,7 @@ class _GenerationRequest(_Strict):
             raise ApiError(400, f"stop may hold at most {MAX_STOP_STRINGS} strings", param="stop")
         if "" in stop:  # (as vLLM: an empty string would stop everywhere, or, skipped, not at all)
             raise ApiError(400, "stop: an empty string is not a stop string", param="stop")
-        chars = sum(len(s) for s in stop if isinstance(s, str))
+        chars = sum(map(len, stop))
         if chars > MAX_STOP_CHARS:
             raise ApiError(400, f"stop: {chars} characters of stop strings, more than a request may give "
                                 f"({MAX_STOP_CHARS})", param="stop")
