@@ -566,6 +566,51 @@ def test_gemma_tokenizer_class_names_its_default_special_tokens(tmp_path):
         assert ours.encode(text) == theirs.encode(text)
 
 
+def test_special_tokens_map_read_as_transformers_reads_it(tmp_path):
+    """An older checkpoint keeps its special tokens in special_tokens_map.json: where
+    tokenizer_config.json has no added_tokens_decoder, transformers merges them in (they had been
+    missing: the template's bos_token empty, no eos id, <tool_call> split into characters)."""
+    path = _edited_checkpoint(tmp_path, {"extra_special_tokens": ["<start_of_turn>"]},
+                              drop=("bos_token", "eos_token", "pad_token", "added_tokens_decoder"))
+    (tmp_path / "m" / "special_tokens_map.json").write_text(json.dumps({
+        "bos_token": {"content": "<bos>", "special": False}, "eos_token": "<eos>",
+        "extra_special_tokens": ["<tool_call>", "<start_of_turn>"]}))
+    ours, theirs = Tokenizer(path), AutoTokenizer.from_pretrained(path)
+    assert ours.eos_token_id == theirs.eos_token_id is not None
+    assert ours.special_tokens == {key: str(value) for key, value in theirs.special_tokens_map.items()}
+    conversation = CONVERSATIONS[1]
+    assert ours.apply_chat_template(conversation) == \
+        theirs.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
+    for text in ["a<tool_call>b<start_of_turn> <eos>", *TEXTS]:
+        assert ours.encode(text) == theirs.encode(text), text
+    ids = theirs.encode("a<tool_call>b<eos>")
+    assert ours.decode(ids) == theirs.decode(ids, skip_special_tokens=True)
+
+
+def test_vocabulary_with_a_gap_in_its_ids_decodes_them_all(tmp_path):
+    """A vocabulary whose ids leave a gap: the tokenizer's size is one past its highest id, not
+    its count of entries (a byte token past that count had been refused by decode and dropped
+    from a model's output)."""
+    def shift_byte_tokens(data):
+        vocab = data["model"]["vocab"]
+        gap_from = min(vocab[f"<0x{b:02X}>"] for b in range(256))
+        for token, i in vocab.items():
+            if i >= gap_from:
+                vocab[token] = i + 10
+        for token in data["added_tokens"]:
+            if token["id"] >= gap_from:
+                token["id"] += 10
+    path = _edited_checkpoint(tmp_path, tokenizer_json_changes=shift_byte_tokens, drop=("added_tokens_decoder",))
+    ours, theirs = Tokenizer(path), AutoTokenizer.from_pretrained(path)
+    highest = max(theirs.get_vocab().values())
+    assert ours.vocab_size == highest + 1
+    ids = [highest, *theirs.encode("ok \u00e9\u4e16", add_special_tokens=False), ours.token_id("<0xFF>")]
+    expected = theirs.decode(ids, skip_special_tokens=True)
+    assert ours.decode(ids) == ours.decode_output(ids) == expected
+    detokenizer = IncrementalDetokenizer(ours)
+    assert detokenizer.push(ids) + detokenizer.finish() == expected
+
+
 def _edited_checkpoint(tmp_path, config_changes=(), tokenizer_json_changes=None, drop=()):
     """A byte-fallback chat checkpoint whose tokenizer_config.json has `config_changes` set (and
     the keys in `drop` removed), and whose tokenizer.json `tokenizer_json_changes(dict)` edits."""

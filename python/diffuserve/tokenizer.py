@@ -7,6 +7,8 @@ them:
                              additional_special_tokens), added_tokens_decoder,
                              split_special_tokens, clean_up_tokenization_spaces and, in older
                              checkpoints, "chat_template" (a string or a list of named ones)
+    special_tokens_map.json  special tokens, in older checkpoints (where tokenizer_config.json
+                             has no added_tokens_decoder)
     chat_template.jinja      the chat template, in newer checkpoints (wins over the above),
     additional_chat_templates/NAME.jinja   beside it, named ones
 """
@@ -84,6 +86,27 @@ def _special_tokens(config: dict, file: str) -> Tuple[Dict[str, AddedToken], Lis
         raise _core.CheckpointError(f"{file}: extra_special_tokens must be a list of tokens or an object of named "
                                     f"ones, got {listed!r}")
     return named, extra
+
+
+def _with_special_tokens_map(config: dict, file: str) -> dict:
+    """tokenizer_config.json's settings with those of special_tokens_map.json (older checkpoints
+    keep their special tokens there), as transformers merges them: only where the config has no
+    added_tokens_decoder; the map's tokens win, and its extra_special_tokens list joins the
+    config's."""
+    if "added_tokens_decoder" in config or not _present(file):
+        return config
+    try:
+        with open(file, encoding="utf-8") as f:
+            tokens = json.load(f)
+    except (OSError, ValueError) as e:
+        raise _core.CheckpointError(f"{file}: not a readable JSON file: {e}") from None
+    if not isinstance(tokens, dict):
+        raise _core.CheckpointError(f"{file}: expected a JSON object, got {type(tokens).__name__}")
+    merged = {**config, **tokens}
+    listed, more = config.get("extra_special_tokens"), tokens.get("extra_special_tokens")
+    if isinstance(listed, list) and isinstance(more, list):
+        merged["extra_special_tokens"] = listed + [t for t in more if t not in listed]
+    return merged
 
 
 def _listed_added_tokens(config: dict, file: str) -> Optional[List[AddedToken]]:
@@ -193,6 +216,7 @@ class Tokenizer:
                 raise _core.CheckpointError(f"{config_file}: not a readable JSON file: {e}") from None
             if not isinstance(config, dict):
                 raise _core.CheckpointError(f"{config_file}: expected a JSON object, got {type(config).__name__}")
+        config = _with_special_tokens_map(config, os.path.join(path, "special_tokens_map.json"))
         # transformers' encode neither truncates nor pads unless asked to: settings saved in
         # tokenizer.json had cut every prompt (chat prompts too) or padded it.
         self._tokenizer.no_truncation()
@@ -207,6 +231,9 @@ class Tokenizer:
         byte_ids = (self._tokenizer.token_to_id(f"<0x{b:02X}>") for b in range(256))
         self._byte_ids = frozenset(i for i in byte_ids if i is not None)
         self._special_ids = frozenset(i for i, t in self._tokenizer.get_added_tokens_decoder().items() if t.special)
+        # One past the highest id: a vocabulary's ids may leave gaps, where the library's
+        # get_vocab_size counts its entries.
+        self._vocab_size = max(self._tokenizer.get_vocab(with_added_tokens=True).values(), default=-1) + 1
         # transformers leaves BPE's text alone unless told it may corrupt it.
         clean_up = config.get("clean_up_tokenization_spaces", False)
         forced = config.get("clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output", False)
@@ -287,7 +314,8 @@ class Tokenizer:
 
     @property
     def vocab_size(self) -> int:
-        return self._tokenizer.get_vocab_size(with_added_tokens=True)
+        """One past the highest token id."""
+        return self._vocab_size
 
     @property
     def eos_token_id(self) -> Optional[int]:
