@@ -408,6 +408,26 @@ def test_developer_messages(client):
     assert body.conversation(template_names_developer=True)[0]["role"] == "developer"
 
 
+def test_tool_call_arguments_reach_the_template_as_objects():
+    """An assistant's tool calls carry their arguments as JSON text (OpenAI's format); the
+    template gets the object, as vLLM passes it (a template iterating them had met a string);
+    none or "" is {}, and text that is not JSON is a 400 naming the call."""
+    def call(arguments):
+        return {"id": "c", "type": "function", "function": {"name": "f", "arguments": arguments}}
+
+    messages = [{"role": "user", "content": "x"},
+                {"role": "assistant", "tool_calls": [call('{"a": [1, 2]}'), call(""), call(None), call({"b": 1})]},
+                {"role": "tool", "content": "3", "tool_call_id": "c"}]
+    body = parse(ChatCompletionRequest, {"model": MODEL, "messages": messages})
+    calls = body.conversation()[1]["tool_calls"]
+    assert [c["function"]["arguments"] for c in calls] == [{"a": [1, 2]}, {}, {}, {"b": 1}]
+    assert calls[0]["id"] == "c" and calls[0]["function"]["name"] == "f"
+    messages[1]["tool_calls"].append(call("{not json"))
+    with pytest.raises(ApiError, match="arguments must be JSON text") as error:
+        parse(ChatCompletionRequest, {"model": MODEL, "messages": messages}).conversation()
+    assert error.value.param == "messages[1].tool_calls[4].function.arguments"
+
+
 def test_request_translation_into_sampling_params():
     """Without max_tokens a request takes the checkpoint's length (generation_config.json's), or
     where it gives none the whole context, cut to the whole blocks the context has room for

@@ -278,7 +278,27 @@ class ChatCompletionRequest(_GenerationRequest):
             # (OpenAI's newer name for system, which coding agents send: Gemma-style templates refuse it.)
             role = "system" if message.role == "developer" and not template_names_developer else message.role
             out.append({**message.model_dump(), "role": role, "content": content})
+            if message.role == "assistant" and isinstance(out[-1].get("tool_calls"), list):
+                out[-1]["tool_calls"] = _parsed_tool_calls(out[-1]["tool_calls"], f"messages[{i}].tool_calls")
         return out
+
+
+def _parsed_tool_calls(calls: list, param: str) -> list:
+    """An assistant's tool calls with each function's arguments, which OpenAI clients send as JSON
+    text, as the object it holds (as vLLM passes them, and tool-use templates iterate them;
+    none or "" is {})."""
+    parsed = []
+    for j, call in enumerate(calls):
+        function = call.get("function") if isinstance(call, dict) else None
+        if isinstance(function, dict) and isinstance(function.get("arguments") or "", str):
+            try:
+                arguments = json.loads(function.get("arguments") or "{}")
+            except ValueError as e:
+                raise ApiError(400, f"a tool call's arguments must be JSON text: {e}",
+                               param=f"{param}[{j}].function.arguments") from None
+            call = {**call, "function": {**function, "arguments": arguments}}
+        parsed.append(call)
+    return parsed
 
 
 # apply_chat_template's own parameters, which chat_template_kwargs may not set (the template
