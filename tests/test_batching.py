@@ -381,6 +381,60 @@ def test_ctrl_c_during_a_step_loses_no_output_and_leaves_the_llm_usable(make_llm
     assert llm.generate([[1, 2]], params(3, n=8))[0].finish_reason == "length"
 
 
+class FailsAfterAFinish:
+    """An engine whose first step that finishes a request then fails (MemoryError, as the C++
+    step raises when the backend runs out of memory in a later pass), keeping the finished
+    outputs for take_finished() as the C++ engine keeps them."""
+
+    def __init__(self, engine):
+        self.engine, self.armed, self.kept = engine, True, []
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+    def step(self, *args):
+        finished = self.engine.step(*args)
+        if finished and self.armed:
+            self.armed, self.kept = False, finished
+            raise MemoryError("out of memory allocating the logits")
+        return finished
+
+    def take_finished(self):
+        kept, self.kept = self.kept, []
+        return kept
+
+
+def test_a_step_failing_after_requests_finished_keeps_their_outputs(make_llm):
+    """A step that fails after requests finished in its earlier passes: their outputs come
+    from the next step, the others go on (the finished ids had stayed `running`, and every
+    later step raised "no request with id N")."""
+    llm = make_llm(slice_steps=4)
+    llm.scheduler.engine = FailsAfterAFinish(llm.scheduler.engine)
+    prompts, ps = [[9, 9, 9], [1, 2, 3]], [params(77, n=8), params(1, n=40)]
+    ids = [llm.add_request(prompt, p) for prompt, p in zip(prompts, ps)]
+    outs = []
+    with pytest.raises(MemoryError):
+        while llm.has_unfinished():
+            outs += llm.step()
+    while llm.has_unfinished():
+        outs += llm.step()
+    assert [out.request_id for out in outs] == ids
+    assert [out.token_ids for out in outs] == [alone(make_llm(), *a).token_ids for a in zip(prompts, ps)]
+
+
+def test_a_failing_step_keeps_the_outputs_generate_held(make_llm):
+    """An output of add_request's that a generate call held survives a step that fails (it
+    had been dropped: never returned, though has_unfinished had said it was to come)."""
+    llm = make_llm()
+    side = llm.add_request([9, 9, 9], params(77, n=8))
+    llm.generate([[1, 2, 3]], params(1, n=24))
+    llm.scheduler.step = lambda: (_ for _ in ()).throw(ValueError("the step failed"))
+    with pytest.raises(ValueError, match="the step failed"):
+        llm.step()
+    del llm.scheduler.step
+    assert [out.request_id for out in llm.step()] == [side]
+
+
 def test_abort_drops_an_output_generate_held(make_llm):
     """A request of add_request that a generate call ran to its end is held for the next step;
     aborting it drops that output (the step had still returned it)."""

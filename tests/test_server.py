@@ -816,6 +816,31 @@ def test_a_failed_step_fails_its_requests_and_the_engine_goes_on(checkpoint):
         engine.shutdown()
 
 
+def test_a_step_failing_after_a_request_finished_delivers_it(checkpoint):
+    """A step that fails after one of its requests finished: that one gets its output, the
+    other StepFailed, and the engine goes on (the finished id had been aborted as if still
+    running, which raised "no request with id N" and killed the engine thread)."""
+    from test_batching import FailsAfterAFinish
+    llm = ds.LLM(checkpoint, kv_cache_memory_bytes=32 << 20, slice_steps=4)
+    llm.scheduler.engine = FailsAfterAFinish(llm.scheduler.engine)
+    engine = AsyncLLM(llm)
+
+    async def run(tokens):
+        params = ds.SamplingParams(max_new_tokens=tokens, seed=0, eos_token_id=[])
+        return [p.output async for p in engine.generate([5, 6, 7], params)][-1]
+
+    async def both():
+        return await asyncio.gather(run(8), run(64), return_exceptions=True)
+
+    try:
+        short, long = asyncio.run(both())
+        assert len(short.token_ids) == 8
+        assert isinstance(long, StepFailed) and "out of memory allocating the logits" in str(long)
+        assert engine.alive and len(asyncio.run(run(8)).token_ids) == 8
+    finally:
+        engine.shutdown()
+
+
 def test_max_tokens_wins_over_the_checkpoints_max_length(tmp_path):
     """A request without max_tokens takes the checkpoint's defaults, generation_config.json's
     max_length included, as transformers' generate does (it had been ignored); with max_tokens

@@ -222,6 +222,7 @@ void bind_generate(nb::module_& m) {
              return self.step(plan, max_steps, max_batched_tokens);
            },
            nb::arg("plan"), nb::arg("max_steps"), nb::arg("max_batched_tokens"))
+      .def("take_finished", &Engine::take_finished)
       .def("interrupt", &Engine::interrupt)
       .def("__len__", &Engine::size);
 }

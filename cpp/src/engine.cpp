@@ -6,6 +6,7 @@
 #include <optional>
 #include <random>
 #include <string>
+#include <utility>
 
 #include "model.h"
 #include "sampler.h"
@@ -164,7 +165,8 @@ RequestState& Engine::get(uint64_t id) const {
 void Engine::add(uint64_t id, std::vector<int32_t> prompt, const SamplingParams& params) {
   const auto lock = model_->state().lock();
   const ModelConfig& c = model_->config();
-  if (requests_.count(id)) throw InvalidArgument("a request with id " + std::to_string(id) + " already exists");
+  if (requests_.count(id) || std::any_of(finished_.begin(), finished_.end(), [&](const auto& f) { return f.first == id; }))
+    throw InvalidArgument("a request with id " + std::to_string(id) + " already exists");
   if (prompt.empty()) throw InvalidArgument("the prompt is empty");
   check_token_ids(prompt, c, "prompt");
   validate(params, c);
@@ -262,6 +264,7 @@ void Engine::preempt(uint64_t id) {
 
 void Engine::abort(uint64_t id) {
   const auto lock = model_->state().lock();
+  if (std::erase_if(finished_, [&](const auto& f) { return f.first == id; })) return;
   RequestState& r = get(id);
   model_->state().kv->release(r.table);
   requests_.erase(id);
@@ -328,7 +331,6 @@ std::vector<std::pair<uint64_t, GenerationOutput>> Engine::step(const std::vecto
     allowance[p.id] = p.max_encode_tokens;
   }
 
-  std::vector<std::pair<uint64_t, GenerationOutput>> finished;
   Activation last_logits;  // the previous pass's
   for (int pass = 0; pass < max_steps && !active.empty() && !(pass > 0 && interrupted_);) {
     // A denoising request's segment and its rows of the pass's logits.
@@ -416,7 +418,7 @@ std::vector<std::pair<uint64_t, GenerationOutput>> Engine::step(const std::vecto
         const uint64_t id = it->first;
         active.erase(it);
         m.kv->release(r->table);
-        finished.push_back({id, std::move(r->out)});
+        finished_.push_back({id, std::move(r->out)});
         requests_.erase(id);
       }
     }
@@ -426,7 +428,12 @@ std::vector<std::pair<uint64_t, GenerationOutput>> Engine::step(const std::vecto
   // (Cleared only here: an interrupt that came during the step has ended it, and one that
   // comes after this is for the next.)
   interrupted_ = false;
-  return finished;
+  return std::exchange(finished_, {});
+}
+
+std::vector<std::pair<uint64_t, GenerationOutput>> Engine::take_finished() {
+  const auto lock = model_->state().lock();
+  return std::exchange(finished_, {});
 }
 
 }  // namespace diffuserve

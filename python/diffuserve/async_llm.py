@@ -49,8 +49,9 @@ class RequestFailed(EngineError):
 
 
 class StepFailed(EngineError):
-    """A step holding the request could not run (out of GPU memory, say): every request in
-    it was aborted, their KV freed, and the engine goes on with the next ones."""
+    """A step could not run (out of GPU memory, say): every request the engine held, but those
+    that finished before it failed, was aborted, their KV freed, and the engine goes on with
+    the next ones."""
 
 
 class _Request:
@@ -156,7 +157,9 @@ class AsyncLLM:
                     try:
                         self._step(requests)
                     except (ValueError, MemoryError) as e:  # refused (InvalidArgument), or out of memory: not fatal
-                        self._abort_all(requests, StepFailed(f"the engine could not run this request: {e}"))
+                        # (Those that finished before the step failed get their outputs from the next.)
+                        finished = frozenset(request_id for request_id, _ in self.llm.scheduler.finished)
+                        self._abort_all(requests, StepFailed(f"the engine could not run this request: {e}"), finished)
                     self.stats = self.llm.stats()
         except BaseException as e:  # a bug in the engine: fail every request instead of hanging them
             with self._lock:
@@ -195,11 +198,14 @@ class AsyncLLM:
                 request.sent = (len(tokens), tuple(draft))
                 request.post(Progress(tokens, draft, denoise_steps=self.llm.denoise_steps(request.engine_id)))
 
-    def _abort_all(self, requests: dict, error: BaseException) -> None:
-        for request in requests.values():
+    def _abort_all(self, requests: dict, error: BaseException, finished: frozenset = frozenset()) -> None:
+        """Aborts every request but those of the engine ids `finished`, posting `error` to each."""
+        for key, request in list(requests.items()):
+            if request.engine_id in finished:
+                continue
+            del requests[key]
             try:
                 self.llm.abort(request.engine_id)
             finally:
                 request.post(error)
-        requests.clear()
         self.stats = self.llm.stats()

@@ -176,8 +176,10 @@ class LLM:
         """Runs one scheduler step; returns the requests that finished in it (and those of
         add_request that a generate call saw finish)."""
         with _interrupts_held():
+            # (The held outputs stay held where the step fails.)
+            outputs = [self._output(request_id, out) for request_id, out in self.scheduler.step()]
             held, self._held = self._held, []
-            return held + [self._output(request_id, out) for request_id, out in self.scheduler.step()]
+            return held + outputs
 
     @_locked
     def generate(self, prompts, params: Union[SamplingParams, Sequence[SamplingParams], None] = None

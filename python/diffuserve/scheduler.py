@@ -29,6 +29,7 @@ class Scheduler:
         # of 32,768 take 1.4 s of the engine thread).
         self.waiting: OrderedDict[int, None] = OrderedDict()
         self.running: list[int] = []  # in admission order
+        self.finished: list = []  # (request_id, output) of a step that then failed, for the next to return
         self.preemptions = 0
 
     def add(self, request_id: int, prompt: list, params: "_core.SamplingParams") -> None:
@@ -42,11 +43,12 @@ class Scheduler:
         elif request_id in self.waiting:
             del self.waiting[request_id]
         else:
+            self.finished = [f for f in self.finished if f[0] != request_id]
             return
         self.engine.abort(request_id)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.finished)
 
     def _fit(self, take, request_id: int, encode: int) -> int:
         """Tries `take(request_id, n)` for n = encode, then halves (a smaller prompt chunk
@@ -120,7 +122,17 @@ class Scheduler:
             raise ValueError(f"request {request_id}: the KV cache has no room for its next "
                              f"{self.engine.pending_tokens(request_id)} tokens while other sequences of this model "
                              "hold the rest (release them, or raise kv_cache_memory_bytes)")
-        finished = self.engine.step(plan, self.slice_steps, self.max_num_batched_tokens) if plan else []
+        try:
+            finished = self.engine.step(plan, self.slice_steps, self.max_num_batched_tokens) if plan else []
+        except BaseException:
+            # Requests that finished in the step's passes before it failed (out of memory, say)
+            # are the engine's no more: their outputs go out with the next step.
+            self.finished += self._retire(self.engine.take_finished())
+            raise
+        finished, self.finished = self.finished + self._retire(finished), []
+        return finished
+
+    def _retire(self, finished: list) -> list:
         for request_id, _ in finished:
             self.running.remove(request_id)
         return finished

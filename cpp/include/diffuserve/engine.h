@@ -31,7 +31,8 @@ struct StepPlan {
 };
 
 // Every method taking an id throws InvalidArgument when the engine holds no such request
-// (never added, finished, or aborted). Its calls take the model's turn (diffuserve.h), so
+// (never added, finished, or aborted; abort() of a finished one step() has yet to return
+// drops its output). Its calls take the model's turn (diffuserve.h), so
 // threads may share an engine; interrupt() is meant for another thread.
 class Engine {
  public:
@@ -61,9 +62,12 @@ class Engine {
   // pending tokens all planned), each pass at most
   // `max_batched_tokens` (>= 1) rows: a prompt chunk planned past that is cut to it. Returns
   // the requests that finished; none when it could run no pass (the KV cache had no room for
-  // their tokens).
+  // their tokens). A step that throws (out of memory, say) after requests finished in its
+  // earlier passes keeps their outputs (the engine holds those requests no more): the next
+  // step returns them, or take_finished() does at once; abort() drops one.
   std::vector<std::pair<uint64_t, GenerationOutput>> step(const std::vector<StepPlan>& plan, int max_steps,
                                                           int64_t max_batched_tokens);
+  std::vector<std::pair<uint64_t, GenerationOutput>> take_finished();
   // Ends the step in progress after its current pass (or the next step after its first):
   // a step of many passes over a large batch takes tens of seconds on a CPU, and a caller
   // with a request to abort should not wait for all of them. Any thread may call it, also
@@ -92,6 +96,7 @@ class Engine {
   int64_t passes_ = 0;
   std::atomic<bool> interrupted_ = false;
   std::map<uint64_t, std::unique_ptr<RequestState>> requests_;
+  std::vector<std::pair<uint64_t, GenerationOutput>> finished_;  // finished, not yet returned by step()
 };
 
 }  // namespace diffuserve
