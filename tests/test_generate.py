@@ -353,6 +353,19 @@ def test_steps_run_to_the_limit_when_never_confident(checkpoints):
     assert out.tokens_per_forward == pytest.approx(sum(t != 0 for t in out.token_ids) / 27)
 
 
+def test_a_float16_checkpoint_runs_at_near_greedy_temperatures(checkpoints, tmp_path):
+    """A float16 checkpoint at the temperatures the tests' greedy runs and the server's
+    temperature 0 take: its self-conditioning feedback, cast to float16, had overflowed to
+    infinity and failed the request as if the model's logits were NaN."""
+    model = build_model(text([S, F, F]), 8, seed=0)
+    llm = ds.LLM(save(model, tmp_path / "fp16", dtype=torch.float16))
+    for t_min, t_max in [(1e-6, 2e-6), (4e-4, 8e-4)]:
+        params = ds.SamplingParams(max_new_tokens=16, max_denoising_steps=12, eos_token_id=[], seed=1, t_min=t_min,
+                                   t_max=t_max, stability_threshold=12)
+        out = llm.generate([[3, 4, 5]], params)[0]
+        assert out.finish_reason == "length" and len(out.token_ids) == 16, (t_min, out.error)
+
+
 def test_stops_at_once_when_confident(checkpoints):
     """Near-zero temperature makes every position certain: with stability_threshold 0 each
     block stops after one step; with 1 it needs at least a second step to see the same

@@ -37,6 +37,28 @@ def test_softcap_comes_before_the_temperature():
     np.testing.assert_array_equal(argmax, expected.argmax(-1))
 
 
+@pytest.mark.parametrize("temperature", [0.7, 1e-3, 4e-4, 1e-6])
+def test_self_conditioning_softmax_of_a_float16_model_at_cold_temperatures(temperature):
+    """A float16 checkpoint's self-conditioning softmax is of its scaled logits cast to float16,
+    as the reference casts them. Where a cold step's scaled logits pass float16's 65504 (a
+    softcap of 30 below temperature 4.6e-4) that cast gives infinities and the softmax NaN (the
+    request had failed as if the model's logits were NaN): such a row is shifted by its largest
+    logit first, the same softmax."""
+    logits = (np.random.default_rng(5).standard_normal((6, 300)) * 12).astype(np.float32)
+    logits[1, 7] = logits[1, 9] = 40.0  # a tie at the top
+    probs = sampler.sample_rows(logits, temperature, [], 0, 0, 0, softmax_feedback=True, softcap=30.0,
+                                feedback_dtype="F16")[0]
+    scaled = 30 * torch.tanh(torch.from_numpy(logits) / 30) / temperature
+    if scaled.max() <= 65504:  # the reference's own cast
+        expected = scaled.to(torch.float16).softmax(-1, dtype=torch.float32).numpy()
+        np.testing.assert_allclose(probs, expected, rtol=1e-6, atol=1e-7)
+    else:
+        assert np.isfinite(probs).all()
+        expected = scaled.double().softmax(-1).numpy()
+        np.testing.assert_allclose(probs, expected, atol=2e-3)
+        np.testing.assert_allclose(probs[1, [7, 9]], 0.5, atol=1e-6)
+
+
 def hf_accept(logits, bound):
     s = EntropyBoundSampler(EntropyBoundSamplerConfig(entropy_bound=float(bound)), logits.shape[0], logits.shape[1], 48)
     current = torch.zeros(1, logits.shape[0], dtype=torch.long)

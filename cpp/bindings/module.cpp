@@ -81,11 +81,15 @@ void bind_sampler(nb::module_& m) {
     return accept_by_entropy(entropy, bound, {});
   });
   // One `sample` op on `device`'s backend (softcap > 0: the logits' final softcap first):
-  // returns (processed logits, or with softmax_feedback their softmax, argmax, candidate,
+  // returns (processed logits, rounded to feedback_dtype ("F32", "BF16" or "F16": a
+  // checkpoint's weight dtype), or with softmax_feedback their softmax, argmax, candidate,
   // entropy).
   s.def("sample_rows", [](LogitsIn logits, float temperature, const std::vector<int32_t>& allowed_ids, uint64_t seed,
                           uint32_t block, uint32_t step, bool softmax_feedback, const std::string& device,
-                          float softcap) {
+                          float softcap, const std::string& feedback_dtype) {
+    DType feedback;
+    if (!dtype_from_name(feedback_dtype, &feedback) || !is_float(feedback))
+      throw InvalidArgument("sample_rows: feedback_dtype must be F32, BF16 or F16, got " + feedback_dtype);
     const int64_t rows = logits.shape(0), vocab = logits.shape(1);
     auto be = make_backend(device, 1);
     std::shared_ptr<void> allowed;
@@ -98,7 +102,7 @@ void bind_sampler(nb::module_& m) {
     Activation a = be->alloc(rows, vocab);
     be->from_host(logits.data(), a);
     const std::vector<RowSample> out = be->sample(a, softcap, temperature, static_cast<const uint8_t*>(allowed.get()),
-                                                  RandomKey{seed, block, step}, DType::F32, softmax_feedback);
+                                                  RandomKey{seed, block, step}, feedback, softmax_feedback);
     std::vector<float> processed(a.size());
     be->to_host(a, processed.data());
     std::vector<int32_t> argmax, candidate;
@@ -112,7 +116,8 @@ void bind_sampler(nb::module_& m) {
     return nb::make_tuple(to_numpy(std::move(processed), {n, size_t(vocab)}), to_numpy(std::move(argmax), {n}),
                           to_numpy(std::move(candidate), {n}), to_numpy(std::move(entropy), {n}));
   }, nb::arg("logits"), nb::arg("temperature"), nb::arg("allowed_ids"), nb::arg("seed"), nb::arg("block"),
-     nb::arg("step"), nb::arg("softmax_feedback") = false, nb::arg("device") = "cpu", nb::arg("softcap") = 0.0f);
+     nb::arg("step"), nb::arg("softmax_feedback") = false, nb::arg("device") = "cpu", nb::arg("softcap") = 0.0f,
+     nb::arg("feedback_dtype") = "F32");
   // A block's denoise steps on given logits ([steps, canvas, vocab]), on `device`'s backend:
   // its own denoise_step, or with host_update the default one (the backend's sample, then
   // update_canvas on the host). Returns (tokens, argmax, steps done, stopped) after each.
