@@ -175,6 +175,10 @@ __global__ void __launch_bounds__(kRouteWarps * 32, 1)
   const cooperative_groups::cluster_group cluster = cooperative_groups::this_cluster();
   const int blocks = int(cluster.num_blocks()), rank = int(cluster.block_rank());
   float* first_scores = cluster.map_shared_rank(scores, 0);
+  // A block may write another's shared memory only once that block has started: every block
+  // arrives here and waits before its first write, after its first tile's products, so the
+  // wait finds the barrier passed.
+  cluster.barrier_arrive();
 #else
   const int blocks = 1, rank = 0;
   float* first_scores = scores;
@@ -225,6 +229,9 @@ __global__ void __launch_bounds__(kRouteWarps * 32, 1)
     for (int s = 0; s < kTileSlots; ++s)
       for (int r = 0; r < 4; ++r) partial[warp][g + 8 * (r >> 1)][s * 8 + 2 * t + (r & 1)] = acc[s][r];
     __syncthreads();
+#if __CUDA_ARCH__ >= 900
+    if (pass_tile == rank) cluster.barrier_wait();
+#endif
     for (int o = threadIdx.x; o < kRouteTokens * kTileSlots * 8; o += blockDim.x) {
       const int row = o / (kTileSlots * 8), column = o % (kTileSlots * 8);
       const int tile = pass_tile + blocks * (column / 8), e = tile * 8 + column % 8;
@@ -235,6 +242,7 @@ __global__ void __launch_bounds__(kRouteWarps * 32, 1)
     __syncthreads();
   }
 #if __CUDA_ARCH__ >= 900
+  if (rank >= tiles) cluster.barrier_wait();  // (a block with no tile)
   cluster.sync();  // every block's scores are in the first block's shared memory
 #endif
   if (rank != 0) return;
