@@ -401,6 +401,8 @@ std::vector<std::pair<uint64_t, GenerationOutput>> Engine::step(const std::vecto
     int runs = 1;
     if (steady) runs = be.repeat(run, states, max_steps - pass, interrupted_);
     else run();
+    // A steady batch cut short: a canvas stopped (or an interrupt came), each is read below.
+    const bool cut_short = steady && runs < max_steps - pass;
     pass += runs;
     passes_ += runs;
     last_logits = logits;
@@ -410,9 +412,11 @@ std::vector<std::pair<uint64_t, GenerationOutput>> Engine::step(const std::vecto
       r->feedback = r->params.self_conditioning ? logits.view(d.first_row, r->canvas) : Activation{};
       r->steps += runs;
       // The stop rule cannot have fired before the argmax history is full, short of the
-      // last step: then nothing is read (the host goes on queueing work, or recording the
-      // next steps' graph, while the device runs this pass).
-      const bool may_stop = r->steps > r->params.stability_threshold || r->steps >= r->params.max_denoising_steps;
+      // last step or logits that were not finite (which stop a canvas at once, and a steady
+      // batch's repeat after that step): then nothing is read (the host goes on queueing
+      // work, or recording the next steps' graph, while the device runs this pass).
+      const bool may_stop =
+          cut_short || r->steps > r->params.stability_threshold || r->steps >= r->params.max_denoising_steps;
       if (may_stop && canvas_stopped(be, *r->block_state) && finish_block(*r, be, c.generation.pad_token_id)) {
         auto it = std::find_if(active.begin(), active.end(), [&](const auto& a) { return a.second == r; });
         const uint64_t id = it->first;
