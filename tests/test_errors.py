@@ -981,3 +981,57 @@ def test_cli_bench_request_too_long_is_an_error_line(valid_dir):
     result = subprocess.run([sys.executable, "-m", "diffuserve", "bench", str(valid_dir), "--prompt-tokens", "10000000",
                              "--concurrency", "1"], capture_output=True, text=True, timeout=300)
     assert result.returncode == 1 and "error: " in result.stderr and "Traceback" not in result.stderr, result.stderr
+
+
+FORKED_CHILD = """
+import os, sys
+import numpy as np
+import diffuserve as ds
+model = ds.Model.load(sys.argv[1], num_threads=int(sys.argv[2]))
+def logits():
+    seq = model.sequence()
+    seq.prefill([2, 5, 7, 11, 13])
+    return seq.denoise(np.arange(8) + 2)
+expected = logits()
+pid = os.fork()
+if pid == 0:  # the child computes alone (the parent's threads are not its own), then exits
+    equal = np.array_equal(logits(), expected)
+    del model
+    os._exit(0 if equal else 3) if sys.argv[3] == "os_exit" else sys.exit(0 if equal else 3)
+_, status = os.waitpid(pid, 0)
+print("child", os.waitstatus_to_exitcode(status))
+"""
+
+
+@pytest.mark.parametrize("exit_by", ["sys_exit", "os_exit"])
+@pytest.mark.parametrize("num_threads", [4, 0])
+def test_a_forked_child_computes_and_exits(valid_dir, num_threads, exit_by):
+    """A process forked after a load computes the same logits and exits cleanly: its teardown
+    had joined the parent's worker threads (a crash) or destroyed their condition variables
+    (a hang)."""
+    result = subprocess.run([sys.executable, "-c", FORKED_CHILD, str(valid_dir), str(num_threads), exit_by],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and result.stdout.strip() == "child 0", result.stdout + result.stderr
+
+
+ASYNC_LEFT_RUNNING = """
+import asyncio, sys
+import diffuserve as ds
+from diffuserve.async_llm import AsyncLLM
+engine = AsyncLLM(ds.LLM(sys.argv[1]))
+async def start():
+    stream = engine.generate([2, 5, 7], ds.SamplingParams(max_new_tokens=4096, eos_token_id=[], seed=0))
+    await stream.__anext__()  # accepted: the engine thread now steps it
+    return stream
+stream = asyncio.run(start())
+print("exiting", flush=True)
+"""
+
+
+def test_exiting_with_an_async_engine_mid_request_is_clean(valid_dir):
+    """A program that exits while its AsyncLLM still runs a request (no shutdown()): the
+    engine stops first (the process had aborted, SIGABRT, as the interpreter finalized
+    under its thread's native step)."""
+    result = subprocess.run([sys.executable, "-c", ASYNC_LEFT_RUNNING, str(valid_dir)], capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0 and result.stdout == "exiting\n", result.stdout + result.stderr

@@ -29,6 +29,14 @@ using LogitsIn = nb::ndarray<const float, nb::ndim<2>, nb::c_contig, nb::device:
 
 namespace {
 
+// f() with the GIL released: a call that waits for the model's turn (another thread's pass
+// may hold it for seconds) must not hold every Python thread up with it.
+template <class F>
+auto without_gil(F f) {
+  nb::gil_scoped_release release;
+  return f();
+}
+
 // A numpy array that owns a std::vector's storage.
 template <typename T>
 nb::ndarray<nb::numpy, T> to_numpy(std::vector<T>&& v, std::initializer_list<size_t> shape) {
@@ -267,10 +275,10 @@ NB_MODULE(_core, m) {
       .def_prop_ro("kv_cache_dtype", [](const Model& self) { return std::string(dtype_name(self.kv_cache_dtype())); })
       .def_prop_ro("device", &Model::device)
       .def("sequence", &Model::new_sequence, nb::arg("canvas_length") = 0)
-      .def_prop_ro("max_sequence_tokens", &Model::max_sequence_tokens)
+      .def_prop_ro("max_sequence_tokens", &Model::max_sequence_tokens, nb::call_guard<nb::gil_scoped_release>())
       .def("sampling_defaults", [](const Model& self) { return sampling_defaults(self.config()); })
       .def("cache_stats", [](const Model& self) {
-        const CacheStats s = self.cache_stats();
+        const CacheStats s = without_gil([&] { return self.cache_stats(); });
         nb::dict d;
         d["kv_blocks_total"] = s.blocks_total;
         d["kv_blocks_free"] = s.blocks_free;
@@ -306,17 +314,17 @@ NB_MODULE(_core, m) {
             return to_numpy(std::move(logits), {canvas.shape(0), size_t(vocab)});
           },
           nb::arg("canvas"), nb::arg("self_conditioning_logits").none())
-      .def("__len__", &Sequence::length)
+      .def("__len__", &Sequence::length, nb::call_guard<nb::gil_scoped_release>())
       .def_prop_ro("canvas_length", &Sequence::canvas_length)
       .def("kv_blocks", [](const Sequence& self) {
-        const auto [full, sliding] = self.kv_blocks();
+        const auto [full, sliding] = without_gil([&] { return self.kv_blocks(); });
         nb::dict d;
         d["full"] = full;
         d["sliding"] = sliding;
         return d;
       })
       .def("kv", [](const Sequence& self, int layer) {
-        LayerKV kv = self.kv(layer);
+        LayerKV kv = without_gil([&] { return self.kv(layer); });
         const size_t h = kv.kv_heads, r = kv.rows, d = kv.head_dim;
         return nb::make_tuple(to_numpy(std::move(kv.keys), {h, r, d}), to_numpy(std::move(kv.values), {h, r, d}),
                               kv.first_position);

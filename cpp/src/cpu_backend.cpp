@@ -52,7 +52,7 @@ inline float gelu_erf(float x) { return 0.5f * x * (1.0f + std::erf(x * 0.707106
 class CpuBackend final : public Backend {
  public:
   explicit CpuBackend(int num_threads)
-      : pool_(num_threads > 0 ? std::make_shared<ThreadPool>(num_threads) : ThreadPool::shared()) {
+      : pool_(ThreadPool::make(num_threads)) {
     cpu::simd_isa();  // picks the products' build now: a DIFFUSERVE_CPU_ISA the CPU lacks fails the load
   }
 

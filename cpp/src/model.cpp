@@ -557,7 +557,7 @@ class TensorSource {
   // The process's pool, held for the load: concatenated's conversions run on it (the pool
   // lives while someone holds it, and taken per call it had been made anew where no backend
   // held it, the GPU's before its first copy up, or the CPU's of its own thread count).
-  std::shared_ptr<ThreadPool> threads_ = ThreadPool::shared();
+  std::shared_ptr<ThreadPool> threads_ = ThreadPool::make(0);
 };
 
 // Activations "bfloat16": every linear and expert stack whose input the checkpoint leaves

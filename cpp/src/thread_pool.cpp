@@ -8,11 +8,13 @@
 #include <string>
 #include <system_error>
 
+#include <unistd.h>
+
 #include "diffuserve/errors.h"
 
 namespace diffuserve {
 
-ThreadPool::ThreadPool(int num_threads) {
+ThreadPool::ThreadPool(int num_threads) : owner_(getpid()) {
   std::string source = "num_threads";
   if (num_threads <= 0) {
     // DIFFUSERVE_NUM_THREADS, where set, is a count up to kMaxThreads, 0 every hardware thread
@@ -38,13 +40,21 @@ ThreadPool::ThreadPool(int num_threads) {
   }
 }
 
-std::shared_ptr<ThreadPool> ThreadPool::shared() {
+bool ThreadPool::forked() const { return getpid() != owner_; }
+
+std::shared_ptr<ThreadPool> ThreadPool::make(int num_threads) {
+  const auto started = [](int n) {
+    return std::shared_ptr<ThreadPool>(new ThreadPool(n), [](ThreadPool* pool) {
+      if (!pool->forked()) delete pool;
+    });
+  };
+  if (num_threads > 0) return started(num_threads);
   static std::mutex mutex;
-  static std::weak_ptr<ThreadPool> pool;
+  static std::weak_ptr<ThreadPool> shared;
   std::lock_guard<std::mutex> lock(mutex);
-  std::shared_ptr<ThreadPool> p = pool.lock();
-  if (!p) pool = p = std::make_shared<ThreadPool>(0);
-  return p;
+  std::shared_ptr<ThreadPool> pool = shared.lock();
+  if (!pool || pool->forked()) shared = pool = started(0);  // (a forked child's own)
+  return pool;
 }
 
 ThreadPool::~ThreadPool() { stop_workers(); }
@@ -63,7 +73,7 @@ void ThreadPool::stop_workers() {
 void ThreadPool::parallel_for(int64_t n, int64_t grain, const std::function<void(int64_t, int64_t)>& fn) {
   if (n <= 0) return;
   const int64_t chunk = std::max<int64_t>(std::max<int64_t>(grain, 1), (n + size() * 4 - 1) / (size() * 4));
-  if (workers_.empty() || chunk >= n) {
+  if (workers_.empty() || chunk >= n || forked()) {  // (a forked child's caller works alone)
     fn(0, n);
     return;
   }

@@ -19,15 +19,16 @@ class ThreadPool {
  public:
   static constexpr int kMaxThreads = 1024;
 
-  // num_threads <= 0: DIFFUSERVE_NUM_THREADS, else the hardware's thread count. More than
-  // kMaxThreads, or more than the OS will start, is an InvalidArgument.
-  explicit ThreadPool(int num_threads);
+  // A pool of num_threads threads (the caller's included). num_threads <= 0: the
+  // process-wide pool (DIFFUSERVE_NUM_THREADS, else every hardware thread), shared by every
+  // backend that does not ask for a thread count of its own, so that many models in one
+  // process do not each start a thread per core. More than kMaxThreads, or more than the
+  // OS will start, is an InvalidArgument. A process forked from this one has none of the
+  // threads: there the caller runs every loop alone, and the pool is never deleted (its
+  // condition variables still count the parent's waiting workers, and destroying them
+  // would wait forever).
+  static std::shared_ptr<ThreadPool> make(int num_threads);
   ~ThreadPool();
-
-  // The process-wide pool (DIFFUSERVE_NUM_THREADS, else every hardware thread), shared by
-  // every backend that does not ask for a thread count of its own: many models in one
-  // process then do not each start a thread per core.
-  static std::shared_ptr<ThreadPool> shared();
 
   int size() const { return int(workers_.size()) + 1; }
 
@@ -37,14 +38,19 @@ class ThreadPool {
   void parallel_for(int64_t n, int64_t grain, const std::function<void(int64_t, int64_t)>& fn);
 
  private:
+  // num_threads <= 0: DIFFUSERVE_NUM_THREADS, else the hardware's thread count.
+  explicit ThreadPool(int num_threads);
   void worker_loop();
   void stop_workers();
+  // Whether this is a process forked from the one that started the workers.
+  bool forked() const;
   // Spins (without the lock) until ready() or about 50 us have passed: a CPU step runs a
   // few hundred loops back to back, each a few tens of microseconds, and a thread put to
   // sleep between them takes about as long again to wake.
   template <typename Ready>
   static void spin_until(Ready ready);
 
+  const int owner_;  // the process id that started the workers
   std::vector<std::thread> workers_;
   std::mutex mutex_;
   std::condition_variable wake_, done_;

@@ -9,10 +9,12 @@ responsive while the model computes.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import itertools
 import queue
 import threading
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import AsyncIterator, List, Optional
 
@@ -68,6 +70,11 @@ class _Request:
             pass  # the caller's event loop has closed: nobody is waiting
 
 
+def _shutdown_at_exit(engine: "weakref.ref[AsyncLLM]") -> None:
+    if (live := engine()) is not None:
+        live.shutdown()
+
+
 class AsyncLLM:
     def __init__(self, llm: LLM):
         self.llm = llm
@@ -80,6 +87,9 @@ class AsyncLLM:
         self._stopping = False
         self._lock = threading.Lock()  # orders every "add" before the "stop" command
         self._thread.start()
+        # Stopped before the interpreter finalizes: a daemon thread inside a native step then
+        # had the process abort (SIGABRT) as it exited.
+        atexit.register(_shutdown_at_exit, weakref.ref(self))
 
     async def generate(self, prompt: List[int], params: SamplingParams, drafts: bool = False
                        ) -> AsyncIterator[Progress]:
