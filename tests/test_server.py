@@ -408,6 +408,17 @@ def test_developer_messages(client):
     assert body.conversation(template_names_developer=True)[0]["role"] == "developer"
 
 
+def test_stream_chunks_stay_one_line_whatever_the_text():
+    """Text holding U+0085, U+2028 or U+2029 (which JSON leaves raw, and line readers such as
+    httpx's iter_lines end a line at): the chunk's JSON escapes them, one line (a client
+    reading lines had got half a chunk's JSON)."""
+    text = "a\x85b\u2028c\u2029d\x0be\x1cf\u00e9\n"
+    event = server_module._sse({"choices": [{"text": text}]}, False)
+    assert event.startswith("data: ") and event.endswith("\n\n")
+    line = event[len("data: "):-2]
+    assert line.splitlines() == [line] and json.loads(line) == {"choices": [{"text": text}]}
+
+
 def test_tool_call_arguments_reach_the_template_as_objects():
     """An assistant's tool calls carry their arguments as JSON text (OpenAI's format); the
     template gets the object, as vLLM passes it (a template iterating them had met a string);

@@ -340,10 +340,15 @@ class _Server:
         yield "data: [DONE]\n\n"
 
 
+# Characters that JSON leaves raw but line readers (Python's splitlines, httpx's iter_lines)
+# end a line at: escaped, so that a chunk stays one line (the same JSON).
+_LINE_BREAKS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
 def _sse(payload: dict, include_usage: bool) -> str:
     if include_usage and "usage" not in payload:
         payload["usage"] = None
-    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+    return f"data: {json.dumps(payload, ensure_ascii=False).translate(_LINE_BREAKS)}\n\n"
 
 
 async def _merged(choices: List[_Choice]) -> AsyncIterator[ChoiceEvent]:
