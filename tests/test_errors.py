@@ -565,7 +565,10 @@ def test_token_id_out_of_range(seq, op, bad):
     ([1.0] * CANVAS, "token ids must be integers"),
     ([True] * CANVAS, "token ids must be integers"),
     (np.arange(CANVAS).reshape(2, 4), r"token ids must be a 1-D sequence, got shape \(2, 4\)"),
-], ids=["float array", "float list", "bool", "2-D"])
+    # (numpy files timedelta64 under integer; its copy of a masked array drops the mask.)
+    (np.arange(CANVAS).astype("timedelta64[s]"), "token ids must be integers, got dtype timedelta64"),
+    (np.ma.masked_array(np.arange(CANVAS), mask=[0, 1] * (CANVAS // 2)), "token ids must not hold masked values"),
+], ids=["float array", "float list", "bool", "2-D", "timedelta", "masked"])
 def test_token_ids_wrong_type_or_rank(seq, op, ids, message):
     before = state_of(seq)
     with pytest.raises(ValueError, match=f"{op}: {message}"):
@@ -610,6 +613,26 @@ def test_commit_longer_than_canvas(seq):
     before = state_of(seq)
     with pytest.raises(ValueError, match=f"commit: block of {CANVAS + 1} tokens is longer than canvas_length {CANVAS}"):
         seq.commit(np.arange(CANVAS + 1))
+    assert_intact(seq, before)
+
+
+def test_a_sequence_is_not_copied(seq):
+    """A copy would share the sequence's KV cache (a commit to one had shown in the other)."""
+    import copy
+    import pickle
+    for duplicate in (copy.copy, copy.deepcopy, pickle.dumps):
+        with pytest.raises(TypeError, match="a Sequence cannot be copied or pickled"):
+            duplicate(seq)
+    with pytest.raises(ValueError, match="model must be a diffuserve Model, got object"):
+        ds.Sequence(object())
+
+
+def test_masked_self_conditioning_logits_are_refused(seq):
+    before = state_of(seq)
+    sc = np.ma.masked_array(np.zeros((CANVAS, VOCAB), np.float32), mask=False)
+    sc[0, 3] = np.ma.masked
+    with pytest.raises(ValueError, match="self_conditioning_logits must not hold masked values"):
+        seq.denoise(np.arange(CANVAS), sc)
     assert_intact(seq, before)
 
 

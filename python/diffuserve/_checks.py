@@ -89,6 +89,8 @@ def check_token_ids(ids, what: str, vocab_size: int) -> np.ndarray:
     else ValueError naming `what` (and the id and its index). The array is a copy, checked
     after copying: the runtime reads it later without the GIL, and an id another thread
     wrote into the caller's array after the check had been read past the embedding."""
+    if np.ma.is_masked(ids):  # (numpy's copy drops the mask: the masked ids would be read)
+        raise ValueError(f"{what}: token ids must not hold masked values")
     if isinstance(ids, (list, tuple)):  # numpy takes True beside ints as the id 1
         at = next((i for i, x in enumerate(ids) if isinstance(x, (bool, np.bool_))), None)
         if at is not None:
@@ -106,7 +108,7 @@ def check_token_ids(ids, what: str, vocab_size: int) -> np.ndarray:
         for i, x in enumerate(items if all(is_int(x) for x in items) else []):
             if not 0 <= int(x) < vocab_size:
                 raise ValueError(f"{what}: token id {int(x)} at index {i} is out of range [0, {vocab_size})")
-    if arr.dtype == np.bool_ or not (np.issubdtype(arr.dtype, np.integer) or arr.size == 0):
+    if arr.dtype.kind not in "iu" and arr.size:  # (numpy files timedelta64 under integer)
         raise ValueError(f"{what}: token ids must be integers, got dtype {arr.dtype}")
     if arr.ndim != 1:
         raise ValueError(f"{what}: token ids must be a 1-D sequence, got shape {tuple(arr.shape)}")

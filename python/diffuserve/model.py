@@ -23,8 +23,10 @@ def _float32_logits(logits) -> np.ndarray:
         arr = np.asarray(logits)  # (the copy is the float32 one below)
     except (TypeError, ValueError) as e:
         raise ValueError(f"denoise: self_conditioning_logits must be an array of numbers: {e}") from None
-    if arr.dtype == np.bool_ or not (np.issubdtype(arr.dtype, np.integer) or np.issubdtype(arr.dtype, np.floating)):
+    if arr.dtype.kind not in "iuf":  # (numpy files timedelta64 under integer)
         raise ValueError(f"denoise: self_conditioning_logits must be real numbers, got dtype {arr.dtype}")
+    if np.ma.is_masked(logits):  # (numpy's copy drops the mask)
+        raise ValueError("denoise: self_conditioning_logits must not hold masked values (a masked id is -inf)")
     with np.errstate(over="ignore"):
         out = np.array(arr, dtype=np.float32, order="C")
     overflow = np.isinf(out) & np.isfinite(arr)
@@ -150,6 +152,8 @@ class Sequence:
     """One sequence's KV cache and the three passes over it."""
 
     def __init__(self, model: Model, canvas_length: Optional[int] = None):
+        if not isinstance(model, Model):
+            raise ValueError(f"model must be a diffuserve Model, got {type(model).__name__}")
         if canvas_length is not None:
             canvas_length = check_int("canvas_length", canvas_length, 1)
         self.model = model
@@ -197,3 +201,8 @@ class Sequence:
 
     def __len__(self) -> int:
         return len(self._native)
+
+    def __reduce__(self):
+        # (A copy would share this sequence's KV cache, and commits to one would show in the
+        # other.)
+        raise TypeError("a Sequence cannot be copied or pickled: it is its KV cache on the model; prefill a new one")
