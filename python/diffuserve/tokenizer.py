@@ -95,13 +95,7 @@ def _with_special_tokens_map(config: dict, file: str) -> dict:
     config's."""
     if "added_tokens_decoder" in config or not _present(file):
         return config
-    try:
-        with open(file, encoding="utf-8") as f:
-            tokens = json.load(f)
-    except (OSError, ValueError) as e:
-        raise _core.CheckpointError(f"{file}: not a readable JSON file: {e}") from None
-    if not isinstance(tokens, dict):
-        raise _core.CheckpointError(f"{file}: expected a JSON object, got {type(tokens).__name__}")
+    tokens = _read_json_object(file)
     merged = {**config, **tokens}
     listed, more = config.get("extra_special_tokens"), tokens.get("extra_special_tokens")
     if isinstance(listed, list) and isinstance(more, list):
@@ -138,6 +132,17 @@ def _present(file: str) -> bool:
     if not stat.S_ISREG(mode):
         raise _core.CheckpointError(f"{file}: not a regular file")
     return True
+
+
+def _read_json_object(file: str) -> dict:
+    try:
+        with open(file, encoding="utf-8") as f:
+            value = json.load(f)
+    except (OSError, ValueError) as e:
+        raise _core.CheckpointError(f"{file}: not a readable JSON file: {e}") from None
+    if not isinstance(value, dict):
+        raise _core.CheckpointError(f"{file}: expected a JSON object, got {type(value).__name__}")
+    return value
 
 
 def _read_text(file: str) -> str:
@@ -206,16 +211,8 @@ class Tokenizer:
             self._tokenizer = _HFTokenizer.from_file(self._file)
         except Exception as e:  # the tokenizers library raises plain Exceptions
             raise _core.CheckpointError(f"{self._file}: not a tokenizer the tokenizers library reads: {e}") from None
-        config = {}
         config_file = os.path.join(path, "tokenizer_config.json")
-        if _present(config_file):
-            try:
-                with open(config_file, encoding="utf-8") as f:
-                    config = json.load(f)
-            except (OSError, ValueError) as e:
-                raise _core.CheckpointError(f"{config_file}: not a readable JSON file: {e}") from None
-            if not isinstance(config, dict):
-                raise _core.CheckpointError(f"{config_file}: expected a JSON object, got {type(config).__name__}")
+        config = _read_json_object(config_file) if _present(config_file) else {}
         config = _with_special_tokens_map(config, os.path.join(path, "special_tokens_map.json"))
         # transformers' encode neither truncates nor pads unless asked to: settings saved in
         # tokenizer.json had cut every prompt (chat prompts too) or padded it.
