@@ -77,6 +77,11 @@ def test_engine_refuses_bad_plans(program, ckpt, case, message):
     assert result.startswith("InvalidArgument: ") and message in result, result
 
 
+def test_a_path_too_long_to_look_up_is_a_format_error(program, ckpt):
+    result = run_case(program, ckpt, "load_a_path_too_long")
+    assert result.startswith("FormatError: ") and "is not a checkpoint directory: File name too long" in result, result
+
+
 def test_a_prompt_chunk_planned_past_the_rows_is_cut_to_them(program, ckpt):
     """A step whose planned prompt chunk is more than max_batched_tokens encodes as many as
     fit (it had run no pass at all, every step, and the request never moved)."""

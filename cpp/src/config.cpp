@@ -9,6 +9,7 @@
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
+#include <system_error>
 #include <limits>
 #include <map>
 #include <optional>
@@ -308,7 +309,10 @@ const std::set<std::string> kCacheImplementations = {
 
 GenerationDefaults load_generation(const std::string& path, int vocab_size) {
   GenerationDefaults g;
-  if (!std::filesystem::exists(path)) return g;
+  std::error_code error;
+  const bool present = std::filesystem::exists(path, error);
+  if (error) throw FormatError(path + ": cannot be looked up: " + error.message());
+  if (!present) return g;
   const json::Value doc = json::parse(read_text_file(path), path);
   if (!doc.is_object()) throw FormatError(path + ": top level must be a JSON object");
   Fields f{doc, path, ""};

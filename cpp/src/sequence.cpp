@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <filesystem>
+#include <system_error>
 #include <cctype>
 #include <new>
 #include <optional>
@@ -91,7 +92,11 @@ std::shared_ptr<Model> Model::load(const std::string& path, const LoadOptions& o
     throw InvalidArgument("kv_block_size must be >= 1, got " + std::to_string(options.kv_block_size));
   if (options.max_num_seqs < 1)
     throw InvalidArgument("max_num_seqs must be >= 1, got " + std::to_string(options.max_num_seqs));
-  if (!std::filesystem::is_directory(path)) throw FormatError("'" + path + "' is not a checkpoint directory");
+  // (The overload that reports through an error code: a path the OS refuses to look up, one
+  // too long say, had escaped as std::filesystem::filesystem_error.)
+  std::error_code error;
+  if (!std::filesystem::is_directory(path, error))
+    throw FormatError("'" + path + "' is not a checkpoint directory" + (error ? ": " + error.message() : ""));
   auto state = std::make_unique<ModelState>();
   state->path = path;
   state->device = options.device;

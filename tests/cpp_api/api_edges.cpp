@@ -140,6 +140,12 @@ const std::map<std::string, std::function<std::string(const std::string&)>> kCas
     // Infinite bounds had been taken (Python's SamplingParams refuses them).
     {"infinite_entropy_bound", generate_with_infinite(&SamplingParams::entropy_bound)},
     {"infinite_confidence_threshold", generate_with_infinite(&SamplingParams::confidence_threshold)},
+    // A path the OS refuses to look up (too long) had escaped as std::filesystem_error.
+    {"load_a_path_too_long",
+     [](const std::string& dir) {
+       load(dir + "/" + std::string(5000, 'x'));
+       return std::string("loaded");
+     }},
     {"engine_of_no_model",
      [](const std::string&) {
        Engine engine(nullptr);  // (it had crashed)
