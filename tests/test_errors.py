@@ -754,6 +754,20 @@ def test_cli_output_that_cannot_be_written(chat_dir):
     assert "error: [Errno 28] No space left on device" in result.stderr
 
 
+def test_cli_generate_without_max_tokens_takes_the_context(chat_dir, tmp_path):
+    """Without --max-tokens and a length in generation_config.json, generate runs to the whole
+    blocks the context has room for, as the server without max_tokens does (it had stopped at
+    the runtime's default 256)."""
+    ckpt = shutil.copytree(chat_dir, tmp_path / "ck")
+    config = json.loads((ckpt / "config.json").read_text())
+    config["text_config"]["max_position_embeddings"] = 400
+    (ckpt / "config.json").write_text(json.dumps(config))
+    result = subprocess.run([sys.executable, "-m", "diffuserve", "generate", "Hi", "-m", str(ckpt), "--raw",
+                             "--ignore-eos", "--seed", "1", "--max-denoising-steps", "2"],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0 and "[384 tokens in 24 blocks" in result.stderr, result.stderr
+
+
 def test_cli_with_stdout_closed(chat_dir):
     """A command run with its standard output closed (`>&-`, as some daemons start) finishes (the
     final flush of a stdout that is None had been a traceback)."""
@@ -825,6 +839,14 @@ def test_cli_refuses_an_address_it_cannot_listen_on():
                                 capture_output=True, text=True, timeout=120)
     assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
     assert f"error: cannot listen on 127.0.0.1:{port}" in result.stderr and "serving" not in result.stderr
+
+
+def test_cli_refuses_an_empty_host():
+    """An empty --host (a setting left empty) had bound every interface, and printed the URL
+    http://:PORT/v1."""
+    result = subprocess.run([sys.executable, "-m", "diffuserve", "serve", "--host", "", "--port", "0"],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1 and "error: --host is empty" in result.stderr, result.stderr
 
 
 def test_cli_eval_file_that_is_not_utf8(tmp_path):

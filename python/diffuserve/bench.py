@@ -33,26 +33,34 @@ def run(llm: LLM, concurrency: List[int], prompt_tokens: int, max_tokens: int, s
     if prompt_tokens + llm.model.canvas_length > positions:  # before the prompts are drawn (2^31 tokens each)
         raise ValueError(f"--prompt-tokens {prompt_tokens} leaves no room for a block within max_position_embeddings "
                          f"({positions})")
+    # One request first, untimed: first-use costs (allocations; on a GPU, graphs and GEMM
+    # plans) had gone into the first row, the batch-1 figure.
+    _generate(llm, [np.random.default_rng(1).integers(0, vocab, prompt_tokens).tolist()], params, "warm-up")
     rows = []
     for n in concurrency:
         prompts = [rng.integers(0, vocab, prompt_tokens).tolist() for _ in range(n)]  # fresh: no prefix-cache hits
         passes = llm.stats()["forward_passes"]
-        with tqdm(total=n * max_tokens, desc=f"{n} concurrent", unit="tok", leave=False) as bar:
-            start = time.perf_counter()
-            ids = [llm.add_request(p, params) for p in prompts]
-            finished = {}  # request id -> tokens
-            while llm.has_unfinished():
-                for out in llm.step():
-                    if out.finish_reason == "error":  # no throughput to report (it had been counted)
-                        raise ValueError(f"a request failed: {out.error}")
-                    finished[out.request_id] = len(out.token_ids)
-                made = sum(finished[r] if r in finished else len(llm.generated(r)) for r in ids)
-                bar.update(made - bar.n)
-            seconds = time.perf_counter() - start
+        seconds = _generate(llm, prompts, params, f"{n} concurrent")
         forwards = llm.stats()["forward_passes"] - passes
         rows.append({"requests": n, "seconds": seconds, "tokens_per_s": n * max_tokens / seconds,
                      "forwards": forwards, "ms_per_forward": 1e3 * seconds / forwards})
     return rows
+
+
+def _generate(llm: LLM, prompts: List[List[int]], params: SamplingParams, desc: str) -> float:
+    """Runs the prompts at once to their end; returns the seconds taken."""
+    with tqdm(total=len(prompts) * params.max_new_tokens, desc=desc, unit="tok", leave=False) as bar:
+        start = time.perf_counter()
+        ids = [llm.add_request(p, params) for p in prompts]
+        finished = {}  # request id -> tokens
+        while llm.has_unfinished():
+            for out in llm.step():
+                if out.finish_reason == "error":  # no throughput to report (it had been counted)
+                    raise ValueError(f"a request failed: {out.error}")
+                finished[out.request_id] = len(out.token_ids)
+            made = sum(finished[r] if r in finished else len(llm.generated(r)) for r in ids)
+            bar.update(made - bar.n)
+        return time.perf_counter() - start
 
 
 def main(model: Optional[str], concurrency: List[int], prompt_tokens: int, max_tokens: int, steps: int,

@@ -110,6 +110,8 @@ def _bind(host: str, port: int) -> socket.socket:
     host has a colon, so "::" takes IPv4 clients too; else IPv4: "localhost" is 127.0.0.1),
     and not yet listening: until the server is up, connections are refused rather than left
     waiting (a readiness probe that connects would pass too early)."""
+    if not host.strip():  # (the socket takes "" as every interface: a setting left empty)
+        sys.exit("error: --host is empty; give an address (0.0.0.0: every interface)")
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -161,10 +163,14 @@ def generate(args) -> None:
             prompt = tokenizer.encode(text, add_special_tokens=False)
         else:
             prompt = tokenizer.encode(args.prompt)
-        params = SamplingParams(max_new_tokens=args.max_tokens, seed=args.seed,
+        # Without --max-tokens, as the server without max_tokens: the checkpoint's length, or
+        # where it gives none the whole context, cut to the blocks the context has room for.
+        max_tokens = args.max_tokens
+        if max_tokens is None and not llm.model.config["generation"]["length_given"]:
+            max_tokens = llm.model.config["max_position_embeddings"]
+        params = SamplingParams(max_new_tokens=max_tokens, seed=args.seed,
                                 max_denoising_steps=args.max_denoising_steps,
-                                eos_token_id=[] if args.ignore_eos else None,
-                                fit_to_context=args.max_tokens is None)  # (as the server without max_tokens)
+                                eos_token_id=[] if args.ignore_eos else None, fit_to_context=args.max_tokens is None)
         request_id = llm.add_request(prompt, params)
     except ValueError as e:
         sys.exit(f"error: {e}")
@@ -333,7 +339,8 @@ def parser() -> argparse.ArgumentParser:
                                                     "template)")
     p.add_argument("--model", "-m", help="checkpoint directory (default: the bundled Sudoku model)")
     p.add_argument("--max-tokens", type=_in_range(int, 1, INT32_MAX), default=None,
-                   help="output length cap (default: the checkpoint's, cut to the blocks the context has room for)")
+                   help="output length cap (default: the checkpoint's, else the whole context, cut to the blocks "
+                        "the context has room for)")
     p.add_argument("--max-denoising-steps", type=_in_range(int, 1, INT32_MAX), default=None,
                    help="decoder passes per block at most")
     p.add_argument("--seed", type=_in_range(int, 0, 2**64 - 1), default=None, help="seed for a reproducible answer")
