@@ -1302,7 +1302,7 @@ class CudaBackend final : public Backend {
   // value) and back, on one thread.
   void copy_up(void* dst, const void* src, DType from, int64_t n, DType to) {
     bind();
-    if (!threads_) threads_ = ThreadPool::shared();
+    if (!threads_) threads_ = ThreadPool::make(0);
     empty_staging();
     const size_t in_size = dtype_size(from), out_size = dtype_size(to);
     const int64_t chunk = int64_t(kStagingBytes / 2 / out_size);
