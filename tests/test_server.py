@@ -735,13 +735,16 @@ def test_request_body_size_limit(checkpoint):
         proc.kill()
 
 
-def _stream_through_sigint(proc, port, body) -> list:
-    """The data lines of a streamed completion, SIGINT sent to the server after the first."""
+def _stream_through_sigint(proc, port, body, signals: int = 1) -> list:
+    """The data lines of a streamed completion, `signals` SIGINTs sent to the server after the
+    first, half a second apart (signals of one kind that arrive together are one)."""
     with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/completions", json={**body, "stream": True},
                       timeout=60) as r:
         lines = r.iter_lines()
         first = next(line for line in lines if line.startswith("data: "))
-        proc.send_signal(signal.SIGINT)
+        for i in range(signals):
+            time.sleep(0.5 * (i > 0))
+            proc.send_signal(signal.SIGINT)
         return [first] + [line for line in lines if line.startswith("data: ")]
 
 
@@ -761,18 +764,21 @@ def test_graceful_shutdown_finishes_running_requests(checkpoint):
         proc.kill()
 
 
-def test_shutdown_timeout_ends_streams_with_an_error(checkpoint):
-    """A request still running a second before --shutdown-timeout runs out is ended by the
-    engine: its stream gets an error event and [DONE] (the connection had been dropped
-    mid-response, which a client cannot tell from a network fault)."""
-    proc, port = _serve_process(checkpoint, "--shutdown-timeout", "2")
+@pytest.mark.parametrize("timeout, signals", [("2", 1), ("600", 2)], ids=["timeout", "second signal"])
+def test_shutdown_timeout_ends_streams_with_an_error(checkpoint, timeout, signals):
+    """A request still running a second before --shutdown-timeout runs out, or at a second
+    Ctrl-C, is ended by the engine: its stream gets an error event and [DONE] (the connection
+    had been dropped mid-response, which a client cannot tell from a network fault; at a
+    second Ctrl-C, with tracebacks in the server's log)."""
+    proc, port = _serve_process(checkpoint, "--shutdown-timeout", timeout)
     try:
         body = {"model": MODEL, "prompt": "long", "max_tokens": 2048, "seed": 0, "max_denoising_steps": 1024,
                 "confidence_threshold": 1e-30}
-        lines = _stream_through_sigint(proc, port, body)
+        lines = _stream_through_sigint(proc, port, body, signals)
         assert lines[-1] == "data: [DONE]"
         assert "shutting down" in json.loads(lines[-2][6:])["error"]["message"]
         assert proc.wait(timeout=30) == 0
+        assert b"Traceback" not in proc.stderr.read()
     finally:
         proc.kill()
 

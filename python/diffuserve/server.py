@@ -663,19 +663,27 @@ def build_app(engine: AsyncLLM, model_name: str, api_key: Optional[str] = None,
 def serve(app: FastAPI, engine: AsyncLLM, sock: socket.socket, log_level: str, shutdown_timeout: float) -> None:
     """Runs `app` (serving `engine`) with uvicorn on the listening socket `sock` until Ctrl-C /
     SIGTERM, then lets running requests finish for shutdown_timeout seconds. A second before
-    that runs out, the engine ends what still runs: its clients get an error event and [DONE]
-    (a stream) or a 503, where the end of uvicorn's grace period alone would drop their
-    connections mid-response."""
+    that runs out, or at a second signal, the engine ends what still runs: its clients get an
+    error event and [DONE] (a stream) or a 503, where the end of uvicorn's grace period (or
+    its forced exit) would drop their connections mid-response. A third signal forces the
+    exit."""
     import uvicorn
 
     ending = threading.Timer(max(0.0, shutdown_timeout - 1.0), engine.shutdown)
     ending.daemon = True  # (a server whose requests all finish in time exits without waiting for it)
+    signals = 0
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig, frame) -> None:
-            super().handle_exit(sig, frame)
-            if ending.ident is None:  # the first signal starts it; a second one forces the exit
+            nonlocal signals
+            signals += 1
+            if signals == 1:
+                super().handle_exit(sig, frame)
                 ending.start()
+            elif signals == 2:  # (off the event loop: the engine's pass in progress ends first)
+                threading.Thread(target=engine.shutdown, daemon=True).start()
+            else:
+                super().handle_exit(sig, frame)
 
     try:
         host, port = sock.getsockname()[:2]  # (for uvicorn's log lines)
