@@ -165,7 +165,8 @@ RequestState& Engine::get(uint64_t id) const {
 void Engine::add(uint64_t id, std::vector<int32_t> prompt, const SamplingParams& params) {
   const auto lock = model_->state().lock();
   const ModelConfig& c = model_->config();
-  if (requests_.count(id) || std::any_of(finished_.begin(), finished_.end(), [&](const auto& f) { return f.first == id; }))
+  const bool finished = std::any_of(finished_.begin(), finished_.end(), [&](const auto& f) { return f.first == id; });
+  if (requests_.count(id) || finished)
     throw InvalidArgument("a request with id " + std::to_string(id) + " already exists");
   if (prompt.empty()) throw InvalidArgument("the prompt is empty");
   check_token_ids(prompt, c, "prompt");
