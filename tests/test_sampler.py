@@ -49,7 +49,7 @@ def test_self_conditioning_softmax_of_a_float16_model_at_cold_temperatures(tempe
     probs = sampler.sample_rows(logits, temperature, [], 0, 0, 0, softmax_feedback=True, softcap=30.0,
                                 feedback_dtype="F16")[0]
     scaled = 30 * torch.tanh(torch.from_numpy(logits) / 30) / temperature
-    if scaled.max() <= 65504:  # the reference's own cast
+    if scaled.half().isfinite().all():  # the reference's own cast
         expected = scaled.to(torch.float16).softmax(-1, dtype=torch.float32).numpy()
         np.testing.assert_allclose(probs, expected, rtol=1e-6, atol=1e-7)
     else:
@@ -57,6 +57,14 @@ def test_self_conditioning_softmax_of_a_float16_model_at_cold_temperatures(tempe
         expected = scaled.double().softmax(-1).numpy()
         np.testing.assert_allclose(probs, expected, atol=2e-3)
         np.testing.assert_allclose(probs[1, [7, 9]], 0.5, atol=1e-6)
+
+
+def test_float16_feedback_that_rounds_to_its_largest_value_is_cast_as_the_reference_casts_it():
+    """65504 < x < 65520 rounds to float16's 65504, finite: cast, not shifted."""
+    logits = np.float32([[65510.0, 65500.0, 3.0]])
+    probs = sampler.sample_rows(logits, 1.0, [], 0, 0, 0, softmax_feedback=True, feedback_dtype="F16")[0]
+    expected = torch.from_numpy(logits).half().softmax(-1, dtype=torch.float32).numpy()
+    np.testing.assert_allclose(probs, expected, rtol=1e-6)
 
 
 def hf_accept(logits, bound):

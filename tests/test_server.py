@@ -433,10 +433,13 @@ def test_tool_call_arguments_reach_the_template_as_objects():
     calls = body.conversation()[1]["tool_calls"]
     assert [c["function"]["arguments"] for c in calls] == [{"a": [1, 2]}, {}, {}, {"b": 1}]
     assert calls[0]["id"] == "c" and calls[0]["function"]["name"] == "f"
-    messages[1]["tool_calls"].append(call("{not json"))
-    with pytest.raises(ApiError, match="arguments must be JSON text") as error:
-        parse(ChatCompletionRequest, {"model": MODEL, "messages": messages}).conversation()
-    assert error.value.param == "messages[1].tool_calls[4].function.arguments"
+    messages[1]["tool_calls"].append(None)
+    for arguments, message in [("{not json", "not valid JSON"), ('{"a": NaN}', "NaN is not a JSON value"),
+                               ("[" * 100_000, "nested too deeply")]:
+        messages[1]["tool_calls"][-1] = call(arguments)
+        with pytest.raises(ApiError, match=f"a tool call's arguments .*{message}") as error:
+            parse(ChatCompletionRequest, {"model": MODEL, "messages": messages}).conversation()
+        assert error.value.status == 400 and error.value.param == "messages[1].tool_calls[4].function.arguments"
 
 
 def test_request_translation_into_sampling_params():

@@ -566,24 +566,37 @@ def test_gemma_tokenizer_class_names_its_default_special_tokens(tmp_path):
         assert ours.encode(text) == theirs.encode(text)
 
 
-def test_special_tokens_map_read_as_transformers_reads_it(tmp_path):
+# (tokenizer_config.json's special tokens, special_tokens_map.json's): <new1> and <new2> are
+# not in tokenizer.json; a special one is added, and matched whole in text.
+SPECIAL_TOKENS_MAPS = {
+    "map names bos, eos and extra ones": ({"extra_special_tokens": ["<start_of_turn>"]}, {
+        "bos_token": {"content": "<bos>", "special": False}, "eos_token": "<eos>",
+        "extra_special_tokens": ["<new1>", "<start_of_turn>"]}),
+    "map's additional where the config lists some": ({"additional_special_tokens": ["<new1>"]},
+                                                      {"eos_token": "<eos>", "additional_special_tokens": ["<new2>"]}),
+    "map's additional where the config lists none": ({"additional_special_tokens": []},
+                                                     {"additional_special_tokens": ["<new2>"]}),
+    "map's additional alone": ({}, {"bos_token": "<bos>", "additional_special_tokens": ["<new1>", "<new2>"]}),
+    "map's named tokens win": ({"eos_token": "<pad>"}, {"eos_token": "<eos>"}),
+}
+
+
+@pytest.mark.parametrize("config, tokens_map", SPECIAL_TOKENS_MAPS.values(), ids=SPECIAL_TOKENS_MAPS.keys())
+def test_special_tokens_map_read_as_transformers_reads_it(tmp_path, config, tokens_map):
     """An older checkpoint keeps its special tokens in special_tokens_map.json: where
     tokenizer_config.json has no added_tokens_decoder, transformers merges them in (they had been
-    missing: the template's bos_token empty, no eos id, <tool_call> split into characters)."""
-    path = _edited_checkpoint(tmp_path, {"extra_special_tokens": ["<start_of_turn>"]},
-                              drop=("bos_token", "eos_token", "pad_token", "added_tokens_decoder"))
-    (tmp_path / "m" / "special_tokens_map.json").write_text(json.dumps({
-        "bos_token": {"content": "<bos>", "special": False}, "eos_token": "<eos>",
-        "extra_special_tokens": ["<tool_call>", "<start_of_turn>"]}))
+    missing: the template's bos_token empty, no eos id, extra tokens split into characters)."""
+    path = _edited_checkpoint(tmp_path, config, drop=("bos_token", "eos_token", "pad_token", "added_tokens_decoder"))
+    (tmp_path / "m" / "special_tokens_map.json").write_text(json.dumps(tokens_map))
     ours, theirs = Tokenizer(path), AutoTokenizer.from_pretrained(path)
-    assert ours.eos_token_id == theirs.eos_token_id is not None
+    assert ours.eos_token_id == theirs.eos_token_id
     assert ours.special_tokens == {key: str(value) for key, value in theirs.special_tokens_map.items()}
     conversation = CONVERSATIONS[1]
     assert ours.apply_chat_template(conversation) == \
         theirs.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
-    for text in ["a<tool_call>b<start_of_turn> <eos>", *TEXTS]:
+    for text in ["a<new1>b<new2><start_of_turn> <eos>", *TEXTS]:
         assert ours.encode(text) == theirs.encode(text), text
-    ids = theirs.encode("a<tool_call>b<eos>")
+    ids = theirs.encode("a<new1>b<new2><eos>")
     assert ours.decode(ids) == theirs.decode(ids, skip_special_tokens=True)
 
 

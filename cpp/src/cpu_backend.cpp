@@ -490,11 +490,12 @@ class CpuBackend final : public Backend {
         const float log_z = best + std::log(cpu::sum_exp(l, vocab, best));
         r.entropy = cpu::entropy(l, vocab, log_z);
         if (feedback_dtype != DType::F32) {
-          // A cold step's scaled logits can pass fp16's largest value (65504: a softcap of 30
-          // below temperature 4.6e-4), where the reference's cast gives infinities and its
-          // softmax NaN. Such a row, shifted by its largest logit first, has the same softmax;
-          // rows within range are cast as the reference casts them.
-          const float shift = feedback_dtype == DType::F16 && std::isfinite(best) && best > 65504.0f ? best : 0.0f;
+          // A cold step's scaled logits can pass fp16's range (a softcap of 30 below
+          // temperature 4.6e-4), where the reference's cast gives infinities and its softmax
+          // NaN. Such a row, shifted by its largest logit first, has the same softmax; rows
+          // within range are cast as the reference casts them.
+          const bool overflows = std::isfinite(best) && std::isinf(round_to_dtype(best, feedback_dtype));
+          const float shift = overflows ? best : 0.0f;
           for (int64_t j = 0; j < vocab; ++j) l[j] = round_to_dtype(l[j] - shift, feedback_dtype);
         }
         if (softmax_feedback) cpu::softmax(l, vocab);

@@ -402,8 +402,9 @@ std::vector<std::pair<uint64_t, GenerationOutput>> Engine::step(const std::vecto
     int runs = 1;
     if (steady) runs = be.repeat(run, states, max_steps - pass, interrupted_);
     else run();
-    // A steady batch cut short: a canvas stopped (or an interrupt came), each is read below.
-    const bool cut_short = steady && runs < max_steps - pass;
+    // Every canvas's stop flag is read below where the step ends, or a steady batch's repeat
+    // was cut short (a canvas stopped, or an interrupt came).
+    const bool read_stops = (steady && runs < max_steps - pass) || pass + runs >= max_steps;
     pass += runs;
     passes_ += runs;
     last_logits = logits;
@@ -414,10 +415,11 @@ std::vector<std::pair<uint64_t, GenerationOutput>> Engine::step(const std::vecto
       r->steps += runs;
       // The stop rule cannot have fired before the argmax history is full, short of the
       // last step or logits that were not finite (which stop a canvas at once, and a steady
-      // batch's repeat after that step): then nothing is read (the host goes on queueing
-      // work, or recording the next steps' graph, while the device runs this pass).
+      // batch's repeat after that step; read at the step's end at the latest): then nothing
+      // is read (the host goes on queueing work, or recording the next steps' graph, while
+      // the device runs this pass).
       const bool may_stop =
-          cut_short || r->steps > r->params.stability_threshold || r->steps >= r->params.max_denoising_steps;
+          read_stops || r->steps > r->params.stability_threshold || r->steps >= r->params.max_denoising_steps;
       if (may_stop && canvas_stopped(be, *r->block_state) && finish_block(*r, be, c.generation.pad_token_id)) {
         auto it = std::find_if(active.begin(), active.end(), [&](const auto& a) { return a.second == r; });
         const uint64_t id = it->first;

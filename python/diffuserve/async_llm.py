@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import itertools
+import os
 import queue
 import threading
 import time
@@ -70,8 +71,9 @@ class _Request:
             pass  # the caller's event loop has closed: nobody is waiting
 
 
-def _shutdown_at_exit(engine: "weakref.ref[AsyncLLM]") -> None:
-    if (live := engine()) is not None:
+def _shutdown_at_exit(engine: "weakref.ref[AsyncLLM]", pid: int) -> None:
+    # (Not in a forked child, which has no engine thread: its locks may be held for good.)
+    if (live := engine()) is not None and os.getpid() == pid:
         live.shutdown()
 
 
@@ -89,7 +91,7 @@ class AsyncLLM:
         self._thread.start()
         # Stopped before the interpreter finalizes: a daemon thread inside a native step then
         # had the process abort (SIGABRT) as it exited.
-        atexit.register(_shutdown_at_exit, weakref.ref(self))
+        atexit.register(_shutdown_at_exit, weakref.ref(self), os.getpid())
 
     async def generate(self, prompt: List[int], params: SamplingParams, drafts: bool = False
                        ) -> AsyncIterator[Progress]:

@@ -283,6 +283,26 @@ class ChatCompletionRequest(_GenerationRequest):
         return out
 
 
+def parse_json(text, what: str, param: Optional[str] = None):
+    """JSON text (str or bytes) as Python values, strictly: NaN and Infinity (Python's, not
+    JSON's) and integers of thousands of digits are refused; else a 400 naming `what`."""
+    def refuse_constant(name: str):
+        raise ValueError(f"{name} is not a JSON value")
+
+    def parse_int(digits: str) -> int:
+        # (Python's own refusal of longer ones names an interpreter setting the client cannot change.)
+        if len(digits.lstrip("-")) > 4300:
+            raise ValueError(f"a number of {len(digits.lstrip('-'))} digits is past any parameter's range")
+        return int(digits)
+
+    try:
+        return json.loads(text, parse_constant=refuse_constant, parse_int=parse_int)
+    except ValueError as e:
+        raise ApiError(400, f"{what} is not valid JSON: {e}", param=param) from None
+    except RecursionError:
+        raise ApiError(400, f"{what} is JSON nested too deeply", param=param) from None
+
+
 def _parsed_tool_calls(calls: list, param: str) -> list:
     """An assistant's tool calls with each function's arguments, which OpenAI clients send as JSON
     text, as the object it holds (as vLLM passes them, and tool-use templates iterate them;
@@ -291,11 +311,8 @@ def _parsed_tool_calls(calls: list, param: str) -> list:
     for j, call in enumerate(calls):
         function = call.get("function") if isinstance(call, dict) else None
         if isinstance(function, dict) and isinstance(function.get("arguments") or "", str):
-            try:
-                arguments = json.loads(function.get("arguments") or "{}")
-            except ValueError as e:
-                raise ApiError(400, f"a tool call's arguments must be JSON text: {e}",
-                               param=f"{param}[{j}].function.arguments") from None
+            arguments = parse_json(function.get("arguments") or "{}", "a tool call's arguments",
+                                   param=f"{param}[{j}].function.arguments")
             call = {**call, "function": {**function, "arguments": arguments}}
         parsed.append(call)
     return parsed

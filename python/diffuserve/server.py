@@ -31,7 +31,7 @@ from starlette.requests import ClientDisconnect
 from ._checks import check_unicode
 from .async_llm import AsyncLLM, EngineError
 from .detokenizer import IncrementalDetokenizer, until_eos
-from .protocol import ApiError, ChatCompletionRequest, CompletionRequest, invalid_value, parse
+from .protocol import ApiError, ChatCompletionRequest, CompletionRequest, invalid_value, parse, parse_json
 from .metrics import CONTENT_TYPE, Metrics
 from .sampling import SamplingParams
 from .stop_strings import StopStringFilter
@@ -477,17 +477,6 @@ class _Format:
         return body
 
 
-def _refuse_constant(name: str):
-    raise ValueError(f"{name} is not a JSON value")
-
-
-def _parse_int(digits: str) -> int:
-    # Python's own refusal of longer ones names an interpreter setting the client cannot change.
-    if len(digits.lstrip("-")) > 4300:
-        raise ValueError(f"a number of {len(digits.lstrip('-'))} digits is past any parameter's range")
-    return int(digits)
-
-
 def _prompt_name(i: int, count: int) -> str:
     """What errors call prompt i of a request's `count`: its place where they are a batch."""
     return f"prompt[{i}]" if count > 1 else "prompt"
@@ -517,14 +506,7 @@ async def _json_body(request: Request, max_bytes: Optional[int]):
             chunks.append(chunk)
     except ClientDisconnect:  # gone before its body was in: nothing to answer, nothing to log
         raise ApiError(400, "the client disconnected while sending the request body") from None
-    raw = b"".join(chunks)
-    try:
-        return json.loads(raw, parse_constant=_refuse_constant,  # NaN and Infinity are Python's, not JSON's
-                          parse_int=_parse_int)
-    except ValueError as e:
-        raise ApiError(400, f"the request body is not valid JSON: {e}") from None
-    except RecursionError:
-        raise ApiError(400, "the request body's JSON is nested too deeply") from None
+    return parse_json(b"".join(chunks), "the request body")
 
 
 def check_api_key(api_key: Optional[str]) -> None:
@@ -682,8 +664,8 @@ def serve(app: FastAPI, engine: AsyncLLM, sock: socket.socket, log_level: str, s
                 ending.start()
             elif signals == 2:  # (off the event loop: the engine's pass in progress ends first)
                 threading.Thread(target=engine.shutdown, daemon=True).start()
-            else:
-                super().handle_exit(sig, frame)
+            else:  # (uvicorn forces it at a second SIGINT alone)
+                self.force_exit = True
 
     try:
         host, port = sock.getsockname()[:2]  # (for uvicorn's log lines)

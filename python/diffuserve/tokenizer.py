@@ -90,16 +90,26 @@ def _special_tokens(config: dict, file: str) -> Tuple[Dict[str, AddedToken], Lis
 
 def _with_special_tokens_map(config: dict, file: str) -> dict:
     """tokenizer_config.json's settings with those of special_tokens_map.json (older checkpoints
-    keep their special tokens there), as transformers merges them: only where the config has no
-    added_tokens_decoder; the map's tokens win, and its extra_special_tokens list joins the
-    config's."""
+    keep their special tokens there), as transformers (5) merges them, only where the config
+    has no added_tokens_decoder: the config's additional_special_tokens (transformers 4's name)
+    taken as its extra_special_tokens first; then the map's tokens win, its extra_special_tokens
+    joining the config's, and its additional_special_tokens taken only where the config lists
+    none under either name."""
     if "added_tokens_decoder" in config or not _present(file):
         return config
-    tokens = _read_json_object(file)
-    merged = {**config, **tokens}
-    listed, more = config.get("extra_special_tokens"), tokens.get("extra_special_tokens")
-    if isinstance(listed, list) and isinstance(more, list):
-        merged["extra_special_tokens"] = listed + [t for t in more if t not in listed]
+    merged = dict(config)
+    if "additional_special_tokens" in merged and not merged.get("extra_special_tokens"):
+        merged["extra_special_tokens"] = merged.pop("additional_special_tokens")
+    for key, value in _read_json_object(file).items():
+        held = merged.get(key)
+        if key == "extra_special_tokens" and isinstance(value, list) and isinstance(held, list):
+            merged[key] = held + [t for t in value if t not in held]
+        elif key == "extra_special_tokens" and isinstance(value, dict) and isinstance(held, dict):
+            merged[key] = {**held, **value}
+        elif key == "additional_special_tokens":
+            merged.setdefault("extra_special_tokens", value)
+        else:
+            merged[key] = value
     return merged
 
 
