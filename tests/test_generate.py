@@ -715,6 +715,34 @@ def test_a_prompt_too_long_for_any_block_is_blamed_on_the_prompt(checkpoints):
         llm.generate([[3] * (cfg["max_position_embeddings"] - 8)], ds.SamplingParams(max_new_tokens=9))
 
 
+def test_prompts_as_vllm_dicts_and_object_arrays(checkpoints):
+    """vLLM's {"prompt_token_ids": ids} prompts, and an object array's items (pandas' .values)
+    as prompts each (it had been read as one prompt of ids, and refused as dtype object);
+    bytes and other dicts are refused by name."""
+    llm = ds.LLM(checkpoints["small"])
+    params = ds.SamplingParams(max_new_tokens=8, seed=0)
+    expected = [out.token_ids for out in llm.generate([[3, 4], [5, 6, 7]], params)]
+    ragged = np.empty(2, dtype=object)
+    ragged[:] = [[3, 4], [5, 6, 7]]
+    for prompts in ([{"prompt_token_ids": [3, 4]}, {"prompt_token_ids": [5, 6, 7]}], ragged):
+        assert [out.token_ids for out in llm.generate(prompts, params)] == expected
+    assert llm.generate({"prompt_token_ids": [3, 4]}, params)[0].token_ids == expected[0]
+    assert llm.generate(np.array([3, 4], dtype=object), params)[0].token_ids == expected[0]
+    with pytest.raises(ValueError, match=r"prompt 0: a prompt given as a dict holds one of 'prompt' \(text\) or "
+                                         r"'prompt_token_ids', got the keys \['ids'\]"):
+        llm.generate([{"ids": [3, 4]}], params)
+    with pytest.raises(ValueError, match="prompt 0: a prompt is text .* got bytes: decode them to str first"):
+        llm.generate([b"Hi"], params)
+
+
+def test_sampling_params_compare_by_what_they_ask(checkpoints):
+    """Id lists compare as lists, however given (an array's comparison had raised "the truth
+    value of an array is ambiguous")."""
+    a = ds.SamplingParams(seed_canvas=np.arange(8), eos_token_id=(1,))
+    b = ds.SamplingParams(seed_canvas=list(range(8)), eos_token_id=[1])
+    assert a == b and a != ds.SamplingParams(seed_canvas=np.arange(8)) and a != "params"
+
+
 def test_id_lists_may_be_iterators(checkpoints):
     """A generator of ids is read once: its check had used it up, so that EOS ids given so were
     none (the output ran to max_new_tokens), and a seed canvas or allowed ids "empty"."""

@@ -120,7 +120,15 @@ class LLM:
 
     @_locked
     def add_request(self, prompt, params: Optional[SamplingParams] = None) -> int:
-        """Queues one request (token ids, or text when the checkpoint has a tokenizer); returns its id."""
+        """Queues one request (token ids, or text when the checkpoint has a tokenizer, or either
+        as vLLM's {"prompt_token_ids": ids} / {"prompt": text}); returns its id."""
+        if isinstance(prompt, dict):
+            if len(prompt) != 1 or not {"prompt", "prompt_token_ids"} >= set(prompt):
+                raise ValueError(f"a prompt given as a dict holds one of 'prompt' (text) or 'prompt_token_ids', got "
+                                 f"the keys {sorted(map(str, prompt))}")
+            prompt = next(iter(prompt.values()))
+        if isinstance(prompt, (bytes, bytearray)):  # (numpy would read its characters as ids)
+            raise ValueError("a prompt is text (str) or token ids, got bytes: decode them to str first")
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("text prompts need a tokenizer, and this checkpoint has no tokenizer.json: "
@@ -184,14 +192,17 @@ class LLM:
     @_locked
     def generate(self, prompts, params: Union[SamplingParams, Sequence[SamplingParams], None] = None
                  ) -> List[RequestOutput]:
-        """prompts: a list of prompts, each token ids or text (or one such prompt); params: one
-        SamplingParams for all, or one per prompt. Returns the outputs in prompt order."""
-        if not isinstance(prompts, (str, list, tuple, np.ndarray)) or getattr(prompts, "ndim", 1) == 0:
+        """prompts: a list of prompts, each token ids or text (or vLLM's dict of either: see
+        add_request), or one such prompt; params: one SamplingParams for all, or one per prompt.
+        Returns the outputs in prompt order."""
+        if not isinstance(prompts, (str, dict, list, tuple, np.ndarray)) or getattr(prompts, "ndim", 1) == 0:
             got = f"a 0-d array, {prompts!r}" if isinstance(prompts, np.ndarray) else type(prompts).__name__
             raise ValueError(f"prompts must be a list of prompts (token ids or text), got {got}")
-        if isinstance(prompts, np.ndarray) and prompts.dtype.kind in "US":  # texts (one each), not one prompt of ids
+        # Texts (one each), or an object array's items (texts, id lists: pandas' .values), not
+        # one prompt of ids.
+        if isinstance(prompts, np.ndarray) and prompts.dtype.kind in "USO":
             prompts = prompts.tolist()
-        if isinstance(prompts, str) or (len(prompts) and not hasattr(prompts[0], "__len__")) or \
+        if isinstance(prompts, (str, dict)) or (len(prompts) and not hasattr(prompts[0], "__len__")) or \
                 (isinstance(prompts, np.ndarray) and prompts.ndim == 1):  # (an empty one too: had returned [])
             prompts = [prompts]  # a single prompt: one text, or one list of ids
         plist = [params if params is not None else SamplingParams()] if not isinstance(params, (list, tuple)) \

@@ -6,8 +6,10 @@ so that a bad one is a ValueError naming the parameter.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Optional, Sequence, Union
+
+import numpy as np
 
 from . import _core
 from ._checks import INT32_MAX, check_bool, check_float32, check_int, is_int
@@ -41,7 +43,14 @@ def _iter_once(value) -> bool:
         return False
 
 
-@dataclass
+def _comparable(value):
+    """A field's value as equality compares it: ids in an array, a tuple or a range as a list."""
+    if isinstance(value, np.ndarray):
+        return value.tolist()
+    return list(value) if isinstance(value, (tuple, range)) else value
+
+
+@dataclass(eq=False)
 class SamplingParams:
     max_new_tokens: Optional[int] = None
     # A cap on prompt + new tokens, applied by transformers' rule (the runtime's SamplingParams.max_length).
@@ -67,6 +76,14 @@ class SamplingParams:
 
     def __post_init__(self):
         self._checked()
+
+    def __eq__(self, other):
+        # (The dataclass's own compared id arrays element by element, an error as a truth value.)
+        if not isinstance(other, SamplingParams):
+            return NotImplemented
+        return all(_comparable(getattr(self, f.name)) == _comparable(getattr(other, f.name)) for f in fields(self))
+
+    __hash__ = None  # (mutable, as the dataclass's)
 
     def _checked(self) -> dict:
         """The fields given (not None), checked by name and converted as the runtime takes them:
