@@ -70,6 +70,16 @@ def metrics(base_url) -> dict:
     return {m.group(1): float(m.group(2)) for m in re.finditer(r"^(diffuserve_\w+(?:\{[^}]*\})?) (\S+)$", text, re.M)}
 
 
+def test_metrics_series_exist_from_the_start(offline):
+    """Each finish reason's series is there at 0 before its first request (an alert's rate() or
+    increase() had missed the first error or abort), and the prefix cache counts tokens."""
+    from diffuserve.metrics import Metrics
+    text = Metrics(offline.stats).exposition().decode()
+    for reason in ("stop", "length", "abort", "error"):
+        assert f'diffuserve_requests_total{{finish_reason="{reason}"}} 0.0' in text
+    assert "# HELP diffuserve_prefix_cache_hits_total Prompt tokens found in the prefix cache" in text
+
+
 def test_models_and_health(client, base_url):
     assert [m.id for m in client.models.list()] == [MODEL]
     assert client.models.retrieve(MODEL).id == MODEL  # had been a 404
@@ -560,7 +570,7 @@ def test_failed_request_counts_as_error(checkpoint, tmp_path):
         assert http.post("/v1/completions", json=request).status_code == 503
         text = http.get("/metrics").text
     assert 'diffuserve_requests_total{finish_reason="error"} 2.0' in text  # both choices: the request failed
-    assert 'finish_reason="abort"' not in text
+    assert 'diffuserve_requests_total{finish_reason="abort"} 0.0' in text
 
 
 def test_health_fails_once_the_engine_has(offline):
@@ -643,6 +653,16 @@ def test_api_key(offline):
         assert http.get("/v1/models", headers={"Authorization": "Basic secret"}).headers["www-authenticate"] == \
             "Bearer"
         assert http.get("/health").status_code == 200
+        # Every /v1 path, as vLLM: an unknown one or a wrong method had been a 404 or 405 without
+        # the key, telling a caller what exists.
+        for method, path in [("GET", "/v1/nope"), ("POST", "/v1/models"), ("DELETE", "/v1/chat/completions")]:
+            r = http.request(method, path)
+            assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", (method, path)
+        assert http.request("POST", "/v1/models", headers={"Authorization": "Bearer secret"}).status_code == 405
+        # A browser's preflight needs no key; a 401 carries the CORS headers.
+        assert http.options("/v1/models", headers={"Origin": "http://a", "Access-Control-Request-Method": "GET"}
+                            ).status_code == 200
+        assert http.get("/v1/models", headers={"Origin": "http://a"}).headers["access-control-allow-origin"] == "*"
 
 
 @pytest.mark.parametrize("key", ["", " secret", "clé", "a\nb"])

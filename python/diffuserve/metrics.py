@@ -30,9 +30,9 @@ class _EngineCollector:
                               "as free)", value=s["kv_blocks_free"]),
             GaugeMetricFamily("diffuserve_kv_cache_usage_ratio", "Fraction of KV cache blocks in use",
                               value=used / s["kv_blocks_total"] if s["kv_blocks_total"] else 0.0),
-            CounterMetricFamily("diffuserve_prefix_cache_queries", "Prompt blocks looked up in the prefix cache",
+            CounterMetricFamily("diffuserve_prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
                                 value=s["prefix_cache_queries"]),
-            CounterMetricFamily("diffuserve_prefix_cache_hits", "Prompt blocks found in the prefix cache",
+            CounterMetricFamily("diffuserve_prefix_cache_hits", "Prompt tokens found in the prefix cache",
                                 value=s["prefix_cache_hits"]),
             CounterMetricFamily("diffuserve_preemptions", "Requests preempted for lack of KV cache",
                                 value=s["preemptions"]),
@@ -45,6 +45,8 @@ class Metrics:
         self.registry = CollectorRegistry()
         self.requests = Counter("diffuserve_requests", "Generation requests (choices) by how they ended",
                                 ["finish_reason"], registry=self.registry)
+        for reason in ("stop", "length", "abort", "error"):  # at 0 from the start, for rate() and increase()
+            self.requests.labels(reason)
         self.prompt_tokens = Counter("diffuserve_prompt_tokens", "Prompt tokens received", registry=self.registry)
         self.generation_tokens = Counter("diffuserve_generation_tokens", "Tokens generated", registry=self.registry)
         self.denoise_steps = Histogram("diffuserve_denoise_steps_per_block", "Decoder passes per finished block",

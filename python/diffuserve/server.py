@@ -22,7 +22,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Dict, List, Optional, Sequence
 
-from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
@@ -544,19 +544,13 @@ def build_app(engine: AsyncLLM, model_name: str, api_key: Optional[str] = None,
         server.engine = None
 
     app = FastAPI(title="diffuserve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    if api_key is not None:
+        app.add_middleware(_RequireKey, api_key=api_key)
     # Browsers' clients (a chat page served elsewhere) ask before each call: as vLLM, any origin
-    # unless told which (--allowed-origins).
+    # unless told which (--allowed-origins). (Added last, so outermost: its preflight answers
+    # need no key, and the key's 401 carries its headers.)
     app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["*"], allow_headers=["*"])
-
-    def authenticate(request: Request):
-        if api_key is None:
-            return
-        scheme, _, key = request.headers.get("authorization", "").strip().partition(" ")
-        if not (scheme.lower() == "bearer" and hmac.compare_digest(key.strip().encode(), api_key.encode())):
-            raise ApiError(401, "invalid or missing API key (send Authorization: Bearer <key>)",
-                           code="invalid_api_key")
-
-    v1 = APIRouter(prefix="/v1", dependencies=[Depends(authenticate)])
+    v1 = APIRouter(prefix="/v1")
 
     @app.exception_handler(ApiError)
     async def api_error(request, e: ApiError):
@@ -573,8 +567,8 @@ def build_app(engine: AsyncLLM, model_name: str, api_key: Optional[str] = None,
         return _error(ApiError(503, str(e), type="server_error"))
 
     @app.exception_handler(Exception)
-    async def internal_error(request, e: Exception):
-        return _error(ApiError(500, f"internal error: {e!r}", type="server_error"))
+    async def internal_error(request, e: Exception):  # (its traceback goes to the server's log)
+        return _error(ApiError(500, "internal server error (the server's log has its details)", type="server_error"))
 
     @app.api_route("/health", methods=["GET", "HEAD"])  # (load balancers' checks may send HEAD)
     async def health():  # 503 once the engine has failed: no request could be served
@@ -640,6 +634,25 @@ def build_app(engine: AsyncLLM, model_name: str, api_key: Optional[str] = None,
 
     app.include_router(v1)
     return app
+
+
+class _RequireKey:
+    """ASGI middleware: every /v1 request needs the API key, checked before routing, so that an
+    unknown path or method is a 401 too (as vLLM's), not a 404 or 405 telling a caller without
+    the key what exists."""
+
+    def __init__(self, app, api_key: str):
+        self.app, self.api_key = app, api_key
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and (scope["path"] == "/v1" or scope["path"].startswith("/v1/")):
+            scheme, _, key = Request(scope).headers.get("authorization", "").strip().partition(" ")
+            if not (scheme.lower() == "bearer" and hmac.compare_digest(key.strip().encode(), self.api_key.encode())):
+                error = ApiError(401, "invalid or missing API key (send Authorization: Bearer <key>)",
+                                 code="invalid_api_key")
+                await _error(error, {"WWW-Authenticate": "Bearer"})(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 def serve(app: FastAPI, engine: AsyncLLM, sock: socket.socket, log_level: str, shutdown_timeout: float) -> None:
