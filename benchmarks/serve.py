@@ -48,7 +48,8 @@ async def one_request(client, url, model, prompt, max_tokens, steps):
     start = time.perf_counter()
     first, tokens = None, 0
     async with client.stream("POST", url + "/v1/completions", json=body) as r:
-        r.raise_for_status()
+        if r.status_code != 200:
+            sys.exit(f"error: the server answered {r.status_code}: {(await r.aread()).decode()}")
         async for line in r.aiter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
@@ -113,8 +114,10 @@ def main():
                 if server.poll() is not None or time.time() > deadline:
                     sys.exit("the server did not start")
                 time.sleep(0.5)
+            with open(os.path.join(path, "config.json")) as f:  # (a --model's vocabulary may be smaller)
+                vocab = json.load(f)["text_config"]["vocab_size"]
             rng = np.random.default_rng(0)
-            prompt = rng.integers(3, 1000, args.prompt_tokens).tolist()  # token ids, no tokenization cost
+            prompt = rng.integers(3, min(1000, vocab), args.prompt_tokens).tolist()  # ids: no tokenization cost
             asyncio.run(sweep_point(url, "bench", 1, 1, prompt, CANVAS, 2))  # warm-up
             rows = []
             for concurrency in [int(c) for c in args.concurrency.split(",")]:
