@@ -148,7 +148,7 @@ def serve(args) -> None:
 
 def generate(args) -> None:
     from .detokenizer import IncrementalDetokenizer, until_eos
-    from .sampling import SamplingParams
+    from .sampling import SamplingParams, length_untold
 
     llm = _load(args.model, args)
     tokenizer = llm.tokenizer
@@ -163,11 +163,9 @@ def generate(args) -> None:
             prompt = tokenizer.encode(text, add_special_tokens=False)
         else:
             prompt = tokenizer.encode(args.prompt)
-        # Without --max-tokens, as the server without max_tokens: the checkpoint's length, or
-        # where it gives none the whole context, cut to the blocks the context has room for.
-        max_tokens = args.max_tokens
-        if max_tokens is None and not llm.model.config["generation"]["length_given"]:
-            max_tokens = llm.model.config["max_position_embeddings"]
+        # Without --max-tokens, as the server without max_tokens.
+        max_tokens = length_untold(args.max_tokens, llm.model.config["generation"]["length_given"],
+                                   llm.model.config["max_position_embeddings"])
         params = SamplingParams(max_new_tokens=max_tokens, seed=args.seed,
                                 max_denoising_steps=args.max_denoising_steps,
                                 eos_token_id=[] if args.ignore_eos else None, fit_to_context=args.max_tokens is None)

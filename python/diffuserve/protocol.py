@@ -16,7 +16,7 @@ from typing import Any, Dict, List, Literal, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from ._checks import check_unicode
-from .sampling import SamplingParams
+from .sampling import SamplingParams, length_untold
 
 # Value at which an OpenAI parameter we do not implement changes nothing (older LangChain sent
 # logit_bias {} and best_of 1 with every request).
@@ -140,8 +140,7 @@ class _GenerationRequest(_Strict):
         max_steps: the server's limit on max_denoising_steps; prompts: how many the request
         has (each takes the n choices)."""
         fit = max_tokens is None
-        if fit and not defaults["length_given"]:
-            max_tokens = defaults["context"]
+        max_tokens = length_untold(max_tokens, defaults["length_given"], defaults["context"])
         if self.temperature is not None and (self.t_min is not None or self.t_max is not None):
             raise ApiError(400, "give either temperature or t_min/t_max, not both", param="temperature")
         scale = None if self.temperature is None else max(self.temperature, 1e-3)

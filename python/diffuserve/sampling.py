@@ -43,6 +43,13 @@ def _iter_once(value) -> bool:
         return False
 
 
+def length_untold(max_new_tokens: Optional[int], length_given: bool, context: int) -> Optional[int]:
+    """max_new_tokens, or where none is given, as vLLM without max_tokens: the checkpoint's
+    length (None) where generation_config.json gives one, else the whole context (`context`
+    tokens), which fit_to_context then cuts to the whole blocks that fit."""
+    return context if max_new_tokens is None and not length_given else max_new_tokens
+
+
 def _comparable(value):
     """A field's value as equality compares it: ids in an array, a tuple or a range as a list."""
     if isinstance(value, np.ndarray):

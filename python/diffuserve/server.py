@@ -556,7 +556,7 @@ def build_app(engine: AsyncLLM, model_name: str, api_key: Optional[str] = None,
     async def api_error(request, e: ApiError):
         if e.status == 413:  # the body's unread rest must not be taken for the next request
             return _error(e, {"Connection": "close"})
-        return _error(e, {"WWW-Authenticate": "Bearer"} if e.status == 401 else None)
+        return _error(e)  # (the API key's 401 is _RequireKey's, before routing)
 
     @app.exception_handler(HTTPException)
     async def http_error(request, e: HTTPException):  # its headers kept: a 405's Allow had been dropped
