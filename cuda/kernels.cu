@@ -523,12 +523,16 @@ __global__ void lay_out_nvfp4_kernel(uint2* packed, uint8_t* group_scales, int64
 __global__ void transpose_bf16_kernel(const __nv_bfloat16* in, int64_t k, int64_t n, __nv_bfloat16* out) {
   wait_for_earlier_kernels();
   __shared__ __nv_bfloat16 tile[32][33];
-  const int64_t k0 = int64_t(blockIdx.y) * 32, n0 = int64_t(blockIdx.x) * 32;
-  for (int i = threadIdx.y; i < 32; i += blockDim.y)
-    if (k0 + i < k && n0 + threadIdx.x < n) tile[i][threadIdx.x] = in[(k0 + i) * n + n0 + threadIdx.x];
-  __syncthreads();
-  for (int i = threadIdx.y; i < 32; i += blockDim.y)
-    if (n0 + i < n && k0 + threadIdx.x < k) out[(n0 + i) * k + k0 + threadIdx.x] = tile[threadIdx.x][i];
+  const int64_t n0 = int64_t(blockIdx.x) * 32;
+  // K's tiles go round gridDim.y (at most 65,535: a vocabulary past 2 M rows has more tiles).
+  for (int64_t k0 = int64_t(blockIdx.y) * 32; k0 < k; k0 += int64_t(gridDim.y) * 32) {
+    for (int i = threadIdx.y; i < 32; i += blockDim.y)
+      if (k0 + i < k && n0 + threadIdx.x < n) tile[i][threadIdx.x] = in[(k0 + i) * n + n0 + threadIdx.x];
+    __syncthreads();
+    for (int i = threadIdx.y; i < 32; i += blockDim.y)
+      if (n0 + i < n && k0 + threadIdx.x < k) out[(n0 + i) * k + k0 + threadIdx.x] = tile[threadIdx.x][i];
+    __syncthreads();  // the tile is read before the next one overwrites it
+  }
 }
 
 // Over the block, for two counts at once: the sums of v over the threads before this one,
@@ -1069,7 +1073,7 @@ template void scatter_rows(const float*, int64_t, const int64_t*, int64_t, float
 template void scatter_rows(const float*, int64_t, const int64_t*, int64_t, __nv_bfloat16*, cudaStream_t);
 
 void transpose_bf16(const __nv_bfloat16* in, int64_t k, int64_t n, __nv_bfloat16* out, cudaStream_t stream) {
-  const dim3 grid(unsigned((n + 31) / 32), unsigned((k + 31) / 32)), block(32, 8);
+  const dim3 grid(unsigned((n + 31) / 32), unsigned(std::min<int64_t>((k + 31) / 32, 65535))), block(32, 8);
   launch(transpose_bf16_kernel, grid, block, 0, stream, in, k, n, out);
 }
 

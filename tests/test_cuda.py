@@ -763,6 +763,14 @@ def test_many_experts_match_cpu(tmp_path, experts, top_k):
     check_passes_match_cpu(path, prompt_length=70, canvas_length=24, blocks=2)
 
 
+# A vocabulary past 2,097,120 tokens: the soft embedding's transposed table has more 32-row
+# tiles than a grid's y dimension takes (65,535), which the transpose goes round.
+def test_a_vocabulary_past_two_million_matches_cpu(tmp_path):
+    path = small_checkpoint(tmp_path, 2, vocab_size=2_100_000, hidden_size=16, intermediate_size=16,
+                            moe_intermediate_size=8)
+    check_passes_match_cpu(path, prompt_length=5, canvas_length=2, blocks=1, kv_cache_memory_bytes=16 << 20)
+
+
 # One row, and 300 (no multiple of any tile height).
 @pytest.mark.parametrize("canvas", [1, 300])
 def test_canvas_lengths_match_cpu(tmp_path, canvas):
