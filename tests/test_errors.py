@@ -13,6 +13,8 @@ import socket
 import struct
 import subprocess
 import sys
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -1081,3 +1083,35 @@ def test_exiting_with_an_async_engine_mid_request_is_clean(valid_dir):
     result = subprocess.run([sys.executable, "-c", ASYNC_LEFT_RUNNING, str(valid_dir)], capture_output=True, text=True,
                             timeout=120)
     assert result.returncode == 0 and result.stdout == "exiting\n", result.stdout + result.stderr
+
+
+def test_dropping_a_sequence_does_not_wait_for_another_threads_pass(tmp_path):
+    """A Sequence dropped while another thread's pass holds the model is gone at once, its KV
+    blocks released by the model's next call: it had waited for that pass holding the GIL,
+    which stalled every Python thread for as long. (A pass of about 2 s here; the drop must
+    take less than half of it, which a drop that waits for the pass cannot.)"""
+    path = write_random_checkpoint(tmp_path / "m", canvas_length=CANVAS, **dict(TINY, hidden_size=1024,
+                                                                                  intermediate_size=1024))
+    model = ds.Model.load(path, kv_cache_memory_bytes=64 << 20, num_threads=1)
+    free = model.cache_stats()["kv_blocks_free"]
+    dropped, busy = model.sequence(), model.sequence()
+    dropped.prefill(np.arange(40) % VOCAB)
+    started, pass_seconds = threading.Event(), []
+
+    def run():
+        started.set()
+        begin = time.perf_counter()
+        busy.prefill(np.arange(4000) % VOCAB)
+        pass_seconds.append(time.perf_counter() - begin)
+
+    worker = threading.Thread(target=run)
+    worker.start()
+    started.wait()
+    time.sleep(0.3)  # the pass under way
+    begin = time.perf_counter()
+    del dropped
+    drop_seconds = time.perf_counter() - begin
+    worker.join()
+    assert drop_seconds < pass_seconds[0] / 2, (drop_seconds, pass_seconds)
+    del busy
+    assert model.cache_stats()["kv_blocks_free"] == free

@@ -91,7 +91,28 @@ struct ModelState {
   // holds this while it uses the backend's buffers and the KV cache, so that threads may
   // share a model. Recursive: a call may make another (Sequence::prefill asks length()).
   std::recursive_mutex calls;
-  std::unique_lock<std::recursive_mutex> lock() { return std::unique_lock(calls); }
+  std::unique_lock<std::recursive_mutex> lock() {
+    std::unique_lock held(calls);
+    release_dropped();
+    return held;
+  }
+  // A sequence destroyed while another thread's call holds `calls` leaves its table here
+  // rather than wait for that call (a whole pass): its destructor may run in any thread, in
+  // Python's holding the GIL, and waiting there stalled every Python thread. The next caller
+  // to take `calls` releases it, before it uses the cache.
+  void drop(KvTable table) {
+    const std::lock_guard guard(dropped_mutex);
+    dropped.push_back(std::move(table));
+  }
+  void release_dropped() {  // (with `calls` held)
+    const std::lock_guard guard(dropped_mutex);
+    for (KvTable& table : dropped) kv->release(table);
+    dropped.clear();
+  }
+
+ private:
+  std::mutex dropped_mutex;
+  std::vector<KvTable> dropped;
 };
 
 // What logits holding NaN or infinity say of the model, as the errors that refuse them end

@@ -218,8 +218,13 @@ Sequence::Sequence(std::shared_ptr<Model> model, int canvas_length)
 }
 
 Sequence::~Sequence() {
-  const auto lock = model_->state().lock();
-  model_->state().kv->release(state_->table);
+  ModelState& m = model_->state();
+  if (std::unique_lock held(m.calls, std::try_to_lock); held) {
+    m.release_dropped();
+    m.kv->release(state_->table);
+  } else {
+    m.drop(std::move(state_->table));  // another call is running: the next to start releases it
+  }
 }
 
 int64_t Sequence::length() const {
