@@ -665,6 +665,22 @@ def test_api_key(offline):
         assert http.get("/v1/models", headers={"Origin": "http://a"}).headers["access-control-allow-origin"] == "*"
 
 
+def test_an_internal_error_is_a_500_with_cors_headers(offline, monkeypatch):
+    """An exception no handler takes is a 500 with a generic message that a browser's client can
+    read: Starlette had answered it outside the CORS middleware, without its headers."""
+    from fastapi.testclient import TestClient
+
+    def fail(self, model):
+        raise RuntimeError("a detail for the log only")
+
+    monkeypatch.setattr(server_module._Server, "check_model", fail)
+    with TestClient(build_app(AsyncLLM(offline), MODEL), raise_server_exceptions=False) as http:
+        r = http.get(f"/v1/models/{MODEL}", headers={"Origin": "http://a"})
+        assert r.status_code == 500 and r.headers["access-control-allow-origin"] == "*"
+        assert r.json()["error"]["type"] == "server_error" and "log only" not in r.text
+        assert http.get("/v1/models").status_code == 200  # and the server goes on
+
+
 @pytest.mark.parametrize("key", ["", " secret", "clé", "a\nb"])
 def test_api_keys_no_client_could_send_are_refused(offline, key):
     """An empty key (KEY= in an environment file) had locked every client out unannounced."""

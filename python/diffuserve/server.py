@@ -544,6 +544,7 @@ def build_app(engine: AsyncLLM, model_name: str, api_key: Optional[str] = None,
         server.engine = None
 
     app = FastAPI(title="diffuserve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.add_middleware(_InternalErrors)
     if api_key is not None:
         app.add_middleware(_RequireKey, api_key=api_key)
     # Browsers' clients (a chat page served elsewhere) ask before each call: as vLLM, any origin
@@ -565,10 +566,6 @@ def build_app(engine: AsyncLLM, model_name: str, api_key: Optional[str] = None,
     @app.exception_handler(EngineError)
     async def engine_error(request, e: EngineError):
         return _error(ApiError(503, str(e), type="server_error"))
-
-    @app.exception_handler(Exception)
-    async def internal_error(request, e: Exception):  # (its traceback goes to the server's log)
-        return _error(ApiError(500, "internal server error (the server's log has its details)", type="server_error"))
 
     @app.api_route("/health", methods=["GET", "HEAD"])  # (load balancers' checks may send HEAD)
     async def health():  # 503 once the engine has failed: no request could be served
@@ -634,6 +631,32 @@ def build_app(engine: AsyncLLM, model_name: str, api_key: Optional[str] = None,
 
     app.include_router(v1)
     return app
+
+
+class _InternalErrors:
+    """ASGI middleware, the innermost: an exception no handler took is the 500 here, inside
+    CORS, so that a browser's client reads it (Starlette's own 500 is answered outside every
+    middleware, without CORS headers: a browser saw a failed CORS check instead). The message
+    is generic; the exception is raised on, so that uvicorn logs its traceback."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        started = False
+
+        async def sending(message):
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, sending)
+        except Exception:
+            if scope["type"] == "http" and not started:
+                error = ApiError(500, "internal server error (the server's log has its details)", type="server_error")
+                await _error(error)(scope, receive, send)
+            raise
 
 
 class _RequireKey:
