@@ -107,6 +107,8 @@ struct LayerKV {
 
 class Sequence {
  public:
+  // Frees the sequence's KV blocks; while another thread's call holds the model, the next
+  // call to start frees them, so that this never waits for a pass.
   ~Sequence();
 
   // Causal encoder pass over `ids` at the next positions; appends their KV. On an empty
