@@ -152,8 +152,7 @@ Engine::Engine(std::shared_ptr<Model> model, bool fuse_commit) : model_(std::mov
 }
 
 Engine::~Engine() {
-  const auto lock = model_->state().lock();
-  for (auto& [id, r] : requests_) model_->state().kv->release(r->table);
+  for (auto& [id, r] : requests_) model_->state().release_soon(std::move(r->table));
 }
 
 RequestState& Engine::get(uint64_t id) const {

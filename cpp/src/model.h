@@ -96,21 +96,27 @@ struct ModelState {
     release_dropped();
     return held;
   }
-  // A sequence destroyed while another thread's call holds `calls` leaves its table here
-  // rather than wait for that call (a whole pass): its destructor may run in any thread, in
-  // Python's holding the GIL, and waiting there stalled every Python thread. The next caller
-  // to take `calls` releases it, before it uses the cache.
-  void drop(KvTable table) {
-    const std::lock_guard guard(dropped_mutex);
-    dropped.push_back(std::move(table));
+  // Releases the KV blocks of a sequence or request being destroyed, now if no other thread's
+  // call holds `calls`, else by the next caller to take it (before it uses the cache): a
+  // destructor may run in any thread, in Python's holding the GIL, and waiting there for
+  // another call's pass had stalled every Python thread.
+  void release_soon(KvTable table) {
+    if (std::unique_lock held(calls, std::try_to_lock); held) {
+      release_dropped();
+      kv->release(table);
+    } else {
+      const std::lock_guard guard(dropped_mutex);
+      dropped.push_back(std::move(table));
+    }
   }
+
+ private:
   void release_dropped() {  // (with `calls` held)
     const std::lock_guard guard(dropped_mutex);
     for (KvTable& table : dropped) kv->release(table);
     dropped.clear();
   }
 
- private:
   std::mutex dropped_mutex;
   std::vector<KvTable> dropped;
 };

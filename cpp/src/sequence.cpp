@@ -217,15 +217,7 @@ Sequence::Sequence(std::shared_ptr<Model> model, int canvas_length)
   state_->canvas_length = canvas_length;
 }
 
-Sequence::~Sequence() {
-  ModelState& m = model_->state();
-  if (std::unique_lock held(m.calls, std::try_to_lock); held) {
-    m.release_dropped();
-    m.kv->release(state_->table);
-  } else {
-    m.drop(std::move(state_->table));  // another call is running: the next to start releases it
-  }
-}
+Sequence::~Sequence() { model_->state().release_soon(std::move(state_->table)); }
 
 int64_t Sequence::length() const {
   const auto lock = model_->state().lock();
