@@ -9,11 +9,11 @@
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
-#include <system_error>
 #include <limits>
 #include <map>
 #include <optional>
 #include <set>
+#include <system_error>
 
 #include "diffuserve/errors.h"
 #include "diffuserve/generate.h"
