@@ -283,9 +283,17 @@ def test_draft_streaming(base_url):
      "continue_final_message", None),
     ("chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
                           "chat_template_kwargs": {"messages": []}}, 400, "chat_template_kwargs", "invalid_value"),
-    # Tools that are no list of JSON schemas: the template's inputs, refused as it renders (not a 500).
+    # Tools or documents that are no lists of dicts: the template's inputs, refused as it renders
+    # (not a 500), naming the variable (they had been blamed on the messages).
     ("chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
-                          "chat_template_kwargs": {"tools": "x"}}, 400, "messages", None),
+                          "chat_template_kwargs": {"tools": "x"}}, 400, "chat_template_kwargs.tools", None),
+    ("chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+                          "chat_template_kwargs": {"documents": [1]}}, 400, "chat_template_kwargs.documents", None),
+    # A template variable that is not valid Unicode (a lone surrogate), named as such, not as a
+    # place in the rendered prompt blamed on the messages.
+    ("chat/completions", '{"model": "%s", "messages": [{"role": "user", "content": "x"}], '
+     '"chat_template_kwargs": {"bos_token": {"a": ["\\ud800"]}}}' % MODEL, 400, "chat_template_kwargs.bos_token",
+     None),
     ("completions", {"model": MODEL, "prompt": "x", "seed": -2**63 - 1}, 400, "seed", "invalid_value"),
     # Apply_chat_template's own argument "self" (a 500), and messages nested deeper than Python's
     # stack, short of the JSON parser's limit (a 500: RecursionError).
@@ -968,8 +976,8 @@ def test_usage_counts_through_a_stop_string_that_ends_in_byte_tokens(tmp_path):
 def test_a_model_without_a_tokenizer_is_served_token_ids(tmp_path):
     """A checkpoint without tokenizer.json (what save_pretrained writes) is served: completions
     take token ids and give each choice's token_ids (as vLLM's return_token_ids), with the same
-    ids as LLM.generate; text, chat and stop strings, which need a tokenizer, are 400s naming it.
-    (The server had refused to start.)"""
+    ids as LLM.generate; text, chat, stop strings and drafts, which need a tokenizer, are 400s
+    naming it. (The server had refused to start; a stream's drafts had been left out silently.)"""
     from fastapi.testclient import TestClient
     from diffuserve.random_checkpoint import write_random_checkpoint
     path = write_random_checkpoint(tmp_path / "bare", canvas_length=8, **MODEL_CONFIG)
@@ -986,6 +994,7 @@ def test_a_model_without_a_tokenizer_is_served_token_ids(tmp_path):
         assert sum((c["choices"][0]["token_ids"] for c in chunks), []) == expected
         for endpoint, bad, param in (("completions", {"prompt": "text"}, "prompt"),
                                      ("completions", {"stop": ["x"]}, "stop"),
+                                     ("completions", {"stream": True, "stream_drafts": True}, "stream_drafts"),
                                      ("chat/completions", {"messages": [{"role": "user", "content": "x"}]},
                                       "messages")):
             r = http.post(f"/v1/{endpoint}", json={**body, "prompt": [5], **bad} if endpoint == "completions"

@@ -26,7 +26,12 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 
 class ChatTemplateError(ValueError):
-    """The template rejected the conversation (its raise_exception), or could not render."""
+    """The template rejected the conversation (its raise_exception), or could not render.
+    `argument`: the render argument at fault where one is ("tools", "documents"), else None."""
+
+    def __init__(self, message: str, argument: Optional[str] = None):
+        super().__init__(message)
+        self.argument = argument
 
 
 def _raise_exception(message):
@@ -141,11 +146,11 @@ def _list_of_dicts(name: str, value, what: str) -> Optional[list]:
     if value is None:
         return None
     if not isinstance(value, (list, tuple)):
-        raise ChatTemplateError(f"{name} must be a list of dicts (each {what}), got {type(value).__name__}")
+        raise ChatTemplateError(f"{name} must be a list of dicts (each {what}), got {type(value).__name__}", name)
     for i, item in enumerate(value):
         if not isinstance(item, Mapping):
             hint = " (a Python function is not turned into its schema here: pass the schema)" if callable(item) else ""
-            raise ChatTemplateError(f"{name}[{i}] must be {what} (a dict), got {type(item).__name__}{hint}")
+            raise ChatTemplateError(f"{name}[{i}] must be {what} (a dict), got {type(item).__name__}{hint}", name)
     return _plain(list(value))
 
 

@@ -246,6 +246,9 @@ class ChatCompletionRequest(_GenerationRequest):
             raise ApiError(400, f"chat_template_kwargs may not set {', '.join(taken)}: apply_chat_template's own "
                            "arguments (add_generation_prompt and continue_final_message are parameters of their own)",
                            param="chat_template_kwargs", code="invalid_value")
+        for name, value in variables.items():  # (else the rendered prompt's error would blame the messages)
+            _check_strings_unicode(name, "chat_template_kwargs")
+            _check_strings_unicode(value, f"chat_template_kwargs.{name}")
         return {**variables, "add_generation_prompt": self.add_generation_prompt,
                 "continue_final_message": self.continue_final_message}
 
@@ -330,6 +333,21 @@ def _check_unicode(text: str, param: str):
         check_unicode(param, text)
     except ValueError as e:
         raise ApiError(400, str(e), param=param) from None
+
+
+def _check_strings_unicode(value, param: str):
+    """Every string in JSON data (keys too) as valid Unicode, else a 400 naming `param`. A loop,
+    not recursion: the data may nest deeper than Python's stack."""
+    pending = [value]
+    while pending:
+        item = pending.pop()
+        if isinstance(item, str):
+            _check_unicode(item, param)
+        elif isinstance(item, dict):
+            pending.extend(item.keys())
+            pending.extend(item.values())
+        elif isinstance(item, list):
+            pending.extend(item)
 
 
 def parse(model: type, body: Any):

@@ -290,6 +290,9 @@ class _Server:
         if stop and self.tokenizer is None:
             raise ApiError(400, "this model has no tokenizer.json, so no text to find stop strings in", param="stop",
                            code="no_tokenizer")
+        if body.stream_drafts and self.tokenizer is None:  # (a draft is text: it would never be sent)
+            raise ApiError(400, "this model has no tokenizer.json, so no text to stream its drafts as",
+                           param="stream_drafts", code="no_tokenizer")
         usage = Usage()
         choices = []
         for p, prompt in enumerate(prompts):
@@ -623,8 +626,9 @@ def build_app(engine: AsyncLLM, model_name: str, api_key: Optional[str] = None,
 
         try:
             text = await asyncio.to_thread(render)
-        except ValueError as e:  # the template's own refusal or failure, or a bad template variable
-            raise ApiError(400, str(e), param="messages") from None
+        except ValueError as e:  # the template's own refusal or failure, or bad tools or documents
+            argument = getattr(e, "argument", None)  # (ChatTemplateError's: tools or documents, which the kwargs set)
+            raise ApiError(400, str(e), param=f"chat_template_kwargs.{argument}" if argument else "messages") from None
         prompt = await server.prompt_ids(text, "messages", add_special_tokens=False)  # the template wrote them
         return await server.run(request, body, [prompt], body.max_new_tokens(),
                                 _Format(model_name, chat=True, token_ids=server.returns_token_ids(body)))
