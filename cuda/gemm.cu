@@ -131,6 +131,7 @@
 // 23.76 at 1x8K (fifty-seventh session).
 #include <algorithm>
 #include <stdexcept>
+#include <string>
 #include <type_traits>
 
 #include "activation_quant.h"
@@ -932,9 +933,14 @@ void launch_gemm(const Params& p, dim3 grid, cudaStream_t stream) {
   launch(kernel, grid, S::kThreads, bytes, stream, p);
 }
 
-// The blocks of a launch: N's tiles, the segments' row tiles, the K splits.
+// The blocks of a launch: N's tiles, the segments' row tiles, the K splits. A grid's y
+// stops at 65,535: past it (over 4 M rows of one product, or token-expert pairs of the
+// experts') the pass is refused by name rather than by a failed launch.
 template <class S>
 dim3 block_grid(const Params& p, int64_t num_tiles, int splits) {
+  if (num_tiles > 65535)
+    throw std::invalid_argument("gemm: " + std::to_string(num_tiles) + " tiles of " + std::to_string(S::kBM) +
+                                " rows in one product, past the 65,535 a launch takes: fewer tokens a pass");
   return {unsigned((p.n + S::kBN - 1) / S::kBN), unsigned(num_tiles), unsigned(splits)};
 }
 

@@ -4,6 +4,7 @@
 
 #include <memory>
 #include <mutex>
+#include <new>
 #include <span>
 #include <string>
 #include <vector>
@@ -100,13 +101,21 @@ struct ModelState {
   // call holds `calls`, else by the next caller to take it (before it uses the cache): a
   // destructor may run in any thread, in Python's holding the GIL, and waiting there for
   // another call's pass had stalled every Python thread.
-  void release_soon(KvTable table) {
+  // Where the queue cannot grow (out of memory), it waits for the call after all: a
+  // destructor must not throw.
+  void release_soon(KvTable table) noexcept {
     if (std::unique_lock held(calls, std::try_to_lock); held) {
       release_dropped();
       kv->release(table);
-    } else {
+      return;
+    }
+    try {
       const std::lock_guard guard(dropped_mutex);
       dropped.push_back(std::move(table));
+    } catch (const std::bad_alloc&) {
+      const std::unique_lock held(calls);
+      release_dropped();
+      kv->release(table);
     }
   }
 
