@@ -14,36 +14,34 @@ namespace {
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 // SipHash-1-3 (Aumasson and Bernstein's keyed hash, at the round counts Rust's HashMap uses)
-// of `bytes`, little-endian words, under the 128-bit key k0, k1.
-uint64_t siphash13(uint64_t k0, uint64_t k1, std::span<const uint8_t> bytes) {
-  constexpr int kCompression = 1, kFinalization = 3;
-  uint64_t v0 = k0 ^ 0x736f6d6570736575ull, v1 = k1 ^ 0x646f72616e646f6dull;
-  uint64_t v2 = k0 ^ 0x6c7967656e657261ull, v3 = k1 ^ 0x7465646279746573ull;
-  auto round = [&] {
-    v0 += v1, v1 = std::rotl(v1, 13), v1 ^= v0, v0 = std::rotl(v0, 32);
-    v2 += v3, v3 = std::rotl(v3, 16), v3 ^= v2;
-    v0 += v3, v3 = std::rotl(v3, 21), v3 ^= v0;
-    v2 += v1, v1 = std::rotl(v1, 17), v1 ^= v2, v2 = std::rotl(v2, 32);
-  };
-  auto word = [](std::span<const uint8_t> b) {
-    uint64_t m = 0;
-    for (size_t i = 0; i < b.size(); ++i) m |= uint64_t(b[i]) << (8 * i);
-    return m;
-  };
-  const size_t whole = bytes.size() / 8 * 8;
-  for (size_t i = 0; i < whole; i += 8) {
-    const uint64_t m = word(bytes.subspan(i, 8));
-    v3 ^= m;
-    for (int r = 0; r < kCompression; ++r) round();
-    v0 ^= m;
+// under the 128-bit key k0, k1, of a message given as its little-endian 64-bit words: each
+// whole word to add(), then finish() with the last 0-7 bytes (as a word) and the length.
+class SipHash13 {
+ public:
+  SipHash13(uint64_t k0, uint64_t k1)
+      : v0_(k0 ^ 0x736f6d6570736575ull), v1_(k1 ^ 0x646f72616e646f6dull), v2_(k0 ^ 0x6c7967656e657261ull),
+        v3_(k1 ^ 0x7465646279746573ull) {}
+  void add(uint64_t m) {
+    v3_ ^= m;
+    round();  // (one compression round)
+    v0_ ^= m;
   }
-  const uint64_t last = word(bytes.subspan(whole)) | uint64_t(bytes.size() & 0xff) << 56;
-  v3 ^= last;
-  for (int r = 0; r < kCompression; ++r) round();
-  v0 ^= last, v2 ^= 0xff;
-  for (int r = 0; r < kFinalization; ++r) round();
-  return v0 ^ v1 ^ v2 ^ v3;
-}
+  uint64_t finish(uint64_t tail, uint64_t bytes) {
+    add(tail | (bytes & 0xff) << 56);
+    v2_ ^= 0xff;
+    for (int r = 0; r < 3; ++r) round();  // (three finalization rounds)
+    return v0_ ^ v1_ ^ v2_ ^ v3_;
+  }
+
+ private:
+  void round() {
+    v0_ += v1_, v1_ = std::rotl(v1_, 13), v1_ ^= v0_, v0_ = std::rotl(v0_, 32);
+    v2_ += v3_, v3_ = std::rotl(v3_, 16), v3_ ^= v2_;
+    v0_ += v3_, v3_ = std::rotl(v3_, 21), v3_ ^= v0_;
+    v2_ += v1_, v1_ = std::rotl(v1_, 17), v1_ ^= v2_, v2_ = std::rotl(v2_, 32);
+  }
+  uint64_t v0_, v1_, v2_, v3_;
+};
 
 }  // namespace
 
@@ -54,23 +52,29 @@ PrefixTree::KeyHash::KeyHash() {
   k0 = uint64_t(random()) << 32 | random(), k1 = uint64_t(random()) << 32 | random();
 }
 
-// The parent and the tokens as little-endian bytes, hashed (keys compare whole).
-size_t PrefixTree::KeyHash::operator()(const Key& key) const {
-  std::vector<uint8_t> bytes(8 + 4 * key.tokens.size());
-  for (int i = 0; i < 8; ++i) bytes[i] = uint8_t(key.parent >> (8 * i));
-  for (size_t t = 0; t < key.tokens.size(); ++t)
-    for (int i = 0; i < 4; ++i) bytes[8 + 4 * t + i] = uint8_t(uint32_t(key.tokens[t]) >> (8 * i));
-  return size_t(siphash13(k0, k1, bytes));
+// The parent and the tokens as little-endian bytes, hashed (keys compare whole): the parent
+// a word, then the tokens two a word (4 bytes each), an odd last one the tail.
+size_t PrefixTree::KeyHash::operator()(KeyView key) const {
+  SipHash13 hash(k0, k1);
+  hash.add(key.parent);
+  const std::span<const int32_t> t = key.tokens;
+  const size_t pairs = t.size() / 2;
+  for (size_t i = 0; i < pairs; ++i) hash.add(uint64_t(uint32_t(t[2 * i])) | uint64_t(uint32_t(t[2 * i + 1])) << 32);
+  const uint64_t tail = t.size() % 2 ? uint64_t(uint32_t(t.back())) : 0;
+  return size_t(hash.finish(tail, 8 + 4 * uint64_t(t.size())));
 }
 
 uint64_t PrefixTree::find(uint64_t parent, std::span<const int32_t> tokens) const {
-  const auto it = ids_.find(Key{parent, {tokens.begin(), tokens.end()}});
+  const auto it = ids_.find(KeyView{parent, tokens});
   return it == ids_.end() ? 0 : it->second;
 }
 
 uint64_t PrefixTree::hold(uint64_t parent, std::span<const int32_t> tokens) {
-  const auto [it, added] = ids_.try_emplace(Key{parent, {tokens.begin(), tokens.end()}}, next_id_);
-  if (added) nodes_.emplace(next_id_++, Node{&it->first, 0});
+  auto it = ids_.find(KeyView{parent, tokens});
+  if (it == ids_.end()) {  // (the key's copy only for a new node)
+    it = ids_.emplace(Key{parent, {tokens.begin(), tokens.end()}}, next_id_).first;
+    nodes_.emplace(next_id_++, Node{&it->first, 0});
+  }
   hold(it->second);
   return it->second;
 }
@@ -78,7 +82,7 @@ uint64_t PrefixTree::hold(uint64_t parent, std::span<const int32_t> tokens) {
 void PrefixTree::release(uint64_t node) {
   const auto it = nodes_.find(node);
   if (--it->second.refs > 0) return;
-  ids_.erase(ids_.find(*it->second.key));
+  ids_.erase(ids_.find(KeyView(*it->second.key)));
   nodes_.erase(it);
 }
 

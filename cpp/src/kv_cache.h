@@ -25,6 +25,7 @@
 // found in a second for FNV-1a, and a request could hand another its KV.)
 #pragma once
 
+#include <algorithm>
 #include <array>
 #include <cstdint>
 #include <list>
@@ -71,18 +72,32 @@ class PrefixTree {
   struct Key {
     uint64_t parent;
     std::vector<int32_t> tokens;
-    bool operator==(const Key&) const = default;
+  };
+  // A key as the look-ups see it, without copying its tokens (the maps' transparent hash and
+  // equality take both).
+  struct KeyView {
+    uint64_t parent;
+    std::span<const int32_t> tokens;
+    KeyView(uint64_t parent, std::span<const int32_t> tokens) : parent(parent), tokens(tokens) {}
+    KeyView(const Key& key) : parent(key.parent), tokens(key.tokens) {}  // NOLINT: implicit, for the maps
   };
   struct KeyHash {
+    using is_transparent = void;
     KeyHash();
-    size_t operator()(const Key& key) const;
+    size_t operator()(KeyView key) const;
     uint64_t k0, k1;
+  };
+  struct KeyEqual {
+    using is_transparent = void;
+    bool operator()(KeyView a, KeyView b) const {
+      return a.parent == b.parent && std::ranges::equal(a.tokens, b.tokens);
+    }
   };
   struct Node {
     const Key* key;  // its key in ids_ (an unordered_map's elements stay where they are)
     int64_t refs;
   };
-  std::unordered_map<Key, uint64_t, KeyHash> ids_;
+  std::unordered_map<Key, uint64_t, KeyHash, KeyEqual> ids_;
   std::unordered_map<uint64_t, Node> nodes_;
   uint64_t next_id_ = 1;
 };
