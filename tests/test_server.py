@@ -299,6 +299,9 @@ def test_draft_streaming(base_url):
     # stack, short of the JSON parser's limit (a 500: RecursionError).
     ("chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
                           "chat_template_kwargs": {"self": 1}}, 400, "chat_template_kwargs", "invalid_value"),
+    # transformers' keywords for its tokenized output, which would reach no template.
+    ("chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+                          "chat_template_kwargs": {"max_length": 8}}, 400, "chat_template_kwargs", "invalid_value"),
     ("chat/completions", '{"model": "%s", "messages": [{"role": "user", "content": "x", "deep": %s}]}'
      % (MODEL, "[" * 900 + "]" * 900), 400, "messages", None),
     # Beyond the server's denoise steps a block (--max-denoising-steps-limit): one request of 2^31

@@ -117,6 +117,30 @@ def test_chat_template_messages_as_transformers_passes_them(checkpoint, template
             theirs.apply_chat_template(parts, chat_template=template, tokenize=False, **kwargs)
 
 
+def test_chat_template_takes_transformers_tokenizing_keywords_as_it_does(checkpoint):
+    """transformers' apply_chat_template keywords for its tokenized output reach no template
+    (they had been template variables: padding, max_length, ... printed by a template that
+    names them), and those it refuses without tokenizing are refused; a final message's parts
+    given as a tuple stay a tuple under continue_final_message (they had become a list)."""
+    ours, theirs = Tokenizer(checkpoint), AutoTokenizer.from_pretrained(checkpoint)
+    template = "{{ padding }}/{{ max_length }}/{{ return_dict }}/{{ truncation }}{{ messages[0].content }}"
+    conversation = [{"role": "user", "content": "hi"}]
+    keywords = dict(padding="max_length", truncation=True, max_length=8, return_tensors="np", return_dict=False,
+                    tokenizer_kwargs={"padding_side": "left"})
+    text = ours.apply_chat_template(conversation, chat_template=template, **keywords)
+    assert text == theirs.apply_chat_template(conversation, chat_template=template, tokenize=False, **keywords)
+    assert text == "///hi"
+    for name in ("sanitize_control_tokens", "return_assistant_tokens_mask"):
+        with pytest.raises(ValueError):
+            theirs.apply_chat_template(conversation, tokenize=False, **{name: True})
+        with pytest.raises(ValueError, match=f"{name}=True needs tokenize=True"):
+            ours.apply_chat_template(conversation, **{name: True})
+        assert ours.apply_chat_template(conversation, **{name: False}) == ours.apply_chat_template(conversation)
+    parts = [{"role": "assistant", "content": ({"type": "text", "text": "ab"},)}]
+    kwargs = dict(chat_template="{% for m in messages %}{{ m.content }}{% endfor %}", continue_final_message=True)
+    assert ours.apply_chat_template(parts, **kwargs) == theirs.apply_chat_template(parts, tokenize=False, **kwargs)
+
+
 def test_chat_template_arguments_refused(checkpoint):
     tokenizer = Tokenizer(checkpoint)
     with pytest.raises(ChatTemplateError, match="the conversation is empty"):
@@ -549,6 +573,24 @@ def test_clean_up_tokenization_spaces_as_transformers(tmp_path):
         assert "".join(pieces) + detokenizer.finish() == text
     assert ours.decode(ids, clean_up_tokenization_spaces=False) == \
         theirs.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+
+def test_clean_up_asked_of_a_bpe_tokenizer_leaves_its_text_as_transformers(tmp_path):
+    """decode(..., clean_up_tokenization_spaces=True) on a BPE checkpoint leaves the text alone
+    as transformers does (the clean-up would drop real spaces before punctuation; it had been
+    applied where the call asked for it), unless the config forces it for BPE."""
+    import json
+    path = write_chat_checkpoint(tmp_path / "m", byte_fallback=True)
+    ours, theirs = Tokenizer(path), AutoTokenizer.from_pretrained(path)
+    ids = theirs.encode("Hello , world ! I 'm here .", add_special_tokens=False)
+    text = theirs.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=True)
+    assert ours.decode(ids, clean_up_tokenization_spaces=True) == text == "Hello , world ! I 'm here ."
+    config = json.loads(open(f"{path}/tokenizer_config.json").read())
+    config["clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output"] = True
+    open(f"{path}/tokenizer_config.json", "w").write(json.dumps(config))
+    ours, theirs = Tokenizer(path), AutoTokenizer.from_pretrained(path)
+    forced = theirs.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=True)
+    assert ours.decode(ids, clean_up_tokenization_spaces=True) == forced == "Hello, world! I'm here."
 
 
 def test_gemma_tokenizer_class_names_its_default_special_tokens(tmp_path):

@@ -170,10 +170,9 @@ def _tag_final_message(message: dict, field: str, source: str) -> str:
         parts = list(text)
         for i in reversed(range(len(parts))):
             if isinstance(parts[i], dict) and isinstance(parts[i].get("text"), str):
-                text = parts[i]["text"]
-                parts[i] = {**parts[i], "text": text + _CONTINUE_TAG}
-                message[field] = parts
-                return text
+                parts[i] = {**parts[i], "text": parts[i]["text"] + _CONTINUE_TAG}
+                message[field] = tuple(parts) if isinstance(text, tuple) else parts  # (as the template prints it)
+                return text[i]["text"]
         raise ChatTemplateError("continue_final_message: the final message has no text to continue")
     if not isinstance(text, str):
         raise ChatTemplateError(f"continue_final_message: the final message's {field!r} is not text")

@@ -321,9 +321,11 @@ def _parsed_tool_calls(calls: list, param: str) -> list:
 
 
 # apply_chat_template's own parameters, which chat_template_kwargs may not set (the template
-# could otherwise be swapped, or the messages replaced; "self" would fail the call).
+# could otherwise be swapped, or the messages replaced; "self" would fail the call; those of
+# transformers' tokenized output would reach no template).
 _TEMPLATE_ARGUMENTS = {"messages", "add_generation_prompt", "continue_final_message", "chat_template", "tokenize",
-                       "self"}
+                       "self", "padding", "truncation", "max_length", "return_tensors", "return_dict",
+                       "tokenizer_kwargs", "sanitize_control_tokens", "return_assistant_tokens_mask"}
 
 
 def _check_unicode(text: str, param: str):

@@ -57,6 +57,11 @@ def _added_token(value, file: str, where: str, special: bool) -> AddedToken:
 _GEMMA_DEFAULTS = {"unk_token": "<unk>", "bos_token": "<bos>", "eos_token": "<eos>", "pad_token": "<pad>",
                    "mask_token": "<mask>"}
 _CLASS_DEFAULTS = {"GemmaTokenizer": _GEMMA_DEFAULTS, "GemmaTokenizerFast": _GEMMA_DEFAULTS}
+# transformers' apply_chat_template keywords that act on its tokenized output only, and those
+# it refuses without tokenizing where they are set.
+_TOKENIZED_OUTPUT_ARGUMENTS = ("padding", "truncation", "max_length", "return_tensors", "return_dict",
+                               "tokenizer_kwargs")
+_TOKENIZED_OUTPUT_ONLY = ("sanitize_control_tokens", "return_assistant_tokens_mask")
 # The class where tokenizer_config.json names none: AutoTokenizer takes the model type's
 # (config.json's "diffusion_gemma", the one model type the runtime loads).
 _MODEL_TOKENIZER_CLASS = "GemmaTokenizer"
@@ -241,11 +246,12 @@ class Tokenizer:
         # One past the highest id: a vocabulary's ids may leave gaps, where the library's
         # get_vocab_size counts its entries.
         self._vocab_size = max(self._tokenizer.get_vocab(with_added_tokens=True).values(), default=-1) + 1
-        # transformers leaves BPE's text alone unless told it may corrupt it.
+        # transformers leaves BPE's text alone unless told it may corrupt it, also where a decode
+        # call asks for the clean-up.
         clean_up = config.get("clean_up_tokenization_spaces", False)
         forced = config.get("clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output", False)
-        self.clean_up_tokenization_spaces = bool(clean_up) and (
-            type(self._tokenizer.model).__name__ != "BPE" or bool(forced))
+        self._may_clean_up = type(self._tokenizer.model).__name__ != "BPE" or bool(forced)
+        self.clean_up_tokenization_spaces = bool(clean_up) and self._may_clean_up
         # The chat template(s): compiled when first used, so that a checkpoint whose template does
         # not compile still encodes and decodes (transformers fails in apply_chat_template alone).
         self.chat_template = _read_chat_templates(path, config, config_file)
@@ -353,7 +359,8 @@ class Tokenizer:
         """The text of token ids. An id outside the vocabulary is a ValueError naming it (the
         tokenizers library writes nothing for one past it, and fails on a negative one).
         clean_up_tokenization_spaces (default: the checkpoint's, as transformers reads it) drops
-        the spaces a WordPiece-style decoder leaves before punctuation."""
+        the spaces a WordPiece-style decoder leaves before punctuation; as in transformers, not
+        from a BPE tokenizer's text unless its config forces it (the clean-up corrupts that)."""
         ids = check_token_ids(ids, "decode", self.vocab_size).tolist()
         return self._decode(ids, skip_special_tokens, clean_up_tokenization_spaces)
 
@@ -368,7 +375,7 @@ class Tokenizer:
 
     def _decode(self, ids: List[int], skip_special_tokens: bool, clean_up: Optional[bool]) -> str:
         text = self._library(self._tokenizer.decode, ids, skip_special_tokens=skip_special_tokens)
-        clean_up = self.clean_up_tokenization_spaces if clean_up is None else clean_up
+        clean_up = self.clean_up_tokenization_spaces if clean_up is None else clean_up and self._may_clean_up
         return clean_up_tokenization(text) if clean_up else text
 
     def has_text(self, token_id: int, skip_special_tokens: bool = True) -> bool:
@@ -419,11 +426,21 @@ class Tokenizer:
         continue_final_message, which ends the text inside the final message, as in
         transformers). As in transformers, chat_template is a Jinja template, or the name of one
         of the checkpoint's named templates, to use instead of its own (get_chat_template);
-        tools are JSON schemas; tokenize must be False (this returns the text); other variables
-        (documents=..., a template's own switches) reach the template."""
+        tools are JSON schemas; tokenize must be False (this returns the text), so transformers'
+        padding, truncation, max_length, return_tensors, return_dict and tokenizer_kwargs do
+        nothing, and sanitize_control_tokens or return_assistant_tokens_mask set is a ValueError;
+        other variables (documents=..., a template's own switches) reach the template."""
         if tokenize is not False:
             raise ValueError(f"tokenize must be False (apply_chat_template returns the text; encode it with "
                              f"add_special_tokens=False), got {tokenize!r}")
+        # transformers' own keywords for its tokenized output: without it they do nothing (and
+        # reach no template); those that only it can honour are refused, as transformers does.
+        for name in _TOKENIZED_OUTPUT_ARGUMENTS:
+            variables.pop(name, None)
+        for name in _TOKENIZED_OUTPUT_ONLY:
+            if variables.pop(name, False):
+                raise ValueError(f"{name}=True needs tokenize=True in transformers; apply_chat_template returns the "
+                                 f"text")
         source = self.get_chat_template(chat_template, tools)
         template = self._compiled.get(source)
         if template is None:
