@@ -137,6 +137,13 @@ BAD_FILES = {
                             ["needs 132 bytes but data_offsets give 128", NORM]),
     "negative shape": (lambda h, d: pack(entry(h, NORM, shape=[-32]), d), ["non-negative integers", NORM]),
     "fractional shape": (lambda h, d: pack(entry(h, NORM, shape=[32.5]), d), ["non-negative integers", NORM]),
+    # No bytes, but dimensions whose element count overflows int64 before the zero (undefined
+    # behaviour in every count of its elements, UBSan's report).
+    "empty tensor of 2^63 elements and a zero": (
+        lambda h, d: pack({**entry(h, NORM, dtype="U8", shape=[2**32, 2**31, 0],
+                                   data_offsets=h[NORM]["data_offsets"][:1] * 2),
+                           "pad": {"dtype": "U8", "shape": [128], "data_offsets": h[NORM]["data_offsets"]}}, d),
+        ["nonzero dimensions' product passes 2^63", NORM]),
     "string shape": (lambda h, d: pack(entry(h, NORM, shape=["32"]), d), ["non-negative integers", NORM]),
     "a tensor's entry missing": (lambda h, d: pack({k: v for k, v in h.items() if k != NORM}, d),
                                  ["belong to no tensor", "a header entry missing"]),
@@ -157,6 +164,16 @@ def test_corrupt_safetensors(ckpt, case):
     path = ckpt / "model.safetensors"
     path.write_bytes(corrupt(*read_safetensors(path)))
     load_fails(ckpt, str(path), *fragments)
+
+
+def test_a_config_larger_than_its_tensors_is_refused_before_it_allocates(ckpt):
+    """Head counts and dims far past the stored weights' are a shape error naming the tensor:
+    the stacked q/k/v buffer had been allocated from the config first (terabytes: out of
+    memory, blaming the weights or the KV cache)."""
+    config = json.loads((ckpt / "config.json").read_text())
+    config["text_config"].update(num_attention_heads=4096, head_dim=1 << 20)
+    (ckpt / "config.json").write_text(json.dumps(config))
+    load_fails(ckpt, "q_proj.weight")
 
 
 def test_a_repeated_identical_entry_loads(ckpt):

@@ -370,6 +370,12 @@ def test_unsupported_activation_scheme_is_named(tmp_path, args, named):
      "config_groups.group_0.weights = asymmetric group of 128 4-bit int does not go with format 'float-quantized'"),
     ("NVFP4", lambda q: q["config_groups"]["group_0"]["weights"].update(group_size=32),
      "weights = tensor_group of 32 4-bit float does not go with format 'nvfp4-pack-quantized'"),
+    # Groups without their size, which compressed-tensors refuses (it had loaded, the scales'
+    # shape taken for the groups).
+    ("FP8_DYNAMIC", lambda q: q["config_groups"]["group_0"]["weights"].update(strategy="group"),
+     "config_groups.group_0.weights.group_size must be a positive number of inputs for strategy 'group'"),
+    ("NVFP4", lambda q: q["config_groups"]["group_0"]["weights"].update(group_size=None),
+     "weights.group_size must be a positive number of inputs for strategy 'tensor_group'"),
     ("FP8_DYNAMIC", lambda q: q.update(format="nvfp4-pack-quantized") or q["config_groups"]["group_0"].update(
         format="nvfp4-pack-quantized", weights={"num_bits": 4, "type": "float", "strategy": "tensor_group",
                                                 "group_size": 16, "symmetric": True}, input_activations=None),
@@ -395,6 +401,18 @@ def test_unsupported_quantization_config_is_refused(tmp_path, scheme, edit, mess
     path = edit_quantization_config(tmp_path, scheme, edit)
     with pytest.raises(ds.CheckpointError, match=re.escape(message)):
         ds.Model.load(path)
+
+
+def test_a_backtracking_pattern_matches_in_polynomial_time(tmp_path):
+    """A target or ignore pattern that a backtracking matcher takes exponential time over
+    (nested alternatives under a star) loads at once: the load had never ended. In a child
+    process, so that a regression fails by its timeout rather than hanging the tests."""
+    import subprocess
+    import sys
+    path = edit_quantization_config(tmp_path, "FP8_DYNAMIC", lambda q: q["ignore"].append("re:(.|.)*X"))
+    code = f"import diffuserve as ds; ds.Model.load({str(path)!r})"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120, env=env)
 
 
 def test_untied_encoder_copy_is_refused(tmp_path):

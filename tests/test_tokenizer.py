@@ -723,3 +723,22 @@ def test_tokenizer_settings_read_as_transformers_reads_them(tmp_path, config_cha
     conversation = CONVERSATIONS[1]
     assert ours.encode(ours.apply_chat_template(conversation), add_special_tokens=False) == \
         theirs.apply_chat_template(conversation, tokenize=True, add_generation_prompt=True, return_dict=False)
+
+
+@pytest.mark.parametrize("file,edit,message", [
+    # The tokenizers library panics (a BaseException, which had escaped LLM()) on this one.
+    ("tokenizer.json", lambda t: json.dumps({**json.loads(t), "normalizer": {
+        "type": "Precompiled", "precompiled_charsmap": "AAAA"}}), "not a tokenizer the tokenizers library reads"),
+    # Nested past Python's stack (a bare RecursionError, naming no file).
+    ("tokenizer_config.json", lambda t: t.rstrip()[:-1] + ', "deep": ' + "[" * 5000 + "]" * 5000 + "}",
+     "not a readable JSON file"),
+    # A class name that is no string (a bare TypeError: unhashable type).
+    ("tokenizer_config.json", lambda t: json.dumps({**json.loads(t), "tokenizer_class": {"a": 1}}),
+     "tokenizer_class must be a class name"),
+])
+def test_malformed_tokenizer_files_are_checkpoint_errors(tmp_path, file, edit, message):
+    path = write_chat_checkpoint(tmp_path / "m")
+    text = open(f"{path}/{file}").read()
+    open(f"{path}/{file}", "w").write(edit(text))
+    with pytest.raises(ds.CheckpointError, match=message):
+        Tokenizer(path)

@@ -234,6 +234,9 @@ bool quantizes_weights(const Fields& group, const std::string& format) {
   const std::string type = w.string_or("type", "int"), strategy = w.string_or("strategy", "tensor");
   const int64_t bits = w.integer_or("num_bits", 8, 1, 64), group_size = w.integer_or("group_size", 0, -1, kMaxDim);
   if (w.get("block_structure")) w.fail("block_structure", "is not supported (block-quantized weights)");
+  // (compressed-tensors refuses it so: the scales' shape alone would say the groups)
+  if ((strategy == "group" || strategy == "tensor_group") && group_size <= 0)
+    w.fail("group_size", "must be a positive number of inputs for strategy '" + strategy + "'");
   const bool symmetric = w.bool_or("symmetric", true);
   const json::Value* d = w.get("dynamic");
   const bool dynamic = d && !(d->is_bool() && !d->boolean);  // scales computed at run time: not stored ones

@@ -65,6 +65,15 @@ class QuantizationTargets {
       return regex ? std::regex_search(module, *regex, std::regex_constants::match_continuous) : text == module;
     }
   };
+  // libstdc++'s matcher backtracks by default: a pattern such as "(.|.)*X" took time
+  // exponential in the name's length (a load that never ended). Its polynomial mode (an
+  // extension; back-references, which it refuses, are no module names' business) walks the
+  // states breadth-first.
+#ifdef __GLIBCXX__
+  static constexpr std::regex::flag_type kSyntax = std::regex::ECMAScript | std::regex_constants::__polynomial;
+#else
+  static constexpr std::regex::flag_type kSyntax = std::regex::ECMAScript;
+#endif
   static Pattern pattern(const std::string& text, const std::string& path) {
     if (!text.starts_with("re:")) return {text, std::nullopt};
     // std::regex compiles (and matches) by recursion, a frame per term and per group: a
@@ -83,7 +92,7 @@ class QuantizationTargets {
                         " is longer than " + std::to_string(kMaxLength) + " characters or nests groups deeper than " +
                         std::to_string(kMaxDepth));
     try {
-      return {text, std::regex(ecmascript(text.substr(3)))};
+      return {text, std::regex(ecmascript(text.substr(3)), kSyntax)};
     } catch (const std::regex_error&) {
       throw FormatError(path + ": quantization_config: '" + text + "' is not a regular expression this runtime reads");
     }
@@ -317,14 +326,17 @@ class TensorSource {
     // other into one buffer, which the backend copies up (or keeps). (Widened into a vector of
     // floats on one thread and then converted again, the stacked q/k/v and MLP weights had
     // taken most of a bf16 checkpoint's load: 1.3 s for 4 layers at the 26B shapes.)
+    // Every part's shape is checked before the buffer, which the config's sizes alone would
+    // have made (terabytes from a config whose head counts the tensors do not have).
+    std::vector<const TensorView*> parts;
+    for (size_t i = 0; i < names.size(); ++i) parts.push_back(&expect_float(take(names[i], {rows[i], cols})));
     const size_t size = dtype_size(as_);
     const int64_t values = std::accumulate(rows.begin(), rows.end(), int64_t(0)) * cols;
     std::shared_ptr<uint8_t> host(new uint8_t[size_t(values) * size], std::default_delete<uint8_t[]>());
     uint8_t* out = host.get();
-    for (size_t i = 0; i < names.size(); ++i) {
-      const TensorView& part = expect_float(take(names[i], {rows[i], cols}));
-      convert_floats(*threads_, part.data, part.dtype, part.numel(), out, as_);
-      out += size_t(part.numel()) * size;
+    for (const TensorView* part : parts) {
+      convert_floats(*threads_, part->data, part->dtype, part->numel(), out, as_);
+      out += size_t(part->numel()) * size;
     }
     return m_.backend->upload(host.get(), as_, shape, as_, host);
   }

@@ -90,6 +90,14 @@ TensorView parse_entry(const std::string& path, const std::string& name, const j
     throw FormatError(where + what + " needs " + std::to_string(needed) +
                       " bytes but data_offsets give " + std::to_string(end - begin));
   }
+  // Element counts are int64 products of the dimensions in order (numel): with a zero among
+  // them the bytes are none, but the product of the others must still fit.
+  int64_t elements = 1;
+  for (int64_t dim : t.shape) {
+    if (dim && __builtin_mul_overflow(elements, dim, &elements)) {
+      throw FormatError(where + what + ": its nonzero dimensions' product passes 2^63");
+    }
+  }
 
   t.data = data + begin;
   t.nbytes = size_t(end - begin);

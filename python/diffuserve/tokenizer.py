@@ -73,7 +73,10 @@ def _special_tokens(config: dict, file: str) -> Tuple[Dict[str, AddedToken], Lis
     extra_special_tokens given as a dict, which win over those keys; a Gemma tokenizer's
     defaults where it names none), and the unnamed ones (extra_special_tokens given as a list)."""
     named, extra = {}, []
-    config = {**_CLASS_DEFAULTS.get(config.get("tokenizer_class") or _MODEL_TOKENIZER_CLASS, {}), **config}
+    tokenizer_class = config.get("tokenizer_class")
+    if tokenizer_class is not None and not isinstance(tokenizer_class, str):
+        raise _core.CheckpointError(f"{file}: tokenizer_class must be a class name (a string), got {tokenizer_class!r}")
+    config = {**_CLASS_DEFAULTS.get(tokenizer_class or _MODEL_TOKENIZER_CLASS, {}), **config}
     for key, value in config.items():
         if key in _STANDARD_SPECIAL and value is not None:
             named[key] = _added_token(value, file, key, special=True)
@@ -153,7 +156,7 @@ def _read_json_object(file: str) -> dict:
     try:
         with open(file, encoding="utf-8") as f:
             value = json.load(f)
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, RecursionError) as e:  # (RecursionError: nested past Python's stack)
         raise _core.CheckpointError(f"{file}: not a readable JSON file: {e}") from None
     if not isinstance(value, dict):
         raise _core.CheckpointError(f"{file}: expected a JSON object, got {type(value).__name__}")
@@ -224,7 +227,9 @@ class Tokenizer:
             raise _core.CheckpointError(f"{self._file}: no such file")
         try:
             self._tokenizer = _HFTokenizer.from_file(self._file)
-        except Exception as e:  # the tokenizers library raises plain Exceptions
+        except BaseException as e:  # the library's plain Exceptions, and its panics (BaseExceptions) on some files
+            if not isinstance(e, Exception) and type(e).__name__ != "PanicException":
+                raise
             raise _core.CheckpointError(f"{self._file}: not a tokenizer the tokenizers library reads: {e}") from None
         config_file = os.path.join(path, "tokenizer_config.json")
         config = _read_json_object(config_file) if _present(config_file) else {}
