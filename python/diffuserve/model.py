@@ -106,7 +106,8 @@ class Model:
         except MemoryError as e:  # the runtime's std::bad_alloc: say what was being allocated
             kv = "its default" if kv_cache_memory_bytes is None else f"{kv_cache_memory_bytes} bytes"
             raise MemoryError(f"loading {path}: out of memory for the weights or the KV cache "
-                              f"(kv_cache_memory_bytes: {kv}): {e}") from None
+                              f"(kv_cache_memory_bytes: {kv}), or for what config.json's sizes ask (a "
+                              f"config far larger than its tensors): {e}") from None
         return cls(native, path)
 
     @property
