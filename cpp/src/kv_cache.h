@@ -79,7 +79,7 @@ class PrefixTree {
     uint64_t parent;
     std::span<const int32_t> tokens;
     KeyView(uint64_t parent, std::span<const int32_t> tokens) : parent(parent), tokens(tokens) {}
-    KeyView(const Key& key) : parent(key.parent), tokens(key.tokens) {}  // NOLINT: implicit, for the maps
+    KeyView(const Key& key) : parent(key.parent), tokens(key.tokens) {}  // (implicit: the maps convert their keys)
   };
   struct KeyHash {
     using is_transparent = void;

@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from ._checks import check_unicode
 from .sampling import SamplingParams, length_untold
+from .tokenizer import TOKENIZED_OUTPUT_ARGUMENTS, TOKENIZED_OUTPUT_ONLY
 
 # Value at which an OpenAI parameter we do not implement changes nothing (older LangChain sent
 # logit_bias {} and best_of 1 with every request).
@@ -324,8 +325,7 @@ def _parsed_tool_calls(calls: list, param: str) -> list:
 # could otherwise be swapped, or the messages replaced; "self" would fail the call; those of
 # transformers' tokenized output would reach no template).
 _TEMPLATE_ARGUMENTS = {"messages", "add_generation_prompt", "continue_final_message", "chat_template", "tokenize",
-                       "self", "padding", "truncation", "max_length", "return_tensors", "return_dict",
-                       "tokenizer_kwargs", "sanitize_control_tokens", "return_assistant_tokens_mask"}
+                       "self", *TOKENIZED_OUTPUT_ARGUMENTS, *TOKENIZED_OUTPUT_ONLY}
 
 
 def _check_unicode(text: str, param: str):

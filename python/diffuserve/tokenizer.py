@@ -59,9 +59,9 @@ _GEMMA_DEFAULTS = {"unk_token": "<unk>", "bos_token": "<bos>", "eos_token": "<eo
 _CLASS_DEFAULTS = {"GemmaTokenizer": _GEMMA_DEFAULTS, "GemmaTokenizerFast": _GEMMA_DEFAULTS}
 # transformers' apply_chat_template keywords that act on its tokenized output only, and those
 # it refuses without tokenizing where they are set.
-_TOKENIZED_OUTPUT_ARGUMENTS = ("padding", "truncation", "max_length", "return_tensors", "return_dict",
+TOKENIZED_OUTPUT_ARGUMENTS = ("padding", "truncation", "max_length", "return_tensors", "return_dict",
                                "tokenizer_kwargs")
-_TOKENIZED_OUTPUT_ONLY = ("sanitize_control_tokens", "return_assistant_tokens_mask")
+TOKENIZED_OUTPUT_ONLY = ("sanitize_control_tokens", "return_assistant_tokens_mask")
 # The class where tokenizer_config.json names none: AutoTokenizer takes the model type's
 # (config.json's "diffusion_gemma", the one model type the runtime loads).
 _MODEL_TOKENIZER_CLASS = "GemmaTokenizer"
@@ -440,9 +440,9 @@ class Tokenizer:
                              f"add_special_tokens=False), got {tokenize!r}")
         # transformers' own keywords for its tokenized output: without it they do nothing (and
         # reach no template); those that only it can honour are refused, as transformers does.
-        for name in _TOKENIZED_OUTPUT_ARGUMENTS:
+        for name in TOKENIZED_OUTPUT_ARGUMENTS:
             variables.pop(name, None)
-        for name in _TOKENIZED_OUTPUT_ONLY:
+        for name in TOKENIZED_OUTPUT_ONLY:
             if variables.pop(name, False):
                 raise ValueError(f"{name}=True needs tokenize=True in transformers; apply_chat_template returns the "
                                  f"text")
