@@ -104,19 +104,18 @@ struct ModelState {
   // Where the queue cannot grow (out of memory), it waits for the call after all: a
   // destructor must not throw.
   void release_soon(KvTable table) noexcept {
-    if (std::unique_lock held(calls, std::try_to_lock); held) {
-      release_dropped();
-      kv->release(table);
-      return;
+    std::unique_lock held(calls, std::try_to_lock);
+    if (!held) {
+      try {
+        const std::lock_guard guard(dropped_mutex);
+        dropped.push_back(std::move(table));  // (on bad_alloc, `table` is left as it was)
+        return;
+      } catch (const std::bad_alloc&) {
+        held.lock();
+      }
     }
-    try {
-      const std::lock_guard guard(dropped_mutex);
-      dropped.push_back(std::move(table));
-    } catch (const std::bad_alloc&) {
-      const std::unique_lock held(calls);
-      release_dropped();
-      kv->release(table);
-    }
+    release_dropped();
+    kv->release(table);
   }
 
  private:

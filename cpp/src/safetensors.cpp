@@ -78,26 +78,24 @@ TensorView parse_entry(const std::string& path, const std::string& name, const j
                       " bytes): the file is truncated or the offsets are out of range");
   }
 
-  // Every dimension is non-negative, so only overflow can make the byte count wrong.
+  // Every dimension is non-negative, so only overflow can make the byte count wrong. Element
+  // counts are int64 products of the dimensions in order (numel): with a zero among them the
+  // bytes are none, but the product of the others must still fit.
   const std::string what = "shape " + shape_string(t.shape) + " of dtype " + dtype_name(t.dtype);
   uint64_t needed = dtype_size(t.dtype);
+  int64_t elements = 1;
+  bool too_many = false;
   for (int64_t dim : t.shape) {
     if (__builtin_mul_overflow(needed, uint64_t(dim), &needed)) {
       throw FormatError(where + what + " needs more than 2^64 bytes");
     }
+    too_many |= dim && __builtin_mul_overflow(elements, dim, &elements);
   }
   if (needed != end - begin) {
     throw FormatError(where + what + " needs " + std::to_string(needed) +
                       " bytes but data_offsets give " + std::to_string(end - begin));
   }
-  // Element counts are int64 products of the dimensions in order (numel): with a zero among
-  // them the bytes are none, but the product of the others must still fit.
-  int64_t elements = 1;
-  for (int64_t dim : t.shape) {
-    if (dim && __builtin_mul_overflow(elements, dim, &elements)) {
-      throw FormatError(where + what + ": its nonzero dimensions' product passes 2^63");
-    }
-  }
+  if (too_many) throw FormatError(where + what + ": its nonzero dimensions' product passes 2^63");
 
   t.data = data + begin;
   t.nbytes = size_t(end - begin);

@@ -152,6 +152,12 @@ def _present(file: str) -> bool:
     return True
 
 
+def _library_failure(e: BaseException) -> bool:
+    """Whether the tokenizers library failed: its plain Exceptions, and its Rust panics
+    (PanicException, a BaseException, raised on some malformed files)."""
+    return isinstance(e, Exception) or type(e).__name__ == "PanicException"
+
+
 def _read_json_object(file: str) -> dict:
     try:
         with open(file, encoding="utf-8") as f:
@@ -227,8 +233,8 @@ class Tokenizer:
             raise _core.CheckpointError(f"{self._file}: no such file")
         try:
             self._tokenizer = _HFTokenizer.from_file(self._file)
-        except BaseException as e:  # the library's plain Exceptions, and its panics (BaseExceptions) on some files
-            if not isinstance(e, Exception) and type(e).__name__ != "PanicException":
+        except BaseException as e:
+            if not _library_failure(e):
                 raise
             raise _core.CheckpointError(f"{self._file}: not a tokenizer the tokenizers library reads: {e}") from None
         config_file = os.path.join(path, "tokenizer_config.json")
@@ -309,13 +315,10 @@ class Tokenizer:
         a CheckpointError naming tokenizer.json."""
         try:
             return method(*args, **kwargs)
-        except Exception as e:
-            failure = e
         except BaseException as e:
-            if type(e).__name__ != "PanicException":
+            if not _library_failure(e):
                 raise
-            failure = e
-        raise _core.CheckpointError(f"{self._file}: the tokenizer fails: {type(failure).__name__}: {failure}")
+            raise _core.CheckpointError(f"{self._file}: the tokenizer fails: {type(e).__name__}: {e}") from None
 
     @classmethod
     def from_checkpoint(cls, path) -> Optional["Tokenizer"]:
