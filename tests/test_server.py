@@ -976,6 +976,31 @@ def test_usage_counts_through_a_stop_string_that_ends_in_byte_tokens(tmp_path):
     assert calls > 40
 
 
+def test_a_tokenizer_with_ids_past_the_models_vocabulary_is_blamed(tmp_path):
+    """A tokenizer.json whose ids pass the model's vocabulary (a checkpoint put together from
+    two models) is named as the fault, in LLM.add_request and in the server's 400, where the
+    text's token id had been reported as the prompt's out-of-range id, the client's fault."""
+    from fastapi.testclient import TestClient
+    from chat_checkpoint import train_tokenizer
+    from diffuserve.random_checkpoint import write_random_checkpoint
+    path = write_random_checkpoint(tmp_path / "m", canvas_length=8, **{**MODEL_CONFIG, "vocab_size": 300})
+    tokenizer = train_tokenizer(vocab_size=400)
+    tokenizer.save(os.path.join(path, "tokenizer.json"))
+    text = " ".join(t for t, i in tokenizer.get_vocab().items() if i >= 300 and t.isalpha())
+    llm = ds.LLM(path)
+    assert max(llm.tokenizer.encode(text)) >= 300
+    message = r"the checkpoint's tokenizer encodes this text to token id 3\d\d, past the model's vocabulary of 300 ids"
+    with pytest.raises(ValueError, match="prompt: " + message):
+        llm.add_request(text)
+    assert llm.generate([[5, 6]], ds.SamplingParams(max_new_tokens=8, seed=0))[0].token_ids  # the model still serves
+    with TestClient(build_app(AsyncLLM(llm), MODEL)) as http:
+        r = http.post("/v1/completions", json={"model": MODEL, "prompt": text, "max_tokens": 8})
+        assert r.status_code == 400 and re.match("prompt: " + message, r.json()["error"]["message"]), r.text
+        assert r.json()["error"]["param"] == "prompt"
+        r = http.post("/v1/completions", json={"model": MODEL, "prompt": "ab", "max_tokens": 8})
+        assert r.status_code == 200, r.text
+
+
 def test_a_model_without_a_tokenizer_is_served_token_ids(tmp_path):
     """A checkpoint without tokenizer.json (what save_pretrained writes) is served: completions
     take token ids and give each choice's token_ids (as vLLM's return_token_ids), with the same

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import numbers
 import os
+from typing import List
 
 import numpy as np
 
@@ -82,6 +83,18 @@ def check_path(name: str, value) -> str:
     except UnicodeEncodeError:
         raise ValueError(f"{name} {path!r} is not valid UTF-8, which the runtime needs of paths: rename it") from None
     return path
+
+
+def check_encoded(ids: List[int], what: str, vocab_size: int) -> List[int]:
+    """Token ids the checkpoint's tokenizer gave for `what`'s text, each in [0, vocab_size),
+    else ValueError that blames the tokenizer, not the text: a tokenizer.json with ids past
+    the model's vocabulary does not belong to this checkpoint's model (transformers would
+    index past its embedding)."""
+    bad = next((i for i in ids if not 0 <= i < vocab_size), None)
+    if bad is not None:
+        raise ValueError(f"{what}: the checkpoint's tokenizer encodes this text to token id {bad}, past the model's "
+                         f"vocabulary of {vocab_size} ids: its tokenizer.json does not match the model")
+    return ids
 
 
 def check_token_ids(ids, what: str, vocab_size: int) -> np.ndarray:

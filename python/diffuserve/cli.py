@@ -13,7 +13,7 @@ from typing import Optional
 
 from tqdm import tqdm
 
-from ._checks import INT32_MAX, check_unicode
+from ._checks import INT32_MAX, check_encoded, check_unicode
 
 
 def _in_range(kind, lo, hi):
@@ -163,6 +163,7 @@ def generate(args) -> None:
             prompt = tokenizer.encode(text, add_special_tokens=False)
         else:
             prompt = tokenizer.encode(args.prompt)
+        check_encoded(prompt, "the prompt", llm.model.vocab_size)
         # Without --max-tokens, as the server without max_tokens.
         max_tokens = length_untold(args.max_tokens, llm.model.config["generation"]["length_given"],
                                    llm.model.config["max_position_embeddings"])

@@ -21,7 +21,7 @@ from typing import List, Optional, Sequence, Union
 import numpy as np
 
 from . import _core
-from ._checks import INT64_MAX, check_bool, check_int, check_token_ids
+from ._checks import INT64_MAX, check_bool, check_encoded, check_int, check_token_ids
 from .model import Model
 from .sampling import SamplingParams
 from .scheduler import Scheduler
@@ -133,7 +133,7 @@ class LLM:
             if self.tokenizer is None:
                 raise ValueError("text prompts need a tokenizer, and this checkpoint has no tokenizer.json: "
                                  "pass token ids")
-            prompt = self.tokenizer.encode(prompt)
+            prompt = check_encoded(self.tokenizer.encode(prompt), "prompt", self.model.vocab_size)
         ids = check_token_ids(prompt, "prompt", self.model.vocab_size).tolist()
         if not ids:
             raise ValueError("prompt is empty")

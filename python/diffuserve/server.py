@@ -28,7 +28,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
-from ._checks import check_unicode
+from ._checks import check_encoded, check_unicode
 from .async_llm import AsyncLLM, EngineError
 from .detokenizer import IncrementalDetokenizer, until_eos
 from .protocol import ApiError, ChatCompletionRequest, CompletionRequest, invalid_value, parse, parse_json
@@ -277,7 +277,8 @@ class _Server:
         self.check_prompt_chars(len(prompt), param)
         try:
             check_unicode(param, prompt)  # (the tokenizer's own message would name "text")
-            return await asyncio.to_thread(self.tokenizer.encode, prompt, add_special_tokens=add_special_tokens)
+            ids = await asyncio.to_thread(self.tokenizer.encode, prompt, add_special_tokens=add_special_tokens)
+            return check_encoded(ids, param, self.engine.llm.model.vocab_size)
         except ValueError as e:
             raise ApiError(400, str(e), param=param) from None
 
