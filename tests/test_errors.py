@@ -154,6 +154,18 @@ BAD_FILES = {
     **{f"missing {key}": (lambda h, d, key=key: pack({**h, NORM: {k: v for k, v in h[NORM].items() if k != key}}, d),
                           [f'"{key}"', NORM])
        for key in ["dtype", "shape", "data_offsets"]},
+    "shape not an array": (lambda h, d: pack(entry(h, NORM, shape={"0": 32}), d), ["non-array \"shape\"", NORM]),
+    "three data_offsets": (lambda h, d: pack(entry(h, NORM, data_offsets=h[NORM]["data_offsets"] + [0]), d),
+                           ["\"data_offsets\" must be two non-negative integers", NORM]),
+    "an entry that is an array": (lambda h, d: pack({**h, NORM: [0] * 1000}, d), ["header entry is not a JSON object"]),
+    "metadata not an object": (lambda h, d: pack({"__metadata__": ["x"], **h}, d), ["__metadata__ is not a JSON object"]),
+    "metadata not strings": (lambda h, d: pack({"__metadata__": {"format": "pt", "n": 1}, **h}, d),
+                             ["__metadata__ value for 'n' is not a string"]),
+    "header nested past 256 levels": (lambda h, d: pack(b'{"x": ' + b"[" * 300 + b"]" * 300 + b"}", d),
+                                      ["header: invalid JSON at byte 261", "nesting deeper than 256"]),
+    # A syntax error is told as one, however the entries before it read.
+    "a bad entry, then no JSON": (lambda h, d: pack(b'{"a": 5, "b": {"dtype": "F32",', d),
+                                  ["header: invalid JSON at byte 32: expected a string key"]),
 }
 
 
@@ -183,6 +195,40 @@ def test_a_repeated_identical_entry_loads(ckpt):
     header, data = read_safetensors(path)
     path.write_bytes(pack(repeated(header, NORM, NORM), data))
     ds.Model.load(str(ckpt))
+
+
+def test_an_entrys_unknown_fields_are_passed_over_and_a_repeated_fields_last_counts(ckpt, model):
+    """An entry's fields in any order, one given twice (the last counts, as json.loads reads
+    it), one that is not safetensors' (passed over, as safetensors' own reader does): the
+    checkpoint loads and computes what it did."""
+    path = ckpt / "model.safetensors"
+    header, data = read_safetensors(path)
+    norm = header.pop(NORM)
+    body = json.dumps(header)[:-1] + (f', {json.dumps(NORM)}: {{"extra": {{"x": [1, [2, {{}}]]}}, "dtype": "F99", '
+                                      f'"data_offsets": {norm["data_offsets"]}, "shape": [1], "dtype": "F32", '
+                                      f'"shape": {norm["shape"]}}}}}')
+    path.write_bytes(pack(body.encode(), data))
+    np.testing.assert_array_equal(logits_of(ds.Model.load(ckpt)), logits_of(model))
+
+
+def test_a_large_header_is_read_without_holding_it_as_json_values(ckpt):
+    """A 24 MB header, an array of 12 million zeros where an entry belongs, is refused in about
+    the memory its file takes: parsed whole into JSON values it had taken gigabytes (9 GB for
+    safetensors' largest header, 100 MB), enough for the kernel to end the process."""
+    path = ckpt / "model.safetensors"
+    header, data = read_safetensors(path)
+    zeros = b"[" + b"0," * 12_000_000 + b"0]"
+    path.write_bytes(pack(json.dumps(header)[:-1].encode() + b', "zeros": ' + zeros + b"}", data))
+    script = ("import resource, sys, diffuserve as ds\n"
+              "before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
+              "try:\n    ds.Model.load(sys.argv[1])\n"
+              "except ds.CheckpointError as e:\n    print(e)\n"
+              "print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) // 1024)\n")
+    out = subprocess.run([sys.executable, "-c", script, str(ckpt)], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    message, grown_mb = out.stdout.strip().rsplit("\n", 1)
+    assert "tensor 'zeros': header entry is not a JSON object" in message
+    assert int(grown_mb) < 200, f"the peak resident memory grew {grown_mb} MB"
 
 
 def test_truncated_data_section(ckpt):

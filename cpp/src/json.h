@@ -3,10 +3,12 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 namespace diffuserve::json {
@@ -38,5 +40,47 @@ class Value {
 // Parses a whole document; trailing non-whitespace is an error. `what` names the
 // source (a file path) in error messages.
 Value parse(std::string_view text, const std::string& what);
+
+// A document read one value at a time, in order, for text too large to hold whole as Values:
+// a safetensors header may be 100 MB, which as Values would take gigabytes (a Value is over
+// a hundred bytes, an array's 0 two). parse() reads through it too, so the errors are the
+// same. Each read takes the next value; after an error the reader is done.
+class Reader {
+ public:
+  Reader(std::string_view text, std::string what) : text_(text), what_(std::move(what)) {}
+
+  // The next value's kind, from its first character (whitespace skipped); a value that then
+  // turns out malformed (a number's kind is the default) throws as it is read.
+  Kind next();
+  Value value();  // the next value, whole
+  void skip();    // the next value, checked and dropped: only its strings are held, one at a time
+  // The next value, an object (next() says): member(key) for each member in order, which
+  // must read the member's value (value, skip, object or array, once).
+  void object(const std::function<void(std::string key)>& member);
+  // The next value, an array: element() for each element in order, which reads it.
+  void array(const std::function<void()>& element);
+  void end();  // only whitespace is left
+
+ private:
+  std::string_view text_;
+  std::string what_;  // the source, for error messages
+  size_t pos_ = 0;
+  int depth_ = 0;  // objects and arrays open around the position
+
+  [[noreturn]] void fail(const std::string& msg) const;
+  bool at_end() const { return pos_ >= text_.size(); }
+  char peek() const { return at_end() ? '\0' : text_[pos_]; }
+  void skip_ws();
+  bool accept(std::string_view word);
+  bool consume(char c);
+  void literal(std::string_view word);
+  void open(char bracket);
+  uint32_t hex4();
+  uint32_t unicode_escape();
+  void utf8_sequence(std::string& out);
+  std::string string();
+  size_t digits();
+  void number(Value& v);
+};
 
 }  // namespace diffuserve::json

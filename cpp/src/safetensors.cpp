@@ -9,6 +9,7 @@
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
+#include <optional>
 
 #include "diffuserve/errors.h"
 #include "json.h"
@@ -16,11 +17,14 @@
 namespace diffuserve {
 
 std::string shape_string(const std::vector<int64_t>& shape) {
+  // A malformed header's shape may have millions of dimensions: a message tells the first.
+  constexpr size_t kShown = 16;
   std::string s = "[";
-  for (size_t i = 0; i < shape.size(); ++i) {
+  for (size_t i = 0; i < shape.size() && i < kShown; ++i) {
     if (i) s += ", ";
     s += std::to_string(shape[i]);
   }
+  if (shape.size() > kShown) s += ", ... (" + std::to_string(shape.size()) + " dimensions)";
   return s + "]";
 }
 
@@ -37,39 +41,71 @@ bool is_non_negative_integer(const json::Value& v) {
   return v.is_number() && v.is_integer && v.integer >= 0;
 }
 
-// Builds the TensorView for one header entry, checking it against a data section of
-// `data_size` bytes at `data`.
-TensorView parse_entry(const std::string& path, const std::string& name, const json::Value& entry,
-                       const uint8_t* data, uint64_t data_size) {
+// What the next value of `header` held, read as an array of sizes.
+enum class Sizes { NotAnArray, NotAllSizes, Read };
+
+// Reads the next value of `header`, where an array of non-negative integers is expected, into
+// `out` (what is past an element that is not one: read and dropped).
+Sizes read_sizes(json::Reader& header, std::vector<int64_t>& out) {
+  out.clear();
+  if (header.next() != json::Kind::Array) {
+    header.skip();
+    return Sizes::NotAnArray;
+  }
+  Sizes read = Sizes::Read;
+  header.array([&] {
+    if (read != Sizes::Read || header.next() != json::Kind::Number) {
+      header.skip();
+      read = Sizes::NotAllSizes;
+      return;
+    }
+    const json::Value size = header.value();
+    if (is_non_negative_integer(size)) out.push_back(size.integer);
+    else read = Sizes::NotAllSizes;
+  });
+  return read;
+}
+
+// Reads the next value of `header`, tensor `name`'s entry, into its TensorView, checking it
+// against a data section of `data_size` bytes at `data`. Its fields may come in any order
+// (of a field given twice, the last counts; unknown ones are passed over); what is wrong is
+// told in one order, dtype, shape, data_offsets.
+TensorView read_entry(json::Reader& header, const std::string& path, const std::string& name, const uint8_t* data,
+                      uint64_t data_size) {
   const std::string where = path + ": tensor '" + name + "': ";
-  if (!entry.is_object()) throw FormatError(where + "header entry is not a JSON object");
+  if (header.next() != json::Kind::Object) throw FormatError(where + "header entry is not a JSON object");
 
   TensorView t;
   t.name = name;
   t.file = path;
-
-  const json::Value* dtype = entry.find("dtype");
-  if (!dtype || !dtype->is_string()) throw FormatError(where + "missing or non-string \"dtype\"");
-  if (!dtype_from_name(dtype->string, &t.dtype)) {
-    throw FormatError(path + ": unknown dtype '" + dtype->string + "' for tensor '" + name + "'");
-  }
-
-  const json::Value* shape = entry.find("shape");
-  if (!shape || !shape->is_array()) throw FormatError(where + "missing or non-array \"shape\"");
-  for (const json::Value& dim : shape->array) {
-    if (!is_non_negative_integer(dim)) {
-      throw FormatError(where + "\"shape\" entries must be non-negative integers");
+  std::optional<std::string> dtype;  // none: missing, or not a string
+  Sizes shape = Sizes::NotAnArray, data_offsets = Sizes::NotAnArray;
+  std::vector<int64_t> offsets;
+  header.object([&](std::string key) {
+    if (key == "dtype" && header.next() == json::Kind::String) {
+      dtype = header.value().string;
+    } else if (key == "dtype") {
+      dtype.reset();
+      header.skip();
+    } else if (key == "shape") {
+      shape = read_sizes(header, t.shape);
+    } else if (key == "data_offsets") {
+      data_offsets = read_sizes(header, offsets);
+    } else {
+      header.skip();
     }
-    t.shape.push_back(dim.integer);
-  }
+  });
 
-  const json::Value* offsets = entry.find("data_offsets");
-  if (!offsets || !offsets->is_array() || offsets->array.size() != 2 ||
-      !is_non_negative_integer(offsets->array[0]) || !is_non_negative_integer(offsets->array[1])) {
+  if (!dtype) throw FormatError(where + "missing or non-string \"dtype\"");
+  if (!dtype_from_name(*dtype, &t.dtype)) {
+    throw FormatError(path + ": unknown dtype '" + *dtype + "' for tensor '" + name + "'");
+  }
+  if (shape == Sizes::NotAnArray) throw FormatError(where + "missing or non-array \"shape\"");
+  if (shape == Sizes::NotAllSizes) throw FormatError(where + "\"shape\" entries must be non-negative integers");
+  if (data_offsets != Sizes::Read || offsets.size() != 2) {
     throw FormatError(where + "\"data_offsets\" must be two non-negative integers [begin, end]");
   }
-  auto begin = uint64_t(offsets->array[0].integer);
-  auto end = uint64_t(offsets->array[1].integer);
+  const auto begin = uint64_t(offsets[0]), end = uint64_t(offsets[1]);
   const std::string range = range_string(begin, end);
   if (begin > end) throw FormatError(where + "data_offsets " + range + " end before they begin");
   if (end > data_size) {
@@ -224,25 +260,32 @@ SafetensorsFile::SafetensorsFile(const std::string& path) : path_(path) {
       throw FormatError(path + ": bad header length " + std::to_string(header_len) +
                         ": over the limit of " + std::to_string(kMaxHeaderBytes) + " bytes");
     }
-    json::Value header =
-        json::parse(std::string_view(reinterpret_cast<const char*>(bytes + 8), size_t(header_len)), path + ": header");
-    if (!header.is_object()) throw FormatError(path + ": header is not a JSON object");
-
+    // Read a value at a time, not parsed whole: a 100 MB header would take gigabytes as
+    // json::Values (9 GB for one array of zeros), its tensors a few hundred MB at most. Its
+    // syntax is checked first, so that a malformed header is told as such, not by what it
+    // means up to the fault.
+    const std::string_view text(reinterpret_cast<const char*>(bytes + 8), size_t(header_len));
+    const std::string what = path + ": header";
+    json::Reader syntax(text, what);
+    syntax.skip();
+    syntax.end();
+    json::Reader header(text, what);
+    if (header.next() != json::Kind::Object) throw FormatError(path + ": header is not a JSON object");
     const uint8_t* data = bytes + 8 + header_len;
     const uint64_t data_size = size - 8 - header_len;
-    for (const auto& [name, entry] : header.object) {
-      if (name == "__metadata__") {
-        // Free-form string metadata; nothing here reads it, but a bad one means a bad file.
-        if (!entry.is_object()) throw FormatError(path + ": __metadata__ is not a JSON object");
-        for (const auto& [key, value] : entry.object) {
-          if (!value.is_string()) {
-            throw FormatError(path + ": __metadata__ value for '" + key + "' is not a string");
-          }
-        }
-        continue;
+    header.object([&](std::string name) {
+      if (name != "__metadata__") {  // a tensor named twice: its last entry counts, as in safetensors
+        tensors_.insert_or_assign(name, read_entry(header, path, name, data, data_size));
+        return;
       }
-      tensors_.emplace(name, parse_entry(path, name, entry, data, data_size));
-    }
+      // Free-form string metadata; nothing here reads it, but a bad one means a bad file.
+      if (header.next() != json::Kind::Object) throw FormatError(path + ": __metadata__ is not a JSON object");
+      header.object([&](std::string key) {
+        if (header.next() != json::Kind::String)
+          throw FormatError(path + ": __metadata__ value for '" + key + "' is not a string");
+        header.skip();
+      });
+    });
     check_coverage(path, tensors_, data, data_size);
   } catch (...) {
     ::munmap(map_, map_size_);

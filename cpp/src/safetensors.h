@@ -14,7 +14,7 @@
 
 namespace diffuserve {
 
-// "[2, 3]": how error messages spell a shape.
+// "[2, 3]": how error messages spell a shape (its first 16 dimensions and their count past that).
 std::string shape_string(const std::vector<int64_t>& shape);
 
 // The whole of the regular file at `path` (config.json, an index): FormatError naming it
