@@ -612,6 +612,36 @@ def test_health_fails_once_the_engine_has(offline):
         assert http.get("/health").status_code == 503
 
 
+def test_a_refused_request_does_not_cut_the_running_step_short(checkpoint):
+    """A request the engine refuses (a token id past the vocabulary) runs in no step: it does
+    not interrupt the others' (it had, each one cutting a slice of passes short); a running
+    request whose client leaves does."""
+    llm = ds.LLM(checkpoint, kv_cache_memory_bytes=32 << 20)
+    interrupts = []
+    interrupt = llm.interrupt
+    llm.interrupt = lambda: (interrupts.append(1), interrupt())
+    engine = AsyncLLM(llm)
+    params = ds.SamplingParams(max_new_tokens=8, seed=0)
+
+    async def refused():
+        with pytest.raises(ValueError, match="out of range"):
+            async for _ in engine.generate([5, 10**6], params):
+                pass
+
+    async def left_early():
+        updates = engine.generate([5, 6], ds.SamplingParams(max_new_tokens=512, seed=0))
+        await updates.__anext__()  # accepted
+        await updates.aclose()
+
+    try:
+        asyncio.run(refused())
+        assert not interrupts
+        asyncio.run(left_early())
+        assert len(interrupts) == 1
+    finally:
+        engine.shutdown()
+
+
 def test_max_prompt_chars(checkpoint):
     """--max-prompt-chars sets the longest prompt text taken before encoding; 0 takes any."""
     from fastapi.testclient import TestClient
@@ -785,25 +815,28 @@ def test_request_body_size_limit(checkpoint):
         proc.kill()
 
 
-def _stream_through_sigint(proc, port, body, signals: int = 1) -> list:
-    """The data lines of a streamed completion, `signals` SIGINTs sent to the server after the
-    first, half a second apart (signals of one kind that arrive together are one)."""
+def _stream_through_sigint(proc, port, body, signals: int = 1, sig=signal.SIGINT) -> list:
+    """The data lines of a streamed completion, `signals` signals `sig` sent to the server after
+    the first, half a second apart (signals of one kind that arrive together are one)."""
     with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/completions", json={**body, "stream": True},
                       timeout=60) as r:
         lines = r.iter_lines()
         first = next(line for line in lines if line.startswith("data: "))
         for i in range(signals):
             time.sleep(0.5 * (i > 0))
-            proc.send_signal(signal.SIGINT)
+            proc.send_signal(sig)
         return [first] + [line for line in lines if line.startswith("data: ")]
 
 
-def test_graceful_shutdown_finishes_running_requests(checkpoint):
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_graceful_shutdown_finishes_running_requests(checkpoint, sig):
+    """Ctrl-C or SIGTERM: the running request completes, and the server exits with status 0
+    (after SIGTERM it had ended by the signal, status 143, once uvicorn raised it again)."""
     proc, port = _serve_process(checkpoint)
     try:
         body = {"model": MODEL, "prompt": "bye", "max_tokens": 128, "seed": 0, "max_denoising_steps": 48,
                 "confidence_threshold": 1e-30}
-        lines = _stream_through_sigint(proc, port, body)  # the running request still completes
+        lines = _stream_through_sigint(proc, port, body, sig=sig)  # the running request still completes
         assert json.loads(lines[0][6:])["choices"][0]["finish_reason"] is None
         assert lines[-1] == "data: [DONE]" and json.loads(lines[-2][6:])["choices"][0]["finish_reason"] == "length"
         assert proc.wait(timeout=30) == 0

@@ -105,13 +105,13 @@ class AsyncLLM:
             if self._stopping or self._error is not None:
                 raise EngineDead("the engine has stopped" + (f": {self._error!r}" if self._error else ""))
             self._commands.put(("add", key, request))
-        finished = False
+        accepted = finished = False
         try:
             while True:
                 item = await request.updates.get()
                 if isinstance(item, BaseException):
                     raise item
-                finished = item.output is not None
+                accepted, finished = True, item.output is not None
                 yield item
                 if finished:
                     return
@@ -121,8 +121,10 @@ class AsyncLLM:
                 # The engine thread reads commands only between steps, and a step of
                 # slice_steps passes over a large batch takes tens of seconds on a CPU: end
                 # it after its current pass. (After the put: the step clears the interrupt
-                # as it returns, and the thread then reads the abort.)
-                self.llm.interrupt()
+                # as it returns, and the thread then reads the abort.) A request the engine
+                # refused, or has not yet taken, is in no step: the others' goes on.
+                if accepted:
+                    self.llm.interrupt()
 
     @property
     def alive(self) -> bool:

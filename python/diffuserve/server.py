@@ -14,6 +14,7 @@ import bisect
 import hmac
 import json
 import re
+import signal
 import socket
 import threading
 import time
@@ -701,7 +702,11 @@ def serve(app: FastAPI, engine: AsyncLLM, sock: socket.socket, log_level: str, s
             nonlocal signals
             signals += 1
             if signals == 1:
-                super().handle_exit(sig, frame)
+                # As SIGINT: uvicorn raises the signal it held back again once it has shut
+                # down, and SIGTERM's own action would then end the process by that signal
+                # (status 143, which process managers report as a failure, and no `finally`
+                # run), where the shutdown was an orderly one.
+                super().handle_exit(signal.SIGINT, frame)
                 ending.start()
             elif signals == 2:  # (off the event loop: the engine's pass in progress ends first)
                 threading.Thread(target=engine.shutdown, daemon=True).start()
@@ -712,7 +717,7 @@ def serve(app: FastAPI, engine: AsyncLLM, sock: socket.socket, log_level: str, s
         host, port = sock.getsockname()[:2]  # (for uvicorn's log lines)
         Server(uvicorn.Config(app, host=host, port=port, log_level=log_level,
                               timeout_graceful_shutdown=shutdown_timeout)).run(sockets=[sock])
-    except KeyboardInterrupt:  # uvicorn raises the Ctrl-C it held back once it has shut down (as uvicorn.run)
+    except KeyboardInterrupt:  # uvicorn raises the signal it held back once it has shut down (as uvicorn.run)
         pass
     finally:
         ending.cancel()  # (its waiting thread holds the engine)
