@@ -29,24 +29,29 @@ from .tokenizer import Tokenizer
 
 
 @contextlib.contextmanager
-def _interrupts_held():
-    """SIGINT's handler (KeyboardInterrupt) run at the block's end rather than within it, on the
-    main thread (where Python runs it): a Ctrl-C during the engine's step surfaces as the step
-    returns, and had cut the scheduler's bookkeeping of the requests that finished in it
-    halfway, losing their outputs and leaving ids the engine had dropped. (The step itself
-    does not look at signals, so nothing waits longer.)"""
-    handler = signal.getsignal(signal.SIGINT)
-    if threading.current_thread() is not threading.main_thread() or not callable(handler):
+def _signals_held():
+    """Python's signal handlers run at the block's end rather than within it, on the main
+    thread (where Python runs them): an exception a handler raises (KeyboardInterrupt at
+    Ctrl-C, a timeout's at SIGALRM) surfaces as the block ends. Raised within it, between the
+    engine's work and the scheduler's bookkeeping of it, one had lost the outputs of the
+    requests that finished, left ids the engine had dropped listed as running (every later
+    step failing on them), or a request admitted by the engine still queued. (The engine's
+    work does not look at signals, so nothing waits longer; each signal's handler runs
+    once, in the order they came.)"""
+    if threading.current_thread() is not threading.main_thread():
         yield
         return
-    frames = []
-    signal.signal(signal.SIGINT, lambda signum, frame: frames.append(frame))
+    handlers = {sig: handler for sig in signal.valid_signals() if callable(handler := signal.getsignal(sig))}
+    caught = {}  # signal -> its last frame, in arrival order
+    for sig in handlers:
+        signal.signal(sig, lambda signum, frame: caught.setdefault(signum, frame))
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, handler)
-        if frames:
-            handler(signal.SIGINT, frames[-1])
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+        for sig, frame in caught.items():
+            handlers[sig](sig, frame)
 
 
 @dataclass
@@ -141,18 +146,24 @@ class LLM:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
         request_id = next(self._ids)
-        self.scheduler.add(request_id, ids, params._native(self.model._native.sampling_defaults()))
-        self._prompts[request_id] = ids
+        try:
+            with _signals_held():
+                self.scheduler.add(request_id, ids, params._native(self.model._native.sampling_defaults()))
+                self._prompts[request_id] = ids
+        except BaseException:  # refused, or a signal's exception as it was queued: the caller has no id to abort
+            self.abort(request_id)
+            raise
         return request_id
 
     @_locked
     def abort(self, request_id: int) -> None:
         """Cancels a request; its KV is freed at once (an id that is not running: nothing to do)."""
         check_int("request_id", request_id, 0, INT64_MAX)
-        self.scheduler.abort(request_id)
-        self._prompts.pop(request_id, None)
-        # One that a generate call saw finish is dropped too (a later step had still returned it).
-        self._held = [out for out in self._held if out.request_id != request_id]
+        with _signals_held():
+            self.scheduler.abort(request_id)
+            self._prompts.pop(request_id, None)
+            # One that a generate call saw finish is dropped too (a later step had still returned it).
+            self._held = [out for out in self._held if out.request_id != request_id]
 
     @_locked
     def has_unfinished(self) -> bool:
@@ -183,11 +194,14 @@ class LLM:
     def step(self) -> List[RequestOutput]:
         """Runs one scheduler step; returns the requests that finished in it (and those of
         add_request that a generate call saw finish)."""
-        with _interrupts_held():
-            # (The held outputs stay held where the step fails.)
-            outputs = [self._output(request_id, out) for request_id, out in self.scheduler.step()]
-            held, self._held = self._held, []
-            return held + outputs
+        held, self._held, outputs = self._held, [], []
+        try:
+            with _signals_held():
+                outputs = [self._output(request_id, out) for request_id, out in self.scheduler.step()]
+        except BaseException:  # the step failed (its outputs go out with the next), or a signal's exception
+            self._held = held + outputs + self._held  # came after it: the next step returns them
+            raise
+        return held + outputs
 
     @_locked
     def generate(self, prompts, params: Union[SamplingParams, Sequence[SamplingParams], None] = None
@@ -214,12 +228,13 @@ class LLM:
         index, done = {}, {}
         try:
             for i, prompt in enumerate(prompts):
-                try:
-                    index[self.add_request(prompt, plist[0] if len(plist) == 1 else plist[i])] = i
-                except ValueError as e:
-                    raise ValueError(f"prompt {i}: {e}") from None
+                with _signals_held():  # (the request's id filed as it is queued)
+                    try:
+                        index[self.add_request(prompt, plist[0] if len(plist) == 1 else plist[i])] = i
+                    except ValueError as e:
+                        raise ValueError(f"prompt {i}: {e}") from None
             while len(done) < len(index):
-                with _interrupts_held():  # every output of the step filed before an interrupt surfaces
+                with _signals_held():  # every output of the step filed before a signal's exception surfaces
                     outs = self.step()
                     for out in outs:
                         if out.request_id not in index:  # one queued by add_request: the next step returns it
@@ -230,9 +245,10 @@ class LLM:
                 if failed:
                     raise _core.CheckpointError(f"prompt {index[failed[0].request_id]}: {failed[0].error}")
         except BaseException:  # a prompt or a step refused, or an interrupt: none of this call's requests stays queued
-            for request_id in index:
-                if request_id not in done:
-                    self.abort(request_id)
+            with _signals_held():
+                for request_id in index:
+                    if request_id not in done:
+                        self.abort(request_id)
             raise
         return [done[request_id] for request_id in index]
 
