@@ -68,6 +68,9 @@ def test_a_project_without_cxx20_of_its_own_builds(program):
     # A canvas no pass could hold: the step had done nothing, and a loop stepping until done spun.
     ("step_canvas_past_max_batched_tokens", r"step: request 1's canvas is "),
     ("engine_of_no_model", r"Engine: the model is null"),  # (it had crashed)
+    ("denoise_with_one_row_of_self_conditioning",
+     r"denoise: self_conditioning_logits holds 64 values, not canvas x vocab = 16 x 64"),
+    ("read_floats_of_a_negative_count", r"read_floats: n must be >= 0, got -1"),
     # Taken before (Python's SamplingParams refused them): infinite bounds.
     ("infinite_entropy_bound", r"entropy_bound must be a finite number > 0"),
     ("infinite_confidence_threshold", r"confidence_threshold must be a finite number > 0"),
@@ -132,3 +135,14 @@ def test_max_length_caps_prompt_and_new_tokens(program, ckpt):
     assert run_case(program, ckpt, "max_length_caps_new_tokens") == "ok 5 tokens, length"
     assert run_case(program, ckpt, "max_length_leaves_no_room").startswith(
         "InvalidArgument: generate: prompt 0: max_length 2: the prompt (2 tokens) leaves no room for new tokens")
+
+
+def test_a_prefill_the_cache_cannot_take_is_refused_before_any_chunk(program, ckpt):
+    """A first prefill that the cache as it is (another sequence holding half of it) cannot take
+    is refused whole, naming its tokens, with nothing encoded; it had been refused a chunk's
+    way in, naming the chunk's tokens."""
+    result = run_case(program, ckpt, "prefill_past_the_room_other_sequences_leave")
+    assert result.startswith("ok refused with 0 tokens encoded: prefill: the KV cache has no room for "), result
+    tokens = int(result.split("no room for ")[1].split()[0])
+    capacity = tokens + 8
+    assert capacity > 100 and f"no room for {capacity - 8} more tokens" in result, result

@@ -1039,6 +1039,40 @@ def test_token_ids_past_int64_are_out_of_range(seq, ids):
         seq.prefill(ids)
 
 
+def test_token_ids_that_numpy_makes_floats_are_taken_as_ints(model):
+    """A np.uint64 beside Python ints makes numpy's array float64: the ids, each an integer in
+    range, are taken (they had been refused as "got dtype float64")."""
+    given, plain = model.sequence(), model.sequence()
+    given.prefill([np.uint64(2), 3, 4])
+    plain.prefill([2, 3, 4])
+    np.testing.assert_array_equal(given.denoise(np.arange(CANVAS)), plain.denoise(np.arange(CANVAS)))
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda torch, sc: torch.from_numpy(sc).to(torch.complex64), "must be real numbers, got dtype torch.complex64"),
+    (lambda torch, sc: torch.from_numpy(sc) > 0, "must be real numbers, got dtype torch.bool"),
+    (lambda torch, sc: torch.empty(sc.shape, device="meta"), "cannot be read as numbers"),
+])
+def test_self_conditioning_torch_tensors_that_are_not_real_numbers(seq, make, message):
+    """torch's complex and bool tensors are refused as numpy's are (.float() had dropped the
+    imaginary part, or made 0/1 logits), and a meta tensor, which holds no values, by name (a
+    NotImplementedError)."""
+    torch = pytest.importorskip("torch")
+    before = state_of(seq)
+    with pytest.raises(ValueError, match="denoise: self_conditioning_logits " + message):
+        seq.denoise(np.arange(CANVAS), make(torch, np.ones((CANVAS, VOCAB), np.float32)))
+    assert_intact(seq, before)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "meta"])
+def test_token_ids_as_a_torch_tensor_numpy_cannot_read(seq, dtype):
+    """A bf16 or meta tensor as token ids is a ValueError naming them (a TypeError from numpy)."""
+    torch = pytest.importorskip("torch")
+    ids = torch.tensor([2, 3], dtype=torch.bfloat16) if dtype == "bfloat16" else torch.empty(2, device="meta")
+    with pytest.raises(ValueError, match="prefill: token ids must be integers, got torch.(bfloat16|float32)"):
+        seq.prefill(ids)
+
+
 @pytest.fixture(scope="module")
 def llm(valid_dir):
     return ds.LLM(valid_dir, kv_cache_memory_bytes=8 << 20)

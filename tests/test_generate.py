@@ -665,6 +665,8 @@ def test_tokens_per_forward_leaves_out_generation_configs_pad_id(checkpoints, tm
     (dict(confidence_threshold=1e-320), "confidence_threshold"), (dict(t_min=1e-301, t_max=1e-300), "t_max"),
     (dict(t_max=10**400), "t_max"), (dict(max_length=0), "max_length"), (dict(max_length=2**31), "max_length"),
     (dict(max_length=7.5), "max_length"),
+    # One id, not a list: named as given (it had been "eos_token_id[0]").
+    (dict(eos_token_id=-1), r"eos_token_id must be an integer in \[0, 2\*\*31 - 1\], got -1"),
 ])
 def test_invalid_params_name_the_parameter(kwargs, name):
     with pytest.raises(ValueError, match=name):

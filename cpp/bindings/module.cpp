@@ -309,7 +309,8 @@ NB_MODULE(_core, m) {
             std::vector<float> logits;
             {
               nb::gil_scoped_release release;
-              logits = self.denoise(ids_of(canvas), sc ? sc->data() : nullptr);
+              logits = self.denoise(ids_of(canvas), sc ? std::span<const float>(sc->data(), sc->size())
+                                                       : std::span<const float>());
             }
             return to_numpy(std::move(logits), {canvas.shape(0), size_t(vocab)});
           },

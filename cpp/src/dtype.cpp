@@ -4,6 +4,7 @@
 #include <cstring>
 #include <iterator>
 #include <limits>
+#include <string>
 #include <type_traits>
 
 #include "diffuserve/errors.h"
@@ -158,6 +159,7 @@ void with_float_type(DType dtype, F f, const char* refusal) {
 }  // namespace
 
 void convert_floats(const void* src, DType from, int64_t n, void* dst, DType to) {
+  if (n < 0) throw InvalidArgument("convert_floats: n must be >= 0, got " + std::to_string(n));
   const auto* in = static_cast<const uint8_t*>(src);
   auto* out = static_cast<uint8_t*>(dst);
   with_float_type(from, [&](auto f) {
@@ -170,6 +172,7 @@ void convert_floats(const void* src, DType from, int64_t n, void* dst, DType to)
 }
 
 std::vector<float> read_floats(const void* src, DType dtype, int64_t n) {
+  if (n < 0) throw InvalidArgument("read_floats: n must be >= 0, got " + std::to_string(n));
   std::vector<float> out(n);
   convert_floats(src, dtype, n, out.data(), DType::F32);
   return out;

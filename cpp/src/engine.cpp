@@ -137,7 +137,7 @@ GenerationLength generation_length(SamplingParams& p, int64_t prompt, int canvas
 }
 
 // What a message about the whole cache's size advises.
-constexpr const char* kRaiseKv = " (raise kv_cache_memory_bytes, the CLI's --kv-cache-gib)";
+constexpr const char* kRaiseKv = " (raise kv_cache_memory_bytes; the CLI's --kv-cache-gib)";
 
 // The most blocks of `canvas` tokens after a prompt of `prompt` tokens that the positions and
 // the whole KV cache admit (0: none).

@@ -226,16 +226,22 @@ int64_t Sequence::length() const {
 const ModelConfig& Sequence::config() const { return model_->config(); }
 int Sequence::canvas_length() const { return state_->canvas_length; }
 
+namespace {
+// `tokens` more tokens refused for want of KV blocks.
+InvalidArgument no_room(const char* what, size_t tokens) {
+  return InvalidArgument(std::string(what) + ": the KV cache has no room for " + std::to_string(tokens) +
+                         " more tokens (raise kv_cache_memory_bytes; or max_num_seqs where more sequences are "
+                         "live: the sliding-window layers keep room for that many sequences' windows)");
+}
+}  // namespace
+
 void Sequence::encode(std::span<const int32_t> ids, const char* what) {
   const ModelConfig& c = model_->config();
   if (ids.empty()) throw InvalidArgument(std::string(what) + ": no tokens given");
   check_token_ids(ids, c, what);
   check_positions(length(), ids.size(), c, what);
   ModelState& m = model_->state();
-  if (!m.kv->reserve(state_->table, int64_t(ids.size())))
-    throw InvalidArgument(std::string(what) + ": the KV cache has no room for " + std::to_string(ids.size()) +
-                          " more tokens (raise kv_cache_memory_bytes; or max_num_seqs where more sequences are "
-                          "live: the sliding-window layers keep room for that many sequences' windows)");
+  if (!m.kv->reserve(state_->table, int64_t(ids.size()))) throw no_room(what, ids.size());
   std::vector<Segment> batch{Segment{&state_->table, true, {ids.begin(), ids.end()}, nullptr}};
   forward(m, *m.kv, batch);
   // The pass is done when prefill or commit returns, as denoise's is (its logits come back):
@@ -272,6 +278,10 @@ void Sequence::prefill(std::span<const int32_t> ids) {
     if (!kv.could_hold(int64_t(ids.size()), int64_t(chunk)))  // not even a token at a time
       throw InvalidArgument("prefill: " + std::to_string(ids.size()) +
                             " tokens need more KV than the whole cache holds (raise kv_cache_memory_bytes)");
+    // The cache as it is (other sequences holding blocks) must take them all, before any
+    // chunk's work: a prompt had been refused a chunk's way in, naming the chunk.
+    if (!kv.could_continue(state_->table, int64_t(ids.size()) - hit, int64_t(chunk)))
+      throw no_room("prefill", ids.size() - size_t(hit));
     for (size_t done = hit; done < ids.size(); done += chunk)
       encode(ids.subspan(done, std::min(chunk, ids.size() - done)), "prefill");
   } catch (...) {
@@ -322,15 +332,20 @@ void Sequence::check_canvas(std::span<const int32_t> canvas) const {
   check_positions(length(), canvas.size(), c, "denoise");
 }
 
-std::vector<float> Sequence::denoise(std::span<const int32_t> canvas, const float* self_conditioning_logits) {
+std::vector<float> Sequence::denoise(std::span<const int32_t> canvas, std::span<const float> self_conditioning_logits) {
   const auto lock = model_->state().lock();
   check_canvas(canvas);
   const int64_t vocab = config().vocab_size, n = int64_t(canvas.size());
   ModelState& m = model_->state();
   Activation sc;
-  if (self_conditioning_logits) {
+  const bool conditioned = !self_conditioning_logits.empty();
+  if (conditioned) {
+    if (int64_t(self_conditioning_logits.size()) != n * vocab)
+      throw InvalidArgument("denoise: self_conditioning_logits holds " +
+                            std::to_string(self_conditioning_logits.size()) + " values, not canvas x vocab = " +
+                            std::to_string(n) + " x " + std::to_string(vocab));
     for (int64_t r = 0; r < n; ++r) {
-      const float* row = self_conditioning_logits + r * vocab;
+      const float* row = self_conditioning_logits.data() + r * vocab;
       bool any_finite = false;
       for (int64_t j = 0; j < vocab; ++j) {
         if (std::isnan(row[j]) || row[j] == INFINITY)
@@ -342,10 +357,9 @@ std::vector<float> Sequence::denoise(std::span<const int32_t> canvas, const floa
         throw InvalidArgument("denoise: self_conditioning_logits row " + std::to_string(r) + " is all -inf");
     }
     sc = m.backend->alloc(n, vocab);
-    m.backend->from_host(self_conditioning_logits, sc);
+    m.backend->from_host(self_conditioning_logits.data(), sc);
   }
-  std::vector<Segment> batch{
-      Segment{&state_->table, false, {canvas.begin(), canvas.end()}, self_conditioning_logits ? &sc : nullptr}};
+  std::vector<Segment> batch{Segment{&state_->table, false, {canvas.begin(), canvas.end()}, conditioned ? &sc : nullptr}};
   Activation logits = forward(m, *m.kv, batch);
   std::vector<float> out(logits.size());
   m.backend->to_host(logits, out.data());

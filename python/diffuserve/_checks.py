@@ -115,12 +115,18 @@ def check_token_ids(ids, what: str, vocab_size: int) -> np.ndarray:
         at = next((i for i, x in enumerate(items) if not is_int(x)), 0)
         raise ValueError(f"{what}: token ids must be a 1-D sequence of integers, got {type(items[at]).__name__} "
                          f"at index {at}") from None
+    except (TypeError, RuntimeError, NotImplementedError) as e:  # a tensor numpy cannot read (bf16, meta)
+        raise ValueError(f"{what}: token ids must be integers, got {getattr(ids, 'dtype', type(ids).__name__)} "
+                         f"({e})") from None
     if arr.dtype.kind in "fO" and arr.ndim == 1 and not isinstance(ids, np.ndarray):
-        # Python ints past int64 (numpy keeps them as objects, or floats beside smaller ones).
+        # Python ints past int64 (numpy keeps them as objects), or ints numpy made floats (beside
+        # a np.uint64, or past int64 beside smaller ones): checked, and taken, as the ints they are.
         items = list(ids)
-        for i, x in enumerate(items if all(is_int(x) for x in items) else []):
-            if not 0 <= int(x) < vocab_size:
-                raise ValueError(f"{what}: token id {int(x)} at index {i} is out of range [0, {vocab_size})")
+        if all(is_int(x) for x in items):
+            for i, x in enumerate(items):
+                if not 0 <= int(x) < vocab_size:
+                    raise ValueError(f"{what}: token id {int(x)} at index {i} is out of range [0, {vocab_size})")
+            arr = np.array([int(x) for x in items], dtype=np.int64)
     if arr.dtype.kind not in "iu" and arr.size:  # (numpy files timedelta64 under integer)
         raise ValueError(f"{what}: token ids must be integers, got dtype {arr.dtype}")
     if arr.ndim != 1:

@@ -18,7 +18,13 @@ def _float32_logits(logits) -> np.ndarray:
     without the GIL: another thread's writes must not reach the runtime), else a ValueError
     naming the argument: real numbers only, each finite as float32 or -inf (a masked id)."""
     if hasattr(logits, "float") and hasattr(logits, "numpy"):  # a torch tensor (bf16 too, which numpy lacks)
-        logits = logits.detach().float().cpu().numpy()
+        # (.float() would drop a complex tensor's imaginary part, and make a bool one 0/1 logits.)
+        if getattr(logits, "is_complex", lambda: False)() or str(getattr(logits, "dtype", "")) == "torch.bool":
+            raise ValueError(f"denoise: self_conditioning_logits must be real numbers, got dtype {logits.dtype}")
+        try:
+            logits = logits.detach().float().cpu().numpy()
+        except (RuntimeError, NotImplementedError, TypeError) as e:  # a meta tensor, say: no values to read
+            raise ValueError(f"denoise: self_conditioning_logits cannot be read as numbers: {e}") from None
     try:
         arr = np.asarray(logits)  # (the copy is the float32 one below)
     except (TypeError, ValueError) as e:
@@ -56,7 +62,8 @@ class Model:
         """Loads a checkpoint directory (config.json + safetensors, single or sharded).
 
         dtype: None takes config.json's dtype (torch_dtype), as transformers loads the weights,
-        or where it names none the embedding's stored dtype; "float32", "bfloat16" or "float16" casts.
+        or where it names none the embedding's stored dtype (with load_format="dummy": bfloat16);
+        "float32", "bfloat16" or "float16" casts.
         The CPU backend computes in fp32 whatever the weight dtype.
         device: "cpu", "cuda" or "cuda:N" (CUDA builds; bf16 weights on the GPU).
         kv_cache_memory_bytes: size of the paged KV cache (None: on the CPU a quarter of RAM, at

@@ -18,8 +18,8 @@ from ._checks import INT32_MAX, check_bool, check_float32, check_int, is_int
 def _int_list(name: str, value, allow_empty: bool = False) -> list:
     if value is None:
         return []
-    if is_int(value):
-        value = [value]
+    if is_int(value):  # one id: named as given
+        return [check_int(name, value, 0)]
     if isinstance(value, (str, bytes)):
         raise ValueError(f"{name} must be a list of integers, got {value!r}")
     try:

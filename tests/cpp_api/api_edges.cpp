@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "diffuserve/diffuserve.h"
+#include "diffuserve/dtype.h"
 #include "diffuserve/engine.h"
 #include "diffuserve/generate.h"
 
@@ -182,6 +183,46 @@ const std::map<std::string, std::function<std::string(const std::string&)>> kCas
        engine.step({{1, 40}}, 1, engine.canvas_length(1));
        return "pending " + std::to_string(engine.pending_tokens(1)) + " of canvas " +
               std::to_string(engine.canvas_length(1));
+     }},
+    // One row of self-conditioning logits where the canvas needs canvas x vocab: a bare pointer
+    // had been read past its end.
+    {"denoise_with_one_row_of_self_conditioning",
+     [](const std::string& dir) {
+       auto model = load(dir);
+       auto seq = model->new_sequence();
+       seq->prefill(std::vector<int32_t>{2, 3});
+       const std::vector<int32_t> canvas(seq->canvas_length(), 4);
+       const std::vector<float> one_row(model->config().vocab_size, 0.0f);
+       seq->denoise(canvas, one_row);
+       return std::string("denoised");
+     }},
+    // A first prefill the cache as it is cannot take (another sequence holds most of it): refused
+    // whole before any chunk is encoded, naming its tokens (it had been refused a chunk's way
+    // in, naming the chunk).
+    {"prefill_past_the_room_other_sequences_leave",
+     [](const std::string& dir) {
+       LoadOptions options;
+       options.num_threads = 1;
+       options.kv_cache_memory_bytes = 1 << 20;
+       options.max_num_seqs = 1;
+       auto model = Model::load(dir, options);
+       auto other = model->new_sequence();
+       const int64_t capacity = fill(*other);
+       other = model->new_sequence();
+       other->prefill(std::vector<int32_t>(capacity / 2, 5));
+       auto seq = model->new_sequence();
+       try {
+         seq->prefill(std::vector<int32_t>(capacity - 8, 6));
+       } catch (const InvalidArgument& e) {
+         return std::string("refused with ") + std::to_string(seq->length()) + " tokens encoded: " + e.what();
+       }
+       return std::string("prefilled");
+     }},
+    {"read_floats_of_a_negative_count",
+     [](const std::string&) {
+       const float x = 1.0f;
+       read_floats(&x, DType::F32, -1);
+       return std::string("read");
      }},
     {"step_negative_max_encode_tokens",
      [](const std::string& dir) {

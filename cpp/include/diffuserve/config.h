@@ -13,6 +13,13 @@
 #include <string>
 #include <vector>
 
+// Nor with libstdc++'s old std::string (_GLIBCXX_USE_CXX11_ABI=0): the library's strings are the
+// C++11 ones, and a string field read by such a program (config().dtype, a finish_reason) would
+// be read as the other layout, its functions failing to link at best.
+#if defined(_GLIBCXX_USE_CXX11_ABI) && !_GLIBCXX_USE_CXX11_ABI
+#error "diffuserve's API cannot be used with _GLIBCXX_USE_CXX11_ABI=0: the library is built with the C++11 ABI"
+#endif
+
 namespace diffuserve {
 
 // What differs between layers: attention type, head geometry and rotary embedding.

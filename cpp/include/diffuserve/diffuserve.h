@@ -32,7 +32,9 @@ struct LoadOptions {
   // The paged KV cache: 0 = a quarter of physical memory, at most 4 GiB (CPU).
   int64_t kv_cache_memory_bytes = 0;
   int kv_block_size = 16;      // tokens per KV block
-  int max_num_seqs = 64;       // sequences expected at once (sizes the sliding-window pool)
+  // The most sequences live at once that each keep room for a sliding window's KV: it sizes
+  // the sliding-window pool, so a prefill of one sequence more can be refused for want of room.
+  int max_num_seqs = 64;
   // "auto": weights from the checkpoint's safetensors; "dummy": random weights of the
   // config's shapes (config.json alone is needed), for benchmarks at any size.
   std::string load_format = "auto";
@@ -118,9 +120,10 @@ class Sequence {
   // the pass is done on the device, as commit does.
   void prefill(std::span<const int32_t> ids);
   // Bidirectional decoder pass over a canvas of exactly canvas_length() tokens, reading
-  // the KV cache without changing it. `self_conditioning_logits` is null (first step of a
-  // block) or [canvas, vocab] fp32. Returns softcapped fp32 logits [canvas, vocab].
-  std::vector<float> denoise(std::span<const int32_t> canvas, const float* self_conditioning_logits = nullptr);
+  // the KV cache without changing it. `self_conditioning_logits` is empty (first step of a
+  // block) or [canvas, vocab] fp32, row-major (another size is refused). Returns softcapped
+  // fp32 logits [canvas, vocab].
+  std::vector<float> denoise(std::span<const int32_t> canvas, std::span<const float> self_conditioning_logits = {});
   // Causal encoder pass over a finished block (1 to canvas_length() tokens); appends KV.
   void commit(std::span<const int32_t> block);
 

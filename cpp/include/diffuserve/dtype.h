@@ -45,7 +45,7 @@ float fp4_e2m1_to_f32(uint8_t nibble);
 inline bool fp8_is_number(uint8_t code) { return (code & 0x7f) != 0x7f; }
 
 // n F32, BF16 or F16 values at `src` written at `dst` as F32, BF16 or F16 (rounded to nearest
-// even); neither need be aligned.
+// even); neither need be aligned. A negative n, or another dtype, is an InvalidArgument.
 void convert_floats(const void* src, DType from, int64_t n, void* dst, DType to);
 // n F32, BF16 or F16 values from `src` (which need not be aligned) as fp32.
 std::vector<float> read_floats(const void* src, DType dtype, int64_t n);

@@ -60,7 +60,9 @@ void validate(const SamplingParams& params, const ModelConfig& config);
 // Generates for each prompt with its parameters (one set for all, or one per prompt).
 // A seeded request's output depends only on its prompt, parameters and seed. Throws
 // InvalidArgument naming the prompt for a bad prompt or parameter (before any work), and for
-// a request the KV cache cannot take because the model's other sequences hold it.
+// a request the KV cache cannot take because the model's other sequences hold it. The call
+// holds the model's turn (diffuserve.h) until it returns, and cannot be cancelled: a service
+// that must abort requests, or serve others meanwhile, runs them on an Engine (engine.h).
 std::vector<GenerationOutput> generate(Model& model, const std::vector<std::vector<int32_t>>& prompts,
                                        const std::vector<SamplingParams>& params);
 
