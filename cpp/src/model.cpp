@@ -67,8 +67,8 @@ class QuantizationTargets {
   };
   // libstdc++'s matcher backtracks by default: a pattern such as "(.|.)*X" took time
   // exponential in the name's length (a load that never ended). Its polynomial mode (an
-  // extension; back-references, which it refuses, are no module names' business) walks the
-  // states breadth-first.
+  // extension) walks the states breadth-first; it takes no back-references, which are no
+  // module names' business (pattern() refuses them first: libstdc++ 13's refusal crashed).
 #ifdef __GLIBCXX__
   static constexpr std::regex::flag_type kSyntax = std::regex::ECMAScript | std::regex_constants::__polynomial;
 #else
@@ -82,15 +82,24 @@ class QuantizationTargets {
     constexpr size_t kMaxLength = 1024;
     constexpr int kMaxDepth = 32;
     int depth = 0, deepest = 0;
+    bool back_reference = false;  // \1 .. \9, or \k<name>
     for (size_t i = 3; i < text.size(); ++i) {
-      if (text[i] == '\\') ++i;
-      else if (text[i] == '(') deepest = std::max(deepest, ++depth);
-      else if (text[i] == ')') --depth;
+      if (text[i] == '\\') {
+        const char escaped = ++i < text.size() ? text[i] : '\0';
+        back_reference |= (escaped >= '1' && escaped <= '9') || escaped == 'k';
+      } else if (text[i] == '(') {
+        deepest = std::max(deepest, ++depth);
+      } else if (text[i] == ')') {
+        --depth;
+      }
     }
     if (text.size() > kMaxLength || deepest > kMaxDepth)
       throw FormatError(path + ": quantization_config: '" + text.substr(0, 64) + (text.size() > 64 ? "...'" : "'") +
                         " is longer than " + std::to_string(kMaxLength) + " characters or nests groups deeper than " +
                         std::to_string(kMaxDepth));
+    if (back_reference)
+      throw FormatError(path + ": quantization_config: '" + text + "' holds a back-reference, which this runtime's "
+                        "matcher does not take");
     try {
       return {text, std::regex(ecmascript(text.substr(3)), kSyntax)};
     } catch (const std::regex_error&) {
