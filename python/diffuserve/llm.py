@@ -42,7 +42,7 @@ def _signals_held():
         yield
         return
     handlers = {sig: handler for sig in signal.valid_signals() if callable(handler := signal.getsignal(sig))}
-    caught = {}  # signal -> its last frame, in arrival order
+    caught = {}  # signal -> the frame it first came in, in arrival order
     for sig in handlers:
         signal.signal(sig, lambda signum, frame: caught.setdefault(signum, frame))
     try:
