@@ -146,3 +146,9 @@ def test_a_prefill_the_cache_cannot_take_is_refused_before_any_chunk(program, ck
     tokens = int(result.split("no room for ")[1].split()[0])
     capacity = tokens + 8
     assert capacity > 100 and f"no room for {capacity - 8} more tokens" in result, result
+
+
+def test_denoise_takes_its_logits_as_a_span_or_a_pointer(program, ckpt):
+    """Sequence::denoise's self-conditioning logits as the checked std::span, or as the pointer
+    the API first took (a program written against it still builds): the same logits."""
+    assert run_case(program, ckpt, "denoise_with_logits_by_pointer") == "ok same"

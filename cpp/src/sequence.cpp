@@ -375,6 +375,11 @@ std::vector<float> Sequence::denoise(std::span<const int32_t> canvas, std::span<
   return out;
 }
 
+std::vector<float> Sequence::denoise(std::span<const int32_t> canvas, const float* self_conditioning_logits) {
+  if (!self_conditioning_logits) return denoise(canvas);
+  return denoise(canvas, std::span<const float>(self_conditioning_logits, canvas.size() * size_t(config().vocab_size)));
+}
+
 LayerKV Sequence::kv(int layer) const {
   const auto lock = model_->state().lock();
   const ModelConfig& c = model_->config();

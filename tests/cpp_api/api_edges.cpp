@@ -218,6 +218,18 @@ const std::map<std::string, std::function<std::string(const std::string&)>> kCas
        }
        return std::string("prefilled");
      }},
+    // The pointer form, as the API first took the logits: the same logits as the span form's.
+    {"denoise_with_logits_by_pointer",
+     [](const std::string& dir) {
+       auto model = load(dir);
+       auto seq = model->new_sequence();
+       seq->prefill(std::vector<int32_t>{2, 3});
+       const std::vector<int32_t> canvas(seq->canvas_length(), 4);
+       const std::vector<float> first = seq->denoise(canvas, nullptr);
+       const bool same = seq->denoise(canvas, first.data()) == seq->denoise(canvas, first) &&
+                         first == seq->denoise(canvas);
+       return std::string(same ? "same" : "different");
+     }},
     {"read_floats_of_a_negative_count",
      [](const std::string&) {
        const float x = 1.0f;

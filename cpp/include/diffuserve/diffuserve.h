@@ -124,6 +124,9 @@ class Sequence {
   // block) or [canvas, vocab] fp32, row-major (another size is refused). Returns softcapped
   // fp32 logits [canvas, vocab].
   std::vector<float> denoise(std::span<const int32_t> canvas, std::span<const float> self_conditioning_logits = {});
+  // The same with the logits as a pointer (null: none) to canvas x vocab values, as this API
+  // first took them: their count cannot be checked, so the span form is the one to use.
+  std::vector<float> denoise(std::span<const int32_t> canvas, const float* self_conditioning_logits);
   // Causal encoder pass over a finished block (1 to canvas_length() tokens); appends KV.
   void commit(std::span<const int32_t> block);
 
