@@ -44,6 +44,13 @@ std::unique_ptr<Engine> admitted_engine(const std::string& dir) {
   return engine;
 }
 
+// A new sequence of `model` with the prompt {2, 3} prefilled.
+std::unique_ptr<Sequence> prefilled(Model& model) {
+  auto seq = model.new_sequence();
+  seq->prefill(std::vector<int32_t>{2, 3});
+  return seq;
+}
+
 // A case: generate() with one of SamplingParams' float fields set to +inf.
 std::function<std::string(const std::string&)> generate_with_infinite(float SamplingParams::*field) {
   return [field](const std::string& dir) {
@@ -189,8 +196,7 @@ const std::map<std::string, std::function<std::string(const std::string&)>> kCas
     {"denoise_with_one_row_of_self_conditioning",
      [](const std::string& dir) {
        auto model = load(dir);
-       auto seq = model->new_sequence();
-       seq->prefill(std::vector<int32_t>{2, 3});
+       auto seq = prefilled(*model);
        const std::vector<int32_t> canvas(seq->canvas_length(), 4);
        const std::vector<float> one_row(model->config().vocab_size, 0.0f);
        seq->denoise(canvas, one_row);
@@ -222,8 +228,7 @@ const std::map<std::string, std::function<std::string(const std::string&)>> kCas
     {"denoise_with_logits_by_pointer",
      [](const std::string& dir) {
        auto model = load(dir);
-       auto seq = model->new_sequence();
-       seq->prefill(std::vector<int32_t>{2, 3});
+       auto seq = prefilled(*model);
        const std::vector<int32_t> canvas(seq->canvas_length(), 4);
        const std::vector<float> first = seq->denoise(canvas, nullptr);
        const bool same = seq->denoise(canvas, first.data()) == seq->denoise(canvas, first) &&
