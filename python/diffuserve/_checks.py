@@ -90,8 +90,8 @@ def check_encoded(ids: List[int], what: str, vocab_size: int) -> List[int]:
     else ValueError that blames the tokenizer, not the text: a tokenizer.json with ids past
     the model's vocabulary does not belong to this checkpoint's model (transformers would
     index past its embedding)."""
-    bad = next((i for i in ids if not 0 <= i < vocab_size), None)
-    if bad is not None:
+    if ids and (min(ids) < 0 or max(ids) >= vocab_size):  # (C loops: this runs on every text prompt)
+        bad = next(i for i in ids if not 0 <= i < vocab_size)
         raise ValueError(f"{what}: the checkpoint's tokenizer encodes this text to token id {bad}, past the model's "
                          f"vocabulary of {vocab_size} ids: its tokenizer.json does not match the model")
     return ids
