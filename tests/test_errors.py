@@ -219,16 +219,23 @@ def test_a_large_header_is_read_without_holding_it_as_json_values(ckpt):
     header, data = read_safetensors(path)
     zeros = b"[" + b"0," * 12_000_000 + b"0]"
     path.write_bytes(pack(json.dumps(header)[:-1].encode() + b', "zeros": ' + zeros + b"}", data))
+    message, grown_mb = load_in_subprocess(ckpt)
+    assert "tensor 'zeros': header entry is not a JSON object" in message
+    assert grown_mb < 200, f"the peak resident memory grew {grown_mb} MB"
+
+
+def load_in_subprocess(ckpt):
+    """(what Model.load(ckpt) says: its CheckpointError's message or "loaded", by how many MB
+    its peak resident memory grew), from a fresh process."""
     script = ("import resource, sys, diffuserve as ds\n"
               "before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
-              "try:\n    ds.Model.load(sys.argv[1])\n"
+              "try:\n    ds.Model.load(sys.argv[1])\n    print('loaded')\n"
               "except ds.CheckpointError as e:\n    print(e)\n"
               "print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) // 1024)\n")
     out = subprocess.run([sys.executable, "-c", script, str(ckpt)], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     message, grown_mb = out.stdout.strip().rsplit("\n", 1)
-    assert "tensor 'zeros': header entry is not a JSON object" in message
-    assert int(grown_mb) < 200, f"the peak resident memory grew {grown_mb} MB"
+    return message, int(grown_mb)
 
 
 def test_truncated_data_section(ckpt):
@@ -261,6 +268,52 @@ def test_sharded_checkpoint_matches_single_file(ckpt, model):
     """A valid two-shard checkpoint loads and gives the single file's logits exactly."""
     shard(ckpt)
     np.testing.assert_array_equal(logits_of(ds.Model.load(ckpt)), logits_of(model))
+
+
+def test_a_large_index_is_read_without_holding_it_as_json_values(ckpt, model):
+    """An index whose metadata holds 12 million zeros (24 MB) loads in about the memory its file
+    takes, its weight_map read an entry at a time: parsed whole it had grown the process by
+    over 2 GB."""
+    weight_map = shard(ckpt)
+    index = ckpt / "model.safetensors.index.json"
+    zeros = "[" + "0," * 12_000_000 + "0]"
+    index.write_text('{"metadata": {"zeros": ' + zeros + '}, "weight_map": ' + json.dumps(weight_map) + "}")
+    message, grown_mb = load_in_subprocess(ckpt)
+    assert message == "loaded"
+    assert grown_mb < 200, f"the peak resident memory grew {grown_mb} MB"
+    np.testing.assert_array_equal(logits_of(ds.Model.load(ckpt)), logits_of(model))
+
+
+def test_index_repeats_are_read_as_json_reads_them(ckpt, model):
+    """A repeated weight_map, or a tensor named twice in one, counts its last entry, as Python's
+    json (and so transformers) reads it; an entry that is not a string is named."""
+    weight_map = shard(ckpt)
+    index = ckpt / "model.safetensors.index.json"
+    wrong = {name: SHARDS[0] if file == SHARDS[1] else SHARDS[1] for name, file in weight_map.items()}
+    body = json.dumps(weight_map)[:-1] + f", {json.dumps(ROUTER)}: {json.dumps(weight_map[ROUTER])}}}"
+    index.write_text('{"weight_map": ' + json.dumps(wrong) + ', "weight_map": ' + body + "}")
+    np.testing.assert_array_equal(logits_of(ds.Model.load(ckpt)), logits_of(model))
+    index.write_text('{"weight_map": ' + json.dumps({**weight_map, ROUTER: 7}) + "}")
+    load_fails(ckpt, f"weight_map entry for tensor '{ROUTER}' is not a string", str(index))
+    index.write_text('{"weight_map": [], "metadata": {}}')
+    load_fails(ckpt, '"weight_map" is not a JSON object', str(index))
+    index.write_text('{"weight_map": {"a": 1}, "metadata": {]}')  # syntax first, wherever it is
+    load_fails(ckpt, "invalid JSON", str(index))
+
+
+@pytest.mark.parametrize("name, limit", [("config.json", 16_000_000), ("generation_config.json", 16_000_000),
+                                         ("model.safetensors.index.json", 64_000_000)])
+def test_oversized_json_files_are_refused_before_they_are_read(ckpt, name, limit):
+    """A JSON file past its limit (each far above any real one's size) is refused by its size,
+    before its bytes are read or parsed: a huge one could otherwise take the host's memory."""
+    if name.endswith("index.json"):
+        shard(ckpt)
+    path = ckpt / name
+    text = path.read_text() if path.exists() else "{}"
+    path.write_text(text + " " * (limit + 1 - len(text.encode())))
+    load_fails(ckpt, f"{limit + 1} bytes, over the limit of {limit}", str(path))
+    path.write_text(text + " " * (limit - len(text.encode())))  # at the limit it is read
+    ds.Model.load(ckpt)
 
 
 def test_index_invalid_json(ckpt):

@@ -106,6 +106,9 @@ struct Fields {
 };
 
 constexpr int64_t kMaxDim = 1 << 24;
+// config.json and generation_config.json are a few KB (a compressed-tensors ignore list of
+// every expert a few MB); parsed whole, as they are, 16 MB could take over a GB as json::Values.
+constexpr uint64_t kMaxConfigBytes = 16ull * 1000 * 1000;
 
 // 1 / theta^(k/dim), rounded at each step as HF's fp32 tensor arithmetic rounds it, so
 // positions in the thousands still give the reference's angles to the last bit or two.
@@ -316,7 +319,7 @@ GenerationDefaults load_generation(const std::string& path, int vocab_size) {
   const bool present = std::filesystem::exists(path, error);
   if (error) throw FormatError(path + ": cannot be looked up: " + error.message());
   if (!present) return g;
-  const json::Value doc = json::parse(read_text_file(path), path);
+  const json::Value doc = json::parse(read_text_file(path, kMaxConfigBytes), path);
   if (!doc.is_object()) throw FormatError(path + ": top level must be a JSON object");
   Fields f{doc, path, ""};
   for (const auto& [key, value] : doc.object)
@@ -363,7 +366,7 @@ GenerationDefaults load_generation(const std::string& path, int vocab_size) {
 
 ModelConfig load_config(const std::string& dir) {
   const std::string path = (std::filesystem::path(dir) / "config.json").string();
-  const json::Value doc = json::parse(read_text_file(path), path);
+  const json::Value doc = json::parse(read_text_file(path, kMaxConfigBytes), path);
   if (!doc.is_object()) throw FormatError(path + ": top level must be a JSON object");
   Fields top{doc, path, ""};
   const std::string model_type = top.string_or("model_type", "");

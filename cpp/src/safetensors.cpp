@@ -32,6 +32,8 @@ namespace {
 
 // Real headers are a few MB at most; a larger length means a corrupt or hostile file.
 constexpr uint64_t kMaxHeaderBytes = 100ull * 1000 * 1000;
+// An index names each tensor once: a few MB for the largest checkpoints published.
+constexpr uint64_t kMaxIndexBytes = 64ull * 1000 * 1000;
 
 std::string range_string(uint64_t begin, uint64_t end) {
   return "[" + std::to_string(begin) + ", " + std::to_string(end) + ")";
@@ -212,8 +214,14 @@ int64_t TensorView::numel() const {
   return n;
 }
 
-std::string read_text_file(const std::string& path) {
-  const int fd = open_regular_file(path).fd;
+std::string read_text_file(const std::string& path, uint64_t max_bytes) {
+  const auto [fd, size] = open_regular_file(path);
+  auto too_large = [&](uint64_t bytes) {
+    ::close(fd);
+    return FormatError(path + ": " + std::to_string(bytes) + " bytes, over the limit of " + std::to_string(max_bytes) +
+                       " for this file (a real one is far smaller: corrupt, or not this file)");
+  };
+  if (size > max_bytes) throw too_large(size);
   std::string text;
   char buf[65536];
   while (true) {
@@ -225,6 +233,7 @@ std::string read_text_file(const std::string& path) {
       throw FormatError(path + ": cannot read: " + std::strerror(err));
     }
     if (n == 0) break;
+    if (text.size() + size_t(n) > max_bytes) throw too_large(text.size() + size_t(n));  // grew while read
     text.append(buf, size_t(n));
   }
   ::close(fd);
@@ -323,26 +332,37 @@ Checkpoint::Checkpoint(const std::string& dir) {
     throw FormatError(dir + ": no model.safetensors or model.safetensors.index.json");
   }
 
-  json::Value index = json::parse(read_text_file(index_path), index_path);
-  const json::Value* weight_map = index.find("weight_map");
+  // weight_map read an entry at a time, as a safetensors header is (its syntax checked first),
+  // and the rest (metadata) passed over: parsed whole, an index at its size limit would take
+  // gigabytes as json::Values.
+  const std::string text = read_text_file(index_path, kMaxIndexBytes);
+  json::Reader syntax(text, index_path);
+  syntax.skip();
+  syntax.end();
+  json::Reader index(text, index_path);
+  std::optional<std::map<std::string, std::string>> weight_map;  // tensor -> shard
+  if (index.next() == json::Kind::Object)
+    index.object([&](std::string key) {
+      if (key != "weight_map") return index.skip();
+      if (index.next() != json::Kind::Object) throw FormatError(index_path + ": \"weight_map\" is not a JSON object");
+      weight_map.emplace();  // a repeated weight_map: the last counts, as for any JSON key
+      index.object([&](std::string name) {
+        if (index.next() != json::Kind::String)
+          throw FormatError(index_path + ": weight_map entry for tensor '" + name + "' is not a string");
+        weight_map->insert_or_assign(std::move(name), index.value().string);  // a repeated name: the last
+      });
+    });
   if (!weight_map) throw FormatError(index_path + ": missing \"weight_map\"");
-  if (!weight_map->is_object()) {
-    throw FormatError(index_path + ": \"weight_map\" is not a JSON object");
-  }
   // Shard file name (as a path, normalized: "./a" and "a" are one file, as transformers
   // reads them) -> its opened file, filled in below.
   auto shard_key = [](const std::string& shard) { return fs::path(shard).lexically_normal().string(); };
   std::map<std::string, const SafetensorsFile*> shards;
-  for (const auto& [name, shard] : weight_map->object) {
-    if (!shard.is_string()) {
-      throw FormatError(index_path + ": weight_map entry for tensor '" + name +
-                        "' is not a string");
+  for (const auto& [name, shard] : *weight_map) {
+    if (!is_inside_directory(shard)) {
+      throw FormatError(index_path + ": weight_map entry for tensor '" + name + "' names '" + shard +
+                        "', which is not a file inside " + dir);
     }
-    if (!is_inside_directory(shard.string)) {
-      throw FormatError(index_path + ": weight_map entry for tensor '" + name + "' names '" +
-                        shard.string + "', which is not a file inside " + dir);
-    }
-    shards.emplace(shard_key(shard.string), nullptr);
+    shards.emplace(shard_key(shard), nullptr);
   }
 
   // Each shard is opened once; a tensor in a shard but not in weight_map is still loaded,
@@ -358,10 +378,10 @@ Checkpoint::Checkpoint(const std::string& dir) {
       }
     }
   }
-  for (const auto& [name, shard] : weight_map->object) {
-    if (!shards.at(shard_key(shard.string))->tensors().contains(name)) {
-      throw FormatError(index_path + ": tensor '" + name + "' is listed in weight_map under " +
-                        shard.string + " but that shard does not contain it");
+  for (const auto& [name, shard] : *weight_map) {
+    if (!shards.at(shard_key(shard))->tensors().contains(name)) {
+      throw FormatError(index_path + ": tensor '" + name + "' is listed in weight_map under " + shard +
+                        " but that shard does not contain it");
     }
   }
 }

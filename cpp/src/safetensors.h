@@ -18,8 +18,9 @@ namespace diffuserve {
 std::string shape_string(const std::vector<int64_t>& shape);
 
 // The whole of the regular file at `path` (config.json, an index): FormatError naming it
-// when it cannot be opened or read, or is not a regular file (a FIFO, a directory).
-std::string read_text_file(const std::string& path);
+// when it cannot be opened or read, is not a regular file (a FIFO, a directory), or is
+// larger than `max_bytes` (a hostile or corrupt file, kept from taking the memory).
+std::string read_text_file(const std::string& path, uint64_t max_bytes);
 
 // A tensor inside a mapped file: no copy, valid while its SafetensorsFile lives.
 struct TensorView {
