@@ -496,11 +496,15 @@ def check_bf16_activations(path, label, prompt_length=60, canvas_length=32, seed
     across = rows(logits["cuda", "bfloat16"])
     apart = int((across > 4 * rounding + 1e-3).sum())
     agree = (cpu.argmax(-1) == logits["cuda", "bfloat16"].argmax(-1)).mean()
-    print(f"{label}: rounding moves the CPU's logits {rounding:.2e}, GPU against CPU {across.max():.2e} "
-          f"({apart} rows past 4x rounding), argmax agreement {agree:.3f}")
+    # The argmax's agreement is held to 95%, or to the CPU's own with and without the rounding
+    # where that is lower: a model whose logits the rounding moves by half their range (fuzz
+    # seed 526) agrees with itself on 67% of the rows, and the GPU with it on 84%.
+    rounding_agree = (cpu.argmax(-1) == logits["cpu", "float32"].argmax(-1)).mean()
+    print(f"{label}: rounding moves the CPU's logits {rounding:.2e} (argmax agreement {rounding_agree:.3f}), GPU "
+          f"against CPU {across.max():.2e} ({apart} rows past 4x rounding), argmax agreement {agree:.3f}")
     assert np.isfinite(logits["cuda", "bfloat16"]).all()
     assert np.abs(logits["cuda", "float32"] - logits["cuda", "bfloat16"]).max() > 0
-    assert apart <= max(1, len(across) // 20) and agree >= 0.95
+    assert apart <= max(1, len(across) // 20) and agree >= min(0.95, rounding_agree)
 
 
 # With activations="bfloat16" the KV cache is bf16 where every layer's attention is the
