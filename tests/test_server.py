@@ -564,6 +564,40 @@ def test_many_choices_are_started_in_turns_of_the_event_loop(checkpoint, monkeyp
         engine.shutdown()
 
 
+def test_requests_left_before_the_engine_took_them_are_never_added(checkpoint):
+    """Callers that leave while their adds still wait in the engine thread's queue (behind a
+    step, or a burst of other adds) cost the engine nothing: their adds are passed over, where
+    they had been admitted and run until the aborts queued behind them came through."""
+    llm = ds.LLM(checkpoint, kv_cache_memory_bytes=32 << 20)
+    added = []
+    add_request = llm.add_request
+    llm.add_request = lambda *args: (added.append(1), add_request(*args))[1]
+    engine = AsyncLLM(llm)
+    params = ds.SamplingParams(max_new_tokens=8, seed=0)
+
+    async def main():
+        async def first_update(updates):
+            return await updates.__anext__()
+
+        with llm._lock:  # the engine thread waits to read the queue
+            tasks = [asyncio.create_task(first_update(engine.generate([5, 6], params))) for _ in range(50)]
+            await asyncio.sleep(0.05)  # each has queued its add
+            for task in tasks:
+                task.cancel()  # the caller leaves: its abort queued behind the add
+            await asyncio.gather(*tasks, return_exceptions=True)
+        kept = engine.generate([5, 6], params)  # after them: taken and run as ever
+        return [p async for p in kept][-1].output
+
+    try:
+        output = asyncio.run(main())
+        assert output.finish_reason == "length" and len(output.token_ids) == 8
+        # (The first add may have been read as the lock was taken: that one waits for it.)
+        assert len(added) <= 2 and not engine._left, len(added)
+        assert engine.stats["kv_blocks_free"] == engine.stats["kv_blocks_total"] and not engine.stats["running"]
+    finally:
+        engine.shutdown()
+
+
 def test_failed_request_counts_as_error(checkpoint, tmp_path):
     """A request the model cannot finish (its logits NaN) gets a 503, and /metrics counts it
     under finish_reason "error", apart from the clients' aborts (it had counted as "abort")."""

@@ -88,6 +88,11 @@ class AsyncLLM:
         self._error: Optional[BaseException] = None
         self._stopping = False
         self._lock = threading.Lock()  # orders every "add" before the "stop" command
+        # Keys whose caller left before the engine thread read their add: it passes the add
+        # over, and drops the key at the abort that follows it. (Admitted, the adds of a
+        # disconnected 4,096-choice request had run for minutes on a CPU before their aborts,
+        # queued behind them, came through.)
+        self._left: set = set()
         self._thread.start()
         # Stopped before the interpreter finalizes: a daemon thread inside a native step then
         # had the process abort (SIGABRT) as it exited.
@@ -117,6 +122,7 @@ class AsyncLLM:
                     return
         finally:
             if not finished:
+                self._left.add(key)
                 self._commands.put(("abort", key, None))
                 # The engine thread reads commands only between steps, and a step of
                 # slice_steps passes over a large batch takes tens of seconds on a CPU: end
@@ -163,9 +169,12 @@ class AsyncLLM:
                         self._abort_all(requests, EngineDead("the server is shutting down"))
                         return
                     if command == "add":
-                        self._add(requests, key, request)
-                    elif key in requests:
-                        self.llm.abort(requests.pop(key).engine_id)
+                        if key not in self._left:
+                            self._add(requests, key, request)
+                    else:
+                        self._left.discard(key)
+                        if key in requests:
+                            self.llm.abort(requests.pop(key).engine_id)
                     self.stats = self.llm.stats()
                 if self.llm.has_unfinished():
                     try:
