@@ -2,6 +2,7 @@
 program built against the installed CMake package (like examples/embed), one case per
 argument; each bad input must be a C++ exception naming what is wrong, never a crash or a hang."""
 import os
+import re
 import shutil
 import subprocess
 
@@ -114,6 +115,18 @@ def test_generate_chunks_a_prompt_longer_than_the_sliding_pool(program, ckpt):
     expected = ds.LLM(str(ckpt), max_num_seqs=1, num_threads=1).generate(
         [prompt], ds.SamplingParams(max_new_tokens=16, seed=1))[0].token_ids
     assert [int(t) for t in result[3:].split(",")] == expected
+
+
+def test_generate_stops_at_its_stop_token(program, ckpt):
+    """generate(..., std::stop_token): a stop requested before the call ends it before any work,
+    and one requested from another thread during a 100,000-token generation after the pass in
+    progress, both as Cancelled; the model then generates as before (the requests' KV freed)."""
+    assert run_case(program, ckpt, "generate_stopped_before") == \
+        "Cancelled: generate: stopped by its stop_token, 0 of 1 prompts done"
+    result = run_case(program, ckpt, "generate_stopped_during")
+    match = re.fullmatch(r"ok generate: stopped by its stop_token, 0 of 2 prompts done; returned (\d+) ms after the "
+                         r"stop; then generated 16", result)
+    assert match, result  # (had the stop not come through, the generation would run for minutes: a hang)
 
 
 def test_a_cache_too_small_for_max_new_tokens_blames_max_new_tokens(program, ckpt):

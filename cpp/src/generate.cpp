@@ -95,7 +95,7 @@ void validate(const SamplingParams& p, const ModelConfig& c) {
 }
 
 std::vector<GenerationOutput> generate(Model& model, const std::vector<std::vector<int32_t>>& prompts,
-                                       const std::vector<SamplingParams>& params) {
+                                       const std::vector<SamplingParams>& params, std::stop_token stop) {
   if (params.size() != 1 && params.size() != prompts.size())
     throw InvalidArgument("generate: " + std::to_string(params.size()) + " SamplingParams for " +
                           std::to_string(prompts.size()) + " prompts (give one, or one per prompt)");
@@ -116,7 +116,16 @@ std::vector<GenerationOutput> generate(Model& model, const std::vector<std::vect
   // nearly every block free.
   std::vector<GenerationOutput> outputs(prompts.size());
   const int64_t unlimited = INT64_MAX;
-  for (size_t i = 0; i < prompts.size(); ++i) {
+  // A stop ends the step in progress after its pass (the engine's interrupt, which any thread
+  // may call); the loop then sees it between steps.
+  const std::stop_callback interrupt_on_stop(stop, [&engine] { engine.interrupt(); });
+  size_t done_prompts = 0;
+  auto stop_if_asked = [&] {
+    if (stop.stop_requested())
+      throw Cancelled("generate: stopped by its stop_token, " + std::to_string(done_prompts) + " of " +
+                      std::to_string(prompts.size()) + " prompts done");
+  };
+  for (size_t i = 0; i < prompts.size(); ++i, ++done_prompts) {
     // (Where even a canvas finds no room, the model's other sequences, or another thread's,
     // hold the rest of the cache, and the same step would fail again forever.)
     auto no_room = [&] {
@@ -132,6 +141,7 @@ std::vector<GenerationOutput> generate(Model& model, const std::vector<std::vect
       chunk = std::max(canvas, chunk / 2);
     }
     for (bool done = false; !done;) {
+      stop_if_asked();
       const int64_t passes = engine.passes();
       for (auto& [id, out] : engine.step({StepPlan{i, chunk}}, INT32_MAX, unlimited)) {
         outputs[id] = std::move(out);

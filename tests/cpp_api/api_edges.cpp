@@ -4,17 +4,21 @@
 //
 // Each case prints "CASE: ok ..." or "CASE: <exception type>: <message>"; tests/test_cpp_api.py
 // checks that every bad input is an exception naming what is wrong (never a crash or a hang).
+#include <chrono>
 #include <cstdio>
 #include <functional>
 #include <limits>
 #include <map>
 #include <memory>
+#include <stop_token>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "diffuserve/diffuserve.h"
 #include "diffuserve/dtype.h"
 #include "diffuserve/engine.h"
+#include "diffuserve/errors.h"
 #include "diffuserve/generate.h"
 
 using namespace diffuserve;
@@ -241,6 +245,39 @@ const std::map<std::string, std::function<std::string(const std::string&)>> kCas
        read_floats(&x, DType::F32, -1);
        return std::string("read");
      }},
+    // generate() with a stop requested before the call, and from another thread during a
+    // generation of 100,000 tokens: Cancelled, and the model generates again after it.
+    {"generate_stopped_before",
+     [](const std::string& dir) {
+       auto model = load(dir);
+       std::stop_source stop;
+       stop.request_stop();
+       generate(*model, {{2, 3}}, {params(*model, 16)}, stop.get_token());
+       return std::string("generated");
+     }},
+    {"generate_stopped_during",
+     [](const std::string& dir) {
+       auto model = load(dir);
+       SamplingParams long_run = params(*model, 100000);
+       long_run.eos_token_ids = {};
+       std::stop_source stop;
+       std::chrono::steady_clock::time_point asked;
+       std::jthread stopper([&] {
+         std::this_thread::sleep_for(std::chrono::milliseconds(200));
+         asked = std::chrono::steady_clock::now();
+         stop.request_stop();
+       });
+       try {
+         generate(*model, {{2, 3}, {4}}, {long_run}, stop.get_token());
+       } catch (const Cancelled& e) {
+         const auto took = std::chrono::steady_clock::now() - asked;
+         const auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(took).count();
+         const size_t after = generate(*model, {{2, 3}}, {params(*model, 16)}).front().token_ids.size();
+         return std::string(e.what()) + "; returned " + std::to_string(ms) + " ms after the stop; then generated " +
+                std::to_string(after);
+       }
+       return std::string("not stopped");
+     }},
     {"step_negative_max_encode_tokens",
      [](const std::string& dir) {
        return "finished " + std::to_string(admitted_engine(dir)->step({{1, -1}}, 4, 100).size());
@@ -267,6 +304,8 @@ int main(int argc, char** argv) {
       result = std::string("InvalidArgument: ") + e.what();
     } catch (const FormatError& e) {
       result = std::string("FormatError: ") + e.what();
+    } catch (const Cancelled& e) {
+      result = std::string("Cancelled: ") + e.what();
     } catch (const std::exception& e) {
       result = std::string("std::exception: ") + e.what();
     }

@@ -20,4 +20,11 @@ class FormatError : public std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
+// A call that the caller stopped, through the std::stop_token it passed, before it finished
+// (generate()): what it held is freed, and the model goes on serving other calls.
+class Cancelled : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
 }  // namespace diffuserve

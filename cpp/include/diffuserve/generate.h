@@ -5,6 +5,7 @@
 
 #include <cstdint>
 #include <optional>
+#include <stop_token>
 #include <string>
 #include <vector>
 
@@ -61,9 +62,11 @@ void validate(const SamplingParams& params, const ModelConfig& config);
 // A seeded request's output depends only on its prompt, parameters and seed. Throws
 // InvalidArgument naming the prompt for a bad prompt or parameter (before any work), and for
 // a request the KV cache cannot take because the model's other sequences hold it. The call
-// holds the model's turn (diffuserve.h) until it returns, and cannot be cancelled: a service
-// that must abort requests, or serve others meanwhile, runs them on an Engine (engine.h).
+// holds the model's turn (diffuserve.h) until it returns. A stop requested on `stop` (from
+// any thread: a timeout, a client gone) ends it after the forward pass in progress, throwing
+// Cancelled (errors.h), the requests' KV freed. A service that must abort single requests, or
+// serve others meanwhile, runs them on an Engine (engine.h).
 std::vector<GenerationOutput> generate(Model& model, const std::vector<std::vector<int32_t>>& prompts,
-                                       const std::vector<SamplingParams>& params);
+                                       const std::vector<SamplingParams>& params, std::stop_token stop = {});
 
 }  // namespace diffuserve
