@@ -1,5 +1,7 @@
 """Paged KV cache, prefix caching, mixed-phase batches and continuous batching (CPU)."""
 import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -341,6 +343,33 @@ def test_an_abort_after_interrupt_waits_for_one_step_at_most(make_llm):
         for request in ids[1:]:
             llm.abort(request)
         assert meanwhile <= 1, f"try {trial}: {meanwhile} steps ran before the abort"
+
+
+def test_a_signal_handler_may_call_the_llm_while_its_thread_waits_for_it(path):
+    """A signal handler that calls the LLM (a watchdog reading stats()) runs within the main
+    thread's wait for the LLM's lock, another thread holding it: the handler's call waits its
+    turn too, and both return (with a non-reentrant turnstile the process had hung). In a
+    subprocess, so that a regression fails rather than hangs."""
+    script = """if True:
+        import faulthandler, signal, sys, threading, time
+        import diffuserve as ds
+        llm = ds.LLM(sys.argv[1], kv_block_size=4)
+        held = threading.Event()
+        def holder():
+            with llm._lock:
+                held.set()
+                time.sleep(0.3)
+        threading.Thread(target=holder).start()
+        held.wait()
+        seen = []
+        signal.signal(signal.SIGALRM, lambda signum, frame: seen.append(llm.stats()))
+        signal.setitimer(signal.ITIMER_REAL, 0.1)
+        faulthandler.dump_traceback_later(60, exit=True)
+        llm.stats()
+        print(len(seen))
+    """
+    out = subprocess.run([sys.executable, "-c", script, str(path)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "1", out.stdout + out.stderr
 
 
 def test_a_cache_held_by_other_sequences_is_an_error_not_a_hang(make_llm):

@@ -293,8 +293,16 @@ def test_index_repeats_are_read_as_json_reads_them(ckpt, model):
     body = json.dumps(weight_map)[:-1] + f", {json.dumps(ROUTER)}: {json.dumps(weight_map[ROUTER])}}}"
     index.write_text('{"weight_map": ' + json.dumps(wrong) + ', "weight_map": ' + body + "}")
     np.testing.assert_array_equal(logits_of(ds.Model.load(ckpt)), logits_of(model))
+    # An earlier value that is not an object, or an entry that is not a string, given again
+    # right: the last counts.
+    index.write_text('{"weight_map": 5, "weight_map": ' + body + "}")
+    np.testing.assert_array_equal(logits_of(ds.Model.load(ckpt)), logits_of(model))
+    index.write_text('{"weight_map": {' + f"{json.dumps(ROUTER)}: 7, " + json.dumps(weight_map)[1:] + "}")
+    np.testing.assert_array_equal(logits_of(ds.Model.load(ckpt)), logits_of(model))
     index.write_text('{"weight_map": ' + json.dumps({**weight_map, ROUTER: 7}) + "}")
     load_fails(ckpt, f"weight_map entry for tensor '{ROUTER}' is not a string", str(index))
+    index.write_text('{"weight_map": ' + json.dumps(weight_map) + ', "weight_map": null}')
+    load_fails(ckpt, '"weight_map" is not a JSON object', str(index))
     index.write_text('{"weight_map": [], "metadata": {}}')
     load_fails(ckpt, '"weight_map" is not a JSON object', str(index))
     index.write_text('{"weight_map": {"a": 1}, "metadata": {]}')  # syntax first, wherever it is

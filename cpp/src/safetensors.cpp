@@ -340,24 +340,35 @@ Checkpoint::Checkpoint(const std::string& dir) {
   syntax.skip();
   syntax.end();
   json::Reader index(text, index_path);
-  std::optional<std::map<std::string, std::string>> weight_map;  // tensor -> shard
+  // A repeated key's last value counts, as for any JSON key (Python's json, and so transformers,
+  // read it so): each value is judged once the whole index is read. Tensor -> shard, or none
+  // where its entry is not a string.
+  std::optional<json::Kind> weight_map_kind;
+  std::map<std::string, std::optional<std::string>> entries;
   if (index.next() == json::Kind::Object)
     index.object([&](std::string key) {
       if (key != "weight_map") return index.skip();
-      if (index.next() != json::Kind::Object) throw FormatError(index_path + ": \"weight_map\" is not a JSON object");
-      weight_map.emplace();  // a repeated weight_map: the last counts, as for any JSON key
+      entries.clear();
+      if ((weight_map_kind = index.next()) != json::Kind::Object) return index.skip();
       index.object([&](std::string name) {
-        if (index.next() != json::Kind::String)
-          throw FormatError(index_path + ": weight_map entry for tensor '" + name + "' is not a string");
-        weight_map->insert_or_assign(std::move(name), index.value().string);  // a repeated name: the last
+        std::optional<std::string> shard;
+        if (index.next() == json::Kind::String) shard = index.value().string;
+        else index.skip();
+        entries.insert_or_assign(std::move(name), std::move(shard));
       });
     });
-  if (!weight_map) throw FormatError(index_path + ": missing \"weight_map\"");
+  if (!weight_map_kind) throw FormatError(index_path + ": missing \"weight_map\"");
+  if (weight_map_kind != json::Kind::Object) throw FormatError(index_path + ": \"weight_map\" is not a JSON object");
+  std::map<std::string, std::string> weight_map;  // tensor -> shard
+  for (auto& [name, shard] : entries) {
+    if (!shard) throw FormatError(index_path + ": weight_map entry for tensor '" + name + "' is not a string");
+    weight_map.emplace(name, std::move(*shard));
+  }
   // Shard file name (as a path, normalized: "./a" and "a" are one file, as transformers
   // reads them) -> its opened file, filled in below.
   auto shard_key = [](const std::string& shard) { return fs::path(shard).lexically_normal().string(); };
   std::map<std::string, const SafetensorsFile*> shards;
-  for (const auto& [name, shard] : *weight_map) {
+  for (const auto& [name, shard] : weight_map) {
     if (!is_inside_directory(shard)) {
       throw FormatError(index_path + ": weight_map entry for tensor '" + name + "' names '" + shard +
                         "', which is not a file inside " + dir);
@@ -378,7 +389,7 @@ Checkpoint::Checkpoint(const std::string& dir) {
       }
     }
   }
-  for (const auto& [name, shard] : *weight_map) {
+  for (const auto& [name, shard] : weight_map) {
     if (!shards.at(shard_key(shard))->tensors().contains(name)) {
       throw FormatError(index_path + ": tensor '" + name + "' is listed in weight_map under " + shard +
                         " but that shard does not contain it");

@@ -81,7 +81,9 @@ class _TurnLock(_thread.RLock):
 
     def __init__(self):
         super().__init__()
-        self._turnstile = threading.Lock()
+        # (Reentrant: a signal handler that calls the LLM runs within this thread's wait for the
+        # lock, holding the turnstile.)
+        self._turnstile = threading.RLock()
 
     def __enter__(self):  # (by a thread that does not hold the lock: _locked says why)
         try:
