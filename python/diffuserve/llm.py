@@ -77,7 +77,7 @@ class _TurnLock(_thread.RLock):
     that an abort() after interrupt() had waited a whole further slice of passes (4 of 20
     tries, 240 ms each on a small model). Its exit is RLock's own, in C: a signal handler's
     exception cannot come between a call's return value and the lock's release (with a
-    Python __exit__, the SIGALRM test had lost a step's outputs 1 time in 20)."""
+    Python __exit__, the SIGALRM test had lost a step's outputs in 2 of 13 runs)."""
 
     def __init__(self):
         super().__init__()
