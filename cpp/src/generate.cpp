@@ -119,13 +119,12 @@ std::vector<GenerationOutput> generate(Model& model, const std::vector<std::vect
   // A stop ends the step in progress after its pass (the engine's interrupt, which any thread
   // may call); the loop then sees it between steps.
   const std::stop_callback interrupt_on_stop(stop, [&engine] { engine.interrupt(); });
-  size_t done_prompts = 0;
-  auto stop_if_asked = [&] {
+  auto stop_if_asked = [&](size_t done_prompts) {
     if (stop.stop_requested())
       throw Cancelled("generate: stopped by its stop_token, " + std::to_string(done_prompts) + " of " +
                       std::to_string(prompts.size()) + " prompts done");
   };
-  for (size_t i = 0; i < prompts.size(); ++i, ++done_prompts) {
+  for (size_t i = 0; i < prompts.size(); ++i) {
     // (Where even a canvas finds no room, the model's other sequences, or another thread's,
     // hold the rest of the cache, and the same step would fail again forever.)
     auto no_room = [&] {
@@ -141,7 +140,7 @@ std::vector<GenerationOutput> generate(Model& model, const std::vector<std::vect
       chunk = std::max(canvas, chunk / 2);
     }
     for (bool done = false; !done;) {
-      stop_if_asked();
+      stop_if_asked(i);
       const int64_t passes = engine.passes();
       for (auto& [id, out] : engine.step({StepPlan{i, chunk}}, INT32_MAX, unlimited)) {
         outputs[id] = std::move(out);
