@@ -141,7 +141,8 @@ def test_stop_strings(client, offline):
         .token_ids
     # (Not by the decoded text's length: a token that ends inside a character decodes to a
     # replacement character that holds its place.)
-    expected = next(k for k in range(1, len(ids) + 1) if offline.tokenizer.decode_output(ids[:k]).startswith(cut + stop))
+    decoded = offline.tokenizer.decode_output
+    expected = next(k for k in range(1, len(ids) + 1) if decoded(ids[:k]).startswith(cut + stop))
     assert out.usage.completion_tokens == expected < len(ids)
     stream = client.completions.create(model=MODEL, prompt="Hello", max_tokens=48, seed=2, stop=stop, stream=True)
     assert "".join(c.choices[0].text for c in stream) == cut
