@@ -30,7 +30,12 @@ and 1e-4 in the float64 reference, so the row magnifies rounding by ~1e3 whoever
 and both were the same on the code before the session's changes. Rerun on the session's final
 code (its vectorized softmax and norms), the same seeds' first 815 flagged 81 against 75: 3
 SUSPECT (20182, 20234, 20724), each a tied prefill row (router gap 2.2e-8 to 3.5e-7) that
-later steps read, and seed 20379's row within the tolerance.
+later steps read, and seed 20379's row within the tolerance. The sixty-third session's (seeds
+63000-64089, 20 min, AVX-512) flagged 101 of 1,090: 91 fp32-noise, 5 near-tied routing, 2
+both, 1 argmax-only and 2 SUSPECT, each a self-conditioned row (seeds 63661 and 64066: 1.2e-3
+and 1.8e-3 from float64, where transformers' fp32 is 1.0e-4 and 4.3e-4) that a relative 1e-7
+change of the self-conditioning logits moves by up to 5.6e-4 and 1.5e-3 in diffuserve: rows
+that magnify rounding, as seed 20842's.
 """
 import argparse
 import itertools
