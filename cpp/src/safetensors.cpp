@@ -344,36 +344,33 @@ Checkpoint::Checkpoint(const std::string& dir) {
   // read it so): each value is judged once the whole index is read. Tensor -> shard, or none
   // where its entry is not a string.
   std::optional<json::Kind> weight_map_kind;
-  std::map<std::string, std::optional<std::string>> entries;
+  std::map<std::string, std::optional<std::string>> weight_map;
   if (index.next() == json::Kind::Object)
     index.object([&](std::string key) {
       if (key != "weight_map") return index.skip();
-      entries.clear();
+      weight_map.clear();
       if ((weight_map_kind = index.next()) != json::Kind::Object) return index.skip();
       index.object([&](std::string name) {
         std::optional<std::string> shard;
         if (index.next() == json::Kind::String) shard = index.value().string;
         else index.skip();
-        entries.insert_or_assign(std::move(name), std::move(shard));
+        weight_map.insert_or_assign(std::move(name), std::move(shard));
       });
     });
   if (!weight_map_kind) throw FormatError(index_path + ": missing \"weight_map\"");
   if (weight_map_kind != json::Kind::Object) throw FormatError(index_path + ": \"weight_map\" is not a JSON object");
-  std::map<std::string, std::string> weight_map;  // tensor -> shard
-  for (auto& [name, shard] : entries) {
+  for (const auto& [name, shard] : weight_map)
     if (!shard) throw FormatError(index_path + ": weight_map entry for tensor '" + name + "' is not a string");
-    weight_map.emplace(name, std::move(*shard));
-  }
   // Shard file name (as a path, normalized: "./a" and "a" are one file, as transformers
   // reads them) -> its opened file, filled in below.
   auto shard_key = [](const std::string& shard) { return fs::path(shard).lexically_normal().string(); };
   std::map<std::string, const SafetensorsFile*> shards;
   for (const auto& [name, shard] : weight_map) {
-    if (!is_inside_directory(shard)) {
-      throw FormatError(index_path + ": weight_map entry for tensor '" + name + "' names '" + shard +
+    if (!is_inside_directory(*shard)) {
+      throw FormatError(index_path + ": weight_map entry for tensor '" + name + "' names '" + *shard +
                         "', which is not a file inside " + dir);
     }
-    shards.emplace(shard_key(shard), nullptr);
+    shards.emplace(shard_key(*shard), nullptr);
   }
 
   // Each shard is opened once; a tensor in a shard but not in weight_map is still loaded,
@@ -390,8 +387,8 @@ Checkpoint::Checkpoint(const std::string& dir) {
     }
   }
   for (const auto& [name, shard] : weight_map) {
-    if (!shards.at(shard_key(shard))->tensors().contains(name)) {
-      throw FormatError(index_path + ": tensor '" + name + "' is listed in weight_map under " + shard +
+    if (!shards.at(shard_key(*shard))->tensors().contains(name)) {
+      throw FormatError(index_path + ": tensor '" + name + "' is listed in weight_map under " + *shard +
                         " but that shard does not contain it");
     }
   }
