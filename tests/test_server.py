@@ -65,6 +65,16 @@ def offline(checkpoint):
     return ds.LLM(checkpoint)
 
 
+def wait_until_idle(engine, seconds):
+    """Waits (at most `seconds`) for the engine's stats to show no request running or waiting
+    and every KV block free: its thread refreshes them after posting a step's outputs."""
+    deadline = time.time() + seconds
+    while engine.stats["kv_blocks_free"] != engine.stats["kv_blocks_total"] or engine.stats["running"] \
+            or engine.stats["waiting"]:
+        assert time.time() < deadline, engine.stats
+        time.sleep(0.02)
+
+
 def metrics(base_url) -> dict:
     text = httpx.get(base_url + "/metrics").text
     return {m.group(1): float(m.group(2)) for m in re.finditer(r"^(diffuserve_\w+(?:\{[^}]*\})?) (\S+)$", text, re.M)}
@@ -556,11 +566,7 @@ def test_many_choices_are_started_in_turns_of_the_event_loop(checkpoint, monkeyp
     try:
         asyncio.run(main())
         assert len(turns) == 8 * 128 and len(set(turns)) > 1, set(turns)
-        deadline = time.time() + 30
-        while engine.stats["kv_blocks_free"] != engine.stats["kv_blocks_total"] or engine.stats["running"] \
-                or engine.stats["waiting"]:
-            assert time.time() < deadline, engine.stats
-            time.sleep(0.02)
+        wait_until_idle(engine, 30)
     finally:
         engine.shutdown()
 
@@ -594,10 +600,7 @@ def test_requests_left_before_the_engine_took_them_are_never_added(checkpoint):
         assert output.finish_reason == "length" and len(output.token_ids) == 8
         # (The first add may have been read as the lock was taken: that one waits for it.)
         assert len(added) <= 2 and not engine._left, len(added)
-        deadline = time.time() + 30  # (the engine thread refreshes its stats after posting the output)
-        while engine.stats["kv_blocks_free"] != engine.stats["kv_blocks_total"] or engine.stats["running"]:
-            assert time.time() < deadline, engine.stats
-            time.sleep(0.02)
+        wait_until_idle(engine, 30)
     finally:
         engine.shutdown()
 
@@ -946,10 +949,7 @@ def test_a_failed_step_fails_its_requests_and_the_engine_goes_on(checkpoint):
     try:
         with pytest.raises(StepFailed, match="out of GPU memory allocating 2147483648 bytes"):
             asyncio.run(run())
-        deadline = time.time() + 10  # the engine thread refreshes its stats right after posting the error
-        while engine.stats["kv_blocks_free"] != engine.stats["kv_blocks_total"]:
-            assert time.time() < deadline, engine.stats
-            time.sleep(0.01)
+        wait_until_idle(engine, 10)
         assert len(asyncio.run(run()).token_ids) == 8
     finally:
         engine.shutdown()
