@@ -10,18 +10,11 @@
 #include <cstdint>
 
 #include "cp_async.cuh"  // their staging
+#include "fast_math.cuh"
 #include "kernels.h"
 #include "mma.cuh"
 
 namespace diffuserve::cuda {
-
-// e^x on the special function unit, results below 2^-126 flushed to zero (__expf's care
-// for them costs three instructions, for weights no sum would notice).
-__device__ __forceinline__ float exp_ftz(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x * 1.4426950408889634f));
-  return y;
-}
 
 // A place in a segment's keys: key `key` of span `span`.
 struct Cursor {

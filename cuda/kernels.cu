@@ -3,10 +3,12 @@
 #include <algorithm>
 #include <climits>
 #include <stdexcept>
+#include <string>
 #include <type_traits>
 
 #include "activation_quant.h"
 #include "block_reduce.cuh"
+#include "fast_math.cuh"
 #include "gemm_tile.cuh"
 #include "kernels.h"
 #include "mma.cuh"
@@ -444,8 +446,10 @@ __global__ void scale_kernel(float* x, float s, int64_t n) {
   if (i < n) x[i] *= s;
 }
 
-// cap * tanh(x / cap): the softcap op's and the sampler's, one expression.
-__device__ __forceinline__ float capped(float x, float cap) { return cap * tanhf(x / cap); }
+// cap * tanh(x / cap): the softcap op's and the sampler's, one expression (the sampler
+// divides by the cap four values at a time, Divisor, and passes the quotient q = x / cap).
+__device__ __forceinline__ float softcap_of_quotient(float q, float cap) { return cap * tanhf(q); }
+__device__ __forceinline__ float capped(float x, float cap) { return softcap_of_quotient(x / cap, cap); }
 
 __global__ void softcap_kernel(float* x, float cap, int64_t n) {
   wait_for_earlier_kernels();
@@ -461,9 +465,9 @@ __global__ void softmax_kernel(float* x, int64_t cols) {
   for_each_strided(r, cols, threadIdx.x, blockDim.x, [&](int64_t, float v) { m = fmaxf(m, v); });
   block_argmax(m, unused);
   float sum = 0.0f;
-  for_each_strided(r, cols, threadIdx.x, blockDim.x, [&](int64_t, float v) { sum += __expf(v - m); });
+  for_each_strided(r, cols, threadIdx.x, blockDim.x, [&](int64_t, float v) { sum += exp_ftz(v - m); });
   const float inv = 1.0f / block_sum(sum);
-  for_each_strided(r, cols, threadIdx.x, blockDim.x, [&](int64_t j, float v) { r[j] = __expf(v - m) * inv; });
+  for_each_strided(r, cols, threadIdx.x, blockDim.x, [&](int64_t j, float v) { r[j] = exp_ftz(v - m) * inv; });
 }
 
 // dst (fp32, or bf16: rounded) row dst_rows[r] = src row r.
@@ -647,7 +651,7 @@ __global__ void random_bf16_kernel(__nv_bfloat16* out, int64_t n, uint64_t seed,
 
 // Softmax statistics kept online over a stream of values: the running max m, s = the sum
 // of e^(x - m) and t = the sum of e^(x - m) (x - m), for the entropy; -inf values (masked
-// ids) count for nothing. e^x on the special function unit (__expf), as the softmax op.
+// ids) count for nothing. e^x by exp_ftz, as the softmax op.
 // Values come four at a time: one max and at most one rescale a group, the four terms
 // summed as a tree before they join the running sums (fewer branches and a shorter chain of
 // dependent operations than value by value: the batch-1 sampler took 604 us on the H200,
@@ -660,7 +664,7 @@ struct OnlineSoftmax {
     if (top == -INFINITY) return;
     if (top > m) {  // a new max: what came before (nothing, the first time) is rescaled to it
       if (s > 0.0f) {
-        const float c = __expf(m - top);
+        const float c = exp_ftz(m - top);
         t = c * (t + (m - top) * s);
         s *= c;
       }
@@ -671,7 +675,7 @@ struct OnlineSoftmax {
     for (int j = 0; j < 4; ++j) {
       const bool counts = x[j] != -INFINITY;
       const float d = counts ? x[j] - m : 0.0f;
-      e[j] = counts ? __expf(d) : 0.0f;
+      e[j] = counts ? exp_ftz(d) : 0.0f;
       et[j] = e[j] * d;
     }
     s += (e[0] + e[1]) + (e[2] + e[3]);
@@ -683,7 +687,7 @@ struct OnlineSoftmax {
       *this = o;
       return;
     }
-    const float top = fmaxf(m, o.m), a = __expf(m - top), b = __expf(o.m - top);
+    const float top = fmaxf(m, o.m), a = exp_ftz(m - top), b = exp_ftz(o.m - top);
     t = a * (t + (m - top) * s) + b * (o.t + (o.m - top) * o.s);
     s = a * s + b * o.s;
     m = top;
@@ -711,11 +715,18 @@ __device__ OnlineSoftmax block_merge(OnlineSoftmax v) {
 // logarithms (a few instructions, where gumbel's two accurate logf take dozens). __logf's
 // error is within 2^-21.4 on [0.5, 2] and 3 ulp elsewhere, so where -log(u) >= 1e-3 the
 // estimate is within 4e-4 of the noise, and the 0.01 margin leaves every value that could
-// reach the bound (and ties) to the exact noise.
+// reach the bound (and ties) to the exact noise. Both logarithms' inputs are normal floats
+// (u >= 2^-24, and -log(u) >= 6e-8), so log_ftz gives __logf's values; both are taken
+// whatever the first gives, without a branch.
 __device__ __forceinline__ bool gumbel_certainly_below(uint32_t bits, float bound) {
-  const float y = -__logf(uniform_open(bits));
-  return y >= 1e-3f && -__logf(y) < bound - 0.01f;
+  const float y = -log_ftz(uniform_open(bits));
+  return (y >= 1e-3f) & (-log_ftz(y) < bound - 0.01f);
 }
+
+// How a row's feedback (the second pass's output) is written: the processed values f
+// themselves or their softmax, fp32 over the logits; or their softmax rounded to bf16 into
+// the soft embedding product's input rows (the form that product takes).
+enum class Feedback { Processed, Softmax, SoftmaxBf16 };
 
 // One block per canvas row, two passes over it. The first computes the processed logits p
 // (softcap(logits) / temperature, masked ids -inf), writes them over the logits, and
@@ -723,11 +734,7 @@ __device__ __forceinline__ bool gumbel_certainly_below(uint32_t bits, float boun
 // statistics) and the softmax statistics of the feedback f (p rounded to bf16 when
 // round_bf16). (The kernel is bound by instruction issue, not memory: writing p and reading
 // it back costs less than computing the softcap's tanh and the two divisions again.) The
-// second reads p back and writes f, or with
-// softmax_feedback its softmax (the next step's soft embedding input; the forward's
-// softmax op, copy and their passes are then left out: into `feedback_rows` where given,
-// rounded to bf16 as that product takes it, so that its pre-pass over the vocabulary goes
-// too, and half the bytes are written), and draws the Gumbel-max
+// second reads p back and writes the feedback (kFeedback), and draws the Gumbel-max
 // candidate: only for ids whose p is within the noise's range of the row's max, since
 // the winner's noisy value is at least max + the least noise and no other id can reach
 // it. With a peaked distribution that skips the Philox draws and the two logarithms of
@@ -735,67 +742,89 @@ __device__ __forceinline__ bool gumbel_certainly_below(uint32_t bits, float boun
 // noise certainly leaves them below the thread's best noisy value so far skip the exact
 // noise (gumbel_certainly_below): with near-uniform rows (the random-weight benchmark's)
 // that is nearly all of them.
-template <bool kBf16Feedback>  // feedback_rows given (a variant of its own: the loop is at 64 registers)
+// Being issue-bound, the passes keep per-value work to the arithmetic: the softcap, the
+// allowed ids and the feedback's form are template parameters, not tests a value; each
+// thread's ids come in tiles of kSampleLoads float4s, and every whole tile (all of a row's
+// but the last, where the row is whole float4s) is read without a bound check; the
+// divisions by the cap and the temperature refine their reciprocals once (Divisor). Each
+// thread still sees its ids in the same order, so the statistics are those of a plain loop.
+template <bool kSoftcap, bool kAllowed, Feedback kFeedback>
 __global__ void __launch_bounds__(kSampleThreads, 2)
-    sample_kernel(float* logits, int64_t vocab, float cap, float temperature, const uint8_t* allowed, RandomKey key,
-                  DeviceSchedule schedule, bool round_bf16, bool softmax_feedback, __nv_bfloat16* feedback_rows,
-                  bool vector, DeviceRowSample* out) {
+    sample_kernel(float* logits, int vocab, float cap, float temperature, const uint8_t* allowed, RandomKey key,
+                  DeviceSchedule schedule, bool round_bf16, __nv_bfloat16* feedback_rows, bool vector,
+                  DeviceRowSample* out) {
   wait_for_earlier_kernels();
-  const int64_t row = blockIdx.x;
+  const int row = blockIdx.x;
   if (schedule.steps_done) {
     const int step = *schedule.steps_done;
     temperature = schedule_temperature(schedule.t_min, schedule.t_max, schedule.max_steps - step, schedule.max_steps);
     key.step = uint32_t(step);
   }
-  float* l = logits + row * vocab;
-  auto processed = [&](int64_t v, float x) {
-    return !allowed || allowed[v] ? (cap > 0.0f ? capped(x, cap) : x) / temperature : -INFINITY;
-  };
+  float* l = logits + int64_t(row) * vocab;
+  const Divisor by_cap(cap), by_temperature(temperature);
   auto fed_back = [&](float p) { return round_bf16 ? __bfloat162float(__float2bfloat16(p)) : p; };
-  // The row's ids four at a time, each thread's in the same order in both passes.
-  auto load4 = [&](int64_t v4, float (&x)[4]) {
-    if (vector) {  // rows of whole, aligned float4s
+  // The row's values v4 .. v4 + 3 (kWhole: all inside the row and the row whole float4s).
+  auto load4 = [&]<bool kWhole>(int v4, float (&x)[4]) {
+    if (kWhole || vector) {
       const float4 q = *reinterpret_cast<const float4*>(l + v4);
       x[0] = q.x, x[1] = q.y, x[2] = q.z, x[3] = q.w;
     } else {
       for (int j = 0; j < 4; ++j) x[j] = v4 + j < vocab ? l[v4 + j] : 0.0f;
     }
   };
-  auto store4 = [&](int64_t v4, const float (&x)[4]) {
-    if (vector) *reinterpret_cast<float4*>(l + v4) = {x[0], x[1], x[2], x[3]};
+  auto store4 = [&]<bool kWhole>(int v4, const float (&x)[4]) {
+    if (kWhole || vector) *reinterpret_cast<float4*>(l + v4) = {x[0], x[1], x[2], x[3]};
     else
       for (int j = 0; j < 4 && v4 + j < vocab; ++j) l[v4 + j] = x[j];
   };
-  // f(v4, x) on this thread's ids four at a time (x: the row's values from v4), in the same
-  // order in both passes, kSampleLoads loads issued before any value is used.
-  const int64_t first4 = int64_t(threadIdx.x) * 4, stride4 = int64_t(blockDim.x) * 4;
+  // f(v4, x, kWhole) on this thread's ids four at a time (x: the row's values from v4), in
+  // the same order in both passes, kSampleLoads loads issued before any value is used.
+  const int first4 = int(threadIdx.x) * 4, stride4 = int(blockDim.x) * 4, tile = kSampleLoads * stride4;
+  const int whole_tiles = vector ? vocab / tile : 0;
   auto for_each4 = [&](auto f) {
-    for (int64_t base = first4; base < vocab; base += kSampleLoads * stride4) {
+    int base = first4;
+    for (int t = 0; t < whole_tiles; ++t, base += tile) {
+      float x[kSampleLoads][4];
+#pragma unroll
+      for (int u = 0; u < kSampleLoads; ++u) load4.template operator()<true>(base + u * stride4, x[u]);
+#pragma unroll
+      for (int u = 0; u < kSampleLoads; ++u) f.template operator()<true>(base + u * stride4, x[u]);
+    }
+    for (; base < vocab; base += tile) {
       float x[kSampleLoads][4];
 #pragma unroll
       for (int u = 0; u < kSampleLoads; ++u)
-        if (base + u * stride4 < vocab) load4(base + u * stride4, x[u]);
+        if (base + u * stride4 < vocab) load4.template operator()<false>(base + u * stride4, x[u]);
 #pragma unroll
       for (int u = 0; u < kSampleLoads; ++u)
-        if (base + u * stride4 < vocab) f(base + u * stride4, x[u]);
+        if (base + u * stride4 < vocab) f.template operator()<false>(base + u * stride4, x[u]);
     }
   };
   float best = -INFINITY;
   int best_i = INT_MAX;
   OnlineSoftmax dist{-INFINITY, 0.0f, 0.0f}, feedback = dist;
-  for_each4([&](int64_t v4, float (&x)[4]) {
+  for_each4([&]<bool kWhole>(int v4, float (&x)[4]) {
+    // p: softcap(x) / temperature; masked ids and ids past the row -inf.
+    if constexpr (kSoftcap) {
+      by_cap.divide(x);
+#pragma unroll
+      for (int j = 0; j < 4; ++j) x[j] = softcap_of_quotient(x[j], cap);
+    }
+    by_temperature.divide(x);
     float f[4];
     // A thread's ids rise, so its running argmax keeps the first of equal values by `>`
     // (and takes the first id at all, even where every value is -inf).
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
-      const float p = x[j] = v4 + j < vocab ? processed(v4 + j, x[j]) : -INFINITY;
+      bool counts = kWhole || v4 + j < vocab;
+      if constexpr (kAllowed) counts = counts && allowed[v4 + j];
+      const float p = x[j] = counts ? x[j] : -INFINITY;
       f[j] = fed_back(p);
-      if (v4 + j < vocab && (p > best || (p == best && best_i == INT_MAX))) best = p, best_i = int(v4 + j);
+      if ((kWhole || v4 + j < vocab) && (p > best || (p == best && best_i == INT_MAX))) best = p, best_i = v4 + j;
     }
     dist.add(x);
     feedback.add(f);
-    store4(v4, x);
+    store4.template operator()<kWhole>(v4, x);
   });
   block_argmax(best, best_i);
   dist = block_merge(dist);
@@ -803,28 +832,31 @@ __global__ void __launch_bounds__(kSampleThreads, 2)
   const float inv_sum = 1.0f / feedback.s, reach = best + kGumbelMin;
   float best_noisy = -INFINITY;
   int noisy_i = INT_MAX;
-  for_each4([&](int64_t v4, float (&p)[4]) {
+  for_each4([&]<bool kWhole>(int v4, float (&p)[4]) {
+    const int n = kWhole ? 4 : min(4, vocab - v4);  // the group's ids in the row
     float x[4];
     bool draw = false;
-    for (int j = 0; j < 4 && v4 + j < vocab; ++j) {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
       const float f = fed_back(p[j]);
-      x[j] = softmax_feedback ? __expf(f - feedback.m) * inv_sum : f;
-      draw |= !(p[j] + kGumbelMax < reach);
+      x[j] = kFeedback == Feedback::Processed ? f : exp_ftz(f - feedback.m) * inv_sum;
+      draw |= j < n && !(p[j] + kGumbelMax < reach);
     }
-    if (!kBf16Feedback) {
-      store4(v4, x);
+    if constexpr (kFeedback != Feedback::SoftmaxBf16) {
+      store4.template operator()<kWhole>(v4, x);
     } else {
-      __nv_bfloat16* to = feedback_rows + row * vocab + v4;
-      if (vector) *reinterpret_cast<uint2*>(to) = make_uint2(round_bf16x2(x[0], x[1]), round_bf16x2(x[2], x[3]));
+      __nv_bfloat16* to = feedback_rows + int64_t(row) * vocab + v4;
+      if (kWhole || vector) *reinterpret_cast<uint2*>(to) = make_uint2(round_bf16x2(x[0], x[1]), round_bf16x2(x[2], x[3]));
       else
-        for (int j = 0; j < 4 && v4 + j < vocab; ++j) to[j] = __float2bfloat16(x[j]);
+        for (int j = 0; j < n; ++j) to[j] = __float2bfloat16(x[j]);
     }
     if (!draw) return;
     const Philox4 bits = key.draw(uint32_t(row), uint32_t(v4));
-    for (int j = 0; j < 4 && v4 + j < vocab; ++j) {
-      if (p[j] + kGumbelMax < reach || gumbel_certainly_below(bits[j], best_noisy - p[j])) continue;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      if (j >= n || p[j] + kGumbelMax < reach || gumbel_certainly_below(bits[j], best_noisy - p[j])) continue;
       const float noisy = p[j] + gumbel(bits[j]);
-      if (noisy > best_noisy || (noisy == best_noisy && v4 + j < noisy_i)) best_noisy = noisy, noisy_i = int(v4 + j);
+      if (noisy > best_noisy || (noisy == best_noisy && v4 + j < noisy_i)) best_noisy = noisy, noisy_i = v4 + j;
     }
   });
   block_argmax(best_noisy, noisy_i);
@@ -1142,15 +1174,33 @@ void random_bf16(__nv_bfloat16* out, int64_t n, uint64_t seed, float scale, cuda
            scale);
 }
 
+// sample_kernel's variant for a call: softcap or none, allowed ids or all, and the feedback's form.
+template <bool kSoftcap, bool kAllowed>
+auto sample_kernel_for(Feedback feedback) {
+  return feedback == Feedback::Processed ? sample_kernel<kSoftcap, kAllowed, Feedback::Processed>
+         : feedback == Feedback::Softmax ? sample_kernel<kSoftcap, kAllowed, Feedback::Softmax>
+                                         : sample_kernel<kSoftcap, kAllowed, Feedback::SoftmaxBf16>;
+}
+
 void sample_rows(float* logits, int64_t rows, int64_t vocab, float cap, float temperature, const uint8_t* allowed,
                  RandomKey key, const DeviceSchedule& schedule, bool round_bf16, bool softmax_feedback,
                  __nv_bfloat16* feedback_rows, DeviceRowSample* out, cudaStream_t stream) {
+  // Ids are ints in the kernel, and a thread's last tile may start a tile past the row.
+  if (vocab > INT_MAX - 4 * kSampleThreads * kSampleLoads)
+    throw std::invalid_argument("sample_rows: a vocabulary of at most " +
+                                std::to_string(INT_MAX - 4 * kSampleThreads * kSampleLoads) + " ids, got " +
+                                std::to_string(vocab));
   const bool vector = vocab % 4 == 0 && reinterpret_cast<uintptr_t>(logits) % 16 == 0 &&
                       reinterpret_cast<uintptr_t>(feedback_rows) % 8 == 0;
+  const Feedback feedback = !softmax_feedback ? Feedback::Processed
+                            : feedback_rows   ? Feedback::SoftmaxBf16
+                                              : Feedback::Softmax;
+  const bool softcap = cap > 0.0f;
+  auto kernel = softcap ? (allowed ? sample_kernel_for<true, true>(feedback) : sample_kernel_for<true, false>(feedback))
+                        : (allowed ? sample_kernel_for<false, true>(feedback) : sample_kernel_for<false, false>(feedback));
   if (rows)
-    launch(softmax_feedback && feedback_rows ? sample_kernel<true> : sample_kernel<false>, unsigned(rows),
-           kSampleThreads, 0, stream, logits, vocab, cap, temperature, allowed, key, schedule, round_bf16,
-           softmax_feedback, feedback_rows, vector, out);
+    launch(kernel, unsigned(rows), kSampleThreads, 0, stream, logits, int(vocab), cap, temperature, allowed, key,
+           schedule, round_bf16, feedback_rows, vector, out);
 }
 
 void update_canvas(const DeviceCanvas& canvas, const DeviceRowSample* rows, void* scratch, cudaStream_t stream) {

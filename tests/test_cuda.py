@@ -200,14 +200,18 @@ def check_generate_agrees_with_cpu_and_is_batch_invariant(path):
 
 
 # The sampler's pass on the GPU against the CPU's, on the same logits and Philox draws: rows
-# from near-one-hot to near-uniform, a vocabulary of whole float4s and one with a tail, with
-# and without allowed ids, near-greedy to hot, and both kinds of feedback.
-@pytest.mark.parametrize("vocab", [1000, 4099])
+# from near-one-hot to near-uniform, with and without allowed ids, near-greedy to hot, and
+# both kinds of feedback. Vocabularies below one tile of the kernel's loads (4,096 ids a
+# block) and past it (whole tiles, then the rest), of whole float4s and with a ragged end;
+# zeros and subnormal logits among the values, which the divisions by the temperature and
+# the cap take past their fast path.
+@pytest.mark.parametrize("vocab, allowed_count", [(1000, 0), (4099, 300), (12292, 0), (8196, 300)])
 @pytest.mark.parametrize("temperature", [1e-5, 0.7, 2.0])
-def test_sampler_matches_cpu(vocab, temperature):
+def test_sampler_matches_cpu(vocab, allowed_count, temperature):
     rng = np.random.default_rng(vocab)
     logits = (rng.standard_normal((64, vocab)) * rng.uniform(0.05, 12, (64, 1))).astype(np.float32)
-    allowed = [] if vocab == 1000 else sorted(rng.choice(vocab, 300, replace=False).tolist())
+    logits[:, ::97], logits[:, 5::131], logits[:, 7::151] = 0.0, 1e-42, -3e-39
+    allowed = sorted(rng.choice(vocab, allowed_count, replace=False).tolist())
     for softmax_feedback, softcap in ((False, 0.0), (True, 0.0), (True, 30.0)):
         cpu, gpu = (_core.sampler.sample_rows(logits, temperature, allowed, 3, 1, 2, softmax_feedback=softmax_feedback,
                                               device=device, softcap=softcap) for device in ("cpu", "cuda"))
