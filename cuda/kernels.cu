@@ -742,12 +742,14 @@ enum class Feedback { Processed, Softmax, SoftmaxBf16 };
 // noise certainly leaves them below the thread's best noisy value so far skip the exact
 // noise (gumbel_certainly_below): with near-uniform rows (the random-weight benchmark's)
 // that is nearly all of them.
-// Being issue-bound, the passes keep per-value work to the arithmetic: the softcap, the
-// allowed ids and the feedback's form are template parameters, not tests a value; each
-// thread's ids come in tiles of kSampleLoads float4s, and every whole tile (all of a row's
-// but the last, where the row is whole float4s) is read without a bound check; the
-// divisions by the cap and the temperature refine their reciprocals once (Divisor). Each
-// thread still sees its ids in the same order, so the statistics are those of a plain loop.
+// Bound by instruction issue, the passes keep per-value work to the arithmetic: the
+// softcap, the allowed ids and the feedback's form are template parameters, not tests a
+// value; each thread's ids come in tiles of kSampleLoads float4s, and every whole tile (all
+// of a row's but the last, where the row is whole float4s) is read without a bound check;
+// the divisions by the cap and the temperature refine their reciprocals once (Divisor).
+// Each thread still sees its ids in the same order, so the statistics are those of a plain
+// loop. (A batch-1 call on an H100, sixty-fourth session: 580 -> 381 us, which moves its
+// 938 MB at 2.5 TB/s, near that machine's copy bandwidth.)
 template <bool kSoftcap, bool kAllowed, Feedback kFeedback>
 __global__ void __launch_bounds__(kSampleThreads, 2)
     sample_kernel(float* logits, int vocab, float cap, float temperature, const uint8_t* allowed, RandomKey key,
