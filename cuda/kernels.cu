@@ -25,7 +25,10 @@ constexpr int kRowThreads = 1024;
 // The sampler's blocks: 512 threads, two a multiprocessor at its 64 registers, so a batch-1
 // canvas (256 rows) runs in one wave on 132 multiprocessors. Each thread has two float4
 // loads of its row in flight (batch 1 on the H200: 594 us, against 605 us with one; 256
-// threads with eight each, at 100 registers, took 821 us).
+// threads with eight each, at 100 registers, took 821 us). After the sixty-fourth session's
+// rewrite (sample_kernel), on an H100 (sampler_bench, us a batch-1 / batch-16 call on
+// near-uniform rows): 512 x 2 380.4-380.7 / 5818-5821, 512 x 3 382.5-383.0 / 6061-6070,
+// 512 x 4 (spilling 12 bytes) 380.7-382.1 / 5770-5772, 256 x 4 434.1-434.8 / 6099-6105.
 constexpr int kSampleThreads = 512, kSampleLoads = 2;
 
 unsigned blocks_for(int64_t n) { return unsigned((n + kThreads - 1) / kThreads); }
