@@ -76,7 +76,8 @@ void check_divisor() {
 // for peaked rows one id (the row's index) 40 ahead.
 __global__ void random_logits_kernel(float* logits, int64_t rows, bool peaked) {
   const int64_t n = rows * kVocab;
-  for (int64_t i = 2 * (int64_t(blockIdx.x) * blockDim.x + threadIdx.x); i < n; i += 2 * int64_t(gridDim.x) * blockDim.x) {
+  const int64_t stride = 2 * int64_t(gridDim.x) * blockDim.x;
+  for (int64_t i = 2 * (int64_t(blockIdx.x) * blockDim.x + threadIdx.x); i < n; i += stride) {
     const Philox4 bits = philox4x32(uint32_t(i), uint32_t(i >> 32), 0, 0, 7, 0);
     const float r = sqrtf(-2.0f * logf(uniform_open(bits[0]))), a = 6.2831853f * uniform_open(bits[1]);
     logits[i] = r * cosf(a), logits[i + 1] = r * sinf(a);

@@ -1,16 +1,6 @@
 // Arithmetic in fewer instructions than the compiler's own forms, for kernels bound by
-// instruction issue (the sampler, attention's softmax).
-//
-// Divisor: division by one value many times over, correctly rounded (IEEE x / d, as the CPU
-// divides). The compiler's division refines d's reciprocal again for every quotient and checks both
-// operands (FCHK) before it: a reciprocal on the special function unit, five fused
-// multiply-adds, the check and a branch a quotient. Divisor refines the reciprocal once, by
-// the same steps (the approximation, one Newton step), and each quotient then takes the
-// same product and correction as that fast path, which is exact while the operands are far
-// from the exponent range's ends. Four quotients share one check of their operands: where
-// any is outside 2^-40..2^40 (zeros, infinities, NaNs, tiny or huge values) all four are
-// divided by __fdiv_rn instead. benchmarks/sampler_bench.cu --check compares every float x
-// against __fdiv_rn for a set of divisors.
+// instruction issue (the sampler, attention's softmax): e^x and ln x without the care for
+// subnormals, and division by one value many times over.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -36,6 +26,16 @@ __device__ __forceinline__ float log_ftz(float x) {
   return y * 0.6931471805599453f;
 }
 
+// x / d correctly rounded (IEEE division, as the CPU divides) for many x over one d. The
+// compiler's division refines d's reciprocal again for every quotient and checks both
+// operands (FCHK) before it: a reciprocal on the special function unit, five fused
+// multiply-adds, the check and a branch a quotient. Divisor refines the reciprocal once, by
+// the same steps (the approximation, one Newton step), and each quotient then takes the
+// same product and correction as that fast path, which is exact while the operands are far
+// from the exponent range's ends. Four quotients share one check of their operands: where
+// any is outside 2^-40..2^40 (zeros, infinities, NaNs, tiny or huge values) all four are
+// divided by __fdiv_rn instead. benchmarks/sampler_bench.cu --check compares every float x
+// against __fdiv_rn for a set of divisors.
 struct Divisor {
   float d, r;  // the divisor and its refined reciprocal
   bool fast;   // d itself in range: the fast path is open

@@ -851,7 +851,8 @@ __global__ void __launch_bounds__(kSampleThreads, 2)
       store4.template operator()<kWhole>(v4, x);
     } else {
       __nv_bfloat16* to = feedback_rows + int64_t(row) * vocab + v4;
-      if (kWhole || vector) *reinterpret_cast<uint2*>(to) = make_uint2(round_bf16x2(x[0], x[1]), round_bf16x2(x[2], x[3]));
+      if (kWhole || vector)
+        *reinterpret_cast<uint2*>(to) = make_uint2(round_bf16x2(x[0], x[1]), round_bf16x2(x[2], x[3]));
       else
         for (int j = 0; j < n; ++j) to[j] = __float2bfloat16(x[j]);
     }
@@ -1201,8 +1202,10 @@ void sample_rows(float* logits, int64_t rows, int64_t vocab, float cap, float te
                             : feedback_rows   ? Feedback::SoftmaxBf16
                                               : Feedback::Softmax;
   const bool softcap = cap > 0.0f;
-  auto kernel = softcap ? (allowed ? sample_kernel_for<true, true>(feedback) : sample_kernel_for<true, false>(feedback))
-                        : (allowed ? sample_kernel_for<false, true>(feedback) : sample_kernel_for<false, false>(feedback));
+  auto kernel = softcap ? (allowed ? sample_kernel_for<true, true>(feedback)
+                                    : sample_kernel_for<true, false>(feedback))
+                        : (allowed ? sample_kernel_for<false, true>(feedback)
+                                   : sample_kernel_for<false, false>(feedback));
   if (rows)
     launch(kernel, unsigned(rows), kSampleThreads, 0, stream, logits, int(vocab), cap, temperature, allowed, key,
            schedule, round_bf16, feedback_rows, vector, out);
