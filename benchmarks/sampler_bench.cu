@@ -1,12 +1,13 @@
 // The sampler's row pass (cuda/kernels.cu, sample_kernel) on its own: microseconds a call at
 // DiffusionGemma's vocabulary (262,144) for a batch-1, -4 and -16 canvas (256 rows each), in
-// the step's form (softcap 30, a scheduled temperature, the softmax feedback rounded to bf16
-// into the soft embedding's input rows). Two kinds of rows:
+// the step's form (softcap 30, temperature 0.6, the softmax feedback rounded to bf16 into the
+// soft embedding's input rows). Two kinds of rows:
 //   - near-uniform (a random-weight model's, the step benchmark's): every id within the
 //     Gumbel noise's reach of the row's max, so every id draws its noise;
 //   - peaked (a trained model's): one id far ahead, the draws skipped.
 // Each call gets the same logits (the kernel writes over them), copied in before it; only
-// the kernel is timed, between two events.
+// the kernel is timed, between two events (the copy leaves some of its bytes in L2). Nothing
+// here checks the sampler's outputs: tests/test_cuda.py does, against the CPU's.
 // With --check, first Divisor (cuda/fast_math.cuh) against __fdiv_rn for every float
 // dividend (all 2^32 bit patterns) and a set of divisors: the sampler's divisions by the cap
 // and the temperature must be IEEE's, as the CPU's are.

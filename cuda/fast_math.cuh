@@ -9,9 +9,11 @@ namespace diffuserve::cuda {
 
 // e^x on the special function unit, as __expf, with results below the least normal float
 // (x < -87.3) flushed to zero, where __expf scales them into the subnormals (three to five
-// instructions more a value). Every use sums such terms beside one of at least 1 (a
-// softmax's max, its own term) or scales them by that sum's inverse, so a flushed term
-// (below 2^-126 of the largest) changes no sum, and a probability that small comes out 0.
+// instructions more a value). The softmaxes that use it add such terms to a sum of at least
+// 1 (the max's own term), which they cannot change; what they do change: a term that small
+// comes out 0 in a softmax's output, and the entropy's sum of e (x - max), to which the max
+// adds nothing, loses them, so a row whose every other value lies 87 or more below its max
+// has entropy 0 where __expf gave about 1e-40.
 __device__ __forceinline__ float exp_ftz(float x) {
   float y;
   asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x * 1.4426950408889634f));
@@ -34,8 +36,10 @@ __device__ __forceinline__ float log_ftz(float x) {
 // same product and correction as that fast path, which is exact while the operands are far
 // from the exponent range's ends. Four quotients share one check of their operands: where
 // any is outside 2^-40..2^40 (zeros, infinities, NaNs, tiny or huge values) all four are
-// divided by __fdiv_rn instead. benchmarks/sampler_bench.cu --check compares every float x
-// against __fdiv_rn for a set of divisors.
+// divided by __fdiv_rn instead. Its exactness is that of the fast path's, which rests on the
+// hardware's reciprocal approximation (with a reciprocal 1-2 ulp off, one correction is not
+// always enough): benchmarks/sampler_bench.cu --check compares every float x against
+// __fdiv_rn for a set of divisors, on the GPU at hand.
 struct Divisor {
   float d, r;  // the divisor and its refined reciprocal
   bool fast;   // d itself in range: the fast path is open
