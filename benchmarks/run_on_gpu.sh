@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: the GEMM and the attention on their own against double-
-# precision references (benchmarks/gemm_bench.cu, benchmarks/attention_bench.cu), a build
+# precision references (benchmarks/gemm_bench.cu, benchmarks/attention_bench.cu), the
+# sampler's divisions against IEEE's (benchmarks/sampler_bench.cu), a build
 # with the CUDA backend, the GPU test files (transformers' parity, bad inputs, quantized
 # checkpoints and KV cache dtypes on CUDA, and CUDA against the CPU backend), then the step
 # benchmark.
@@ -15,7 +16,7 @@ if ls .device/transformers-*.whl >/dev/null 2>&1; then
   export PYTHONPATH="/tmp/newer-transformers${PYTHONPATH:+:$PYTHONPATH}"
 fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/gpu.txt"
-# The two benches compile side by side, then each runs (checks first, then timings) within 150 s.
+# The three benches compile side by side, then each runs (checks first, then timings) within 150 s.
 flags="-std=c++20 -arch=sm_90a -DDIFFUSERVE_SM90A -O3 -I cpp/src -I cpp/include -I cuda"
 # cuBLASLt from the nvidia-cublas wheel beside PyTorch, as the build finds it: gemm_bench
 # then checks and times the dense products the backend sends there too.
@@ -27,8 +28,10 @@ nvcc $flags benchmarks/gemm_bench.cu cuda/gemm.cu cuda/kernels.cu cuda/launch.cu
   $lt_flags -o /tmp/gemm_bench > "$out/gemm_bench.txt" 2>&1 &
 nvcc $flags benchmarks/attention_bench.cu cuda/attention.cu cuda/attention_mma.cu cuda/attention_wgmma.cu cuda/launch.cu -o /tmp/attention_bench \
   > "$out/attention_bench.txt" 2>&1 &
+nvcc $flags benchmarks/sampler_bench.cu cuda/kernels.cu cuda/gemm.cu cuda/launch.cu cpp/src/packed_weight.cpp cpp/src/sampler.cpp \
+  cpp/src/dtype.cpp -o /tmp/sampler_bench > "$out/sampler_bench.txt" 2>&1 &
 wait
-for bench in gemm_bench attention_bench; do
+for bench in gemm_bench attention_bench sampler_bench; do
   [ -x /tmp/$bench ] && timeout 150 /tmp/$bench >> "$out/$bench.txt" 2>&1
   echo "$bench: exit $? ($(grep -c '^ok' "$out/$bench.txt") checks passed)"; grep -v "^ok" "$out/$bench.txt"
 done

@@ -8,14 +8,13 @@
 // Each call gets the same logits (the kernel writes over them), copied in before it; only
 // the kernel is timed, between two events (the copy leaves some of its bytes in L2). Nothing
 // here checks the sampler's outputs: tests/test_cuda.py does, against the CPU's.
-// With --check, first Divisor (cuda/fast_math.cuh) against __fdiv_rn for every float
+// First (unless --time) Divisor (cuda/fast_math.cuh) against __fdiv_rn for every float
 // dividend (all 2^32 bit patterns) and a set of divisors: the sampler's divisions by the cap
-// and the temperature must be IEEE's, as the CPU's are.
+// and the temperature must be IEEE's, as the CPU's are; --check stops after it.
 // Build and run (sm_90a):
 //   nvcc -std=c++20 -arch=sm_90a -O3 -I cpp/src -I cpp/include -I cuda benchmarks/sampler_bench.cu \
 //     cuda/kernels.cu cuda/gemm.cu cuda/launch.cu cpp/src/packed_weight.cpp cpp/src/sampler.cpp cpp/src/dtype.cpp \
-//     -o /tmp/sampler_bench && /tmp/sampler_bench --check
-#include <cstring>
+//     -o /tmp/sampler_bench && /tmp/sampler_bench
 #include <cmath>
 #include <random>
 #include <string>
@@ -121,7 +120,13 @@ float time_sampler(int64_t rows, bool peaked) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  if (argc > 1 && std::strcmp(argv[1], "--check") == 0) check_divisor();
+  const std::string mode = argc > 1 ? argv[1] : "";
+  if (mode != "" && mode != "--check" && mode != "--time") {
+    std::fprintf(stderr, "usage: sampler_bench [--check | --time]\n");
+    return 2;
+  }
+  if (mode != "--time") check_divisor();
+  if (mode == "--check") return failures ? 1 : 0;
   std::printf("| rows | kind         | us a call | ns a row | ps an id |\n");
   std::printf("|-----:|:-------------|----------:|---------:|---------:|\n");
   for (int64_t batch : {1, 4, 16}) {
