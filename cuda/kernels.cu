@@ -782,8 +782,9 @@ __global__ void __launch_bounds__(kSampleThreads, 2)
     else
       for (int j = 0; j < 4 && v4 + j < vocab; ++j) l[v4 + j] = x[j];
   };
-  // f(v4, x, kWhole) on this thread's ids four at a time (x: the row's values from v4), in
-  // the same order in both passes, kSampleLoads loads issued before any value is used.
+  // f(v4, x, n) on this thread's ids four at a time (x: the row's values from v4; n: how many
+  // of the four ids lie in the row, 4 in a whole tile), in the same order in both passes,
+  // kSampleLoads loads issued before any value is used.
   const int first4 = int(threadIdx.x) * 4, stride4 = int(blockDim.x) * 4, tile = kSampleLoads * stride4;
   const int whole_tiles = vector ? vocab / tile : 0;
   auto for_each4 = [&](auto f) {
@@ -793,7 +794,7 @@ __global__ void __launch_bounds__(kSampleThreads, 2)
 #pragma unroll
       for (int u = 0; u < kSampleLoads; ++u) load4.template operator()<true>(base + u * stride4, x[u]);
 #pragma unroll
-      for (int u = 0; u < kSampleLoads; ++u) f.template operator()<true>(base + u * stride4, x[u]);
+      for (int u = 0; u < kSampleLoads; ++u) f.template operator()<true>(base + u * stride4, x[u], 4);
     }
     for (; base < vocab; base += tile) {
       float x[kSampleLoads][4];
@@ -801,14 +802,16 @@ __global__ void __launch_bounds__(kSampleThreads, 2)
       for (int u = 0; u < kSampleLoads; ++u)
         if (base + u * stride4 < vocab) load4.template operator()<false>(base + u * stride4, x[u]);
 #pragma unroll
-      for (int u = 0; u < kSampleLoads; ++u)
-        if (base + u * stride4 < vocab) f.template operator()<false>(base + u * stride4, x[u]);
+      for (int u = 0; u < kSampleLoads; ++u) {
+        const int v4 = base + u * stride4;
+        if (v4 < vocab) f.template operator()<false>(v4, x[u], min(4, vocab - v4));
+      }
     }
   };
   float best = -INFINITY;
   int best_i = INT_MAX;
   OnlineSoftmax dist{-INFINITY, 0.0f, 0.0f}, feedback = dist;
-  for_each4([&]<bool kWhole>(int v4, float (&x)[4]) {
+  for_each4([&]<bool kWhole>(int v4, float (&x)[4], int n) {
     // p: softcap(x) / temperature; masked ids and ids past the row -inf.
     if constexpr (kSoftcap) {
       by_cap.divide(x);
@@ -821,11 +824,11 @@ __global__ void __launch_bounds__(kSampleThreads, 2)
     // (and takes the first id at all, even where every value is -inf).
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
-      bool counts = kWhole || v4 + j < vocab;
+      bool counts = j < n;
       if constexpr (kAllowed) counts = counts && allowed[v4 + j];
       const float p = x[j] = counts ? x[j] : -INFINITY;
       f[j] = fed_back(p);
-      if ((kWhole || v4 + j < vocab) && (p > best || (p == best && best_i == INT_MAX))) best = p, best_i = v4 + j;
+      if (j < n && (p > best || (p == best && best_i == INT_MAX))) best = p, best_i = v4 + j;
     }
     dist.add(x);
     feedback.add(f);
@@ -837,8 +840,7 @@ __global__ void __launch_bounds__(kSampleThreads, 2)
   const float inv_sum = 1.0f / feedback.s, reach = best + kGumbelMin;
   float best_noisy = -INFINITY;
   int noisy_i = INT_MAX;
-  for_each4([&]<bool kWhole>(int v4, float (&p)[4]) {
-    const int n = kWhole ? 4 : min(4, vocab - v4);  // the group's ids in the row
+  for_each4([&]<bool kWhole>(int v4, float (&p)[4], int n) {
     float x[4];
     bool draw = false;
 #pragma unroll
