@@ -735,8 +735,12 @@ enum class Feedback { Processed, Softmax, SoftmaxBf16 };
 // (softcap(logits) / temperature, masked ids -inf), writes them over the logits, and
 // gathers what the rest needs of them: the argmax, the entropy (from online softmax
 // statistics) and the softmax statistics of the feedback f (p rounded to bf16 when
-// round_bf16). (The kernel is bound by instruction issue, not memory: writing p and reading
-// it back costs less than computing the softcap's tanh and the two divisions again.) The
+// round_bf16). (Writing p and reading it back costs less than computing the softcap's tanh
+// and the two divisions again. Tried and not kept, sixty-fifth session, sampler_bench on an
+// H100, 256 / 4,096 rows: the second pass recomputing p from the logits, the first storing
+// nothing, a third less traffic: near-uniform rows 384 -> 425 / 5881 -> 6453 us, peaked ones
+// 333 -> 314 / 5226 -> 4607; the step's random-weight rows are the near-uniform kind, and
+// the H200's faster memory leaves the peaked rows' saving smaller.) The
 // second reads p back and writes the feedback (kFeedback), and draws the Gumbel-max
 // candidate: only for ids whose p is within the noise's range of the row's max, since
 // the winner's noisy value is at least max + the least noise and no other id can reach
