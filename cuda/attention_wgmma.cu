@@ -4,13 +4,14 @@
 // takes the same plan (items, pieces, partial slots and merges; attention.cu), only with
 // more query vectors a block.
 //
-// The kernel stages each chunk's keys and values from bf16 rows with cp.async, no registers
-// and no conversion in its way, and the next chunk's copies run while the tensor cores work
-// on this one. A bf16 KV cache's pages (Backend::kv_cache_dtype) it reads where they are,
-// rows of the plan's bf16 pool. The batch's own rows (fp32 spans) the key and value norms
-// write as bf16 rows too, beside their fp32 (KeySpan::rounded_keys, AttentionPlan::
-// rounded_keys), and the kernel reads those; fp32 spans without them (an fp32 cache's pages)
-// a pre-pass writes as bf16 rows, one span after the other, into the attention's scratch.
+// A producer warpgroup stages each chunk's keys and values from bf16 rows with cp.async, no
+// registers and no conversion in their way, into a ring of buffers that two consumer
+// warpgroups read, running ahead of them as far as the ring lets it. A bf16 KV cache's
+// pages (Backend::kv_cache_dtype) it reads where they are, rows of the plan's bf16 pool.
+// The batch's own rows (fp32 spans) the key and value norms write as bf16 rows too, beside
+// their fp32 (KeySpan::rounded_keys, AttentionPlan::rounded_keys), and the kernel reads
+// those; fp32 spans without them (an fp32 cache's pages) a pre-pass writes as bf16 rows, one
+// span after the other, into the attention's scratch.
 // (Thirty-first session, H200, batch 1, 1K: the pre-pass's 3.4 us a layer gone, the norms
 // 7.0 -> 7.9 us, attention_bench's sliding layer 35.1 -> 31.9 us and full 74.4 -> 71.9 us
 // with pre-pass and merge; the steps 16.9-17.0 / 36.3-36.5 / 118.9-119.2 -> 16.9 / 36.5 /
@@ -32,8 +33,8 @@
 // the full layer at batch 1, 32K: 1,618 -> 1,575 us): what bounds the kernel is each
 // chunk's chain of latencies, not L2 (ncu: 6% busy). The blocks walk the item's piece of
 // the keys in chunks (64 keys at 256, 32 at 512; a causal segment's on the grid of key
-// positions that KeyWalk::first_slot says) that all threads of a block stage together
-// into shared memory: K and V alike as rows of keys ([key][dim], K-major for the score
+// positions that KeyWalk::first_slot says) that the producer looks up and stages into
+// shared memory: K and V alike as rows of keys ([key][dim], K-major for the score
 // product's B, N-major for P V's). A chunk's scores S = Q K^T are one wgmma chain per
 // warpgroup (Q and K from shared memory); at 512 that is a half of each score, which the
 // two blocks swap through distributed shared memory and add (fp32 addition commutes, so
@@ -43,8 +44,14 @@
 // product, O += P V, which takes them straight from registers, in the next chunk: its
 // scores and this chunk's P V go to the tensor cores together, and its softmax runs while P V
 // does (each chunk's products waiting on their own left the tensor cores idle through every
-// softmax). One barrier a chunk. The
-// swap is st.async stores into the other block, which count their bytes on its mbarrier:
+// softmax). Producer and consumers meet on mbarriers (Ring), each consumer warpgroup on its
+// own: where all 256 threads had staged each chunk and met at a barrier to end it, the
+// warpgroups ran in step, the look-ups and the copies' issue on their path (sixty-seventh
+// session, H100, attention_bench bf16 rows, us at 1x1K / 4x1K / 16x1K / 1x32K, two runs each:
+// the full layer 69.9-70.0 / 284 / 1090-1094 / 1291 -> 64.3-64.7 / 261 / 992-1003 /
+// 1185-1200, the sliding layer unchanged, 30.1 / 133-134 / 502-505 / 29.8; the steps,
+// ab_steps.sh --kv-gb 8, 22.26-22.28 / 39.85-39.96 / 120.9-121.1 -> 22.10 / 39.43-39.53 /
+// 120.2-120.8 ms). The swap is st.async stores into the other block, which count their bytes on its mbarrier:
 // waiting on a cluster barrier a chunk instead (barrier.cluster, its release fence) made
 // the layer no faster than one block of 64 vectors (ncu, 1x32K: 2.10 against 2.04 ms, the
 // warps stalled on the barrier and its fence 4 cycles an instruction).
@@ -94,7 +101,33 @@
 namespace diffuserve::cuda {
 namespace {
 
-constexpr int kThreads = 256;  // two warpgroups
+// Two consumer warpgroups multiply and softmax; a producer warpgroup looks up and stages the
+// keys and values. The registers go where the work is (setmaxnreg): each consumer thread holds
+// 128 output accumulators, the producer's copies need few. The launch gives every thread
+// kLaunchRegisters, and the consumers can take only what the producer gives up (the block's
+// pool: asking for more waits forever).
+constexpr int kConsumers = 256, kProducers = 128, kThreads = kConsumers + kProducers;
+constexpr int kLaunchRegisters = 64 * 1024 / kThreads / 8 * 8;  // 168
+constexpr int kConsumerRegisters = 232, kProducerRegisters = 40;
+static_assert(kConsumers * (kConsumerRegisters - kLaunchRegisters) <=
+                  kProducers * (kLaunchRegisters - kProducerRegisters),
+              "the consumers' registers come from the producer's");
+
+// The ring of chunks between the producer and the consumers: mbarriers, one phase a use.
+// full[c % 3] completes once chunk c's table (its keys' positions, and whether it has any),
+// keys and values are in; k_free[c % 2] once every consumer warp has read chunk c's keys
+// (its scores are done); v_free[c % 3] once every consumer warp's P V of chunk c is done
+// (chunk -1's, the empty product before the first, in buffer 2).
+struct Ring {
+  uint64_t full[3], k_free[2], v_free[3];
+};
+// Where a key's bf16 K and V values of the block's dims start, as the look-ups write them for
+// the staging (a row of the plan's bf16 pool or of the pre-pass's copies); null: no key (its
+// K and V staged as zeros).
+struct KeySource {
+  const __nv_bfloat16* keys;
+  const __nv_bfloat16* values;
+};
 
 // The shape of an item's blocks for head dim kDim (256 or 512): kSplit blocks (a cluster),
 // each staging and multiplying 256 of the dims (kSubtiles column blocks of 64) of the same
@@ -106,24 +139,27 @@ struct Shape {
   static constexpr int kKeys = kDim == 256 ? 64 : 32;
   static constexpr int kSubtiles = 4;
   // Shared memory: Q [subtile][query][64], K (two buffers) and V (three: a chunk's values
-  // are read a chunk after its keys) [buffer][subtile][key][64] (bf16), then
-  // for three chunks (one softmaxed, one staged, one being looked up) each key's bf16 row
-  // (key_row) and relative position; with kSplit 2, two buffers of the other block's
+  // are read a chunk after its keys) [buffer][subtile][key][64] (bf16), then the chunk being
+  // staged's keys' sources (KeySource), and for three chunks (one softmaxed, one staged, one
+  // waiting) each key's relative position; with kSplit 2, two buffers of the other block's
   // shares of the scores ([buffer][float4 i][thread], a thread's kKeys / 2) and an mbarrier
-  // for each, which counts their bytes in; then each query vector's offset in Q.
+  // for each, which counts their bytes in; the ring's mbarriers, whether each of its chunks
+  // has keys; then each query vector's offset in Q.
   static constexpr int kQTile = kSubtiles * kQueries * kRowBytes;  // 64 KB
   static constexpr int kKVTile = kSubtiles * kKeys * kRowBytes;    // 32 KB at 256, 16 KB at 512
-  static constexpr int kKOffset = kQTile, kVOffset = kKOffset + 2 * kKVTile, kRowOffset = kVOffset + 3 * kKVTile;
-  static constexpr int kPositionOffset = kRowOffset + 3 * kKeys * int(sizeof(int));
+  static constexpr int kKOffset = kQTile, kVOffset = kKOffset + 2 * kKVTile, kSourcesOffset = kVOffset + 3 * kKVTile;
+  static constexpr int kPositionOffset = kSourcesOffset + kKeys * int(sizeof(KeySource));
   static constexpr int kSharesOffset = kPositionOffset + 3 * kKeys * int(sizeof(int));
-  static constexpr int kShareBytes = kThreads * (kKeys / 2) * int(sizeof(float));  // a buffer
+  static constexpr int kShareBytes = kConsumers * (kKeys / 2) * int(sizeof(float));  // a buffer
   static constexpr int kBarrierOffset = kSharesOffset + (kSplit > 1 ? 2 * kShareBytes : 0);
-  static constexpr int kOffsetsOffset = kBarrierOffset + (kSplit > 1 ? 2 * int(sizeof(uint64_t)) : 0);
+  static constexpr int kRingOffset = kBarrierOffset + (kSplit > 1 ? 2 * int(sizeof(uint64_t)) : 0);
+  static constexpr int kHasKeysOffset = kRingOffset + int(sizeof(Ring));
+  static constexpr int kOffsetsOffset = kHasKeysOffset + 16;
   static constexpr int kSharedBytes = kOffsetsOffset + kQueries * int(sizeof(int64_t));
   // The output's staging (the block's 256 dims of every vector, fp32) reuses Q, K and V.
   static constexpr int kOutRowBytes = 256 * int(sizeof(float));
   static_assert(kSplit * kSubtiles * 64 == kDim && kSharesOffset % 16 == 0 && kOffsetsOffset % 8 == 0);
-  static_assert(kQueries * kOutRowBytes <= kRowOffset && kSharedBytes <= 227 * 1024);
+  static_assert(kQueries * kOutRowBytes <= kSourcesOffset && kSharedBytes <= 227 * 1024);
 };
 
 // The pre-pass: row r of the bf16 copies is row r - spans[s].packed of span s (the last
@@ -165,11 +201,6 @@ __global__ void pack_bf16_kernel(const DeviceKeySpan* __restrict__ spans, int sp
 }
 
 #ifdef DIFFUSERVE_WGMMA_DEVICE
-// A key's bf16 row, as the look-ups write it for the staging: r >= 0 row r of the pre-pass's
-// copies; kNoRow none (its K and V staged as zeros); pool_row(r), below kNoRow, row r of the
-// plan's bf16 pool (pool_row is its own inverse).
-constexpr int kNoRow = -1;
-__device__ __forceinline__ int pool_row(int64_t r) { return int(-2 - r); }
 
 // Four fp32 values as bf16 into a tile row at `dst` (8 bytes, aligned).
 __device__ __forceinline__ void store_bf16x4(uint8_t* dst, float4 x) {
@@ -203,6 +234,42 @@ __device__ __forceinline__ void wait_phase(uint32_t barrier, int parity) {
       "r"(parity)
       : "memory");
 }
+// An mbarrier whose phases each complete after `arrivals` arrivals.
+__device__ __forceinline__ void init_barrier(uint32_t barrier, int arrivals) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(barrier), "r"(arrivals) : "memory");
+}
+// One arrival on the mbarrier, releasing this thread's writes before it (the block's scope).
+__device__ __forceinline__ void arrive(uint32_t barrier) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(barrier) : "memory");
+}
+// One arrival on the mbarrier once this thread's cp.async copies so far have landed (counted
+// in the barrier's expected arrivals: .noinc).
+__device__ __forceinline__ void arrive_when_copied(uint32_t barrier) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(barrier) : "memory");
+}
+// Barriers among the consumers alone (named barrier 1) and the producer alone (2, with the
+// OR of a predicate or without), once the warpgroups have parted.
+__device__ __forceinline__ void consumers_sync() { asm volatile("bar.sync 1, %0;" ::"n"(kConsumers) : "memory"); }
+__device__ __forceinline__ void producer_sync() { asm volatile("bar.sync 2, %0;" ::"n"(kProducers) : "memory"); }
+__device__ __forceinline__ bool producer_sync_or(bool p) {
+  int any;
+  asm volatile(
+      "{\n.reg .pred p, q;\nsetp.ne.s32 p, %1, 0;\nbar.red.or.pred q, 2, %2, p;\nselp.s32 %0, 1, 0, q;\n}\n"
+      : "=r"(any)
+      : "r"(int(p)), "n"(kProducers)
+      : "memory");
+  return any != 0;
+}
+// This warpgroup's registers a thread from here on, fewer or more than the launch gave (all
+// its threads call it alike; more waits until the other warpgroups have given theirs up).
+template <int kRegisters>
+__device__ __forceinline__ void give_up_registers() {
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(kRegisters));
+}
+template <int kRegisters>
+__device__ __forceinline__ void take_registers() {
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(kRegisters));
+}
 // v to `remote` (a cluster address), its 16 bytes counted on the mbarrier at `remote_barrier`.
 __device__ __forceinline__ void store_counted(uint32_t remote, float4 v, uint32_t remote_barrier) {
   asm volatile(
@@ -226,8 +293,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   constexpr int kQueries = S::kQueries, kKeys = S::kKeys, kKVTile = S::kKVTile;
   constexpr int kPieces = 256 / 8;  // 16-byte pieces of a key's row in the block's dims
   extern __shared__ __align__(1024) uint8_t smem[];
-  auto key_rows = reinterpret_cast<int (*)[kKeys]>(smem + S::kRowOffset);      // key_row
   auto key_pos = reinterpret_cast<int (*)[kKeys]>(smem + S::kPositionOffset);  // relative_position, or kNoKey
+  int* const has_keys = reinterpret_cast<int*>(smem + S::kHasKeysOffset);      // a chunk's, by table slot
+  Ring* const ring = reinterpret_cast<Ring*>(smem + S::kRingOffset);
   const uint32_t q_base = shared_address(smem);
   const uint32_t k_base = q_base + S::kKOffset, v_base = q_base + S::kVOffset;
 
@@ -238,14 +306,99 @@ __global__ void __launch_bounds__(kThreads, 1)
   const DeviceAttentionSegment seg = segments[item.segment];
   const ItemQueries queries(seg, item, num_heads, num_kv_heads, kDim);
   const int nq = queries.count;
-  const int64_t kv_stride = int64_t(num_kv_heads) * kDim, dims = 256 * rank;
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
-  const int wg = warp / 4;  // this thread's warpgroup: query vectors 64 wg .. 64 wg + 63
+  const int64_t dims = 256 * rank;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   // Where each vector is in Q and the output (-1: none), worked out once (the division by
   // the GQA group is dozens of instructions, and each thread reads 32 rows of Q).
   int64_t* const at = reinterpret_cast<int64_t*>(smem + S::kOffsetsOffset);
   if (tid < kQueries) at[tid] = tid < nq ? queries.offset(tid) : -1;
+  // The ring's mbarriers: full expects the producer's threads (their copies) and its thread
+  // 0 (the table); the others, a consumer warp each. With kSplit 2, the swap's too, each
+  // expecting the first chunk it takes (0 and 1).
+  const uint32_t shares = shared_address(smem + S::kSharesOffset), barriers = shared_address(smem + S::kBarrierOffset);
+  if (tid == 0) {
+    for (int b = 0; b < 3; ++b) {
+      init_barrier(shared_address(&ring->full[b]), kProducers + 1);
+      init_barrier(shared_address(&ring->v_free[b]), kConsumers / 32);
+    }
+    for (int b = 0; b < 2; ++b) init_barrier(shared_address(&ring->k_free[b]), kConsumers / 32);
+    if constexpr (S::kSplit > 1)
+      for (int b = 0; b < 2; ++b) {
+        init_barrier(barriers + 8 * b, 1);
+        expect_bytes(barriers + 8 * b, S::kShareBytes);
+      }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  // The vectors' offsets and the mbarriers are ready; with kSplit 2, every block of the
+  // cluster has started, its mbarriers ready for the other's stores.
+  if constexpr (S::kSplit > 1) cluster.sync();
+  else __syncthreads();
 
+  if (tid >= kConsumers) {
+    // The producer: each chunk's table (KeyWalk::gather, threads 0..kKeys-1 of the warpgroup,
+    // thread i the chunk's slot i: its key's source and position), then its keys and values
+    // by cp.async into K's buffer c % 2 and V's c % 3: 16-byte piece p of a key's row (this KV
+    // head's values in the block's dims) to subtile p / 8, chunk p % 8 of the key's tile row;
+    // consecutive threads copy a key's contiguous bytes (a missing key's zeros read nothing).
+    // It runs ahead of the consumers as far as the buffers let it.
+    give_up_registers<kProducerRegisters>();
+    const unsigned ptid = tid - kConsumers;
+    KeySource* const sources = reinterpret_cast<KeySource*>(smem + S::kSourcesOffset);
+    const int64_t kv_stride = int64_t(num_kv_heads) * kDim, head = int64_t(item.kv_head) * kDim + dims;
+    // This thread copies 16-byte piece `piece` of the rows of keys first_key, first_key +
+    // kKeysAtOnce, ...: to subtile piece / 8, chunk piece % 8 of each key's tile row.
+    constexpr int kKeysAtOnce = kProducers / kPieces;
+    const unsigned piece = ptid % kPieces, first_key = ptid / kPieces;
+    const uint32_t piece_column = (piece / 8) * kKeys * kRowBytes;
+    const KeyWalk walk = queries.keys(spans);
+    Cursor cursor{item.span, item.key};
+    for (int c = 0;; ++c) {
+      const int slot = c % 3;
+      // The positions' slot was chunk c - 3's and K's buffer chunk c - 2's: free once chunk
+      // c - 2's scores are done.
+      wait_phase(shared_address(&ring->k_free[c % 2]), (c / 2 + 1) & 1);
+      bool mine = false;
+      if (ptid < kKeys) {
+        sources[ptid] = {nullptr, nullptr}, key_pos[slot][ptid] = kNoKey;  // unless a key is found for it
+        mine = walk.gather<kKeys>(cursor, ptid / 32, lane, c == 0, [&](int i, int span, int key) {
+          const DeviceKeySpan s = spans[span];
+          const bool pooled = s.pool_row >= 0;
+          const int64_t at = (pooled ? s.pool_row + key : s.packed + key) * kv_stride + head;
+          sources[i] = {(pooled ? pool_keys : packed_keys) + at, (pooled ? pool_values : packed_values) + at};
+          key_pos[slot][i] = relative_position(s.first_position + key, seg.first_position);
+        }) > 0;
+      }
+      // The plan's tables, which no kernel writes, were read before the wait for the kernels
+      // before (chunk 0's look-ups overlap their last blocks); the keys and values after it.
+      if (c == 0) wait_for_earlier_kernels();
+      const bool have = producer_sync_or(mine);  // and the sources are the producer's to read
+      if (have) {
+        // V's buffer was chunk c - 3's (chunk -1's for buffer 2): free once its P V is done.
+        wait_phase(shared_address(&ring->v_free[slot]), ((c / 3 + (slot == 2)) & 1) ^ 1);
+        const uint32_t k_tile = shared_address(smem + S::kKOffset + (c % 2) * kKVTile) + piece_column;
+        const uint32_t v_tile = shared_address(smem + S::kVOffset + slot * kKVTile) + piece_column;
+#pragma unroll 4
+        for (int i = 0; i < kKeys / kKeysAtOnce; ++i) {
+          const int key = first_key + kKeysAtOnce * i;
+          const KeySource src = sources[key];
+          const uint32_t dst = swizzle(key, piece % 8);
+          const bool present = src.keys != nullptr;  // else zeros, the source (a valid address) not read
+          cp_async16(k_tile + dst, present ? src.keys + 8 * piece : static_cast<const void*>(spans), present);
+          cp_async16(v_tile + dst, present ? src.values + 8 * piece : static_cast<const void*>(spans), present);
+        }
+      }
+      if (ptid == 0) has_keys[slot] = have;
+      producer_sync();  // every thread has read the sources: the next chunk's look-ups may write them
+      arrive_when_copied(shared_address(&ring->full[slot]));
+      if (ptid == 0) arrive(shared_address(&ring->full[slot]));  // the table and has_keys
+      if (!have) return;
+    }
+  }
+
+  // The consumers: two warpgroups of 64 query vectors each.
+  take_registers<kConsumerRegisters>();
+  const int g = lane >> 2, t = lane & 3;
+  const int wg = warp / 4;  // this thread's warpgroup: query vectors 64 wg .. 64 wg + 63
   // The two query vectors whose scores and outputs this thread holds (accumulator rows g
   // and g + 8 of its warp's 16), the keys each sees, and their running max and this
   // thread's share of their sums.
@@ -259,63 +412,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     m_run[h] = -INFINITY, l_run[h] = 0.0f;
   }
 
-  // Threads 0..kKeys-1 look up each chunk's keys together (KeyWalk::gather), thread `tid`
-  // the chunk's slot `tid`: its key's bf16 row (key_row) and position, into table slot
-  // `slot`; whether the chunk has keys. `cursor`: the next chunk's first key.
-  const KeyWalk walk = queries.keys(spans);
-  Cursor cursor{item.span, item.key};
-  auto look_up = [&](int slot, bool first_chunk) {
-    if (tid >= kKeys) return false;
-    key_rows[slot][tid] = kNoRow, key_pos[slot][tid] = kNoKey;  // unless a key is found for it
-    return walk.gather<kKeys>(cursor, warp, lane, first_chunk, [&](int i, int span, int key) {
-      const DeviceKeySpan s = spans[span];
-      key_rows[slot][i] = s.pool_row >= 0 ? pool_row(s.pool_row + key) : int(s.packed + key);
-      key_pos[slot][i] = relative_position(s.first_position + key, seg.first_position);
-    }) > 0;
-  };
-
-  // The keys and values of chunk c (table slot c % 3) into K's buffer c % 2 and V's c % 3, by cp.async
-  // (this thread's part, one commit group): 16-byte piece p of a key's row (this KV head's
-  // values in the block's dims) to subtile p / 8, chunk p % 8 of the key's tile row;
-  // consecutive threads copy a key's contiguous bytes. (A missing key's zeros read nothing.)
-  auto stage_chunk = [&](int c) {
-    const int slot = c % 3;
-    uint8_t* const k_tile = smem + S::kKOffset + (c % 2) * kKVTile;
-    uint8_t* const v_tile = smem + S::kVOffset + (c % 3) * kKVTile;
-#pragma unroll
-    for (int i = 0; i < kKeys * kPieces / kThreads; ++i) {
-      const int key = (tid + kThreads * i) / kPieces, p = (tid + kThreads * i) % kPieces;
-      const int row = key_rows[slot][key];
-      const bool pooled = row < kNoRow;
-      const int64_t src =
-          int64_t(pooled ? pool_row(row) : max(row, 0)) * kv_stride + int64_t(item.kv_head) * kDim + dims + 8 * p;
-      const int dst = (p / 8) * kKeys * kRowBytes + swizzle(key, p % 8);
-      cp_async16(k_tile + dst, (pooled ? pool_keys : packed_keys) + src, row != kNoRow);
-      cp_async16(v_tile + dst, (pooled ? pool_values : packed_values) + src, row != kNoRow);
-    }
-    cp_async_commit();
-  };
-
-  // Before the loop: the tables of chunks 0 and 1 (from the plan's tables, which no kernel
-  // writes: looked up before the wait for the kernels before, while their last blocks
-  // run), then chunk 0's keys and values in flight while Q is read.
-  const bool first_mine = look_up(0, true);
-  const bool next_mine = look_up(1, false);
-  // The swap's mbarriers, each expecting the first chunk it takes (0 and 1).
-  const uint32_t shares = shared_address(smem + S::kSharesOffset), barriers = shared_address(smem + S::kBarrierOffset);
-  if (S::kSplit > 1 && tid == 0) {
-    for (int b = 0; b < 2; ++b) {
-      asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(barriers + 8 * b) : "memory");
-      expect_bytes(barriers + 8 * b, S::kShareBytes);
-    }
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-  }
   wait_for_earlier_kernels();
-  // The tables and the vectors' offsets; and every block of the cluster has started, its
-  // mbarriers ready for the other's stores.
-  if constexpr (S::kSplit > 1) cluster.sync();
-  else __syncthreads();
-  stage_chunk(0);
   // Q's rows (the block's dims) as bf16 into its [subtile][row][64] tile, zeros past the
   // item's vectors. Where the query norms wrote them rounded already (q_bf16), by cp.async
   // as K and V are staged: 16-byte piece p of row r to subtile p / 8, chunk p % 8 of the
@@ -324,14 +421,14 @@ __global__ void __launch_bounds__(kThreads, 1)
   // Consecutive threads take a row's contiguous bytes.
   if (q_bf16) {
 #pragma unroll
-    for (int i = 0; i < kQueries * kPieces / kThreads; ++i) {
-      const int r = (tid + kThreads * i) / kPieces, p = (tid + kThreads * i) % kPieces;
+    for (int i = 0; i < kQueries * kPieces / kConsumers; ++i) {
+      const int r = (tid + kConsumers * i) / kPieces, p = (tid + kConsumers * i) % kPieces;
       cp_async16(q_base + (p / 8) * kQueries * kRowBytes + swizzle(r, p % 8),
                  q_bf16 + (r < nq ? at[r] : 0) + dims + 8 * p, r < nq);
     }
     cp_async_commit();
   } else {
-    constexpr int kRowThreads = 256 / 4, kRowsAtOnce = kThreads / kRowThreads, kLoads = kQueries / kRowsAtOnce;
+    constexpr int kRowThreads = 256 / 4, kRowsAtOnce = kConsumers / kRowThreads, kLoads = kQueries / kRowsAtOnce;
     const int c = tid % kRowThreads;
     float4 x[kLoads];
 #pragma unroll
@@ -345,20 +442,21 @@ __global__ void __launch_bounds__(kThreads, 1)
       store_bf16x4(smem + (c / 16) * kQueries * kRowBytes + swizzle(r, (c % 16) / 2) + 8 * (c % 2), x[i]);
     }
   }
-  // V's buffer 2, which chunk 0's empty P V reads, as zeros (not NaNs that 0 x NaN would keep).
-  for (int i = tid; i < kKVTile / 16; i += kThreads)
+  // V's buffer 2, which chunk 0's empty P V reads, as zeros (not NaNs that 0 x NaN would keep):
+  // the producer fills it with chunk 2's values only after that product.
+  for (int i = tid; i < kKVTile / 16; i += kConsumers)
     reinterpret_cast<uint4*>(smem + S::kVOffset + 2 * kKVTile)[i] = uint4{0, 0, 0, 0};
   cp_async_wait<0>();
-  fence_proxy_async();                       // Q's stores or copies and chunk 0's, for the tensor cores
-  bool have = __syncthreads_or(first_mine);  // chunk n has keys
-  bool have_next = __syncthreads_or(next_mine);
+  fence_proxy_async();  // Q's stores or copies and the zeros, for the tensor cores
+  consumers_sync();
 
   // The loop overlaps each chunk's softmax with the previous chunk's P V product: chunk n's
   // scores and chunk n - 1's P V go to the tensor cores together, the softmax of chunk n
   // runs once its scores are in while P V still runs, and only then is the output rescaled
   // to the new max (the tensor cores idled through the softmax when each chunk's products
   // waited on its own). A chunk's V is read one chunk later than its K, so V has three
-  // buffers to K's two.
+  // buffers to K's two. The warpgroups wait for the producer's chunks and hand back their
+  // buffers each on its own, with no barrier between them.
   float o[128] = {};
   // The previous chunk's probabilities, P V's A fragments; before chunk 0, zeros, whose
   // product with V's buffer 2 (zeros too, for this) adds nothing. (Leaving that product out
@@ -375,14 +473,11 @@ __global__ void __launch_bounds__(kThreads, 1)
   // a subtile on).
   const uint64_t q_desc = wgmma_descriptor(q_base + wg * 64 * kRowBytes), k_desc = wgmma_descriptor(k_base);
   int n = 0;
-  for (; have; ++n) {
-    // The next chunk's copies run while this one is multiplied: K's buffer was last read by
-    // chunk n - 1's scores, V's by chunk n - 2's P V, both finished before the barrier that
-    // ended the last chunk. (Issued after this chunk's products instead, so that the tensor
-    // cores start sooner, they made the layer slower: attention_bench at batch 1, 1K, sliding
-    // 34.9 -> 36.9 us, full 72.7 -> 77.8 us. The copies' latency is what the next chunk
-    // waits on, not their issue.)
-    if (have_next) stage_chunk(n + 1);
+  for (;; ++n) {
+    const int slot = n % 3;
+    wait_phase(shared_address(&ring->full[slot]), (n / 3) & 1);
+    if (!has_keys[slot]) break;
+    fence_proxy_async();  // the producer's copies, for the tensor cores
     // S = Q K^T over the block's dims: K steps of 16 (32 bytes of a subtile row); then the
     // previous chunk's P V, a commit group of its own.
     float s[kKeys / 2];
@@ -396,37 +491,38 @@ __global__ void __launch_bounds__(kThreads, 1)
     wgmma_commit();
     multiply_values(n);
     wgmma_commit();
-    const bool after_mine = look_up((n + 2) % 3, false);
-    // The look-ups' lanes may have parted (loops and loads of their own): wgmma's
-    // instructions are .aligned, for whole warps only.
-    __syncwarp();
     wgmma_wait<1>();  // the scores (P V may still run)
     wgmma_hold(s);
+    // K's buffer is read: the producer may stage chunk n + 2 there.
+    __syncwarp();
+    if (lane == 0) arrive(shared_address(&ring->k_free[n % 2]));
     if constexpr (S::kSplit > 1) {
       // The scores over the other block's dims: this thread's share to its twin thread's place
       // in buffer n % 2 there, the twin's from this block's, added (both blocks then hold the
       // same sums). Chunk n + 2 reuses the buffer: this block's thread 0 expects it once
       // chunk n's shares are in, and the other block sends it only after this block's shares
-      // of chunk n + 1, which leave after every thread here has read chunk n's (the barrier
-      // that ends a chunk).
+      // of chunk n + 1, which leave after every thread here has read chunk n's (the
+      // consumers' barrier below).
       const int b = n & 1;
       const uint32_t mine = shares + b * S::kShareBytes + 16 * tid, barrier = barriers + 8 * b;
       const uint32_t theirs = cluster_address(mine, rank ^ 1), their_barrier = cluster_address(barrier, rank ^ 1);
 #pragma unroll
       for (int i = 0; i < kKeys / 8; ++i)
-        store_counted(theirs + 16 * kThreads * i, {s[4 * i], s[4 * i + 1], s[4 * i + 2], s[4 * i + 3]}, their_barrier);
+        store_counted(theirs + 16 * kConsumers * i, {s[4 * i], s[4 * i + 1], s[4 * i + 2], s[4 * i + 3]},
+                      their_barrier);
       wait_phase(barrier, (n >> 1) & 1);
       if (tid == 0) expect_bytes(barrier, S::kShareBytes);
       const auto* in = reinterpret_cast<const float4*>(smem + S::kSharesOffset + b * S::kShareBytes) + tid;
 #pragma unroll
       for (int i = 0; i < kKeys / 8; ++i) {
-        const float4 x = in[i * kThreads];
+        const float4 x = in[i * kConsumers];
         s[4 * i] += x.x, s[4 * i + 1] += x.y, s[4 * i + 2] += x.z, s[4 * i + 3] += x.w;
       }
+      consumers_sync();  // every thread here has read chunk n's shares
     }
 
     // Mask and online softmax: s[4 j + 2 h + e] is row h's score of key 8 j + 2 t + e.
-    const int* pos = key_pos[n % 3];
+    const int* pos = key_pos[slot];
     float row_max[2] = {-INFINITY, -INFINITY};
 #pragma unroll
     for (int j = 0; j < kKeys / 8; ++j) {
@@ -470,6 +566,9 @@ __global__ void __launch_bounds__(kThreads, 1)
     wgmma_hold(p);
     wgmma_wait<0>();
     wgmma_hold(o);
+    // The previous chunk's values are read: the producer may stage chunk n + 2 there.
+    __syncwarp();
+    if (lane == 0) arrive(shared_address(&ring->v_free[(n + 2) % 3]));
     // Rescaling by 1 changes nothing: skipped while no row of the warp has a new max.
     if (__any_sync(0xffffffffu, alpha[0] != 1.0f || alpha[1] != 1.0f)) {
 #pragma unroll
@@ -479,12 +578,6 @@ __global__ void __launch_bounds__(kThreads, 1)
     for (int ks = 0; ks < kKeys / 16; ++ks)
 #pragma unroll
       for (int r = 0; r < 4; ++r) p[ks][r] = p_next[ks][r];
-    // The next chunk's copies landed (this thread's), visible to the tensor cores; both
-    // warpgroups done with this one.
-    cp_async_wait<0>();
-    fence_proxy_async();
-    const bool have_after = __syncthreads_or(after_mine);
-    have = have_next, have_next = have_after;
   }
   // The last chunk's P V (none without keys: a branch the whole block takes alike).
   if (n > 0) {
@@ -499,12 +592,19 @@ __global__ void __launch_bounds__(kThreads, 1)
   // `out` when the piece is all the rows see, else to partial slot item.slot with the
   // rows' max and sum (the cluster's first block: both have the same), for the merge.
   // o[4 j + 2 h + e] is row h's dim dims + 8 j + 2 t + e. The rows go through shared memory
-  // (Q's, K's and V's tiles, read by no one now: the last products are done, and the loop
-  // ended on a barrier), so that a warp's stores are 512 contiguous bytes of one row, not 32 bytes of
-  // each of 8 rows: in the fragments' order the stores took an eighth of the kernel's time
-  // (ncu, the sliding layer at batch 1, 1K), throttled by the memory pipeline's queue. A row
-  // is kOutRowBytes, its 16-byte chunk u at u ^ 2 (row % 8) (a warp's fragment stores, 8
-  // rows of 32 bytes, then fill every bank twice, the least for 256 bytes).
+  // (Q's, K's and V's tiles, read by no one now: the last products are done, the producer
+  // stopped at the empty chunk, and the consumers meet at a barrier first), so that a warp's
+  // stores are 512 contiguous bytes of one row, not 32 bytes of each of 8 rows: in the
+  // fragments' order the stores took an eighth of the kernel's time (ncu, the sliding layer
+  // at batch 1, 1K), throttled by the memory pipeline's queue. A row is kOutRowBytes, its
+  // 16-byte chunk u at u ^ 2 (row % 8) (a warp's fragment stores, 8 rows of 32 bytes, then
+  // fill every bank twice, the least for 256 bytes). Tried and not kept (sixty-seventh
+  // session, H100, attention_bench, sliding / full layer at 1x1K, 30.1-30.9 / 64.5-64.9 us):
+  // a batch of 16 rows' loads before their stores, each in its own registers (ptxas reused one
+  // float4's for every load of the rolled loop), 30.5-30.7 / 64.5-65.1; the partial slots' rows
+  // written by bulk copies (cp.async.bulk, a row a thread, from rows padded by 16 bytes),
+  // 32.9-33.3 / 66.7-67.2.
+  consumers_sync();
   auto staged = [&](int r, int u) { return smem + r * S::kOutRowBytes + 16 * (u ^ ((r & 7) << 1)); };
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
@@ -519,9 +619,9 @@ __global__ void __launch_bounds__(kThreads, 1)
                                                                             o[4 * c + 2 * h + 1] * inv};
     if (item.slot >= 0 && t == 0 && rank == 0 && j < nq) partial_ml[int64_t(item.slot) * kQueries + j] = {m_run[h], l};
   }
-  __syncthreads();
+  consumers_sync();
   constexpr int kChunks = S::kOutRowBytes / 16;
-  for (int i = tid; i < nq * kChunks; i += kThreads) {
+  for (int i = tid; i < nq * kChunks; i += kConsumers) {
     const int j = i / kChunks, u = i % kChunks;
     const float4 x = *reinterpret_cast<const float4*>(staged(j, u));
     const float v[4] = {x.x, x.y, x.z, x.w};
