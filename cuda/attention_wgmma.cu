@@ -51,10 +51,10 @@
 // the full layer 69.9-70.0 / 284 / 1090-1094 / 1291 -> 64.3-64.7 / 261 / 992-1003 /
 // 1185-1200, the sliding layer unchanged, 30.1 / 133-134 / 502-505 / 29.8; the steps,
 // ab_steps.sh --kv-gb 8, 22.26-22.28 / 39.85-39.96 / 120.9-121.1 -> 22.10 / 39.43-39.53 /
-// 120.2-120.8 ms). The swap is st.async stores into the other block, which count their bytes on its mbarrier:
-// waiting on a cluster barrier a chunk instead (barrier.cluster, its release fence) made
-// the layer no faster than one block of 64 vectors (ncu, 1x32K: 2.10 against 2.04 ms, the
-// warps stalled on the barrier and its fence 4 cycles an instruction).
+// 120.2-120.8 ms). The swap is st.async stores into the other block, which count their
+// bytes on its mbarrier: waiting on a cluster barrier a chunk instead (barrier.cluster, its
+// release fence) made the layer no faster than one block of 64 vectors (ncu, 1x32K: 2.10
+// against 2.04 ms, the warps stalled on the barrier and its fence 4 cycles an instruction).
 //
 // Shared memory tiles are rows of 128 bytes (64 bf16 values) in 8-row, 1,024-byte swizzle
 // atoms (gemm_tile.cuh's swizzle, the layout wgmma_descriptor names), wider rows cut into
