@@ -154,7 +154,7 @@ struct Shape {
   static constexpr int kBarrierOffset = kSharesOffset + (kSplit > 1 ? 2 * kShareBytes : 0);
   static constexpr int kRingOffset = kBarrierOffset + (kSplit > 1 ? 2 * int(sizeof(uint64_t)) : 0);
   static constexpr int kHasKeysOffset = kRingOffset + int(sizeof(Ring));
-  static constexpr int kOffsetsOffset = kHasKeysOffset + 16;
+  static constexpr int kOffsetsOffset = kHasKeysOffset + 16;  // has_keys[3], 8-byte aligned for the offsets
   static constexpr int kSharedBytes = kOffsetsOffset + kQueries * int(sizeof(int64_t));
   // The output's staging (the block's 256 dims of every vector, fp32) reuses Q, K and V.
   static constexpr int kOutRowBytes = 256 * int(sizeof(float));
@@ -241,6 +241,12 @@ __device__ __forceinline__ void init_barrier(uint32_t barrier, int arrivals) {
 // One arrival on the mbarrier, releasing this thread's writes before it (the block's scope).
 __device__ __forceinline__ void arrive(uint32_t barrier) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(barrier) : "memory");
+}
+// The warp's one arrival (k_free and v_free count the consumers' warps), once all its lanes
+// are done with what the barrier hands back.
+__device__ __forceinline__ void arrive_as_warp(uint32_t barrier) {
+  __syncwarp();
+  if ((threadIdx.x & 31) == 0) arrive(barrier);
 }
 // One arrival on the mbarrier once this thread's cp.async copies so far have landed (counted
 // in the barrier's expected arrivals: .noinc).
@@ -494,8 +500,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     wgmma_wait<1>();  // the scores (P V may still run)
     wgmma_hold(s);
     // K's buffer is read: the producer may stage chunk n + 2 there.
-    __syncwarp();
-    if (lane == 0) arrive(shared_address(&ring->k_free[n % 2]));
+    arrive_as_warp(shared_address(&ring->k_free[n % 2]));
     if constexpr (S::kSplit > 1) {
       // The scores over the other block's dims: this thread's share to its twin thread's place
       // in buffer n % 2 there, the twin's from this block's, added (both blocks then hold the
@@ -567,8 +572,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     wgmma_wait<0>();
     wgmma_hold(o);
     // The previous chunk's values are read: the producer may stage chunk n + 2 there.
-    __syncwarp();
-    if (lane == 0) arrive(shared_address(&ring->v_free[(n + 2) % 3]));
+    arrive_as_warp(shared_address(&ring->v_free[(n + 2) % 3]));
     // Rescaling by 1 changes nothing: skipped while no row of the warp has a new max.
     if (__any_sync(0xffffffffu, alpha[0] != 1.0f || alpha[1] != 1.0f)) {
 #pragma unroll
