@@ -607,7 +607,12 @@ __global__ void __launch_bounds__(kThreads, 1)
   // a batch of 16 rows' loads before their stores, each in its own registers (ptxas reused one
   // float4's for every load of the rolled loop), 30.5-30.7 / 64.5-65.1; the partial slots' rows
   // written by bulk copies (cp.async.bulk, a row a thread, from rows padded by 16 bytes),
-  // 32.9-33.3 / 66.7-67.2.
+  // 32.9-33.3 / 66.7-67.2. Nor kept (sixty-eighth session, the performance log says more):
+  // each merge's pieces as one cluster that adds them up in distributed shared memory (an
+  // H100 holds 30 clusters of 4 of these blocks at once, fewer than the batch-1 layers' 32
+  // merges), and one block walking all of a row group's pieces and merging them (a piece
+  // cost as much after another as in a block of its own: the batch-1 sliding layer's items
+  // walked 4 a block took 121.6 us against 33.2).
   consumers_sync();
   auto staged = [&](int r, int u) { return smem + r * S::kOutRowBytes + 16 * (u ^ ((r & 7) << 1)); };
 #pragma unroll
