@@ -154,7 +154,8 @@ struct Shape {
   static constexpr int kBarrierOffset = kSharesOffset + (kSplit > 1 ? 2 * kShareBytes : 0);
   static constexpr int kRingOffset = kBarrierOffset + (kSplit > 1 ? 2 * int(sizeof(uint64_t)) : 0);
   static constexpr int kHasKeysOffset = kRingOffset + int(sizeof(Ring));
-  static constexpr int kOffsetsOffset = kHasKeysOffset + 16;  // has_keys[3], 8-byte aligned for the offsets
+  // has_keys[3], its end rounded up to the offsets' 8-byte alignment
+  static constexpr int kOffsetsOffset = kHasKeysOffset + (3 * int(sizeof(int)) + 7) / 8 * 8;
   static constexpr int kSharedBytes = kOffsetsOffset + kQueries * int(sizeof(int64_t));
   // The output's staging (the block's 256 dims of every vector, fp32) reuses Q, K and V.
   static constexpr int kOutRowBytes = 256 * int(sizeof(float));
