@@ -218,12 +218,13 @@ def commit_ms(model, context):
 def hf_forward_ms(path, context):
     """transformers' decoder forward (sdpa, bf16) over one canvas at `context`, in a child process."""
     code = f"""
-import inspect, time, torch, json
+import inspect, sys, time, torch, json
+sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r})
+from hf_random import random_model
 from transformers import DiffusionGemmaConfig, DiffusionGemmaForBlockDiffusion, DynamicCache
 cfg = DiffusionGemmaConfig.from_pretrained({path!r})
 torch.set_default_dtype(torch.bfloat16)
-with torch.device("cuda"):
-    m = DiffusionGemmaForBlockDiffusion(cfg).eval()
+m = random_model(cfg, "cuda")  # one copy of the layers' weights, the encoder's tied to the decoder's
 cache = DynamicCache(config=cfg.text_config)
 # past_key_values up to transformers 5.23, cache from 5.24
 parameters = inspect.signature(DiffusionGemmaForBlockDiffusion.forward).parameters
@@ -251,8 +252,8 @@ def main():
     ap.add_argument("--grid", default="1x1024,4x1024,16x1024,1x8192,4x8192,16x8192,1x32768,4x32768,16x32768",
                     help="comma-separated BATCHxCONTEXT rows")
     ap.add_argument("--hf", action="store_true",
-                    help="also time transformers at context 1K (its random 26B model needs more than an 80 GB "
-                         "H100 holds: out of memory at 77.4 GiB allocated there; it ran on the H200)")
+                    help="also time transformers' forward at context 1K (in a child process, after diffuserve's "
+                         "model is freed)")
     ap.add_argument("--kv-gb", type=float, default=40.0,
                     help="KV cache size (GiB; on an 80 GB H100, 8 ran batch 1 and 4 at 1K and batch 1 at 8K "
                          "beside the 26B weights, where 40 does not fit)")

@@ -1,0 +1,56 @@
+"""benchmarks/hf_random.py's transformers model (parameters made on the meta device, then once each on the
+device) against one made the usual way, on tiny configurations (CPU)."""
+import os
+import sys
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+from transformers import DiffusionGemmaConfig, DiffusionGemmaForBlockDiffusion  # noqa: E402
+
+from hf_reference import F, S, TINY_VISION, text  # noqa: E402
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+from hf_random import random_model  # noqa: E402
+
+
+def tensor_bytes(model):
+    """Bytes of the model's distinct tensors (a tied weight counted once)."""
+    return sum({t.data_ptr(): t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()]}.values())
+
+
+def ties(model):
+    """The pairs of parameter names that share one tensor."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+    names = sorted(params)
+    return {(a, b) for i, a in enumerate(names) for b in names[i + 1:] if params[a].data_ptr() == params[b].data_ptr()}
+
+
+@pytest.mark.parametrize("layer_types,dtype", [([S, S, F], torch.bfloat16), ([F, S], torch.float32)])
+def test_the_model_is_the_usual_one_with_each_tied_weight_made_once(layer_types, dtype):
+    config = DiffusionGemmaConfig(text_config=text(layer_types), vision_config=dict(TINY_VISION), canvas_length=8)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        usual, made = DiffusionGemmaForBlockDiffusion(config).eval(), random_model(config, "cpu")
+    finally:
+        torch.set_default_dtype(default)
+    assert tensor_bytes(made) == tensor_bytes(usual)
+    assert ties(made) == ties(usual) and any("encoder" in a or "encoder" in b for a, b in ties(usual))
+    usual_params, made_params = dict(usual.named_parameters()), dict(made.named_parameters())
+    assert made_params.keys() == usual_params.keys()
+    for name, p in made_params.items():
+        assert (p.device.type, p.dtype, p.shape) == ("cpu", usual_params[name].dtype, usual_params[name].shape), name
+        assert torch.isfinite(p).all(), name
+    # the buffers (RoPE frequencies, embedding scales, layer scalars) are the usual model's exactly
+    usual_buffers = dict(usual.named_buffers())
+    for name, b in made.named_buffers():
+        assert torch.equal(b, usual_buffers[name]), name
+    # random where the usual model is random: the experts' weights spread alike
+    experts = [n for n in usual_params if n.endswith("gate_up_proj")]
+    for name in experts:
+        assert made_params[name].float().std().item() == pytest.approx(usual_params[name].float().std().item(), rel=0.3)
+    ids = torch.arange(8)[None] + 3
+    with torch.no_grad():
+        assert torch.isfinite(made(input_ids=ids, decoder_input_ids=ids).logits).all()
