@@ -7,11 +7,15 @@ once, more than an 80 GB H100 holds (step_latency.py's `--hf` ran out of memory 
 Here the parameters are made on the meta device, where the ties cost nothing, the buffers as usual;
 then each distinct parameter gets one tensor on the device, and transformers' own initialisation
 fills them. tests/test_hf_random.py checks the result against a model made the usual way.
+
+`context_cache` gives the decoder a context of any length to read without running the encoder over
+it: at 16 sequences of 32K tokens transformers' encoder would take minutes of a benchmark's GPU time
+to write keys and values whose values a random model's timing does not depend on.
 """
 import contextlib
 
 import torch
-from transformers import DiffusionGemmaForBlockDiffusion
+from transformers import DiffusionGemmaForBlockDiffusion, DynamicCache
 
 
 @contextlib.contextmanager
@@ -48,3 +52,24 @@ def random_model(config, device):
         module.__dict__.pop("_is_hf_initialized", None)
     model.initialize_weights()
     return model.eval()
+
+
+def context_cache(model, batch, context, chunk=4096):
+    """A DynamicCache as `model`'s encoder leaves it after `context` tokens of each of `batch`
+    sequences (each layer's keys and values in its own shape, a sliding layer's last window - 1
+    kept), holding random values. Written `chunk` tokens at a time, as a chunked prefill writes
+    it, so that a sliding layer never holds more than window - 1 + chunk tokens."""
+    config = model.config.text_config
+    cache = DynamicCache(config=config)
+    encoder = model.model.encoder
+    text_model = getattr(encoder, "language_model", encoder)  # (the text model itself up to transformers 5.2x)
+    layers = [layer.self_attn for layer in text_model.layers[: config.num_hidden_layers]]
+    parameter = next(model.parameters())
+    for first in range(0, context, chunk):
+        n = min(chunk, context - first)
+        for attention in layers:
+            heads = attention.k_proj.out_features // attention.head_dim
+            shape = (batch, heads, n, attention.head_dim)
+            keys = torch.randn(shape, dtype=parameter.dtype, device=parameter.device)
+            cache.update(keys, torch.randn_like(keys), attention.layer_idx)
+    return cache

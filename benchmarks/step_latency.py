@@ -8,9 +8,9 @@ engine) and per commit, at batch 1/4/16 and context 1K/8K/32K; output tokens/s a
 denoise steps per block; % of the weight-bandwidth roofline (weight bytes read per step
 over the measured device copy bandwidth); and a floor that counts the tensor cores' work as
 well as the bytes (floor_ms), with the step's % of it. --quantization packs the linears' random weights
-as an FP8 or NVFP4 checkpoint would (the embedding and the router stay bf16). With --hf, transformers' forward at the
-same shapes for the side-by-side ratio (run in a separate process: both models do not fit
-at once). Prints one table.
+as an FP8 or NVFP4 checkpoint would (the embedding and the router stay bf16). With --hf, transformers' forward at
+every row's shape for the side-by-side ratio (run in a separate process: both models do not
+fit at once). Prints one table.
 """
 import argparse
 import json
@@ -215,35 +215,54 @@ def commit_ms(model, context):
     return float(np.median(times))
 
 
-def hf_forward_ms(path, context):
-    """transformers' decoder forward (sdpa, bf16) over one canvas at `context`, in a child process."""
+def hf_forward_ms(path, grid, timeout_s, device="cuda"):
+    """transformers' decoder forward (sdpa, bf16) over one canvas a sequence at each (batch, context)
+    of `grid`, on `device`, in a child process: {(batch, context): ms, or why there is none}. The
+    context is a cache of random keys and values in the encoder's own shapes (hf_random.context_cache:
+    the decoder reads it as the encoder would leave it). A row that runs out of memory says so and the next runs;
+    rows the child has not reached after `timeout_s` seconds say that."""
     code = f"""
-import inspect, sys, time, torch, json
+import inspect, json, sys, time, torch
 sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r})
-from hf_random import random_model
-from transformers import DiffusionGemmaConfig, DiffusionGemmaForBlockDiffusion, DynamicCache
+from hf_random import context_cache, random_model
+from transformers import DiffusionGemmaConfig, DiffusionGemmaForBlockDiffusion
 cfg = DiffusionGemmaConfig.from_pretrained({path!r})
 torch.set_default_dtype(torch.bfloat16)
-m = random_model(cfg, "cuda")  # one copy of the layers' weights, the encoder's tied to the decoder's
-cache = DynamicCache(config=cfg.text_config)
+m = random_model(cfg, {device!r})  # one copy of the layers' weights, the encoder's tied to the decoder's
+cuda = {device!r} == "cuda"
+sync, empty_cache = (torch.cuda.synchronize, torch.cuda.empty_cache) if cuda else (lambda: None, lambda: None)
 # past_key_values up to transformers 5.23, cache from 5.24
-parameters = inspect.signature(DiffusionGemmaForBlockDiffusion.forward).parameters
-name = "cache" if "cache" in parameters else "past_key_values"
-with_cache = {{name: cache}}
-with torch.no_grad():
-    for chunk in torch.arange({context}, device="cuda").remainder(1000).add(3).split(4096):
-        m.model.encoder(input_ids=chunk[None], **with_cache)
-    canvas = torch.arange({CANVAS}, device="cuda")[None] + 5
-    for _ in range(2): m(decoder_input_ids=canvas, **with_cache)
-    torch.cuda.synchronize(); t = time.perf_counter()
-    for _ in range(5): m(decoder_input_ids=canvas, **with_cache)
-    torch.cuda.synchronize()
-print(json.dumps({{"ms": 1e3 * (time.perf_counter() - t) / 5}}))
+name = "cache" if "cache" in inspect.signature(DiffusionGemmaForBlockDiffusion.forward).parameters else "past_key_values"
+for batch, context in {grid!r}:
+    row = {{"batch": batch, "context": context}}
+    try:
+        with torch.no_grad():
+            cache = context_cache(m, batch, context)
+            canvas = torch.arange(cfg.canvas_length, device={device!r})[None].repeat(batch, 1) + 5
+            for _ in range(2): m(decoder_input_ids=canvas, **{{name: cache}})
+            sync(); t = time.perf_counter()
+            for _ in range(5): m(decoder_input_ids=canvas, **{{name: cache}})
+            sync()
+        row["ms"] = 1e3 * (time.perf_counter() - t) / 5
+    except torch.cuda.OutOfMemoryError:
+        row["error"] = "out of memory"
+    cache = canvas = None
+    empty_cache()
+    print(json.dumps(row), flush=True)
 """
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-    if out.returncode != 0:
-        return f"failed: {out.stderr.strip().splitlines()[-1] if out.stderr.strip() else out.returncode}"
-    return json.loads(out.stdout.strip().splitlines()[-1])["ms"]
+    try:
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout_s)
+        stdout, stderr, failed = out.stdout, out.stderr, out.returncode != 0
+        missing = "failed: " + (stderr.strip().splitlines()[-1] if stderr.strip() else f"exit {out.returncode}")
+    except subprocess.TimeoutExpired as e:  # (its output so far: the rows done)
+        stdout = e.stdout.decode() if isinstance(e.stdout, bytes) else e.stdout or ""
+        failed, missing = True, f"not reached in {timeout_s:.0f} s"
+    results = {}
+    for line in stdout.splitlines():
+        if line.startswith('{"batch"'):
+            row = json.loads(line)
+            results[row["batch"], row["context"]] = row.get("ms", row.get("error"))
+    return {row: results.get(row, missing if failed else "no result") for row in grid}
 
 
 def main():
@@ -252,8 +271,10 @@ def main():
     ap.add_argument("--grid", default="1x1024,4x1024,16x1024,1x8192,4x8192,16x8192,1x32768,4x32768,16x32768",
                     help="comma-separated BATCHxCONTEXT rows")
     ap.add_argument("--hf", action="store_true",
-                    help="also time transformers' forward at context 1K (in a child process, after diffuserve's "
+                    help="also time transformers' forward at every row (in a child process, after diffuserve's "
                          "model is freed)")
+    ap.add_argument("--hf-timeout", type=float, default=600,
+                    help="seconds --hf's child process may take for all its rows (rows not reached say so)")
     ap.add_argument("--kv-gb", type=float, default=40.0,
                     help="KV cache size (GiB; on an 80 GB H100, 8 ran batch 1 and 4 at 1K and batch 1 at 8K "
                          "beside the 26B weights, where 40 does not fit)")
@@ -290,7 +311,7 @@ def main():
             print(f"  measured batch {batch} context {context}: {step:.2f} ms/step, commit {commit}, "
                   f"{tps:.0f} tok/s", file=sys.stderr, flush=True)  # seen even if a later row runs out of time
         del llm
-        hf = hf_forward_ms(path, 1024) if args.hf else None
+        hf = hf_forward_ms(path, grid, args.hf_timeout) if args.hf else {}
 
     print(f"diffuserve denoise step, DiffusionGemma-26B-A4B text shapes (random {args.quantization} weights, "
           f"{args.activations} linear inputs, {llm_kv_dtype} KV cache), canvas {CANVAS}, {STEPS} steps/block")
@@ -301,18 +322,21 @@ def main():
     batch, context = grid[0]
     parts = floor_parts(args.quantization, batch, context, kv_element_bytes, bandwidth, rates)
     print(f"floor at batch {batch}, context {context}: " + ", ".join(f"{k} {v:.2f} ms" for k, v in parts.items()))
-    print("| batch | context | ms/step | % roofline | floor ms | % floor | ms/commit | output tok/s |")
-    print("|------:|--------:|--------:|-----------:|---------:|--------:|----------:|-------------:|")
+    hf_columns = (" HF ms/forward | vs HF |", "--------------:|------:|") if hf else ("", "")
+    print("| batch | context | ms/step | % roofline | floor ms | % floor | ms/commit | output tok/s |" + hf_columns[0])
+    print("|------:|--------:|--------:|-----------:|---------:|--------:|----------:|-------------:|" + hf_columns[1])
     for batch, context, step, floor, commit, tps in rows:
         commit_s = f"{commit:.1f}" if commit is not None else "-"
-        print(f"| {batch:>5} | {context:>7} | {step:>7.2f} | {100 * roofline_ms / step:>9.0f}% | {floor:>8.1f} | "
-              f"{100 * floor / step:>6.0f}% | {commit_s:>9} | {tps:>12.0f} |")
-    if hf is not None:
-        ours = rows[0][2]
-        ratio = f"{hf / ours:.1f}x" if isinstance(hf, float) else "-"
-        hf_s = f"{hf:.1f} ms" if isinstance(hf, float) else hf
-        print(f"transformers decoder forward, batch 1, context 1K: {hf_s} (diffuserve {ours:.1f} ms/step: {ratio})")
-
+        line = (f"| {batch:>5} | {context:>7} | {step:>7.2f} | {100 * roofline_ms / step:>9.0f}% | {floor:>8.1f} | "
+                f"{100 * floor / step:>6.0f}% | {commit_s:>9} | {tps:>12.0f} |")
+        if hf:
+            theirs = hf[batch, context]
+            line += (f" {theirs:>13.1f} | {theirs / step:>4.1f}x |" if isinstance(theirs, float)
+                     else f" {theirs:>13} |     - |")
+        print(line)
+    if hf:
+        print("HF: transformers' decoder forward (sdpa, bf16, the same random model) over the same canvases and "
+              "contexts; vs HF: its time over diffuserve's step")
 
 if __name__ == "__main__":
     main()

@@ -1,5 +1,6 @@
 """benchmarks/hf_random.py's transformers model (parameters made on the meta device, then once each on the
-device) against one made the usual way, on tiny configurations (CPU)."""
+device) against one made the usual way, and its context cache against the one the encoder writes, on tiny
+configurations (CPU)."""
 import os
 import sys
 
@@ -7,12 +8,12 @@ import pytest
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
-from transformers import DiffusionGemmaConfig, DiffusionGemmaForBlockDiffusion  # noqa: E402
+from transformers import DiffusionGemmaConfig, DiffusionGemmaForBlockDiffusion, DynamicCache  # noqa: E402
 
 from hf_reference import F, S, TINY_VISION, text  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
-from hf_random import random_model  # noqa: E402
+from hf_random import context_cache, random_model  # noqa: E402
 
 
 def tensor_bytes(model):
@@ -54,3 +55,29 @@ def test_the_model_is_the_usual_one_with_each_tied_weight_made_once(layer_types,
     ids = torch.arange(8)[None] + 3
     with torch.no_grad():
         assert torch.isfinite(made(input_ids=ids, decoder_input_ids=ids).logits).all()
+
+
+@pytest.mark.parametrize("batch,context,chunk", [(1, 5, 4), (2, 19, 4), (3, 8, 16), (2, 7, 7)])
+def test_the_context_cache_is_shaped_as_the_encoders(batch, context, chunk):
+    """Each layer's keys and values, the lengths and the decoder's mask sizes are those the encoder
+    leaves after `context` tokens (sliding window 8: contexts below, at and past it), and the
+    decoder reads it."""
+    config = DiffusionGemmaConfig(text_config=text([S, F, S]), vision_config=dict(TINY_VISION), canvas_length=8)
+    model = random_model(config, "cpu")
+    made = context_cache(model, batch, context, chunk=chunk)
+    written = DynamicCache(config=config.text_config)
+    ids = torch.arange(batch * context).remainder(90).add(3).view(batch, context)
+    canvas = torch.arange(8)[None].repeat(batch, 1) + 5
+    with torch.no_grad():
+        for part in ids.split(chunk, dim=1):
+            if part.shape[1]:
+                model.model.encoder(input_ids=part, cache=written)
+        assert made.get_seq_length() == written.get_seq_length() == context
+        for i, (a, b) in enumerate(zip(made.layers, written.layers, strict=True)):
+            assert type(a) is type(b), i
+            if context:
+                assert a.keys.shape == b.keys.shape and a.values.shape == b.values.shape, i
+                assert (a.keys.dtype, a.keys.device) == (b.keys.dtype, b.keys.device), i
+            assert a.get_mask_sizes(8) == b.get_mask_sizes(8), i
+        logits = model(decoder_input_ids=canvas, cache=made).logits
+    assert logits.shape == (batch, 8, config.text_config.vocab_size) and torch.isfinite(logits).all()
