@@ -260,6 +260,11 @@ using Large = Shape<128, 256, 2, 4, 3, 3, 1>;   // 192 / 144 / 123 KB; 144 KB
 // (Wgmma32 at two stages, four or five blocks a multiprocessor, so that more blocks cover one
 // block's refills and output: slower, bf16 experts at batch 1 up / down 254 / 139 -> 278 / 143
 // us, rows not tiled; gemm_bench --moe 256, H200, forty-sixth session.)
+// Nor did 256 weight rows a block at batch 1 (bf16 X, tiled weights; 36 KB stages, two blocks
+// a multiprocessor, 179 registers), so that each staged X tile serves twice the weight rows
+// and the L2 (93% busy at an 8-9% hit rate, twenty-third session's ncu) carries half the X
+// reads: up / down 343.0-342.9 / 188.6-188.2 -> 344.6-344.4 / 188.5-189.4 us (gemm_bench --moe
+// 256, H100, base and wide alternating twice; its 344 checks passed on it; seventieth session).
 using Wgmma32 = Shape<32, 128, 1, 4, 3, 3, 3, true>;    // 72 KB; 60 KB
 using Wgmma64 = Shape<64, 128, 1, 4, 3, 3, 2, true>;    // 96 KB; 72 KB
 using Wgmma128 = Shape<128, 128, 1, 4, 3, 3, 1, true>;  // 144 KB; 96 KB
