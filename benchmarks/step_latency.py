@@ -338,5 +338,6 @@ def main():
         print("HF: transformers' decoder forward (sdpa, bf16, the same random model) over the same canvases and "
               "contexts; vs HF: its time over diffuserve's step")
 
+
 if __name__ == "__main__":
     main()
