@@ -232,7 +232,8 @@ m = random_model(cfg, {device!r})  # one copy of the layers' weights, the encode
 cuda = {device!r} == "cuda"
 sync, empty_cache = (torch.cuda.synchronize, torch.cuda.empty_cache) if cuda else (lambda: None, lambda: None)
 # past_key_values up to transformers 5.23, cache from 5.24
-name = "cache" if "cache" in inspect.signature(DiffusionGemmaForBlockDiffusion.forward).parameters else "past_key_values"
+parameters = inspect.signature(DiffusionGemmaForBlockDiffusion.forward).parameters
+name = "cache" if "cache" in parameters else "past_key_values"
 for batch, context in {grid!r}:
     row = {{"batch": batch, "context": context}}
     try:
