@@ -61,9 +61,7 @@ def context_cache(model, batch, context, chunk=4096):
     it, so that a sliding layer never holds more than window - 1 + chunk tokens."""
     config = model.config.text_config
     cache = DynamicCache(config=config)
-    encoder = model.model.encoder
-    text_model = getattr(encoder, "language_model", encoder)  # (the text model itself up to transformers 5.2x)
-    layers = [layer.self_attn for layer in text_model.layers[: config.num_hidden_layers]]
+    layers = [layer.self_attn for layer in model.model.encoder.language_model.layers[: config.num_hidden_layers]]
     parameter = next(model.parameters())
     for first in range(0, context, chunk):
         n = min(chunk, context - first)
