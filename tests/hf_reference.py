@@ -30,6 +30,13 @@ def text(layer_types, **kw):
     return {**base, **kw, "layer_types": layer_types, "num_hidden_layers": len(layer_types)}
 
 
+def model_config(text: dict, canvas_length: int, **config) -> DiffusionGemmaConfig:
+    """A DiffusionGemmaConfig of `text`'s text_config fields, the tiny vision tower and the canvas;
+    `config` DiffusionGemmaConfig's own fields (tie_word_embeddings)."""
+    return DiffusionGemmaConfig(text_config=dict(text), vision_config=dict(TINY_VISION), canvas_length=canvas_length,
+                                **config)
+
+
 def build_model(text: dict, canvas_length: int, seed: int = 0, dtype=torch.float32, router_std: float = 0.08,
                 **config):
     """A randomly initialised HF model; `text` holds text_config fields (plus global_head_dim etc.),
@@ -39,8 +46,7 @@ def build_model(text: dict, canvas_length: int, seed: int = 0, dtype=torch.float
     low-precision rounding noise does not flip a token's top-k experts (a discontinuity
     that would swamp the rounding error a bf16 comparison means to bound).
     """
-    cfg = DiffusionGemmaConfig(text_config=dict(text), vision_config=dict(TINY_VISION), canvas_length=canvas_length,
-                               **config)
+    cfg = model_config(text, canvas_length, **config)
     torch.manual_seed(seed)
     model = DiffusionGemmaForBlockDiffusion(cfg).eval()
     gen = torch.Generator().manual_seed(seed + 1)

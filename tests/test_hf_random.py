@@ -8,9 +8,9 @@ import pytest
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
-from transformers import DiffusionGemmaConfig, DiffusionGemmaForBlockDiffusion, DynamicCache  # noqa: E402
+from transformers import DiffusionGemmaForBlockDiffusion, DynamicCache  # noqa: E402
 
-from hf_reference import F, S, TINY_VISION, text  # noqa: E402
+from hf_reference import F, S, model_config, text  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
 from hf_random import context_cache, random_model  # noqa: E402
@@ -30,7 +30,7 @@ def ties(model):
 
 @pytest.mark.parametrize("layer_types,dtype", [([S, S, F], torch.bfloat16), ([F, S], torch.float32)])
 def test_the_model_is_the_usual_one_with_each_tied_weight_made_once(layer_types, dtype):
-    config = DiffusionGemmaConfig(text_config=text(layer_types), vision_config=dict(TINY_VISION), canvas_length=8)
+    config = model_config(text(layer_types), canvas_length=8)
     default = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
@@ -62,7 +62,7 @@ def test_the_context_cache_is_shaped_as_the_encoders(batch, context, chunk):
     """Each layer's keys and values, the lengths and the decoder's mask sizes are those the encoder
     leaves after `context` tokens (sliding window 8: contexts below, at and past it), and the
     decoder reads it."""
-    config = DiffusionGemmaConfig(text_config=text([S, F, S]), vision_config=dict(TINY_VISION), canvas_length=8)
+    config = model_config(text([S, F, S]), canvas_length=8)
     model = random_model(config, "cpu")
     made = context_cache(model, batch, context, chunk=chunk)
     written = DynamicCache(config=config.text_config)

@@ -8,9 +8,7 @@ import pytest
 
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
-from transformers import DiffusionGemmaConfig  # noqa: E402
-
-from hf_reference import F, S, TINY_VISION, text  # noqa: E402
+from hf_reference import F, S, model_config, text  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
 from step_latency import hf_forward_ms  # noqa: E402
@@ -19,8 +17,7 @@ from step_latency import hf_forward_ms  # noqa: E402
 @pytest.fixture(scope="module")
 def tiny_path(tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny")
-    config = DiffusionGemmaConfig(text_config=text([S, F, S]), vision_config=dict(TINY_VISION), canvas_length=8)
-    config.save_pretrained(path)
+    model_config(text([S, F, S]), canvas_length=8).save_pretrained(path)
     return str(path)
 
 
