@@ -426,6 +426,26 @@ def test_untied_encoder(tmp_path):
     prefill_and_denoise(path, np.arange(3, 15), np.arange(30, 38), "untied encoder", kv_layers=3)
 
 
+@pytest.mark.parametrize("tie", ["true", "absent"])
+def test_stored_encoder_unties_a_tied_config(tmp_path, tie):
+    """An untied model's checkpoint (encoder weights and a head of their own) under a config that
+    ties them, or says nothing (tied): transformers leaves each pair whose stored values differ
+    untied (warning that the config is wrong) and runs the encoder on its own weights, and so
+    does diffuserve (it had refused the checkpoint)."""
+    path = save(build_model(text([S, F, S]), 8, seed=3, tie_word_embeddings=False), tmp_path / "m")
+    cfg = json.loads((path / "config.json").read_text())
+    if tie == "true":
+        cfg["tie_word_embeddings"] = True
+    else:
+        del cfg["tie_word_embeddings"]
+    (path / "config.json").write_text(json.dumps(cfg))
+    reference = load(path, torch.float32)
+    assert not torch.equal(reference.model.encoder.language_model.layers[0].self_attn.q_proj.weight,
+                           reference.model.decoder.layers[0].self_attn.q_proj.weight)
+    prefill_and_denoise(path, np.arange(3, 15), np.arange(30, 38), f"stored encoder, tie {tie}", kv_layers=3,
+                        reference=reference)
+
+
 def test_untied_head(tmp_path):
     """tie_word_embeddings false: the stored lm_head.weight is the head. (transformers then
     unties the encoder's weights from the decoder's too and saves both; here they are equal

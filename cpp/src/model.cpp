@@ -278,15 +278,12 @@ class TensorSource {
       // RoPE's frequencies, which older exports stored as buffers: computed from the config.
       // (`<layer type>_inv_freq`, `inv_freq`, `original_inv_freq`).
       if (name.find(".rotary_emb.") != std::string::npos && name.ends_with("inv_freq")) continue;
-      // The encoder shares the decoder's weights; a checkpoint whose ties were broken
-      // when it was written (LLM Compressor does this) holds equal copies.
+      // An encoder that shares the decoder's weights: a checkpoint whose ties were broken when
+      // it was written (LLM Compressor does this) holds equal copies. (Copies that differ made
+      // the encoder one of its own, whose loading took them.)
       if (name.starts_with(kEncoder)) {
         const TensorView* twin = m_.checkpoint->find(kDecoder + name.substr(kEncoder.size()));
         if (twin && same_tensor(*twin, view)) continue;
-        if (twin)
-          throw FormatError(view.file + ": tensor '" + name + "' differs from its decoder twin '" + twin->name +
-                            "', but config.json ties the encoder's weights to the decoder's (tie_word_embeddings "
-                            "true); an encoder of its own needs tie_word_embeddings false");
       }
       throw FormatError(view.file + ": unexpected tensor '" + name + "' (not part of a DiffusionGemma text model)");
     }
@@ -664,10 +661,12 @@ void load_weights(ModelState& m, DType as) {
   ModelWeights& w = m.weights;
   const int64_t H = c.hidden_size, I = c.intermediate_size;
   const std::string& d = TensorSource::kDecoder;
-  // config.json's tie_word_embeddings false unties the encoder from the decoder as well as the
-  // head from the embedding: where the checkpoint then holds encoder weights of their own,
-  // transformers runs the encoder on them, and so does this (forward's encoder pass).
-  const bool encoder_apart = !c.tie_word_embeddings && src.encoder_stored_apart();
+  // Where the checkpoint holds encoder weights of their own (other values than the decoder's
+  // twins), transformers runs the encoder on them, and so does this (forward's encoder pass):
+  // under tie_word_embeddings false, which unties the encoder from the decoder as well as the
+  // head from the embedding, and under a tied config too, where transformers leaves a pair
+  // whose stored values differ untied (warning that the config is wrong), as for the head below.
+  const bool encoder_apart = src.encoder_stored_apart();
   if (encoder_apart) src.set_encoder_apart();
 
   w.embed_tokens = src.weight(d + "embed_tokens.weight", {c.vocab_size, H});

@@ -53,9 +53,9 @@ struct ModelWeights {
   Weight sc_pre_norm;
   Weight sc_gate_up, sc_down;  // self-conditioning MLP, gate and up stacked
   std::vector<LayerWeights> layers;
-  // The encoder's own embedding, layers and norm, where config.json unties them from the
-  // decoder's (tie_word_embeddings false) and the checkpoint stores others; else null, and
-  // the decoder's serve the encoder's rows too.
+  // The encoder's own embedding, layers and norm, where the checkpoint stores others than the
+  // decoder's (load_weights says when transformers runs them); else null, and the decoder's
+  // serve the encoder's rows too.
   std::unique_ptr<ModelWeights> encoder;
 };
 
