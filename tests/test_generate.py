@@ -696,7 +696,9 @@ def test_params_checked_against_the_model(checkpoints, kwargs, name):
 @pytest.mark.parametrize("prompts, params, match", [
     ([[3, 96]], None, "out of range"), ([[]], None, "empty"), ("hello", None, "tokenizer"),
     ([[3], [4]], [ds.SamplingParams()] * 3, "3 SamplingParams for 2 prompts"),
-    ([[3]], [{"seed": 1}], "SamplingParams"),
+    # The fault named as params' (it had been named after prompt 0).
+    ([[3]], [{"seed": 1}], r"^params\[0\] must be a SamplingParams, got dict$"),
+    ([[3], [4]], {"seed": 1}, r"^params must be a SamplingParams, got dict$"),
     ([[3]], ds.SamplingParams(max_new_tokens=10**9), "max_position_embeddings"),
     # True beside ints (numpy had made it the id 1), and one empty array prompt (it had returned []).
     ([[True, 5]], None, "must be integers, got True at index 0"), (np.array([], np.int32), None, "empty"),

@@ -253,6 +253,10 @@ class LLM:
             else list(params)
         if len(plist) not in (1, len(prompts)):
             raise ValueError(f"{len(plist)} SamplingParams for {len(prompts)} prompts (give one, or one per prompt)")
+        for i, p in enumerate(plist):  # (a fault of params, not named after a prompt as add_request's would be)
+            if not isinstance(p, SamplingParams):
+                where = f"params[{i}]" if isinstance(params, (list, tuple)) else "params"
+                raise ValueError(f"{where} must be a SamplingParams, got {type(p).__name__}")
         # Request id -> its prompt's index, in prompt order (a list's scans had made a call
         # quadratic in its prompts).
         index, done = {}, {}
