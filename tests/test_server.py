@@ -278,6 +278,9 @@ def test_draft_streaming(base_url):
     ("completions", "[" * 100_000 + "]" * 100_000, 400, None, None),
     ("chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "text"}]}]}, 400,
      "messages[0].content[0]", None),
+    # A content part that is no object, named (it had been "messages[0].content": "a valid string").
+    ("chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": [
+        {"type": "text", "text": "y"}, "x"]}]}, 400, "messages[0].content[1]", "invalid_value"),
     # No content: the template had printed "None" into the prompt (an assistant turn may have none).
     ("chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": None}]}, 400,
      "messages[0].content", None),

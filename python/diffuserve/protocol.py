@@ -370,7 +370,9 @@ def parse(model: type, body: Any):
     try:
         return model.model_validate(body)
     except ValidationError as e:
-        error = e.errors()[0]
+        # The error that got farthest into the value: of a union's branches, the one it was meant
+        # for (a content list's bad part had been named by the string branch: "a valid string").
+        error = max(e.errors(), key=lambda error: len(error["loc"]))
         param = _param_path(error["loc"])
         if error["type"] == "extra_forbidden":
             hint = (f" (only {' or '.join(json.dumps(v) for v in _NEUTRAL[param])} is accepted)"
@@ -380,9 +382,9 @@ def parse(model: type, body: Any):
         if error["type"] == "missing":
             raise ApiError(400, f"missing required parameter: {param!r}", param=param,
                            code="missing_required_parameter") from None
-        if param == "prompt" and error["loc"][:1] == ("prompt",):  # (pydantic names only the union's first branch)
+        if error["loc"][:1] == ("prompt",):  # (a union of four forms, whose branches' errors say little)
             raise ApiError(400, "invalid value for 'prompt': a prompt is a string or a list of token ids "
-                           "(integers), and a batch a list of those", param=param, code="invalid_value") from None
+                           "(integers), and a batch a list of those", param="prompt", code="invalid_value") from None
         message = error["msg"].removeprefix("Value error, ")  # (pydantic's prefix to a validator's own words)
         if error["type"] == "model_type":  # (its "a valid dictionary or instance of ChatMessage" names a class)
             message = "must be a JSON object"
