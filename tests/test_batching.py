@@ -197,6 +197,31 @@ def test_preempted_requests_give_the_same_output(make_llm):
         assert out.token_ids == alone(ref, prompt, p).token_ids
 
 
+def test_a_request_that_sits_a_pass_out_keeps_its_self_conditioning(make_llm):
+    """Engine.step planned by hand: A and B (canvas 4, self-conditioned) denoise together while
+    D (canvas 8, not self-conditioned) has no room in the 10 rows a pass; once A finishes, D
+    takes 8 of them and B sits its passes out. Those passes had reused the previous pass's logits
+    matrix in place (every request denoising in them had its feedback there, D having none), and
+    written D's logits over B's feedback: B's tokens differed from B run alone."""
+    llm = make_llm()
+    defaults = llm.model._native.sampling_defaults()
+    def one_block(seed, canvas, steps, **kw):
+        return ds.SamplingParams(max_new_tokens=canvas, canvas_length=canvas, seed=seed, eos_token_id=[],
+                                 max_denoising_steps=steps, confidence_threshold=1e-30, **kw)  # (every step runs)
+    requests = {1: ([2, 3], one_block(11, 4, 3)), 2: ([4, 5], one_block(22, 4, 10)),
+                3: ([6, 7], one_block(33, 8, 10, self_conditioning=False))}
+    engine = ds._core.Engine(llm.model._native, True)
+    for request_id, (prompt, p) in requests.items():
+        engine.add(request_id, prompt, p._native(defaults))
+        engine.admit(request_id, 100)
+    done = {}
+    while len(done) < len(requests):
+        plan = [ds._core.StepPlan(request_id, 100) for request_id in (1, 3, 2) if request_id not in done]
+        done.update((request_id, out.token_ids) for request_id, out in engine.step(plan, 100, 10))
+    for request_id, (prompt, p) in requests.items():
+        assert done[request_id] == alone(llm, prompt, p).token_ids, request_id
+
+
 def test_many_requests_through_a_small_cache(make_llm):
     rng = np.random.default_rng(2)
     n = 120

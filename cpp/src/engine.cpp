@@ -368,14 +368,23 @@ std::vector<std::pair<uint64_t, GenerationOutput>> Engine::step(const std::vecto
     // A steady batch, only denoise steps each past its block's first (the forward is then
     // the same work every step, its inputs in backend memory), repeats until a block stops:
     // on its own logits matrix, a step's feedback being its previous step's rows of it
-    // (the previous pass's matrix when the batch is the same, else copied in).
+    // (the previous pass's matrix when the batch is the same, else copied in). Not where a
+    // request that sits this pass out (its canvas past the pass's rows) keeps its feedback in
+    // the previous pass's matrix: the pass would write another's logits over it.
     const bool steady = segments.size() == denoisers.size() &&
                         std::all_of(denoisers.begin(), denoisers.end(), [](const Denoiser& d) {
                           return d.r->steps > 0 || !d.r->params.self_conditioning;
                         });
+    const auto denoises = [&](const RequestState* r) {
+      return std::any_of(denoisers.begin(), denoisers.end(), [&](const Denoiser& d) { return d.r == r; });
+    };
     const bool in_place = steady && last_logits.rows == denoise_rows &&
                           std::all_of(denoisers.begin(), denoisers.end(), [&](const Denoiser& d) {
                             return !d.r->feedback.data || d.r->feedback.data == last_logits.row(d.first_row);
+                          }) &&
+                          std::none_of(active.begin(), active.end(), [&](const auto& a) {
+                            return a.second->feedback.data && a.second->feedback.storage == last_logits.storage &&
+                                   !denoises(a.second);
                           });
     Activation logits = in_place ? last_logits : be.alloc_logits(denoise_rows, c.vocab_size);
     std::vector<Activation> feedback(denoisers.size());
