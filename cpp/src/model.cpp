@@ -13,6 +13,7 @@
 #include <regex>
 #include <set>
 #include <tuple>
+#include <utility>
 
 #include "activation_quant.h"
 #include "diffuserve/errors.h"
@@ -148,11 +149,17 @@ class TensorSource {
   // checkpoint leaves out is its decoder twin's (`diffuserve quantize` writes only those that
   // differ; a partly untied encoder may store only those).
   void set_encoder_apart() { encoder_apart_ = true; }
-  // Whether the checkpoint stores both `name` and `twin`, with different shapes or values.
+  // Whether the checkpoint stores both `name` and `twin`, with different shapes or values. A
+  // pair found equal is remembered: the load asks this of every encoder copy twice
+  // (encoder_stored_apart, then check_all_taken), and a model's worth of copies is read from
+  // disk to be compared.
   bool stored_apart(const std::string& name, const std::string& twin) const {
     const TensorView* a = m_.checkpoint ? m_.checkpoint->find(name) : nullptr;
     const TensorView* b = m_.checkpoint ? m_.checkpoint->find(twin) : nullptr;
-    return a && b && !same_tensor(*a, *b);
+    if (!a || !b || equal_pairs_.count({name, twin})) return false;
+    if (!same_tensor(*a, *b)) return true;
+    equal_pairs_.insert({name, twin});
+    return false;
   }
   // Whether the config quantizes linear `module`'s weights (random weights: as dummy_quantization says).
   bool quantizes(const std::string& module) const { return !dummy() && targets_.quantizes(module); }
@@ -282,8 +289,8 @@ class TensorSource {
       // it was written (LLM Compressor does this) holds equal copies. (Copies that differ made
       // the encoder one of its own, whose loading took them.)
       if (name.starts_with(kEncoder)) {
-        const TensorView* twin = m_.checkpoint->find(kDecoder + name.substr(kEncoder.size()));
-        if (twin && same_tensor(*twin, view)) continue;
+        const std::string twin = kDecoder + name.substr(kEncoder.size());
+        if (m_.checkpoint->find(twin) && !stored_apart(name, twin)) continue;
       }
       throw FormatError(view.file + ": unexpected tensor '" + name + "' (not part of a DiffusionGemma text model)");
     }
@@ -572,6 +579,7 @@ class TensorSource {
   std::set<std::string> taken_;
   uint64_t seed_ = 0;  // dummy weights: one stream per tensor
   bool encoder_apart_ = false;  // set_encoder_apart
+  mutable std::set<std::pair<std::string, std::string>> equal_pairs_;  // stored_apart's, found equal
   // The process's pool, held for the load: concatenated's conversions run on it (the pool
   // lives while someone holds it, and taken per call it had been made anew where no backend
   // held it, the GPU's before its first copy up, or the CPU's of its own thread count).
