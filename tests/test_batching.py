@@ -205,6 +205,7 @@ def test_a_request_that_sits_a_pass_out_keeps_its_self_conditioning(make_llm):
     written D's logits over B's feedback: B's tokens differed from B run alone."""
     llm = make_llm()
     defaults = llm.model._native.sampling_defaults()
+
     def one_block(seed, canvas, steps, **kw):
         return ds.SamplingParams(max_new_tokens=canvas, canvas_length=canvas, seed=seed, eos_token_id=[],
                                  max_denoising_steps=steps, confidence_threshold=1e-30, **kw)  # (every step runs)

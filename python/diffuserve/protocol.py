@@ -372,7 +372,7 @@ def parse(model: type, body: Any):
     except ValidationError as e:
         # The error that got farthest into the value: of a union's branches, the one it was meant
         # for (a content list's bad part had been named by the string branch: "a valid string").
-        error = max(e.errors(), key=lambda error: len(error["loc"]))
+        error = max(e.errors(), key=lambda each: len(each["loc"]))
         param = _param_path(error["loc"])
         if error["type"] == "extra_forbidden":
             hint = (f" (only {' or '.join(json.dumps(v) for v in _NEUTRAL[param])} is accepted)"
