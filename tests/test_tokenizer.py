@@ -469,6 +469,20 @@ def test_special_tokens_that_tokenizer_json_lacks_are_added(checkpoint, tmp_path
         assert ours.decode(ids, skip_special_tokens=skip) == theirs.decode(ids, skip_special_tokens=skip)
 
 
+@pytest.mark.parametrize("keys", [("mask_token", "unk_token"), ("pad_token", "boi_token", "sep_token", "bos_token")])
+def test_special_tokens_that_tokenizer_json_lacks_get_ids_in_transformers_order(checkpoint, tmp_path, keys):
+    """The special tokens tokenizer.json lacks get their ids in transformers' order (bos, eos,
+    unk, sep, pad, cls, mask, then a model's own "..._token" keys), whatever order
+    tokenizer_config.json lists them in: save_pretrained sorts its keys (they had been given ids
+    in the file's order, so "<mask>" took "<unk>"'s id)."""
+    path = _edited_copy(checkpoint, tmp_path, **{key: f"<NEW_{key}>" for key in keys})
+    ours, theirs = Tokenizer(path), AutoTokenizer.from_pretrained(path)
+    text = "x" + "".join(f"<NEW_{key}> y" for key in keys)
+    assert ours.encode(text, add_special_tokens=False) == theirs.encode(text, add_special_tokens=False)
+    for key in keys:
+        assert ours.token_id(f"<NEW_{key}>") == theirs.convert_tokens_to_ids(f"<NEW_{key}>")
+
+
 def _token(content, **flags):
     return {"__type": "AddedToken", "content": content, "lstrip": False, "rstrip": False, "special": True,
             "normalized": False, "single_word": False, **flags}

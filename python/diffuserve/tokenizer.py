@@ -77,10 +77,14 @@ def _special_tokens(config: dict, file: str) -> Tuple[Dict[str, AddedToken], Lis
     if tokenizer_class is not None and not isinstance(tokenizer_class, str):
         raise _core.CheckpointError(f"{file}: tokenizer_class must be a class name (a string), got {tokenizer_class!r}")
     config = {**_CLASS_DEFAULTS.get(tokenizer_class or _MODEL_TOKENIZER_CLASS, {}), **config}
+    # In transformers' order, whatever the file's (save_pretrained sorts its keys): the standard
+    # names first, then a model's own in the file's order. The tokenizer gives the ones it lacks
+    # their ids in this order.
+    for key in _STANDARD_SPECIAL:
+        if config.get(key) is not None:
+            named[key] = _added_token(config[key], file, key, special=True)
     for key, value in config.items():
-        if key in _STANDARD_SPECIAL and value is not None:
-            named[key] = _added_token(value, file, key, special=True)
-        elif key.endswith("_token") and isinstance(value, (str, dict)):
+        if key not in _STANDARD_SPECIAL and key.endswith("_token") and isinstance(value, (str, dict)):
             named[key] = _added_token(value, file, key, special=True)
     # (additional_special_tokens: transformers 4's name for them, which 5 still reads where
     # extra_special_tokens is missing or empty.)
