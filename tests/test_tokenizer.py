@@ -253,6 +253,23 @@ def test_tokens_without_text_stay_out_of_the_windows(checkpoint, monkeypatch):
     assert text == tokenizer.decode_output(ids + tail)
 
 
+def test_a_byte_run_held_back_is_not_decoded_at_each_push(tmp_path, monkeypatch):
+    """While the window ends in a byte-fallback token its text waits whatever the decode says,
+    so the push does not decode (each push had decoded the whole run twice: a run of n tokens
+    pushed one at a time cost n^2, and the server's count of tokens through a stop string
+    pushes them so: 12,000 byte tokens took 27 s). The text is the same."""
+    tokenizer = Tokenizer(write_chat_checkpoint(tmp_path, byte_fallback=True))
+    ids = tokenizer.encode("a" + "🦄鯨∑" * 100 + " b", add_special_tokens=False)
+    assert sum(i in tokenizer._byte_ids for i in ids) >= 900
+    decodes = []
+    decode = tokenizer._decode
+    monkeypatch.setattr(tokenizer, "_decode", lambda ids, *rest: decodes.append(len(ids)) or decode(ids, *rest))
+    detokenizer = IncrementalDetokenizer(tokenizer)
+    text = "".join(detokenizer.push([i]) for i in ids) + detokenizer.finish()
+    assert text == tokenizer.decode(ids)
+    assert len(decodes) <= 4 * sum(i not in tokenizer._byte_ids for i in ids) + 4, len(decodes)
+
+
 def test_until_eos():
     assert until_eos([5, 6, 1, 7], [1]) == [5, 6]
     assert until_eos([5, 6], [1]) == [5, 6]

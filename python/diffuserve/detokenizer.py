@@ -64,6 +64,14 @@ class IncrementalDetokenizer:
         """The ids of the tokens from `start` to `end` that have text."""
         return self._text_ids[bisect_left(self._text_at, start):bisect_left(self._text_at, end)]
 
+    def _ends_in_byte_run(self) -> bool:
+        """Whether the window's last token with text is a byte-fallback token: asked of that
+        token alone, before any decoding, so that a long run held back costs nothing a token
+        (decoding the window at each had made a run of n tokens, pushed one at a time, cost
+        n^2)."""
+        in_window = self._text_at and self._text_at[-1] >= self._prefix_start
+        return bool(in_window) and self._tokenizer.ends_in_byte_run(self._text_ids[-1:], self._skip_special)
+
     def push(self, ids) -> str:
         """Adds tokens; returns the text they complete (possibly "")."""
         for i in ids:
@@ -83,13 +91,11 @@ class IncrementalDetokenizer:
         return self._cleaned(delta, final) if self._clean_up else delta
 
     def _raw_delta(self, final: bool) -> str:
-        if self._read == self._pushed:
+        if self._read == self._pushed or (not final and self._ends_in_byte_run()):
             return ""
         before = self.decode(self._prefix_start, self._read)
         after = self.decode(self._prefix_start, self._pushed)
-        if not final and (len(after) <= len(before) or after.endswith(_INCOMPLETE) or
-                          self._tokenizer.ends_in_byte_run(self._with_text(self._prefix_start, self._pushed),
-                                                          self._skip_special)):
+        if not final and (len(after) <= len(before) or after.endswith(_INCOMPLETE)):
             return ""
         self._prefix_start, self._read = self._read, self._pushed
         return after[len(before):]
