@@ -19,6 +19,7 @@ import numpy as np
 import openai
 import pytest
 import uvicorn
+from transformers import AutoTokenizer
 
 import diffuserve as ds
 from diffuserve import server as server_module
@@ -26,7 +27,7 @@ from diffuserve.async_llm import AsyncLLM, StepFailed
 from diffuserve.protocol import MAX_CHOICES, ApiError, ChatCompletionRequest, CompletionRequest, parse
 from diffuserve.server import build_app
 
-from chat_checkpoint import MODEL_CONFIG, write_chat_checkpoint
+from chat_checkpoint import CHAT_TEMPLATE, MODEL_CONFIG, write_chat_checkpoint
 
 MODEL = "tiny"
 
@@ -442,6 +443,44 @@ def test_developer_messages(client):
     assert developer.usage.prompt_tokens == system.usage.prompt_tokens
     body = parse(ChatCompletionRequest, {"model": MODEL, "messages": [{"role": "developer", "content": "x"}]})
     assert body.conversation(template_names_developer=True)[0]["role"] == "developer"
+
+
+PARTS_TEMPLATE = (  # Gemma 3's way with content: a string, or a list of parts it loops over
+    "{{ bos_token }}{% for message in messages %}<start_of_turn>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] | trim }}"
+    "{% else %}{% for part in message['content'] %}{% if part['type'] == 'text' %}{{ part['text'] | trim }}"
+    "{% endif %}{% endfor %}{% endif %}<end_of_turn>\n{% endfor %}"
+    "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}")
+
+
+def test_content_parts_reach_a_template_that_loops_over_them_as_a_list(checkpoint, tmp_path):
+    """Text parts go to a template that loops over content parts (Gemma's) as the list the client
+    sent, as vLLM passes them, so the prompt is transformers' for those messages (they had been
+    joined by newlines, as they still are for a template that takes strings only)."""
+    from fastapi.testclient import TestClient
+
+    from diffuserve.chat_template import loops_over_content
+
+    assert loops_over_content(PARTS_TEMPLATE)
+    assert loops_over_content("{% for m in messages %}{% for p in m.content | selectattr('text') %}{% endfor %}"
+                              "{% endfor %}")
+    assert not loops_over_content(CHAT_TEMPLATE) and not loops_over_content("{% for x in y %}")
+    path = shutil.copytree(checkpoint, tmp_path / "parts")
+    config = json.loads((path / "tokenizer_config.json").read_text())
+    (path / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": PARTS_TEMPLATE}))
+    messages = [{"role": "user", "content": [{"type": "text", "text": " Describe"}, {"type": "text", "text": "this. "}]}]
+    text = AutoTokenizer.from_pretrained(path).apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert "Describethis." in text
+    llm = ds.LLM(path, kv_cache_memory_bytes=32 << 20)
+    ids = llm.tokenizer.encode(text, add_special_tokens=False)
+    want = llm.generate([ids], ds.SamplingParams(max_new_tokens=8, seed=5))[0]
+    with TestClient(build_app(AsyncLLM(llm), MODEL)) as http:
+        reply = http.post("/v1/chat/completions", json={"model": MODEL, "messages": messages, "max_tokens": 8,
+                                                        "seed": 5}).json()
+    assert reply["usage"]["prompt_tokens"] == len(ids)
+    assert reply["choices"][0]["message"]["content"] == want.text
+    joined = parse(ChatCompletionRequest, {"model": MODEL, "messages": messages}).conversation()
+    assert joined[0]["content"] == " Describe\nthis. "
 
 
 def test_stream_chunks_stay_one_line_whatever_the_text():

@@ -14,6 +14,7 @@ its reach: it sees "<TypeName>").
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 from datetime import datetime
 from typing import Any, List, Mapping, Optional, Union
@@ -181,10 +182,38 @@ def _tag_final_message(message: dict, field: str, source: str) -> str:
     return text
 
 
+def _environment() -> ImmutableSandboxedEnvironment:
+    return ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                         extensions=[_GenerationTag, jinja2.ext.loopcontrols])
+
+
+@functools.lru_cache(maxsize=16)
+def loops_over_content(source: str) -> bool:
+    """Whether a chat template loops over a message's content (`{% for part in
+    message['content'] %}`, filtered or sliced or not), as a multimodal one such as Gemma's does:
+    it takes content as a list of parts. vLLM gives such a template a client's text parts as a
+    list, and any other the texts joined by newlines. A template that does not parse: False (its
+    rendering says what is wrong)."""
+    try:
+        tree = _environment().parse(source)
+    except jinja2.TemplateError:
+        return False
+    for loop in tree.find_all(jinja2.nodes.For):
+        node = loop.iter
+        while (isinstance(node, jinja2.nodes.Filter) and node.node is not None) or \
+                (isinstance(node, jinja2.nodes.Getitem) and isinstance(node.arg, jinja2.nodes.Slice)):
+            node = node.node
+        if isinstance(node, jinja2.nodes.Getattr) and node.attr == "content":
+            return True
+        if isinstance(node, jinja2.nodes.Getitem) and isinstance(node.arg, jinja2.nodes.Const) and \
+                node.arg.value == "content":
+            return True
+    return False
+
+
 class ChatTemplate:
     def __init__(self, source: str, special_tokens: Mapping[str, str]):
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                            extensions=[_GenerationTag, jinja2.ext.loopcontrols])
+        env = _environment()
         env.filters["tojson"] = _tojson
         env.globals.update(raise_exception=_raise_exception, strftime_now=_strftime_now, dict=_Dict(),
                            namespace=_Namespace)

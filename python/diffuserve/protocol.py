@@ -253,10 +253,12 @@ class ChatCompletionRequest(_GenerationRequest):
         return {**variables, "add_generation_prompt": self.add_generation_prompt,
                 "continue_final_message": self.continue_final_message}
 
-    def conversation(self, template_names_developer: bool = True) -> List[dict]:
-        """The messages as the chat template sees them: content as one string (text parts
-        joined by newlines, as vLLM does for text models); a developer message is a system one
-        for a template that does not name the developer role (as llama.cpp does)."""
+    def conversation(self, template_names_developer: bool = True, template_takes_parts: bool = False) -> List[dict]:
+        """The messages as the chat template sees them, as vLLM passes them: content given as
+        text parts is a list of {"type": "text", "text": ...} for a template that loops over
+        content parts (chat_template.loops_over_content), else one string, the texts joined by
+        newlines; a developer message is a system one for a template that does not name the
+        developer role (as llama.cpp does)."""
         out = []
         for i, message in enumerate(self.messages):
             content = message.content
@@ -277,7 +279,7 @@ class ChatCompletionRequest(_GenerationRequest):
                                        param=f"messages[{i}].content[{j}]")
                     _check_unicode(part["text"], f"messages[{i}].content[{j}]")
                     texts.append(part["text"])
-                content = "\n".join(texts)
+                content = [{"type": "text", "text": text} for text in texts] if template_takes_parts else "\n".join(texts)
             # (OpenAI's newer name for system, which coding agents send: Gemma-style templates refuse it.)
             role = "system" if message.role == "developer" and not template_names_developer else message.role
             out.append({**message.model_dump(), "role": role, "content": content})

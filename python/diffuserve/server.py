@@ -31,6 +31,7 @@ from starlette.requests import ClientDisconnect
 
 from ._checks import check_encoded, check_unicode
 from .async_llm import AsyncLLM, EngineError
+from .chat_template import loops_over_content
 from .detokenizer import IncrementalDetokenizer, until_eos
 from .protocol import ApiError, ChatCompletionRequest, CompletionRequest, invalid_value, parse, parse_json
 from .metrics import CONTENT_TYPE, Metrics
@@ -623,7 +624,7 @@ def build_app(engine: AsyncLLM, model_name: str, api_key: Optional[str] = None,
         except ValueError as e:  # no chat template
             raise ApiError(400, str(e), param="messages", code="no_chat_template") from None
         def render():  # (in a worker thread, as encoding: a long conversation takes a while)
-            conversation = body.conversation(_names_role(source, "developer"))
+            conversation = body.conversation(_names_role(source, "developer"), loops_over_content(source))
             return server.tokenizer.apply_chat_template(conversation, **options)
 
         try:
