@@ -1090,6 +1090,23 @@ def test_usage_counts_through_a_stop_string_that_ends_in_byte_tokens(tmp_path):
     assert calls > 40
 
 
+@pytest.mark.parametrize("text", ["ab " + "🦄鯨∑靐" * 8 + " cd 🐍🐍🐍 e", "x" + "🦀" * 20])
+def test_tokens_through_a_long_byte_run_as_defined(tmp_path, text):
+    """Inside a long byte run (one piece of the detokenizer's, which _TokensThrough bisects
+    rather than decoding every prefix of) the count is still the fewest tokens whose text
+    begins with the output's first `end` characters, at every `end`."""
+    from diffuserve.tokenizer import Tokenizer
+    tokenizer = Tokenizer(write_chat_checkpoint(tmp_path / "m", byte_fallback=True))
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    counter = server_module._TokensThrough(tokenizer)
+    assert counter(ids, len(text), final=True) == len(ids)
+    assert max(np.diff(counter._tokens)) > server_module._SCANNED_PIECE  # a piece the count bisects
+    prefixes = [tokenizer.decode_output(ids[:m]) for m in range(len(ids) + 1)]
+    for end in range(1, len(text) + 1):
+        fewest = next(m for m, prefix in enumerate(prefixes) if prefix.startswith(text[:end]))
+        assert server_module._TokensThrough(tokenizer)(ids, end, final=True) == fewest, end
+
+
 def test_a_tokenizer_with_ids_past_the_models_vocabulary_is_blamed(tmp_path):
     """A tokenizer.json whose ids pass the model's vocabulary (a checkpoint put together from
     two models) is named as the fault, in LLM.add_request and in the server's 400, where the

@@ -23,7 +23,7 @@ from typing import Iterable, List
 
 from .tokenizer import clean_up_tokenization
 
-_INCOMPLETE = "\ufffd"  # what a decoder writes for bytes that are not (yet) a whole character
+INCOMPLETE = "\ufffd"  # what a decoder writes for bytes that are not (yet) a whole character
 _CLEAN_UP_HOLD = 32  # > 10 replacements x 3 characters each may reach back
 
 
@@ -95,7 +95,7 @@ class IncrementalDetokenizer:
             return ""
         before = self.decode(self._prefix_start, self._read)
         after = self.decode(self._prefix_start, self._pushed)
-        if not final and (len(after) <= len(before) or after.endswith(_INCOMPLETE)):
+        if not final and (len(after) <= len(before) or after.endswith(INCOMPLETE)):
             return ""
         self._prefix_start, self._read = self._read, self._pushed
         return after[len(before):]
