@@ -81,10 +81,10 @@ class _TokensThrough:
     U+FFFD a byte, longer than the character, and a binary search on those lengths had stopped
     short.) One detokenizer takes each token once as the output grows, and the pieces it gives
     out say where its text reaches `end`; within a piece of several tokens (a byte run's, held
-    back until the run ends) each shorter prefix's text is decoded from the window that piece
-    was cut from, as the detokenizer cut it. (The tokens had been replayed from the first on
-    each call, and each candidate decoded from the first token: quadratic in the output's
-    length.) Where the tokenizer cleans up spaces, the detokenizer holds its last characters
+    back until the run ends) shorter prefixes' texts are decoded from the window that piece was
+    cut from, as the detokenizer cut it: each of a short piece's, a long one's bisected. (The
+    tokens had been replayed from the first on each call, and each candidate decoded from the
+    first token: quadratic in the output's length.) Where the tokenizer cleans up spaces, the detokenizer holds its last characters
     back, and the count can run past the fewest."""
 
     def __init__(self, tokenizer):
