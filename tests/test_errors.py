@@ -829,6 +829,8 @@ def test_self_conditioning_row_all_neg_inf(seq):
     (["generate", "hi", "--max-tokens", "2147483648"], "--max-tokens: 2147483648 is outside [1, 2147483647]"),
     (["bench", "--concurrency", "1,0"], "--concurrency: 0 is outside"),
     (["bench", "--concurrency", "a"], "--concurrency: 'a' is not an integer"),
+    # (A row's prompts are drawn at once: two billion of them had run out of memory.)
+    (["bench", "--concurrency", "1,2147483647"], "--concurrency: 2147483647 is outside [1, 65536]"),
     (["bench", "--steps", "0"], "--steps: 0 is outside"),
     # Sudoku options that the way of solving chosen would leave unused (they had been ignored).
     (["sudoku", "--output", "out.txt"], "--output needs --eval"),

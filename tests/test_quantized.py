@@ -823,6 +823,50 @@ def test_quantize_names_a_malformed_config(tmp_path, text, message):
         quantize(src, str(tmp_path / "out"))
 
 
+GATE_UP = "model.decoder.layers.0.experts.gate_up_proj"
+Q_PROJ = "model.decoder.layers.0.self_attn.q_proj.weight"
+
+
+def _bf16(values):
+    from diffuserve.safetensors_io import bf16_bits
+    return "BF16", bf16_bits(np.asarray(values, np.float32))
+
+
+@pytest.mark.parametrize("scheme", ["fp8-dynamic", "nvfp4"])
+@pytest.mark.parametrize("name, edit, message", [
+    (GATE_UP, lambda t: (t[0], t[1].reshape(t[1].shape[0], -1)),
+     r"has shape \[\d+, \d+\], expected \[experts, 2 x rows"),
+    (GATE_UP, lambda t: (t[0], np.concatenate([t[1], t[1][:, :1]], axis=1)), r"has shape \[\d+, \d+, \d+\], expected"),
+    (Q_PROJ, lambda t: (t[0], t[1].reshape(-1)), r"has shape \[\d+\], expected \[out, in\]"),
+    (Q_PROJ, lambda t: ("F64", t[1].astype(np.float64)), "is F64; a weight to quantize is F32, F16 or BF16"),
+    (Q_PROJ, lambda t: _bf16(np.where(np.arange(t[1].size).reshape(t[1].shape) == 7, np.nan, 0.01)),
+     "holds NaN or infinite values"),
+    (GATE_UP, lambda t: _bf16(np.where(np.arange(t[1].size).reshape(t[1].shape) == 9, -np.inf, 0.01)),
+     "holds NaN or infinite values"),
+], ids=["experts 2-d", "experts of odd height", "linear 1-d", "f64", "nan", "inf"])
+def test_quantize_names_a_weight_it_cannot_quantize(tmp_path, scheme, name, edit, message):
+    """A source weight of a shape the quantized copy cannot be cut from, of a dtype that is no
+    float, or holding NaN or infinities is a ValueError naming it, and nothing is written (a
+    2-D experts tensor had been an IndexError; an odd-height stack of gate and up had lost a
+    row and loaded; NVFP4 had dropped a NaN from its scales and written a model that ran)."""
+    from diffuserve.quantize import quantize
+    from diffuserve.random_checkpoint import write_random_checkpoint
+    from diffuserve.safetensors_io import read_safetensors, write_safetensors
+    src = write_random_checkpoint(tmp_path / "src", canvas_length=8, seed=3, hidden_size=64, intermediate_size=64,
+                                  moe_intermediate_size=32)
+    path = os.path.join(src, "model.safetensors")
+    tensors = read_safetensors(path)
+    dtype, arr = edit(tensors[name])
+    tensors[name] = (dtype, np.ascontiguousarray(arr))
+    write_safetensors(path, tensors)
+    out = tmp_path / "out"
+    with pytest.raises(ValueError, match=re.escape(f"{src}: tensor '{name}' ") + message):
+        quantize(src, str(out), scheme)
+    assert not out.exists() or not os.listdir(out)
+    with pytest.raises(ValueError, match="no such checkpoint directory"):
+        quantize(path, str(out), scheme)
+
+
 def test_quantize_writes_into_a_new_or_empty_directory_only(tmp_path):
     """Over its source, or into a directory holding another checkpoint's shards and index
     (which a load would pass over for the model.safetensors written beside them), a quantized

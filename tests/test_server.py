@@ -468,7 +468,8 @@ def test_content_parts_reach_a_template_that_loops_over_them_as_a_list(checkpoin
     path = shutil.copytree(checkpoint, tmp_path / "parts")
     config = json.loads((path / "tokenizer_config.json").read_text())
     (path / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": PARTS_TEMPLATE}))
-    messages = [{"role": "user", "content": [{"type": "text", "text": " Describe"}, {"type": "text", "text": "this. "}]}]
+    parts = [{"type": "text", "text": " Describe"}, {"type": "text", "text": "this. "}]
+    messages = [{"role": "user", "content": parts}]
     text = AutoTokenizer.from_pretrained(path).apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     assert "Describethis." in text
     llm = ds.LLM(path, kv_cache_memory_bytes=32 << 20)

@@ -15,6 +15,8 @@ from tqdm import tqdm
 
 from ._checks import INT32_MAX, check_encoded, check_unicode
 
+MAX_BENCH_REQUESTS = 65536  # a bench row's requests (its prompts are drawn at once)
+
 
 def _in_range(kind, lo, hi):
     """An argparse type: an int (kind int) or a finite number (kind float) in [lo, hi]; argparse
@@ -33,9 +35,9 @@ def _in_range(kind, lo, hi):
     return parse
 
 
-def _int_list(text: str) -> list:
-    """An argparse type: comma-separated integers >= 1."""
-    return [_in_range(int, 1, INT32_MAX)(item) for item in text.split(",")]
+def _int_list(hi: int):
+    """An argparse type: comma-separated integers in [1, hi]."""
+    return lambda text: [_in_range(int, 1, hi)(item) for item in text.split(",")]
 
 
 def _safetensors_bytes(path: str) -> int:
@@ -354,8 +356,9 @@ def parser() -> argparse.ArgumentParser:
                                         "with 1, 4 and 16 concurrent requests, at a fixed number of denoise steps "
                                         "per block.")
     p.add_argument("model", nargs="?", metavar="MODEL", help="checkpoint directory (default: a small random one)")
-    p.add_argument("--concurrency", type=_int_list, default=[1, 4, 16],
-                   help="comma-separated request counts (default: 1,4,16)")
+    # (A row's prompts are drawn before it runs: two billion of them had run out of memory.)
+    p.add_argument("--concurrency", type=_int_list(MAX_BENCH_REQUESTS), default=[1, 4, 16],
+                   help=f"comma-separated request counts, each at most {MAX_BENCH_REQUESTS} (default: 1,4,16)")
     p.add_argument("--prompt-tokens", type=_in_range(int, 1, INT32_MAX), default=128,
                    help="prompt length (default: 128)")
     p.add_argument("--max-tokens", type=_in_range(int, 1, INT32_MAX), default=256,

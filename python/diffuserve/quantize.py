@@ -173,9 +173,21 @@ def _quantize_linears(linears: dict, scheme: str) -> dict:
     return out
 
 
+def _source_weight(src: str, name: str, dtype: str, arr: np.ndarray) -> np.ndarray:
+    """A linear's stored weight as float32, refused where it holds NaN or infinities: E4M3 and
+    E2M1 have no such values, and the scales would hide them (a NaN dropped from a group's
+    absmax), where the source's logits show them."""
+    w = as_float32(dtype, arr)
+    if not np.isfinite(w).all():
+        raise ValueError(f"{src}: tensor '{name}' holds NaN or infinite values, which cannot be quantized")
+    return w
+
+
 def quantize(src: str, dst: str, scheme: str = "fp8-dynamic") -> None:
     if scheme not in SCHEMES:
         raise ValueError(f"scheme {scheme!r} is not supported (supported: {', '.join(SCHEMES)})")
+    if not os.path.isdir(src):
+        raise ValueError(f"{src}: no such checkpoint directory")
     # Into a new or empty directory only: over its source, or beside another checkpoint's
     # shards and index (which transformers, and so a load, would pass over for the new
     # model.safetensors), the copy would leave a directory holding two models.
@@ -222,17 +234,32 @@ def quantize(src: str, dst: str, scheme: str = "fp8-dynamic") -> None:
             if twin is not None and twin[0] == dtype and twin[1].shape == arr.shape and \
                     np.array_equal(twin[1].view(np.uint8), arr.view(np.uint8)):  # the bytes, as a load compares
                 continue
-        if _LINEAR.match(full):
-            linears[name[: -len(".weight")]] = (arr.shape, lambda dtype=dtype, arr=arr: as_float32(dtype, arr))
-        elif name.endswith((".experts.gate_up_proj", ".experts.down_proj")):
+        linear = _LINEAR.match(full)
+        experts = name.endswith((".experts.gate_up_proj", ".experts.down_proj"))
+        if linear or experts:
+            # Shapes as the quantized copy's tensors are cut from them (the load of the copy
+            # checks those against config.json): a linear [out, in]; a module's experts
+            # [experts, out, in], gate and up stacked along out. (A stack of odd height had
+            # lost a row, and a tensor of fewer dimensions had been a traceback.)
+            parts = (("gate_proj", "up_proj") if name.endswith("gate_up_proj") else ("down_proj",)) if experts else ()
+            if arr.ndim != (3 if experts else 2) or (experts and arr.shape[1] % len(parts)):
+                expected = "[experts, 2 x rows, in] (gate and up stacked)" if len(parts) == 2 else \
+                    "[experts, out, in]" if experts else "[out, in]"
+                raise ValueError(f"{src}: tensor '{name}' has shape {list(arr.shape)}, expected {expected}")
+            if dtype not in ("F32", "F16", "BF16"):
+                raise ValueError(f"{src}: tensor '{name}' is {dtype}; a weight to quantize is F32, F16 or BF16")
+        if linear:
+            linears[name[: -len(".weight")]] = (arr.shape, lambda name=name, dtype=dtype, arr=arr:
+                                                _source_weight(src, name, dtype, arr))
+        elif experts:
             prefix = name.rsplit(".", 1)[0]
-            parts = (("gate_proj", "up_proj") if name.endswith("gate_up_proj") else ("down_proj",))
             rows = arr.shape[1] // len(parts)
             for e in range(arr.shape[0]):
                 for i, part in enumerate(parts):
                     linears[f"{prefix}.{e}.{part}"] = (
                         (rows, arr.shape[2]),
-                        lambda dtype=dtype, w=arr[e, i * rows:(i + 1) * rows]: as_float32(dtype, w))
+                        lambda name=name, dtype=dtype, w=arr[e, i * rows:(i + 1) * rows]:
+                            _source_weight(src, name, dtype, w))
         else:
             out[name] = (dtype, arr)
     out.update(_quantize_linears(linears, scheme))

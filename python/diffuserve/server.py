@@ -84,8 +84,8 @@ class _TokensThrough:
     back until the run ends) shorter prefixes' texts are decoded from the window that piece was
     cut from, as the detokenizer cut it: each of a short piece's, a long one's bisected. (The
     tokens had been replayed from the first on each call, and each candidate decoded from the
-    first token: quadratic in the output's length.) Where the tokenizer cleans up spaces, the detokenizer holds its last characters
-    back, and the count can run past the fewest."""
+    first token: quadratic in the output's length.) Where the tokenizer cleans up spaces, the
+    detokenizer holds its last characters back, and the count can run past the fewest."""
 
     def __init__(self, tokenizer):
         self._detokenizer = IncrementalDetokenizer(tokenizer)
