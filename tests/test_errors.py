@@ -846,6 +846,12 @@ def test_cli_bad_values_are_usage_errors(args, message):
     assert result.returncode == 2 and message in result.stderr and "Traceback" not in result.stderr, result.stderr
 
 
+def test_cli_version():
+    result = subprocess.run([sys.executable, "-m", "diffuserve", "--version"], capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0 and result.stdout == f"diffuserve {ds.__version__}\n", result
+
+
 @pytest.mark.parametrize("raw", [[], ["--raw"]], ids=["chat template", "raw"])
 def test_cli_prompt_not_unicode(raw):
     """A prompt from bytes that are not UTF-8 (argv keeps them as lone surrogates) is an

@@ -13,6 +13,7 @@ from typing import Optional
 
 from tqdm import tqdm
 
+from . import __version__
 from ._checks import INT32_MAX, check_encoded, check_unicode
 
 MAX_BENCH_REQUESTS = 65536  # a bench row's requests (its prompts are drawn at once)
@@ -306,6 +307,7 @@ def parser() -> argparse.ArgumentParser:
     root = argparse.ArgumentParser(
         prog="diffuserve", description="Inference engine for block-diffusion language models (DiffusionGemma).",
         epilog="Run `diffuserve COMMAND --help` for a command's options.")
+    root.add_argument("--version", action="version", version=f"diffuserve {__version__}")
     commands = root.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = commands.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API",
