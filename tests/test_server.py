@@ -462,9 +462,19 @@ def test_content_parts_reach_a_template_that_loops_over_them_as_a_list(checkpoin
     from diffuserve.chat_template import loops_over_content
 
     assert loops_over_content(PARTS_TEMPLATE)
-    assert loops_over_content("{% for m in messages %}{% for p in m.content | selectattr('text') %}{% endfor %}"
-                              "{% endfor %}")
+    assert loops_over_content("{% set rest = messages[1:] %}{% for m in rest | reverse %}"
+                              "{% for p in m.content | selectattr('text') %}{% endfor %}{% endfor %}")
+    # As vLLM reads templates: a message is a loop's over the messages, its content looped over
+    # directly (the parts had gone as a list to templates that print a message's content whole).
     assert not loops_over_content(CHAT_TEMPLATE) and not loops_over_content("{% for x in y %}")
+    for other in ("{% for i in range(messages | length) %}{% for p in messages[i]['content'] %}{% endfor %}"
+                  "{% endfor %}",
+                  "{% for t in tools %}{% for x in t.content %}{% endfor %}{% endfor %}",
+                  "{% macro parts(turn) %}{% for p in turn.content %}{% endfor %}{% endmacro %}"
+                  "{% for m in messages %}{{ parts(m) }}{% endfor %}",
+                  "{% set ns = namespace() %}{% set ns.m = messages %}"
+                  "{% for m in messages %}{% for p in m.content %}{% endfor %}{% endfor %}"):
+        assert not loops_over_content(other), other
     path = shutil.copytree(checkpoint, tmp_path / "parts")
     config = json.loads((path / "tokenizer_config.json").read_text())
     (path / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": PARTS_TEMPLATE}))

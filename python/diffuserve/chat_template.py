@@ -187,28 +187,64 @@ def _environment() -> ImmutableSandboxedEnvironment:
                                          extensions=[_GenerationTag, jinja2.ext.loopcontrols])
 
 
+def _under_filters(node: jinja2.nodes.Node) -> jinja2.nodes.Node:
+    """An expression without the filters, tests and slices around it (`messages[1:] | reverse`)."""
+    while True:
+        if isinstance(node, (jinja2.nodes.Filter, jinja2.nodes.Test)) and node.node is not None:
+            node = node.node
+        elif isinstance(node, jinja2.nodes.Getitem) and isinstance(node.arg, jinja2.nodes.Slice):
+            node = node.node
+        else:
+            return node
+
+
+def _reads(node: jinja2.nodes.Node, names: set, key: Optional[str] = None) -> bool:
+    """Whether an expression is one of the variables `names` (its field `key`, where given:
+    `message['content']` or `message.content`), filtered, tested or sliced or not."""
+    node = _under_filters(node)
+    if key is not None:
+        if isinstance(node, jinja2.nodes.Getitem) and isinstance(node.arg, jinja2.nodes.Const) and \
+                node.arg.value == key:
+            node = node.node
+        elif isinstance(node, jinja2.nodes.Getattr) and node.attr == key:
+            node = node.node
+        else:
+            return False
+    return isinstance(node, jinja2.nodes.Name) and node.ctx == "load" and node.name in names
+
+
 @functools.lru_cache(maxsize=16)
 def loops_over_content(source: str) -> bool:
-    """Whether a chat template loops over a message's content (`{% for part in
-    message['content'] %}`, filtered or sliced or not), as a multimodal one such as Gemma's does:
-    it takes content as a list of parts. vLLM gives such a template a client's text parts as a
-    list, and any other the texts joined by newlines. A template that does not parse: False (its
-    rendering says what is wrong)."""
+    """Whether a chat template loops over a message's content, as a multimodal one such as
+    Gemma's does (`{% for message in messages %}...{% for part in message['content'] %}`): it
+    takes content as a list of parts. vLLM gives such a template a client's text parts as a
+    list, and any other the texts joined by newlines; this decides as vLLM does. The messages
+    are `messages` and the variables set from it (filtered or sliced or not), a message is the
+    variable of a loop over those, and its content is then looped over directly: not through
+    an index (`messages[i]`), a macro's parameter or a namespace's field, where vLLM's reading
+    of the template ends, saying no. A template that does not parse: no (its rendering says what
+    is wrong)."""
     try:
         tree = _environment().parse(source)
     except jinja2.TemplateError:
         return False
+    lists, grown = {"messages"}, True
+    while grown:
+        grown = False
+        for assign in tree.find_all(jinja2.nodes.Assign):
+            if _reads(assign.node, lists):
+                if not isinstance(assign.target, jinja2.nodes.Name):
+                    return False
+                grown |= assign.target.name not in lists
+                lists.add(assign.target.name)
+    messages = set()
     for loop in tree.find_all(jinja2.nodes.For):
-        node = loop.iter
-        while (isinstance(node, jinja2.nodes.Filter) and node.node is not None) or \
-                (isinstance(node, jinja2.nodes.Getitem) and isinstance(node.arg, jinja2.nodes.Slice)):
-            node = node.node
-        if isinstance(node, jinja2.nodes.Getattr) and node.attr == "content":
-            return True
-        if isinstance(node, jinja2.nodes.Getitem) and isinstance(node.arg, jinja2.nodes.Const) and \
-                node.arg.value == "content":
-            return True
-    return False
+        if _reads(loop.iter, lists):
+            if not isinstance(loop.target, jinja2.nodes.Name):
+                return False
+            messages.add(loop.target.name)
+    loop = next((loop for loop in tree.find_all(jinja2.nodes.For) if _reads(loop.iter, messages, "content")), None)
+    return loop is not None and isinstance(loop.target, jinja2.nodes.Name)
 
 
 class ChatTemplate:
