@@ -651,6 +651,16 @@ SPECIAL_TOKENS_MAPS = {
                                                      {"additional_special_tokens": ["<new2>"]}),
     "map's additional alone": ({}, {"bos_token": "<bos>", "additional_special_tokens": ["<new1>", "<new2>"]}),
     "map's named tokens win": ({"eos_token": "<pad>"}, {"eos_token": "<eos>"}),
+    # A model's own named tokens: the map's get their ids first, the config's values win, and an
+    # extra_special_tokens object stays beside the map's list (the map's had come last, won, and
+    # replaced the object); a standard name in that object takes its standard place.
+    "map's own named tokens": ({"boi_token": "<new1>"}, {"image_token": "<new2>", "boi_token": "<eos>"}),
+    "config's extra object, map's list": ({"extra_special_tokens": {"image_token": "<new1>"}},
+                                          {"extra_special_tokens": ["<new2>"]}),
+    "config's extra object, map's additional": ({"extra_special_tokens": {"image_token": "<new2>"}},
+                                                {"additional_special_tokens": ["<new1>"]}),
+    "extra object names a standard token": ({"cls_token": "<new1>", "extra_special_tokens": {"bos_token": "<new2>"}},
+                                            {}),
 }
 
 

@@ -18,7 +18,7 @@ import functools
 import json
 import os
 import stat
-from typing import Dict, List, Optional, Tuple, Union
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 from tokenizers import AddedToken
 from tokenizers import Tokenizer as _HFTokenizer
@@ -67,62 +67,69 @@ TOKENIZED_OUTPUT_ONLY = ("sanitize_control_tokens", "return_assistant_tokens_mas
 _MODEL_TOKENIZER_CLASS = "GemmaTokenizer"
 
 
-def _special_tokens(config: dict, file: str) -> Tuple[Dict[str, AddedToken], List[AddedToken]]:
-    """The special tokens of tokenizer_config.json, as transformers (5) reads them: the named ones
-    (bos_token, eos_token, ..., a model's own "..._token" keys such as Gemma 3's boi_token, and
-    extra_special_tokens given as a dict, which win over those keys; a Gemma tokenizer's
-    defaults where it names none), and the unnamed ones (extra_special_tokens given as a list)."""
-    named, extra = {}, []
-    tokenizer_class = config.get("tokenizer_class")
+def _own_tokens(config: dict) -> Dict[str, Any]:
+    """A model's own named special tokens among settings: "..._token" keys other than the
+    standard ones (Gemma 3's boi_token), given as a token."""
+    return {key: value for key, value in config.items()
+            if key not in _STANDARD_SPECIAL and key.endswith("_token") and isinstance(value, (str, dict))}
+
+
+def _token_settings(config: dict, tokens_map_file: str) -> dict:
+    """tokenizer_config.json's settings as transformers (5) hands them to the tokenizer: the
+    config's additional_special_tokens (transformers 4's name) as its extra_special_tokens where
+    it lists none under that name; the config's own named tokens and extra_special_tokens given
+    as an object set apart under "model_specific_special_tokens"; then, only where the config
+    has no added_tokens_decoder, special_tokens_map.json's settings over them (older checkpoints
+    keep their special tokens there): its standard tokens win, its own named ones stay beside
+    (the config's win over them), its extra_special_tokens list joins the config's, an object of
+    them joins the config's own named ones, and its additional_special_tokens count where no
+    extra_special_tokens are left."""
+    settings = dict(config)
+    if "additional_special_tokens" in settings and not settings.get("extra_special_tokens"):
+        settings["extra_special_tokens"] = settings.pop("additional_special_tokens")
+    own = _own_tokens(settings)
+    for key in own:
+        del settings[key]
+    if isinstance(settings.get("extra_special_tokens"), dict):
+        own.update(settings.pop("extra_special_tokens"))
+    if "added_tokens_decoder" not in config and _present(tokens_map_file):
+        for key, value in _read_json_object(tokens_map_file).items():
+            held = settings.get("extra_special_tokens")
+            if key == "extra_special_tokens" and isinstance(value, list) and isinstance(held, list):
+                value = held + [t for t in value if t not in held]
+            settings[key] = value
+        if isinstance(settings.get("extra_special_tokens"), dict):
+            own.update(settings.pop("extra_special_tokens"))
+    if "additional_special_tokens" in settings and "extra_special_tokens" not in settings:
+        settings["extra_special_tokens"] = settings.pop("additional_special_tokens")
+    settings["model_specific_special_tokens"] = own
+    return settings
+
+
+def _special_tokens(settings: dict, file: str) -> Tuple[Dict[str, AddedToken], List[AddedToken]]:
+    """The special tokens of the settings (_token_settings), as transformers (5) reads them:
+    the named ones, in its order whatever the files' (save_pretrained sorts their keys; the
+    tokenizer gives those it lacks their ids in this order): the standard ones (bos, eos, unk,
+    sep, pad, cls, mask; a Gemma tokenizer's defaults where none is given), then a model's own
+    ("..._token" keys, special_tokens_map.json's before the config's, which win, and
+    extra_special_tokens given as an object, whose standard names take their standard place);
+    and the unnamed ones (extra_special_tokens given as a list)."""
+    tokenizer_class = settings.get("tokenizer_class")
     if tokenizer_class is not None and not isinstance(tokenizer_class, str):
         raise _core.CheckpointError(f"{file}: tokenizer_class must be a class name (a string), got {tokenizer_class!r}")
-    config = {**_CLASS_DEFAULTS.get(tokenizer_class or _MODEL_TOKENIZER_CLASS, {}), **config}
-    # In transformers' order, whatever the file's (save_pretrained sorts its keys): the standard
-    # names first, then a model's own in the file's order. The tokenizer gives the ones it lacks
-    # their ids in this order.
-    for key in _STANDARD_SPECIAL:
-        if config.get(key) is not None:
-            named[key] = _added_token(config[key], file, key, special=True)
-    for key, value in config.items():
-        if key not in _STANDARD_SPECIAL and key.endswith("_token") and isinstance(value, (str, dict)):
-            named[key] = _added_token(value, file, key, special=True)
-    # (additional_special_tokens: transformers 4's name for them, which 5 still reads where
-    # extra_special_tokens is missing or empty.)
-    listed = config.get("extra_special_tokens") or config.get("additional_special_tokens")
-    if isinstance(listed, dict):
-        named.update({key: _added_token(value, file, f"extra_special_tokens.{key}", special=True)
-                      for key, value in listed.items()})
-    elif isinstance(listed, list):
-        extra = [_added_token(value, file, f"extra_special_tokens[{i}]", special=True) for i, value in enumerate(listed)]
-    elif listed is not None:
+    settings = {**_CLASS_DEFAULTS.get(tokenizer_class or _MODEL_TOKENIZER_CLASS, {}), **settings}
+    given = {key: settings[key] for key in _STANDARD_SPECIAL if settings.get(key) is not None}
+    given.update({**_own_tokens(settings), **settings["model_specific_special_tokens"]})
+    order = [key for key in _STANDARD_SPECIAL if key in given] + [key for key in given if key not in _STANDARD_SPECIAL]
+    named = {key: _added_token(given[key], file, key, special=True) for key in order}
+    listed = settings.get("extra_special_tokens")
+    if isinstance(listed, list):
+        return named, [_added_token(value, file, f"extra_special_tokens[{i}]", special=True)
+                       for i, value in enumerate(listed)]
+    if listed is not None:
         raise _core.CheckpointError(f"{file}: extra_special_tokens must be a list of tokens or an object of named "
                                     f"ones, got {listed!r}")
-    return named, extra
-
-
-def _with_special_tokens_map(config: dict, file: str) -> dict:
-    """tokenizer_config.json's settings with those of special_tokens_map.json (older checkpoints
-    keep their special tokens there), as transformers (5) merges them, only where the config
-    has no added_tokens_decoder: the config's additional_special_tokens (transformers 4's name)
-    taken as its extra_special_tokens first; then the map's tokens win, its extra_special_tokens
-    joining the config's, and its additional_special_tokens taken only where the config lists
-    none under either name."""
-    if "added_tokens_decoder" in config or not _present(file):
-        return config
-    merged = dict(config)
-    if "additional_special_tokens" in merged and not merged.get("extra_special_tokens"):
-        merged["extra_special_tokens"] = merged.pop("additional_special_tokens")
-    for key, value in _read_json_object(file).items():
-        held = merged.get(key)
-        if key == "extra_special_tokens" and isinstance(value, list) and isinstance(held, list):
-            merged[key] = held + [t for t in value if t not in held]
-        elif key == "extra_special_tokens" and isinstance(value, dict) and isinstance(held, dict):
-            merged[key] = {**held, **value}
-        elif key == "additional_special_tokens":
-            merged.setdefault("extra_special_tokens", value)
-        else:
-            merged[key] = value
-    return merged
+    return named, []
 
 
 def _listed_added_tokens(config: dict, file: str) -> Optional[List[AddedToken]]:
@@ -243,7 +250,7 @@ class Tokenizer:
             raise _core.CheckpointError(f"{self._file}: not a tokenizer the tokenizers library reads: {e}") from None
         config_file = os.path.join(path, "tokenizer_config.json")
         config = _read_json_object(config_file) if _present(config_file) else {}
-        config = _with_special_tokens_map(config, os.path.join(path, "special_tokens_map.json"))
+        config = _token_settings(config, os.path.join(path, "special_tokens_map.json"))
         # transformers' encode neither truncates nor pads unless asked to: settings saved in
         # tokenizer.json had cut every prompt (chat prompts too) or padded it.
         self._tokenizer.no_truncation()
