@@ -661,6 +661,11 @@ SPECIAL_TOKENS_MAPS = {
                                                 {"additional_special_tokens": ["<new1>"]}),
     "extra object names a standard token": ({"cls_token": "<new1>", "extra_special_tokens": {"bos_token": "<new2>"}},
                                             {}),
+    # An own token the config gives as an AddedToken is not set apart as a string is: it stays
+    # among the settings, in its place, and the map's wins over it.
+    "config's own AddedToken, map's string": ({"boi_token": _token("<new1>")}, {"boi_token": "<new2>"}),
+    "config's own AddedToken first": ({"audio_token": _token("<new1>")}, {"boi_token": "<new2>"}),
+    "config's model_specific_special_tokens": ({"model_specific_special_tokens": {"image_token": "<new2>"}}, {}),
 }
 
 

@@ -69,9 +69,10 @@ _MODEL_TOKENIZER_CLASS = "GemmaTokenizer"
 
 def _own_tokens(config: dict) -> Dict[str, Any]:
     """A model's own named special tokens among settings: "..._token" keys other than the
-    standard ones (Gemma 3's boi_token), given as a token."""
-    return {key: value for key, value in config.items()
-            if key not in _STANDARD_SPECIAL and key.endswith("_token") and isinstance(value, (str, dict))}
+    standard ones (Gemma 3's boi_token), given as a string or an AddedToken ({"__type":
+    "AddedToken", ...}: a dict without that type transformers passes over)."""
+    return {key: value for key, value in config.items() if key not in _STANDARD_SPECIAL and key.endswith("_token")
+            and (isinstance(value, str) or isinstance(value, dict) and value.get("__type") == "AddedToken")}
 
 
 def _token_settings(config: dict, tokens_map_file: str) -> dict:
@@ -83,20 +84,27 @@ def _token_settings(config: dict, tokens_map_file: str) -> dict:
     keep their special tokens there): its standard tokens win, its own named ones stay beside
     (the config's win over them), its extra_special_tokens list joins the config's, an object of
     them joins the config's own named ones, and its additional_special_tokens count where no
-    extra_special_tokens are left."""
+    extra_special_tokens are left. (Only own tokens given as strings are set apart: from_pretrained
+    has not yet made the AddedToken dicts tokens, which the tokenizer then finds among the
+    settings, where the map's win over them; where none is set apart, a model_specific_special_tokens
+    the config holds stands.)"""
     settings = dict(config)
     if "additional_special_tokens" in settings and not settings.get("extra_special_tokens"):
         settings["extra_special_tokens"] = settings.pop("additional_special_tokens")
-    own = _own_tokens(settings)
+    own = {key: value for key, value in _own_tokens(settings).items() if isinstance(value, str)}
     for key in own:
         del settings[key]
     if isinstance(settings.get("extra_special_tokens"), dict):
         own.update(settings.pop("extra_special_tokens"))
+    if not own and isinstance(config.get("model_specific_special_tokens"), dict):
+        own = dict(config["model_specific_special_tokens"])
     if "added_tokens_decoder" not in config and _present(tokens_map_file):
         for key, value in _read_json_object(tokens_map_file).items():
             held = settings.get("extra_special_tokens")
             if key == "extra_special_tokens" and isinstance(value, list) and isinstance(held, list):
                 value = held + [t for t in value if t not in held]
+            elif isinstance(value, dict) and key != "extra_special_tokens":
+                value = {**value, "__type": "AddedToken"}  # (the map's token dicts are made tokens as read)
             settings[key] = value
         if isinstance(settings.get("extra_special_tokens"), dict):
             own.update(settings.pop("extra_special_tokens"))
