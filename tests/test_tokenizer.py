@@ -518,6 +518,10 @@ CONFIG_TOKENS = {
                                                       "400": _token("<mask>", special=False)}},
     "named, not in added_tokens_decoder": {"added_tokens_decoder": {"400": _token("<mask>", lstrip=True)},
                                            "eos_token": "<eos2>", "tool_token": "<tool>"},
+    # An unnamed one given as an AddedToken that is not special is added as plain text (it had
+    # been made special, and dropped from decoded output); one named too is as named.
+    "listed as an AddedToken that is not special": {"eos_token": "<new2>", "extra_special_tokens": [
+        _token("<new2>", special=False), _token("<new3>", special=False), "<new>"]},
 }
 
 
@@ -538,7 +542,7 @@ def test_config_tokens_tokenizer_json_has_keep_what_transformers_keeps(tmp_path,
         {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<eos>", **config}))
     ours, theirs = Tokenizer(str(tmp_path)), AutoTokenizer.from_pretrained(str(tmp_path))
     assert ours.vocab_size == len(theirs)
-    text = "a <mask> b <tool> c <eos2> d<x>e <new> f"
+    text = "a <mask> b <tool> c <eos2> d<x>e <new> f <new2> g<new3>"
     ids = theirs.encode(text, add_special_tokens=False)
     assert ours.encode(text, add_special_tokens=False) == ids
     for skip in (True, False):

@@ -101,8 +101,9 @@ def _token_settings(config: dict, tokens_map_file: str) -> dict:
     if "added_tokens_decoder" not in config and _present(tokens_map_file):
         for key, value in _read_json_object(tokens_map_file).items():
             held = settings.get("extra_special_tokens")
-            if key == "extra_special_tokens" and isinstance(value, list) and isinstance(held, list):
-                value = held + [t for t in value if t not in held]
+            if key == "extra_special_tokens" and isinstance(value, list):  # (the map's are special, as read)
+                value = [{**t, "special": True} if isinstance(t, dict) else t for t in value]
+                value = held + [t for t in value if t not in held] if isinstance(held, list) else value
             elif isinstance(value, dict) and key != "extra_special_tokens":
                 value = {**value, "__type": "AddedToken"}  # (the map's token dicts are made tokens as read)
             settings[key] = value
@@ -132,7 +133,7 @@ def _special_tokens(settings: dict, file: str) -> Tuple[Dict[str, AddedToken], L
     named = {key: _added_token(given[key], file, key, special=True) for key in order}
     listed = settings.get("extra_special_tokens")
     if isinstance(listed, list):
-        return named, [_added_token(value, file, f"extra_special_tokens[{i}]", special=True)
+        return named, [_added_token(value, file, f"extra_special_tokens[{i}]", special=not isinstance(value, dict))
                        for i, value in enumerate(listed)]
     if listed is not None:
         raise _core.CheckpointError(f"{file}: extra_special_tokens must be a list of tokens or an object of named "
@@ -316,10 +317,17 @@ class Tokenizer:
         self._library(self._tokenizer.add_special_tokens, [t for t in relisted if t.special])
         self._library(self._tokenizer.add_tokens, [t for t in relisted if not t.special])
         present = added()
-        tokens = [t if t.content not in present else like(present[t.content], True) for t in named.values()
-                  if t.content not in present or looked_up is None or t.content in looked_up]
-        tokens += [t for t in extra if t.content not in present]
-        self._library(self._tokenizer.add_special_tokens, tokens)
+        self._library(self._tokenizer.add_special_tokens, [
+            like(present[t.content], True) for t in named.values()
+            if t.content in present and (looked_up is None or t.content in looked_up)])
+        # Those it lacks in one call, their ids in order, each special as it says (an unnamed
+        # one given as an AddedToken may say it is not, and transformers adds it so); a token
+        # named again (an unnamed one as a named one) as it came first.
+        new = {}
+        for t in [*named.values(), *extra]:
+            if t.content not in present:
+                new.setdefault(t.content, t)
+        self._library(self._tokenizer.add_tokens, list(new.values()))
 
     def __setstate__(self, state: dict) -> None:
         """A copy or an unpickled tokenizer: the tokenizers library's own state leaves
