@@ -720,11 +720,16 @@ def test_before_prefill(model, op):
     assert_intact(s, before)
 
 
+@pytest.mark.parametrize("with_logits", [False, True], ids=["", "with self-conditioning logits"])
 @pytest.mark.parametrize("n", [CANVAS - 1, CANVAS + 1])
-def test_denoise_wrong_canvas_length(seq, n):
+def test_denoise_wrong_canvas_length(seq, n, with_logits):
+    """The canvas is named, also beside self-conditioning logits of the right shape (the
+    native binding had checked them against the canvas given, and blamed them)."""
     before = state_of(seq)
-    with pytest.raises(ValueError, match=f"denoise: canvas has {n} tokens, expected canvas_length {CANVAS}"):
-        seq.denoise(np.arange(n))
+    sc = np.zeros((CANVAS, VOCAB), np.float32) if with_logits else None
+    for denoise in (seq.denoise, seq._native.denoise):
+        with pytest.raises(ValueError, match=f"denoise: canvas has {n} tokens, expected canvas_length {CANVAS}"):
+            denoise(np.arange(n, dtype=np.int32), sc)
     assert_intact(seq, before)
 
 

@@ -301,11 +301,14 @@ NB_MODULE(_core, m) {
       .def(
           "denoise",
           [](Sequence& self, IdArray canvas, std::optional<LogitsIn> sc) {
+            // Against the sequence's canvas length, not the canvas given: a canvas of another
+            // length is the canvas's fault, which denoise names (it had been blamed on the logits).
             const int vocab = self.config().vocab_size;
-            if (sc && (sc->shape(0) != canvas.shape(0) || sc->shape(1) != size_t(vocab)))
-              throw InvalidArgument("denoise: self_conditioning_logits must have shape [" +
-                                    std::to_string(canvas.shape(0)) + ", " + std::to_string(vocab) + "], got [" +
-                                    std::to_string(sc->shape(0)) + ", " + std::to_string(sc->shape(1)) + "]");
+            const size_t rows = size_t(self.canvas_length());
+            if (sc && (sc->shape(0) != rows || sc->shape(1) != size_t(vocab)))
+              throw InvalidArgument("denoise: self_conditioning_logits must have shape [" + std::to_string(rows) +
+                                    ", " + std::to_string(vocab) + "], got [" + std::to_string(sc->shape(0)) + ", " +
+                                    std::to_string(sc->shape(1)) + "]");
             std::vector<float> logits;
             {
               nb::gil_scoped_release release;

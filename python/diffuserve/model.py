@@ -187,9 +187,9 @@ class Sequence:
             sc = _float32_logits(self_conditioning_logits)
             if sc.ndim == 3 and sc.shape[0] == 1:
                 sc = sc[0]
-            expected = (self.canvas_length, self.model.vocab_size)
-            if sc.shape != expected:
-                raise ValueError(f"denoise: self_conditioning_logits must have shape {expected}, got {sc.shape}")
+            if sc.shape != (self.canvas_length, self.model.vocab_size):
+                raise ValueError(f"denoise: self_conditioning_logits must have shape [{self.canvas_length}, "
+                                 f"{self.model.vocab_size}], got {list(sc.shape)}")
         return self._native.denoise(canvas, sc)
 
     def commit(self, canvas_ids) -> None:
