@@ -21,7 +21,7 @@ import time
 import uuid
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Dict, List, Optional, Sequence
+from typing import AsyncIterator, Dict, List, Optional, Sequence, Tuple
 
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
@@ -130,19 +130,21 @@ class _TokensThrough:
         # characters the prefix reaching `end` is a bisection's to find, and the fewest tokens
         # are at most the few from the cut inside a character before it. (Each decode takes
         # the piece's length: a scan of every cut had cost 25 s over a 12,000-token run.)
-        def whole(m: int) -> int:  # the first cut from m on that splits no character
-            while m < last and INCOMPLETE in text(m):
+        def whole(m: int) -> Tuple[int, str]:  # the first cut from m on that splits no character, and its text
+            piece = text(m)
+            while m < last and INCOMPLETE in piece:
                 m += 1
-            return m
+                piece = text(m)
+            return m, piece
 
         low, high = done + 1, last
         while low < high:
             middle = (low + high) // 2
-            if text(whole(middle)).startswith(wanted):
+            if whole(middle)[1].startswith(wanted):
                 high = middle
             else:
                 low = middle + 1
-        return next(m for m in range(low, whole(low) + 1) if m == last or text(m).startswith(wanted))
+        return next(m for m in range(low, whole(low)[0] + 1) if m == last or text(m).startswith(wanted))
 
 
 class _Choice:
