@@ -235,23 +235,22 @@ def quantize(src: str, dst: str, scheme: str = "fp8-dynamic") -> None:
                     np.array_equal(twin[1].view(np.uint8), arr.view(np.uint8)):  # the bytes, as a load compares
                 continue
         linear = _LINEAR.match(full)
-        experts = name.endswith((".experts.gate_up_proj", ".experts.down_proj"))
-        if linear or experts:
+        # A module's experts: their linears, stacked along out.
+        parts = ("gate_proj", "up_proj") if name.endswith(".experts.gate_up_proj") else \
+            ("down_proj",) if name.endswith(".experts.down_proj") else ()
+        if linear or parts:
             # Shapes as the quantized copy's tensors are cut from them (the load of the copy
-            # checks those against config.json): a linear [out, in]; a module's experts
-            # [experts, out, in], gate and up stacked along out. (A stack of odd height had
-            # lost a row, and a tensor of fewer dimensions had been a traceback.)
-            parts = (("gate_proj", "up_proj") if name.endswith("gate_up_proj") else ("down_proj",)) if experts else ()
-            if arr.ndim != (3 if experts else 2) or (experts and arr.shape[1] % len(parts)):
-                expected = "[experts, 2 x rows, in] (gate and up stacked)" if len(parts) == 2 else \
-                    "[experts, out, in]" if experts else "[out, in]"
-                raise ValueError(f"{src}: tensor '{name}' has shape {list(arr.shape)}, expected {expected}")
+            # checks those against config.json). (A stack of odd height had lost a row, and a
+            # tensor of fewer dimensions had been a traceback.)
+            if arr.ndim != (3 if parts else 2) or (parts and arr.shape[1] % len(parts)):
+                expected = ("[out, in]", "[experts, out, in]", "[experts, 2 x rows, in] (gate and up stacked)")
+                raise ValueError(f"{src}: tensor '{name}' has shape {list(arr.shape)}, expected {expected[len(parts)]}")
             if dtype not in ("F32", "F16", "BF16"):
                 raise ValueError(f"{src}: tensor '{name}' is {dtype}; a weight to quantize is F32, F16 or BF16")
         if linear:
             linears[name[: -len(".weight")]] = (arr.shape, lambda name=name, dtype=dtype, arr=arr:
                                                 _source_weight(src, name, dtype, arr))
-        elif experts:
+        elif parts:
             prefix = name.rsplit(".", 1)[0]
             rows = arr.shape[1] // len(parts)
             for e in range(arr.shape[0]):
