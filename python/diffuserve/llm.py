@@ -107,6 +107,13 @@ def _locked(method):
     return run
 
 
+def _sampling_params(value, where: str) -> SamplingParams:
+    """`value`, which must be a SamplingParams; `where` names it in the error."""
+    if not isinstance(value, SamplingParams):
+        raise ValueError(f"{where} must be a SamplingParams, got {type(value).__name__}")
+    return value
+
+
 class LLM:
     """A model with a KV cache and a scheduler. Limits are constructor arguments:
 
@@ -172,9 +179,7 @@ class LLM:
         ids = check_token_ids(prompt, "prompt", self.model.vocab_size).tolist()
         if not ids:
             raise ValueError("prompt is empty")
-        params = SamplingParams() if params is None else params
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
+        params = _sampling_params(SamplingParams() if params is None else params, "params")
         request_id = next(self._ids)
         try:
             with _signals_held():
@@ -254,9 +259,7 @@ class LLM:
         if len(plist) not in (1, len(prompts)):
             raise ValueError(f"{len(plist)} SamplingParams for {len(prompts)} prompts (give one, or one per prompt)")
         for i, p in enumerate(plist):  # (a fault of params, not named after a prompt as add_request's would be)
-            if not isinstance(p, SamplingParams):
-                where = f"params[{i}]" if isinstance(params, (list, tuple)) else "params"
-                raise ValueError(f"{where} must be a SamplingParams, got {type(p).__name__}")
+            _sampling_params(p, f"params[{i}]" if isinstance(params, (list, tuple)) else "params")
         # Request id -> its prompt's index, in prompt order (a list's scans had made a call
         # quadratic in its prompts).
         index, done = {}, {}
