@@ -681,7 +681,8 @@ def test_failed_request_counts_as_error(checkpoint, tmp_path):
 
 def test_health_fails_once_the_engine_has(offline):
     """/health answers 503 once the engine thread has failed (it had kept answering 200 while
-    every request got a 503)."""
+    every request got a 503), and /metrics counts each choice refused then as an error (none
+    had been: only a request running when the engine failed was)."""
     from fastapi.testclient import TestClient
 
     class FailingLLM:  # an engine whose step fails as a bug in it would
@@ -705,6 +706,12 @@ def test_health_fails_once_the_engine_has(offline):
         time.sleep(0.01)
     with TestClient(build_app(engine, MODEL)) as http:
         assert http.get("/health").status_code == 503
+        for _ in range(3):
+            response = http.post("/v1/completions", json={"model": MODEL, "prompt": [7, 8], "max_tokens": 4, "n": 2})
+            assert response.status_code == 503 and "the engine has stopped" in response.text, response.text
+        text = http.get("/metrics").text
+    assert 'diffuserve_requests_total{finish_reason="error"} 6.0' in text
+    assert "diffuserve_prompt_tokens_total 6.0" in text  # each request's prompt, once for its two choices
 
 
 def test_a_refused_request_does_not_cut_the_running_step_short(checkpoint):

@@ -176,6 +176,9 @@ class _Choice:
             await self._updates.__anext__()
         except ValueError as e:
             raise invalid_value(e, self.names) from None
+        except EngineError:  # a 503 (the engine has stopped): counted as one that fails later is
+            self._record("error", 0, [])
+            raise
 
     async def close(self) -> None:
         await self._updates.aclose()  # aborts the request when it has not finished
@@ -222,11 +225,16 @@ class _Choice:
             raise
         finally:
             await self.close()
-            prompt_tokens = len(self.prompt) if self.counts_prompt else 0
-            self.usage.prompt_tokens += prompt_tokens
+            self.usage.prompt_tokens += self._prompt_tokens()
             self.usage.completion_tokens += generated
             self.usage.denoise_steps += sum(denoise_steps)
-            self.server.metrics.record(self.finish_reason or self.ended, prompt_tokens, generated, denoise_steps)
+            self._record(self.finish_reason or self.ended, generated, denoise_steps)
+
+    def _prompt_tokens(self) -> int:
+        return len(self.prompt) if self.counts_prompt else 0
+
+    def _record(self, ended: str, generated: int, denoise_steps: List[int]) -> None:
+        self.server.metrics.record(ended, self._prompt_tokens(), generated, denoise_steps)
 
 
 class _Server:
