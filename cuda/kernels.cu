@@ -451,7 +451,11 @@ __global__ void scale_kernel(float* x, float s, int64_t n) {
 
 // cap * tanh(x / cap): the softcap op's and the sampler's, one expression (the sampler
 // divides by the cap four values at a time, Divisor, and passes the quotient q = x / cap).
-__device__ __forceinline__ float softcap_of_quotient(float q, float cap) { return cap * tanhf(q); }
+// An infinite logit (from weights that are not finite) becomes NaN, which the checks after
+// the softcap refuse, not the cap that tanh would make of it (the CPU backend's alike).
+__device__ __forceinline__ float softcap_of_quotient(float q, float cap) {
+  return isinf(q) ? __int_as_float(0x7fffffff) : cap * tanhf(q);
+}
 __device__ __forceinline__ float capped(float x, float cap) { return softcap_of_quotient(x / cap, cap); }
 
 __global__ void softcap_kernel(float* x, float cap, int64_t n) {

@@ -78,7 +78,8 @@ def test_an_unknown_build_is_refused_by_name(checkpoint, tmp_path, isa, message)
 def test_softcap_tanh_is_within_its_stated_ulps():
     """The sampler's softcap with cap 1 is tanh itself (x / 1 and 1 * t are exact): within
     1.33 ulp of float64's tanh on a fine grid over [-12, 12], at the method's seams (0.625,
-    10) and on tiny values; +-1 past 10; NaN kept, +-inf to +-1."""
+    10) and on tiny values; +-1 past 10; NaN kept, and +-inf made NaN (an infinite logit, from
+    weights that are not finite, is then refused, where tanh's +-1 had hidden it)."""
     from diffuserve import _core
     grid = np.linspace(-12, 12, 400_001, dtype=np.float32)
     seams = np.concatenate([np.nextafter(np.float32(s), np.float32(s) + d * np.arange(1, 50, dtype=np.float32))
@@ -91,7 +92,7 @@ def test_softcap_tanh_is_within_its_stated_ulps():
     assert (np.abs(got - reference) / ulp).max() <= 1.33
     assert (got[-4:] == np.float32([1, -1, 1, -1])).all()
     special = _core.sampler.sample_rows(np.float32([[np.nan, np.inf, -np.inf]]), 1.0, [], 0, 0, 0, softcap=1.0)[0][0]
-    assert np.isnan(special[0]) and special[1] == 1 and special[2] == -1
+    assert np.isnan(special).all()
 
 
 def test_softmax_and_entropy_match_float64():

@@ -537,14 +537,16 @@ def test_bf16_kv_cache_gives_the_fp32_cache_results(tmp_path, shape):
                                              ("real_head_dims", "model.decoder.layers.0.self_attn.q_proj.weight",
                                               (5, 7))], ids=["final norm", "query weight", "query weight, wgmma"])
 @pytest.mark.parametrize("activations", ["float32", "bfloat16"])
-def test_non_finite_logits_fail_the_request(tmp_path, monkeypatch, graphs, shape, weight, at, activations):
+@pytest.mark.parametrize("value", [np.nan, np.inf], ids=["nan", "inf"])
+def test_non_finite_logits_fail_the_request(tmp_path, monkeypatch, graphs, shape, weight, at, activations, value):
     """A NaN weight makes every logit NaN: the device's canvas update flags it and stops the
     block, and generate raises naming the prompt, as on the CPU (test_errors.py). A NaN in a
     query projection makes every score of its heads NaN, which each attention kernel (the
-    wgmma one where the head dim is 256 with bf16 activations) passes on as NaN."""
+    wgmma one where the head dim is 256 with bf16 activations) passes on as NaN. An infinite
+    weight makes logits infinite, which the softcap turns to NaN (not to the cap)."""
     monkeypatch.setenv("DIFFUSERVE_CUDA_GRAPHS", graphs)
     path = write_random_checkpoint(tmp_path / "m", canvas_length=32, seed=7, **SHAPES[shape])  # fp32
-    rewrite(pathlib.Path(path), lambda tensors: tensors[weight].__setitem__(at, np.nan))
+    rewrite(pathlib.Path(path), lambda tensors: tensors[weight].__setitem__(at, value))
     llm = ds.LLM(path, device="cuda:0", dtype="bfloat16", activations=activations)
     for _ in range(2):
         with pytest.raises(ds.CheckpointError, match=r"prompt 0: the model's logits held NaN or infinity"):

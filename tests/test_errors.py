@@ -1033,11 +1033,13 @@ def test_cli_ctrl_c_is_a_line_and_exit_130(tmp_path):
 
 # --- weights that are not finite ----------------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def nan_dir(tmp_path_factory, valid_dir):
-    """The valid checkpoint with a NaN in its final norm's weight: every logit is NaN."""
+@pytest.fixture(scope="module", params=[np.nan, np.inf], ids=["nan", "inf"])
+def nan_dir(request, tmp_path_factory, valid_dir):
+    """The valid checkpoint with a NaN, or an infinity, in its final norm's weight: every logit
+    is NaN (an infinite one becomes NaN at the softcap, where tanh had made the cap of it, and
+    such a checkpoint's requests had finished with tokens drawn from logits all at +-30)."""
     path = shutil.copytree(valid_dir, tmp_path_factory.mktemp("nan") / "m")
-    rewrite(path, lambda t: t[NORM].__setitem__(3, np.nan))
+    rewrite(path, lambda t: t[NORM].__setitem__(3, request.param))
     return path
 
 
@@ -1057,6 +1059,18 @@ def test_nan_query_weight_fails_the_request(ckpt):
     llm = ds.LLM(ckpt, kv_cache_memory_bytes=8 << 20)
     with pytest.raises(ds.CheckpointError, match=r"prompt 0: the model's logits held NaN or infinity"):
         llm.generate([[2, 3, 4]], ds.SamplingParams(max_new_tokens=16, seed=0))
+
+
+def test_non_finite_logits_give_no_draft(nan_dir):
+    """A step cut short (interrupt, as AsyncLLM's when a client leaves) returns before the
+    failure is posted: the request's draft is then none, not the argmax of NaN rows (ids 0,
+    which a stream of drafts had sent before the error)."""
+    llm = ds.LLM(nan_dir, kv_cache_memory_bytes=8 << 20)
+    rid = llm.add_request([2, 3, 4], ds.SamplingParams(max_new_tokens=16, seed=0))
+    llm.interrupt()
+    assert llm.step() == [] and llm.draft(rid) == []
+    [output] = llm.step()
+    assert output.finish_reason == "error" and "NaN or infinity" in output.error
 
 
 @pytest.mark.parametrize("fuse_commit", [True, False])

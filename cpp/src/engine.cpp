@@ -298,7 +298,11 @@ std::vector<int32_t> Engine::draft(uint64_t id) const {
   const auto lock = model_->state().lock();
   const RequestState& r = get(id);
   if (!r.in_block() || !r.steps) return {};
-  return read_canvas(*model_->state().backend, *r.block_state).argmax;
+  // Logits that held NaN or infinity give no draft (their argmax is no token): the request
+  // fails at its next step, where a step cut short (interrupt) had left this one posted first.
+  CanvasReadout block = read_canvas(*model_->state().backend, *r.block_state);
+  if (block.non_finite) return {};
+  return std::move(block.argmax);
 }
 
 std::vector<std::pair<uint64_t, GenerationOutput>> Engine::step(const std::vector<StepPlan>& plan, int max_steps,
