@@ -366,6 +366,23 @@ def test_a_float16_checkpoint_runs_at_near_greedy_temperatures(checkpoints, tmp_
         assert out.finish_reason == "length" and len(out.token_ids) == 16, (t_min, out.error)
 
 
+def test_random_checkpoint_stores_the_dtype_its_config_names(tmp_path):
+    """write_random_checkpoint's weights are stored in the dtype config.json names (a float16
+    one had stored float32 under "float16"), and a dtype it cannot store is refused."""
+    from diffuserve.random_checkpoint import write_random_checkpoint
+    from diffuserve.safetensors_io import read_safetensors
+
+    for dtype, stored in [("float32", "F32"), ("bfloat16", "BF16"), ("float16", "F16")]:
+        path = write_random_checkpoint(tmp_path / dtype, canvas_length=8, dtype=dtype, num_hidden_layers=1)
+        with open(os.path.join(path, "config.json")) as f:
+            assert json.load(f)["dtype"] == dtype
+        kinds = {kind for kind, _ in read_safetensors(os.path.join(path, "model.safetensors")).values()}
+        assert kinds == {stored}, (dtype, kinds)
+        assert ds.LLM(path).model.dtype == dtype
+    with pytest.raises(ValueError, match="dtype must be 'float32', 'bfloat16' or 'float16', not 'int8'"):
+        write_random_checkpoint(tmp_path / "int8", dtype="int8")
+
+
 def test_stops_at_once_when_confident(checkpoints):
     """Near-zero temperature makes every position certain: with stability_threshold 0 each
     block stops after one step; with 1 it needs at least a second step to see the same
