@@ -652,7 +652,7 @@ def test_requests_left_before_the_engine_took_them_are_never_added(checkpoint):
         output = asyncio.run(main())
         assert output.finish_reason == "length" and len(output.token_ids) == 8
         # (The first add may have been read as the lock was taken: that one waits for it.)
-        assert len(added) <= 2 and not engine._left, len(added)
+        assert len(added) <= 2 and not engine._engine.left, len(added)
         wait_until_idle(engine, 30)
     finally:
         engine.shutdown()
@@ -742,6 +742,78 @@ def test_a_refused_request_does_not_cut_the_running_step_short(checkpoint):
         assert len(interrupts) == 1
     finally:
         engine.shutdown()
+
+
+def test_a_request_taken_but_not_yet_read_cuts_the_step_short_when_its_caller_leaves(checkpoint):
+    """A caller that leaves after the engine took its request, before reading that it did,
+    interrupts the running step as one that read it does (it had waited for the whole step,
+    the KV held and the batch kept waiting)."""
+    llm = ds.LLM(checkpoint, kv_cache_memory_bytes=32 << 20)
+    interrupts = []
+    interrupt = llm.interrupt
+    llm.interrupt = lambda: (interrupts.append(1), interrupt())
+    engine = AsyncLLM(llm)
+
+    async def left_before_reading():
+        first = asyncio.ensure_future(engine.generate([5, 6], ds.SamplingParams(max_new_tokens=512, seed=0))
+                                      .__anext__())
+        await asyncio.sleep(0)  # the add is queued
+        deadline = time.monotonic() + 30
+        while not engine.stats["running"] + engine.stats["waiting"]:  # taken (the loop blocked: not read)
+            assert time.monotonic() < deadline
+            time.sleep(0.001)
+        first.cancel()
+        await asyncio.gather(first, return_exceptions=True)
+
+    try:
+        asyncio.run(left_before_reading())
+        assert len(interrupts) == 1
+        wait_until_idle(engine, 30)
+    finally:
+        engine.shutdown()
+
+
+def test_a_request_keeps_its_prompt_and_params_as_they_were_given(checkpoint):
+    """The engine thread reads a request's prompt and SamplingParams after generate() has
+    queued it: a caller reusing its objects then does not change the request (it had run with
+    the new seed, length and prompt)."""
+    llm = ds.LLM(checkpoint, kv_cache_memory_bytes=32 << 20)
+    expected = llm.generate([[5, 6, 7]], ds.SamplingParams(max_new_tokens=16, seed=1, eos_token_id=[]))[0]
+    engine = AsyncLLM(llm)
+    prompt, params = [5, 6, 7], ds.SamplingParams(max_new_tokens=16, seed=1, eos_token_id=[])
+
+    async def reused():
+        updates = engine.generate(prompt, params)
+        with llm._lock:  # the engine thread's add waits inside add_request, holding the caller's objects
+            first = asyncio.ensure_future(updates.__anext__())
+            await asyncio.sleep(0.05)
+            prompt[0], params.seed, params.max_new_tokens, params.eos_token_id[:] = 9, 2, 4, [5]
+        await first
+        async for progress in updates:
+            if progress.output is not None:
+                return progress.output
+
+    try:
+        output = asyncio.run(reused())
+        assert (output.token_ids, output.seed) == (expected.token_ids, 1)
+    finally:
+        engine.shutdown()
+
+
+def test_an_async_llm_dropped_without_shutdown_is_freed(checkpoint):
+    """An AsyncLLM dropped without shutdown() stops its thread, and its LLM (the model, the KV
+    cache) is freed: the thread had held both until the process exited."""
+    import gc
+    import weakref
+    llm = ds.LLM(checkpoint, kv_cache_memory_bytes=32 << 20)
+    engine = AsyncLLM(llm)
+    thread, freed = engine._engine.thread, weakref.ref(llm)
+    del engine, llm
+    gc.collect()
+    thread.join(30)
+    assert not thread.is_alive()
+    gc.collect()
+    assert freed() is None
 
 
 def test_max_prompt_chars(checkpoint):

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import copy
+import dataclasses
 import itertools
 import os
 import queue
@@ -18,6 +20,8 @@ import time
 import weakref
 from dataclasses import dataclass, field
 from typing import AsyncIterator, List, Optional
+
+import numpy as np
 
 from .llm import LLM, RequestOutput
 from .sampling import SamplingParams
@@ -71,32 +75,50 @@ class _Request:
             pass  # the caller's event loop has closed: nobody is waiting
 
 
-def _shutdown_at_exit(engine: "weakref.ref[AsyncLLM]", pid: int) -> None:
+def _snapshot(value):
+    """A request's prompt or SamplingParams as they are now, their lists and arrays copied: the
+    engine thread reads them later (a caller reusing its objects had changed queued requests)."""
+    if isinstance(value, dict):
+        return {key: _snapshot(item) for key, item in value.items()}
+    if isinstance(value, (list, np.ndarray)):
+        return copy.copy(value)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        snapshot = copy.copy(value)
+        for f in dataclasses.fields(value):
+            setattr(snapshot, f.name, _snapshot(getattr(value, f.name)))
+        return snapshot
+    return value
+
+
+def _stop_engine(engine: "_EngineThread", pid: int, wait: bool) -> None:
     # (Not in a forked child, which has no engine thread: its locks may be held for good.)
-    if (live := engine()) is not None and os.getpid() == pid:
-        live.shutdown()
+    if os.getpid() == pid:
+        engine.stop(wait)
+
+
+def _stop_engine_at_exit(engine: "weakref.ref[_EngineThread]", pid: int) -> None:
+    if (live := engine()) is not None:
+        _stop_engine(live, pid, wait=True)
 
 
 class AsyncLLM:
     def __init__(self, llm: LLM):
         self.llm = llm
         self.tokenizer = llm.tokenizer
-        self.stats = llm.stats()  # refreshed by the engine thread after every command and step
-        self._commands: queue.Queue = queue.Queue()
         self._keys = itertools.count()
-        self._thread = threading.Thread(target=self._run, name="diffuserve-engine", daemon=True)
-        self._error: Optional[BaseException] = None
-        self._stopping = False
-        self._lock = threading.Lock()  # orders every "add" before the "stop" command
-        # Keys whose caller left before the engine thread read their add: it passes the add
-        # over, and drops the key at the abort that follows it. (Admitted, the adds of a
-        # disconnected 4,096-choice request had run for minutes on a CPU before their aborts,
-        # queued behind them, came through.)
-        self._left: set = set()
-        self._thread.start()
+        self._engine = engine = _EngineThread(llm)
+        # The thread holds the engine's side alone, not this object: dropped without
+        # shutdown(), this is collected and the thread stops, freeing the model and its KV
+        # cache (the thread had held them until the process exited).
+        weakref.finalize(self, _stop_engine, engine, os.getpid(), False).atexit = False
         # Stopped before the interpreter finalizes: a daemon thread inside a native step then
         # had the process abort (SIGABRT) as it exited.
-        atexit.register(_shutdown_at_exit, weakref.ref(self), os.getpid())
+        atexit.register(_stop_engine_at_exit, weakref.ref(engine), os.getpid())
+
+    @property
+    def stats(self) -> dict:
+        """The engine's stats (LLM.stats()), refreshed by its thread after every command and step."""
+        return self._engine.stats
 
     async def generate(self, prompt: List[int], params: SamplingParams, drafts: bool = False
                        ) -> AsyncIterator[Progress]:
@@ -104,49 +126,78 @@ class AsyncLLM:
         has accepted the request (an invalid one raises ValueError instead), then one per
         change; the last carries the output. Closing the iterator early (the client went
         away) aborts the request, freeing its KV at once."""
-        request = _Request(asyncio.get_running_loop(), prompt, params, drafts)
+        request = _Request(asyncio.get_running_loop(), _snapshot(prompt), _snapshot(params), drafts)
         key = next(self._keys)
-        with self._lock:
-            if self._stopping or self._error is not None:
-                raise EngineDead("the engine has stopped" + (f": {self._error!r}" if self._error else ""))
-            self._commands.put(("add", key, request))
-        accepted = finished = False
+        engine = self._engine
+        with engine.lock:
+            if engine.stopping or engine.error is not None:
+                raise EngineDead("the engine has stopped" + (f": {engine.error!r}" if engine.error else ""))
+            engine.commands.put(("add", key, request))
+        finished = False
         try:
             while True:
                 item = await request.updates.get()
                 if isinstance(item, BaseException):
                     raise item
-                accepted, finished = True, item.output is not None
+                finished = item.output is not None
                 yield item
                 if finished:
                     return
         finally:
             if not finished:
-                self._left.add(key)
-                self._commands.put(("abort", key, None))
+                engine.left.add(key)
+                engine.commands.put(("abort", key, None))
                 # The engine thread reads commands only between steps, and a step of
                 # slice_steps passes over a large batch takes tens of seconds on a CPU: end
                 # it after its current pass. (After the put: the step clears the interrupt
                 # as it returns, and the thread then reads the abort.) A request the engine
-                # refused, or has not yet taken, is in no step: the others' goes on.
-                if accepted:
+                # refused, or has not yet taken, is in no step: the others' goes on. One it
+                # has taken is, whether or not its caller read that (a caller leaving before
+                # had waited for the whole step).
+                if request.engine_id is not None:
                     self.llm.interrupt()
 
     @property
     def alive(self) -> bool:
         """Whether the engine thread still takes requests (not failed, not shut down)."""
-        return self._error is None and not self._stopping and self._thread.is_alive()
+        engine = self._engine
+        return engine.error is None and not engine.stopping and engine.thread.is_alive()
 
     def shutdown(self) -> None:
         """Aborts what is still running and stops the engine thread (after the current pass of
         a step in progress). Calls after the first wait for the thread to have stopped."""
-        with self._lock:
-            self._stopping = True
-            self._commands.put(("stop", None, None))
-        self.llm.interrupt()
-        self._thread.join()
+        self._engine.stop(wait=True)
 
-    # The engine thread.
+
+class _EngineThread:
+    """The engine thread and what it shares with its AsyncLLM's callers: the command queue,
+    the stats it posts, and its state (stopping, failed)."""
+
+    def __init__(self, llm: LLM):
+        self.llm = llm
+        self.stats = llm.stats()  # refreshed after every command and step
+        self.commands: queue.Queue = queue.Queue()
+        self.error: Optional[BaseException] = None
+        self.stopping = False
+        self.lock = threading.Lock()  # orders every "add" before the "stop" command
+        # Keys whose caller left before the engine thread read their add: it passes the add
+        # over, and drops the key at the abort that follows it. (Admitted, the adds of a
+        # disconnected 4,096-choice request had run for minutes on a CPU before their aborts,
+        # queued behind them, came through.)
+        self.left: set = set()
+        self.thread = threading.Thread(target=self._run, name="diffuserve-engine", daemon=True)
+        self.thread.start()
+
+    def stop(self, wait: bool) -> None:
+        """Aborts what is still running and stops the thread after the current pass of a step
+        in progress; `wait`: until it has stopped (not from the thread itself, where a
+        collected AsyncLLM's finalizer may run)."""
+        with self.lock:
+            self.stopping = True
+            self.commands.put(("stop", None, None))
+        self.llm.interrupt()
+        if wait and threading.current_thread() is not self.thread:
+            self.thread.join()
 
     def _run(self) -> None:
         requests = {}  # key -> _Request
@@ -159,7 +210,7 @@ class AsyncLLM:
                 wait, deadline = not self.llm.has_unfinished(), None
                 while deadline is None or time.monotonic() < deadline:
                     try:
-                        command, key, request = self._commands.get(block=wait)
+                        command, key, request = self.commands.get(block=wait)
                     except queue.Empty:
                         break
                     if deadline is None:
@@ -169,10 +220,10 @@ class AsyncLLM:
                         self._abort_all(requests, EngineDead("the server is shutting down"))
                         return
                     if command == "add":
-                        if key not in self._left:
+                        if key not in self.left:
                             self._add(requests, key, request)
                     else:
-                        self._left.discard(key)
+                        self.left.discard(key)
                         if key in requests:
                             self.llm.abort(requests.pop(key).engine_id)
                     self.stats = self.llm.stats()
@@ -185,11 +236,11 @@ class AsyncLLM:
                         self._abort_all(requests, StepFailed(f"the engine could not run this request: {e}"), finished)
                     self.stats = self.llm.stats()
         except BaseException as e:  # a bug in the engine: fail every request instead of hanging them
-            with self._lock:
-                self._error = e
+            with self.lock:
+                self.error = e
             self._abort_all(requests, EngineDead(f"the engine failed: {e!r}"))
-            while not self._commands.empty():  # requests queued before the error was seen
-                command, _, request = self._commands.get()
+            while not self.commands.empty():  # requests queued before the error was seen
+                command, _, request = self.commands.get()
                 if command == "add":
                     request.post(EngineDead(f"the engine failed: {e!r}"))
             raise
