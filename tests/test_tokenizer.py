@@ -562,28 +562,6 @@ def test_malformed_tokenizer_config_values_name_the_file(checkpoint, tmp_path, c
         Tokenizer(path)
 
 
-@pytest.mark.parametrize("tokens_map, message", [
-    ({"eos_token": [1]}, "eos_token must be a string or an AddedToken object"),
-    ({"extra_special_tokens": ["<a>", 5]}, r"extra_special_tokens\[1\] must be a string or an AddedToken object"),
-    ({"additional_special_tokens": "oops"}, "extra_special_tokens must be a list of tokens or an object of named"),
-    ({"extra_special_tokens": {"tool_token": {"content": 3}}}, "tool_token must be a string or an AddedToken")])
-def test_malformed_special_tokens_map_values_name_that_file(checkpoint, tmp_path, tokens_map, message):
-    """An older checkpoint's special_tokens_map.json (read where tokenizer_config.json has no
-    added_tokens_decoder): a malformed token there is named in that file (it had been blamed on
-    tokenizer_config.json, which may not even exist)."""
-    import json
-    path = _edited_copy(checkpoint, tmp_path)
-    config = json.loads((path / "tokenizer_config.json").read_text())
-    config.pop("added_tokens_decoder", None)
-    (path / "tokenizer_config.json").write_text(json.dumps(config))
-    (path / "special_tokens_map.json").write_text(json.dumps(tokens_map))
-    with pytest.raises(ds.CheckpointError, match=re.escape(str(path / "special_tokens_map.json")) + ": " + message):
-        Tokenizer(path)
-    (path / "tokenizer_config.json").unlink()
-    with pytest.raises(ds.CheckpointError, match=re.escape(str(path / "special_tokens_map.json")) + ": " + message):
-        Tokenizer(path)
-
-
 def test_tokenizer_json_that_fails_to_run_is_a_checkpoint_error(checkpoint, tmp_path):
     """A post-processor naming a token it does not list panics inside the tokenizers library on
     every encode (a BaseException that `except Exception` misses): a CheckpointError at load."""

@@ -99,20 +99,13 @@ def _token_settings(config: dict, tokens_map_file: str) -> dict:
     if not own and isinstance(config.get("model_specific_special_tokens"), dict):
         own = dict(config["model_specific_special_tokens"])
     if "added_tokens_decoder" not in config and _present(tokens_map_file):
-        tokens_map = {}
         for key, value in _read_json_object(tokens_map_file).items():
+            held = settings.get("extra_special_tokens")
             if key == "extra_special_tokens" and isinstance(value, list):  # (the map's are special, as read)
                 value = [{**t, "special": True} if isinstance(t, dict) else t for t in value]
+                value = held + [t for t in value if t not in held] if isinstance(held, list) else value
             elif isinstance(value, dict) and key != "extra_special_tokens":
                 value = {**value, "__type": "AddedToken"}  # (the map's token dicts are made tokens as read)
-            tokens_map[key] = value
-        # Its tokens read on their own first, so that a malformed one is named in the map's file
-        # (merged, it had been blamed on tokenizer_config.json).
-        _special_tokens(_token_settings(tokens_map, ""), tokens_map_file)
-        for key, value in tokens_map.items():
-            held = settings.get("extra_special_tokens")
-            if key == "extra_special_tokens" and isinstance(value, list) and isinstance(held, list):
-                value = held + [t for t in value if t not in held]
             settings[key] = value
         if isinstance(settings.get("extra_special_tokens"), dict):
             own.update(settings.pop("extra_special_tokens"))
