@@ -453,10 +453,10 @@ __global__ void scale_kernel(float* x, float s, int64_t n) {
 // divides by the cap four values at a time, Divisor, and passes the quotient q = x / cap).
 // An infinite logit (from weights that are not finite) becomes NaN, which the checks after
 // the softcap refuse, not the cap that tanh would make of it (the CPU backend's alike).
-__device__ __forceinline__ float softcap_of_quotient(float q, float cap) {
-  return isinf(q) ? __int_as_float(0x7fffffff) : cap * tanhf(q);
+__device__ __forceinline__ float softcap_of_quotient(float x, float q, float cap) {
+  return isinf(x) ? __int_as_float(0x7fffffff) : cap * tanhf(q);
 }
-__device__ __forceinline__ float capped(float x, float cap) { return softcap_of_quotient(x / cap, cap); }
+__device__ __forceinline__ float capped(float x, float cap) { return softcap_of_quotient(x, x / cap, cap); }
 
 __global__ void softcap_kernel(float* x, float cap, int64_t n) {
   wait_for_earlier_kernels();
@@ -822,9 +822,10 @@ __global__ void __launch_bounds__(kSampleThreads, 2)
   for_each4([&]<bool kWhole>(int v4, float (&x)[4], int n) {
     // p: softcap(x) / temperature; masked ids and ids past the row -inf.
     if constexpr (kSoftcap) {
+      const float logit[4] = {x[0], x[1], x[2], x[3]};
       by_cap.divide(x);
 #pragma unroll
-      for (int j = 0; j < 4; ++j) x[j] = softcap_of_quotient(x[j], cap);
+      for (int j = 0; j < 4; ++j) x[j] = softcap_of_quotient(logit[j], x[j], cap);
     }
     by_temperature.divide(x);
     float f[4];

@@ -93,6 +93,9 @@ def test_softcap_tanh_is_within_its_stated_ulps():
     assert (got[-4:] == np.float32([1, -1, 1, -1])).all()
     special = _core.sampler.sample_rows(np.float32([[np.nan, np.inf, -np.inf]]), 1.0, [], 0, 0, 0, softcap=1.0)[0][0]
     assert np.isnan(special).all()
+    # A finite logit past cap x FLT_MAX (cap < 1: x / cap overflows) is capped, not refused.
+    big = _core.sampler.sample_rows(np.float32([[3e38, -3e38]]), 1.0, [], 0, 0, 0, softcap=0.5)[0][0]
+    assert (big == np.float32([0.5, -0.5])).all()
 
 
 def test_softmax_and_entropy_match_float64():

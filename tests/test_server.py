@@ -1,5 +1,6 @@
 """The OpenAI-compatible server on loopback, driven by the official openai client and raw
 HTTP: models, completions, chat, streaming, usage, error bodies, disconnects, shutdown."""
+import array
 import asyncio
 import gzip
 import json
@@ -793,9 +794,29 @@ def test_a_request_keeps_its_prompt_and_params_as_they_were_given(checkpoint):
             if progress.output is not None:
                 return progress.output
 
+    async def run(prompt, params):
+        async for progress in engine.generate(prompt, params):
+            if progress.output is not None:
+                return progress.output.token_ids
+
     try:
         output = asyncio.run(reused())
         assert (output.token_ids, output.seed) == (expected.token_ids, 1)
+        # Ids in any container are copied (an array's had been read as the caller later left
+        # it), and an iterator is read once, into the caller's params too, which requests share.
+        prompt = array.array("i", [5, 6, 7])
+        params = ds.SamplingParams(max_new_tokens=16, seed=1, eos_token_id=[])
+        params.allowed_token_ids = iter(range(5, 300))
+        allowed = ds.SamplingParams(max_new_tokens=16, seed=1, eos_token_id=[], allowed_token_ids=range(5, 300))
+        expected = llm.generate([[5, 6, 7]], allowed)[0].token_ids
+
+        async def shared():
+            first = asyncio.ensure_future(run(prompt, params))
+            await asyncio.sleep(0)
+            prompt[0] = 9
+            return [await first, await run([5, 6, 7], params)]
+
+        assert asyncio.run(shared()) == [expected, expected]
     finally:
         engine.shutdown()
 

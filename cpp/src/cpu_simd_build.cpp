@@ -256,10 +256,8 @@ void gelu_tanh_times(const float* gate, const float* up, int64_t n, float* out) 
 // An infinite logit (from weights that are not finite) becomes NaN, which the checks after
 // the softcap refuse, not the cap that tanh would make of it (cuda/kernels.cu's alike).
 void softcap(float* x, int64_t n, float cap) {
-  for (int64_t j = 0; j < n; ++j) {
-    const float q = x[j] / cap;
-    x[j] = std::fabs(q) == INFINITY ? std::numeric_limits<float>::quiet_NaN() : cap * tanh_of(q);
-  }
+  for (int64_t j = 0; j < n; ++j)
+    x[j] = std::fabs(x[j]) == INFINITY ? std::numeric_limits<float>::quiet_NaN() : cap * tanh_of(x[j] / cap);
 }
 
 void softmax(float* x, int64_t n) {

@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import atexit
 import copy
-import dataclasses
 import itertools
 import os
 import queue
@@ -76,18 +75,28 @@ class _Request:
 
 
 def _snapshot(value):
-    """A request's prompt or SamplingParams as they are now, their lists and arrays copied: the
-    engine thread reads them later (a caller reusing its objects had changed queued requests)."""
+    """A request's prompt or SamplingParams as they are now: the engine thread reads them
+    later (a caller reusing its objects had changed queued requests). Containers of ids of
+    any kind are copied; an iterator is read into a list (in a SamplingParams, into the
+    caller's too, as a check of it reads one: params shared by requests keep their ids)."""
+    if value is None or isinstance(value, (str, bytes, int, float, np.generic)):
+        return value
     if isinstance(value, dict):
         return {key: _snapshot(item) for key, item in value.items()}
-    if isinstance(value, (list, np.ndarray)):
-        return copy.copy(value)
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+    if isinstance(value, SamplingParams):
+        value._read_iterators()
         snapshot = copy.copy(value)
-        for f in dataclasses.fields(value):
-            setattr(snapshot, f.name, _snapshot(getattr(value, f.name)))
+        for name in SamplingParams.ID_FIELDS:
+            setattr(snapshot, name, _snapshot(getattr(value, name)))
         return snapshot
-    return value
+    if isinstance(value, list):
+        return list(value)  # (ids: a shallow copy is whole, and quick)
+    try:
+        if iter(value) is value:
+            return list(value)
+    except TypeError:
+        pass  # not iterable: the check names it
+    return copy.deepcopy(value)
 
 
 def _stop_engine(engine: "_EngineThread", pid: int, wait: bool) -> None:
@@ -151,9 +160,9 @@ class AsyncLLM:
                 # slice_steps passes over a large batch takes tens of seconds on a CPU: end
                 # it after its current pass. (After the put: the step clears the interrupt
                 # as it returns, and the thread then reads the abort.) A request the engine
-                # refused, or has not yet taken, is in no step: the others' goes on. One it
-                # has taken is, whether or not its caller read that (a caller leaving before
-                # had waited for the whole step).
+                # refused, or has not yet taken, is in no step: the others' goes on (one it is
+                # adding, it aborts as it has). One it has taken is, whether or not its caller
+                # read that (a caller leaving before had waited for the whole step).
                 if request.engine_id is not None:
                     self.llm.interrupt()
 
@@ -250,6 +259,9 @@ class _EngineThread:
             request.engine_id = self.llm.add_request(request.prompt, request.params)
         except Exception as e:  # refused (ValueError), or a failure of this request alone: the engine goes on
             request.post(e)
+            return
+        if key in self.left:  # its caller left while it was being added: before it interrupts no step
+            self.llm.abort(request.engine_id)
             return
         requests[key] = request
         request.post(Progress([]))

@@ -92,17 +92,22 @@ class SamplingParams:
 
     __hash__ = None  # (mutable, as the dataclass's)
 
+    ID_FIELDS = ("eos_token_id", "seed_canvas", "pinned_positions", "allowed_token_ids")
+
+    def _read_iterators(self) -> None:
+        """An iterator of ids (given, or set since) is read once, into a list kept in its place:
+        its check would otherwise use it up, and the runtime get none, or every request after
+        the first sharing these params (a generator of EOS ids had switched EOS off)."""
+        for name in self.ID_FIELDS:
+            value = getattr(self, name)
+            if value is not None and not is_int(value) and _iter_once(value):
+                setattr(self, name, list(value))
+
     def _checked(self) -> dict:
         """The fields given (not None), checked by name and converted as the runtime takes them:
         ints, floats as float32 rounds them, int lists. (Also on every use: fields may have
         been set since construction.)"""
-        # An iterator of ids (given, or set since) is read once, into a list kept in its place:
-        # its check would otherwise use it up, and the runtime get none, or every request after
-        # the first sharing these params (a generator of EOS ids had switched EOS off).
-        for name in ("eos_token_id", "seed_canvas", "pinned_positions", "allowed_token_ids"):
-            value = getattr(self, name)
-            if value is not None and not is_int(value) and _iter_once(value):
-                setattr(self, name, list(value))
+        self._read_iterators()
         v = {}
         for name, lo in (("max_new_tokens", 1), ("max_length", 1), ("max_denoising_steps", 1),
                          ("stability_threshold", 0), ("canvas_length", 1)):
