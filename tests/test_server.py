@@ -877,6 +877,44 @@ def test_max_prompt_chars(checkpoint):
                 r.json()["error"]["message"], r.text
 
 
+def test_tokenize_and_detokenize_as_vllm(client, base_url, offline):
+    """vLLM's /tokenize: a text's ids (with the tokenizer's special tokens unless told not to),
+    or a conversation's as chat completions run it (its count their usage's prompt_tokens),
+    with max_model_len and, when asked, the tokens' strings; /detokenize: ids to text, special
+    tokens kept, so that a round trip gives the text back."""
+    tokenizer = offline.tokenizer
+    r = httpx.post(base_url + "/tokenize", json={"model": MODEL, "prompt": "Hello world", "return_token_strs": True})
+    assert r.status_code == 200, r.text
+    ids = tokenizer.encode("Hello world")
+    card = httpx.get(base_url + "/v1/models").json()["data"][0]
+    assert r.json() == {"count": len(ids), "max_model_len": card["max_model_len"], "tokens": ids,
+                        "token_strs": [tokenizer._tokenizer.id_to_token(i) for i in ids]}
+    bare = httpx.post(base_url + "/tokenize", json={"prompt": "Hello world", "add_special_tokens": False}).json()
+    assert bare["tokens"] == tokenizer.encode("Hello world", add_special_tokens=False) != ids
+    assert bare["token_strs"] is None
+    back = httpx.post(base_url + "/detokenize", json={"model": MODEL, "tokens": ids})
+    assert back.status_code == 200 and back.json() == {"prompt": tokenizer.decode(ids, skip_special_tokens=False)}
+    assert httpx.post(base_url + "/tokenize", json={"prompt": back.json()["prompt"], "add_special_tokens": False}
+                      ).json()["tokens"] == ids
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello"}]
+    chat = httpx.post(base_url + "/tokenize", json={"model": MODEL, "messages": messages}).json()
+    out = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, seed=0)
+    assert chat["count"] == len(chat["tokens"]) == out.usage.prompt_tokens
+    assert chat["tokens"] == tokenizer.encode(tokenizer.apply_chat_template(messages, add_generation_prompt=True),
+                                              add_special_tokens=False)
+    refusals = [("/tokenize", {"model": "other", "prompt": "a"}, 404, "model"),
+                ("/tokenize", {"prompt": "a", "extra": 1}, 400, "extra"),
+                ("/tokenize", {"prompt": ["a"]}, 400, "prompt"),
+                ("/tokenize", {"messages": []}, 400, "messages"),
+                ("/tokenize", {"messages": messages, "add_generation_prompt": True, "continue_final_message": True},
+                 400, "continue_final_message"),
+                ("/detokenize", {"tokens": [1, 10**9]}, 400, "tokens"),
+                ("/detokenize", {"tokens": "12"}, 400, "tokens")]
+    for path, body, status, param in refusals:
+        r = httpx.post(base_url + path, json=body)
+        assert r.status_code == status and r.json()["error"]["param"] == param, (path, body, r.text)
+
+
 def test_api_key(offline):
     from fastapi.testclient import TestClient
     with TestClient(build_app(AsyncLLM(offline), MODEL, api_key="secret")) as http:  # exiting stops the engine
@@ -889,6 +927,10 @@ def test_api_key(offline):
         assert http.get("/v1/models", headers={"Authorization": "Basic secret"}).headers["www-authenticate"] == \
             "Bearer"
         assert http.get("/health").status_code == 200
+        for path in ("/tokenize", "/detokenize"):  # (vLLM leaves them open: they cost a worker's time)
+            assert http.post(path, json={"prompt": "a", "tokens": [1]}).status_code == 401
+        assert http.post("/tokenize", json={"prompt": "a"}, headers={"Authorization": "Bearer secret"}
+                         ).status_code == 200
         # Every /v1 path, as vLLM: an unknown one or a wrong method had been a 404 or 405 without
         # the key, telling a caller what exists.
         for method, path in [("GET", "/v1/nope"), ("POST", "/v1/models"), ("DELETE", "/v1/chat/completions")]:

@@ -217,9 +217,10 @@ class ChatMessage(BaseModel):
     content: Union[str, List[Dict[str, Any]], None] = None
 
 
-class ChatCompletionRequest(_GenerationRequest):
+class _Conversation(_Strict):
+    """A chat request's messages and chat template controls (chat completions', and /tokenize's
+    chat form, which renders them the same way)."""
     messages: List[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: Optional[int] = Field(None, ge=1)
     # vLLM's chat template controls: the prompt ends with a new assistant turn's header (the
     # default), or with continue_final_message inside the final message, for the model to go on
     # with it (a prefilled answer); chat_template_kwargs reach the template as variables (a
@@ -227,14 +228,6 @@ class ChatCompletionRequest(_GenerationRequest):
     add_generation_prompt: Optional[bool] = None
     continue_final_message: bool = False
     chat_template_kwargs: Optional[Dict[str, Any]] = None
-
-    def max_new_tokens(self) -> Optional[int]:
-        """max_completion_tokens, OpenAI's newer name, wins where both are given (as in vLLM)."""
-        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-
-    def parameter_names(self) -> Dict[str, str]:
-        return {"max_new_tokens": "max_tokens" if self.max_completion_tokens is None else "max_completion_tokens",
-                "prompt": "messages"}
 
     def template_options(self) -> Dict[str, Any]:
         """apply_chat_template's keyword arguments beside the conversation."""
@@ -286,6 +279,42 @@ class ChatCompletionRequest(_GenerationRequest):
             if message.role == "assistant" and isinstance(out[-1].get("tool_calls"), list):
                 out[-1]["tool_calls"] = _parsed_tool_calls(out[-1]["tool_calls"], f"messages[{i}].tool_calls")
         return out
+
+
+
+
+class ChatCompletionRequest(_GenerationRequest, _Conversation):
+    max_completion_tokens: Optional[int] = Field(None, ge=1)
+
+    def max_new_tokens(self) -> Optional[int]:
+        """max_completion_tokens, OpenAI's newer name, wins where both are given (as in vLLM)."""
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def parameter_names(self) -> Dict[str, str]:
+        return {"max_new_tokens": "max_tokens" if self.max_completion_tokens is None else "max_completion_tokens",
+                "prompt": "messages"}
+
+
+class TokenizeCompletionRequest(_Strict):
+    """vLLM's /tokenize for a text: its ids, and with return_token_strs the tokens' strings."""
+    model: Optional[str] = None
+    prompt: str
+    add_special_tokens: bool = True
+    return_token_strs: bool = False
+
+
+class TokenizeChatRequest(_Conversation):
+    """vLLM's /tokenize for messages: the prompt chat completions would run, as ids (the
+    template writes the special tokens: add_special_tokens adds the tokenizer's own again)."""
+    model: Optional[str] = None
+    add_special_tokens: bool = False
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(_Strict):
+    """vLLM's /detokenize: token ids to text, special tokens kept."""
+    model: Optional[str] = None
+    tokens: List[int]
 
 
 def parse_json(text, what: str, param: Optional[str] = None):

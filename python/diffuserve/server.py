@@ -1,5 +1,5 @@
 """The OpenAI-compatible HTTP server: /v1/models (and /v1/models/{name}), /v1/completions, /v1/chat/completions
-(plain JSON or server-sent events), /health and /metrics.
+(plain JSON or server-sent events), vLLM's /tokenize and /detokenize, /health and /metrics.
 
 A request becomes one engine request per choice (n choices per prompt). Each choice turns
 its tokens into text as whole blocks finish (incremental detokenization, stop strings)
@@ -29,11 +29,12 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
-from ._checks import check_encoded, check_unicode
+from ._checks import check_encoded, check_token_ids, check_unicode
 from .async_llm import AsyncLLM, EngineError
 from .chat_template import loops_over_content
 from .detokenizer import INCOMPLETE, IncrementalDetokenizer, until_eos
-from .protocol import ApiError, ChatCompletionRequest, CompletionRequest, invalid_value, parse, parse_json
+from .protocol import (ApiError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeChatRequest,
+                       TokenizeCompletionRequest, invalid_value, parse, parse_json)
 from .metrics import CONTENT_TYPE, Metrics
 from .sampling import SamplingParams
 from .stop_strings import StopStringFilter
@@ -317,6 +318,29 @@ class _Server:
             return check_encoded(ids, param, self.engine.llm.model.vocab_size)
         except ValueError as e:
             raise ApiError(400, str(e), param=param) from None
+
+    async def chat_prompt_ids(self, body, add_special_tokens: bool = False) -> List[int]:
+        """A chat request's messages rendered by the checkpoint's chat template, as token ids
+        (the template writes the special tokens: add_special_tokens adds the tokenizer's too)."""
+        options = body.template_options()
+        if self.tokenizer is None:
+            raise ApiError(400, "this model has no tokenizer.json, so no chat template: send token ids to "
+                           "/v1/completions", param="messages", code="no_tokenizer")
+        try:
+            source = self.tokenizer.get_chat_template(tools=options.get("tools"))
+        except ValueError as e:  # no chat template
+            raise ApiError(400, str(e), param="messages", code="no_chat_template") from None
+
+        def render():  # (in a worker thread, as encoding: a long conversation takes a while)
+            conversation = body.conversation(_names_role(source, "developer"), loops_over_content(source))
+            return self.tokenizer.apply_chat_template(conversation, **options)
+
+        try:
+            text = await asyncio.to_thread(render)
+        except ValueError as e:  # the template's own refusal or failure, or bad tools or documents
+            argument = getattr(e, "argument", None)  # (ChatTemplateError's: tools or documents, which the kwargs set)
+            raise ApiError(400, str(e), param=f"chat_template_kwargs.{argument}" if argument else "messages") from None
+        return await self.prompt_ids(text, "messages", add_special_tokens=add_special_tokens)
 
     async def run(self, request: Request, body, prompts: List[List[int]], max_tokens: Optional[int], fmt):
         # In a worker thread, as the prompts' encoding: n choices each check the request's lists
@@ -649,26 +673,39 @@ def build_app(engine: AsyncLLM, model_name: str, api_key: Optional[str] = None,
         check_model_first(raw)
         server.check_message_chars(raw)
         body = parse(ChatCompletionRequest, raw)  # (its model, a string, is the one checked above)
-        options = body.template_options()
-        if server.tokenizer is None:
-            raise ApiError(400, "this model has no tokenizer.json, so no chat template: send token ids to "
-                           "/v1/completions", param="messages", code="no_tokenizer")
-        try:
-            source = server.tokenizer.get_chat_template(tools=options.get("tools"))
-        except ValueError as e:  # no chat template
-            raise ApiError(400, str(e), param="messages", code="no_chat_template") from None
-        def render():  # (in a worker thread, as encoding: a long conversation takes a while)
-            conversation = body.conversation(_names_role(source, "developer"), loops_over_content(source))
-            return server.tokenizer.apply_chat_template(conversation, **options)
-
-        try:
-            text = await asyncio.to_thread(render)
-        except ValueError as e:  # the template's own refusal or failure, or bad tools or documents
-            argument = getattr(e, "argument", None)  # (ChatTemplateError's: tools or documents, which the kwargs set)
-            raise ApiError(400, str(e), param=f"chat_template_kwargs.{argument}" if argument else "messages") from None
-        prompt = await server.prompt_ids(text, "messages", add_special_tokens=False)  # the template wrote them
+        prompt = await server.chat_prompt_ids(body)
         return await server.run(request, body, [prompt], body.max_new_tokens(),
                                 _Format(model_name, chat=True, token_ids=server.returns_token_ids(body)))
+
+    # vLLM's tokenizer endpoints, outside /v1 as vLLM serves them (behind the API key too): a
+    # text's or a conversation's ids as the completions would run them, and ids' text.
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        raw = await _json_body(request, max_body)
+        check_model_first(raw)
+        if isinstance(raw, dict) and "messages" in raw:
+            server.check_message_chars(raw)
+            body = parse(TokenizeChatRequest, raw)
+            ids = await server.chat_prompt_ids(body, body.add_special_tokens)
+        else:
+            body = parse(TokenizeCompletionRequest, raw)
+            ids = await server.prompt_ids(body.prompt, add_special_tokens=body.add_special_tokens)
+        strings = server.tokenizer.token_strings(ids) if body.return_token_strs else None
+        return {"count": len(ids), "max_model_len": card["max_model_len"], "tokens": ids, "token_strs": strings}
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        raw = await _json_body(request, max_body)
+        check_model_first(raw)
+        body = parse(DetokenizeRequest, raw)
+        if server.tokenizer is None:
+            raise ApiError(400, "this model has no tokenizer.json, so no text for token ids", param="tokens",
+                           code="no_tokenizer")
+        try:
+            ids = check_token_ids(body.tokens, "tokens", server.engine.llm.model.vocab_size).tolist()
+        except ValueError as e:
+            raise ApiError(400, str(e), param="tokens") from None
+        return {"prompt": await asyncio.to_thread(server.tokenizer.decode, ids, skip_special_tokens=False)}
 
     app.include_router(v1)
     return app
@@ -700,6 +737,10 @@ class _InternalErrors:
             raise
 
 
+# What the API key guards beside /v1/...: /health and /metrics stay open to probes and scrapers.
+_KEYED_PATHS = ("/v1", "/tokenize", "/detokenize")
+
+
 class _RequireKey:
     """ASGI middleware: every /v1 request needs the API key, checked before routing, so that an
     unknown path or method is a 401 too (as vLLM's), not a 404 or 405 telling a caller without
@@ -709,7 +750,7 @@ class _RequireKey:
         self.app, self.api_key = app, api_key
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and (scope["path"] == "/v1" or scope["path"].startswith("/v1/")):
+        if scope["type"] == "http" and (scope["path"] in _KEYED_PATHS or scope["path"].startswith("/v1/")):
             scheme, _, key = Request(scope).headers.get("authorization", "").strip().partition(" ")
             if not (scheme.lower() == "bearer" and hmac.compare_digest(key.strip().encode(), self.api_key.encode())):
                 error = ApiError(401, "invalid or missing API key (send Authorization: Bearer <key>)",

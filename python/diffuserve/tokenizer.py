@@ -413,6 +413,10 @@ class Tokenizer:
         clean_up = self.clean_up_tokenization_spaces if clean_up is None else clean_up and self._may_clean_up
         return clean_up_tokenization(text) if clean_up else text
 
+    def token_strings(self, ids) -> List[str]:
+        """Each id's token as the vocabulary writes it (transformers' convert_ids_to_tokens)."""
+        return [self._tokenizer.id_to_token(int(i)) for i in ids]
+
     def has_text(self, token_id: int, skip_special_tokens: bool = True) -> bool:
         """Whether decode_output gives the id to the decoder: skipped special tokens and ids
         past the vocabulary it drops first, so they change no other token's text."""
