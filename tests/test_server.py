@@ -909,7 +909,12 @@ def test_tokenize_and_detokenize_as_vllm(client, base_url, offline):
                 ("/tokenize", {"messages": messages, "add_generation_prompt": True, "continue_final_message": True},
                  400, "continue_final_message"),
                 ("/detokenize", {"tokens": [1, 10**9]}, 400, "tokens"),
+                # an id of the model's past the tokenizer's (a padded embedding's): it had been a 500
+                ("/detokenize", {"tokens": [tokenizer.vocab_size]}, 400, "tokens"),
                 ("/detokenize", {"tokens": "12"}, 400, "tokens")]
+    assert tokenizer.vocab_size < offline.model.vocab_size
+    assert httpx.post(base_url + "/tokenize", json={"prompt": "a", "messages": None}).json()["tokens"] == \
+        tokenizer.encode("a")  # (null: not given, as everywhere)
     for path, body, status, param in refusals:
         r = httpx.post(base_url + path, json=body)
         assert r.status_code == status and r.json()["error"]["param"] == param, (path, body, r.text)

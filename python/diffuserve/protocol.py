@@ -283,7 +283,8 @@ class _Conversation(_Strict):
 
 
 
-class ChatCompletionRequest(_GenerationRequest, _Conversation):
+class ChatCompletionRequest(_Conversation, _GenerationRequest):  # (the generation fields first: of a body's
+    # errors, the first field's is named, as before the conversation's were a class of their own)
     max_completion_tokens: Optional[int] = Field(None, ge=1)
 
     def max_new_tokens(self) -> Optional[int]:
@@ -413,7 +414,8 @@ def parse(model: type, body: Any):
         if error["type"] == "missing":
             raise ApiError(400, f"missing required parameter: {param!r}", param=param,
                            code="missing_required_parameter") from None
-        if error["loc"][:1] == ("prompt",):  # (a union of four forms, whose branches' errors say little)
+        if model is CompletionRequest and error["loc"][:1] == ("prompt",):  # (a union of four forms, whose
+            # branches' errors say little)
             raise ApiError(400, "invalid value for 'prompt': a prompt is a string or a list of token ids "
                            "(integers), and a batch a list of those", param="prompt", code="invalid_value") from None
         message = error["msg"].removeprefix("Value error, ")  # (pydantic's prefix to a validator's own words)

@@ -683,7 +683,7 @@ def build_app(engine: AsyncLLM, model_name: str, api_key: Optional[str] = None,
     async def tokenize(request: Request):
         raw = await _json_body(request, max_body)
         check_model_first(raw)
-        if isinstance(raw, dict) and "messages" in raw:
+        if isinstance(raw, dict) and raw.get("messages") is not None:  # (null: not given, as everywhere)
             server.check_message_chars(raw)
             body = parse(TokenizeChatRequest, raw)
             ids = await server.chat_prompt_ids(body, body.add_special_tokens)
@@ -705,7 +705,11 @@ def build_app(engine: AsyncLLM, model_name: str, api_key: Optional[str] = None,
             ids = check_token_ids(body.tokens, "tokens", server.engine.llm.model.vocab_size).tolist()
         except ValueError as e:
             raise ApiError(400, str(e), param="tokens") from None
-        return {"prompt": await asyncio.to_thread(server.tokenizer.decode, ids, skip_special_tokens=False)}
+        try:  # (an id of the model's that the tokenizer lacks: a padded embedding's)
+            text = await asyncio.to_thread(server.tokenizer.decode, ids, skip_special_tokens=False)
+        except ValueError as e:
+            raise ApiError(400, str(e), param="tokens") from None
+        return {"prompt": text}
 
     app.include_router(v1)
     return app
