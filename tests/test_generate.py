@@ -752,6 +752,10 @@ def test_prompts_as_vllm_dicts_and_object_arrays(checkpoints):
     with pytest.raises(ValueError, match=r"prompt 0: a prompt given as a dict holds one of 'prompt' \(text\) or "
                                          r"'prompt_token_ids', got the keys \['ids'\]"):
         llm.generate([{"ids": [3, 4]}], params)
+    # vLLM's images beside a prompt: refused as such (DESIGN: a text-only engine says so)
+    with pytest.raises(ValueError, match=r"prompt 0: this engine is text-only: a prompt's multi_modal_data \(images\) "
+                                         "is not supported"):
+        llm.generate([{"prompt_token_ids": [3, 4], "multi_modal_data": {"image": None}}], params)
     with pytest.raises(ValueError, match="prompt 0: a prompt is text .* got bytes: decode them to str first"):
         llm.generate([b"Hi"], params)
 

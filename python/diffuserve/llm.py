@@ -165,6 +165,8 @@ class LLM:
         """Queues one request (token ids, or text when the checkpoint has a tokenizer, or either
         as vLLM's {"prompt_token_ids": ids} / {"prompt": text}); returns its id."""
         if isinstance(prompt, dict):
+            if "multi_modal_data" in prompt:  # (vLLM's images beside a prompt: DiffusionGemma's vision tower)
+                raise ValueError("this engine is text-only: a prompt's multi_modal_data (images) is not supported")
             if len(prompt) != 1 or not {"prompt", "prompt_token_ids"} >= set(prompt):
                 raise ValueError(f"a prompt given as a dict holds one of 'prompt' (text) or 'prompt_token_ids', got "
                                  f"the keys {sorted(map(str, prompt))}")
