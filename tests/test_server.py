@@ -817,6 +817,13 @@ def test_a_request_keeps_its_prompt_and_params_as_they_were_given(checkpoint):
             return [await first, await run([5, 6, 7], params)]
 
         assert asyncio.run(shared()) == [expected, expected]
+        # What add_request takes, generate takes alike (a deep copy had refused dict views and
+        # memoryviews), and what it refuses, generate refuses alike.
+        views = ds.SamplingParams(max_new_tokens=16, seed=1, eos_token_id={}.keys(),
+                                  allowed_token_ids={i: i for i in range(5, 300)}.values())
+        assert asyncio.run(run(memoryview(array.array("i", [5, 6, 7])), views)) == expected
+        with pytest.raises(ValueError, match="prompt: token ids must be integers, got dtype object"):
+            asyncio.run(run((i for i in [5, 6, 7]), params))
     finally:
         engine.shutdown()
 

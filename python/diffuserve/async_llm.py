@@ -23,7 +23,7 @@ from typing import AsyncIterator, List, Optional
 import numpy as np
 
 from .llm import LLM, RequestOutput
-from .sampling import SamplingParams
+from .sampling import SamplingParams, iter_once
 
 # The longest the engine's thread takes commands (adds, aborts) before the running requests'
 # next step.
@@ -74,29 +74,50 @@ class _Request:
             pass  # the caller's event loop has closed: nobody is waiting
 
 
-def _snapshot(value):
-    """A request's prompt or SamplingParams as they are now: the engine thread reads them
-    later (a caller reusing its objects had changed queued requests). Containers of ids of
-    any kind are copied; an iterator is read into a list (in a SamplingParams, into the
-    caller's too, as a check of it reads one: params shared by requests keep their ids)."""
-    if value is None or isinstance(value, (str, bytes, int, float, np.generic)):
-        return value
-    if isinstance(value, dict):
-        return {key: _snapshot(item) for key, item in value.items()}
-    if isinstance(value, SamplingParams):
-        value._read_iterators()
-        snapshot = copy.copy(value)
-        for name in SamplingParams.ID_FIELDS:
-            setattr(snapshot, name, _snapshot(getattr(value, name)))
-        return snapshot
-    if isinstance(value, list):
-        return list(value)  # (ids: a shallow copy is whole, and quick)
+def _snapshot_ids(ids):
+    """Token ids as they are now, cheaply, in a form add_request reads as it reads them: a list
+    or an array copied (a tuple cannot change); another container (a tensor's row, an
+    array.array) as the integer array its check makes of it, where numpy reads it so. An
+    iterator, or anything else, stays as it is: the check names it, or reads it, as before."""
+    if isinstance(ids, list):
+        return list(ids)
+    if isinstance(ids, np.ndarray):
+        return ids.copy()  # (a masked array keeps its mask)
+    if ids is None or isinstance(ids, (str, bytes, tuple, int, np.generic)) or iter_once(ids):
+        return ids
     try:
-        if iter(value) is value:
-            return list(value)
-    except TypeError:
-        pass  # not iterable: the check names it
-    return copy.deepcopy(value)
+        arr = np.array(ids)
+    except Exception:  # (numpy cannot read it: the check says why)
+        return ids
+    return arr if arr.dtype.kind in "iu" and arr.ndim == 1 else ids
+
+
+def _snapshot_prompt(prompt):
+    """A prompt as it is now (the engine thread reads it later: a caller reusing its list had
+    changed a queued request); vLLM's dict form, its ids or text within."""
+    if isinstance(prompt, dict):
+        return {key: _snapshot_ids(value) if key in ("prompt", "prompt_token_ids") else value
+                for key, value in prompt.items()}
+    return _snapshot_ids(prompt)
+
+
+def _snapshot_params(params):
+    """SamplingParams as they are now: a copy whose id lists are the caller's read as the check
+    reads them (a list of theirs); an iterator is read once into the caller's params too, as
+    the check reads one, so that params shared by requests keep their ids."""
+    if not isinstance(params, SamplingParams):
+        return params  # (add_request names what it is)
+    params._read_iterators()
+    snapshot = copy.copy(params)
+    for name in SamplingParams.ID_FIELDS:
+        value = getattr(params, name)
+        if not (value is None or isinstance(value, (str, bytes, int, tuple, np.generic))):
+            try:
+                value = list(value)
+            except TypeError:
+                pass  # (not iterable: the check names it)
+        setattr(snapshot, name, value)
+    return snapshot
 
 
 def _stop_engine(engine: "_EngineThread", pid: int, wait: bool) -> None:
@@ -135,7 +156,7 @@ class AsyncLLM:
         has accepted the request (an invalid one raises ValueError instead), then one per
         change; the last carries the output. Closing the iterator early (the client went
         away) aborts the request, freeing its KV at once."""
-        request = _Request(asyncio.get_running_loop(), _snapshot(prompt), _snapshot(params), drafts)
+        request = _Request(asyncio.get_running_loop(), _snapshot_prompt(prompt), _snapshot_params(params), drafts)
         key = next(self._keys)
         engine = self._engine
         with engine.lock:

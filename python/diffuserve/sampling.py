@@ -35,7 +35,7 @@ def _int_list(name: str, value, allow_empty: bool = False) -> list:
     return [check_int(f"{name}[{i}]", x, 0) for i, x in enumerate(items)]
 
 
-def _iter_once(value) -> bool:
+def iter_once(value) -> bool:
     """Whether value is an iterator (a generator, say): iterating it uses it up."""
     try:
         return iter(value) is value
@@ -100,7 +100,7 @@ class SamplingParams:
         the first sharing these params (a generator of EOS ids had switched EOS off)."""
         for name in self.ID_FIELDS:
             value = getattr(self, name)
-            if value is not None and not is_int(value) and _iter_once(value):
+            if value is not None and not is_int(value) and iter_once(value):
                 setattr(self, name, list(value))
 
     def _checked(self) -> dict:
