@@ -4,8 +4,9 @@ completions at several concurrencies, and prints output tokens/s and latency per
     python benchmarks/serve.py --device cuda            # DiffusionGemma-26B-A4B shapes, random weights
     python benchmarks/serve.py --model PATH             # any checkpoint with a tokenizer (CPU by default)
 
-Every request has a fixed number of denoise steps per block (confidence made unreachable),
-so runs compare. With no --model it writes the real 26B-A4B text config
+Every request has a fixed number of denoise steps per block (confidence made unreachable)
+and a fixed length (ignore_eos), and a prompt of its own (random ids: none is in the prefix
+cache), so runs compare. A request that fails ends the run with its error, and no table. With no --model it writes the real 26B-A4B text config
 (benchmarks/step_latency.py) with a word-level tokenizer over the whole vocabulary and
 serves it with load_format=dummy. Prints one table.
 """
@@ -13,6 +14,7 @@ import argparse
 import asyncio
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -24,6 +26,8 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(__file__))
 from step_latency import CANVAS, TEXT_CONFIG, write_config  # noqa: E402
+
+from diffuserve.cli import MAX_BENCH_REQUESTS, in_range, int_list  # noqa: E402
 
 
 def write_tokenizer(path, vocab_size):
@@ -44,7 +48,7 @@ def free_port():
 async def one_request(client, url, model, prompt, max_tokens, steps):
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "stream": True, "seed": 0,
             "stream_options": {"include_usage": True}, "max_denoising_steps": steps,
-            "confidence_threshold": 1e-30}
+            "confidence_threshold": 1e-30, "ignore_eos": True}
     start = time.perf_counter()
     first, tokens = None, 0
     async with client.stream("POST", url + "/v1/completions", json=body) as r:
@@ -54,6 +58,8 @@ async def one_request(client, url, model, prompt, max_tokens, steps):
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             chunk = json.loads(line[6:])
+            if "error" in chunk:  # (the stream's own error event, under its 200: no row of it)
+                sys.exit(f"error: a request failed: {chunk['error'].get('message')}")
             if chunk.get("choices") and chunk["choices"][0].get("text") and first is None:
                 first = time.perf_counter() - start  # the first committed block
             if chunk.get("usage"):
@@ -61,15 +67,14 @@ async def one_request(client, url, model, prompt, max_tokens, steps):
     return first, time.perf_counter() - start, tokens
 
 
-async def sweep_point(url, model, concurrency, requests, prompt, max_tokens, steps):
+async def sweep_point(url, model, concurrency, prompts, max_tokens, steps):
     async with httpx.AsyncClient(timeout=None) as client:
-        queue = list(range(requests))
+        queue = list(prompts)
         results = []
 
         async def worker():
             while queue:
-                queue.pop()
-                results.append(await one_request(client, url, model, prompt, max_tokens, steps))
+                results.append(await one_request(client, url, model, queue.pop(), max_tokens, steps))
         start = time.perf_counter()
         await asyncio.gather(*[worker() for _ in range(concurrency)])
         return results, time.perf_counter() - start
@@ -79,15 +84,19 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", help="a checkpoint with tokenizer.json (default: the 26B-A4B shapes, random)")
     ap.add_argument("--device", default="cpu")
-    ap.add_argument("--concurrency", default="1,4,16")
-    ap.add_argument("--requests-per-client", type=int, default=2)
-    ap.add_argument("--prompt-tokens", type=int, default=1024)
-    ap.add_argument("--max-tokens", type=int, default=2 * CANVAS)
-    ap.add_argument("--steps", type=int, default=16, help="denoise steps per block")
-    ap.add_argument("--kv-cache-gib", type=float, default=None)
+    ap.add_argument("--concurrency", type=int_list(MAX_BENCH_REQUESTS), default=[1, 4, 16],
+                    help="comma-separated concurrencies (default: 1,4,16)")
+    ap.add_argument("--requests-per-client", type=in_range(int, 1, MAX_BENCH_REQUESTS), default=2)
+    ap.add_argument("--prompt-tokens", type=in_range(int, 1, 2**31 - 1), default=1024)
+    ap.add_argument("--max-tokens", type=in_range(int, 1, 2**31 - 1), default=2 * CANVAS)
+    ap.add_argument("--steps", type=in_range(int, 1, 2**31 - 1), default=16, help="denoise steps per block")
+    ap.add_argument("--kv-cache-gib", type=in_range(float, 2**-30, 2**32), default=None)
     ap.add_argument("--activations", choices=["float32", "bfloat16"], default="float32",
                     help="the server's --activations (bfloat16: the linears' inputs rounded, faster)")
     args = ap.parse_args()
+    # SIGTERM (timeout's, a CI's cancel) exits through the finally below, which stops the server
+    # (it had been left running, holding its port).
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 
     with tempfile.TemporaryDirectory() as tmp:
         extra = []
@@ -96,7 +105,7 @@ def main():
             path = write_config(os.path.join(tmp, "dg26b"))
             write_tokenizer(path, TEXT_CONFIG["vocab_size"])
             extra = ["--load-format", "dummy"]
-        if args.kv_cache_gib:
+        if args.kv_cache_gib is not None:
             extra += ["--kv-cache-gib", str(args.kv_cache_gib)]
         extra += ["--activations", args.activations]
         port = free_port()
@@ -117,12 +126,14 @@ def main():
             with open(os.path.join(path, "config.json")) as f:  # (a --model's vocabulary may be smaller)
                 vocab = json.load(f)["text_config"]["vocab_size"]
             rng = np.random.default_rng(0)
-            prompt = rng.integers(3, min(1000, vocab), args.prompt_tokens).tolist()  # ids: no tokenization cost
-            asyncio.run(sweep_point(url, "bench", 1, 1, prompt, CANVAS, 2))  # warm-up
+
+            def prompts(n):  # ids (no tokenization cost), each request's own
+                return rng.integers(3, min(1000, vocab), (n, args.prompt_tokens)).tolist()
+            asyncio.run(sweep_point(url, "bench", 1, prompts(1), CANVAS, 2))  # warm-up
             rows = []
-            for concurrency in [int(c) for c in args.concurrency.split(",")]:
+            for concurrency in args.concurrency:
                 results, seconds = asyncio.run(sweep_point(url, "bench", concurrency,
-                                                           concurrency * args.requests_per_client, prompt,
+                                                           prompts(concurrency * args.requests_per_client),
                                                            args.max_tokens, args.steps))
                 latency = np.array([r[1] for r in results])
                 first = np.array([r[0] for r in results if r[0] is not None])

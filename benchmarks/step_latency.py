@@ -23,6 +23,7 @@ import time
 import numpy as np
 
 import diffuserve as ds
+from diffuserve.cli import in_range
 
 TEXT_CONFIG = dict(
     vocab_size=262144, hidden_size=2816, intermediate_size=2112, num_hidden_layers=30, num_attention_heads=16,
@@ -266,17 +267,28 @@ for batch, context in {grid!r}:
     return {row: results.get(row, missing if failed else "no result") for row in grid}
 
 
+def grid_rows(text):
+    """An argparse type: comma-separated BATCHxCONTEXT rows, each a batch and a context of at
+    least one (a bad row had been a traceback after the model's load)."""
+    rows = []
+    for row in text.split(","):
+        batch, _, context = row.partition("x")
+        rows.append((in_range(int, 1, 4096)(batch), in_range(int, 1, 2**31 - 1)(context)))
+    return rows
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="batch 1, context 1K only")
-    ap.add_argument("--grid", default="1x1024,4x1024,16x1024,1x8192,4x8192,16x8192,1x32768,4x32768,16x32768",
+    ap.add_argument("--grid", type=grid_rows,
+                    default="1x1024,4x1024,16x1024,1x8192,4x8192,16x8192,1x32768,4x32768,16x32768",
                     help="comma-separated BATCHxCONTEXT rows")
     ap.add_argument("--hf", action="store_true",
                     help="also time transformers' forward at every row (in a child process, after diffuserve's "
                          "model is freed)")
     ap.add_argument("--hf-timeout", type=float, default=600,
                     help="seconds --hf's child process may take for all its rows (rows not reached say so)")
-    ap.add_argument("--kv-gb", type=float, default=40.0,
+    ap.add_argument("--kv-gb", type=in_range(float, 2**-30, 2**32), default=40.0,
                     help="KV cache size (GiB; on an 80 GB H100, 8 ran batch 1 and 4 at 1K and batch 1 at 8K "
                          "beside the 26B weights, where 40 does not fit)")
     ap.add_argument("--quantization", choices=list(LINEAR_BYTES), default="bf16",
@@ -290,7 +302,7 @@ def main():
     bandwidth = copy_bandwidth()
     rates = {operands: matmul_rate(operands) for operands in ("bf16", "fp8")}
     roofline_ms = 1e3 * weight_bytes(args.quantization) / bandwidth
-    grid = [(1, 1024)] if args.quick else [tuple(int(v) for v in row.split("x")) for row in args.grid.split(",")]
+    grid = [(1, 1024)] if args.quick else args.grid
     with tempfile.TemporaryDirectory() as tmp:
         path = write_config(os.path.join(tmp, "dg26b"))
         t = time.perf_counter()

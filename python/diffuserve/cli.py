@@ -19,7 +19,7 @@ from ._checks import INT32_MAX, check_encoded, check_unicode
 MAX_BENCH_REQUESTS = 65536  # a bench row's requests (its prompts are drawn at once)
 
 
-def _in_range(kind, lo, hi):
+def in_range(kind, lo, hi):
     """An argparse type: an int (kind int) or a finite number (kind float) in [lo, hi]; argparse
     turns its error into a usage error naming the option."""
     bound = (lambda x: f"{x:g}") if kind is float else str
@@ -36,9 +36,9 @@ def _in_range(kind, lo, hi):
     return parse
 
 
-def _int_list(hi: int):
+def int_list(hi: int):
     """An argparse type: comma-separated integers in [1, hi]."""
-    return lambda text: [_in_range(int, 1, hi)(item) for item in text.split(",")]
+    return lambda text: [in_range(int, 1, hi)(item) for item in text.split(",")]
 
 
 def _safetensors_bytes(path: str) -> int:
@@ -290,14 +290,14 @@ def _engine_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--kv-cache-dtype", choices=["auto", "float32", "bfloat16"], default="auto",
                        help="how the KV cache stores keys and values (default: auto, bf16 with bfloat16 "
                             "activations where the device's attention reads it: the same results in half the memory)")
-    group.add_argument("--threads", type=_in_range(int, 0, 1024), default=0,
+    group.add_argument("--threads", type=in_range(int, 0, 1024), default=0,
                        help="CPU threads (default: every hardware thread)")
-    group.add_argument("--kv-cache-gib", type=_in_range(float, 2**-30, 2**32), default=None, metavar="GIB",
+    group.add_argument("--kv-cache-gib", type=in_range(float, 2**-30, 2**32), default=None, metavar="GIB",
                        help="paged KV cache size (default: a quarter of RAM, at most 4 GiB; on a GPU 80%% "
                             "of the memory the weights leave)")
-    group.add_argument("--max-num-seqs", type=_in_range(int, 1, INT32_MAX), default=64, metavar="N",
+    group.add_argument("--max-num-seqs", type=in_range(int, 1, INT32_MAX), default=64, metavar="N",
                        help="requests computed at once (default: 64)")
-    group.add_argument("--max-num-batched-tokens", type=_in_range(int, 1, 2**62), default=None, metavar="N",
+    group.add_argument("--max-num-batched-tokens", type=in_range(int, 1, 2**62), default=None, metavar="N",
                        help="rows per forward pass (default: max(4096, 4 canvases))")
     group.add_argument("--load-format", choices=["auto", "dummy"], default="auto",
                        help="dummy: random weights at config.json's shapes, for benchmarks (default: auto)")
@@ -315,21 +315,21 @@ def parser() -> argparse.ArgumentParser:
                                         "/v1/completions, /v1/chat/completions, /health, /metrics.")
     p.add_argument("model", nargs="?", metavar="MODEL", help="checkpoint directory (default: the bundled Sudoku model)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
-    p.add_argument("--port", type=_in_range(int, 0, 65535), default=8000, help="port (default: 8000)")
+    p.add_argument("--port", type=in_range(int, 0, 65535), default=8000, help="port (default: 8000)")
     p.add_argument("--api-key", default=os.environ.get("DIFFUSERVE_API_KEY"),
                    help="require `Authorization: Bearer KEY` on /v1 (default: $DIFFUSERVE_API_KEY, else none)")
     p.add_argument("--served-model-name", metavar="NAME", help="the model's name in the API (default: MODEL)")
     p.add_argument("--allowed-origins", action="append", metavar="ORIGIN",
                    help="an origin whose browser pages may call the API (CORS), once per origin (default: any, "
                         "as vLLM)")
-    p.add_argument("--max-denoising-steps-limit", type=_in_range(int, 1, INT32_MAX), default=1024, metavar="N",
+    p.add_argument("--max-denoising-steps-limit", type=in_range(int, 1, INT32_MAX), default=1024, metavar="N",
                    help="the most denoise steps a request may ask of each block (default: 1024)")
-    p.add_argument("--max-prompt-chars", type=_in_range(int, 0, 2**62), default=None, metavar="N",
+    p.add_argument("--max-prompt-chars", type=in_range(int, 0, 2**62), default=None, metavar="N",
                    help="the longest prompt text a request may send, refused before it is encoded (default: "
                         "max_model_len tokens of the vocabulary's longest entry; 0: no limit)")
-    p.add_argument("--max-request-bytes", type=_in_range(int, 0, 2**62), default=None, metavar="N",
+    p.add_argument("--max-request-bytes", type=in_range(int, 0, 2**62), default=None, metavar="N",
                    help="the largest request body taken, a 413 past it (default: 64 MiB; 0: no limit)")
-    p.add_argument("--shutdown-timeout", type=_in_range(float, 0, 1e6), default=30, metavar="SECONDS",
+    p.add_argument("--shutdown-timeout", type=in_range(float, 0, 1e6), default=30, metavar="SECONDS",
                    help="on Ctrl-C / SIGTERM, how long running requests may finish before they are aborted "
                         "(default: 30)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
@@ -341,12 +341,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("prompt", metavar="PROMPT", help="the text (sent as a user message when the model has a chat "
                                                     "template)")
     p.add_argument("--model", "-m", help="checkpoint directory (default: the bundled Sudoku model)")
-    p.add_argument("--max-tokens", type=_in_range(int, 1, INT32_MAX), default=None,
+    p.add_argument("--max-tokens", type=in_range(int, 1, INT32_MAX), default=None,
                    help="output length cap (default: the checkpoint's, else the whole context, cut to the blocks "
                         "the context has room for)")
-    p.add_argument("--max-denoising-steps", type=_in_range(int, 1, INT32_MAX), default=None,
+    p.add_argument("--max-denoising-steps", type=in_range(int, 1, INT32_MAX), default=None,
                    help="decoder passes per block at most")
-    p.add_argument("--seed", type=_in_range(int, 0, 2**64 - 1), default=None, help="seed for a reproducible answer")
+    p.add_argument("--seed", type=in_range(int, 0, 2**64 - 1), default=None, help="seed for a reproducible answer")
     p.add_argument("--raw", action="store_true", help="send PROMPT as it is, without the chat template")
     p.add_argument("--ignore-eos", action="store_true",
                    help="generate on past the checkpoint's EOS tokens, to --max-tokens (an output of a fixed length)")
@@ -359,13 +359,13 @@ def parser() -> argparse.ArgumentParser:
                                         "per block.")
     p.add_argument("model", nargs="?", metavar="MODEL", help="checkpoint directory (default: a small random one)")
     # (A row's prompts are drawn before it runs: two billion of them had run out of memory.)
-    p.add_argument("--concurrency", type=_int_list(MAX_BENCH_REQUESTS), default=[1, 4, 16],
+    p.add_argument("--concurrency", type=int_list(MAX_BENCH_REQUESTS), default=[1, 4, 16],
                    help=f"comma-separated request counts, each at most {MAX_BENCH_REQUESTS} (default: 1,4,16)")
-    p.add_argument("--prompt-tokens", type=_in_range(int, 1, INT32_MAX), default=128,
+    p.add_argument("--prompt-tokens", type=in_range(int, 1, INT32_MAX), default=128,
                    help="prompt length (default: 128)")
-    p.add_argument("--max-tokens", type=_in_range(int, 1, INT32_MAX), default=256,
+    p.add_argument("--max-tokens", type=in_range(int, 1, INT32_MAX), default=256,
                    help="tokens generated per request (default: 256)")
-    p.add_argument("--steps", type=_in_range(int, 1, INT32_MAX), default=16,
+    p.add_argument("--steps", type=in_range(int, 1, INT32_MAX), default=16,
                    help="denoise steps per block (default: 16)")
     _engine_options(p)
     p.set_defaults(run=bench)
@@ -377,11 +377,11 @@ def parser() -> argparse.ArgumentParser:
                                         "and print solved=<fraction> mean_steps=<mean> n=<count>.")
     p.add_argument("puzzle", nargs="?", metavar="PUZZLE")
     p.add_argument("--model", "-m", help="a Sudoku checkpoint directory (default: the bundled one)")
-    p.add_argument("--givens", type=_in_range(int, 17, 81), default=None,
+    p.add_argument("--givens", type=in_range(int, 17, 81), default=None,
                    help="givens of a generated puzzle (default: 30)")
-    p.add_argument("--seed", type=_in_range(int, 0, 2**64 - 1), default=0,
+    p.add_argument("--seed", type=in_range(int, 0, 2**64 - 1), default=0,
                    help="seed of the puzzle and of the sampler (default: 0)")
-    p.add_argument("--max-denoising-steps", type=_in_range(int, 1, INT32_MAX), default=None,
+    p.add_argument("--max-denoising-steps", type=in_range(int, 1, INT32_MAX), default=None,
                    help="default: the checkpoint's")
     p.add_argument("--eval", metavar="FILE", help="solve every puzzle in FILE, one per line")
     p.add_argument("--output", metavar="OUT", help="with --eval: write each answer grid to OUT, one per line")
