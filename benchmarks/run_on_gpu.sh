@@ -10,10 +10,16 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${OUT:-gpu-logs}"
 mkdir -p "$out"
-# transformers >= 5.23 (the oracle), carried as a wheel when the machine's is older.
-if ls .device/transformers-*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-deps --target /tmp/newer-transformers .device/transformers-*.whl
-  export PYTHONPATH="/tmp/newer-transformers${PYTHONPATH:+:$PYTHONPATH}"
+# transformers >= 5.23 (the oracle), carried as wheels when the machine's is older: the device
+# machine reaches no index, so .device/whl (git-ignored; name it in the call's carry) holds
+# transformers and what it needs beyond the machine's packages, fetched where pip works:
+#   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+#     -d .device/whl "transformers==5.25.*" "huggingface-hub>=2.4,<3" "kernels>=0.19.1,<0.20" \
+#     "httpx2>=2,<3" "httpcore2==2.17.0" truststore tomlkit "click>=8.4.2,<9"
+if ls .device/whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/device-wheels .device/whl/*.whl
+  export PYTHONPATH="/tmp/device-wheels${PYTHONPATH:+:$PYTHONPATH}"
 fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/gpu.txt"
 # The three benches compile side by side, then each runs (checks first, then timings) within 150 s.
