@@ -6,9 +6,10 @@ completions at several concurrencies, and prints output tokens/s and latency per
 
 Every request has a fixed number of denoise steps per block (confidence made unreachable)
 and a fixed length (ignore_eos), and a prompt of its own (random ids: none is in the prefix
-cache), so runs compare. A request that fails ends the run with its error, and no table. With no --model it writes the real 26B-A4B text config
-(benchmarks/step_latency.py) with a word-level tokenizer over the whole vocabulary and
-serves it with load_format=dummy. Prints one table.
+cache), so runs compare. A request that fails ends the run with its error, and no table.
+With no --model it writes the real 26B-A4B text config (benchmarks/step_latency.py) with a
+word-level tokenizer over the whole vocabulary and serves it with load_format=dummy. Prints
+one table.
 """
 import argparse
 import asyncio
@@ -27,7 +28,8 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(__file__))
 from step_latency import CANVAS, TEXT_CONFIG, write_config  # noqa: E402
 
-from diffuserve.cli import MAX_BENCH_REQUESTS, in_range, int_list  # noqa: E402
+from diffuserve._checks import INT32_MAX  # noqa: E402
+from diffuserve.cli import KV_CACHE_GIB, MAX_BENCH_REQUESTS, in_range, int_list  # noqa: E402
 
 
 def write_tokenizer(path, vocab_size):
@@ -87,10 +89,10 @@ def main():
     ap.add_argument("--concurrency", type=int_list(MAX_BENCH_REQUESTS), default=[1, 4, 16],
                     help="comma-separated concurrencies (default: 1,4,16)")
     ap.add_argument("--requests-per-client", type=in_range(int, 1, MAX_BENCH_REQUESTS), default=2)
-    ap.add_argument("--prompt-tokens", type=in_range(int, 1, 2**31 - 1), default=1024)
-    ap.add_argument("--max-tokens", type=in_range(int, 1, 2**31 - 1), default=2 * CANVAS)
-    ap.add_argument("--steps", type=in_range(int, 1, 2**31 - 1), default=16, help="denoise steps per block")
-    ap.add_argument("--kv-cache-gib", type=in_range(float, 2**-30, 2**32), default=None)
+    ap.add_argument("--prompt-tokens", type=in_range(int, 1, INT32_MAX), default=1024)
+    ap.add_argument("--max-tokens", type=in_range(int, 1, INT32_MAX), default=2 * CANVAS)
+    ap.add_argument("--steps", type=in_range(int, 1, INT32_MAX), default=16, help="denoise steps per block")
+    ap.add_argument("--kv-cache-gib", type=KV_CACHE_GIB, default=None)
     ap.add_argument("--activations", choices=["float32", "bfloat16"], default="float32",
                     help="the server's --activations (bfloat16: the linears' inputs rounded, faster)")
     args = ap.parse_args()

@@ -23,7 +23,8 @@ import time
 import numpy as np
 
 import diffuserve as ds
-from diffuserve.cli import in_range
+from diffuserve._checks import INT32_MAX
+from diffuserve.cli import KV_CACHE_GIB, in_range
 
 TEXT_CONFIG = dict(
     vocab_size=262144, hidden_size=2816, intermediate_size=2112, num_hidden_layers=30, num_attention_heads=16,
@@ -273,7 +274,7 @@ def grid_rows(text):
     rows = []
     for row in text.split(","):
         batch, _, context = row.partition("x")
-        rows.append((in_range(int, 1, 4096)(batch), in_range(int, 1, 2**31 - 1)(context)))
+        rows.append((in_range(int, 1, 4096)(batch), in_range(int, 1, INT32_MAX)(context)))
     return rows
 
 
@@ -288,7 +289,7 @@ def main():
                          "model is freed)")
     ap.add_argument("--hf-timeout", type=float, default=600,
                     help="seconds --hf's child process may take for all its rows (rows not reached say so)")
-    ap.add_argument("--kv-gb", type=in_range(float, 2**-30, 2**32), default=40.0,
+    ap.add_argument("--kv-gb", type=KV_CACHE_GIB, default=40.0,
                     help="KV cache size (GiB; on an 80 GB H100, 8 ran batch 1 and 4 at 1K and batch 1 at 8K "
                          "beside the 26B weights, where 40 does not fit)")
     ap.add_argument("--quantization", choices=list(LINEAR_BYTES), default="bf16",

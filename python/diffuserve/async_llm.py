@@ -74,6 +74,10 @@ class _Request:
             pass  # the caller's event loop has closed: nobody is waiting
 
 
+# Values a snapshot keeps as they are: none of them can change.
+_UNCHANGING = (str, bytes, int, tuple, np.generic)
+
+
 def _snapshot_ids(ids):
     """Token ids as they are now, cheaply, in a form add_request reads as it reads them: a list
     or an array copied (a tuple cannot change); another container (a tensor's row, an
@@ -83,7 +87,7 @@ def _snapshot_ids(ids):
         return list(ids)
     if isinstance(ids, np.ndarray):
         return ids.copy()  # (a masked array keeps its mask)
-    if ids is None or isinstance(ids, (str, bytes, tuple, int, np.generic)) or iter_once(ids):
+    if ids is None or isinstance(ids, _UNCHANGING) or iter_once(ids):
         return ids
     try:
         arr = np.array(ids)
@@ -111,7 +115,7 @@ def _snapshot_params(params):
     snapshot = copy.copy(params)
     for name in SamplingParams.ID_FIELDS:
         value = getattr(params, name)
-        if not (value is None or isinstance(value, (str, bytes, int, tuple, np.generic))):
+        if not (value is None or isinstance(value, _UNCHANGING)):
             try:
                 value = list(value)
             except TypeError:

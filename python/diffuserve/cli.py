@@ -36,6 +36,10 @@ def in_range(kind, lo, hi):
     return parse
 
 
+# An argparse type: a KV cache's size in GiB (the server's, bench's and the benchmarks').
+KV_CACHE_GIB = in_range(float, 2**-30, 2**32)
+
+
 def int_list(hi: int):
     """An argparse type: comma-separated integers in [1, hi]."""
     return lambda text: [in_range(int, 1, hi)(item) for item in text.split(",")]
@@ -292,7 +296,7 @@ def _engine_options(parser: argparse.ArgumentParser) -> None:
                             "activations where the device's attention reads it: the same results in half the memory)")
     group.add_argument("--threads", type=in_range(int, 0, 1024), default=0,
                        help="CPU threads (default: every hardware thread)")
-    group.add_argument("--kv-cache-gib", type=in_range(float, 2**-30, 2**32), default=None, metavar="GIB",
+    group.add_argument("--kv-cache-gib", type=KV_CACHE_GIB, default=None, metavar="GIB",
                        help="paged KV cache size (default: a quarter of RAM, at most 4 GiB; on a GPU 80%% "
                             "of the memory the weights leave)")
     group.add_argument("--max-num-seqs", type=in_range(int, 1, INT32_MAX), default=64, metavar="N",

@@ -281,8 +281,6 @@ class _Conversation(_Strict):
         return out
 
 
-
-
 class ChatCompletionRequest(_Conversation, _GenerationRequest):  # (the generation fields first: of a body's
     # errors, the first field's is named, as before the conversation's were a class of their own)
     max_completion_tokens: Optional[int] = Field(None, ge=1)

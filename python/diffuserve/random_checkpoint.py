@@ -21,6 +21,11 @@ DEFAULT_TEXT_CONFIG = dict(
 )
 
 
+# Each dtype a checkpoint may name: its values as safetensors stores them.
+_STORED_AS = {"float32": lambda a: ("F32", a.astype(np.float32)), "bfloat16": lambda a: ("BF16", bf16_bits(a)),
+              "float16": lambda a: ("F16", a.astype(np.float16))}
+
+
 def write_random_checkpoint(path, canvas_length: int = 64, dtype: str = "float32", seed: int = 0,
                             fill: str = "normal", **text) -> str:
     """Writes a random-weight checkpoint to `path`; `text` overrides DEFAULT_TEXT_CONFIG fields.
@@ -31,8 +36,9 @@ def write_random_checkpoint(path, canvas_length: int = 64, dtype: str = "float32
     """
     if fill not in ("normal", "repeat"):
         raise ValueError(f"fill must be 'normal' or 'repeat', not {fill!r}")
-    if dtype not in ("float32", "bfloat16", "float16"):  # (config.json had named another than the weights')
-        raise ValueError(f"dtype must be 'float32', 'bfloat16' or 'float16', not {dtype!r}")
+    if dtype not in _STORED_AS:  # (config.json had named another than the weights')
+        *others, last = map(repr, _STORED_AS)
+        raise ValueError(f"dtype must be {', '.join(others)} or {last}, not {dtype!r}")
     cfg = {**DEFAULT_TEXT_CONFIG, **text}
     n_layers = cfg["num_hidden_layers"]
     cfg.setdefault("layer_types", ["full_attention" if (i + 1) % 4 == 0 or i == n_layers - 1 else "sliding_attention"
@@ -54,9 +60,7 @@ def write_random_checkpoint(path, canvas_length: int = 64, dtype: str = "float32
 
     rng = np.random.default_rng(seed)
     H, I, E, MI = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_experts"], cfg["moe_intermediate_size"]
-    stores = {"float32": lambda a: ("F32", a.astype(np.float32)), "bfloat16": lambda a: ("BF16", bf16_bits(a)),
-              "float16": lambda a: ("F16", a.astype(np.float16))}
-    store = stores[dtype]
+    store = _STORED_AS[dtype]
     tensors = {}
 
     def add(name, shape, kind="linear"):
