@@ -305,8 +305,13 @@ def test_max_sequence_tokens_is_the_longest_request_taken(make_llm, kv_bytes):
     prompt = [1] * (longest % canvas or canvas)
     fits = params(0, n=longest - len(prompt))
     llm.abort(llm.add_request(prompt, fits))
-    with pytest.raises(ValueError, match="more than the whole cache holds"):
+    # The refusal names the longest (as the positions' refusal names max_position_embeddings).
+    with pytest.raises(ValueError, match=f"more than the whole cache holds, whose longest sequence is {longest} tokens"):
         llm.add_request(prompt, params(0, n=longest - len(prompt) + canvas))
+    if longest + canvas <= llm.model.config["max_position_embeddings"]:  # (else the positions refuse it first)
+        with pytest.raises(ValueError, match=f"need more KV than the whole cache holds, whose longest sequence is "
+                                             f"{longest} "):
+            llm.add_request([1] * longest, params(0, n=canvas))
 
 
 def test_interrupt_ends_a_step_after_its_pass(make_llm):

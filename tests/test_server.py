@@ -588,6 +588,13 @@ def test_compressed_bodies_are_refused(base_url, encoding):
     assert r.status_code == 200, r.text
 
 
+class _Connected:
+    """A request whose client stays connected: no ASGI message ever comes (run listens for
+    the client's disconnect while its choices start)."""
+    async def receive(self):
+        await asyncio.Event().wait()
+
+
 def test_many_choices_are_started_in_turns_of_the_event_loop(checkpoint, monkeypatch):
     """A request's choices ask the engine a group at a time, the event loop serving other
     requests between: all in one turn, 128,000 choices had kept /health waiting 21 s. Its
@@ -612,7 +619,7 @@ def test_many_choices_are_started_in_turns_of_the_event_loop(checkpoint, monkeyp
         counting = asyncio.create_task(ticker())
         body = parse(CompletionRequest, {"model": MODEL, "prompt": [[5, 6]] * 8, "n": 128, "max_tokens": 16,
                                          "stream": True})
-        response = await server.run(None, body, [[5, 6]] * 8, 16, server_module._Format(MODEL, chat=False))
+        response = await server.run(_Connected(), body, [[5, 6]] * 8, 16, server_module._Format(MODEL, chat=False))
         await response.body_iterator.__anext__()  # a block has finished
         await response.body_iterator.aclose()  # the client leaves: every choice is cancelled
         counting.cancel()
@@ -1003,17 +1010,66 @@ def test_concurrent_streams_with_disconnects(base_url):
         if i % 2 == 0:
             assert lines[-1] == "[DONE]"
             assert json.loads(lines[-2])["choices"][0]["finish_reason"] in ("stop", "length")
-    deadline = time.time() + 20
-    while True:  # the aborted requests free their KV as soon as the server notices the disconnect
-        m = metrics(base_url)
-        if (m["diffuserve_kv_blocks_free"] == m["diffuserve_kv_blocks_total"] and m["diffuserve_requests_running"]
-                == m["diffuserve_requests_waiting"] == 0) or time.time() > deadline:
-            break
-        time.sleep(0.05)
-    assert m["diffuserve_kv_blocks_free"] == m["diffuserve_kv_blocks_total"]
-    assert m["diffuserve_requests_running"] == m["diffuserve_requests_waiting"] == 0
+    m = metrics_once_idle(base_url)
     assert m['diffuserve_requests_total{finish_reason="abort"}'] - before == 8
     assert m["diffuserve_denoise_steps_per_block_count"] > 0 and m["diffuserve_generation_tokens_total"] > 0
+
+
+def metrics_once_idle(base_url, seconds=20) -> dict:
+    """The metrics once no request runs or waits and every KV block is free (aborted requests
+    free theirs as soon as the server notices their client left), at most `seconds` later."""
+    deadline = time.time() + seconds
+    while True:
+        m = metrics(base_url)
+        if (m["diffuserve_kv_blocks_free"] == m["diffuserve_kv_blocks_total"] and m["diffuserve_requests_running"]
+                == m["diffuserve_requests_waiting"] == 0):
+            return m
+        assert time.time() < deadline, f"requests still running for a client that left: {m}"
+        time.sleep(0.05)
+
+
+def test_a_stream_of_many_choices_aborts_them_all_when_its_client_leaves(base_url):
+    """A stream runs in an anyio cancel scope, which cancels its task again at every await once
+    the client has left: the choices' cancellation, a turn of the event loop every 128, had
+    stopped after the first 128, and the others ran on to their ends for nobody."""
+    abort = 'diffuserve_requests_total{finish_reason="abort"}'
+    before = metrics(base_url)[abort]
+    body = {"model": MODEL, "prompt": ["first prompt", "second prompt"], "n": 100, "max_tokens": 2000,
+            "ignore_eos": True, "stream": True, "seed": 0}
+    with httpx.stream("POST", base_url + "/v1/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200
+        next(line for line in r.iter_lines() if line)  # then the client leaves
+    assert metrics_once_idle(base_url)[abort] - before == 200
+
+
+def test_a_client_that_leaves_while_its_choices_start_ends_the_starts(base_url):
+    """A request of thousands of choices takes several of the engine's turns to start (it takes
+    new requests between its steps): a client that had left meanwhile had them all started, and
+    hundreds run, before its disconnect was read. Here the client sends the request and closes
+    its connection at once: at most a few turns' worth of the 2,048 choices start."""
+    abort = 'diffuserve_requests_total{finish_reason="abort"}'
+    before = metrics(base_url)[abort]
+    payload = json.dumps({"model": MODEL, "prompt": [f"prompt {i}" for i in range(16)], "n": 128, "max_tokens": 2000,
+                          "ignore_eos": True, "seed": 0}).encode()
+    host, port = base_url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port))) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n" % len(payload) + payload)
+    started = metrics_once_idle(base_url)[abort] - before  # (each choice started is aborted)
+    assert started < 2048 // 2, started
+    assert httpx.get(base_url + "/health").status_code == 200
+
+
+def test_a_prompt_of_more_ids_than_max_model_len_is_refused_before_the_engine_reads_them(base_url):
+    """Such a prompt's ids had all been read and checked on the engine thread first (10 million
+    took 6 s of every request's steps), and the refusal named the KV cache, not max_model_len."""
+    longest = httpx.get(base_url + "/v1/models").json()["data"][0]["max_model_len"]
+    for prompt, name in [([5] * (longest + 1), "prompt"), ([[5, 6], [5] * (longest + 1)], "prompt[1]")]:
+        r = httpx.post(base_url + "/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 4})
+        assert r.status_code == 400
+        assert r.json()["error"]["message"] == (f"{name}: {longest + 1} tokens, more than this model's max_model_len "
+                                                f"({longest}) takes")
+        assert r.json()["error"]["param"] == name
 
 
 def _serve_process(checkpoint, *options):

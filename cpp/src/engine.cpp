@@ -193,10 +193,16 @@ void Engine::add(uint64_t id, std::vector<int32_t> prompt, const SamplingParams&
     throw InvalidArgument("prompt: " + std::to_string(prompt.size()) + " tokens leave no room for a block of " +
                           std::to_string(r->canvas) + " new tokens within max_position_embeddings (" +
                           std::to_string(c.max_position_embeddings) + ")");
+  // The KV cache's refusals name the longest sequence it holds (max_model_len, where the
+  // request's canvas is the model's), as the positions' refusals name theirs.
+  auto longest = [&] {
+    return ", whose longest sequence is " +
+           std::to_string(kv.longest_sequence(c.max_position_embeddings, r->canvas)) + " tokens";
+  };
   if (!kv.could_hold(int64_t(prompt.size()) + r->canvas, r->canvas))
     throw InvalidArgument("prompt: " + std::to_string(prompt.size()) + " tokens and a block of " +
                           std::to_string(r->canvas) + " new tokens need more KV than the whole cache holds" +
-                          kRaiseKv);
+                          longest() + kRaiseKv);
   if (total > c.max_position_embeddings)
     throw InvalidArgument(length.limit + ": the prompt (" + std::to_string(prompt.size()) + " tokens) plus " +
                           std::to_string(length.blocks) + " blocks of " + std::to_string(r->canvas) +
@@ -206,7 +212,7 @@ void Engine::add(uint64_t id, std::vector<int32_t> prompt, const SamplingParams&
     throw InvalidArgument(length.limit + ": the prompt (" + std::to_string(prompt.size()) + " tokens) plus " +
                           std::to_string(length.blocks) + " blocks of " + std::to_string(r->canvas) +
                           " new tokens need KV for " + std::to_string(total) +
-                          " tokens, more than the whole cache holds" + kRaiseKv);
+                          " tokens, more than the whole cache holds" + longest() + kRaiseKv);
   r->prompt = std::move(prompt);
   if (params.seed) {
     r->out.seed = *params.seed;

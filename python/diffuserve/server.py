@@ -277,6 +277,14 @@ class _Server:
                                 f"({self.max_prompt_chars}, --max-prompt-chars: by default max_model_len tokens of "
                                 f"the vocabulary's longest entry)", param=param)
 
+    def check_prompt_ids_length(self, prompt, param: str) -> None:
+        """Refuses a prompt of token ids longer than max_model_len before the engine's checks,
+        which read every id on the engine thread (10 million ids had held every request's steps
+        for 6 s, to be refused in the end)."""
+        if not isinstance(prompt, str) and len(prompt) > self.max_sequence_tokens:
+            raise ApiError(400, f"{param}: {len(prompt)} tokens, more than this model's max_model_len "
+                                f"({self.max_sequence_tokens}) takes", param=param, code="invalid_value")
+
     def check_message_chars(self, body) -> None:
         """Refuses a chat request whose messages' text as sent is past --max-prompt-chars (even
         where the template would trim it), or that has more messages, or more content parts,
@@ -366,21 +374,29 @@ class _Server:
         # Every choice asks the engine without waiting for the others, so that it takes them in
         # few turns (one by one, a request of hundreds of prompts took a step each to be
         # admitted); _TURN choices a turn of the event loop, which serves other requests
-        # between. Each start ends before any choice is closed.
+        # between. Each start ends before any choice is closed. A client that leaves meanwhile
+        # ends the starts: the engine takes new requests only between its steps, so thousands
+        # of choices take seconds to start, and they had all been started, and hundreds run,
+        # for a client that had left.
         starts = []
-        try:
+
+        async def start_all():
             async for choice in _in_turns(choices):
                 starts.append(asyncio.ensure_future(choice.start()))
-            started = await asyncio.gather(*starts, return_exceptions=True)
+            return await asyncio.gather(*starts, return_exceptions=True)
+        try:
+            started = await _unless_disconnected(request, start_all())
             failed = next((r for r in started if isinstance(r, BaseException)), None)
-        except BaseException as e:  # cancelled
+        except BaseException as e:  # cancelled, or the client left
             failed = e
         if failed is not None:
-            for start in starts:
-                start.cancel()  # (a start cancelled after asking the engine aborts its request)
-            await asyncio.gather(*starts, return_exceptions=True)
-            async for choice in _in_turns(choices):
-                await choice.close()
+            async def close():
+                for start in starts:
+                    start.cancel()  # (a start cancelled after asking the engine aborts its request)
+                await asyncio.gather(*starts, return_exceptions=True)
+                async for choice in _in_turns(choices):
+                    await choice.close()
+            await _to_the_end(close())
             raise failed
         if body.stream:
             include_usage = body.stream_options is not None and bool(body.stream_options.include_usage)
@@ -447,9 +463,27 @@ async def _merged(choices: List[_Choice]) -> AsyncIterator[ChoiceEvent]:
                     raise item
                 yield item
     finally:
-        async for task in _in_turns(tasks):  # each cancelled choice aborts its request
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        async def cancel():
+            async for task in _in_turns(tasks):  # each cancelled choice aborts its request
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+        await _to_the_end(cancel())
+
+
+# Cleanups running on after their caller was cancelled (the loop keeps only weak references).
+_CLEANUPS = set()
+
+
+async def _to_the_end(cleanup) -> None:
+    """Runs the coroutine `cleanup` to its end, as a task of its own that the caller's
+    cancellation does not reach. A streamed response runs in an anyio cancel scope, which
+    cancels its task again at every await once its client has left: a cleanup awaited there
+    ended at its first await (a stream's choices past the first _TURN ran on to their ends for
+    nobody, holding their KV)."""
+    task = asyncio.ensure_future(cleanup)
+    _CLEANUPS.add(task)
+    task.add_done_callback(_CLEANUPS.discard)
+    await asyncio.shield(task)
 
 
 # Choices started, merged or cancelled in one turn of the event loop: a request's choices, up
@@ -473,9 +507,9 @@ async def _drain(events: AsyncIterator) -> None:
         pass
 
 
-async def _unless_disconnected(request: Request, work) -> None:
-    """Awaits `work` while the client stays connected; if it leaves first, cancels the work
-    (which aborts its engine requests)."""
+async def _unless_disconnected(request: Request, work):
+    """`work`'s result, awaited while the client stays connected; if it leaves first, cancels
+    the work (which aborts its engine requests) and raises a 499."""
     async def disconnected():
         while (await request.receive())["type"] != "http.disconnect":
             pass
@@ -492,7 +526,7 @@ async def _unless_disconnected(request: Request, work) -> None:
         await asyncio.gather(task, listener, return_exceptions=True)
     if task.cancelled():
         raise ApiError(499, "the client closed the request", code="client_closed_request")
-    task.result()
+    return task.result()
 
 
 @dataclass
@@ -570,7 +604,9 @@ async def _json_body(request: Request, max_bytes: Optional[int]):
             chunks.append(chunk)
     except ClientDisconnect:  # gone before its body was in: nothing to answer, nothing to log
         raise ApiError(400, "the client disconnected while sending the request body") from None
-    return parse_json(b"".join(chunks), "the request body")
+    # In a worker thread, as validation (parse): a body of tens of megabytes of token ids takes
+    # seconds, which had kept /health and every stream waiting.
+    return await asyncio.to_thread(parse_json, b"".join(chunks), "the request body")
 
 
 def check_api_key(api_key: Optional[str]) -> None:
@@ -661,8 +697,10 @@ def build_app(engine: AsyncLLM, model_name: str, api_key: Optional[str] = None,
     async def completions(request: Request):
         raw = await _json_body(request, max_body)
         check_model_first(raw)
-        body = parse(CompletionRequest, raw)  # (its model, a string, is the one checked above)
+        body = await asyncio.to_thread(parse, CompletionRequest, raw)  # (its model, a string, is the one checked above)
         batch = body.prompts()
+        for i, p in enumerate(batch):
+            server.check_prompt_ids_length(p, _prompt_name(i, len(batch)))
         prompts = [await server.prompt_ids(p, _prompt_name(i, len(batch))) for i, p in enumerate(batch)]
         return await server.run(request, body, prompts, body.max_tokens,
                                 _Format(model_name, chat=False, token_ids=server.returns_token_ids(body)))
@@ -672,7 +710,7 @@ def build_app(engine: AsyncLLM, model_name: str, api_key: Optional[str] = None,
         raw = await _json_body(request, max_body)
         check_model_first(raw)
         server.check_message_chars(raw)
-        body = parse(ChatCompletionRequest, raw)  # (its model, a string, is the one checked above)
+        body = await asyncio.to_thread(parse, ChatCompletionRequest, raw)  # (its model, a string, is the one checked above)
         prompt = await server.chat_prompt_ids(body)
         return await server.run(request, body, [prompt], body.max_new_tokens(),
                                 _Format(model_name, chat=True, token_ids=server.returns_token_ids(body)))
@@ -685,19 +723,22 @@ def build_app(engine: AsyncLLM, model_name: str, api_key: Optional[str] = None,
         check_model_first(raw)
         if isinstance(raw, dict) and raw.get("messages") is not None:  # (null: not given, as everywhere)
             server.check_message_chars(raw)
-            body = parse(TokenizeChatRequest, raw)
+            body = await asyncio.to_thread(parse, TokenizeChatRequest, raw)
             ids = await server.chat_prompt_ids(body, body.add_special_tokens)
         else:
-            body = parse(TokenizeCompletionRequest, raw)
+            body = await asyncio.to_thread(parse, TokenizeCompletionRequest, raw)
             ids = await server.prompt_ids(body.prompt, add_special_tokens=body.add_special_tokens)
-        strings = server.tokenizer.token_strings(ids) if body.return_token_strs else None
-        return {"count": len(ids), "max_model_len": card["max_model_len"], "tokens": ids, "token_strs": strings}
+        # The strings and the JSON in a worker thread: hundreds of thousands of tokens take
+        # seconds of the event loop (FastAPI's encoder walks a returned dict value by value).
+        strings = await asyncio.to_thread(server.tokenizer.token_strings, ids) if body.return_token_strs else None
+        return await asyncio.to_thread(JSONResponse, {"count": len(ids), "max_model_len": card["max_model_len"],
+                                                      "tokens": ids, "token_strs": strings})
 
     @app.post("/detokenize")
     async def detokenize(request: Request):
         raw = await _json_body(request, max_body)
         check_model_first(raw)
-        body = parse(DetokenizeRequest, raw)
+        body = await asyncio.to_thread(parse, DetokenizeRequest, raw)
         if server.tokenizer is None:
             raise ApiError(400, "this model has no tokenizer.json, so no text for token ids", param="tokens",
                            code="no_tokenizer")
