@@ -62,8 +62,9 @@ class Model:
         """Loads a checkpoint directory (config.json + safetensors, single or sharded).
 
         dtype: None takes config.json's dtype (torch_dtype), as transformers loads the weights,
-        or where it names none the embedding's stored dtype (with load_format="dummy": bfloat16);
-        "float32", "bfloat16" or "float16" casts.
+        or where it names none the embedding's stored dtype; with load_format="dummy", bfloat16
+        whatever config.json says (as the GPU keeps its weights); "float32", "bfloat16" or
+        "float16" casts.
         The CPU backend computes in fp32 whatever the weight dtype.
         device: "cpu", "cuda" or "cuda:N" (CUDA builds; bf16 weights on the GPU).
         kv_cache_memory_bytes: size of the paged KV cache (None: on the CPU a quarter of RAM, at

@@ -26,7 +26,8 @@ namespace diffuserve {
 struct LoadOptions {
   std::string device = "cpu";  // "cpu", "cuda" or "cuda:N" (builds with the CUDA backend)
   // Weight storage dtype: "" takes config.json's dtype (torch_dtype), as transformers does, or where
-  // it names none the embedding's stored one; "float32", "bfloat16" or "float16" casts.
+  // it names none the embedding's stored one (load_format "dummy": bfloat16, whatever config.json
+  // says, as the GPU keeps its weights); "float32", "bfloat16" or "float16" casts.
   std::string dtype;
   int num_threads = 0;         // at most 1024; 0: DIFFUSERVE_NUM_THREADS, else every hardware thread
   // The paged KV cache: 0 = a quarter of physical memory, at most 4 GiB (CPU).
