@@ -585,6 +585,12 @@ def test_unexpected_tensor(ckpt):
     load_fails(ckpt, f"unexpected tensor '{name}'", str(ckpt / "model.safetensors"))
 
 
+def test_a_tensor_name_holding_nul_is_named_whole(ckpt):
+    """A NUL in a name read from the file is written \\0: the message had ended at it."""
+    rewrite(ckpt, lambda t: t.update({"x\0y": np.zeros(4, np.float32)}))
+    load_fails(ckpt, "unexpected tensor 'x\\0y' (not part of a DiffusionGemma text model)")
+
+
 def test_misshaped_tensor(ckpt):
     rewrite(ckpt, lambda t: t.update({ROUTER: np.zeros((5, 32), np.float32)}))
     load_fails(ckpt, f"tensor '{ROUTER}' has shape [5, 32], expected [4, 32]", str(ckpt / "model.safetensors"))

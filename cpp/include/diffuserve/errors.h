@@ -14,10 +14,19 @@ class InvalidArgument : public std::invalid_argument {
 };
 
 // A file on disk is malformed or does not match what the model needs; the message names
-// the file and, where there is one, the tensor (Python: diffuserve.CheckpointError).
+// the file and, where there is one, the tensor (Python: diffuserve.CheckpointError). A NUL
+// in the message (a name read from the file may hold one) is written \0: what() ends at the
+// first, and Python's message and a C++ caller's print had ended there.
 class FormatError : public std::runtime_error {
  public:
-  using std::runtime_error::runtime_error;
+  explicit FormatError(const std::string& message) : std::runtime_error(without_nul(message)) {}
+
+ private:
+  static std::string without_nul(const std::string& message) {
+    std::string out;
+    for (char c : message) out += c ? std::string(1, c) : std::string("\\0");
+    return out;
+  }
 };
 
 // A call that the caller stopped, through the std::stop_token it passed, before it finished
