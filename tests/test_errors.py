@@ -1051,6 +1051,38 @@ def nan_dir(request, tmp_path_factory, valid_dir):
     return path
 
 
+@pytest.mark.parametrize("name, index", [
+    ("model.decoder.embed_tokens.weight", (3, 5)),               # a plain weight, uploaded as stored
+    ("model.decoder.layers.0.mlp.up_proj.weight", (7, 1)),       # stacked with gate_proj on the host
+    ("model.decoder.layers.1.experts.down_proj", (2, 30, 15)),   # an expert stack
+    (NORM, (4,)),                                                # a norm's weight, read into fp32
+])
+@pytest.mark.parametrize("dtype, value", [("float16", 65520.0), ("float16", -1e30), ("bfloat16", 3.4e38)])
+def test_a_weight_past_the_weight_dtypes_range_is_named_at_load(ckpt, name, index, dtype, value):
+    """A finite weight the load's dtype cannot hold (float16's largest finite value is 65504:
+    65520 rounds past it) would load as infinity, and the logits it reaches would be refused
+    with nothing naming it: the load names the tensor, the value and its place."""
+    def edit(tensors):
+        tensors[name][index] = value
+    rewrite(ckpt, edit)
+    flat = int(np.ravel_multi_index(index, load_file(ckpt / "model.safetensors")[name].shape))
+    with pytest.raises(ds.CheckpointError, match=re.escape(f"tensor '{name}' holds ")) as info:
+        ds.Model.load(ckpt, dtype=dtype)
+    assert f"(flat index {flat}), past the largest finite {'F16' if dtype == 'float16' else 'BF16'} value" \
+        in str(info.value)
+    assert str(ckpt / "model.safetensors") in str(info.value)
+    ds.Model.load(ckpt, dtype="float32")  # where it fits, it loads
+
+
+def test_values_at_the_edge_of_float16_and_stored_infinities_load_in_float16(ckpt):
+    """65504 and -65519 round to float16's largest finite values; an infinity stored in the
+    checkpoint is its own, passed on as the reference passes it (its logits are refused later)."""
+    def edit(tensors):
+        tensors[NORM][:3] = [65504.0, -65519.0, np.inf]
+    rewrite(ckpt, edit)
+    ds.Model.load(ckpt, dtype="float16")
+
+
 def test_non_finite_logits_are_refused_by_denoise(nan_dir):
     s = ds.Model.load(nan_dir).sequence()
     s.prefill(PROMPT)

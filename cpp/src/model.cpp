@@ -6,7 +6,9 @@
 #include "model.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <numeric>
 #include <optional>
@@ -182,15 +184,15 @@ class TensorSource {
   // A weight that is not a linear's (the embedding, the router): plain, dequantized if stored quantized.
   Weight weight(const std::string& name, const std::vector<int64_t>& shape) {
     if (dummy()) return m_.backend->random_weight(shape, as_, ++seed_, 1.0f / std::sqrt(float(shape.back())));
-    if (is_packed(name)) return upload_dequantized(packed(name, shape));
-    const TensorView& t = expect_float(take(name, shape));
+    if (is_packed(name)) return upload_dequantized(packed(name, shape), "'" + name + "'");
+    const TensorView& t = fits(take(name, shape));
     return m_.backend->upload(t.data, t.dtype, t.shape, as_, m_.checkpoint);  // may keep pointing into the file
   }
 
   // A linear layer's weight `<module>.weight`, with its input quantization.
   Weight linear(const std::string& name, const std::vector<int64_t>& shape) {
     if (dummy()) return dummy_linear(shape);
-    Weight w = is_packed(name) ? upload(packed(name, shape)) : weight(name, shape);
+    Weight w = is_packed(name) ? upload(packed(name, shape), "'" + name + "'") : weight(name, shape);
     w.input_quant = input_quant({{module_of(name)}}, shape.back());
     return w;
   }
@@ -255,7 +257,7 @@ class TensorSource {
       for (int64_t d : shape) n *= d;
       return std::vector<float>(n, 1.0f);
     }
-    std::vector<float> out = widen(take(name, shape));
+    std::vector<float> out = widen(fits(take(name, shape)));
     for (float& v : out) v = round_to_dtype(v, as_);
     return out;
   }
@@ -301,18 +303,59 @@ class TensorSource {
   Weight dummy_linear(const std::vector<int64_t>& shape) {
     if (m_.dummy_quantization == WeightFormat::Plain)
       return m_.backend->random_weight(shape, as_, ++seed_, 1.0f / std::sqrt(float(shape.back())));
-    Weight w = upload(random_packed_weight(m_.dummy_quantization, shape, ++seed_));
+    Weight w = upload(random_packed_weight(m_.dummy_quantization, shape, ++seed_), "a random weight");
     w.input_quant.scheme = m_.dummy_activations;
     return w;
   }
 
-  // A quantized weight as the backend takes it: packed, or dequantized into the weight dtype.
-  Weight upload(const PackedWeight& w) {
-    return m_.backend->keeps_packed(w) ? m_.backend->upload_packed(w) : upload_dequantized(w);
+  // A quantized weight as the backend takes it: packed, or dequantized into the weight dtype
+  // (`what` names its tensors, for an error).
+  Weight upload(const PackedWeight& w, const std::string& what) {
+    return m_.backend->keeps_packed(w) ? m_.backend->upload_packed(w) : upload_dequantized(w, what);
   }
-  Weight upload_dequantized(const PackedWeight& w) {
+  Weight upload_dequantized(const PackedWeight& w, const std::string& what) {
     auto host = std::make_shared<std::vector<float>>(dequantize(w));
+    check_fits(host->data(), DType::F32, int64_t(host->size()), m_.path + ": the dequantized values of " + what);
     return m_.backend->upload(host->data(), DType::F32, w.shape, as_, host);
+  }
+
+  // A finite value past the weight dtype's range (float16's 65504, or float32's largest
+  // values in bfloat16) would load as infinity, and the logits it reaches would be refused
+  // with nothing naming it: the load names the tensor instead. (A value stored infinite is
+  // the checkpoint's own, passed on as the reference passes it.) `fits` also checks that t
+  // holds floats. Only a narrowing cast reads the values for this, on the load's threads.
+  const TensorView& fits(const TensorView& t) const {
+    expect_float(t);
+    check_fits(t.data, t.dtype, t.numel(), t.file + ": tensor '" + t.name + "'");
+    return t;
+  }
+  void check_fits(const void* data, DType from, int64_t n, const std::string& what) const {
+    const bool narrows = from != as_ && (as_ == DType::F16 || (as_ == DType::BF16 && from == DType::F32));
+    if (!narrows) return;
+    constexpr int64_t kSlice = 4096;
+    std::atomic<int64_t> first = n;  // the lowest index found
+    threads_->parallel_for(n, 16 * kSlice, [&](int64_t a, int64_t b) {
+      float values[kSlice];
+      for (int64_t s = a; s < b && s < first.load(); s += kSlice) {
+        const int64_t count = std::min(kSlice, b - s);
+        convert_floats(static_cast<const uint8_t*>(data) + s * int64_t(dtype_size(from)), from, count, values,
+                       DType::F32);
+        for (int64_t i = 0; i < count; ++i)
+          if (std::isfinite(values[i]) && !std::isfinite(round_to_dtype(values[i], as_))) {
+            for (int64_t seen = first.load(); s + i < seen && !first.compare_exchange_weak(seen, s + i);) {}
+            return;
+          }
+      }
+    });
+    if (first.load() == n) return;
+    const float value = read_floats(static_cast<const uint8_t*>(data) + first.load() * int64_t(dtype_size(from)),
+                                    from, 1)[0];
+    char text[32];
+    std::snprintf(text, sizeof text, "%g", double(value));
+    throw FormatError(what + " holds " + text + " (flat index " + std::to_string(first.load()) +
+                      "), past the largest finite " + dtype_name(as_) + " value: it would load as infinity. Load " +
+                      "the model in a wider dtype (dtype " + (as_ == DType::F16 ? "\"bfloat16\" or " : "") +
+                      "\"float32\")");
   }
 
   // The [rows[i], K] weights `names` stacked along rows into one weight of `shape` (their
@@ -325,15 +368,17 @@ class TensorSource {
     // plain first part had sent a quantized second one to the plain path's dtype check).
     if (std::any_of(names.begin(), names.end(), [&](const std::string& name) { return is_packed(name); })) {
       PackedWeight w = packed(names[0], {rows[0], cols});
+      std::string what = "'" + names[0] + "'";
       for (size_t i = 1; i < names.size(); ++i) {
         try {
           w.append(packed(names[i], {rows[i], cols}), m_.path + ": '" + names[i] + "'");
+          what += ", '" + names[i] + "'";
         } catch (const InvalidArgument& e) {  // the checkpoint's fault: its stacked parts are quantized differently
           throw FormatError(e.what());
         }
       }
       w.shape = shape;
-      return upload(w);
+      return upload(w, what);
     }
     // Each part converted straight into the weight dtype by the worker threads, one after the
     // other into one buffer, which the backend copies up (or keeps). (Widened into a vector of
@@ -342,7 +387,7 @@ class TensorSource {
     // Every part's shape is checked before the buffer, which the config's sizes alone would
     // have made (terabytes from a config whose head counts the tensors do not have).
     std::vector<const TensorView*> parts;
-    for (size_t i = 0; i < names.size(); ++i) parts.push_back(&expect_float(take(names[i], {rows[i], cols})));
+    for (size_t i = 0; i < names.size(); ++i) parts.push_back(&fits(take(names[i], {rows[i], cols})));
     const size_t size = dtype_size(as_);
     const int64_t values = std::accumulate(rows.begin(), rows.end(), int64_t(0)) * cols;
     std::shared_ptr<uint8_t> host(new uint8_t[size_t(values) * size], std::default_delete<uint8_t[]>());
