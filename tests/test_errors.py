@@ -1068,8 +1068,7 @@ def test_a_weight_past_the_weight_dtypes_range_is_named_at_load(ckpt, name, inde
     flat = int(np.ravel_multi_index(index, load_file(ckpt / "model.safetensors")[name].shape))
     with pytest.raises(ds.CheckpointError, match=re.escape(f"tensor '{name}' holds ")) as info:
         ds.Model.load(ckpt, dtype=dtype)
-    assert f"(flat index {flat}), past the largest finite {'F16' if dtype == 'float16' else 'BF16'} value" \
-        in str(info.value)
+    assert f"(flat index {flat}), past the largest finite {dtype} value" in str(info.value)
     assert str(ckpt / "model.safetensors") in str(info.value)
     ds.Model.load(ckpt, dtype="float32")  # where it fits, it loads
 

@@ -352,9 +352,10 @@ class TensorSource {
                                     from, 1)[0];
     char text[32];
     std::snprintf(text, sizeof text, "%g", double(value));
+    const bool f16 = as_ == DType::F16;  // (else bf16: the other narrowing cast)
     throw FormatError(what + " holds " + text + " (flat index " + std::to_string(first.load()) +
-                      "), past the largest finite " + dtype_name(as_) + " value: it would load as infinity. Load " +
-                      "the model in a wider dtype (dtype " + (as_ == DType::F16 ? "\"bfloat16\" or " : "") +
+                      "), past the largest finite " + (f16 ? "float16" : "bfloat16") + " value: it would load as " +
+                      "infinity. Load the model in a wider dtype (dtype " + (f16 ? "\"bfloat16\" or " : "") +
                       "\"float32\")");
   }
 

@@ -390,12 +390,21 @@ class _Server:
         except BaseException as e:  # cancelled, or the client left
             failed = e
         if failed is not None:
+            # Where the client left, the choices the engine had taken count as aborted, as those
+            # cancelled later do (events() records them).
+            left = isinstance(failed, asyncio.CancelledError) or (isinstance(failed, ApiError) and failed.status == 499)
+
             async def close():
+                # (Read in the step that cancels the rest: a start may end in the turns between.)
+                taken = [choice for choice, start in zip(choices, starts)
+                         if start.done() and not start.cancelled() and start.exception() is None] if left else []
                 for start in starts:
                     start.cancel()  # (a start cancelled after asking the engine aborts its request)
                 await asyncio.gather(*starts, return_exceptions=True)
                 async for choice in _in_turns(choices):
                     await choice.close()
+                for choice in taken:
+                    choice._record("abort", 0, [])
             await _to_the_end(close())
             raise failed
         if body.stream:
