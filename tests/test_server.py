@@ -588,11 +588,17 @@ def test_compressed_bodies_are_refused(base_url, encoding):
     assert r.status_code == 200, r.text
 
 
-class _Connected:
-    """A request whose client stays connected: no ASGI message ever comes (run listens for
-    the client's disconnect while its choices start)."""
+class _Client:
+    """A request's client, as run() reads it (it listens for the disconnect while the choices
+    start): it leaves once `leaves()` (at once by default), its first ASGI message then the
+    disconnect; until then none comes."""
+    def __init__(self, leaves=lambda: True):
+        self.leaves = leaves
+
     async def receive(self):
-        await asyncio.Event().wait()
+        while not self.leaves():
+            await asyncio.sleep(0.001)
+        return {"type": "http.disconnect"}
 
 
 def test_many_choices_are_started_in_turns_of_the_event_loop(checkpoint, monkeypatch):
@@ -619,7 +625,7 @@ def test_many_choices_are_started_in_turns_of_the_event_loop(checkpoint, monkeyp
         counting = asyncio.create_task(ticker())
         body = parse(CompletionRequest, {"model": MODEL, "prompt": [[5, 6]] * 8, "n": 128, "max_tokens": 16,
                                          "stream": True})
-        response = await server.run(_Connected(), body, [[5, 6]] * 8, 16, server_module._Format(MODEL, chat=False))
+        response = await server.run(_Client(leaves=lambda: False), body, [[5, 6]] * 8, 16, server_module._Format(MODEL, chat=False))
         await response.body_iterator.__anext__()  # a block has finished
         await response.body_iterator.aclose()  # the client leaves: every choice is cancelled
         counting.cancel()
@@ -630,18 +636,6 @@ def test_many_choices_are_started_in_turns_of_the_event_loop(checkpoint, monkeyp
         wait_until_idle(engine, 30)
     finally:
         engine.shutdown()
-
-
-class _Leaving:
-    """A request whose client leaves once `ready()` (at once by default): its first ASGI
-    message is then the disconnect."""
-    def __init__(self, ready=lambda: True):
-        self.ready = ready
-
-    async def receive(self):
-        while not self.ready():
-            await asyncio.sleep(0.001)
-        return {"type": "http.disconnect"}
 
 
 def test_a_client_that_leaves_while_its_choices_start_ends_the_starts(checkpoint, monkeypatch):
@@ -673,13 +667,13 @@ def test_a_client_that_leaves_while_its_choices_start_ends_the_starts(checkpoint
         wait_until_idle(engine, 30)
 
     try:
-        run(_Leaving())
+        run(_Client())
         # A few of the event loop's turns (128 starts each) until the disconnect is read: all
         # 1,024 had started.
         assert 0 < len(asked) <= 4 * 128, len(asked)
         assert aborted() == len(taken)  # (the engine took none of them before they were cancelled)
         before, taken_before = aborted(), len(taken)
-        run(_Leaving(ready=lambda: len(taken) > taken_before))  # once the engine has taken some
+        run(_Client(leaves=lambda: len(taken) > taken_before))  # once the engine has taken some
         assert aborted() - before >= 1
     finally:
         engine.shutdown()

@@ -708,9 +708,10 @@ def build_app(engine: AsyncLLM, model_name: str, api_key: Optional[str] = None,
         check_model_first(raw)
         body = await asyncio.to_thread(parse, CompletionRequest, raw)  # (its model, a string, is the one checked above)
         batch = body.prompts()
-        for i, p in enumerate(batch):
-            server.check_prompt_ids_length(p, _prompt_name(i, len(batch)))
-        prompts = [await server.prompt_ids(p, _prompt_name(i, len(batch))) for i, p in enumerate(batch)]
+        names = [_prompt_name(i, len(batch)) for i in range(len(batch))]
+        for p, name in zip(batch, names):  # (every id prompt's length before any text is encoded)
+            server.check_prompt_ids_length(p, name)
+        prompts = [await server.prompt_ids(p, name) for p, name in zip(batch, names)]
         return await server.run(request, body, prompts, body.max_tokens,
                                 _Format(model_name, chat=False, token_ids=server.returns_token_ids(body)))
 

@@ -24,7 +24,10 @@ class FormatError : public std::runtime_error {
  private:
   static std::string without_nul(const std::string& message) {
     std::string out;
-    for (char c : message) out += c ? std::string(1, c) : std::string("\\0");
+    for (char c : message) {
+      if (c) out += c;
+      else out += "\\0";
+    }
     return out;
   }
 };
