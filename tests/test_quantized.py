@@ -98,14 +98,57 @@ def test_weight_only_nvfp4_matches_the_dequantized_model():
     assert_matches_the_dequantized_model(path)
 
 
-def test_nvfp4_scale_groups_of_any_size(tmp_path):
-    """An NVFP4 weight's scales may come in groups of any size that divides its inputs, odd
-    ones too, where a byte's two values fall in two groups: the dense down projection's
-    groups of 16 split into 64 groups of one (the same values) match the dequantized model."""
-    def ones(t):
-        return t.view(torch.uint8).repeat_interleave(16, dim=1).contiguous().view(torch.float8_e4m3fn)
-    path = edit_tensor(tmp_path, "NVFP4A16", "model.decoder.layers.1.mlp.down_proj.weight_scale", ones)
-    assert_matches_the_dequantized_model(path)
+def logits_of(path):
+    """diffuserve's logits for a prompt past the window and a denoise, a commit, and a denoise
+    with self-conditioning."""
+    seq = ds.Model.load(path).sequence()
+    rng = np.random.default_rng(0)
+    seq.prefill(rng.integers(0, 96, 13))
+    first = seq.denoise(rng.integers(0, 96, 8))
+    seq.commit(rng.integers(0, 96, 8))
+    return np.concatenate([first, seq.denoise(rng.integers(0, 96, 8), first / 0.7)])
+
+
+def test_fp8_group_scales_are_read_as_the_configs_groups(tmp_path):
+    """FP8 weights scaled by groups of 16 inputs (strategy group), each group holding its row's
+    per-channel scale: the same weights, so the same logits as the per-channel fixture."""
+    from safetensors.torch import save_file
+    path = edit_quantization_config(tmp_path, "FP8_DYNAMIC", lambda q: q["config_groups"]["group_0"]["weights"].update(
+        strategy="group", group_size=16))
+    tensors = load_file(path / "model.safetensors")
+    for name in [n for n in tensors if n.endswith(".weight_scale")]:
+        cols = tensors[name[: -len("_scale")]].shape[1]
+        tensors[name] = tensors[name].expand(-1, cols // 16).contiguous()
+    save_file(tensors, path / "model.safetensors")
+    assert np.array_equal(logits_of(path), logits_of(os.path.join(FIXTURES, "FP8_DYNAMIC")))
+
+
+@pytest.mark.parametrize("scheme, edit_weights, edit_scale, message", [
+    # Groups of 1 under NVFP4's groups of 16: read by their own shape, they had loaded.
+    ("NVFP4A16", None, lambda t: t.view(torch.uint8).repeat_interleave(16, dim=1).contiguous().view(t.dtype),
+     r"does not hold the scales quantization_config lays out for a \[\d+, \d+\] weight: \[\d+, \d+\] "
+     r"\(groups of 16\)"),
+    ("FP8_DYNAMIC", None, lambda t: t.expand(-1, 2).contiguous(),
+     r"of shape \[\d+, 2\] does not hold the scales .*: \[\d+\] or \[\d+, 1\] \(strategy channel\)"),
+    ("FP8_DYNAMIC", lambda w: w.update(strategy="tensor"), None,
+     r"of shape \[\d+, 1\] does not hold the scales .*: one value \(strategy tensor\)"),
+    # compressed-tensors' [rows, ceil(cols / group_size)] scales of 64 inputs in groups of 48:
+    # read as two groups of 32, the last group's scale had loaded onto half of the first's inputs.
+    ("FP8_DYNAMIC", lambda w: w.update(strategy="group", group_size=48), lambda t: t.expand(-1, 2).contiguous(),
+     r"scales a weight of 64 inputs, which quantization_config's group_size 48 does not divide"),
+], ids=["NVFP4 groups of 1", "FP8 channel as groups", "FP8 tensor as channel", "FP8 partial last group"])
+def test_scales_other_than_the_config_lays_out_are_named(tmp_path, scheme, edit_weights, edit_scale, message):
+    """A weight's scales must have the shape that its config group's strategy gives them: read
+    by their own shape instead, scales in groups of another size had loaded onto the wrong inputs."""
+    from safetensors.torch import save_file
+    path = edit_quantization_config(tmp_path, scheme, lambda q: edit_weights and edit_weights(
+        q["config_groups"]["group_0"]["weights"]))
+    tensors = load_file(path / "model.safetensors")
+    for name in [n for n in tensors if n.endswith("proj.weight_scale") and edit_scale]:
+        tensors[name] = edit_scale(tensors[name])
+    save_file(tensors, path / "model.safetensors")
+    with pytest.raises(ds.CheckpointError, match=r"'[\w.]+\.weight_scale'.* " + message):
+        ds.Model.load(path)
 
 
 def partly_plain_attention_checkpoint(tmp_path):
@@ -117,6 +160,8 @@ def partly_plain_attention_checkpoint(tmp_path):
     from safetensors.torch import save_file
     path = copy_fixture(tmp_path, "NVFP4A16")
     tensors, plain = load_file(path / "model.safetensors"), dequantized_state(path)
+    cfg = json.loads((path / "config.json").read_text())
+    ignore = cfg["quantization_config"]["ignore"]
     attention = "model.decoder.layers.{}.self_attn.{}_proj"
     modules = [attention.format(0, p) for p in "kv"] + [attention.format(1, p) for p in "qkv"]
     modules.append(attention.format(2, "q"))
@@ -127,7 +172,10 @@ def partly_plain_attention_checkpoint(tmp_path):
             for suffix in (".weight_packed", ".weight_scale", ".weight_global_scale"):
                 del tensors[copy + suffix]
             tensors[copy + ".weight"] = plain[module + ".weight"].clone()
+            ignore.append(copy)  # (stored plainly: the config must leave it so)
     save_file(tensors, path / "model.safetensors")
+    cfg["quantization_config"]["ignore"] = ignore
+    (path / "config.json").write_text(json.dumps(cfg))
     return path
 
 
@@ -257,11 +305,10 @@ def test_bad_scale_is_named(tmp_path, value, scheme, name, message):
     ("NVFP4A16", "model.decoder.layers.1.mlp.up_proj.weight_scale", lambda t: t.T.contiguous()),
 ], ids=["FP8 empty", "NVFP4 empty rows", "NVFP4 transposed"])
 def test_misshapen_scale_is_named(tmp_path, scheme, name, edit):
-    """Scales are one value, or [rows] or [rows, groups] values: an empty scale (whose group
-    count had been divided by, killing the process) or a transposed one (read as rows) is
-    refused at load, named."""
+    """An empty scale (whose group count had been divided by, killing the process) or a
+    transposed one (read as rows) is refused at load, named."""
     path = edit_tensor(tmp_path, scheme, name, edit)
-    with pytest.raises(ds.CheckpointError, match=re.escape(name) + ".* is not one scale, nor"):
+    with pytest.raises(ds.CheckpointError, match=re.escape(name) + "' of shape .* does not hold the scales"):
         ds.Model.load(path)
 
 
@@ -283,10 +330,19 @@ def test_quantized_fused_experts_are_refused(tmp_path):
 
 
 def test_stacked_linears_quantized_differently_are_a_checkpoint_error(tmp_path):
-    """Gate and up become one weight: scales of different group sizes are the checkpoint's
-    fault, a CheckpointError naming the tensor (it had been a plain ValueError)."""
-    name = "model.decoder.layers.1.mlp.up_proj.weight_scale"
-    path = edit_tensor(tmp_path, "FP8_DYNAMIC", name, lambda t: t.expand(t.shape[0], 2).contiguous())
+    """Gate and up become one weight: scales of different group sizes (two config groups) are
+    the checkpoint's fault, a CheckpointError naming the tensor (it had been a plain ValueError)."""
+    from safetensors.torch import save_file
+    gate = "model.decoder.layers.1.mlp.gate_proj"
+    def by_groups_of_32(q):
+        q["config_groups"]["group_1"] = json.loads(json.dumps(q["config_groups"]["group_0"]))
+        q["config_groups"]["group_1"]["weights"].update(strategy="group", group_size=32)
+        q["config_groups"]["group_1"]["targets"] = [gate, gate.replace("model.decoder.", "model.encoder.language_model.")]
+    path = edit_quantization_config(tmp_path, "FP8_DYNAMIC", by_groups_of_32)
+    tensors = load_file(path / "model.safetensors")
+    for name in [n for n in tensors if n.endswith("layers.1.mlp.gate_proj.weight_scale")]:
+        tensors[name] = tensors[name].expand(-1, tensors[name[: -len("_scale")]].shape[1] // 32).contiguous()
+    save_file(tensors, path / "model.safetensors")
     with pytest.raises(ds.CheckpointError, match=r"up_proj.weight': the linears stacked into one weight are quantized "
                                                  r"differently"):
         ds.Model.load(path)
@@ -402,11 +458,93 @@ def test_unsupported_activation_scheme_is_named(tmp_path, args, named):
     # The tied head quantized (lm_head taken out of ignore): its input had silently stayed plain.
     ("FP8_DYNAMIC", lambda q: q["ignore"].remove("lm_head"),
      "quantization_config quantizes 'lm_head' (not in its ignore), but the head is tied to the embedding"),
+    # The input of a router's encoder copy quantized, the decoder's left plain: it had loaded,
+    # the encoder's copy run on plain inputs.
+    ("FP8_DYNAMIC", lambda q: q.update(ignore=[n for n in q["ignore"] if "encoder.language_model.layers.1.router" not in n]),
+     "quantizes the input of 'model.encoder.language_model.layers.1.router.proj'"),
+    # FP8_BLOCK, named by its weights (its activations' groups of 128 had been named first).
+    ("FP8_DYNAMIC", lambda q: q["config_groups"]["group_0"].update(
+        weights=dict(q["config_groups"]["group_0"]["weights"], strategy="block", block_structure=[128, 128]),
+        input_activations=dict(q["config_groups"]["group_0"]["input_activations"], strategy="group", group_size=128)),
+     "config_groups.group_0.weights.block_structure is not supported"),
 ])
 def test_unsupported_quantization_config_is_refused(tmp_path, scheme, edit, message):
     path = edit_quantization_config(tmp_path, scheme, edit)
     with pytest.raises(ds.CheckpointError, match=re.escape(message)):
         ds.Model.load(path)
+
+
+@pytest.mark.parametrize("modules", [["model.decoder.layers.1.self_attn.o_proj"],
+                                     ["model.decoder.self_conditioning.gate_proj", "model.decoder.self_conditioning.up_proj"],
+                                     [f"model.decoder.layers.2.experts.{e}.down_proj" for e in range(4)]],
+                         ids=["linear", "stacked", "experts"])
+def test_a_plain_linear_that_the_config_quantizes_is_named(tmp_path, modules):
+    """Linears stored plainly (their dequantized values, their scales gone: a dequantized export
+    that kept its quantization_config) where the config quantizes them: they had loaded, their
+    input quantized as the FP8 weights' are."""
+    from safetensors.torch import save_file
+    path = copy_fixture(tmp_path, "FP8_DYNAMIC")
+    tensors = load_file(path / "model.safetensors")
+    assert "model.decoder.layers.2.experts.4.down_proj.weight" not in tensors  # (the fixture's 4 experts)
+    for module in modules:
+        for copy in {module, module.replace("model.decoder.", "model.encoder.language_model.")}:
+            if copy + ".weight" in tensors:
+                tensors[copy + ".weight"] = tensors[copy + ".weight"].float() * tensors.pop(copy + ".weight_scale").float()
+    save_file(tensors, path / "model.safetensors")
+    with pytest.raises(ds.CheckpointError, match=re.escape(
+            f"'{modules[0]}.weight' is stored unquantized, but quantization_config quantizes '{modules[0]}'")):
+        ds.Model.load(path)
+
+
+def test_a_quantized_head_under_a_tied_config_runs_untied(tmp_path):
+    """lm_head stored quantized (NVFP4, the config's ignore not naming it) under
+    tie_word_embeddings true: the stored head runs, as for a head stored with other values than
+    the embedding, with the same logits as under tie_word_embeddings false (it had been refused
+    as a tied head whose embedding is stored unquantized)."""
+    from diffuserve.quantize import _absmax, _nvfp4_linear
+    from diffuserve.safetensors_io import read_safetensors, write_safetensors
+    paths = []
+    for tie in (True, False):
+        path = edit_quantization_config(tmp_path / str(tie), "NVFP4A16", lambda q: q["ignore"].remove("lm_head"))
+        cfg = json.loads((path / "config.json").read_text())
+        cfg["tie_word_embeddings"] = cfg["text_config"]["tie_word_embeddings"] = tie
+        (path / "config.json").write_text(json.dumps(cfg))
+        tensors = read_safetensors(os.path.join(path, "model.safetensors"))
+        embedding = tensors["model.decoder.embed_tokens.weight"][1].astype(np.float32)
+        packed, scale, global_scale = _nvfp4_linear(embedding, _absmax(embedding))
+        tensors.update({"lm_head.weight_packed": packed, "lm_head.weight_scale": scale,
+                        "lm_head.weight_global_scale": global_scale})
+        write_safetensors(os.path.join(path, "model.safetensors"), tensors)
+        paths.append(path)
+    assert np.array_equal(logits_of(paths[0]), logits_of(paths[1]))
+
+
+def test_a_scale_beside_a_plain_weight_is_named_as_one(tmp_path):
+    from safetensors.torch import save_file
+    path = copy_fixture(tmp_path, "NVFP4A16")
+    tensors = load_file(path / "model.safetensors")
+    name = "model.decoder.layers.0.self_attn.q_norm.weight_scale"
+    tensors[name] = torch.ones(1)
+    save_file(tensors, path / "model.safetensors")
+    with pytest.raises(ds.CheckpointError, match=re.escape(f"unexpected tensor '{name}': a quantization parameter")):
+        ds.Model.load(path)
+
+
+def test_a_quantized_base_models_config_names_its_modules_without_model(tmp_path):
+    """A base model's checkpoint (DiffusionGemmaModel's tensors, without "model."), whose ignore
+    list names its modules as LLM Compressor matched them there: the same logits as the full
+    model's (its exact names had been matched only in the "model." form, so that its routers'
+    inputs were taken as quantized and the load refused)."""
+    from safetensors.torch import save_file
+    path = copy_fixture(tmp_path, "FP8_DYNAMIC")
+    tensors = load_file(path / "model.safetensors")
+    save_file({n.removeprefix("model."): t for n, t in tensors.items() if n != "lm_head.weight"},
+              path / "model.safetensors")
+    cfg = json.loads((path / "config.json").read_text())
+    q = cfg["quantization_config"]
+    q["ignore"] = [n.removeprefix("model.") for n in q["ignore"]]
+    (path / "config.json").write_text(json.dumps(cfg))
+    assert np.array_equal(logits_of(path), logits_of(os.path.join(FIXTURES, "FP8_DYNAMIC")))
 
 
 def test_a_backtracking_pattern_matches_in_polynomial_time(tmp_path):

@@ -224,14 +224,14 @@ ActivationScheme activation_scheme(const Fields& group) {
                                       "local dynamic tensor_group of 16 4-bit float as in NVFP4)");
 }
 
-// Whether a config group quantizes its targets' weights (QuantizationArgs, defaults filling
-// what the file leaves out; null: it quantizes their inputs alone), which must then be what
-// `format` stores, the one kind of weights the loader reads for it. The tensors' scales are
-// checked against their shapes as they load; settings the format's weights never have
-// (integers, zero points, blocks) are refused here, by name.
-bool quantizes_weights(const Fields& group, const std::string& format) {
+// How a config group quantizes its targets' weights (QuantizationArgs, defaults filling what
+// the file leaves out; null: it quantizes their inputs alone), which must be what `format`
+// stores, the one kind of weights the loader reads for it. The tensors' scales are checked
+// against the strategy as they load; settings the format's weights never have (integers,
+// zero points, blocks) are refused here, by name.
+std::optional<WeightScales> weight_scales(const Fields& group, const std::string& format) {
   const json::Value* v = group.get("weights");
-  if (!v) return false;
+  if (!v) return std::nullopt;
   if (!v->is_object()) group.fail("weights", "must be an object or null");
   const Fields w{*v, group.file, group.prefix + "weights."};
   const std::string type = w.string_or("type", "int"), strategy = w.string_or("strategy", "tensor");
@@ -253,7 +253,10 @@ bool quantizes_weights(const Fields& group, const std::string& format) {
                               std::to_string(bits) + "-bit " + type + " does not go with format '" + format +
                               "' (float-quantized: 8-bit float by tensor, channel or group; nvfp4-pack-quantized: "
                               "tensor_group of 16 4-bit float)");
-  return true;
+  using Strategy = WeightScales::Strategy;
+  if (strategy == "tensor") return WeightScales{Strategy::Tensor};
+  if (strategy == "channel") return WeightScales{Strategy::Channel};
+  return WeightScales{Strategy::Group, group_size};
 }
 
 // quantization_config (compressed-tensors) into `c`: the weights' format, and which linears
@@ -288,7 +291,12 @@ void load_quantization(const Fields& f, ModelConfig& c) {
     if (const std::string format = g.string_or("format", c.quantization); format != c.quantization)
       g.fail("format", "'" + format + "' differs from quantization_config.format '" + c.quantization +
                            "' (mixed formats are not supported)");
-    QuantizationGroup group{g.string_list("targets"), activation_scheme(g), quantizes_weights(g, c.quantization)};
+    // (The weights first: a scheme whose weights are refused is named by them, not by its
+    // activations.)
+    QuantizationGroup group;
+    group.weights = weight_scales(g, c.quantization);
+    group.input = activation_scheme(g);
+    group.targets = g.string_list("targets");
     for (const std::string& t : group.targets)
       if (!targets.insert(t).second) g.fail("targets", "names '" + t + "', which another config group also targets");
     c.quantization_groups.push_back(std::move(group));

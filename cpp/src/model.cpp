@@ -29,10 +29,13 @@ namespace {
 // rules (compressed_tensors.utils.match): none when an `ignore` entry matches it;
 // otherwise the most specific target: its exact name, then the first matching "re:"
 // regex in sorted order (anchored at the start, as Python's re.match), then the class
-// "Linear" (every module asked about is a torch Linear).
+// "Linear" (every module asked about is a torch Linear). A base model's checkpoint (its
+// tensors read under `base_prefix`, "model.") names its modules without that prefix, as
+// compressed-tensors matched them in the base model.
 class QuantizationTargets {
  public:
-  QuantizationTargets(const ModelConfig& c, const std::string& path) {
+  QuantizationTargets(const ModelConfig& c, const std::string& path, std::string base_prefix)
+      : base_prefix_(std::move(base_prefix)) {
     for (const QuantizationGroup& g : c.quantization_groups)
       for (const std::string& t : g.targets) targets_.push_back({pattern(t, path), {g.input, g.weights}});
     std::sort(targets_.begin(), targets_.end(), [](const auto& a, const auto& b) {
@@ -41,17 +44,18 @@ class QuantizationTargets {
     for (const std::string& t : c.quantization_ignore) ignore_.push_back(pattern(t, path));
   }
 
-  // Whether the config quantizes `module`'s weights, and how it quantizes its input.
-  bool quantizes(const std::string& module) const { return group_of(module).weights; }
+  // How the config quantizes `module`'s weights (none: not at all) and its input.
+  std::optional<WeightScales> weight_scales(const std::string& module) const { return group_of(module).weights; }
   ActivationScheme input_scheme(const std::string& module) const { return group_of(module).input; }
 
  private:
   // What the group that takes `module` quantizes (nothing where none does).
   struct Quantized {
     ActivationScheme input = ActivationScheme::None;
-    bool weights = false;
+    std::optional<WeightScales> weights;
   };
-  Quantized group_of(const std::string& module) const {
+  Quantized group_of(const std::string& name) const {
+    const std::string module = name.starts_with(base_prefix_) ? name.substr(base_prefix_.size()) : name;
     for (const Pattern& p : ignore_)
       if (p.names(module) || p.text == "Linear") return {};
     for (const auto& [p, quantized] : targets_)
@@ -124,6 +128,7 @@ class QuantizationTargets {
     }
     return out;
   }
+  std::string base_prefix_;
   std::vector<std::pair<Pattern, Quantized>> targets_;
   std::vector<Pattern> ignore_;
 };
@@ -142,10 +147,13 @@ class QuantizationTargets {
 class TensorSource {
  public:
   static inline const std::string kDecoder = "model.decoder.", kEncoder = "model.encoder.language_model.";
-  TensorSource(ModelState& m, DType as) : m_(m), as_(as), targets_(m.config, m.path) {}
+  TensorSource(ModelState& m, DType as)
+      : m_(m), as_(as), targets_(m.config, m.path, m.checkpoint ? m.checkpoint->added_prefix() : "") {}
   bool dummy() const { return !m_.checkpoint; }
   const std::string& path() const { return m_.path; }
   bool has(const std::string& name) const { return m_.checkpoint && find(name); }
+  // Whether the checkpoint stores the weight `name` quantized (FP8, or NVFP4's weight_packed).
+  bool stored_quantized(const std::string& name) const { return m_.checkpoint && is_packed(name); }
   // The encoder's weights are its own (load_weights): its modules are quantized as the config
   // says of them, not checked against the decoder's, and a tensor of the encoder's that the
   // checkpoint leaves out is its decoder twin's (`diffuserve quantize` writes only those that
@@ -164,7 +172,7 @@ class TensorSource {
     return false;
   }
   // Whether the config quantizes linear `module`'s weights (random weights: as dummy_quantization says).
-  bool quantizes(const std::string& module) const { return !dummy() && targets_.quantizes(module); }
+  bool quantizes(const std::string& module) const { return !dummy() && targets_.weight_scales(module); }
   // How the config quantizes the input of linear `module` (random weights: not at all).
   ActivationScheme input_scheme(const std::string& module) const {
     return dummy() ? ActivationScheme::None : targets_.input_scheme(module);
@@ -192,9 +200,25 @@ class TensorSource {
   // A linear layer's weight `<module>.weight`, with its input quantization.
   Weight linear(const std::string& name, const std::vector<int64_t>& shape) {
     if (dummy()) return dummy_linear(shape);
-    Weight w = is_packed(name) ? upload(packed(name, shape), "'" + name + "'") : weight(name, shape);
+    Weight w = is_packed(name) ? upload(packed(name, shape), "'" + name + "'") : plain_linear(name, shape);
     w.input_quant = input_quant({{module_of(name)}}, shape.back());
     return w;
+  }
+
+  // The MoE router's linear (plain, dequantized where stored quantized), whose input is never
+  // quantized: a config that quantizes it, or its encoder copy's (the same weights), is refused.
+  Weight router(const std::string& name, const std::vector<int64_t>& shape) {
+    if (dummy()) return weight(name, shape);
+    const std::string module = module_of(name), layers = kDecoder + "layers.";
+    const std::string twin = module.starts_with(layers) && !encoder_apart_ ? kEncoder + module.substr(kDecoder.size())
+                                                                            : module;
+    for (const std::string& m : {module, twin})
+      if (input_scheme(m) != ActivationScheme::None)
+        throw FormatError(m_.path + ": quantization_config quantizes the input of '" + m +
+                          "'; the router's activations are not quantized here");
+    if (is_packed(name)) return weight(name, shape);
+    if (twin != module) expect_unquantized(twin + ".weight");  // (its copy, stored alike)
+    return plain_linear(name, shape);
   }
 
   // Several [rows[i], cols] linears stacked along rows into one weight (gate and up in one GEMM).
@@ -294,6 +318,12 @@ class TensorSource {
         const std::string twin = kDecoder + name.substr(kEncoder.size());
         if (m_.checkpoint->find(twin) && !stored_apart(name, twin)) continue;
       }
+      for (const char* quantization : {".weight_scale", ".weight_global_scale", ".weight_zero_point", ".weight_g_idx",
+                                       ".input_scale", ".input_global_scale", ".input_zero_point"})
+        if (name.ends_with(quantization))
+          throw FormatError(view.file + ": unexpected tensor '" + name + "': a quantization parameter that nothing " +
+                            "here reads (its linear is stored unquantized, or quantization_config's scheme for it " +
+                            "has no such tensor)");
       throw FormatError(view.file + ": unexpected tensor '" + name + "' (not part of a DiffusionGemma text model)");
     }
   }
@@ -306,6 +336,20 @@ class TensorSource {
     Weight w = upload(random_packed_weight(m_.dummy_quantization, shape, ++seed_), "a random weight");
     w.input_quant.scheme = m_.dummy_activations;
     return w;
+  }
+
+  // A linear stored plainly, which the config must leave unquantized.
+  Weight plain_linear(const std::string& name, const std::vector<int64_t>& shape) {
+    expect_unquantized(name);
+    return weight(name, shape);
+  }
+  // A plain weight that the config quantizes (a dequantized export that kept its
+  // quantization_config, say) contradicts its checkpoint: its inputs would be quantized as if
+  // its weights were, and transformers would look for scales it does not have.
+  void expect_unquantized(const std::string& name) const {
+    if (quantizes(module_of(name)))
+      throw FormatError(m_.path + ": '" + name + "' is stored unquantized, but quantization_config quantizes '" +
+                        module_of(name) + "' (a config group targets it, and ignore does not name it)");
   }
 
   // A quantized weight as the backend takes it: packed, or dequantized into the weight dtype
@@ -388,7 +432,10 @@ class TensorSource {
     // Every part's shape is checked before the buffer, which the config's sizes alone would
     // have made (terabytes from a config whose head counts the tensors do not have).
     std::vector<const TensorView*> parts;
-    for (size_t i = 0; i < names.size(); ++i) parts.push_back(&fits(take(names[i], {rows[i], cols})));
+    for (size_t i = 0; i < names.size(); ++i) {
+      expect_unquantized(names[i]);
+      parts.push_back(&fits(take(names[i], {rows[i], cols})));
+    }
     const size_t size = dtype_size(as_);
     const int64_t values = std::accumulate(rows.begin(), rows.end(), int64_t(0)) * cols;
     std::shared_ptr<uint8_t> host(new uint8_t[size_t(values) * size], std::default_delete<uint8_t[]>());
@@ -513,19 +560,39 @@ class TensorSource {
     return q;
   }
 
-  // Groups of `cols / groups` inputs share a scale: scales[row * groups + col / (cols / groups)].
-  // The scale is one value (0 groups: one for the tensor), or [rows] or [rows, groups] values
-  // with `groups` dividing cols (a transposed [groups, rows] is refused, not read as rows).
-  static int64_t groups_of(const TensorView& scale, int64_t rows, int64_t cols) {
-    const int64_t n = scale.numel();
-    if (n == 1) return 0;  // one scale for the tensor
+  // How many scales a row of a [rows, cols] weight has, as the config's strategy lays them
+  // out (scales[row * groups + col / (cols / groups)]): 0 for the tensor's one scale, 1 a row
+  // ([rows] or [rows, 1]: "channel"), or cols / group_size ([rows, cols / group_size]). A
+  // partial last group is refused, as LLM Compressor refuses to write one: read as cols /
+  // groups inputs a scale, its scales had loaded onto the wrong inputs.
+  static int64_t groups_of(const TensorView& scale, int64_t rows, int64_t cols, const WeightScales& layout) {
+    using Strategy = WeightScales::Strategy;
     const std::vector<int64_t>& s = scale.shape;
-    const bool per_row = !s.empty() && s.size() <= 2 && s[0] == rows && n > 0;
-    if (!per_row || cols % (n / rows))
-      throw FormatError(scale.file + ": tensor '" + scale.name + "' of shape " + shape_string(scale.shape) +
-                        " is not one scale, nor [rows] or [rows, groups] scales of a [" + std::to_string(rows) + ", " +
-                        std::to_string(cols) + "] weight");
-    return n / rows;
+    std::string wanted;
+    switch (layout.strategy) {
+      case Strategy::Tensor:
+        if (scale.numel() == 1) return 0;
+        wanted = "one value (strategy tensor)";
+        break;
+      case Strategy::Channel:
+        if (s == std::vector<int64_t>{rows} || s == std::vector<int64_t>{rows, 1}) return 1;
+        wanted = "[" + std::to_string(rows) + "] or [" + std::to_string(rows) + ", 1] (strategy channel)";
+        break;
+      case Strategy::Group: {
+        const int64_t g = layout.group_size;
+        if (cols % g)
+          throw FormatError(scale.file + ": '" + scale.name + "' scales a weight of " + std::to_string(cols) +
+                            " inputs, which quantization_config's group_size " + std::to_string(g) +
+                            " does not divide (a partial last group is not supported)");
+        if (s == std::vector<int64_t>{rows, cols / g}) return cols / g;
+        wanted = "[" + std::to_string(rows) + ", " + std::to_string(cols / g) + "] (groups of " + std::to_string(g) +
+                 ")";
+        break;
+      }
+    }
+    throw FormatError(scale.file + ": tensor '" + scale.name + "' of shape " + shape_string(s) + " does not hold " +
+                      "the scales quantization_config lays out for a [" + std::to_string(rows) + ", " +
+                      std::to_string(cols) + "] weight: " + wanted);
   }
 
   static std::string prefix_of(const std::string& weight_name) {
@@ -565,13 +632,15 @@ class TensorSource {
       throw FormatError(m_.path + ": '" + name + "' is stored as " +
                         (has(prefix + ".weight_packed") ? "NVFP4 (weight_packed)" : "FP8 (F8_E4M3)") +
                         ", but quantization_config.format is '" + m_.config.quantization + "'");
-    return has(prefix + ".weight_packed") ? nvfp4(prefix, shape) : fp8(name, prefix, shape);
+    const WeightScales layout = *targets_.weight_scales(prefix);
+    return has(prefix + ".weight_packed") ? nvfp4(prefix, shape, layout) : fp8(name, prefix, shape, layout);
   }
 
-  PackedWeight fp8(const std::string& name, const std::string& prefix, const std::vector<int64_t>& shape) {
+  PackedWeight fp8(const std::string& name, const std::string& prefix, const std::vector<int64_t>& shape,
+                   const WeightScales& layout) {
     const TensorView& w = take(name, shape);
     const TensorView& scale = companion(prefix + ".weight_scale");
-    const int64_t rows = shape[0], cols = shape[1], groups = groups_of(scale, rows, cols);
+    const int64_t rows = shape[0], cols = shape[1], groups = groups_of(scale, rows, cols, layout);
     PackedWeight p;
     p.format = WeightFormat::Fp8;
     p.shape = shape;
@@ -592,7 +661,7 @@ class TensorSource {
     return p;
   }
 
-  PackedWeight nvfp4(const std::string& prefix, const std::vector<int64_t>& shape) {
+  PackedWeight nvfp4(const std::string& prefix, const std::vector<int64_t>& shape, const WeightScales& layout) {
     const int64_t rows = shape[0], cols = shape[1];
     if (cols % 2) throw FormatError(m_.path + ": '" + prefix + ".weight_packed' needs an even number of columns");
     const TensorView& packed = take(prefix + ".weight_packed", {rows, cols / 2});
@@ -600,11 +669,11 @@ class TensorSource {
     if (packed.dtype != DType::U8 || scale.dtype != DType::F8_E4M3)
       throw FormatError(packed.file + ": '" + prefix + "' is not NVFP4 as compressed-tensors writes it (U8 " +
                         "weight_packed, F8_E4M3 weight_scale)");
-    const int64_t groups = groups_of(scale, rows, cols);
+    const int64_t groups = groups_of(scale, rows, cols, layout);  // (tensor_group: groups of 16)
     PackedWeight p;
     p.format = WeightFormat::Nvfp4;
     p.shape = shape;
-    p.group_size = groups ? cols / groups : cols;
+    p.group_size = cols / groups;
     p.values.assign(packed.data, packed.data + packed.nbytes);
     p.group_scales.assign(scale.data, scale.data + scale.nbytes);
     // E4M3's NaN: its group's values would be NaN (the CUDA backend's GEMM layout cannot even
@@ -614,7 +683,6 @@ class TensorSource {
     for (uint8_t code : p.group_scales) nan |= !fp8_is_number(code);
     if (nan)
       throw FormatError(scale.file + ": tensor '" + scale.name + "' holds NaN; NVFP4 group scales must be numbers");
-    if (!groups) p.group_scales.assign(size_t(rows), scale.data[0]);  // one per tensor: the same for every row
     p.global_scales.assign(size_t(rows), divisor_scalar(prefix + ".weight_global_scale"));
     return p;
   }
@@ -682,10 +750,7 @@ void load_layers(TensorSource& src, const ModelConfig& c, const std::string& pre
     lw.pre_feedforward_layernorm_2 = src.small(p + "pre_feedforward_layernorm_2.weight", {H});
     lw.mlp_gate_up = src.stacked({p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"}, {I, I}, H);
     lw.mlp_down = src.linear(p + "mlp.down_proj.weight", {H, I});
-    lw.router_proj = src.weight(p + "router.proj.weight", {E, H});
-    if (src.input_scheme(p + "router.proj") != ActivationScheme::None)
-      throw FormatError(src.path() + ": quantization_config quantizes the input of '" + p +
-                        "router.proj'; the router's activations are not quantized here");
+    lw.router_proj = src.router(p + "router.proj.weight", {E, H});
     lw.router_scale = src.small(p + "router.scale", {H});
     lw.router_per_expert_scale = src.small(p + "router.per_expert_scale", {E});
     lw.rope_inv_freq = src.fp32_weight(L.rope_inv_freq, {int64_t(L.rope_inv_freq.size())});
@@ -724,9 +789,11 @@ void load_weights(ModelState& m, DType as) {
   if (encoder_apart) src.set_encoder_apart();
 
   w.embed_tokens = src.weight(d + "embed_tokens.weight", {c.vocab_size, H});
-  // A tied config whose checkpoint stores an lm_head.weight other than the embedding: transformers
-  // then leaves the two untied (warning that the config is wrong) and runs the stored head. So does this.
-  const bool tied = c.tie_word_embeddings && !src.stored_apart("lm_head.weight", d + "embed_tokens.weight");
+  // A tied config whose checkpoint stores an lm_head.weight other than the embedding (other
+  // values, or quantized): transformers then leaves the two untied (warning that the config is
+  // wrong) and runs the stored head. So does this.
+  const bool tied = c.tie_word_embeddings && !src.stored_quantized("lm_head.weight") &&
+                    !src.stored_apart("lm_head.weight", d + "embed_tokens.weight");
   if (!tied) w.lm_head = src.linear("lm_head.weight", {c.vocab_size, H});
   else if (src.quantizes("lm_head"))
     throw FormatError(m.path + ": quantization_config quantizes 'lm_head' (not in its ignore), but the head is tied " +

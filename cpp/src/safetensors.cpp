@@ -405,6 +405,7 @@ void Checkpoint::prefix_names_of_base_model(const std::string& prefix) {
   std::map<std::string, TensorView> prefixed;
   for (auto& [name, view] : tensors_) prefixed.emplace(prefix + name, std::move(view));
   tensors_ = std::move(prefixed);
+  added_prefix_ = prefix;
 }
 
 }  // namespace diffuserve

@@ -66,10 +66,13 @@ class Checkpoint {
   // read as the full model's (whose base model's tensors are under "model."), as transformers
   // loads one. Each view keeps its stored name, for messages.
   void prefix_names_of_base_model(const std::string& prefix);
+  // The prefix that prefix_names_of_base_model gave every name ("" where it gave none).
+  const std::string& added_prefix() const { return added_prefix_; }
 
  private:
   std::vector<std::unique_ptr<SafetensorsFile>> files_;
   std::map<std::string, TensorView> tensors_;
+  std::string added_prefix_;
 };
 
 }  // namespace diffuserve

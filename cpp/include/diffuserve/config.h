@@ -61,12 +61,21 @@ struct GenerationDefaults {
 //             that multiply plain weights; one bf16 product instead of fp32's hi/lo pair).
 enum class ActivationScheme { None, Fp8Token, Nvfp4, Bf16 };
 
+// How a config group's quantized weights share their scales (compressed-tensors' strategy):
+// one scale for the tensor, one a row ("channel"), or one for each `group_size` inputs of a
+// row ("group"; NVFP4's "tensor_group" is groups of 16 under the tensor's global scale).
+struct WeightScales {
+  enum class Strategy { Tensor, Channel, Group };
+  Strategy strategy = Strategy::Tensor;
+  int64_t group_size = 0;  // Group's
+};
+
 // A config group of quantization_config: the linears its targets name (exact module
 // names, "re:" regexes, or the class "Linear") quantize their input as `input` says.
 struct QuantizationGroup {
   std::vector<std::string> targets;
   ActivationScheme input = ActivationScheme::None;
-  bool weights = true;  // whether it quantizes its targets' weights (it may quantize their inputs alone)
+  std::optional<WeightScales> weights;  // its targets' weights' scales; none: it quantizes their inputs alone
 };
 
 struct ModelConfig {
