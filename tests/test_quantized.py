@@ -7,7 +7,6 @@ activations (FP8 per token, NVFP4 W4A4 with calibrated input global scales) must
 logits LLM Compressor's own fake-quantized forward gave (reference_logits.safetensors,
 written by tests/fixtures/make_quantized.py)."""
 import json
-import math
 import os
 import re
 import shutil
