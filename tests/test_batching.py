@@ -671,3 +671,40 @@ def test_a_signal_handlers_exception_at_any_moment_leaves_the_llm_consistent(mak
         signal.signal(signal.SIGALRM, previous)
     expected = alone(make_llm(), [1, 2], params(0, n=8)).token_ids
     assert alone(llm, [1, 2], params(0, n=8)).token_ids == expected
+
+
+def test_an_engine_call_that_waits_for_the_models_turn_lets_python_run(tmp_path):
+    """LLM calls wait for the model's turn, which another thread's pass may hold for seconds (a
+    Sequence of llm.model, here a long prefill): they wait without the GIL, so that other
+    Python threads (an event loop) run meanwhile. They had held it, stopping every Python
+    thread until the pass ended."""
+    path = write_random_checkpoint(tmp_path / "m", canvas_length=16, seed=1)
+    llm = ds.LLM(path, num_threads=1)
+    seq = llm.model.sequence()
+    passing, passed, waiting = threading.Event(), threading.Event(), threading.Event()
+
+    def long_pass():  # about a second on one core
+        passing.set()
+        seq.prefill(np.arange(6000) % 500)
+        passed.set()
+
+    refused = []
+
+    def wait_for_the_turn():
+        passing.wait()
+        time.sleep(0.1)  # (the pass under way)
+        waiting.set()
+        try:
+            llm.generated(7)  # no such request: refused once the turn comes
+        except ValueError as e:
+            refused.append(e)
+
+    threads = [threading.Thread(target=long_pass), threading.Thread(target=wait_for_the_turn)]
+    for t in threads:
+        t.start()
+    waiting.wait()
+    time.sleep(0.2)  # back only once some thread lets go of the GIL
+    ran_during_the_pass = not passed.is_set()
+    for t in threads:
+        t.join()
+    assert ran_during_the_pass and refused

@@ -216,28 +216,26 @@ void bind_generate(nb::module_& m) {
       .def_ro("seed", &GenerationOutput::seed);
   nb::class_<StepPlan>(m, "StepPlan")
       .def(nb::init<uint64_t, int64_t>(), nb::arg("id"), nb::arg("max_encode_tokens"));
+  // Each call waits for the model's turn, which another thread's pass (Engine.step, a
+  // Sequence's) may hold for seconds: without the GIL, as without_gil says.
+  const auto unlocked = nb::call_guard<nb::gil_scoped_release>();
   nb::class_<Engine>(m, "Engine")
       .def(nb::init<std::shared_ptr<Model>, bool>(), nb::arg("model"), nb::arg("fuse_commit") = true)
-      .def_prop_ro("passes", &Engine::passes)
-      .def("add", &Engine::add, nb::arg("id"), nb::arg("prompt"), nb::arg("params"))
-      .def("admit", &Engine::admit, nb::arg("id"), nb::arg("encode_tokens"))
-      .def("reserve", &Engine::reserve, nb::arg("id"), nb::arg("encode_tokens"))
-      .def("preempt", &Engine::preempt, nb::arg("id"))
-      .def("abort", &Engine::abort, nb::arg("id"))
-      .def("pending_tokens", &Engine::pending_tokens, nb::arg("id"))
-      .def("canvas_length", &Engine::canvas_length, nb::arg("id"))
-      .def("generated", &Engine::generated, nb::arg("id"))
-      .def("draft", &Engine::draft, nb::arg("id"))
-      .def("denoise_steps", &Engine::denoise_steps, nb::arg("id"))
-      .def("step",
-           [](Engine& self, const std::vector<StepPlan>& plan, int max_steps, int64_t max_batched_tokens) {
-             nb::gil_scoped_release release;
-             return self.step(plan, max_steps, max_batched_tokens);
-           },
-           nb::arg("plan"), nb::arg("max_steps"), nb::arg("max_batched_tokens"))
-      .def("take_finished", &Engine::take_finished)
+      .def_prop_ro("passes", [](const Engine& self) { return without_gil([&] { return self.passes(); }); })
+      .def("add", &Engine::add, nb::arg("id"), nb::arg("prompt"), nb::arg("params"), unlocked)
+      .def("admit", &Engine::admit, nb::arg("id"), nb::arg("encode_tokens"), unlocked)
+      .def("reserve", &Engine::reserve, nb::arg("id"), nb::arg("encode_tokens"), unlocked)
+      .def("preempt", &Engine::preempt, nb::arg("id"), unlocked)
+      .def("abort", &Engine::abort, nb::arg("id"), unlocked)
+      .def("pending_tokens", &Engine::pending_tokens, nb::arg("id"), unlocked)
+      .def("canvas_length", &Engine::canvas_length, nb::arg("id"), unlocked)
+      .def("generated", &Engine::generated, nb::arg("id"), unlocked)
+      .def("draft", &Engine::draft, nb::arg("id"), unlocked)
+      .def("denoise_steps", &Engine::denoise_steps, nb::arg("id"), unlocked)
+      .def("step", &Engine::step, nb::arg("plan"), nb::arg("max_steps"), nb::arg("max_batched_tokens"), unlocked)
+      .def("take_finished", &Engine::take_finished, unlocked)
       .def("interrupt", &Engine::interrupt)
-      .def("__len__", &Engine::size);
+      .def("__len__", &Engine::size, unlocked);
 }
 
 }  // namespace
