@@ -495,6 +495,18 @@ def test_a_plain_linear_that_the_config_quantizes_is_named(tmp_path, modules):
         ds.Model.load(path)
 
 
+def test_fp8_weights_labelled_naive_quantized_load_as_float_quantized_ones(tmp_path):
+    """FP8 weights whose inputs stay plain (W8A16), which compressed-tensors labels
+    naive-quantized (float-quantized needs input activations): the same tensors, the same
+    logits as under the float-quantized label (the format had been refused)."""
+    def weight_only(label):
+        def edit(q):
+            q["format"] = q["config_groups"]["group_0"]["format"] = label
+            q["config_groups"]["group_0"]["input_activations"] = None
+        return edit_quantization_config(tmp_path / label, "FP8_DYNAMIC", edit)
+    assert np.array_equal(logits_of(weight_only("naive-quantized")), logits_of(weight_only("float-quantized")))
+
+
 def test_a_quantized_head_under_a_tied_config_runs_untied(tmp_path):
     """lm_head stored quantized (NVFP4, the config's ignore not naming it) under
     tie_word_embeddings true: the stored head runs, as for a head stored with other values than

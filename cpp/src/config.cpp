@@ -243,7 +243,8 @@ std::optional<WeightScales> weight_scales(const Fields& group, const std::string
   const bool symmetric = w.bool_or("symmetric", true);
   const json::Value* d = w.get("dynamic");
   const bool dynamic = d && !(d->is_bool() && !d->boolean);  // scales computed at run time: not stored ones
-  const bool fp8 = format == "float-quantized" && type == "float" && bits == 8 &&
+  // (compressed-tensors labels FP8 weights without quantized inputs naive-quantized: the same tensors.)
+  const bool fp8 = (format == "float-quantized" || format == "naive-quantized") && type == "float" && bits == 8 &&
                    (strategy == "tensor" || strategy == "channel" || strategy == "group");
   const bool nvfp4 = format == "nvfp4-pack-quantized" && type == "float" && bits == 4 && strategy == "tensor_group" &&
                      group_size == 16;
@@ -251,7 +252,7 @@ std::optional<WeightScales> weight_scales(const Fields& group, const std::string
     group.fail("weights", "= " + std::string(symmetric ? "" : "asymmetric ") + (dynamic ? "dynamic " : "") + strategy +
                               (group_size > 0 ? " of " + std::to_string(group_size) : "") + " " +
                               std::to_string(bits) + "-bit " + type + " does not go with format '" + format +
-                              "' (float-quantized: 8-bit float by tensor, channel or group; nvfp4-pack-quantized: "
+                              "' (float-quantized or naive-quantized: 8-bit float by tensor, channel or group; nvfp4-pack-quantized: "
                               "tensor_group of 16 4-bit float)");
   using Strategy = WeightScales::Strategy;
   if (strategy == "tensor") return WeightScales{Strategy::Tensor};
@@ -266,8 +267,10 @@ void load_quantization(const Fields& f, ModelConfig& c) {
   if (method != "compressed-tensors")
     f.fail("quant_method", "'" + method + "' is not supported (supported: compressed-tensors)");
   c.quantization = f.string_or("format", "");
-  if (c.quantization != "float-quantized" && c.quantization != "nvfp4-pack-quantized")
-    f.fail("format", "'" + c.quantization + "' is not supported (supported: float-quantized, nvfp4-pack-quantized)");
+  if (c.quantization != "float-quantized" && c.quantization != "naive-quantized" &&
+      c.quantization != "nvfp4-pack-quantized")
+    f.fail("format", "'" + c.quantization + "' is not supported (supported: float-quantized, naive-quantized, "
+                     "nvfp4-pack-quantized)");
   if (f.get("kv_cache_scheme")) f.fail("kv_cache_scheme", "is not supported (the KV cache is not quantized)");
   // Settings that change what the stored weights mean, which the loader does not apply.
   // (LLM Compressor writes both as {} where there are none.)

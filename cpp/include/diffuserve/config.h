@@ -101,8 +101,9 @@ struct ModelConfig {
   int bos_token_id = -1;
   std::vector<LayerConfig> layers;
   GenerationDefaults generation;
-  // compressed-tensors format of quantized linear weights ("float-quantized" for FP8,
-  // "nvfp4-pack-quantized"), empty for a plain checkpoint; its config groups, and the
+  // compressed-tensors format of quantized linear weights ("float-quantized" for FP8, or
+  // "naive-quantized" for FP8 weights whose inputs stay plain; "nvfp4-pack-quantized"),
+  // empty for a plain checkpoint; its config groups, and the
   // modules that none of them applies to.
   std::string quantization;
   std::vector<QuantizationGroup> quantization_groups;
