@@ -38,8 +38,9 @@ def dequantized_state(path):
             values = E2M1[nibbles & 0x7] * torch.where(nibbles & 0x8 > 0, -1.0, 1.0)
             scale = tensors[prefix + ".weight_scale"].float() / tensors[prefix + ".weight_global_scale"].float()
             out[prefix + ".weight"] = values * scale.repeat_interleave(2 * half // scale.shape[1], dim=1)
-        elif t.dtype == torch.float8_e4m3fn and name.endswith(".weight"):  # FP8: per-channel scales
-            out[name] = t.float() * tensors[name[: -len(".weight")] + ".weight_scale"].float()
+        elif t.dtype == torch.float8_e4m3fn and name.endswith(".weight"):  # FP8: scales per channel or group
+            scale = tensors[name[: -len(".weight")] + ".weight_scale"].float().reshape(t.shape[0], -1)
+            out[name] = t.float() * scale.repeat_interleave(t.shape[1] // scale.shape[1], dim=1)
         elif not name.endswith(("_scale", "_global_scale")) or name.endswith(("router.scale", "per_expert_scale")):
             out.setdefault(name, t.float())
     # Experts fused as transformers holds them: [E, 2I, H] (gate then up) and [E, H, I].
@@ -108,17 +109,37 @@ def logits_of(path):
     return np.concatenate([first, seq.denoise(rng.integers(0, 96, 8), first / 0.7)])
 
 
-def test_fp8_group_scales_are_read_as_the_configs_groups(tmp_path):
-    """FP8 weights scaled by groups of 16 inputs (strategy group), each group holding its row's
-    per-channel scale: the same weights, so the same logits as the per-channel fixture."""
+def test_fp8_group_scales_match_the_dequantized_model(tmp_path):
+    """FP8 weights requantized in groups of 16 inputs, each group's scale its own amax / 448,
+    under a config that names no strategy (compressed-tensors infers group from the size):
+    transformers on the weights dequantized here. (Weight-only, so that the reference needs
+    no fake-quantized activations.)"""
     from safetensors.torch import save_file
-    path = edit_quantization_config(tmp_path, "FP8_DYNAMIC", lambda q: q["config_groups"]["group_0"]["weights"].update(
-        strategy="group", group_size=16))
+    def by_groups(q):
+        del q["config_groups"]["group_0"]["weights"]["strategy"]
+        q["config_groups"]["group_0"]["weights"]["group_size"] = 16
+        q["config_groups"]["group_0"]["input_activations"] = None
+    path = edit_quantization_config(tmp_path, "FP8_DYNAMIC", by_groups)
     tensors = load_file(path / "model.safetensors")
-    for name in [n for n in tensors if n.endswith(".weight_scale")]:
-        cols = tensors[name[: -len("_scale")]].shape[1]
-        tensors[name] = tensors[name].expand(-1, cols // 16).contiguous()
+    for name in [n for n in tensors if tensors[n].dtype == torch.float8_e4m3fn]:
+        rows, cols = tensors[name].shape
+        groups = (tensors[name].float() * tensors[name + "_scale"].float()).reshape(rows, cols // 16, 16)
+        scale = groups.abs().amax(-1).clamp_min(1e-12) / 448
+        tensors[name] = (groups / scale[..., None]).reshape(rows, cols).to(torch.float8_e4m3fn)
+        tensors[name + "_scale"] = scale
+        assert len(scale.unique()) > rows  # (groups of a row with scales of their own)
     save_file(tensors, path / "model.safetensors")
+    assert_matches_the_dequantized_model(path)
+
+
+@pytest.mark.parametrize("weights", [dict(strategy=None, group_size=-1), dict(strategy="group", group_size=128)],
+                         ids=["no strategy, group_size -1: channel", "fewer inputs than a group"])
+def test_fp8_scales_a_row_loads_as_the_config_says(tmp_path, weights):
+    """The fixture's scales, one a row, under configs that lay them out so: no strategy and a
+    group_size of -1 (compressed-tensors infers channel), and groups of 128 over linears of 64
+    inputs (one group of them all, as compressed-tensors writes it): the fixture's logits."""
+    path = edit_quantization_config(tmp_path, "FP8_DYNAMIC",
+                                    lambda q: q["config_groups"]["group_0"]["weights"].update(weights))
     assert np.array_equal(logits_of(path), logits_of(os.path.join(FIXTURES, "FP8_DYNAMIC")))
 
 
@@ -431,6 +452,8 @@ def test_unsupported_activation_scheme_is_named(tmp_path, args, named):
      "config_groups.group_0.weights.group_size must be a positive number of inputs for strategy 'group'"),
     ("NVFP4", lambda q: q["config_groups"]["group_0"]["weights"].update(group_size=None),
      "weights.group_size must be a positive number of inputs for strategy 'tensor_group'"),
+    ("FP8_DYNAMIC", lambda q: q["config_groups"]["group_0"]["weights"].update(group_size=16),
+     "config_groups.group_0.weights.group_size = 16 goes with strategy group or tensor_group, not 'channel'"),
     ("FP8_DYNAMIC", lambda q: q.update(format="nvfp4-pack-quantized") or q["config_groups"]["group_0"].update(
         format="nvfp4-pack-quantized", weights={"num_bits": 4, "type": "float", "strategy": "tensor_group",
                                                 "group_size": 16, "symmetric": True}, input_activations=None),
@@ -553,7 +576,7 @@ def test_a_quantized_base_models_config_names_its_modules_without_model(tmp_path
               path / "model.safetensors")
     cfg = json.loads((path / "config.json").read_text())
     q = cfg["quantization_config"]
-    q["ignore"] = [n.removeprefix("model.") for n in q["ignore"]]
+    q["ignore"] = [n.removeprefix("model.") for n in q["ignore"] if n != "lm_head"]  # (a base model has none)
     (path / "config.json").write_text(json.dumps(cfg))
     assert np.array_equal(logits_of(path), logits_of(os.path.join(FIXTURES, "FP8_DYNAMIC")))
 

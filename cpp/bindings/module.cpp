@@ -222,7 +222,11 @@ void bind_generate(nb::module_& m) {
   nb::class_<Engine>(m, "Engine")
       .def(nb::init<std::shared_ptr<Model>, bool>(), nb::arg("model"), nb::arg("fuse_commit") = true)
       .def_prop_ro("passes", [](const Engine& self) { return without_gil([&] { return self.passes(); }); })
-      .def("add", &Engine::add, nb::arg("id"), nb::arg("prompt"), nb::arg("params"), unlocked)
+      // (The params copied with the GIL held: another Python thread may change them meanwhile.)
+      .def("add", [](Engine& self, uint64_t id, std::vector<int32_t> prompt, SamplingParams params) {
+             nb::gil_scoped_release release;
+             self.add(id, std::move(prompt), params);
+           }, nb::arg("id"), nb::arg("prompt"), nb::arg("params"))
       .def("admit", &Engine::admit, nb::arg("id"), nb::arg("encode_tokens"), unlocked)
       .def("reserve", &Engine::reserve, nb::arg("id"), nb::arg("encode_tokens"), unlocked)
       .def("preempt", &Engine::preempt, nb::arg("id"), unlocked)

@@ -195,6 +195,18 @@ std::vector<float> rope_inv_freq(const Fields& rope, int head_dim, const RopeDef
   return inv;
 }
 
+// QuantizationArgs' strategy, which compressed-tensors infers from group_size where the file
+// names none (a positive size: group; -1: channel; none: tensor), and which must then take a
+// positive size (compressed-tensors refuses a size beside any other strategy).
+std::string strategy_of(const Fields& args, int64_t group_size) {
+  const std::string strategy =
+      args.string_or("strategy", group_size > 0 ? "group" : group_size == -1 ? "channel" : "tensor");
+  if (group_size > 0 && strategy != "group" && strategy != "tensor_group")
+    args.fail("group_size", "= " + std::to_string(group_size) + " goes with strategy group or tensor_group, not '" +
+                                strategy + "'");
+  return strategy;
+}
+
 // A config group's input_activations (compressed-tensors' QuantizationArgs, whose
 // defaults fill what the file leaves out) as the scheme it names; any other is refused
 // with its settings spelled out.
@@ -203,8 +215,8 @@ ActivationScheme activation_scheme(const Fields& group) {
   if (!v) return ActivationScheme::None;
   if (!v->is_object()) group.fail("input_activations", "must be an object or null");
   const Fields a{*v, group.file, group.prefix + "input_activations."};
-  const std::string type = a.string_or("type", "int"), strategy = a.string_or("strategy", "tensor");
   const int64_t bits = a.integer_or("num_bits", 8, 1, 64), group_size = a.integer_or("group_size", 0, -1, kMaxDim);
+  const std::string type = a.string_or("type", "int"), strategy = strategy_of(a, group_size);
   const bool symmetric = a.bool_or("symmetric", true);
   std::string dynamic = "static";
   if (const json::Value* d = a.get("dynamic")) {
@@ -234,8 +246,8 @@ std::optional<WeightScales> weight_scales(const Fields& group, const std::string
   if (!v) return std::nullopt;
   if (!v->is_object()) group.fail("weights", "must be an object or null");
   const Fields w{*v, group.file, group.prefix + "weights."};
-  const std::string type = w.string_or("type", "int"), strategy = w.string_or("strategy", "tensor");
   const int64_t bits = w.integer_or("num_bits", 8, 1, 64), group_size = w.integer_or("group_size", 0, -1, kMaxDim);
+  const std::string type = w.string_or("type", "int"), strategy = strategy_of(w, group_size);
   if (w.get("block_structure")) w.fail("block_structure", "is not supported (block-quantized weights)");
   // (compressed-tensors refuses it so: the scales' shape alone would say the groups)
   if ((strategy == "group" || strategy == "tensor_group") && group_size <= 0)

@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cassert>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -55,6 +56,7 @@ class QuantizationTargets {
     std::optional<WeightScales> weights;
   };
   Quantized group_of(const std::string& name) const {
+    if (!base_prefix_.empty() && name == "lm_head") return {};  // a base model has none (its embedding serves)
     const std::string module = name.starts_with(base_prefix_) ? name.substr(base_prefix_.size()) : name;
     for (const Pattern& p : ignore_)
       if (p.names(module) || p.text == "Linear") return {};
@@ -538,7 +540,7 @@ class TensorSource {
         const std::string layers = kDecoder + "layers.";
         const std::string twin =
             module.starts_with(layers) && !encoder_apart_ ? kEncoder + module.substr(kDecoder.size()) : module;
-        if (input_scheme(twin) != q.scheme || quantizes(twin) != quantizes(module))
+        if (input_scheme(twin) != q.scheme || targets_.weight_scales(twin) != targets_.weight_scales(module))
           throw FormatError(m_.path + ": quantization_config quantizes '" + module + "' and its encoder copy '" + twin +
                             "' differently, but they are one weight, run alike");
         if (q.scheme != ActivationScheme::Nvfp4) continue;
@@ -580,6 +582,9 @@ class TensorSource {
         break;
       case Strategy::Group: {
         const int64_t g = layout.group_size;
+        // Fewer inputs than a group: one group of them all ([rows, 1]), as compressed-tensors
+        // writes it.
+        if (cols < g && (s == std::vector<int64_t>{rows, 1} || s == std::vector<int64_t>{rows})) return 1;
         if (cols % g)
           throw FormatError(scale.file + ": '" + scale.name + "' scales a weight of " + std::to_string(cols) +
                             " inputs, which quantization_config's group_size " + std::to_string(g) +
@@ -669,7 +674,8 @@ class TensorSource {
     if (packed.dtype != DType::U8 || scale.dtype != DType::F8_E4M3)
       throw FormatError(packed.file + ": '" + prefix + "' is not NVFP4 as compressed-tensors writes it (U8 " +
                         "weight_packed, F8_E4M3 weight_scale)");
-    const int64_t groups = groups_of(scale, rows, cols, layout);  // (tensor_group: groups of 16)
+    const int64_t groups = groups_of(scale, rows, cols, layout);
+    assert(groups > 0);  // (tensor_group: groups of 16, or one of fewer inputs)
     PackedWeight p;
     p.format = WeightFormat::Nvfp4;
     p.shape = shape;

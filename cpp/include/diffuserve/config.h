@@ -68,6 +68,7 @@ struct WeightScales {
   enum class Strategy { Tensor, Channel, Group };
   Strategy strategy = Strategy::Tensor;
   int64_t group_size = 0;  // Group's
+  bool operator==(const WeightScales&) const = default;
 };
 
 // A config group of quantization_config: the linears its targets name (exact module
