@@ -2,6 +2,8 @@
 HTTP: models, completions, chat, streaming, usage, error bodies, disconnects, shutdown."""
 import array
 import asyncio
+import atexit
+import gc
 import gzip
 import json
 import os
@@ -14,6 +16,7 @@ import subprocess
 import sys
 import threading
 import time
+import weakref
 
 import httpx
 import numpy as np
@@ -1468,3 +1471,31 @@ def test_allowed_origins_leave_the_model_argument_alone():
                                 "--allowed-origins", "http://b.example"])
     assert args.model == "/ckpt" and args.allowed_origins == ["http://a.example", "http://b.example"]
     assert parser().parse_args(["serve"]).allowed_origins is None  # any origin (build_app's "*")
+
+
+def test_an_app_driven_without_its_lifespan_lets_its_engine_go(checkpoint):
+    """An app driven over ASGI without its lifespan (httpx's ASGITransport, as tests and
+    embedders do), then dropped: its engine and model are freed. (FastAPI's process-wide cache
+    of endpoints had held them through the endpoints' closures: a model for each app built.)"""
+    engine = AsyncLLM(ds.LLM(checkpoint, kv_cache_memory_bytes=8 << 20))
+    gone = weakref.ref(engine)
+    app = build_app(engine, MODEL)
+
+    async def ask():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as client:
+            assert (await client.get("/health")).status_code == 200
+            r = await client.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 4})
+            assert r.status_code == 200, r.text
+    asyncio.run(ask())
+    del app, engine
+    gc.collect()
+    assert gone() is None
+
+
+def test_async_llms_leave_no_exit_hooks_behind(checkpoint):
+    """Each AsyncLLM's engine thread is stopped at exit by one hook for them all (each had
+    registered its own, kept for the process's life)."""
+    before = atexit._ncallbacks()
+    for _ in range(3):
+        AsyncLLM(ds.LLM(checkpoint, kv_cache_memory_bytes=8 << 20)).shutdown()
+    assert atexit._ncallbacks() == before

@@ -130,9 +130,16 @@ def _stop_engine(engine: "_EngineThread", pid: int, wait: bool) -> None:
         engine.stop(wait)
 
 
-def _stop_engine_at_exit(engine: "weakref.ref[_EngineThread]", pid: int) -> None:
-    if (live := engine()) is not None:
-        _stop_engine(live, pid, wait=True)
+# Every live engine thread, with the process that started it, stopped before the interpreter
+# finalizes: a daemon thread inside a native step then had the process abort (SIGABRT) as it
+# exited. (One hook for them all: an atexit hook each had stayed for the process's life.)
+_ENGINES: "weakref.WeakKeyDictionary[_EngineThread, int]" = weakref.WeakKeyDictionary()
+
+
+@atexit.register
+def _stop_engines_at_exit() -> None:
+    for engine, pid in list(_ENGINES.items()):
+        _stop_engine(engine, pid, wait=True)
 
 
 class AsyncLLM:
@@ -145,9 +152,7 @@ class AsyncLLM:
         # shutdown(), this is collected and the thread stops, freeing the model and its KV
         # cache (the thread had held them until the process exited).
         weakref.finalize(self, _stop_engine, engine, os.getpid(), False).atexit = False
-        # Stopped before the interpreter finalizes: a daemon thread inside a native step then
-        # had the process abort (SIGABRT) as it exited.
-        atexit.register(_stop_engine_at_exit, weakref.ref(engine), os.getpid())
+        _ENGINES[engine] = os.getpid()
 
     @property
     def stats(self) -> dict:

@@ -271,6 +271,10 @@ class _Server:
             raise ApiError(404, f"the model {name!r} does not exist; this server serves {self.model_name!r}",
                            param="model", code="model_not_found")
 
+    def check_model_first(self, raw) -> None:  # the wrong model is a 404 whatever else the request holds
+        if isinstance(raw, dict) and isinstance(raw.get("model"), str):
+            self.check_model(raw["model"])
+
     def check_prompt_chars(self, chars: int, param: str) -> None:
         if self.max_prompt_chars is not None and chars > self.max_prompt_chars:
             raise ApiError(400, f"{param}: {chars} characters of text, more than this server takes "
@@ -647,12 +651,13 @@ def build_app(engine: AsyncLLM, model_name: str, api_key: Optional[str] = None,
     async def lifespan(app):
         yield
         engine.shutdown()
-        # FastAPI keeps the endpoints (and through their closures this server) in a process-wide
-        # cache: holding the engine, it kept the model past the interpreter's end, which
-        # nanobind reported as leaks at every Ctrl-C.
-        server.engine = None
+        server.engine = None  # (the model freed at once, whoever still holds the app)
 
     app = FastAPI(title="diffuserve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    # The endpoints find the server through the request's app: FastAPI keeps endpoints in a
+    # process-wide cache, where a closure over the server had kept its engine and model for
+    # the process's life (every app built and dropped unserved, as tests over ASGI do, a model).
+    app.state.server = server
     app.add_middleware(_InternalErrors)
     if api_key is not None:
         app.add_middleware(_RequireKey, api_key=api_key)
@@ -677,12 +682,12 @@ def build_app(engine: AsyncLLM, model_name: str, api_key: Optional[str] = None,
         return _error(ApiError(503, str(e), type="server_error"))
 
     @app.api_route("/health", methods=["GET", "HEAD"])  # (load balancers' checks may send HEAD)
-    async def health():  # 503 once the engine has failed: no request could be served
-        return Response(status_code=200 if server.engine.alive else 503)
+    async def health(request: Request):  # 503 once the engine has failed: no request could be served
+        return Response(status_code=200 if _server_of(request).engine.alive else 503)
 
     @app.get("/metrics")
-    async def metrics():
-        return Response(server.metrics.exposition(), media_type=CONTENT_TYPE)
+    async def metrics(request: Request):
+        return Response(_server_of(request).metrics.exposition(), media_type=CONTENT_TYPE)
 
     # As vLLM's card: max_model_len sizes clients' context windows, so it is what one request
     # can reach (a KV cache smaller than the positions allow bounds it).
@@ -694,18 +699,15 @@ def build_app(engine: AsyncLLM, model_name: str, api_key: Optional[str] = None,
         return {"object": "list", "data": [card]}
 
     @v1.get("/models/{model:path}")  # a served name may hold slashes ("google/...")
-    async def model(model: str):
-        server.check_model(model)
+    async def model(model: str, request: Request):
+        _server_of(request).check_model(model)
         return card
-
-    def check_model_first(raw) -> None:  # the wrong model is a 404 whatever else the request holds
-        if isinstance(raw, dict) and isinstance(raw.get("model"), str):
-            server.check_model(raw["model"])
 
     @v1.post("/completions")
     async def completions(request: Request):
+        server = _server_of(request)
         raw = await _json_body(request, max_body)
-        check_model_first(raw)
+        server.check_model_first(raw)
         body = await asyncio.to_thread(parse, CompletionRequest, raw)  # (its model, a string, is the one checked above)
         batch = body.prompts()
         names = [_prompt_name(i, len(batch)) for i in range(len(batch))]
@@ -717,8 +719,9 @@ def build_app(engine: AsyncLLM, model_name: str, api_key: Optional[str] = None,
 
     @v1.post("/chat/completions")
     async def chat_completions(request: Request):
+        server = _server_of(request)
         raw = await _json_body(request, max_body)
-        check_model_first(raw)
+        server.check_model_first(raw)
         server.check_message_chars(raw)
         body = await asyncio.to_thread(parse, ChatCompletionRequest, raw)  # (its model, a string, is the one checked above)
         prompt = await server.chat_prompt_ids(body)
@@ -729,8 +732,9 @@ def build_app(engine: AsyncLLM, model_name: str, api_key: Optional[str] = None,
     # text's or a conversation's ids as the completions would run them, and ids' text.
     @app.post("/tokenize")
     async def tokenize(request: Request):
+        server = _server_of(request)
         raw = await _json_body(request, max_body)
-        check_model_first(raw)
+        server.check_model_first(raw)
         if isinstance(raw, dict) and raw.get("messages") is not None:  # (null: not given, as everywhere)
             server.check_message_chars(raw)
             body = await asyncio.to_thread(parse, TokenizeChatRequest, raw)
@@ -746,8 +750,9 @@ def build_app(engine: AsyncLLM, model_name: str, api_key: Optional[str] = None,
 
     @app.post("/detokenize")
     async def detokenize(request: Request):
+        server = _server_of(request)
         raw = await _json_body(request, max_body)
-        check_model_first(raw)
+        server.check_model_first(raw)
         body = await asyncio.to_thread(parse, DetokenizeRequest, raw)
         if server.tokenizer is None:
             raise ApiError(400, "this model has no tokenizer.json, so no text for token ids", param="tokens",
@@ -764,6 +769,10 @@ def build_app(engine: AsyncLLM, model_name: str, api_key: Optional[str] = None,
 
     app.include_router(v1)
     return app
+
+
+def _server_of(request: Request) -> _Server:
+    return request.app.state.server
 
 
 class _InternalErrors:
