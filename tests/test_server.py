@@ -1481,12 +1481,12 @@ def test_an_app_driven_without_its_lifespan_lets_its_engine_go(checkpoint):
     gone = weakref.ref(engine)
     app = build_app(engine, MODEL)
 
-    async def ask():
+    async def ask(app):
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as client:
             assert (await client.get("/health")).status_code == 200
             r = await client.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 4})
             assert r.status_code == 200, r.text
-    asyncio.run(ask())
+    asyncio.run(ask(app))
     del app, engine
     gc.collect()
     assert gone() is None
