@@ -779,6 +779,29 @@ def test_quantize_refuses_a_quantized_source(tmp_path):
         quantize(os.path.join(FIXTURES, "base"), str(tmp_path / "y"), "int8")
 
 
+@pytest.mark.parametrize("scheme", ["NVFP4A16", "FP8_DYNAMIC"])
+def test_quantize_refuses_a_quantized_source_whose_config_says_nothing(tmp_path, scheme):
+    """A quantized checkpoint whose config.json lost its quantization_config: NVFP4's packed
+    weights and scales had been copied through, into a copy that the load refused."""
+    from diffuserve.quantize import quantize
+    src = copy_fixture(tmp_path, scheme)
+    cfg = json.loads((src / "config.json").read_text())
+    del cfg["quantization_config"]
+    (src / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=r"is F8_E4M3; a weight to quantize is F32|\) belongs to a quantized weight"):
+        quantize(str(src), str(tmp_path / "out"))
+    assert not os.path.exists(tmp_path / "out")
+
+
+@pytest.mark.parametrize("inside", [".", "quantized", "additional_chat_templates/quantized"])
+def test_quantize_refuses_a_destination_inside_its_source(tmp_path, inside):
+    from diffuserve.quantize import quantize
+    src = copy_fixture(tmp_path, "base")
+    with pytest.raises(ValueError, match="the output directory is (the|inside the) source"):
+        quantize(str(src), str(src / inside))
+    assert sorted(os.listdir(src)) == sorted(os.listdir(os.path.join(FIXTURES, "base")))
+
+
 def test_quantize_refuses_bytes_no_tensor_claims(tmp_path):
     """A safetensors source whose header leaves data bytes to no tensor (an entry missing) is
     refused naming them, as the loader refuses it (test_errors.py)."""

@@ -173,6 +173,11 @@ def _quantize_linears(linears: dict, scheme: str) -> dict:
     return out
 
 
+# compressed-tensors' names for a quantized linear's tensors other than its weight.
+_QUANTIZATION_PARAMETERS = (".weight_packed", ".weight_scale", ".weight_global_scale", ".weight_zero_point",
+                            ".weight_g_idx", ".input_scale", ".input_global_scale", ".input_zero_point")
+
+
 def _source_weight(src: str, name: str, dtype: str, arr: np.ndarray) -> np.ndarray:
     """A linear's stored weight as float32, refused where it holds NaN or infinities: E4M3 and
     E2M1 have no such values, and the scales would hide them (a NaN dropped from a group's
@@ -191,9 +196,12 @@ def quantize(src: str, dst: str, scheme: str = "fp8-dynamic") -> None:
     # Into a new or empty directory only: over its source, or beside another checkpoint's
     # shards and index (which transformers, and so a load, would pass over for the new
     # model.safetensors), the copy would leave a directory holding two models.
+    # Nor inside its source, whose folders the copy may take (additional_chat_templates).
+    real_src, real_dst = os.path.realpath(src), os.path.realpath(dst)
+    if os.path.commonpath([real_src, real_dst]) == real_src:
+        where = "is the source" if real_dst == real_src else "is inside the source"
+        raise ValueError(f"{dst}: the output directory {where}; write the quantized copy elsewhere")
     if os.path.isdir(dst):
-        if os.path.isdir(src) and os.path.samefile(src, dst):
-            raise ValueError(f"{dst}: the output directory is the source; write the quantized copy elsewhere")
         held = sorted(n for n in os.listdir(dst) if n in ("config.json", "additional_chat_templates") or
                       n.endswith((".safetensors", ".safetensors.index.json")))
         if held:
@@ -259,6 +267,10 @@ def quantize(src: str, dst: str, scheme: str = "fp8-dynamic") -> None:
                         (rows, arr.shape[2]),
                         lambda name=name, dtype=dtype, w=arr[e, i * rows:(i + 1) * rows]:
                             _source_weight(src, name, dtype, w))
+        elif dtype in ("U8", "F8_E4M3") or name.endswith(_QUANTIZATION_PARAMETERS):
+            # (Copied through, it had made a copy that the load refused.)
+            raise ValueError(f"{src}: tensor '{name}' ({dtype}) belongs to a quantized weight: the source is already "
+                             f"quantized, though its config.json has no quantization_config")
         else:
             out[name] = (dtype, arr)
     out.update(_quantize_linears(linears, scheme))
