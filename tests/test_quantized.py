@@ -793,12 +793,13 @@ def test_quantize_refuses_a_quantized_source_whose_config_says_nothing(tmp_path,
     assert not os.path.exists(tmp_path / "out")
 
 
-@pytest.mark.parametrize("inside", [".", "quantized", "additional_chat_templates/quantized"])
+@pytest.mark.parametrize("inside", [".", "quantized", "additional_chat_templates/quantized", "link/quantized"])
 def test_quantize_refuses_a_destination_inside_its_source(tmp_path, inside):
     from diffuserve.quantize import quantize
     src = copy_fixture(tmp_path, "base")
+    (tmp_path / "link").symlink_to(src)
     with pytest.raises(ValueError, match="the output directory is (the|inside the) source"):
-        quantize(str(src), str(src / inside))
+        quantize(str(src), str(src / inside) if inside != "link/quantized" else str(tmp_path / inside))
     assert sorted(os.listdir(src)) == sorted(os.listdir(os.path.join(FIXTURES, "base")))
 
 

@@ -1495,7 +1495,24 @@ def test_an_app_driven_without_its_lifespan_lets_its_engine_go(checkpoint):
 def test_async_llms_leave_no_exit_hooks_behind(checkpoint):
     """Each AsyncLLM's engine thread is stopped at exit by one hook for them all (each had
     registered its own, kept for the process's life)."""
+    AsyncLLM(ds.LLM(checkpoint, kv_cache_memory_bytes=8 << 20)).shutdown()  # (hooks made once a process)
     before = atexit._ncallbacks()
     for _ in range(3):
         AsyncLLM(ds.LLM(checkpoint, kv_cache_memory_bytes=8 << 20)).shutdown()
     assert atexit._ncallbacks() == before
+
+
+def test_a_shut_down_app_frees_its_model_and_answers_503(checkpoint):
+    """Once its lifespan has ended, the app (still held, as a test holds it) frees the model,
+    and a request that still comes is a 503 naming the shutdown (it had been a 500)."""
+    from fastapi.testclient import TestClient
+    engine = AsyncLLM(ds.LLM(checkpoint, kv_cache_memory_bytes=8 << 20))
+    llm = weakref.ref(engine.llm)
+    app = build_app(engine, MODEL)
+    del engine
+    with TestClient(app) as http:
+        assert http.get("/health").status_code == 200
+    gc.collect()
+    assert llm() is None
+    r = http.get("/health")
+    assert r.status_code == 503 and r.json()["error"]["message"] == "the server has shut down"

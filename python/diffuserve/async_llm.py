@@ -16,6 +16,7 @@ import os
 import queue
 import threading
 import time
+import traceback
 import weakref
 from dataclasses import dataclass, field
 from typing import AsyncIterator, List, Optional
@@ -138,8 +139,14 @@ _ENGINES: "weakref.WeakKeyDictionary[_EngineThread, int]" = weakref.WeakKeyDicti
 
 @atexit.register
 def _stop_engines_at_exit() -> None:
-    for engine, pid in list(_ENGINES.items()):
-        _stop_engine(engine, pid, wait=True)
+    engines = [engine for engine, pid in list(_ENGINES.items()) if pid == os.getpid()]
+    for engine in engines:  # all told first, so that their passes in progress end together
+        engine.stop(wait=False)
+    for engine in engines:
+        try:
+            engine.thread.join()
+        except BaseException:  # (a Ctrl-C during one's wait must not leave the others running)
+            traceback.print_exc()
 
 
 class AsyncLLM:

@@ -22,7 +22,7 @@ import json
 import os
 import re
 import shutil
-from typing import Callable
+from typing import Callable, Optional
 
 import numpy as np
 
@@ -188,6 +188,18 @@ def _source_weight(src: str, name: str, dtype: str, arr: np.ndarray) -> np.ndarr
     return w
 
 
+def _folder_holding(path: str, folder: str) -> Optional[str]:
+    """The first of `path` (which need not exist) and the folders above it that is `folder`, as
+    the file system says (links, and file systems that ignore letter case), or None."""
+    path = os.path.realpath(path)
+    while True:
+        if os.path.exists(path) and os.path.samefile(path, folder):
+            return path
+        if (parent := os.path.dirname(path)) == path:
+            return None
+        path = parent
+
+
 def quantize(src: str, dst: str, scheme: str = "fp8-dynamic") -> None:
     if scheme not in SCHEMES:
         raise ValueError(f"scheme {scheme!r} is not supported (supported: {', '.join(SCHEMES)})")
@@ -197,9 +209,8 @@ def quantize(src: str, dst: str, scheme: str = "fp8-dynamic") -> None:
     # shards and index (which transformers, and so a load, would pass over for the new
     # model.safetensors), the copy would leave a directory holding two models.
     # Nor inside its source, whose folders the copy may take (additional_chat_templates).
-    real_src, real_dst = os.path.realpath(src), os.path.realpath(dst)
-    if os.path.commonpath([real_src, real_dst]) == real_src:
-        where = "is the source" if real_dst == real_src else "is inside the source"
+    if (folder := _folder_holding(dst, src)) is not None:
+        where = "is the source" if folder == os.path.realpath(dst) else "is inside the source"
         raise ValueError(f"{dst}: the output directory {where}; write the quantized copy elsewhere")
     if os.path.isdir(dst):
         held = sorted(n for n in os.listdir(dst) if n in ("config.json", "additional_chat_templates") or

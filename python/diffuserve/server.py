@@ -645,19 +645,21 @@ def build_app(engine: AsyncLLM, model_name: str, api_key: Optional[str] = None,
     if max_request_bytes < 0:
         raise ValueError(f"max_request_bytes must be 0 (no limit) or more, not {max_request_bytes}")
     max_body = max_request_bytes or None
-    server = _Server(engine, model_name, max_denoising_steps_limit, max_prompt_chars)
 
     @asynccontextmanager
     async def lifespan(app):
         yield
-        engine.shutdown()
-        server.engine = None  # (the model freed at once, whoever still holds the app)
+        served = app.state.diffuserve_server
+        served.engine.shutdown()
+        served.engine = None  # (the model freed at once, whoever still holds the app)
 
     app = FastAPI(title="diffuserve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
-    # The endpoints find the server through the request's app: FastAPI keeps endpoints in a
-    # process-wide cache, where a closure over the server had kept its engine and model for
-    # the process's life (every app built and dropped unserved, as tests over ASGI do, a model).
-    app.state.server = server
+    # The endpoints (and the lifespan) find the server through the app: FastAPI caches
+    # endpoints process-wide (its lru_caches keyed by them), where a closure over the server had
+    # kept its engine and model for the process's life (a model for every app built and driven
+    # without its lifespan, as tests over ASGI do). So the app is mounted whole (app.mount),
+    # not its routes copied into another.
+    app.state.diffuserve_server = _Server(engine, model_name, max_denoising_steps_limit, max_prompt_chars)
     app.add_middleware(_InternalErrors)
     if api_key is not None:
         app.add_middleware(_RequireKey, api_key=api_key)
@@ -772,7 +774,10 @@ def build_app(engine: AsyncLLM, model_name: str, api_key: Optional[str] = None,
 
 
 def _server_of(request: Request) -> _Server:
-    return request.app.state.server
+    server = request.app.state.diffuserve_server
+    if server.engine is None:  # (a request that comes after the lifespan's end)
+        raise ApiError(503, "the server has shut down", type="server_error")
+    return server
 
 
 class _InternalErrors:
