@@ -357,7 +357,8 @@ def test_stacked_linears_quantized_differently_are_a_checkpoint_error(tmp_path):
     def by_groups_of_32(q):
         q["config_groups"]["group_1"] = json.loads(json.dumps(q["config_groups"]["group_0"]))
         q["config_groups"]["group_1"]["weights"].update(strategy="group", group_size=32)
-        q["config_groups"]["group_1"]["targets"] = [gate, gate.replace("model.decoder.", "model.encoder.language_model.")]
+        encoder_gate = gate.replace("model.decoder.", "model.encoder.language_model.")
+        q["config_groups"]["group_1"]["targets"] = [gate, encoder_gate]
     path = edit_quantization_config(tmp_path, "FP8_DYNAMIC", by_groups_of_32)
     tensors = load_file(path / "model.safetensors")
     for name in [n for n in tensors if n.endswith("layers.1.mlp.gate_proj.weight_scale")]:
@@ -482,7 +483,8 @@ def test_unsupported_activation_scheme_is_named(tmp_path, args, named):
      "quantization_config quantizes 'lm_head' (not in its ignore), but the head is tied to the embedding"),
     # The input of a router's encoder copy quantized, the decoder's left plain: it had loaded,
     # the encoder's copy run on plain inputs.
-    ("FP8_DYNAMIC", lambda q: q.update(ignore=[n for n in q["ignore"] if "encoder.language_model.layers.1.router" not in n]),
+    ("FP8_DYNAMIC",
+     lambda q: q.update(ignore=[n for n in q["ignore"] if "encoder.language_model.layers.1.router" not in n]),
      "quantizes the input of 'model.encoder.language_model.layers.1.router.proj'"),
     # FP8_BLOCK, named by its weights (its activations' groups of 128 had been named first).
     ("FP8_DYNAMIC", lambda q: q["config_groups"]["group_0"].update(
@@ -497,7 +499,8 @@ def test_unsupported_quantization_config_is_refused(tmp_path, scheme, edit, mess
 
 
 @pytest.mark.parametrize("modules", [["model.decoder.layers.1.self_attn.o_proj"],
-                                     ["model.decoder.self_conditioning.gate_proj", "model.decoder.self_conditioning.up_proj"],
+                                     ["model.decoder.self_conditioning.gate_proj",
+                                      "model.decoder.self_conditioning.up_proj"],
                                      [f"model.decoder.layers.2.experts.{e}.down_proj" for e in range(4)]],
                          ids=["linear", "stacked", "experts"])
 def test_a_plain_linear_that_the_config_quantizes_is_named(tmp_path, modules):
@@ -511,7 +514,8 @@ def test_a_plain_linear_that_the_config_quantizes_is_named(tmp_path, modules):
     for module in modules:
         for copy in {module, module.replace("model.decoder.", "model.encoder.language_model.")}:
             if copy + ".weight" in tensors:
-                tensors[copy + ".weight"] = tensors[copy + ".weight"].float() * tensors.pop(copy + ".weight_scale").float()
+                scale = tensors.pop(copy + ".weight_scale").float()
+                tensors[copy + ".weight"] = tensors[copy + ".weight"].float() * scale
     save_file(tensors, path / "model.safetensors")
     with pytest.raises(ds.CheckpointError, match=re.escape(
             f"'{modules[0]}.weight' is stored unquantized, but quantization_config quantizes '{modules[0]}'")):
@@ -788,9 +792,22 @@ def test_quantize_refuses_a_quantized_source_whose_config_says_nothing(tmp_path,
     cfg = json.loads((src / "config.json").read_text())
     del cfg["quantization_config"]
     (src / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ValueError, match=r"is F8_E4M3; a weight to quantize is F32|\) belongs to a quantized weight"):
+    with pytest.raises(ValueError, match=r"is F8_E4M3; a weight to quantize|\) is a quantization parameter"):
         quantize(str(src), str(tmp_path / "out"))
     assert not os.path.exists(tmp_path / "out")
+
+
+def test_quantize_refuses_a_source_with_kv_cache_scales(tmp_path):
+    """A KV cache's scales (compressed-tensors' kv_cache_scheme) in a source whose config says
+    nothing of them: refused, not copied into a copy that the load refuses."""
+    from diffuserve.quantize import quantize
+    from diffuserve.safetensors_io import read_safetensors, write_safetensors
+    src = copy_fixture(tmp_path, "base")
+    tensors = read_safetensors(os.path.join(src, "model.safetensors"))
+    tensors["model.decoder.layers.0.self_attn.k_scale"] = ("F32", np.ones(1, np.float32))
+    write_safetensors(os.path.join(src, "model.safetensors"), tensors)
+    with pytest.raises(ValueError, match=r"self_attn.k_scale' \(F32\) is a quantization parameter: the source"):
+        quantize(str(src), str(tmp_path / "out"))
 
 
 @pytest.mark.parametrize("inside", [".", "quantized", "additional_chat_templates/quantized", "link/quantized"])

@@ -173,9 +173,11 @@ def _quantize_linears(linears: dict, scheme: str) -> dict:
     return out
 
 
-# compressed-tensors' names for a quantized linear's tensors other than its weight.
+# compressed-tensors' names for a quantized linear's tensors other than its weight, and for a
+# quantized KV cache's scales.
 _QUANTIZATION_PARAMETERS = (".weight_packed", ".weight_scale", ".weight_global_scale", ".weight_zero_point",
-                            ".weight_g_idx", ".input_scale", ".input_global_scale", ".input_zero_point")
+                            ".weight_g_idx", ".input_scale", ".input_global_scale", ".input_zero_point",
+                            ".k_scale", ".v_scale")
 
 
 def _source_weight(src: str, name: str, dtype: str, arr: np.ndarray) -> np.ndarray:
@@ -280,7 +282,7 @@ def quantize(src: str, dst: str, scheme: str = "fp8-dynamic") -> None:
                             _source_weight(src, name, dtype, w))
         elif dtype in ("U8", "F8_E4M3") or name.endswith(_QUANTIZATION_PARAMETERS):
             # (Copied through, it had made a copy that the load refused.)
-            raise ValueError(f"{src}: tensor '{name}' ({dtype}) belongs to a quantized weight: the source is already "
+            raise ValueError(f"{src}: tensor '{name}' ({dtype}) is a quantization parameter: the source is already "
                              f"quantized, though its config.json has no quantization_config")
         else:
             out[name] = (dtype, arr)
