@@ -264,8 +264,8 @@ std::optional<WeightScales> weight_scales(const Fields& group, const std::string
     group.fail("weights", "= " + std::string(symmetric ? "" : "asymmetric ") + (dynamic ? "dynamic " : "") + strategy +
                               (group_size > 0 ? " of " + std::to_string(group_size) : "") + " " +
                               std::to_string(bits) + "-bit " + type + " does not go with format '" + format +
-                              "' (float-quantized or naive-quantized: 8-bit float by tensor, channel or group; nvfp4-pack-quantized: "
-                              "tensor_group of 16 4-bit float)");
+                              "' (float-quantized or naive-quantized: 8-bit float by tensor, channel or group; "
+                              "nvfp4-pack-quantized: tensor_group of 16 4-bit float)");
   using Strategy = WeightScales::Strategy;
   if (strategy == "tensor") return WeightScales{Strategy::Tensor};
   if (strategy == "channel") return WeightScales{Strategy::Channel};

@@ -211,9 +211,7 @@ class TensorSource {
   // quantized: a config that quantizes it, or its encoder copy's (the same weights), is refused.
   Weight router(const std::string& name, const std::vector<int64_t>& shape) {
     if (dummy()) return weight(name, shape);
-    const std::string module = module_of(name), layers = kDecoder + "layers.";
-    const std::string twin = module.starts_with(layers) && !encoder_apart_ ? kEncoder + module.substr(kDecoder.size())
-                                                                            : module;
+    const std::string module = module_of(name), twin = encoder_copy(module);
     for (const std::string& m : {module, twin})
       if (input_scheme(m) != ActivationScheme::None)
         throw FormatError(m_.path + ": quantization_config quantizes the input of '" + m +
@@ -338,6 +336,14 @@ class TensorSource {
     Weight w = upload(random_packed_weight(m_.dummy_quantization, shape, ++seed_), "a random weight");
     w.input_quant.scheme = m_.dummy_activations;
     return w;
+  }
+
+  // The encoder's copy of a decoder layer's module (the same weights, matched by the config
+  // under its own name), or `module` itself where the encoder's weights are its own or the
+  // module is no layer's.
+  std::string encoder_copy(const std::string& module) const {
+    const bool layer = module.starts_with(kDecoder + "layers.");
+    return layer && !encoder_apart_ ? kEncoder + module.substr(kDecoder.size()) : module;
   }
 
   // A linear stored plainly, which the config must leave unquantized.
@@ -536,10 +542,7 @@ class TensorSource {
           throw FormatError(m_.path + ": quantization_config quantizes the inputs of '" + modules[0][0] + "' and '" +
                             module + "' differently, but the runtime runs them as one (stacked gate and up, or one "
                             "MoE layer's experts)");
-        // The encoder's copy of a layer's linear (the same weights) is matched by its own name.
-        const std::string layers = kDecoder + "layers.";
-        const std::string twin =
-            module.starts_with(layers) && !encoder_apart_ ? kEncoder + module.substr(kDecoder.size()) : module;
+        const std::string twin = encoder_copy(module);
         if (input_scheme(twin) != q.scheme || targets_.weight_scales(twin) != targets_.weight_scales(module))
           throw FormatError(m_.path + ": quantization_config quantizes '" + module + "' and its encoder copy '" + twin +
                             "' differently, but they are one weight, run alike");
@@ -565,8 +568,8 @@ class TensorSource {
   // How many scales a row of a [rows, cols] weight has, as the config's strategy lays them
   // out (scales[row * groups + col / (cols / groups)]): 0 for the tensor's one scale, 1 a row
   // ([rows] or [rows, 1]: "channel"), or cols / group_size ([rows, cols / group_size]). A
-  // partial last group is refused, as LLM Compressor refuses to write one: read as cols /
-  // groups inputs a scale, its scales had loaded onto the wrong inputs.
+  // partial last group is refused (current LLM Compressor will not write one; older versions
+  // did): read as cols / groups inputs a scale, its scales had loaded onto the wrong inputs.
   static int64_t groups_of(const TensorView& scale, int64_t rows, int64_t cols, const WeightScales& layout) {
     using Strategy = WeightScales::Strategy;
     const std::vector<int64_t>& s = scale.shape;
