@@ -344,6 +344,21 @@ def test_interrupt_ends_a_step_after_its_pass(make_llm):
 
 
 
+def test_a_draft_holds_only_what_its_block_may_add(make_llm):
+    """A draft is cut where max_new_tokens cuts the last block: the server's stream_drafts had
+    shown a whole canvas where 2 of its tokens were to be kept."""
+    llm = make_llm()
+    p = ds.SamplingParams(max_new_tokens=CANVAS + 2, seed=0, eos_token_id=[], max_denoising_steps=40,
+                          confidence_threshold=1e-30)
+    request = llm.add_request([5, 6, 7], p)
+    lengths = set()  # (tokens generated, draft length)
+    while llm.has_unfinished():
+        llm.interrupt()  # every step one pass
+        if not llm.step():
+            lengths.add((len(llm.generated(request)), len(llm.draft(request))))
+    assert {(0, CANVAS), (CANVAS, 2)} <= lengths <= {(0, CANVAS), (CANVAS, 2), (0, 0), (CANVAS, 0)}
+
+
 def test_an_abort_after_interrupt_waits_for_one_step_at_most(make_llm):
     """A thread that steps an LLM in a loop, and another that interrupts it to abort a request:
     the abort runs as soon as the interrupted step ends. The stepping thread had often taken

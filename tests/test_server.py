@@ -173,6 +173,10 @@ def test_temperature_and_diffusion_extensions(client, offline):
     greedy = client.completions.create(**unseeded, temperature=0, n=3)
     assert len({c.text for c in greedy.choices}) == 1
     assert client.completions.create(**unseeded, temperature=0).choices[0].text == greedy.choices[0].text
+    # A temperature below the coldest scale samples as 0 does, so as reproducibly (1e-9 had drawn
+    # each choice's noise from a seed of its own).
+    tiny = client.completions.create(**unseeded, temperature=1e-9, n=2)
+    assert [c.text for c in tiny.choices] == [greedy.choices[0].text] * 2
     out = client.completions.create(**body, extra_body=dict(canvas_length=8, max_denoising_steps=3,
                                                             entropy_bound=0.5, t_min=0.1, t_max=0.3))
     assert out.usage.model_extra["denoise_steps"] <= 2 * 3  # two blocks of 8, at most 3 steps each
@@ -530,6 +534,35 @@ def test_tool_call_arguments_reach_the_template_as_objects():
         with pytest.raises(ApiError, match=f"a tool call's arguments .*{message}") as error:
             parse(ChatCompletionRequest, {"model": MODEL, "messages": messages}).conversation()
         assert error.value.status == 400 and error.value.param == "messages[1].tool_calls[4].function.arguments"
+
+
+@pytest.mark.parametrize("message,param,error", [
+    ({"role": "assistant", "tool_calls": "x"}, "messages[1].tool_calls", "must be a list of tool calls, got str"),
+    ({"role": "assistant", "tool_calls": [{"id": "c", "type": "function"}]}, "messages[1].tool_calls[0]",
+     'whose "function" is an object with a string "name"'),
+    ({"role": "assistant", "tool_calls": [{"function": {"name": 3, "arguments": "{}"}}]},
+     "messages[1].tool_calls[0]", 'whose "function" is an object with a string "name"'),
+    ({"role": "user", "content": "y", "tool_calls": []}, "messages[1].tool_calls",
+     "a user message has no tool_calls"),
+])
+def test_tool_calls_not_shaped_as_openais_are_named(message, param, error):
+    """tool_calls other than OpenAI's list of calls, each naming its function, are a 400 naming
+    them: a string had reached the template, which iterated its characters."""
+    body = parse(ChatCompletionRequest, {"model": MODEL, "messages": [{"role": "user", "content": "x"}, message]})
+    with pytest.raises(ApiError, match=re.escape(error)) as raised:
+        body.conversation()
+    assert raised.value.status == 400 and raised.value.param == param
+
+
+@pytest.mark.parametrize("path,value", [("completions", 1), ("chat/completions", True)])
+def test_logprobs_are_refused_as_not_returned(base_url, path, value):
+    """Legacy completions' logprobs is a count, chat's a bool: the refusal says none are
+    returned (it had told a completions client that only false, no count, is accepted)."""
+    body = {"model": MODEL, "logprobs": value,
+            **({"prompt": "x"} if path == "completions" else {"messages": [{"role": "user", "content": "x"}]})}
+    r = httpx.post(f"{base_url}/v1/{path}", json=body)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "logprobs"
+    assert r.json()["error"]["message"] == "unsupported parameter: 'logprobs' (log-probabilities are not returned)"
 
 
 def test_request_translation_into_sampling_params():

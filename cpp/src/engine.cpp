@@ -308,6 +308,10 @@ std::vector<int32_t> Engine::draft(uint64_t id) const {
   // fails at its next step, where a step cut short (interrupt) had left this one posted first.
   CanvasReadout block = read_canvas(*model_->state().backend, *r.block_state);
   if (block.non_finite) return {};
+  // Only what the block may add: max_new_tokens cuts the last block at its commit, and a draft
+  // past that cut would show tokens that never come.
+  const int64_t room = std::max<int64_t>(0, int64_t(r.params.max_new_tokens) - int64_t(r.out.token_ids.size()));
+  if (int64_t(block.argmax.size()) > room) block.argmax.resize(size_t(room));
   return std::move(block.argmax);
 }
 

@@ -218,8 +218,9 @@ class LLM:
 
     @_locked
     def draft(self, request_id: int) -> List[int]:
-        """The argmax canvas of the block a request is refining ([] between blocks, and where
-        its latest logits held NaN or infinity: the request fails at its next step)."""
+        """The argmax canvas of the block a request is refining, cut where max_new_tokens cuts
+        the last block ([] between blocks, and where its latest logits held NaN or infinity:
+        the request fails at its next step)."""
         return list(self._engine.draft(check_int("request_id", request_id, 0, INT64_MAX)))
 
     def interrupt(self) -> None:

@@ -43,6 +43,10 @@ def _is_neutral(value, neutrals) -> bool:
     return any(equal(neutral) for neutral in neutrals)
 
 
+# The coldest scale `temperature` gives the checkpoint's schedule: 0 and every temperature
+# below this one sample with it (the sampler needs T > 0).
+_COLDEST_SCALE = 1e-3
+
 # The most choices (prompts times n) one request may ask for. Each is an engine request with
 # its own state on the event loop, and the engine runs a few dozen at a time (--max-num-seqs):
 # more are better sent as several requests. (2,000 prompts with n = 64, 128,000 choices, had
@@ -132,8 +136,9 @@ class _GenerationRequest(_Strict):
         choices differ and the whole response is reproducible.
 
         temperature scales both ends of the checkpoint's temperature schedule (t_max at the
-        first step, t_min at the last): 1 keeps it, 0 makes it near-greedy (a 1e-3 scale; the
-        sampler needs T > 0) and deterministic, as OpenAI's 0 is: every choice takes the seed
+        first step, t_min at the last): 1 keeps it, 0 makes it near-greedy (a 1e-3 scale, as
+        any temperature below it does; the sampler needs T > 0) and deterministic, as OpenAI's 0
+        is: every choice takes the seed
         (0 where none is given), since the canvas's noise would otherwise still vary the text.
         An explicit t_min / t_max sets that end directly instead. Without max_tokens, the
         length generation_config.json gives, or where it gives none the whole context, is cut
@@ -144,7 +149,7 @@ class _GenerationRequest(_Strict):
         max_tokens = length_untold(max_tokens, defaults["length_given"], defaults["context"])
         if self.temperature is not None and (self.t_min is not None or self.t_max is not None):
             raise ApiError(400, "give either temperature or t_min/t_max, not both", param="temperature")
-        scale = None if self.temperature is None else max(self.temperature, 1e-3)
+        scale = None if self.temperature is None else max(self.temperature, _COLDEST_SCALE)
         t_min = self.t_min if scale is None else defaults["t_min"] * scale
         t_max = self.t_max if scale is None else defaults["t_max"] * scale
         if self.stream_options is not None and not self.stream:
@@ -162,7 +167,7 @@ class _GenerationRequest(_Strict):
             raise ApiError(400, f"allowed_token_ids: {len(allowed)} ids for each of {prompts * self.n} choices, "
                                 f"more than a request's choices may hold in all ({MAX_ALLOWED_IDS}): send fewer "
                                 "choices a request", param="allowed_token_ids")
-        greedy = self.temperature == 0
+        greedy = scale == _COLDEST_SCALE  # (a temperature of 1e-9 samples as 0 does, so is as reproducible)
         params = []
         for i in range(self.n):
             if greedy:  # every choice the same seed
@@ -276,7 +281,10 @@ class _Conversation(_Strict):
             # (OpenAI's newer name for system, which coding agents send: Gemma-style templates refuse it.)
             role = "system" if message.role == "developer" and not template_names_developer else message.role
             out.append({**message.model_dump(), "role": role, "content": content})
-            if message.role == "assistant" and isinstance(out[-1].get("tool_calls"), list):
+            if out[-1].get("tool_calls") is not None:
+                if message.role != "assistant":
+                    raise ApiError(400, f"a {message.role} message has no tool_calls: an assistant's turn makes them",
+                                   param=f"messages[{i}].tool_calls")
                 out[-1]["tool_calls"] = _parsed_tool_calls(out[-1]["tool_calls"], f"messages[{i}].tool_calls")
         return out
 
@@ -336,14 +344,21 @@ def parse_json(text, what: str, param: Optional[str] = None):
         raise ApiError(400, f"{what} is JSON nested too deeply", param=param) from None
 
 
-def _parsed_tool_calls(calls: list, param: str) -> list:
-    """An assistant's tool calls with each function's arguments, which OpenAI clients send as JSON
-    text, as the object it holds (as vLLM passes them, and tool-use templates iterate them;
-    none or "" is {})."""
+def _parsed_tool_calls(calls: Any, param: str) -> list:
+    """An assistant's tool calls, a list of {"function": {"name": ..., "arguments": ...}, ...} as
+    OpenAI's are (the template would otherwise iterate a string's characters, or meet a call
+    without its name), with each function's arguments, which OpenAI clients send as JSON text,
+    as the object it holds (as vLLM passes them, and tool-use templates iterate them; none or
+    "" is {})."""
+    if not isinstance(calls, list):
+        raise ApiError(400, f"tool_calls must be a list of tool calls, got {type(calls).__name__}", param=param)
     parsed = []
     for j, call in enumerate(calls):
         function = call.get("function") if isinstance(call, dict) else None
-        if isinstance(function, dict) and isinstance(function.get("arguments") or "", str):
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise ApiError(400, 'a tool call is an object whose "function" is an object with a string "name"',
+                           param=f"{param}[{j}]")
+        if isinstance(function.get("arguments") or "", str):
             arguments = parse_json(function.get("arguments") or "{}", "a tool call's arguments",
                                    param=f"{param}[{j}].function.arguments")
             call = {**call, "function": {**function, "arguments": arguments}}
@@ -405,8 +420,12 @@ def parse(model: type, body: Any):
         error = max(e.errors(), key=lambda each: len(each["loc"]))
         param = _param_path(error["loc"])
         if error["type"] == "extra_forbidden":
-            hint = (f" (only {' or '.join(json.dumps(v) for v in _NEUTRAL[param])} is accepted)"
-                    if param in _NEUTRAL else "")
+            if param in ("logprobs", "top_logprobs"):  # (chat's logprobs is a bool, completions' a count)
+                hint = " (log-probabilities are not returned)"
+            elif param in _NEUTRAL:
+                hint = f" (only {' or '.join(json.dumps(v) for v in _NEUTRAL[param])} is accepted)"
+            else:
+                hint = ""
             raise ApiError(400, f"unsupported parameter: {param!r}{hint}", param=param,
                            code="unsupported_parameter") from None
         if error["type"] == "missing":

@@ -82,8 +82,9 @@ class Engine {
   std::vector<int32_t> generated(uint64_t id) const;
   // Denoise steps of each block finished so far (GenerationOutput::denoise_steps, to come).
   std::vector<int> denoise_steps(uint64_t id) const;
-  // The argmax canvas of the block in progress (empty between blocks, and where its latest
-  // logits held NaN or infinity: the request fails at its next step): a draft to stream.
+  // The argmax canvas of the block in progress, cut where max_new_tokens cuts the last block
+  // (empty between blocks, and where its latest logits held NaN or infinity: the request
+  // fails at its next step): a draft to stream.
   std::vector<int32_t> draft(uint64_t id) const;
   // Requests held: added, and neither finished nor aborted.
   size_t size() const;
