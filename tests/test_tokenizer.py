@@ -714,6 +714,15 @@ def test_vocabulary_with_a_gap_in_its_ids_decodes_them_all(tmp_path):
     assert ours.decode(ids) == ours.decode_output(ids) == expected
     detokenizer = IncrementalDetokenizer(ours)
     assert detokenizer.push(ids) + detokenizer.finish() == expected
+    # A gap's id has no text: between two byte tokens it does not end their run, whose invalid
+    # byte makes the whole run U+FFFDs (its first byte's "A" had gone out before it).
+    gap = highest - 1
+    while gap in theirs.get_vocab().values():
+        gap -= 1
+    ids = [ours.token_id("<0x41>"), gap, ours.token_id("<0x80>")]
+    detokenizer = IncrementalDetokenizer(ours)
+    pieces = [detokenizer.push([i]) for i in ids] + [detokenizer.finish()]
+    assert "".join(pieces) == theirs.decode(ids, skip_special_tokens=True) == "\ufffd\ufffd"
 
 
 def _edited_checkpoint(tmp_path, config_changes=(), tokenizer_json_changes=None, drop=()):
