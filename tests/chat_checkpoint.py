@@ -72,3 +72,21 @@ def write_chat_checkpoint(path, canvas_length: int = 16, template_file: bool = F
     with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
         json.dump(config, f, indent=2)
     return str(path)
+
+
+CLEAN_UP_CORPUS = "hello , world . don't you ' re fine ? yes ! we 've it 's i 'm n't"
+
+
+def write_clean_up_tokenizer(path) -> str:
+    """A WordPiece tokenizer whose config asks decoding to clean up spaces (BERT's kind), trained
+    on CLEAN_UP_CORPUS: its tokenizer.json and tokenizer_config.json in `path`."""
+    os.makedirs(path, exist_ok=True)
+    tokenizer = Tokenizer(models.WordPiece(unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tokenizer.decoder = decoders.WordPiece()
+    tokenizer.train_from_iterator([CLEAN_UP_CORPUS] * 10, trainers.WordPieceTrainer(
+        vocab_size=200, special_tokens=["[UNK]"], show_progress=False))
+    tokenizer.save(os.path.join(path, "tokenizer.json"))
+    with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
+        json.dump({"clean_up_tokenization_spaces": True, "unk_token": "[UNK]"}, f)
+    return str(path)

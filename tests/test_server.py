@@ -31,7 +31,7 @@ from diffuserve.async_llm import AsyncLLM, StepFailed
 from diffuserve.protocol import MAX_CHOICES, ApiError, ChatCompletionRequest, CompletionRequest, parse
 from diffuserve.server import build_app
 
-from chat_checkpoint import CHAT_TEMPLATE, MODEL_CONFIG, write_chat_checkpoint
+from chat_checkpoint import CHAT_TEMPLATE, CLEAN_UP_CORPUS, MODEL_CONFIG, write_chat_checkpoint, write_clean_up_tokenizer
 
 MODEL = "tiny"
 
@@ -1374,6 +1374,34 @@ def test_usage_counts_through_a_stop_string_that_ends_in_byte_tokens(tmp_path):
                 assert counter(ids[:block_end], end) == fewest, (block_end, end)
                 calls += 1
     assert calls > 40
+
+
+def test_tokens_through_a_stop_string_where_decoding_cleans_up_spaces(tmp_path):
+    """A tokenizer whose decoding cleans up spaces (" ," to ","): the count is still the fewest
+    tokens whose cleaned text begins with the output's first `end` characters, asked as the
+    output grows and at its end. The text before the clean-up had been compared with the cleaned
+    text, and the count had run to the whole output."""
+    from diffuserve.detokenizer import IncrementalDetokenizer
+    from diffuserve.tokenizer import Tokenizer
+    tokenizer = Tokenizer(write_clean_up_tokenizer(tmp_path))
+    rng = random.Random(0)
+    words = CLEAN_UP_CORPUS.split()
+    for _ in range(60):
+        ids = tokenizer.encode(" ".join(rng.choice(words) for _ in range(rng.randrange(2, 40))))
+        text = tokenizer.decode_output(ids)
+        prefixes = [tokenizer.decode_output(ids[:m]) for m in range(len(ids) + 1)]
+        counter, stream, streamed = server_module._TokensThrough(tokenizer), IncrementalDetokenizer(tokenizer), ""
+        for block_end in range(4, len(ids) + 4, 4):
+            final = block_end >= len(ids)
+            streamed += stream.push(ids[block_end - 4:block_end]) + (stream.finish() if final else "")
+            for end in sorted({len(streamed), rng.randint(1, max(len(streamed), 1))}):
+                if 0 < end <= len(streamed):
+                    fewest = next(m for m, prefix in enumerate(prefixes) if prefix.startswith(text[:end]))
+                    assert counter(ids[:block_end], end, final) == fewest, (ids, end)
+    ids = tokenizer.encode("do n't , fine")
+    assert tokenizer.decode_output(ids) == "don't, fine"
+    assert server_module._TokensThrough(tokenizer)(ids, 3, final=True) == next(
+        m for m in range(len(ids)) if tokenizer.decode_output(ids[:m]).startswith("don"))
 
 
 @pytest.mark.parametrize("text", ["ab " + "🦄鯨∑靐" * 8 + " cd 🐍🐍🐍 e", "x" + "🦀" * 20])

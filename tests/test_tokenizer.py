@@ -16,7 +16,7 @@ from diffuserve.detokenizer import IncrementalDetokenizer, until_eos
 from diffuserve.stop_strings import StopStringFilter
 from diffuserve.tokenizer import Tokenizer
 
-from chat_checkpoint import CHAT_TEMPLATE, write_chat_checkpoint
+from chat_checkpoint import CHAT_TEMPLATE, CLEAN_UP_CORPUS, write_chat_checkpoint, write_clean_up_tokenizer
 
 CONVERSATIONS = [
     [{"role": "user", "content": "Hello!"}],
@@ -581,21 +581,11 @@ def test_clean_up_tokenization_spaces_as_transformers(tmp_path):
     """A WordPiece checkpoint with clean_up_tokenization_spaces: decoding drops the spaces before
     punctuation and contractions as transformers does (BPE checkpoints are left alone, as
     there), in whole decodes and in streams, however the tokens arrive."""
-    import json
-    from tokenizers import Tokenizer as HFTokenizer, decoders, models, pre_tokenizers, trainers
-    tokenizer = HFTokenizer(models.WordPiece(unk_token="[UNK]"))
-    tokenizer.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
-    tokenizer.decoder = decoders.WordPiece()
-    corpus = ["hello , world . don't you ' re fine ? yes ! we 've it 's i 'm n't"] * 10
-    tokenizer.train_from_iterator(corpus, trainers.WordPieceTrainer(vocab_size=200, special_tokens=["[UNK]"],
-                                                                    show_progress=False))
-    tokenizer.save(str(tmp_path / "tokenizer.json"))
-    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"clean_up_tokenization_spaces": True,
-                                                                "unk_token": "[UNK]"}))
-    ours, theirs = Tokenizer(tmp_path), AutoTokenizer.from_pretrained(tmp_path)
+    path = write_clean_up_tokenizer(tmp_path)
+    ours, theirs = Tokenizer(path), AutoTokenizer.from_pretrained(path)
     assert ours.clean_up_tokenization_spaces
     rng = random.Random(0)
-    words = corpus[0].split() + ["a"]
+    words = CLEAN_UP_CORPUS.split() + ["a"]
     for _ in range(100):
         ids = ours.encode(" ".join(rng.choice(words) for _ in range(rng.randrange(1, 30))))
         text = theirs.decode(ids, skip_special_tokens=True)
@@ -608,6 +598,19 @@ def test_clean_up_tokenization_spaces_as_transformers(tmp_path):
         assert "".join(pieces) + detokenizer.finish() == text
     assert ours.decode(ids, clean_up_tokenization_spaces=False) == \
         theirs.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+
+def test_cleaned_positions_say_where_each_cleaned_character_comes_from():
+    """cleaned_positions makes clean_up_tokenization's replacements, in its order, keeping each
+    character's place in the text before them."""
+    from diffuserve.tokenizer import clean_up_tokenization, cleaned_positions
+    rng = random.Random(0)
+    alphabet = [" ", ".", "?", "!", ",", "'", "n", "t", "m", "s", "v", "e", "r", "a"]
+    for _ in range(20000):
+        text = "".join(rng.choice(alphabet) for _ in range(rng.randrange(15)))
+        places = cleaned_positions(text)
+        assert "".join(text[k] for k in places) == clean_up_tokenization(text) and places == sorted(set(places))
+    assert cleaned_positions("do n't ' x ' .") == [0, 1, 3, 4, 5, 7, 9, 10, 11, 13]  # "don't'x '."
 
 
 def test_clean_up_asked_of_a_bpe_tokenizer_leaves_its_text_as_transformers(tmp_path):

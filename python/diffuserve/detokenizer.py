@@ -28,7 +28,8 @@ _CLEAN_UP_HOLD = 32  # > 10 replacements x 3 characters each may reach back
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer, skip_special_tokens: bool = True):
+    def __init__(self, tokenizer, skip_special_tokens: bool = True, clean_up: bool = True):
+        """clean_up: False gives the decoder's text without the tokenizer's clean-up, if it has one."""
         self._tokenizer = tokenizer
         self._skip_special = skip_special_tokens
         self._pushed = 0  # tokens pushed so far
@@ -36,7 +37,7 @@ class IncrementalDetokenizer:
         self._text_ids: List[int] = []  # and their ids
         self._prefix_start = 0  # window start: the tokens before the ones last emitted
         self._read = 0          # tokens whose text has been emitted
-        self._clean_up = tokenizer.clean_up_tokenization_spaces
+        self._clean_up = clean_up and tokenizer.clean_up_tokenization_spaces
         self._raw = ""   # with clean-up: the text so far before it (what the windows gave)
         self._sent = 0   # and how much of its cleaned text has been returned
 

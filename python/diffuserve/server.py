@@ -33,6 +33,7 @@ from ._checks import check_encoded, check_token_ids, check_unicode
 from .async_llm import AsyncLLM, EngineError
 from .chat_template import loops_over_content
 from .detokenizer import INCOMPLETE, IncrementalDetokenizer, until_eos
+from .tokenizer import cleaned_positions
 from .protocol import (ApiError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeChatRequest,
                        TokenizeCompletionRequest, invalid_value, parse, parse_json)
 from .metrics import CONTENT_TYPE, Metrics
@@ -72,6 +73,7 @@ class Usage:
 
 
 _SCANNED_PIECE = 16  # tokens of a piece whose every prefix _TokensThrough decodes
+_CLEAN_UP_REACH = 4  # the longest clean-up replacement: how far text to come reaches back into it
 
 
 class _TokensThrough:
@@ -86,15 +88,19 @@ class _TokensThrough:
     cut from, as the detokenizer cut it: each of a short piece's, a long one's bisected. (The
     tokens had been replayed from the first on each call, and each candidate decoded from the
     first token: quadratic in the output's length.) Where the tokenizer cleans up spaces, the
-    detokenizer holds its last characters back, and the count can run past the fewest."""
+    detokenizer gives the text before the clean-up, and `end` is first found in it (the count
+    had run past the stop string, to the whole output, matching the cleaned text against the
+    text before it)."""
 
     def __init__(self, tokenizer):
-        self._detokenizer = IncrementalDetokenizer(tokenizer)
+        self._tokenizer = tokenizer
+        self._detokenizer = IncrementalDetokenizer(tokenizer, clean_up=False)
         self._text = ""
         # At the end of each piece given out: tokens and characters so far; and where the
         # window it was cut from started.
         self._tokens, self._chars, self._windows = [0], [0], [0]
         self._fed = 0  # tokens given to the detokenizer
+        self._finished = False  # and whether the text it held back was let out
 
     def _add(self, give_out) -> None:
         """The piece give_out() returns from the detokenizer, if any, recorded."""
@@ -109,11 +115,43 @@ class _TokensThrough:
     def __call__(self, token_ids: List[int], end: int, final: bool = False) -> int:
         """token_ids: the output so far (each call's starts with the last's); final: the output
         is over, and the text its detokenizer held back was let out (a stop string in it counts)."""
+        if not self._tokenizer.clean_up_tokenization_spaces or end == 0:
+            return self._through(token_ids, end, final)
+        # The raw text through the cleaned text's character end - 1, read once the raw text
+        # reaches far enough past it that text still to come cannot change its clean-up.
+        while True:
+            places = cleaned_positions(self._text)
+            # (cleaning takes no character away from the text to come, so it needs at least
+            # the characters the cleaned text lacks)
+            missing = end + _CLEAN_UP_REACH - len(places)
+            if missing <= 0 or not self._feed(token_ids, len(self._text) + missing, final):
+                break
+        if len(places) < end:
+            return len(token_ids)
+        wanted = "".join(self._text[k] for k in places[:end])  # the cleaned text's first `end` characters
+        count = self._through(token_ids, places[end - 1] + 1, final)
+        # The fewest tokens of the raw text have the cleaned text, but for a replacement that
+        # the next tokens complete (" n" of " n't": "don" is cut from "do n't" by "'t").
+        while count < len(token_ids) and not self._tokenizer.decode_output(token_ids[:count]).startswith(wanted):
+            count += 1
+        return count
+
+    def _feed(self, token_ids: List[int], end: int, final: bool) -> bool:
+        """Gives the detokenizer tokens until its text reaches character `end` or the output
+        is taken whole; whether it was given any."""
+        fed = self._fed
         while self._chars[-1] < end and self._fed < len(token_ids):
             self._fed += 1
             self._add(lambda: self._detokenizer.push([token_ids[self._fed - 1]]))
-        if final and self._chars[-1] < end and self._fed == len(token_ids):
+        if final and self._chars[-1] < end and self._fed == len(token_ids) and not self._finished:
+            self._finished = True
             self._add(self._detokenizer.finish)
+            return True
+        return self._fed > fed
+
+    def _through(self, token_ids: List[int], end: int, final: bool) -> int:
+        """The fewest tokens whose text before any clean-up begins with its first `end` characters."""
+        self._feed(token_ids, end, final)
         if self._chars[-1] < end:
             return len(token_ids)
         i = bisect.bisect_left(self._chars, end)  # the piece that reaches `end`

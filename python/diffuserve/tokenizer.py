@@ -244,6 +244,23 @@ def clean_up_tokenization(text: str) -> str:
     return text
 
 
+def cleaned_positions(text: str) -> List[int]:
+    """Where in `text` each character of clean_up_tokenization(text) comes from: the same
+    replacements (each drops the spaces around its `after`), made as str.replace makes them,
+    left to right without overlaps, with each kept character's place carried along."""
+    current, places = text, list(range(len(text)))
+    for before, after in _CLEAN_UPS:
+        lead = len(before) - len(before.lstrip(" "))  # after is before less its outer spaces
+        pieces, kept, i = [], [], 0
+        while (j := current.find(before, i)) != -1:
+            pieces += [current[i:j], after]
+            kept += places[i:j] + places[j + lead:j + lead + len(after)]
+            i = j + len(before)
+        current = "".join(pieces) + current[i:]
+        places = kept + places[i:]
+    return places
+
+
 class Tokenizer:
     def __init__(self, path: str):
         """Reads the tokenizer files of checkpoint directory `path` (tokenizer.json must exist);
