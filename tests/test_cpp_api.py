@@ -56,6 +56,26 @@ def test_a_project_without_cxx20_of_its_own_builds(program):
     assert os.access(program, os.X_OK)
 
 
+@pytest.mark.parametrize("flag, message", [("-D_GLIBCXX_DEBUG", "cannot be used with _GLIBCXX_DEBUG"),
+                                           ("-D_GLIBCXX_USE_CXX11_ABI=0", "cannot be used with _GLIBCXX_USE_CXX11_ABI=0")])
+def test_every_public_header_refuses_a_standard_library_build_unlike_the_librarys(flag, message):
+    """A program built with libstdc++'s debug containers or its old strings would read the
+    library's values in another layout: each public header refuses to compile in it (dtype.h
+    had not, and read_floats' vector came back as garbage, a segfault)."""
+    compiler = shutil.which("c++") or shutil.which("g++")
+    assert compiler, "a C++ compiler is needed (the package is built with one)"
+    headers = sorted(os.listdir(os.path.join(ds.include_dir(), "diffuserve")))
+    assert {"config.h", "dtype.h", "errors.h", "diffuserve.h", "engine.h", "generate.h"} <= set(headers)
+    for header in headers:
+        source = f'#include "diffuserve/{header}"\n'
+        proc = subprocess.run([compiler, "-std=c++20", flag, "-I", ds.include_dir(), "-fsyntax-only", "-x", "c++", "-"],
+                              input=source, capture_output=True, text=True)
+        assert proc.returncode != 0 and message in proc.stderr, (header, proc.stderr)
+        plain = subprocess.run([compiler, "-std=c++20", "-I", ds.include_dir(), "-fsyntax-only", "-x", "c++", "-"],
+                               input=source, capture_output=True, text=True)
+        assert plain.returncode == 0, (header, plain.stderr)
+
+
 @pytest.mark.parametrize("case, message", [
     # Planned twice, a request's second segment was read after the first had finished it and
     # freed its state: the same output came back twice, from freed memory.
@@ -127,6 +147,13 @@ def test_generate_stops_at_its_stop_token(program, ckpt):
     match = re.fullmatch(r"ok generate: stopped by its stop_token, 0 of 2 prompts done; returned (\d+) ms after the "
                          r"stop; then generated 16", result)
     assert match, result  # (had the stop not come through, the generation would run for minutes: a hang)
+
+
+def test_a_stop_ends_generates_wait_for_the_model(program, ckpt):
+    """A generate() queued behind another thread's call, which holds the model for its whole
+    request, ends at its stop while that call still runs (it had waited the call out)."""
+    assert run_case(program, ckpt, "generate_stopped_while_another_thread_holds_the_model") == \
+        "ok generate: stopped by its stop_token, 0 of 1 prompts done, while the other call ran"
 
 
 def test_a_cache_too_small_for_max_new_tokens_blames_max_new_tokens(program, ckpt):

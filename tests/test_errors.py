@@ -563,6 +563,19 @@ def test_a_bad_thread_count_in_the_environment_is_named(valid_dir, value, says):
     assert says in out.stdout, out.stdout + out.stderr
 
 
+def test_the_default_thread_count_is_the_cpus_the_process_may_run_on(valid_dir):
+    """Left at 0, the pool has a thread for each CPU of the process's affinity (a container's
+    cpuset, taskset), not for each of the host's: on one CPU, no thread beside the caller's
+    (a 128-thread host had run 128 threads on a 2-CPU container's CPUs)."""
+    code = ("import os, sys, diffuserve as ds\nos.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[0]})\n"
+            "before = len(os.listdir('/proc/self/task'))\nmodel = ds.Model.load(sys.argv[1])\n"
+            "model.sequence().prefill([2, 3, 4])\nprint(len(os.listdir('/proc/self/task')) - before)")
+    env = {key: value for key, value in os.environ.items() if key != "DIFFUSERVE_NUM_THREADS"}
+    out = subprocess.run([sys.executable, "-c", code, str(valid_dir)], capture_output=True, text=True, timeout=120,
+                         env=env)
+    assert out.stdout == "0\n", out.stdout + out.stderr
+
+
 def test_weights_too_large_for_the_machine(ckpt):
     """Random weights (load_format "dummy") of sizes no memory holds: a ValueError saying so (it
     had been C++'s bare std::bad_alloc)."""

@@ -99,13 +99,32 @@ std::vector<GenerationOutput> generate(Model& model, const std::vector<std::vect
   if (params.size() != 1 && params.size() != prompts.size())
     throw InvalidArgument("generate: " + std::to_string(params.size()) + " SamplingParams for " +
                           std::to_string(prompts.size()) + " prompts (give one, or one per prompt)");
-  // Register everything first, so that a bad request fails the call before any work.
   Engine engine(model.shared_from_this());
-  for (size_t i = 0; i < prompts.size(); ++i) {
-    try {
-      engine.add(i, prompts[i], params.size() == 1 ? params[0] : params[i]);
-    } catch (const InvalidArgument& e) {
-      throw InvalidArgument("generate: prompt " + std::to_string(i) + ": " + e.what());
+  // A stop ends the step in progress after its pass (the engine's interrupt, which any thread
+  // may call); the loop then sees it between steps.
+  const std::stop_callback interrupt_on_stop(stop, [&engine] { engine.interrupt(); });
+  auto stop_if_asked = [&](size_t done_prompts) {
+    if (stop.stop_requested())
+      throw Cancelled("generate: stopped by its stop_token, " + std::to_string(done_prompts) + " of " +
+                      std::to_string(prompts.size()) + " prompts done");
+  };
+  // The model's turn, taken here for the engine's calls that follow (each takes it again): the
+  // wait for it, where another thread's call may hold it for a whole request, ends at a stop
+  // too (a stop had waited out that request).
+  auto turn = [&](size_t done_prompts) {
+    auto held = model.state().lock(stop);
+    stop_if_asked(done_prompts);
+    return std::move(*held);
+  };
+  // Register everything first, so that a bad request fails the call before any work.
+  {
+    const auto held = turn(0);
+    for (size_t i = 0; i < prompts.size(); ++i) {
+      try {
+        engine.add(i, prompts[i], params.size() == 1 ? params[0] : params[i]);
+      } catch (const InvalidArgument& e) {
+        throw InvalidArgument("generate: prompt " + std::to_string(i) + ": " + e.what());
+      }
     }
   }
   // One request at a time, start to finish: the simplest policy that always fits in the
@@ -116,14 +135,6 @@ std::vector<GenerationOutput> generate(Model& model, const std::vector<std::vect
   // nearly every block free.
   std::vector<GenerationOutput> outputs(prompts.size());
   const int64_t unlimited = INT64_MAX;
-  // A stop ends the step in progress after its pass (the engine's interrupt, which any thread
-  // may call); the loop then sees it between steps.
-  const std::stop_callback interrupt_on_stop(stop, [&engine] { engine.interrupt(); });
-  auto stop_if_asked = [&](size_t done_prompts) {
-    if (stop.stop_requested())
-      throw Cancelled("generate: stopped by its stop_token, " + std::to_string(done_prompts) + " of " +
-                      std::to_string(prompts.size()) + " prompts done");
-  };
   for (size_t i = 0; i < prompts.size(); ++i) {
     // (Where even a canvas finds no room, the model's other sequences, or another thread's,
     // hold the rest of the cache, and the same step would fail again forever.)
@@ -135,12 +146,15 @@ std::vector<GenerationOutput> generate(Model& model, const std::vector<std::vect
     };
     const int64_t canvas = engine.canvas_length(i);
     int64_t chunk = std::max(engine.pending_tokens(i), canvas);
-    while (!engine.admit(i, chunk)) {
-      if (chunk == canvas) throw no_room();
-      chunk = std::max(canvas, chunk / 2);
+    {
+      const auto held = turn(i);
+      while (!engine.admit(i, chunk)) {
+        if (chunk == canvas) throw no_room();
+        chunk = std::max(canvas, chunk / 2);
+      }
     }
     for (bool done = false; !done;) {
-      stop_if_asked(i);
+      const auto held = turn(i);
       const int64_t passes = engine.passes();
       for (auto& [id, out] : engine.step({StepPlan{i, chunk}}, INT32_MAX, unlimited)) {
         outputs[id] = std::move(out);

@@ -2,10 +2,13 @@
 // against the Backend op interface.
 #pragma once
 
+#include <chrono>
 #include <memory>
 #include <mutex>
 #include <new>
+#include <optional>
 #include <span>
+#include <stop_token>
 #include <string>
 #include <vector>
 
@@ -91,9 +94,18 @@ struct ModelState {
   // One caller at a time: every public call on the model (Sequence's, Engine's, cache_stats)
   // holds this while it uses the backend's buffers and the KV cache, so that threads may
   // share a model. Recursive: a call may make another (Sequence::prefill asks length()).
-  std::recursive_mutex calls;
-  std::unique_lock<std::recursive_mutex> lock() {
+  std::recursive_timed_mutex calls;
+  std::unique_lock<std::recursive_timed_mutex> lock() {
     std::unique_lock held(calls);
+    release_dropped();
+    return held;
+  }
+  // lock(), unless a stop is requested while it waits (another thread's call may hold the
+  // model for a whole request): then none, within 10 ms of the stop.
+  std::optional<std::unique_lock<std::recursive_timed_mutex>> lock(const std::stop_token& stop) {
+    std::unique_lock held(calls, std::defer_lock);
+    while (!held.try_lock_for(std::chrono::milliseconds(10)))
+      if (stop.stop_requested()) return std::nullopt;
     release_dropped();
     return held;
   }

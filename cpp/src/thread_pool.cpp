@@ -8,17 +8,34 @@
 #include <string>
 #include <system_error>
 
+#include <sched.h>
 #include <unistd.h>
 
 #include "diffuserve/errors.h"
 
 namespace diffuserve {
 
+namespace {
+
+// The CPUs this process may run on: its affinity mask (a container's cpuset, taskset), which
+// hardware_concurrency ignores (on a 2-CPU container of a 128-thread host the pool had run 128
+// threads on 2 CPUs), at most kMaxThreads (a larger host had been refused its default).
+int available_cpus() {
+  int cpus = int(std::thread::hardware_concurrency());
+#ifdef __linux__
+  cpu_set_t mask;
+  if (sched_getaffinity(0, sizeof mask, &mask) == 0) cpus = CPU_COUNT(&mask);  // (fails past 1,024 CPUs)
+#endif
+  return std::clamp(cpus, 1, ThreadPool::kMaxThreads);
+}
+
+}  // namespace
+
 ThreadPool::ThreadPool(int num_threads) : owner_(getpid()) {
   std::string source = "num_threads";
   if (num_threads <= 0) {
-    // DIFFUSERVE_NUM_THREADS, where set, is a count up to kMaxThreads, 0 every hardware thread
-    // (an empty one is unset).
+    // DIFFUSERVE_NUM_THREADS, where set, is a count up to kMaxThreads, 0 every CPU the process
+    // may run on (an empty one is unset).
     const char* env = std::getenv("DIFFUSERVE_NUM_THREADS");
     if (env && *env) {
       source = "DIFFUSERVE_NUM_THREADS";
@@ -26,10 +43,10 @@ ThreadPool::ThreadPool(int num_threads) : owner_(getpid()) {
       const auto [at, error] = std::from_chars(env, end, num_threads);
       if (error != std::errc() || at != end || num_threads < 0)
         throw InvalidArgument("DIFFUSERVE_NUM_THREADS='" + std::string(env) + "' is not a thread count (up to " +
-                              std::to_string(kMaxThreads) + "; 0: every hardware thread)");
+                              std::to_string(kMaxThreads) + "; 0: every CPU this process may run on)");
     }
   }
-  if (num_threads <= 0) num_threads = int(std::max(1u, std::thread::hardware_concurrency()));
+  if (num_threads <= 0) num_threads = available_cpus();
   if (num_threads > kMaxThreads)
     throw InvalidArgument(source + " " + std::to_string(num_threads) + " is more than " + std::to_string(kMaxThreads));
   try {

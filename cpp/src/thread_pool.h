@@ -20,7 +20,8 @@ class ThreadPool {
   static constexpr int kMaxThreads = 1024;
 
   // A pool of num_threads threads (the caller's included). num_threads <= 0: the
-  // process-wide pool (DIFFUSERVE_NUM_THREADS, else every hardware thread), shared by every
+  // process-wide pool (DIFFUSERVE_NUM_THREADS, else a thread for every CPU the process may run
+  // on, at most kMaxThreads), shared by every
   // backend that does not ask for a thread count of its own, so that many models in one
   // process do not each start a thread per core. More than kMaxThreads, or more than the
   // OS will start, is an InvalidArgument. A process forked from this one has none of the

@@ -295,7 +295,7 @@ def _engine_options(parser: argparse.ArgumentParser) -> None:
                        help="how the KV cache stores keys and values (default: auto, bf16 with bfloat16 "
                             "activations where the device's attention reads it: the same results in half the memory)")
     group.add_argument("--threads", type=in_range(int, 0, 1024), default=0,
-                       help="CPU threads (default: every hardware thread)")
+                       help="CPU threads (default: one for each CPU the process may run on)")
     group.add_argument("--kv-cache-gib", type=KV_CACHE_GIB, default=None, metavar="GIB",
                        help="paged KV cache size (default: a quarter of RAM, at most 4 GiB; on a GPU 80%% "
                             "of the memory the weights leave)")

@@ -4,6 +4,7 @@
 //
 // Each case prints "CASE: ok ..." or "CASE: <exception type>: <message>"; tests/test_cpp_api.py
 // checks that every bad input is an exception naming what is wrong (never a crash or a hang).
+#include <atomic>
 #include <chrono>
 #include <cstdio>
 #include <functional>
@@ -277,6 +278,41 @@ const std::map<std::string, std::function<std::string(const std::string&)>> kCas
                 std::to_string(after);
        }
        return std::string("not stopped");
+     }},
+    // A stop while another thread's call holds the model (its one request of 100,000 tokens
+    // holds it throughout) ends the wait: the stop had waited out the other call.
+    {"generate_stopped_while_another_thread_holds_the_model",
+     [](const std::string& dir) {
+       auto model = load(dir);
+       SamplingParams long_run = params(*model, 100000);
+       long_run.eos_token_ids = {};
+       std::stop_source other_stop, stop;
+       std::atomic<bool> other_running{true};
+       std::jthread other([&] {
+         try {
+           generate(*model, {{2, 3}}, {long_run}, other_stop.get_token());
+         } catch (const Cancelled&) {
+         }
+         other_running = false;
+       });
+       std::jthread deadline([&] {  // (so that a wait that does not end at the stop ends at all)
+         for (int i = 0; i < 2000 && !other_stop.stop_requested(); ++i)
+           std::this_thread::sleep_for(std::chrono::milliseconds(10));
+         other_stop.request_stop();
+       });
+       std::this_thread::sleep_for(std::chrono::milliseconds(300));  // the other call holds the model
+       std::jthread stopper([&] {
+         std::this_thread::sleep_for(std::chrono::milliseconds(200));
+         stop.request_stop();
+       });
+       std::string result = "not stopped";
+       try {
+         generate(*model, {{4}}, {params(*model, 16)}, stop.get_token());
+       } catch (const Cancelled& e) {
+         result = std::string(e.what()) + (other_running ? ", while the other call ran" : ", once the other call ended");
+       }
+       other_stop.request_stop();
+       return result;
      }},
     {"step_negative_max_encode_tokens",
      [](const std::string& dir) {

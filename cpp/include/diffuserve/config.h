@@ -2,23 +2,12 @@
 // generation_config.json (model_type "diffusion_gemma").
 #pragma once
 
-// The library is built with libstdc++'s usual containers. Its debug mode lays std::vector out
-// otherwise, so that a program built with it would read garbage from every struct passed.
-#if defined(_GLIBCXX_DEBUG)
-#error "diffuserve's API cannot be used with _GLIBCXX_DEBUG: the library is built without it"
-#endif
+#include "diffuserve/abi.h"
 
 #include <cstdint>
 #include <optional>
 #include <string>
 #include <vector>
-
-// Nor with libstdc++'s old std::string (_GLIBCXX_USE_CXX11_ABI=0): the library's strings are the
-// C++11 ones, and a string field read by such a program (config().dtype, a finish_reason) would
-// be read as the other layout, its functions failing to link at best.
-#if defined(_GLIBCXX_USE_CXX11_ABI) && !_GLIBCXX_USE_CXX11_ABI
-#error "diffuserve's API cannot be used with _GLIBCXX_USE_CXX11_ABI=0: the library is built with the C++11 ABI"
-#endif
 
 namespace diffuserve {
 

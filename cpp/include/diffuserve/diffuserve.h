@@ -29,7 +29,7 @@ struct LoadOptions {
   // it names none the embedding's stored one (load_format "dummy": bfloat16, whatever config.json
   // says, as the GPU keeps its weights); "float32", "bfloat16" or "float16" casts.
   std::string dtype;
-  int num_threads = 0;         // at most 1024; 0: DIFFUSERVE_NUM_THREADS, else every hardware thread
+  int num_threads = 0;         // at most 1024; 0: DIFFUSERVE_NUM_THREADS, else each CPU it may run on
   // The paged KV cache: 0 = a quarter of physical memory, at most 4 GiB (CPU).
   int64_t kv_cache_memory_bytes = 0;
   int kv_block_size = 16;      // tokens per KV block

@@ -1,6 +1,8 @@
 // Element types of stored tensors, and conversion of the float ones to fp32.
 #pragma once
 
+#include "diffuserve/abi.h"
+
 #include <cstddef>
 #include <cstdint>
 #include <cstring>

@@ -2,6 +2,8 @@
 // checkpoint, a token id, a parameter) is one of these, never a crash.
 #pragma once
 
+#include "diffuserve/abi.h"
+
 #include <stdexcept>
 #include <string>
 

@@ -61,10 +61,12 @@ void validate(const SamplingParams& params, const ModelConfig& config);
 // Generates for each prompt with its parameters (one set for all, or one per prompt).
 // A seeded request's output depends only on its prompt, parameters and seed. Throws
 // InvalidArgument naming the prompt for a bad prompt or parameter (before any work), and for
-// a request the KV cache cannot take because the model's other sequences hold it. The call
-// holds the model's turn (diffuserve.h) until it returns. A stop requested on `stop` (from
-// any thread: a timeout, a client gone) ends it after the forward pass in progress, throwing
-// Cancelled (errors.h), the requests' KV freed. A service that must abort single requests, or
+// a request the KV cache cannot take because the model's other sequences hold it. Its
+// requests run one after another, each holding the model's turn (diffuserve.h) while it
+// runs: other threads' calls on the model run between them. A stop requested on `stop` (from
+// any thread: a timeout, a client gone) ends the call after the forward pass in progress, or
+// ends its wait for the turn (which another thread's call may hold for a whole request),
+// throwing Cancelled (errors.h), the requests' KV freed. A service that must abort single requests, or
 // serve others meanwhile, runs them on an Engine (engine.h).
 std::vector<GenerationOutput> generate(Model& model, const std::vector<std::vector<int32_t>>& prompts,
                                        const std::vector<SamplingParams>& params, std::stop_token stop = {});
