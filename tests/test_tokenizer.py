@@ -600,6 +600,29 @@ def test_clean_up_tokenization_spaces_as_transformers(tmp_path):
         theirs.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
 
 
+def test_a_long_run_of_bytes_that_are_no_text_streams_as_it_comes(tmp_path):
+    """A ByteLevel output with thousands of tokens that are each a byte no UTF-8 character takes
+    (U+FFFD; a client can ask for them with allowed_token_ids): their text goes out as they
+    come, up to the last few, and each push decodes a window of a few tokens. Held back, the
+    window had grown by each, decoded whole at every push: 8,000 had taken 22 s."""
+    tokenizer = Tokenizer(write_chat_checkpoint(tmp_path / "m"))
+    theirs = AutoTokenizer.from_pretrained(tmp_path / "m")
+    invalid = next(i for i in range(tokenizer.vocab_size)
+                   if tokenizer.decode([i]) == "\ufffd" and tokenizer.decode([i] * 5) == "\ufffd" * 5)
+    ids = tokenizer.encode("ok \u00e9", add_special_tokens=False) + [invalid] * 2000 + \
+        tokenizer.encode(" \u20ac", add_special_tokens=False)
+    decoded = []
+    decode_output = tokenizer.decode_output
+    tokenizer.decode_output = lambda some, **kw: decoded.append(len(some)) or decode_output(some, **kw)
+    detokenizer, pieces = IncrementalDetokenizer(tokenizer), []
+    for i in ids:
+        pieces.append(detokenizer.push([i]))
+        if len(pieces) == 1000:
+            assert "".join(pieces).count("\ufffd") >= 990  # the run's text going out
+    assert "".join(pieces) + detokenizer.finish() == theirs.decode(ids)
+    assert sum(decoded) < 20 * len(ids)
+
+
 def test_cleaned_positions_say_where_each_cleaned_character_comes_from():
     """cleaned_positions makes clean_up_tokenization's replacements, in its order, keeping each
     character's place in the text before them."""

@@ -6,7 +6,10 @@ specially (SentencePiece drops its leading space). So each step decodes a short 
 that starts a little before the new tokens, and emits only what the new tokens add to
 it; text whose last character is still incomplete (U+FFFD at the end) waits for the next
 tokens, and so does text that ends in byte-fallback tokens (an invalid byte still to come
-makes the whole run U+FFFDs: Tokenizer.ends_in_byte_run). The deltas concatenate to the
+makes the whole run U+FFFDs: Tokenizer.ends_in_byte_run). Text ending in U+FFFDs that no
+token will complete (bytes that are no UTF-8: a client may ask for thousands) goes out up to
+its last _SETTLED_AFTER tokens, whose bytes settle what an incomplete character before them
+is. The deltas concatenate to the
 decode of all the tokens. Tokens without text (skipped special tokens, ids past the
 vocabulary: Tokenizer.has_text) are left out of the windows, which change nothing of their
 text, so that a long run of them is not decoded again at each step.
@@ -24,6 +27,10 @@ from typing import Iterable, List
 from .tokenizer import clean_up_tokenization
 
 INCOMPLETE = "\ufffd"  # what a decoder writes for bytes that are not (yet) a whole character
+# A UTF-8 character lacks at most 3 bytes, and a token with text has a byte at least: the text
+# before a window's last 3 tokens with text is what it stays (where the whole window's text
+# begins with it, no character there was completed).
+_SETTLED_AFTER = 3
 _CLEAN_UP_HOLD = 32  # > 10 replacements x 3 characters each may reach back
 
 
@@ -48,6 +55,11 @@ class IncrementalDetokenizer:
         end = len(text) if final else max(self._sent, len(text) - _CLEAN_UP_HOLD)
         piece, self._sent = text[self._sent:end], end
         return piece
+
+    @property
+    def tokens_read(self) -> int:
+        """How many of the tokens pushed the text given out so far covers."""
+        return self._read
 
     @property
     def window_start(self) -> int:
@@ -95,11 +107,24 @@ class IncrementalDetokenizer:
         if self._read == self._pushed or (not final and self._ends_in_byte_run()):
             return ""
         before = self.decode(self._prefix_start, self._read)
-        after = self.decode(self._prefix_start, self._pushed)
-        if not final and (len(after) <= len(before) or after.endswith(INCOMPLETE)):
+        end, after = self._pushed, self.decode(self._prefix_start, self._pushed)
+        if not final and after.endswith(INCOMPLETE):
+            # Held back, the window would grow by every token of a run of U+FFFDs, each push
+            # decoding it all again (8,000 such tokens, pushed one at a time, had taken 22 s).
+            end, whole = self._settled_end(), after
+            after = self.decode(self._prefix_start, end) if end > self._read else ""
+            if not whole.startswith(after):
+                return ""
+        if not final and len(after) <= len(before):
             return ""
-        self._prefix_start, self._read = self._read, self._pushed
+        self._prefix_start, self._read = self._read, end
         return after[len(before):]
+
+    def _settled_end(self) -> int:
+        """Where the tokens before the window's last _SETTLED_AFTER tokens with text end (the
+        window's start where it has no more)."""
+        in_window = len(self._text_at) - bisect_left(self._text_at, self._prefix_start)
+        return self._text_at[-_SETTLED_AFTER] if in_window > _SETTLED_AFTER else self._prefix_start
 
 
 def until_eos(token_ids: List[int], eos_token_ids: Iterable[int]) -> List[int]:

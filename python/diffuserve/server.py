@@ -108,7 +108,7 @@ class _TokensThrough:
         piece = give_out()
         if piece:
             self._text += piece
-            self._tokens.append(self._fed)
+            self._tokens.append(self._detokenizer.tokens_read)
             self._chars.append(len(self._text))
             self._windows.append(window)
 
