@@ -623,6 +623,21 @@ def test_a_long_run_of_bytes_that_are_no_text_streams_as_it_comes(tmp_path):
     assert sum(decoded) < 20 * len(ids)
 
 
+@pytest.mark.parametrize("call, name", [
+    (lambda t: t.encode("hi", add_special_tokens=1), "add_special_tokens"),
+    (lambda t: t.encode("hi" * 100_000, add_special_tokens=None), "add_special_tokens"),
+    (lambda t: t.decode([5, 6], skip_special_tokens=0), "skip_special_tokens"),
+    (lambda t: t.decode_output([5, 6], skip_special_tokens=None), "skip_special_tokens"),
+    (lambda t: t.decode([5, 6], clean_up_tokenization_spaces="yes"), "clean_up_tokenization_spaces"),
+])
+def test_a_flag_of_another_type_is_named_not_blamed_on_the_checkpoint(tmp_path, call, name):
+    """encode's and decode's flags are True or False: another type is a ValueError naming the
+    argument (the library's TypeError had been a CheckpointError naming tokenizer.json)."""
+    tokenizer = Tokenizer(write_chat_checkpoint(tmp_path / "m"))
+    with pytest.raises(ValueError, match=f"^{name} must be True or False, got "):
+        call(tokenizer)
+
+
 def test_cleaned_positions_say_where_each_cleaned_character_comes_from():
     """cleaned_positions makes clean_up_tokenization's replacements, in its order, keeping each
     character's place in the text before them."""

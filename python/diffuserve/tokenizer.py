@@ -24,7 +24,7 @@ from tokenizers import AddedToken
 from tokenizers import Tokenizer as _HFTokenizer
 
 from . import _core
-from ._checks import check_path, check_token_ids, check_unicode
+from ._checks import check_bool, check_path, check_token_ids, check_unicode
 from .chat_template import ChatTemplate
 
 # Characters from which a text is encoded without holding the GIL (Tokenizer.encode): about
@@ -401,6 +401,7 @@ class Tokenizer:
         if not isinstance(text, str):
             raise ValueError(f"text must be a string, got {type(text).__name__}")
         check_unicode("text", text)
+        add_special_tokens = check_bool("add_special_tokens", add_special_tokens)  # (else blamed on tokenizer.json)
         # The tokenizers library's encode holds the GIL throughout (a 5 MB text, ~15 s, stopped
         # every other thread, the server's event loop too); encode_batch lets go of it, the
         # same ids. Only for long texts: encode_batch marks the library's thread pool used, and
@@ -428,6 +429,10 @@ class Tokenizer:
         return self._decode([i for i in ids if i < vocab_size], skip_special_tokens, clean_up_tokenization_spaces)
 
     def _decode(self, ids: List[int], skip_special_tokens: bool, clean_up: Optional[bool]) -> str:
+        # (A flag of another type had failed in the library, and been blamed on tokenizer.json.)
+        skip_special_tokens = check_bool("skip_special_tokens", skip_special_tokens)
+        if clean_up is not None:
+            clean_up = check_bool("clean_up_tokenization_spaces", clean_up)
         text = self._library(self._tokenizer.decode, ids, skip_special_tokens=skip_special_tokens)
         clean_up = self.clean_up_tokenization_spaces if clean_up is None else clean_up and self._may_clean_up
         return clean_up_tokenization(text) if clean_up else text
