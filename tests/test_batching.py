@@ -186,12 +186,16 @@ def test_window_far_past_the_sequence(tmp_path):
 
 def test_preempted_requests_give_the_same_output(make_llm):
     rng = np.random.default_rng(1)
-    prompts = [rng.integers(0, 64, int(n)).tolist() for n in rng.integers(4, 30, 8)]
+    prompts = [[i, *rng.integers(0, 64, int(n)).tolist()] for i, n in enumerate(rng.integers(4, 30, 8))]
     ps = [params(100 + i, n=32) for i in range(8)]
     # Room for about two long sequences at once: running ones must be preempted to commit.
     tight = make_llm(kv_cache_memory_bytes=60_000, max_num_seqs=8)
     outs = tight.generate(prompts, ps)
-    assert tight.stats()["preemptions"] > 0
+    stats = tight.stats()
+    assert stats["preemptions"] > 0
+    # Each prompt is looked up once, and none shares a first token with another: no hits (a
+    # preempted request's own blocks, found again as it was admitted again, had counted).
+    assert stats["prefix_cache_queries"] == sum(map(len, prompts)) and stats["prefix_cache_hits"] == 0
     ref = make_llm()
     for prompt, p, out in zip(prompts, ps, outs):
         assert out.token_ids == alone(ref, prompt, p).token_ids

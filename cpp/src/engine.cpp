@@ -28,6 +28,7 @@ struct RequestState {
   std::optional<CanvasState> block_state;
   Activation feedback;
   int steps = 0;  // denoise steps run (counted on the host as well, so it need not read them)
+  bool prefix_queried = false;  // its prompt counted in the prefix cache's queries (once, not again after a preemption)
 
   int64_t target_length() const { return int64_t(prompt.size() + out.token_ids.size()); }
   int64_t pending() const { return target_length() - table.length(); }
@@ -247,7 +248,11 @@ bool Engine::admit(uint64_t id, int64_t encode_tokens) {
     kv.release(r.table);
     return false;
   }
-  kv.record_prefix_query(int64_t(r.prompt.size()), std::min<int64_t>(hit, int64_t(r.prompt.size())));
+  // A preempted request found its own blocks again: counted, they had made hits of the
+  // prompts' lookups that no other prompt shared.
+  if (!r.prefix_queried)
+    kv.record_prefix_query(int64_t(r.prompt.size()), std::min<int64_t>(hit, int64_t(r.prompt.size())));
+  r.prefix_queried = true;
   r.waiting = false;
   return true;
 }
