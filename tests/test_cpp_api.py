@@ -56,8 +56,9 @@ def test_a_project_without_cxx20_of_its_own_builds(program):
     assert os.access(program, os.X_OK)
 
 
-@pytest.mark.parametrize("flag, message", [("-D_GLIBCXX_DEBUG", "cannot be used with _GLIBCXX_DEBUG"),
-                                           ("-D_GLIBCXX_USE_CXX11_ABI=0", "cannot be used with _GLIBCXX_USE_CXX11_ABI=0")])
+@pytest.mark.parametrize("flag, message", [
+    ("-D_GLIBCXX_DEBUG", "cannot be used with _GLIBCXX_DEBUG"),
+    ("-D_GLIBCXX_USE_CXX11_ABI=0", "cannot be used with _GLIBCXX_USE_CXX11_ABI=0")])
 def test_every_public_header_refuses_a_standard_library_build_unlike_the_librarys(flag, message):
     """A program built with libstdc++'s debug containers or its old strings would read the
     library's values in another layout: each public header refuses to compile in it (dtype.h

@@ -31,7 +31,8 @@ from diffuserve.async_llm import AsyncLLM, StepFailed
 from diffuserve.protocol import MAX_CHOICES, ApiError, ChatCompletionRequest, CompletionRequest, parse
 from diffuserve.server import build_app
 
-from chat_checkpoint import CHAT_TEMPLATE, CLEAN_UP_CORPUS, MODEL_CONFIG, write_chat_checkpoint, write_clean_up_tokenizer
+from chat_checkpoint import (CHAT_TEMPLATE, CLEAN_UP_CORPUS, MODEL_CONFIG, write_chat_checkpoint,
+                             write_clean_up_tokenizer)
 
 MODEL = "tiny"
 

@@ -309,7 +309,8 @@ const std::map<std::string, std::function<std::string(const std::string&)>> kCas
        try {
          generate(*model, {{4}}, {params(*model, 16)}, stop.get_token());
        } catch (const Cancelled& e) {
-         result = std::string(e.what()) + (other_running ? ", while the other call ran" : ", once the other call ended");
+         result = std::string(e.what()) +
+                  (other_running ? ", while the other call ran" : ", once the other call ended");
        }
        other_stop.request_stop();
        return result;
