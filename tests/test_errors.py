@@ -1288,6 +1288,25 @@ print("child", os.waitstatus_to_exitcode(status))
 """
 
 
+@pytest.mark.parametrize("work", [
+    "llm = ds.LLM(path)\nwhile True:\n    llm.generate([[2, 3, 4]] * 4, ds.SamplingParams(max_new_tokens=256, "
+    "max_denoising_steps=48, eos_token_id=[]))",
+    "sequence = ds.Model.load(path).sequence()\nsequence.prefill([2, 3, 4])\nwhile True:\n    "
+    "sequence.denoise([5] * CANVAS)"], ids=["LLM.generate", "Sequence.denoise"])
+def test_a_process_exits_while_a_daemon_thread_computes(valid_dir, work):
+    """A user's daemon thread inside a native call as the interpreter exits: the process exits
+    cleanly (the thread, taking the GIL back during finalization, had been ended by
+    pthread_exit, whose unwinding through the bindings' C++ frames aborted the process)."""
+    body = "".join("    " + line + "\n" for line in work.replace("CANVAS", str(CANVAS)).splitlines())
+    code = (f"import sys, threading, time, diffuserve as ds\npath = sys.argv[1]\nstarted = threading.Event()\n"
+            f"def run():\n    started.set()\n{body}"
+            "threading.Thread(target=run, daemon=True).start()\nstarted.wait()\ntime.sleep(0.3)\nprint('exiting')\n")
+    for _ in range(3):
+        proc = subprocess.run([sys.executable, "-c", code, str(valid_dir)], capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 0 and proc.stdout == "exiting\n", proc.stderr[-2000:]
+        assert "leaked" not in proc.stderr, proc.stderr[-2000:]
+
+
 @pytest.mark.parametrize("exit_by", ["sys_exit", "os_exit"])
 @pytest.mark.parametrize("num_threads", [4, 0])
 def test_a_forked_child_computes_and_exits(valid_dir, num_threads, exit_by):

@@ -11,8 +11,11 @@
 #include <nanobind/stl/vector.h>
 
 #include <algorithm>
+#include <atomic>
+#include <chrono>
 #include <cstring>
 #include <set>
+#include <thread>
 
 #include "backend.h"
 #include "diffuserve/diffuserve.h"
@@ -29,11 +32,58 @@ using LogitsIn = nb::ndarray<const float, nb::ndim<2>, nb::c_contig, nb::device:
 
 namespace {
 
+// The GIL let go of for a native call, and taken back after it; but a daemon thread that takes
+// it back once the interpreter finalizes is ended there by pthread_exit, whose unwinding
+// through these C++ frames aborts the process (SIGABRT as it exited, where a user's daemon
+// thread was inside generate). So from the exit hook on (park_threads_at_exit: the last atexit
+// hook of the package's, after AsyncLLM's has stopped its engines), a call that returns in
+// any other thread parks it where it would take the GIL back: the process is ending.
+std::atomic<bool> exiting{false};
+std::thread::id exiting_thread;
+std::atomic<int> in_native_calls{0};  // threads between letting go of the GIL and having it back
+std::atomic<int> taking_back{0};      // of those, the ones past their call, about to take it
+
+class GilReleased {
+ public:
+  GilReleased() : state_(PyEval_SaveThread()) { ++in_native_calls; }
+  ~GilReleased() {
+    ++taking_back;
+    if (exiting && std::this_thread::get_id() != exiting_thread) {
+      --taking_back;
+      for (;;) std::this_thread::sleep_for(std::chrono::hours(1));
+    }
+    PyEval_RestoreThread(state_);
+    --taking_back;
+    --in_native_calls;
+  }
+  GilReleased(const GilReleased&) = delete;
+  GilReleased& operator=(const GilReleased&) = delete;
+
+ private:
+  PyThreadState* state_;
+};
+
+// The exit hook: from now on threads park rather than take the GIL back. A thread that had
+// seen no hook yet takes the GIL while the hook waits without it (a thread taking it once the
+// interpreter finalizes would be ended). Threads still running (daemon threads: parked, or
+// ended by the finalization) keep their objects, which nanobind would report as the
+// bindings' leaks.
+void park_threads_at_exit() {
+  exiting_thread = std::this_thread::get_id();
+  exiting = true;
+  {
+    nb::gil_scoped_release release;
+    for (int i = 0; i < 1000 && taking_back > 0; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  if (in_native_calls > 0 || nb::cast<int>(nb::module_::import_("threading").attr("active_count")()) > 1)
+    nb::set_leak_warnings(false);
+}
+
 // f() with the GIL released: a call that waits for the model's turn (another thread's pass
 // may hold it for seconds) must not hold every Python thread up with it.
 template <class F>
 auto without_gil(F f) {
-  nb::gil_scoped_release release;
+  GilReleased release;
   return f();
 }
 
@@ -218,13 +268,13 @@ void bind_generate(nb::module_& m) {
       .def(nb::init<uint64_t, int64_t>(), nb::arg("id"), nb::arg("max_encode_tokens"));
   // Each call waits for the model's turn, which another thread's pass (Engine.step, a
   // Sequence's) may hold for seconds: without the GIL, as without_gil says.
-  const auto unlocked = nb::call_guard<nb::gil_scoped_release>();
+  const auto unlocked = nb::call_guard<GilReleased>();
   nb::class_<Engine>(m, "Engine")
       .def(nb::init<std::shared_ptr<Model>, bool>(), nb::arg("model"), nb::arg("fuse_commit") = true)
       .def_prop_ro("passes", [](const Engine& self) { return without_gil([&] { return self.passes(); }); })
       // (The params copied with the GIL held: another Python thread may change them meanwhile.)
       .def("add", [](Engine& self, uint64_t id, std::vector<int32_t> prompt, SamplingParams params) {
-             nb::gil_scoped_release release;
+             GilReleased release;
              self.add(id, std::move(prompt), params);
            }, nb::arg("id"), nb::arg("prompt"), nb::arg("params"))
       .def("admit", &Engine::admit, nb::arg("id"), nb::arg("encode_tokens"), unlocked)
@@ -248,10 +298,11 @@ NB_MODULE(_core, m) {
   m.doc() = "diffuserve native runtime";
   nb::exception<FormatError>(m, "CheckpointError", PyExc_ValueError);
   m.def("cuda_available", &cuda_available);
+  nb::module_::import_("atexit").attr("register")(nb::cpp_function(park_threads_at_exit));
   // The safetensors files a load of checkpoint directory `dir` reads, checked as a load checks
   // them (the single file or the index's shards): what `diffuserve quantize` converts.
   m.def("weight_files", [](const std::string& dir) {
-    nb::gil_scoped_release release;
+    GilReleased release;
     const Checkpoint checkpoint(dir);
     std::set<std::string> files;
     for (const auto& [name, view] : checkpoint.tensors()) files.insert(view.file);
@@ -264,7 +315,7 @@ NB_MODULE(_core, m) {
           [](const std::string& path, const std::string& device, const std::string& dtype, int num_threads,
              int64_t kv_cache_memory_bytes, int kv_block_size, int max_num_seqs, const std::string& load_format,
              const std::string& quantization, const std::string& activations, const std::string& kv_cache_dtype) {
-            nb::gil_scoped_release release;
+            GilReleased release;
             return Model::load(path, LoadOptions{device, dtype, num_threads, kv_cache_memory_bytes, kv_block_size,
                                                  max_num_seqs, load_format, quantization, activations, kv_cache_dtype});
           },
@@ -277,7 +328,7 @@ NB_MODULE(_core, m) {
       .def_prop_ro("kv_cache_dtype", [](const Model& self) { return std::string(dtype_name(self.kv_cache_dtype())); })
       .def_prop_ro("device", &Model::device)
       .def("sequence", &Model::new_sequence, nb::arg("canvas_length") = 0)
-      .def_prop_ro("max_sequence_tokens", &Model::max_sequence_tokens, nb::call_guard<nb::gil_scoped_release>())
+      .def_prop_ro("max_sequence_tokens", &Model::max_sequence_tokens, nb::call_guard<GilReleased>())
       .def("sampling_defaults", [](const Model& self) { return sampling_defaults(self.config()); })
       .def("cache_stats", [](const Model& self) {
         const CacheStats s = without_gil([&] { return self.cache_stats(); });
@@ -292,12 +343,12 @@ NB_MODULE(_core, m) {
   nb::class_<Sequence>(m, "Sequence")
       .def("prefill",
            [](Sequence& self, IdArray ids) {
-             nb::gil_scoped_release release;
+             GilReleased release;
              self.prefill(ids_of(ids));
            })
       .def("commit",
            [](Sequence& self, IdArray ids) {
-             nb::gil_scoped_release release;
+             GilReleased release;
              self.commit(ids_of(ids));
            })
       .def(
@@ -313,14 +364,14 @@ NB_MODULE(_core, m) {
                                     std::to_string(sc->shape(1)) + "]");
             std::vector<float> logits;
             {
-              nb::gil_scoped_release release;
+              GilReleased release;
               logits = self.denoise(ids_of(canvas), sc ? std::span<const float>(sc->data(), sc->size())
                                                        : std::span<const float>());
             }
             return to_numpy(std::move(logits), {canvas.shape(0), size_t(vocab)});
           },
           nb::arg("canvas"), nb::arg("self_conditioning_logits").none())
-      .def("__len__", &Sequence::length, nb::call_guard<nb::gil_scoped_release>())
+      .def("__len__", &Sequence::length, nb::call_guard<GilReleased>())
       .def_prop_ro("canvas_length", &Sequence::canvas_length)
       .def("kv_blocks", [](const Sequence& self) {
         const auto [full, sliding] = without_gil([&] { return self.kv_blocks(); });
