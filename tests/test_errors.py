@@ -1318,6 +1318,49 @@ def test_a_forked_child_computes_and_exits(valid_dir, num_threads, exit_by):
     assert result.returncode == 0 and result.stdout.strip() == "child 0", result.stdout + result.stderr
 
 
+FORKED_IN_USE = """
+import os, sys, threading, time
+import diffuserve as ds
+path = sys.argv[1]
+llm = ds.LLM(path, slice_steps=100_000)  # one step runs the whole request, holding the model throughout
+started = threading.Event()
+def run():
+    started.set()
+    llm.generate([[2, 3, 4]], ds.SamplingParams(max_new_tokens=8192, max_denoising_steps=48, eos_token_id=[]))
+threading.Thread(target=run, daemon=True).start()
+started.wait()
+time.sleep(0.3)
+pid = os.fork()
+if pid == 0:
+    for name, call in [("LLM", lambda: llm.generate([[2, 3]])), ("Model", lambda: llm.model.sequence().prefill([2]))]:
+        try:
+            call()
+            print(name, "ran", flush=True)
+        except ValueError as e:
+            print(name, "refused:", e, flush=True)
+    fresh = ds.LLM(path).generate([[2, 3]], ds.SamplingParams(max_new_tokens=8, seed=0))[0]
+    print("a new LLM generated", len(fresh.token_ids), flush=True)
+    os._exit(0)
+print("child", os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]), flush=True)
+os._exit(0)
+"""
+
+
+def test_a_child_forked_while_another_thread_uses_the_llm_refuses_it(valid_dir):
+    """A fork while another thread's call holds the LLM and its model: in the child that thread
+    does not exist, and the LLM and model, half-way through its call, refuse every call (the
+    child had waited for them forever); a new LLM there works."""
+    result = subprocess.run([sys.executable, "-c", FORKED_IN_USE, str(valid_dir)], capture_output=True, text=True,
+                            timeout=120)
+    lines = result.stdout.splitlines()
+    assert result.returncode == 0 and len(lines) == 4, result.stdout + result.stderr
+    assert lines[0] == ("LLM refused: this LLM was in use by another thread when the process forked: in this process "
+                        "its state is that call's, half done, and that thread does not exist; create the LLM again "
+                        "here (or fork while no thread uses it)")
+    assert lines[1].startswith("Model refused: this model was in use by another thread when the process forked")
+    assert lines[2:] == ["a new LLM generated 8", "child 0"]
+
+
 ASYNC_LEFT_RUNNING = """
 import asyncio, sys
 import diffuserve as ds

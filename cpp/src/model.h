@@ -79,6 +79,11 @@ struct Segment {
 };
 
 struct ModelState {
+  ModelState();  // (registered for the fork handlers while it lives)
+  ~ModelState();
+  ModelState(const ModelState&) = delete;
+  ModelState& operator=(const ModelState&) = delete;
+
   std::string path;
   std::string device;
   ModelConfig config;
@@ -95,7 +100,12 @@ struct ModelState {
   // holds this while it uses the backend's buffers and the KV cache, so that threads may
   // share a model. Recursive: a call may make another (Sequence::prefill asks length()).
   std::recursive_timed_mutex calls;
+  // Set in a child process forked while another thread's call held `calls`: there that thread
+  // does not exist, `calls` stays held for good, and the model's state is the call's, half
+  // done. Every call is then refused (it had waited forever).
+  bool forked_in_use = false;
   std::unique_lock<std::recursive_timed_mutex> lock() {
+    refuse_if_forked_in_use();
     std::unique_lock held(calls);
     release_dropped();
     return held;
@@ -103,6 +113,7 @@ struct ModelState {
   // lock(), unless a stop is requested while it waits (another thread's call may hold the
   // model for a whole request): then none, within 10 ms of the stop.
   std::optional<std::unique_lock<std::recursive_timed_mutex>> lock(const std::stop_token& stop) {
+    refuse_if_forked_in_use();
     std::unique_lock held(calls, std::defer_lock);
     while (!held.try_lock_for(std::chrono::milliseconds(10)))
       if (stop.stop_requested()) return std::nullopt;
@@ -131,6 +142,7 @@ struct ModelState {
   }
 
  private:
+  void refuse_if_forked_in_use() const;
   void release_dropped() {  // (with `calls` held)
     const std::lock_guard guard(dropped_mutex);
     for (KvTable& table : dropped) kv->release(table);

@@ -6,8 +6,12 @@
 #include <system_error>
 #include <cctype>
 #include <new>
+#include <mutex>
 #include <optional>
+#include <set>
 #include <stdexcept>
+
+#include <pthread.h>
 
 #include "diffuserve/diffuserve.h"
 #include "model.h"
@@ -77,6 +81,49 @@ void check_token_ids(std::span<const int32_t> ids, const ModelConfig& c, const s
     if (ids[i] < 0 || ids[i] >= c.vocab_size)
       throw InvalidArgument(what + ": token id " + std::to_string(ids[i]) + " at index " + std::to_string(i) +
                             " is out of range [0, " + std::to_string(c.vocab_size) + ")");
+}
+
+// The live models, for the fork handlers. A fork copies a model's turn as it is: in a child
+// forked while another thread's call held it, forked_in_use (model.h) says so.
+namespace {
+
+std::mutex live_models_mutex;
+std::set<ModelState*>& live_models() {
+  static auto* models = new std::set<ModelState*>;  // (never destroyed: a model may outlive statics)
+  return *models;
+}
+
+void mark_models_in_use_at_fork() {  // in the child, whose one thread is the forking one
+  for (ModelState* m : live_models()) {
+    if (m->calls.try_lock())
+      m->calls.unlock();
+    else
+      m->forked_in_use = true;
+  }
+  live_models_mutex.unlock();
+}
+
+}  // namespace
+
+ModelState::ModelState() {
+  static std::once_flag handlers;
+  std::call_once(handlers, [] {
+    pthread_atfork([] { live_models_mutex.lock(); }, [] { live_models_mutex.unlock(); }, mark_models_in_use_at_fork);
+  });
+  const std::lock_guard guard(live_models_mutex);
+  live_models().insert(this);
+}
+
+ModelState::~ModelState() {
+  const std::lock_guard guard(live_models_mutex);
+  live_models().erase(this);
+}
+
+void ModelState::refuse_if_forked_in_use() const {
+  if (forked_in_use)
+    throw InvalidArgument("this model was in use by another thread when the process forked: in this process its "
+                          "state is that call's, half done, and that thread does not exist; load the model again "
+                          "here (or fork while no thread uses it)");
 }
 
 Model::Model(std::unique_ptr<ModelState> state) : state_(std::move(state)) {}

@@ -14,8 +14,10 @@ import _thread
 import contextlib
 import functools
 import itertools
+import os
 import signal
 import threading
+import weakref
 from dataclasses import dataclass, field
 from typing import List, Optional, Sequence, Union
 
@@ -100,11 +102,35 @@ def _locked(method):
     """The method, run holding the LLM's lock (LLM.__init__ says why)."""
     @functools.wraps(method)
     def run(self, *args, **kwargs):
+        if self._forked_in_use:
+            raise ValueError("this LLM was in use by another thread when the process forked: in this process its "
+                             "state is that call's, half done, and that thread does not exist; create the LLM again "
+                             "here (or fork while no thread uses it)")
         if self._lock._is_owned():  # within this thread's own call (generate's steps): held already,
             return method(self, *args, **kwargs)  # and the turnstile may be another's, waiting for it
         with self._lock:
             return method(self, *args, **kwargs)
     return run
+
+
+# The LLMs of this process, for the fork handler below.
+_LLMS: "weakref.WeakSet[LLM]" = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    """A fork copies an LLM's lock as it is. In a child forked while another thread's call held
+    it, that thread does not exist, the lock stays held for good (the child had waited forever)
+    and the scheduler's state is that call's, half done: the LLM refuses every call there. The
+    others get a new lock (a thread that was waiting for one holds its turnstile)."""
+    for llm in list(_LLMS):
+        if llm._lock.acquire(blocking=False):
+            llm._lock.release()
+        else:
+            llm._forked_in_use = True
+        llm._lock = _TurnLock()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def _sampling_params(value, where: str) -> SamplingParams:
@@ -154,6 +180,8 @@ class LLM:
         # generate holds it until its outputs are done (a step returns whichever requests
         # finished, so two generate loops must not share steps).
         self._lock = _TurnLock()
+        self._forked_in_use = False  # (_after_fork_in_child)
+        _LLMS.add(self)
         self.scheduler = Scheduler(self._engine, int(max_num_seqs), max_num_batched_tokens, slice_steps)
         self.tokenizer = Tokenizer.from_checkpoint(path)  # None when the checkpoint has no tokenizer.json
         self._ids = itertools.count()
