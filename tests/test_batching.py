@@ -184,6 +184,20 @@ def test_window_far_past_the_sequence(tmp_path):
     assert outs[0] == outs[1] and len(outs[0]) == 24
 
 
+def test_a_cache_of_one_sliding_block_holds_a_sequence_of_one_block(path):
+    """Blocks of 32 tokens in a cache that gives the sliding layers one: a sequence of one block
+    fits it (each pool's block holds it), and generates as in a larger cache. The sliding
+    layers had been counted one block more than any sequence fills, and the cache had held no
+    sequence at all."""
+    llm = ds.LLM(path, kv_block_size=32, kv_cache_memory_bytes=20_000)
+    assert llm.model.max_sequence_tokens == 32
+    p = params(0, n=CANVAS)
+    roomy = ds.LLM(path, kv_block_size=32)
+    assert llm.generate([[5, 6, 7]], p)[0].token_ids == roomy.generate([[5, 6, 7]], p)[0].token_ids
+    with pytest.raises(ValueError, match="whose longest sequence is 32 tokens"):
+        llm.generate([[5] * 30], p)
+
+
 def test_preempted_requests_give_the_same_output(make_llm):
     rng = np.random.default_rng(1)
     prompts = [[i, *rng.integers(0, 64, int(n)).tolist()] for i, n in enumerate(rng.integers(4, 30, 8))]

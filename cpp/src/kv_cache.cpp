@@ -232,10 +232,14 @@ void KvCache::append(KvTable& table, std::span<const int32_t> tokens) {
 }
 
 std::array<int64_t, kNumGroups> KvCache::most_blocks(int64_t total_tokens, int64_t chunk) const {
-  // The sliding layers hold the window and a chunk, or the whole sequence where that is shorter (a
-  // window far past the sequence, which a config may give, asks no more than full attention).
+  // The sliding layers hold the window and a chunk, in one block more than those tokens fill
+  // (the window's start need not be a block's), or the whole sequence where that is shorter (a
+  // window far past the sequence, which a config may give, asks no more than full attention;
+  // nor does a sequence of one block, which its one sliding block holds: the extra block had
+  // left a cache of one sliding block holding no sequence at all).
+  const int64_t full = ceil_div(total_tokens, block_size_);
   const int64_t sliding_tokens = std::min(total_tokens, window_ - 1 + chunk);
-  return {ceil_div(total_tokens, block_size_), ceil_div(sliding_tokens, block_size_) + 1};
+  return {full, std::min(full, ceil_div(sliding_tokens, block_size_) + 1)};
 }
 
 bool KvCache::could_hold(int64_t total_tokens, int64_t chunk) const {
