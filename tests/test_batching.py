@@ -184,6 +184,26 @@ def test_window_far_past_the_sequence(tmp_path):
     assert outs[0] == outs[1] and len(outs[0]) == 24
 
 
+def test_a_long_prompt_goes_on_in_every_pass_of_a_step(make_llm):
+    """A step's later passes carry a prompt's next chunks in the rows that the running requests
+    leave: a 400-token prompt beside a denoising request, 40 rows a pass, is encoded in 2 steps
+    of 8 passes (it had taken 13, a chunk a step), and its output is the one it has alone."""
+    rng = np.random.default_rng(5)
+    prompt = rng.integers(0, 64, 400).tolist()
+    p = params(2, n=CANVAS)
+    llm = make_llm(max_num_batched_tokens=40, slice_steps=8)
+    background = llm.add_request([1, 2, 3], ds.SamplingParams(max_new_tokens=CANVAS * 100, seed=1, eos_token_id=[],
+                                                              max_denoising_steps=40, confidence_threshold=1e-30))
+    llm.step()
+    request, steps, done = llm.add_request(prompt, p), 0, []
+    while not done:
+        done = [out for out in llm.step() if out.request_id == request]
+        steps += 1
+    assert steps <= 3
+    assert done[0].token_ids == alone(make_llm(), prompt, p).token_ids
+    llm.abort(background)
+
+
 def test_a_cache_of_one_sliding_block_holds_a_sequence_of_one_block(path):
     """Blocks of 32 tokens in a cache that gives the sliding layers one: a sequence of one block
     fits it (each pool's block holds it), and generates as in a larger cache. The sliding

@@ -362,13 +362,21 @@ std::vector<std::pair<uint64_t, GenerationOutput>> Engine::step(const std::vecto
     std::vector<Denoiser> denoisers;
     segments.reserve(2 * active.size());
     int64_t rows = 0, denoise_rows = 0;
-    for (auto& [id, r] : active) {
+    // The first pass runs the plan. Later passes give their rows to the requests past their
+    // prompts first (blocks to commit, denoise steps), and what is left to the prompts' next
+    // chunks, in the plan's order: a long prompt beside one denoising request had waited a
+    // whole step (slice_steps passes, 7 of 8 of their rows empty) for each chunk.
+    std::vector<std::pair<uint64_t, RequestState*>> order = active;
+    if (pass > 0)
+      std::stable_partition(order.begin(), order.end(),
+                            [](const auto& a) { return a.second->table.length() >= int64_t(a.second->prompt.size()); });
+    for (auto& [id, r] : order) {
       const int64_t pending = r->pending();
-      // Prompt chunks go only into the first pass, as planned; later passes commit blocks.
       const bool prompt_left = r->table.length() < int64_t(r->prompt.size());
       // (A prompt chunk planned past the pass's rows is cut to them, not skipped every pass.)
-      const int64_t encode =
-          pass == 0 ? std::min({pending, allowance[id], max_batched_tokens - rows}) : (prompt_left ? 0 : pending);
+      const int64_t encode = pass == 0 || prompt_left ? std::min({pending, pass == 0 ? allowance[id] : pending,
+                                                                   max_batched_tokens - rows})
+                                                      : pending;
       if (encode > 0) {
         if (rows + encode > max_batched_tokens || !m.kv->reserve(r->table, encode)) continue;
         const int64_t from = r->table.length();
@@ -456,8 +464,6 @@ std::vector<std::pair<uint64_t, GenerationOutput>> Engine::step(const std::vecto
         requests_.erase(id);
       }
     }
-    // A request whose prompt is still incomplete waits for its next planned chunk.
-    std::erase_if(active, [](const auto& a) { return a.second->table.length() < int64_t(a.second->prompt.size()); });
   }
   // (Cleared only here: an interrupt that came during the step has ended it, and one that
   // comes after this is for the next.)

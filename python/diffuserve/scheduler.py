@@ -8,8 +8,9 @@ Each step:
    recomputed later; its output does not change) until it can.
 2. Waiting requests are admitted first come, first served while a sequence slot, the
    token budget and the KV cache allow; a request that does not fit blocks those behind it.
-3. The engine runs up to `slice_steps` passes. New requests join only between steps, so
-   one arriving now waits at most one slice.
+3. The engine runs up to `slice_steps` passes: the first as planned, the later ones giving
+   the rows that commits and denoise steps leave to the prompts' next chunks. New requests
+   join only between steps, so one arriving now waits at most one slice.
 """
 from __future__ import annotations
 

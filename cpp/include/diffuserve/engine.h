@@ -60,7 +60,9 @@ class Engine {
   // Runs up to `max_steps` (>= 1) passes over the planned requests (each admitted, each
   // once, each canvas at most max_batched_tokens rows where the step would denoise it: its
   // pending tokens all planned), each pass at most
-  // `max_batched_tokens` (>= 1) rows: a prompt chunk planned past that is cut to it. Returns
+  // `max_batched_tokens` (>= 1) rows: a prompt chunk planned past that is cut to it. The
+  // first pass runs the plan; later ones give their rows to blocks to commit and denoise
+  // steps first, and the rest to the prompts' next chunks (where the KV cache has room). Returns
   // the requests that finished; none when it could run no pass (the KV cache had no room for
   // their tokens). A step that throws (out of memory, say) after requests finished in its
   // earlier passes keeps their outputs (the engine holds those requests no more): the next
