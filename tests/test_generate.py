@@ -758,6 +758,26 @@ def test_prompts_as_vllm_dicts_and_object_arrays(checkpoints):
         llm.generate([{"prompt_token_ids": [3, 4], "multi_modal_data": {"image": None}}], params)
     with pytest.raises(ValueError, match="prompt 0: a prompt is text .* got bytes: decode them to str first"):
         llm.generate([b"Hi"], params)
+    # Each key holds its own kind (ids under "prompt" had been taken as ids, and text under
+    # "prompt_token_ids" encoded).
+    for prompt, kind in [({"prompt": [3, 4]}, "list under 'prompt'"), ({"prompt_token_ids": "Hi"}, "str under "
+                                                                       "'prompt_token_ids'")]:
+        with pytest.raises(ValueError, match=f"prompt 0: a prompt given as a dict holds text under 'prompt' and "
+                                             f"token ids under 'prompt_token_ids', got {kind}"):
+            llm.generate([prompt], params)
+
+
+def test_prompts_as_torch_tensors(checkpoints):
+    """A torch tensor is token ids to generate as to add_request: one prompt, or a batch's rows
+    (transformers' input_ids); generate had refused it as no list. One numpy cannot read is
+    named."""
+    llm = ds.LLM(checkpoints["small"])
+    params = ds.SamplingParams(max_new_tokens=8, seed=0)
+    expected = [out.token_ids for out in llm.generate([[3, 4], [5, 6]], params)]
+    assert [out.token_ids for out in llm.generate(torch.tensor([[3, 4], [5, 6]]), params)] == expected
+    assert llm.generate(torch.tensor([3, 4]), params)[0].token_ids == expected[0]
+    with pytest.raises(ValueError, match=r"prompts: token ids must be integers numpy can read, got torch.bfloat16"):
+        llm.generate(torch.tensor([3, 4], dtype=torch.bfloat16), params)
 
 
 def test_sampling_params_compare_by_what_they_ask(checkpoints):

@@ -198,7 +198,12 @@ class LLM:
             if len(prompt) != 1 or not {"prompt", "prompt_token_ids"} >= set(prompt):
                 raise ValueError(f"a prompt given as a dict holds one of 'prompt' (text) or 'prompt_token_ids', got "
                                  f"the keys {sorted(map(str, prompt))}")
-            prompt = next(iter(prompt.values()))
+            [(key, prompt)] = prompt.items()
+            # (The other kind had been taken silently: ids under "prompt", a text under
+            # "prompt_token_ids" encoded.)
+            if (key == "prompt") != isinstance(prompt, str):
+                raise ValueError("a prompt given as a dict holds text under 'prompt' and token ids under "
+                                 f"'prompt_token_ids', got {type(prompt).__name__} under {key!r}")
         if isinstance(prompt, (bytes, bytearray)):  # (numpy would read its characters as ids)
             raise ValueError("a prompt is text (str) or token ids, got bytes: decode them to str first")
         if isinstance(prompt, str):
@@ -276,6 +281,14 @@ class LLM:
         """prompts: a list of prompts, each token ids or text (or vLLM's dict of either: see
         add_request), or one such prompt; params: one SamplingParams for all, or one per prompt.
         Returns the outputs in prompt order."""
+        if hasattr(prompts, "__array__") and not isinstance(prompts, np.ndarray):
+            # Another library's array (a torch tensor: transformers' input_ids, one prompt or a
+            # batch's rows), as add_request takes one (it had been refused as no list).
+            try:
+                prompts = np.asarray(prompts)
+            except (TypeError, RuntimeError, NotImplementedError) as e:  # (bf16, meta, on a GPU)
+                raise ValueError(f"prompts: token ids must be integers numpy can read, got "
+                                 f"{getattr(prompts, 'dtype', type(prompts).__name__)} ({e})") from None
         if not isinstance(prompts, (str, dict, list, tuple, np.ndarray)) or getattr(prompts, "ndim", 1) == 0:
             got = f"a 0-d array, {prompts!r}" if isinstance(prompts, np.ndarray) else type(prompts).__name__
             raise ValueError(f"prompts must be a list of prompts (token ids or text), got {got}")
