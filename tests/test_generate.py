@@ -684,6 +684,9 @@ def test_tokens_per_forward_leaves_out_generation_configs_pad_id(checkpoints, tm
     (dict(max_length=7.5), "max_length"),
     # One id, not a list: named as given (it had been "eos_token_id[0]").
     (dict(eos_token_id=-1), r"eos_token_id must be an integer in \[0, 2\*\*31 - 1\], got -1"),
+    # A dict had given its keys, and a set a canvas in hash order.
+    (dict(eos_token_id={1: "eos"}), r"eos_token_id must be a list of integers, got \{1: 'eos'\}"),
+    (dict(seed_canvas={3, 1, 2, 5, 4, 6, 7, 8}), "seed_canvas must be a list of integers, got "),
 ])
 def test_invalid_params_name_the_parameter(kwargs, name):
     with pytest.raises(ValueError, match=name):

@@ -15,12 +15,14 @@ from . import _core
 from ._checks import INT32_MAX, check_bool, check_float32, check_int, is_int
 
 
-def _int_list(name: str, value, allow_empty: bool = False) -> list:
+def _int_list(name: str, value, allow_empty: bool = False, ordered: bool = False) -> list:
+    """ordered: the items' order means something (a set's would be its hash order)."""
     if value is None:
         return []
     if is_int(value):  # one id: named as given
         return [check_int(name, value, 0)]
-    if isinstance(value, (str, bytes)):
+    # (A dict had given its keys, and a set its hash order where the order counts.)
+    if isinstance(value, (str, bytes, dict)) or (ordered and isinstance(value, (set, frozenset))):
         raise ValueError(f"{name} must be a list of integers, got {value!r}")
     try:
         items = list(value)
@@ -125,7 +127,7 @@ class SamplingParams:
             v["seed"] = int(self.seed)
         if self.eos_token_id is not None:
             v["eos_token_id"] = _int_list("eos_token_id", self.eos_token_id, allow_empty=True)
-        seed_canvas = v["seed_canvas"] = _int_list("seed_canvas", self.seed_canvas)
+        seed_canvas = v["seed_canvas"] = _int_list("seed_canvas", self.seed_canvas, ordered=True)
         pinned = v["pinned_positions"] = _int_list("pinned_positions", self.pinned_positions, allow_empty=True)
         v["allowed_token_ids"] = _int_list("allowed_token_ids", self.allowed_token_ids)
         v["self_conditioning"] = check_bool("self_conditioning", self.self_conditioning)
