@@ -103,6 +103,7 @@ def test_models_and_health(client, base_url):
         client.models.retrieve("other")
     assert httpx.get(base_url + "/health").status_code == 200
     assert httpx.head(base_url + "/health").status_code == 200  # as load balancers' checks ask (had been a 405)
+    assert httpx.head(base_url + "/metrics").status_code == 200  # (so too)
 
 
 def test_completion_matches_offline_generation(client, offline):

@@ -725,7 +725,7 @@ def build_app(engine: AsyncLLM, model_name: str, api_key: Optional[str] = None,
     async def health(request: Request):  # 503 once the engine has failed: no request could be served
         return Response(status_code=200 if _server_of(request).engine.alive else 503)
 
-    @app.get("/metrics")
+    @app.api_route("/metrics", methods=["GET", "HEAD"])  # (as /health: a scraper's check may send HEAD)
     async def metrics(request: Request):
         return Response(_server_of(request).metrics.exposition(), media_type=CONTENT_TYPE)
 
