@@ -1307,6 +1307,22 @@ def test_a_process_exits_while_a_daemon_thread_computes(valid_dir, work):
         assert "leaked" not in proc.stderr, proc.stderr[-2000:]
 
 
+def test_an_exit_hook_registered_before_the_import_may_wait_for_a_thread_that_computes(valid_dir):
+    """An exit hook registered before diffuserve was imported runs after the package's own: one
+    that stops a worker thread computing with diffuserve and joins it gets it back (the first
+    form of the parking above had parked the worker as the package's hook ran: a hang)."""
+    code = ("import atexit, sys, threading, time\nstop = threading.Event()\n"
+            "def cleanup():\n    stop.set()\n    worker.join(10)\n"
+            "    print('joined' if not worker.is_alive() else 'still running', flush=True)\n"
+            "atexit.register(cleanup)\nimport diffuserve as ds\n"
+            "sequence = ds.Model.load(sys.argv[1]).sequence()\nsequence.prefill([2, 3, 4])\n"
+            "def work():\n    while not stop.is_set():\n"
+            f"        sequence.denoise([5] * {CANVAS})\n"
+            "worker = threading.Thread(target=work, daemon=True)\nworker.start()\ntime.sleep(0.3)\n")
+    proc = subprocess.run([sys.executable, "-c", code, str(valid_dir)], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and proc.stdout == "joined\n", proc.stdout + proc.stderr[-2000:]
+
+
 @pytest.mark.parametrize("exit_by", ["sys_exit", "os_exit"])
 @pytest.mark.parametrize("num_threads", [4, 0])
 def test_a_forked_child_computes_and_exits(valid_dir, num_threads, exit_by):

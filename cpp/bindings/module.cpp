@@ -32,29 +32,45 @@ using LogitsIn = nb::ndarray<const float, nb::ndim<2>, nb::c_contig, nb::device:
 
 namespace {
 
-// The GIL let go of for a native call, and taken back after it; but a daemon thread that takes
-// it back once the interpreter finalizes is ended there by pthread_exit, whose unwinding
-// through these C++ frames aborts the process (SIGABRT as it exited, where a user's daemon
-// thread was inside generate). So from the exit hook on (park_threads_at_exit: the last atexit
-// hook of the package's, after AsyncLLM's has stopped its engines), a call that returns in
-// any other thread parks it where it would take the GIL back: the process is ending.
-std::atomic<bool> exiting{false};
-std::thread::id exiting_thread;
-std::atomic<int> in_native_calls{0};  // threads between letting go of the GIL and having it back
-std::atomic<int> taking_back{0};      // of those, the ones past their call, about to take it
+// The GIL let go of for a native call, and taken back after it. A daemon thread that takes it
+// back once the interpreter finalizes is ended there by pthread_exit, whose unwinding through
+// these C++ frames aborts the process (SIGABRT as it exited, where a user's daemon thread was
+// inside generate). So a call that returns once the interpreter finalizes, in a thread other
+// than the one finalizing it, parks its thread instead: the process is ending. A thread that
+// waits for the GIL as the finalization starts is ended all the same, and the exit hooks hold
+// the GIL up to then; so from the package's exit hook on (the last of the hooks, unless some
+// were registered before diffuserve was imported), a call returning in another thread waits
+// up to 50 ms for the finalization, and parks if it came. (Not parked at once: a hook that
+// runs after the package's may wait for that thread.)
+unsigned long main_thread = 0;  // the interpreter's main thread, which finalizes it (set at import)
+std::atomic<bool> exit_hook_ran{false};
+std::atomic<int> taking_gil{0};  // threads past the checks below, taking the GIL back
+
+bool interpreter_finalizing() {
+#if PY_VERSION_HEX >= 0x030D0000
+  return Py_IsFinalizing();
+#else
+  return _Py_IsFinalizing();
+#endif
+}
 
 class GilReleased {
  public:
-  GilReleased() : state_(PyEval_SaveThread()) { ++in_native_calls; }
+  GilReleased() : state_(PyEval_SaveThread()) {}
   ~GilReleased() {
-    ++taking_back;
-    if (exiting && std::this_thread::get_id() != exiting_thread) {
-      --taking_back;
-      for (;;) std::this_thread::sleep_for(std::chrono::hours(1));
+    if (PyThread_get_thread_ident() != main_thread) {
+      ++taking_gil;  // (before the check, as the hook sets its flag before it counts these)
+      if (exit_hook_ran || interpreter_finalizing()) {
+        --taking_gil;
+        for (int ms = 0; ms < 50 && !interpreter_finalizing(); ++ms)
+          std::this_thread::sleep_for(std::chrono::milliseconds(1));
+        if (interpreter_finalizing())
+          for (;;) std::this_thread::sleep_for(std::chrono::hours(1));
+        ++taking_gil;
+      }
     }
     PyEval_RestoreThread(state_);
-    --taking_back;
-    --in_native_calls;
+    if (PyThread_get_thread_ident() != main_thread) --taking_gil;
   }
   GilReleased(const GilReleased&) = delete;
   GilReleased& operator=(const GilReleased&) = delete;
@@ -63,20 +79,18 @@ class GilReleased {
   PyThreadState* state_;
 };
 
-// The exit hook: from now on threads park rather than take the GIL back. A thread that had
-// seen no hook yet takes the GIL while the hook waits without it (a thread taking it once the
-// interpreter finalizes would be ended). Threads still running (daemon threads: parked, or
-// ended by the finalization) keep their objects, which nanobind would report as the
-// bindings' leaks.
-void park_threads_at_exit() {
-  exiting_thread = std::this_thread::get_id();
-  exiting = true;
+// The package's exit hook (registered as _core is imported, so run after the package's other
+// hooks, AsyncLLM's that stops its engine threads among them). The threads that were already
+// taking the GIL back get it first. Threads still running at exit (daemon threads, which the
+// finalization ends or parks) keep their objects, which nanobind would report as the bindings'
+// leaks.
+void at_exit() {
+  exit_hook_ran = true;
   {
     nb::gil_scoped_release release;
-    for (int i = 0; i < 1000 && taking_back > 0; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    for (int ms = 0; ms < 1000 && taking_gil > 0; ++ms) std::this_thread::sleep_for(std::chrono::milliseconds(1));
   }
-  if (in_native_calls > 0 || nb::cast<int>(nb::module_::import_("threading").attr("active_count")()) > 1)
-    nb::set_leak_warnings(false);
+  if (nb::cast<int>(nb::module_::import_("threading").attr("active_count")()) > 1) nb::set_leak_warnings(false);
 }
 
 // f() with the GIL released: a call that waits for the model's turn (another thread's pass
@@ -298,7 +312,8 @@ NB_MODULE(_core, m) {
   m.doc() = "diffuserve native runtime";
   nb::exception<FormatError>(m, "CheckpointError", PyExc_ValueError);
   m.def("cuda_available", &cuda_available);
-  nb::module_::import_("atexit").attr("register")(nb::cpp_function(park_threads_at_exit));
+  main_thread = nb::cast<unsigned long>(nb::module_::import_("threading").attr("main_thread")().attr("ident"));
+  nb::module_::import_("atexit").attr("register")(nb::cpp_function(at_exit));
   // The safetensors files a load of checkpoint directory `dir` reads, checked as a load checks
   // them (the single file or the index's shards): what `diffuserve quantize` converts.
   m.def("weight_files", [](const std::string& dir) {
