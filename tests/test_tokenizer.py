@@ -623,6 +623,28 @@ def test_a_long_run_of_bytes_that_are_no_text_streams_as_it_comes(tmp_path):
     assert sum(decoded) < 20 * len(ids)
 
 
+def test_tokens_with_an_empty_vocabulary_entry_settle_no_character(tmp_path):
+    """A ByteLevel vocabulary with an empty entry: its tokens have no byte, so three of them
+    after a character's first bytes settle nothing (the stream had let those bytes out as a
+    U+FFFD, and the character never came)."""
+    import json
+    from tokenizers import Tokenizer as HFTokenizer, decoders, models, pre_tokenizers
+    vocab = {c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    empty = vocab[""] = len(vocab)
+    library = HFTokenizer(models.BPE(vocab=vocab, merges=[]))
+    library.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    library.decoder = decoders.ByteLevel()
+    library.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"}))
+    tokenizer = Tokenizer(tmp_path)
+    x, *emoji = tokenizer.encode("x\U0001F600", add_special_tokens=False)
+    ids = [x, *emoji[:2], empty, empty, empty, *emoji[2:]]
+    detokenizer = IncrementalDetokenizer(tokenizer)
+    pieces = [detokenizer.push([i]) for i in ids] + [detokenizer.finish()]
+    assert "".join(pieces) == tokenizer.decode_output(ids) == AutoTokenizer.from_pretrained(tmp_path).decode(ids)
+    assert "\ufffd" not in "".join(pieces)
+
+
 @pytest.mark.parametrize("call, name", [
     (lambda t: t.encode("hi", add_special_tokens=1), "add_special_tokens"),
     (lambda t: t.encode("hi" * 100_000, add_special_tokens=None), "add_special_tokens"),

@@ -31,6 +31,7 @@ INCOMPLETE = "\ufffd"  # what a decoder writes for bytes that are not (yet) a wh
 # before a window's last 3 tokens with text is what it stays (where the whole window's text
 # begins with it, no character there was completed).
 _SETTLED_AFTER = 3
+_SETTLED_SCAN = 64
 _CLEAN_UP_HOLD = 32  # > 10 replacements x 3 characters each may reach back
 
 
@@ -122,9 +123,16 @@ class IncrementalDetokenizer:
 
     def _settled_end(self) -> int:
         """Where the tokens before the window's last _SETTLED_AFTER tokens with text end (the
-        window's start where it has no more)."""
-        in_window = len(self._text_at) - bisect_left(self._text_at, self._prefix_start)
-        return self._text_at[-_SETTLED_AFTER] if in_window > _SETTLED_AFTER else self._prefix_start
+        window's start where it has no more). A token whose vocabulary entry is empty counts
+        for none: it has no byte (three of them had let out a character's first byte as a
+        U+FFFD). Looked for among the last _SETTLED_SCAN tokens, else none."""
+        first = bisect_left(self._text_at, self._prefix_start)
+        seen = 0
+        for k in range(len(self._text_at) - 1, max(first, len(self._text_at) - _SETTLED_SCAN) - 1, -1):
+            seen += bool(self._tokenizer.token_strings([self._text_ids[k]])[0])
+            if seen == _SETTLED_AFTER:
+                return self._text_at[k] if k > first else self._prefix_start
+        return self._prefix_start
 
 
 def until_eos(token_ids: List[int], eos_token_ids: Iterable[int]) -> List[int]:

@@ -293,9 +293,7 @@ class Tokenizer:
         self._special_ids = frozenset(i for i, t in self._tokenizer.get_added_tokens_decoder().items() if t.special)
         # One past the highest id: a vocabulary's ids may leave gaps, where the library's
         # get_vocab_size counts its entries.
-        ids = set(self._tokenizer.get_vocab(with_added_tokens=True).values())
-        self._vocab_size = max(ids, default=-1) + 1
-        self._gap_ids = frozenset(range(self._vocab_size)) - ids  # no token: the library drops them unread
+        self._vocab_size = max(self._tokenizer.get_vocab(with_added_tokens=True).values(), default=-1) + 1
         # transformers leaves BPE's text alone unless told it may corrupt it, also where a decode
         # call asks for the clean-up.
         clean_up = config.get("clean_up_tokenization_spaces", False)
@@ -445,7 +443,7 @@ class Tokenizer:
         """Whether decode_output gives the id to the decoder: skipped special tokens, ids past
         the vocabulary and those of its gaps are dropped first, so they change no other token's
         text (a gap's id between two byte tokens had been taken to end their run)."""
-        return (token_id < self.vocab_size and token_id not in self._gap_ids
+        return (token_id < self.vocab_size and self._tokenizer.id_to_token(token_id) is not None
                 and not (skip_special_tokens and token_id in self._special_ids))
 
     def ends_in_byte_run(self, ids, skip_special_tokens: bool = True) -> bool:
