@@ -143,6 +143,9 @@ struct ModelState {
 
  private:
   void refuse_if_forked_in_use() const;
+  static void before_fork();  // the fork handlers (sequence.cpp)
+  static void after_fork_in_parent();
+  static void after_fork_in_child();
   void release_dropped() {  // (with `calls` held)
     const std::lock_guard guard(dropped_mutex);
     for (KvTable& table : dropped) kv->release(table);

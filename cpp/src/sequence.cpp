@@ -84,7 +84,9 @@ void check_token_ids(std::span<const int32_t> ids, const ModelConfig& c, const s
 }
 
 // The live models, for the fork handlers. A fork copies a model's turn as it is: in a child
-// forked while another thread's call held it, forked_in_use (model.h) says so.
+// forked while another thread's call held it, forked_in_use (model.h) says so. The mutexes
+// held only for a moment (the registry's, each model's queue of dropped tables) are taken
+// before the fork, so that no thread the child lacks holds them there.
 namespace {
 
 std::mutex live_models_mutex;
@@ -93,8 +95,21 @@ std::set<ModelState*>& live_models() {
   return *models;
 }
 
-void mark_models_in_use_at_fork() {  // in the child, whose one thread is the forking one
+}  // namespace
+
+void ModelState::before_fork() {
+  live_models_mutex.lock();
+  for (ModelState* m : live_models()) m->dropped_mutex.lock();
+}
+
+void ModelState::after_fork_in_parent() {
+  for (ModelState* m : live_models()) m->dropped_mutex.unlock();
+  live_models_mutex.unlock();
+}
+
+void ModelState::after_fork_in_child() {  // (its one thread is the forking one)
   for (ModelState* m : live_models()) {
+    m->dropped_mutex.unlock();
     if (m->calls.try_lock())
       m->calls.unlock();
     else
@@ -103,13 +118,9 @@ void mark_models_in_use_at_fork() {  // in the child, whose one thread is the fo
   live_models_mutex.unlock();
 }
 
-}  // namespace
-
 ModelState::ModelState() {
   static std::once_flag handlers;
-  std::call_once(handlers, [] {
-    pthread_atfork([] { live_models_mutex.lock(); }, [] { live_models_mutex.unlock(); }, mark_models_in_use_at_fork);
-  });
+  std::call_once(handlers, [] { pthread_atfork(before_fork, after_fork_in_parent, after_fork_in_child); });
   const std::lock_guard guard(live_models_mutex);
   live_models().insert(this);
 }
