@@ -1080,6 +1080,16 @@ def test_quantize_names_a_weight_it_cannot_quantize(tmp_path, scheme, name, edit
         quantize(path, str(out), scheme)
 
 
+def test_quantize_names_a_source_whose_name_is_not_utf8(tmp_path):
+    """A source folder whose name is not UTF-8 is refused in the words a load uses (it had been
+    nanobind's "incompatible function arguments")."""
+    from diffuserve.quantize import quantize
+    src = os.fsdecode(os.fsencode(str(tmp_path)) + b"/bad\xff")
+    os.mkdir(src)
+    with pytest.raises(ValueError, match="the source checkpoint .* is not valid UTF-8, which the runtime needs"):
+        quantize(src, str(tmp_path / "out"))
+
+
 def test_quantize_writes_into_a_new_or_empty_directory_only(tmp_path):
     """Over its source, or into a directory holding another checkpoint's shards and index
     (which a load would pass over for the model.safetensors written beside them), a quantized
@@ -1093,9 +1103,14 @@ def test_quantize_writes_into_a_new_or_empty_directory_only(tmp_path):
         quantize(src, src)
     (tmp_path / "other").mkdir()
     (tmp_path / "other" / "model.safetensors.index.json").write_text("{}")
-    with pytest.raises(ValueError, match=r"already holds a checkpoint \(model.safetensors.index.json\)"):
+    with pytest.raises(ValueError, match=r"other is not empty \(model.safetensors.index.json\)"):
         quantize(src, str(tmp_path / "other"))
     assert sorted(os.listdir(src)) == before and os.listdir(tmp_path / "other") == ["model.safetensors.index.json"]
+    # Any file: one a load reads (a stale chat_template.jinja had won over the source's template).
+    (tmp_path / "stale").mkdir()
+    (tmp_path / "stale" / "chat_template.jinja").write_text("STALE")
+    with pytest.raises(ValueError, match=r"stale is not empty \(chat_template.jinja\)"):
+        quantize(src, str(tmp_path / "stale"))
     (tmp_path / "empty").mkdir()
     quantize(src, str(tmp_path / "empty"))  # an empty directory is fine
     ds.Model.load(str(tmp_path / "empty"))

@@ -1139,12 +1139,12 @@ def test_a_prompt_of_more_ids_than_max_model_len_is_refused_before_the_engine_re
         assert r.json()["error"]["param"] == name
 
 
-def _serve_process(checkpoint, *options):
+def _serve_process(checkpoint, *options, **popen):
     """`diffuserve serve` in a process of its own on a port it chooses (--port 0, printed in its
     "serving" line: it had printed port 0), once it answers /health: (process, port)."""
     proc = subprocess.Popen([sys.executable, "-m", "diffuserve", "serve", checkpoint, "--port", "0",
                              "--served-model-name", MODEL, "--log-level", "warning", *options],
-                            stderr=subprocess.PIPE)
+                            stderr=subprocess.PIPE, **popen)
     try:
         said = b""
         while b"serving" not in said:
@@ -1164,6 +1164,25 @@ def _serve_process(checkpoint, *options):
     except BaseException:
         proc.kill()  # a server that never answered is not left running
         raise
+
+
+def test_serve_with_stdout_closed_serves(checkpoint):
+    """With stdout closed (a supervisor's `>&-`), serve writes its log lines nowhere and serves
+    (uvicorn's formatter had asked the missing stdout isatty: a traceback after "serving")."""
+    proc, port = _serve_process(checkpoint, "--log-level", "info", preexec_fn=lambda: os.close(1))
+    try:
+        r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 4})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] > 0, r.text
+    finally:
+        proc.kill()
+
+
+def test_a_host_no_socket_can_encode_is_one_line(checkpoint):
+    """--host with a name IDNA cannot encode is refused in a line (its TypeError had been a
+    traceback)."""
+    out = subprocess.run([sys.executable, "-m", "diffuserve", "serve", checkpoint, "--host", "\u00e9" * 70],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 1 and out.stderr.startswith("error: cannot listen on ") and "Traceback" not in out.stderr
 
 
 def test_request_body_size_limit(checkpoint):

@@ -181,6 +181,25 @@ def test_the_bundled_model_is_the_default_and_solves_puzzles():
     assert sum(chat_solved) >= 8, f"solved {sum(chat_solved)} of 12 easy puzzles from a chat message"
 
 
+@pytest.mark.parametrize("command", [["sudoku"], ["generate", "Hi"]])
+def test_a_command_with_stdout_closed_says_so(command):
+    """With stdout closed (`>&-`), a command whose answer goes there fails, saying so (sudoku
+    had ended in a traceback; generate had exited 0, its answer lost)."""
+    out = subprocess.run([sys.executable, "-m", "diffuserve", *command], capture_output=False, stderr=subprocess.PIPE,
+                         text=True, preexec_fn=lambda: os.close(1))
+    assert out.returncode == 1 and out.stderr == "error: stdout is closed: nowhere to write the answer\n", out.stderr
+
+
+def test_eval_seeds_wrap_past_the_largest(model, tmp_path):
+    """--eval seeds puzzle i with seed + i modulo 2**64, as the server seeds its choices: the
+    largest seed --help allows had failed after the load, naming a seed the user never gave."""
+    rng = random.Random(3)
+    (tmp_path / "in.txt").write_text("".join(sd.generate(45, rng)[0] + "\n" for _ in range(2)))
+    out = run("--model", model, "--eval", str(tmp_path / "in.txt"), "--seed", str(2**64 - 1),
+              "--max-denoising-steps", "2")
+    assert out.returncode == 0 and out.stdout.strip().splitlines()[-1].startswith("solved="), out.stderr
+
+
 def test_commands_default_to_the_bundled_model():
     puzzle = sd.generate(45, random.Random(5))[0]
     out = run(puzzle)

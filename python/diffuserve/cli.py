@@ -123,9 +123,9 @@ def _bind(host: str, port: int) -> socket.socket:
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host, port))
-    except OSError as e:
+    except (OSError, TypeError, UnicodeError) as e:  # (a name IDNA cannot encode is a TypeError)
         sock.close()
-        sys.exit(f"error: cannot listen on {host}:{port}: {e.strerror or e}")
+        sys.exit(f"error: cannot listen on {host}:{port}: {getattr(e, 'strerror', None) or e}")
     return sock
 
 
@@ -249,7 +249,7 @@ def sudoku(args) -> None:
         prompt, params = sd.request(llm, cells, args.seed, max_denoising_steps=args.max_denoising_steps)
     except (OSError, ValueError) as e:
         sys.exit(f"error: {e}")
-    live = sys.stdout.isatty()  # a terminal: redraw in place, givens in bold
+    live = sys.stdout.isatty()  # a terminal: redraw in place, givens in bold (main() saw to a stdout)
     givens = cells if live else None
     print(sd.format_grid(cells, givens) + "\n")
     request_id = llm.add_request(prompt, params)
@@ -436,6 +436,13 @@ class _StatusStream:
 
 def main(argv=None) -> None:
     args = parser().parse_args(argv)
+    # A command run with stdout closed (`>&-`, a supervisor's setting): serve, whose log lines
+    # go there (uvicorn's formatter asks it isatty), writes them nowhere; the others, whose
+    # answer goes there, say so (their answer had been lost, the exit 0).
+    if sys.stdout is None:
+        if args.command != "serve":
+            sys.exit("error: stdout is closed: nowhere to write the answer")
+        sys.stdout = open(os.devnull, "w")
     # Text the terminal's encoding cannot show (generated text on a non-UTF-8 locale) comes
     # out as "?" rather than ending the command (stderr already escapes it).
     if hasattr(sys.stdout, "reconfigure"):  # (None where the command runs with stdout closed)

@@ -27,6 +27,7 @@ from typing import Callable, Optional
 import numpy as np
 
 from . import _core
+from ._checks import check_path
 from .safetensors_io import LazyTensor, as_float32, read_safetensors, write_safetensors
 
 FP8_MAX = 448.0
@@ -205,6 +206,7 @@ def _folder_holding(path: str, folder: str) -> Optional[str]:
 def quantize(src: str, dst: str, scheme: str = "fp8-dynamic") -> None:
     if scheme not in SCHEMES:
         raise ValueError(f"scheme {scheme!r} is not supported (supported: {', '.join(SCHEMES)})")
+    src = check_path("the source checkpoint", src)  # (a name not UTF-8 had failed in the native call)
     if not os.path.isdir(src):
         raise ValueError(f"{src}: no such checkpoint directory")
     # Into a new or empty directory only: over its source, or beside another checkpoint's
@@ -214,12 +216,11 @@ def quantize(src: str, dst: str, scheme: str = "fp8-dynamic") -> None:
     if (folder := _folder_holding(dst, src)) is not None:
         where = "is the source" if folder == os.path.realpath(dst) else "is inside the source"
         raise ValueError(f"{dst}: the output directory {where}; write the quantized copy elsewhere")
-    if os.path.isdir(dst):
-        held = sorted(n for n in os.listdir(dst) if n in ("config.json", "additional_chat_templates") or
-                      n.endswith((".safetensors", ".safetensors.index.json")))
-        if held:
-            raise ValueError(f"{dst} already holds a checkpoint ({', '.join(held)}): write the quantized copy to a "
-                             f"new or empty directory")
+    # (Any file there may be one a load reads: a stale chat_template.jinja had won over the
+    # source's template.)
+    if os.path.isdir(dst) and (held := sorted(os.listdir(dst))):
+        shown = ", ".join(held[:5]) + (f", and {len(held) - 5} more" if len(held) > 5 else "")
+        raise ValueError(f"{dst} is not empty ({shown}): write the quantized copy to a new or empty directory")
     config_file = os.path.join(src, "config.json")
     with open(config_file) as f:
         try:

@@ -203,7 +203,7 @@ def solve_all(llm, puzzles: List[List[int]], seed: int = 0, plain: bool = False,
     """Solves every puzzle in one batch: (answer grids, whether each solves its puzzle,
     denoise steps of each). By infilling (`request`), or with plain=True by plain generation
     from the puzzle as the prompt, as a chat request would; `options` are further
-    SamplingParams fields. Puzzle i is seeded seed + i."""
+    SamplingParams fields. Puzzle i is seeded seed + i (modulo 2**64, as the server's choices are)."""
     for i, cells in enumerate(puzzles):
         try:
             check_puzzle(cells)
@@ -211,9 +211,9 @@ def solve_all(llm, puzzles: List[List[int]], seed: int = 0, plain: bool = False,
             raise ValueError(f"puzzle {i}: {e}") from None
     if plain:
         prompts = [llm.tokenizer.encode(to_string(cells)) for cells in puzzles]
-        params = [SamplingParams(seed=seed + i, **options) for i in range(len(puzzles))]
+        params = [SamplingParams(seed=(seed + i) % 2**64, **options) for i in range(len(puzzles))]
     else:
-        requests = [request(llm, cells, seed + i, **options) for i, cells in enumerate(puzzles)]
+        requests = [request(llm, cells, (seed + i) % 2**64, **options) for i, cells in enumerate(puzzles)]
         prompts, params = [r[0] for r in requests], [r[1] for r in requests]
     outs = llm.generate(prompts, params) if puzzles else []
     digits = digit_token_ids(llm.tokenizer)
