@@ -1177,6 +1177,22 @@ def test_serve_with_stdout_closed_serves(checkpoint):
         proc.kill()
 
 
+def test_serve_whose_stdout_reader_left_logs_no_tracebacks(checkpoint):
+    """`serve | head -1`: once the reader of stdout has left, the access log's lines are dropped
+    (each request had written a logging error's traceback to stderr)."""
+    proc, port = _serve_process(checkpoint, "--log-level", "info", stdout=subprocess.PIPE)
+    proc.stdout.close()
+    try:
+        for _ in range(3):
+            r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json={"model": MODEL, "prompt": "x",
+                                                                              "max_tokens": 4})
+            assert r.status_code == 200, r.text
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        stderr = proc.communicate(timeout=60)[1].decode()
+    assert "Logging error" not in stderr and "Traceback" not in stderr, stderr[-3000:]
+
+
 def test_a_host_no_socket_can_encode_is_one_line(checkpoint):
     """--host with a name IDNA cannot encode is refused in a line (its TypeError had been a
     traceback)."""

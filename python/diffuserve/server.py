@@ -13,6 +13,7 @@ import asyncio
 import bisect
 import hmac
 import json
+import logging
 import re
 import signal
 import socket
@@ -896,6 +897,9 @@ def serve(app: FastAPI, engine: AsyncLLM, sock: socket.socket, log_level: str, s
             else:  # (uvicorn forces it at a second SIGINT alone)
                 self.force_exit = True
 
+    # A log line that cannot be written (the reader of stdout has left: `serve | head -1`) is
+    # dropped, not a traceback on stderr for every request.
+    raise_exceptions, logging.raiseExceptions = logging.raiseExceptions, False
     try:
         host, port = sock.getsockname()[:2]  # (for uvicorn's log lines)
         Server(uvicorn.Config(app, host=host, port=port, log_level=log_level,
@@ -904,6 +908,7 @@ def serve(app: FastAPI, engine: AsyncLLM, sock: socket.socket, log_level: str, s
         pass
     finally:
         ending.cancel()  # (its waiting thread holds the engine)
+        logging.raiseExceptions = raise_exceptions
 
 
 def _names_role(template: str, role: str) -> bool:
