@@ -183,8 +183,10 @@ def test_the_bundled_model_is_the_default_and_solves_puzzles():
 
 @pytest.mark.parametrize("command", [["sudoku"], ["generate", "Hi"]])
 def test_a_command_with_stdout_closed_says_so(command):
-    """With stdout closed (`>&-`), a command whose answer goes there fails, saying so (sudoku
-    had ended in a traceback; generate had exited 0, its answer lost)."""
+    """With stdout closed (`>&-`), a command whose answer goes there fails, saying so, before
+    any work (sudoku had ended in a traceback; generate had exited 0, its answer lost; before
+    that, the final flush of a stdout that is None had been a traceback). serve's case is
+    test_server's test_serve_with_stdout_closed_serves."""
     out = subprocess.run([sys.executable, "-m", "diffuserve", *command], capture_output=False, stderr=subprocess.PIPE,
                          text=True, preexec_fn=lambda: os.close(1))
     assert out.returncode == 1 and out.stderr == "error: stdout is closed: nowhere to write the answer\n", out.stderr
