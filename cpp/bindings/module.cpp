@@ -58,7 +58,8 @@ class GilReleased {
  public:
   GilReleased() : state_(PyEval_SaveThread()) {}
   ~GilReleased() {
-    if (PyThread_get_thread_ident() != main_thread) {
+    const bool other_thread = PyThread_get_thread_ident() != main_thread;
+    if (other_thread) {
       ++taking_gil;  // (before the check, as the hook sets its flag before it counts these)
       if (exit_hook_ran || interpreter_finalizing()) {
         --taking_gil;
@@ -70,7 +71,7 @@ class GilReleased {
       }
     }
     PyEval_RestoreThread(state_);
-    if (PyThread_get_thread_ident() != main_thread) --taking_gil;
+    if (other_thread) --taking_gil;
   }
   GilReleased(const GilReleased&) = delete;
   GilReleased& operator=(const GilReleased&) = delete;

@@ -372,11 +372,14 @@ std::vector<std::pair<uint64_t, GenerationOutput>> Engine::step(const std::vecto
                             [](const auto& a) { return a.second->table.length() >= int64_t(a.second->prompt.size()); });
     for (auto& [id, r] : order) {
       const int64_t pending = r->pending();
-      const bool prompt_left = r->table.length() < int64_t(r->prompt.size());
-      // (A prompt chunk planned past the pass's rows is cut to them, not skipped every pass.)
-      const int64_t encode = pass == 0 || prompt_left ? std::min({pending, pass == 0 ? allowance[id] : pending,
-                                                                   max_batched_tokens - rows})
-                                                      : pending;
+      // The first pass encodes the chunk planned, later ones a prompt's next chunk in the rows
+      // left, or a block to commit whole. (A prompt chunk past the pass's rows is cut to them,
+      // not skipped every pass.)
+      int64_t encode = pending;
+      if (pass == 0)
+        encode = std::min({pending, allowance[id], max_batched_tokens - rows});
+      else if (r->table.length() < int64_t(r->prompt.size()))
+        encode = std::min(pending, max_batched_tokens - rows);
       if (encode > 0) {
         if (rows + encode > max_batched_tokens || !m.kv->reserve(r->table, encode)) continue;
         const int64_t from = r->table.length();

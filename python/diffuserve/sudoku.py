@@ -209,11 +209,12 @@ def solve_all(llm, puzzles: List[List[int]], seed: int = 0, plain: bool = False,
             check_puzzle(cells)
         except ValueError as e:
             raise ValueError(f"puzzle {i}: {e}") from None
+    seeds = [(seed + i) % 2**64 for i in range(len(puzzles))]
     if plain:
         prompts = [llm.tokenizer.encode(to_string(cells)) for cells in puzzles]
-        params = [SamplingParams(seed=(seed + i) % 2**64, **options) for i in range(len(puzzles))]
+        params = [SamplingParams(seed=s, **options) for s in seeds]
     else:
-        requests = [request(llm, cells, (seed + i) % 2**64, **options) for i, cells in enumerate(puzzles)]
+        requests = [request(llm, cells, s, **options) for cells, s in zip(puzzles, seeds)]
         prompts, params = [r[0] for r in requests], [r[1] for r in requests]
     outs = llm.generate(prompts, params) if puzzles else []
     digits = digit_token_ids(llm.tokenizer)
