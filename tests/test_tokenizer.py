@@ -152,6 +152,11 @@ def test_chat_template_arguments_refused(checkpoint):
         tokenizer.apply_chat_template(CONVERSATIONS[0], continue_final_message=1)
     with pytest.raises(ChatTemplateError, match="the final message has no text to continue"):
         tokenizer.apply_chat_template([{"role": "user", "content": [{"type": "image"}]}], continue_final_message=True)
+    # The last part with a text is the one continued (as transformers picks it), not an earlier one
+    with pytest.raises(ChatTemplateError, match="the final message's last text part's 'text' is NoneType, not text"):
+        tokenizer.apply_chat_template([{"role": "user", "content": [{"type": "text", "text": "a"},
+                                                                    {"type": "text", "text": None}]}],
+                                      continue_final_message=True)
     with pytest.raises(ChatTemplateError, match="message 1 must be a dict, got str"):
         tokenizer.apply_chat_template([CONVERSATIONS[0][0], "hi"])
 

@@ -170,7 +170,10 @@ def _tag_final_message(message: dict, field: str, source: str) -> str:
     if isinstance(text, (list, tuple)):
         parts = list(text)
         for i in reversed(range(len(parts))):
-            if isinstance(parts[i], dict) and isinstance(parts[i].get("text"), str):
+            if isinstance(parts[i], dict) and "text" in parts[i]:  # the last part with a text, as transformers picks
+                if not isinstance(parts[i]["text"], str):
+                    raise ChatTemplateError(f"continue_final_message: the final message's last text part's 'text' "
+                                            f"is {type(parts[i]['text']).__name__}, not text")
                 parts[i] = {**parts[i], "text": parts[i]["text"] + _CONTINUE_TAG}
                 message[field] = tuple(parts) if isinstance(text, tuple) else parts  # (as the template prints it)
                 return text[i]["text"]
