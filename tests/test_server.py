@@ -16,6 +16,7 @@ import subprocess
 import sys
 import threading
 import time
+import types
 import weakref
 
 import httpx
@@ -27,7 +28,7 @@ from transformers import AutoTokenizer
 
 import diffuserve as ds
 from diffuserve import server as server_module
-from diffuserve.async_llm import AsyncLLM, StepFailed
+from diffuserve.async_llm import AsyncLLM, EngineDead, StepFailed
 from diffuserve.protocol import MAX_CHOICES, ApiError, ChatCompletionRequest, CompletionRequest, parse
 from diffuserve.server import build_app
 
@@ -778,14 +779,13 @@ def test_health_fails_once_the_engine_has(offline):
     had been: only a request running when the engine failed was)."""
     from fastapi.testclient import TestClient
 
-    class FailingLLM:  # an engine whose step fails as a bug in it would
+    class FailingLLM:  # an engine whose step fails as a bug in it would, with work always waiting
         tokenizer, model = offline.tokenizer, offline.model
+        _lock, _held = threading.RLock(), []
+        scheduler = types.SimpleNamespace(has_unfinished=lambda: True)
 
         def stats(self):
             return offline.stats()
-
-        def has_unfinished(self):
-            return True
 
         def step(self):
             raise RuntimeError("a bug in the engine")
@@ -1614,3 +1614,108 @@ def test_a_shut_down_app_frees_its_model_and_answers_503(checkpoint):
     assert llm() is None
     r = http.get("/health")
     assert r.status_code == 503 and r.json()["error"]["message"] == "the server has shut down"
+
+
+def _stream_to_the_end(engine, prompt, params):
+    """A coroutine running one AsyncLLM request; returns its output."""
+    async def run():
+        async for progress in engine.generate(prompt, params):
+            last = progress
+        return last.output
+    return run()
+
+
+def test_an_llm_shared_by_an_async_llm_and_other_threads_finishes_everyones_requests(checkpoint):
+    """Another thread's generate() (or a second AsyncLLM) on the LLM an AsyncLLM serves: its
+    steps finished the engine's requests between the engine's step and its questions about
+    them, and every one of the engine's requests failed (StepFailed: no request with id N);
+    a second AsyncLLM's requests all failed so. Now each finishes with its own output."""
+    llm = ds.LLM(checkpoint, kv_cache_memory_bytes=32 << 20)
+    params = ds.SamplingParams(max_new_tokens=120, seed=0, eos_token_id=[])
+    alone = llm.generate([[2, 5, 6], [2, 5, 7]], params)
+    engine, second = AsyncLLM(llm), AsyncLLM(llm)
+
+    async def main():
+        streams = [asyncio.create_task(_stream_to_the_end(e, [2, 5, 6], params)) for e in (engine, second) * 3]
+        await asyncio.sleep(0.2)  # the streams are running
+        generated = await asyncio.to_thread(llm.generate, [[2, 5, 7]], params)
+        return await asyncio.gather(*streams), generated
+
+    try:
+        streamed, generated = asyncio.run(main())
+        assert [out.token_ids for out in streamed] == [alone[0].token_ids] * 6
+        assert generated[0].token_ids == alone[1].token_ids
+        wait_until_idle(engine, 30)
+        wait_until_idle(second, 30)
+    finally:
+        engine.shutdown()
+        second.shutdown()
+
+
+def test_updates_a_slow_reader_has_not_read_are_one_progress(checkpoint):
+    """A caller that reads its stream slowly (a server's client on a slow link) finds one
+    Progress, the latest, where one a step had queued up, each with every token so far
+    (memory quadratic in the output: 860 MB for 24,000 tokens). The stream still ends with
+    the output, and its tokens are those of a caller that kept up."""
+    llm = ds.LLM(checkpoint, kv_cache_memory_bytes=32 << 20, slice_steps=1)
+    engine = AsyncLLM(llm)
+    params = ds.SamplingParams(max_new_tokens=200, seed=0, eos_token_id=[], max_denoising_steps=1)
+
+    async def main():
+        updates = engine.generate([2, 5, 6], params)
+        accepted = await updates.__anext__()
+        while engine.stats["running"] or engine.stats["waiting"]:  # it finishes, its caller reading nothing
+            await asyncio.sleep(0.01)
+        return accepted, [progress async for progress in updates]
+
+    try:
+        accepted, later = asyncio.run(main())
+        assert accepted.token_ids == [] and accepted.output is None
+        assert len(later) <= 2 and later[-1].output is not None  # (the last block's progress, then the output)
+        assert later[-1].output.token_ids == llm.generate([[2, 5, 6]], params)[0].token_ids
+    finally:
+        engine.shutdown()
+
+
+def test_each_caller_of_a_shut_down_engine_gets_its_own_error(checkpoint):
+    """The requests a shutdown ends each raise an EngineDead of their own: one instance raised
+    in every caller had gathered all their tracebacks (and each caller's notes). A request
+    that failed does not interrupt the others' step as it leaves."""
+    llm = ds.LLM(checkpoint, kv_cache_memory_bytes=32 << 20)
+    interrupts = []
+    interrupt = llm.interrupt
+    llm.interrupt = lambda: (interrupts.append(1), interrupt())
+    engine = AsyncLLM(llm)
+    params = ds.SamplingParams(max_new_tokens=2000, seed=0, eos_token_id=[])
+
+    async def main():
+        streams = [asyncio.create_task(_stream_to_the_end(engine, [2, 5, 6], params)) for _ in range(4)]
+        while engine.stats["running"] < 4:
+            await asyncio.sleep(0.01)
+        await asyncio.to_thread(engine.shutdown)
+        return await asyncio.gather(*streams, return_exceptions=True)
+
+    errors = asyncio.run(main())
+    assert all(isinstance(e, EngineDead) and str(e) == "the server is shutting down" for e in errors), errors
+    assert len({id(e) for e in errors}) == 4
+    assert len(interrupts) == 1  # the shutdown's own (each caller's had followed)
+
+
+def test_stats_show_a_request_gone_once_its_output_is_read(checkpoint):
+    """The engine's stats are refreshed before a step's outputs are posted: read just after a
+    request's output they had still shown it running, its KV blocks held."""
+    engine = AsyncLLM(ds.LLM(checkpoint, kv_cache_memory_bytes=32 << 20))
+    params = ds.SamplingParams(max_new_tokens=16, seed=0)
+
+    async def main():
+        seen = []
+        for _ in range(5):
+            await _stream_to_the_end(engine, [2, 5, 6], params)
+            stats = engine.stats
+            seen.append((stats["running"], stats["kv_blocks_free"] == stats["kv_blocks_total"]))
+        return seen
+
+    try:
+        assert asyncio.run(main()) == [(0, True)] * 5
+    finally:
+        engine.shutdown()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import collections
 import copy
 import itertools
 import os
@@ -61,16 +62,46 @@ class StepFailed(EngineError):
     the next ones."""
 
 
+class _Updates:
+    """A request's updates not yet read, kept in its event loop's thread. A Progress holds all
+    the tokens so far, so one not yet read is replaced by the next: a caller that reads slowly
+    (a server's client on a slow link) had had one queued a step, each with every token so far
+    (860 MB for 24,000 tokens). The first, the engine's acceptance, and the last, with the
+    output or an error, are never replaced."""
+
+    def __init__(self):
+        self._items: collections.deque = collections.deque()
+        self._ready = asyncio.Event()
+        self._first = None  # the first item put
+
+    def put(self, item) -> None:
+        last = self._items[-1] if self._items else None
+        if isinstance(item, Progress) and isinstance(last, Progress) and last.output is None and \
+                last is not self._first:
+            self._items[-1] = item
+        else:
+            self._items.append(item)
+        if self._first is None:
+            self._first = item
+        self._ready.set()
+
+    async def get(self):
+        while not self._items:
+            self._ready.clear()
+            await self._ready.wait()
+        return self._items.popleft()
+
+
 class _Request:
     def __init__(self, loop: asyncio.AbstractEventLoop, prompt: List[int], params: SamplingParams, drafts: bool):
         self.loop, self.prompt, self.params, self.drafts = loop, prompt, params, drafts
-        self.updates: asyncio.Queue = asyncio.Queue()
+        self.updates = _Updates()
         self.engine_id: Optional[int] = None
         self.sent = (0, ())  # (finished tokens, draft) last posted, to post only changes
 
     def post(self, item) -> None:
         try:
-            self.loop.call_soon_threadsafe(self.updates.put_nowait, item)
+            self.loop.call_soon_threadsafe(self.updates.put, item)
         except RuntimeError:
             pass  # the caller's event loop has closed: nobody is waiting
 
@@ -179,11 +210,12 @@ class AsyncLLM:
             if engine.stopping or engine.error is not None:
                 raise EngineDead("the engine has stopped" + (f": {engine.error!r}" if engine.error else ""))
             engine.commands.put(("add", key, request))
-        finished = False
+        finished = False  # the engine has ended the request: nothing to abort
         try:
             while True:
                 item = await request.updates.get()
-                if isinstance(item, BaseException):
+                if isinstance(item, BaseException):  # (the engine posts one only for a request it has dropped)
+                    finished = True
                     raise item
                 finished = item.output is not None
                 yield item
@@ -253,7 +285,7 @@ class _EngineThread:
                 # running, take commands for _COMMAND_SECONDS at most before their next step
                 # (1,024 adds of 2 MB allowed-id lists, queued at once, had kept a running
                 # stream waiting 26 s).
-                wait, deadline = not self.llm.has_unfinished(), None
+                wait, deadline = not self._has_work(requests), None
                 while deadline is None or time.monotonic() < deadline:
                     try:
                         command, key, request = self.commands.get(block=wait)
@@ -273,14 +305,13 @@ class _EngineThread:
                         if key in requests:
                             self.llm.abort(requests.pop(key).engine_id)
                     self.stats = self.llm.stats()
-                if self.llm.has_unfinished():
+                if self._has_work(requests):
                     try:
                         self._step(requests)
                     except (ValueError, MemoryError) as e:  # refused (InvalidArgument), or out of memory: not fatal
                         # (Those that finished before the step failed get their outputs from the next.)
                         finished = frozenset(request_id for request_id, _ in self.llm.scheduler.finished)
                         self._abort_all(requests, StepFailed(f"the engine could not run this request: {e}"), finished)
-                    self.stats = self.llm.stats()
         except BaseException as e:  # a bug in the engine: fail every request instead of hanging them
             with self.lock:
                 self.error = e
@@ -303,32 +334,58 @@ class _EngineThread:
         requests[key] = request
         request.post(Progress([]))
 
+    def _has_work(self, requests: dict) -> bool:
+        """Whether to step: this engine's requests, or others' in the scheduler (another thread's
+        add_request), wait for one. (Not outputs held for another thread's requests alone: a
+        step would only hold them again.)"""
+        with self.llm._lock:
+            return bool(requests) or self.llm.scheduler.has_unfinished()
+
     def _step(self, requests: dict) -> None:
-        finished = {out.request_id: out for out in self.llm.step()}
-        for key, request in list(requests.items()):
-            output = finished.get(request.engine_id)
-            if output is not None:
-                del requests[key]
-                failed = output.finish_reason == "error"
-                request.post(RequestFailed(output.error) if failed else Progress(output.token_ids, output=output))
-                continue
-            if request.engine_id in self.llm.scheduler.waiting and not request.sent[1]:
-                continue  # queued, and no draft of a preempted block to clear: nothing new (asking
-                # 32,768 queued requests had taken 53 ms a step)
-            tokens = self.llm.generated(request.engine_id)
-            draft = self.llm.draft(request.engine_id) if request.drafts else []
-            if (len(tokens), tuple(draft)) != request.sent:
-                request.sent = (len(tokens), tuple(draft))
-                request.post(Progress(tokens, draft, denoise_steps=self.llm.denoise_steps(request.engine_id)))
+        # The LLM's lock held from the step to the last request's progress: another thread's
+        # generate() between them had finished requests of this engine (their outputs held for
+        # its next step), and asking for their tokens then failed every request in the engine.
+        with self.llm._lock:
+            finished = {out.request_id: out for out in self.llm.step()}
+            ours = {request.engine_id for request in requests.values()}
+            # Outputs of requests another thread added (add_request, another AsyncLLM on this
+            # LLM) are held for its next step, as generate() holds those it does not own.
+            self.llm._held.extend(out for request_id, out in finished.items() if request_id not in ours)
+            self.stats = self.llm.stats()  # before the outputs are posted: a caller reading stats then sees them gone
+            progress = []
+            for key, request in list(requests.items()):
+                output = finished.get(request.engine_id)
+                if output is not None:
+                    del requests[key]
+                    failed = output.finish_reason == "error"
+                    progress.append((request, RequestFailed(output.error) if failed
+                                     else Progress(output.token_ids, output=output)))
+                    continue
+                if request.engine_id in self.llm.scheduler.waiting and not request.sent[1]:
+                    continue  # queued, and no draft of a preempted block to clear: nothing new (asking
+                    # 32,768 queued requests had taken 53 ms a step)
+                tokens = self.llm.generated(request.engine_id)
+                draft = self.llm.draft(request.engine_id) if request.drafts else []
+                if (len(tokens), tuple(draft)) != request.sent:
+                    request.sent = (len(tokens), tuple(draft))
+                    progress.append((request, Progress(tokens, draft,
+                                                       denoise_steps=self.llm.denoise_steps(request.engine_id))))
+        for request, item in progress:
+            request.post(item)
 
     def _abort_all(self, requests: dict, error: BaseException, finished: frozenset = frozenset()) -> None:
-        """Aborts every request but those of the engine ids `finished`, posting `error` to each."""
-        for key, request in list(requests.items()):
-            if request.engine_id in finished:
-                continue
-            del requests[key]
-            try:
+        """Aborts every request but those of the engine ids `finished`, posting each a copy of
+        `error` (one instance raised in every caller had gathered all their tracebacks and
+        notes)."""
+        aborted = []
+        try:
+            for key, request in list(requests.items()):
+                if request.engine_id in finished:
+                    continue
+                del requests[key]
+                aborted.append(request)
                 self.llm.abort(request.engine_id)
-            finally:
-                request.post(error)
-        self.stats = self.llm.stats()
+            self.stats = self.llm.stats()
+        finally:
+            for request in aborted:
+                request.post(type(error)(*error.args))
