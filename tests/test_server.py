@@ -1201,6 +1201,23 @@ def test_a_host_no_socket_can_encode_is_one_line(checkpoint):
     assert out.returncode == 1 and out.stderr.startswith("error: cannot listen on ") and "Traceback" not in out.stderr
 
 
+def test_serve_refuses_a_checkpoint_whose_default_steps_pass_the_limit(checkpoint, tmp_path):
+    """--max-denoising-steps-limit holds for the checkpoint's own default, which every request
+    that asks no number of steps runs: generation_config.json asking 2^31 - 1 steps a block had
+    been served, each such request running for days. serve says so at start, in a line."""
+    path = tmp_path / "many_steps"
+    shutil.copytree(checkpoint, path)
+    generation = json.loads((path / "generation_config.json").read_text())
+    generation["max_denoising_steps"] = 2**31 - 1
+    (path / "generation_config.json").write_text(json.dumps(generation))
+    out = subprocess.run([sys.executable, "-m", "diffuserve", "serve", str(path), "--port", "0",
+                          "--max-denoising-steps-limit", "64"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr
+    assert out.stderr.strip().endswith(
+        "error: the checkpoint's default max_denoising_steps (2147483647, from generation_config.json) exceeds the "
+        "limit of 64 a block that requests may run (--max-denoising-steps-limit): raise the limit to serve it")
+
+
 def test_request_body_size_limit(checkpoint):
     """A body past --max-request-bytes is a 413 naming the limit, whether its Content-Length says
     so or it comes in chunks (a body of gigabytes had been read whole into memory, then decoded

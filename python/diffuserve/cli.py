@@ -141,10 +141,14 @@ def serve(args) -> None:
     llm = _load(args.model, args)
     name = args.served_model_name or args.model or "diffuserve-sudoku"  # no model: the bundled one
     engine = AsyncLLM(llm)
-    app = server.build_app(engine, name, api_key=args.api_key,
-                           max_denoising_steps_limit=args.max_denoising_steps_limit,
-                           allowed_origins=args.allowed_origins or ["*"], max_prompt_chars=args.max_prompt_chars,
-                           max_request_bytes=args.max_request_bytes)
+    try:
+        app = server.build_app(engine, name, api_key=args.api_key,
+                               max_denoising_steps_limit=args.max_denoising_steps_limit,
+                               allowed_origins=args.allowed_origins or ["*"], max_prompt_chars=args.max_prompt_chars,
+                               max_request_bytes=args.max_request_bytes)
+    except ValueError as e:  # (the checkpoint's defaults against the server's limits)
+        engine.shutdown()
+        sys.exit(f"error: {e}")
     host = f"[{args.host}]" if ":" in args.host else args.host  # an IPv6 address, as URLs write it
     port = sock.getsockname()[1]
     print(f"serving {name} at http://{host}:{port}/v1"

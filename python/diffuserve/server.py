@@ -286,6 +286,13 @@ class _Server:
         self.max_denoising_steps_limit = max_denoising_steps_limit
         config = engine.llm.model.config
         generation = config["generation"]
+        # The limit holds for the checkpoint's own default too, which requests that ask no
+        # number of steps run (a generation_config.json asking 2^31 - 1 steps a block had every
+        # such request run for days).
+        if generation["max_denoising_steps"] > max_denoising_steps_limit:
+            raise ValueError(f"the checkpoint's default max_denoising_steps ({generation['max_denoising_steps']}, "
+                             f"from generation_config.json) exceeds the limit of {max_denoising_steps_limit} a block "
+                             f"that requests may run (--max-denoising-steps-limit): raise the limit to serve it")
         self.defaults = {"t_min": generation["t_min"], "t_max": generation["t_max"],
                          "length_given": generation["length_given"], "context": config["max_position_embeddings"]}
         self.eos_token_ids = list(generation["eos_token_ids"])
