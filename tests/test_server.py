@@ -1218,6 +1218,25 @@ def test_serve_refuses_a_checkpoint_whose_default_steps_pass_the_limit(checkpoin
         "limit of 64 a block that requests may run (--max-denoising-steps-limit): raise the limit to serve it")
 
 
+def test_a_chat_template_that_renders_no_text_is_named(checkpoint, tmp_path):
+    """A chat template that renders the conversation as no text (an empty chat_template.jinja)
+    is named as the fault, by the server's chat endpoint (a 400 on messages) and by the CLI's
+    generate: both had said only that the prompt was empty."""
+    from fastapi.testclient import TestClient
+    from diffuserve.chat_template import EMPTY_CHAT_PROMPT
+    path = tmp_path / "empty_template"
+    shutil.copytree(checkpoint, path)
+    (path / "chat_template.jinja").write_text("")
+    with TestClient(build_app(AsyncLLM(ds.LLM(str(path), kv_cache_memory_bytes=8 << 20)), MODEL)) as http:
+        r = http.post("/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": "Hi"}]})
+    assert r.status_code == 400 and r.json()["error"]["message"] == EMPTY_CHAT_PROMPT
+    assert r.json()["error"]["param"] == "messages"
+    out = subprocess.run([sys.executable, "-m", "diffuserve", "generate", "Hi", "-m", str(path)],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1 and out.stderr.strip().endswith(f"error: {EMPTY_CHAT_PROMPT} (--raw sends the "
+                                                               "prompt as it is)"), out.stderr
+
+
 def test_request_body_size_limit(checkpoint):
     """A body past --max-request-bytes is a 413 naming the limit, whether its Content-Length says
     so or it comes in chunks (a body of gigabytes had been read whole into memory, then decoded

@@ -123,6 +123,10 @@ _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 # What transformers appends to the final message's content to find where it ends in the text.
 _CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
 
+# Where a template renders a conversation as no text (an empty template), for the server and
+# the CLI, whose engine would otherwise say only that the prompt is empty.
+EMPTY_CHAT_PROMPT = "the chat template renders these messages as no text, which leaves the model no prompt"
+
 
 def _template_messages(messages) -> List[dict]:
     """The messages as transformers passes them: plain data (_plain), without the keys whose

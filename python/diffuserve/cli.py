@@ -158,6 +158,7 @@ def serve(args) -> None:
 
 
 def generate(args) -> None:
+    from .chat_template import EMPTY_CHAT_PROMPT
     from .detokenizer import IncrementalDetokenizer, until_eos
     from .sampling import SamplingParams, length_untold
 
@@ -171,6 +172,8 @@ def generate(args) -> None:
         if tokenizer.chat_template is not None and not args.raw:
             text = tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}],
                                                  add_generation_prompt=True)
+            if not text:
+                raise ValueError(f"{EMPTY_CHAT_PROMPT} (--raw sends the prompt as it is)")
             prompt = tokenizer.encode(text, add_special_tokens=False)
         else:
             prompt = tokenizer.encode(args.prompt)

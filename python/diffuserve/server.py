@@ -32,7 +32,7 @@ from starlette.requests import ClientDisconnect
 
 from ._checks import check_encoded, check_token_ids, check_unicode
 from .async_llm import AsyncLLM, EngineError
-from .chat_template import loops_over_content
+from .chat_template import EMPTY_CHAT_PROMPT, loops_over_content
 from .detokenizer import INCOMPLETE, IncrementalDetokenizer, until_eos
 from .tokenizer import cleaned_positions
 from .protocol import (ApiError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeChatRequest,
@@ -398,6 +398,8 @@ class _Server:
         except ValueError as e:  # the template's own refusal or failure, or bad tools or documents
             argument = getattr(e, "argument", None)  # (ChatTemplateError's: tools or documents, which the kwargs set)
             raise ApiError(400, str(e), param=f"chat_template_kwargs.{argument}" if argument else "messages") from None
+        if not text:  # (the engine's "the prompt is empty" would not say why)
+            raise ApiError(400, EMPTY_CHAT_PROMPT, param="messages")
         return await self.prompt_ids(text, "messages", add_special_tokens=add_special_tokens)
 
     async def run(self, request: Request, body, prompts: List[List[int]], max_tokens: Optional[int], fmt):
