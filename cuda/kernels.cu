@@ -911,7 +911,7 @@ __global__ void __launch_bounds__(kCanvasThreads)
     entropies[t] = e, frees[t] = free, keys[t] = free ? key(e) : NAN;
     __syncthreads();
   };
-  int free = 0;  // thread 0's: the free positions, their entropies' sum, whether one is NaN
+  int free = 0;  // thread 0's: the free positions, their entropies' sum, whether any row's is NaN
   double sum = 0;
   bool non_finite = false;  // from logits that held NaN or infinity
   for (int base_i = 0; base_i < canvas; base_i += kCanvasThreads) {
@@ -928,8 +928,10 @@ __global__ void __launch_bounds__(kCanvasThreads)
           rank += f < e || (f == e && base_j + j < i);
         }
       if (base_i == 0 && t == 0)
-        for (int j = 0; j < n; ++j)
-          if (frees[j]) sum += entropies[j], ++free, non_finite |= entropies[j] != entropies[j];
+        for (int j = 0; j < n; ++j) {
+          if (frees[j]) sum += entropies[j], ++free;
+          non_finite |= entropies[j] != entropies[j];  // every row's, pinned too (as the CPU's update)
+        }
     }
     if (ranks) order[rank] = i;
   }

@@ -554,6 +554,24 @@ def test_non_finite_logits_fail_the_request(tmp_path, monkeypatch, graphs, shape
         assert not llm.has_unfinished()
 
 
+@pytest.mark.parametrize("graphs", ["1", "0"], ids=["graph loop", "host loop"])
+def test_nan_logits_at_pinned_positions_fail_the_request(tmp_path, monkeypatch, graphs):
+    """The device's canvas update flags NaN logits at pinned positions too, as the CPU's does
+    (test_errors.py): it had checked the free positions alone. (A bf16 checkpoint, which the
+    reference reads as the GPU does, so that both route the rows alike.)"""
+    from test_errors import CANVAS, NAN_EXPERT, PROMPT, TINY, canvas_with_some_nan_rows
+    monkeypatch.setenv("DIFFUSERVE_CUDA_GRAPHS", graphs)
+    path = pathlib.Path(write_random_checkpoint(tmp_path / "m", canvas_length=CANVAS, dtype="bfloat16", **TINY))
+    rewrite(path, lambda tensors: tensors[NAN_EXPERT].__setitem__(2, np.nan))
+    canvas, nan_rows = canvas_with_some_nan_rows(path, PROMPT)
+    llm = ds.LLM(path, device="cuda:0", kv_cache_memory_bytes=64 << 20)
+    params = ds.SamplingParams(max_new_tokens=CANVAS, seed=0, seed_canvas=canvas, pinned_positions=nan_rows,
+                               max_denoising_steps=4, self_conditioning=False)
+    with pytest.raises(ds.CheckpointError, match=r"prompt 0: the model's logits held NaN or infinity at denoise step 1"):
+        llm.generate([PROMPT], params)
+    assert not llm.has_unfinished()
+
+
 @pytest.mark.parametrize("fields, message", [
     # 32 query heads on the full layers' one KV head
     (dict(num_attention_heads=32, num_key_value_heads=2), r"the CUDA attention takes up to 16 query heads per KV head, not 32"),

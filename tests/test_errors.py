@@ -1103,6 +1103,40 @@ def test_nan_query_weight_fails_the_request(ckpt):
         llm.generate([[2, 3, 4]], ds.SamplingParams(max_new_tokens=16, seed=0))
 
 
+NAN_EXPERT = "model.decoder.layers.1.experts.down_proj"  # the last layer's: only rows routed to it go NaN
+
+
+def canvas_with_some_nan_rows(path, prompt, seed=0):
+    """A canvas of which some rows, but not all, reach the checkpoint's NaN expert (NAN_EXPERT)
+    in transformers' reference, and those rows."""
+    from hf_reference import ReferenceSequence, load
+    reference, rng = load(path), np.random.default_rng(seed)
+    for _ in range(500):
+        canvas = rng.integers(3, VOCAB, CANVAS).tolist()
+        sequence = ReferenceSequence(reference)
+        sequence.prefill(prompt)
+        nan_rows = [i for i, row in enumerate(sequence.denoise(canvas)) if not np.isfinite(row).all()]
+        if 0 < len(nan_rows) < CANVAS:
+            return canvas, nan_rows
+    raise AssertionError("no canvas of 500 has some rows, not all, routed to the NaN expert")
+
+
+def test_nan_logits_at_pinned_positions_fail_the_request(ckpt):
+    """Logits that are NaN only at pinned positions (an infilling canvas whose given tokens
+    route to a broken expert) fail the request, as Sequence.denoise refuses them: the canvas
+    update had checked the free positions alone, and such a request finished with tokens."""
+    rewrite(ckpt, lambda t: t[NAN_EXPERT].__setitem__(2, np.nan))
+    canvas, nan_rows = canvas_with_some_nan_rows(ckpt, PROMPT)
+    llm = ds.LLM(ckpt, kv_cache_memory_bytes=8 << 20)
+    for self_conditioning in (False, True):
+        params = ds.SamplingParams(max_new_tokens=CANVAS, seed=0, seed_canvas=canvas, pinned_positions=nan_rows,
+                                   max_denoising_steps=1, self_conditioning=self_conditioning)
+        with pytest.raises(ds.CheckpointError, match=r"prompt 0: the model's logits held NaN or infinity at denoise "
+                                                     r"step 1 of block 0"):
+            llm.generate([PROMPT], params)
+        assert not llm.has_unfinished()
+
+
 def test_non_finite_logits_give_no_draft(nan_dir):
     """A step cut short (interrupt, as AsyncLLM's when a client leaves) returns before the
     failure is posted: the request's draft is then none, not the argmax of NaN rows (ids 0,

@@ -137,7 +137,10 @@ void update_canvas(const CanvasParams& p, const std::vector<RowSample>& rows, Ca
   bool non_finite = false;
   for (int i = 0; i < p.canvas; ++i) {
     entropy[i] = rows[i].entropy;
-    if (s.free_position[i]) entropy_sum += entropy[i], ++counted, non_finite |= std::isnan(entropy[i]);
+    if (s.free_position[i]) entropy_sum += entropy[i], ++counted;
+    // Every row's: a pinned row's NaN logits (an infilling canvas whose given tokens route to a
+    // broken expert) had let the request finish as if its pass were finite.
+    non_finite |= std::isnan(entropy[i]);
   }
   const std::vector<uint8_t> accepted = accept_by_entropy(entropy, p.entropy_bound, s.free_position);
   const RandomKey renoise{p.seed, p.block, uint32_t(step), RandomStream::Renoise};
