@@ -797,6 +797,25 @@ def test_quantize_refuses_a_quantized_source_whose_config_says_nothing(tmp_path,
     assert not os.path.exists(tmp_path / "out")
 
 
+@pytest.mark.parametrize("field, tensor", [("moe_intermediate_size", r"model\.decoder\.layers\.\d+\.experts\.down_proj"),
+                                           ("hidden_size", r"model\.decoder\.[\w.]+\.weight")])
+def test_quantize_nvfp4_refuses_inputs_not_in_groups_of_16_naming_the_stored_tensor(tmp_path, field, tensor):
+    """NVFP4's scales cover 16 inputs: a linear of another input size is refused before anything
+    is written, naming the source and the tensor as stored (an expert stack, where it had named
+    one expert's linear, which the source does not hold); FP8 takes it."""
+    from diffuserve.quantize import quantize
+    from diffuserve.random_checkpoint import write_random_checkpoint
+    src = write_random_checkpoint(tmp_path / "src", canvas_length=8, **{field: 40})
+    with pytest.raises(ValueError, match=re.escape(f"{src}: tensor '") + tensor + re.escape(
+            "' has 40 inputs; nvfp4 needs every linear's input size to be a multiple of 16")):
+        quantize(src, str(tmp_path / "nvfp4"), "nvfp4")
+    assert not os.path.exists(tmp_path / "nvfp4")
+    quantize(src, str(tmp_path / "fp8"), "fp8-dynamic")
+    sequence = ds.Model.load(str(tmp_path / "fp8")).sequence()
+    sequence.prefill([3, 4, 5])
+    assert np.isfinite(sequence.denoise(np.arange(8))).all()
+
+
 def test_quantize_refuses_a_source_with_kv_cache_scales(tmp_path):
     """A KV cache's scales (compressed-tensors' kv_cache_scheme) in a source whose config says
     nothing of them: refused, not copied into a copy that the load refuses."""
