@@ -736,16 +736,20 @@ def test_before_prefill(model, op):
     before = state_of(s)
     with pytest.raises(ValueError, match=f"{op}: call prefill"):
         getattr(s, op)(np.arange(CANVAS))
+    if op == "denoise":  # (logits of the wrong shape had been named instead)
+        with pytest.raises(ValueError, match="denoise: call prefill"):
+            s.denoise(np.arange(CANVAS), np.zeros((CANVAS - 1, VOCAB), np.float32))
     assert_intact(s, before)
 
 
-@pytest.mark.parametrize("with_logits", [False, True], ids=["", "with self-conditioning logits"])
+@pytest.mark.parametrize("logits_rows", [None, CANVAS, "n"], ids=["", "with right logits", "with the canvas's logits"])
 @pytest.mark.parametrize("n", [CANVAS - 1, CANVAS + 1])
-def test_denoise_wrong_canvas_length(seq, n, with_logits):
+def test_denoise_wrong_canvas_length(seq, n, logits_rows):
     """The canvas is named, also beside self-conditioning logits of the right shape (the
-    native binding had checked them against the canvas given, and blamed them)."""
+    native binding had checked them against the canvas given, and blamed them), or of the
+    wrong canvas's (which had been named instead of the canvas)."""
     before = state_of(seq)
-    sc = np.zeros((CANVAS, VOCAB), np.float32) if with_logits else None
+    sc = None if logits_rows is None else np.zeros((n if logits_rows == "n" else CANVAS, VOCAB), np.float32)
     for denoise in (seq.denoise, seq._native.denoise):
         with pytest.raises(ValueError, match=f"denoise: canvas has {n} tokens, expected canvas_length {CANVAS}"):
             denoise(np.arange(n, dtype=np.int32), sc)

@@ -370,8 +370,9 @@ NB_MODULE(_core, m) {
       .def(
           "denoise",
           [](Sequence& self, IdArray canvas, std::optional<LogitsIn> sc) {
-            // Against the sequence's canvas length, not the canvas given: a canvas of another
-            // length is the canvas's fault, which denoise names (it had been blamed on the logits).
+            // The canvas first (an empty sequence, a canvas of another length), then the logits
+            // against the sequence's canvas length: a canvas's fault had been blamed on them.
+            without_gil([&] { self.check_canvas(ids_of(canvas)); });
             const int vocab = self.config().vocab_size;
             const size_t rows = size_t(self.canvas_length());
             if (sc && (sc->shape(0) != rows || sc->shape(1) != size_t(vocab)))
@@ -387,6 +388,8 @@ NB_MODULE(_core, m) {
             return to_numpy(std::move(logits), {canvas.shape(0), size_t(vocab)});
           },
           nb::arg("canvas"), nb::arg("self_conditioning_logits").none())
+      .def("check_canvas", [](const Sequence& self, IdArray canvas) { self.check_canvas(ids_of(canvas)); },
+           nb::call_guard<GilReleased>())
       .def("__len__", &Sequence::length, nb::call_guard<GilReleased>())
       .def_prop_ro("canvas_length", &Sequence::canvas_length)
       .def("kv_blocks", [](const Sequence& self) {

@@ -183,6 +183,7 @@ class Sequence:
         (temperature-processed) logits, [canvas, vocab].
         """
         canvas = check_token_ids(canvas_ids, "denoise", self.model.vocab_size)
+        self._native.check_canvas(canvas)  # (before the logits: the canvas's fault had been blamed on them)
         sc = None
         if self_conditioning_logits is not None:
             sc = _float32_logits(self_conditioning_logits)

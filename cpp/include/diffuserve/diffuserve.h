@@ -128,6 +128,10 @@ class Sequence {
   // The same with the logits as a pointer (null: none) to canvas x vocab values, as this API
   // first took them: their count cannot be checked, so the span form is the one to use.
   std::vector<float> denoise(std::span<const int32_t> canvas, const float* self_conditioning_logits);
+  // Throws InvalidArgument where denoise would refuse `canvas` (an empty sequence, another
+  // length, an id or a position out of range), running nothing: a caller checking its own
+  // inputs (the logits' shape) names the canvas first.
+  void check_canvas(std::span<const int32_t> canvas) const;
   // Causal encoder pass over a finished block (1 to canvas_length() tokens); appends KV.
   void commit(std::span<const int32_t> block);
 
@@ -143,7 +147,6 @@ class Sequence {
   friend class Model;
   struct State;
   Sequence(std::shared_ptr<Model> model, int canvas_length);
-  void check_canvas(std::span<const int32_t> canvas) const;
   void encode(std::span<const int32_t> ids, const char* what);
   void continue_prefill(std::span<const int32_t> ids);
   std::shared_ptr<Model> model_;
