@@ -557,12 +557,18 @@ def test_non_finite_logits_fail_the_request(tmp_path, monkeypatch, graphs, shape
 @pytest.mark.parametrize("graphs", ["1", "0"], ids=["graph loop", "host loop"])
 def test_nan_logits_at_pinned_positions_fail_the_request(tmp_path, monkeypatch, graphs):
     """The device's canvas update flags NaN logits at pinned positions too, as the CPU's does
-    (test_errors.py): it had checked the free positions alone. (A bf16 checkpoint, which the
+    (test_errors.py): it had checked the free positions alone. (Weights bf16 can hold, which the
     reference reads as the GPU does, so that both route the rows alike.)"""
     from test_errors import CANVAS, NAN_EXPERT, PROMPT, TINY, canvas_with_some_nan_rows
     monkeypatch.setenv("DIFFUSERVE_CUDA_GRAPHS", graphs)
-    path = pathlib.Path(write_random_checkpoint(tmp_path / "m", canvas_length=CANVAS, dtype="bfloat16", **TINY))
-    rewrite(path, lambda tensors: tensors[NAN_EXPERT].__setitem__(2, np.nan))
+    path = pathlib.Path(write_random_checkpoint(tmp_path / "m", canvas_length=CANVAS, **TINY))
+
+    def edit(tensors):
+        for name, t in tensors.items():
+            bits = t.view(np.uint32)  # rounded to bf16's values, to nearest even
+            tensors[name] = ((bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000).view(np.float32)
+        tensors[NAN_EXPERT][2] = np.nan
+    rewrite(path, edit)
     canvas, nan_rows = canvas_with_some_nan_rows(path, PROMPT)
     llm = ds.LLM(path, device="cuda:0", kv_cache_memory_bytes=64 << 20)
     params = ds.SamplingParams(max_new_tokens=CANVAS, seed=0, seed_canvas=canvas, pinned_positions=nan_rows,
