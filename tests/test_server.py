@@ -568,6 +568,19 @@ def test_logprobs_are_refused_as_not_returned(base_url, path, value):
     assert r.json()["error"]["message"] == "unsupported parameter: 'logprobs' (log-probabilities are not returned)"
 
 
+@pytest.mark.parametrize("param", ["tools", "tool_choice"])
+def test_tools_are_refused_saying_where_a_template_takes_them(base_url, param):
+    """OpenAI's tools and tool_choice are refused (no parser makes tool_calls of the model's
+    text), saying that a template renders tools given as chat_template_kwargs.tools."""
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}]
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "x"}], param: tools if param == "tools" else "auto"}
+    r = httpx.post(f"{base_url}/v1/chat/completions", json=body)
+    assert r.status_code == 400 and r.json()["error"]["param"] == param
+    assert r.json()["error"]["message"] == (f"unsupported parameter: '{param}' (no parser turns the model's text into "
+                                            "tool_calls; a chat template that renders tools takes them as "
+                                            "chat_template_kwargs.tools)")
+
+
 def test_request_translation_into_sampling_params():
     """Without max_tokens a request takes the checkpoint's length (generation_config.json's), or
     where it gives none the whole context, cut to the whole blocks the context has room for

@@ -422,6 +422,9 @@ def parse(model: type, body: Any):
         if error["type"] == "extra_forbidden":
             if param in ("logprobs", "top_logprobs"):  # (chat's logprobs is a bool, completions' a count)
                 hint = " (log-probabilities are not returned)"
+            elif param in ("tools", "tool_choice", "parallel_tool_calls", "functions", "function_call"):
+                hint = (" (no parser turns the model's text into tool_calls; a chat template that renders tools "
+                        "takes them as chat_template_kwargs.tools)")
             elif param in _NEUTRAL:
                 hint = f" (only {' or '.join(json.dumps(v) for v in _NEUTRAL[param])} is accepted)"
             else:
