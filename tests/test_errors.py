@@ -770,6 +770,12 @@ def test_commit_longer_than_canvas(seq):
     assert_intact(seq, before)
 
 
+def test_a_sequence_says_what_it_holds(model):
+    s = model.sequence(canvas_length=CANVAS - 2)
+    s.prefill(PROMPT)
+    assert repr(s) == f"Sequence(tokens={len(PROMPT)}, canvas_length={CANVAS - 2}, model={model!r})"
+
+
 def test_a_sequence_is_not_copied(seq):
     """A copy would share the sequence's KV cache (a commit to one had shown in the other)."""
     import copy

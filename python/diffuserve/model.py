@@ -212,6 +212,9 @@ class Sequence:
     def __len__(self) -> int:
         return len(self._native)
 
+    def __repr__(self) -> str:
+        return f"Sequence(tokens={len(self)}, canvas_length={self.canvas_length}, model={self.model!r})"
+
     def __reduce__(self):
         # (A copy would share this sequence's KV cache, and commits to one would show in the
         # other.)
