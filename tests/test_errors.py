@@ -582,9 +582,26 @@ def test_weights_too_large_for_the_machine(ckpt):
     config = json.loads((ckpt / "config.json").read_text())
     config["text_config"].update(vocab_size=2**31 - 1, hidden_size=2**24)
     (ckpt / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match="load_format 'dummy': (out of memory making random weights of the config's "
-                                         "sizes|the config's sizes are past what one weight can hold)"):
+    with pytest.raises(ValueError, match="load_format 'dummy': the config's random weights take at least "
+                                         r"\d+ bytes, more than the \d+ bytes of memory free for them"):
         ds.Model.load(ckpt, load_format="dummy")
+
+
+def test_random_weights_each_within_memory_but_not_all_together_are_refused(ckpt):
+    """Random weights that each fit in memory, but not all together (a config of 4096 wide
+    layers, each an MLP of 0.8 GB: over 3 TB in all): refused before any is made, the bytes
+    named. They had been made one by one until the kernel killed the process for want of
+    memory."""
+    config = json.loads((ckpt / "config.json").read_text())
+    config["text_config"].update(num_hidden_layers=4096, hidden_size=8192, intermediate_size=16384,
+                                 layer_types=["sliding_attention"] * 4095 + ["full_attention"])
+    (ckpt / "config.json").write_text(json.dumps(config))
+    start = time.perf_counter()
+    with pytest.raises(ValueError, match=r"load_format 'dummy': the config's random weights take at least (\d+) bytes, "
+                                         r"more than the \d+ bytes of memory free for them") as refused:
+        ds.Model.load(ckpt, load_format="dummy")
+    assert int(re.search(r"at least (\d+)", str(refused.value)).group(1)) > 3 * 10**12
+    assert time.perf_counter() - start < 30  # (nothing made: the walk counts)
 
 
 def test_missing_tensor(ckpt):

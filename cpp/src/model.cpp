@@ -11,6 +11,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <limits>
 #include <numeric>
 #include <optional>
 #include <regex>
@@ -149,8 +150,10 @@ class QuantizationTargets {
 class TensorSource {
  public:
   static inline const std::string kDecoder = "model.decoder.", kEncoder = "model.encoder.language_model.";
-  TensorSource(ModelState& m, DType as)
-      : m_(m), as_(as), targets_(m.config, m.path, m.checkpoint ? m.checkpoint->added_prefix() : "") {}
+  // sizes_only: random weights (no checkpoint) are counted (random_bytes), not made.
+  TensorSource(ModelState& m, DType as, bool sizes_only = false)
+      : m_(m), as_(as), targets_(m.config, m.path, m.checkpoint ? m.checkpoint->added_prefix() : ""),
+        sizes_only_(sizes_only) {}
   bool dummy() const { return !m_.checkpoint; }
   const std::string& path() const { return m_.path; }
   bool has(const std::string& name) const { return m_.checkpoint && find(name); }
@@ -193,7 +196,7 @@ class TensorSource {
 
   // A weight that is not a linear's (the embedding, the router): plain, dequantized if stored quantized.
   Weight weight(const std::string& name, const std::vector<int64_t>& shape) {
-    if (dummy()) return m_.backend->random_weight(shape, as_, ++seed_, 1.0f / std::sqrt(float(shape.back())));
+    if (dummy()) return random_weight(shape);
     if (is_packed(name)) return upload_dequantized(packed(name, shape), "'" + name + "'");
     const TensorView& t = fits(take(name, shape));
     return m_.backend->upload(t.data, t.dtype, t.shape, as_, m_.checkpoint);  // may keep pointing into the file
@@ -265,11 +268,13 @@ class TensorSource {
 
   // A small tensor (norm weights, scales) as an fp32 weight.
   Weight small(const std::string& name, const std::vector<int64_t>& shape) {
+    if (sizes_only_) return count(shape, sizeof(float));
     return fp32_weight(floats(name, shape), shape);
   }
 
   // Host values as an fp32 weight in backend memory.
   Weight fp32_weight(std::vector<float> values, const std::vector<int64_t>& shape) {
+    if (sizes_only_) return count(shape, sizeof(float));
     auto host = std::make_shared<std::vector<float>>(std::move(values));
     return m_.backend->upload(host->data(), DType::F32, shape, DType::F32, host);
   }
@@ -328,11 +333,32 @@ class TensorSource {
     }
   }
 
+ public:
+  // Bytes of the weights counted so far (sizes_only), at least what they take.
+  int64_t random_bytes() const { return random_bytes_; }
+
  private:
-  // A linear's random weight of `shape`, packed as the load option says.
+  // Counts a weight of `shape` at `value_bytes` a value (past int64: the most it holds), and
+  // makes none: an empty Weight.
+  Weight count(const std::vector<int64_t>& shape, int64_t value_bytes) {
+    bool past = false;
+    for (int64_t d : shape) past |= __builtin_mul_overflow(value_bytes, d, &value_bytes);
+    past |= __builtin_add_overflow(random_bytes_, value_bytes, &random_bytes_);
+    if (past) random_bytes_ = std::numeric_limits<int64_t>::max();
+    return {};
+  }
+
+  // A plain random weight of `shape`.
+  Weight random_weight(const std::vector<int64_t>& shape) {
+    if (sizes_only_) return count(shape, int64_t(dtype_size(as_)));
+    return m_.backend->random_weight(shape, as_, ++seed_, 1.0f / std::sqrt(float(shape.back())));
+  }
+
+  // A linear's random weight of `shape`, packed as the load option says (counted at a byte a
+  // value, the least a packed format's values and scales take in all).
   Weight dummy_linear(const std::vector<int64_t>& shape) {
-    if (m_.dummy_quantization == WeightFormat::Plain)
-      return m_.backend->random_weight(shape, as_, ++seed_, 1.0f / std::sqrt(float(shape.back())));
+    if (m_.dummy_quantization == WeightFormat::Plain) return random_weight(shape);
+    if (sizes_only_) return count(shape, 1);
     Weight w = upload(random_packed_weight(m_.dummy_quantization, shape, ++seed_), "a random weight");
     w.input_quant.scheme = m_.dummy_activations;
     return w;
@@ -701,6 +727,8 @@ class TensorSource {
   QuantizationTargets targets_;
   std::set<std::string> taken_;
   uint64_t seed_ = 0;  // dummy weights: one stream per tensor
+  bool sizes_only_;
+  int64_t random_bytes_ = 0;  // count's
   bool encoder_apart_ = false;  // set_encoder_apart
   mutable std::set<std::pair<std::string, std::string>> equal_pairs_;  // stored_apart's, found equal
   // The process's pool, held for the load: concatenated's conversions run on it (the pool
@@ -781,22 +809,10 @@ void prepare_weights(ModelState& m, ModelWeights& w) {
   }
 }
 
-}  // namespace
-
-void load_weights(ModelState& m, DType as) {
-  const ModelConfig& c = m.config;
-  TensorSource src(m, as);
-  ModelWeights& w = m.weights;
+// The decoder's weights, and the head's where it is not tied to the embedding; returns whether it is.
+bool load_decoder(TensorSource& src, const ModelConfig& c, ModelWeights& w) {
   const int64_t H = c.hidden_size, I = c.intermediate_size;
   const std::string& d = TensorSource::kDecoder;
-  // Where the checkpoint holds encoder weights of their own (other values than the decoder's
-  // twins), transformers runs the encoder on them, and so does this (forward's encoder pass):
-  // under tie_word_embeddings false, which unties the encoder from the decoder as well as the
-  // head from the embedding, and under a tied config too, where transformers leaves a pair
-  // whose stored values differ untied (warning that the config is wrong), as for the head below.
-  const bool encoder_apart = src.encoder_stored_apart();
-  if (encoder_apart) src.set_encoder_apart();
-
   w.embed_tokens = src.weight(d + "embed_tokens.weight", {c.vocab_size, H});
   // A tied config whose checkpoint stores an lm_head.weight other than the embedding (other
   // values, or quantized): transformers then leaves the two untied (warning that the config is
@@ -805,14 +821,47 @@ void load_weights(ModelState& m, DType as) {
                     !src.stored_apart("lm_head.weight", d + "embed_tokens.weight");
   if (!tied) w.lm_head = src.linear("lm_head.weight", {c.vocab_size, H});
   else if (src.quantizes("lm_head"))
-    throw FormatError(m.path + ": quantization_config quantizes 'lm_head' (not in its ignore), but the head is tied " +
-                      "to the embedding, which is stored unquantized");
+    throw FormatError(src.path() + ": quantization_config quantizes 'lm_head' (not in its ignore), but the head is " +
+                      "tied to the embedding, which is stored unquantized");
   w.norm = src.small(d + "norm.weight", {H});
   const std::string sc = d + "self_conditioning.";
   w.sc_pre_norm = src.small(sc + "pre_norm.weight", {H});
   w.sc_gate_up = src.stacked({sc + "gate_proj.weight", sc + "up_proj.weight"}, {I, I}, H);
   w.sc_down = src.linear(sc + "down_proj.weight", {H, I});
   load_layers(src, c, d, w.layers);
+  return tied;
+}
+
+// Random weights (load_format "dummy") take their sizes from the config alone, which may ask
+// for any amount: counted first, by a walk that makes none, against the backend's memory (many
+// weights, each within memory, had grown past it together, and the kernel killed the process).
+void check_random_weights_fit(ModelState& m, DType as) {
+  TensorSource sizes(m, as, /*sizes_only=*/true);
+  ModelWeights none;
+  load_decoder(sizes, m.config, none);
+  if (const int64_t memory = m.backend->free_memory_bytes(); sizes.random_bytes() > memory)
+    throw InvalidArgument("load_format 'dummy': the config's random weights take at least " +
+                          std::to_string(sizes.random_bytes()) + " bytes, more than the " + std::to_string(memory) +
+                          " bytes of memory free for them");
+}
+
+}  // namespace
+
+void load_weights(ModelState& m, DType as) {
+  const ModelConfig& c = m.config;
+  if (!m.checkpoint) check_random_weights_fit(m, as);
+  TensorSource src(m, as);
+  ModelWeights& w = m.weights;
+  const int64_t H = c.hidden_size;
+  // Where the checkpoint holds encoder weights of their own (other values than the decoder's
+  // twins), transformers runs the encoder on them, and so does this (forward's encoder pass):
+  // under tie_word_embeddings false, which unties the encoder from the decoder as well as the
+  // head from the embedding, and under a tied config too, where transformers leaves a pair
+  // whose stored values differ untied (warning that the config is wrong), as for the head below.
+  const bool encoder_apart = src.encoder_stored_apart();
+  if (encoder_apart) src.set_encoder_apart();
+
+  const bool tied = load_decoder(src, c, w);
   if (encoder_apart) {
     const std::string& e = TensorSource::kEncoder;
     w.encoder = std::make_unique<ModelWeights>();
