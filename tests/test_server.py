@@ -640,6 +640,41 @@ def test_compressed_bodies_are_refused(base_url, encoding):
     assert r.status_code == 200, r.text
 
 
+def test_vllms_continuous_usage_stats_is_taken_at_false(base_url):
+    """stream_options.continuous_usage_stats, which clients written for vLLM send: false streams
+    as without it (it had been refused as an unknown parameter), true is refused by name."""
+    body = {"model": MODEL, "prompt": "x", "max_tokens": 8, "stream": True, "seed": 0}
+    plain = httpx.post(base_url + "/v1/completions", json={**body, "stream_options": {"include_usage": True}})
+    r = httpx.post(base_url + "/v1/completions",
+                   json={**body, "stream_options": {"include_usage": True, "continuous_usage_stats": False}})
+    assert r.status_code == 200 and plain.status_code == 200
+
+    def pieces(response):  # the chunks without their ids and times
+        return [{k: v for k, v in json.loads(line[6:]).items() if k not in ("id", "created")}
+                for line in response.text.splitlines() if line.startswith("data: {")]
+    assert pieces(r) == pieces(plain)
+    r = httpx.post(base_url + "/v1/completions", json={**body, "stream_options": {"continuous_usage_stats": True}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "stream_options.continuous_usage_stats"
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/tokenize"])
+def test_bodies_labelled_other_than_json_are_refused(base_url, path):
+    """A body whose Content-Type is not JSON (text/plain, which a browser's page may send to any
+    server without a preflight, or a form's) is a 415 naming it, as vLLM refuses it: such
+    requests had run. One labelled application/json, a +json type, or nothing is read."""
+    body = {"model": MODEL, **({"messages": [{"role": "user", "content": "x"}]} if "chat" in path else {"prompt": "x"}),
+            **({"max_tokens": 4} if path.startswith("/v1") else {})}
+    content = json.dumps(body).encode()
+    for label in ("text/plain", "application/x-www-form-urlencoded", "text/json"):
+        r = httpx.post(base_url + path, content=content, headers={"content-type": label})
+        assert r.status_code == 415, r.text
+        assert r.json()["error"]["message"] == (f"the request body's Content-Type {label!r} is not JSON: send the body "
+                                                "as application/json")
+    for label in ("application/json; charset=utf-8", "application/vnd.api+json", None):
+        r = httpx.post(base_url + path, content=content, headers={"content-type": label} if label else {})
+        assert r.status_code == 200, (label, r.text)
+
+
 class _Client:
     """A request's client, as run() reads it (it listens for the disconnect while the choices
     start): it leaves once `leaves()` (at once by default), its first ASGI message then the

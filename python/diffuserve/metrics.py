@@ -31,7 +31,8 @@ class _EngineCollector:
             GaugeMetricFamily("diffuserve_kv_cache_usage_ratio", "Fraction of KV cache blocks in use",
                               value=used / s["kv_blocks_total"] if s["kv_blocks_total"] else 0.0),
             CounterMetricFamily("diffuserve_prefix_cache_queries",
-                                "Prompt tokens looked up in the prefix cache (once a request)",
+                                "Prompt tokens looked up in the prefix cache (once an engine request: each of a "
+                                "request's n choices is one)",
                                 value=s["prefix_cache_queries"]),
             CounterMetricFamily("diffuserve_prefix_cache_hits", "Prompt tokens found in the prefix cache",
                                 value=s["prefix_cache_hits"]),

@@ -642,6 +642,14 @@ def _prompt_name(i: int, count: int) -> str:
 
 
 async def _json_body(request: Request, max_bytes: Optional[int]):
+    # A JSON body, as its Content-Type says (or with none, as FastAPI, so vLLM, takes it): a
+    # browser's page may send text/plain to any server without asking first (a CORS "simple
+    # request"), and such requests had run, whatever --allowed-origins said.
+    content_type = request.headers.get("content-type", "")
+    media = content_type.split(";")[0].strip().lower()
+    if media and not (media == "application/json" or (media.startswith("application/") and media.endswith("+json"))):
+        raise ApiError(415, f"the request body's Content-Type {content_type!r} is not JSON: send the body as "
+                       "application/json")
     # A compressed body had been parsed as it came ("not valid JSON: 'utf-8' codec can't decode
     # byte 0x8b"), and an uncompressed one labelled gzip taken as it was.
     encoding = request.headers.get("content-encoding", "identity")
