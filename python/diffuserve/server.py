@@ -875,7 +875,8 @@ class _RequireKey:
         self.app, self.api_key = app, api_key
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and (scope["path"] in _KEYED_PATHS or scope["path"].startswith("/v1/")):
+        # (A path with slashes after it, which the router redirects to the path, is the path's.)
+        if scope["type"] == "http" and (scope["path"].rstrip("/") in _KEYED_PATHS or scope["path"].startswith("/v1/")):
             scheme, _, key = Request(scope).headers.get("authorization", "").strip().partition(" ")
             if not (scheme.lower() == "bearer" and hmac.compare_digest(key.strip().encode(), self.api_key.encode())):
                 error = ApiError(401, "invalid or missing API key (send Authorization: Bearer <key>)",
