@@ -370,26 +370,26 @@ NB_MODULE(_core, m) {
       .def(
           "denoise",
           [](Sequence& self, IdArray canvas, std::optional<LogitsIn> sc) {
-            // The canvas first (an empty sequence, a canvas of another length), then the logits
-            // against the sequence's canvas length: a canvas's fault had been blamed on them.
-            without_gil([&] { self.check_canvas(ids_of(canvas)); });
             const int vocab = self.config().vocab_size;
             const size_t rows = size_t(self.canvas_length());
-            if (sc && (sc->shape(0) != rows || sc->shape(1) != size_t(vocab)))
-              throw InvalidArgument("denoise: self_conditioning_logits must have shape [" + std::to_string(rows) +
-                                    ", " + std::to_string(vocab) + "], got [" + std::to_string(sc->shape(0)) + ", " +
-                                    std::to_string(sc->shape(1)) + "]");
             std::vector<float> logits;
             {
+              // The canvas first (an empty sequence, a canvas of another length), then the
+              // logits against the sequence's canvas length: a canvas's fault had been blamed on
+              // them. (Checked within the call's one release of the GIL: each release is a
+              // return at which a daemon thread may meet the interpreter's exit.)
               GilReleased release;
+              self.check_canvas(ids_of(canvas));
+              if (sc && (sc->shape(0) != rows || sc->shape(1) != size_t(vocab)))
+                throw InvalidArgument("denoise: self_conditioning_logits must have shape [" + std::to_string(rows) +
+                                      ", " + std::to_string(vocab) + "], got [" + std::to_string(sc->shape(0)) +
+                                      ", " + std::to_string(sc->shape(1)) + "]");
               logits = self.denoise(ids_of(canvas), sc ? std::span<const float>(sc->data(), sc->size())
                                                        : std::span<const float>());
             }
             return to_numpy(std::move(logits), {canvas.shape(0), size_t(vocab)});
           },
           nb::arg("canvas"), nb::arg("self_conditioning_logits").none())
-      .def("check_canvas", [](const Sequence& self, IdArray canvas) { self.check_canvas(ids_of(canvas)); },
-           nb::call_guard<GilReleased>())
       .def("__len__", &Sequence::length, nb::call_guard<GilReleased>())
       .def_prop_ro("canvas_length", &Sequence::canvas_length)
       .def("kv_blocks", [](const Sequence& self) {
