@@ -82,6 +82,13 @@ def wait_until_idle(engine, seconds):
         time.sleep(0.02)
 
 
+async def stream_to_the_end(engine, prompt, params):
+    """Runs one AsyncLLM request to its end; returns its output."""
+    async for progress in engine.generate(prompt, params):
+        last = progress
+    return last.output
+
+
 def metrics(base_url) -> dict:
     text = httpx.get(base_url + "/metrics").text
     return {m.group(1): float(m.group(2)) for m in re.finditer(r"^(diffuserve_\w+(?:\{[^}]*\})?) (\S+)$", text, re.M)}
@@ -935,9 +942,7 @@ def test_a_request_keeps_its_prompt_and_params_as_they_were_given(checkpoint):
                 return progress.output
 
     async def run(prompt, params):
-        async for progress in engine.generate(prompt, params):
-            if progress.output is not None:
-                return progress.output.token_ids
+        return (await stream_to_the_end(engine, prompt, params)).token_ids
 
     try:
         output = asyncio.run(reused())
@@ -1393,15 +1398,11 @@ def test_a_failed_step_fails_its_requests_and_the_engine_goes_on(checkpoint):
     engine = AsyncLLM(llm)
     params = ds.SamplingParams(max_new_tokens=8, seed=0)
 
-    async def run():
-        outputs = [p.output async for p in engine.generate([5, 6, 7], params)]
-        return outputs[-1]
-
     try:
         with pytest.raises(StepFailed, match="out of GPU memory allocating 2147483648 bytes"):
-            asyncio.run(run())
+            asyncio.run(stream_to_the_end(engine, [5, 6, 7], params))
         wait_until_idle(engine, 10)
-        assert len(asyncio.run(run()).token_ids) == 8
+        assert len(asyncio.run(stream_to_the_end(engine, [5, 6, 7], params)).token_ids) == 8
     finally:
         engine.shutdown()
 
@@ -1702,15 +1703,6 @@ def test_a_shut_down_app_frees_its_model_and_answers_503(checkpoint):
     assert r.status_code == 503 and r.json()["error"]["message"] == "the server has shut down"
 
 
-def _stream_to_the_end(engine, prompt, params):
-    """A coroutine running one AsyncLLM request; returns its output."""
-    async def run():
-        async for progress in engine.generate(prompt, params):
-            last = progress
-        return last.output
-    return run()
-
-
 def test_an_llm_shared_by_an_async_llm_and_other_threads_finishes_everyones_requests(checkpoint):
     """Another thread's generate() (or a second AsyncLLM) on the LLM an AsyncLLM serves: its
     steps finished the engine's requests between the engine's step and its questions about
@@ -1722,7 +1714,7 @@ def test_an_llm_shared_by_an_async_llm_and_other_threads_finishes_everyones_requ
     engine, second = AsyncLLM(llm), AsyncLLM(llm)
 
     async def main():
-        streams = [asyncio.create_task(_stream_to_the_end(e, [2, 5, 6], params)) for e in (engine, second) * 3]
+        streams = [asyncio.create_task(stream_to_the_end(e, [2, 5, 6], params)) for e in (engine, second) * 3]
         await asyncio.sleep(0.2)  # the streams are running
         generated = await asyncio.to_thread(llm.generate, [[2, 5, 7]], params)
         return await asyncio.gather(*streams), generated
@@ -1775,7 +1767,7 @@ def test_each_caller_of_a_shut_down_engine_gets_its_own_error(checkpoint):
     params = ds.SamplingParams(max_new_tokens=2000, seed=0, eos_token_id=[])
 
     async def main():
-        streams = [asyncio.create_task(_stream_to_the_end(engine, [2, 5, 6], params)) for _ in range(4)]
+        streams = [asyncio.create_task(stream_to_the_end(engine, [2, 5, 6], params)) for _ in range(4)]
         while engine.stats["running"] < 4:
             await asyncio.sleep(0.01)
         await asyncio.to_thread(engine.shutdown)
@@ -1796,7 +1788,7 @@ def test_stats_show_a_request_gone_once_its_output_is_read(checkpoint):
     async def main():
         seen = []
         for _ in range(5):
-            await _stream_to_the_end(engine, [2, 5, 6], params)
+            await stream_to_the_end(engine, [2, 5, 6], params)
             stats = engine.stats
             seen.append((stats["running"], stats["kv_blocks_free"] == stats["kv_blocks_total"]))
         return seen
