@@ -16,7 +16,7 @@ import diffuserve as ds
 from diffuserve import _core
 from diffuserve.random_checkpoint import write_random_checkpoint
 from test_errors import NORM, rewrite
-from test_kv_cache_dtype import check_bf16_cache_gives_the_fp32_cache_results
+from test_kv_cache_dtype import check_bf16_cache_gives_the_fp32_cache_results, rounded_to_bf16
 
 pytestmark = pytest.mark.skipif(not _core.cuda_available(), reason="no CUDA backend or no GPU")
 
@@ -565,8 +565,7 @@ def test_nan_logits_at_pinned_positions_fail_the_request(tmp_path, monkeypatch, 
 
     def edit(tensors):
         for name, t in tensors.items():
-            bits = t.view(np.uint32)  # rounded to bf16's values, to nearest even
-            tensors[name] = ((bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000).view(np.float32)
+            tensors[name] = rounded_to_bf16(t)
         tensors[NAN_EXPERT][2] = np.nan
     rewrite(path, edit)
     canvas, nan_rows = canvas_with_some_nan_rows(path, PROMPT)
