@@ -28,7 +28,7 @@ from transformers import AutoTokenizer
 
 import diffuserve as ds
 from diffuserve import server as server_module
-from diffuserve.async_llm import AsyncLLM, EngineDead, StepFailed
+from diffuserve.async_llm import AsyncLLM, EngineDead, Progress, StepFailed
 from diffuserve.protocol import MAX_CHOICES, ApiError, ChatCompletionRequest, CompletionRequest, parse
 from diffuserve.server import build_app
 
@@ -241,6 +241,8 @@ def test_draft_streaming(base_url):
     ("completions", {"model": MODEL, "prompt": [5, 99999]}, 400, "prompt", "invalid_value"),
     ("completions", {"model": MODEL, "prompt": "x", "seed_canvas": [3, 3]}, 400, "seed_canvas", "invalid_value"),
     ("completions", {"model": MODEL, "prompt": "x", "t_min": 0.5, "t_max": 0.2}, 400, "t_max", "invalid_value"),
+    # Only t_min sent, above the checkpoint's t_max: the 400 had named t_max, which the client never sent.
+    ("completions", {"model": MODEL, "prompt": "x", "t_min": 0.9}, 400, "t_min", "invalid_value"),
     ("completions", {"model": MODEL, "prompt": "x", "stop": ["a"] * 257}, 400, "stop", None),
     # Stop strings' length and allowed ids for every choice are bounded in all (a few MB of
     # either had cost seconds of the event loop, or gigabytes for the engine's copies).
@@ -1795,5 +1797,37 @@ def test_stats_show_a_request_gone_once_its_output_is_read(checkpoint):
 
     try:
         assert asyncio.run(main()) == [(0, True)] * 5
+    finally:
+        engine.shutdown()
+
+
+def test_a_stream_stopped_by_a_stop_string_sends_no_draft_past_it(checkpoint):
+    """The draft is of the block after the text so far; once a stop string ends the text it is
+    text the output will never have. The finishing chunk had carried the next block's draft
+    whenever the engine had started that block before the stop was found."""
+    engine = AsyncLLM(ds.LLM(checkpoint, kv_cache_memory_bytes=8 << 20))
+    try:
+        server = server_module._Server(engine, MODEL)
+        tokenizer = server.tokenizer
+        first, second = tokenizer.encode("hello", False), tokenizer.encode(" world", False)
+        draft = tokenizer.encode(" again", False)
+
+        async def generate(prompt, params, drafts):  # the engine's updates, as AsyncLLM posts them
+            yield Progress([])  # accepted
+            yield Progress(first, draft)  # a block committed, the next one refining
+            yield Progress(first + second, draft)  # the stop string is in the new block
+
+        server.engine = types.SimpleNamespace(generate=generate)
+
+        async def events():
+            choice = server_module._Choice(server, 0, [5], ds.SamplingParams(), ["wor"], True,
+                                           server_module.Usage(), True, {}, False)
+            await choice.start()
+            return [event async for event in choice.events()]
+
+        before, stopped = asyncio.run(events())
+        assert before.draft == tokenizer.decode_output(draft) and before.finish_reason is None
+        assert stopped.finish_reason == "stop" and stopped.draft is None
+        assert before.text + stopped.text == "hello "
     finally:
         engine.shutdown()

@@ -237,7 +237,9 @@ class _Choice:
                     piece = detokenizer.push(token_ids[done:]) + (detokenizer.finish() if output else "")
                 done, generated = len(token_ids), len(progress.token_ids)
                 event = ChoiceEvent(self.index, stops.push(piece, final=output is not None))
-                if progress.draft and tokenizer is not None:
+                # A draft is of the block after the text so far: past a stop string, it is
+                # text the output will never have.
+                if progress.draft and tokenizer is not None and not stops.stopped:
                     event.draft = tokenizer.decode_output(until_eos(progress.draft, self.eos))
                 denoise_steps = output.denoise_steps if output is not None else progress.denoise_steps
                 if stops.stopped:
