@@ -403,7 +403,7 @@ def test_stability_thresholds_past_the_step_limit_are_one(checkpoints):
     llm = ds.LLM(checkpoints["small"])
     common = dict(max_new_tokens=24, max_denoising_steps=3, eos_token_id=[], seed=3, **GREEDY)
     outs = [llm.generate([[3, 4, 5]], ds.SamplingParams(stability_threshold=s, **common))[0]
-            for s in (3, 4, 2**31 - 1)]
+            for s in (2, 3, 4, 2**31 - 1)]
     assert all(o.token_ids == outs[0].token_ids and o.denoise_steps == [3, 3, 3] for o in outs)
 
 
@@ -415,9 +415,13 @@ def test_a_stability_window_of_gigabytes_is_refused(checkpoints):
     for steps, threshold in ((2**24, 2**24), (2**31 - 1, 1025)):
         with pytest.raises(ValueError, match="stability_threshold .* at most 1024"):
             llm.generate([[3, 4]], ds.SamplingParams(max_denoising_steps=steps, stability_threshold=threshold))
-    out = llm.generate([[3, 4]], ds.SamplingParams(max_new_tokens=4, max_denoising_steps=2**31 - 1,
-                                                   stability_threshold=1024, eos_token_id=[], seed=0, **GREEDY))[0]
-    assert len(out.token_ids) == 4
+    # The largest allowed, and thresholds that only the last step could meet (which ends the
+    # block anyway), however large (1,025 at 1,025 steps had been refused).
+    for steps, threshold in ((2**31 - 1, 1024), (1025, 1025), (1025, 5000)):
+        out = llm.generate([[3, 4]], ds.SamplingParams(max_new_tokens=4, max_denoising_steps=steps,
+                                                       stability_threshold=threshold, eos_token_id=[], seed=0,
+                                                       **GREEDY))[0]
+        assert len(out.token_ids) == 4
 
 
 def test_max_new_tokens_cuts_the_last_block(checkpoints):
@@ -697,7 +701,7 @@ def test_invalid_params_name_the_parameter(kwargs, name):
     (dict(t_max=0.3), "t_max"),  # below the checkpoint's t_min default (0.4)
     # Which end is the checkpoint's: the message had named only t_max, even where t_min was the one given.
     (dict(t_max=0.3), r"t_max must be > t_min, got t_max=0.3 <= t_min=0.4 \(the checkpoint's default\)"),
-    (dict(t_min=1.5), r"got t_max=0.8 \(the checkpoint's default\) <= t_min=1.5$"),
+    (dict(t_min=1.5), r"t_min must be < t_max, got t_min=1.5 >= t_max=0.8 \(the checkpoint's default\)$"),
     (dict(eos_token_id=[96]), "eos_token_ids"), (dict(canvas_length=9), "canvas_length"),
     (dict(seed_canvas=[1] * 7), "seed_canvas"), (dict(seed_canvas=[1] * 7 + [96]), "seed_canvas"),
     (dict(seed_canvas=[1] * 8, pinned_positions=[8]), "pinned_positions"),

@@ -73,7 +73,7 @@ void validate(const SamplingParams& p, const ModelConfig& c) {
     bad("stability_threshold",
         std::to_string(p.stability_threshold) + " with max_denoising_steps " + std::to_string(p.max_denoising_steps) +
             ": a block would keep " + std::to_string(stability_window(p)) + " canvases to compare; at most " +
-            std::to_string(kMaxStabilityThreshold) + " (a threshold from max_denoising_steps on never holds)");
+            std::to_string(kMaxStabilityThreshold) + " (thresholds from max_denoising_steps - 1 on are the step limit's own stop)");
   if (!std::isfinite(p.confidence_threshold) || p.confidence_threshold <= 0)
     bad("confidence_threshold", "must be a finite number > 0");
   check_token_list(p.eos_token_ids, "eos_token_ids", c.vocab_size);

@@ -54,9 +54,13 @@ bool stable_argmax(int32_t* history, int step, const int32_t* argmax, int canvas
 // ids are allowed (0: every id).
 // The argmax canvases a block keeps (its ring) to judge whether its canvas is stable. A block
 // runs max_denoising_steps steps at most, and its canvas is stable only once `stability`
-// steps came before: any threshold from max_denoising_steps on never holds, as that one does
-// not, and the ring needs no more slots (a threshold of 2^31 had asked for that many).
-inline int stability_window(const SamplingParams& p) { return std::min(p.stability_threshold, p.max_denoising_steps); }
+// steps came before: a threshold of max_denoising_steps - 1 can hold at the last step alone,
+// which stops the block anyway, and any larger one never holds. So every threshold from
+// max_denoising_steps - 1 on stops a block as that one does, with no more slots in the ring
+// (a threshold of 2^31 had asked for that many; 1,025 at 1,025 steps had been refused).
+inline int stability_window(const SamplingParams& p) {
+  return std::min(p.stability_threshold, p.max_denoising_steps - 1);
+}
 
 CanvasParams canvas_params(const SamplingParams& p, int canvas, int vocab, float softcap, uint64_t seed,
                            uint32_t block, DType feedback_dtype, int allowed_count);
