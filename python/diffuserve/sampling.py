@@ -151,9 +151,12 @@ class SamplingParams:
         if "max_new_tokens" in v and "max_length" not in v:
             p.max_length = 0  # the checkpoint's max_length would override a max_new_tokens of 256, or cut it short
         if not p.t_max > p.t_min:  # one end given, the other the checkpoint's: say which is which
-            ends = [f"{name}={getattr(p, name):g}" + ("" if name in v else " (the checkpoint's default)")
-                    for name in ("t_max", "t_min")]
-            raise ValueError(f"t_max must be > t_min, got {ends[0]} <= {ends[1]}")
+            ends = {name: f"{name}={getattr(p, name):g}" + ("" if name in v else " (the checkpoint's default)")
+                    for name in ("t_max", "t_min")}
+            if "t_max" in v:
+                raise ValueError(f"t_max must be > t_min, got {ends['t_max']} <= {ends['t_min']}")
+            # The given end is named first (the server's 400 names it as its param).
+            raise ValueError(f"t_min must be < t_max, got {ends['t_min']} >= {ends['t_max']}")
         if "eos_token_id" in v:
             p.eos_token_ids = v["eos_token_id"]
         p.seed = v.get("seed")
