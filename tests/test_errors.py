@@ -458,6 +458,21 @@ def test_bad_config(ckpt, case):
     load_fails(ckpt, str(path), *fragments)
 
 
+@pytest.mark.parametrize("override, shape", [({"head_dim": 18}, "head_dim 18 and 1 KV heads"),
+                                             ({"num_key_value_heads": 2}, "head_dim 32 and 2 KV heads")])
+def test_layers_of_one_type_shaped_unlike_each_other_are_refused(ckpt, override, shape):
+    """transformers makes one RoPE a layer type and cannot build a model whose full (or
+    sliding) layers differ in shape; such a config.json had been loaded and run, a model with
+    no reference. (Checked before the weights, which here are of two layers.)"""
+    path = ckpt / "config.json"
+    cfg = json.loads(path.read_text())
+    cfg["text_config"].update(num_hidden_layers=4, layer_types=["sliding_attention", "full_attention"] * 2,
+                              per_layer_config={"1": {"head_dim": 32, **override}, "3": {"head_dim": 32}})
+    path.write_text(json.dumps(cfg))
+    load_fails(ckpt, str(path), f"text_config.per_layer_config gives layer 3 head_dim 32 and 1 KV heads, where layer 1, "
+                                f"also full_attention, has {shape}: every layer of a type must have one shape")
+
+
 def test_config_invalid_json(ckpt):
     path = ckpt / "config.json"
     path.write_text(path.read_text()[:-10])
@@ -593,8 +608,10 @@ def test_random_weights_each_within_memory_but_not_all_together_are_refused(ckpt
     named. They had been made one by one until the kernel killed the process for want of
     memory."""
     config = json.loads((ckpt / "config.json").read_text())
-    config["text_config"].update(num_hidden_layers=4096, hidden_size=8192, intermediate_size=16384,
-                                 layer_types=["sliding_attention"] * 4095 + ["full_attention"])
+    text = config["text_config"]
+    text.update(num_hidden_layers=4096, hidden_size=8192, intermediate_size=16384,
+                layer_types=["sliding_attention"] * 4095 + ["full_attention"],
+                per_layer_config={"4095": text["per_layer_config"]["1"]})  # the full layer's shape, now last
     (ckpt / "config.json").write_text(json.dumps(config))
     start = time.perf_counter()
     with pytest.raises(ValueError, match=r"load_format 'dummy': the config's random weights take at least (\d+) bytes, "

@@ -199,6 +199,17 @@ def test_last_layer_is_full_whatever_layer_types_says(tmp_path):
     assert seq.kv(1)[0].shape[1] == 20  # every row: a full layer's cache
 
 
+def test_layer_type_attention_is_full_attention(tmp_path):
+    """"attention" in layer_types is the legacy name transformers reads as "full_attention"
+    (such a checkpoint had been refused)."""
+    path = save(build_model(text([S, F, S, F], sliding_window=4), 8), tmp_path / "m")
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["text_config"]["layer_types"] = [S, "attention", S, "attention"]
+    (path / "config.json").write_text(json.dumps(cfg))
+    seq = prefill_and_denoise(path, np.arange(3, 23), np.arange(30, 38), "legacy layer type")
+    assert seq.kv(1)[0].shape[1] == 20 and seq.kv(2)[0].shape[1] == 3  # full, then sliding (a window of 4)
+
+
 def test_per_layer_keys_as_transformers_writes_them(tmp_path):
     """From ten layers on transformers writes per_layer_config's keys zero-padded ("05", "10")
     and reads them as layer indices: so does diffuserve (it had looked "5" up, given the full

@@ -461,9 +461,11 @@ ModelConfig load_config(const std::string& dir) {
       t.fail("layer_types", "must list one type per layer (" + std::to_string(c.num_layers) + ")");
     for (size_t i = 0; i < types->array.size(); ++i) {
       const json::Value& type = types->array[i];
-      if (!type.is_string() || (type.string != "sliding_attention" && type.string != "full_attention"))
+      // "attention" is the legacy name transformers reads as "full_attention".
+      if (!type.is_string() ||
+          (type.string != "sliding_attention" && type.string != "full_attention" && type.string != "attention"))
         t.fail("layer_types[" + std::to_string(i) + "]", "must be 'sliding_attention' or 'full_attention'");
-      layer_types.push_back(type.string);
+      layer_types.push_back(type.string == "attention" ? "full_attention" : type.string);
     }
   } else {
     for (int i = 0; i < c.num_layers; ++i) layer_types.push_back((i + 1) % 6 ? "sliding_attention" : "full_attention");
@@ -541,6 +543,23 @@ ModelConfig load_config(const std::string& dir) {
     L.rope_inv_freq =
         rope_inv_freq(Fields{*rp, path, "text_config." + rope_field + "." + kind + "."}, L.head_dim, rope_defaults);
     c.layers.push_back(std::move(L));
+  }
+  // transformers makes one RoPE a layer type, from that type's shape, and cannot build a model
+  // whose layers of one type differ in shape: refused here too, where it had run a model that
+  // has no reference.
+  for (int i = 1; i < c.num_layers; ++i) {
+    const auto same_type = std::find_if(c.layers.begin(), c.layers.begin() + i,
+                                        [&](const LayerConfig& l) { return l.sliding == c.layers[i].sliding; });
+    if (same_type == c.layers.begin() + i) continue;
+    const LayerConfig &first = *same_type, &layer = c.layers[i];
+    if (layer.head_dim != first.head_dim || layer.num_kv_heads != first.num_kv_heads)
+      t.fail("per_layer_config",
+             "gives layer " + std::to_string(i) + " head_dim " + std::to_string(layer.head_dim) + " and " +
+                 std::to_string(layer.num_kv_heads) + " KV heads, where layer " +
+                 std::to_string(same_type - c.layers.begin()) + ", also " +
+                 (layer.sliding ? "sliding_attention" : "full_attention") + ", has head_dim " +
+                 std::to_string(first.head_dim) + " and " + std::to_string(first.num_kv_heads) +
+                 " KV heads: every layer of a type must have one shape (transformers makes one RoPE a type)");
   }
   // (Where a layer slides, transformers 5.25 runs a window of 1 inconsistently: its mask lets
   // an encoder token see only itself, while its cache then keeps every token, so that the
