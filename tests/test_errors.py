@@ -426,6 +426,12 @@ BAD_CONFIGS = {
     # transformers' config takes null, "vision" or "all" (this had been accepted).
     "bidirectional attention": ("text_config.use_bidirectional_attention", "text",
                                 ["use_bidirectional_attention 'text' is not one of null, 'vision' or 'all'"]),
+    # transformers' typed config refuses these as null (they had been read as absent: defaults).
+    "null window": ("text_config.sliding_window", None,
+                    ["text_config.sliding_window is null, which transformers' config refuses"]),
+    "null eps": ("text_config.rms_norm_eps", None, ["text_config.rms_norm_eps is null"]),
+    "null activation": ("text_config.hidden_activation", None, ["text_config.hidden_activation is null"]),
+    "null tie": ("tie_word_embeddings", None, ["tie_word_embeddings is null, which transformers' config refuses"]),
     "softcap null": ("text_config.final_logit_softcapping", None,
                      ["text_config.final_logit_softcapping is null; give a number > 0"]),
     # transformers divides the logits by it: every logit 0 or NaN (0 had turned softcapping off).
