@@ -63,13 +63,13 @@ def _load(path: Optional[str], args):
     """The LLM for checkpoint `path`, with a progress line while it loads. The runtime
     reports no finer progress than done/not done, so the line shows the time spent."""
     from . import default_model
+    from .hub_cache import resolve_checkpoint
     from .llm import LLM
 
-    if path is None:
-        try:
-            path = default_model()
-        except FileNotFoundError as e:
-            sys.exit(f"error: {e}")
+    try:
+        path = default_model() if path is None else resolve_checkpoint(path)
+    except (FileNotFoundError, ValueError) as e:
+        sys.exit(f"error: {e}")
     if not os.path.isdir(path):
         sys.exit(f"error: {path!r} is not a directory (a checkpoint is a directory: config.json, *.safetensors, "
                  "tokenizer.json)")
@@ -324,7 +324,8 @@ def parser() -> argparse.ArgumentParser:
     p = commands.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API",
                             description="Serve MODEL over an OpenAI-compatible HTTP API: /v1/models, "
                                         "/v1/completions, /v1/chat/completions, /health, /metrics.")
-    p.add_argument("model", nargs="?", metavar="MODEL", help="checkpoint directory (default: the bundled Sudoku model)")
+    p.add_argument("model", nargs="?", metavar="MODEL", help="checkpoint directory, or a Hugging Face Hub id cached "
+                   "locally (default: the bundled Sudoku model)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
     p.add_argument("--port", type=in_range(int, 0, 65535), default=8000, help="port (default: 8000)")
     p.add_argument("--api-key", default=os.environ.get("DIFFUSERVE_API_KEY"),
@@ -351,7 +352,8 @@ def parser() -> argparse.ArgumentParser:
                             description="Generate an answer to PROMPT and print it block by block.")
     p.add_argument("prompt", metavar="PROMPT", help="the text (sent as a user message when the model has a chat "
                                                     "template)")
-    p.add_argument("--model", "-m", help="checkpoint directory (default: the bundled Sudoku model)")
+    p.add_argument("--model", "-m", help="checkpoint directory, or a Hugging Face Hub id cached locally (default: the "
+                   "bundled Sudoku model)")
     p.add_argument("--max-tokens", type=in_range(int, 1, INT32_MAX), default=None,
                    help="output length cap (default: the checkpoint's, else the whole context, cut to the blocks "
                         "the context has room for)")
@@ -402,7 +404,7 @@ def parser() -> argparse.ArgumentParser:
     p = commands.add_parser("quantize", help="write an FP8 or NVFP4 copy of a checkpoint",
                             description="Quantize SRC's linear weights to DST in the compressed-tensors format "
                                         "LLM Compressor writes (fp8-dynamic: FP8_DYNAMIC; nvfp4: NVFP4A16).")
-    p.add_argument("src", metavar="SRC", help="a bf16 or fp32 checkpoint directory")
+    p.add_argument("src", metavar="SRC", help="a bf16 or fp32 checkpoint directory, or a Hub id cached locally")
     p.add_argument("dst", metavar="DST", help="output directory")
     p.add_argument("--scheme", choices=["fp8-dynamic", "nvfp4"], default="fp8-dynamic",
                    help="fp8-dynamic (default) or nvfp4")

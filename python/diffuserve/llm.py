@@ -183,7 +183,7 @@ class LLM:
         self._forked_in_use = False  # (_after_fork_in_child)
         _LLMS.add(self)
         self.scheduler = Scheduler(self._engine, int(max_num_seqs), max_num_batched_tokens, slice_steps)
-        self.tokenizer = Tokenizer.from_checkpoint(path)  # None when the checkpoint has no tokenizer.json
+        self.tokenizer = Tokenizer.from_checkpoint(self.model.path)  # None when the checkpoint has no tokenizer.json
         self._ids = itertools.count()
         self._prompts = {}
         self._held: List[RequestOutput] = []  # add_request's outputs that a generate call saw finish

@@ -11,6 +11,7 @@ import numpy as np
 
 from . import _core
 from ._checks import INT64_MAX, check_int, check_path, check_token_ids
+from .hub_cache import resolve_checkpoint
 
 
 def _float32_logits(logits) -> np.ndarray:
@@ -59,7 +60,8 @@ class Model:
              kv_cache_memory_bytes: Optional[int] = None, kv_block_size: int = 16, max_num_seqs: int = 64,
              load_format: str = "auto", quantization: Optional[str] = None,
              activations: str = "float32", kv_cache_dtype: str = "auto") -> "Model":
-        """Loads a checkpoint directory (config.json + safetensors, single or sharded).
+        """Loads a checkpoint directory (config.json + safetensors, single or sharded), or the
+        model of a Hugging Face Hub id ("google/...") from the local Hugging Face cache.
 
         dtype: None takes config.json's dtype (torch_dtype), as transformers loads the weights,
         or where it names none the embedding's stored dtype; with load_format="dummy", bfloat16
@@ -87,7 +89,7 @@ class Model:
         memory; else fp32. "float32" forces fp32; "bfloat16" is an error where "auto" would
         not choose it. Model.kv_cache_dtype says which.
         """
-        path = check_path("path (a checkpoint directory)", path)
+        path = resolve_checkpoint(check_path("path (a checkpoint directory)", path))
         if dtype is not None and not isinstance(dtype, str):
             dtype = str(dtype).replace("torch.", "")
         if dtype not in _DTYPES:

@@ -28,6 +28,7 @@ import numpy as np
 
 from . import _core
 from ._checks import check_path
+from .hub_cache import resolve_checkpoint
 from .safetensors_io import LazyTensor, as_float32, read_safetensors, write_safetensors
 
 FP8_MAX = 448.0
@@ -203,7 +204,7 @@ def _folder_holding(path: str, folder: str) -> Optional[str]:
 def quantize(src: str, dst: str, scheme: str = "fp8-dynamic") -> None:
     if scheme not in SCHEMES:
         raise ValueError(f"scheme {scheme!r} is not supported (supported: {', '.join(SCHEMES)})")
-    src = check_path("the source checkpoint", src)  # (a name not UTF-8 had failed in the native call)
+    src = resolve_checkpoint(check_path("the source checkpoint", src))  # (a name not UTF-8 had failed in the native call)
     if not os.path.isdir(src):
         raise ValueError(f"{src}: no such checkpoint directory")
     # Into a new or empty directory only: over its source, or beside another checkpoint's
