@@ -61,7 +61,7 @@ def test_hf_home_and_refs_main_choose_the_snapshot(checkpoint, tmp_path, monkeyp
 
 def test_an_id_not_in_the_cache_says_where_it_looked(checkpoint, tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "empty"))
-    with pytest.raises(ds.CheckpointError, match=r"'example-org/tiny-diffusion' is neither a checkpoint directory nor "
+    with pytest.raises(ds.CheckpointError, match=r"'example-org/tiny-diffusion' is not a checkpoint directory, nor "
                                                  r"a model in the Hugging Face cache \(.*empty; .*downloads nothing: "
                                                  r"fetch it first \(hf download example-org/tiny-diffusion\)"):
         ds.LLM(REPO_ID)

@@ -43,6 +43,6 @@ def resolve_checkpoint(path: str) -> str:
                 f"it ({snapshots}) but no refs/main to choose one: give the snapshot's directory")
     if snapshot is None or not snapshot.is_dir():
         raise _core.CheckpointError(
-            f"'{path}' is neither a checkpoint directory nor a model in the Hugging Face cache ({cache_dir()}; "
+            f"'{path}' is not a checkpoint directory, nor a model in the Hugging Face cache ({cache_dir()}; "
             f"HF_HUB_CACHE or HF_HOME move it). diffuserve downloads nothing: fetch it first (hf download {path})")
     return str(snapshot)
