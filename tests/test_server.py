@@ -154,6 +154,33 @@ def test_chat_stream_equals_chat(client):
     assert all(c.usage is None for c in chunks[:-1])
 
 
+def test_llm_chat_is_the_servers_chat(client, offline):
+    """LLM.chat, as vLLM's: the template's text encoded without a second <bos> (generate given that
+    text adds the tokenizer's own), so the same tokens as the server's chat; one conversation
+    or a list of them."""
+    talks = [[{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}],
+             [{"role": "user", "content": "Hello world"}]]
+    params = ds.SamplingParams(max_new_tokens=24, seed=5)
+    outs = offline.chat(talks, params)
+    for messages, out in zip(talks, outs):
+        served = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=24, seed=5)
+        assert out.text == served.choices[0].message.content and out.finish_reason == served.choices[0].finish_reason
+        assert len(out.prompt_token_ids) == served.usage.prompt_tokens
+    bos = offline.tokenizer.encode("", add_special_tokens=True)
+    assert outs[1].prompt_token_ids[:len(bos) + 1] != bos * 2  # the template's <bos> alone
+    assert offline.chat(talks[1], params)[0].token_ids == outs[1].token_ids
+    prefilled = talks[1] + [{"role": "assistant", "content": "Well"}]
+    continued = offline.chat(prefilled, params, continue_final_message=True)[0]
+    assert len(continued.prompt_token_ids) > len(outs[1].prompt_token_ids)
+    for bad, message in [({"role": "user", "content": "x"}, "messages must be a conversation"),
+                         ([], "messages must be a conversation"),
+                         ((talks[1], {"add_generation_prompt": False}), "may not set add_generation_prompt")]:
+        args = (bad,) if not isinstance(bad, tuple) else (bad[0],)
+        kwargs = {} if not isinstance(bad, tuple) else {"chat_template_kwargs": bad[1]}
+        with pytest.raises(ValueError, match=message):
+            offline.chat(*args, params, **kwargs)
+
+
 def test_stop_strings(client, offline):
     full = client.completions.create(model=MODEL, prompt="Hello", max_tokens=48, seed=2).choices[0].text
     stop = full[20:23]

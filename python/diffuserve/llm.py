@@ -25,10 +25,11 @@ import numpy as np
 
 from . import _core
 from ._checks import INT64_MAX, check_bool, check_encoded, check_int, check_token_ids
+from .chat_template import EMPTY_CHAT_PROMPT
 from .model import Model
 from .sampling import SamplingParams
 from .scheduler import Scheduler
-from .tokenizer import Tokenizer
+from .tokenizer import TEMPLATE_ARGUMENTS, Tokenizer
 
 
 @contextlib.contextmanager
@@ -333,6 +334,36 @@ class LLM:
                         self.abort(request_id)
             raise
         return [done[request_id] for request_id in index]
+
+    def chat(self, messages, params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
+             chat_template: Optional[str] = None, add_generation_prompt: Optional[bool] = None,
+             continue_final_message: Union[bool, str] = False, tools=None,
+             chat_template_kwargs: Optional[dict] = None) -> List[RequestOutput]:
+        """The model's turn in a conversation (a list of {"role", "content"} messages), or in each
+        of a list of conversations, as vLLM's LLM.chat: each rendered by the checkpoint's chat
+        template (Tokenizer.apply_chat_template, which takes the other arguments) and encoded
+        without the tokenizer's own special tokens, which the template writes (its text given to
+        generate would begin with a second <bos>). params: as generate's."""
+        if self.tokenizer is None:
+            raise ValueError("this checkpoint has no tokenizer.json, so no chat template: give generate token ids")
+        if isinstance(messages, dict) or not isinstance(messages, (list, tuple)) or not messages:
+            raise ValueError(f"messages must be a conversation (a list of message dicts) or a list of them, "
+                             f"got {messages!r:.200}")
+        conversations = [messages] if isinstance(messages[0], dict) else list(messages)
+        if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, dict):
+            raise ValueError(f"chat_template_kwargs must be a dict, got {chat_template_kwargs!r:.200}")
+        taken = sorted(set(chat_template_kwargs or {}) & (TEMPLATE_ARGUMENTS | {"tools"}))
+        if taken:
+            raise ValueError(f"chat_template_kwargs may not set {', '.join(taken)}: chat's own arguments")
+        prompts = []
+        for i, conversation in enumerate(conversations):
+            text = self.tokenizer.apply_chat_template(
+                conversation, add_generation_prompt=add_generation_prompt, chat_template=chat_template, tools=tools,
+                continue_final_message=continue_final_message, **(chat_template_kwargs or {}))
+            if not text:
+                raise ValueError(f"conversation {i}: {EMPTY_CHAT_PROMPT}")
+            prompts.append(self.tokenizer.encode(text, add_special_tokens=False))
+        return self.generate(prompts, params)
 
     @_locked
     def stats(self) -> dict:

@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from ._checks import check_unicode
 from .sampling import SamplingParams, length_untold
-from .tokenizer import TOKENIZED_OUTPUT_ARGUMENTS, TOKENIZED_OUTPUT_ONLY
+from .tokenizer import TEMPLATE_ARGUMENTS
 
 # Value at which an OpenAI parameter we do not implement changes nothing (older LangChain sent
 # logit_bias {} and best_of 1 with every request).
@@ -246,7 +246,7 @@ class _Conversation(_Strict):
             raise ApiError(400, "continue_final_message and add_generation_prompt exclude each other: the one "
                            "continues the final message, the other starts a new one", param="continue_final_message")
         variables = self.chat_template_kwargs or {}
-        taken = sorted(set(variables) & _TEMPLATE_ARGUMENTS)
+        taken = sorted(set(variables) & TEMPLATE_ARGUMENTS)
         if taken:
             raise ApiError(400, f"chat_template_kwargs may not set {', '.join(taken)}: apply_chat_template's own "
                            "arguments (add_generation_prompt and continue_final_message are parameters of their own)",
@@ -375,10 +375,6 @@ def _parsed_tool_calls(calls: Any, param: str) -> list:
 # apply_chat_template's own parameters, which chat_template_kwargs may not set (the template
 # could otherwise be swapped, or the messages replaced; "self" would fail the call; those of
 # transformers' tokenized output would reach no template).
-_TEMPLATE_ARGUMENTS = {"messages", "add_generation_prompt", "continue_final_message", "chat_template", "tokenize",
-                       "self", *TOKENIZED_OUTPUT_ARGUMENTS, *TOKENIZED_OUTPUT_ONLY}
-
-
 def _check_unicode(text: str, param: str):
     """A message's text as valid Unicode: the error names the message and the character
     within it, not a place in the templated prompt."""

@@ -62,6 +62,9 @@ _CLASS_DEFAULTS = {"GemmaTokenizer": _GEMMA_DEFAULTS, "GemmaTokenizerFast": _GEM
 TOKENIZED_OUTPUT_ARGUMENTS = ("padding", "truncation", "max_length", "return_tensors", "return_dict",
                                "tokenizer_kwargs")
 TOKENIZED_OUTPUT_ONLY = ("sanitize_control_tokens", "return_assistant_tokens_mask")
+# apply_chat_template's own arguments, which a template's variables (chat_template_kwargs) may not set.
+TEMPLATE_ARGUMENTS = {"messages", "add_generation_prompt", "continue_final_message", "chat_template", "tokenize",
+                      "self", *TOKENIZED_OUTPUT_ARGUMENTS, *TOKENIZED_OUTPUT_ONLY}
 # The class where tokenizer_config.json names none: AutoTokenizer takes the model type's
 # (config.json's "diffusion_gemma", the one model type the runtime loads).
 _MODEL_TOKENIZER_CLASS = "GemmaTokenizer"
