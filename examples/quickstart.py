@@ -30,9 +30,8 @@ def main():
     puzzle = sd.parse(puzzles[0])
     print("puzzle:", puzzles[0])
     print(sd.format_grid(puzzle))
-    prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": puzzles[0]}])
     t = time.perf_counter()
-    out = llm.generate(llm.tokenizer.encode(prompt, add_special_tokens=False))[0]
+    out = llm.chat([{"role": "user", "content": puzzles[0]}])[0]
     answer = sd.parse(out.text[:sd.CELLS].ljust(sd.CELLS, "."))
     print(f"\nchat answer ({sum(out.denoise_steps)} denoise steps, {1e3 * (time.perf_counter() - t):.0f} ms): "
           f"{verdict(answer, puzzle)}")
