@@ -27,10 +27,17 @@ UNITS = _units()
 PEERS = [sorted({p for unit in UNITS if i in unit for p in unit} - {i}) for i in range(CELLS)]
 
 
+# What format_grid draws between the cells: read past, so that a grid it printed reads back.
+_BOX_RULES = str.maketrans("", "", "|-+")
+
+
 def parse(puzzle: str) -> List[int]:
-    """81 cells, 0 for a blank; ValueError naming what is wrong. (Any grid: an answer may
-    repeat a digit; check_puzzle judges a puzzle's givens.)"""
-    text = "".join(puzzle.split())
+    """81 cells, 0 for a blank, from a line of them or a grid as format_grid draws it; ValueError
+    naming what is wrong. (Any grid: an answer may repeat a digit; check_puzzle judges a
+    puzzle's givens.)"""
+    if not isinstance(puzzle, str):
+        raise ValueError(f"a puzzle is a string of 81 cells (digits, '.' or 0 for a blank), got {puzzle!r:.100}")
+    text = "".join(puzzle.translate(_BOX_RULES).split())
     if len(text) != CELLS:
         raise ValueError(f"a puzzle has 81 cells, got {len(text)} characters")
     bad = [ch for ch in text if ch not in "0123456789."]
