@@ -112,6 +112,7 @@ def test_solve_keeps_givens_and_writes_digits(model):
     assert out.returncode == 0, out.stderr
     lines = out.stdout.strip().splitlines()
     answer, verdict = lines[-2], lines[-1]
+    assert lines[0] == f"{81 - puzzle.count('0')} givens:" and sd.parse("".join(lines[1:12])) == sd.parse(puzzle)
     assert len(answer) == 81 and set(answer) <= set("123456789")
     assert all(p == "0" or p == a for p, a in zip(puzzle, answer))  # the givens are pinned
     assert "denoise steps" in verdict

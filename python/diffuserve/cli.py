@@ -258,7 +258,8 @@ def sudoku(args) -> None:
         sys.exit(f"error: {e}")
     live = sys.stdout.isatty()  # a terminal: redraw in place, givens in bold (main() saw to a stdout)
     givens = cells if live else None
-    print(sd.format_grid(cells, givens) + "\n")
+    # (A generated puzzle keeps more givens than asked where fewer would not leave it one solution.)
+    print(f"{sum(1 for v in cells if v)} givens:\n" + sd.format_grid(cells, givens) + "\n")
     request_id = llm.add_request(prompt, params)
     output, drawn = None, False
     while output is None:
@@ -391,7 +392,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("puzzle", nargs="?", metavar="PUZZLE")
     p.add_argument("--model", "-m", help="a Sudoku checkpoint directory (default: the bundled one)")
     p.add_argument("--givens", type=in_range(int, 17, 81), default=None,
-                   help="givens of a generated puzzle (default: 30)")
+                   help="givens of a generated puzzle, at least (more where fewer leave it more than one "
+                        "solution; default: 30)")
     p.add_argument("--seed", type=in_range(int, 0, 2**64 - 1), default=0,
                    help="seed of the puzzle and of the sampler (default: 0)")
     p.add_argument("--max-denoising-steps", type=in_range(int, 1, INT32_MAX), default=None,
