@@ -30,6 +30,7 @@ import diffuserve as ds
 from diffuserve import server as server_module
 from diffuserve.async_llm import AsyncLLM, EngineDead, Progress, StepFailed
 from diffuserve.protocol import MAX_CHOICES, ApiError, ChatCompletionRequest, CompletionRequest, parse
+from diffuserve.chat_template import names_role
 from diffuserve.server import build_app
 
 from chat_checkpoint import (CHAT_TEMPLATE, CLEAN_UP_CORPUS, MODEL_CONFIG, write_chat_checkpoint,
@@ -158,7 +159,8 @@ def test_llm_chat_is_the_servers_chat(client, offline):
     """LLM.chat, as vLLM's: the template's text encoded without a second <bos> (generate given that
     text adds the tokenizer's own), so the same tokens as the server's chat; one conversation
     or a list of them."""
-    talks = [[{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}],
+    talks = [[{"role": "developer", "content": "Be brief."},  # (as the server, a system turn for this template)
+              {"role": "user", "content": [{"type": "text", "text": "Hi"}, {"type": "text", "text": "there"}]}],
              [{"role": "user", "content": "Hello world"}]]
     params = ds.SamplingParams(max_new_tokens=24, seed=5)
     outs = offline.chat(talks, params)
@@ -174,6 +176,8 @@ def test_llm_chat_is_the_servers_chat(client, offline):
     assert len(continued.prompt_token_ids) > len(outs[1].prompt_token_ids)
     for bad, message in [({"role": "user", "content": "x"}, "messages must be a conversation"),
                          ([], "messages must be a conversation"),
+                         ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}],
+                          r"conversation 0: messages\[0\].content\[0\]: content part of type 'image_url' is not "),
                          ((talks[1], {"add_generation_prompt": False}), "may not set add_generation_prompt")]:
         args = (bad,) if not isinstance(bad, tuple) else (bad[0],)
         kwargs = {} if not isinstance(bad, tuple) else {"chat_template_kwargs": bad[1]}
@@ -1657,7 +1661,7 @@ def test_cors_and_the_model_card(base_url, checkpoint):
 def test_a_developer_role_named_only_in_a_comment_is_not_the_templates():
     """Whether the chat template takes developer messages is read from its code, not from a
     comment mentioning the word (which had made developer messages a 400)."""
-    names = server_module._names_role
+    names = names_role
     assert names("{% if message['role'] == 'developer' %}", "developer")
     assert not names("{# developer messages are system ones #}{{ message['role'] }}", "developer")
 

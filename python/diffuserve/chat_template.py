@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import re
 from datetime import datetime
 from typing import Any, List, Mapping, Optional, Union
 
@@ -221,6 +222,13 @@ def _reads(node: jinja2.nodes.Node, names: set, key: Optional[str] = None) -> bo
 
 
 @functools.lru_cache(maxsize=16)
+def names_role(source: str, role: str) -> bool:
+    """Whether a chat template names `role` as a quoted string outside its comments (a comment
+    or prose mentioning the word had counted)."""
+    code = re.sub(r"\{#.*?#\}", "", source, flags=re.S)
+    return f"'{role}'" in code or f'"{role}"' in code
+
+
 def loops_over_content(source: str) -> bool:
     """Whether a chat template loops over a message's content, as a multimodal one such as
     Gemma's does (`{% for message in messages %}...{% for part in message['content'] %}`): it

@@ -25,7 +25,7 @@ import numpy as np
 
 from . import _core
 from ._checks import INT64_MAX, check_bool, check_encoded, check_int, check_token_ids
-from .chat_template import EMPTY_CHAT_PROMPT
+from .chat_template import EMPTY_CHAT_PROMPT, loops_over_content, names_role
 from .model import Model
 from .sampling import SamplingParams
 from .scheduler import Scheduler
@@ -340,10 +340,12 @@ class LLM:
              continue_final_message: Union[bool, str] = False, tools=None,
              chat_template_kwargs: Optional[dict] = None) -> List[RequestOutput]:
         """The model's turn in a conversation (a list of {"role", "content"} messages), or in each
-        of a list of conversations, as vLLM's LLM.chat: each rendered by the checkpoint's chat
-        template (Tokenizer.apply_chat_template, which takes the other arguments) and encoded
-        without the tokenizer's own special tokens, which the template writes (its text given to
-        generate would begin with a second <bos>). params: as generate's."""
+        of a list of conversations, as vLLM's LLM.chat: the messages read as the server's chat
+        reads them (OpenAI's roles; content a string or text parts; tool calls' JSON arguments),
+        rendered by the chat template (Tokenizer.apply_chat_template, which takes the other
+        arguments) and encoded without the tokenizer's own special tokens, which the template
+        writes (its text given to generate would begin with a second <bos>). params: as
+        generate's."""
         if self.tokenizer is None:
             raise ValueError("this checkpoint has no tokenizer.json, so no chat template: give generate token ids")
         if isinstance(messages, dict) or not isinstance(messages, (list, tuple)) or not messages:
@@ -355,10 +357,18 @@ class LLM:
         taken = sorted(set(chat_template_kwargs or {}) & (TEMPLATE_ARGUMENTS | {"tools"}))
         if taken:
             raise ValueError(f"chat_template_kwargs may not set {', '.join(taken)}: chat's own arguments")
+        from .protocol import ApiError, TokenizeChatRequest, parse  # (the server's reading of messages)
+
+        source = self.tokenizer.get_chat_template(chat_template, tools)
         prompts = []
         for i, conversation in enumerate(conversations):
+            try:  # the messages as the server's chat gives them to the template (text parts, roles, tool calls)
+                messages = parse(TokenizeChatRequest, {"messages": conversation}).conversation(
+                    names_role(source, "developer"), loops_over_content(source))
+            except ApiError as e:
+                raise ValueError(f"conversation {i}: " + (f"{e.param}: " if e.param else "") + e.message) from None
             text = self.tokenizer.apply_chat_template(
-                conversation, add_generation_prompt=add_generation_prompt, chat_template=chat_template, tools=tools,
+                messages, add_generation_prompt=add_generation_prompt, chat_template=source, tools=tools,
                 continue_final_message=continue_final_message, **(chat_template_kwargs or {}))
             if not text:
                 raise ValueError(f"conversation {i}: {EMPTY_CHAT_PROMPT}")

@@ -14,7 +14,6 @@ import bisect
 import hmac
 import json
 import logging
-import re
 import signal
 import socket
 import threading
@@ -32,7 +31,7 @@ from starlette.requests import ClientDisconnect
 
 from ._checks import check_encoded, check_token_ids, check_unicode
 from .async_llm import AsyncLLM, EngineError
-from .chat_template import EMPTY_CHAT_PROMPT, loops_over_content
+from .chat_template import EMPTY_CHAT_PROMPT, loops_over_content, names_role
 from .detokenizer import INCOMPLETE, IncrementalDetokenizer, until_eos
 from .tokenizer import cleaned_positions
 from .protocol import (ApiError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeChatRequest,
@@ -392,7 +391,7 @@ class _Server:
             raise ApiError(400, str(e), param="messages", code="no_chat_template") from None
 
         def render():  # (in a worker thread, as encoding: a long conversation takes a while)
-            conversation = body.conversation(_names_role(source, "developer"), loops_over_content(source))
+            conversation = body.conversation(names_role(source, "developer"), loops_over_content(source))
             return self.tokenizer.apply_chat_template(conversation, **options)
 
         try:
@@ -929,13 +928,6 @@ def serve(app: FastAPI, engine: AsyncLLM, sock: socket.socket, log_level: str, s
     finally:
         ending.cancel()  # (its waiting thread holds the engine)
         logging.raiseExceptions = raise_exceptions
-
-
-def _names_role(template: str, role: str) -> bool:
-    """Whether a chat template names `role` as a quoted string outside its comments (a comment
-    or prose mentioning the word had counted)."""
-    code = re.sub(r"\{#.*?#\}", "", template, flags=re.S)
-    return f"'{role}'" in code or f'"{role}"' in code
 
 
 def _error(e: ApiError, headers: Optional[Dict[str, str]] = None) -> JSONResponse:
