@@ -180,7 +180,8 @@ def test_the_bundled_model_is_the_default_and_solves_puzzles():
     assert max(steps) <= 24
     # From a chat message, a line of cells or the grid as sudoku prints it (its box rules, which
     # the template drops, had been read as 60 unknown tokens: no puzzle solved).
-    for show in (sd.to_string, sd.format_grid):
+    pasted = lambda p: sd.format_grid(p).replace(" ", "\u00a0") + "\f"  # (no-break spaces, as from a web page)
+    for show in (sd.to_string, sd.format_grid, pasted):
         outs = llm.chat([[{"role": "user", "content": show(p)}] for p in puzzles])
         assert all(o.finish_reason == "stop" for o in outs)  # the answer ends by itself, with <eos>
         chat_solved = [len(o.text) == sd.CELLS and sd.is_solution(sd.parse(o.text), p) for o, p in zip(outs, puzzles)]

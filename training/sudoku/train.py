@@ -59,11 +59,10 @@ GENERATION = {"max_new_tokens": CANVAS, "max_denoising_steps": 24, "t_min": 0.5,
               "stability_threshold": 1, "confidence_threshold": 0.01,
               "sampler_config": {"entropy_bound": 0.1, "_cls_name": "EntropyBoundSamplerConfig"},
               "eos_token_id": 1, "pad_token_id": 0, "bos_token_id": 2}
-# The last message's text without whitespace: a puzzle may come as 9 lines, or spaced.
-# The last message's cells alone: whitespace and the box rules sudoku.format_grid draws go.
-CHAT_TEMPLATE = ("{{ bos_token }}{{ messages[-1]['content'] | replace(' ', '') | replace('\\n', '') "
-                 "| replace('\\r', '') | replace('\\t', '') | replace('|', '') | replace('-', '') "
-                 "| replace('+', '') }}")
+# The last message's cells alone: whitespace (any, as str.split finds it) and the box rules
+# sudoku.format_grid draws go.
+CHAT_TEMPLATE = ("{{ bos_token }}{{ messages[-1]['content'].split() | join('') | replace('|', '') "
+                 "| replace('-', '') | replace('+', '') }}")
 
 
 def model_config(hidden, layers, experts, moe_intermediate):
