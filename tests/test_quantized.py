@@ -1094,7 +1094,11 @@ def test_quantize_names_a_weight_it_cannot_quantize(tmp_path, scheme, name, edit
     out = tmp_path / "out"
     with pytest.raises(ValueError, match=re.escape(f"{src}: tensor '{name}' ") + message):
         quantize(src, str(out), scheme)
-    assert not out.exists() or not os.listdir(out)
+    assert not out.exists()  # (the folder it had made stayed behind, empty)
+    out.mkdir()
+    with pytest.raises(ValueError, match=re.escape(f"{src}: tensor '{name}' ") + message):
+        quantize(src, str(out), scheme)
+    assert out.is_dir() and not os.listdir(out)  # a folder that was there stays, as empty as it was
     with pytest.raises(ValueError, match="no such checkpoint directory"):
         quantize(path, str(out), scheme)
 

@@ -18,6 +18,7 @@ it is written, so that memory holds about one tensor at a time, not the checkpoi
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -290,8 +291,15 @@ def quantize(src: str, dst: str, scheme: str = "fp8-dynamic") -> None:
             out[name] = (dtype, arr)
     out.update(_quantize_linears(linears, scheme))
 
+    created = not os.path.lexists(dst)
     os.makedirs(dst, exist_ok=True)
-    write_safetensors(os.path.join(dst, "model.safetensors"), out)
+    try:  # (the weights are quantized as they are written: a refusal comes from here)
+        write_safetensors(os.path.join(dst, "model.safetensors"), out)
+    except BaseException:
+        if created:  # the folder this made, empty again (write_safetensors leaves no partial file)
+            with contextlib.suppress(OSError):  # (not empty after all: the refusal still goes out)
+                os.rmdir(dst)
+        raise
     spec = SCHEMES[scheme]
     config["quantization_config"] = {
         "quant_method": "compressed-tensors", "format": spec["format"], "quantization_status": "compressed",
