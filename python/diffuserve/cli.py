@@ -330,7 +330,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
     p.add_argument("--port", type=in_range(int, 0, 65535), default=8000, help="port (default: 8000)")
     p.add_argument("--api-key", default=os.environ.get("DIFFUSERVE_API_KEY"),
-                   help="require `Authorization: Bearer KEY` on /v1 (default: $DIFFUSERVE_API_KEY, else none)")
+                   help="require `Authorization: Bearer KEY` on /v1, /tokenize and /detokenize (default: "
+                        "$DIFFUSERVE_API_KEY, else none)")
     p.add_argument("--served-model-name", metavar="NAME", help="the model's name in the API (default: MODEL)")
     p.add_argument("--allowed-origins", action="append", metavar="ORIGIN",
                    help="an origin whose browser pages may call the API (CORS), once per origin (default: any, "
