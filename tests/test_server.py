@@ -518,6 +518,8 @@ def test_content_parts_reach_a_template_that_loops_over_them_as_a_list(checkpoin
     # As vLLM reads templates: a message is a loop's over the messages, its content looped over
     # directly (the parts had gone as a list to templates that print a message's content whole).
     assert not loops_over_content(CHAT_TEMPLATE) and not loops_over_content("{% for x in y %}")
+    hits = loops_over_content.cache_info().hits  # every chat request asks: a template is parsed once
+    assert loops_over_content(PARTS_TEMPLATE) and loops_over_content.cache_info().hits == hits + 1
     for other in ("{% for i in range(messages | length) %}{% for p in messages[i]['content'] %}{% endfor %}"
                   "{% endfor %}",
                   "{% for t in tools %}{% for x in t.content %}{% endfor %}{% endfor %}",

@@ -221,7 +221,6 @@ def _reads(node: jinja2.nodes.Node, names: set, key: Optional[str] = None) -> bo
     return isinstance(node, jinja2.nodes.Name) and node.ctx == "load" and node.name in names
 
 
-@functools.lru_cache(maxsize=16)
 def names_role(source: str, role: str) -> bool:
     """Whether a chat template names `role` as a quoted string outside its comments (a comment
     or prose mentioning the word had counted)."""
@@ -229,6 +228,7 @@ def names_role(source: str, role: str) -> bool:
     return f"'{role}'" in code or f'"{role}"' in code
 
 
+@functools.lru_cache(maxsize=16)
 def loops_over_content(source: str) -> bool:
     """Whether a chat template loops over a message's content, as a multimodal one such as
     Gemma's does (`{% for message in messages %}...{% for part in message['content'] %}`): it
