@@ -208,6 +208,16 @@ def test_layer_type_attention_is_full_attention(tmp_path):
     (path / "config.json").write_text(json.dumps(cfg))
     seq = prefill_and_denoise(path, np.arange(3, 23), np.arange(30, 38), "legacy layer type")
     assert seq.kv(1)[0].shape[1] == 20 and seq.kv(2)[0].shape[1] == 3  # full, then sliding (a window of 4)
+    # Without per_layer_config transformers gives global_head_dim to the layers named
+    # "full_attention" (the last one forced so) before it renames "attention": layer 1 keeps
+    # head_dim, and the model, whose full layers then differ, cannot be built (it had loaded).
+    del cfg["text_config"]["per_layer_config"]
+    (path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ds.CheckpointError, match=r"text_config.layer_types \(a layer named 'attention' takes no "
+                                                 r"global_head_dim: name it 'full_attention'\) gives layer 3 head_dim "
+                                                 r"512 and 2 KV heads, where layer 1, also full_attention, has "
+                                                 r"head_dim 8 and 2 KV heads"):
+        ds.Model.load(path)
 
 
 def test_per_layer_keys_as_transformers_writes_them(tmp_path):

@@ -472,11 +472,12 @@ ModelConfig load_config(const std::string& dir) {
       t.fail("layer_types", "must list one type per layer (" + std::to_string(c.num_layers) + ")");
     for (size_t i = 0; i < types->array.size(); ++i) {
       const json::Value& type = types->array[i];
-      // "attention" is the legacy name transformers reads as "full_attention".
+      // "attention" is the legacy name transformers reads as "full_attention" (kept as written
+      // here, for the shapes derived below).
       if (!type.is_string() ||
           (type.string != "sliding_attention" && type.string != "full_attention" && type.string != "attention"))
         t.fail("layer_types[" + std::to_string(i) + "]", "must be 'sliding_attention' or 'full_attention'");
-      layer_types.push_back(type.string == "attention" ? "full_attention" : type.string);
+      layer_types.push_back(type.string);
     }
   } else {
     for (int i = 0; i < c.num_layers; ++i) layer_types.push_back((i + 1) % 6 ? "sliding_attention" : "full_attention");
@@ -501,7 +502,10 @@ ModelConfig load_config(const std::string& dir) {
   // ("05", "11" where a layer index has two digits) and reads them as integers: so does this.
   // Where config.json has no per_layer_config at all, transformers makes one (its text
   // config's __post_init__): every full-attention layer takes global_head_dim (512 where that
-  // is not given either) and num_global_key_value_heads where given. So does this.
+  // is not given either) and num_global_key_value_heads where given. So does this. (It does so
+  // before it renames a legacy "attention" layer: such a layer, but the last, which it forces
+  // to "full_attention" first, keeps head_dim; the check of one shape a type then refuses a
+  // model with both, as transformers cannot build it.)
   const bool derived_overrides = !t.obj.find("per_layer_config");
   const int global_head_dim = derived_overrides ? int(t.integer_or("global_head_dim", 512, 1, kMaxDim)) : 0;
   const int global_kv_heads =
@@ -522,10 +526,11 @@ ModelConfig load_config(const std::string& dir) {
     LayerConfig L;
     // transformers runs the last layer with full attention whatever layer_types says (its
     // config forces it, with a warning): so does this, to compute the same model.
-    const std::string kind = i == c.num_layers - 1 ? "full_attention" : layer_types[i];
+    const bool last = i == c.num_layers - 1;
+    const std::string kind = last || layer_types[i] == "attention" ? "full_attention" : layer_types[i];
     L.sliding = kind == "sliding_attention";
     L.has_v_proj = L.sliding;
-    const bool global = derived_overrides && !L.sliding;
+    const bool global = derived_overrides && (last || layer_types[i] == "full_attention");
     L.head_dim = global ? global_head_dim : head_dim;
     L.num_kv_heads = global ? global_kv_heads : kv_heads;
     // The fields the two came from, for the errors below.
@@ -563,9 +568,12 @@ ModelConfig load_config(const std::string& dir) {
                                         [&](const LayerConfig& l) { return l.sliding == c.layers[i].sliding; });
     if (same_type == c.layers.begin() + i) continue;
     const LayerConfig &first = *same_type, &layer = c.layers[i];
+    // (Without per_layer_config, only a legacy "attention" layer can differ: it took no global shape.)
     if (layer.head_dim != first.head_dim || layer.num_kv_heads != first.num_kv_heads)
-      t.fail("per_layer_config",
-             "gives layer " + std::to_string(i) + " head_dim " + std::to_string(layer.head_dim) + " and " +
+      t.fail(derived_overrides ? "layer_types" : "per_layer_config",
+             std::string(derived_overrides ? "(a layer named 'attention' takes no global_head_dim: name it "
+                                             "'full_attention') " : "") +
+                 "gives layer " + std::to_string(i) + " head_dim " + std::to_string(layer.head_dim) + " and " +
                  std::to_string(layer.num_kv_heads) + " KV heads, where layer " +
                  std::to_string(same_type - c.layers.begin()) + ", also " +
                  (layer.sliding ? "sliding_attention" : "full_attention") + ", has head_dim " +
