@@ -1,6 +1,8 @@
 """Generation end to end: against transformers' generate, and the sampler's behaviour."""
+import copy
 import json
 import os
+import pickle
 import shutil
 import threading
 
@@ -695,6 +697,21 @@ def test_tokens_per_forward_leaves_out_generation_configs_pad_id(checkpoints, tm
 def test_invalid_params_name_the_parameter(kwargs, name):
     with pytest.raises(ValueError, match=name):
         ds.SamplingParams(**kwargs)
+
+
+def test_names_that_are_no_parameter_are_refused_naming_the_equivalent():
+    """vLLM's names, given or set, are refused naming diffuserve's: `params.max_tokens = 4` had
+    been kept and read by nothing (the request generated 256 tokens)."""
+    params = ds.SamplingParams(max_new_tokens=8)
+    with pytest.raises(AttributeError, match=r"SamplingParams has no parameter 'max_tokens' \(vLLM's; here: "
+                                             r"max_new_tokens\); its parameters: max_new_tokens, max_length"):
+        params.max_tokens = 4
+    with pytest.raises(TypeError, match=r"no parameter 'temperature' \(vLLM's; here: t_min and t_max"):
+        ds.SamplingParams(temperature=0.0)
+    with pytest.raises(AttributeError, match="no parameter 'max_new_token';"):
+        params.max_new_token = 4  # (a misspelling too)
+    params.max_new_tokens = 4  # the fields themselves stay settable, and copies and pickles work
+    assert copy.deepcopy(params) == params == pickle.loads(pickle.dumps(params))
 
 
 @pytest.mark.parametrize("kwargs, name", [

@@ -57,6 +57,10 @@ def test_hf_home_and_refs_main_choose_the_snapshot(checkpoint, tmp_path, monkeyp
     monkeypatch.setenv("HF_HOME", str(tmp_path / "other"))
     only = fill_cache(tmp_path / "other" / "hub", checkpoint, refs_main=False)
     assert ds.Model.load(REPO_ID).path == str(only)
+    # huggingface_hub's older name, with a variable in it, as it expands them.
+    monkeypatch.setenv("HUGGINGFACE_HUB_CACHE", "$DIFFUSERVE_TEST_CACHE/hub")
+    monkeypatch.setenv("DIFFUSERVE_TEST_CACHE", str(tmp_path / "home"))
+    assert ds.Model.load(REPO_ID).path == str(newest)
 
 
 def test_an_id_not_in_the_cache_says_where_it_looked(checkpoint, tmp_path, monkeypatch):
@@ -65,6 +69,11 @@ def test_an_id_not_in_the_cache_says_where_it_looked(checkpoint, tmp_path, monke
                                                  r"a model in the Hugging Face cache \(.*empty; .*downloads nothing: "
                                                  r"fetch it first \(hf download example-org/tiny-diffusion\)"):
         ds.LLM(REPO_ID)
+    empty_ref = fill_cache(tmp_path / "empty_ref", checkpoint).parent.parent / "refs" / "main"
+    empty_ref.write_text("\n")  # (had named the snapshots folder itself)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "empty_ref"))
+    with pytest.raises(ds.CheckpointError, match="is not a checkpoint directory, nor a model in the Hugging Face"):
+        ds.Model.load(REPO_ID)
     fill_cache(tmp_path / "two", checkpoint, refs_main=False, commits=("a" * 40, COMMIT))
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "two"))
     with pytest.raises(ds.CheckpointError, match="holds 2 snapshots of it .* but no refs/main to choose one"):

@@ -1091,11 +1091,11 @@ def test_quantize_names_a_weight_it_cannot_quantize(tmp_path, scheme, name, edit
     dtype, arr = edit(tensors[name])
     tensors[name] = (dtype, np.ascontiguousarray(arr))
     write_safetensors(path, tensors)
-    out = tmp_path / "out"
+    out = tmp_path / "new" / "out"
     with pytest.raises(ValueError, match=re.escape(f"{src}: tensor '{name}' ") + message):
         quantize(src, str(out), scheme)
-    assert not out.exists()  # (the folder it had made stayed behind, empty)
-    out.mkdir()
+    assert not (tmp_path / "new").exists()  # (the folders it had made stayed behind, empty)
+    out.mkdir(parents=True)
     with pytest.raises(ValueError, match=re.escape(f"{src}: tensor '{name}' ") + message):
         quantize(src, str(out), scheme)
     assert out.is_dir() and not os.listdir(out)  # a folder that was there stays, as empty as it was

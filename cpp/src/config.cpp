@@ -401,10 +401,10 @@ ModelConfig load_config(const std::string& dir) {
 
   // Fields that transformers' typed config refuses as null: read as absent (their defaults),
   // they had loaded a model no one asked for.
+  // (The experts' sizes, which it takes as null, have no default: "is missing" below.)
   for (const char* key : {"vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                          "num_key_value_heads", "head_dim", "num_experts", "moe_intermediate_size", "sliding_window",
-                          "max_position_embeddings", "rms_norm_eps", "hidden_activation", "attention_bias",
-                          "tie_word_embeddings"})
+                          "num_key_value_heads", "head_dim", "sliding_window", "max_position_embeddings",
+                          "rms_norm_eps", "hidden_activation", "attention_bias", "tie_word_embeddings"})
     if (const json::Value* v = t.obj.find(key); v && v->is_null())
       t.fail(key, "is null, which transformers' config refuses: give a value, or leave the field out for its default");
   if (const json::Value* v = top.obj.find("tie_word_embeddings"); v && v->is_null())

@@ -12,16 +12,21 @@ from pathlib import Path
 from . import _core
 
 # An id as the Hub spells them: NAME or ORG/NAME, letters, digits, '-', '_' and '.'.
-_REPO_ID = re.compile(r"(?:[A-Za-z0-9][\w.-]*/)?[A-Za-z0-9][\w.-]*")
+_REPO_ID = re.compile(r"(?:\w[\w.-]*/)?\w[\w.-]*", re.ASCII)
 
 
 def cache_dir() -> Path:
-    """Where the Hugging Face cache keeps models, as huggingface_hub finds it."""
-    if os.environ.get("HF_HUB_CACHE"):
-        return Path(os.environ["HF_HUB_CACHE"]).expanduser()
+    """Where the Hugging Face cache keeps models, as huggingface_hub finds it (its variables'
+    ~ and $VARS expanded, HUGGINGFACE_HUB_CACHE its older name for HF_HUB_CACHE)."""
+    def path(text: str) -> Path:
+        return Path(os.path.expandvars(text)).expanduser()
+
+    for name in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE"):
+        if os.environ.get(name):
+            return path(os.environ[name])
     if os.environ.get("HF_HOME"):
-        return Path(os.environ["HF_HOME"]).expanduser() / "hub"
-    return Path(os.environ.get("XDG_CACHE_HOME") or "~/.cache").expanduser() / "huggingface" / "hub"
+        return path(os.environ["HF_HOME"]) / "hub"
+    return path(os.environ.get("XDG_CACHE_HOME") or "~/.cache") / "huggingface" / "hub"
 
 
 def resolve_checkpoint(path: str) -> str:
@@ -33,7 +38,8 @@ def resolve_checkpoint(path: str) -> str:
     ref = repo / "refs" / "main"
     snapshots = repo / "snapshots"
     if ref.is_file():
-        snapshot = snapshots / ref.read_text(encoding="utf-8").strip()
+        commit = ref.read_text(encoding="utf-8").strip()
+        snapshot = snapshots / commit if commit else None
     else:  # (a cache filled by commit hash alone keeps no refs/main: its one snapshot)
         found = sorted(snapshots.iterdir()) if snapshots.is_dir() else []
         snapshot = found[0] if len(found) == 1 else None

@@ -363,7 +363,7 @@ class LLM:
         prompts = []
         for i, conversation in enumerate(conversations):
             try:  # the messages as the server's chat gives them to the template (text parts, roles, tool calls)
-                messages = parse(TokenizeChatRequest, {"messages": conversation}).conversation(
+                messages = parse(TokenizeChatRequest, {"messages": list(conversation)}).conversation(
                     names_role(source, "developer"), loops_over_content(source))
             except ApiError as e:
                 raise ValueError(f"conversation {i}: " + (f"{e.param}: " if e.param else "") + e.message) from None

@@ -291,14 +291,19 @@ def quantize(src: str, dst: str, scheme: str = "fp8-dynamic") -> None:
             out[name] = (dtype, arr)
     out.update(_quantize_linears(linears, scheme))
 
-    created = not os.path.lexists(dst)
+    made = []  # the folders makedirs is to make, dst first
+    folder = os.path.abspath(dst)
+    while not os.path.lexists(folder):
+        made.append(folder)
+        folder = os.path.dirname(folder)
     os.makedirs(dst, exist_ok=True)
     try:  # (the weights are quantized as they are written: a refusal comes from here)
         write_safetensors(os.path.join(dst, "model.safetensors"), out)
     except BaseException:
-        if created:  # the folder this made, empty again (write_safetensors leaves no partial file)
-            with contextlib.suppress(OSError):  # (not empty after all: the refusal still goes out)
-                os.rmdir(dst)
+        # The folders this made, empty again (write_safetensors leaves no partial file).
+        with contextlib.suppress(OSError):  # (one not empty after all: the refusal still goes out)
+            for folder in made:
+                os.rmdir(folder)
         raise
     spec = SCHEMES[scheme]
     config["quantization_config"] = {

@@ -83,6 +83,19 @@ class SamplingParams:
     # cache, generate the whole blocks that fit instead (vLLM's rule without max_tokens).
     fit_to_context: bool = False
 
+    def __new__(cls, *args, **kwargs):
+        for name in kwargs:  # (the dataclass's own TypeError names no equivalent)
+            if name not in _FIELD_NAMES:
+                raise TypeError(_unknown_parameter(name))
+        return super().__new__(cls)
+
+    def __setattr__(self, name, value):
+        # A name that is no field (vLLM's max_tokens, say) had been kept and read by nothing: a
+        # request given `params.max_tokens = 4` generated 256 tokens.
+        if name not in _FIELD_NAMES:
+            raise AttributeError(_unknown_parameter(name))
+        super().__setattr__(name, value)
+
     def __post_init__(self):
         self._checked()
 
@@ -165,3 +178,17 @@ class SamplingParams:
         p.allowed_token_ids, p.self_conditioning = v["allowed_token_ids"], v["self_conditioning"]
         p.fit_to_context = v["fit_to_context"]
         return p
+
+
+_FIELD_NAMES = frozenset(f.name for f in fields(SamplingParams))
+# vLLM's names for what SamplingParams says otherwise, for the error that refuses them.
+_VLLM_NAMES = {"max_tokens": "max_new_tokens",
+               "temperature": "t_min and t_max (the ends of the denoise steps' temperature schedule)",
+               "ignore_eos": "eos_token_id=[] (no EOS)", "stop_token_ids": "eos_token_id (the ids that end an output)",
+               "n": "one request a seed (the server's n runs seed, seed + 1, ...)"}
+
+
+def _unknown_parameter(name: str) -> str:
+    hint = _VLLM_NAMES.get(name)
+    return (f"SamplingParams has no parameter {name!r}" + (f" (vLLM's; here: {hint})" if hint else "") +
+            f"; its parameters: {', '.join(f.name for f in fields(SamplingParams))}")
