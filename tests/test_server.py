@@ -1689,8 +1689,11 @@ def test_allowed_origins_leave_the_model_argument_alone():
     from diffuserve.cli import parser
     args = parser().parse_args(["serve", "--allowed-origins", "http://a.example", "/ckpt",
                                 "--allowed-origins", "http://b.example"])
-    assert args.model == "/ckpt" and args.allowed_origins == ["http://a.example", "http://b.example"]
+    assert args.model == "/ckpt" and args.allowed_origins == [["http://a.example"], ["http://b.example"]]
     assert parser().parse_args(["serve"]).allowed_origins is None  # any origin (build_app's "*")
+    # vLLM's form, a JSON list (it had been one origin of that name, matching none).
+    args = parser().parse_args(["serve", "--allowed-origins", '["http://a.example", "http://c.example"]'])
+    assert args.allowed_origins == [["http://a.example", "http://c.example"]]
 
 
 def test_an_app_driven_without_its_lifespan_lets_its_engine_go(checkpoint):

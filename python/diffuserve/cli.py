@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import gc
 import os
 import random
@@ -17,6 +18,20 @@ from . import __version__
 from ._checks import INT32_MAX, check_encoded, check_unicode
 
 MAX_BENCH_REQUESTS = 65536  # a bench row's requests (its prompts are drawn at once)
+
+
+def origins(text: str) -> list:
+    """An argparse type: one origin, or vLLM's form of the option, a JSON list of them
+    ('["https://app.example"]' had been taken as one origin of that name, matching none)."""
+    if not text.lstrip().startswith("["):
+        return [text]
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a JSON list of origins: {e}") from None
+    if not isinstance(value, list) or not all(isinstance(origin, str) for origin in value):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a JSON list of origins (strings)")
+    return value
 
 
 def in_range(kind, lo, hi):
@@ -144,7 +159,8 @@ def serve(args) -> None:
     try:
         app = server.build_app(engine, name, api_key=args.api_key,
                                max_denoising_steps_limit=args.max_denoising_steps_limit,
-                               allowed_origins=args.allowed_origins or ["*"], max_prompt_chars=args.max_prompt_chars,
+                               allowed_origins=[o for group in args.allowed_origins or [["*"]] for o in group],
+                               max_prompt_chars=args.max_prompt_chars,
                                max_request_bytes=args.max_request_bytes)
     except ValueError as e:  # (the checkpoint's defaults against the server's limits)
         engine.shutdown()
@@ -333,9 +349,9 @@ def parser() -> argparse.ArgumentParser:
                    help="require `Authorization: Bearer KEY` on /v1, /tokenize and /detokenize (default: "
                         "$DIFFUSERVE_API_KEY, else none)")
     p.add_argument("--served-model-name", metavar="NAME", help="the model's name in the API (default: MODEL)")
-    p.add_argument("--allowed-origins", action="append", metavar="ORIGIN",
-                   help="an origin whose browser pages may call the API (CORS), once per origin (default: any, "
-                        "as vLLM)")
+    p.add_argument("--allowed-origins", action="append", type=origins, metavar="ORIGIN",
+                   help="an origin whose browser pages may call the API (CORS), once per origin, or a JSON list "
+                        "of them as vLLM takes (default: any, as vLLM)")
     p.add_argument("--max-denoising-steps-limit", type=in_range(int, 1, INT32_MAX), default=1024, metavar="N",
                    help="the most denoise steps a request may ask of each block (default: 1024)")
     p.add_argument("--max-prompt-chars", type=in_range(int, 0, 2**62), default=None, metavar="N",
