@@ -918,7 +918,7 @@ def test_quantize_failing_midway_leaves_no_checkpoint(tmp_path, monkeypatch):
     out = tmp_path / "out"
     with pytest.raises(RuntimeError, match="no"):
         q.quantize(src, str(out))
-    assert not [n for n in os.listdir(out) if "safetensors" in n]
+    assert not out.exists()  # (the folder it made goes too)
     monkeypatch.undo()
     q.quantize(src, str(out))
     assert read_safetensors(str(out / "model.safetensors"))["model.encoder.vision_tower.scale"][1].shape == ()
