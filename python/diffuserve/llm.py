@@ -363,12 +363,12 @@ class LLM:
         prompts = []
         for i, conversation in enumerate(conversations):
             try:  # the messages as the server's chat gives them to the template (text parts, roles, tool calls)
-                messages = parse(TokenizeChatRequest, {"messages": list(conversation)}).conversation(
+                read = parse(TokenizeChatRequest, {"messages": list(conversation)}).conversation(
                     names_role(source, "developer"), loops_over_content(source))
             except ApiError as e:
                 raise ValueError(f"conversation {i}: " + (f"{e.param}: " if e.param else "") + e.message) from None
             text = self.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=add_generation_prompt, chat_template=source, tools=tools,
+                read, add_generation_prompt=add_generation_prompt, chat_template=source, tools=tools,
                 continue_final_message=continue_final_message, **(chat_template_kwargs or {}))
             if not text:
                 raise ValueError(f"conversation {i}: {EMPTY_CHAT_PROMPT}")
