@@ -121,14 +121,18 @@ def test_solve_keeps_givens_and_writes_digits(model):
 def test_eval_prints_the_summary_and_writes_answers(model, tmp_path):
     rng = random.Random(7)
     puzzles = [sd.generate(40, rng)[0].replace("0", ".") for _ in range(5)]
-    (tmp_path / "in.txt").write_text("\n".join(puzzles) + "\n")
+    # A blank line among them stays one in the answers: line n answers line n (it had been
+    # dropped, and every answer after it was on the line of the next puzzle).
+    (tmp_path / "in.txt").write_text("\n".join(puzzles[:2] + [""] + puzzles[2:]) + "\n")
     out = run("--model", model, "--eval", str(tmp_path / "in.txt"), "--output", str(tmp_path / "out.txt"),
               "--max-denoising-steps", "2")
     assert out.returncode == 0, out.stderr
     summary = out.stdout.strip().splitlines()[-1]
     assert summary.startswith("solved=") and "mean_steps=" in summary and summary.endswith("n=5")
-    answers = (tmp_path / "out.txt").read_text().split()
-    assert len(answers) == 5 and all(len(a) == 81 for a in answers)
+    answers = (tmp_path / "out.txt").read_text().split("\n")
+    assert answers[2] == "" and answers[-1] == "" and len(answers) == 7
+    for puzzle, answer in zip(puzzles, answers[:2] + answers[3:6]):
+        assert len(answer) == 81 and all(p == "." or p == a for p, a in zip(puzzle, answer))  # its givens
 
 
 def test_clear_errors(model, tmp_path):

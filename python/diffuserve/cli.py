@@ -250,18 +250,20 @@ def sudoku(args) -> None:
     try:
         digits = sd.digit_token_ids(llm.tokenizer)
         if args.eval is not None:
-            puzzles = []
+            puzzles, blank = [], []  # blank: each line's (a blank line is no puzzle)
             with open(args.eval, encoding="utf-8-sig") as f:  # (a byte-order mark is no cell)
                 for number, line in enumerate(_utf8_lines(f, args.eval), 1):
+                    blank.append(not line.strip())
                     try:
-                        if line.strip():
+                        if not blank[-1]:
                             puzzles.append(sd.check_puzzle(sd.parse(line)))
                     except ValueError as e:
                         raise ValueError(f"{args.eval}, line {number}: {e}") from None
             grids, solved, steps = sd.solve_all(llm, puzzles, args.seed, max_denoising_steps=args.max_denoising_steps)
-            if args.output is not None:
+            if args.output is not None:  # an answer a puzzle's line, blank lines kept: line n answers line n
+                answers = iter(grids)
                 with open(args.output, "w") as f:
-                    f.writelines(sd.to_string(g) + "\n" for g in grids)
+                    f.writelines("\n" if empty else sd.to_string(next(answers)) + "\n" for empty in blank)
             n = max(len(puzzles), 1)
             print(f"solved={sum(solved) / n:.4f} mean_steps={sum(steps) / n:.2f} n={len(puzzles)}")
             return
