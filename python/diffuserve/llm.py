@@ -360,11 +360,12 @@ class LLM:
         from .protocol import ApiError, TokenizeChatRequest, parse  # (the server's reading of messages)
 
         source = self.tokenizer.get_chat_template(chat_template, tools)
+        names_developer, takes_parts = names_role(source, "developer"), loops_over_content(source)  # (once a call)
         prompts = []
         for i, conversation in enumerate(conversations):
             try:  # the messages as the server's chat gives them to the template (text parts, roles, tool calls)
                 read = parse(TokenizeChatRequest, {"messages": list(conversation)}).conversation(
-                    names_role(source, "developer"), loops_over_content(source))
+                    names_developer, takes_parts)
             except ApiError as e:
                 raise ValueError(f"conversation {i}: " + (f"{e.param}: " if e.param else "") + e.message) from None
             text = self.tokenizer.apply_chat_template(
