@@ -2,8 +2,8 @@
 from __future__ import annotations
 
 import argparse
-import json
 import gc
+import json
 import os
 import random
 import socket
