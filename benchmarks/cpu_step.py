@@ -35,8 +35,8 @@ def timed(fn, repeats):
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--threads", type=int, default=0, help="0: every hardware thread")
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--threads", type=int, default=0, help="0: one for each CPU the process may run on")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--repeats", type=int, default=10)
     args = ap.parse_args()
@@ -67,7 +67,7 @@ def main():
 
         generation = [generation_row(path, args.threads, n, fuse) for n in (1, 4, 16) for fuse in (True, False)]
 
-    threads = args.threads or os.environ.get("DIFFUSERVE_NUM_THREADS") or os.cpu_count()
+    threads = args.threads or int(os.environ.get("DIFFUSERVE_NUM_THREADS") or 0) or len(os.sched_getaffinity(0))
     print(f"diffuserve CPU step latency: hidden {CONFIG['hidden_size']}, {CONFIG['num_hidden_layers']} layers, "
           f"{CONFIG['num_experts']} experts top-{CONFIG['top_k_experts']}, vocab {CONFIG['vocab_size']}, "
           f"{args.dtype} weights, {threads} threads, {args.repeats} runs")

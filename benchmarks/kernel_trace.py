@@ -90,7 +90,7 @@ def print_by_kernel(times, passes, rows, label=""):
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--batch", type=int, default=1, help="requests denoised together")
     ap.add_argument("--steps", type=int, default=8, help="denoise steps traced (one block)")

@@ -2,8 +2,9 @@
 
     python benchmarks/load_time.py [--layers 4] [--dir PATH] [--hf]
 
-Writes a bf16 checkpoint of random weights (the real shapes, `--layers` decoder layers, all
-sliding-attention ones: a full-attention layer's weights are within 3% of their size), then
+Writes a bf16 checkpoint of random weights (the real shapes, `--layers` decoder layers,
+sliding-attention ones but the last, which transformers makes full attention: its weights are
+within 3% of a sliding layer's size), then
 times, from the warm page cache the writing leaves: diffuserve's Model.load onto the GPU;
 safetensors' load_file onto the GPU, the read every PyTorch engine starts from; and with
 --hf, transformers' from_pretrained onto the GPU. Prints one table: seconds and GB/s of
@@ -43,7 +44,7 @@ def timed(setup, load):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--dir", default=None, help="where to write the checkpoint (default: a temporary directory)")
     parser.add_argument("--hf", action="store_true", help="also time transformers' from_pretrained")

@@ -40,7 +40,7 @@ def denoise_logits(path, device, prompts, canvases):
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", help="an unquantized checkpoint (default: a small random one)")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--prompts", type=int, default=8)

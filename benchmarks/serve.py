@@ -83,7 +83,7 @@ async def sweep_point(url, model, concurrency, prompts, max_tokens, steps):
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", help="a checkpoint with tokenizer.json (default: the 26B-A4B shapes, random)")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--concurrency", type=int_list(MAX_BENCH_REQUESTS), default=[1, 4, 16],
@@ -131,7 +131,7 @@ def main():
 
             def prompts(n):  # ids (no tokenization cost), each request's own
                 return rng.integers(3, min(1000, vocab), (n, args.prompt_tokens)).tolist()
-            asyncio.run(sweep_point(url, "bench", 1, prompts(1), CANVAS, 2))  # warm-up
+            asyncio.run(sweep_point(url, "bench", 1, prompts(1), args.max_tokens, 2))  # warm-up
             rows = []
             for concurrency in args.concurrency:
                 results, seconds = asyncio.run(sweep_point(url, "bench", concurrency,

@@ -18,6 +18,8 @@ import time
 
 import diffuserve as ds
 from diffuserve import sudoku as sd
+from diffuserve._checks import INT32_MAX
+from diffuserve.cli import in_range
 
 BUCKETS = [(26, 29), (30, 33), (34, 37), (38, 41), (42, 45)]
 
@@ -36,9 +38,9 @@ TITLES = {"default": "default", "fixed48": "fixed 48 steps", "no_sc": "no self-c
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", help="a Sudoku checkpoint (default: the bundled one)")
-    ap.add_argument("--n", type=int, default=1000, help="puzzles")
+    ap.add_argument("--n", type=in_range(int, 1, INT32_MAX), default=1000, help="puzzles")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--ways", default=",".join(WAYS), help="comma-separated, of " + ", ".join(WAYS))
     args = ap.parse_args()
