@@ -1,5 +1,7 @@
 """Generation end to end: against transformers' generate, and the sampler's behaviour."""
 import copy
+import dataclasses
+import inspect
 import json
 import os
 import pickle
@@ -712,6 +714,9 @@ def test_names_that_are_no_parameter_are_refused_naming_the_equivalent():
         params.max_new_token = 4  # (a misspelling too)
     params.max_new_tokens = 4  # the fields themselves stay settable, and copies and pickles work
     assert copy.deepcopy(params) == params == pickle.loads(pickle.dumps(params))
+    # help() and editors show the fields, not the refusing __new__'s (*args, **kwargs).
+    shown = inspect.signature(ds.SamplingParams).parameters
+    assert list(shown) == [f.name for f in dataclasses.fields(ds.SamplingParams)] and shown["seed"].default is None
 
 
 @pytest.mark.parametrize("kwargs, name", [

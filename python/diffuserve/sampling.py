@@ -6,6 +6,7 @@ so that a bad one is a ValueError naming the parameter.
 """
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, fields
 from typing import Optional, Sequence, Union
 
@@ -61,6 +62,10 @@ def _comparable(value):
 
 @dataclass(eq=False)
 class SamplingParams:
+    """How one request is generated, by transformers' names (README: "SamplingParams"). A field
+    left None takes the checkpoint's generation_config.json value, else transformers' default.
+    Fields are checked when made and again when a request is queued; a name that is no field
+    (vLLM's max_tokens, say) is a TypeError naming the equivalent."""
     max_new_tokens: Optional[int] = None
     # A cap on prompt + new tokens, applied by transformers' rule (the runtime's SamplingParams.max_length).
     # None: the checkpoint's, unless max_new_tokens is given: a request's own max_new_tokens wins.
@@ -181,6 +186,10 @@ class SamplingParams:
 
 
 _FIELD_NAMES = frozenset(f.name for f in fields(SamplingParams))
+# help() and editors read a class's signature from its __new__ where it has one: (*args, **kwargs).
+SamplingParams.__signature__ = inspect.signature(SamplingParams.__init__).replace(
+    parameters=list(inspect.signature(SamplingParams.__init__).parameters.values())[1:],
+    return_annotation=inspect.Signature.empty)
 # vLLM's names for what SamplingParams says otherwise, for the error that refuses them.
 _VLLM_NAMES = {"max_tokens": "max_new_tokens",
                "temperature": "t_min and t_max (the ends of the denoise steps' temperature schedule)",
