@@ -141,8 +141,9 @@ def test_clear_errors(model, tmp_path):
                                     intermediate_size=48, num_hidden_layers=2, num_attention_heads=2,
                                     num_key_value_heads=1, head_dim=16, global_head_dim=16, sliding_window=8,
                                     num_experts=4, top_k_experts=2, moe_intermediate_size=16)
+    assert "not a Sudoku model: it has no tokenizer.json" in run("0" * 81, "--model", plain).stderr
     Tokenizer(models.WordLevel({"a": 0}, unk_token="a")).save(os.path.join(plain, "tokenizer.json"))
-    assert "not a Sudoku model" in run("0" * 81, "--model", plain).stderr
+    assert "not a Sudoku model: its tokenizer has no single tokens" in run("0" * 81, "--model", plain).stderr
     conflict = "55" + "0" * 79
     out = run(conflict, "--model", model)
     assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr

@@ -174,7 +174,9 @@ def format_grid(cells: List[int], puzzle: Optional[List[int]] = None) -> str:
 
 def digit_token_ids(tokenizer) -> List[int]:
     """The token ids of '1'..'9' in a Sudoku model's vocabulary."""
-    ids = [tokenizer.token_id(str(d)) if tokenizer is not None else None for d in range(1, 10)]
+    if tokenizer is None:
+        raise ValueError("not a Sudoku model: it has no tokenizer.json, so no tokens for the digits 1-9")
+    ids = [tokenizer.token_id(str(d)) for d in range(1, 10)]
     if None in ids:
         raise ValueError("not a Sudoku model: its tokenizer has no single tokens for the digits 1-9")
     return ids
