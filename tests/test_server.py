@@ -1745,22 +1745,32 @@ def test_an_llm_shared_by_an_async_llm_and_other_threads_finishes_everyones_requ
     """Another thread's generate() (or a second AsyncLLM) on the LLM an AsyncLLM serves: its
     steps finished the engine's requests between the engine's step and its questions about
     them, and every one of the engine's requests failed (StepFailed: no request with id N);
-    a second AsyncLLM's requests all failed so. Now each finishes with its own output."""
+    a second AsyncLLM's requests all failed so; and a plain add_request/step() loop took the
+    outputs of the AsyncLLMs' requests, failing them all too. Now each finishes with its own
+    output."""
     llm = ds.LLM(checkpoint, kv_cache_memory_bytes=32 << 20)
     params = ds.SamplingParams(max_new_tokens=120, seed=0, eos_token_id=[])
-    alone = llm.generate([[2, 5, 6], [2, 5, 7]], params)
+    alone = llm.generate([[2, 5, 6], [2, 5, 7], [2, 5, 8]], params)
     engine, second = AsyncLLM(llm), AsyncLLM(llm)
+
+    def step_loop():  # vLLM's LLMEngine idiom, beside the AsyncLLMs
+        request_id, outputs = llm.add_request([2, 5, 8], params), []
+        while not any(out.request_id == request_id for out in outputs):
+            outputs += llm.step()
+        return outputs
 
     async def main():
         streams = [asyncio.create_task(stream_to_the_end(e, [2, 5, 6], params)) for e in (engine, second) * 3]
         await asyncio.sleep(0.2)  # the streams are running
-        generated = await asyncio.to_thread(llm.generate, [[2, 5, 7]], params)
-        return await asyncio.gather(*streams), generated
+        generated, stepped = await asyncio.gather(asyncio.to_thread(llm.generate, [[2, 5, 7]], params),
+                                                  asyncio.to_thread(step_loop))
+        return await asyncio.gather(*streams), generated, stepped
 
     try:
-        streamed, generated = asyncio.run(main())
+        streamed, generated, stepped = asyncio.run(main())
         assert [out.token_ids for out in streamed] == [alone[0].token_ids] * 6
         assert generated[0].token_ids == alone[1].token_ids
+        assert [out.token_ids for out in stepped] == [alone[2].token_ids]  # its own output alone
         wait_until_idle(engine, 30)
         wait_until_idle(second, 30)
     finally:

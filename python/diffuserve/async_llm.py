@@ -324,7 +324,9 @@ class _EngineThread:
 
     def _add(self, requests: dict, key: int, request: _Request) -> None:
         try:
-            request.engine_id = self.llm.add_request(request.prompt, request.params)
+            with self.llm._lock:  # (claimed before another thread's step could see it finish)
+                request.engine_id = self.llm.add_request(request.prompt, request.params)
+                self.llm._claimed.add(request.engine_id)
         except Exception as e:  # refused (ValueError), or a failure of this request alone: the engine goes on
             request.post(e)
             return
@@ -346,8 +348,8 @@ class _EngineThread:
         # generate() between them had finished requests of this engine (their outputs held for
         # its next step), and asking for their tokens then failed every request in the engine.
         with self.llm._lock:
-            finished = {out.request_id: out for out in self.llm.step()}
-            ours = {request.engine_id for request in requests.values()}
+            ours = frozenset(request.engine_id for request in requests.values())
+            finished = {out.request_id: out for out in self.llm._step_for(ours)}
             # Outputs of requests another thread added (add_request, another AsyncLLM on this
             # LLM) are held for its next step, as generate() holds those it does not own.
             self.llm._held.extend(out for request_id, out in finished.items() if request_id not in ours)
@@ -357,6 +359,7 @@ class _EngineThread:
                 output = finished.get(request.engine_id)
                 if output is not None:
                     del requests[key]
+                    self.llm._claimed.discard(request.engine_id)
                     failed = output.finish_reason == "error"
                     progress.append((request, RequestFailed(output.error) if failed
                                      else Progress(output.token_ids, output=output)))

@@ -187,7 +187,10 @@ class LLM:
         self.tokenizer = Tokenizer.from_checkpoint(self.model.path)  # None when the checkpoint has no tokenizer.json
         self._ids = itertools.count()
         self._prompts = {}
-        self._held: List[RequestOutput] = []  # add_request's outputs that a generate call saw finish
+        self._held: List[RequestOutput] = []  # outputs a step saw finish that another caller is to get
+        # Requests an AsyncLLM streams: only its own steps return their outputs (a plain step()
+        # loop in another thread had taken them, and the AsyncLLM then failed every request).
+        self._claimed: set = set()
 
     @_locked
     def add_request(self, prompt, params: Optional[SamplingParams] = None) -> int:
@@ -233,6 +236,7 @@ class LLM:
         with _signals_held():
             self.scheduler.abort(request_id)
             self._prompts.pop(request_id, None)
+            self._claimed.discard(request_id)
             # One that a generate call saw finish is dropped too (a later step had still returned it).
             self._held = [out for out in self._held if out.request_id != request_id]
 
@@ -266,7 +270,12 @@ class LLM:
     @_locked
     def step(self) -> List[RequestOutput]:
         """Runs one scheduler step; returns the requests that finished in it (and those of
-        add_request that a generate call saw finish)."""
+        add_request that a generate call saw finish). Not those an AsyncLLM streams: it gets them."""
+        return self._step_for(frozenset())
+
+    def _step_for(self, claimant: frozenset) -> List[RequestOutput]:
+        """step() for the caller whose claimed requests are `claimant` (an AsyncLLM's): the
+        outputs of requests others claim are held for their next step."""
         held, self._held, outputs = self._held, [], []
         try:
             with _signals_held():
@@ -274,7 +283,10 @@ class LLM:
         except BaseException:  # the step failed (its outputs go out with the next), or a signal's exception
             self._held = held + outputs + self._held  # came after it: the next step returns them
             raise
-        return held + outputs
+        others = self._claimed - claimant
+        with _signals_held():
+            self._held.extend(out for out in held + outputs if out.request_id in others)
+            return [out for out in held + outputs if out.request_id not in others]
 
     @_locked
     def generate(self, prompts, params: Union[SamplingParams, Sequence[SamplingParams], None] = None
