@@ -750,10 +750,16 @@ def test_token_id_out_of_range(seq, op, bad):
     ([1.0] * CANVAS, "token ids must be integers"),
     ([True] * CANVAS, "token ids must be integers"),
     (np.arange(CANVAS).reshape(2, 4), r"token ids must be a 1-D sequence, got shape \(2, 4\)"),
+    (np.int64(3), "token ids must be a 1-D sequence, got one int64, 3"),
+    ([5, "6"] * (CANVAS // 2), "token ids must be integers, got dtype <U21"),
+    ([5, [6]] * (CANVAS // 2), "token ids must be a 1-D sequence of integers, got list at index 1"),
+    ([5, None] * (CANVAS // 2), "token ids must be integers, got NoneType at index 1"),
+    (iter(range(CANVAS)), r"token ids must be a sequence \(a list or an array\), got an iterator"),
     # (numpy files timedelta64 under integer; its copy of a masked array drops the mask.)
     (np.arange(CANVAS).astype("timedelta64[s]"), "token ids must be integers, got dtype timedelta64"),
     (np.ma.masked_array(np.arange(CANVAS), mask=[0, 1] * (CANVAS // 2)), "token ids must not hold masked values"),
-], ids=["float array", "float list", "bool", "2-D", "timedelta", "masked"])
+], ids=["float array", "float list", "bool", "2-D", "one id", "text", "nested", "None", "iterator", "timedelta",
+        "masked"])
 def test_token_ids_wrong_type_or_rank(seq, op, ids, message):
     before = state_of(seq)
     with pytest.raises(ValueError, match=f"{op}: {message}"):

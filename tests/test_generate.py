@@ -805,6 +805,11 @@ def test_prompts_as_torch_tensors(checkpoints):
     expected = [out.token_ids for out in llm.generate([[3, 4], [5, 6]], params)]
     assert [out.token_ids for out in llm.generate(torch.tensor([[3, 4], [5, 6]]), params)] == expected
     assert llm.generate(torch.tensor([3, 4]), params)[0].token_ids == expected[0]
+    # A list of a tensor's 0-d items is one prompt too (each had been taken as a prompt of one id, and refused).
+    for ids in (list(torch.tensor([3, 4])), [np.array(3), np.array(4)]):
+        assert llm.generate(ids, params)[0].token_ids == expected[0]
+    with pytest.raises(ValueError, match="prompt 1: prompt: token ids must be a 1-D sequence, got one int, 4"):
+        llm.generate([[3], 4], params)
     with pytest.raises(ValueError, match=r"prompts: token ids must be integers numpy can read, got torch.bfloat16"):
         llm.generate(torch.tensor([3, 4], dtype=torch.bfloat16), params)
 

@@ -97,11 +97,22 @@ def check_encoded(ids: List[int], what: str, vocab_size: int) -> List[int]:
     return ids
 
 
+def iter_once(value) -> bool:
+    """Whether value is an iterator (a generator, say): iterating it uses it up."""
+    try:
+        return iter(value) is value
+    except TypeError:
+        return False
+
+
 def check_token_ids(ids, what: str, vocab_size: int) -> np.ndarray:
     """1-D integer token ids as a contiguous int32 array of their own, each in [0, vocab_size),
     else ValueError naming `what` (and the id and its index). The array is a copy, checked
     after copying: the runtime reads it later without the GIL, and an id another thread
     wrote into the caller's array after the check had been read past the embedding."""
+    if iter_once(ids):  # (numpy makes a 0-d object array of it: "got dtype object")
+        raise ValueError(f"{what}: token ids must be a sequence (a list or an array), got an iterator "
+                         f"({type(ids).__name__}): make it a list")
     if np.ma.is_masked(ids):  # (numpy's copy drops the mask: the masked ids would be read)
         raise ValueError(f"{what}: token ids must not hold masked values")
     if isinstance(ids, (list, tuple)):  # numpy takes True beside ints as the id 1
@@ -122,13 +133,18 @@ def check_token_ids(ids, what: str, vocab_size: int) -> np.ndarray:
         # Python ints past int64 (numpy keeps them as objects), or ints numpy made floats (beside
         # a np.uint64, or past int64 beside smaller ones): checked, and taken, as the ints they are.
         items = list(ids)
-        if all(is_int(x) for x in items):
+        at = next((i for i, x in enumerate(items) if not is_int(x)), None)
+        if at is not None and arr.dtype.kind == "O":  # (numpy's dtype names no item)
+            raise ValueError(f"{what}: token ids must be integers, got {type(items[at]).__name__} at index {at}")
+        if at is None:
             for i, x in enumerate(items):
                 if not 0 <= int(x) < vocab_size:
                     raise ValueError(f"{what}: token id {int(x)} at index {i} is out of range [0, {vocab_size})")
             arr = np.array([int(x) for x in items], dtype=np.int64)
     if arr.dtype.kind not in "iu" and arr.size:  # (numpy files timedelta64 under integer)
         raise ValueError(f"{what}: token ids must be integers, got dtype {arr.dtype}")
+    if arr.ndim == 0:  # (one id where a sequence of them belongs: a batch's prompt, say)
+        raise ValueError(f"{what}: token ids must be a 1-D sequence, got one {type(ids).__name__}, {ids}")
     if arr.ndim != 1:
         raise ValueError(f"{what}: token ids must be a 1-D sequence, got shape {tuple(arr.shape)}")
     if arr.size:

@@ -24,8 +24,9 @@ from typing import AsyncIterator, List, Optional
 
 import numpy as np
 
+from ._checks import iter_once
 from .llm import LLM, RequestOutput
-from .sampling import SamplingParams, iter_once
+from .sampling import SamplingParams
 
 # The longest the engine's thread takes commands (adds, aborts) before the running requests'
 # next step.

@@ -309,7 +309,9 @@ class LLM:
         # one prompt of ids.
         if isinstance(prompts, np.ndarray) and prompts.dtype.kind in "USO":
             prompts = prompts.tolist()
-        if isinstance(prompts, (str, dict)) or (len(prompts) and not hasattr(prompts[0], "__len__")) or \
+        # (An id is no sequence; a 0-d array or tensor, list(tensor)'s items, has __len__ but is an id.)
+        if isinstance(prompts, (str, dict)) or \
+                (len(prompts) and (not hasattr(prompts[0], "__len__") or getattr(prompts[0], "ndim", None) == 0)) or \
                 (isinstance(prompts, np.ndarray) and prompts.ndim == 1):  # (an empty one too: had returned [])
             prompts = [prompts]  # a single prompt: one text, or one list of ids
         plist = [params if params is not None else SamplingParams()] if not isinstance(params, (list, tuple)) \

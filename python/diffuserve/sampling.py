@@ -13,7 +13,7 @@ from typing import Optional, Sequence, Union
 import numpy as np
 
 from . import _core
-from ._checks import INT32_MAX, check_bool, check_float32, check_int, is_int
+from ._checks import INT32_MAX, check_bool, check_float32, check_int, is_int, iter_once
 
 
 def _int_list(name: str, value, allow_empty: bool = False, ordered: bool = False) -> list:
@@ -36,14 +36,6 @@ def _int_list(name: str, value, allow_empty: bool = False, ordered: bool = False
     if all(type(x) is int for x in items) and (not items or (min(items) >= 0 and max(items) <= INT32_MAX)):
         return items
     return [check_int(f"{name}[{i}]", x, 0) for i, x in enumerate(items)]
-
-
-def iter_once(value) -> bool:
-    """Whether value is an iterator (a generator, say): iterating it uses it up."""
-    try:
-        return iter(value) is value
-    except TypeError:
-        return False
 
 
 def length_untold(max_new_tokens: Optional[int], length_given: bool, context: int) -> Optional[int]:
