@@ -144,6 +144,30 @@ def test_prefix_cache_takes_a_block_for_its_tokens_not_their_hash(tmp_path):
     assert model.cache_stats()["prefix_cache_hits"] == 32
 
 
+def test_a_cache_full_evicts_a_cached_prefix_from_its_end(tmp_path):
+    """One block evicted of a cached 8-block prefix leaves the other 7 to hit. Blocks had been
+    released (and so evicted) first to last: the prefix's first block went, and with it the
+    only way to find the rest (0 hits)."""
+    path = write_random_checkpoint(tmp_path / "m", canvas_length=CANVAS, seed=3,
+                                   **{**SMALL, "layer_types": ["full_attention"] * 3})
+    # A block's bytes, to within a 170th (its bytes' exact count is no stat): a cache of 24.
+    block_bytes = (1 << 20) // ds.Model.load(path, kv_block_size=16, kv_cache_memory_bytes=1 << 20).cache_stats()[
+        "kv_blocks_total"]
+    model = ds.Model.load(path, kv_block_size=16, kv_cache_memory_bytes=24 * block_bytes)
+    assert model.cache_stats()["kv_blocks_total"] == 24
+    prefix = [5 + i % 50 for i in range(8 * 16)]
+    seq = model.sequence()
+    seq.prefill(prefix + [1])  # 9 blocks: the prefix's 8 stay cached once it is gone
+    del seq
+    seq = model.sequence()
+    seq.prefill([2] * (17 * 16 - 1))  # 17 blocks: the 16 free, then one cached block evicted
+    del seq
+    hits = model.cache_stats()["prefix_cache_hits"]
+    seq = model.sequence()
+    seq.prefill(prefix + [1])
+    assert model.cache_stats()["prefix_cache_hits"] - hits == 7 * 16
+
+
 def test_prefix_cache_hits_across_requests(make_llm):
     llm = make_llm()
     system = list(range(10, 10 + 5 * BLOCK))

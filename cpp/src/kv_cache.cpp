@@ -317,9 +317,13 @@ int64_t KvCache::match_prefix(KvTable& table, std::span<const int32_t> prompt) {
 }
 
 void KvCache::release(KvTable& table) {
+  // Last block first, so that eviction (least recently dropped first) takes a cached prefix
+  // from its end: its first block's going takes its prefix node, and with it every later
+  // block's only way to be found (dropped first to last, one evicted block had lost a whole
+  // cached prefix).
   for (int g = 0; g < kNumGroups; ++g) {
-    for (int32_t b : table.blocks[g])
-      if (b >= 0) drop(KvGroup(g), b);
+    for (auto b = table.blocks[g].rbegin(); b != table.blocks[g].rend(); ++b)
+      if (*b >= 0) drop(KvGroup(g), *b);
     table.blocks[g].clear();
   }
   for (uint64_t node : table.prefix_nodes) prefixes_.release(node);
