@@ -16,6 +16,7 @@ import subprocess
 import sys
 import threading
 import time
+import tracemalloc
 import types
 import weakref
 
@@ -664,6 +665,39 @@ def test_invalid_values_are_worded_for_the_client(request_type, body, message):
     with pytest.raises(ApiError) as e:
         parse(request_type, {"model": MODEL, **body})
     assert str(e.value) == message
+
+
+MANY = 200_000
+
+
+@pytest.mark.parametrize("request_type, body, message", [
+    (CompletionRequest, {"prompt": [[[]] * MANY]}, "invalid value for 'prompt'"),
+    (CompletionRequest, {"prompt": [[5]] * MANY}, "a request may ask for at most 4096 choices"),
+    (CompletionRequest, {"prompt": [5], "allowed_token_ids": [[]] * MANY},
+     "invalid value for 'allowed_token_ids[0]': Input should be a valid integer"),
+    (CompletionRequest, {"prompt": [5], "stop": [[]] * MANY}, "stop may hold at most 256 strings"),
+    (CompletionRequest, {"prompt": [5], **{f"x{i}": 0 for i in range(MANY)}}, "unsupported parameter: 'x0'"),
+    (CompletionRequest, {"prompt": [5], "stream_options": {f"x{i}": 0 for i in range(MANY)}},
+     "unsupported parameter: 'stream_options.x0'"),
+    (ChatCompletionRequest, {"messages": [{"role": "x"}] * MANY}, "invalid value for 'messages[0].role'"),
+    (ChatCompletionRequest, {"messages": [{"role": "user", "content": [5] * MANY}]},
+     "invalid value for 'messages[0].content"),
+    (server_module.DetokenizeRequest, {"tokens": ["5"] * MANY}, "invalid value for 'tokens[0]'"),
+], ids=["nested prompts", "prompts", "ids", "stop", "names", "stream_options", "messages", "parts", "detokenize"])
+def test_a_body_of_many_items_is_refused_at_its_first_bad_one(request_type, body, message):
+    """A list is read up to its first bad item, a batch's or stop's length and unknown names
+    counted before their items are read: pydantic had described every bad item (2 million in a
+    10 MiB body: 58 s and 8.5 GB), and built every good one of a batch it then refused (15
+    million one-id prompts: 100 s and 6.8 GB), holding the event loop's GIL throughout. (Python's
+    allocations as the measure, not time: here 770-1,300 bytes an item before, under 160 now.)"""
+    tracemalloc.start()
+    try:
+        with pytest.raises(ApiError, match=re.escape(message)):
+            parse(request_type, {"model": MODEL, **body})
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 160 * MANY, peak  # (the names: a copy of the body without its nulls, 100 bytes a name)
 
 
 @pytest.mark.parametrize("encoding", ["gzip", "deflate, gzip"])
