@@ -897,6 +897,38 @@ def test_failed_request_counts_as_error(checkpoint, tmp_path):
     assert 'diffuserve_requests_total{finish_reason="abort"} 0.0' in text
 
 
+def test_a_stream_that_fails_inside_the_server_ends_as_a_stream(offline, monkeypatch, caplog):
+    """An exception of the server's own (not the engine's) while a stream runs: the client
+    gets an error event and [DONE], and the log the traceback (the connection had been cut
+    off mid-response, an incomplete chunked read); the next request is served."""
+    from fastapi.testclient import TestClient
+
+    events = server_module._Choice.events
+
+    async def failing(self):
+        async for event in events(self):
+            yield event
+            if self.prompt[-1] == 9:
+                raise RuntimeError("a bug in the server")
+
+    monkeypatch.setattr(server_module._Choice, "events", failing)
+    engine = AsyncLLM(offline)
+    try:
+        with TestClient(build_app(engine, MODEL)) as http:
+            request = {"model": MODEL, "prompt": [5, 9], "max_tokens": 40, "seed": 0, "stream": True}
+            with http.stream("POST", "/v1/completions", json=request) as response:
+                lines = [line for line in response.iter_lines() if line]
+            assert response.status_code == 200 and lines[-1] == "data: [DONE]"
+            assert json.loads(lines[-2].removeprefix("data: ")) == {"error": {
+                "message": "internal server error (the server's log has its details)", "type": "server_error",
+                "param": None, "code": None}}
+            assert "RuntimeError: a bug in the server" in caplog.text
+            ok = http.post("/v1/completions", json={**request, "prompt": [5, 8], "stream": False})
+            assert ok.status_code == 200
+    finally:
+        engine.shutdown()
+
+
 def test_health_fails_once_the_engine_has(offline):
     """/health answers 503 once the engine thread has failed (it had kept answering 200 while
     every request got a 503), and /metrics counts each choice refused then as an error (none
@@ -1264,12 +1296,13 @@ def test_a_prompt_of_more_ids_than_max_model_len_is_refused_before_the_engine_re
         assert r.json()["error"]["param"] == name
 
 
-def _serve_process(checkpoint, *options, **popen):
+def _serve_process(checkpoint, *options, patch: str = "", **popen):
     """`diffuserve serve` in a process of its own on a port it chooses (--port 0, printed in its
-    "serving" line: it had printed port 0), once it answers /health: (process, port)."""
-    proc = subprocess.Popen([sys.executable, "-m", "diffuserve", "serve", checkpoint, "--port", "0",
-                             "--served-model-name", MODEL, "--log-level", "warning", *options],
-                            stderr=subprocess.PIPE, **popen)
+    "serving" line: it had printed port 0), once it answers /health: (process, port). `patch`:
+    Python run in that process first (a fault to inject)."""
+    proc = subprocess.Popen([sys.executable, "-c", f"{patch}\nfrom diffuserve.cli import main\nmain()", "serve",
+                             checkpoint, "--port", "0", "--served-model-name", MODEL, "--log-level", "warning",
+                             *options], stderr=subprocess.PIPE, **popen)
     try:
         said = b""
         while b"serving" not in said:
@@ -1430,6 +1463,51 @@ def test_shutdown_timeout_ends_streams_with_an_error(checkpoint, timeout, signal
         assert "shutting down" in json.loads(lines[-2][6:])["error"]["message"]
         assert proc.wait(timeout=30) == 0
         assert b"Traceback" not in proc.stderr.read()
+    finally:
+        proc.kill()
+
+
+def test_shutdown_ends_the_engine_a_pass_before_the_timeout(checkpoint):
+    """Forward passes longer than a second (a CPU's, at a large batch): the engine is ended as
+    the signal comes, where --shutdown-timeout (3 s) leaves less than two passes and a second,
+    and its stream ends with the error and [DONE] before the timeout (the engine had been ended
+    a second before it, as the pass in progress went on: the connection cut mid-response)."""
+    patch = """import functools, time
+from diffuserve.llm import LLM
+LLM.__init__ = functools.partialmethod(LLM.__init__, slice_steps=1)  # a step: one pass
+step = LLM._step_for
+LLM._step_for = lambda self, claimant: (time.sleep(2.5), step(self, claimant))[1]  # a pass of 2.5 s"""
+    proc, port = _serve_process(checkpoint, "--shutdown-timeout", "3", patch=patch)
+    try:
+        body = {"model": MODEL, "prompt": "long", "max_tokens": 2048, "seed": 0, "max_denoising_steps": 1024,
+                "confidence_threshold": 1e-30, "stream": True, "stream_drafts": True}
+        with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=60) as r:
+            lines = r.iter_lines()
+            next(line for line in lines if line.startswith("data: "))  # a draft: a pass has run
+            time.sleep(1)  # into the next: a pass begun after the timeout's last second would end past it
+            proc.send_signal(signal.SIGINT)
+            lines = [line for line in lines if line.startswith("data: ")]
+        assert lines[-1] == "data: [DONE]"
+        assert "shutting down" in json.loads(lines[-2][6:])["error"]["message"]
+        assert proc.wait(timeout=30) == 0
+    finally:
+        proc.kill()
+
+
+def test_an_engine_that_fails_ends_the_server(checkpoint):
+    """A bug that stops the engine thread: the request gets a 503, and the server exits with
+    status 1 and the error (it had stayed up answering every request, /health too, with 503)."""
+    patch = """from diffuserve.llm import LLM
+def fail(self, claimant):
+    raise RuntimeError("a bug in the engine")
+LLM._step_for = fail"""
+    proc, port = _serve_process(checkpoint, patch=patch)
+    try:
+        r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json={"model": MODEL, "prompt": [5], "max_tokens": 4})
+        assert r.status_code == 503 and "the engine failed" in r.json()["error"]["message"]
+        assert proc.wait(timeout=30) == 1
+        assert "error: the engine failed (RuntimeError('a bug in the engine')); the server has stopped" in \
+            proc.stderr.read().decode()
     finally:
         proc.kill()
 

@@ -13,6 +13,7 @@ import atexit
 import collections
 import copy
 import itertools
+import logging
 import os
 import queue
 import threading
@@ -242,6 +243,17 @@ class AsyncLLM:
         engine = self._engine
         return engine.error is None and not engine.stopping and engine.thread.is_alive()
 
+    @property
+    def error(self) -> Optional[BaseException]:
+        """The exception that stopped the engine thread, where one did (a bug: it takes no more requests)."""
+        return self._engine.error
+
+    @property
+    def pass_seconds(self) -> float:
+        """How long a forward pass of the engine's latest step took (0 before one ran): what
+        ending the engine may wait for, as it ends after the pass in progress."""
+        return self._engine.pass_seconds
+
     def shutdown(self) -> None:
         """Aborts what is still running and stops the engine thread (after the current pass of
         a step in progress). Calls after the first wait for the thread to have stopped."""
@@ -257,6 +269,7 @@ class _EngineThread:
         self.stats = llm.stats()  # refreshed after every command and step
         self.commands: queue.Queue = queue.Queue()
         self.error: Optional[BaseException] = None
+        self.pass_seconds = 0.0
         self.stopping = False
         self.lock = threading.Lock()  # orders every "add" before the "stop" command
         # Keys whose caller left before the engine thread read their add: it passes the add
@@ -310,6 +323,7 @@ class _EngineThread:
                     try:
                         self._step(requests)
                     except (ValueError, MemoryError) as e:  # refused (InvalidArgument), or out of memory: not fatal
+                        logging.getLogger(__name__).error("a step failed, and its requests with it: %s", e)
                         # (Those that finished before the step failed get their outputs from the next.)
                         finished = frozenset(request_id for request_id, _ in self.llm.scheduler.finished)
                         self._abort_all(requests, StepFailed(f"the engine could not run this request: {e}"), finished)
@@ -349,12 +363,15 @@ class _EngineThread:
         # generate() between them had finished requests of this engine (their outputs held for
         # its next step), and asking for their tokens then failed every request in the engine.
         with self.llm._lock:
+            started, passes = time.monotonic(), self.llm.stats()["forward_passes"]
             ours = frozenset(request.engine_id for request in requests.values())
             finished = {out.request_id: out for out in self.llm._step_for(ours)}
             # Outputs of requests another thread added (add_request, another AsyncLLM on this
             # LLM) are held for its next step, as generate() holds those it does not own.
             self.llm._held.extend(out for request_id, out in finished.items() if request_id not in ours)
             self.stats = self.llm.stats()  # before the outputs are posted: a caller reading stats then sees them gone
+            if self.stats["forward_passes"] > passes:
+                self.pass_seconds = (time.monotonic() - started) / (self.stats["forward_passes"] - passes)
             progress = []
             for key, request in list(requests.items()):
                 output = finished.get(request.engine_id)

@@ -16,6 +16,7 @@ import json
 import logging
 import signal
 import socket
+import sys
 import threading
 import time
 import uuid
@@ -477,6 +478,9 @@ class _Server:
                     yield _sse(fmt.chunk(event), include_usage)
         except EngineError as e:
             yield _sse(ApiError(503, str(e), type="server_error").body(), False)
+        except Exception:  # a bug of the server's: the stream still ends as a stream (it had been cut off)
+            logging.getLogger("uvicorn.error").exception("a streamed response failed")
+            yield _sse(_INTERNAL_ERROR.body(), False)
         if include_usage:
             yield _sse({**fmt.chunk_base(), "choices": [], "usage": usage.body()}, False)
         yield "data: [DONE]\n\n"
@@ -837,6 +841,9 @@ def _server_of(request: Request) -> _Server:
     return server
 
 
+_INTERNAL_ERROR = ApiError(500, "internal server error (the server's log has its details)", type="server_error")
+
+
 class _InternalErrors:
     """ASGI middleware, the innermost: an exception no handler took is the 500 here, inside
     CORS, so that a browser's client reads it (Starlette's own 500 is answered outside every
@@ -858,8 +865,7 @@ class _InternalErrors:
             await self.app(scope, receive, sending)
         except Exception:
             if scope["type"] == "http" and not started:
-                error = ApiError(500, "internal server error (the server's log has its details)", type="server_error")
-                await _error(error)(scope, receive, send)
+                await _error(_INTERNAL_ERROR)(scope, receive, send)
             raise
 
 
@@ -889,16 +895,27 @@ class _RequireKey:
 
 def serve(app: FastAPI, engine: AsyncLLM, sock: socket.socket, log_level: str, shutdown_timeout: float) -> None:
     """Runs `app` (serving `engine`) with uvicorn on the listening socket `sock` until Ctrl-C /
-    SIGTERM, then lets running requests finish for shutdown_timeout seconds. A second before
-    that runs out, or at a second signal, the engine ends what still runs: its clients get an
-    error event and [DONE] (a stream) or a 503, where the end of uvicorn's grace period (or
-    its forced exit) would drop their connections mid-response. A third signal forces the
-    exit."""
+    SIGTERM, then lets running requests finish for shutdown_timeout seconds. Before that runs
+    out (a second and two passes of the engine before: it ends after the pass in progress), or
+    at a second signal, the engine ends what still runs: its clients get an error event and
+    [DONE] (a stream) or a 503, where the end of uvicorn's grace period (or its forced exit)
+    would drop their connections mid-response. A third signal forces the exit. An engine that
+    fails ends the server too, which then exits with the error (as vLLM's: a process manager
+    restarts it, where /health had answered 503 from a live process for ever)."""
     import uvicorn
 
-    ending = threading.Timer(max(0.0, shutdown_timeout - 1.0), engine.shutdown)
-    ending.daemon = True  # (a server whose requests all finish in time exits without waiting for it)
-    signals = 0
+    signals, left = 0, threading.Event()
+
+    def end_engine_in_time():
+        deadline = time.monotonic() + shutdown_timeout
+        # (A pass on a CPU may take seconds: a fixed second had been too short, and every stream was cut off.)
+        while time.monotonic() < deadline - 1.0 - 2 * engine.pass_seconds:
+            if left.wait(0.05):
+                return
+        engine.shutdown()
+
+    # (Daemon: a server whose requests all finish in time exits without waiting for it.)
+    ending = threading.Thread(target=end_engine_in_time, name="diffuserve-shutdown", daemon=True)
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig, frame) -> None:
@@ -916,6 +933,10 @@ def serve(app: FastAPI, engine: AsyncLLM, sock: socket.socket, log_level: str, s
             else:  # (uvicorn forces it at a second SIGINT alone)
                 self.force_exit = True
 
+        async def on_tick(self, counter: int) -> bool:
+            self.should_exit = self.should_exit or engine.error is not None
+            return await super().on_tick(counter)
+
     # A log line that cannot be written (the reader of stdout has left: `serve | head -1`) is
     # dropped, not a traceback on stderr for every request.
     raise_exceptions, logging.raiseExceptions = logging.raiseExceptions, False
@@ -926,8 +947,10 @@ def serve(app: FastAPI, engine: AsyncLLM, sock: socket.socket, log_level: str, s
     except KeyboardInterrupt:  # uvicorn raises the signal it held back once it has shut down (as uvicorn.run)
         pass
     finally:
-        ending.cancel()  # (its waiting thread holds the engine)
+        left.set()  # (its waiting thread holds the engine)
         logging.raiseExceptions = raise_exceptions
+    if engine.error is not None:
+        sys.exit(f"error: the engine failed ({engine.error!r}); the server has stopped")
 
 
 def _error(e: ApiError, headers: Optional[Dict[str, str]] = None) -> JSONResponse:
