@@ -706,6 +706,41 @@ def test_ids_are_read_from_a_copy_checked_once(path):
     assert checked[0] == 0 and not np.shares_memory(ids, checked)
 
 
+def test_a_signal_at_any_line_of_a_step_loses_no_output(make_llm):
+    """A signal handler's exception (a timeout's) at each line of a step that finishes a
+    request: the output comes out once, from that step or the next. (Filed once the step's
+    bookkeeping was done, a signal then had thrown them away.)"""
+    class Timeout(Exception):
+        pass
+
+    code = ds.llm.LLM._step_for.__code__
+    lines = sorted({line for _, _, line in code.co_lines() if line and line > code.co_firstlineno})
+    previous = signal.signal(signal.SIGALRM, lambda signum, frame: (_ for _ in ()).throw(Timeout()))
+    try:
+        for line in lines:
+            llm = make_llm(slice_steps=1)
+            request_id, outs, fired = llm.add_request([5, 6], params(0, n=8)), [], []
+
+            def on_line(frame, event, arg):
+                if event == "line" and frame.f_lineno == line and not fired and frame.f_locals.get("outputs"):
+                    fired.append(line)
+                    signal.raise_signal(signal.SIGALRM)
+                return on_line
+
+            sys.settrace(lambda frame, event, arg: on_line if frame.f_code is code else None)
+            try:
+                while llm.has_unfinished():
+                    try:
+                        outs += llm.step()
+                    except Timeout:
+                        pass
+            finally:
+                sys.settrace(None)
+            assert [out.request_id for out in outs] == [request_id], (line, fired)
+    finally:
+        signal.signal(signal.SIGALRM, previous)
+
+
 def test_a_signal_handlers_exception_at_any_moment_leaves_the_llm_consistent(make_llm):
     """A signal handler's exception (a timeout's, at SIGALRM) raised at random moments of
     generate, add_request and step surfaces as itself once the LLM's bookkeeping is done:

@@ -808,6 +808,9 @@ def test_prompts_as_torch_tensors(checkpoints):
     # A list of a tensor's 0-d items is one prompt too (each had been taken as a prompt of one id, and refused).
     for ids in (list(torch.tensor([3, 4])), [np.array(3), np.array(4)]):
         assert llm.generate(ids, params)[0].token_ids == expected[0]
+    with pytest.raises(ValueError, match="prompt 0: text prompts need a tokenizer"):  # (numpy's strings: texts, each
+        # a prompt: as one prompt of ids they had been named "token ids must be integers, got dtype <U1")
+        llm.generate(list(np.array(["a", "b"])), params)
     with pytest.raises(ValueError, match="prompt 1: prompt: token ids must be a 1-D sequence, got one int, 4"):
         llm.generate([[3], 4], params)
     with pytest.raises(ValueError, match=r"prompts: token ids must be integers numpy can read, got torch.bfloat16"):

@@ -683,7 +683,13 @@ MANY = 200_000
     (ChatCompletionRequest, {"messages": [{"role": "user", "content": [5] * MANY}]},
      "invalid value for 'messages[0].content"),
     (server_module.DetokenizeRequest, {"tokens": ["5"] * MANY}, "invalid value for 'tokens[0]'"),
-], ids=["nested prompts", "prompts", "ids", "stop", "names", "stream_options", "messages", "parts", "detokenize"])
+    # (Set aside, a long list is refused after the rest: the first unsupported parameter still comes first.)
+    (CompletionRequest, {"prompt": [[5]] * MANY, "logprobs": 3}, "unsupported parameter: 'logprobs'"),
+    (CompletionRequest, {"prompt": [5], "stop": ["a"] * MANY, "x": 3}, "unsupported parameter: 'x'"),
+    (CompletionRequest, {"prompt": [0.5] * MANY}, "invalid value for 'prompt': a prompt is a string or a list of "
+                                                "token ids"),  # (one prompt, no batch)
+], ids=["nested prompts", "prompts", "ids", "stop", "names", "stream_options", "messages", "parts", "detokenize",
+        "prompts and a parameter", "stop and a parameter", "float ids"])
 def test_a_body_of_many_items_is_refused_at_its_first_bad_one(request_type, body, message):
     """A list is read up to its first bad item, a batch's or stop's length and unknown names
     counted before their items are read: pydantic had described every bad item (2 million in a

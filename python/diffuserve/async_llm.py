@@ -325,7 +325,9 @@ class _EngineThread:
                     except (ValueError, MemoryError) as e:  # refused (InvalidArgument), or out of memory: not fatal
                         logging.getLogger(__name__).error("a step failed, and its requests with it: %s", e)
                         # (Those that finished before the step failed get their outputs from the next.)
-                        finished = frozenset(request_id for request_id, _ in self.llm.scheduler.finished)
+                        # (And those another thread's step saw finish: their outputs are held for this engine.)
+                        finished = frozenset(request_id for request_id, _ in self.llm.scheduler.finished) | \
+                            frozenset(out.request_id for out in self.llm._held)
                         self._abort_all(requests, StepFailed(f"the engine could not run this request: {e}"), finished)
         except BaseException as e:  # a bug in the engine: fail every request instead of hanging them
             with self.lock:

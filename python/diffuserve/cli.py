@@ -144,7 +144,7 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-def serve(args) -> None:
+def serve(args) -> Optional[str]:
     from . import server
     from .async_llm import AsyncLLM
 
@@ -170,7 +170,9 @@ def serve(args) -> None:
     print(f"serving {name} at http://{host}:{port}/v1"
           + (" (API key required)" if args.api_key else "")
           + ("" if llm.tokenizer else " (no tokenizer.json: token ids in and out)"), file=sys.stderr)
-    server.serve(app, engine, sock, args.log_level, args.shutdown_timeout)
+    error = server.serve(app, engine, sock, args.log_level, args.shutdown_timeout)
+    if error is not None:
+        return f"error: the engine failed ({error!r}); the server has stopped"
 
 
 def generate(args) -> None:
@@ -481,7 +483,7 @@ def main(argv=None) -> None:
     if not isinstance(stderr, _StatusStream):
         sys.stderr = _StatusStream(stderr)
     try:
-        args.run(args)
+        failure = args.run(args)  # (a command's message to exit with, once its objects are gone)
         if sys.stdout is not None:
             sys.stdout.flush()  # here, where a failed write is reported, not at the interpreter's exit
     except KeyboardInterrupt:  # Ctrl-C: a line, not a traceback, and the shell's code for SIGINT
@@ -498,6 +500,8 @@ def main(argv=None) -> None:
     # the interpreter's end, they outlived the native module, which nanobind reported as leaked
     # instances after every `serve`.
     gc.collect()
+    if failure:
+        sys.exit(failure)
 
 
 if __name__ == "__main__":

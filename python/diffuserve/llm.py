@@ -129,6 +129,7 @@ def _after_fork_in_child() -> None:
         else:
             llm._forked_in_use = True
         llm._lock = _TurnLock()
+        llm._claimed = set()  # (no AsyncLLM's thread is in the child: its step() returns them all)
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
@@ -276,17 +277,19 @@ class LLM:
     def _step_for(self, claimant: frozenset) -> List[RequestOutput]:
         """step() for the caller whose claimed requests are `claimant` (an AsyncLLM's): the
         outputs of requests others claim are held for their next step."""
+        others = self._claimed - claimant
         held, self._held, outputs = self._held, [], []
         try:
             with _signals_held():
                 outputs = [self._output(request_id, out) for request_id, out in self.scheduler.step()]
+                self._held.extend(out for out in held + outputs if out.request_id in others)
+                # (Returned within the block: a signal's exception raised as it ends goes below.)
+                return [out for out in held + outputs if out.request_id not in others]
         except BaseException:  # the step failed (its outputs go out with the next), or a signal's exception
-            self._held = held + outputs + self._held  # came after it: the next step returns them
+            # (raised as the block ends, after it filed theirs): every output back, once.
+            filed = {id(out) for out in held + outputs}
+            self._held = held + outputs + [out for out in self._held if id(out) not in filed]
             raise
-        others = self._claimed - claimant
-        with _signals_held():
-            self._held.extend(out for out in held + outputs if out.request_id in others)
-            return [out for out in held + outputs if out.request_id not in others]
 
     @_locked
     def generate(self, prompts, params: Union[SamplingParams, Sequence[SamplingParams], None] = None
@@ -309,9 +312,11 @@ class LLM:
         # one prompt of ids.
         if isinstance(prompts, np.ndarray) and prompts.dtype.kind in "USO":
             prompts = prompts.tolist()
-        # (An id is no sequence; a 0-d array or tensor, list(tensor)'s items, has __len__ but is an id.)
-        if isinstance(prompts, (str, dict)) or \
-                (len(prompts) and (not hasattr(prompts[0], "__len__") or getattr(prompts[0], "ndim", None) == 0)) or \
+        # (An id is no sequence; a 0-d array or tensor, list(tensor)'s items, has __len__ but is an
+        # id. A numpy string is 0-d too, and a text.)
+        first = None if isinstance(prompts, (str, dict)) or not len(prompts) else prompts[0]
+        if isinstance(prompts, (str, dict)) or (len(prompts) and not isinstance(first, (str, bytes)) and (
+                not hasattr(first, "__len__") or getattr(first, "ndim", None) == 0)) or \
                 (isinstance(prompts, np.ndarray) and prompts.ndim == 1):  # (an empty one too: had returned [])
             prompts = [prompts]  # a single prompt: one text, or one list of ids
         plist = [params if params is not None else SamplingParams()] if not isinstance(params, (list, tuple)) \

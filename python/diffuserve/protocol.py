@@ -13,7 +13,7 @@ import json
 import re
 from typing import Annotated, Any, Dict, List, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, FailFast, Field, ValidationError, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, FailFast, Field, ValidationError, field_validator
 
 from ._checks import check_unicode
 from .sampling import SamplingParams, length_untold
@@ -127,16 +127,9 @@ class _GenerationRequest(_Strict):
     # send it for outputs of a fixed length).
     ignore_eos: bool = False
 
-    @field_validator("stop", mode="before")
-    @classmethod
-    def _stop_strings_counted_first(cls, value):  # (before pydantic reads each: a body may hold millions)
-        if isinstance(value, list) and len(value) > MAX_STOP_STRINGS:  # (OpenAI's 4 would refuse what tools
-            # written for vLLM send)
-            raise ApiError(400, f"stop may hold at most {MAX_STOP_STRINGS} strings", param="stop")
-        return value
-
     def stop_strings(self) -> List[str]:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        _check_stop_count(len(stop))
         if "" in stop:  # (as vLLM: an empty string would stop everywhere, or, skipped, not at all)
             raise ApiError(400, "stop: an empty string is not a stop string", param="stop")
         chars = sum(map(len, stop))
@@ -212,6 +205,11 @@ class _GenerationRequest(_Strict):
         return {"max_new_tokens": "max_tokens"}
 
 
+def _check_stop_count(strings: int) -> None:
+    if strings > MAX_STOP_STRINGS:  # (OpenAI's 4 would refuse what tools written for vLLM send)
+        raise ApiError(400, f"stop may hold at most {MAX_STOP_STRINGS} strings", param="stop")
+
+
 def _check_choices(prompts: int, n: int) -> None:
     if prompts * n > MAX_CHOICES:
         raise ApiError(400, f"a request may ask for at most {MAX_CHOICES} choices (prompts times n); this one asks "
@@ -222,15 +220,6 @@ def _check_choices(prompts: int, n: int) -> None:
 class CompletionRequest(_GenerationRequest):
     prompt: Union[str, Ids, Annotated[List[Union[str, Ids]], _FailFast()]]  # one prompt, or a batch
     echo: Literal[False] = False
-
-    @field_validator("prompt", mode="before")
-    @classmethod
-    def _choices_counted_first(cls, value, info: ValidationInfo):
-        # A batch's size before pydantic reads its prompts (n, a field before, is read): 15
-        # million one-id prompts, a 59 MiB body, had taken 100 s and 6.8 GB to be refused.
-        if isinstance(value, list) and value and type(value[0]) is not int:
-            _check_choices(len(value), info.data.get("n", 1))
-        return value
 
     @field_validator("echo", mode="before")
     @classmethod
@@ -453,8 +442,23 @@ def parse(model: type, body: Any):
     body = _first_unknown_name_alone(body, model)
     if isinstance(body.get("stream_options"), dict):
         body["stream_options"] = _first_unknown_name_alone(body["stream_options"], StreamOptions)
+    # A batch of more prompts than a request's choices, or more stop strings than it may give,
+    # is set aside before pydantic reads its items (it builds every one: 15 million one-id
+    # prompts, a 59 MiB body, had taken 100 s and 6.8 GB), and refused once the rest is valid.
+    too_long = []
+    prompt, stop = body.get("prompt"), body.get("stop")
+    if model is CompletionRequest and isinstance(prompt, list) and len(prompt) > MAX_CHOICES and \
+            isinstance(prompt[0], (str, list)):
+        body["prompt"] = [prompt[0]]
+        too_long.append(lambda request: _check_choices(len(prompt), request.n))
+    if "stop" in model.model_fields and isinstance(stop, list) and len(stop) > MAX_STOP_STRINGS:
+        body["stop"] = []
+        too_long.append(lambda request: _check_stop_count(len(stop)))
     try:
-        return model.model_validate(body)
+        request = model.model_validate(body)
+        for refuse in too_long:
+            refuse(request)
+        return request
     except ValidationError as e:
         # The error that got farthest into the value: of a union's branches, the one it was meant
         # for (a content list's bad part had been named by the string branch: "a valid string").

@@ -16,7 +16,6 @@ import json
 import logging
 import signal
 import socket
-import sys
 import threading
 import time
 import uuid
@@ -893,15 +892,16 @@ class _RequireKey:
         await self.app(scope, receive, send)
 
 
-def serve(app: FastAPI, engine: AsyncLLM, sock: socket.socket, log_level: str, shutdown_timeout: float) -> None:
+def serve(app: FastAPI, engine: AsyncLLM, sock: socket.socket, log_level: str,
+          shutdown_timeout: float) -> Optional[BaseException]:
     """Runs `app` (serving `engine`) with uvicorn on the listening socket `sock` until Ctrl-C /
     SIGTERM, then lets running requests finish for shutdown_timeout seconds. Before that runs
     out (a second and two passes of the engine before: it ends after the pass in progress), or
     at a second signal, the engine ends what still runs: its clients get an error event and
     [DONE] (a stream) or a 503, where the end of uvicorn's grace period (or its forced exit)
     would drop their connections mid-response. A third signal forces the exit. An engine that
-    fails ends the server too, which then exits with the error (as vLLM's: a process manager
-    restarts it, where /health had answered 503 from a live process for ever)."""
+    fails ends the server too, and its error is returned, for the process to exit with (as
+    vLLM's: a process manager restarts it, where /health had answered 503 for ever)."""
     import uvicorn
 
     signals, left = 0, threading.Event()
@@ -949,8 +949,7 @@ def serve(app: FastAPI, engine: AsyncLLM, sock: socket.socket, log_level: str, s
     finally:
         left.set()  # (its waiting thread holds the engine)
         logging.raiseExceptions = raise_exceptions
-    if engine.error is not None:
-        sys.exit(f"error: the engine failed ({engine.error!r}); the server has stopped")
+    return engine.error
 
 
 def _error(e: ApiError, headers: Optional[Dict[str, str]] = None) -> JSONResponse:
