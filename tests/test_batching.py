@@ -168,6 +168,30 @@ def test_a_cache_full_evicts_a_cached_prefix_from_its_end(tmp_path):
     assert model.cache_stats()["prefix_cache_hits"] - hits == 7 * 16
 
 
+def test_a_prompt_sent_right_after_itself_finds_its_prefix(path):
+    """A prompt whose match stopped short (its sliding block evicted) computes its prefix again:
+    the new copy is kept, and the prompt sent next finds it. (The old, unused copy had stayed
+    cached at the LRU list's front, the new one uncached; the sequence's next block evicted the
+    old: 0 hits for the next.)"""
+    model = ds.Model.load(path, kv_block_size=16, kv_cache_memory_bytes=70448, max_num_seqs=5)
+    assert model.cache_stats()["kv_blocks_total"] == 25  # 17 full-attention blocks and 8 sliding
+
+    def hits(prompt, commits=0):
+        before, seq = model.cache_stats()["prefix_cache_hits"], model.sequence()
+        seq.prefill(prompt)
+        for _ in range(commits):
+            seq.commit(np.arange(CANVAS) + 40)
+        return model.cache_stats()["prefix_cache_hits"] - before
+
+    prompt = list(range(1, 29))  # a whole block and 12 tokens
+    hits([50] * 32)
+    hits(prompt)
+    hits([60 + i % 3 for i in range(14 * 16)])  # fills the full pool: the prompt's sliding block evicted
+    assert hits(prompt, commits=1) == 0  # its match stops short: its block computed again
+    assert hits(prompt) == 16
+    assert all_free(model.cache_stats())
+
+
 def test_prefix_cache_hits_across_requests(make_llm):
     llm = make_llm()
     system = list(range(10, 10 + 5 * BLOCK))

@@ -216,10 +216,23 @@ void KvCache::append(KvTable& table, std::span<const int32_t> tokens) {
       if (!pools_[g].num_blocks || table.blocks[g][b] < 0) continue;
       Pool& p = pools_[g];
       const int32_t block = table.blocks[g][b];
-      if (p.node_of[block] || p.cached.count(node)) continue;  // a twin is cached already
+      if (p.node_of[block]) continue;
+      const auto twin = p.cached.find(node);
+      if (twin != p.cached.end() && p.refcount[twin->second] > 0) continue;  // a twin in use is cached already
       p.node_of[block] = node;
-      p.cached[node] = block;
       prefixes_.hold(node);
+      if (twin != p.cached.end()) {
+        // An idle twin (a prefix match that stopped short left it unused, at the front of the
+        // LRU list) gives its place to this copy, which goes back to the list as the most
+        // recently used: kept, the twin was the next evicted, by this sequence's next block,
+        // and a prompt sent right after itself found none of its prefix.
+        const int32_t old = std::exchange(twin->second, block);
+        p.idle.erase(p.idle_pos[old]);
+        p.free.push_back(old);
+        prefixes_.release(std::exchange(p.node_of[old], 0));
+      } else {
+        p.cached[node] = block;
+      }
     }
   }
   // Sliding blocks wholly before the window are never read again.
