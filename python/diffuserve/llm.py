@@ -135,6 +135,13 @@ def _after_fork_in_child() -> None:
 os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
+def _is_one_id(item) -> bool:
+    """Whether a prompts list's item is one token id (the list is then one prompt): no sequence,
+    or a 0-d array or tensor (list(tensor)'s items), which has __len__ but is an id; not a
+    numpy string, 0-d too, but a text."""
+    return not isinstance(item, (str, bytes)) and (not hasattr(item, "__len__") or getattr(item, "ndim", None) == 0)
+
+
 def _sampling_params(value, where: str) -> SamplingParams:
     """`value`, which must be a SamplingParams; `where` names it in the error."""
     if not isinstance(value, SamplingParams):
@@ -312,11 +319,7 @@ class LLM:
         # one prompt of ids.
         if isinstance(prompts, np.ndarray) and prompts.dtype.kind in "USO":
             prompts = prompts.tolist()
-        # (An id is no sequence; a 0-d array or tensor, list(tensor)'s items, has __len__ but is an
-        # id. A numpy string is 0-d too, and a text.)
-        first = None if isinstance(prompts, (str, dict)) or not len(prompts) else prompts[0]
-        if isinstance(prompts, (str, dict)) or (len(prompts) and not isinstance(first, (str, bytes)) and (
-                not hasattr(first, "__len__") or getattr(first, "ndim", None) == 0)) or \
+        if isinstance(prompts, (str, dict)) or (len(prompts) and _is_one_id(prompts[0])) or \
                 (isinstance(prompts, np.ndarray) and prompts.ndim == 1):  # (an empty one too: had returned [])
             prompts = [prompts]  # a single prompt: one text, or one list of ids
         plist = [params if params is not None else SamplingParams()] if not isinstance(params, (list, tuple)) \

@@ -128,8 +128,8 @@ class _GenerationRequest(_Strict):
     ignore_eos: bool = False
 
     def stop_strings(self) -> List[str]:
+        # (At most MAX_STOP_STRINGS: parse refuses more before validating them.)
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        _check_stop_count(len(stop))
         if "" in stop:  # (as vLLM: an empty string would stop everywhere, or, skipped, not at all)
             raise ApiError(400, "stop: an empty string is not a stop string", param="stop")
         chars = sum(map(len, stop))
@@ -203,11 +203,6 @@ class _GenerationRequest(_Strict):
     def parameter_names(self) -> Dict[str, str]:
         """This request's names for what SamplingParams and the engine call otherwise."""
         return {"max_new_tokens": "max_tokens"}
-
-
-def _check_stop_count(strings: int) -> None:
-    if strings > MAX_STOP_STRINGS:  # (OpenAI's 4 would refuse what tools written for vLLM send)
-        raise ApiError(400, f"stop may hold at most {MAX_STOP_STRINGS} strings", param="stop")
 
 
 def _check_choices(prompts: int, n: int) -> None:
@@ -389,9 +384,6 @@ def _parsed_tool_calls(calls: Any, param: str) -> list:
     return parsed
 
 
-# apply_chat_template's own parameters, which chat_template_kwargs may not set (the template
-# could otherwise be swapped, or the messages replaced; "self" would fail the call; those of
-# transformers' tokenized output would reach no template).
 def _check_unicode(text: str, param: str):
     """A message's text as valid Unicode: the error names the message and the character
     within it, not a place in the templated prompt."""
@@ -445,20 +437,15 @@ def parse(model: type, body: Any):
     # A batch of more prompts than a request's choices, or more stop strings than it may give,
     # is set aside before pydantic reads its items (it builds every one: 15 million one-id
     # prompts, a 59 MiB body, had taken 100 s and 6.8 GB), and refused once the rest is valid.
-    too_long = []
+    prompts = stops = 0  # those set aside
     prompt, stop = body.get("prompt"), body.get("stop")
     if model is CompletionRequest and isinstance(prompt, list) and len(prompt) > MAX_CHOICES and \
             isinstance(prompt[0], (str, list)):
-        body["prompt"] = [prompt[0]]
-        too_long.append(lambda request: _check_choices(len(prompt), request.n))
+        prompts, body["prompt"] = len(prompt), [prompt[0]]
     if "stop" in model.model_fields and isinstance(stop, list) and len(stop) > MAX_STOP_STRINGS:
-        body["stop"] = []
-        too_long.append(lambda request: _check_stop_count(len(stop)))
+        stops, body["stop"] = len(stop), []
     try:
         request = model.model_validate(body)
-        for refuse in too_long:
-            refuse(request)
-        return request
     except ValidationError as e:
         # The error that got farthest into the value: of a union's branches, the one it was meant
         # for (a content list's bad part had been named by the string branch: "a valid string").
@@ -487,6 +474,11 @@ def parse(model: type, body: Any):
         if error["type"] == "model_type":  # (its "a valid dictionary or instance of ChatMessage" names a class)
             message = "must be a JSON object"
         raise ApiError(400, f"invalid value for {param!r}: {message}", param=param, code="invalid_value") from None
+    if prompts:
+        _check_choices(prompts, request.n)
+    if stops:  # (OpenAI's 4 would refuse what tools written for vLLM send)
+        raise ApiError(400, f"stop may hold at most {MAX_STOP_STRINGS} strings", param="stop")
+    return request
 
 
 def _param_path(loc) -> str:

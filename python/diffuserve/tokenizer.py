@@ -62,7 +62,9 @@ _CLASS_DEFAULTS = {"GemmaTokenizer": _GEMMA_DEFAULTS, "GemmaTokenizerFast": _GEM
 TOKENIZED_OUTPUT_ARGUMENTS = ("padding", "truncation", "max_length", "return_tensors", "return_dict",
                                "tokenizer_kwargs")
 TOKENIZED_OUTPUT_ONLY = ("sanitize_control_tokens", "return_assistant_tokens_mask")
-# apply_chat_template's own arguments, which a template's variables (chat_template_kwargs) may not set.
+# apply_chat_template's own arguments, which a template's variables (chat_template_kwargs) may
+# not set (the template could otherwise be swapped, or the messages replaced; "self" would fail
+# the call; those of transformers' tokenized output would reach no template).
 TEMPLATE_ARGUMENTS = {"messages", "add_generation_prompt", "continue_final_message", "chat_template", "tokenize",
                       "self", *TOKENIZED_OUTPUT_ARGUMENTS, *TOKENIZED_OUTPUT_ONLY}
 # The class where tokenizer_config.json names none: AutoTokenizer takes the model type's
