@@ -248,6 +248,55 @@ def test_ignore_eos(client, offline):
     assert "".join(c.text for c in chunks) == expected.text and chunks[-1].finish_reason == "length"
 
 
+def test_stop_token_ids_and_stop_reason(client, offline, base_url):
+    """vLLM's stop_token_ids end a choice as the EOS does (they had been refused as unknown), with
+    ignore_eos too, and each choice's stop_reason says what ended it: the stop string, the stop
+    token's id, or null for the checkpoint's EOS (an id that is both is the EOS, as in vLLM)."""
+    eos = offline.model.config["generation"]["eos_token_ids"][0]
+    body = dict(model=MODEL, prompt="Hello", max_tokens=24, seed=5)
+
+    def ended(extra, stream=False):
+        if stream:
+            chunks = [c.choices[0] for c in client.completions.create(**body, extra_body=extra, stream=True)]
+            assert all(c.model_extra["stop_reason"] is None for c in chunks[:-1])
+            return chunks[-1].finish_reason, chunks[-1].model_extra["stop_reason"], "".join(c.text for c in chunks)
+        out = client.completions.create(**body, extra_body={**extra, "return_token_ids": True})
+        choice = out.choices[0]
+        return choice.finish_reason, choice.model_extra["stop_reason"], choice.model_extra["token_ids"]
+
+    assert ended({"allowed_token_ids": [300], "stop_token_ids": [300]}) == ("stop", 300, [300])
+    assert ended({"allowed_token_ids": [300], "stop_token_ids": [300]}, stream=True) == ("stop", 300, "")
+    assert ended({"allowed_token_ids": [eos], "stop_token_ids": [eos]}) == ("stop", None, [eos])
+    assert ended({"allowed_token_ids": [eos], "stop_token_ids": [eos], "ignore_eos": True}) == ("stop", eos, [eos])
+    assert ended({"allowed_token_ids": [300], "stop_token_ids": [301]}) == ("length", None, [300] * 24)
+    # A stop id among others: the text is the offline generation's through the tokens before it.
+    free = offline.generate(["Hello"], ds.SamplingParams(max_new_tokens=24, seed=5))[0]
+    stop_id = free.token_ids[5]
+    expected = offline.generate(["Hello"], ds.SamplingParams(max_new_tokens=24, seed=5,
+                                                             eos_token_id=[eos, stop_id]))[0]
+    out = client.completions.create(**body, extra_body={"stop_token_ids": [stop_id]})
+    assert (out.choices[0].text, out.choices[0].finish_reason, out.choices[0].model_extra["stop_reason"]) == \
+        (expected.text, "stop", stop_id if stop_id != eos else None)
+    assert out.usage.completion_tokens == len(expected.token_ids)
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=8,
+                                          extra_body={"allowed_token_ids": [300], "stop_token_ids": [300]})
+    assert (chat.choices[0].finish_reason, chat.choices[0].model_extra["stop_reason"]) == ("stop", 300)
+    # The stop string found, and null where a choice ran to its length.
+    full = client.completions.create(**body).choices[0]
+    stop = full.text[10:13]
+    out = client.completions.create(**body, stop=["never", stop])
+    assert (out.choices[0].finish_reason, out.choices[0].model_extra["stop_reason"]) == ("stop", stop)
+    out = client.completions.create(**body, extra_body={"ignore_eos": True})
+    assert (out.choices[0].finish_reason, out.choices[0].model_extra["stop_reason"]) == ("length", None)
+    vocab = offline.model.config["vocab_size"]
+    for ids, says in (([5, vocab], f"stop_token_ids[1] = {vocab} is out of range [0, {vocab})"),
+                      ([-1], "stop_token_ids[0] = -1 is out of range"),
+                      (list(range(5000)), "stop_token_ids: 5000 distinct ids, more than a request may give (4096)")):
+        r = httpx.post(base_url + "/v1/completions", json={**body, "stop_token_ids": ids})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "stop_token_ids", r.text
+        assert says in r.json()["error"]["message"]
+
+
 def test_draft_streaming(base_url):
     body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 32, "seed": 4,
             "stream": True, "stream_drafts": True}
@@ -630,7 +679,8 @@ def test_request_translation_into_sampling_params():
     (vLLM's rule: a long prompt had been refused for a max_tokens its client never sent, and
     replies cut at the runtime's default 256 tokens); allowed_token_ids go once each (a million
     copies times n had taken minutes)."""
-    defaults = {"t_min": 0.4, "t_max": 0.8, "length_given": True, "context": 4096}
+    defaults = {"t_min": 0.4, "t_max": 0.8, "length_given": True, "context": 4096, "eos_token_ids": [1],
+                "vocab_size": 512}
     body = parse(CompletionRequest, {"model": MODEL, "prompt": "x", "n": 2, "allowed_token_ids": [7, 5, 7] * 1000})
     for length_given, max_tokens, expected, fit in ((True, None, None, True), (False, None, 4096, True),
                                                     (False, 16, 16, False)):

@@ -56,6 +56,8 @@ MAX_CHOICES = 4096
 # for in every piece of text, from its length before the piece on.
 MAX_STOP_STRINGS = 256
 MAX_STOP_CHARS = 65536
+# The most distinct stop_token_ids a request may give: the engine looks for each in every block.
+MAX_STOP_TOKEN_IDS = 4096
 # The most allowed_token_ids a request's choices hold in all: each choice keeps its own
 # (2 MB a choice at a 262,144-token vocabulary, and 24 ms of the engine's thread to take:
 # 4,096 choices of a 2 MB body had asked for 8 GB).
@@ -126,6 +128,9 @@ class _GenerationRequest(_Strict):
     # vLLM's: generation runs on past the checkpoint's EOS tokens, to max_tokens (benchmarks
     # send it for outputs of a fixed length).
     ignore_eos: bool = False
+    # vLLM's: ids that end a choice as the checkpoint's EOS does (with ignore_eos too), each
+    # choice's stop_reason naming the one that ended it.
+    stop_token_ids: Optional[Ids] = None
 
     def stop_strings(self) -> List[str]:
         # (At most MAX_STOP_STRINGS: parse refuses more before validating them.)
@@ -156,6 +161,7 @@ class _GenerationRequest(_Strict):
         max_steps: the server's limit on max_denoising_steps; prompts: how many the request
         has (each takes the n choices)."""
         fit = max_tokens is None
+        eos = self.eos_token_ids(defaults["eos_token_ids"], defaults["vocab_size"])
         max_tokens = length_untold(max_tokens, defaults["length_given"], defaults["context"])
         if self.temperature is not None and (self.t_min is not None or self.t_max is not None):
             raise ApiError(400, "give either temperature or t_min/t_max, not both", param="temperature")
@@ -195,10 +201,32 @@ class _GenerationRequest(_Strict):
                     confidence_threshold=self.confidence_threshold, seed=seed, canvas_length=self.canvas_length,
                     seed_canvas=self.seed_canvas, pinned_positions=self.pinned_positions,
                     allowed_token_ids=allowed, self_conditioning=self.self_conditioning,
-                    eos_token_id=[] if self.ignore_eos else None, fit_to_context=fit))
+                    eos_token_id=eos, fit_to_context=fit))
             except ValueError as e:
                 raise invalid_value(e, self.parameter_names()) from None
         return params
+
+    def eos_token_ids(self, checkpoint_eos: List[int], vocab_size: int) -> Optional[List[int]]:
+        """The ids that end each choice (None: the checkpoint's EOS alone): the checkpoint's EOS,
+        unless ignore_eos, and the request's stop_token_ids."""
+        stop_ids = sorted(set(self.stop_token_ids or []))
+        if len(stop_ids) > MAX_STOP_TOKEN_IDS:
+            raise ApiError(400, f"stop_token_ids: {len(stop_ids)} distinct ids, more than a request may give "
+                                f"({MAX_STOP_TOKEN_IDS})", param="stop_token_ids")
+        for i, token in enumerate(self.stop_token_ids or []):
+            if not 0 <= token < vocab_size:
+                raise ApiError(400, f"stop_token_ids[{i}] = {token} is out of range [0, {vocab_size})",
+                               param="stop_token_ids", code="invalid_value")
+        if not stop_ids:
+            return [] if self.ignore_eos else None
+        return ([] if self.ignore_eos else list(checkpoint_eos)) + stop_ids
+
+    def stop_reason(self, token_id: int, checkpoint_eos: List[int]) -> Optional[int]:
+        """What stop_reason says of a choice that `token_id` ended (as vLLM: null for the
+        checkpoint's EOS, the id for one of stop_token_ids)."""
+        if not self.ignore_eos and token_id in checkpoint_eos:
+            return None
+        return token_id if token_id in (self.stop_token_ids or ()) else None
 
     def parameter_names(self) -> Dict[str, str]:
         """This request's names for what SamplingParams and the engine call otherwise."""

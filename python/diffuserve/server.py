@@ -21,7 +21,7 @@ import time
 import uuid
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Dict, List, Optional, Sequence, Tuple
+from typing import AsyncIterator, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
@@ -58,6 +58,9 @@ class ChoiceEvent:
     text: str = ""
     draft: Optional[str] = None
     finish_reason: Optional[str] = None
+    # vLLM's: with finish_reason "stop", the stop string or stop_token_ids id that ended the
+    # choice (null for the checkpoint's EOS)
+    stop_reason: Union[str, int, None] = None
     token_ids: List[int] = field(default_factory=list)  # the output's new tokens (return_token_ids)
 
 
@@ -191,7 +194,7 @@ class _Choice:
 
     def __init__(self, server: "_Server", index: int, prompt: List[int], params: SamplingParams,
                  stop: List[str], drafts: bool, usage: Usage, counts_prompt: bool, names: Dict[str, str],
-                 returns_ids: bool):
+                 returns_ids: bool, stop_reason: Callable[[int], Optional[int]] = lambda token_id: None):
         self.server, self.index, self.prompt, self.usage = server, index, prompt, usage
         self.returns_ids = returns_ids  # token_ids go out with the text (return_token_ids)
         self.names = names  # the request's names for the engine's parameters (invalid_value)
@@ -201,10 +204,12 @@ class _Choice:
         self.eos = server.eos_token_ids if params.eos_token_id is None else list(params.eos_token_id)
         self._updates = server.engine.generate(prompt, params, drafts)
         self._stop = stop
+        self._stop_reason = stop_reason  # of the id that ended the output (an EOS or a stop token)
         self._through = _TokensThrough(server.tokenizer) if stop else None  # stop strings need a tokenizer
         self.text = ""
         self.token_ids: List[int] = []  # generated (an EOS included), through a stop string's end
         self.finish_reason: Optional[str] = None
+        self.stop_reason: Union[str, int, None] = None
         # How /metrics counts the choice where it ends without a finish reason: the client
         # left, or "error" where the engine could not finish its request (a 503).
         self.ended = "abort"
@@ -243,10 +248,13 @@ class _Choice:
                 denoise_steps = output.denoise_steps if output is not None else progress.denoise_steps
                 if stops.stopped:
                     event.finish_reason = "stop"  # leaving the loop closes the request: it is aborted
+                    event.stop_reason = stops.stop_string
                     # The output, and its usage, end with the token that ends the stop string.
                     generated = await asyncio.to_thread(self._through, token_ids, stops.stop_end, output is not None)
                 elif output is not None:
                     event.finish_reason = output.finish_reason
+                    if len(progress.token_ids) > len(token_ids):  # the id that ended it follows the text's
+                        event.stop_reason = self._stop_reason(progress.token_ids[len(token_ids)])
                 # Ids go out with the text: where a stop string may still cut the output, only
                 # those through the text given out so far (the detokenizer and the stop filter
                 # hold text back, and ids sent past a stop that then ends the text could not be
@@ -259,7 +267,7 @@ class _Choice:
                 self.text += event.text
                 yield event
                 if event.finish_reason:
-                    self.finish_reason = event.finish_reason
+                    self.finish_reason, self.stop_reason = event.finish_reason, event.stop_reason
                     return
         except EngineError:
             self.ended = "error"
@@ -294,9 +302,10 @@ class _Server:
             raise ValueError(f"the checkpoint's default max_denoising_steps ({generation['max_denoising_steps']}, "
                              f"from generation_config.json) exceeds the limit of {max_denoising_steps_limit} a block "
                              f"that requests may run (--max-denoising-steps-limit): raise the limit to serve it")
-        self.defaults = {"t_min": generation["t_min"], "t_max": generation["t_max"],
-                         "length_given": generation["length_given"], "context": config["max_position_embeddings"]}
         self.eos_token_ids = list(generation["eos_token_ids"])
+        self.defaults = {"t_min": generation["t_min"], "t_max": generation["t_max"],
+                         "length_given": generation["length_given"], "context": config["max_position_embeddings"],
+                         "eos_token_ids": self.eos_token_ids, "vocab_size": config["vocab_size"]}
         self.metrics = Metrics(lambda: self.engine.stats)
         # The longest prompt text taken: by default max_model_len tokens of the vocabulary's
         # longest entry, more than any prompt that fits has (unless its tokens swallow
@@ -417,13 +426,17 @@ class _Server:
                            param="stream_drafts", code="no_tokenizer")
         usage = Usage()
         choices = []
+
+        def stop_reason(token_id: int) -> Optional[int]:
+            return body.stop_reason(token_id, self.eos_token_ids)
         for p, prompt in enumerate(prompts):
             names = body.parameter_names()
             if len(prompts) > 1:  # the engine's "prompt: ..." names which of the batch's prompts
                 names["prompt"] = _prompt_name(p, len(prompts))
             for i, choice_params in enumerate(params):
                 choices.append(_Choice(self, p * len(params) + i, prompt, choice_params, stop, body.stream_drafts,
-                                       usage, counts_prompt=i == 0, names=names, returns_ids=fmt.token_ids))
+                                       usage, counts_prompt=i == 0, names=names, returns_ids=fmt.token_ids,
+                                       stop_reason=stop_reason))
         # Every choice asks the engine without waiting for the others, so that it takes them in
         # few turns (one by one, a request of hundreds of prompts took a step each to be
         # admitted); _TURN choices a turn of the event loop, which serves other requests
@@ -612,7 +625,7 @@ class _Format:
         if not self.chat:
             return None
         return {**self.chunk_base(), "choices": [{"index": index, "delta": {"role": "assistant", "content": ""},
-                                                  "logprobs": None, "finish_reason": None}]}
+                                                  "logprobs": None, "finish_reason": None, "stop_reason": None}]}
 
     def chunk(self, event: ChoiceEvent) -> dict:
         if self.chat:
@@ -626,7 +639,8 @@ class _Format:
                 choice["draft"] = event.draft
         if self.token_ids:
             choice["token_ids"] = event.token_ids
-        return {**self.chunk_base(), "choices": [{**choice, "logprobs": None, "finish_reason": event.finish_reason}]}
+        return {**self.chunk_base(), "choices": [{**choice, "logprobs": None, "finish_reason": event.finish_reason,
+                                                  "stop_reason": event.stop_reason}]}
 
     def response(self, choices: List[_Choice], usage: dict) -> dict:
         body = {**self.chunk_base(), "usage": usage}
@@ -636,7 +650,8 @@ class _Format:
         for c in choices:
             text = {"message": {"role": "assistant", "content": c.text}} if self.chat else {"text": c.text}
             ids = {"token_ids": c.token_ids} if self.token_ids else {}
-            body["choices"].append({"index": c.index, **text, **ids, "logprobs": None, "finish_reason": c.finish_reason})
+            body["choices"].append({"index": c.index, **text, **ids, "logprobs": None, "finish_reason": c.finish_reason,
+                                    "stop_reason": c.stop_reason})
         return body
 
 

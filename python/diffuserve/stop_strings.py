@@ -28,6 +28,7 @@ class StopStringFilter:
         self._released = 0    # characters handed out
         self.stopped = False  # a stop string was found; the rest of the output is dropped
         self.stop_end = 0     # once stopped: where in the text received that stop string ends
+        self.stop_string = None  # once stopped: the stop string found
 
     def push(self, piece: str, final: bool = False) -> str:
         """Adds text; returns what is now safe to release. final: no more text follows."""
@@ -35,10 +36,10 @@ class StopStringFilter:
             return ""
         before = len(self._pending)
         self._pending += piece
-        found = [(i + back + 1, i) for s, back in self._stop
+        found = [(i + back + 1, i, s) for s, back in self._stop
                  if (i := self._pending.find(s, before - back if before > back else 0)) >= 0]
         if found:
-            end, cut = min(found)
+            end, cut, self.stop_string = min(found)
             self.stop_end = self._released + end
             self.stopped = True
         else:
