@@ -253,7 +253,8 @@ class _Choice:
                     generated = await asyncio.to_thread(self._through, token_ids, stops.stop_end, output is not None)
                 elif output is not None:
                     event.finish_reason = output.finish_reason
-                    if len(progress.token_ids) > len(token_ids):  # the id that ended it follows the text's
+                    if output.finish_reason == "stop" and len(progress.token_ids) > len(token_ids):
+                        # the id that ended it follows the text's
                         event.stop_reason = self._stop_reason(progress.token_ids[len(token_ids)])
                 # Ids go out with the text: where a stop string may still cut the output, only
                 # those through the text given out so far (the detokenizer and the stop filter
