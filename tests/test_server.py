@@ -288,6 +288,22 @@ def test_stop_token_ids_and_stop_reason(client, offline, base_url):
     assert (out.choices[0].finish_reason, out.choices[0].model_extra["stop_reason"]) == ("stop", stop)
     out = client.completions.create(**body, extra_body={"ignore_eos": True})
     assert (out.choices[0].finish_reason, out.choices[0].model_extra["stop_reason"]) == ("length", None)
+    # include_stop_str_in_output (had been accepted only as false): the text ends with what ended
+    # it, the tokens counted alike.
+    cut = full.text[:full.text.index(stop)]
+    without = client.completions.create(**body, stop=[stop])
+    out = client.completions.create(**body, stop=[stop], extra_body={"include_stop_str_in_output": True})
+    assert (out.choices[0].text, without.choices[0].text) == (cut + stop, cut)
+    assert out.usage.completion_tokens == without.usage.completion_tokens
+    stream = client.completions.create(**body, stop=[stop], stream=True, extra_body={"include_stop_str_in_output": True})
+    assert "".join(c.choices[0].text for c in stream) == cut + stop
+    included = client.completions.create(**body, extra_body={"include_stop_str_in_output": True, "return_token_ids": True,
+                                                             "allowed_token_ids": [300], "stop_token_ids": [300]})
+    assert (included.choices[0].text, included.choices[0].model_extra["token_ids"]) == \
+        (offline.tokenizer.decode([300]), [300])
+    eos_ended = client.completions.create(**body, extra_body={"include_stop_str_in_output": True,
+                                                              "allowed_token_ids": [eos]})
+    assert (eos_ended.choices[0].text, eos_ended.choices[0].finish_reason) == ("", "stop")  # the EOS has no text
     vocab = offline.model.config["vocab_size"]
     for ids, says in (([5, vocab], f"stop_token_ids[1] = {vocab} is out of range [0, {vocab})"),
                       ([-1], "stop_token_ids[0] = -1 is out of range"),
@@ -694,7 +710,7 @@ def test_vllm_extras_at_their_defaults_and_both_length_names():
     repetition_penalty 1, ...), top_logprobs 0 and more than OpenAI's 4 stop strings: accepted (had
     been 400s). Given both, max_completion_tokens wins, as in vLLM (had been a 400)."""
     extras = {"top_k": -1, "min_p": 0, "repetition_penalty": 1, "min_tokens": 0,
-              "include_stop_str_in_output": False, "skip_special_tokens": True, "spaces_between_special_tokens": True,
+              "skip_special_tokens": True, "spaces_between_special_tokens": True,
               "top_logprobs": 0, "stop": [str(i) for i in range(10)]}
     parse(CompletionRequest, {"model": MODEL, "prompt": "x", **extras})
     parse(CompletionRequest, {"model": MODEL, "prompt": "x", "top_k": 0})

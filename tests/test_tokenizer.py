@@ -320,16 +320,17 @@ def test_stop_strings_agree_with_a_search_of_the_whole_text():
     for _ in range(500):
         text = "".join(rng.choice("abc") for _ in range(rng.randrange(1, 40)))
         stops = list({"".join(rng.choice("abc") for _ in range(rng.randrange(1, 6))) for _ in range(3)})
-        found = [(i + len(s), i) for s in stops if (i := text.find(s)) >= 0]
-        expected = text[:min(found)[1]] if found else text
+        found = [(i + len(s), i, s) for s in stops if (i := text.find(s)) >= 0]
         cuts = sorted(rng.sample(range(1, len(text)), rng.randrange(len(text)))) if len(text) > 1 else []
-        stop_filter = StopStringFilter(stops)
-        out = "".join(stop_filter.push(text[i:j]) for i, j in zip([0] + cuts, cuts + [len(text)]))
-        out += stop_filter.push("", final=True)
-        assert out == expected, (text, stops, cuts)
-        assert stop_filter.stopped == bool(found)
-        if found:
-            assert stop_filter.stop_end == min(found)[0]
+        for include_stop in (False, True):  # (vLLM's include_stop_str_in_output: through the stop string)
+            expected = text[:min(found)[1 - include_stop]] if found else text
+            stop_filter = StopStringFilter(stops, include_stop)
+            out = "".join(stop_filter.push(text[i:j]) for i, j in zip([0] + cuts, cuts + [len(text)]))
+            out += stop_filter.push("", final=True)
+            assert out == expected, (text, stops, cuts, include_stop)
+            assert stop_filter.stopped == bool(found)
+            if found:
+                assert (stop_filter.stop_end, stop_filter.stop_string) == (min(found)[0], min(found)[2])
 
 
 def test_llm_text_prompts_and_output_text(checkpoint):

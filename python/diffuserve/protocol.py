@@ -26,7 +26,7 @@ from .tokenizer import TEMPLATE_ARGUMENTS
 _NEUTRAL = {"top_p": (1,), "frequency_penalty": (0,), "presence_penalty": (0,), "logprobs": (False,),
             "top_logprobs": (0,), "logit_bias": ({},), "best_of": (1,), "response_format": ({"type": "text"},),
             "top_k": (-1, 0), "min_p": (0,), "repetition_penalty": (1,), "min_tokens": (0,),
-            "include_stop_str_in_output": (False,), "skip_special_tokens": (True,),
+            "skip_special_tokens": (True,),
             "spaces_between_special_tokens": (True,)}
 
 
@@ -131,6 +131,8 @@ class _GenerationRequest(_Strict):
     # vLLM's: ids that end a choice as the checkpoint's EOS does (with ignore_eos too), each
     # choice's stop_reason naming the one that ended it.
     stop_token_ids: Optional[Ids] = None
+    # vLLM's: the text ends with the stop string, or the text of the stop token, that ended it.
+    include_stop_str_in_output: bool = False
 
     def stop_strings(self) -> List[str]:
         # (At most MAX_STOP_STRINGS: parse refuses more before validating them.)

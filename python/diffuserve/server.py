@@ -194,7 +194,8 @@ class _Choice:
 
     def __init__(self, server: "_Server", index: int, prompt: List[int], params: SamplingParams,
                  stop: List[str], drafts: bool, usage: Usage, counts_prompt: bool, names: Dict[str, str],
-                 returns_ids: bool, stop_reason: Callable[[int], Optional[int]] = lambda token_id: None):
+                 returns_ids: bool, stop_reason: Callable[[int], Optional[int]] = lambda token_id: None,
+                 include_stop: bool = False):
         self.server, self.index, self.prompt, self.usage = server, index, prompt, usage
         self.returns_ids = returns_ids  # token_ids go out with the text (return_token_ids)
         self.names = names  # the request's names for the engine's parameters (invalid_value)
@@ -205,6 +206,7 @@ class _Choice:
         self._updates = server.engine.generate(prompt, params, drafts)
         self._stop = stop
         self._stop_reason = stop_reason  # of the id that ended the output (an EOS or a stop token)
+        self._include_stop = include_stop  # the text ends with what ended it (include_stop_str_in_output)
         self._through = _TokensThrough(server.tokenizer) if stop else None  # stop strings need a tokenizer
         self.text = ""
         self.token_ids: List[int] = []  # generated (an EOS included), through a stop string's end
@@ -230,12 +232,15 @@ class _Choice:
     async def events(self) -> AsyncIterator[ChoiceEvent]:
         tokenizer = self.server.tokenizer  # None: token ids alone (return_token_ids), no text
         detokenizer = IncrementalDetokenizer(tokenizer) if tokenizer is not None else None
-        stops = StopStringFilter(self._stop)
+        stops = StopStringFilter(self._stop, self._include_stop)
         done, generated, denoise_steps = 0, 0, []
         try:
             async for progress in self._updates:
                 output = progress.output
                 token_ids = until_eos(progress.token_ids, self.eos)
+                ended_by = progress.token_ids[len(token_ids)] if len(token_ids) < len(progress.token_ids) else None
+                if ended_by is not None and self._include_stop:  # the id's text too (none for a special one)
+                    token_ids = progress.token_ids[:len(token_ids) + 1]
                 piece = ""
                 if detokenizer is not None:
                     piece = detokenizer.push(token_ids[done:]) + (detokenizer.finish() if output else "")
@@ -253,9 +258,8 @@ class _Choice:
                     generated = await asyncio.to_thread(self._through, token_ids, stops.stop_end, output is not None)
                 elif output is not None:
                     event.finish_reason = output.finish_reason
-                    if output.finish_reason == "stop" and len(progress.token_ids) > len(token_ids):
-                        # the id that ended it follows the text's
-                        event.stop_reason = self._stop_reason(progress.token_ids[len(token_ids)])
+                    if output.finish_reason == "stop" and ended_by is not None:
+                        event.stop_reason = self._stop_reason(ended_by)
                 # Ids go out with the text: where a stop string may still cut the output, only
                 # those through the text given out so far (the detokenizer and the stop filter
                 # hold text back, and ids sent past a stop that then ends the text could not be
@@ -437,7 +441,7 @@ class _Server:
             for i, choice_params in enumerate(params):
                 choices.append(_Choice(self, p * len(params) + i, prompt, choice_params, stop, body.stream_drafts,
                                        usage, counts_prompt=i == 0, names=names, returns_ids=fmt.token_ids,
-                                       stop_reason=stop_reason))
+                                       stop_reason=stop_reason, include_stop=body.include_stop_str_in_output))
         # Every choice asks the engine without waiting for the others, so that it takes them in
         # few turns (one by one, a request of hundreds of prompts took a step each to be
         # admitted); _TURN choices a turn of the event loop, which serves other requests

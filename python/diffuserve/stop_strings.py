@@ -19,10 +19,13 @@ from typing import Sequence
 
 
 class StopStringFilter:
-    def __init__(self, stop: Sequence[str] = ()):
+    def __init__(self, stop: Sequence[str] = (), include_stop: bool = False):
+        """include_stop: the text released ends with the stop string found (vLLM's
+        include_stop_str_in_output), not before it."""
         if "" in stop:
             raise ValueError("stop strings: an empty string is not one")
         self._stop = [(s, len(s) - 1) for s in stop]  # each with the characters it reaches back
+        self._include_stop = include_stop
         self._hold = max((len(s) for s in stop), default=1) - 1
         self._pending = ""    # the text received and not yet handed out
         self._released = 0    # characters handed out
@@ -39,8 +42,9 @@ class StopStringFilter:
         found = [(i + back + 1, i, s) for s, back in self._stop
                  if (i := self._pending.find(s, before - back if before > back else 0)) >= 0]
         if found:
-            end, cut, self.stop_string = min(found)
+            end, start, self.stop_string = min(found)
             self.stop_end = self._released + end
+            cut = end if self._include_stop else start
             self.stopped = True
         else:
             cut = len(self._pending) if final else max(0, len(self._pending) - self._hold)
