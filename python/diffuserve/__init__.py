@@ -9,6 +9,7 @@
 """
 from pathlib import Path
 
+from . import _core
 from ._core import CheckpointError
 from .llm import LLM, RequestOutput
 from .model import Model, Sequence
@@ -20,6 +21,10 @@ __all__ = ["Model", "Sequence", "LLM", "SamplingParams", "RequestOutput", "Token
            "cmake_dir", "include_dir", "default_model"]
 
 _HERE = Path(__file__).resolve().parent
+# Where the build installed the extension, and beside it the C++ library, headers and CMake
+# package: this package's directory, but for an editable install, whose Python files stay in the
+# source tree.
+_INSTALLED = Path(_core.__file__).resolve().parent
 
 
 def default_model() -> str:
@@ -34,12 +39,15 @@ def default_model() -> str:
 
 def cmake_dir() -> str:
     """Directory holding diffuserveConfig.cmake, for `-Ddiffuserve_DIR=...`."""
-    found = sorted(_HERE.glob("lib*/cmake/diffuserve"))
+    found = sorted(_INSTALLED.glob("lib*/cmake/diffuserve"))
     if not found:
-        raise FileNotFoundError(f"no CMake package under {_HERE}: is diffuserve installed from a wheel?")
+        raise FileNotFoundError(f"no CMake package under {_INSTALLED}: is diffuserve installed from a wheel?")
     return str(found[0])
 
 
 def include_dir() -> str:
     """Directory holding the C++ headers (diffuserve/diffuserve.h)."""
-    return str(_HERE / "include")
+    path = _INSTALLED / "include"
+    if not (path / "diffuserve" / "diffuserve.h").is_file():
+        raise FileNotFoundError(f"no C++ headers under {_INSTALLED}: is diffuserve installed from a wheel?")
+    return str(path)
