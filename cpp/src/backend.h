@@ -195,10 +195,15 @@ struct ExpertOutput {
   // with bf16 activations, each expert's output rounded as the reference in bf16 keeps it.
   std::shared_ptr<void> rows_bf16;
 
+  static ExpertOutput summed_only(const Activation& summed) {
+    ExpertOutput out;
+    out.summed = summed;
+    return out;
+  }
   int64_t tokens() const { return top_k ? weights.rows : summed.rows; }
   // Tokens [first, first + count).
   ExpertOutput view(int64_t first, int64_t count) const {
-    if (!top_k) return {summed.view(first, count)};
+    if (!top_k) return summed_only(summed.view(first, count));
     return {{}, rows, {pair_rows, pair_rows.get() + first * top_k}, weights.view(first, count), top_k, rows_bf16};
   }
 };
@@ -488,7 +493,7 @@ class Backend {
   // the rows; a launch fewer on a GPU).
   virtual ExpertOutput experts_unsummed(const Activation& x, const Routing& routing, const Weight& gate_up,
                                         const Weight& down) {
-    ExpertOutput out{alloc_output(x.rows, x.cols)};
+    ExpertOutput out = ExpertOutput::summed_only(alloc_output(x.rows, x.cols));
     experts(x, routing, gate_up, down, out.summed);
     return out;
   }
