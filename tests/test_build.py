@@ -1,6 +1,7 @@
 """The build's switches and what an installed package holds: the CMake options' values, the
 installed library's copies and search path, and the C++ package's directories."""
 import os
+import re
 import shutil
 import subprocess
 
@@ -82,3 +83,13 @@ def test_the_cpp_package_is_found_from_the_extensions_directory():
     assert os.path.isfile(os.path.join(ds.cmake_dir(), "diffuserveConfig.cmake"))
     assert os.path.isfile(os.path.join(ds.include_dir(), "diffuserve", "diffuserve.h"))
     assert os.path.dirname(os.path.dirname(ds.cmake_dir())).startswith(os.path.dirname(ds._core.__file__))
+
+
+def test_the_version_is_the_same_in_every_place_that_states_it():
+    """pyproject.toml (the wheel's), CMakeLists.txt's project() (the C++ package's) and
+    diffuserve.__version__ are written by hand: a release that bumps one must bump all."""
+    def found(path, pattern):
+        with open(os.path.join(SOURCE, path)) as f:
+            return re.search(pattern, f.read(), re.M).group(1)
+    assert found("pyproject.toml", r'^version = "([^"]+)"') == found("CMakeLists.txt", r"project\(diffuserve VERSION (\S+)") \
+        == ds.__version__
