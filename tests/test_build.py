@@ -35,6 +35,30 @@ def test_an_unknown_switch_value_is_an_error(tmp_path):
     assert "DIFFUSERVE_CUDA=maybe: expected AUTO, ON or OFF" in done.stderr
 
 
+def without_nvcc_on_path() -> str:
+    return ":".join(d for d in os.environ["PATH"].split(":") if d and not os.path.exists(os.path.join(d, "nvcc")))
+
+
+def test_nvcc_off_path_is_found_under_cuda_home(tmp_path):
+    """A toolkit off PATH is found where CUDA_HOME says (the build had gone CPU-only); one there
+    that cannot build leaves the backend off, as one on PATH does (not a failed configure)."""
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        pytest.skip("no nvcc")
+    env = {k: v for k, v in os.environ.items() if k not in ("CUDACXX", "CUDA_PATH")}
+    done = configure(tmp_path, env={**env, "PATH": without_nvcc_on_path(),
+                                    "CUDA_HOME": os.path.dirname(os.path.dirname(os.path.realpath(nvcc)))})
+    assert done.returncode == 0 and "diffuserve: CUDA backend ON" in done.stdout, done.stdout + done.stderr
+    broken = tmp_path / "broken"
+    (broken / "bin").mkdir(parents=True)
+    (broken / "bin" / "nvcc").write_text("#!/bin/sh\nexit 1\n")
+    (broken / "bin" / "nvcc").chmod(0o755)
+    shutil.rmtree(tmp_path / "build")
+    done = configure(tmp_path, env={**env, "PATH": without_nvcc_on_path(), "CUDA_HOME": str(broken)})
+    assert done.returncode == 0 and "diffuserve: CUDA backend OFF (no CUDA compiler found" in done.stdout, \
+        done.stdout + done.stderr
+
+
 def test_a_cuda_build_without_a_compiler_says_where_one_is_looked_for(tmp_path):
     """ON without nvcc anywhere it is looked for fails, naming the ways to give one."""
     env = {**os.environ, "PATH": os.path.dirname(shutil.which("cmake") or "/usr/bin") + ":/usr/bin:/bin",
@@ -77,9 +101,10 @@ def test_a_wheels_cublaslt_is_found_beside_it():
         assert "$ORIGIN/../../nvidia/" + path.split("/nvidia/", 1)[1] in runpath.split(":"), runpath
 
 
-def test_the_cpp_package_is_found_from_the_extensions_directory():
-    """cmake_dir() and include_dir() look where the extension was installed (an editable install
-    keeps the Python files in the source tree, where they had looked, and failed)."""
+def test_the_cpp_package_is_found_from_the_extensions_directory(monkeypatch, tmp_path):
+    """cmake_dir() and include_dir() look where the extension was installed, wherever the Python
+    files are (an editable install keeps those in the source tree, where they had looked, and failed)."""
+    monkeypatch.setattr(ds, "_HERE", tmp_path)  # the Python files' directory, as an editable install has it
     assert os.path.isfile(os.path.join(ds.cmake_dir(), "diffuserveConfig.cmake"))
     assert os.path.isfile(os.path.join(ds.include_dir(), "diffuserve", "diffuserve.h"))
     assert os.path.dirname(os.path.dirname(ds.cmake_dir())).startswith(os.path.dirname(ds._core.__file__))

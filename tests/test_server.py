@@ -304,6 +304,11 @@ def test_stop_token_ids_and_stop_reason(client, offline, base_url):
     eos_ended = client.completions.create(**body, extra_body={"include_stop_str_in_output": True,
                                                               "allowed_token_ids": [eos]})
     assert (eos_ended.choices[0].text, eos_ended.choices[0].finish_reason) == ("", "stop")  # the EOS has no text
+    # A stop string inside the stop token's own text does not cut it: the token ended the output.
+    piece = offline.tokenizer.decode([300])
+    out = client.completions.create(**body, stop=[piece[:1]], extra_body={
+        "include_stop_str_in_output": True, "allowed_token_ids": [300], "stop_token_ids": [300]})
+    assert (out.choices[0].text, out.choices[0].model_extra["stop_reason"]) == (piece, 300)
     vocab = offline.model.config["vocab_size"]
     for ids, says in (([5, vocab], f"stop_token_ids[1] = {vocab} is out of range [0, {vocab})"),
                       ([-1], "stop_token_ids[0] = -1 is out of range"),
@@ -311,6 +316,16 @@ def test_stop_token_ids_and_stop_reason(client, offline, base_url):
         r = httpx.post(base_url + "/v1/completions", json={**body, "stop_token_ids": ids})
         assert r.status_code == 400 and r.json()["error"]["param"] == "stop_token_ids", r.text
         assert says in r.json()["error"]["message"]
+
+
+def test_stop_reason_names_the_checkpoints_other_eos_ids():
+    """As vLLM, whose generation_config EOS ids beyond the tokenizer's EOS are stop tokens: only
+    the tokenizer's EOS has a null stop_reason (a Gemma checkpoint's <end_of_turn> had too)."""
+    def reason(token, **fields):
+        return parse(CompletionRequest, {"model": MODEL, "prompt": "x", **fields}).stop_reason(token, [1, 106], 1)
+    assert [reason(1), reason(106), reason(7)] == [None, 106, None]
+    assert [reason(1, stop_token_ids=[1]), reason(7, stop_token_ids=[7])] == [None, 7]
+    assert [reason(1, ignore_eos=True, stop_token_ids=[1]), reason(106, ignore_eos=True)] == [1, None]
 
 
 def test_draft_streaming(base_url):

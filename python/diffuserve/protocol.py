@@ -223,12 +223,15 @@ class _GenerationRequest(_Strict):
             return [] if self.ignore_eos else None
         return ([] if self.ignore_eos else list(checkpoint_eos)) + stop_ids
 
-    def stop_reason(self, token_id: int, checkpoint_eos: List[int]) -> Optional[int]:
-        """What stop_reason says of a choice that `token_id` ended (as vLLM: null for the
-        checkpoint's EOS, the id for one of stop_token_ids)."""
-        if not self.ignore_eos and token_id in checkpoint_eos:
+    def stop_reason(self, token_id: int, checkpoint_eos: List[int], eos: Optional[int]) -> Optional[int]:
+        """What stop_reason says of a choice that `token_id` ended, as vLLM: null for the EOS
+        (`eos`, the tokenizer's), the id for one of stop_token_ids or for the checkpoint's other
+        EOS ids (generation_config.json's, which vLLM makes stop tokens; <end_of_turn>, say)."""
+        if self.ignore_eos:
+            return token_id if token_id in (self.stop_token_ids or ()) else None
+        if token_id == eos:
             return None
-        return token_id if token_id in (self.stop_token_ids or ()) else None
+        return token_id if token_id in (self.stop_token_ids or ()) or token_id in checkpoint_eos else None
 
     def parameter_names(self) -> Dict[str, str]:
         """This request's names for what SamplingParams and the engine call otherwise."""

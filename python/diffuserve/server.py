@@ -239,13 +239,15 @@ class _Choice:
                 output = progress.output
                 token_ids = until_eos(progress.token_ids, self.eos)
                 ended_by = progress.token_ids[len(token_ids)] if len(token_ids) < len(progress.token_ids) else None
-                if ended_by is not None and self._include_stop:  # the id's text too (none for a special one)
-                    token_ids = progress.token_ids[:len(token_ids) + 1]
                 piece = ""
                 if detokenizer is not None:
                     piece = detokenizer.push(token_ids[done:]) + (detokenizer.finish() if output else "")
                 done, generated = len(token_ids), len(progress.token_ids)
                 event = ChoiceEvent(self.index, stops.push(piece, final=output is not None))
+                if self._include_stop and ended_by is not None and not stops.stopped and tokenizer is not None:
+                    # The id's text too (none for a special one), outside the stop strings' search
+                    # (as vLLM: the stop token, not a stop string in its text, ended the output).
+                    event.text += tokenizer.decode_output([ended_by])
                 # A draft is of the block after the text so far: past a stop string, it is
                 # text the output will never have.
                 if progress.draft and tokenizer is not None and not stops.stopped:
@@ -308,6 +310,9 @@ class _Server:
                              f"from generation_config.json) exceeds the limit of {max_denoising_steps_limit} a block "
                              f"that requests may run (--max-denoising-steps-limit): raise the limit to serve it")
         self.eos_token_ids = list(generation["eos_token_ids"])
+        # The EOS whose stop_reason is null (vLLM's: the tokenizer's; without one, the first).
+        tokenizer_eos = self.tokenizer.eos_token_id if self.tokenizer is not None else None
+        self.eos_token_id = tokenizer_eos if tokenizer_eos is not None else next(iter(self.eos_token_ids), None)
         self.defaults = {"t_min": generation["t_min"], "t_max": generation["t_max"],
                          "length_given": generation["length_given"], "context": config["max_position_embeddings"],
                          "eos_token_ids": self.eos_token_ids, "vocab_size": config["vocab_size"]}
@@ -433,7 +438,7 @@ class _Server:
         choices = []
 
         def stop_reason(token_id: int) -> Optional[int]:
-            return body.stop_reason(token_id, self.eos_token_ids)
+            return body.stop_reason(token_id, self.eos_token_ids, self.eos_token_id)
         for p, prompt in enumerate(prompts):
             names = body.parameter_names()
             if len(prompts) > 1:  # the engine's "prompt: ..." names which of the batch's prompts
