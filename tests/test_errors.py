@@ -417,6 +417,9 @@ BAD_CONFIGS = {
                            ["per_layer_config.1.sliding_window", "not a supported per-layer override"]),
     "one layer overridden twice": ("text_config.per_layer_config.01", {"head_dim": 16},
                                    ["per_layer_config.1 names the same layer as per_layer_config.01"]),
+    # (its bytes, negative as chars, had gone to std::isdigit, undefined for them)
+    "non-ASCII layer key": ("text_config.per_layer_config.١", {"head_dim": 16},
+                            ["per_layer_config.١ does not name a layer index below num_hidden_layers"]),
     "eos past 32 bits": ("text_config.eos_token_id", [1, 2**40],
                          ["text_config.eos_token_id = 1099511627776 is out of range"]),
     "string pad": ("text_config.pad_token_id", "0", ["text_config.pad_token_id must be an integer"]),

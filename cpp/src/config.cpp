@@ -515,7 +515,7 @@ ModelConfig load_config(const std::string& dir) {
   std::map<int, std::pair<std::string, const json::Value*>> overrides;  // layer -> (key, override)
   if (per_layer)
     for (const auto& [key, value] : per_layer->object) {
-      const bool is_layer = !key.empty() && key.size() < 6 && std::all_of(key.begin(), key.end(), ::isdigit) &&
+      const bool is_layer = !key.empty() && key.size() < 6 && std::all_of(key.begin(), key.end(), json::is_digit) &&
                             std::stoi(key) < c.num_layers;
       if (!is_layer) t.fail("per_layer_config." + key, "does not name a layer index below num_hidden_layers");
       const auto [at, added] = overrides.emplace(std::stoi(key), std::pair{key, &value});

@@ -172,9 +172,13 @@ DIFFUSERVE_INLINE void in_row_blocks(int64_t m, F&& f) {
 
 // e^x for x in [-87.33654, 88.7] (Cephes' expf: x = n ln 2 + r, a polynomial in r, times
 // 2^n, n from -126 up). n is rounded by adding and taking away 1.5 * 2^23, which needs no
-// rounding instruction.
+// rounding instruction; the sum's low bits hold n as an integer, read from them rather than by
+// converting n (a NaN or infinite x made that conversion undefined; the result is NaN there,
+// as before).
 DIFFUSERVE_INLINE float exp_in_range(float x) {
-  const float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
+  const float shifted = x * 1.44269504088896341f + 12582912.0f;
+  const float n = shifted - 12582912.0f;
+  const uint32_t n_bits = std::bit_cast<uint32_t>(shifted) - 0x4B400000u;  // n, two's complement
   const float r = (x - n * 0.693359375f) - n * -2.12194440e-4f;
   float p = 1.9875691500e-4f;
   p = p * r + 1.3981999507e-3f;
@@ -183,7 +187,7 @@ DIFFUSERVE_INLINE float exp_in_range(float x) {
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
   p = p * r * r + r + 1.0f;
-  return p * std::bit_cast<float>((int32_t(n) + 127) << 23);
+  return p * std::bit_cast<float>((n_bits + 127u) << 23);
 }
 
 DIFFUSERVE_INLINE float tanh_of(float x) {

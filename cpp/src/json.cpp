@@ -21,8 +21,6 @@ namespace {
 // Deep enough for any real config; shallow enough that recursion cannot exhaust the stack.
 constexpr int kMaxDepth = 256;
 
-bool is_digit(char c) { return c >= '0' && c <= '9'; }
-
 void append_utf8(std::string& out, uint32_t cp) {
   if (cp < 0x80) {
     out += char(cp);

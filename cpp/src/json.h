@@ -41,6 +41,10 @@ class Value {
 // source (a file path) in error messages.
 Value parse(std::string_view text, const std::string& what);
 
+// An ASCII digit (std::isdigit takes an unsigned char's value: a negative char, any byte of a
+// UTF-8 character, is undefined there).
+inline bool is_digit(char c) { return c >= '0' && c <= '9'; }
+
 // A document read one value at a time, in order, for text too large to hold whole as Values:
 // a safetensors header may be 100 MB, which as Values would take gigabytes (a Value is over
 // a hundred bytes, an array's 0 two). parse() reads through it too, so the errors are the

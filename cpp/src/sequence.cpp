@@ -14,6 +14,7 @@
 #include <pthread.h>
 
 #include "diffuserve/diffuserve.h"
+#include "json.h"
 #include "model.h"
 
 namespace diffuserve {
@@ -53,7 +54,7 @@ std::unique_ptr<Backend> make_backend(const std::string& device, int num_threads
   if (device == "cuda" || device.rfind("cuda:", 0) == 0) {
 #ifdef DIFFUSERVE_WITH_CUDA
     const std::string index = device.size() > 5 ? device.substr(5) : "0";
-    if (index.empty() || index.size() > 3 || !std::all_of(index.begin(), index.end(), ::isdigit))
+    if (index.empty() || index.size() > 3 || !std::all_of(index.begin(), index.end(), json::is_digit))
       throw InvalidArgument("device '" + device + "': expected cuda or cuda:N");
     return make_cuda_backend(std::stoi(index), device);
 #else
