@@ -58,8 +58,8 @@ class ChoiceEvent:
     text: str = ""
     draft: Optional[str] = None
     finish_reason: Optional[str] = None
-    # vLLM's: with finish_reason "stop", the stop string or stop_token_ids id that ended the
-    # choice (null for the checkpoint's EOS)
+    # vLLM's: with finish_reason "stop", the stop string or the stop token's id that ended the
+    # choice (null for the tokenizer's EOS: _GenerationRequest.stop_reason)
     stop_reason: Union[str, int, None] = None
     token_ids: List[int] = field(default_factory=list)  # the output's new tokens (return_token_ids)
 
