@@ -6,6 +6,7 @@ import atexit
 import gc
 import gzip
 import json
+import logging
 import os
 import random
 import re
@@ -963,9 +964,11 @@ def test_requests_left_before_the_engine_took_them_are_never_added(checkpoint):
         engine.shutdown()
 
 
-def test_failed_request_counts_as_error(checkpoint, tmp_path):
+def test_failed_request_counts_as_error(checkpoint, tmp_path, caplog):
     """A request the model cannot finish (its logits NaN) gets a 503, and /metrics counts it
-    under finish_reason "error", apart from the clients' aborts (it had counted as "abort")."""
+    under finish_reason "error", apart from the clients' aborts (it had counted as "abort"). The
+    log names it by its id (the client's X-Request-Id) with the reason, streamed or not (nothing
+    had been logged but uvicorn's access line, a streamed one's "200 OK")."""
     from fastapi.testclient import TestClient
     from safetensors.numpy import load_file
 
@@ -978,10 +981,45 @@ def test_failed_request_counts_as_error(checkpoint, tmp_path):
     write_safetensors(path / "model.safetensors", tensors)
     with TestClient(build_app(AsyncLLM(ds.LLM(path)), MODEL)) as http:
         request = {"model": MODEL, "prompt": [7, 8], "max_tokens": 8, "seed": 0, "n": 2}
-        assert http.post("/v1/completions", json=request).status_code == 503
-        text = http.get("/metrics").text
+        with caplog.at_level(logging.INFO, logger="diffuserve"):
+            assert http.post("/v1/completions", json=request, headers={"X-Request-Id": "failing-1"}).status_code \
+                == 503
+            text = http.get("/metrics").text
+            with http.stream("POST", "/v1/completions", json={**request, "n": 1, "stream": True},
+                             headers={"X-Request-Id": "failing-2"}) as response:
+                assert response.status_code == 200 and "logits" in "".join(response.iter_lines())
     assert 'diffuserve_requests_total{finish_reason="error"} 2.0' in text  # both choices: the request failed
     assert 'diffuserve_requests_total{finish_reason="abort"} 0.0' in text
+    for request_id in ("cmpl-failing-1", "cmpl-failing-2"):
+        assert re.search(request_id + r" failed: .*logits", caplog.text), caplog.text
+
+
+def test_serve_logs_aborts_by_request_id_and_its_access_log_may_be_off(checkpoint):
+    """A client that leaves a plain request is logged, by the id it sent as X-Request-Id (the
+    499 goes to a closed connection, which uvicorn does not log: nothing had been), which is
+    the response's id too, as in vLLM; --disable-uvicorn-access-log (vLLM's) drops the line a
+    response, and the package's own lines go through uvicorn's handler (they had been bare)."""
+    proc, port = _serve_process(checkpoint, "--log-level", "info", "--disable-uvicorn-access-log",
+                                stdout=subprocess.PIPE)
+    url = f"http://127.0.0.1:{port}/v1/completions"
+    try:
+        done = httpx.post(url, json={"model": MODEL, "prompt": "x", "max_tokens": 4},
+                          headers={"X-Request-Id": "mine-1"})
+        assert done.json()["id"] == "cmpl-mine-1"
+        long = {"model": MODEL, "prompt": "long", "max_tokens": 2048, "confidence_threshold": 1e-30,
+                "max_denoising_steps": 1024, "seed": 0, "ignore_eos": True}
+        with pytest.raises(httpx.TimeoutException):
+            httpx.post(url, json=long, headers={"X-Request-Id": "mine-2"}, timeout=httpx.Timeout(5, read=0.5))
+        with httpx.stream("POST", url, json={**long, "stream": True, "stream_drafts": True},
+                          headers={"X-Request-Id": "mine-3"}) as response:
+            next(response.iter_lines())  # the first draft: then the client leaves
+        time.sleep(1)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        stdout, stderr = (stream.decode() for stream in proc.communicate(timeout=60))
+    assert "INFO:     cmpl-mine-2 aborted: the client left" in stderr, stderr
+    assert "INFO:     cmpl-mine-3 aborted: the client left" in stderr, stderr
+    assert "POST /v1/completions" not in stdout + stderr
 
 
 def test_a_stream_that_fails_inside_the_server_ends_as_a_stream(offline, monkeypatch, caplog):

@@ -170,7 +170,8 @@ def serve(args) -> Optional[str]:
     print(f"serving {name} at http://{host}:{port}/v1"
           + (" (API key required)" if args.api_key else "")
           + ("" if llm.tokenizer else " (no tokenizer.json: token ids in and out)"), file=sys.stderr)
-    error = server.serve(app, engine, sock, args.log_level, args.shutdown_timeout)
+    error = server.serve(app, engine, sock, args.log_level, args.shutdown_timeout,
+                         access_log=not args.disable_uvicorn_access_log)
     if error is not None:
         return f"error: the engine failed ({error!r}); the server has stopped"
 
@@ -366,7 +367,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--shutdown-timeout", type=in_range(float, 0, 1e6), default=30, metavar="SECONDS",
                    help="on Ctrl-C / SIGTERM, how long running requests may finish before they are aborted "
                         "(default: 30)")
-    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
+                   help="the least severe log lines written (default: info)")
+    p.add_argument("--disable-uvicorn-access-log", action="store_true",
+                   help="no log line for each response (vLLM's name; errors and aborted requests are still logged)")
     _engine_options(p)
     p.set_defaults(run=serve)
 

@@ -52,7 +52,8 @@ class Metrics:
         self.prompt_tokens = Counter("diffuserve_prompt_tokens", "Prompt tokens received", registry=self.registry)
         self.generation_tokens = Counter("diffuserve_generation_tokens", "Tokens generated", registry=self.registry)
         self.denoise_steps = Histogram("diffuserve_denoise_steps_per_block", "Decoder passes per finished block",
-                                       buckets=(1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 256),
+                                       # (to the server's default limit of steps a block, 1,024)
+                                       buckets=(1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 256, 512, 1024),
                                        registry=self.registry)
         self.registry.register(_EngineCollector(engine_stats))
 

@@ -41,6 +41,10 @@ from .sampling import SamplingParams
 from .stop_strings import StopStringFilter
 
 
+# The server's log (serve() gives the package's logger uvicorn's handlers, so its lines read as
+# uvicorn's and follow --log-level).
+_log = logging.getLogger(__name__)
+
 # The most denoise steps a request may ask of each block, unless the server is told otherwise: a
 # block of a model that never converges runs all its steps, and one request of 2^31 steps had
 # held its engine slots for as long as its client waited.
@@ -469,6 +473,10 @@ class _Server:
             # Where the client left, the choices the engine had taken count as aborted, as those
             # cancelled later do (events() records them).
             left = isinstance(failed, asyncio.CancelledError) or (isinstance(failed, ApiError) and failed.status == 499)
+            if left:
+                _log.info("%s aborted: the client left", fmt.request_id)
+            elif isinstance(failed, EngineError):
+                _log.error("%s failed: %s", fmt.request_id, failed)
 
             async def close():
                 # (Read in the step that cancels the rest: a start may end in the turns between.)
@@ -486,7 +494,15 @@ class _Server:
         if body.stream:
             include_usage = body.stream_options is not None and bool(body.stream_options.include_usage)
             return StreamingResponse(self._sse(choices, fmt, usage, include_usage), media_type="text/event-stream")
-        await _unless_disconnected(request, _drain(_merged(choices)))
+        try:
+            await _unless_disconnected(request, _drain(_merged(choices)))
+        except ApiError as e:  # the 499 goes to a closed connection, which uvicorn does not log
+            if e.status == 499:
+                _log.info("%s aborted: the client left", fmt.request_id)
+            raise
+        except EngineError as e:
+            _log.error("%s failed: %s", fmt.request_id, e)
+            raise
         return fmt.response(choices, usage.body())
 
     async def _sse(self, choices, fmt, usage: Usage, include_usage: bool) -> AsyncIterator[str]:
@@ -499,10 +515,14 @@ class _Server:
                 if event.text or event.draft is not None or event.finish_reason or (fmt.token_ids and event.token_ids):
                     yield _sse(fmt.chunk(event), include_usage)
         except EngineError as e:
+            _log.error("%s failed: %s", fmt.request_id, e)
             yield _sse(ApiError(503, str(e), type="server_error").body(), False)
         except Exception:  # a bug of the server's: the stream still ends as a stream (it had been cut off)
-            logging.getLogger("uvicorn.error").exception("a streamed response failed")
+            _log.exception("%s: the streamed response failed", fmt.request_id)
             yield _sse(_INTERNAL_ERROR.body(), False)
+        except BaseException:  # (cancelled: the client left mid-stream; its choices are aborted)
+            _log.info("%s aborted: the client left", fmt.request_id)
+            raise
         if include_usage:
             yield _sse({**fmt.chunk_base(), "choices": [], "usage": usage.body()}, False)
         yield "data: [DONE]\n\n"
@@ -623,11 +643,16 @@ class _Format:
     model: str
     chat: bool
     token_ids: bool = False  # each choice's token ids too (vLLM's return_token_ids)
-    id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    id: str = field(default_factory=lambda: uuid.uuid4().hex)  # the client's X-Request-Id, where it sends one
     created: int = field(default_factory=lambda: int(time.time()))
 
+    @property
+    def request_id(self) -> str:
+        """The response's id, as the log names the request."""
+        return ("chatcmpl-" if self.chat else "cmpl-") + self.id
+
     def chunk_base(self) -> dict:
-        return {"id": ("chatcmpl-" if self.chat else "cmpl-") + self.id,
+        return {"id": self.request_id,
                 "object": "chat.completion.chunk" if self.chat else "text_completion",
                 "created": self.created, "model": self.model}
 
@@ -663,6 +688,13 @@ class _Format:
             body["choices"].append({"index": c.index, **text, **ids, "logprobs": None, "finish_reason": c.finish_reason,
                                     "stop_reason": c.stop_reason})
         return body
+
+
+def _client_id(request: Request) -> dict:
+    """The client's X-Request-Id as the response's id (cmpl-<id>), as vLLM takes it, for its
+    logs and ours to name the same request: printable ASCII, up to 128 characters, else ignored."""
+    given = request.headers.get("x-request-id", "")
+    return {"id": given} if 0 < len(given) <= 128 and given.isascii() and given.isprintable() else {}
 
 
 def _prompt_name(i: int, count: int) -> str:
@@ -765,7 +797,7 @@ def build_app(engine: AsyncLLM, model_name: str, api_key: Optional[str] = None,
         return _error(ApiError(e.status_code, str(e.detail), code=None), e.headers)
 
     @app.exception_handler(EngineError)
-    async def engine_error(request, e: EngineError):
+    async def engine_error(request, e: EngineError):  # (run() logged it, naming the request)
         return _error(ApiError(503, str(e), type="server_error"))
 
     @app.api_route("/health", methods=["GET", "HEAD"])  # (load balancers' checks may send HEAD)
@@ -802,7 +834,8 @@ def build_app(engine: AsyncLLM, model_name: str, api_key: Optional[str] = None,
             server.check_prompt_ids_length(p, name)
         prompts = [await server.prompt_ids(p, name) for p, name in zip(batch, names)]
         return await server.run(request, body, prompts, body.max_tokens,
-                                _Format(model_name, chat=False, token_ids=server.returns_token_ids(body)))
+                                _Format(model_name, chat=False, token_ids=server.returns_token_ids(body),
+                                        **_client_id(request)))
 
     @v1.post("/chat/completions")
     async def chat_completions(request: Request):
@@ -813,7 +846,8 @@ def build_app(engine: AsyncLLM, model_name: str, api_key: Optional[str] = None,
         body = await asyncio.to_thread(parse, ChatCompletionRequest, raw)  # (its model, a string, is the one checked above)
         prompt = await server.chat_prompt_ids(body)
         return await server.run(request, body, [prompt], body.max_new_tokens(),
-                                _Format(model_name, chat=True, token_ids=server.returns_token_ids(body)))
+                                _Format(model_name, chat=True, token_ids=server.returns_token_ids(body),
+                                        **_client_id(request)))
 
     # vLLM's tokenizer endpoints, outside /v1 as vLLM serves them (behind the API key too): a
     # text's or a conversation's ids as the completions would run them, and ids' text.
@@ -918,13 +952,14 @@ class _RequireKey:
 
 
 def serve(app: FastAPI, engine: AsyncLLM, sock: socket.socket, log_level: str,
-          shutdown_timeout: float) -> Optional[BaseException]:
+          shutdown_timeout: float, access_log: bool = True) -> Optional[BaseException]:
     """Runs `app` (serving `engine`) with uvicorn on the listening socket `sock` until Ctrl-C /
     SIGTERM, then lets running requests finish for shutdown_timeout seconds. Before that runs
     out (a second and two passes of the engine before: it ends after the pass in progress), or
     at a second signal, the engine ends what still runs: its clients get an error event and
     [DONE] (a stream) or a 503, where the end of uvicorn's grace period (or its forced exit)
-    would drop their connections mid-response. A third signal forces the exit. An engine that
+    would drop their connections mid-response. A third signal forces the exit. access_log:
+    uvicorn's line a response (off: the package's own lines, errors and aborts, stay). An engine that
     fails ends the server too, and its error is returned, for the process to exit with (as
     vLLM's: a process manager restarts it, where /health had answered 503 for ever)."""
     import uvicorn
@@ -967,8 +1002,15 @@ def serve(app: FastAPI, engine: AsyncLLM, sock: socket.socket, log_level: str,
     raise_exceptions, logging.raiseExceptions = logging.raiseExceptions, False
     try:
         host, port = sock.getsockname()[:2]  # (for uvicorn's log lines)
-        Server(uvicorn.Config(app, host=host, port=port, log_level=log_level,
-                              timeout_graceful_shutdown=shutdown_timeout)).run(sockets=[sock])
+        config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=access_log,
+                                timeout_graceful_shutdown=shutdown_timeout)  # (which sets up uvicorn's loggers)
+        # The package's lines (the server's, a failed engine step's) through uvicorn's handler and
+        # level: they had gone to Python's last-resort handler, bare and at any --log-level.
+        # ("uvicorn.error" has the level, and hands its lines to "uvicorn"'s handler.)
+        package_log = logging.getLogger("diffuserve")
+        package_log.handlers, package_log.propagate = list(logging.getLogger("uvicorn").handlers), False
+        package_log.setLevel(logging.getLogger("uvicorn.error").level)
+        Server(config).run(sockets=[sock])
     except KeyboardInterrupt:  # uvicorn raises the signal it held back once it has shut down (as uvicorn.run)
         pass
     finally:
