@@ -870,3 +870,27 @@ def test_malformed_tokenizer_files_are_checkpoint_errors(tmp_path, file, edit, m
     open(f"{path}/{file}", "w").write(edit(text))
     with pytest.raises(ds.CheckpointError, match=message):
         Tokenizer(path)
+
+
+def test_tojsons_count_of_its_output_is_its_length():
+    """The chat template's tojson counts what it will write from its pieces (render_budget), so
+    that a request's deeply nested data is refused before gigabytes are written: the count is the
+    written length, whatever the indent and separators, or past it (non-ASCII, counted escaped)."""
+    from diffuserve.chat_template import _json_chars
+
+    rng = random.Random(3)
+
+    def value(depth):
+        kind = rng.randrange(6 if depth < 5 else 3)
+        return [lambda: rng.randrange(-10**6, 10**6), lambda: "ab\"\\é\n"[:rng.randrange(7)], lambda: None,
+                lambda: [value(depth + 1) for _ in range(rng.randrange(4))],
+                lambda: {f"k{i}": value(depth + 1) for i in range(rng.randrange(4))}, lambda: rng.random()][kind]()
+    for _ in range(300):
+        x = value(0)
+        for indent, separators in ((None, None), (2, None), (0, None), (4, (",", ": ")), ("\t", None),
+                                   (None, (",", ":"))):
+            written = len(json.dumps(x, ensure_ascii=False, indent=indent, separators=separators))
+            width = len(indent) if isinstance(indent, str) else indent
+            item, key = separators or ("," if indent is not None else ", ", ": ")
+            counted = _json_chars(x, 0, width, len(item), len(key))
+            assert written <= counted <= written + 5 * json.dumps(x).count("\\u"), (x, indent)

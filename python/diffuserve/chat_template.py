@@ -13,6 +13,8 @@ its reach: it sees "<TypeName>").
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import functools
 import json
@@ -40,7 +42,49 @@ def _raise_exception(message):
     raise ChatTemplateError(message)
 
 
+# The characters a rendering's tojson calls may write in all (None: no limit), set by
+# render_budget: tojson(indent=N) writes N x depth spaces before each item of nested data, so a
+# request's tools of a few MB nested hundreds deep had rendered gigabytes before any check of the
+# prompt's length could see them.
+_TOJSON_BUDGET: contextvars.ContextVar[Optional[List[int]]] = contextvars.ContextVar("tojson_budget", default=None)
+
+
+@contextlib.contextmanager
+def render_budget(max_chars: Optional[int]):
+    """Renders within the block may write at most max_chars characters of JSON (tojson) in all."""
+    token = _TOJSON_BUDGET.set(None if max_chars is None else [max_chars])
+    try:
+        yield
+    finally:
+        _TOJSON_BUDGET.reset(token)
+
+
+def _json_chars(x, depth: int, indent: Optional[int], item_sep: int, key_sep: int) -> int:
+    """The length json.dumps gives x at `depth`, from the lengths of its pieces (without writing it);
+    indent: None (one line), or the characters of one level's indentation."""
+    if isinstance(x, dict):
+        items = [len(json.dumps(str(k))) + key_sep + _json_chars(v, depth + 1, indent, item_sep, key_sep)
+                 for k, v in x.items()]
+    elif isinstance(x, (list, tuple)):
+        items = [_json_chars(v, depth + 1, indent, item_sep, key_sep) for v in x]
+    else:
+        return len(json.dumps(x, default=str))
+    if not items:
+        return 2
+    lines = 0 if indent is None else (1 + (depth + 1) * indent) * len(items) + 1 + depth * indent
+    return 2 + sum(items) + item_sep * max(len(items) - 1, 0) + lines
+
+
 def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+    budget = _TOJSON_BUDGET.get()
+    if budget is not None:
+        width = len(indent) if isinstance(indent, str) else None if indent is None else max(int(indent), 0)
+        item_sep, key_sep = separators if separators is not None else ("," if indent is not None else ", ", ": ")
+        chars = _json_chars(x, 0, width, len(item_sep), len(key_sep))
+        if chars > budget[0]:
+            raise ChatTemplateError(f"the chat template writes its data as JSON of about {chars} characters (tojson), "
+                                    f"more than a prompt may have ({budget[0] if budget[0] >= 0 else 0} left)")
+        budget[0] -= chars
     return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 

@@ -31,7 +31,7 @@ from starlette.requests import ClientDisconnect
 
 from ._checks import check_encoded, check_token_ids, check_unicode
 from .async_llm import AsyncLLM, EngineError
-from .chat_template import EMPTY_CHAT_PROMPT, loops_over_content, names_role
+from .chat_template import EMPTY_CHAT_PROMPT, loops_over_content, names_role, render_budget
 from .detokenizer import INCOMPLETE, IncrementalDetokenizer, until_eos
 from .tokenizer import cleaned_positions
 from .protocol import (ApiError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeChatRequest,
@@ -415,7 +415,8 @@ class _Server:
 
         def render():  # (in a worker thread, as encoding: a long conversation takes a while)
             conversation = body.conversation(names_role(source, "developer"), loops_over_content(source))
-            return self.tokenizer.apply_chat_template(conversation, **options)
+            with render_budget(self.max_prompt_chars):  # (JSON the template writes is prompt text)
+                return self.tokenizer.apply_chat_template(conversation, **options)
 
         try:
             text = await asyncio.to_thread(render)
