@@ -2063,9 +2063,13 @@ def test_updates_a_slow_reader_has_not_read_are_one_progress(checkpoint):
     params = ds.SamplingParams(max_new_tokens=200, seed=0, eos_token_id=[], max_denoising_steps=1)
 
     async def main():
+        passes = engine.stats["forward_passes"]
         updates = engine.generate([2, 5, 6], params)
         accepted = await updates.__anext__()
-        while engine.stats["running"] or engine.stats["waiting"]:  # it finishes, its caller reading nothing
+        # It finishes, its caller reading nothing: its 13 blocks' passes run and nothing is left
+        # (the stats are refreshed after each step: right after acceptance they could still show
+        # none running, and the stream had been read as it went, once in a CI run).
+        while engine.stats["running"] or engine.stats["waiting"] or engine.stats["forward_passes"] < passes + 13:
             await asyncio.sleep(0.01)
         return accepted, [progress async for progress in updates]
 
