@@ -107,6 +107,23 @@ def test_metrics_series_exist_from_the_start(offline):
     assert "# HELP diffuserve_prefix_cache_hits_total Prompt tokens found in the prefix cache" in text
 
 
+def test_latency_histograms_count_each_choice(client, base_url):
+    """vLLM's end-to-end and first-output latencies (there had been none): each choice's seconds
+    from its request's arrival to its end, and to its first committed block where it had one."""
+    before = metrics(base_url)
+    started = time.monotonic()
+    out = client.completions.create(model=MODEL, prompt="Hello", max_tokens=40, seed=1, n=3,
+                                    extra_body={"ignore_eos": True})
+    took = time.monotonic() - started
+    after = metrics(base_url)
+    added = {name: after[name] - before.get(name, 0) for name in after}
+    for name in ("diffuserve_e2e_request_latency_seconds", "diffuserve_time_to_first_block_seconds"):
+        assert added[name + "_count"] == len(out.choices) == 3
+        assert 0 < added[name + "_sum"] <= 3 * took
+    # (three blocks each: the first comes before the end)
+    assert added["diffuserve_time_to_first_block_seconds_sum"] < added["diffuserve_e2e_request_latency_seconds_sum"]
+
+
 def test_models_and_health(client, base_url):
     assert [m.id for m in client.models.list()] == [MODEL]
     assert client.models.retrieve(MODEL).id == MODEL  # had been a 404

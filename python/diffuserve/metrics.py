@@ -7,7 +7,7 @@ stats at scrape time, so they are never stale and never double-counted.
 """
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Optional
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -51,15 +51,30 @@ class Metrics:
             self.requests.labels(reason)
         self.prompt_tokens = Counter("diffuserve_prompt_tokens", "Prompt tokens received", registry=self.registry)
         self.generation_tokens = Counter("diffuserve_generation_tokens", "Tokens generated", registry=self.registry)
+        # As vLLM's e2e and first-token latencies, in seconds from the request's arrival: a block
+        # is the first text a client sees.
+        seconds = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 320, 640)
+        self.latency = Histogram("diffuserve_e2e_request_latency_seconds",
+                                 "Seconds from a request's arrival to its choice's end (any finish reason)",
+                                 buckets=seconds, registry=self.registry)
+        self.first_block = Histogram("diffuserve_time_to_first_block_seconds",
+                                     "Seconds from a request's arrival to its choice's first committed block",
+                                     buckets=seconds, registry=self.registry)
         self.denoise_steps = Histogram("diffuserve_denoise_steps_per_block", "Decoder passes per finished block",
                                        # (to the server's default limit of steps a block, 1,024)
                                        buckets=(1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 256, 512, 1024),
                                        registry=self.registry)
         self.registry.register(_EngineCollector(engine_stats))
 
-    def record(self, finish_reason: str, prompt_tokens: int, generated_tokens: int, denoise_steps) -> None:
-        """One finished (or aborted) choice."""
+    def record(self, finish_reason: str, prompt_tokens: int, generated_tokens: int, denoise_steps,
+               seconds: Optional[float] = None, first_block_seconds: Optional[float] = None) -> None:
+        """One finished (or aborted) choice; seconds: from its request's arrival to its end;
+        first_block_seconds: to its first committed block, if it had one."""
         self.requests.labels(finish_reason).inc()
+        if seconds is not None:
+            self.latency.observe(seconds)
+        if first_block_seconds is not None:
+            self.first_block.observe(first_block_seconds)
         self.prompt_tokens.inc(prompt_tokens)
         self.generation_tokens.inc(generated_tokens)
         for steps in denoise_steps:
