@@ -1397,6 +1397,19 @@ def test_an_internal_error_is_a_500_with_cors_headers(offline, monkeypatch):
         assert http.get("/v1/models").status_code == 200  # and the server goes on
 
 
+def test_serve_takes_its_key_from_vllms_variable_too(monkeypatch):
+    """A deployment moved over from vLLM keeps its key: $VLLM_API_KEY is the default after
+    $DIFFUSERVE_API_KEY (it had been unread, and the server open to every client)."""
+    from diffuserve.cli import parser
+
+    monkeypatch.delenv("DIFFUSERVE_API_KEY", raising=False)
+    monkeypatch.setenv("VLLM_API_KEY", "from-vllm")
+    assert parser().parse_args(["serve"]).api_key == "from-vllm"
+    monkeypatch.setenv("DIFFUSERVE_API_KEY", "ours")
+    assert parser().parse_args(["serve"]).api_key == "ours"
+    assert parser().parse_args(["serve", "--api-key", "given"]).api_key == "given"
+
+
 @pytest.mark.parametrize("key", ["", " secret", "clé", "a\nb"])
 def test_api_keys_no_client_could_send_are_refused(offline, key):
     """An empty key (KEY= in an environment file) had locked every client out unannounced."""

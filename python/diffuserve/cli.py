@@ -151,7 +151,7 @@ def serve(args) -> Optional[str]:
     try:
         server.check_api_key(args.api_key)
     except ValueError as e:
-        sys.exit(f"error: --api-key (or DIFFUSERVE_API_KEY): {e}")
+        sys.exit(f"error: --api-key (or DIFFUSERVE_API_KEY, VLLM_API_KEY): {e}")
     sock = _bind(args.host, args.port)
     llm = _load(args.model, args)
     name = args.served_model_name or args.model or "diffuserve-sudoku"  # no model: the bundled one
@@ -350,9 +350,10 @@ def parser() -> argparse.ArgumentParser:
                    "locally (default: the bundled Sudoku model)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
     p.add_argument("--port", type=in_range(int, 0, 65535), default=8000, help="port (default: 8000)")
-    p.add_argument("--api-key", default=os.environ.get("DIFFUSERVE_API_KEY"),
+    # (vLLM's variable too: a deployment moved over keeps its key, where it had served openly.)
+    p.add_argument("--api-key", default=os.environ.get("DIFFUSERVE_API_KEY", os.environ.get("VLLM_API_KEY")),
                    help="require `Authorization: Bearer KEY` on /v1, /tokenize and /detokenize (default: "
-                        "$DIFFUSERVE_API_KEY, else none)")
+                        "$DIFFUSERVE_API_KEY, else vLLM's $VLLM_API_KEY, else none)")
     p.add_argument("--served-model-name", metavar="NAME", help="the model's name in the API (default: MODEL)")
     p.add_argument("--allowed-origins", action="append", type=origins, metavar="ORIGIN",
                    help="an origin whose browser pages may call the API (CORS), once per origin, or a JSON list "
