@@ -83,7 +83,7 @@ def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False
         chars = _json_chars(x, 0, width, len(item_sep), len(key_sep))
         if chars > budget[0]:
             raise ChatTemplateError(f"the chat template writes its data as JSON of about {chars} characters (tojson), "
-                                    f"more than a prompt may have ({budget[0] if budget[0] >= 0 else 0} left)")
+                                    f"more than a prompt may have ({budget[0]} left)")
         budget[0] -= chars
     return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 

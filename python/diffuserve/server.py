@@ -478,11 +478,8 @@ class _Server:
         if failed is not None:
             # Where the client left, the choices the engine had taken count as aborted, as those
             # cancelled later do (events() records them).
-            left = isinstance(failed, asyncio.CancelledError) or (isinstance(failed, ApiError) and failed.status == 499)
-            if left:
-                _log.info("%s aborted: the client left", fmt.request_id)
-            elif isinstance(failed, EngineError):
-                _log.error("%s failed: %s", fmt.request_id, failed)
+            left = _client_left(failed)
+            _log_early_end(fmt.request_id, failed)
 
             async def close():
                 # (Read in the step that cancels the rest: a start may end in the turns between.)
@@ -502,12 +499,8 @@ class _Server:
             return StreamingResponse(self._sse(choices, fmt, usage, include_usage), media_type="text/event-stream")
         try:
             await _unless_disconnected(request, _drain(_merged(choices)))
-        except ApiError as e:  # the 499 goes to a closed connection, which uvicorn does not log
-            if e.status == 499:
-                _log.info("%s aborted: the client left", fmt.request_id)
-            raise
-        except EngineError as e:
-            _log.error("%s failed: %s", fmt.request_id, e)
+        except (ApiError, EngineError) as e:  # (a 499 goes to a closed connection, which uvicorn does not log)
+            _log_early_end(fmt.request_id, e)
             raise
         return fmt.response(choices, usage.body())
 
@@ -521,13 +514,13 @@ class _Server:
                 if event.text or event.draft is not None or event.finish_reason or (fmt.token_ids and event.token_ids):
                     yield _sse(fmt.chunk(event), include_usage)
         except EngineError as e:
-            _log.error("%s failed: %s", fmt.request_id, e)
+            _log_early_end(fmt.request_id, e)
             yield _sse(ApiError(503, str(e), type="server_error").body(), False)
         except Exception:  # a bug of the server's: the stream still ends as a stream (it had been cut off)
             _log.exception("%s: the streamed response failed", fmt.request_id)
             yield _sse(_INTERNAL_ERROR.body(), False)
-        except BaseException:  # (cancelled: the client left mid-stream; its choices are aborted)
-            _log.info("%s aborted: the client left", fmt.request_id)
+        except BaseException as e:  # (cancelled, or closed: the client left mid-stream; its choices are aborted)
+            _log_early_end(fmt.request_id, e)
             raise
         if include_usage:
             yield _sse({**fmt.chunk_base(), "choices": [], "usage": usage.body()}, False)
@@ -694,6 +687,20 @@ class _Format:
             body["choices"].append({"index": c.index, **text, **ids, "logprobs": None, "finish_reason": c.finish_reason,
                                     "stop_reason": c.stop_reason})
         return body
+
+
+def _client_left(e: BaseException) -> bool:
+    """Whether `e` ended a request because its client left: cancelled, the 499, or a stream closed."""
+    return isinstance(e, (asyncio.CancelledError, GeneratorExit)) or (isinstance(e, ApiError) and e.status == 499)
+
+
+def _log_early_end(request_id: str, e: BaseException) -> None:
+    """Logs a request that `e` ended before its response did, where its client left or the
+    engine could not finish it (uvicorn's access line says neither)."""
+    if isinstance(e, EngineError):
+        _log.error("%s failed: %s", request_id, e)
+    elif _client_left(e):
+        _log.info("%s aborted: the client left", request_id)
 
 
 def _client_id(request: Request) -> dict:
