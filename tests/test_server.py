@@ -108,8 +108,9 @@ def test_metrics_series_exist_from_the_start(offline):
 
 
 def test_latency_histograms_count_each_choice(client, base_url):
-    """vLLM's end-to-end and first-output latencies (there had been none): each choice's seconds
-    from its request's arrival to its end, and to its first committed block where it had one."""
+    """vLLM's end-to-end, first-output and queue latencies (there had been none): each choice's
+    seconds from its request's arrival to its end, to its first committed block where it had
+    one, and to the engine step that first ran it."""
     before = metrics(base_url)
     started = time.monotonic()
     out = client.completions.create(model=MODEL, prompt="Hello", max_tokens=40, seed=1, n=3,
@@ -117,11 +118,13 @@ def test_latency_histograms_count_each_choice(client, base_url):
     took = time.monotonic() - started
     after = metrics(base_url)
     added = {name: after[name] - before.get(name, 0) for name in after}
-    for name in ("diffuserve_e2e_request_latency_seconds", "diffuserve_time_to_first_block_seconds"):
+    for name in ("diffuserve_e2e_request_latency_seconds", "diffuserve_time_to_first_block_seconds",
+                 "diffuserve_request_queue_time_seconds"):
         assert added[name + "_count"] == len(out.choices) == 3
         assert 0 < added[name + "_sum"] <= 3 * took
-    # (three blocks each: the first comes before the end)
-    assert added["diffuserve_time_to_first_block_seconds_sum"] < added["diffuserve_e2e_request_latency_seconds_sum"]
+    # (three blocks each: the first comes before the end, and after the step that began it)
+    assert added["diffuserve_request_queue_time_seconds_sum"] < added["diffuserve_time_to_first_block_seconds_sum"] \
+        < added["diffuserve_e2e_request_latency_seconds_sum"]
 
 
 def test_models_and_health(client, base_url):
@@ -2081,6 +2084,34 @@ def test_an_llm_shared_by_an_async_llm_and_other_threads_finishes_everyones_requ
     finally:
         engine.shutdown()
         second.shutdown()
+
+
+def test_progress_says_when_the_engine_first_ran_a_request(checkpoint):
+    """Progress.scheduled_at (the server's queue-time metric): the start of the engine step that
+    first ran the request, the same in every update from its first run on and before each
+    update was read; a request queued behind another (one sequence at a time) ran later."""
+    engine = AsyncLLM(ds.LLM(checkpoint, max_num_seqs=1, slice_steps=1))
+    params = ds.SamplingParams(max_new_tokens=48, seed=0, eos_token_id=[])
+
+    async def run(prompt):
+        updates = []
+        async for progress in engine.generate(prompt, params):
+            updates.append((time.monotonic(), progress))
+        return updates
+
+    async def main():
+        return await asyncio.gather(run([5, 6]), run([5, 7]))
+
+    try:
+        added = time.monotonic()
+        first, second = asyncio.run(main())
+    finally:
+        engine.shutdown()
+    for updates in (first, second):
+        assert updates[0][1].scheduled_at is None and updates[-1][1].output is not None  # (acceptance, end)
+        ran = updates[-1][1].scheduled_at
+        assert all(p.scheduled_at == ran and ran <= received for received, p in updates[1:])
+    assert added < first[-1][1].scheduled_at < second[-1][1].scheduled_at
 
 
 def test_updates_a_slow_reader_has_not_read_are_one_progress(checkpoint):

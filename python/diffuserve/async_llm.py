@@ -43,6 +43,9 @@ class Progress:
     draft: List[int] = field(default_factory=list)
     output: Optional[RequestOutput] = None
     denoise_steps: List[int] = field(default_factory=list)  # of the finished blocks
+    # time.monotonic() at the start of the engine step that first ran the request (requests
+    # join only between steps); None while it has not run.
+    scheduled_at: Optional[float] = None
 
 
 class EngineError(RuntimeError):
@@ -100,6 +103,7 @@ class _Request:
         self.updates = _Updates()
         self.engine_id: Optional[int] = None
         self.sent = (0, ())  # (finished tokens, draft) last posted, to post only changes
+        self.scheduled_at: Optional[float] = None  # (Progress.scheduled_at)
 
     def post(self, item) -> None:
         try:
@@ -375,16 +379,19 @@ class _EngineThread:
             if self.stats["forward_passes"] > passes:
                 self.pass_seconds = (time.monotonic() - started) / (self.stats["forward_passes"] - passes)
             progress = []
+            waiting = self.llm.scheduler.waiting
             for key, request in list(requests.items()):
+                if request.scheduled_at is None and request.engine_id not in waiting:
+                    request.scheduled_at = started
                 output = finished.get(request.engine_id)
                 if output is not None:
                     del requests[key]
                     self.llm._claimed.discard(request.engine_id)
                     failed = output.finish_reason == "error"
                     progress.append((request, RequestFailed(output.error) if failed
-                                     else Progress(output.token_ids, output=output)))
+                                     else Progress(output.token_ids, output=output, scheduled_at=request.scheduled_at)))
                     continue
-                if request.engine_id in self.llm.scheduler.waiting and not request.sent[1]:
+                if request.engine_id in waiting and not request.sent[1]:
                     continue  # queued, and no draft of a preempted block to clear: nothing new (asking
                     # 32,768 queued requests had taken 53 ms a step)
                 tokens = self.llm.generated(request.engine_id)
@@ -392,7 +399,8 @@ class _EngineThread:
                 if (len(tokens), tuple(draft)) != request.sent:
                     request.sent = (len(tokens), tuple(draft))
                     progress.append((request, Progress(tokens, draft,
-                                                       denoise_steps=self.llm.denoise_steps(request.engine_id))))
+                                                       denoise_steps=self.llm.denoise_steps(request.engine_id),
+                                                       scheduled_at=request.scheduled_at)))
         for request, item in progress:
             request.post(item)
 

@@ -60,6 +60,9 @@ class Metrics:
         self.first_block = Histogram("diffuserve_time_to_first_block_seconds",
                                      "Seconds from a request's arrival to its choice's first committed block",
                                      buckets=seconds, registry=self.registry)
+        self.queue_time = Histogram("diffuserve_request_queue_time_seconds",
+                                    "Seconds from a request's arrival to the engine step that first ran its choice",
+                                    buckets=seconds, registry=self.registry)
         self.denoise_steps = Histogram("diffuserve_denoise_steps_per_block", "Decoder passes per finished block",
                                        # (to the server's default limit of steps a block, 1,024)
                                        buckets=(1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 256, 512, 1024),
@@ -67,14 +70,18 @@ class Metrics:
         self.registry.register(_EngineCollector(engine_stats))
 
     def record(self, finish_reason: str, prompt_tokens: int, generated_tokens: int, denoise_steps,
-               seconds: Optional[float] = None, first_block_seconds: Optional[float] = None) -> None:
+               seconds: Optional[float] = None, first_block_seconds: Optional[float] = None,
+               queue_seconds: Optional[float] = None) -> None:
         """One finished (or aborted) choice; seconds: from its request's arrival to its end;
-        first_block_seconds: to its first committed block, if it had one."""
+        first_block_seconds: to its first committed block, if it had one; queue_seconds: to
+        the engine step that first ran it, if the server saw one."""
         self.requests.labels(finish_reason).inc()
         if seconds is not None:
             self.latency.observe(seconds)
         if first_block_seconds is not None:
             self.first_block.observe(first_block_seconds)
+        if queue_seconds is not None:
+            self.queue_time.observe(queue_seconds)
         self.prompt_tokens.inc(prompt_tokens)
         self.generation_tokens.inc(generated_tokens)
         for steps in denoise_steps:

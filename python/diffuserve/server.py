@@ -203,6 +203,7 @@ class _Choice:
         self.server, self.index, self.prompt, self.usage = server, index, prompt, usage
         self.arrived = time.monotonic()  # (when its request's body had been read and checked)
         self.first_block_seconds: Optional[float] = None  # from arrival to its first committed block
+        self.queue_seconds: Optional[float] = None  # from arrival to the engine step that first ran it
         self.returns_ids = returns_ids  # token_ids go out with the text (return_token_ids)
         self.names = names  # the request's names for the engine's parameters (invalid_value)
         self.counts_prompt = counts_prompt  # OpenAI counts a prompt once however many choices it has
@@ -251,6 +252,8 @@ class _Choice:
                 done, generated = len(token_ids), len(progress.token_ids)
                 if generated and self.first_block_seconds is None:
                     self.first_block_seconds = time.monotonic() - self.arrived
+                if progress.scheduled_at is not None and self.queue_seconds is None:
+                    self.queue_seconds = progress.scheduled_at - self.arrived
                 event = ChoiceEvent(self.index, stops.push(piece, final=output is not None))
                 if self._include_stop and ended_by is not None and not stops.stopped and tokenizer is not None:
                     # The id's text too (none for a special one), outside the stop strings' search
@@ -299,7 +302,7 @@ class _Choice:
 
     def _record(self, ended: str, generated: int, denoise_steps: List[int]) -> None:
         self.server.metrics.record(ended, self._prompt_tokens(), generated, denoise_steps,
-                                   time.monotonic() - self.arrived, self.first_block_seconds)
+                                   time.monotonic() - self.arrived, self.first_block_seconds, self.queue_seconds)
 
 
 class _Server:
