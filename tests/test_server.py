@@ -13,6 +13,7 @@ import re
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import threading
@@ -1413,6 +1414,86 @@ def test_serve_takes_its_key_from_vllms_variable_too(monkeypatch):
     assert parser().parse_args(["serve", "--api-key", "given"]).api_key == "given"
 
 
+OTHER_TEMPLATE = "{% for message in messages %}[{{ message['role'] }}] {{ message['content'] }}\n{% endfor %}"
+
+
+def test_a_chat_template_given_to_the_server_renders_chats(offline, tmp_path):
+    """vLLM's --chat-template: the server renders chat requests (and /tokenize's messages) with
+    the template given, not the checkpoint's; one that does not compile, or one given for a
+    model without a tokenizer, is refused when the app is built."""
+    from fastapi.testclient import TestClient
+
+    messages = [{"role": "user", "content": "Hello world"}]
+    engine = AsyncLLM(offline)
+    try:
+        with TestClient(build_app(engine, MODEL, chat_template=OTHER_TEMPLATE)) as http:
+            tokens = http.post("/tokenize", json={"model": MODEL, "messages": messages}).json()["tokens"]
+            chat = http.post("/v1/chat/completions", json={"model": MODEL, "messages": messages, "max_tokens": 4})
+    finally:
+        engine.shutdown()
+    assert offline.tokenizer.decode(tokens, skip_special_tokens=False) == "[user] Hello world\n"
+    assert chat.status_code == 200 and chat.json()["usage"]["prompt_tokens"] == len(tokens)
+    with pytest.raises(ValueError, match="the chat template does not compile"):
+        build_app(types.SimpleNamespace(tokenizer=offline.tokenizer), MODEL, chat_template="{% if %}")
+    bare = types.SimpleNamespace(tokenizer=None)
+    with pytest.raises(ValueError, match="no tokenizer.json"):
+        build_app(bare, MODEL, chat_template=OTHER_TEMPLATE)
+
+
+def test_serve_takes_a_chat_template_file_or_text(checkpoint, tmp_path):
+    """serve --chat-template takes a file, or the template itself, as vLLM does; a missing
+    file or a template that does not compile stops it, saying which, before the model loads."""
+    path = tmp_path / "other.jinja"
+    path.write_text(OTHER_TEMPLATE)
+    messages = [{"role": "user", "content": "Hi"}]
+    for given in (str(path), OTHER_TEMPLATE):
+        proc, port = _serve_process(checkpoint, "--chat-template", given)
+        try:
+            r = httpx.post(f"http://127.0.0.1:{port}/tokenize", json={"model": MODEL, "messages": messages})
+            assert r.json()["count"] == len(ds.LLM(checkpoint).tokenizer.encode("[user] Hi\n",
+                                                                                add_special_tokens=False))
+        finally:
+            proc.kill()
+            proc.wait()
+    for given, said in [(str(tmp_path / "missing.jinja"), "No such file or directory"),
+                        ("{% if %}", "the chat template does not compile"), (str(tmp_path), "Is a directory")]:
+        out = subprocess.run([sys.executable, "-m", "diffuserve", "serve", "no-such-model", "--chat-template", given],
+                             capture_output=True, text=True, timeout=60)
+        assert out.returncode == 1 and out.stderr.startswith("error: --chat-template") and said in out.stderr, \
+            out.stderr
+
+
+def test_serve_serves_https_with_a_certificate(checkpoint, tmp_path):
+    """serve --ssl-certfile / --ssl-keyfile (vLLM's): HTTPS; a key that is not the
+    certificate's, or a key without a certificate, stops it with what is wrong."""
+    openssl = shutil.which("openssl")
+    if openssl is None:
+        pytest.skip("no openssl to make a certificate")
+    cert, key, other = tmp_path / "cert.pem", tmp_path / "key.pem", tmp_path / "other.pem"
+    for k, c in ((key, cert), (other, tmp_path / "other-cert.pem")):
+        subprocess.run([openssl, "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(k), "-out", str(c),
+                        "-days", "1", "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"],
+                       check=True, capture_output=True)
+    trusted = ssl.create_default_context(cafile=str(cert))
+    proc, port = _serve_process(checkpoint, "--ssl-certfile", str(cert), "--ssl-keyfile", str(key),
+                                scheme="https", verify=trusted)
+    try:
+        r = httpx.post(f"https://127.0.0.1:{port}/v1/completions", verify=trusted,
+                       json={"model": MODEL, "prompt": "x", "max_tokens": 4})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] > 0
+        with pytest.raises(httpx.TransportError):  # (plain HTTP gets no answer)
+            httpx.get(f"http://127.0.0.1:{port}/health")
+    finally:
+        proc.kill()
+        proc.wait()
+    for options, said in [(["--ssl-certfile", str(cert), "--ssl-keyfile", str(other)], "KEY_VALUES_MISMATCH"),
+                          (["--ssl-keyfile", str(key)], "--ssl-keyfile needs --ssl-certfile"),
+                          (["--ssl-certfile", str(tmp_path / "none.pem")], "No such file or directory")]:
+        out = subprocess.run([sys.executable, "-m", "diffuserve", "serve", "no-such-model", *options],
+                             capture_output=True, text=True, timeout=60)
+        assert out.returncode == 1 and out.stderr.startswith("error: --ssl-") and said in out.stderr, out.stderr
+
+
 @pytest.mark.parametrize("key", ["", " secret", "clé", "a\nb"])
 def test_api_keys_no_client_could_send_are_refused(offline, key):
     """An empty key (KEY= in an environment file) had locked every client out unannounced."""
@@ -1489,10 +1570,11 @@ def test_a_prompt_of_more_ids_than_max_model_len_is_refused_before_the_engine_re
         assert r.json()["error"]["param"] == name
 
 
-def _serve_process(checkpoint, *options, patch: str = "", **popen):
+def _serve_process(checkpoint, *options, patch: str = "", scheme: str = "http", verify=True, **popen):
     """`diffuserve serve` in a process of its own on a port it chooses (--port 0, printed in its
     "serving" line: it had printed port 0), once it answers /health: (process, port). `patch`:
-    Python run in that process first (a fault to inject)."""
+    Python run in that process first (a fault to inject); scheme and verify: how it serves
+    (https, with verify the certificate to trust)."""
     proc = subprocess.Popen([sys.executable, "-c", f"{patch}\nfrom diffuserve.cli import main\nmain()", "serve",
                              checkpoint, "--port", "0", "--served-model-name", MODEL, "--log-level", "warning",
                              *options], stderr=subprocess.PIPE, **popen)
@@ -1502,12 +1584,12 @@ def _serve_process(checkpoint, *options, patch: str = "", **popen):
             line = proc.stderr.readline()
             assert line, said.decode()
             said += line
-        port = int(re.search(rb"serving tiny at http://127\.0\.0\.1:(\d+)/v1", said).group(1))
+        port = int(re.search(rb"serving tiny at " + scheme.encode() + rb"://127\.0\.0\.1:(\d+)/v1", said).group(1))
         assert port != 0
         deadline = time.time() + 60
         while True:
             try:
-                if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
+                if httpx.get(f"{scheme}://127.0.0.1:{port}/health", verify=verify).status_code == 200:
                     return proc, port
             except httpx.TransportError:
                 assert time.time() < deadline and proc.poll() is None, proc.stderr.read().decode()

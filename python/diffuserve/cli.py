@@ -7,6 +7,7 @@ import json
 import os
 import random
 import socket
+import ssl
 import sys
 import threading
 import time
@@ -144,6 +145,42 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+def _chat_template(value: Optional[str]) -> Optional[str]:
+    """--chat-template as vLLM takes it: a file's path, or the template itself (text with a
+    brace or a line break, which no path given on a command line has); compiled here, so that
+    a broken one stops serve before the model loads."""
+    from .chat_template import ChatTemplate, ChatTemplateError
+
+    if value is None:
+        return None
+    source = value
+    if os.path.isfile(value) or not any(c in value for c in "{}\n"):
+        try:
+            with open(value, encoding="utf-8") as f:
+                source = f.read()
+        except (OSError, UnicodeDecodeError) as e:
+            sys.exit(f"error: --chat-template {value!r}: {getattr(e, 'strerror', None) or e} (give a template's "
+                     "file, or the template itself)")
+    try:
+        ChatTemplate(source, {})
+    except ChatTemplateError as e:
+        sys.exit(f"error: --chat-template: {e}")
+    return source
+
+
+def _check_tls(certfile: Optional[str], keyfile: Optional[str]) -> None:
+    """Loads the certificate and key as uvicorn will, so that a wrong file stops serve before
+    the model loads, with what is wrong (uvicorn's refusal comes as a traceback after it)."""
+    if keyfile is not None and certfile is None:
+        sys.exit("error: --ssl-keyfile needs --ssl-certfile (the certificate it is the key of)")
+    if certfile is not None:
+        try:
+            ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(certfile, keyfile)
+        except (OSError, ssl.SSLError) as e:
+            sys.exit(f"error: --ssl-certfile {certfile!r}" + (f" / --ssl-keyfile {keyfile!r}" if keyfile else "")
+                     + f": {getattr(e, 'strerror', None) or e}")
+
+
 def serve(args) -> Optional[str]:
     from . import server
     from .async_llm import AsyncLLM
@@ -152,6 +189,8 @@ def serve(args) -> Optional[str]:
         server.check_api_key(args.api_key)
     except ValueError as e:
         sys.exit(f"error: --api-key (or DIFFUSERVE_API_KEY, VLLM_API_KEY): {e}")
+    chat_template = _chat_template(args.chat_template)
+    _check_tls(args.ssl_certfile, args.ssl_keyfile)
     sock = _bind(args.host, args.port)
     llm = _load(args.model, args)
     name = args.served_model_name or args.model or "diffuserve-sudoku"  # no model: the bundled one
@@ -161,17 +200,19 @@ def serve(args) -> Optional[str]:
                                max_denoising_steps_limit=args.max_denoising_steps_limit,
                                allowed_origins=[o for group in args.allowed_origins or [["*"]] for o in group],
                                max_prompt_chars=args.max_prompt_chars,
-                               max_request_bytes=args.max_request_bytes)
-    except ValueError as e:  # (the checkpoint's defaults against the server's limits)
+                               max_request_bytes=args.max_request_bytes, chat_template=chat_template)
+    except ValueError as e:  # (the checkpoint's defaults against the server's limits; the chat template)
         engine.shutdown()
         sys.exit(f"error: {e}")
     host = f"[{args.host}]" if ":" in args.host else args.host  # an IPv6 address, as URLs write it
     port = sock.getsockname()[1]
-    print(f"serving {name} at http://{host}:{port}/v1"
+    scheme = "https" if args.ssl_certfile else "http"
+    print(f"serving {name} at {scheme}://{host}:{port}/v1"
           + (" (API key required)" if args.api_key else "")
           + ("" if llm.tokenizer else " (no tokenizer.json: token ids in and out)"), file=sys.stderr)
     error = server.serve(app, engine, sock, args.log_level, args.shutdown_timeout,
-                         access_log=not args.disable_uvicorn_access_log)
+                         access_log=not args.disable_uvicorn_access_log, ssl_certfile=args.ssl_certfile,
+                         ssl_keyfile=args.ssl_keyfile)
     if error is not None:
         return f"error: the engine failed ({error!r}); the server has stopped"
 
@@ -355,6 +396,12 @@ def parser() -> argparse.ArgumentParser:
                    help="require `Authorization: Bearer KEY` on /v1, /tokenize and /detokenize (default: "
                         "$DIFFUSERVE_API_KEY, else vLLM's $VLLM_API_KEY, else none)")
     p.add_argument("--served-model-name", metavar="NAME", help="the model's name in the API (default: MODEL)")
+    p.add_argument("--chat-template", metavar="TEMPLATE",
+                   help="the Jinja chat template for chat requests: a file, or the template itself "
+                        "(default: the checkpoint's)")
+    p.add_argument("--ssl-certfile", metavar="FILE", help="serve HTTPS with this certificate (PEM; its key in it "
+                   "or in --ssl-keyfile)")
+    p.add_argument("--ssl-keyfile", metavar="FILE", help="the certificate's private key (PEM)")
     p.add_argument("--allowed-origins", action="append", type=origins, metavar="ORIGIN",
                    help="an origin whose browser pages may call the API (CORS), once per origin, or a JSON list "
                         "of them as vLLM takes (default: any, as vLLM)")

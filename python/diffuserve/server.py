@@ -31,7 +31,7 @@ from starlette.requests import ClientDisconnect
 
 from ._checks import check_encoded, check_token_ids, check_unicode
 from .async_llm import AsyncLLM, EngineError
-from .chat_template import EMPTY_CHAT_PROMPT, loops_over_content, names_role, render_budget
+from .chat_template import EMPTY_CHAT_PROMPT, ChatTemplate, loops_over_content, names_role, render_budget
 from .detokenizer import INCOMPLETE, IncrementalDetokenizer, until_eos
 from .tokenizer import cleaned_positions
 from .protocol import (ApiError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeChatRequest,
@@ -307,10 +307,17 @@ class _Choice:
 
 class _Server:
     def __init__(self, engine: AsyncLLM, model_name: str,
-                 max_denoising_steps_limit: int = MAX_DENOISING_STEPS_LIMIT, max_prompt_chars: Optional[int] = None):
+                 max_denoising_steps_limit: int = MAX_DENOISING_STEPS_LIMIT, max_prompt_chars: Optional[int] = None,
+                 chat_template: Optional[str] = None):
         self.engine = engine
         self.tokenizer = engine.tokenizer  # None without a tokenizer.json: token ids in and out alone
         self.model_name = model_name
+        if chat_template is not None:
+            if self.tokenizer is None:
+                raise ValueError("a chat template was given, but the model has no tokenizer.json to encode what it "
+                                 "renders")
+            ChatTemplate(chat_template, {})  # (a ChatTemplateError, a ValueError, where it does not compile)
+        self.chat_template = chat_template  # None: the checkpoint's
         self.max_denoising_steps_limit = max_denoising_steps_limit
         config = engine.llm.model.config
         generation = config["generation"]
@@ -417,14 +424,14 @@ class _Server:
             raise ApiError(400, "this model has no tokenizer.json, so no chat template: send token ids to "
                            "/v1/completions", param="messages", code="no_tokenizer")
         try:
-            source = self.tokenizer.get_chat_template(tools=options.get("tools"))
+            source = self.tokenizer.get_chat_template(self.chat_template, tools=options.get("tools"))
         except ValueError as e:  # no chat template
             raise ApiError(400, str(e), param="messages", code="no_chat_template") from None
 
         def render():  # (in a worker thread, as encoding: a long conversation takes a while)
             conversation = body.conversation(names_role(source, "developer"), loops_over_content(source))
             with render_budget(self.max_prompt_chars):  # (JSON the template writes is prompt text)
-                return self.tokenizer.apply_chat_template(conversation, **options)
+                return self.tokenizer.apply_chat_template(conversation, chat_template=source, **options)
 
         try:
             text = await asyncio.to_thread(render)
@@ -767,11 +774,12 @@ def check_api_key(api_key: Optional[str]) -> None:
 def build_app(engine: AsyncLLM, model_name: str, api_key: Optional[str] = None,
               max_denoising_steps_limit: int = MAX_DENOISING_STEPS_LIMIT,
               allowed_origins: Sequence[str] = ("*",), max_prompt_chars: Optional[int] = None,
-              max_request_bytes: Optional[int] = None) -> FastAPI:
+              max_request_bytes: Optional[int] = None, chat_template: Optional[str] = None) -> FastAPI:
     """The FastAPI app serving `engine` under `model_name`. The app owns the engine: its
     shutdown aborts what is still running and stops the engine thread. max_prompt_chars: the
     longest prompt text taken (None: max_model_len tokens of the vocabulary's longest entry;
-    0: any). max_request_bytes: the largest request body taken (None: MAX_REQUEST_BYTES; 0: any)."""
+    0: any). max_request_bytes: the largest request body taken (None: MAX_REQUEST_BYTES; 0: any).
+    chat_template: the template chat requests are rendered with (None: the checkpoint's)."""
     check_api_key(api_key)
     if max_request_bytes is None:
         max_request_bytes = MAX_REQUEST_BYTES
@@ -792,7 +800,8 @@ def build_app(engine: AsyncLLM, model_name: str, api_key: Optional[str] = None,
     # kept its engine and model for the process's life (a model for every app built and driven
     # without its lifespan, as tests over ASGI do). So the app is mounted whole (app.mount),
     # not its routes copied into another.
-    app.state.diffuserve_server = _Server(engine, model_name, max_denoising_steps_limit, max_prompt_chars)
+    app.state.diffuserve_server = _Server(engine, model_name, max_denoising_steps_limit, max_prompt_chars,
+                                          chat_template)
     app.add_middleware(_InternalErrors)
     if api_key is not None:
         app.add_middleware(_RequireKey, api_key=api_key)
@@ -968,14 +977,16 @@ class _RequireKey:
 
 
 def serve(app: FastAPI, engine: AsyncLLM, sock: socket.socket, log_level: str,
-          shutdown_timeout: float, access_log: bool = True) -> Optional[BaseException]:
+          shutdown_timeout: float, access_log: bool = True, ssl_certfile: Optional[str] = None,
+          ssl_keyfile: Optional[str] = None) -> Optional[BaseException]:
     """Runs `app` (serving `engine`) with uvicorn on the listening socket `sock` until Ctrl-C /
     SIGTERM, then lets running requests finish for shutdown_timeout seconds. Before that runs
     out (a second and two passes of the engine before: it ends after the pass in progress), or
     at a second signal, the engine ends what still runs: its clients get an error event and
     [DONE] (a stream) or a 503, where the end of uvicorn's grace period (or its forced exit)
     would drop their connections mid-response. A third signal forces the exit. access_log:
-    uvicorn's line a response (off: the package's own lines, errors and aborts, stay). An engine that
+    uvicorn's line a response (off: the package's own lines, errors and aborts, stay).
+    ssl_certfile (with the key in it, or in ssl_keyfile): HTTPS instead of HTTP. An engine that
     fails ends the server too, and its error is returned, for the process to exit with (as
     vLLM's: a process manager restarts it, where /health had answered 503 for ever)."""
     import uvicorn
@@ -1019,7 +1030,8 @@ def serve(app: FastAPI, engine: AsyncLLM, sock: socket.socket, log_level: str,
     try:
         host, port = sock.getsockname()[:2]  # (for uvicorn's log lines)
         config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=access_log,
-                                timeout_graceful_shutdown=shutdown_timeout)  # (which sets up uvicorn's loggers)
+                                timeout_graceful_shutdown=shutdown_timeout,  # (which sets up uvicorn's loggers)
+                                ssl_certfile=ssl_certfile, ssl_keyfile=ssl_keyfile)
         # The package's lines (the server's, a failed engine step's) through uvicorn's handler and
         # level: they had gone to Python's last-resort handler, bare and at any --log-level.
         # ("uvicorn.error" has the level, and hands its lines to "uvicorn"'s handler.)
