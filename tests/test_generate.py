@@ -876,6 +876,35 @@ def test_fit_to_context_generates_the_blocks_that_fit(tmp_path):
         generated(small, 30, fit_to_context=True)
 
 
+def test_max_model_len_lowers_the_longest_sequence(tmp_path):
+    """vLLM's max_model_len: requests are held to it as to max_position_embeddings (refusals name
+    it; fit_to_context fits to it; Model.max_sequence_tokens and the server's card say it),
+    and outputs within it do not change; more than the model's positions, or no room for a
+    block, is refused at load."""
+    path = save(build_model(text([S, F, F], max_position_embeddings=64), 8), tmp_path / "short")
+    params = ds.SamplingParams(max_new_tokens=16, seed=0, eos_token_id=[])
+    full = ds.LLM(path)
+    llm = ds.LLM(path, max_model_len=40)
+    assert (llm.model.config["max_model_len"], llm.model.config["max_position_embeddings"]) == (40, 64)
+    assert (llm.model.max_sequence_tokens, full.model.max_sequence_tokens) == (40, 64)
+    assert llm.generate([[3] * 20], params)[0].token_ids == full.generate([[3] * 20], params)[0].token_ids
+    with pytest.raises(ValueError, match=r"exceeds max_model_len \(40\)"):
+        llm.generate([[3] * 30], params)  # (30 + 2 blocks of 8 fits 64, not 40)
+    with pytest.raises(ValueError, match=r"leave no room for a block of 8 new tokens within max_model_len \(40\)"):
+        llm.generate([[3] * 33], params)
+    fitted = llm.generate([[3] * 20], ds.SamplingParams(max_new_tokens=10**6, seed=0, eos_token_id=[],
+                                                          fit_to_context=True))[0]
+    assert len(fitted.token_ids) == 16  # 20 + 2 blocks of 8 <= 40
+    sequence = llm.model.sequence()
+    with pytest.raises(ValueError, match=r"exceed max_model_len \(40\)"):
+        sequence.prefill([3] * 41)
+    for bad, said in [(65, r"max_model_len 65 is more than the model's max_position_embeddings \(64\)"),
+                      (8, r"max_model_len 8 leaves no room for a prompt token and a block of canvas_length \(8\)"),
+                      (0, r"max_model_len must be an integer in \[1, "), (-1, "max_model_len must be")]:
+        with pytest.raises(ValueError, match=said):
+            ds.LLM(path, max_model_len=bad)
+
+
 @pytest.mark.parametrize("kwargs, name", [
     (dict(max_num_seqs=2**40), "max_num_seqs"), (dict(slice_steps=2**40), "slice_steps"),
     (dict(kv_block_size=2**31), "kv_block_size"), (dict(fuse_commit="no"), "fuse_commit"),

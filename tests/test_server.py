@@ -1463,6 +1463,22 @@ def test_serve_takes_a_chat_template_file_or_text(checkpoint, tmp_path):
             out.stderr
 
 
+def test_serve_takes_vllms_max_model_len(checkpoint):
+    """--max-model-len (vLLM's) caps the longest sequence: the card says it, a request past it is
+    a 400 naming it, and one without max_tokens fits within it."""
+    proc, port = _serve_process(checkpoint, "--max-model-len", "100")
+    url = f"http://127.0.0.1:{port}"
+    try:
+        assert httpx.get(url + "/v1/models").json()["data"][0]["max_model_len"] == 100
+        r = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": [5] * 80, "max_tokens": 32})
+        assert r.status_code == 400 and "exceeds max_model_len (100)" in r.json()["error"]["message"], r.text
+        r = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": [5] * 60, "ignore_eos": True})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 32, r.text  # 60 + 2 canvases of 16
+    finally:
+        proc.kill()
+        proc.wait()
+
+
 def test_serve_serves_https_with_a_certificate(checkpoint, tmp_path):
     """serve --ssl-certfile / --ssl-keyfile (vLLM's): HTTPS; a key that is not the
     certificate's, or a key without a certificate, stops it with what is wrong."""

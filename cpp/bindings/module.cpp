@@ -123,6 +123,7 @@ nb::dict config_dict(const ModelConfig& c) {
   d["sliding_window"] = c.sliding_window;
   d["canvas_length"] = c.canvas_length;
   d["max_position_embeddings"] = c.max_position_embeddings;
+  d["max_model_len"] = c.max_model_len;
   d["final_logit_softcapping"] = c.final_logit_softcapping;
   d["quantization"] = c.quantization;
   nb::list layer_types;
@@ -330,15 +331,17 @@ NB_MODULE(_core, m) {
           "load",
           [](const std::string& path, const std::string& device, const std::string& dtype, int num_threads,
              int64_t kv_cache_memory_bytes, int kv_block_size, int max_num_seqs, const std::string& load_format,
-             const std::string& quantization, const std::string& activations, const std::string& kv_cache_dtype) {
+             const std::string& quantization, const std::string& activations, const std::string& kv_cache_dtype,
+             int64_t max_model_len) {
             GilReleased release;
             return Model::load(path, LoadOptions{device, dtype, num_threads, kv_cache_memory_bytes, kv_block_size,
-                                                 max_num_seqs, load_format, quantization, activations, kv_cache_dtype});
+                                                 max_num_seqs, load_format, quantization, activations, kv_cache_dtype,
+                                                 max_model_len});
           },
           nb::arg("path"), nb::arg("device") = "cpu", nb::arg("dtype") = "", nb::arg("num_threads") = 0,
           nb::arg("kv_cache_memory_bytes") = 0, nb::arg("kv_block_size") = 16, nb::arg("max_num_seqs") = 64,
           nb::arg("load_format") = "auto", nb::arg("quantization") = "", nb::arg("activations") = "float32",
-          nb::arg("kv_cache_dtype") = "auto")
+          nb::arg("kv_cache_dtype") = "auto", nb::arg("max_model_len") = 0)
       .def_prop_ro("config", [](const Model& self) { return config_dict(self.config()); })
       .def_prop_ro("dtype", [](const Model& self) { return std::string(dtype_name(self.weight_dtype())); })
       .def_prop_ro("kv_cache_dtype", [](const Model& self) { return std::string(dtype_name(self.kv_cache_dtype())); })

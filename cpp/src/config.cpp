@@ -423,6 +423,7 @@ ModelConfig load_config(const std::string& dir) {
   c.moe_intermediate_size = int(t.integer("moe_intermediate_size", 1, kMaxDim));
   c.sliding_window = int(t.integer_or("sliding_window", 512, 1, INT32_MAX));  // >= 2 with a sliding layer (below)
   c.max_position_embeddings = t.integer_or("max_position_embeddings", 131072, 1, INT64_C(1) << 40);
+  c.max_model_len = c.max_position_embeddings;  // (Model::load's max_model_len may lower it)
   c.rms_norm_eps = t.float_or("rms_norm_eps", 1e-6f);
   // transformers' DiffusionGemma divides the logits by it whatever it is: null (which other
   // Gemma configs read as "no softcapping", and which would otherwise take the default, 30)

@@ -143,7 +143,7 @@ constexpr const char* kRaiseKv = " (raise kv_cache_memory_bytes; the CLI's --kv-
 // The most blocks of `canvas` tokens after a prompt of `prompt` tokens that the positions and
 // the whole KV cache admit (0: none).
 int64_t blocks_that_fit(const ModelConfig& c, const KvCache& kv, int64_t prompt, int canvas) {
-  return std::max<int64_t>(0, (kv.longest_sequence(c.max_position_embeddings, canvas) - prompt) / canvas);
+  return std::max<int64_t>(0, (kv.longest_sequence(c.max_model_len, canvas) - prompt) / canvas);
 }
 
 }  // namespace
@@ -190,24 +190,24 @@ void Engine::add(uint64_t id, std::vector<int32_t> prompt, const SamplingParams&
   // KV cache, whatever the length limit (which fit_to_context leaves at its most where not
   // even one block fits); else the length limit is (a short prompt with many new tokens had
   // been blamed on the prompt).
-  if (int64_t(prompt.size()) + r->canvas > c.max_position_embeddings)
+  if (int64_t(prompt.size()) + r->canvas > c.max_model_len)
     throw InvalidArgument("prompt: " + std::to_string(prompt.size()) + " tokens leave no room for a block of " +
-                          std::to_string(r->canvas) + " new tokens within max_position_embeddings (" +
-                          std::to_string(c.max_position_embeddings) + ")");
+                          std::to_string(r->canvas) + " new tokens within " + c.max_model_len_name() + " (" +
+                          std::to_string(c.max_model_len) + ")");
   // The KV cache's refusals name the longest sequence it holds (max_model_len, where the
   // request's canvas is the model's), as the positions' refusals name theirs.
   auto longest = [&] {
     return ", whose longest sequence is " +
-           std::to_string(kv.longest_sequence(c.max_position_embeddings, r->canvas)) + " tokens";
+           std::to_string(kv.longest_sequence(c.max_model_len, r->canvas)) + " tokens";
   };
   if (!kv.could_hold(int64_t(prompt.size()) + r->canvas, r->canvas))
     throw InvalidArgument("prompt: " + std::to_string(prompt.size()) + " tokens and a block of " +
                           std::to_string(r->canvas) + " new tokens need more KV than the whole cache holds" +
                           longest() + kRaiseKv);
-  if (total > c.max_position_embeddings)
+  if (total > c.max_model_len)
     throw InvalidArgument(length.limit + ": the prompt (" + std::to_string(prompt.size()) + " tokens) plus " +
                           std::to_string(length.blocks) + " blocks of " + std::to_string(r->canvas) +
-                          " new tokens exceeds max_position_embeddings (" + std::to_string(c.max_position_embeddings) +
+                          " new tokens exceeds " + c.max_model_len_name() + " (" + std::to_string(c.max_model_len) +
                           ")");
   if (!kv.could_hold(total, r->canvas))
     throw InvalidArgument(length.limit + ": the prompt (" + std::to_string(prompt.size()) + " tokens) plus " +

@@ -41,9 +41,9 @@ DType parse_dtype(const std::string& name, DType stored) {
 }
 
 void check_positions(int64_t length, size_t n, const ModelConfig& c, const char* what) {
-  if (length + int64_t(n) > c.max_position_embeddings)
+  if (length + int64_t(n) > c.max_model_len)
     throw InvalidArgument(std::string(what) + ": " + std::to_string(length) + " + " + std::to_string(n) +
-                          " tokens exceed max_position_embeddings (" + std::to_string(c.max_position_embeddings) +
+                          " tokens exceed " + c.max_model_len_name() + " (" + std::to_string(c.max_model_len) +
                           ")");
 }
 
@@ -151,6 +151,9 @@ std::shared_ptr<Model> Model::load(const std::string& path, const LoadOptions& o
     throw InvalidArgument("kv_block_size must be >= 1, got " + std::to_string(options.kv_block_size));
   if (options.max_num_seqs < 1)
     throw InvalidArgument("max_num_seqs must be >= 1, got " + std::to_string(options.max_num_seqs));
+  if (options.max_model_len < 0)
+    throw InvalidArgument("max_model_len must be >= 0 (0: max_position_embeddings), got " +
+                          std::to_string(options.max_model_len));
   // (The overload that reports through an error code: a path the OS refuses to look up, one
   // too long say, had escaped as std::filesystem::filesystem_error.)
   std::error_code error;
@@ -160,6 +163,18 @@ std::shared_ptr<Model> Model::load(const std::string& path, const LoadOptions& o
   state->path = path;
   state->device = options.device;
   state->config = load_config(path);
+  if (options.max_model_len) {  // (vLLM's option: a shorter longest sequence than the model's)
+    ModelConfig& c = state->config;
+    if (options.max_model_len > c.max_position_embeddings)
+      throw InvalidArgument("max_model_len " + std::to_string(options.max_model_len) +
+                            " is more than the model's max_position_embeddings (" +
+                            std::to_string(c.max_position_embeddings) + ")");
+    if (options.max_model_len <= c.canvas_length)
+      throw InvalidArgument("max_model_len " + std::to_string(options.max_model_len) +
+                            " leaves no room for a prompt token and a block of canvas_length (" +
+                            std::to_string(c.canvas_length) + ") new tokens");
+    c.max_model_len = options.max_model_len;
+  }
   DType stored = DType::BF16;  // dummy weights default to bf16
   if (options.load_format == "auto") {
     state->checkpoint = std::make_shared<Checkpoint>(path);
@@ -261,7 +276,7 @@ CacheStats Model::cache_stats() const {
 
 int64_t Model::max_sequence_tokens() const {
   const auto lock = state_->lock();
-  return state_->kv->longest_sequence(config().max_position_embeddings, config().canvas_length);
+  return state_->kv->longest_sequence(config().max_model_len, config().canvas_length);
 }
 
 std::unique_ptr<Sequence> Model::new_sequence(int canvas_length) {

@@ -29,9 +29,9 @@ def run(llm: LLM, concurrency: List[int], prompt_tokens: int, max_tokens: int, s
     vocab = llm.model.vocab_size
     params = SamplingParams(max_new_tokens=max_tokens, max_denoising_steps=steps, confidence_threshold=1e-30,
                             eos_token_id=[], seed=0)
-    positions = llm.model.config["max_position_embeddings"]
+    positions = llm.model.config["max_model_len"]
     if prompt_tokens + llm.model.canvas_length > positions:  # before the prompts are drawn (2^31 tokens each)
-        raise ValueError(f"--prompt-tokens {prompt_tokens} leaves no room for a block within max_position_embeddings "
+        raise ValueError(f"--prompt-tokens {prompt_tokens} leaves no room for a block within max_model_len "
                          f"({positions})")
     # One request first, untimed: first-use costs (allocations; on a GPU, graphs and GEMM
     # plans) had gone into the first row, the batch-1 figure.

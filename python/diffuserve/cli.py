@@ -102,7 +102,7 @@ def _load(path: Optional[str], args):
                        kv_cache_memory_bytes=kv_bytes, max_num_seqs=args.max_num_seqs,
                        max_num_batched_tokens=args.max_num_batched_tokens, load_format=args.load_format,
                        slice_steps=getattr(args, "slice_steps", 8), activations=args.activations,
-                       kv_cache_dtype=args.kv_cache_dtype)
+                       kv_cache_dtype=args.kv_cache_dtype, max_model_len=args.max_model_len)
         except (ValueError, MemoryError) as e:
             sys.exit(f"error: {e}")
         finally:
@@ -240,7 +240,7 @@ def generate(args) -> None:
         check_encoded(prompt, "the prompt", llm.model.vocab_size)
         # Without --max-tokens, as the server without max_tokens.
         max_tokens = length_untold(args.max_tokens, llm.model.config["generation"]["length_given"],
-                                   llm.model.config["max_position_embeddings"])
+                                   llm.model.config["max_model_len"])
         params = SamplingParams(max_new_tokens=max_tokens, seed=args.seed,
                                 max_denoising_steps=args.max_denoising_steps,
                                 eos_token_id=[] if args.ignore_eos else None, fit_to_context=args.max_tokens is None)
@@ -371,6 +371,9 @@ def _engine_options(parser: argparse.ArgumentParser) -> None:
                             "of the memory the weights leave)")
     group.add_argument("--max-num-seqs", type=in_range(int, 1, INT32_MAX), default=64, metavar="N",
                        help="requests computed at once (default: 64)")
+    group.add_argument("--max-model-len", type=in_range(int, 1, 2**62), default=None, metavar="N",
+                       help="the longest sequence (prompt and new tokens) a request may reach, at most the model's "
+                            "max_position_embeddings (default: that)")
     group.add_argument("--max-num-batched-tokens", type=in_range(int, 1, 2**62), default=None, metavar="N",
                        help="rows per forward pass (default: max(4096, 4 canvases))")
     group.add_argument("--load-format", choices=["auto", "dummy"], default="auto",

@@ -159,7 +159,8 @@ class LLM:
     fuse_commit: commit a block in the same forward as the next block's first step.
     load_format, quantization: as Model.load (random weights for benchmarks); activations: as
     Model.load ("float32", or "bfloat16" for the faster, bf16-rounded linear inputs);
-    kv_cache_dtype: as Model.load ("auto": bf16 where activations are and the device allows).
+    kv_cache_dtype: as Model.load ("auto": bf16 where activations are and the device allows);
+    max_model_len: as Model.load (the longest sequence a request may reach; None: the model's).
     Threads may share an LLM: its calls run one at a time, and generate calls made at once
     run one after the other; a thread waiting for the LLM has it before a thread that just
     had it takes it again (a thread stepping in a loop lets another's abort in between steps).
@@ -169,7 +170,8 @@ class LLM:
                  kv_cache_memory_bytes: Optional[int] = None, max_num_seqs: int = 64,
                  max_num_batched_tokens: Optional[int] = None, kv_block_size: int = 16, slice_steps: int = 8,
                  fuse_commit: bool = True, load_format: str = "auto", quantization: Optional[str] = None,
-                 activations: str = "float32", kv_cache_dtype: str = "auto"):
+                 activations: str = "float32", kv_cache_dtype: str = "auto",
+                 max_model_len: Optional[int] = None):
         if path is None:  # the bundled Sudoku model
             from . import default_model
             path = default_model()
@@ -178,7 +180,7 @@ class LLM:
         self.model = Model.load(path, device=device, dtype=dtype, num_threads=num_threads,
                                 kv_cache_memory_bytes=kv_cache_memory_bytes, kv_block_size=kv_block_size,
                                 max_num_seqs=max_num_seqs, load_format=load_format, quantization=quantization,
-                                activations=activations, kv_cache_dtype=kv_cache_dtype)
+                                activations=activations, kv_cache_dtype=kv_cache_dtype, max_model_len=max_model_len)
         canvas = self.model.canvas_length
         if max_num_batched_tokens is None:
             max_num_batched_tokens = max(4096, 4 * canvas)

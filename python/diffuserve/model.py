@@ -59,7 +59,8 @@ class Model:
     def load(cls, path, device: str = "cpu", dtype: Optional[str] = None, num_threads: int = 0,
              kv_cache_memory_bytes: Optional[int] = None, kv_block_size: int = 16, max_num_seqs: int = 64,
              load_format: str = "auto", quantization: Optional[str] = None,
-             activations: str = "float32", kv_cache_dtype: str = "auto") -> "Model":
+             activations: str = "float32", kv_cache_dtype: str = "auto",
+             max_model_len: Optional[int] = None) -> "Model":
         """Loads a checkpoint directory (config.json + safetensors, single or sharded), or the
         model of a Hugging Face Hub id ("google/...") from the local Hugging Face cache.
 
@@ -88,6 +89,9 @@ class Model:
         Hopper), as the attention rounds them to bf16 anyway: the same results in half the
         memory; else fp32. "float32" forces fp32; "bfloat16" is an error where "auto" would
         not choose it. Model.kv_cache_dtype says which.
+        max_model_len: the longest sequence (prompt and generated tokens) a request may reach,
+        as vLLM's (None: config.json's max_position_embeddings; more than that is an error);
+        config["max_model_len"] says which.
         """
         path = resolve_checkpoint(check_path("path (a checkpoint directory)", path))
         if dtype is not None and not isinstance(dtype, str):
@@ -109,10 +113,12 @@ class Model:
             raise ValueError(f"activations must be 'float32' or 'bfloat16', got {activations!r}")
         if kv_cache_dtype not in ("auto", "float32", "bfloat16"):
             raise ValueError(f"kv_cache_dtype must be 'auto', 'float32' or 'bfloat16', got {kv_cache_dtype!r}")
+        if max_model_len is not None:
+            max_model_len = check_int("max_model_len", max_model_len, 1, INT64_MAX)
         try:
             native = _core.Model.load(path, device, _DTYPES[dtype], num_threads, kv_cache_memory_bytes or 0,
                                       kv_block_size, max_num_seqs, load_format, quantization or "", activations,
-                                      kv_cache_dtype)
+                                      kv_cache_dtype, max_model_len or 0)
         except MemoryError as e:  # the runtime's std::bad_alloc: say what was being allocated
             kv = "its default" if kv_cache_memory_bytes is None else f"{kv_cache_memory_bytes} bytes"
             raise MemoryError(f"loading {path}: out of memory for the weights or the KV cache "

@@ -333,7 +333,7 @@ class _Server:
         tokenizer_eos = self.tokenizer.eos_token_id if self.tokenizer is not None else None
         self.eos_token_id = tokenizer_eos if tokenizer_eos is not None else next(iter(self.eos_token_ids), None)
         self.defaults = {"t_min": generation["t_min"], "t_max": generation["t_max"],
-                         "length_given": generation["length_given"], "context": config["max_position_embeddings"],
+                         "length_given": generation["length_given"], "context": config["max_model_len"],
                          "eos_token_ids": self.eos_token_ids, "vocab_size": config["vocab_size"]}
         self.metrics = Metrics(lambda: self.engine.stats)
         # The longest prompt text taken: by default max_model_len tokens of the vocabulary's

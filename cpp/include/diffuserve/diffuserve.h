@@ -56,6 +56,9 @@ struct LoadOptions {
   // the CPU, or on CUDA head dims 256 and 512 on Hopper; the same results in half the
   // memory; else fp32), "float32", or "bfloat16" (an error where "auto" would not choose it).
   std::string kv_cache_dtype = "auto";
+  // The longest sequence (prompt and generated tokens) a request may reach, as vLLM's
+  // max_model_len: 0 takes config.json's max_position_embeddings; more than that is an error.
+  int64_t max_model_len = 0;
 };
 
 // Occupancy of the KV cache (see kv_cache.h).
