@@ -1401,6 +1401,21 @@ def test_an_internal_error_is_a_500_with_cors_headers(offline, monkeypatch):
         assert http.get("/v1/models").status_code == 200  # and the server goes on
 
 
+def test_vllms_options_without_an_equivalent_are_refused_with_the_way_forward(capsys):
+    """A vLLM command line moved over: each of its options that has no equivalent here is named
+    with what takes its place, beside argparse's usual refusal (=value forms too)."""
+    from diffuserve.cli import main
+
+    with pytest.raises(SystemExit) as exit:
+        main(["serve", "m", "--gpu-memory-utilization=0.9", "-tp", "2", "--enable-prefix-caching", "--bogus"])
+    said = capsys.readouterr().err
+    assert exit.value.code == 2
+    assert "error: unrecognized arguments: --gpu-memory-utilization=0.9 -tp 2 --enable-prefix-caching --bogus" in said
+    assert "(--gpu-memory-utilization is vLLM's: the KV cache is sized by --kv-cache-gib" in said
+    assert "(-tp is vLLM's: a server runs on one GPU" in said and "prefix caching is always on" in said
+    assert "--bogus is" not in said
+
+
 def test_serve_takes_its_key_from_vllms_variable_too(monkeypatch):
     """A deployment moved over from vLLM keeps its key: $VLLM_API_KEY is the default after
     $DIFFUSERVE_API_KEY (it had been unread, and the server open to every client)."""

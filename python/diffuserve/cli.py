@@ -521,8 +521,29 @@ class _StatusStream:
         return getattr(self._stream, name)
 
 
+# vLLM's options that have no equivalent here, and what takes their place: a vLLM command line
+# moved over is refused with the way forward, not only "unrecognized arguments".
+VLLM_OPTIONS = {
+    "--gpu-memory-utilization": "the KV cache is sized by --kv-cache-gib (default: 80% of the GPU memory the weights "
+                                "leave)",
+    "--tensor-parallel-size": "a server runs on one GPU (--device cuda:N)",
+    "-tp": "a server runs on one GPU (--device cuda:N)",
+    "--pipeline-parallel-size": "a server runs on one GPU (--device cuda:N)",
+    "--trust-remote-code": "no checkpoint code runs: DiffusionGemma is built in",
+    "--enable-prefix-caching": "prefix caching is always on",
+    "--quantization": "a checkpoint's quantization_config says how its weights are quantized (diffuserve quantize "
+                      "makes one)",
+    "--tokenizer": "the checkpoint's tokenizer.json is used",
+}
+
+
 def main(argv=None) -> None:
-    args = parser().parse_args(argv)
+    root = parser()
+    args, unknown = root.parse_known_args(argv)
+    if unknown:
+        hints = [f"{name} is vLLM's: {VLLM_OPTIONS[name]}" for name in dict.fromkeys(
+            arg.split("=", 1)[0] for arg in unknown) if name in VLLM_OPTIONS]
+        root.error(f"unrecognized arguments: {' '.join(unknown)}" + "".join(f"\n  ({hint})" for hint in hints))
     # A command run with stdout closed (`>&-`, a supervisor's setting): serve, whose log lines
     # go there (uvicorn's formatter asks it isatty), writes them nowhere; the others, whose
     # answer goes there, say so (their answer had been lost, the exit 0).
