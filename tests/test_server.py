@@ -270,6 +270,37 @@ def test_ignore_eos(client, offline):
     assert "".join(c.text for c in chunks) == expected.text and chunks[-1].finish_reason == "length"
 
 
+def test_a_stop_tokens_text_completes_the_character_before_it(tmp_path):
+    """include_stop_str_in_output with a stop id that is a character's last byte: the text ends
+    with that character, plain and streamed, as the output's decode has it (the byte before it
+    had gone out as U+FFFD, and the stop id's own byte as another)."""
+    from fastapi.testclient import TestClient
+
+    path = write_chat_checkpoint(tmp_path / "m", byte_fallback=True)
+    llm = ds.LLM(path)
+    lead, last = llm.tokenizer.token_id("<0xC3>"), llm.tokenizer.token_id("<0xA9>")  # "é": C3 A9
+    other = llm.tokenizer.encode("a", add_special_tokens=False)[0]
+    engine = AsyncLLM(llm)
+    try:
+        with TestClient(build_app(engine, MODEL)) as http:
+            for seed in range(100):
+                body = {"model": MODEL, "prompt": "Hello", "max_tokens": 32, "seed": seed, "return_token_ids": True,
+                        "allowed_token_ids": [lead, last, other], "stop_token_ids": [last],
+                        "include_stop_str_in_output": True}
+                choice = http.post("/v1/completions", json=body).json()["choices"][0]
+                if choice["token_ids"][-2:] == [lead, last]:
+                    break
+            assert choice["token_ids"][-2:] == [lead, last] and choice["stop_reason"] == last
+            expected = llm.tokenizer.decode_output(choice["token_ids"])
+            assert choice["text"] == expected and expected.endswith("é")
+            with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as response:
+                chunks = [json.loads(line.removeprefix("data: ")) for line in response.iter_lines()
+                          if line.startswith("data: {")]
+            assert "".join(c["choices"][0]["text"] for c in chunks) == expected
+    finally:
+        engine.shutdown()
+
+
 def test_stop_token_ids_and_stop_reason(client, offline, base_url):
     """vLLM's stop_token_ids end a choice as the EOS does (they had been refused as unknown), with
     ignore_eos too, and each choice's stop_reason says what ended it: the stop string, the stop

@@ -246,19 +246,26 @@ class _Choice:
                 output = progress.output
                 token_ids = until_eos(progress.token_ids, self.eos)
                 ended_by = progress.token_ids[len(token_ids)] if len(token_ids) < len(progress.token_ids) else None
-                piece = ""
+                # The id that ended the output, where its text goes out too (include_stop_str_in_output),
+                # is decoded after the text before it, outside the stop strings' search (as vLLM:
+                # the stop token, not a stop string in its text, ended the output), by the same
+                # detokenizer: a byte token that completes a character gives that character.
+                stop_token = ended_by is not None and self._include_stop and detokenizer is not None
+                piece = stop_text = ""
                 if detokenizer is not None:
-                    piece = detokenizer.push(token_ids[done:]) + (detokenizer.finish() if output else "")
+                    piece = detokenizer.push(token_ids[done:])
+                    if stop_token:
+                        stop_text = detokenizer.push([ended_by]) + detokenizer.finish()
+                    elif output:
+                        piece += detokenizer.finish()
                 done, generated = len(token_ids), len(progress.token_ids)
                 if generated and self.first_block_seconds is None:
                     self.first_block_seconds = time.monotonic() - self.arrived
                 if progress.scheduled_at is not None and self.queue_seconds is None:
                     self.queue_seconds = progress.scheduled_at - self.arrived
                 event = ChoiceEvent(self.index, stops.push(piece, final=output is not None))
-                if self._include_stop and ended_by is not None and not stops.stopped and tokenizer is not None:
-                    # The id's text too (none for a special one), outside the stop strings' search
-                    # (as vLLM: the stop token, not a stop string in its text, ended the output).
-                    event.text += tokenizer.decode_output([ended_by])
+                if stop_token and not stops.stopped:
+                    event.text += stop_text
                 # A draft is of the block after the text so far: past a stop string, it is
                 # text the output will never have.
                 if progress.draft and tokenizer is not None and not stops.stopped:
