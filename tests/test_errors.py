@@ -21,6 +21,7 @@ import pytest
 from safetensors.numpy import load_file
 
 import diffuserve as ds
+from diffuserve import _core
 from diffuserve.random_checkpoint import write_random_checkpoint
 from diffuserve.safetensors_io import write_safetensors
 
@@ -597,6 +598,104 @@ def test_the_default_thread_count_is_the_cpus_the_process_may_run_on(valid_dir):
     env = {key: value for key, value in os.environ.items() if key != "DIFFUSERVE_NUM_THREADS"}
     out = subprocess.run([sys.executable, "-c", code, str(valid_dir)], capture_output=True, text=True, timeout=120,
                          env=env)
+    assert out.stdout == "0\n", out.stdout + out.stderr
+
+
+def _write_files(root, files: dict) -> None:
+    for name, text in files.items():
+        os.makedirs(os.path.dirname(os.path.join(root, name)), exist_ok=True)
+        with open(os.path.join(root, name), "w") as f:
+            f.write(text)
+
+
+@pytest.mark.parametrize("groups, files, limits", [
+    # v1 in a container: the groups' paths are the host's, the mounts the container's own group.
+    ("4:memory:/docker/abc\n3:cpu,cpuacct:/docker/abc\n0::/\n",
+     {"memory/memory.limit_in_bytes": "1073741824\n", "cpu/cpu.cfs_quota_us": "150000\n",
+      "cpu/cpu.cfs_period_us": "100000\n"}, (1 << 30, 1.5)),
+    # v1 on the host: the tightest of the group and its ancestors; no limit written as the
+    # largest page-aligned int64, and a quota of -1.
+    ("4:memory:/a/b\n3:cpu:/a/b\n", {"memory/memory.limit_in_bytes": "9223372036854771712\n",
+                                     "memory/a/memory.limit_in_bytes": "3000000000\n",
+                                     "memory/a/b/memory.limit_in_bytes": "5000000000\n",
+                                     "cpu/a/b/cpu.cfs_quota_us": "-1\n", "cpu/a/b/cpu.cfs_period_us": "100000\n"},
+     (3000000000, 0.0)),
+    # v2: "max" is no limit; cpu.max is "QUOTA PERIOD".
+    ("0::/k/pod\n", {"k/memory.max": "max\n", "k/pod/memory.max": "2147483648\n", "k/cpu.max": "max 100000\n",
+                     "k/pod/cpu.max": "250000 100000\n"}, (2 << 30, 2.5)),
+    ("0::/\n", {"memory.max": "max\n", "cpu.max": "max 100000\n"}, (0, 0.0)),
+    # Files that do not parse are skipped.
+    ("0::/x\n", {"x/memory.max": "lots\n", "x/cpu.max": "1 2 3\n"}, (0, 0.0)),
+], ids=["v1-container", "v1-ancestors", "v2", "v2-none", "v2-garbage"])
+def test_container_limits_are_read_from_the_cgroup_files(tmp_path, groups, files, limits):
+    """The memory limit and CPU quota of the process's control groups (docker -m / --cpus,
+    Kubernetes' limits), which the CPU backend sizes its default KV cache and threads by."""
+    _write_files(tmp_path / "fs", files)
+    (tmp_path / "cgroup").write_text(groups)
+    assert _core.cgroup_limits(str(tmp_path / "cgroup"), str(tmp_path / "fs")) == limits
+    assert _core.cgroup_limits(str(tmp_path / "none"), str(tmp_path / "fs")) == (0, 0.0)
+
+
+def _cgroup_v1(controller: str, settings: dict):
+    """A cgroup-v1 group of `controller` with `settings` written, or None where this process
+    cannot make one (not root, no v1 hierarchy): a child that writes its pid to `tasks` runs in it."""
+    base = f"/sys/fs/cgroup/{controller}"
+    if os.geteuid() != 0 or not os.path.isfile(f"{base}/tasks"):
+        return None
+    path = f"{base}/diffuserve-test-{os.getpid()}"
+    try:
+        os.mkdir(path)
+        for name, value in settings.items():
+            with open(f"{path}/{name}", "w") as f:
+                f.write(value)
+    except OSError:
+        if os.path.isdir(path):
+            os.rmdir(path)
+        return None
+    return path
+
+
+def _run_in(group: str, code: str, *args) -> subprocess.CompletedProcess:
+    def join():
+        with open(f"{group}/tasks", "w") as f:
+            f.write(str(os.getpid()))
+    env = {key: value for key, value in os.environ.items() if key != "DIFFUSERVE_NUM_THREADS"}
+    try:
+        return subprocess.run([sys.executable, "-c", code, *map(str, args)], capture_output=True, text=True,
+                              timeout=120, env=env, preexec_fn=join)
+    finally:
+        os.rmdir(group)
+
+
+def test_a_containers_memory_limit_is_the_cpus_memory(valid_dir):
+    """In a group of 1 GiB (docker -m 1g) the CPU backend has 1 GiB in all: a KV cache of 2 GiB
+    is refused, naming it, and the default cache is a quarter of it (it had been sized from the
+    host's memory, and the process killed as it filled)."""
+    group = _cgroup_v1("memory", {"memory.limit_in_bytes": str(1 << 30)})
+    if group is None:
+        pytest.skip("cannot make a cgroup-v1 memory group here")
+    code = ("import sys, diffuserve as ds\n"
+            "try:\n    ds.Model.load(sys.argv[1], kv_cache_memory_bytes=2 << 30)\n"
+            "except ValueError as e:\n    print(e)\n"
+            "print(ds.LLM(sys.argv[1]).stats()['kv_blocks_total'], ds.LLM(sys.argv[1], "
+            "kv_cache_memory_bytes=256 << 20).stats()['kv_blocks_total'])")
+    out = _run_in(group, code, valid_dir)
+    lines = out.stdout.splitlines()
+    assert lines[0] == f"kv_cache_memory_bytes {2 << 30} is more than cpu has in all ({1 << 30} bytes)", out.stderr
+    default, quarter = lines[1].split()
+    assert default == quarter
+
+
+def test_a_cpu_quota_bounds_the_default_thread_count(valid_dir):
+    """Under a quota of one CPU (docker --cpus 1) the pool has no thread beside the caller's,
+    whatever CPUs the affinity allows (one a host CPU had each been throttled)."""
+    group = _cgroup_v1("cpu", {"cpu.cfs_period_us": "100000", "cpu.cfs_quota_us": "100000"})
+    if group is None:
+        pytest.skip("cannot make a cgroup-v1 cpu group here")
+    code = ("import os, sys, diffuserve as ds\nbefore = len(os.listdir('/proc/self/task'))\n"
+            "model = ds.Model.load(sys.argv[1])\nmodel.sequence().prefill([2, 3, 4])\n"
+            "print(len(os.listdir('/proc/self/task')) - before)")
+    out = _run_in(group, code, valid_dir)
     assert out.stdout == "0\n", out.stdout + out.stderr
 
 

@@ -18,6 +18,7 @@
 #include <thread>
 
 #include "backend.h"
+#include "cgroup.h"
 #include "diffuserve/diffuserve.h"
 #include "diffuserve/engine.h"
 #include "diffuserve/generate.h"
@@ -314,6 +315,15 @@ NB_MODULE(_core, m) {
   m.doc() = "diffuserve native runtime";
   nb::exception<FormatError>(m, "CheckpointError", PyExc_ValueError);
   m.def("cuda_available", &cuda_available);
+  // The container limits the CPU backend sizes its default KV cache and threads by, as
+  // (memory bytes, CPUs), 0 for none: read from given files, for the tests' own groups.
+  m.def(
+      "cgroup_limits",
+      [](const std::string& proc_self_cgroup, const std::string& root) {
+        const CgroupLimits limits = cgroup_limits(proc_self_cgroup, root);
+        return std::make_pair(limits.memory_bytes, limits.cpus);
+      },
+      nb::arg("proc_self_cgroup") = "/proc/self/cgroup", nb::arg("root") = "/sys/fs/cgroup");
   main_thread = nb::cast<unsigned long>(nb::module_::import_("threading").attr("main_thread")().attr("ident"));
   nb::module_::import_("atexit").attr("register")(nb::cpp_function(at_exit));
   // The safetensors files a load of checkpoint directory `dir` reads, checked as a load checks

@@ -12,6 +12,7 @@
 
 #include "activation_quant.h"
 #include "backend.h"
+#include "cgroup.h"
 #include "cpu_simd.h"
 #include "diffuserve/errors.h"
 #include "thread_pool.h"
@@ -69,10 +70,16 @@ class CpuBackend final : public Backend {
     return a;
   }
 
-  int64_t default_kv_cache_bytes() override {  // a quarter of physical memory, at most 4 GiB
+  int64_t default_kv_cache_bytes() override {  // a quarter of the memory, at most 4 GiB
     return std::min<int64_t>(memory_bytes() / 4, int64_t(4) << 30);
   }
-  int64_t memory_bytes() override { return int64_t(sysconf(_SC_PHYS_PAGES)) * sysconf(_SC_PAGE_SIZE); }
+  // Physical memory, or the container's limit where lower (in a 1 GiB container the cache had
+  // been sized for the host, and the process killed as it filled).
+  int64_t memory_bytes() override {
+    const int64_t physical = int64_t(sysconf(_SC_PHYS_PAGES)) * sysconf(_SC_PAGE_SIZE);
+    const int64_t limit = cgroup_limits().memory_bytes;
+    return limit ? std::min(physical, limit) : physical;
+  }
 
   Weight upload(const void* host, DType dtype, const std::vector<int64_t>& shape, DType as,
                 std::shared_ptr<const void> keep_alive) override {
