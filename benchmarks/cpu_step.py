@@ -2,7 +2,8 @@
 generation throughput with 1, 4 and 16 concurrent requests, with and without the commit
 fusion.
 
-    python benchmarks/cpu_step.py [--threads N] [--dtype float32|bfloat16] [--repeats R]
+    python benchmarks/cpu_step.py [--threads N] [--dtype float32|bfloat16]
+                                  [--activations float32|bfloat16] [--repeats R]
 
 Shape: hidden 256, 4 layers (3 sliding + 1 full), 8 experts top-2, canvas 64, 128-token
 prompt; generation at a fixed 16 denoise steps per block. Prints tables of the median and
@@ -38,12 +39,14 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--threads", type=int, default=0, help="0: one for each CPU the process may run on")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--activations", default="float32", choices=["float32", "bfloat16"],
+                    help="bfloat16: the linears' and attention's inputs rounded to bf16, and a bf16 KV cache")
     ap.add_argument("--repeats", type=int, default=10)
     args = ap.parse_args()
 
     with tempfile.TemporaryDirectory() as tmp:
         path = write_random_checkpoint(f"{tmp}/m", canvas_length=CANVAS, dtype=args.dtype, **CONFIG)
-        model = ds.Model.load(path, num_threads=args.threads)
+        model = ds.Model.load(path, num_threads=args.threads, activations=args.activations)
         rng = np.random.default_rng(0)
         prompt = rng.integers(0, CONFIG["vocab_size"], PROMPT)
         canvas = rng.integers(0, CONFIG["vocab_size"], CANVAS)
@@ -65,12 +68,13 @@ def main():
         commits = [commit() for _ in range(args.repeats)]
         rows.append(("commit", CANVAS, (statistics.median(commits), min(commits))))
 
-        generation = [generation_row(path, args.threads, n, fuse) for n in (1, 4, 16) for fuse in (True, False)]
+        generation = [generation_row(path, args.threads, args.activations, n, fuse)
+                      for n in (1, 4, 16) for fuse in (True, False)]
 
     threads = args.threads or int(os.environ.get("DIFFUSERVE_NUM_THREADS") or 0) or len(os.sched_getaffinity(0))
     print(f"diffuserve CPU step latency: hidden {CONFIG['hidden_size']}, {CONFIG['num_hidden_layers']} layers, "
           f"{CONFIG['num_experts']} experts top-{CONFIG['top_k_experts']}, vocab {CONFIG['vocab_size']}, "
-          f"{args.dtype} weights, {threads} threads, {args.repeats} runs")
+          f"{args.dtype} weights, {args.activations} activations, {threads} threads, {args.repeats} runs")
     print(f"| {'pass':<22} | {'tokens':>6} | {'median ms':>9} | {'best ms':>8} | {'tokens/s':>9} |")
     print(f"|{'-' * 24}|{'-' * 8}|{'-' * 11}|{'-' * 10}|{'-' * 11}|")
     for name, tokens, (median, best) in rows:
@@ -90,10 +94,10 @@ def main():
 GEN_TOKENS, STEPS = 4 * CANVAS, 16
 
 
-def generation_row(path, threads, requests, fuse):
+def generation_row(path, threads, activations, requests, fuse):
     """Seconds and forward passes for `requests` concurrent requests, each generating
     GEN_TOKENS at exactly STEPS denoise steps per block (confidence made unreachable)."""
-    llm = ds.LLM(path, num_threads=threads, fuse_commit=fuse)
+    llm = ds.LLM(path, num_threads=threads, fuse_commit=fuse, activations=activations)
     rng = np.random.default_rng(1)
     prompts = [rng.integers(0, CONFIG["vocab_size"], PROMPT).tolist() for _ in range(requests)]
     params = fixed_steps(GEN_TOKENS, STEPS, seed=0)

@@ -288,7 +288,7 @@ class CpuBackend final : public Backend {
       std::vector<Run> runs;
       // Rows [first, end) of a span's keys or values, kv head kvh, as the products take them:
       // the stored fp32 rows in place (ld: their stride), else widened, and rounded to bf16
-      // with round_bf16, into `widened`.
+      // with round_bf16 (but bf16 ones, which are already), into `widened`.
       auto span_rows = [&](const Run& run, const void* data, int64_t kvh, int64_t& ld) -> const float* {
         const KeySpan& s = *run.span;
         if (s.dtype == DType::F32 && !round_bf16) {
@@ -301,7 +301,8 @@ class CpuBackend final : public Backend {
         for (int64_t k = run.first; k < run.end; ++k) {
           float* row = widened.data() + (k - run.first) * head_dim;
           widen(static_cast<const uint8_t*>(data) + (k * kv_stride + kvh * head_dim) * esz, s.dtype, head_dim, row);
-          for (int64_t d = 0; d < head_dim; ++d) row[d] = input(row[d]);
+          if (s.dtype != DType::BF16)
+            for (int64_t d = 0; d < head_dim; ++d) row[d] = input(row[d]);
         }
         return widened.data();
       };

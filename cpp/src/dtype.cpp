@@ -184,18 +184,8 @@ std::vector<uint8_t> store_floats(const std::vector<float>& values, DType to) {
   return out;
 }
 
-float round_to_dtype(float x, DType t) {
-  switch (t) {
-    case DType::F32:
-      return x;
-    case DType::BF16:
-      return bf16_to_f32(f32_to_bf16(x));
-    case DType::F16:
-      return f16_to_f32(f32_to_f16(x));
-    default:
-      throw InvalidArgument(std::string("round_to_dtype: ") + dtype_name(t) +
-                            " is not a floating-point weight dtype");
-  }
+void refuse_rounding_to(DType t) {
+  throw InvalidArgument(std::string("round_to_dtype: ") + dtype_name(t) + " is not a floating-point weight dtype");
 }
 
 }  // namespace diffuserve

@@ -158,7 +158,7 @@ class LLM:
     (default max(4096, 4 canvases)); slice_steps: forward passes per engine step;
     fuse_commit: commit a block in the same forward as the next block's first step.
     load_format, quantization: as Model.load (random weights for benchmarks); activations: as
-    Model.load ("float32", or "bfloat16" for the faster, bf16-rounded linear inputs);
+    Model.load ("float32", or "bfloat16" for bf16-rounded linear inputs, faster on the GPU);
     kv_cache_dtype: as Model.load ("auto": bf16 where activations are and the device allows);
     max_model_len: as Model.load (the longest sequence a request may reach; None: the model's).
     Threads may share an LLM: its calls run one at a time, and generate calls made at once
