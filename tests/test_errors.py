@@ -624,9 +624,14 @@ def _write_files(root, files: dict) -> None:
     ("0::/k/pod\n", {"k/memory.max": "max\n", "k/pod/memory.max": "2147483648\n", "k/cpu.max": "max 100000\n",
                      "k/pod/cpu.max": "250000 100000\n"}, (2 << 30, 2.5)),
     ("0::/\n", {"memory.max": "max\n", "cpu.max": "max 100000\n"}, (0, 0.0)),
+    # A hybrid host: v1's controllers, and v2's hierarchy (mounted at root/unified) without them.
+    ("4:memory:/a\n1:cpu,cpuacct:/a\n0::/a\n", {"memory/a/memory.limit_in_bytes": "4096000000\n",
+                                                "cpu,cpuacct/a/cpu.cfs_quota_us": "50000\n",
+                                                "cpu,cpuacct/a/cpu.cfs_period_us": "100000\n",
+                                                "unified/a/cgroup.procs": ""}, (4096000000, 0.5)),
     # Files that do not parse are skipped.
     ("0::/x\n", {"x/memory.max": "lots\n", "x/cpu.max": "1 2 3\n"}, (0, 0.0)),
-], ids=["v1-container", "v1-ancestors", "v2", "v2-none", "v2-garbage"])
+], ids=["v1-container", "v1-ancestors", "v2", "v2-none", "v1-v2-hybrid", "v2-garbage"])
 def test_container_limits_are_read_from_the_cgroup_files(tmp_path, groups, files, limits):
     """The memory limit and CPU quota of the process's control groups (docker -m / --cpus,
     Kubernetes' limits), which the CPU backend sizes its default KV cache and threads by."""

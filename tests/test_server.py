@@ -34,6 +34,7 @@ from diffuserve import server as server_module
 from diffuserve.async_llm import AsyncLLM, EngineDead, Progress, StepFailed
 from diffuserve.protocol import MAX_CHOICES, ApiError, ChatCompletionRequest, CompletionRequest, parse
 from diffuserve.chat_template import names_role
+from diffuserve.random_checkpoint import write_random_checkpoint
 from diffuserve.server import build_app
 
 from chat_checkpoint import (CHAT_TEMPLATE, CLEAN_UP_CORPUS, MODEL_CONFIG, write_chat_checkpoint,
@@ -299,6 +300,36 @@ def test_a_stop_tokens_text_completes_the_character_before_it(tmp_path):
             assert "".join(c["choices"][0]["text"] for c in chunks) == expected
     finally:
         engine.shutdown()
+
+
+def test_a_stop_string_before_a_stop_token_is_found_with_include_stop_str(tmp_path):
+    """include_stop_str_in_output with a stop token: the stop strings are still searched for in
+    all the text before it, the detokenizer's held-back tail included (the last 32 characters
+    of a clean-up tokenizer's text had been left out of the search, and the output ran past a
+    stop string to the stop token)."""
+    from fastapi.testclient import TestClient
+
+    path = write_random_checkpoint(tmp_path / "m", canvas_length=16, **MODEL_CONFIG)
+    write_clean_up_tokenizer(path)
+    llm = ds.LLM(path)
+    hello, world, stop = (llm.tokenizer.encode(w, add_special_tokens=False)[0] for w in ("hello", "world", "."))
+    engine = AsyncLLM(llm)
+    found = 0
+    try:
+        with TestClient(build_app(engine, MODEL)) as http:
+            for seed in range(40):
+                body = {"model": MODEL, "prompt": "hello", "max_tokens": 16, "seed": seed, "stop": ["world"],
+                        "allowed_token_ids": [hello, world, stop], "stop_token_ids": [stop]}
+                plain = http.post("/v1/completions", json=body).json()["choices"][0]
+                kept = http.post("/v1/completions", json={**body, "include_stop_str_in_output": True}).json()
+                kept = kept["choices"][0]
+                assert (kept["finish_reason"], kept["stop_reason"]) == (plain["finish_reason"], plain["stop_reason"])
+                if plain["stop_reason"] == "world":
+                    found += 1
+                    assert kept["text"] == plain["text"] + "world"
+    finally:
+        engine.shutdown()
+    assert found
 
 
 def test_stop_token_ids_and_stop_reason(client, offline, base_url):
@@ -1536,6 +1567,9 @@ def test_serve_serves_https_with_a_certificate(checkpoint, tmp_path):
         subprocess.run([openssl, "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(k), "-out", str(c),
                         "-days", "1", "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"],
                        check=True, capture_output=True)
+    encrypted, encrypted_cert = tmp_path / "encrypted.pem", tmp_path / "encrypted-cert.pem"
+    subprocess.run([openssl, "req", "-x509", "-newkey", "rsa:2048", "-passout", "pass:secret", "-keyout", str(encrypted),
+                    "-out", str(encrypted_cert), "-days", "1", "-subj", "/CN=127.0.0.1"], check=True, capture_output=True)
     trusted = ssl.create_default_context(cafile=str(cert))
     proc, port = _serve_process(checkpoint, "--ssl-certfile", str(cert), "--ssl-keyfile", str(key),
                                 scheme="https", verify=trusted)
@@ -1550,9 +1584,11 @@ def test_serve_serves_https_with_a_certificate(checkpoint, tmp_path):
         proc.wait()
     for options, said in [(["--ssl-certfile", str(cert), "--ssl-keyfile", str(other)], "KEY_VALUES_MISMATCH"),
                           (["--ssl-keyfile", str(key)], "--ssl-keyfile needs --ssl-certfile"),
-                          (["--ssl-certfile", str(tmp_path / "none.pem")], "No such file or directory")]:
+                          (["--ssl-certfile", str(tmp_path / "none.pem")], "No such file or directory"),
+                          # (refused, not a passphrase asked for on the terminal)
+                          (["--ssl-certfile", str(encrypted_cert), "--ssl-keyfile", str(encrypted)], "not encrypted")]:
         out = subprocess.run([sys.executable, "-m", "diffuserve", "serve", "no-such-model", *options],
-                             capture_output=True, text=True, timeout=60)
+                             capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
         assert out.returncode == 1 and out.stderr.startswith("error: --ssl-") and said in out.stderr, out.stderr
 
 

@@ -30,7 +30,7 @@ int available_cpus() {
   cpu_set_t mask;
   if (sched_getaffinity(0, sizeof mask, &mask) == 0) cpus = CPU_COUNT(&mask);  // (fails past 1,024 CPUs)
 #endif
-  if (const double quota = cgroup_limits().cpus; quota > 0) cpus = std::min(cpus, int(std::ceil(quota)));
+  if (const double quota = cgroup_limits().cpus; quota > 0 && quota < cpus) cpus = int(std::ceil(quota));
   return std::clamp(cpus, 1, ThreadPool::kMaxThreads);
 }
 

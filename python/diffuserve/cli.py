@@ -175,10 +175,11 @@ def _check_tls(certfile: Optional[str], keyfile: Optional[str]) -> None:
         sys.exit("error: --ssl-keyfile needs --ssl-certfile (the certificate it is the key of)")
     if certfile is not None:
         try:
-            ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(certfile, keyfile)
+            # (An encrypted key is refused here rather than asking for its passphrase on the terminal.)
+            ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(certfile, keyfile, password=b"")
         except (OSError, ssl.SSLError) as e:
             sys.exit(f"error: --ssl-certfile {certfile!r}" + (f" / --ssl-keyfile {keyfile!r}" if keyfile else "")
-                     + f": {getattr(e, 'strerror', None) or e}")
+                     + f": {getattr(e, 'strerror', None) or e} (a key must be PEM, and not encrypted)")
 
 
 def serve(args) -> Optional[str]:

@@ -14,6 +14,7 @@ import bisect
 import hmac
 import json
 import logging
+import os
 import signal
 import socket
 import threading
@@ -241,21 +242,27 @@ class _Choice:
         detokenizer = IncrementalDetokenizer(tokenizer) if tokenizer is not None else None
         stops = StopStringFilter(self._stop, self._include_stop)
         done, generated, denoise_steps = 0, 0, []
+        decoded = 0  # characters the detokenizer has given (the decode of the ids before its held-back tail)
         try:
             async for progress in self._updates:
                 output = progress.output
                 token_ids = until_eos(progress.token_ids, self.eos)
                 ended_by = progress.token_ids[len(token_ids)] if len(token_ids) < len(progress.token_ids) else None
                 # The id that ended the output, where its text goes out too (include_stop_str_in_output),
-                # is decoded after the text before it, outside the stop strings' search (as vLLM:
-                # the stop token, not a stop string in its text, ended the output), by the same
-                # detokenizer: a byte token that completes a character gives that character.
+                # is decoded by the same detokenizer, after the text before it: a byte token that
+                # completes a character gives that character. The stop strings' search takes all
+                # the text before it (the detokenizer's held-back tail too), not what the id adds
+                # (as vLLM: the stop token, not a stop string in its text, ended the output).
                 stop_token = ended_by is not None and self._include_stop and detokenizer is not None
                 piece = stop_text = ""
                 if detokenizer is not None:
                     piece = detokenizer.push(token_ids[done:])
+                    decoded += len(piece)
                     if stop_token:
-                        stop_text = detokenizer.push([ended_by]) + detokenizer.finish()
+                        rest = detokenizer.push([ended_by]) + detokenizer.finish()
+                        before = (await asyncio.to_thread(tokenizer.decode_output, token_ids))[decoded:]
+                        common = os.path.commonprefix([before, rest])
+                        piece, stop_text = piece + common, rest[len(common):]
                     elif output:
                         piece += detokenizer.finish()
                 done, generated = len(token_ids), len(progress.token_ids)

@@ -80,13 +80,6 @@ struct ModelConfig {
   int sliding_window = 0;
   int canvas_length = 0;
   int64_t max_position_embeddings = 0;
-  // The longest sequence (prompt and generated tokens) a request may reach: max_position_embeddings,
-  // or less where the load option max_model_len lowers it.
-  int64_t max_model_len = 0;
-  // What refusals at that length name: the option where it lowered the config's limit.
-  const char* max_model_len_name() const {
-    return max_model_len < max_position_embeddings ? "max_model_len" : "max_position_embeddings";
-  }
   float rms_norm_eps = 1e-6f;
   float final_logit_softcapping = 0.0f;  // 0: no softcap
   bool tie_word_embeddings = true;
@@ -105,6 +98,13 @@ struct ModelConfig {
   std::string quantization;
   std::vector<QuantizationGroup> quantization_groups;
   std::vector<std::string> quantization_ignore;
+  // The longest sequence (prompt and generated tokens) a request may reach: max_position_embeddings,
+  // or less where the load option max_model_len lowers it.
+  int64_t max_model_len = 0;
+  // What refusals at that length name: the option where it lowered the config's limit.
+  const char* max_model_len_name() const {
+    return max_model_len < max_position_embeddings ? "max_model_len" : "max_position_embeddings";
+  }
 };
 
 // Reads `dir`/config.json and, when present, `dir`/generation_config.json. Throws
