@@ -96,7 +96,8 @@ async def stream_to_the_end(engine, prompt, params):
 
 def metrics(base_url) -> dict:
     text = httpx.get(base_url + "/metrics").text
-    return {m.group(1): float(m.group(2)) for m in re.finditer(r"^(diffuserve_\w+(?:\{[^}]*\})?) (\S+)$", text, re.M)}
+    return {m.group(1): float(m.group(2))
+            for m in re.finditer(r'^(diffuserve_\w+(?:\{(?:[^}"]|"[^"]*")*\})?) (\S+)$', text, re.M)}
 
 
 def test_metrics_series_exist_from_the_start(offline):
@@ -127,6 +128,26 @@ def test_latency_histograms_count_each_choice(client, base_url):
     # (three blocks each: the first comes before the end, and after the step that began it)
     assert added["diffuserve_request_queue_time_seconds_sum"] < added["diffuserve_time_to_first_block_seconds_sum"] \
         < added["diffuserve_e2e_request_latency_seconds_sum"]
+
+
+def test_http_responses_are_counted_by_endpoint_method_and_status(base_url):
+    """/metrics counts each response (as vLLM's http_requests_total): a refused request shows as
+    a 400 of its endpoint (none had shown anywhere); a path outside the API is "other"."""
+    def series(handler, method, status):
+        return f'diffuserve_http_requests_total{{handler="{handler}",method="{method}",status="{status}"}}'
+
+    before = metrics(base_url)
+    assert httpx.post(base_url + "/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": -1}).status_code \
+        == 400
+    assert httpx.get(base_url + "/v1/models").status_code == 200
+    assert httpx.get(base_url + "/v1/models/nobody").status_code == 404
+    assert httpx.get(base_url + "/no/such/path").status_code == 404
+    assert httpx.request("PATCH", base_url + "/health").status_code == 405
+    after = metrics(base_url)
+    for key in (series("/v1/completions", "POST", 400), series("/v1/models", "GET", 200),
+                series("/v1/models/{model}", "GET", 404), series("other", "GET", 404), series("/health", "other", 405)):
+        assert after[key] - before.get(key, 0) == 1, key
+    assert not any("no/such" in key for key in after)
 
 
 def test_models_and_health(client, base_url):

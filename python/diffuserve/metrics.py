@@ -67,6 +67,11 @@ class Metrics:
                                        # (to the server's default limit of steps a block, 1,024)
                                        buckets=(1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 256, 512, 1024),
                                        registry=self.registry)
+        # As vLLM's http_requests_total: a 4xx or 5xx rate to alert on (a refused request, a 400,
+        # had shown nowhere). Paths that are not the API's count as "other", so that a scanner's
+        # requests add no series.
+        self.http_requests = Counter("diffuserve_http_requests", "HTTP responses by endpoint, method and status",
+                                     ["handler", "method", "status"], registry=self.registry)
         self.registry.register(_EngineCollector(engine_stats))
 
     def record(self, finish_reason: str, prompt_tokens: int, generated_tokens: int, denoise_steps,

@@ -823,6 +823,7 @@ def build_app(engine: AsyncLLM, model_name: str, api_key: Optional[str] = None,
     # unless told which (--allowed-origins). (Added last, so outermost: its preflight answers
     # need no key, and the key's 401 carries its headers.)
     app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["*"], allow_headers=["*"])
+    app.add_middleware(_CountResponses)  # (outermost: every response counted, a 401 or a preflight too)
     v1 = APIRouter(prefix="/v1")
 
     @app.exception_handler(ApiError)
@@ -964,6 +965,34 @@ class _InternalErrors:
             if scope["type"] == "http" and not started:
                 await _error(_INTERNAL_ERROR)(scope, receive, send)
             raise
+
+
+# The endpoints /metrics counts responses of by name; any other path is "other".
+_HANDLERS = ("/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize")
+_METHODS = ("GET", "HEAD", "POST", "OPTIONS")
+
+
+class _CountResponses:
+    """ASGI middleware, the outermost: each response's status, by endpoint and method, into
+    /metrics (diffuserve_http_requests_total, as vLLM's http_requests_total)."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path = scope["path"].rstrip("/") or "/"
+        handler = path if path in _HANDLERS else "/v1/models/{model}" if path.startswith("/v1/models/") else "other"
+        method = scope["method"] if scope["method"] in _METHODS else "other"
+
+        async def sending(message):
+            if message["type"] == "http.response.start":
+                scope["app"].state.diffuserve_server.metrics.http_requests.labels(
+                    handler, method, str(message["status"])).inc()
+            await send(message)
+
+        await self.app(scope, receive, sending)
 
 
 # What the API key guards beside /v1/...: /health and /metrics stay open to probes and scrapers.
