@@ -588,6 +588,16 @@ def test_a_bad_thread_count_in_the_environment_is_named(valid_dir, value, says):
     assert says in out.stdout, out.stdout + out.stderr
 
 
+def test_a_load_of_a_given_thread_count_runs_on_that_many(valid_dir):
+    """num_threads reaches the load's own conversions: they had run on the process's pool of
+    every CPU whatever was asked (seen here through that pool's reading of a bad
+    DIFFUSERVE_NUM_THREADS, which a load of a given count then failed on)."""
+    code = "import sys, diffuserve as ds\nds.Model.load(sys.argv[1], num_threads=1)\nprint('loaded')"
+    out = subprocess.run([sys.executable, "-c", code, str(valid_dir)], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "DIFFUSERVE_NUM_THREADS": "abc"})
+    assert out.stdout == "loaded\n", out.stderr
+
+
 def test_the_default_thread_count_is_the_cpus_the_process_may_run_on(valid_dir):
     """Left at 0, the pool has a thread for each CPU of the process's affinity (a container's
     cpuset, taskset), not for each of the host's: on one CPU, no thread beside the caller's
@@ -686,7 +696,8 @@ def test_a_containers_memory_limit_is_the_cpus_memory(valid_dir):
             "kv_cache_memory_bytes=256 << 20).stats()['kv_blocks_total'])")
     out = _run_in(group, code, valid_dir)
     lines = out.stdout.splitlines()
-    assert lines[0] == f"kv_cache_memory_bytes {2 << 30} is more than cpu has in all ({1 << 30} bytes)", out.stderr
+    assert lines[0] == (f"kv_cache_memory_bytes {2 << 30} is more than cpu has in all ({1 << 30} bytes: its memory, "
+                        "or its container's limit where lower)"), out.stderr
     default, quarter = lines[1].split()
     assert default == quarter
 

@@ -731,10 +731,11 @@ class TensorSource {
   int64_t random_bytes_ = 0;  // count's
   bool encoder_apart_ = false;  // set_encoder_apart
   mutable std::set<std::pair<std::string, std::string>> equal_pairs_;  // stored_apart's, found equal
-  // The process's pool, held for the load: concatenated's conversions run on it (the pool
-  // lives while someone holds it, and taken per call it had been made anew where no backend
-  // held it, the GPU's before its first copy up, or the CPU's of its own thread count).
-  std::shared_ptr<ThreadPool> threads_ = ThreadPool::make(0);
+  // The load's pool, held for the load: concatenated's conversions run on it (taken per call it
+  // had been made anew where no backend held it, the GPU's before its first copy up). Of the
+  // load's thread count: the process's pool where that is the default, else one of its own
+  // (num_threads 1 had had the load's conversions run on every CPU).
+  std::shared_ptr<ThreadPool> threads_ = ThreadPool::make(m_.num_threads);
 };
 
 // Activations "bfloat16": every linear and expert stack whose input the checkpoint leaves

@@ -86,6 +86,7 @@ struct ModelState {
 
   std::string path;
   std::string device;
+  int num_threads = 0;  // LoadOptions': the load's conversions run on as many CPU threads (0: every CPU's)
   ModelConfig config;
   std::unique_ptr<Backend> backend;
   std::shared_ptr<Checkpoint> checkpoint;  // weights may point into its mappings; null for dummy weights

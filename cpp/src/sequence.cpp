@@ -162,6 +162,7 @@ std::shared_ptr<Model> Model::load(const std::string& path, const LoadOptions& o
   auto state = std::make_unique<ModelState>();
   state->path = path;
   state->device = options.device;
+  state->num_threads = options.num_threads;
   state->config = load_config(path);
   if (options.max_model_len) {  // (vLLM's option: a shorter longest sequence than the model's)
     ModelConfig& c = state->config;
@@ -236,7 +237,8 @@ std::shared_ptr<Model> Model::load(const std::string& path, const LoadOptions& o
   // 4096 GiB for 4) had filled tens of GB of block tables before failing.
   if (const int64_t memory = state->backend->memory_bytes(); options.kv_cache_memory_bytes > memory)
     throw InvalidArgument("kv_cache_memory_bytes " + std::to_string(options.kv_cache_memory_bytes) + " is more than " +
-                          options.device + " has in all (" + std::to_string(memory) + " bytes)");
+                          options.device + " has in all (" + std::to_string(memory) + " bytes" +
+                          (options.device == "cpu" ? ": its memory, or its container's limit where lower" : "") + ")");
   try {
     load_weights(*state, as);
   } catch (const std::bad_alloc&) {
