@@ -524,12 +524,13 @@ class _StatusStream:
 
 # vLLM's options that have no equivalent here, and what takes their place: a vLLM command line
 # moved over is refused with the way forward, not only "unrecognized arguments".
+_ONE_GPU = "a server runs on one GPU (--device cuda:N)"
 VLLM_OPTIONS = {
     "--gpu-memory-utilization": "the KV cache is sized by --kv-cache-gib (default: 80% of the GPU memory the weights "
                                 "leave)",
-    "--tensor-parallel-size": "a server runs on one GPU (--device cuda:N)",
-    "-tp": "a server runs on one GPU (--device cuda:N)",
-    "--pipeline-parallel-size": "a server runs on one GPU (--device cuda:N)",
+    "--tensor-parallel-size": _ONE_GPU,
+    "-tp": _ONE_GPU,
+    "--pipeline-parallel-size": _ONE_GPU,
     "--trust-remote-code": "no checkpoint code runs: DiffusionGemma is built in",
     "--enable-prefix-caching": "prefix caching is always on",
     "--quantization": "a checkpoint's quantization_config says how its weights are quantized (diffuserve quantize "

@@ -32,7 +32,7 @@ from starlette.requests import ClientDisconnect
 
 from ._checks import check_encoded, check_token_ids, check_unicode
 from .async_llm import AsyncLLM, EngineError
-from .chat_template import EMPTY_CHAT_PROMPT, ChatTemplate, loops_over_content, names_role, render_budget
+from .chat_template import EMPTY_CHAT_PROMPT, loops_over_content, names_role, render_budget
 from .detokenizer import INCOMPLETE, IncrementalDetokenizer, until_eos
 from .tokenizer import cleaned_positions
 from .protocol import (ApiError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeChatRequest,
@@ -330,7 +330,7 @@ class _Server:
             if self.tokenizer is None:
                 raise ValueError("a chat template was given, but the model has no tokenizer.json to encode what it "
                                  "renders")
-            ChatTemplate(chat_template, {})  # (a ChatTemplateError, a ValueError, where it does not compile)
+            self.tokenizer.compiled_chat_template(chat_template)  # (a ValueError where it does not compile)
         self.chat_template = chat_template  # None: the checkpoint's
         self.max_denoising_steps_limit = max_denoising_steps_limit
         config = engine.llm.model.config

@@ -509,10 +509,15 @@ class Tokenizer:
             if variables.pop(name, False):
                 raise ValueError(f"{name}=True needs tokenize=True in transformers; apply_chat_template returns the "
                                  f"text")
-        source = self.get_chat_template(chat_template, tools)
+        template = self.compiled_chat_template(self.get_chat_template(chat_template, tools))
+        return template.render(messages, add_generation_prompt=add_generation_prompt, tools=tools, **variables)
+
+    def compiled_chat_template(self, source: str) -> ChatTemplate:
+        """The template `source` compiled, with this tokenizer's special tokens (kept for the
+        next call); a ChatTemplateError (a ValueError) where it does not compile."""
         template = self._compiled.get(source)
         if template is None:
             template = ChatTemplate(source, self.special_tokens)
             if len(self._compiled) < 64:  # (a client's own templates are not kept without bound)
                 self._compiled[source] = template
-        return template.render(messages, add_generation_prompt=add_generation_prompt, tools=tools, **variables)
+        return template
