@@ -150,6 +150,29 @@ def test_http_responses_are_counted_by_endpoint_method_and_status(base_url):
     assert not any("no/such" in key for key in after)
 
 
+def test_http_durations_run_to_a_streams_end(base_url):
+    """/metrics times each response by endpoint and method (as vLLM's
+    http_request_duration_seconds) to its last byte: a stream's duration covers its blocks,
+    not just the time to its headers."""
+    series = '{handler="/v1/completions",method="POST"}'
+    before = metrics(base_url)
+    start = time.monotonic()
+    with httpx.stream("POST", base_url + "/v1/completions", timeout=60,
+                      json={"model": MODEL, "prompt": "Hello", "max_tokens": 48, "seed": 3, "stream": True}) as r:
+        lines = [(time.monotonic() - start, line) for line in r.iter_lines() if line]
+    elapsed = time.monotonic() - start
+    assert len(lines) > 2 and lines[-1][1] == "data: [DONE]"
+    deadline = time.time() + 10  # (observed once the app returns, just after the last byte went out)
+    while (after := metrics(base_url)).get(f"diffuserve_http_request_duration_seconds_count{series}", 0) \
+            == before.get(f"diffuserve_http_request_duration_seconds_count{series}", 0):
+        assert time.time() < deadline
+        time.sleep(0.02)
+    added = {name: after[f"diffuserve_http_request_duration_seconds_{name}{series}"]
+             - before.get(f"diffuserve_http_request_duration_seconds_{name}{series}", 0) for name in ("count", "sum")}
+    assert added["count"] == 1
+    assert lines[0][0] < lines[-1][0] <= added["sum"] + 0.05 and added["sum"] <= elapsed
+
+
 def test_models_and_health(client, base_url):
     assert [m.id for m in client.models.list()] == [MODEL]
     assert client.models.retrieve(MODEL).id == MODEL  # had been a 404

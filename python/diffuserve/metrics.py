@@ -72,6 +72,12 @@ class Metrics:
         # requests add no series.
         self.http_requests = Counter("diffuserve_http_requests", "HTTP responses by endpoint, method and status",
                                      ["handler", "method", "status"], registry=self.registry)
+        # As vLLM's http_request_duration_seconds: to the response's last byte (a stream's end),
+        # or to the client's disconnect.
+        self.http_duration = Histogram("diffuserve_http_request_duration_seconds",
+                                       "Seconds from an HTTP request's arrival to its response's end, by endpoint "
+                                       "and method", ["handler", "method"],
+                                       buckets=(0.005, 0.01, 0.025) + seconds, registry=self.registry)
         self.registry.register(_EngineCollector(engine_stats))
 
     def record(self, finish_reason: str, prompt_tokens: int, generated_tokens: int, denoise_steps,

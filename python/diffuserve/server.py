@@ -973,8 +973,10 @@ _METHODS = ("GET", "HEAD", "POST", "OPTIONS")
 
 
 class _CountResponses:
-    """ASGI middleware, the outermost: each response's status, by endpoint and method, into
-    /metrics (diffuserve_http_requests_total, as vLLM's http_requests_total)."""
+    """ASGI middleware, the outermost: each response's status and duration, by endpoint and
+    method, into /metrics (diffuserve_http_requests_total and
+    diffuserve_http_request_duration_seconds, as vLLM's http_requests_total and
+    http_request_duration_seconds)."""
 
     def __init__(self, app):
         self.app = app
@@ -986,13 +988,18 @@ class _CountResponses:
         handler = path if path in _HANDLERS else "/v1/models/{model}" if path.startswith("/v1/models/") else "other"
         method = scope["method"] if scope["method"] in _METHODS else "other"
 
+        metrics = scope["app"].state.diffuserve_server.metrics
+
         async def sending(message):
             if message["type"] == "http.response.start":
-                scope["app"].state.diffuserve_server.metrics.http_requests.labels(
-                    handler, method, str(message["status"])).inc()
+                metrics.http_requests.labels(handler, method, str(message["status"])).inc()
             await send(message)
 
-        await self.app(scope, receive, sending)
+        start = time.monotonic()
+        try:  # (the app returns once the response's last byte is sent, or the client has gone)
+            await self.app(scope, receive, sending)
+        finally:
+            metrics.http_duration.labels(handler, method).observe(time.monotonic() - start)
 
 
 # What the API key guards beside /v1/...: /health and /metrics stay open to probes and scrapers.
