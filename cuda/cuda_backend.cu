@@ -916,12 +916,12 @@ class CudaBackend final : public Backend {
                          nvfp4 ? quant.global_scale(false, expert) : 0.0f, stream_);
   }
 
-  std::vector<RowSample> sample(Activation& logits, float cap, float temperature, const uint8_t* allowed,
+  std::vector<RowSample> sample(Activation& logits, float cap, float temperature, const float* bias,
                                 const RandomKey& key, DType feedback_dtype, bool softmax_feedback) override {
     auto timed = op("sample");
     auto out = pool_->get(size_t(logits.rows) * sizeof(cuda::DeviceRowSample));
     auto* device_out = static_cast<cuda::DeviceRowSample*>(out.get());
-    sample_rows(logits, cap, temperature, allowed, key, {}, feedback_dtype == DType::BF16, softmax_feedback,
+    sample_rows(logits, cap, temperature, bias, key, {}, feedback_dtype == DType::BF16, softmax_feedback,
                 device_out);
     std::vector<cuda::DeviceRowSample> host(logits.rows);
     read_bytes(host.data(), device_out, host.size() * sizeof(host[0]));
@@ -938,7 +938,7 @@ class CudaBackend final : public Backend {
     auto rows = pool_->get(size_t(logits.rows) * sizeof(cuda::DeviceRowSample));
     auto* device_rows = static_cast<cuda::DeviceRowSample*>(rows.get());
     const cuda::DeviceSchedule schedule{canvas.counters, p.t_min, p.t_max, p.max_steps};
-    sample_rows(logits, p.softcap, 0.0f, canvas.allowed, RandomKey{p.seed, p.block, 0, RandomStream::Candidate},
+    sample_rows(logits, p.softcap, 0.0f, canvas.bias, RandomKey{p.seed, p.block, 0, RandomStream::Candidate},
                 schedule, p.feedback_dtype == DType::BF16, p.self_conditioning, device_rows);
     auto scratch = pool_->get(size_t(p.canvas) * (sizeof(int32_t) + 1));
     cuda::update_canvas({p, canvas.tokens, canvas.argmax, canvas.history, canvas.counters, canvas.allowed_ids,
@@ -949,11 +949,11 @@ class CudaBackend final : public Backend {
   // The sampler's kernel on `logits`. A softmax feedback goes into the logits' product input
   // (alloc_logits) where the kernel can write it there, as attention does its output; else
   // over the logits, then from there into the product input, where there is one.
-  void sample_rows(Activation& logits, float cap, float temperature, const uint8_t* allowed, const RandomKey& key,
+  void sample_rows(Activation& logits, float cap, float temperature, const float* bias, const RandomKey& key,
                    const cuda::DeviceSchedule& schedule, bool round_bf16, bool softmax_feedback,
                    cuda::DeviceRowSample* out) {
     __nv_bfloat16* const rounded = softmax_feedback ? rounded_rows(logits) : nullptr;
-    cuda::sample_rows(logits.data, logits.rows, logits.cols, cap, temperature, allowed, key, schedule, round_bf16,
+    cuda::sample_rows(logits.data, logits.rows, logits.cols, cap, temperature, bias, key, schedule, round_bf16,
                       softmax_feedback, rounded, out, stream_);
     if (softmax_feedback && !rounded) write_product_input(logits);
   }

@@ -736,7 +736,7 @@ __device__ __forceinline__ bool gumbel_certainly_below(uint32_t bits, float boun
 enum class Feedback { Processed, Softmax, SoftmaxBf16 };
 
 // One block per canvas row, two passes over it. The first computes the processed logits p
-// (softcap(logits) / temperature, masked ids -inf), writes them over the logits, and
+// ((softcap(logits) + bias) / temperature; -inf where the bias is), writes them over the logits, and
 // gathers what the rest needs of them: the argmax, the entropy (from online softmax
 // statistics) and the softmax statistics of the feedback f (p rounded to bf16 when
 // round_bf16). (Writing p and reading it back costs less than computing the softcap's tanh
@@ -754,16 +754,16 @@ enum class Feedback { Processed, Softmax, SoftmaxBf16 };
 // noise (gumbel_certainly_below): with near-uniform rows (the random-weight benchmark's)
 // that is nearly all of them.
 // Bound by instruction issue, the passes keep per-value work to the arithmetic: the
-// softcap, the allowed ids and the feedback's form are template parameters, not tests a
+// softcap, the bias and the feedback's form are template parameters, not tests a
 // value; each thread's ids come in tiles of kSampleLoads float4s, and where the row is whole,
 // aligned float4s every whole tile (all but a partial last one) is read without a bound check;
 // the divisions by the cap and the temperature refine their reciprocals once (Divisor).
 // Each thread still sees its ids in the same order, so the statistics are those of a plain
 // loop. (A batch-1 call on an H100, sixty-fourth session: 580 -> 381 us, which moves its
 // 938 MB at 2.5 TB/s, near that machine's copy bandwidth.)
-template <bool kSoftcap, bool kAllowed, Feedback kFeedback>
+template <bool kSoftcap, bool kBiased, Feedback kFeedback>
 __global__ void __launch_bounds__(kSampleThreads, 2)
-    sample_kernel(float* logits, int vocab, float cap, float temperature, const uint8_t* allowed, RandomKey key,
+    sample_kernel(float* logits, int vocab, float cap, float temperature, const float* bias, RandomKey key,
                   DeviceSchedule schedule, bool round_bf16, __nv_bfloat16* feedback_rows, bool vector,
                   DeviceRowSample* out) {
   wait_for_earlier_kernels();
@@ -820,12 +820,21 @@ __global__ void __launch_bounds__(kSampleThreads, 2)
   int best_i = INT_MAX;
   OnlineSoftmax dist{-INFINITY, 0.0f, 0.0f}, feedback = dist;
   for_each4([&]<bool kWhole>(int v4, float (&x)[4], int n) {
-    // p: softcap(x) / temperature; masked ids and ids past the row -inf.
+    // p: (softcap(x) + bias) / temperature; ids biased by -inf and ids past the row -inf
+    // (set after the division, which could make NaN of an infinity).
     if constexpr (kSoftcap) {
       const float logit[4] = {x[0], x[1], x[2], x[3]};
       by_cap.divide(x);
 #pragma unroll
       for (int j = 0; j < 4; ++j) x[j] = softcap_of_quotient(logit[j], x[j], cap);
+    }
+    [[maybe_unused]] float b[4] = {0.0f, 0.0f, 0.0f, 0.0f};  // (the bias, read once for both uses)
+    if constexpr (kBiased) {
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        b[j] = j < n ? bias[v4 + j] : 0.0f;
+        x[j] += b[j];
+      }
     }
     by_temperature.divide(x);
     float f[4];
@@ -834,7 +843,7 @@ __global__ void __launch_bounds__(kSampleThreads, 2)
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
       bool counts = j < n;
-      if constexpr (kAllowed) counts = counts && allowed[v4 + j];
+      if constexpr (kBiased) counts = counts && b[j] != -INFINITY;
       const float p = x[j] = counts ? x[j] : -INFINITY;
       f[j] = fed_back(p);
       if (j < n && (p > best || (p == best && best_i == INT_MAX))) best = p, best_i = v4 + j;
@@ -1193,15 +1202,15 @@ void random_bf16(__nv_bfloat16* out, int64_t n, uint64_t seed, float scale, cuda
            scale);
 }
 
-// sample_kernel's variant for a call: softcap or none, allowed ids or all, and the feedback's form.
-template <bool kSoftcap, bool kAllowed>
+// sample_kernel's variant for a call: softcap or none, a bias or none, and the feedback's form.
+template <bool kSoftcap, bool kBiased>
 auto sample_kernel_for(Feedback feedback) {
-  return feedback == Feedback::Processed ? sample_kernel<kSoftcap, kAllowed, Feedback::Processed>
-         : feedback == Feedback::Softmax ? sample_kernel<kSoftcap, kAllowed, Feedback::Softmax>
-                                         : sample_kernel<kSoftcap, kAllowed, Feedback::SoftmaxBf16>;
+  return feedback == Feedback::Processed ? sample_kernel<kSoftcap, kBiased, Feedback::Processed>
+         : feedback == Feedback::Softmax ? sample_kernel<kSoftcap, kBiased, Feedback::Softmax>
+                                         : sample_kernel<kSoftcap, kBiased, Feedback::SoftmaxBf16>;
 }
 
-void sample_rows(float* logits, int64_t rows, int64_t vocab, float cap, float temperature, const uint8_t* allowed,
+void sample_rows(float* logits, int64_t rows, int64_t vocab, float cap, float temperature, const float* bias,
                  RandomKey key, const DeviceSchedule& schedule, bool round_bf16, bool softmax_feedback,
                  __nv_bfloat16* feedback_rows, DeviceRowSample* out, cudaStream_t stream) {
   // Ids are ints in the kernel, and a thread's last tile may start a tile past the row.
@@ -1215,12 +1224,12 @@ void sample_rows(float* logits, int64_t rows, int64_t vocab, float cap, float te
                             : feedback_rows   ? Feedback::SoftmaxBf16
                                               : Feedback::Softmax;
   const bool softcap = cap > 0.0f;
-  auto kernel = softcap ? (allowed ? sample_kernel_for<true, true>(feedback)
-                                    : sample_kernel_for<true, false>(feedback))
-                        : (allowed ? sample_kernel_for<false, true>(feedback)
-                                   : sample_kernel_for<false, false>(feedback));
+  auto kernel = softcap ? (bias ? sample_kernel_for<true, true>(feedback)
+                                 : sample_kernel_for<true, false>(feedback))
+                        : (bias ? sample_kernel_for<false, true>(feedback)
+                                : sample_kernel_for<false, false>(feedback));
   if (rows)
-    launch(kernel, unsigned(rows), kSampleThreads, 0, stream, logits, int(vocab), cap, temperature, allowed, key,
+    launch(kernel, unsigned(rows), kSampleThreads, 0, stream, logits, int(vocab), cap, temperature, bias, key,
            schedule, round_bf16, feedback_rows, vector, out);
 }
 

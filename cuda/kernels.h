@@ -445,7 +445,7 @@ struct DeviceSchedule {
 // The sampler's passes over each row (Backend::sample), one block per row. With
 // softmax_feedback and `feedback_rows` (rows of vocab bf16 values), the feedback goes there
 // rounded to bf16, as the soft embedding's product takes it, instead of over the logits.
-void sample_rows(float* logits, int64_t rows, int64_t vocab, float cap, float temperature, const uint8_t* allowed,
+void sample_rows(float* logits, int64_t rows, int64_t vocab, float cap, float temperature, const float* bias,
                  RandomKey key, const DeviceSchedule& schedule, bool round_bf16, bool softmax_feedback,
                  __nv_bfloat16* feedback_rows, DeviceRowSample* out, cudaStream_t stream);
 // A block's state as kernels take it (CanvasState less its storage).

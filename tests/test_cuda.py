@@ -187,6 +187,7 @@ def check_generate_agrees_with_cpu_and_is_batch_invariant(path):
     prompts = [[1, 2, 3, 4], list(range(5, 70)), [9] * 17]
     params = [ds.SamplingParams(max_new_tokens=64, seed=i, eos_token_id=[], max_denoising_steps=6, t_min=1e-6,
                                 t_max=2e-6) for i in range(3)]
+    params[1].logit_bias = {token: 2.0 for token in range(10, 40)}  # (the device loop's bias, beside unbiased rows)
     gpu = ds.LLM(path, device="cuda")
     batched = gpu.generate(prompts, params)
     for prompt, p, out in zip(prompts, params, batched):  # bitwise: rows never mix in any kernel
@@ -195,26 +196,35 @@ def check_generate_agrees_with_cpu_and_is_batch_invariant(path):
     agree = np.mean([np.mean(np.array(a.token_ids) == np.array(b.token_ids)) for a, b in zip(cpu, batched)])
     print(f"near-greedy tokens equal on CPU and GPU: {agree:.3f}")
     assert agree >= 0.9
+    only = ds.SamplingParams(max_new_tokens=32, seed=1, eos_token_id=[], max_denoising_steps=3, logit_bias={7: 100.0})
+    assert gpu.generate(prompts[:1], only)[0].token_ids == [7] * 32
     stats = gpu.stats()
     assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
 
 
 # The sampler's pass on the GPU against the CPU's, on the same logits and Philox draws: rows
-# from near-one-hot to near-uniform, with and without allowed ids, near-greedy to hot, and
+# from near-one-hot to near-uniform, with and without allowed ids and a logit_bias (some of its
+# ids allowed, some not), near-greedy to hot, and
 # both kinds of feedback. Vocabularies below one tile of the kernel's loads (4,096 ids a
 # block) and past it (whole tiles, then the rest), of whole float4s and with a ragged end;
 # zeros and subnormal logits among the values, which the divisions by the temperature and
 # the cap take past their fast path.
 @pytest.mark.parametrize("vocab, allowed_count", [(1000, 0), (4099, 300), (12292, 0), (8196, 300)])
 @pytest.mark.parametrize("temperature", [1e-5, 0.7, 2.0])
-def test_sampler_matches_cpu(vocab, allowed_count, temperature):
+@pytest.mark.parametrize("bias_count", [0, 500])
+def test_sampler_matches_cpu(vocab, allowed_count, temperature, bias_count):
     rng = np.random.default_rng(vocab)
     logits = (rng.standard_normal((64, vocab)) * rng.uniform(0.05, 12, (64, 1))).astype(np.float32)
     logits[:, ::97], logits[:, 5::131], logits[:, 7::151] = 0.0, 1e-42, -3e-39
     allowed = sorted(rng.choice(vocab, allowed_count, replace=False).tolist())
+    biased = rng.choice(vocab, bias_count, replace=False).tolist()
+    bias = list(zip(biased, rng.uniform(-8, 8, bias_count).astype(np.float32).tolist()))
+    if bias:
+        bias[0] = (bias[0][0], 100.0)  # an id that wins every row, where it is allowed
     for softmax_feedback, softcap in ((False, 0.0), (True, 0.0), (True, 30.0)):
         cpu, gpu = (_core.sampler.sample_rows(logits, temperature, allowed, 3, 1, 2, softmax_feedback=softmax_feedback,
-                                              device=device, softcap=softcap) for device in ("cpu", "cuda"))
+                                              device=device, softcap=softcap, logit_bias=bias)
+                    for device in ("cpu", "cuda"))
         np.testing.assert_array_equal(gpu[1], cpu[1])  # argmax: the same processed values
         assert np.mean(gpu[2] == cpu[2]) >= 0.98  # candidates: the same draws (logf may differ in its last bit)
         np.testing.assert_allclose(gpu[3], cpu[3], rtol=1e-4, atol=1e-5)  # entropy

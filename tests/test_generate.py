@@ -11,6 +11,7 @@ import threading
 import numpy as np
 import pytest
 import torch
+from transformers import LogitsProcessor, LogitsProcessorList
 from transformers.models.diffusion_gemma.generation_diffusion_gemma import EntropyBoundSamplerConfig
 
 import diffuserve as ds
@@ -274,6 +275,41 @@ def expect_our_draws(hf, prompt, seed, max_new_tokens, eos, **kwargs):
         pytest.skip(f"a decision came within {closest:.1e} of a tie, where float rounding may decide it")
     ends = [tokens.index(e) + 1 for e in eos if e in tokens]
     return tokens[:min(ends + [max_new_tokens])], tpf
+
+
+class AddBias(LogitsProcessor):
+    """transformers' form of a logit_bias: a logits processor adding a bias to some ids' logits
+    (given to generate, it runs before the temperature schedule's)."""
+
+    def __init__(self, bias: dict, vocab: int):
+        self.add = torch.zeros(vocab)
+        for token, value in bias.items():
+            self.add[token] = value
+
+    def __call__(self, input_ids, scores):
+        return scores + self.add
+
+
+@pytest.mark.parametrize("seed, bias", [(2, {"9": 3.0, "1": -2.0}), (5, {"9": -100.0})], ids=["moves_steps", "bans"])
+def test_logit_bias_matches_hf_generate_with_a_bias_processor(seed, bias):
+    """logit_bias end to end against transformers' generate given a logits processor that adds
+    the same bias (and diffuserve's draws): the bias changes the run (the bundled Sudoku
+    solver, sure of its digits, takes more steps to reach them; or, banned a digit, writes
+    none), and both engines the same way."""
+    path = ds.default_model()
+    hf, llm = load(path), ds.LLM(path, dtype="float32")
+    tokenizer = llm.tokenizer
+    prompt = tokenizer.encode("002500146300270500000046307067008400409000002020300005780000050000400700001000080")
+    bias = {tokenizer.encode(digit, add_special_tokens=False)[0]: value for digit, value in bias.items()}
+    plain = expect_our_draws(hf, prompt, seed, 82, [1])
+    processor = LogitsProcessorList([AddBias(bias, llm.model.vocab_size)])
+    expected, expected_tpf = expect_our_draws(hf, prompt, seed, 82, [1], logits_processor=processor)
+    assert (expected, expected_tpf) != plain
+    out = llm.generate([prompt], ds.SamplingParams(seed=seed, logit_bias=bias))[0]
+    assert out.token_ids == expected
+    assert out.tokens_per_forward == pytest.approx(expected_tpf)
+    if min(bias.values()) == -100:
+        assert not set(bias) & set(out.token_ids)
 
 
 @pytest.mark.parametrize("seed, kwargs", [
@@ -695,6 +731,11 @@ def test_tokens_per_forward_leaves_out_generation_configs_pad_id(checkpoints, tm
     # A dict had given its keys, and a set a canvas in hash order.
     (dict(eos_token_id={1: "eos"}), r"eos_token_id must be a list of integers, got \{1: 'eos'\}"),
     (dict(seed_canvas={3, 1, 2, 5, 4, 6, 7, 8}), "seed_canvas must be a list of integers, got "),
+    (dict(logit_bias=[(3, 1.0)]), r"logit_bias must be a dict of token id -> bias, got \[\(3, 1.0\)\]"),
+    (dict(logit_bias={-1: 1.0}), r"logit_bias's token id must be an integer in \[0, 2\*\*31 - 1\], got -1"),
+    (dict(logit_bias={"3": 1.0}), "logit_bias's token id must be an integer"),
+    (dict(logit_bias={3: float("nan")}), r"logit_bias\[3\] must be a finite number, got nan"),
+    (dict(logit_bias={3: 1e39}), r"logit_bias\[3\] must be a finite float32"),
 ])
 def test_invalid_params_name_the_parameter(kwargs, name):
     with pytest.raises(ValueError, match=name):
@@ -728,6 +769,7 @@ def test_names_that_are_no_parameter_are_refused_naming_the_equivalent():
     (dict(seed_canvas=[1] * 7), "seed_canvas"), (dict(seed_canvas=[1] * 7 + [96]), "seed_canvas"),
     (dict(seed_canvas=[1] * 8, pinned_positions=[8]), "pinned_positions"),
     (dict(allowed_token_ids=[3, 200]), "allowed_token_ids"),
+    (dict(logit_bias={3: 1.0, 96: -1.0}), r"SamplingParams.logit_bias\[1\] = 96 is out of range \[0, 96\)"),
     # Logits over so cold a temperature overflow (had failed the step as the model's NaN).
     (dict(t_min=0.0, t_max=1e-38), "t_max and t_min give a smallest temperature of"),
     (dict(t_min=0.0, t_max=1e-18, max_denoising_steps=1000), "smallest temperature of 1e-21"),

@@ -157,6 +157,41 @@ def test_allowed_ids_restrict_argmax_candidate_and_entropy():
     np.testing.assert_allclose(entropy, sub, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("softcap", [0.0, 30.0])
+def test_logit_bias_is_added_before_the_temperature(softcap):
+    """A request's logit_bias is added to the (softcapped) logits before the temperature divides
+    them, as a logits processor given to transformers' generate acts (it runs before the
+    temperature schedule's): the processed logits, the argmax, the candidates, the entropies
+    and the softmax feedback all see it. Ids outside allowed_ids stay -inf whatever their bias."""
+    logits = spread_logits(6, 300, 11) * 3
+    bias = [(7, 100.0), (8, -100.0), (20, 2.5), (299, -0.75)]
+    t = 0.6
+    processed, argmax, candidate, entropy = sampler.sample_rows(logits, t, [], 3, 0, 0, softcap=softcap,
+                                                                logit_bias=bias)
+    capped = torch.from_numpy(logits)
+    if softcap:
+        capped = softcap * torch.tanh(capped / softcap)
+    add = torch.zeros(300)
+    for token, value in bias:
+        add[token] = value
+    expected = (capped + add) / t
+    np.testing.assert_allclose(processed, expected.numpy(), rtol=2e-6, atol=1e-5)
+    assert (argmax == 7).all() and (candidate == 7).all()  # +100 outweighs any logit of a softcap of 30
+    np.testing.assert_allclose(entropy, torch.distributions.Categorical(logits=expected).entropy().numpy(),
+                               rtol=1e-4, atol=1e-6)
+    probs = sampler.sample_rows(logits, t, [], 3, 0, 0, softmax_feedback=True, softcap=softcap, logit_bias=bias)[0]
+    np.testing.assert_allclose(probs, torch.softmax(expected, -1).numpy(), rtol=1e-5, atol=1e-9)
+
+    allowed = [8, 20, 30, 40]
+    processed, argmax, candidate, entropy = sampler.sample_rows(logits, t, allowed, 3, 0, 0, softcap=softcap,
+                                                                logit_bias=bias)
+    assert np.isneginf(np.delete(processed, allowed, axis=1)).all()  # 7 too, biased by +100 but not allowed
+    np.testing.assert_allclose(processed[:, allowed], expected[:, allowed].numpy(), rtol=2e-6, atol=1e-5)
+    assert set(argmax) | set(candidate) <= {20, 30, 40}  # 8's -100 leaves it no chance
+    np.testing.assert_allclose(entropy, torch.distributions.Categorical(logits=expected[:, allowed]).entropy().numpy(),
+                               rtol=1e-4, atol=1e-6)
+
+
 def test_softmax_feedback_is_the_softmax_of_the_processed_logits():
     # What the engine feeds back for self-conditioning: the row's processed logits, then
     # their softmax, as the forward would otherwise compute it; the draws are unchanged.

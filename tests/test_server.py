@@ -294,6 +294,25 @@ def test_temperature_and_diffusion_extensions(client, offline):
     assert allowed.choices[0].text and set(allowed.choices[0].text) <= set("".join(pieces))
 
 
+def test_logit_bias_as_openais(client, offline):
+    """OpenAI's logit_bias (token ids as strings -> -100..100): 100 makes a token the only
+    choice, and a bias gives what the offline API gives with the same logit_bias."""
+    body = dict(model=MODEL, prompt="Hello", max_tokens=16, seed=3, extra_body={"ignore_eos": True,
+                                                                                 "return_token_ids": True})
+    only = client.completions.create(**body, logit_bias={"300": 100})
+    assert only.choices[0].model_extra["token_ids"] == [300] * 16
+    bias = {300: 4.5, 301: 3.0, 7: -100}
+    out = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=16,
+                                         seed=3, logit_bias={str(k): v for k, v in bias.items()})
+    conversation = offline.tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}],
+                                                         add_generation_prompt=True)
+    expected = offline.generate([offline.tokenizer.encode(conversation, add_special_tokens=False)],
+                                ds.SamplingParams(max_new_tokens=16, seed=3, logit_bias=bias))[0]
+    plain = offline.generate([offline.tokenizer.encode(conversation, add_special_tokens=False)],
+                             ds.SamplingParams(max_new_tokens=16, seed=3))[0]
+    assert out.choices[0].message.content == expected.text != plain.text
+
+
 def test_ignore_eos(client, offline):
     """vLLM's ignore_eos: generation runs on past the checkpoint's EOS to max_tokens (it had been
     accepted only as false). Only EOS allowed, a request ends at once without it and runs its
@@ -473,8 +492,16 @@ def test_draft_streaming(base_url):
     ("completions", {"model": MODEL, "prompt": "x", "temperature": 3}, 400, "temperature", "invalid_value"),
     ("completions", {"model": MODEL, "prompt": "x", "max_tokens": 0}, 400, "max_tokens", "invalid_value"),
     ("completions", {"model": MODEL, "prompt": "x", "top_p": 0.5}, 400, "top_p", "unsupported_parameter"),
-    ("completions", {"model": MODEL, "prompt": "x", "logit_bias": {"3": 1}}, 400, "logit_bias",
-     "unsupported_parameter"),
+    # logit_bias: OpenAI's range, and keys that are token ids of the vocabulary.
+    ("completions", {"model": MODEL, "prompt": "x", "logit_bias": {"3": 100.5}}, 400, "logit_bias.3", "invalid_value"),
+    ("completions", {"model": MODEL, "prompt": "x", "logit_bias": {"x3": 1}}, 400, "logit_bias", "invalid_value"),
+    ("completions", {"model": MODEL, "prompt": "x", "logit_bias": {"-3": 1}}, 400, "logit_bias", "invalid_value"),
+    ("completions", {"model": MODEL, "prompt": "x", "logit_bias": {"99999": 1}}, 400, "logit_bias", "invalid_value"),
+    ("completions", {"model": MODEL, "prompt": "x", "logit_bias": {"3": 1, "03": 2}}, 400, "logit_bias",
+     "invalid_value"),
+    ("completions", {"model": MODEL, "prompt": "x", "logit_bias": {"3": "1"}}, 400, "logit_bias.3", "invalid_value"),
+    ("chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "logit_bias": [1]}, 400,
+     "logit_bias", "invalid_value"),
     ("completions", {"model": MODEL, "prompt": "x", "canvas_length": 64}, 400, "canvas_length", "invalid_value"),
     ("completions", {"model": MODEL, "prompt": "x", "allowed_token_ids": [9999]}, 400, "allowed_token_ids",
      "invalid_value"),

@@ -155,28 +155,30 @@ void bind_sampler(nb::module_& m) {
   s.def("accept_by_entropy", [](const std::vector<float>& entropy, float bound) {
     return accept_by_entropy(entropy, bound, {});
   });
-  // One `sample` op on `device`'s backend (softcap > 0: the logits' final softcap first):
-  // returns (processed logits, rounded to feedback_dtype ("F32", "BF16" or "F16": a
-  // checkpoint's weight dtype), or with softmax_feedback their softmax, argmax, candidate,
-  // entropy).
-  s.def("sample_rows", [](LogitsIn logits, float temperature, const std::vector<int32_t>& allowed_ids, uint64_t seed,
+  // One `sample` op on `device`'s backend (softcap > 0: the logits' final softcap first; the
+  // bias of allowed_ids and logit_bias, as a request's): returns (processed logits, rounded to
+  // feedback_dtype ("F32", "BF16" or "F16": a checkpoint's weight dtype), or with
+  // softmax_feedback their softmax, argmax, candidate, entropy).
+  s.def("sample_rows", [](LogitsIn logits, float temperature, std::vector<int32_t> allowed_ids, uint64_t seed,
                           uint32_t block, uint32_t step, bool softmax_feedback, const std::string& device,
-                          float softcap, const std::string& feedback_dtype) {
+                          float softcap, const std::string& feedback_dtype,
+                          const std::vector<std::pair<int32_t, float>>& logit_bias) {
     DType feedback;
     if (!dtype_from_name(feedback_dtype, &feedback) || !is_float(feedback))
       throw InvalidArgument("sample_rows: feedback_dtype must be F32, BF16 or F16, got " + feedback_dtype);
     const int64_t rows = logits.shape(0), vocab = logits.shape(1);
     auto be = make_backend(device, 1);
-    std::shared_ptr<void> allowed;
-    if (!allowed_ids.empty()) {
-      std::vector<uint8_t> flags(vocab, 0);
-      for (int32_t t : allowed_ids) flags.at(t) = 1;
-      allowed = be->alloc_bytes(flags.size());
-      be->write_bytes(allowed.get(), flags.data(), flags.size());
+    std::sort(allowed_ids.begin(), allowed_ids.end());
+    allowed_ids.erase(std::unique(allowed_ids.begin(), allowed_ids.end()), allowed_ids.end());
+    const std::vector<float> host_bias = vocab_bias(int(vocab), allowed_ids, logit_bias);
+    std::shared_ptr<void> bias;
+    if (!host_bias.empty()) {
+      bias = be->alloc_bytes(host_bias.size() * sizeof(float));
+      be->write_bytes(bias.get(), host_bias.data(), host_bias.size() * sizeof(float));
     }
     Activation a = be->alloc(rows, vocab);
     be->from_host(logits.data(), a);
-    const std::vector<RowSample> out = be->sample(a, softcap, temperature, static_cast<const uint8_t*>(allowed.get()),
+    const std::vector<RowSample> out = be->sample(a, softcap, temperature, static_cast<const float*>(bias.get()),
                                                   RandomKey{seed, block, step}, feedback, softmax_feedback);
     std::vector<float> processed(a.size());
     be->to_host(a, processed.data());
@@ -192,7 +194,7 @@ void bind_sampler(nb::module_& m) {
                           to_numpy(std::move(candidate), {n}), to_numpy(std::move(entropy), {n}));
   }, nb::arg("logits"), nb::arg("temperature"), nb::arg("allowed_ids"), nb::arg("seed"), nb::arg("block"),
      nb::arg("step"), nb::arg("softmax_feedback") = false, nb::arg("device") = "cpu", nb::arg("softcap") = 0.0f,
-     nb::arg("feedback_dtype") = "F32");
+     nb::arg("feedback_dtype") = "F32", nb::arg("logit_bias") = std::vector<std::pair<int32_t, float>>{});
   // A block's denoise steps on given logits ([steps, canvas, vocab]), on `device`'s backend:
   // its own denoise_step, or with host_update the default one (the backend's sample, then
   // update_canvas on the host). Returns (tokens, argmax, steps done, stopped) after each.
@@ -219,7 +221,7 @@ void bind_sampler(nb::module_& m) {
     sampling.confidence_threshold = confidence;
     const CanvasParams p = canvas_params(sampling, int(canvas), int(vocab), softcap, seed, block, DType::F32,
                                          int(allowed_ids.size()));
-    CanvasState state = new_canvas(*be, p, tokens, free_position, allowed_ids);
+    CanvasState state = new_canvas(*be, p, tokens, free_position, allowed_ids, vocab_bias(int(vocab), allowed_ids, {}));
     nb::list out;
     for (int64_t step = 0; step < int64_t(logits.shape(0)); ++step) {
       Activation a = be->alloc(canvas, vocab);
@@ -272,6 +274,7 @@ void bind_generate(nb::module_& m) {
       .def_rw("seed_canvas", &SamplingParams::seed_canvas)
       .def_rw("pinned_positions", &SamplingParams::pinned_positions)
       .def_rw("allowed_token_ids", &SamplingParams::allowed_token_ids)
+      .def_rw("logit_bias", &SamplingParams::logit_bias)
       .def_rw("self_conditioning", &SamplingParams::self_conditioning)
       .def_rw("fit_to_context", &SamplingParams::fit_to_context);
   nb::class_<GenerationOutput>(m, "GenerationOutput")

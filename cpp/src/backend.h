@@ -230,6 +230,7 @@ struct CanvasParams {
   bool self_conditioning = false;  // the step leaves the softmax feedback in the logits
   DType feedback_dtype = DType::F32;
   int allowed_count = 0;  // allowed ids; 0: every id
+  bool biased = false;    // the block has a bias per id (allowed ids or a logit_bias given)
 };
 
 // A block's sampler state in backend memory (one allocation, laid out by sampler.h's
@@ -245,8 +246,8 @@ struct CanvasState {
   int32_t* history = nullptr;      // [stability, canvas] stable_argmax's ring
   int32_t* counters = nullptr;     // [kCanvasCounters]: steps done; 1 once the block stopped; non-finite
   int32_t* allowed_ids = nullptr;  // [allowed_count], sorted
+  float* bias = nullptr;           // [vocab] (biased): sampler.h's vocab_bias; null: none
   uint8_t* free_position = nullptr;  // [canvas]; 0: pinned to its seed token
-  uint8_t* allowed = nullptr;        // [vocab] flags; null: every id
   std::shared_ptr<void> storage;
 };
 
@@ -510,15 +511,16 @@ class Backend {
   // Row-wise softmax in fp32.
   virtual void softmax(Activation& x) = 0;
   // The sampler's pass over canvas logits, in place, one row per canvas position:
-  // processed = softcap(logits) / temperature (softcap(x) = cap * tanh(x / cap) as the
-  // softcap op computes it, when cap > 0), with ids outside `allowed` (when not null: one
-  // flag per vocab id, in backend memory) set to -inf; then per row the argmax, a Gumbel-max
+  // processed = (softcap(logits) + bias) / temperature (softcap(x) = cap * tanh(x / cap) as
+  // the softcap op computes it, when cap > 0; `bias`, when not null, one value per vocab id in
+  // backend memory, -inf for an id excluded: its processed value is -inf); then per row the
+  // argmax, a Gumbel-max
   // candidate drawn with `key` at (row, vocab id), and the entropy. Finally the processed
   // logits are rounded to `feedback_dtype` (the reference casts the next step's
   // self-conditioning input to the weight dtype) and, with `softmax_feedback`, replaced by
   // their softmax as the softmax op computes it: the very input the next step's soft
   // embedding multiplies, so that no pass over the vocabulary is left to the forward.
-  virtual std::vector<RowSample> sample(Activation& logits, float cap, float temperature, const uint8_t* allowed,
+  virtual std::vector<RowSample> sample(Activation& logits, float cap, float temperature, const float* bias,
                                         const RandomKey& key, DType feedback_dtype, bool softmax_feedback) = 0;
   // One denoise step of a block on its canvas logits (left as sample leaves them, the next
   // step's feedback): sample at the scheduled temperature, then sampler.h's update_canvas

@@ -524,7 +524,7 @@ class CpuBackend final : public Backend {
     });
   }
 
-  std::vector<RowSample> sample(Activation& logits, float cap, float temperature, const uint8_t* allowed,
+  std::vector<RowSample> sample(Activation& logits, float cap, float temperature, const float* bias,
                                 const RandomKey& key, DType feedback_dtype, bool softmax_feedback) override {
     const int64_t vocab = logits.cols;
     std::vector<RowSample> out(logits.rows);
@@ -535,7 +535,7 @@ class CpuBackend final : public Backend {
         RowSample& r = out[row];
         if (cap > 0) cpu::softcap(l, vocab, cap);
         for (int64_t j = 0; j < vocab; ++j) {
-          l[j] = (!allowed || allowed[j]) ? l[j] / temperature : -INFINITY;
+          l[j] = (bias ? l[j] + bias[j] : l[j]) / temperature;  // (-inf, an id excluded, stays -inf)
           if (l[j] > best) best = l[j], r.argmax = int32_t(j);
         }
         // The candidate: the first largest l + Gumbel noise. Noise is drawn only for the four

@@ -66,7 +66,9 @@ void start_block(RequestState& r, Backend& be, const ModelConfig& config, DType 
   }
   const CanvasParams c = canvas_params(p, r.canvas, vocab, config.final_logit_softcapping, r.out.seed, r.block(),
                                        weight_dtype, int(r.allowed_ids.size()));
-  r.block_state = new_canvas(be, c, tokens, free_position, r.allowed_ids);
+  // (The bias, a value per id, is made for each block, not kept: a waiting request holds only its lists.)
+  r.block_state =
+      new_canvas(be, c, tokens, free_position, r.allowed_ids, vocab_bias(vocab, r.allowed_ids, p.logit_bias));
   r.feedback = Activation{};
   r.steps = 0;
 }

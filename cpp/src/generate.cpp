@@ -1,6 +1,7 @@
 // Sampling parameters (defaults, validation) and generate(): whole requests through the Engine.
 #include "diffuserve/generate.h"
 
+#include <algorithm>
 #include <climits>
 #include <cmath>
 #include <cstdio>
@@ -19,8 +20,8 @@ namespace {
 void check_token_list(const std::vector<int32_t>& ids, const std::string& param, int vocab) {
   for (size_t i = 0; i < ids.size(); ++i)
     if (ids[i] < 0 || ids[i] >= vocab)
-      bad(param, "[" + std::to_string(i) + "] = " + std::to_string(ids[i]) + " is out of range [0, " +
-                     std::to_string(vocab) + ")");
+      bad(param + "[" + std::to_string(i) + "]",
+          "= " + std::to_string(ids[i]) + " is out of range [0, " + std::to_string(vocab) + ")");
 }
 
 }  // namespace
@@ -92,6 +93,16 @@ void validate(const SamplingParams& p, const ModelConfig& c) {
     if (seen[pos]++) bad("pinned_positions", "holds " + std::to_string(pos) + " twice");
   }
   check_token_list(p.allowed_token_ids, "allowed_token_ids", c.vocab_size);
+  std::vector<int32_t> biased;
+  for (const auto& [id, bias] : p.logit_bias) {
+    if (!std::isfinite(bias))
+      bad("logit_bias", "gives token " + std::to_string(id) + " a bias that is not a finite number");
+    biased.push_back(id);
+  }
+  check_token_list(biased, "logit_bias", c.vocab_size);
+  std::sort(biased.begin(), biased.end());
+  if (const auto twice = std::adjacent_find(biased.begin(), biased.end()); twice != biased.end())
+    bad("logit_bias", "names token " + std::to_string(*twice) + " twice");
 }
 
 std::vector<GenerationOutput> generate(Model& model, const std::vector<std::vector<int32_t>>& prompts,

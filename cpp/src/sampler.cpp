@@ -36,10 +36,10 @@ bool stable_argmax(int32_t* history, int step, const int32_t* argmax, int canvas
 
 namespace {
 
-// Where each part of a block's state lies in its one allocation: the int32 arrays, then
-// the byte flags.
+// Where each part of a block's state lies in its one allocation: the int32 arrays, the bias,
+// then the byte flags.
 struct CanvasLayout {
-  size_t tokens, argmax, history, counters, allowed_ids, free_position, allowed, bytes;
+  size_t tokens, argmax, history, counters, allowed_ids, bias, free_position, bytes;
 
   explicit CanvasLayout(const CanvasParams& p) {
     const size_t c = size_t(p.canvas), i32 = sizeof(int32_t);
@@ -48,9 +48,9 @@ struct CanvasLayout {
     history = argmax + c * i32;
     counters = history + size_t(p.stability) * c * i32;
     allowed_ids = counters + kCanvasCounters * i32;
-    free_position = allowed_ids + size_t(p.allowed_count) * i32;
-    allowed = free_position + c;
-    bytes = allowed + (p.allowed_count ? size_t(p.vocab) : 0);
+    bias = allowed_ids + size_t(p.allowed_count) * i32;
+    free_position = bias + (p.biased ? size_t(p.vocab) * sizeof(float) : 0);
+    bytes = free_position + c;
   }
 };
 
@@ -73,24 +73,44 @@ CanvasParams canvas_params(const SamplingParams& p, int canvas, int vocab, float
   c.self_conditioning = p.self_conditioning;
   c.feedback_dtype = feedback_dtype;
   c.allowed_count = allowed_count;
+  c.biased = allowed_count > 0 || !p.logit_bias.empty();
   return c;
 }
 
+std::vector<float> vocab_bias(int vocab, const std::vector<int32_t>& allowed_ids,
+                              const std::vector<std::pair<int32_t, float>>& logit_bias) {
+  if (allowed_ids.empty() && logit_bias.empty()) return {};
+  auto check = [vocab](int32_t id, const char* what) {
+    if (id < 0 || id >= vocab)
+      throw InvalidArgument(std::string(what) + " " + std::to_string(id) + " is out of range [0, " +
+                            std::to_string(vocab - 1) + "]");
+  };
+  std::vector<float> bias(vocab, allowed_ids.empty() ? 0.0f : -INFINITY);
+  for (int32_t id : allowed_ids) {
+    check(id, "allowed id");
+    bias[id] = 0.0f;
+  }
+  for (const auto& [id, value] : logit_bias) {
+    check(id, "logit_bias id");
+    bias[id] += value;  // (an id not allowed stays -inf)
+  }
+  return bias;
+}
+
 CanvasState new_canvas(Backend& be, const CanvasParams& params, const std::vector<int32_t>& tokens,
-                       const std::vector<uint8_t>& free_position, const std::vector<int32_t>& allowed_ids) {
+                       const std::vector<uint8_t>& free_position, const std::vector<int32_t>& allowed_ids,
+                       const std::vector<float>& bias) {
+  if (bias.size() != (params.biased ? size_t(params.vocab) : 0))
+    throw InvalidArgument("new_canvas: a bias of " + std::to_string(bias.size()) + " values for a block " +
+                          (params.biased ? "with a bias per id of " + std::to_string(params.vocab) : "without one"));
   const CanvasLayout at(params);
   std::vector<uint8_t> host(at.bytes, 0);  // history and counters start at zero
   auto put = [&](size_t offset, const void* src, size_t bytes) { copy_bytes(host.data() + offset, src, bytes); };
   put(at.tokens, tokens.data(), tokens.size() * sizeof(int32_t));
   put(at.argmax, tokens.data(), tokens.size() * sizeof(int32_t));
   put(at.allowed_ids, allowed_ids.data(), allowed_ids.size() * sizeof(int32_t));
+  put(at.bias, bias.data(), bias.size() * sizeof(float));
   put(at.free_position, free_position.data(), free_position.size());
-  for (int32_t id : allowed_ids) {
-    if (id < 0 || id >= params.vocab)
-      throw InvalidArgument("allowed id " + std::to_string(id) + " is out of range [0, " +
-                            std::to_string(params.vocab - 1) + "]");
-    host[at.allowed + size_t(id)] = 1;
-  }
 
   CanvasState s;
   s.params = params;
@@ -102,8 +122,8 @@ CanvasState new_canvas(Backend& be, const CanvasParams& params, const std::vecto
   s.history = reinterpret_cast<int32_t*>(base + at.history);
   s.counters = reinterpret_cast<int32_t*>(base + at.counters);
   s.allowed_ids = reinterpret_cast<int32_t*>(base + at.allowed_ids);
+  s.bias = params.biased ? reinterpret_cast<float*>(base + at.bias) : nullptr;
   s.free_position = base + at.free_position;
-  s.allowed = params.allowed_count ? base + at.allowed : nullptr;
   return s;
 }
 
@@ -174,7 +194,7 @@ void Backend::denoise_step(Activation& logits, CanvasState& canvas) {
 
   const int step = s.counters[kCanvasSteps];
   const float temperature = schedule_temperature(p.t_min, p.t_max, p.max_steps - step, p.max_steps);
-  const std::vector<RowSample> rows = sample(logits, p.softcap, temperature, canvas.allowed,
+  const std::vector<RowSample> rows = sample(logits, p.softcap, temperature, canvas.bias,
                                              RandomKey{p.seed, p.block, uint32_t(step), RandomStream::Candidate},
                                              p.feedback_dtype, p.self_conditioning);
   update_canvas(p, rows, s);

@@ -51,7 +51,8 @@ bool stable_argmax(int32_t* history, int step, const int32_t* argmax, int canvas
 
 // A block's parameters: its request's sampling parameters, where it is (seed, block), the
 // model's vocabulary and final softcap, the dtype the feedback is rounded to, and how many
-// ids are allowed (0: every id).
+// ids are allowed (0: every id). The block has a bias per id where ids are allowed or the
+// request gives a logit_bias.
 // The argmax canvases a block keeps (its ring) to judge whether its canvas is stable. A block
 // runs max_denoising_steps steps at most, and its canvas is stable only once `stability`
 // steps came before: a threshold of max_denoising_steps - 1 can hold at the last step alone,
@@ -65,9 +66,17 @@ inline int stability_window(const SamplingParams& p) {
 CanvasParams canvas_params(const SamplingParams& p, int canvas, int vocab, float softcap, uint64_t seed,
                            uint32_t block, DType feedback_dtype, int allowed_count);
 
-// A new block's state: its first step's input ids and which positions are free.
+// The bias the sampler adds to each id's logit (Backend::sample's `bias`): -inf for an id
+// outside allowed_ids (when not empty), else its logit_bias (0 for an id it does not name).
+// Empty where neither is given: no bias at all.
+std::vector<float> vocab_bias(int vocab, const std::vector<int32_t>& allowed_ids,
+                              const std::vector<std::pair<int32_t, float>>& logit_bias);
+
+// A new block's state: its first step's input ids, which positions are free, and the bias
+// (vocab_bias's; empty: none).
 CanvasState new_canvas(Backend& be, const CanvasParams& params, const std::vector<int32_t>& tokens,
-                       const std::vector<uint8_t>& free_position, const std::vector<int32_t>& allowed_ids);
+                       const std::vector<uint8_t>& free_position, const std::vector<int32_t>& allowed_ids,
+                       const std::vector<float>& bias);
 
 // What the host reads of a block between engine steps (one wait for the device).
 struct CanvasReadout {

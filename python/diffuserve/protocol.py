@@ -20,11 +20,11 @@ from .sampling import SamplingParams, length_untold
 from .tokenizer import TEMPLATE_ARGUMENTS
 
 # Value at which an OpenAI parameter we do not implement changes nothing (older LangChain sent
-# logit_bias {} and best_of 1 with every request).
+# best_of 1 with every request).
 # vLLM's sampling extras too, which clients written for it send at their defaults (top_k -1, or
 # 0 in its newer releases).
 _NEUTRAL = {"top_p": (1,), "frequency_penalty": (0,), "presence_penalty": (0,), "logprobs": (False,),
-            "top_logprobs": (0,), "logit_bias": ({},), "best_of": (1,), "response_format": ({"type": "text"},),
+            "top_logprobs": (0,), "best_of": (1,), "response_format": ({"type": "text"},),
             "top_k": (-1, 0), "min_p": (0,), "repetition_penalty": (1,), "min_tokens": (0,),
             "skip_special_tokens": (True,),
             "spaces_between_special_tokens": (True,)}
@@ -62,6 +62,9 @@ MAX_STOP_TOKEN_IDS = 4096
 # (2 MB a choice at a 262,144-token vocabulary, and 24 ms of the engine's thread to take:
 # 4,096 choices of a 2 MB body had asked for 8 GB).
 MAX_ALLOWED_IDS = 2**24
+
+# OpenAI's range of a logit_bias value: -100 bans a token in effect, 100 makes it the only choice.
+MAX_LOGIT_BIAS = 100
 
 # Lists whose items pydantic checks one by one stop at the first bad item: it had described
 # every one (2 million bad items in a 10 MiB body took 58 s and 8.5 GB to refuse).
@@ -110,6 +113,8 @@ class _GenerationRequest(_Strict):
     # Sent by clients to identify their end users: it does not affect generation, but is a
     # string, as OpenAI's (a dict or a number had been accepted).
     user: Optional[str] = None
+    # OpenAI's: token ids (as strings, JSON's keys) -> a bias added to their logits.
+    logit_bias: Optional[Dict[str, Annotated[float, Field(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS)]]] = None
     # Diffusion extensions (SamplingParams' names).
     canvas_length: Optional[int] = Field(None, ge=1)
     max_denoising_steps: Optional[int] = Field(None, ge=1)
@@ -189,6 +194,11 @@ class _GenerationRequest(_Strict):
             raise ApiError(400, f"allowed_token_ids: {len(allowed)} ids for each of {prompts * self.n} choices, "
                                 f"more than a request's choices may hold in all ({MAX_ALLOWED_IDS}): send fewer "
                                 "choices a request", param="allowed_token_ids")
+        if prompts * self.n * len(self.logit_bias or ()) > MAX_ALLOWED_IDS:
+            raise ApiError(400, f"logit_bias: {len(self.logit_bias)} ids for each of {prompts * self.n} choices, "
+                                f"more than a request's choices may hold in all ({MAX_ALLOWED_IDS}): send fewer "
+                                "choices a request", param="logit_bias")
+        bias = self.token_bias(defaults["vocab_size"])
         greedy = scale == _COLDEST_SCALE  # (a temperature of 1e-9 samples as 0 does, so is as reproducible)
         params = []
         for i in range(self.n):
@@ -202,11 +212,26 @@ class _GenerationRequest(_Strict):
                     t_max=t_max, entropy_bound=self.entropy_bound, stability_threshold=self.stability_threshold,
                     confidence_threshold=self.confidence_threshold, seed=seed, canvas_length=self.canvas_length,
                     seed_canvas=self.seed_canvas, pinned_positions=self.pinned_positions,
-                    allowed_token_ids=allowed, self_conditioning=self.self_conditioning,
+                    allowed_token_ids=allowed, logit_bias=bias, self_conditioning=self.self_conditioning,
                     eos_token_id=eos, fit_to_context=fit))
             except ValueError as e:
                 raise invalid_value(e, self.parameter_names()) from None
         return params
+
+    def token_bias(self, vocab_size: int) -> Optional[Dict[int, float]]:
+        """logit_bias with its keys read as token ids (decimal digits, within the vocabulary)."""
+        if not self.logit_bias:
+            return None
+        bias = {}
+        for key, value in self.logit_bias.items():
+            if not re.fullmatch(r"[0-9]+", key) or int(key) >= vocab_size:
+                raise ApiError(400, f"logit_bias: {key!r} is not a token id (an integer in [0, {vocab_size}) as a "
+                                    "string)", param="logit_bias", code="invalid_value")
+            if int(key) in bias:
+                raise ApiError(400, f"logit_bias names token {int(key)} twice", param="logit_bias",
+                               code="invalid_value")
+            bias[int(key)] = value
+        return bias
 
     def eos_token_ids(self, checkpoint_eos: List[int], vocab_size: int) -> Optional[List[int]]:
         """The ids that end each choice (None: the checkpoint's EOS alone): the checkpoint's EOS,

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass, fields
-from typing import Optional, Sequence, Union
+from typing import Mapping, Optional, Sequence, Union
 
 import numpy as np
 
 from . import _core
-from ._checks import INT32_MAX, check_bool, check_float32, check_int, is_int, iter_once
+from ._checks import INT32_MAX, check_bool, check_float32, check_int, float32_value, is_int, iter_once
 
 
 def _int_list(name: str, value, allow_empty: bool = False, ordered: bool = False) -> list:
@@ -75,6 +75,10 @@ class SamplingParams:
     seed_canvas: Optional[Sequence[int]] = None  # initial tokens of the first block
     pinned_positions: Optional[Sequence[int]] = None  # first-block positions held at their seed_canvas token
     allowed_token_ids: Optional[Sequence[int]] = None  # only these may be sampled or accepted (pinned stay)
+    # {token id: bias}, as vLLM's and OpenAI's logit_bias: added to the id's logit before the
+    # temperature divides it (as a logits processor given to transformers' generate), so that
+    # the argmax, the draws, the entropies and the self-conditioning all see it.
+    logit_bias: Optional[Mapping[int, float]] = None
     self_conditioning: bool = True  # False: no step sees the previous step's logits (an ablation)
     # True: where the length limit would reach past max_position_embeddings or the whole KV
     # cache, generate the whole blocks that fit instead (vLLM's rule without max_tokens).
@@ -140,6 +144,7 @@ class SamplingParams:
         seed_canvas = v["seed_canvas"] = _int_list("seed_canvas", self.seed_canvas, ordered=True)
         pinned = v["pinned_positions"] = _int_list("pinned_positions", self.pinned_positions, allow_empty=True)
         v["allowed_token_ids"] = _int_list("allowed_token_ids", self.allowed_token_ids)
+        v["logit_bias"] = _bias_pairs(self.logit_bias)
         v["self_conditioning"] = check_bool("self_conditioning", self.self_conditioning)
         v["fit_to_context"] = check_bool("fit_to_context", self.fit_to_context)
         if pinned and not seed_canvas:
@@ -173,6 +178,7 @@ class SamplingParams:
         p.canvas_length = v.get("canvas_length", 0)
         p.seed_canvas, p.pinned_positions = v["seed_canvas"], v["pinned_positions"]
         p.allowed_token_ids, p.self_conditioning = v["allowed_token_ids"], v["self_conditioning"]
+        p.logit_bias = v["logit_bias"]
         p.fit_to_context = v["fit_to_context"]
         return p
 
@@ -182,6 +188,17 @@ _FIELD_NAMES = frozenset(f.name for f in fields(SamplingParams))
 SamplingParams.__signature__ = inspect.signature(SamplingParams.__init__).replace(
     parameters=list(inspect.signature(SamplingParams.__init__).parameters.values())[1:],
     return_annotation=inspect.Signature.empty)
+def _bias_pairs(value) -> list:
+    """logit_bias ({token id: bias}) as the runtime takes it: (id, bias) pairs in id order,
+    each bias finite as float32 rounds it."""
+    if value is None:
+        return []
+    if not isinstance(value, Mapping):
+        raise ValueError(f"logit_bias must be a dict of token id -> bias, got {value!r:.200}")
+    return sorted((check_int("logit_bias's token id", token, 0), float32_value(f"logit_bias[{token!r}]", bias))
+                  for token, bias in value.items())
+
+
 # vLLM's names for what SamplingParams says otherwise, for the error that refuses them.
 _VLLM_NAMES = {"max_tokens": "max_new_tokens",
                "temperature": "t_min and t_max (the ends of the denoise steps' temperature schedule)",

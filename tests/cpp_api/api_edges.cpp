@@ -14,6 +14,7 @@
 #include <stop_token>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "diffuserve/diffuserve.h"
@@ -62,6 +63,17 @@ std::function<std::string(const std::string&)> generate_with_infinite(float Samp
     auto model = load(dir);
     SamplingParams p = params(*model, 16);
     p.*field = std::numeric_limits<float>::infinity();
+    generate(*model, {{2, 3}}, {p});
+    return std::string("generated");
+  };
+}
+
+// A case: generate() with `bias` as the logit_bias.
+std::function<std::string(const std::string&)> generate_with_logit_bias(std::vector<std::pair<int32_t, float>> bias) {
+  return [bias](const std::string& dir) {
+    auto model = load(dir);
+    SamplingParams p = params(*model, 16);
+    p.logit_bias = bias;
     generate(*model, {{2, 3}}, {p});
     return std::string("generated");
   };
@@ -153,6 +165,9 @@ const std::map<std::string, std::function<std::string(const std::string&)>> kCas
     // Infinite bounds had been taken (Python's SamplingParams refuses them).
     {"infinite_entropy_bound", generate_with_infinite(&SamplingParams::entropy_bound)},
     {"infinite_confidence_threshold", generate_with_infinite(&SamplingParams::confidence_threshold)},
+    {"logit_bias_naming_a_token_twice", generate_with_logit_bias({{5, 1.0f}, {3, 2.0f}, {5, -1.0f}})},
+    {"logit_bias_of_nan", generate_with_logit_bias({{5, std::numeric_limits<float>::quiet_NaN()}})},
+    {"logit_bias_past_the_vocabulary", generate_with_logit_bias({{-2, 1.0f}})},
     // A path the OS refuses to look up (too long) had escaped as std::filesystem_error.
     {"load_a_path_too_long",
      [](const std::string& dir) {

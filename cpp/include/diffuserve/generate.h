@@ -7,6 +7,7 @@
 #include <optional>
 #include <stop_token>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "diffuserve/diffuserve.h"
@@ -42,6 +43,12 @@ struct SamplingParams {
   std::vector<int32_t> pinned_positions;   // first-block positions held at their seed_canvas token
   std::vector<int32_t> allowed_token_ids;  // only these may be drawn or accepted (pinned tokens stay as given)
   bool self_conditioning = true;           // false: every step sees no previous logits (an ablation)
+  // (token id, bias) pairs, each id at most once, each bias finite: added to that id's
+  // (softcapped) logit before the temperature divides it, as OpenAI's and vLLM's logit_bias,
+  // and as a logits processor given to transformers' generate acts: the argmax, the draws,
+  // the entropies and the next step's self-conditioning all see the biased logits. (An id
+  // outside allowed_token_ids stays excluded; the renoising draws stay uniform.)
+  std::vector<std::pair<int32_t, float>> logit_bias;
 };
 
 struct GenerationOutput {
