@@ -1627,6 +1627,24 @@ def test_serve_takes_vllms_max_model_len(checkpoint):
         proc.wait()
 
 
+def test_a_context_of_2_to_the_31_positions_serves_requests_without_max_tokens(tmp_path):
+    """Without max_tokens a request generates what fits its context: a model of 2^31 positions
+    (or more) had refused every such request as a max_tokens of 2^31, which its client never
+    sent."""
+    path = write_random_checkpoint(tmp_path / "m", canvas_length=8, vocab_size=128, hidden_size=32,
+                                   num_hidden_layers=2, max_position_embeddings=2**31)
+    proc, port = _serve_process(str(path), "--kv-cache-gib", "0.001")
+    try:
+        r = httpx.post(f"http://127.0.0.1:{port}/v1/completions",
+                       json={"model": MODEL, "prompt": [2, 5, 9], "seed": 1, "ignore_eos": True})
+        assert r.status_code == 200, r.text
+        usage = r.json()["usage"]
+        assert usage["completion_tokens"] > 0 and usage["completion_tokens"] % 8 == 0  # the whole blocks that fit
+    finally:
+        proc.kill()
+        proc.wait()
+
+
 def test_serve_serves_https_with_a_certificate(checkpoint, tmp_path):
     """serve --ssl-certfile / --ssl-keyfile (vLLM's): HTTPS; a key that is not the
     certificate's, or a key without a certificate, stops it with what is wrong."""

@@ -41,8 +41,10 @@ def _int_list(name: str, value, allow_empty: bool = False, ordered: bool = False
 def length_untold(max_new_tokens: Optional[int], length_given: bool, context: int) -> Optional[int]:
     """max_new_tokens, or where none is given, as vLLM without max_tokens: the checkpoint's
     length (None) where generation_config.json gives one, else the whole context (`context`
-    tokens), which fit_to_context then cuts to the whole blocks that fit."""
-    return context if max_new_tokens is None and not length_given else max_new_tokens
+    tokens, at most the runtime's int32), which fit_to_context then cuts to the whole blocks
+    that fit. (A context of 2^31 positions had been refused as a max_tokens the client never
+    sent.)"""
+    return min(context, INT32_MAX) if max_new_tokens is None and not length_given else max_new_tokens
 
 
 def _comparable(value):
