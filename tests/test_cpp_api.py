@@ -98,7 +98,7 @@ def test_every_public_header_refuses_a_standard_library_build_unlike_the_library
     ("infinite_confidence_threshold", r"confidence_threshold must be a finite number > 0"),
     ("logit_bias_naming_a_token_twice", "SamplingParams.logit_bias names token 5 twice"),
     ("logit_bias_of_nan", "SamplingParams.logit_bias gives token 5 a bias that is not a finite number"),
-    ("logit_bias_past_the_vocabulary", "SamplingParams.logit_bias[0] = -2 is out of range [0, "),
+    ("logit_bias_past_the_vocabulary", "SamplingParams.logit_bias names token -2, outside the vocabulary [0, "),
 ])
 def test_engine_refuses_bad_plans(program, ckpt, case, message):
     result = run_case(program, ckpt, case)

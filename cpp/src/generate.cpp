@@ -93,13 +93,15 @@ void validate(const SamplingParams& p, const ModelConfig& c) {
     if (seen[pos]++) bad("pinned_positions", "holds " + std::to_string(pos) + " twice");
   }
   check_token_list(p.allowed_token_ids, "allowed_token_ids", c.vocab_size);
-  std::vector<int32_t> biased;
+  std::vector<int32_t> biased;  // (a map in Python: its ids are named, not their places in the list)
   for (const auto& [id, bias] : p.logit_bias) {
+    if (id < 0 || id >= c.vocab_size)
+      bad("logit_bias", "names token " + std::to_string(id) + ", outside the vocabulary [0, " +
+                            std::to_string(c.vocab_size) + ")");
     if (!std::isfinite(bias))
       bad("logit_bias", "gives token " + std::to_string(id) + " a bias that is not a finite number");
     biased.push_back(id);
   }
-  check_token_list(biased, "logit_bias", c.vocab_size);
   std::sort(biased.begin(), biased.end());
   if (const auto twice = std::adjacent_find(biased.begin(), biased.end()); twice != biased.end())
     bad("logit_bias", "names token " + std::to_string(*twice) + " twice");
