@@ -993,21 +993,51 @@ def test_compressed_bodies_are_refused(base_url, encoding):
     assert r.status_code == 200, r.text
 
 
+def pieces(response) -> list:
+    """A stream's chunks without their ids and times."""
+    return [{k: v for k, v in json.loads(line[6:]).items() if k not in ("id", "created")}
+            for line in response.text.splitlines() if line.startswith("data: {")]
+
+
 def test_vllms_continuous_usage_stats_is_taken_at_false(base_url):
     """stream_options.continuous_usage_stats, which clients written for vLLM send: false streams
-    as without it (it had been refused as an unknown parameter), true is refused by name."""
+    as without it (it had been refused as an unknown parameter), and so does true without
+    include_usage, as in vLLM."""
     body = {"model": MODEL, "prompt": "x", "max_tokens": 8, "stream": True, "seed": 0}
     plain = httpx.post(base_url + "/v1/completions", json={**body, "stream_options": {"include_usage": True}})
     r = httpx.post(base_url + "/v1/completions",
                    json={**body, "stream_options": {"include_usage": True, "continuous_usage_stats": False}})
     assert r.status_code == 200 and plain.status_code == 200
-
-    def pieces(response):  # the chunks without their ids and times
-        return [{k: v for k, v in json.loads(line[6:]).items() if k not in ("id", "created")}
-                for line in response.text.splitlines() if line.startswith("data: {")]
     assert pieces(r) == pieces(plain)
-    r = httpx.post(base_url + "/v1/completions", json={**body, "stream_options": {"continuous_usage_stats": True}})
-    assert r.status_code == 400 and r.json()["error"]["param"] == "stream_options.continuous_usage_stats"
+    unasked = httpx.post(base_url + "/v1/completions", json={**body, "stream_options": {"continuous_usage_stats": True}})
+    assert pieces(unasked) == pieces(httpx.post(base_url + "/v1/completions", json=body))
+
+
+@pytest.mark.parametrize("path, prompt", [("/v1/completions", {"prompt": ["Hello", "Hi there"]}),
+                                          ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}]})])
+def test_vllms_continuous_usage_stats_give_each_chunk_its_choices_usage(base_url, path, prompt):
+    """With include_usage, continuous_usage_stats (vLLM's) puts in every chunk the usage of its
+    choice so far: its prompt's tokens and the tokens given out, which end at the choice's
+    share of the final usage; the rest of the stream is as without it."""
+    body = {"model": MODEL, **prompt, "max_tokens": 24, "n": 2, "stream": True, "seed": 0,
+            "stream_options": {"include_usage": True}}
+    plain = pieces(httpx.post(base_url + path, json=body))
+    chunks = pieces(httpx.post(base_url + path, json={**body, "stream_options": {"include_usage": True,
+                                                                                  "continuous_usage_stats": True}}))
+    final = chunks[-1]["usage"]
+    assert chunks[-1]["choices"] == [] and final == plain[-1]["usage"]
+    assert [{k: v for k, v in c.items() if k != "usage"} for c in chunks[:-1]] == \
+        [{k: v for k, v in c.items() if k != "usage"} for c in plain[:-1]]
+    last = {}
+    for chunk in chunks[:-1]:
+        (choice,) = chunk["choices"]
+        usage = chunk["usage"]
+        assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+        assert usage["completion_tokens"] >= last.get(choice["index"], {"completion_tokens": 0})["completion_tokens"]
+        last[choice["index"]] = usage
+    assert len(last) == (4 if path == "/v1/completions" else 2)
+    assert sum(u["completion_tokens"] for u in last.values()) == final["completion_tokens"]
+    assert sum(u["prompt_tokens"] for i, u in last.items() if i % 2 == 0) == final["prompt_tokens"]
 
 
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/tokenize"])

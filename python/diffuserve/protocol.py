@@ -94,7 +94,7 @@ class _Strict(BaseModel):
 
 class StreamOptions(_Strict):
     include_usage: Optional[bool] = None  # null: not given, as at the top level
-    # vLLM's, which clients written for it send: usage in every chunk is not sent, so false alone.
+    # vLLM's: with include_usage, every chunk carries its choice's usage so far.
     continuous_usage_stats: Optional[bool] = None
 
 
@@ -177,10 +177,6 @@ class _GenerationRequest(_Strict):
         t_max = self.t_max if scale is None else defaults["t_max"] * scale
         if self.stream_options is not None and not self.stream:
             raise ApiError(400, "stream_options is only allowed when stream is true", param="stream_options")
-        if self.stream_options is not None and self.stream_options.continuous_usage_stats:
-            raise ApiError(400, "stream_options.continuous_usage_stats: usage is not sent in every chunk (only false "
-                           "is accepted; include_usage sends it at the end)",
-                           param="stream_options.continuous_usage_stats", code="unsupported_parameter")
         if self.stream_drafts and not self.stream:
             raise ApiError(400, "stream_drafts is only allowed when stream is true", param="stream_drafts")
         if self.max_denoising_steps is not None and self.max_denoising_steps > max_steps:

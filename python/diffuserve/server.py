@@ -519,8 +519,11 @@ class _Server:
             await _to_the_end(close())
             raise failed
         if body.stream:
-            include_usage = body.stream_options is not None and bool(body.stream_options.include_usage)
-            return StreamingResponse(self._sse(choices, fmt, usage, include_usage), media_type="text/event-stream")
+            options = body.stream_options
+            include_usage = options is not None and bool(options.include_usage)
+            continuous = include_usage and bool(options.continuous_usage_stats)
+            return StreamingResponse(self._sse(choices, fmt, usage, include_usage, continuous),
+                                     media_type="text/event-stream")
         try:
             await _unless_disconnected(request, _drain(_merged(choices)))
         except (ApiError, EngineError) as e:  # (a 499 goes to a closed connection, which uvicorn does not log)
@@ -528,15 +531,25 @@ class _Server:
             raise
         return fmt.response(choices, usage.body())
 
-    async def _sse(self, choices, fmt, usage: Usage, include_usage: bool) -> AsyncIterator[str]:
+    async def _sse(self, choices, fmt, usage: Usage, include_usage: bool, continuous: bool) -> AsyncIterator[str]:
+        """The stream's chunks; with include_usage the usage at its end, and with continuous
+        (vLLM's continuous_usage_stats) each chunk's choice's usage so far in the chunk, as
+        vLLM gives it: its prompt's tokens and the tokens given out so far."""
+        def with_usage(chunk: dict, choice: _Choice) -> dict:
+            if continuous:
+                prompt, completion = len(choice.prompt), len(choice.token_ids)
+                chunk["usage"] = {"prompt_tokens": prompt, "completion_tokens": completion,
+                                  "total_tokens": prompt + completion}
+            return chunk
+
         for choice in choices:
             opening = fmt.opening_chunk(choice.index)
             if opening is not None:
-                yield _sse(opening, include_usage)
+                yield _sse(with_usage(opening, choice), include_usage)
         try:
             async for event in _merged(choices):
                 if event.text or event.draft is not None or event.finish_reason or (fmt.token_ids and event.token_ids):
-                    yield _sse(fmt.chunk(event), include_usage)
+                    yield _sse(with_usage(fmt.chunk(event), choices[event.index]), include_usage)
         except EngineError as e:
             _log_early_end(fmt.request_id, e)
             yield _sse(ApiError(503, str(e), type="server_error").body(), False)
