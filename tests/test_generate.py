@@ -838,6 +838,21 @@ def test_prompts_as_vllm_dicts_and_object_arrays(checkpoints):
             llm.generate([prompt], params)
 
 
+def test_vllms_example_reads_the_outputs_as_in_vllm():
+    """vLLM's own example runs unchanged past its SamplingParams: each output's `prompt` (the
+    text, where it was given as text) and `outputs[0].text`, vLLM's CompletionOutput."""
+    llm = ds.LLM(ds.default_model())
+    prompts = ["002500146300270500000046307067008400409000002020300005780000050000400700001000080",
+               {"prompt": "102500146300270500000046307067008400409000002020300005780000050000400700001000080"}]
+    outputs = llm.generate(prompts + [[3, 4, 5]], ds.SamplingParams(seed=0, max_new_tokens=16))
+    for output, prompt in zip(outputs, [prompts[0], prompts[1]["prompt"], None]):
+        assert output.prompt == prompt
+        (completion,) = output.outputs
+        assert (completion.index, completion.text, completion.token_ids, completion.finish_reason) == \
+            (0, output.text, output.token_ids, output.finish_reason)
+    assert outputs[0].outputs[0].text
+
+
 def test_prompts_as_torch_tensors(checkpoints):
     """A torch tensor is token ids to generate as to add_request: one prompt, or a batch's rows
     (transformers' input_ids); generate had refused it as no list. One numpy cannot read is

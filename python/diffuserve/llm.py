@@ -59,6 +59,16 @@ def _signals_held():
 
 
 @dataclass
+class CompletionOutput:
+    """vLLM's CompletionOutput: what RequestOutput.outputs holds (a request has one)."""
+    index: int
+    text: str
+    token_ids: List[int]
+    finish_reason: str
+    stop_reason: Optional[int] = None  # (vLLM's for an EOS, the only id that ends an output here)
+
+
+@dataclass
 class RequestOutput:
     request_id: int
     prompt_token_ids: List[int]
@@ -71,6 +81,13 @@ class RequestOutput:
     seed: int                        # the seed used (drawn fresh when none was given)
     text: str = ""  # the tokens decoded, EOS excluded; "" without a tokenizer (as vLLM's without one)
     error: Optional[str] = field(default=None)  # with finish_reason "error": why (its logits were not finite)
+    prompt: Optional[str] = None  # the prompt's text, where it was given as text (vLLM's; None for token ids)
+
+    @property
+    def outputs(self) -> List[CompletionOutput]:
+        """vLLM's form of the output, its one completion: code written for vLLM reads
+        `output.outputs[0].text`."""
+        return [CompletionOutput(index=0, text=self.text, token_ids=self.token_ids, finish_reason=self.finish_reason)]
 
 
 class _TurnLock(_thread.RLock):
@@ -196,7 +213,7 @@ class LLM:
         self.scheduler = Scheduler(self._engine, int(max_num_seqs), max_num_batched_tokens, slice_steps)
         self.tokenizer = Tokenizer.from_checkpoint(self.model.path)  # None when the checkpoint has no tokenizer.json
         self._ids = itertools.count()
-        self._prompts = {}
+        self._prompts = {}  # request id -> (its prompt's ids, its text where given as text)
         self._held: List[RequestOutput] = []  # outputs a step saw finish that another caller is to get
         # Requests an AsyncLLM streams: only its own steps return their outputs (a plain step()
         # loop in another thread had taken them, and the AsyncLLM then failed every request).
@@ -220,6 +237,7 @@ class LLM:
                                  f"'prompt_token_ids', got {type(prompt).__name__} under {key!r}")
         if isinstance(prompt, (bytes, bytearray)):  # (numpy would read its characters as ids)
             raise ValueError("a prompt is text (str) or token ids, got bytes: decode them to str first")
+        text = prompt if isinstance(prompt, str) else None
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("text prompts need a tokenizer, and this checkpoint has no tokenizer.json: "
@@ -233,7 +251,7 @@ class LLM:
         try:
             with _signals_held():
                 self.scheduler.add(request_id, ids, params._native(self.model._native.sampling_defaults()))
-                self._prompts[request_id] = ids
+                self._prompts[request_id] = ids, text
         except BaseException:  # refused, or a signal's exception as it was queued: the caller has no id to abort
             self.abort(request_id)
             raise
@@ -408,11 +426,12 @@ class LLM:
                 **self.model.cache_stats()}
 
     def _output(self, request_id: int, out) -> RequestOutput:
-        return RequestOutput(request_id=request_id, prompt_token_ids=self._prompts.pop(request_id),
+        ids, text = self._prompts.pop(request_id)
+        return RequestOutput(request_id=request_id, prompt_token_ids=ids,
                              token_ids=list(out.token_ids), finish_reason=out.finish_reason,
                              denoise_steps=list(out.denoise_steps), tokens_per_forward=out.tokens_per_forward,
                              seed=out.seed, text=self._text(list(out.token_ids), out.finish_reason),
-                             error=out.error or None)
+                             error=out.error or None, prompt=text)
 
     def _text(self, token_ids: List[int], finish_reason: str) -> str:
         if self.tokenizer is None:
