@@ -236,6 +236,8 @@ def test_llm_chat_is_the_servers_chat(client, offline):
         served = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=24, seed=5)
         assert out.text == served.choices[0].message.content and out.finish_reason == served.choices[0].finish_reason
         assert len(out.prompt_token_ids) == served.usage.prompt_tokens
+        # (vLLM's prompt: the rendered conversation, whose ids are the prompt's)
+        assert offline.tokenizer.encode(out.prompt, add_special_tokens=False) == out.prompt_token_ids
     bos = offline.tokenizer.encode("", add_special_tokens=True)
     assert outs[1].prompt_token_ids[:len(bos) + 1] != bos * 2  # the template's <bos> alone
     assert offline.chat(talks[1], params)[0].token_ids == outs[1].token_ids

@@ -403,7 +403,7 @@ class LLM:
 
         source = self.tokenizer.get_chat_template(chat_template, tools)
         names_developer, takes_parts = names_role(source, "developer"), loops_over_content(source)  # (once a call)
-        prompts = []
+        prompts, texts = [], []
         for i, conversation in enumerate(conversations):
             try:  # the messages as the server's chat gives them to the template (text parts, roles, tool calls)
                 read = parse(TokenizeChatRequest, {"messages": list(conversation)}).conversation(
@@ -416,7 +416,11 @@ class LLM:
             if not text:
                 raise ValueError(f"conversation {i}: {EMPTY_CHAT_PROMPT}")
             prompts.append(self.tokenizer.encode(text, add_special_tokens=False))
-        return self.generate(prompts, params)
+            texts.append(text)
+        outputs = self.generate(prompts, params)
+        for output, text in zip(outputs, texts):
+            output.prompt = text  # (as vLLM's chat gives it: the rendered conversation)
+        return outputs
 
     @_locked
     def stats(self) -> dict:
