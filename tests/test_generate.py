@@ -851,6 +851,14 @@ def test_vllms_example_reads_the_outputs_as_in_vllm():
         assert (completion.index, completion.text, completion.token_ids, completion.finish_reason) == \
             (0, output.text, output.token_ids, output.finish_reason)
     assert outputs[0].outputs[0].text
+    # vLLM's keywords: sampling_params for params, and its progress bar (on stderr)
+    params = ds.SamplingParams(seed=0, max_new_tokens=16)
+    again = llm.generate(prompts[:1], sampling_params=params, use_tqdm=True)
+    assert again[0].token_ids == outputs[0].token_ids
+    with pytest.raises(ValueError, match=r"give params or sampling_params \(vLLM's name for it\), not both"):
+        llm.generate(prompts[:1], params, sampling_params=params)
+    with pytest.raises(ValueError, match="use_tqdm must be True or False"):
+        llm.generate(prompts[:1], params, use_tqdm="yes")
 
 
 def test_prompts_as_torch_tensors(checkpoints):

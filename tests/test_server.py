@@ -241,6 +241,7 @@ def test_llm_chat_is_the_servers_chat(client, offline):
     bos = offline.tokenizer.encode("", add_special_tokens=True)
     assert outs[1].prompt_token_ids[:len(bos) + 1] != bos * 2  # the template's <bos> alone
     assert offline.chat(talks[1], params)[0].token_ids == outs[1].token_ids
+    assert offline.chat(talks[1], sampling_params=params)[0].token_ids == outs[1].token_ids  # (vLLM's keyword)
     prefilled = talks[1] + [{"role": "assistant", "content": "Well"}]
     continued = offline.chat(prefilled, params, continue_final_message=True)[0]
     assert len(continued.prompt_token_ids) > len(outs[1].prompt_token_ids)

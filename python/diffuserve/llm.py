@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import List, Optional, Sequence, Union
 
 import numpy as np
+from tqdm import tqdm
 
 from . import _core
 from ._checks import INT64_MAX, check_bool, check_encoded, check_int, check_token_ids
@@ -157,6 +158,13 @@ def _is_one_id(item) -> bool:
     or a 0-d array or tensor (list(tensor)'s items), which has __len__ but is an id; not a
     numpy string, 0-d too, but a text."""
     return not isinstance(item, (str, bytes)) and (not hasattr(item, "__len__") or getattr(item, "ndim", None) == 0)
+
+
+def _params_given(params, sampling_params):
+    """generate's and chat's parameters, given by our name or by vLLM's (`sampling_params`)."""
+    if params is not None and sampling_params is not None:
+        raise ValueError("give params or sampling_params (vLLM's name for it), not both")
+    return params if sampling_params is None else sampling_params
 
 
 def _sampling_params(value, where: str) -> SamplingParams:
@@ -319,11 +327,15 @@ class LLM:
             raise
 
     @_locked
-    def generate(self, prompts, params: Union[SamplingParams, Sequence[SamplingParams], None] = None
-                 ) -> List[RequestOutput]:
+    def generate(self, prompts, params: Union[SamplingParams, Sequence[SamplingParams], None] = None, *,
+                 sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
+                 use_tqdm: bool = False) -> List[RequestOutput]:
         """prompts: a list of prompts, each token ids or text (or vLLM's dict of either: see
-        add_request), or one such prompt; params: one SamplingParams for all, or one per prompt.
-        Returns the outputs in prompt order."""
+        add_request), or one such prompt; params (or vLLM's name for it, sampling_params): one
+        SamplingParams for all, or one per prompt; use_tqdm: a progress bar of the prompts done,
+        on stderr (vLLM's, which shows one by default). Returns the outputs in prompt order."""
+        params = _params_given(params, sampling_params)
+        check_bool("use_tqdm", use_tqdm)
         if hasattr(prompts, "__array__") and not isinstance(prompts, np.ndarray):
             # Another library's array (a torch tensor: transformers' input_ids, one prompt or a
             # batch's rows), as add_request takes one (it had been refused as no list).
@@ -351,6 +363,7 @@ class LLM:
         # Request id -> its prompt's index, in prompt order (a list's scans had made a call
         # quadratic in its prompts).
         index, done = {}, {}
+        bar = tqdm(total=len(prompts), desc="Processed prompts", unit="prompt", disable=not use_tqdm)
         try:
             for i, prompt in enumerate(prompts):
                 with _signals_held():  # (the request's id filed as it is queued)
@@ -366,6 +379,7 @@ class LLM:
                             self._held.append(out)
                         else:
                             done[out.request_id] = out
+                            bar.update()
                 failed = [out for out in outs if out.request_id in index and out.finish_reason == "error"]
                 if failed:
                     raise _core.CheckpointError(f"prompt {index[failed[0].request_id]}: {failed[0].error}")
@@ -375,19 +389,24 @@ class LLM:
                     if request_id not in done:
                         self.abort(request_id)
             raise
+        finally:
+            bar.close()
         return [done[request_id] for request_id in index]
 
     def chat(self, messages, params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
              chat_template: Optional[str] = None, add_generation_prompt: Optional[bool] = None,
              continue_final_message: Union[bool, str] = False, tools=None,
-             chat_template_kwargs: Optional[dict] = None) -> List[RequestOutput]:
+             chat_template_kwargs: Optional[dict] = None, *,
+             sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
+             use_tqdm: bool = False) -> List[RequestOutput]:
         """The model's turn in a conversation (a list of {"role", "content"} messages), or in each
         of a list of conversations, as vLLM's LLM.chat: the messages read as the server's chat
         reads them (OpenAI's roles; content a string or text parts; tool calls' JSON arguments),
         rendered by the chat template (Tokenizer.apply_chat_template, which takes the other
         arguments) and encoded without the tokenizer's own special tokens, which the template
-        writes (its text given to generate would begin with a second <bos>). params: as
-        generate's."""
+        writes (its text given to generate would begin with a second <bos>). params (or
+        sampling_params) and use_tqdm: as generate's."""
+        params = _params_given(params, sampling_params)
         if self.tokenizer is None:
             raise ValueError("this checkpoint has no tokenizer.json, so no chat template: give generate token ids")
         if isinstance(messages, dict) or not isinstance(messages, (list, tuple)) or not messages:
@@ -417,7 +436,7 @@ class LLM:
                 raise ValueError(f"conversation {i}: {EMPTY_CHAT_PROMPT}")
             prompts.append(self.tokenizer.encode(text, add_special_tokens=False))
             texts.append(text)
-        outputs = self.generate(prompts, params)
+        outputs = self.generate(prompts, params, use_tqdm=use_tqdm)
         for output, text in zip(outputs, texts):
             output.prompt = text  # (as vLLM's chat gives it: the rendered conversation)
         return outputs
