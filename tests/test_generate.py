@@ -859,6 +859,15 @@ def test_vllms_example_reads_the_outputs_as_in_vllm():
         llm.generate(prompts[:1], params, sampling_params=params)
     with pytest.raises(ValueError, match="use_tqdm must be True or False"):
         llm.generate(prompts[:1], params, use_tqdm="yes")
+    # and LLM(model=...), vLLM's name for the path; its arguments without an equivalent say what takes their place
+    assert ds.LLM(model=ds.default_model()).generate(prompts[:1], params)[0].token_ids == outputs[0].token_ids
+    with pytest.raises(TypeError, match=r"LLM\(\) got an unexpected keyword argument 'gpu_memory_utilization' "
+                                        r"\(vLLM's: the KV cache is sized by kv_cache_memory_bytes"):
+        ds.LLM(model=ds.default_model(), gpu_memory_utilization=0.9)
+    with pytest.raises(TypeError, match=r"LLM\(\) got an unexpected keyword argument 'no_such'$"):
+        ds.LLM(no_such=1)
+    with pytest.raises(ValueError, match=r"give path or model \(vLLM's name for it\), not both"):
+        ds.LLM(ds.default_model(), model=ds.default_model())
 
 
 def test_prompts_as_torch_tensors(checkpoints):

@@ -160,6 +160,20 @@ def _is_one_id(item) -> bool:
     return not isinstance(item, (str, bytes)) and (not hasattr(item, "__len__") or getattr(item, "ndim", None) == 0)
 
 
+# vLLM's LLM arguments that have no equivalent here, and what takes their place.
+_VLLM_ARGUMENTS = {
+    "gpu_memory_utilization": "the KV cache is sized by kv_cache_memory_bytes (default on a GPU: 80% of what the "
+                              "weights leave)",
+    "tensor_parallel_size": "one device runs the whole model",
+    "pipeline_parallel_size": "one device runs the whole model",
+    "trust_remote_code": "no checkpoint code runs: DiffusionGemma is built in",
+    "enable_prefix_caching": "prefix caching is always on",
+    "tokenizer": "the checkpoint's tokenizer.json is used",
+    "enforce_eager": "CUDA graphs are switched off by DIFFUSERVE_CUDA_GRAPHS=0",
+    "seed": "each request's SamplingParams(seed=...) seeds it",
+}
+
+
 def _params_given(params, sampling_params):
     """generate's and chat's parameters, given by our name or by vLLM's (`sampling_params`)."""
     if params is not None and sampling_params is not None:
@@ -186,6 +200,8 @@ class LLM:
     Model.load ("float32", or "bfloat16" for bf16-rounded linear inputs, faster on the GPU);
     kv_cache_dtype: as Model.load ("auto": bf16 where activations are and the device allows);
     max_model_len: as Model.load (the longest sequence a request may reach; None: the model's).
+    model: vLLM's name for path (LLM(model=...)); vLLM's other arguments are refused naming
+    what takes their place.
     Threads may share an LLM: its calls run one at a time, and generate calls made at once
     run one after the other; a thread waiting for the LLM has it before a thread that just
     had it takes it again (a thread stepping in a loop lets another's abort in between steps).
@@ -196,7 +212,15 @@ class LLM:
                  max_num_batched_tokens: Optional[int] = None, kv_block_size: int = 16, slice_steps: int = 8,
                  fuse_commit: bool = True, load_format: str = "auto", quantization: Optional[str] = None,
                  activations: str = "float32", kv_cache_dtype: str = "auto",
-                 max_model_len: Optional[int] = None):
+                 max_model_len: Optional[int] = None, *, model=None, **others):
+        if others:  # (a TypeError as Python's own, naming what takes the place of vLLM's)
+            name = next(iter(others))
+            hint = _VLLM_ARGUMENTS.get(name)
+            raise TypeError(f"LLM() got an unexpected keyword argument {name!r}" +
+                            (f" (vLLM's: {hint})" if hint else ""))
+        if path is not None and model is not None:
+            raise ValueError("give path or model (vLLM's name for it), not both")
+        path = path if model is None else model
         if path is None:  # the bundled Sudoku model
             from . import default_model
             path = default_model()
