@@ -1022,15 +1022,39 @@ def test_vllms_continuous_usage_stats_give_each_chunk_its_choices_usage(base_url
     """With include_usage, continuous_usage_stats (vLLM's) puts in every chunk the usage of its
     choice so far: its prompt's tokens and the tokens given out, which end at the choice's
     share of the final usage; the rest of the stream is as without it."""
-    body = {"model": MODEL, **prompt, "max_tokens": 24, "n": 2, "stream": True, "seed": 0,
-            "stream_options": {"include_usage": True}}
-    plain = pieces(httpx.post(base_url + path, json=body))
-    chunks = pieces(httpx.post(base_url + path, json={**body, "stream_options": {"include_usage": True,
-                                                                                  "continuous_usage_stats": True}}))
+    with httpx.Client(base_url=base_url) as http:
+        check_continuous_usage(http, path, {**prompt, "n": 2, "seed": 0})
+
+
+def test_continuous_usage_stats_count_to_a_stop_string(tmp_path):
+    """Where a stop string ends a choice, each chunk's count is of the tokens whose text went
+    out: a block's tokens whose text was held back (a byte-fallback tokenizer's partial
+    characters) had been counted past the stop (16 in the last chunk, 4 in the final usage)."""
+    from fastapi.testclient import TestClient
+
+    engine = AsyncLLM(ds.LLM(write_chat_checkpoint(tmp_path / "m", byte_fallback=True)))
+    try:
+        with TestClient(build_app(engine, MODEL)) as http:
+            for seed in range(12, 20):
+                for stop in ([" "], ["e"], ["a", "o"]):
+                    check_continuous_usage(http, "/v1/completions", {"prompt": "Hello", "stop": stop, "seed": seed,
+                                                                     "n": 2})
+    finally:
+        engine.shutdown()
+
+
+def check_continuous_usage(http, path, request):
+    body = {"model": MODEL, "max_tokens": 24, "stream": True, **request, "stream_options": {"include_usage": True}}
+    plain = pieces(http.post(path, json=body))
+    chunks = pieces(http.post(path, json={**body, "stream_options": {"include_usage": True,
+                                                                      "continuous_usage_stats": True}}))
     final = chunks[-1]["usage"]
     assert chunks[-1]["choices"] == [] and final == plain[-1]["usage"]
-    assert [{k: v for k, v in c.items() if k != "usage"} for c in chunks[:-1]] == \
-        [{k: v for k, v in c.items() if k != "usage"} for c in plain[:-1]]
+
+    def by_choice(stream):  # (the choices' chunks interleave as their blocks come)
+        return sorted(([{k: v for k, v in c.items() if k != "usage"} for c in stream[:-1]]),
+                      key=lambda c: c["choices"][0]["index"])
+    assert by_choice(chunks) == by_choice(plain)
     last = {}
     for chunk in chunks[:-1]:
         (choice,) = chunk["choices"]
@@ -1038,9 +1062,10 @@ def test_vllms_continuous_usage_stats_give_each_chunk_its_choices_usage(base_url
         assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
         assert usage["completion_tokens"] >= last.get(choice["index"], {"completion_tokens": 0})["completion_tokens"]
         last[choice["index"]] = usage
-    assert len(last) == (4 if path == "/v1/completions" else 2)
+    n = request.get("n", 1)
+    assert len(last) == n * (len(request["prompt"]) if isinstance(request.get("prompt"), list) else 1)
     assert sum(u["completion_tokens"] for u in last.values()) == final["completion_tokens"]
-    assert sum(u["prompt_tokens"] for i, u in last.items() if i % 2 == 0) == final["prompt_tokens"]
+    assert sum(u["prompt_tokens"] for i, u in last.items() if i % n == 0) == final["prompt_tokens"]
 
 
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/tokenize"])

@@ -199,13 +199,15 @@ class _Choice:
 
     def __init__(self, server: "_Server", index: int, prompt: List[int], params: SamplingParams,
                  stop: List[str], drafts: bool, usage: Usage, counts_prompt: bool, names: Dict[str, str],
-                 returns_ids: bool, stop_reason: Callable[[int], Optional[int]] = lambda token_id: None,
+                 ids_follow_text: bool, stop_reason: Callable[[int], Optional[int]] = lambda token_id: None,
                  include_stop: bool = False):
         self.server, self.index, self.prompt, self.usage = server, index, prompt, usage
         self.arrived = time.monotonic()  # (when its request's body had been read and checked)
         self.first_block_seconds: Optional[float] = None  # from arrival to its first committed block
         self.queue_seconds: Optional[float] = None  # from arrival to the engine step that first ran it
-        self.returns_ids = returns_ids  # token_ids go out with the text (return_token_ids)
+        # The ids given out (token_ids) go with the text given out, not past it: they are sent
+        # (return_token_ids), or counted in each chunk's usage (continuous_usage_stats).
+        self.ids_follow_text = ids_follow_text
         self.names = names  # the request's names for the engine's parameters (invalid_value)
         self.counts_prompt = counts_prompt  # OpenAI counts a prompt once however many choices it has
         # The checkpoint's EOS ends the text, unless the request ignores it (ignore_eos: the
@@ -292,7 +294,7 @@ class _Choice:
                 # hold text back, and ids sent past a stop that then ends the text could not be
                 # taken back).
                 through = generated
-                if self._stop and self.returns_ids and not event.finish_reason:
+                if self._stop and self.ids_follow_text and not event.finish_reason:
                     through = await asyncio.to_thread(self._through, token_ids, len(self.text) + len(event.text))
                 event.token_ids = progress.token_ids[len(self.token_ids):through]
                 self.token_ids += event.token_ids
@@ -470,6 +472,8 @@ class _Server:
                            param="stream_drafts", code="no_tokenizer")
         usage = Usage()
         choices = []
+        include_usage = body.stream and body.stream_options is not None and bool(body.stream_options.include_usage)
+        continuous = include_usage and bool(body.stream_options.continuous_usage_stats)
 
         def stop_reason(token_id: int) -> Optional[int]:
             return body.stop_reason(token_id, self.eos_token_ids, self.eos_token_id)
@@ -479,7 +483,8 @@ class _Server:
                 names["prompt"] = _prompt_name(p, len(prompts))
             for i, choice_params in enumerate(params):
                 choices.append(_Choice(self, p * len(params) + i, prompt, choice_params, stop, body.stream_drafts,
-                                       usage, counts_prompt=i == 0, names=names, returns_ids=fmt.token_ids,
+                                       usage, counts_prompt=i == 0, names=names,
+                                       ids_follow_text=fmt.token_ids or continuous,
                                        stop_reason=stop_reason, include_stop=body.include_stop_str_in_output))
         # Every choice asks the engine without waiting for the others, so that it takes them in
         # few turns (one by one, a request of hundreds of prompts took a step each to be
@@ -519,9 +524,6 @@ class _Server:
             await _to_the_end(close())
             raise failed
         if body.stream:
-            options = body.stream_options
-            include_usage = options is not None and bool(options.include_usage)
-            continuous = include_usage and bool(options.continuous_usage_stats)
             return StreamingResponse(self._sse(choices, fmt, usage, include_usage, continuous),
                                      media_type="text/event-stream")
         try:
