@@ -97,7 +97,8 @@ def test_every_public_header_refuses_a_standard_library_build_unlike_the_library
     ("infinite_entropy_bound", r"entropy_bound must be a finite number > 0"),
     ("infinite_confidence_threshold", r"confidence_threshold must be a finite number > 0"),
     ("logit_bias_naming_a_token_twice", "SamplingParams.logit_bias names token 5 twice"),
-    ("logit_bias_of_nan", "SamplingParams.logit_bias gives token 5 a bias that is not a finite number"),
+    ("logit_bias_of_nan", "SamplingParams.logit_bias gives token 5 a bias of nan: a bias is a finite number within "
+                          "[-1e+06, 1e+06]"),
     ("logit_bias_past_the_vocabulary", "SamplingParams.logit_bias names token -2, outside the vocabulary [0, "),
 ])
 def test_engine_refuses_bad_plans(program, ckpt, case, message):

@@ -770,6 +770,9 @@ def test_names_that_are_no_parameter_are_refused_naming_the_equivalent():
     (dict(seed_canvas=[1] * 8, pinned_positions=[8]), "pinned_positions"),
     (dict(allowed_token_ids=[3, 200]), "allowed_token_ids"),
     (dict(logit_bias={96: -1.0, 3: 1.0}), r"SamplingParams.logit_bias names token 96, outside the vocabulary \[0, 96\)"),
+    # (A bias of 3e38, finite, had made the biased logits infinite: a NaN entropy, blamed on the checkpoint.)
+    (dict(logit_bias={3: 3e38}), r"logit_bias gives token 3 a bias of 3e\+38: a bias is a finite number within "
+                                 r"\[-1e\+06, 1e\+06\]"),
     # Logits over so cold a temperature overflow (had failed the step as the model's NaN).
     (dict(t_min=0.0, t_max=1e-38), "t_max and t_min give a smallest temperature of"),
     (dict(t_min=0.0, t_max=1e-18, max_denoising_steps=1000), "smallest temperature of 1e-21"),

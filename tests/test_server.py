@@ -503,6 +503,10 @@ def test_draft_streaming(base_url):
     ("completions", {"model": MODEL, "prompt": "x", "logit_bias": {"3": 1, "03": 2}}, 400, "logit_bias",
      "invalid_value"),
     ("completions", {"model": MODEL, "prompt": "x", "logit_bias": {"3": "1"}}, 400, "logit_bias.3", "invalid_value"),
+    ("completions", {"model": MODEL, "prompt": "x", "logit_bias": {"3": True}}, 400, "logit_bias.3", "invalid_value"),
+    # (int() of 5,000 digits raises its own ValueError: it had been a 500)
+    ("completions", {"model": MODEL, "prompt": "x", "logit_bias": {"1" * 5000: 1}}, 400, "logit_bias",
+     "invalid_value"),
     ("chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "logit_bias": [1]}, 400,
      "logit_bias", "invalid_value"),
     ("completions", {"model": MODEL, "prompt": "x", "canvas_length": 64}, 400, "canvas_length", "invalid_value"),

@@ -535,7 +535,8 @@ class CpuBackend final : public Backend {
         RowSample& r = out[row];
         if (cap > 0) cpu::softcap(l, vocab, cap);
         for (int64_t j = 0; j < vocab; ++j) {
-          l[j] = (bias ? l[j] + bias[j] : l[j]) / temperature;  // (-inf, an id excluded, stays -inf)
+          // (An id excluded, biased by -inf, is -inf whatever its logit, NaN too, as on the GPU.)
+          l[j] = !bias ? l[j] / temperature : bias[j] == -INFINITY ? -INFINITY : (l[j] + bias[j]) / temperature;
           if (l[j] > best) best = l[j], r.argmax = int32_t(j);
         }
         // The candidate: the first largest l + Gumbel noise. Noise is drawn only for the four

@@ -45,6 +45,9 @@ SamplingParams sampling_defaults(const ModelConfig& c) {
 constexpr int kMaxStabilityThreshold = 1024;
 // The smallest temperature a step may take.
 constexpr float kMinTemperature = 1e-20f;
+// The largest bias a logit_bias may give (either sign): far past any logit's reach, and a
+// softcapped logit so biased, divided by kMinTemperature, is still a finite float32.
+constexpr float kMaxLogitBias = 1e6f;
 
 void validate(const SamplingParams& p, const ModelConfig& c) {
   if (p.max_new_tokens < 1) bad("max_new_tokens", "must be >= 1, got " + std::to_string(p.max_new_tokens));
@@ -98,8 +101,14 @@ void validate(const SamplingParams& p, const ModelConfig& c) {
     if (id < 0 || id >= c.vocab_size)
       bad("logit_bias", "names token " + std::to_string(id) + ", outside the vocabulary [0, " +
                             std::to_string(c.vocab_size) + ")");
-    if (!std::isfinite(bias))
-      bad("logit_bias", "gives token " + std::to_string(id) + " a bias that is not a finite number");
+    // (Bounded, so that the biased logits, divided by the coldest temperature allowed, stay
+    // within float32: a bias of 1e38 had made them infinite, a NaN entropy blamed on the model.)
+    if (!(std::fabs(bias) <= kMaxLogitBias)) {
+      char text[96];
+      std::snprintf(text, sizeof text, " a bias of %g: a bias is a finite number within [-%g, %g]", bias,
+                    kMaxLogitBias, kMaxLogitBias);
+      bad("logit_bias", "gives token " + std::to_string(id) + text);
+    }
     biased.push_back(id);
   }
   std::sort(biased.begin(), biased.end());

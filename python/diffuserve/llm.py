@@ -269,7 +269,7 @@ class LLM:
                                  f"'prompt_token_ids', got {type(prompt).__name__} under {key!r}")
         if isinstance(prompt, (bytes, bytearray)):  # (numpy would read its characters as ids)
             raise ValueError("a prompt is text (str) or token ids, got bytes: decode them to str first")
-        text = prompt if isinstance(prompt, str) else None
+        text = str(prompt) if isinstance(prompt, str) else None  # (numpy's string array gives np.str_)
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("text prompts need a tokenizer, and this checkpoint has no tokenizer.json: "

@@ -197,7 +197,19 @@ def _bias_pairs(value) -> list:
         return []
     if not isinstance(value, Mapping):
         raise ValueError(f"logit_bias must be a dict of token id -> bias, got {value!r:.200}")
-    return sorted((check_int("logit_bias's token id", token, 0), float32_value(f"logit_bias[{token!r}]", bias))
+    tokens, biases = list(value.keys()), list(value.values())
+    # Plain ints and floats in range, checked in a few passes of C loops (a whole vocabulary's
+    # 262,144 biases, checked one by one, took 0.8 s for each request); else item by item.
+    if all(type(t) is int for t in tokens) and all(type(b) in (int, float) for b in biases) and \
+            (not tokens or (min(tokens) >= 0 and max(tokens) <= INT32_MAX)):
+        with np.errstate(over="ignore", invalid="ignore"):
+            rounded = np.asarray(biases, dtype=np.float64).astype(np.float32)
+        if np.isfinite(rounded).all():
+            ids = np.asarray(tokens, dtype=np.int64)
+            order = np.argsort(ids, kind="stable")
+            return list(zip(ids[order].tolist(), rounded[order].astype(np.float64).tolist()))
+    return sorted((check_int("logit_bias's token id", token, 0),
+                   float32_value(f"logit_bias[{int(token) if is_int(token) else repr(token)}]", bias))
                   for token, bias in value.items())
 
 
