@@ -1607,7 +1607,7 @@ def test_vllms_options_without_an_equivalent_are_refused_with_the_way_forward(ca
     assert exit.value.code == 2
     assert "error: unrecognized arguments: --gpu-memory-utilization=0.9 -tp 2 --enable-prefix-caching --bogus" in said
     assert "(--gpu-memory-utilization is vLLM's: the KV cache is sized by --kv-cache-gib" in said
-    assert "(-tp is vLLM's: a server runs on one GPU" in said and "prefix caching is always on" in said
+    assert "(-tp is vLLM's: one GPU runs the whole model" in said and "prefix caching is always on" in said
     assert "--bogus is" not in said
 
 

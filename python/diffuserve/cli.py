@@ -17,6 +17,7 @@ from tqdm import tqdm
 
 from . import __version__
 from ._checks import INT32_MAX, check_encoded, check_unicode
+from .llm import VLLM_ENGINE_ARGUMENTS
 
 MAX_BENCH_REQUESTS = 65536  # a bench row's requests (its prompts are drawn at once)
 
@@ -524,18 +525,13 @@ class _StatusStream:
 
 # vLLM's options that have no equivalent here, and what takes their place: a vLLM command line
 # moved over is refused with the way forward, not only "unrecognized arguments".
-_ONE_GPU = "a server runs on one GPU (--device cuda:N)"
 VLLM_OPTIONS = {
+    **{"--" + name.replace("_", "-"): hint for name, hint in VLLM_ENGINE_ARGUMENTS.items()},
+    "-tp": VLLM_ENGINE_ARGUMENTS["tensor_parallel_size"],
     "--gpu-memory-utilization": "the KV cache is sized by --kv-cache-gib (default: 80% of the GPU memory the weights "
                                 "leave)",
-    "--tensor-parallel-size": _ONE_GPU,
-    "-tp": _ONE_GPU,
-    "--pipeline-parallel-size": _ONE_GPU,
-    "--trust-remote-code": "no checkpoint code runs: DiffusionGemma is built in",
-    "--enable-prefix-caching": "prefix caching is always on",
     "--quantization": "a checkpoint's quantization_config says how its weights are quantized (diffuserve quantize "
                       "makes one)",
-    "--tokenizer": "the checkpoint's tokenizer.json is used",
 }
 
 

@@ -160,16 +160,20 @@ def _is_one_id(item) -> bool:
     return not isinstance(item, (str, bytes)) and (not hasattr(item, "__len__") or getattr(item, "ndim", None) == 0)
 
 
-# vLLM's LLM arguments that have no equivalent here, and what takes their place.
-_VLLM_ARGUMENTS = {
-    "gpu_memory_utilization": "the KV cache is sized by kv_cache_memory_bytes (default on a GPU: 80% of what the "
-                              "weights leave)",
-    "tensor_parallel_size": "one device runs the whole model",
-    "pipeline_parallel_size": "one device runs the whole model",
+# vLLM's engine arguments that have no equivalent here, and what takes their place: those of
+# the LLM and the CLI's alike (the CLI's options are their names with dashes), then the LLM's own.
+VLLM_ENGINE_ARGUMENTS = {
+    "tensor_parallel_size": "one GPU runs the whole model (device cuda:N)",
+    "pipeline_parallel_size": "one GPU runs the whole model (device cuda:N)",
     "trust_remote_code": "no checkpoint code runs: DiffusionGemma is built in",
     "enable_prefix_caching": "prefix caching is always on",
     "tokenizer": "the checkpoint's tokenizer.json is used",
     "enforce_eager": "CUDA graphs are switched off by DIFFUSERVE_CUDA_GRAPHS=0",
+}
+_VLLM_ARGUMENTS = {
+    **VLLM_ENGINE_ARGUMENTS,
+    "gpu_memory_utilization": "the KV cache is sized by kv_cache_memory_bytes (default on a GPU: 80% of what the "
+                              "weights leave)",
     "seed": "each request's SamplingParams(seed=...) seeds it",
 }
 
