@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import inspect
 
-import numpy as np
 import torch
 import transformers
 from transformers import DynamicCache
