@@ -862,6 +862,7 @@ def test_vllms_example_reads_the_outputs_as_in_vllm():
         llm.generate(prompts[:1], params, sampling_params=params)
     with pytest.raises(ValueError, match="use_tqdm must be True or False"):
         llm.generate(prompts[:1], params, use_tqdm="yes")
+    assert llm.get_tokenizer() is llm.tokenizer  # (vLLM's name for it)
     # and LLM(model=...), vLLM's name for the path; its arguments without an equivalent say what takes their place
     assert ds.LLM(model=ds.default_model()).generate(prompts[:1], params)[0].token_ids == outputs[0].token_ids
     with pytest.raises(TypeError, match=r"LLM\(\) got an unexpected keyword argument 'gpu_memory_utilization' "

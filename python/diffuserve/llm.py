@@ -469,6 +469,10 @@ class LLM:
             output.prompt = text  # (as vLLM's chat gives it: the rendered conversation)
         return outputs
 
+    def get_tokenizer(self) -> Optional[Tokenizer]:
+        """vLLM's name for `tokenizer` (None where the checkpoint has no tokenizer.json)."""
+        return self.tokenizer
+
     @_locked
     def stats(self) -> dict:
         """Scheduler and KV-cache occupancy."""
