@@ -36,6 +36,8 @@ from diffuserve.protocol import MAX_CHOICES, ApiError, ChatCompletionRequest, Co
 from diffuserve.chat_template import names_role
 from diffuserve.random_checkpoint import write_random_checkpoint
 from diffuserve.server import build_app
+from diffuserve import stop_strings
+from diffuserve.stop_strings import TokensThrough
 
 from chat_checkpoint import (CHAT_TEMPLATE, CLEAN_UP_CORPUS, MODEL_CONFIG, write_chat_checkpoint,
                              write_clean_up_tokenizer)
@@ -2146,7 +2148,7 @@ def test_usage_counts_through_a_stop_string_that_ends_in_byte_tokens(tmp_path):
     assert len(ids) > 5 and all(tokenizer.ends_in_byte_run(ids[:k]) for k in (2, 3, 4, 5))  # x, then 4 bytes
     detokenizer, stops = IncrementalDetokenizer(tokenizer), StopStringFilter(["🐍"])
     assert "".join(stops.push(detokenizer.push([i])) for i in ids) == "x" and stops.stop_end == 2
-    assert server_module._TokensThrough(tokenizer)(ids, stops.stop_end) == 5
+    assert TokensThrough(tokenizer)(ids, stops.stop_end) == 5
     # The byte run reaching the end of the tokens (a second emoji, the last generated): its text
     # comes out only as the output finishes, and every token had been counted.
     ids = tokenizer.encode("x🐍🐍", add_special_tokens=False)
@@ -2154,13 +2156,13 @@ def test_usage_counts_through_a_stop_string_that_ends_in_byte_tokens(tmp_path):
     detokenizer, stops = IncrementalDetokenizer(tokenizer), StopStringFilter(["🐍"])
     text = "".join(stops.push(detokenizer.push([i])) for i in ids) + stops.push(detokenizer.finish())
     assert text == "x" and stops.stop_end == 2
-    assert server_module._TokensThrough(tokenizer)(ids, stops.stop_end, final=True) == 5
+    assert TokensThrough(tokenizer)(ids, stops.stop_end, final=True) == 5
     # One counter as the output grows, asked after each block for the text streamed so far and
     # for points inside it (as token ids go out beside stop strings), against the definition:
     # the fewest tokens whose text begins with the output's first `end` characters.
     rng = random.Random(0)
     ids = tokenizer.encode("ab🐍 cd 鬱龘靐齉 🐍🐍 efg 🦀 hij " * 6, add_special_tokens=False)
-    counter, stream, streamed, calls = server_module._TokensThrough(tokenizer), IncrementalDetokenizer(tokenizer), "", 0
+    counter, stream, streamed, calls = TokensThrough(tokenizer), IncrementalDetokenizer(tokenizer), "", 0
     for block_end in range(7, len(ids) + 1, 7):
         streamed += stream.push(ids[block_end - 7:block_end])
         for end in sorted({len(streamed), *(rng.randint(1, max(len(streamed), 1)) for _ in range(3))}):
@@ -2186,7 +2188,7 @@ def test_tokens_through_a_stop_string_where_decoding_cleans_up_spaces(tmp_path):
         ids = tokenizer.encode(" ".join(rng.choice(words) for _ in range(rng.randrange(2, 40))))
         text = tokenizer.decode_output(ids)
         prefixes = [tokenizer.decode_output(ids[:m]) for m in range(len(ids) + 1)]
-        counter, stream, streamed = server_module._TokensThrough(tokenizer), IncrementalDetokenizer(tokenizer), ""
+        counter, stream, streamed = TokensThrough(tokenizer), IncrementalDetokenizer(tokenizer), ""
         for block_end in range(4, len(ids) + 4, 4):
             final = block_end >= len(ids)
             streamed += stream.push(ids[block_end - 4:block_end]) + (stream.finish() if final else "")
@@ -2196,25 +2198,25 @@ def test_tokens_through_a_stop_string_where_decoding_cleans_up_spaces(tmp_path):
                     assert counter(ids[:block_end], end, final) == fewest, (ids, end)
     ids = tokenizer.encode("do n't , fine")
     assert tokenizer.decode_output(ids) == "don't, fine"
-    assert server_module._TokensThrough(tokenizer)(ids, 3, final=True) == next(
+    assert TokensThrough(tokenizer)(ids, 3, final=True) == next(
         m for m in range(len(ids)) if tokenizer.decode_output(ids[:m]).startswith("don"))
 
 
 @pytest.mark.parametrize("text", ["ab " + "🦄鯨∑靐" * 8 + " cd 🐍🐍🐍 e", "x" + "🦀" * 20])
 def test_tokens_through_a_long_byte_run_as_defined(tmp_path, text):
-    """Inside a long byte run (one piece of the detokenizer's, which _TokensThrough bisects
+    """Inside a long byte run (one piece of the detokenizer's, which TokensThrough bisects
     rather than decoding every prefix of) the count is still the fewest tokens whose text
     begins with the output's first `end` characters, at every `end`."""
     from diffuserve.tokenizer import Tokenizer
     tokenizer = Tokenizer(write_chat_checkpoint(tmp_path / "m", byte_fallback=True))
     ids = tokenizer.encode(text, add_special_tokens=False)
-    counter = server_module._TokensThrough(tokenizer)
+    counter = TokensThrough(tokenizer)
     assert counter(ids, len(text), final=True) == len(ids)
-    assert max(np.diff(counter._tokens)) > server_module._SCANNED_PIECE  # a piece the count bisects
+    assert max(np.diff(counter._tokens)) > stop_strings._SCANNED_PIECE  # a piece the count bisects
     prefixes = [tokenizer.decode_output(ids[:m]) for m in range(len(ids) + 1)]
     for end in range(1, len(text) + 1):
         fewest = next(m for m, prefix in enumerate(prefixes) if prefix.startswith(text[:end]))
-        assert server_module._TokensThrough(tokenizer)(ids, end, final=True) == fewest, end
+        assert TokensThrough(tokenizer)(ids, end, final=True) == fewest, end
 
 
 def test_a_tokenizer_with_ids_past_the_models_vocabulary_is_blamed(tmp_path):
