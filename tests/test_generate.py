@@ -793,6 +793,8 @@ def test_params_checked_against_the_model(checkpoints, kwargs, name):
     ([[3]], ds.SamplingParams(max_new_tokens=10**9), "max_position_embeddings"),
     # True beside ints (numpy had made it the id 1), and one empty array prompt (it had returned []).
     ([[True, 5]], None, "must be integers, got True at index 0"), (np.array([], np.int32), None, "empty"),
+    ([[3]], ds.SamplingParams(stop=["x"]), "stop strings are looked for in the text, and this checkpoint has no "
+                                           "tokenizer.json"),
 ])
 def test_bad_generate_calls(checkpoints, prompts, params, match):
     with pytest.raises(ValueError, match=match):

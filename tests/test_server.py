@@ -225,6 +225,38 @@ def test_chat_stream_equals_chat(client):
     assert all(c.usage is None for c in chunks[:-1])
 
 
+def test_offline_stop_strings_end_outputs_as_the_servers_do(client, offline):
+    """SamplingParams.stop (vLLM's) ends an offline output as the server's stop ends a choice:
+    the same text (cut before the stop string, or after it with include_stop_str_in_output),
+    the tokens through the one that ends it, finish_reason "stop" and the string as its
+    stop_reason; a request whose text so far holds one is aborted, its later blocks not run."""
+    stopped = early = 0
+    for seed in range(6):
+        for stop, include in ((["e"], False), ([" ", "o"], True), (["zzz"], False)):
+            served = client.completions.create(model=MODEL, prompt="Hello", max_tokens=40, seed=seed, stop=stop,
+                                               extra_body={"include_stop_str_in_output": include})
+            out = offline.generate(["Hello"], ds.SamplingParams(max_new_tokens=40, seed=seed, stop=stop,
+                                                                include_stop_str_in_output=include))[0]
+            choice = served.choices[0]
+            assert (out.text, out.finish_reason, out.stop_reason) == (choice.text, choice.finish_reason,
+                                                                      choice.model_extra["stop_reason"])
+            assert len(out.token_ids) == served.usage.completion_tokens
+            assert out.outputs[0].stop_reason == out.stop_reason
+            if isinstance(out.stop_reason, str):
+                stopped += 1
+                whole = offline.generate(["Hello"], ds.SamplingParams(max_new_tokens=40, seed=seed))[0]
+                assert whole.token_ids[:len(out.token_ids)] == out.token_ids and out.seed == whole.seed
+                early += len(out.denoise_steps) < len(whole.denoise_steps)
+    assert stopped >= 6 and early >= 1
+    unseeded = offline.generate(["Hello"], ds.SamplingParams(max_new_tokens=40, stop=["e", " "]))[0]
+    again = offline.generate(["Hello"], ds.SamplingParams(max_new_tokens=40, stop=["e", " "], seed=unseeded.seed))[0]
+    assert again.token_ids == unseeded.token_ids  # (the seed it reports is the one it ran with)
+    with pytest.raises(ValueError, match="stop: an empty string is not a stop string"):
+        ds.SamplingParams(stop="")
+    with pytest.raises(ValueError, match=r"stop\[1\] must be a string, got 3"):
+        ds.SamplingParams(stop=["a", 3])
+
+
 def test_llm_chat_is_the_servers_chat(client, offline):
     """LLM.chat, as vLLM's: the template's text encoded without a second <bos> (generate given that
     text adds the tokenizer's own), so the same tokens as the server's chat; one conversation

@@ -151,7 +151,7 @@ def _snapshot_params(params):
         return params  # (add_request names what it is)
     params._read_iterators()
     snapshot = copy.copy(params)
-    for name in SamplingParams.ID_FIELDS:
+    for name in SamplingParams.LIST_FIELDS:
         value = getattr(params, name)
         if not (value is None or isinstance(value, _UNCHANGING)):
             try:

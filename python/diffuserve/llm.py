@@ -28,8 +28,9 @@ from . import _core
 from ._checks import INT64_MAX, check_bool, check_encoded, check_int, check_token_ids
 from .chat_template import EMPTY_CHAT_PROMPT, loops_over_content, names_role
 from .model import Model
-from .sampling import SamplingParams
+from .sampling import SamplingParams, check_stop_strings
 from .scheduler import Scheduler
+from .stop_strings import StopWatch
 from .tokenizer import TEMPLATE_ARGUMENTS, Tokenizer
 
 
@@ -66,7 +67,7 @@ class CompletionOutput:
     text: str
     token_ids: List[int]
     finish_reason: str
-    stop_reason: Optional[int] = None  # (vLLM's for an EOS, the only id that ends an output here)
+    stop_reason: Optional[str] = None  # the stop string that ended it (None: an EOS, or not stopped)
 
 
 @dataclass
@@ -83,12 +84,14 @@ class RequestOutput:
     text: str = ""  # the tokens decoded, EOS excluded; "" without a tokenizer (as vLLM's without one)
     error: Optional[str] = field(default=None)  # with finish_reason "error": why (its logits were not finite)
     prompt: Optional[str] = None  # the prompt's text, where it was given as text (vLLM's; None for token ids)
+    stop_reason: Optional[str] = None  # with finish_reason "stop": the stop string that ended it (None: an EOS)
 
     @property
     def outputs(self) -> List[CompletionOutput]:
         """vLLM's form of the output, its one completion: code written for vLLM reads
         `output.outputs[0].text`."""
-        return [CompletionOutput(index=0, text=self.text, token_ids=self.token_ids, finish_reason=self.finish_reason)]
+        return [CompletionOutput(index=0, text=self.text, token_ids=self.token_ids, finish_reason=self.finish_reason,
+                                 stop_reason=self.stop_reason)]
 
 
 class _TurnLock(_thread.RLock):
@@ -250,6 +253,7 @@ class LLM:
         self.tokenizer = Tokenizer.from_checkpoint(self.model.path)  # None when the checkpoint has no tokenizer.json
         self._ids = itertools.count()
         self._prompts = {}  # request id -> (its prompt's ids, its text where given as text)
+        self._stops = {}  # request id -> (StopWatch, seed) of a request with stop strings
         self._held: List[RequestOutput] = []  # outputs a step saw finish that another caller is to get
         # Requests an AsyncLLM streams: only its own steps return their outputs (a plain step()
         # loop in another thread had taken them, and the AsyncLLM then failed every request).
@@ -283,11 +287,20 @@ class LLM:
         if not ids:
             raise ValueError("prompt is empty")
         params = _sampling_params(SamplingParams() if params is None else params, "params")
+        native = params._native(self.model._native.sampling_defaults())
+        stop = check_stop_strings(params.stop)
+        if stop and self.tokenizer is None:
+            raise ValueError("stop strings are looked for in the text, and this checkpoint has no tokenizer.json")
+        if stop and native.seed is None:  # (drawn here, as the runtime would: an output stopped early reports it)
+            native.seed = int.from_bytes(os.urandom(8), "little")
         request_id = next(self._ids)
         try:
             with _signals_held():
-                self.scheduler.add(request_id, ids, params._native(self.model._native.sampling_defaults()))
+                self.scheduler.add(request_id, ids, native)
                 self._prompts[request_id] = ids, text
+                if stop:
+                    self._stops[request_id] = StopWatch(self.tokenizer, stop, params.include_stop_str_in_output), \
+                        native.seed
         except BaseException:  # refused, or a signal's exception as it was queued: the caller has no id to abort
             self.abort(request_id)
             raise
@@ -300,6 +313,7 @@ class LLM:
         with _signals_held():
             self.scheduler.abort(request_id)
             self._prompts.pop(request_id, None)
+            self._stops.pop(request_id, None)
             self._claimed.discard(request_id)
             # One that a generate call saw finish is dropped too (a later step had still returned it).
             self._held = [out for out in self._held if out.request_id != request_id]
@@ -345,6 +359,7 @@ class LLM:
         try:
             with _signals_held():
                 outputs = [self._output(request_id, out) for request_id, out in self.scheduler.step()]
+                outputs += self._stopped()
                 self._held.extend(out for out in held + outputs if out.request_id in others)
                 # (Returned within the block: a signal's exception raised as it ends goes below.)
                 return [out for out in held + outputs if out.request_id not in others]
@@ -482,11 +497,40 @@ class LLM:
 
     def _output(self, request_id: int, out) -> RequestOutput:
         ids, text = self._prompts.pop(request_id)
-        return RequestOutput(request_id=request_id, prompt_token_ids=ids,
-                             token_ids=list(out.token_ids), finish_reason=out.finish_reason,
-                             denoise_steps=list(out.denoise_steps), tokens_per_forward=out.tokens_per_forward,
-                             seed=out.seed, text=self._text(list(out.token_ids), out.finish_reason),
-                             error=out.error or None, prompt=text)
+        output = RequestOutput(request_id=request_id, prompt_token_ids=ids,
+                               token_ids=list(out.token_ids), finish_reason=out.finish_reason,
+                               denoise_steps=list(out.denoise_steps), tokens_per_forward=out.tokens_per_forward,
+                               seed=out.seed, text=self._text(list(out.token_ids), out.finish_reason),
+                               error=out.error or None, prompt=text)
+        watch, _ = self._stops.pop(request_id, (None, None))
+        if watch is not None and out.finish_reason != "error":  # its last blocks' text may hold a stop string
+            text_ids = output.token_ids[:-1] if out.finish_reason == "stop" else output.token_ids
+            through = watch.push(text_ids, final=True)
+            if through is not None:
+                output.token_ids, output.text = text_ids[:through], watch.text
+                output.finish_reason, output.stop_reason = "stop", watch.stop_string
+        return output
+
+    def _stopped(self) -> List[RequestOutput]:
+        """The running requests whose text so far holds one of their stop strings, each
+        aborted and its output cut there (through the token that ends the stop string, as the
+        server counts it)."""
+        outputs = []
+        for request_id, (watch, seed) in list(self._stops.items()):
+            tokens = list(self._engine.generated(request_id))
+            through = watch.push(tokens) if len(tokens) > watch.fed else None
+            if through is None:
+                continue
+            steps = list(self._engine.denoise_steps(request_id))
+            ids, text = self._prompts.pop(request_id)
+            del self._stops[request_id]
+            self.scheduler.abort(request_id)
+            # (tokens per forward as transformers counts them: the finished blocks whole)
+            outputs.append(RequestOutput(
+                request_id=request_id, prompt_token_ids=ids, token_ids=tokens[:through], finish_reason="stop",
+                denoise_steps=steps, tokens_per_forward=len(tokens) / max(sum(steps), 1), seed=seed,
+                text=watch.text, prompt=text, stop_reason=watch.stop_string))
+        return outputs
 
     def _text(self, token_ids: List[int], finish_reason: str) -> str:
         if self.tokenizer is None:

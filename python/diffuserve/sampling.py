@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass, fields
-from typing import Mapping, Optional, Sequence, Union
+from typing import Iterable, List, Mapping, Optional, Sequence, Union
 
 import numpy as np
 
 from . import _core
-from ._checks import INT32_MAX, check_bool, check_float32, check_int, float32_value, is_int, iter_once
+from ._checks import (INT32_MAX, check_bool, check_float32, check_int, check_unicode, float32_value, is_int,
+                      iter_once)
 
 
 def _int_list(name: str, value, allow_empty: bool = False, ordered: bool = False) -> list:
@@ -81,6 +82,10 @@ class SamplingParams:
     # temperature divides it (as a logits processor given to transformers' generate), so that
     # the argmax, the draws, the entropies and the self-conditioning all see it.
     logit_bias: Optional[Mapping[int, float]] = None
+    # vLLM's: strings that end the output where its text first has one (the text is cut before
+    # it, or with include_stop_str_in_output after it); the rest of the request is aborted.
+    stop: Union[str, Sequence[str], None] = None
+    include_stop_str_in_output: bool = False
     self_conditioning: bool = True  # False: no step sees the previous step's logits (an ablation)
     # True: where the length limit would reach past max_position_embeddings or the whole KV
     # cache, generate the whole blocks that fit instead (vLLM's rule without max_tokens).
@@ -110,13 +115,14 @@ class SamplingParams:
 
     __hash__ = None  # (mutable, as the dataclass's)
 
-    ID_FIELDS = ("eos_token_id", "seed_canvas", "pinned_positions", "allowed_token_ids")
+    LIST_FIELDS = ("eos_token_id", "seed_canvas", "pinned_positions", "allowed_token_ids", "stop")
 
     def _read_iterators(self) -> None:
-        """An iterator of ids (given, or set since) is read once, into a list kept in its place:
-        its check would otherwise use it up, and the runtime get none, or every request after
-        the first sharing these params (a generator of EOS ids had switched EOS off)."""
-        for name in self.ID_FIELDS:
+        """An iterator of ids or stop strings (given, or set since) is read once, into a list
+        kept in its place: its check would otherwise use it up, and the runtime get none, or
+        every request after the first sharing these params (a generator of EOS ids had
+        switched EOS off)."""
+        for name in self.LIST_FIELDS:
             value = getattr(self, name)
             if value is not None and not is_int(value) and iter_once(value):
                 setattr(self, name, list(value))
@@ -149,6 +155,8 @@ class SamplingParams:
         v["logit_bias"] = _bias_pairs(self.logit_bias)
         v["self_conditioning"] = check_bool("self_conditioning", self.self_conditioning)
         v["fit_to_context"] = check_bool("fit_to_context", self.fit_to_context)
+        v["stop"] = check_stop_strings(self.stop)
+        v["include_stop_str_in_output"] = check_bool("include_stop_str_in_output", self.include_stop_str_in_output)
         if pinned and not seed_canvas:
             raise ValueError("pinned_positions needs a seed_canvas to take the pinned tokens from")
         if len(set(pinned)) != len(pinned):
@@ -190,6 +198,24 @@ _FIELD_NAMES = frozenset(f.name for f in fields(SamplingParams))
 SamplingParams.__signature__ = inspect.signature(SamplingParams.__init__).replace(
     parameters=list(inspect.signature(SamplingParams.__init__).parameters.values())[1:],
     return_annotation=inspect.Signature.empty)
+def check_stop_strings(value) -> List[str]:
+    """stop (one string or several) as a list of non-empty strings that UTF-8 can write."""
+    if value is None:
+        return []
+    stops = [value] if isinstance(value, str) else value
+    if isinstance(stops, (bytes, Mapping)) or not isinstance(stops, Iterable):
+        raise ValueError(f"stop must be a string or a list of strings, got {value!r:.200}")
+    stops = list(stops)
+    for i, s in enumerate(stops):
+        where = "stop" if isinstance(value, str) else f"stop[{i}]"
+        if not isinstance(s, str):
+            raise ValueError(f"{where} must be a string, got {s!r:.200}")
+        if not s:
+            raise ValueError(f"{where}: an empty string is not a stop string")
+        check_unicode(where, s)
+    return stops
+
+
 def _bias_pairs(value) -> list:
     """logit_bias ({token id: bias}) as the runtime takes it: (id, bias) pairs in id order,
     each bias finite as float32 rounds it."""

@@ -16,7 +16,7 @@ found "b", "abc" at once found "abc").
 from __future__ import annotations
 
 import bisect
-from typing import List, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 from .detokenizer import INCOMPLETE, IncrementalDetokenizer
 from .tokenizer import cleaned_positions
@@ -169,3 +169,30 @@ class TokensThrough:
             else:
                 low = middle + 1
         return next(m for m in range(low, whole(low)[0] + 1) if m == last or text(m).startswith(wanted))
+
+
+class StopWatch:
+    """An output's stop strings, looked for in its text as its blocks come, as the server's
+    choices look for them in their streams (the offline LLM's)."""
+
+    def __init__(self, tokenizer, stop: Sequence[str], include_stop: bool = False):
+        self._detokenizer = IncrementalDetokenizer(tokenizer)
+        self._filter = StopStringFilter(stop, include_stop)
+        self._through = TokensThrough(tokenizer)
+        self.fed = 0   # tokens taken
+        self.text = ""  # the text let out: once a stop string is found, through where it cuts the text
+
+    @property
+    def stop_string(self) -> Optional[str]:
+        return self._filter.stop_string
+
+    def push(self, token_ids: List[int], final: bool = False) -> Optional[int]:
+        """token_ids: the output's tokens so far (each call's begin with the last's; no EOS);
+        final: no more follow. Once a stop string is found, how many of the tokens its text
+        takes through it; else None."""
+        piece = self._detokenizer.push(token_ids[self.fed:])
+        self.fed = len(token_ids)
+        if final:
+            piece += self._detokenizer.finish()
+        self.text += self._filter.push(piece, final)
+        return self._through(token_ids, self._filter.stop_end, final) if self._filter.stopped else None
