@@ -248,6 +248,39 @@ def test_offline_stop_strings_end_outputs_as_the_servers_do(client, offline):
                 assert whole.token_ids[:len(out.token_ids)] == out.token_ids and out.seed == whole.seed
                 early += len(out.denoise_steps) < len(whole.denoise_steps)
     assert stopped >= 6 and early >= 1
+    # An id that ends the output (offline eos_token_id, the server's stop_token_ids) as the server's
+    # stop token: the id as stop_reason, its text too with include_stop_str_in_output (offline had
+    # given no stop_reason and dropped the text).
+    a = offline.tokenizer.encode("a", add_special_tokens=False)[0]
+    allowed = sorted(set(offline.tokenizer.encode("Hello world the fox", add_special_tokens=False))) + [a]
+    eos = offline.model.config["generation"]["eos_token_ids"]
+    by_id = 0
+    for seed in range(10):
+        for include in (False, True):
+            served = client.completions.create(model=MODEL, prompt="Hello", max_tokens=40, seed=seed, extra_body={
+                "stop_token_ids": [a], "allowed_token_ids": allowed, "include_stop_str_in_output": include})
+            out = offline.generate(["Hello"], ds.SamplingParams(max_new_tokens=40, seed=seed, eos_token_id=eos + [a],
+                                                                allowed_token_ids=allowed,
+                                                                include_stop_str_in_output=include))[0]
+            choice = served.choices[0]
+            assert (out.text, out.finish_reason, out.stop_reason) == (choice.text, choice.finish_reason,
+                                                                      choice.model_extra["stop_reason"])
+            by_id += out.stop_reason == a
+    assert by_id >= 2
+    # A stopped output's tokens per forward as the runtime counts them: its finished blocks' tokens
+    # but the pad id (which it had counted) per decoder pass.
+    pad, canvas = offline.model.config["generation"]["pad_token_id"], offline.model.canvas_length
+    x, q = (offline.tokenizer.encode(c, add_special_tokens=False)[0] for c in "xq")
+    cut = 0
+    for seed in range(30):
+        params = dict(max_new_tokens=6 * canvas, seed=seed, allowed_token_ids=[pad, x, q], eos_token_id=[])
+        whole = offline.generate([[5, 6]], ds.SamplingParams(**params))[0]
+        out = offline.generate([[5, 6]], ds.SamplingParams(**params, stop="q"))[0]
+        if out.stop_reason == "q" and len(out.denoise_steps) < len(whole.denoise_steps):
+            blocks = whole.token_ids[:len(out.denoise_steps) * canvas]
+            assert out.tokens_per_forward == pytest.approx(sum(t != pad for t in blocks) / sum(out.denoise_steps))
+            cut += pad in blocks
+    assert cut
     unseeded = offline.generate(["Hello"], ds.SamplingParams(max_new_tokens=40, stop=["e", " "]))[0]
     again = offline.generate(["Hello"], ds.SamplingParams(max_new_tokens=40, stop=["e", " "], seed=unseeded.seed))[0]
     assert again.token_ids == unseeded.token_ids  # (the seed it reports is the one it ran with)

@@ -19,7 +19,7 @@ import signal
 import threading
 import weakref
 from dataclasses import dataclass, field
-from typing import List, Optional, Sequence, Union
+from typing import List, NamedTuple, Optional, Sequence, Union
 
 import numpy as np
 from tqdm import tqdm
@@ -31,7 +31,7 @@ from .model import Model
 from .sampling import SamplingParams, check_stop_strings
 from .scheduler import Scheduler
 from .stop_strings import StopWatch
-from .tokenizer import TEMPLATE_ARGUMENTS, Tokenizer
+from .tokenizer import TEMPLATE_ARGUMENTS, Tokenizer, null_stop_eos
 
 
 @contextlib.contextmanager
@@ -67,7 +67,7 @@ class CompletionOutput:
     text: str
     token_ids: List[int]
     finish_reason: str
-    stop_reason: Optional[str] = None  # the stop string that ended it (None: an EOS, or not stopped)
+    stop_reason: Union[str, int, None] = None  # as RequestOutput's
 
 
 @dataclass
@@ -84,7 +84,9 @@ class RequestOutput:
     text: str = ""  # the tokens decoded, EOS excluded; "" without a tokenizer (as vLLM's without one)
     error: Optional[str] = field(default=None)  # with finish_reason "error": why (its logits were not finite)
     prompt: Optional[str] = None  # the prompt's text, where it was given as text (vLLM's; None for token ids)
-    stop_reason: Optional[str] = None  # with finish_reason "stop": the stop string that ended it (None: an EOS)
+    # With finish_reason "stop", as vLLM's: the stop string that ended it, or the id that did
+    # (None for the EOS: the tokenizer's, else the checkpoint's first).
+    stop_reason: Union[str, int, None] = None
 
     @property
     def outputs(self) -> List[CompletionOutput]:
@@ -92,6 +94,13 @@ class RequestOutput:
         `output.outputs[0].text`."""
         return [CompletionOutput(index=0, text=self.text, token_ids=self.token_ids, finish_reason=self.finish_reason,
                                  stop_reason=self.stop_reason)]
+
+
+class _Request(NamedTuple):
+    """What the LLM keeps of a queued request for its output."""
+    prompt_token_ids: List[int]
+    prompt: Optional[str]  # its text, where given as text
+    include_stop: bool  # its text ends with what ended it (include_stop_str_in_output)
 
 
 class _TurnLock(_thread.RLock):
@@ -251,8 +260,11 @@ class LLM:
         _LLMS.add(self)
         self.scheduler = Scheduler(self._engine, int(max_num_seqs), max_num_batched_tokens, slice_steps)
         self.tokenizer = Tokenizer.from_checkpoint(self.model.path)  # None when the checkpoint has no tokenizer.json
+        generation = self.model.config["generation"]
+        self._eos_token_id = null_stop_eos(self.tokenizer, generation["eos_token_ids"])  # (its stop_reason is None)
+        self._pad_token_id = generation["pad_token_id"]
         self._ids = itertools.count()
-        self._prompts = {}  # request id -> (its prompt's ids, its text where given as text)
+        self._prompts = {}  # request id -> its _Request
         self._stops = {}  # request id -> (StopWatch, seed) of a request with stop strings
         self._held: List[RequestOutput] = []  # outputs a step saw finish that another caller is to get
         # Requests an AsyncLLM streams: only its own steps return their outputs (a plain step()
@@ -297,7 +309,7 @@ class LLM:
         try:
             with _signals_held():
                 self.scheduler.add(request_id, ids, native)
-                self._prompts[request_id] = ids, text
+                self._prompts[request_id] = _Request(ids, text, params.include_stop_str_in_output)
                 if stop:
                     self._stops[request_id] = StopWatch(self.tokenizer, stop, params.include_stop_str_in_output), \
                         native.seed
@@ -496,15 +508,20 @@ class LLM:
                 **self.model.cache_stats()}
 
     def _output(self, request_id: int, out) -> RequestOutput:
-        ids, text = self._prompts.pop(request_id)
-        output = RequestOutput(request_id=request_id, prompt_token_ids=ids,
-                               token_ids=list(out.token_ids), finish_reason=out.finish_reason,
+        request = self._prompts.pop(request_id)
+        token_ids = list(out.token_ids)
+        ended_by = token_ids[-1] if out.finish_reason == "stop" else None  # the EOS id that ended it
+        output = RequestOutput(request_id=request_id, prompt_token_ids=request.prompt_token_ids,
+                               token_ids=token_ids, finish_reason=out.finish_reason,
                                denoise_steps=list(out.denoise_steps), tokens_per_forward=out.tokens_per_forward,
-                               seed=out.seed, text=self._text(list(out.token_ids), out.finish_reason),
-                               error=out.error or None, prompt=text)
+                               seed=out.seed,
+                               text=self._text(token_ids[:-1] if ended_by is not None and not request.include_stop
+                                               else token_ids),
+                               error=out.error or None, prompt=request.prompt,
+                               stop_reason=None if ended_by == self._eos_token_id else ended_by)
         watch, _ = self._stops.pop(request_id, (None, None))
         if watch is not None and out.finish_reason != "error":  # its last blocks' text may hold a stop string
-            text_ids = output.token_ids[:-1] if out.finish_reason == "stop" else output.token_ids
+            text_ids = token_ids[:-1] if ended_by is not None else token_ids
             through = watch.push(text_ids, final=True)
             if through is not None:
                 output.token_ids, output.text = text_ids[:through], watch.text
@@ -517,24 +534,23 @@ class LLM:
         server counts it)."""
         outputs = []
         for request_id, (watch, seed) in list(self._stops.items()):
+            if request_id in self.scheduler.waiting:  # (no new tokens: 20,000 queued had cost 23 ms a step)
+                continue
             tokens = list(self._engine.generated(request_id))
             through = watch.push(tokens) if len(tokens) > watch.fed else None
             if through is None:
                 continue
             steps = list(self._engine.denoise_steps(request_id))
-            ids, text = self._prompts.pop(request_id)
+            request = self._prompts.pop(request_id)
             del self._stops[request_id]
             self.scheduler.abort(request_id)
-            # (tokens per forward as transformers counts them: the finished blocks whole)
+            # Tokens per forward as the runtime counts them: the finished blocks whole, the pad id left out.
+            counted = sum(token != self._pad_token_id for token in tokens)
             outputs.append(RequestOutput(
-                request_id=request_id, prompt_token_ids=ids, token_ids=tokens[:through], finish_reason="stop",
-                denoise_steps=steps, tokens_per_forward=len(tokens) / max(sum(steps), 1), seed=seed,
-                text=watch.text, prompt=text, stop_reason=watch.stop_string))
+                request_id=request_id, prompt_token_ids=request.prompt_token_ids, token_ids=tokens[:through],
+                finish_reason="stop", denoise_steps=steps, tokens_per_forward=counted / max(sum(steps), 1), seed=seed,
+                text=watch.text, prompt=request.prompt, stop_reason=watch.stop_string))
         return outputs
 
-    def _text(self, token_ids: List[int], finish_reason: str) -> str:
-        if self.tokenizer is None:
-            return ""
-        if finish_reason == "stop":
-            token_ids = token_ids[:-1]  # the EOS that ended the output
-        return self.tokenizer.decode_output(token_ids)
+    def _text(self, token_ids: List[int]) -> str:
+        return "" if self.tokenizer is None else self.tokenizer.decode_output(token_ids)

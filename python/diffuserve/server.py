@@ -33,6 +33,7 @@ from ._checks import check_encoded, check_token_ids, check_unicode
 from .async_llm import AsyncLLM, EngineError
 from .chat_template import EMPTY_CHAT_PROMPT, loops_over_content, names_role, render_budget
 from .detokenizer import IncrementalDetokenizer, until_eos
+from .tokenizer import null_stop_eos
 from .protocol import (ApiError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeChatRequest,
                        TokenizeCompletionRequest, invalid_value, parse, parse_json)
 from .metrics import CONTENT_TYPE, Metrics
@@ -230,8 +231,7 @@ class _Server:
                              f"that requests may run (--max-denoising-steps-limit): raise the limit to serve it")
         self.eos_token_ids = list(generation["eos_token_ids"])
         # The EOS whose stop_reason is null (vLLM's: the tokenizer's; without one, the first).
-        tokenizer_eos = self.tokenizer.eos_token_id if self.tokenizer is not None else None
-        self.eos_token_id = tokenizer_eos if tokenizer_eos is not None else next(iter(self.eos_token_ids), None)
+        self.eos_token_id = null_stop_eos(self.tokenizer, self.eos_token_ids)
         self.defaults = {"t_min": generation["t_min"], "t_max": generation["t_max"],
                          "length_given": generation["length_given"], "context": config["max_model_len"],
                          "eos_token_ids": self.eos_token_ids, "vocab_size": config["vocab_size"]}

@@ -521,3 +521,10 @@ class Tokenizer:
             if len(self._compiled) < 64:  # (a client's own templates are not kept without bound)
                 self._compiled[source] = template
         return template
+
+
+def null_stop_eos(tokenizer: Optional[Tokenizer], eos_token_ids: List[int]) -> Optional[int]:
+    """Of a checkpoint's EOS ids, the one whose stop_reason is null (vLLM's: the tokenizer's;
+    without one, the first): each other id that ends an output is named by its stop_reason."""
+    eos = tokenizer.eos_token_id if tokenizer is not None else None
+    return eos if eos is not None else next(iter(eos_token_ids), None)
