@@ -183,6 +183,9 @@ def test_models_and_health(client, base_url):
     assert httpx.get(base_url + "/health").status_code == 200
     assert httpx.head(base_url + "/health").status_code == 200  # as load balancers' checks ask (had been a 405)
     assert httpx.head(base_url + "/metrics").status_code == 200  # (so too)
+    # vLLM's /ping (SageMaker's check, GET or POST) and /version
+    assert httpx.get(base_url + "/ping").status_code == httpx.post(base_url + "/ping").status_code == 200
+    assert httpx.get(base_url + "/version").json() == {"version": ds.__version__}
 
 
 def test_completion_matches_offline_generation(client, offline):
@@ -1397,7 +1400,7 @@ def test_health_fails_once_the_engine_has(offline):
     while engine.alive and time.monotonic() < deadline:
         time.sleep(0.01)
     with TestClient(build_app(engine, MODEL)) as http:
-        assert http.get("/health").status_code == 503
+        assert http.get("/health").status_code == http.get("/ping").status_code == 503
         for _ in range(3):
             response = http.post("/v1/completions", json={"model": MODEL, "prompt": [7, 8], "max_tokens": 4, "n": 2})
             assert response.status_code == 503 and "the engine has stopped" in response.text, response.text

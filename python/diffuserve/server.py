@@ -29,6 +29,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
+from . import __version__
 from ._checks import check_encoded, check_token_ids, check_unicode
 from .async_llm import AsyncLLM, EngineError
 from .chat_template import EMPTY_CHAT_PROMPT, loops_over_content, names_role, render_budget
@@ -743,6 +744,14 @@ def build_app(engine: AsyncLLM, model_name: str, api_key: Optional[str] = None,
     async def health(request: Request):  # 503 once the engine has failed: no request could be served
         return Response(status_code=200 if _server_of(request).engine.alive else 503)
 
+    @app.api_route("/ping", methods=["GET", "POST"])  # (vLLM's, for SageMaker's health checks: /health's answer)
+    async def ping(request: Request):
+        return await health(request)
+
+    @app.get("/version")  # (vLLM's)
+    async def version():
+        return {"version": __version__}
+
     @app.api_route("/metrics", methods=["GET", "HEAD"])  # (as /health: a scraper's check may send HEAD)
     async def metrics(request: Request):
         return Response(_server_of(request).metrics.exposition(), media_type=CONTENT_TYPE)
@@ -867,7 +876,7 @@ class _InternalErrors:
 
 
 # The endpoints /metrics counts responses of by name; any other path is "other".
-_HANDLERS = ("/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize")
+_HANDLERS = ("/health", "/ping", "/version", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize")
 _METHODS = ("GET", "HEAD", "POST", "OPTIONS")
 
 
