@@ -876,6 +876,20 @@ def test_vllms_example_reads_the_outputs_as_in_vllm():
         ds.LLM(ds.default_model(), model=ds.default_model())
 
 
+def test_truncate_prompt_tokens_keeps_the_prompts_end(checkpoints):
+    """vLLM's truncate_prompt_tokens: only the prompt's last k tokens run (and are its
+    prompt_token_ids); 0 is refused by name."""
+    llm = ds.LLM(checkpoints["small"])
+    prompt = list(range(3, 40))
+    params = dict(max_new_tokens=16, seed=3)
+    cut = llm.generate([prompt], ds.SamplingParams(truncate_prompt_tokens=5, **params))[0]
+    assert cut.prompt_token_ids == prompt[-5:]
+    assert cut.token_ids == llm.generate([prompt[-5:]], ds.SamplingParams(**params))[0].token_ids
+    assert llm.generate([prompt], ds.SamplingParams(truncate_prompt_tokens=100, **params))[0].prompt_token_ids == prompt
+    with pytest.raises(ValueError, match=r"truncate_prompt_tokens must be an integer in \[1, "):
+        ds.SamplingParams(truncate_prompt_tokens=0)
+
+
 def test_prompts_as_torch_tensors(checkpoints):
     """A torch tensor is token ids to generate as to add_request: one prompt, or a batch's rows
     (transformers' input_ids); generate had refused it as no list. One numpy cannot read is

@@ -367,6 +367,17 @@ def test_temperature_and_diffusion_extensions(client, offline):
     assert allowed.choices[0].text and set(allowed.choices[0].text) <= set("".join(pieces))
 
 
+def test_truncate_prompt_tokens_as_vllms(client, offline, base_url):
+    """vLLM's truncate_prompt_tokens: each prompt's last k tokens run, and usage counts them."""
+    prompt = offline.tokenizer.encode("Hello world, the quick brown fox jumps")
+    cut = client.completions.create(model=MODEL, prompt=prompt, max_tokens=16, seed=2,
+                                    extra_body={"truncate_prompt_tokens": 4})
+    plain = client.completions.create(model=MODEL, prompt=prompt[-4:], max_tokens=16, seed=2)
+    assert cut.usage.prompt_tokens == 4 and cut.choices[0].text == plain.choices[0].text
+    r = httpx.post(base_url + "/v1/completions", json={"model": MODEL, "prompt": "x", "truncate_prompt_tokens": 0})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "truncate_prompt_tokens"
+
+
 def test_logit_bias_as_openais(client, offline):
     """OpenAI's logit_bias (token ids as strings -> -100..100): 100 makes a token the only
     choice, and a bias gives what the offline API gives with the same logit_bias."""

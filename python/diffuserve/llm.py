@@ -300,6 +300,8 @@ class LLM:
             raise ValueError("prompt is empty")
         params = _sampling_params(SamplingParams() if params is None else params, "params")
         native = params._native(self.model._native.sampling_defaults())
+        if params.truncate_prompt_tokens is not None:
+            ids = ids[-params.truncate_prompt_tokens:]
         stop = check_stop_strings(params.stop)
         if stop and self.tokenizer is None:
             raise ValueError("stop strings are looked for in the text, and this checkpoint has no tokenizer.json")

@@ -140,6 +140,8 @@ class _GenerationRequest(_Strict):
     stop_token_ids: Optional[Ids] = None
     # vLLM's: the text ends with the stop string, or the text of the stop token, that ended it.
     include_stop_str_in_output: bool = False
+    # vLLM's: only each prompt's last this many tokens are used (left truncation).
+    truncate_prompt_tokens: Optional[int] = Field(None, ge=1)
 
     def stop_strings(self) -> List[str]:
         # (At most MAX_STOP_STRINGS: parse refuses more before validating them.)

@@ -86,6 +86,8 @@ class SamplingParams:
     # it, or with include_stop_str_in_output after it); the rest of the request is aborted.
     stop: Union[str, Sequence[str], None] = None
     include_stop_str_in_output: bool = False
+    # vLLM's: only the prompt's last this many tokens are used (left truncation).
+    truncate_prompt_tokens: Optional[int] = None
     self_conditioning: bool = True  # False: no step sees the previous step's logits (an ablation)
     # True: where the length limit would reach past max_position_embeddings or the whole KV
     # cache, generate the whole blocks that fit instead (vLLM's rule without max_tokens).
@@ -134,7 +136,7 @@ class SamplingParams:
         self._read_iterators()
         v = {}
         for name, lo in (("max_new_tokens", 1), ("max_length", 1), ("max_denoising_steps", 1),
-                         ("stability_threshold", 0), ("canvas_length", 1)):
+                         ("stability_threshold", 0), ("canvas_length", 1), ("truncate_prompt_tokens", 1)):
             if getattr(self, name) is not None:
                 v[name] = check_int(name, getattr(self, name), lo, INT32_MAX)
         for name, lo, strict in (("t_min", 0.0, False), ("t_max", 0.0, True), ("entropy_bound", 0.0, True),

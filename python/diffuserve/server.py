@@ -344,6 +344,8 @@ class _Server:
         return await self.prompt_ids(text, "messages", add_special_tokens=add_special_tokens)
 
     async def run(self, request: Request, body, prompts: List[List[int]], max_tokens: Optional[int], fmt):
+        if body.truncate_prompt_tokens is not None:  # (before anything counts them: usage counts what ran)
+            prompts = [prompt[-body.truncate_prompt_tokens:] for prompt in prompts]
         # In a worker thread, as the prompts' encoding: n choices each check the request's lists
         # (200,000 allowed ids and n = 128 had kept /health waiting 50 s).
         params = await asyncio.to_thread(body.sampling_params, self.defaults, max_tokens,
