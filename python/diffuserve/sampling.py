@@ -200,6 +200,8 @@ _FIELD_NAMES = frozenset(f.name for f in fields(SamplingParams))
 SamplingParams.__signature__ = inspect.signature(SamplingParams.__init__).replace(
     parameters=list(inspect.signature(SamplingParams.__init__).parameters.values())[1:],
     return_annotation=inspect.Signature.empty)
+
+
 def check_stop_strings(value) -> List[str]:
     """stop (one string or several) as a list of non-empty strings that UTF-8 can write."""
     if value is None:

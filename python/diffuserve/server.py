@@ -878,7 +878,8 @@ class _InternalErrors:
 
 
 # The endpoints /metrics counts responses of by name; any other path is "other".
-_HANDLERS = ("/health", "/ping", "/version", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize")
+_HANDLERS = ("/health", "/ping", "/version", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions",
+             "/tokenize", "/detokenize")
 _METHODS = ("GET", "HEAD", "POST", "OPTIONS")
 
 

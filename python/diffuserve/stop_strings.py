@@ -202,5 +202,6 @@ class StopWatch:
         self.text += self._filter.push(piece, final)
         if self._filter.stopped:
             return self._through(token_ids, self._filter.stop_end, final)
-        self._through.take(token_ids)  # (a block at a time: the count had read a 32,000-token output in one step, 0.7 s)
+        # (Read a block at a time: the count had read a 32,000-token output in one step, 0.7 s.)
+        self._through.take(token_ids)
         return None
